@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates ./.venv with Python 3.12 (through pyenv when python3.12 is not on PATH) and
+# installs jrl into it. `bootstrap.sh dev` adds the test dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+if [ ! -x .venv/bin/python ]; then
+  if command -v python3.12 >/dev/null 2>&1; then
+    python3.12 -m venv .venv
+  elif command -v pyenv >/dev/null 2>&1 && pyenv versions --bare | grep -q '^3\.12'; then
+    PYENV_VERSION="$(pyenv versions --bare | grep '^3\.12' | tail -n 1)" python3 -m venv .venv
+  else
+    echo "bootstrap: Python 3.12 not found (install it, or pyenv install 3.12)" >&2
+    exit 1
+  fi
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+if [ -n "$extras" ]; then
+  .venv/bin/python -m pip install -q -e ".[$extras]"
+else
+  .venv/bin/python -m pip install -q -e .
+fi
