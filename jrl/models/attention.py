@@ -1,0 +1,139 @@
+"""Attention modules (GQA/MQA/MHA and MLA) with one call site for every attention path.
+
+Each module computes its projections, QK-norm and RoPE, then hands q/k/v to an
+*attention backend* object passed in by the caller:
+
+* `DenseAttention` (training, scoring): causal + segment-id masking through
+  `jax.nn.dot_product_attention` (cuDNN on GPU, XLA on CPU); no KV cache.
+* the rollout engine's paged backend (`jrl.rollout`), which writes k/v into the 4D KV
+  buffers and reads them back through a page table.
+
+A backend is a pytree with a method
+`attend(q, k, v, *, layer, cache, scale) -> (out, cache)`; q is `[B, S, Hq, Dq]`, k and v
+are `[B, S, Hkv, D]`, `layer` is the traced layer index and `cache` whatever the backend
+keeps (None for dense). For MLA a backend with `absorb_mla = True` receives the absorbed
+form: queries in latent space `[B, S, H, R + rope]`, keys the latent `[B, S, 1, R + rope]`
+and `v=None`, meaning the values are the first `R` channels of the keys. Everything but
+the backend is shared, so training and inference run the same model code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jrl.config import ModelConfig
+from jrl.models.layers import RMSNorm, dtype_of, linear
+from jrl.models.rope import apply_rope
+
+
+class DenseAttention(flax.struct.PyTreeNode):
+    """Causal attention within documents: token i sees j <= i with the same segment id.
+
+    `segment_ids` is `[B, S]` int32; padding may use any id of its own (e.g. 0).
+    """
+
+    segment_ids: jax.Array
+    implementation: str | None = flax.struct.field(pytree_node=False, default=None)
+    absorb_mla: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def attend(self, q, k, v, *, layer, cache, scale):
+        del layer
+        seg = self.segment_ids
+        mask = (seg[:, :, None] == seg[:, None, :])[:, None, :, :]  # [B, 1, S, S]
+        d_v = v.shape[-1]
+        if d_v != q.shape[-1]:  # MLA: v narrower than q/k; the op wants equal widths
+            v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - d_v)])
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, scale=scale, implementation=self.implementation
+        )
+        return out[..., :d_v], cache
+
+
+def dense_attention(segment_ids: jax.Array, implementation: str | None = None) -> DenseAttention:
+    return DenseAttention(segment_ids=jnp.asarray(segment_ids, jnp.int32), implementation=implementation)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention (MHA when n_kv_heads == n_heads, MQA when 1)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, rope, backend: Any, layer, cache):
+        cfg = self.config
+        b, s, _ = x.shape
+        hd = cfg.head_dim
+        q = linear(cfg, cfg.n_heads * hd, ("embed", "q_heads"), "q_proj", "q", cfg.qkv_bias)(x)
+        k = linear(cfg, cfg.n_kv_heads * hd, ("embed", "kv_heads"), "k_proj", "k", cfg.qkv_bias)(x)
+        v = linear(cfg, cfg.n_kv_heads * hd, ("embed", "kv_heads"), "v_proj", "v", cfg.qkv_bias)(x)
+        q = q.reshape(b, s, cfg.n_heads, hd)
+        k = k.reshape(b, s, cfg.n_kv_heads, hd)
+        v = v.reshape(b, s, cfg.n_kv_heads, hd)
+        if cfg.qk_norm:
+            pd = dtype_of(cfg.param_dtype)
+            q = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", name="k_norm")(k)
+        cos, sin = rope
+        q = apply_rope(q, positions, cos, sin)
+        k = apply_rope(k, positions, cos, sin)
+        out, cache = backend.attend(q, k, v, layer=layer, cache=cache, scale=1.0 / math.sqrt(hd))
+        out = out.reshape(b, s, cfg.n_heads * hd)
+        return linear(cfg, cfg.hidden_size, ("q_heads", "embed"), "o_proj", "o")(out), cache
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention: K/V come from a shared low-rank latent plus one
+    rope'd key part shared by all heads (DeepSeek-V2). Only the latent needs caching."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, rope, backend: Any, layer, cache):
+        cfg = self.config
+        b, s, _ = x.shape
+        h, nope, rdim, vdim, r = (cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                  cfg.v_head_dim, cfg.kv_lora_rank)
+        pd = dtype_of(cfg.param_dtype)
+        if cfg.q_lora_rank:
+            q = linear(cfg, cfg.q_lora_rank, ("embed", "q_lora"), "q_a_proj")(x)
+            q = RMSNorm(cfg.rms_norm_eps, pd, "q_lora", name="q_a_norm")(q)
+            q = linear(cfg, h * (nope + rdim), ("q_lora", "q_heads"), "q_b_proj", "q")(q)
+        else:
+            q = linear(cfg, h * (nope + rdim), ("embed", "q_heads"), "q_proj", "q")(x)
+        q = q.reshape(b, s, h, nope + rdim)
+        q_nope, q_pe = q[..., :nope], q[..., nope:]
+        kv = linear(cfg, r + rdim, ("embed", "kv_lora"), "kv_a_proj")(x)
+        latent, k_pe = kv[..., :r], kv[..., r:]
+        latent = RMSNorm(cfg.rms_norm_eps, pd, "kv_lora", name="kv_a_norm")(latent)
+        cos, sin = rope
+        q_pe = apply_rope(q_pe, positions, cos, sin)
+        k_pe = apply_rope(k_pe[:, :, None, :], positions, cos, sin)  # [B, S, 1, rdim]
+        # No LoRA here: the absorbed (paged) path reads this kernel directly.
+        kv_b = linear(cfg, h * (nope + vdim), ("kv_lora", "q_heads"), "kv_b_proj")
+        scale = 1.0 / math.sqrt(nope + rdim)
+        if getattr(backend, "absorb_mla", False):
+            # Absorb the key up-projection into the query so attention runs against the
+            # cached latent; values are the latent's first r channels.
+            if self.is_initializing():
+                kv_b(latent)
+            w = kv_b.variables["params"]["kernel"].astype(q.dtype).reshape(r, h, nope + vdim)
+            w_uk, w_uv = w[..., :nope], w[..., nope:]
+            q_lat = jnp.einsum("bshn,rhn->bshr", q_nope, w_uk)
+            q_full = jnp.concatenate([q_lat, q_pe], axis=-1)
+            k_full = jnp.concatenate([latent[:, :, None, :], k_pe], axis=-1)
+            out_lat, cache = backend.attend(q_full, k_full, None, layer=layer, cache=cache, scale=scale)
+            out = jnp.einsum("bshr,rhv->bshv", out_lat[..., :r].astype(w_uv.dtype), w_uv)
+        else:
+            kvd = kv_b(latent).reshape(b, s, h, nope + vdim)
+            k_nope, v = kvd[..., :nope], kvd[..., nope:]
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, (b, s, h, rdim)).astype(k_nope.dtype)], -1)
+            qf = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+            out, cache = backend.attend(qf, k, v, layer=layer, cache=cache, scale=scale)
+        out = out.reshape(b, s, h * vdim)
+        return linear(cfg, cfg.hidden_size, ("q_heads", "embed"), "o_proj", "o")(out), cache

@@ -1,0 +1,100 @@
+"""Small building blocks: RMSNorm, LoRA-capable linear projection, SwiGLU MLP.
+
+Kernels are stored `[in, out]` with Flax logical-axis annotations so that
+`jrl.parallel` can shard them by rule; LoRA factors `lora_a [in, r]` (random) and
+`lora_b [r, out]` (zeros) make the initial adapter delta exactly zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from jrl.config import ModelConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    return DTYPES[name]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last axis, computed in float32."""
+
+    eps: float
+    param_dtype: jnp.dtype = jnp.float32
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],), self.param_dtype,
+        )
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class Linear(nn.Module):
+    """`x @ kernel (+ bias)`, plus `scale * x @ lora_a @ lora_b` when `lora_rank > 0`."""
+
+    features: int
+    axes: tuple[str, str]
+    use_bias: bool = False
+    lora_rank: int = 0
+    lora_scale: float = 0.0
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        in_features = x.shape[-1]
+        init = nn.initializers.normal(self.init_std)
+        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes),
+                            (in_features, self.features), self.param_dtype)
+        x = x.astype(self.dtype)
+        y = jnp.dot(x, kernel.astype(self.dtype))
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
+                              (self.features,), self.param_dtype)
+            y = y + bias.astype(self.dtype)
+        if self.lora_rank:
+            a = self.param("lora_a", nn.with_logical_partitioning(
+                nn.initializers.normal(1.0 / self.lora_rank), (self.axes[0], "lora")),
+                (in_features, self.lora_rank), self.param_dtype)
+            b = self.param("lora_b", nn.with_logical_partitioning(
+                nn.initializers.zeros, ("lora", self.axes[1])),
+                (self.lora_rank, self.features), self.param_dtype)
+            y = y + self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
+        return y
+
+
+def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
+           lora_target: str | None = None, use_bias: bool = False) -> Linear:
+    """A projection configured from the model config (LoRA when `lora_target` is enabled)."""
+    lora = config.lora
+    enabled = bool(lora.rank) and lora_target in lora.targets
+    return Linear(
+        features=features, axes=axes, use_bias=use_bias,
+        lora_rank=lora.rank if enabled else 0, lora_scale=lora.scale if enabled else 0.0,
+        dtype=dtype_of(config.dtype), param_dtype=dtype_of(config.param_dtype),
+        init_std=config.initializer_range, name=name,
+    )
+
+
+class SwiGLU(nn.Module):
+    """`down(silu(gate(x)) * up(x))`."""
+
+    config: ModelConfig
+    intermediate_size: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        gate = linear(cfg, self.intermediate_size, ("embed", "mlp"), "gate_proj", "gate")(x)
+        up = linear(cfg, self.intermediate_size, ("embed", "mlp"), "up_proj", "up")(x)
+        return linear(cfg, cfg.hidden_size, ("mlp", "embed"), "down_proj", "down")(nn.silu(gate) * up)

@@ -1,0 +1,81 @@
+"""Rotary position embedding from a float32 cos/sin table (Hugging Face rotate-half).
+
+The table has shape `[max_len, rope_dim / 2]` for cos and for sin. It is a constant of the
+config, built with numpy so jit folds it, and indexed by each token's position; packed
+documents and paged decoding therefore only need positions, never offsets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jrl.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling, table_len: int) -> tuple[np.ndarray, float]:
+    """Returns (inv_freq [dim/2] float64, attention factor applied to cos/sin)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    kind = scaling.type
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / scaling.factor, 1.0
+    if kind in ("dynamic", "ntk"):
+        # NTK-aware base stretch, sized for the table length (static under jit).
+        original = scaling.original_max_position_embeddings or table_len
+        if table_len <= original:
+            return inv_freq, 1.0
+        base = theta * ((scaling.factor * table_len / original) - (scaling.factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim), 1.0
+    if kind == "llama3":
+        original = scaling.original_max_position_embeddings
+        low_wavelen = original / scaling.low_freq_factor
+        high_wavelen = original / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        out = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
+        out = np.where(wavelen < high_wavelen, inv_freq, out)
+        return out, 1.0
+    if kind == "yarn":
+        original = scaling.original_max_position_embeddings
+
+        def correction_dim(n_rot: float) -> float:
+            return (dim * math.log(original / (n_rot * 2 * math.pi))) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        out = (inv_freq / scaling.factor) * (1 - extrapolation) + inv_freq * extrapolation
+        attn = scaling.attention_factor
+        if attn is None:
+            attn = 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+        return out, attn
+    raise ValueError(f"rope_scaling.type: unknown type {kind!r}")
+
+
+def rope_table(config: ModelConfig, table_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables, each `[table_len, rope_dim / 2]` float32."""
+    table_len = table_len or config.max_position_embeddings
+    inv_freq, attn = inverse_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling, table_len)
+    angles = np.arange(table_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return (np.cos(angles) * attn).astype(np.float32), (np.sin(angles) * attn).astype(np.float32)
+
+
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotates `x[..., S, H, D]` by the table rows at `positions[..., S]` (rotate-half)."""
+    c = jnp.asarray(cos)[positions][..., None, :]  # [..., S, 1, D/2]
+    s = jnp.asarray(sin)[positions][..., None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x.dtype)

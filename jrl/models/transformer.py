@@ -1,0 +1,157 @@
+"""The decoder-only transformer: one definition for the trainer and the rollout engine.
+
+Layers are stacked with `nn.scan` (params carry a leading `layers` axis), so compile time
+does not grow with depth. The functional API below is what the rest of jrl calls:
+
+    params = init_params(config, key)
+    out = forward(config, params, tokens, positions, backend)    # hidden states + aux
+    logits = lm_logits(config, params, out.hidden)               # float32
+    logits = apply(config, params, tokens)                       # convenience, dense causal
+
+`forward` returns hidden states rather than logits so callers choose which rows get the LM
+head: the engine only the last token of each request, the trainer chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jrl.config import ModelConfig
+from jrl.models.attention import GQAttention, MLAttention, dense_attention
+from jrl.models.layers import RMSNorm, SwiGLU, dtype_of
+from jrl.models.moe import MoE, router_summary
+from jrl.models.rope import rope_table
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class ModelOutput(NamedTuple):
+    hidden: jax.Array  # [B, S, hidden] after the final norm
+    cache: Any  # the attention backend's cache, updated (None for dense attention)
+    aux: dict[str, jax.Array]  # MoE aux loss and router statistics (empty for dense MLPs)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, carry, layer, positions, rope, backend, token_mask):
+        cfg = self.config
+        x, cache = carry
+        pd = dtype_of(cfg.param_dtype)
+        attn_cls = MLAttention if cfg.attention == "mla" else GQAttention
+        h = RMSNorm(cfg.rms_norm_eps, pd, "embed", name="input_norm")(x)
+        h, cache = attn_cls(cfg, name="attn")(h, positions, rope, backend, layer, cache)
+        x = x + h.astype(x.dtype)
+        h = RMSNorm(cfg.rms_norm_eps, pd, "embed", name="post_attn_norm")(x)
+        if cfg.is_moe:
+            h, aux = MoE(cfg, name="moe")(h, token_mask)
+        else:
+            h, aux = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(h), {}
+        x = x + h.astype(x.dtype)
+        return (x, cache), aux
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.config
+        pd = dtype_of(cfg.param_dtype)
+        self.embed = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, param_dtype=pd, dtype=dtype_of(cfg.dtype),
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(cfg.initializer_range), ("vocab", "embed")),
+        )
+        block = Block
+        if cfg.remat != "none":
+            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        self.layers = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg)
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, pd, "embed")
+        if not cfg.tie_embeddings:
+            self.lm_head = self.param(
+                "lm_head", nn.with_logical_partitioning(
+                    nn.initializers.normal(cfg.initializer_range), ("embed", "vocab")),
+                (cfg.hidden_size, cfg.vocab_size), pd)
+
+    def __call__(self, tokens, positions, backend, cache=None, token_mask=None) -> ModelOutput:
+        cfg = self.config
+        if token_mask is None:
+            token_mask = jnp.ones(tokens.shape, jnp.bool_)
+        x = self.embed(tokens)
+        rope = tuple(jnp.asarray(t) for t in rope_table(cfg))
+        layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+        (x, cache), aux = self.layers((x, cache), layer_ids, positions, rope, backend, token_mask)
+        if cfg.is_moe:
+            aux = {
+                "aux_loss": jnp.mean(aux["aux_loss"]),
+                "router_entropy": jnp.mean(aux["router_entropy"]),
+                **{k: jnp.mean(v) for k, v in router_summary(aux["expert_tokens"]).items()},
+            }
+        return ModelOutput(self.final_norm(x), cache, aux)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits for `hidden [..., hidden_size]`."""
+        h = hidden.astype(jnp.float32)
+        if self.config.tie_embeddings:
+            return h @ self.embed.embedding.astype(jnp.float32).T
+        return h @ self.lm_head.astype(jnp.float32)
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> dict:
+    """Random parameters (plain arrays; logical axes are in `param_logical_axes`)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    variables = Transformer(config).init(key, tokens, tokens, dense_attention(tokens))
+    return nn.unbox(variables["params"])
+
+
+def param_logical_axes(config: ModelConfig) -> dict:
+    """Pytree of logical axis names (a `PartitionSpec` of names) matching the params."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    abstract = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens, tokens,
+                                                               dense_attention(tokens)))
+    return nn.get_partition_spec(abstract["params"])
+
+
+def forward(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
+            backend: Any, cache: Any = None, token_mask: jax.Array | None = None) -> ModelOutput:
+    """Hidden states for `tokens [B, S]` at `positions [B, S]` through `backend`."""
+    return Transformer(config).apply({"params": params}, tokens, positions, backend, cache, token_mask)
+
+
+def lm_logits(config: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """Float32 LM-head logits for hidden states of any leading shape."""
+    return Transformer(config).apply({"params": params}, hidden, method=Transformer.logits)
+
+
+def apply(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array | None = None,
+          segment_ids: jax.Array | None = None) -> jax.Array:
+    """Float32 logits `[B, S, vocab]` for a dense causal batch (documents by segment id)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+    if segment_ids is None:
+        segment_ids = jnp.ones(tokens.shape, jnp.int32)
+    out = forward(config, params, tokens, positions, dense_attention(segment_ids))
+    return lm_logits(config, params, out.hidden)
+
+
+def count_params(params: dict) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
