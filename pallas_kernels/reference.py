@@ -1,0 +1,90 @@
+"""Pure-jnp references for the paged attention kernels (same signatures as the kernels).
+
+KV buffers are `[n_layers, n_slots, n_kv_heads, head_dim]`; slot `s` of a request is
+`page_table[b, s // page_size] * page_size + s % page_size`. `kv_lens[b]` counts every key
+of request b, the step's new tokens included; causal masking is aligned bottom-right, so
+query row i of a request with `q_len` queries sees keys `< kv_len - q_len + i + 1`.
+`v_buf=None` means the values are the first `v_head_dim` channels of the keys (MLA's
+latent cache). Rows of padding (beyond `cu_q_lens[-1]`, or requests with `kv_len == 0`)
+produce zeros. Everything is computed in float32 and cast to the query dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _gather_kv(buf: jax.Array, layer: jax.Array, page_table: jax.Array, page_size: int) -> jax.Array:
+    """`[B, max_pages * page_size, H, D]` keys of each request, read as `buf[layer, slots]`."""
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+    slots = (page_table[:, :, None] * page_size + offsets[None, None, :]).reshape(page_table.shape[0], -1)
+    return buf[layer, slots]
+
+
+def _values(k: jax.Array, v_buf: jax.Array | None, layer, page_table, page_size, v_head_dim):
+    if v_buf is None:
+        return k[..., :v_head_dim]
+    return _gather_kv(v_buf, layer, page_table, page_size)
+
+
+def ragged_decode(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array,
+                  kv_lens: jax.Array, page_table: jax.Array, *, page_size: int, sm_scale: float,
+                  v_head_dim: int | None = None) -> jax.Array:
+    """One query token per request: `q [B, Hq, D]` -> `[B, Hq, Dv]`."""
+    b, hq, _ = q.shape
+    hkv = k_buf.shape[2]
+    k = _gather_kv(k_buf, layer, page_table, page_size).astype(jnp.float32)  # [B, L, Hkv, D]
+    v = _values(k, v_buf, layer, page_table, page_size, v_head_dim).astype(jnp.float32)
+    qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, -1)
+    s = jnp.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
+    valid = jnp.arange(k.shape[1])[None, :] < kv_lens[:, None]  # [B, L]
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bhgl,blhd->bhgd", p, v) / jnp.where(l > 0, l, 1.0)
+    return o.reshape(b, hq, -1).astype(q.dtype)
+
+
+def paged_prefill(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array,
+                  cu_q_lens: jax.Array, kv_lens: jax.Array, page_table: jax.Array, *,
+                  page_size: int, sm_scale: float, v_head_dim: int | None = None) -> jax.Array:
+    """Packed ragged queries `q [T, Hq, D]` (request b owns rows cu_q_lens[b]:cu_q_lens[b+1])
+    -> `[T, Hq, Dv]`, causal bottom-right within each request."""
+    t, hq, _ = q.shape
+    hkv = k_buf.shape[2]
+    n_req = kv_lens.shape[0]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    # Request of each row; rows past cu_q_lens[-1] get n_req (padding).
+    req = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    is_real = req < n_req
+    req_c = jnp.minimum(req, n_req - 1)
+    q_len = cu_q_lens[req_c + 1] - cu_q_lens[req_c]
+    kv_len = kv_lens[req_c]
+    row_in_req = rows - cu_q_lens[req_c]
+    limit = kv_len - q_len + row_in_req + 1  # keys < limit are visible
+    k = _gather_kv(k_buf, layer, page_table, page_size).astype(jnp.float32)[req_c]  # [T, L, Hkv, D]
+    v = _values(k, None, layer, page_table, page_size, v_head_dim) if v_buf is None else \
+        _gather_kv(v_buf, layer, page_table, page_size).astype(jnp.float32)[req_c]
+    qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, -1)
+    s = jnp.einsum("thgd,tlhd->thgl", qg, k) * sm_scale
+    valid = (jnp.arange(k.shape[1])[None, :] < limit[:, None]) & is_real[:, None] & (kv_len[:, None] > 0)
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("thgl,tlhd->thgd", p, v) / jnp.where(l > 0, l, 1.0)
+    return o.reshape(t, hq, -1).astype(q.dtype)
+
+
+def write_kv(k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array, slots: jax.Array,
+             k: jax.Array, v: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    """Writes `k/v [T, Hkv, D]` at `buf[layer, slots[T]]` in place (buffers are donated by
+    the caller). Slots `< 0` or `>= n_slots` are padding rows and are dropped."""
+    n_slots = k_buf.shape[1]
+    slots = jnp.where((slots >= 0) & (slots < n_slots), slots, n_slots)  # out of range -> dropped
+    k_buf = k_buf.at[layer, slots].set(k.astype(k_buf.dtype), mode="drop")
+    if v_buf is not None:
+        v_buf = v_buf.at[layer, slots].set(v.astype(v_buf.dtype), mode="drop")
+    return k_buf, v_buf
