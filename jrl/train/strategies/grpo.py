@@ -1,0 +1,183 @@
+"""GRPO: group-relative policy optimisation, as pure functions of arrays.
+
+The pieces, in the order the RL loop uses them:
+
+* `group_advantages(rewards, group_size)`: each prompt was sampled `G` times; a sample's
+  advantage is its reward minus its group's mean, optionally divided by the group's
+  (population) standard deviation. Groups whose rewards are all equal carry no learning
+  signal and are reported so the loop can drop them (dynamic sampling).
+* `grpo_objective(...)`: the clipped surrogate over response tokens,
+  `-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)` with `r = exp(logp - old_logp)`,
+  optionally multiplied by truncated importance weights (trainer/engine mismatch) and
+  plus `kl_coef` times the k3 estimator of KL(policy || reference). It returns a
+  numerator and a denominator so that micro-batches can be summed before dividing:
+  the loss of a batch is `sum(numerators) / sum(denominators)` whichever way it was split.
+* Aggregations: `token_mean` (every response token weighs the same; DAPO), `seq_mean`
+  (each sequence's token mean, then the mean over sequences; the original GRPO), and
+  `dr_grpo` (token sum divided by `n_sequences * max_response_len`, a constant, so long
+  answers are not down-weighted; Dr. GRPO).
+
+All arrays are `[B, T]` over the *target* positions of the sequences (the token whose
+log-probability is taken), `mask` is 1.0 on trained response tokens and 0.0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jrl.config import ConfigError
+
+Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOLossConfig:
+    """Options of the GRPO objective (validated; errors name the field)."""
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0  # > 0 needs reference log-probs (a frozen copy of the start params)
+    aggregation: Aggregation = "token_mean"
+    max_response_len: int = 0  # the constant of `dr_grpo`; required > 0 for it
+    scale_adv_by_std: bool = True  # False: Dr. GRPO's unscaled advantages
+    adv_eps: float = 1e-6
+    # Truncated importance sampling: weights min(exp(old_logp - behaviour_logp), cap)
+    # correct for the engine's numerics differing from the trainer's. 0 disables.
+    tis_cap: float = 0.0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, field: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"grpo.{field}: {msg}")
+
+        check(0.0 <= self.clip_eps_low < 1.0, "clip_eps_low",
+              f"must be in [0, 1), got {self.clip_eps_low}")
+        check(self.clip_eps_high >= 0.0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
+        check(self.kl_coef >= 0.0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        check(self.aggregation in AGGREGATIONS, "aggregation",
+              f"must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}")
+        check(self.max_response_len >= 0, "max_response_len",
+              f"must be >= 0, got {self.max_response_len}")
+        if self.aggregation == "dr_grpo":
+            check(self.max_response_len > 0, "max_response_len",
+                  "must be > 0 when aggregation is 'dr_grpo' (it is the constant divisor)")
+        check(self.adv_eps > 0.0, "adv_eps", f"must be > 0, got {self.adv_eps}")
+        check(self.tis_cap == 0.0 or self.tis_cap >= 1.0, "tis_cap",
+              f"must be 0 (off) or >= 1, got {self.tis_cap}")
+
+
+class GroupAdvantages(NamedTuple):
+    advantages: jax.Array  # [N] float32
+    group_has_signal: jax.Array  # [N // G] bool: rewards not all equal
+
+
+def group_advantages(rewards: jax.Array, group_size: int, *, scale_by_std: bool = True,
+                     eps: float = 1e-6) -> GroupAdvantages:
+    """Group-normalised advantages for `rewards [N]`, N = n_groups * group_size, grouped
+    contiguously (samples `g*G .. g*G + G - 1` share a prompt)."""
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards: must be 1-D, got shape {rewards.shape}")
+    if group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(f"group_size: must be >= 1 and divide the number of rewards "
+                         f"({rewards.shape[0]}), got {group_size}")
+    grouped = rewards.reshape(-1, group_size)
+    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    std = jnp.sqrt(jnp.mean(centred**2, axis=1, keepdims=True))
+    adv = centred / (std + eps) if scale_by_std else centred
+    has_signal = jnp.max(grouped, axis=1) > jnp.min(grouped, axis=1)
+    return GroupAdvantages(adv.reshape(-1), has_signal)
+
+
+def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
+    """Per-token k3 estimator of KL(policy || reference): exp(d) - d - 1, d = ref - logp.
+    Non-negative, unbiased under samples from the policy."""
+    d = ref_logp - logp
+    return jnp.exp(d) - d - 1.0
+
+
+def truncated_is_weights(old_logp: jax.Array, behaviour_logp: jax.Array, cap: float) -> jax.Array:
+    """min(pi_old / pi_behaviour, cap) per token (no gradient): corrects for sampling from
+    the engine's numerics while optimising the trainer's."""
+    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - behaviour_logp), cap))
+
+
+class ObjectiveParts(NamedTuple):
+    """`loss = numerator / denominator`; sums over micro-batches before dividing."""
+
+    numerator: jax.Array
+    denominator: jax.Array
+    metrics: dict[str, jax.Array]  # token sums; divide by metrics["tokens"] for means
+
+
+def grpo_objective(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
+                   mask: jax.Array, config: GRPOLossConfig, *, ref_logp: jax.Array | None = None,
+                   is_weights: jax.Array | None = None) -> ObjectiveParts:
+    """The GRPO surrogate for one (micro-)batch. `logp` carries the gradient; `old_logp`
+    (the anchor of the clipped ratio), `ref_logp` and `is_weights` are constants."""
+    mask = mask.astype(jnp.float32)
+    old_logp = jax.lax.stop_gradient(old_logp)
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
+    log_ratio = logp - old_logp
+    ratio = jnp.exp(log_ratio)
+    clipped_ratio = jnp.clip(ratio, 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
+    unclipped = ratio * adv
+    clipped = clipped_ratio * adv
+    per_token = -jnp.minimum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(is_weights)
+    # Tokens where the clipped branch is the smaller one: their gradient is zero.
+    is_clipped = (clipped < unclipped).astype(jnp.float32)
+    kl = jnp.zeros_like(logp)
+    if config.kl_coef > 0.0:
+        if ref_logp is None:
+            raise ValueError("ref_logp: required when kl_coef > 0")
+        kl = k3_kl(logp, jax.lax.stop_gradient(ref_logp))
+        per_token = per_token + config.kl_coef * kl
+    elif ref_logp is not None:
+        kl = k3_kl(logp, jax.lax.stop_gradient(ref_logp))
+
+    tokens_per_seq = mask.sum(axis=1)
+    token_sum_per_seq = (per_token * mask).sum(axis=1)
+    if config.aggregation == "token_mean":
+        numerator = token_sum_per_seq.sum()
+        denominator = tokens_per_seq.sum()
+    elif config.aggregation == "seq_mean":
+        has_tokens = tokens_per_seq > 0
+        numerator = jnp.where(has_tokens, token_sum_per_seq / jnp.maximum(tokens_per_seq, 1.0),
+                              0.0).sum()
+        denominator = has_tokens.astype(jnp.float32).sum()
+    else:  # dr_grpo
+        numerator = token_sum_per_seq.sum()
+        denominator = (tokens_per_seq > 0).astype(jnp.float32).sum() * config.max_response_len
+
+    stop = jax.lax.stop_gradient
+    metrics = {
+        "tokens": mask.sum(),
+        "clip_frac_sum": stop((is_clipped * mask).sum()),
+        "kl_sum": stop((kl * mask).sum()),
+        "ratio_sum": stop((ratio * mask).sum()),
+        "log_ratio_abs_max": stop(jnp.max(jnp.abs(log_ratio) * mask, initial=0.0)),
+    }
+    return ObjectiveParts(numerator, denominator, metrics)
+
+
+def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
+              config: GRPOLossConfig, *, ref_logp: jax.Array | None = None,
+              is_weights: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The scalar GRPO loss of one whole batch and its token-mean metrics."""
+    parts = grpo_objective(logp, old_logp, advantages, mask, config, ref_logp=ref_logp,
+                           is_weights=is_weights)
+    loss = parts.numerator / jnp.maximum(parts.denominator, 1e-9)
+    n = jnp.maximum(parts.metrics["tokens"], 1.0)
+    metrics = {
+        "clip_frac": parts.metrics["clip_frac_sum"] / n,
+        "kl": parts.metrics["kl_sum"] / n,
+        "ratio_mean": parts.metrics["ratio_sum"] / n,
+    }
+    return loss, metrics
