@@ -27,6 +27,12 @@ def _check(cond: bool, field: str, msg: str) -> None:
         raise ConfigError(f"{field}: {msg}")
 
 
+def _check_choice(value: Any, choices: Any, field: str) -> None:
+    """Checks `value` against a `Literal[...]` type (configs built directly, not via from_dict)."""
+    allowed = list(typing.get_args(choices))
+    _check(value in allowed, field, f"must be one of {allowed}, got {value!r}")
+
+
 def _coerce(value: Any, annotation: Any, field: str) -> Any:
     """Converts plain data to `annotation` (dataclasses, tuples, literals, optionals)."""
     origin = typing.get_origin(annotation)
@@ -113,6 +119,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- model
 
 RopeType = Literal["default", "linear", "dynamic", "ntk", "llama3", "yarn"]
+AttentionType = Literal["gqa", "mla"]
+DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
 
@@ -133,11 +141,16 @@ class RopeScaling:
     attention_factor: float | None = None
 
     def validate(self, prefix: str = "rope_scaling") -> None:
+        _check_choice(self.type, RopeType, f"{prefix}.type")
         _check(self.factor > 0, f"{prefix}.factor", f"must be > 0, got {self.factor}")
         if self.type in ("llama3", "yarn"):
             _check(self.original_max_position_embeddings is not None,
                    f"{prefix}.original_max_position_embeddings",
                    f"is required for rope type {self.type!r}")
+        if self.original_max_position_embeddings is not None:
+            _check(self.original_max_position_embeddings > 0,
+                   f"{prefix}.original_max_position_embeddings",
+                   f"must be > 0, got {self.original_max_position_embeddings}")
         if self.type == "llama3":
             _check(self.high_freq_factor > self.low_freq_factor, f"{prefix}.high_freq_factor",
                    "must be greater than low_freq_factor")
@@ -159,6 +172,8 @@ class LoraConfig:
         _check(self.rank >= 0, f"{prefix}.rank", f"must be >= 0, got {self.rank}")
         if self.rank:
             _check(len(self.targets) > 0, f"{prefix}.targets", "must name at least one projection")
+        for i, target in enumerate(self.targets):
+            _check_choice(target, LoraTarget, f"{prefix}.targets[{i}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +196,7 @@ class ModelConfig:
     qk_norm: bool = False
     # "gqa" covers MHA (n_kv_heads == n_heads) and MQA (n_kv_heads == 1); "mla" is
     # DeepSeek-V2 style low-rank KV with a decoupled rope part.
-    attention: Literal["gqa", "mla"] = "gqa"
+    attention: AttentionType = "gqa"
     q_lora_rank: int = 0  # MLA: 0 means a full-rank query projection
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
@@ -197,8 +212,8 @@ class ModelConfig:
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
     router_aux_loss_coef: float = 0.01
     lora: LoraConfig = LoraConfig()
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"  # compute dtype
     remat: RematPolicy = "none"
     initializer_range: float = 0.02
 
@@ -228,6 +243,9 @@ class ModelConfig:
         )
 
     def validate(self) -> None:
+        for name, choices in (("attention", AttentionType), ("param_dtype", DType),
+                              ("dtype", DType), ("remat", RematPolicy)):
+            _check_choice(getattr(self, name), choices, name)
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
                      "head_dim", "intermediate_size", "max_position_embeddings"):
             v = getattr(self, name)
@@ -237,6 +255,8 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
+        _check(self.initializer_range >= 0, "initializer_range",
+               f"must be >= 0, got {self.initializer_range}")
         if self.attention == "mla":
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 v = getattr(self, name)
@@ -244,11 +264,22 @@ class ModelConfig:
             _check(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
             _check(self.q_lora_rank >= 0, "q_lora_rank", "must be >= 0")
             _check(not self.qk_norm, "qk_norm", "is not supported with MLA")
+            _check(not self.qkv_bias, "qkv_bias", "is not supported with MLA")
+            for i, target in enumerate(self.lora.targets if self.lora.rank else ()):
+                _check(target not in ("k", "v"), f"lora.targets[{i}]",
+                       f"{target!r} has no projection in MLA (kv_b_proj is shared by the "
+                       "absorbed path); use q, o, gate, up or down")
         if self.is_moe:
             _check(1 <= self.n_experts_per_tok <= self.n_experts, "n_experts_per_tok",
                    f"must be in [1, n_experts={self.n_experts}], got {self.n_experts_per_tok}")
             _check(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be > 0")
             _check(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+            _check(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size",
+                   f"must be >= 0, got {self.shared_expert_intermediate_size}")
+            _check(not self.shared_expert_gate or self.shared_intermediate > 0, "shared_expert_gate",
+                   "needs a shared expert (n_shared_experts or shared_expert_intermediate_size > 0)")
+            _check(self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
+                   f"must be >= 0, got {self.router_aux_loss_coef}")
         _check(self.n_experts >= 0, "n_experts", "must be >= 0")
         self.rope_scaling.validate()
         self.lora.validate()

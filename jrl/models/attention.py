@@ -13,8 +13,10 @@ A backend is a pytree with a method
 are `[B, S, Hkv, D]`, `layer` is the traced layer index and `cache` whatever the backend
 keeps (None for dense). For MLA a backend with `absorb_mla = True` receives the absorbed
 form: queries in latent space `[B, S, H, R + rope]`, keys the latent `[B, S, 1, R + rope]`
-and `v=None`, meaning the values are the first `R` channels of the keys. Everything but
-the backend is shared, so training and inference run the same model code.
+and `v=None`, meaning the values are the first `R` channels of the keys; the backend may
+return `[B, S, H, R]` or attend over the whole key width (`[B, S, H, R + rope]`), the
+model keeps the first `R` channels. The returned `out` is `[B, S, Hq, Dv]`. Everything
+but the backend is shared, so training and inference run the same model code.
 """
 
 from __future__ import annotations
@@ -46,9 +48,18 @@ class DenseAttention(flax.struct.PyTreeNode):
         del layer
         seg = self.segment_ids
         mask = (seg[:, :, None] == seg[:, None, :])[:, None, :, :]  # [B, 1, S, S]
-        d_v = v.shape[-1]
-        if d_v != q.shape[-1]:  # MLA: v narrower than q/k; the op wants equal widths
-            v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - d_v)])
+        if v is None:
+            # Absorbed MLA: the values are the leading channels of the keys; attending
+            # over the whole key width and letting the caller keep its first R channels
+            # gives the same result, since attention is linear in the values.
+            v = k
+        d_qk, d_v = q.shape[-1], v.shape[-1]
+        width = max(d_qk, d_v)  # the op wants equal widths: zero-pad the narrower side
+        if d_qk < width:  # zero channels add nothing to q.k
+            pad = [(0, 0)] * 3 + [(0, width - d_qk)]
+            q, k = jnp.pad(q, pad), jnp.pad(k, pad)
+        if d_v < width:
+            v = jnp.pad(v, [(0, 0)] * 3 + [(0, width - d_v)])
         out = jax.nn.dot_product_attention(
             q, k, v, mask=mask, is_causal=True, scale=scale, implementation=self.implementation
         )
@@ -121,8 +132,8 @@ class MLAttention(nn.Module):
             # Absorb the key up-projection into the query so attention runs against the
             # cached latent; values are the latent's first r channels.
             if self.is_initializing():
-                kv_b(latent)
-            w = kv_b.variables["params"]["kernel"].astype(q.dtype).reshape(r, h, nope + vdim)
+                kv_b(latent)  # creates the kernel read below
+            w = nn.unbox(kv_b.variables["params"]["kernel"]).astype(q.dtype).reshape(r, h, nope + vdim)
             w_uk, w_uv = w[..., :nope], w[..., nope:]
             q_lat = jnp.einsum("bshn,rhn->bshr", q_nope, w_uk)
             q_full = jnp.concatenate([q_lat, q_pe], axis=-1)

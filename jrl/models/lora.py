@@ -63,17 +63,23 @@ def with_lora_params(params: dict, adapters: dict) -> dict:
     adapter in `adapters` must match an existing factor of the same shape."""
 
     def put(tree, sub, path):
+        if not isinstance(sub, dict):
+            raise ValueError(f"adapter entry {'/'.join(path)!r}: expected a mapping, got {type(sub).__name__}")
         out = dict(tree)
         for k, v in sub.items():
             where = "/".join(path + [k])
             if k not in tree:
                 raise KeyError(f"adapter entry {where!r} has no matching parameter")
-            if isinstance(v, dict):
+            if k in LORA_KEYS:
+                if isinstance(v, dict) or isinstance(tree[k], dict):
+                    raise ValueError(f"adapter {where!r}: expected an array")
+                if tuple(tree[k].shape) != tuple(jnp.shape(v)):
+                    raise ValueError(f"adapter {where!r}: shape {tuple(jnp.shape(v))} != {tuple(tree[k].shape)}")
+                out[k] = jnp.asarray(v, tree[k].dtype)
+            elif isinstance(tree[k], dict):
                 out[k] = put(tree[k], v, path + [k])
             else:
-                if tuple(tree[k].shape) != tuple(v.shape):
-                    raise ValueError(f"adapter {where!r}: shape {tuple(v.shape)} != {tuple(tree[k].shape)}")
-                out[k] = jnp.asarray(v, tree[k].dtype)
+                raise ValueError(f"adapter entry {where!r} is not a LoRA factor ({', '.join(LORA_KEYS)})")
         return out
 
     return put(params, adapters, [])
