@@ -1,0 +1,154 @@
+"""Reward functions for RL: built-ins and user functions named `module:function`.
+
+A reward function scores one sample:
+
+    fn(prompt: str, completion: str, answer: str, **kwargs) -> float
+
+`prompt` is the prompt text, `completion` the decoded response (without the stop token),
+`answer` the task's reference answer ("" when the task has none) and `kwargs` the
+options given in the config. A config lists one or more terms whose weighted sum is the
+sample's reward:
+
+    rewards:
+      - {fn: exact_match, weight: 1.0}
+      - {fn: format_check, weight: 0.1, kwargs: {pattern: '^[0-9]+$'}}
+      - {fn: my_package.my_rewards:brevity, weight: 0.05}
+
+Built-ins are looked up by bare name; anything with a colon is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import re
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from jrl.config import ConfigError
+
+RewardFn = Callable[..., float]
+
+
+def extract_answer(completion: str, pattern: str | None = None) -> str | None:
+    """The answer part of a completion: group 1 (or the whole match) of the first match of
+    `pattern`, or the stripped completion when no pattern is given. None if no match."""
+    if pattern is None:
+        return completion.strip()
+    m = re.search(pattern, completion)
+    if m is None:
+        return None
+    return (m.group(1) if m.groups() else m.group(0)).strip()
+
+
+def exact_match(prompt: str, completion: str, answer: str, *, pattern: str | None = None) -> float:
+    """1.0 when the extracted answer equals the reference answer (both stripped), else 0.0."""
+    del prompt
+    got = extract_answer(completion, pattern)
+    return 1.0 if got is not None and got == answer.strip() else 0.0
+
+
+def format_check(prompt: str, completion: str, answer: str, *, pattern: str) -> float:
+    """1.0 when the whole stripped completion matches the regex `pattern`, else 0.0."""
+    del prompt, answer
+    return 1.0 if re.fullmatch(pattern, completion.strip()) else 0.0
+
+
+BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "format_check": format_check}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """One weighted reward term of the config."""
+
+    fn: str = "exact_match"
+    weight: float = 1.0
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def resolve_reward(name: str, field: str = "fn") -> RewardFn:
+    """The callable for a built-in name or `module:function`; errors name `field`."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{field}: must be a built-in name {sorted(BUILTINS)} or "
+                          f"'module:function', got {name!r}")
+    if ":" not in name:
+        if name not in BUILTINS:
+            raise ConfigError(f"{field}: unknown built-in reward {name!r}; built-ins are "
+                              f"{sorted(BUILTINS)}, or give 'module:function'")
+        return BUILTINS[name]
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"{field}: {name!r} is not callable")
+    return fn
+
+
+class RewardModel:
+    """The weighted sum of reward terms, applied to a batch of samples."""
+
+    def __init__(self, specs: Sequence[RewardSpec], field: str = "rewards") -> None:
+        if not specs:
+            raise ConfigError(f"{field}: must list at least one reward term")
+        self.specs = tuple(specs)
+        self.names: list[str] = []
+        self._fns: list[RewardFn] = []
+        for i, spec in enumerate(self.specs):
+            if not math.isfinite(spec.weight):
+                raise ConfigError(f"{field}[{i}].weight: must be a finite number, got {spec.weight}")
+            if not isinstance(spec.kwargs, dict):
+                raise ConfigError(f"{field}[{i}].kwargs: must be a mapping, got {spec.kwargs!r}")
+            self._fns.append(resolve_reward(spec.fn, f"{field}[{i}].fn"))
+            base = spec.fn.rpartition(":")[2]
+            name = base if base not in self.names else f"{base}_{i}"
+            self.names.append(name)
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str],
+                 answers: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Returns (total reward [N] float32, each term's unweighted values by name)."""
+        if not len(prompts) == len(completions) == len(answers):
+            raise ValueError(f"prompts/completions/answers: lengths differ "
+                             f"({len(prompts)}, {len(completions)}, {len(answers)})")
+        total = np.zeros(len(completions), np.float32)
+        terms: dict[str, np.ndarray] = {}
+        for spec, name, fn in zip(self.specs, self.names, self._fns):
+            values = np.empty(len(completions), np.float32)
+            for j, (p, c, a) in enumerate(zip(prompts, completions, answers)):
+                v = fn(p, c, a, **spec.kwargs)
+                if not isinstance(v, (int, float, np.number)) or not math.isfinite(float(v)):
+                    raise ValueError(f"reward {spec.fn!r}: must return a finite number, got {v!r}")
+                values[j] = float(v)
+            terms[name] = values
+            total += np.float32(spec.weight) * values
+        return total, terms
+
+
+def reward_specs_from_config(data: Any, field: str = "rewards") -> tuple[RewardSpec, ...]:
+    """Parses the config's list of reward terms (mappings with fn / weight / kwargs)."""
+    if not isinstance(data, (list, tuple)):
+        raise ConfigError(f"{field}: must be a list of {{fn, weight, kwargs}}, got {data!r}")
+    specs = []
+    for i, item in enumerate(data):
+        if isinstance(item, RewardSpec):
+            specs.append(item)
+            continue
+        if isinstance(item, str):
+            item = {"fn": item}
+        if not isinstance(item, dict):
+            raise ConfigError(f"{field}[{i}]: must be a mapping, got {item!r}")
+        unknown = sorted(set(item) - {"fn", "weight", "kwargs"})
+        if unknown:
+            raise ConfigError(f"{field}[{i}]: unknown key(s) {unknown}; allowed: fn, kwargs, weight")
+        weight = item.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"{field}[{i}].weight: must be a number, got {weight!r}")
+        specs.append(RewardSpec(fn=item.get("fn", "exact_match"), weight=float(weight),
+                                kwargs=dict(item.get("kwargs") or {})))
+    return tuple(specs)

@@ -1,0 +1,79 @@
+"""Reward functions: built-ins, `module:function` loading, weighted sums, errors."""
+
+import numpy as np
+import pytest
+
+from jrl.config import ConfigError
+from jrl.train.rewards import (
+    RewardModel,
+    RewardSpec,
+    exact_match,
+    format_check,
+    resolve_reward,
+    reward_specs_from_config,
+)
+
+
+def test_exact_match_compares_stripped_completion_to_answer():
+    assert exact_match("1+2=", " 3 ", "3") == 1.0
+    assert exact_match("1+2=", "4", "3") == 0.0
+    assert exact_match("1+2=", "33", "3") == 0.0
+
+
+def test_exact_match_with_pattern_uses_first_group():
+    assert exact_match("q", "so the answer is <a>42</a>.", "42", pattern=r"<a>(.*?)</a>") == 1.0
+    assert exact_match("q", "no tags 42", "42", pattern=r"<a>(.*?)</a>") == 0.0
+
+
+def test_format_check_requires_full_match():
+    assert format_check("q", "123", "", pattern=r"[0-9]+") == 1.0
+    assert format_check("q", "12a", "", pattern=r"[0-9]+") == 0.0
+
+
+def test_reward_model_sums_weighted_terms_and_reports_each():
+    model = RewardModel([RewardSpec("exact_match", 1.0),
+                         RewardSpec("format_check", 0.5, {"pattern": "[0-9]+"})])
+    total, terms = model(["a", "b", "c"], ["12", "13", "x"], ["12", "12", "12"])
+    np.testing.assert_allclose(total, [1.5, 0.5, 0.0])
+    np.testing.assert_allclose(terms["exact_match"], [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(terms["format_check"], [1.0, 1.0, 0.0])
+
+
+def test_user_reward_is_imported_from_module_colon_function(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text(
+        "def brevity(prompt, completion, answer, limit=3):\n"
+        "    return 1.0 if len(completion) <= limit else -1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    specs = reward_specs_from_config([{"fn": "my_rewards_mod:brevity", "weight": 2.0,
+                                       "kwargs": {"limit": 2}}])
+    total, terms = RewardModel(specs)(["p", "p"], ["ab", "abc"], ["", ""])
+    np.testing.assert_allclose(total, [2.0, -2.0])
+    assert list(terms) == ["brevity"]
+
+
+@pytest.mark.parametrize("name,msg", [
+    ("exact", "unknown built-in reward 'exact'"),
+    ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+    ("math:no_such_fn", "module 'math' has no attribute 'no_such_fn'"),
+    ("math:pi", "'math:pi' is not callable"),
+])
+def test_bad_reward_names_give_clear_errors(name, msg):
+    with pytest.raises(ConfigError, match=msg):
+        resolve_reward(name, "rewards[0].fn")
+
+
+def test_config_parsing_rejects_unknown_keys_and_bad_weights():
+    with pytest.raises(ConfigError, match=r"rewards\[0\]: unknown key\(s\) \['wieght'\]"):
+        reward_specs_from_config([{"fn": "exact_match", "wieght": 1}])
+    with pytest.raises(ConfigError, match=r"rewards\[1\].weight"):
+        reward_specs_from_config(["exact_match", {"fn": "exact_match", "weight": "big"}])
+    with pytest.raises(ConfigError, match="rewards: must list at least one"):
+        RewardModel([])
+
+
+def test_reward_returning_non_number_is_an_error(tmp_path, monkeypatch):
+    (tmp_path / "bad_rewards_mod.py").write_text("def nan(p, c, a):\n    return float('nan')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = RewardModel([RewardSpec("bad_rewards_mod:nan")])
+    with pytest.raises(ValueError, match="must return a finite number"):
+        model(["p"], ["c"], ["a"])
