@@ -8,6 +8,7 @@ the field, so a typo never turns into a silently ignored setting.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any, Literal, TypeVar
@@ -287,3 +288,320 @@ class ModelConfig:
 
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     return from_dict(ModelConfig, data, prefix="model.")
+
+
+# ----------------------------------------------------------------------------- training
+#
+# Everything below configures a training run (`python -m jrl.train`). A run config is
+# a `TrainConfig`; YAML files and `dotted.key=value` overrides map onto it one to one.
+
+ParamGroup = Literal["embed", "head", "norm", "bias", "router", "lora", "hidden"]
+PARAM_GROUPS: tuple[str, ...] = typing.get_args(ParamGroup)
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One piece of a training example: a record field or a literal text, trained or not."""
+
+    field: str | None = None
+    text: str | None = None
+    train: bool = False
+
+    def validate(self, prefix: str) -> None:
+        _check((self.field is None) != (self.text is None), prefix,
+               f"give exactly one of 'field' or 'text', got field={self.field!r} text={self.text!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where examples come from, how they become token rows, and how rows are batched.
+
+    `source` is a JSONL path or `bundled:<name>[:<n_records>]` (see `jrl.data.bundled`).
+    `format`: `text` (one field, every token trained: pretraining), `sections` (the
+    declarative `sections` list: SFT) or `preference` (`sections` form the prompt, then
+    `chosen_field` / `rejected_field` are the two scored responses: DPO).
+    """
+
+    source: str = "bundled:arithmetic"
+    eval_source: str | None = None
+    eval_fraction: float = 0.05  # of the source's records, used when eval_source is None
+    format: Literal["text", "sections", "preference"] = "sections"
+    text_field: str = "text"
+    sections: tuple[Section, ...] = (Section(field="prompt"), Section(field="response", train=True))
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    tokenizer: str = "bytes"  # "bytes" or a path to a Hugging Face tokenizer.json
+    add_eos: bool = True  # append EOS, trained like the last section
+    seq_len: int = 128
+    pack: bool = True  # several documents per row (segment ids keep them apart)
+    overflow: Literal["truncate_right", "truncate_left", "split", "drop"] = "truncate_right"
+    batch_size: int = 16  # rows per optimizer step (all micro-batches together)
+    micro_batches: int = 1  # gradient accumulation: the batch is split into this many parts
+    shuffle: bool = True
+    seed: int = 0
+    cache_dir: str | None = None  # tokenized memory-mapped copies of the data go here
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.source, str) and self.source != "", "data.source", "must be a non-empty string")
+        _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction",
+               f"must be in [0, 1), got {self.eval_fraction}")
+        _check(self.seq_len >= 2, "data.seq_len", f"must be >= 2, got {self.seq_len}")
+        _check(self.batch_size >= 1, "data.batch_size", f"must be >= 1, got {self.batch_size}")
+        _check(self.micro_batches >= 1, "data.micro_batches", f"must be >= 1, got {self.micro_batches}")
+        _check(self.batch_size % self.micro_batches == 0, "data.micro_batches",
+               f"must divide data.batch_size ({self.batch_size}), got {self.micro_batches}")
+        if self.format != "text":
+            _check(len(self.sections) > 0, "data.sections", f"must not be empty for format {self.format!r}")
+        for i, s in enumerate(self.sections):
+            s.validate(f"data.sections[{i}]")
+        if self.format == "sections":
+            _check(any(s.train for s in self.sections), "data.sections",
+                   "at least one section must have train: true")
+        if self.format == "preference":
+            _check(self.overflow != "split", "data.overflow", "'split' is not allowed for preference data")
+            _check(not any(s.train for s in self.sections), "data.sections",
+                   "preference prompts are never trained; remove train: true")
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyConfig:
+    """The loss: a registered strategy name and its options (checked by the strategy's
+    own options dataclass, see docs/training.md)."""
+
+    name: str = "sft"
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and self.name.isidentifier(), "strategy.name",
+               f"must be an identifier, got {self.name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW everywhere, or Muon for the hidden matrices and AdamW for the rest.
+
+    Parameters fall into groups (`PARAM_GROUPS`): `embed` (token embedding), `head`
+    (untied LM head), `norm` (RMSNorm scales), `bias`, `router` (MoE router), `lora`
+    (adapter factors) and `hidden` (every other matrix: attention and MLP kernels).
+    """
+
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 1e-3
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    no_decay: tuple[ParamGroup, ...] = ("embed", "norm", "bias")
+    lr_scale: dict[str, float] = dataclasses.field(default_factory=dict)  # group -> multiplier
+    freeze: tuple[ParamGroup, ...] = ()
+    trainable: Literal["all", "lora"] = "all"  # "lora": only adapter factors are trained
+    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+    muon_lr: float | None = None  # learning rate of the Muon group (None: same as lr)
+    muon_beta: float = 0.95
+    muon_ns_steps: int = 5
+    muon_nesterov: bool = True
+    muon_consistent_rms: float | None = 0.2  # match AdamW's update RMS; None: width scaling
+    mu_dtype: Literal["float32", "bfloat16"] | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.lr >= 0, "optimizer.lr", f"must be >= 0, got {self.lr}")
+        _check(0 <= self.b1 < 1, "optimizer.b1", f"must be in [0, 1), got {self.b1}")
+        _check(0 <= self.b2 < 1, "optimizer.b2", f"must be in [0, 1), got {self.b2}")
+        _check(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}")
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(self.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0, got {self.clip_norm}")
+        _check(0 <= self.muon_beta < 1, "optimizer.muon_beta", f"must be in [0, 1), got {self.muon_beta}")
+        _check(self.muon_ns_steps >= 1, "optimizer.muon_ns_steps", f"must be >= 1, got {self.muon_ns_steps}")
+        if self.muon_lr is not None:
+            _check(self.muon_lr >= 0, "optimizer.muon_lr", f"must be >= 0, got {self.muon_lr}")
+        for group, scale in self.lr_scale.items():
+            _check(group in PARAM_GROUPS, f"optimizer.lr_scale.{group}",
+                   f"unknown parameter group; allowed: {', '.join(PARAM_GROUPS)}")
+            _check(isinstance(scale, (int, float)) and scale >= 0, f"optimizer.lr_scale.{group}",
+                   f"must be a number >= 0, got {scale!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """Learning-rate multiplier over optimizer updates (applied to every group's lr).
+
+    `constant` (after warmup), `warmup_cosine` (linear warmup, cosine to min_lr_ratio),
+    `wsd` (warmup, stable, then a decay over the last `wsd_decay_fraction` of the run),
+    `cosine_restarts` (warmup, then cosine cycles of `restart_period` updates whose peak
+    is multiplied by `restart_decay` each cycle).
+    """
+
+    kind: Literal["constant", "warmup_cosine", "wsd", "cosine_restarts"] = "warmup_cosine"
+    warmup_steps: int = 0
+    total_steps: int | None = None  # None: the run's `steps`
+    min_lr_ratio: float = 0.1
+    wsd_decay_fraction: float = 0.2
+    wsd_decay_shape: Literal["linear", "cosine", "sqrt"] = "linear"
+    restart_period: int = 100
+    restart_decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.warmup_steps >= 0, "schedule.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.total_steps is not None:
+            _check(self.total_steps >= 1, "schedule.total_steps", f"must be >= 1, got {self.total_steps}")
+        _check(0 <= self.min_lr_ratio <= 1, "schedule.min_lr_ratio",
+               f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(0 < self.wsd_decay_fraction <= 1, "schedule.wsd_decay_fraction",
+               f"must be in (0, 1], got {self.wsd_decay_fraction}")
+        _check(self.restart_period >= 1, "schedule.restart_period", f"must be >= 1, got {self.restart_period}")
+        _check(self.restart_decay > 0, "schedule.restart_decay", f"must be > 0, got {self.restart_decay}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 100  # save every N steps (0: only at the end / on error / on signal)
+    keep_last: int | None = 3
+    keep_every: int | None = None  # additionally keep every M-th step
+    save_on_end: bool = True
+    save_on_error: bool = True
+    verify_on_load: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 0, "checkpoint.interval", f"must be >= 0, got {self.interval}")
+        if self.keep_last is not None:
+            _check(self.keep_last >= 1, "checkpoint.keep_last", f"must be >= 1 or null, got {self.keep_last}")
+        if self.keep_every is not None:
+            _check(self.keep_every >= 1, "checkpoint.keep_every", f"must be >= 1 or null, got {self.keep_every}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyStoppingConfig:
+    monitor: str = "eval_loss"
+    patience: int = 0  # evaluations without improvement before stopping; 0 disables
+    mode: Literal["min", "max"] = "min"
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.patience >= 0, "eval.early_stopping.patience", f"must be >= 0, got {self.patience}")
+        _check(self.min_delta >= 0, "eval.early_stopping.min_delta", f"must be >= 0, got {self.min_delta}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0  # evaluate on the held-out split every N steps (0: never during training)
+    batches: int = 4  # held-out batches per evaluation (the same ones every time)
+    at_end: bool = True
+    early_stopping: EarlyStoppingConfig = EarlyStoppingConfig()
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "eval.every", f"must be >= 0, got {self.every}")
+        _check(self.batches >= 1, "eval.batches", f"must be >= 1, got {self.batches}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    log_every: int = 1  # a metrics.jsonl row every N steps
+    progress: bool = True  # tqdm progress bar with ETA on stderr
+    plot: bool = True  # render metrics.png at the end of the run
+    peak_tflops: float | None = None  # per-device peak for MFU; None: known GPUs only
+
+    def __post_init__(self) -> None:
+        _check(self.log_every >= 1, "logging.log_every", f"must be >= 1, got {self.log_every}")
+        if self.peak_tflops is not None:
+            _check(self.peak_tflops > 0, "logging.peak_tflops", f"must be > 0, got {self.peak_tflops}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A whole training run. `output_dir` defaults to `runs/<name>`."""
+
+    name: str = "default"
+    seed: int = 0
+    steps: int = 300  # optimizer steps (batches) in the run
+    output_dir: str | None = None
+    init_from: str | None = None  # checkpoint directory (root or step_<N>) to take params from
+    lm_head_chunk: int = 0  # >0: LM head + cross-entropy in chunks of this many tokens
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    strategy: StrategyConfig = StrategyConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and self.name != "" and "/" not in self.name, "name",
+               f"must be a non-empty string without '/', got {self.name!r}")
+        _check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        _check(self.lm_head_chunk >= 0, "lm_head_chunk", f"must be >= 0, got {self.lm_head_chunk}")
+        _check(self.data.seq_len <= self.model.max_position_embeddings, "data.seq_len",
+               f"must be <= model.max_position_embeddings ({self.model.max_position_embeddings}), "
+               f"got {self.data.seq_len}")
+
+    @property
+    def run_dir(self) -> str:
+        return self.output_dir or f"runs/{self.name}"
+
+
+def yaml_load(text: str) -> Any:
+    """YAML safe-load that also reads `3e-4` / `1E5` as floats (plain YAML 1.1 reads them
+    as strings, a classic source of 'must be a number' errors for learning rates)."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+        list("-+0123456789."),
+    )
+    return yaml.load(text, Loader=_Loader)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML: 3 -> int, x -> str, [1, 2] -> list)."""
+    import yaml
+
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected dotted.key=value")
+    key, raw = item.split("=", 1)
+    path = key.strip().split(".")
+    if not all(p.isidentifier() for p in path):
+        raise ConfigError(f"override {item!r}: {key!r} is not a dotted key")
+    try:
+        value = yaml_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from None
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of plain config data with each `dotted.key=value` set (nested dicts created)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(path[:i + 1])} is not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def load_train_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+                      base: dict[str, Any] | None = None) -> TrainConfig:
+    """Reads YAML at `path` (or `base` data, or the defaults), applies overrides, validates."""
+    import os
+
+    if path is not None:
+        with open(path) as f:
+            data = yaml_load(f.read()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    else:
+        data = dict(base or {})
+    return from_dict(TrainConfig, apply_overrides(data, list(overrides)))
