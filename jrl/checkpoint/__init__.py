@@ -1,0 +1,31 @@
+"""Checkpoints: staged atomic publication, checksum manifest, Orbax-compatible payload.
+
+    save(root, step, state, meta=..., keep_last=..., keep_every=..., metrics_log=...) -> Path
+    load(root, step=None, verify=False, target=None) -> (state, meta)
+    latest_step(root), all_steps(root), verify_checkpoint(root, step=None)
+    AsyncCheckpointer(root, keep_last=..., keep_every=...).save(step, state, ...)
+
+Layout of one checkpoint: `root/step_<N>/{state/, meta.json, manifest.json}` where
+`state/` is a plain Orbax StandardCheckpointer payload. See docs/checkpoints.md.
+"""
+
+from jrl.checkpoint.layout import all_steps, latest_step
+from jrl.checkpoint.manifest import CheckpointCorruptError
+from jrl.checkpoint.store import (
+    AsyncCheckpointer,
+    CheckpointSaveError,
+    load,
+    save,
+    verify_checkpoint,
+)
+
+__all__ = [
+    "AsyncCheckpointer",
+    "CheckpointCorruptError",
+    "CheckpointSaveError",
+    "all_steps",
+    "latest_step",
+    "load",
+    "save",
+    "verify_checkpoint",
+]

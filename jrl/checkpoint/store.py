@@ -1,0 +1,336 @@
+"""save / load / AsyncCheckpointer: the public checkpoint operations.
+
+A save runs in two phases. `_start_save` (caller's thread): take the writer lock, clean
+crash leftovers, fsync the metrics log, start the Orbax save into a hidden staging
+directory (returns once arrays are on the host). `_PendingSave.finish` (caller's thread,
+or a background thread for AsyncCheckpointer): wait for Orbax, write meta.json, hash and
+fsync every file, write manifest.json, fsync directories, publish by atomic rename,
+apply retention, release the lock.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jrl.checkpoint import durable, layout, payload
+from jrl.checkpoint.manifest import (
+    MANIFEST_NAME,
+    CheckpointCorruptError,
+    build_manifest,
+    manifest_bytes,
+    read_manifest,
+    verify_against_manifest,
+)
+
+META_NAME = "meta.json"
+META_FORMAT = 1
+_RESERVED_META_KEYS = ("format", "step", "wall_time", "wall_time_utc", "versions", "encoded_leaves")
+_VERSIONED_PACKAGES = ("jrl", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
+_ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A background save failed; raised by the AsyncCheckpointer call after the failure."""
+
+
+def _library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _policy_version_of(state: Any) -> int | None:
+    value = state.get("policy_version") if isinstance(state, Mapping) else getattr(
+        state, "policy_version", None
+    )
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"state.policy_version must be an integer scalar, got {value!r}")
+    return int(arr)
+
+
+def _build_meta(step: int, state: Any, user_meta: Mapping | None, records: list[dict]) -> bytes:
+    user_meta = dict(user_meta or {})
+    for key in user_meta:
+        if not isinstance(key, str):
+            raise ValueError(f"meta keys must be strings, got {key!r}")
+        if key in _RESERVED_META_KEYS:
+            raise ValueError(f"meta key {key!r} is reserved (reserved: {', '.join(_RESERVED_META_KEYS)})")
+    from_state = _policy_version_of(state)
+    given = user_meta.pop("policy_version", None)
+    if given is not None and from_state is not None and int(given) != from_state:
+        raise ValueError(f"meta policy_version={given!r} contradicts state.policy_version={from_state}")
+    now = time.time()
+    meta = {
+        "format": META_FORMAT,
+        "step": step,
+        "policy_version": from_state if from_state is not None else given,
+        "wall_time": now,
+        "wall_time_utc": datetime.datetime.fromtimestamp(now, datetime.UTC).isoformat(),
+        "versions": _library_versions(),
+        "encoded_leaves": records,
+        **user_meta,
+    }
+    try:
+        return (json.dumps(meta, indent=1) + "\n").encode()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"meta must be JSON-serializable: {e}") from e
+
+
+class _PendingSave:
+    """A save whose Orbax write is in flight; `finish()` completes and publishes it."""
+
+    def __init__(self, root, step, staging, checkpointer, meta, lock, keep_last, keep_every):
+        self.root, self.step, self.staging = root, step, staging
+        self._checkpointer, self._meta, self._lock = checkpointer, meta, lock
+        self._keep_last, self._keep_every = keep_last, keep_every
+
+    def finish(self) -> Path:
+        published = False
+        try:
+            self._checkpointer.wait_until_finished()
+            durable.write_file_durably(self.staging / META_NAME, self._meta)
+            manifest = build_manifest(self.staging)
+            durable.write_file_durably(self.staging / MANIFEST_NAME, manifest_bytes(manifest))
+            durable.fsync_dirs_bottom_up(self.staging)
+            final = layout.publish(self.root, self.staging, self.step)
+            published = True
+            victims = layout.retention_victims(
+                layout.all_steps(self.root),
+                keep_last=self._keep_last,
+                keep_every=self._keep_every,
+                protect=self.step,
+            )
+            for victim in victims:
+                layout.remove_step(self.root, victim)
+            return final
+        finally:
+            self._checkpointer.close()
+            if not published and self.staging.exists():
+                durable.remove_tree(self.staging)
+            self._lock.release()
+
+
+def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log) -> _PendingSave:
+    if jax.process_count() > 1:
+        raise RuntimeError(
+            f"jrl.checkpoint writes from a single JAX process; got jax.process_count()="
+            f"{jax.process_count()}"
+        )
+    root = Path(root)
+    step = layout.check_step(step)
+    layout.check_retention(keep_last, keep_every)
+    encoded, records = payload.encode_state(state)
+    meta_bytes = _build_meta(step, state, meta, records)
+    durable.make_dirs_durably(root)
+    lock = durable.WriterLock(root / layout.LOCK_NAME)
+    lock.acquire()
+    checkpointer = None
+    staging = layout.hidden_dir(root, step, "staging")
+    try:
+        layout.clean_leftovers(root)
+        if metrics_log is not None:
+            metrics_log.flush_and_sync()
+        staging.mkdir()
+        checkpointer = ocp.StandardCheckpointer()
+        payload.save_payload(checkpointer, staging / payload.PAYLOAD_DIR, encoded)
+    except BaseException:
+        if checkpointer is not None:
+            checkpointer.close()
+        if staging.exists():
+            durable.remove_tree(staging)
+        lock.release()
+        raise
+    return _PendingSave(root, step, staging, checkpointer, meta_bytes, lock, keep_last, keep_every)
+
+
+def save(
+    root: str | os.PathLike,
+    step: int,
+    state: Any,
+    *,
+    meta: Mapping | None = None,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    metrics_log: Any = None,
+) -> Path:
+    """Writes `state` as `root/step_<step>/` and returns that path once it is published.
+
+    `state`: a pytree of jax/numpy arrays, numpy scalars, Python int/float/bool
+    (typed PRNG keys included). `meta`: JSON-serializable extras merged into meta.json
+    (e.g. {"config": ...}). `keep_last`/`keep_every`: retention applied after publishing
+    (keep the newest `keep_last` steps plus every multiple of `keep_every`; the step just
+    saved is always kept). `metrics_log`: a MetricsLog flushed and fsynced before the
+    checkpoint becomes visible. Re-saving an existing step replaces it atomically.
+    """
+    pending = _start_save(
+        root, step, state, meta=meta, keep_last=keep_last, keep_every=keep_every,
+        metrics_log=metrics_log,
+    )
+    return pending.finish()
+
+
+class AsyncCheckpointer:
+    """Saves in the background: `save()` returns once device arrays are copied to host.
+
+    At most one save is in flight; the next `save()`, `wait()` or `close()` first waits
+    for it and raises CheckpointSaveError if it failed. Publication is as atomic as for
+    the blocking `save`. Use as a context manager, or call `close()` before exiting.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None
+    ):
+        layout.check_retention(keep_last, keep_every)
+        self.root = Path(root)
+        self._keep_last, self._keep_every = keep_last, keep_every
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._error_step: int | None = None
+        self._last_published: Path | None = None
+
+    def _run(self, pending: _PendingSave) -> None:
+        try:
+            self._last_published = pending.finish()
+        except BaseException as e:  # reported by the next call
+            self._error, self._error_step = e, pending.step
+
+    def wait(self) -> Path | None:
+        """Blocks until the in-flight save is published; returns the newest published path."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, step = self._error, self._error_step
+            self._error = self._error_step = None
+            raise CheckpointSaveError(f"background save of step {step} to {self.root} failed: {error}") from error
+        return self._last_published
+
+    def save(self, step: int, state: Any, *, meta: Mapping | None = None, metrics_log: Any = None) -> None:
+        """Starts saving `state` as step `step` (see `save` for the arguments)."""
+        self.wait()
+        pending = _start_save(
+            self.root, step, state, meta=meta, keep_last=self._keep_last,
+            keep_every=self._keep_every, metrics_log=metrics_log,
+        )
+        self._thread = threading.Thread(target=self._run, args=(pending,), name=f"jrl-checkpoint-{step}")
+        self._thread.start()
+
+    def close(self) -> Path | None:
+        return self.wait()
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _legacy_payload_dir(directory: Path) -> Path | None:
+    for candidate in (directory / payload.PAYLOAD_DIR, directory / "default", directory):
+        if any((candidate / marker).is_file() for marker in _ORBAX_MARKERS):
+            return candidate
+    return None
+
+
+def _read_meta(directory: Path) -> dict:
+    path = directory / META_NAME
+    if not path.exists():
+        return {}
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointCorruptError(directory, META_NAME, f"unreadable ({e})") from e
+    if not isinstance(meta, dict):
+        raise CheckpointCorruptError(directory, META_NAME, "not a JSON object")
+    return meta
+
+
+def _resolve(root: str | os.PathLike, step: int | None) -> Path:
+    root = Path(root)
+    steps = layout.all_steps(root)
+    if step is None:
+        if not steps:
+            raise FileNotFoundError(f"no checkpoints (step_<N> directories) in {root}")
+        return layout.step_dir(root, steps[-1])
+    step = layout.check_step(step)
+    if step not in steps:
+        raise FileNotFoundError(
+            f"no checkpoint for step {step} in {root} (available steps: {steps or 'none'})"
+        )
+    return layout.step_dir(root, step)
+
+
+def verify_checkpoint(root: str | os.PathLike, step: int | None = None) -> bool:
+    """Checks a checkpoint (latest by default) against its manifest without restoring it.
+
+    Returns True when it verifies, False for a legacy directory without a manifest;
+    raises CheckpointCorruptError naming the first corrupt or missing file.
+    """
+    directory = _resolve(root, step)
+    if not (directory / MANIFEST_NAME).exists():
+        return False
+    verify_against_manifest(directory, read_manifest(directory))
+    return True
+
+
+def load(
+    root: str | os.PathLike,
+    step: int | None = None,
+    *,
+    verify: bool = False,
+    target: Any = None,
+) -> tuple[Any, dict]:
+    """Restores `root/step_<step>` (the newest step when `step` is None); returns (state, meta).
+
+    verify=True checks every file against manifest.json first and raises
+    CheckpointCorruptError naming the first corrupt or missing one. `target`: a pytree
+    like the saved state, of arrays or jax.ShapeDtypeStruct; the result then has its
+    structure, dtypes and shardings (pass it to get namedtuples/dataclasses back and to
+    restore sharded arrays onto a mesh). meta is meta.json plus `path`, `layout`
+    ("jrl" or "legacy") and `verification` ("passed", "skipped", or "unavailable" for a
+    legacy directory without a manifest).
+    """
+    directory = _resolve(root, step)
+    if (directory / MANIFEST_NAME).exists():
+        manifest = read_manifest(directory)
+        if verify:
+            verify_against_manifest(directory, manifest)
+        meta = _read_meta(directory)
+        payload_dir = directory / payload.PAYLOAD_DIR
+        meta.update(layout="jrl", verification="passed" if verify else "skipped")
+    else:
+        payload_dir = _legacy_payload_dir(directory)
+        if payload_dir is None:
+            raise FileNotFoundError(
+                f"{directory} has neither manifest.json nor an Orbax payload (looked for "
+                f"{' or '.join(_ORBAX_MARKERS)} in state/, default/ and the directory itself)"
+            )
+        meta = _read_meta(directory)
+        meta.update(layout="legacy", verification="unavailable")
+        if verify:
+            warnings.warn(f"{directory} has no {MANIFEST_NAME}; loading it unverified", stacklevel=2)
+    meta.setdefault("step", int(directory.name.removeprefix("step_")))
+    meta["path"] = str(directory)
+    state = payload.restore_payload(payload_dir, meta.get("encoded_leaves", []), target)
+    return state, meta
