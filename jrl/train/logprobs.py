@@ -1,0 +1,100 @@
+"""Per-token log-probabilities of targets under the model, optionally without ever
+materialising the full `[B, S, vocab]` float32 logits.
+
+With `chunk_size > 0` the LM head and the softmax statistics run over `chunk_size`
+tokens at a time inside a `lax.map` whose body is rematerialised (`jax.checkpoint`), so
+the forward pass keeps only per-token scalars and the backward pass recomputes one
+chunk of logits at a time: peak logits memory is `chunk_size * vocab` floats instead of
+`B * S * vocab`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jrl.config import ModelConfig
+from jrl.models import dense_attention, forward, lm_logits
+
+
+class TargetStats(NamedTuple):
+    """Per-token statistics of the next-token distribution, all float32 `[B, S]`."""
+
+    logp: jax.Array  # log p(target)
+    mean_logp: jax.Array  # mean over the vocabulary of log p(v) (label smoothing)
+    entropy: jax.Array  # entropy of the distribution
+
+
+def _stats_from_logits(logits: jax.Array, targets: jax.Array) -> TargetStats:
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    probs = jnp.exp(logits - lse[..., None])
+    entropy = lse - jnp.sum(probs * logits, axis=-1)
+    return TargetStats(target_logit - lse, jnp.mean(logits, axis=-1) - lse, entropy)
+
+
+def target_stats(config: ModelConfig, params: dict, hidden: jax.Array, targets: jax.Array,
+                 *, chunk_size: int = 0) -> TargetStats:
+    """Statistics of `softmax(lm_head(hidden))` at `targets` (`hidden [B, S, D]`, `targets [B, S]`).
+
+    `chunk_size == 0` computes all logits at once; otherwise chunk by chunk (see module doc).
+    """
+    targets = jnp.asarray(targets, jnp.int32)
+    if chunk_size <= 0:
+        return _stats_from_logits(lm_logits(config, params, hidden), targets)
+    b, s, d = hidden.shape
+    n = b * s
+    n_chunks = -(-n // chunk_size)
+    pad = n_chunks * chunk_size - n
+    h = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(n_chunks, chunk_size, d)
+    t = jnp.pad(targets.reshape(n), (0, pad)).reshape(n_chunks, chunk_size)
+
+    @jax.checkpoint
+    def one_chunk(xs):
+        h_c, t_c = xs
+        return _stats_from_logits(lm_logits(config, params, h_c), t_c)
+
+    stats = jax.lax.map(one_chunk, (h, t))
+    return TargetStats(*(x.reshape(n_chunks * chunk_size)[:n].reshape(b, s) for x in stats))
+
+
+def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
+                  segment_ids: jax.Array) -> tuple[jax.Array, dict]:
+    """Final hidden states `[B, S, D]` and the model's aux dict (MoE losses) for a dense
+    causal batch in which tokens attend only within their own segment."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    out = forward(config, params, tokens, positions, dense_attention(segment_ids),
+                  token_mask=segment_ids > 0)
+    return out.hidden, out.aux
+
+
+def target_logprobs(config: ModelConfig, params: dict, tokens: jax.Array, targets: jax.Array,
+                    positions: jax.Array, segment_ids: jax.Array, *, chunk_size: int = 0) -> jax.Array:
+    """`out[b, t] = log p(targets[b, t] | tokens[b, <=t] of the same segment)`, float32 `[B, S]`."""
+    hidden, _ = hidden_states(config, params, tokens, positions, segment_ids)
+    return target_stats(config, params, hidden, targets, chunk_size=chunk_size).logp
+
+
+def token_logprobs(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
+                   segment_ids: jax.Array, *, chunk_size: int = 0) -> jax.Array:
+    """Log-probability of every token given the tokens before it in its segment.
+
+    `out[b, t] = log p(tokens[b, t] | tokens[b, s:t])` where `s` is the start of `t`'s
+    segment; float32 `[B, S]`. Positions with no context (the first token of a segment)
+    and padding (`segment_ids == 0`) are 0. This is the quantity a sampler records for
+    each generated token, so engine and trainer log-probs are directly comparable.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    logp_next = target_logprobs(config, params, tokens, next_tokens, positions, segment_ids,
+                                chunk_size=chunk_size)
+    shifted = jnp.concatenate([jnp.zeros_like(logp_next[:, :1]), logp_next[:, :-1]], axis=1)
+    prev_seg = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1]), segment_ids[:, :-1]], axis=1)
+    has_context = (segment_ids > 0) & (prev_seg == segment_ids)
+    return jnp.where(has_context, shifted, 0.0)

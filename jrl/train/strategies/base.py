@@ -1,0 +1,93 @@
+"""The strategy protocol: a training objective as a pure loss function.
+
+A strategy's `loss_fn(model_config, params, batch, ctx) -> LossOutput` sees ONE
+micro-batch and returns the *sum* of its per-unit losses (`total`) together with how
+many units that sum covers (`weight`: trained tokens, preference pairs, sequences...).
+The trainer sums `total`, `weight` and the gradients of `total` over every micro-batch of
+an optimizer step and only then divides by the summed weight, so
+
+    objective = sum_micro total / sum_micro weight
+
+is exactly the objective of one big batch, whatever the split into micro-batches.
+Metrics follow the same rule: each is a `(sum, count)` pair reduced as
+`sum of sums / sum of counts` (see `metric`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jrl.config import ModelConfig
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, tuple[jax.Array, jax.Array]]
+
+
+class LossOutput(NamedTuple):
+    total: jax.Array  # float32 scalar: sum of the per-unit losses in this micro-batch
+    weight: jax.Array  # float32 scalar: number of units the sum covers (>= 0)
+    metrics: Metrics  # name -> (sum, count), reduced across micro-batches as sum/count
+
+
+class LossContext(flax.struct.PyTreeNode):
+    """What a loss function gets besides params and batch (a pytree, traced under jit)."""
+
+    rng: jax.Array  # a fresh key for this micro-batch (typed key)
+    policy_version: jax.Array  # int32: version of the params being updated
+    reference_params: Any = None  # frozen params, only when the strategy asks for them
+    options: Any = flax.struct.field(pytree_node=False, default=None)  # the options dataclass
+    chunk_size: int = flax.struct.field(pytree_node=False, default=0)  # LM-head chunking
+
+
+class LossFn(Protocol):
+    def __call__(self, config: ModelConfig, params: Any, batch: Batch, ctx: LossContext) -> LossOutput: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """For strategies without options."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A registered objective.
+
+    name: what `strategy.name` in the config selects.
+    loss_fn: the pure loss function above.
+    batch_fields: keys every batch must have (checked before the first step, so a data
+        source that forgets one fails with the field's name, not inside jit).
+    options_cls: frozen dataclass built from `strategy.options` (unknown keys rejected).
+    needs_reference: the trainer keeps a frozen copy of the initial params and passes it
+        as `ctx.reference_params` (e.g. DPO without precomputed reference log-probs).
+    data_formats: the `data.format` values this strategy can train on; empty means the
+        strategy brings its own data (`make_source`).
+    make_source: optional `(trainer, split) -> BatchSource | None` building the batches
+        for "train" / "eval" (e.g. a rollout loop); None uses the built-in data pipeline.
+    """
+
+    name: str
+    loss_fn: Callable[..., LossOutput]
+    batch_fields: tuple[str, ...]
+    options_cls: type = NoOptions
+    needs_reference: bool = False
+    data_formats: tuple[str, ...] = ("text", "sections")
+    make_source: Callable[..., Any] | None = None
+
+
+def metric(values: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """A `(sum, count)` metric entry: the masked mean of `values` once reduced."""
+    values = jnp.asarray(values, jnp.float32)
+    if mask is None:
+        return jnp.sum(values), jnp.asarray(values.size, jnp.float32)
+    m = jnp.asarray(mask, jnp.float32)
+    return jnp.sum(values * m), jnp.sum(m)
+
+
+def reduce_metrics(metrics: Metrics) -> dict[str, jax.Array]:
+    """`(sum, count)` pairs -> means (count 0 gives 0)."""
+    return {k: s / jnp.maximum(c, 1e-12) for k, (s, c) in metrics.items()}

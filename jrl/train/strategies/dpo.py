@@ -1,0 +1,75 @@
+"""`dpo`: direct preference optimisation (sigmoid loss), one unit per preference pair.
+
+A batch row holds a pair: every token field is `[B, 2, S]` with index 0 the chosen and 1
+the rejected sequence, each `prompt + response` with `loss_mask` on the response targets
+only (the prompt is context, never scored). With `s(x) = sum of response log-probs`:
+
+    z = beta * ((s_pi(chosen) - s_ref(chosen)) - (s_pi(rejected) - s_ref(rejected)))
+    loss = -(1 - eps) * log sigmoid(z) - eps * log sigmoid(-z)
+
+Reference scores come from the batch field `ref_logps [B, 2]` when present, otherwise
+from the frozen reference params the trainer passes in (the initial policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jrl.config import ConfigError, ModelConfig
+from jrl.train.logprobs import target_logprobs
+from jrl.train.strategies import register_strategy
+from jrl.train.strategies.base import Batch, LossContext, LossOutput, Strategy, metric
+from jrl.train.strategies.seq import TOKEN_FIELDS
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOOptions:
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"strategy.options.beta: must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"strategy.options.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
+
+
+def sequence_logps(config: ModelConfig, params, batch: Batch, chunk_size: int = 0) -> jax.Array:
+    """Summed response log-probs `[B, 2]` of the pair rows in `batch`."""
+    b, two, s = batch["tokens"].shape
+    flat = {k: batch[k].reshape(b * two, s) for k in TOKEN_FIELDS}
+    logp = target_logprobs(config, params, flat["tokens"], flat["targets"], flat["positions"],
+                           flat["segment_ids"], chunk_size=chunk_size)
+    return jnp.sum(logp * flat["loss_mask"].astype(jnp.float32), axis=-1).reshape(b, two)
+
+
+def dpo_loss(config: ModelConfig, params, batch: Batch, ctx: LossContext) -> LossOutput:
+    beta, eps = ctx.options.beta, ctx.options.label_smoothing
+    policy = sequence_logps(config, params, batch, ctx.chunk_size)
+    if "ref_logps" in batch:
+        ref = jnp.asarray(batch["ref_logps"], jnp.float32)
+    elif ctx.reference_params is not None:
+        ref = sequence_logps(config, jax.lax.stop_gradient(ctx.reference_params), batch, ctx.chunk_size)
+    else:
+        raise ValueError("dpo: the batch has no 'ref_logps' and no reference params were given")
+    ref = jax.lax.stop_gradient(ref)
+    rewards = beta * (policy - ref)  # implicit rewards [B, 2]
+    z = rewards[:, 0] - rewards[:, 1]
+    losses = -(1.0 - eps) * jax.nn.log_sigmoid(z) - eps * jax.nn.log_sigmoid(-z)
+    metrics = {
+        "reward_accuracy": metric((z > 0).astype(jnp.float32)),
+        "reward_margin": metric(z),
+        "chosen_reward": metric(rewards[:, 0]),
+        "rejected_reward": metric(rewards[:, 1]),
+        "chosen_logp": metric(policy[:, 0]),
+    }
+    return LossOutput(jnp.sum(losses), jnp.asarray(losses.shape[0], jnp.float32), metrics)
+
+
+DPO = register_strategy(Strategy(
+    name="dpo", loss_fn=dpo_loss, batch_fields=TOKEN_FIELDS, options_cls=DPOOptions,
+    needs_reference=True, data_formats=("preference",),
+))
