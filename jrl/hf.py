@@ -1,0 +1,779 @@
+"""Hugging Face checkpoints in and out: `config.json` + safetensors <-> (ModelConfig, params).
+
+This is the only place that knows Hugging Face names. Supported `model_type`s: llama,
+mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral.
+
+    config, params = load_pretrained("path/to/hf_dir", dtype="bfloat16")
+    save_pretrained(config, params, "out_dir", model_type="qwen2")
+
+Layout differences handled here:
+
+* HF `nn.Linear` weights are `[out, in]`; jrl kernels are `[in, out]` (transposed).
+* jrl stacks per-layer params on a leading `layers` axis and experts as `[E, in, out]`.
+* MoE experts are read in the classic per-expert layout (`experts.<e>.gate_proj.weight`;
+  Mixtral: `block_sparse_moe.experts.<e>.w1/w3/w2`) and in the fused layout transformers 5
+  keeps in memory (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`).
+  Saving always writes the classic layout, which every transformers version reads.
+
+Nothing is silently dropped: an unknown `model_type`, a config field jrl does not model (or
+a value of one it cannot honour, e.g. a sliding window shorter than the context, an o_proj
+bias, an activation other than SiLU) or a tensor left unused raises `HFFormatError` naming
+it. `ignore_fields` lets a caller accept dropping a named config field on purpose.
+
+Params come back as numpy arrays on the host, so callers can place them with whatever
+sharding they need (`jax.device_put(params, shardings)`). jax is not imported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jrl.config import ConfigError, ModelConfig, RopeScaling
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+# transformers' defaults for optional keys that change the math (absent from config.json).
+_DEFAULT_RMS_EPS = {"mixtral": 1e-5}
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6}
+
+# Keys every family reads.
+_COMMON_KEYS = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "initializer_range",
+    "attention_dropout", "layer_types",
+}
+# transformers spells the expert count num_experts or num_local_experts (an alias of the
+# other, depending on family and version); both are read.
+_MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+             "output_router_logits"}
+_QWEN_MOE_KEYS = _MOE_KEYS | {"moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                              "mlp_only_layers"}
+_SLIDING_KEYS = {"use_sliding_window", "sliding_window", "max_window_layers"}
+_FAMILY_KEYS = {
+    "llama": {"attention_bias", "mlp_bias", "pretraining_tp"},
+    "mistral": {"sliding_window"},
+    "qwen2": _SLIDING_KEYS,
+    "qwen3": _SLIDING_KEYS | {"attention_bias"},
+    "qwen2_moe": _SLIDING_KEYS | _QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
+    "qwen3_moe": _SLIDING_KEYS | _QWEN_MOE_KEYS | {"attention_bias"},
+    "mixtral": _MOE_KEYS | {"router_jitter_noise", "sliding_window"},
+}
+# Keys that never change the forward pass: bookkeeping, token ids, generation defaults
+# (read by `generate()`, not the model), and generic PretrainedConfig switches.
+_HARMLESS_KEYS = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "_name_or_path", "name_or_path", "_commit_hash", "auto_map", "tokenizer_class", "prefix",
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "use_bfloat16",
+    "tf_legacy_loss", "pruned_heads", "chunk_size_feed_forward", "is_decoder",
+    "add_cross_attention", "tie_encoder_decoder", "cross_attention_hidden_size",
+    "task_specific_params", "problem_type", "id2label", "label2id", "finetuning_task",
+    "num_labels", "attn_implementation", "_attn_implementation_autoset",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens",
+}
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face checkpoint or config that jrl cannot represent exactly; names the field."""
+
+
+# ============================================================================ config mapping
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name not in _DTYPE_NAMES:
+        raise HFFormatError(f"dtype: must be one of {list(_DTYPE_NAMES)}, got {name!r}")
+    if name == "bfloat16":
+        import ml_dtypes  # a jax dependency; only needed for bfloat16
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _rope_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> tuple[float, RopeScaling]:
+    """(rope_theta, RopeScaling) from `rope_parameters` (transformers 5) or the legacy
+    `rope_theta` + `rope_scaling` keys, following transformers' defaults."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 10000.0)))
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise HFFormatError(f"{where}: partial_rotary_factor={partial} is not supported (jrl rotates whole heads)")
+    max_pos = hf.get("max_position_embeddings")
+
+    def take(allowed: set[str]) -> dict[str, Any]:
+        unknown = sorted(set(params) - allowed)
+        if unknown:
+            raise HFFormatError(f"{where}: rope field(s) {unknown} are not supported for rope type {kind!r}")
+        return params
+
+    if kind == "default":
+        take({"factor"})  # some configs carry a stray factor with the default type; it is unused
+        return float(theta), RopeScaling()
+    if kind == "linear":
+        p = take({"factor"})
+        return float(theta), RopeScaling(type="linear", factor=float(p["factor"]))
+    if kind == "dynamic":
+        # transformers stretches the base only beyond max_position_embeddings.
+        p = take({"factor", "original_max_position_embeddings"})
+        return float(theta), RopeScaling(type="dynamic", factor=float(p["factor"]),
+                                         original_max_position_embeddings=max_pos)
+    if kind == "llama3":
+        p = take({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        return float(theta), RopeScaling(
+            type="llama3", factor=float(p["factor"]),
+            low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(p.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=p.get("original_max_position_embeddings", max_pos))
+    if kind == "yarn":
+        p = take({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+                  "beta_slow", "mscale", "mscale_all_dim", "truncate"})
+        if p.get("truncate", True) is not True:
+            raise HFFormatError(f"{where}: rope yarn truncate={p['truncate']} is not supported")
+        original = p.get("original_max_position_embeddings", max_pos)
+        factor = p.get("factor")
+        if factor is None:
+            factor = max_pos / original
+        attention_factor = p.get("attention_factor")
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if attention_factor is None and mscale and mscale_all_dim:
+
+            def get_mscale(scale: float, m: float) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        return float(theta), RopeScaling(
+            type="yarn", factor=float(factor), original_max_position_embeddings=original,
+            beta_fast=float(p.get("beta_fast") or 32.0), beta_slow=float(p.get("beta_slow") or 1.0),
+            attention_factor=None if attention_factor is None else float(attention_factor))
+    raise HFFormatError(f"{where}: rope type {kind!r} is not supported "
+                        "(supported: default, linear, dynamic, llama3, yarn)")
+
+
+def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, where: str) -> None:
+    if model_type in QWEN_TYPES:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        field = "use_sliding_window/sliding_window"
+    else:
+        window, field = hf.get("sliding_window"), "sliding_window"
+    if window and window < max_len:
+        raise HFFormatError(
+            f"{where}: {field}: sliding-window attention with window {window} < max length {max_len} "
+            f"is not supported; pass max_position_embeddings<={window} to load_pretrained to cap the "
+            "context at the window")
+    types = set(hf.get("layer_types") or ["full_attention"])
+    if types - {"full_attention", "sliding_attention"}:
+        raise HFFormatError(f"{where}: layer_types {sorted(types)} are not supported")
+    if "sliding_attention" in types and not (window and window >= max_len):
+        raise HFFormatError(f"{where}: layer_types: sliding_attention layers without a window "
+                            f">= max length {max_len} are not supported")
+
+
+def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
+                   max_position_embeddings: int | None = None, ignore_fields: Iterable[str] = (),
+                   where: str = "config.json") -> tuple[ModelConfig, str]:
+    """(jrl ModelConfig, model_type) for a Hugging Face `config.json` dict.
+
+    `max_position_embeddings` overrides the context length (the RoPE table size);
+    `ignore_fields` names config keys the caller accepts to drop although jrl does not model them.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFFormatError(f"{where}: model_type {model_type!r} is not supported; "
+                            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    _numpy_dtype(dtype)
+    ignored = set(ignore_fields)
+    if "quantization_config" in hf and "quantization_config" not in ignored:
+        raise HFFormatError(f"{where}: quantization_config: quantized checkpoints are not supported")
+    unknown = sorted(set(hf) - _COMMON_KEYS - _FAMILY_KEYS[model_type] - _HARMLESS_KEYS - ignored)
+    if unknown:
+        raise HFFormatError(f"{where}: field(s) {unknown} are not supported for {model_type}; pass "
+                            "ignore_fields=[...] to load_pretrained to drop them on purpose")
+
+    def get(key: str, default: Any = ...) -> Any:
+        if key in hf and hf[key] is not None:
+            return hf[key]
+        if default is ...:
+            raise HFFormatError(f"{where}: required field {key!r} is missing")
+        return default
+
+    def require(key: str, ok: bool, msg: str) -> None:
+        if not ok and key not in ignored:
+            raise HFFormatError(f"{where}: {key}={hf.get(key)!r} is not supported: {msg}")
+
+    act = get("hidden_act", "silu")
+    require("hidden_act", act in ("silu", "swish"), "jrl MLPs use SiLU (SwiGLU)")
+    require("attention_bias", not get("attention_bias", False),
+            "it adds an o_proj bias, which jrl does not have")
+    require("mlp_bias", not get("mlp_bias", False), "jrl MLPs have no bias")
+    require("attention_dropout", not get("attention_dropout", 0.0), "jrl has no dropout")
+    require("router_jitter_noise", not get("router_jitter_noise", 0.0), "jrl has no router jitter")
+    require("decoder_sparse_step", get("decoder_sparse_step", 1) == 1,
+            "jrl uses the MoE block in every layer (needs 1)")
+    require("mlp_only_layers", not get("mlp_only_layers", []),
+            "jrl uses the MoE block in every layer (needs [])")
+
+    n_heads = get("num_attention_heads")
+    hidden = get("hidden_size")
+    max_len = max_position_embeddings or get("max_position_embeddings")
+    _check_sliding_window(hf, model_type, max_len, where)
+    theta, scaling = _rope_from_hf(hf, model_type, where)
+    fields: dict[str, Any] = dict(
+        vocab_size=get("vocab_size"),
+        hidden_size=hidden,
+        n_layers=get("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=get("num_key_value_heads", n_heads),
+        head_dim=get("head_dim", hidden // n_heads),
+        intermediate_size=get("intermediate_size"),
+        max_position_embeddings=max_len,
+        rms_norm_eps=float(get("rms_norm_eps", _DEFAULT_RMS_EPS.get(model_type, 1e-6))),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(get("qkv_bias", True))),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        initializer_range=float(get("initializer_range", 0.02)),
+        param_dtype=dtype,
+        dtype=dtype,
+    )
+    if model_type in MOE_TYPES:
+        counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+        if len(set(counts.values())) != 1:
+            raise HFFormatError(f"{where}: need one expert count in num_experts/num_local_experts, got {counts}")
+        fields.update(
+            n_experts=next(iter(counts.values())),
+            n_experts_per_tok=get("num_experts_per_tok"),
+            moe_intermediate_size=(get("intermediate_size") if model_type == "mixtral"
+                                   else get("moe_intermediate_size")),
+            norm_topk_prob=True if model_type == "mixtral" else bool(get("norm_topk_prob", False)),
+            router_aux_loss_coef=float(get("router_aux_loss_coef", 0.001)),
+        )
+    if model_type == "qwen2_moe":
+        shared = get("shared_expert_intermediate_size")
+        require("shared_expert_intermediate_size", shared > 0, "must be > 0")
+        fields.update(shared_expert_intermediate_size=shared, shared_expert_gate=True)
+    try:
+        return ModelConfig(**fields), model_type
+    except ConfigError as e:
+        raise HFFormatError(f"{where}: gives an invalid jrl ModelConfig: {e}") from e
+
+
+def infer_model_type(config: ModelConfig) -> str:
+    """The HF family that expresses `config` (used when save_pretrained gets no model_type)."""
+    if config.is_moe:
+        if config.shared_expert_gate:
+            return "qwen2_moe"
+        return "qwen3_moe" if config.qk_norm else "mixtral"
+    if config.qk_norm:
+        return "qwen3"
+    return "qwen2" if config.qkv_bias else "llama"
+
+
+def _rope_to_hf(config: ModelConfig) -> tuple[dict[str, Any] | None, int]:
+    """(legacy `rope_scaling` dict or None, HF max_position_embeddings)."""
+    s = config.rope_scaling
+    max_pos = config.max_position_embeddings
+    if s.type == "default":
+        return None, max_pos
+    if s.type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}, max_pos
+    if s.type in ("dynamic", "ntk"):
+        # HF's dynamic NTK treats max_position_embeddings as the pretraining length.
+        return {"rope_type": "dynamic", "factor": s.factor}, s.original_max_position_embeddings or max_pos
+    if s.type == "llama3":
+        return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}, max_pos
+    if s.type == "yarn":
+        out = {"rope_type": "yarn", "factor": s.factor, "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+               "original_max_position_embeddings": s.original_max_position_embeddings}
+        if s.attention_factor is not None:
+            out["attention_factor"] = s.attention_factor
+        return out, max_pos
+    raise HFFormatError(f"rope_scaling.type: {s.type!r} has no Hugging Face equivalent")
+
+
+def _check_expressible(config: ModelConfig, model_type: str) -> None:
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise HFFormatError(f"model_type {model_type!r} cannot express this config: {msg}")
+
+    need(config.attention == "gqa", f"attention={config.attention!r} (only 'gqa' is supported)")
+    need(config.lora.rank == 0, "lora.rank > 0; merge the adapters first with "
+         "jrl.models.lora.merge_lora(config, params)")
+    need(config.is_moe == (model_type in MOE_TYPES),
+         f"n_experts={config.n_experts} (MoE families: {', '.join(MOE_TYPES)})")
+    need(config.qk_norm == (model_type in ("qwen3", "qwen3_moe")),
+         f"qk_norm={config.qk_norm} (only qwen3 and qwen3_moe have q_norm/k_norm, and always)")
+    if model_type == "qwen2":
+        need(config.qkv_bias, "qkv_bias=False (qwen2 always has q/k/v biases; use llama)")
+    elif model_type != "qwen2_moe":
+        need(not config.qkv_bias, "qkv_bias=True (only qwen2 and qwen2_moe have q/k/v biases)")
+    if config.is_moe:
+        has_shared = config.shared_intermediate > 0
+        if model_type == "qwen2_moe":
+            need(has_shared and config.shared_expert_gate,
+                 "qwen2_moe needs a gated shared expert (shared_expert_gate=True and a shared size > 0)")
+        else:
+            need(not has_shared and not config.shared_expert_gate, "shared experts are qwen2_moe only")
+        if model_type == "mixtral":
+            need(config.norm_topk_prob, "norm_topk_prob=False (mixtral always renormalises top-k)")
+
+
+def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
+    """A Hugging Face `config.json` dict for `config` (legacy `rope_theta`/`rope_scaling` keys,
+    which transformers 4.x and 5.x both read)."""
+    model_type = model_type or infer_model_type(config)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFFormatError(f"model_type: {model_type!r} is not supported; "
+                            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    _check_expressible(config, model_type)
+    rope_scaling, max_pos = _rope_to_hf(config)
+    hf: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.initializer_range,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": config.param_dtype,
+    }
+    if model_type == "llama":
+        hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if model_type in ("mistral", "mixtral"):
+        hf["sliding_window"] = None
+    if model_type in QWEN_TYPES:
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layers)
+    if model_type in ("qwen3", "qwen3_moe"):
+        hf["attention_bias"] = False
+    if config.is_moe:
+        hf.update(num_experts_per_tok=config.n_experts_per_tok,
+                  router_aux_loss_coef=config.router_aux_loss_coef, output_router_logits=False)
+    if model_type == "mixtral":
+        hf.update(num_local_experts=config.n_experts, intermediate_size=config.moe_intermediate_size,
+                  router_jitter_noise=0.0)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        hf.update(num_experts=config.n_experts, moe_intermediate_size=config.moe_intermediate_size,
+                  norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    if model_type == "qwen2_moe":
+        hf.update(shared_expert_intermediate_size=config.shared_intermediate, qkv_bias=config.qkv_bias)
+    return hf
+
+
+# ============================================================================ weight mapping
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _layer(i: int) -> str:
+    return f"model.layers.{i}"
+
+
+def _moe_prefix(model_type: str, i: int) -> str:
+    return f"{_layer(i)}.block_sparse_moe" if model_type == "mixtral" else f"{_layer(i)}.mlp"
+
+
+def _expert_name(model_type: str, i: int, e: int, proj: str) -> str:
+    name = _MIXTRAL_EXPERT_NAMES[proj] if model_type == "mixtral" else proj
+    return f"{_moe_prefix(model_type, i)}.experts.{e}.{name}.weight"
+
+
+class _Reader:
+    """Tensors by HF name from one or more safetensors files; remembers what was used."""
+
+    def __init__(self, handles: Mapping[str, Any], where: str):
+        self._handles = handles  # name -> open safe_open handle
+        self.where = where
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self._handles
+
+    def names(self) -> set[str]:
+        return set(self._handles)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._handles:
+            raise HFFormatError(f"{self.where}: tensor {name!r} is missing")
+        self.used.add(name)
+        return self._handles[name].get_tensor(name)
+
+
+def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """jrl param paths -> shapes (what `jrl.models.init_params` builds), without jax."""
+    c = config
+    L, d, hd = c.n_layers, c.hidden_size, c.head_dim
+    q, kv = c.n_heads * hd, c.n_kv_heads * hd
+    shapes: dict[tuple[str, ...], tuple[int, ...]] = {
+        ("embed", "embedding"): (c.vocab_size, d),
+        ("final_norm", "scale"): (d,),
+        ("layers", "input_norm", "scale"): (L, d),
+        ("layers", "post_attn_norm", "scale"): (L, d),
+        ("layers", "attn", "q_proj", "kernel"): (L, d, q),
+        ("layers", "attn", "k_proj", "kernel"): (L, d, kv),
+        ("layers", "attn", "v_proj", "kernel"): (L, d, kv),
+        ("layers", "attn", "o_proj", "kernel"): (L, q, d),
+    }
+    if not c.tie_embeddings:
+        shapes[("lm_head",)] = (d, c.vocab_size)
+    if c.qkv_bias:
+        shapes.update({("layers", "attn", "q_proj", "bias"): (L, q),
+                       ("layers", "attn", "k_proj", "bias"): (L, kv),
+                       ("layers", "attn", "v_proj", "bias"): (L, kv)})
+    if c.qk_norm:
+        shapes.update({("layers", "attn", "q_norm", "scale"): (L, hd),
+                       ("layers", "attn", "k_norm", "scale"): (L, hd)})
+    if c.is_moe:
+        e, mi = c.n_experts, c.moe_intermediate_size
+        shapes.update({("layers", "moe", "router", "kernel"): (L, d, e),
+                       ("layers", "moe", "gate_proj"): (L, e, d, mi),
+                       ("layers", "moe", "up_proj"): (L, e, d, mi),
+                       ("layers", "moe", "down_proj"): (L, e, mi, d)})
+        si = c.shared_intermediate
+        if si:
+            shapes.update({("layers", "moe", "shared_expert", "gate_proj", "kernel"): (L, d, si),
+                           ("layers", "moe", "shared_expert", "up_proj", "kernel"): (L, d, si),
+                           ("layers", "moe", "shared_expert", "down_proj", "kernel"): (L, si, d)})
+        if c.shared_expert_gate:
+            shapes[("layers", "moe", "shared_expert_gate", "kernel")] = (L, d, 1)
+    else:
+        i = c.intermediate_size
+        shapes.update({("layers", "mlp", "gate_proj", "kernel"): (L, d, i),
+                       ("layers", "mlp", "up_proj", "kernel"): (L, d, i),
+                       ("layers", "mlp", "down_proj", "kernel"): (L, i, d)})
+    return shapes
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get(tree: Mapping, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _read_experts(reader: _Reader, model_type: str, config: ModelConfig, i: int) -> dict[str, np.ndarray]:
+    """jrl `[E, in, out]` expert kernels of layer i, from the classic or the fused layout."""
+    mi, e = config.moe_intermediate_size, config.n_experts
+    for prefix in (_moe_prefix(model_type, i), f"{_layer(i)}.mlp"):
+        fused = f"{prefix}.experts.gate_up_proj"
+        if reader.has(fused):
+            gate_up = reader.get(fused)  # [E, 2I, H]
+            down = reader.get(f"{prefix}.experts.down_proj")  # [E, H, I]
+            if gate_up.shape != (e, 2 * mi, config.hidden_size):
+                raise HFFormatError(f"{reader.where}: {fused}: shape {gate_up.shape} != "
+                                    f"{(e, 2 * mi, config.hidden_size)} (experts, 2*intermediate, hidden)")
+            return {"gate_proj": gate_up[:, :mi].transpose(0, 2, 1),
+                    "up_proj": gate_up[:, mi:].transpose(0, 2, 1),
+                    "down_proj": down.transpose(0, 2, 1)}
+    return {proj: np.stack([reader.get(_expert_name(model_type, i, j, proj)).T for j in range(e)])
+            for proj in _MLP}
+
+
+def _router_name(reader: _Reader, model_type: str, i: int) -> str:
+    name = f"{_moe_prefix(model_type, i)}.gate.weight"
+    fused_name = f"{_layer(i)}.mlp.gate.weight"  # mixtral as transformers 5 names it in memory
+    return fused_name if not reader.has(name) and reader.has(fused_name) else name
+
+
+def _params_from_reader(reader: _Reader, config: ModelConfig, model_type: str) -> dict:
+    """jrl params from HF tensors (float arrays in the stored dtype)."""
+    L = config.n_layers
+
+    def stacked(fmt: str, transpose: bool = False) -> np.ndarray:
+        arrays = [reader.get(fmt.format(i=i)) for i in range(L)]
+        return np.stack([a.T for a in arrays] if transpose else arrays)
+
+    params: dict = {}
+    embed = reader.get("model.embed_tokens.weight")
+    _set(params, ("embed", "embedding"), embed)
+    _set(params, ("final_norm", "scale"), reader.get("model.norm.weight"))
+    if config.tie_embeddings:
+        if reader.has("lm_head.weight"):
+            head = reader.get("lm_head.weight")
+            if head.shape != embed.shape or not np.array_equal(head, embed):
+                raise HFFormatError(f"{reader.where}: tie_word_embeddings is true but lm_head.weight "
+                                    "differs from model.embed_tokens.weight")
+    else:
+        _set(params, ("lm_head",), reader.get("lm_head.weight").T)
+    _set(params, ("layers", "input_norm", "scale"), stacked("model.layers.{i}.input_layernorm.weight"))
+    _set(params, ("layers", "post_attn_norm", "scale"),
+         stacked("model.layers.{i}.post_attention_layernorm.weight"))
+    for proj in _ATTN:
+        _set(params, ("layers", "attn", proj, "kernel"),
+             stacked("model.layers.{i}.self_attn." + proj + ".weight", transpose=True))
+        if config.qkv_bias and proj != "o_proj":
+            _set(params, ("layers", "attn", proj, "bias"), stacked("model.layers.{i}.self_attn." + proj + ".bias"))
+    if config.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            _set(params, ("layers", "attn", norm, "scale"), stacked("model.layers.{i}.self_attn." + norm + ".weight"))
+    if config.is_moe:
+        routers = [reader.get(_router_name(reader, model_type, i)).T for i in range(L)]
+        _set(params, ("layers", "moe", "router", "kernel"), np.stack(routers))
+        experts = [_read_experts(reader, model_type, config, i) for i in range(L)]
+        for proj in _MLP:
+            _set(params, ("layers", "moe", proj), np.stack([x[proj] for x in experts]))
+        if config.shared_intermediate:
+            for proj in _MLP:
+                _set(params, ("layers", "moe", "shared_expert", proj, "kernel"),
+                     stacked("model.layers.{i}.mlp.shared_expert." + proj + ".weight", transpose=True))
+        if config.shared_expert_gate:
+            _set(params, ("layers", "moe", "shared_expert_gate", "kernel"),
+                 stacked("model.layers.{i}.mlp.shared_expert_gate.weight", transpose=True))
+    else:
+        for proj in _MLP:
+            _set(params, ("layers", "mlp", proj, "kernel"),
+                 stacked("model.layers.{i}.mlp." + proj + ".weight", transpose=True))
+    return params
+
+
+def _tensors_from_params(params: Mapping, config: ModelConfig, model_type: str) -> dict[str, np.ndarray]:
+    """HF-named tensors (classic layout) from jrl params."""
+    out: dict[str, np.ndarray] = {}
+
+    def put(name: str, value: Any) -> None:
+        out[name] = np.ascontiguousarray(value)
+
+    def per_layer(fmt: str, stacked_value: Any, transpose: bool = False) -> None:
+        for i in range(config.n_layers):
+            put(fmt.format(i=i), stacked_value[i].T if transpose else stacked_value[i])
+
+    put("model.embed_tokens.weight", _get(params, ("embed", "embedding")))
+    put("model.norm.weight", _get(params, ("final_norm", "scale")))
+    if not config.tie_embeddings:
+        put("lm_head.weight", _get(params, ("lm_head",)).T)
+    layers = params["layers"]
+    per_layer("model.layers.{i}.input_layernorm.weight", layers["input_norm"]["scale"])
+    per_layer("model.layers.{i}.post_attention_layernorm.weight", layers["post_attn_norm"]["scale"])
+    attn = layers["attn"]
+    for proj in _ATTN:
+        per_layer("model.layers.{i}.self_attn." + proj + ".weight", attn[proj]["kernel"], transpose=True)
+        if config.qkv_bias and proj != "o_proj":
+            per_layer("model.layers.{i}.self_attn." + proj + ".bias", attn[proj]["bias"])
+    if config.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            per_layer("model.layers.{i}.self_attn." + norm + ".weight", attn[norm]["scale"])
+    if config.is_moe:
+        moe = layers["moe"]
+        for i in range(config.n_layers):
+            put(f"{_moe_prefix(model_type, i)}.gate.weight", moe["router"]["kernel"][i].T)
+            for proj in _MLP:
+                for e in range(config.n_experts):
+                    put(_expert_name(model_type, i, e, proj), moe[proj][i][e].T)
+        if config.shared_intermediate:
+            for proj in _MLP:
+                per_layer("model.layers.{i}.mlp.shared_expert." + proj + ".weight",
+                          moe["shared_expert"][proj]["kernel"], transpose=True)
+        if config.shared_expert_gate:
+            per_layer("model.layers.{i}.mlp.shared_expert_gate.weight",
+                      moe["shared_expert_gate"]["kernel"], transpose=True)
+    else:
+        for proj in _MLP:
+            per_layer("model.layers.{i}.mlp." + proj + ".weight", layers["mlp"][proj]["kernel"], transpose=True)
+    return out
+
+
+# ============================================================================ files
+
+_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints stored
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted({os.path.join(path, name) for name in weight_map.values()})
+    if os.path.exists(single):
+        return [single]
+    raise HFFormatError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                        "(only safetensors checkpoints are supported)")
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise HFFormatError(f"{path}: config.json not found")
+    with open(config_path) as f:
+        return json.load(f)
+
+
+def load_pretrained(path: str, dtype: str = "float32", *, max_position_embeddings: int | None = None,
+                    ignore_fields: Iterable[str] = ()) -> tuple[ModelConfig, dict]:
+    """Reads a local Hugging Face directory into (ModelConfig, params as numpy arrays in `dtype`).
+
+    `max_position_embeddings` caps/extends the context (RoPE table) length, e.g. to the
+    sliding window of a Mistral checkpoint; `ignore_fields` drops named config fields jrl
+    does not model, on purpose. Raises HFFormatError naming anything it cannot represent.
+    """
+    path = os.fspath(path)
+    target = _numpy_dtype(dtype)
+    config, model_type = config_from_hf(read_hf_config(path), dtype=dtype,
+                                        max_position_embeddings=max_position_embeddings,
+                                        ignore_fields=ignore_fields, where=os.path.join(path, "config.json"))
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for file in _weight_files(path):
+            handle = stack.enter_context(safe_open(file, framework="numpy"))
+            for name in handle.keys():
+                handles[name] = handle
+        reader = _Reader(handles, path)
+        raw = _params_from_reader(reader, config, model_type)
+        unused = sorted(n for n in reader.names() - reader.used if not n.endswith(_IGNORED_TENSOR_SUFFIXES))
+        if unused:
+            shown = ", ".join(unused[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
+            raise HFFormatError(f"{path}: {len(unused)} tensor(s) not used by the {model_type} mapping: {shown}")
+    expected = _expected_shapes(config)
+    params: dict = {}
+    for p, shape in expected.items():
+        value = _get(raw, p)
+        if tuple(value.shape) != shape:
+            hint = "/".join(p)
+            raise HFFormatError(f"{path}: {hint}: checkpoint shape {tuple(value.shape)} does not match the "
+                                f"config's {shape}")
+        _set(params, p, np.ascontiguousarray(value.astype(target)))
+    return config, params
+
+
+def _has_lora(tree: Any) -> bool:
+    if isinstance(tree, Mapping):
+        return any(k in ("lora_a", "lora_b") or _has_lora(v) for k, v in tree.items())
+    return False
+
+
+def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_type: str | None = None,
+                    max_shard_bytes: int | None = None, extra_config: Mapping[str, Any] | None = None) -> str:
+    """Writes `config.json` + `model.safetensors` (or shards + index when the tensors exceed
+    `max_shard_bytes`) that transformers loads as `model_type` (inferred when None).
+
+    LoRA adapters are rejected: merge them first with `jrl.models.lora.merge_lora`.
+    `extra_config` adds keys such as `eos_token_id` (it may not override mapped keys).
+    Returns the model_type written.
+    """
+    path = os.fspath(path)
+    if _has_lora(params):
+        raise HFFormatError("params contain LoRA adapters (lora_a/lora_b); merge them first with "
+                            "jrl.models.lora.merge_lora(config, params)")
+    hf = config_to_hf(config, model_type)
+    model_type = hf["model_type"]
+    if extra_config:
+        clash = sorted(set(extra_config) & set(hf))
+        if clash:
+            raise HFFormatError(f"extra_config: key(s) {clash} are set from the ModelConfig")
+        hf.update(extra_config)
+    expected = _expected_shapes(config)
+    for p, shape in expected.items():
+        try:
+            value = _get(params, p)
+        except (KeyError, TypeError):
+            raise HFFormatError(f"params: {'/'.join(p)} is missing for this config") from None
+        if tuple(np.shape(value)) != shape:
+            raise HFFormatError(f"params: {'/'.join(p)} has shape {tuple(np.shape(value))}, config needs {shape}")
+    host = {p: np.asarray(_get(params, p)) for p in expected}
+    host_tree: dict = {}
+    for p, v in host.items():
+        _set(host_tree, p, v)
+    tensors = _tensors_from_params(host_tree, config, model_type)
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+        f.write("\n")
+    metadata = {"format": "pt"}
+    shards = _shard(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=metadata)
+        return model_type
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, name), metadata=metadata)
+        weight_map.update({n: name for n in shard})
+    total = sum(t.nbytes for t in tensors.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        f.write("\n")
+    return model_type
+
+
+def _shard(tensors: dict[str, np.ndarray], max_bytes: int | None) -> list[dict[str, np.ndarray]]:
+    if max_bytes is None:
+        return [tensors]
+    if max_bytes <= 0:
+        raise HFFormatError(f"max_shard_bytes: must be > 0, got {max_bytes}")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        if shards[-1] and size + t.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    return shards
+
+
+def params_equal(a: Mapping, b: Mapping) -> bool:
+    """True when two param trees have the same paths, shapes, dtypes and values."""
+    if isinstance(a, Mapping) != isinstance(b, Mapping):
+        return False
+    if isinstance(a, Mapping):
+        return set(a) == set(b) and all(params_equal(a[k], b[k]) for k in a)
+    x, y = np.asarray(a), np.asarray(b)
+    return x.dtype == y.dtype and x.shape == y.shape and bool(np.array_equal(x, y))
+
+
+__all__ = [
+    "ARCHITECTURES", "HFFormatError", "SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf",
+    "infer_model_type", "load_pretrained", "params_equal", "read_hf_config", "save_pretrained",
+]
