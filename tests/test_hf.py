@@ -1,0 +1,394 @@
+"""Hugging Face import/export: golden parity with transformers, round trips, and clear errors.
+
+The fixtures under tests/fixtures/hf/ were written by scripts/make_golden.py with
+transformers (see docs/hf.md); CI needs no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jrl import hf
+from jrl.config import LoraConfig, ModelConfig, RopeScaling
+from jrl.models import apply, init_params
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"]
+
+
+def fixture(family: str) -> str:
+    return os.path.join(FIXTURES, family)
+
+
+def golden(family: str) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(fixture(family), "golden.npz")) as data:
+        return {k: data[k] for k in data.files}
+
+
+@functools.lru_cache(maxsize=None)
+def jrl_prompt_logits_and_greedy(family: str) -> tuple[np.ndarray, np.ndarray]:
+    """jrl's logits on the golden prompt and its greedy continuation, from one jitted shape:
+    the prompt sits at the front of a fixed [B, prompt + new] buffer, and causal attention
+    makes each position's logits independent of the (not yet written) tokens after it."""
+    config, params = hf.load_pretrained(fixture(family))
+    g = golden(family)
+    batch, prompt_len = g["tokens"].shape
+    new = g["greedy"].shape[1]
+    logits_fn = jax.jit(apply, static_argnums=0)
+    buf = np.zeros((batch, prompt_len + new), np.int32)
+    buf[:, :prompt_len] = g["tokens"]
+    prompt_logits = None
+    for t in range(prompt_len, prompt_len + new):
+        logits = np.asarray(logits_fn(config, params, jnp.asarray(buf)))
+        if prompt_logits is None:
+            prompt_logits = logits[:, :prompt_len]
+        buf[:, t] = logits[:, t - 1].argmax(-1)
+    return prompt_logits, buf[:, prompt_len:]
+
+
+def copy_fixture(family: str, dst, config_edit=None):
+    """A copy of a fixture, with `config_edit(dict)` applied to its config.json."""
+    shutil.copytree(fixture(family), dst)
+    if config_edit is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        config_edit(cfg)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    return str(dst)
+
+
+def random_params(config: ModelConfig, seed: int) -> dict:
+    """Numpy params with init_params' structure (traced, not run: compiling init is slow)."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    return jax.tree_util.tree_map(
+        lambda s: rng.standard_normal(s.shape).astype(np.float32).astype(s.dtype), shapes)
+
+
+def fixture_config(family: str) -> dict:
+    return hf.read_hf_config(fixture(family))
+
+
+# ----------------------------------------------------------------------------- golden parity
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family):
+    logits, _ = jrl_prompt_logits_and_greedy(family)
+    assert np.abs(logits - golden(family)["logits"]).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_match_transformers(family):
+    _, tokens = jrl_prompt_logits_and_greedy(family)
+    np.testing.assert_array_equal(tokens, golden(family)["greedy"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loaded_params_have_the_init_params_structure(family):
+    config, params = hf.load_pretrained(fixture(family))
+    expected = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    shapes = jax.tree_util.tree_map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), params)
+    assert shapes == jax.tree_util.tree_map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), expected)
+
+
+# ----------------------------------------------------------------------------- config mapping
+
+
+def test_llama_config_maps_llama3_rope_and_untied_head():
+    config, _ = hf.load_pretrained(fixture("llama"))
+    assert config.rope_scaling == RopeScaling(type="llama3", factor=8.0, low_freq_factor=1.0,
+                                              high_freq_factor=4.0, original_max_position_embeddings=64)
+    assert (config.tie_embeddings, config.qkv_bias, config.qk_norm, config.is_moe) == (False, False, False, False)
+    assert (config.n_heads, config.n_kv_heads, config.head_dim, config.max_position_embeddings) == (4, 2, 8, 256)
+
+
+def test_qwen2_config_maps_bias_tied_embeddings_and_dynamic_rope():
+    config, params = hf.load_pretrained(fixture("qwen2"))
+    assert (config.qkv_bias, config.tie_embeddings) == (True, True)
+    assert "lm_head" not in params
+    assert config.rope_scaling == RopeScaling(type="dynamic", factor=2.0, original_max_position_embeddings=256)
+
+
+def test_qwen3_config_maps_qk_norm_explicit_head_dim_and_linear_rope():
+    config, _ = hf.load_pretrained(fixture("qwen3"))
+    assert (config.qk_norm, config.qkv_bias, config.head_dim, config.hidden_size) == (True, False, 16, 32)
+    assert config.rope_scaling == RopeScaling(type="linear", factor=2.0)
+
+
+def test_mistral_window_longer_than_context_is_accepted_with_family_rope_theta():
+    config, _ = hf.load_pretrained(fixture("mistral"))
+    assert (config.head_dim, config.rope_theta, config.max_position_embeddings) == (16, 1e6, 256)
+
+
+def test_qwen2_moe_config_maps_gated_shared_expert_without_renormalisation():
+    config, _ = hf.load_pretrained(fixture("qwen2_moe"))
+    assert (config.n_experts, config.n_experts_per_tok, config.moe_intermediate_size) == (4, 2, 16)
+    assert (config.shared_expert_intermediate_size, config.shared_expert_gate, config.n_shared_experts) == (32, True, 0)
+    assert (config.norm_topk_prob, config.qkv_bias, config.router_aux_loss_coef) == (False, True, 0.001)
+
+
+def test_qwen3_moe_config_maps_yarn_and_renormalised_top_k():
+    config, _ = hf.load_pretrained(fixture("qwen3_moe"))
+    assert config.rope_scaling == RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=64)
+    assert (config.norm_topk_prob, config.qk_norm, config.shared_intermediate) == (True, True, 0)
+
+
+def test_mixtral_expert_width_is_intermediate_size():
+    config, _ = hf.load_pretrained(fixture("mixtral"))
+    assert (config.n_experts, config.moe_intermediate_size, config.norm_topk_prob, config.rms_norm_eps) == (4, 32, True, 1e-5)
+
+
+def test_legacy_rope_scaling_keys_give_the_same_config_as_rope_parameters():
+    new = fixture_config("llama")
+    legacy = dict(new)
+    rope = dict(legacy.pop("rope_parameters"))
+    legacy["rope_theta"] = rope.pop("rope_theta")
+    legacy["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    assert hf.config_from_hf(legacy) == hf.config_from_hf(new)
+
+
+def test_yarn_mscale_pair_sets_the_attention_factor():
+    cfg = fixture_config("qwen3_moe")
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                              "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.5}
+    config, _ = hf.config_from_hf(cfg)
+    expected = (0.1 * np.log(4.0) + 1.0) / (0.05 * np.log(4.0) + 1.0)
+    assert config.rope_scaling.attention_factor == pytest.approx(expected)
+
+
+def test_load_dtype_bfloat16_sets_param_and_compute_dtype():
+    config, params = hf.load_pretrained(fixture("qwen3"), dtype="bfloat16")
+    assert (config.param_dtype, config.dtype) == ("bfloat16", "bfloat16")
+    assert {str(x.dtype) for x in jax.tree_util.tree_leaves(params)} == {"bfloat16"}
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def test_fused_expert_layout_loads_the_same_params(tmp_path):
+    """transformers 5 keeps experts fused in memory (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    src = copy_fixture("qwen3_moe", tmp_path / "fused")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    fused = {}
+    for name, t in tensors.items():
+        if ".experts." not in name:
+            fused[name] = t
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts"
+        gate = np.stack([tensors[f"{p}.{e}.gate_proj.weight"] for e in range(4)])
+        up = np.stack([tensors[f"{p}.{e}.up_proj.weight"] for e in range(4)])
+        fused[f"{p}.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        fused[f"{p}.down_proj"] = np.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+    save_file(fused, os.path.join(src, "model.safetensors"))
+    _, expected = hf.load_pretrained(fixture("qwen3_moe"))
+    _, got = hf.load_pretrained(src)
+    assert hf.params_equal(got, expected)
+
+
+def test_fused_mixtral_experts_under_mlp_load_the_same_params(tmp_path):
+    src = copy_fixture("mixtral", tmp_path / "fused")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    fused = {k: v for k, v in tensors.items() if ".block_sparse_moe." not in k}
+    for i in range(2):
+        old, new = f"model.layers.{i}.block_sparse_moe", f"model.layers.{i}.mlp"
+        w = {n: np.stack([tensors[f"{old}.experts.{e}.{n}.weight"] for e in range(4)]) for n in ("w1", "w2", "w3")}
+        fused[f"{new}.experts.gate_up_proj"] = np.concatenate([w["w1"], w["w3"]], axis=1)
+        fused[f"{new}.experts.down_proj"] = w["w2"]
+        fused[f"{new}.gate.weight"] = tensors[f"{old}.gate.weight"]
+    save_file(fused, os.path.join(src, "model.safetensors"))
+    assert hf.params_equal(hf.load_pretrained(src)[1], hf.load_pretrained(fixture("mixtral"))[1])
+
+
+def test_sharded_checkpoint_round_trips(tmp_path):
+    config, params = hf.load_pretrained(fixture("qwen2_moe"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        shards = set(json.load(f)["weight_map"].values())
+    assert len(shards) > 1 and not (tmp_path / "model.safetensors").exists()
+    assert hf.params_equal(hf.load_pretrained(tmp_path)[1], params)
+
+
+# ----------------------------------------------------------------------------- save -> load
+
+
+ROUND_TRIP_CONFIGS = {
+    "llama_untied_llama3": ("llama", ModelConfig(
+        vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48,
+        max_position_embeddings=128, rope_scaling=RopeScaling(type="llama3", factor=4.0, original_max_position_embeddings=32))),
+    "qwen2_tied_dynamic": ("qwen2", ModelConfig(
+        vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=8, intermediate_size=48,
+        tie_embeddings=True, qkv_bias=True,
+        rope_scaling=RopeScaling(type="dynamic", factor=2.0, original_max_position_embeddings=512))),
+    "qwen3_yarn_attention_factor": ("qwen3", ModelConfig(
+        vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=48,
+        qk_norm=True, rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=128,
+                                               beta_fast=16.0, attention_factor=1.25))),
+    "mixtral_tied": ("mixtral", ModelConfig(
+        vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=24,
+        moe_intermediate_size=24, n_experts=4, n_experts_per_tok=2, tie_embeddings=True)),
+    "qwen2_moe_shared": ("qwen2_moe", ModelConfig(
+        vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48,
+        qkv_bias=True, n_experts=4, n_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=False,
+        shared_expert_intermediate_size=24, shared_expert_gate=True)),
+    "qwen3_moe_linear": ("qwen3_moe", ModelConfig(
+        vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48,
+        qk_norm=True, n_experts=4, n_experts_per_tok=2, moe_intermediate_size=16,
+        rope_scaling=RopeScaling(type="linear", factor=2.0))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_TRIP_CONFIGS))
+def test_save_then_load_gives_identical_config_and_params(name, tmp_path):
+    model_type, config = ROUND_TRIP_CONFIGS[name]
+    params = random_params(config, 1)
+    assert hf.save_pretrained(config, params, tmp_path) == model_type  # inferred from the config
+    loaded_config, loaded = hf.load_pretrained(tmp_path)
+    assert loaded_config == config
+    assert hf.params_equal(loaded, params)
+
+
+def test_bfloat16_params_round_trip_exactly(tmp_path):
+    _, config = ROUND_TRIP_CONFIGS["llama_untied_llama3"]
+    config = dataclasses.replace(config, param_dtype="bfloat16", dtype="bfloat16")
+    params = random_params(config, 2)
+    hf.save_pretrained(config, params, tmp_path)
+    assert json.load(open(tmp_path / "config.json"))["torch_dtype"] == "bfloat16"
+    _, as_bf16 = hf.load_pretrained(tmp_path, dtype="bfloat16")
+    _, as_f32 = hf.load_pretrained(tmp_path, dtype="float32")
+    assert hf.params_equal(as_bf16, params)
+    assert hf.params_equal(as_f32, jax.tree_util.tree_map(lambda x: x.astype(np.float32), params))
+
+
+def test_saved_config_uses_legacy_rope_keys_and_extra_config(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(config, params, tmp_path, model_type="llama", extra_config={"eos_token_id": 2})
+    saved = json.load(open(tmp_path / "config.json"))
+    assert saved["rope_theta"] == 10000.0 and saved["eos_token_id"] == 2
+    assert saved["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    assert saved["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_save_rejects_unmerged_lora_params(tmp_path):
+    _, config = ROUND_TRIP_CONFIGS["llama_untied_llama3"]
+    lora_config = dataclasses.replace(config, lora=LoraConfig(rank=2, targets=("q",)))
+    params = random_params(lora_config, 0)
+    with pytest.raises(hf.HFFormatError, match="merge_lora"):
+        hf.save_pretrained(lora_config, params, tmp_path)
+    with pytest.raises(hf.HFFormatError, match="merge_lora"):
+        hf.save_pretrained(config, params, tmp_path)  # adapters in params, config without LoRA
+
+
+def test_save_rejects_a_model_type_that_cannot_express_the_config(tmp_path):
+    config, params = hf.load_pretrained(fixture("qwen3"))
+    with pytest.raises(hf.HFFormatError, match="model_type 'llama' cannot express this config: qk_norm=True"):
+        hf.save_pretrained(config, params, tmp_path, model_type="llama")
+
+
+def test_save_rejects_params_of_the_wrong_shape(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    params["final_norm"]["scale"] = np.ones(7, np.float32)
+    with pytest.raises(hf.HFFormatError, match=r"final_norm/scale has shape \(7,\), config needs \(32,\)"):
+        hf.save_pretrained(config, params, tmp_path)
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+def test_unknown_architecture_is_named():
+    with pytest.raises(hf.HFFormatError, match="model_type 'gpt2' is not supported; supported: llama"):
+        hf.config_from_hf({**fixture_config("llama"), "model_type": "gpt2"})
+
+
+def test_sliding_window_shorter_than_context_is_rejected_and_capping_the_context_accepts_it():
+    cfg = {**fixture_config("mistral"), "sliding_window": 64}
+    with pytest.raises(hf.HFFormatError, match="sliding_window: sliding-window attention with window 64 < max length 256"):
+        hf.config_from_hf(cfg)
+    config, _ = hf.config_from_hf(cfg, max_position_embeddings=64)
+    assert config.max_position_embeddings == 64
+
+
+def test_qwen_sliding_window_counts_only_when_enabled():
+    cfg = {**fixture_config("qwen2"), "sliding_window": 16}
+    assert hf.config_from_hf(cfg)[0].max_position_embeddings == 256
+    with pytest.raises(hf.HFFormatError, match="use_sliding_window/sliding_window"):
+        hf.config_from_hf({**cfg, "use_sliding_window": True})
+
+
+@pytest.mark.parametrize("key,value,family", [
+    ("decoder_sparse_step", 2, "qwen2_moe"),
+    ("mlp_only_layers", [0], "qwen3_moe"),
+    ("attention_bias", True, "llama"),
+    ("mlp_bias", True, "llama"),
+    ("hidden_act", "gelu", "qwen2"),
+    ("router_jitter_noise", 0.1, "mixtral"),
+])
+def test_unsupported_field_values_are_named(key, value, family):
+    with pytest.raises(hf.HFFormatError, match=re.escape(f"{key}={value!r} is not supported")):
+        hf.config_from_hf({**fixture_config(family), key: value})
+
+
+def test_unknown_field_is_named_and_can_be_ignored_on_purpose():
+    cfg = {**fixture_config("llama"), "logit_softcapping": 30.0}
+    with pytest.raises(hf.HFFormatError, match=r"field\(s\) \['logit_softcapping'\] are not supported for llama"):
+        hf.config_from_hf(cfg)
+    assert hf.config_from_hf(cfg, ignore_fields=["logit_softcapping"])[1] == "llama"
+
+
+def test_unsupported_rope_type_is_named():
+    cfg = {**fixture_config("llama"), "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
+    with pytest.raises(hf.HFFormatError, match="rope type 'longrope' is not supported"):
+        hf.config_from_hf(cfg)
+
+
+def test_quantized_checkpoint_is_rejected():
+    with pytest.raises(hf.HFFormatError, match="quantization_config: quantized checkpoints are not supported"):
+        hf.config_from_hf({**fixture_config("llama"), "quantization_config": {"quant_method": "gptq"}})
+
+
+def test_unused_tensor_is_named(tmp_path):
+    src = copy_fixture("llama", tmp_path / "extra")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(32, np.float32)
+    save_file(tensors, os.path.join(src, "model.safetensors"))
+    with pytest.raises(hf.HFFormatError, match=r"1 tensor\(s\) not used by the llama mapping: model.layers.0.self_attn.o_proj.bias"):
+        hf.load_pretrained(src)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    src = copy_fixture("qwen2", tmp_path / "missing")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, os.path.join(src, "model.safetensors"))
+    with pytest.raises(hf.HFFormatError, match="tensor 'model.layers.1.self_attn.k_proj.bias' is missing"):
+        hf.load_pretrained(src)
+
+
+def test_shape_mismatch_between_config_and_weights_is_named(tmp_path):
+    src = copy_fixture("llama", tmp_path / "shape", lambda c: c.update(intermediate_size=48))
+    with pytest.raises(hf.HFFormatError, match=r"layers/mlp/gate_proj/kernel: checkpoint shape \(2, 32, 64\) does not match the config's \(2, 32, 48\)"):
+        hf.load_pretrained(src)
+
+
+def test_untied_lm_head_differing_from_tied_embedding_is_rejected(tmp_path):
+    src = copy_fixture("llama", tmp_path / "tied", lambda c: c.update(tie_word_embeddings=True))
+    with pytest.raises(hf.HFFormatError, match="tie_word_embeddings is true but lm_head.weight differs"):
+        hf.load_pretrained(src)
+
+
+def test_bad_dtype_is_named():
+    with pytest.raises(hf.HFFormatError, match="dtype: must be one of"):
+        hf.load_pretrained(fixture("llama"), dtype="int8")
