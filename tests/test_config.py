@@ -1,0 +1,140 @@
+"""Model configuration: defaults, derived properties, dict round trips, and validation
+errors that name the offending field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jrl.config import ConfigError, LoraConfig, ModelConfig, RopeScaling, from_dict, model_config_from_dict, to_dict
+
+
+def test_defaults_are_a_valid_small_gqa_model():
+    cfg = ModelConfig()
+    assert (cfg.attention, cfg.is_moe, cfg.qk_head_dim, cfg.rope_dim) == ("gqa", False, 16, 16)
+    assert cfg.lora.rank == 0 and cfg.lora.scale == 0.0
+    assert cfg.rope_scaling == RopeScaling()
+
+
+def test_derived_widths_for_mla_and_moe():
+    mla = ModelConfig(attention="mla", qk_nope_head_dim=24, qk_rope_head_dim=8)
+    assert (mla.qk_head_dim, mla.rope_dim) == (32, 8)
+    moe = ModelConfig(n_experts=8, moe_intermediate_size=20, n_shared_experts=2)
+    assert moe.is_moe and moe.shared_intermediate == 40
+    assert ModelConfig(n_experts=8, shared_expert_intermediate_size=24).shared_intermediate == 24
+
+
+def test_lora_scale_is_alpha_over_rank():
+    assert LoraConfig(rank=8, alpha=32.0).scale == 4.0
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ModelConfig().hidden_size = 3
+
+
+def test_from_dict_builds_nested_configs_and_to_dict_round_trips():
+    data = {
+        "hidden_size": 48, "n_heads": 6, "n_kv_heads": 3, "head_dim": 8, "rope_theta": 500000,
+        "rope_scaling": {"type": "llama3", "factor": 8, "original_max_position_embeddings": 64},
+        "lora": {"rank": 4, "alpha": 8, "targets": ["q", "o", "down"]},
+        "param_dtype": "bfloat16", "remat": "dots",
+    }
+    cfg = model_config_from_dict(data)
+    assert cfg.rope_scaling == RopeScaling(type="llama3", factor=8.0, original_max_position_embeddings=64)
+    assert cfg.lora == LoraConfig(rank=4, alpha=8.0, targets=("q", "o", "down"))
+    assert isinstance(cfg.rope_theta, float) and cfg.rope_theta == 500000.0
+    plain = to_dict(cfg)
+    assert plain["lora"]["targets"] == ["q", "o", "down"]
+    assert model_config_from_dict(plain) == cfg
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"hidden_sise": 8}, "model.hidden_sise"),
+    ({"rope_scaling": {"fator": 2.0}}, "model.rope_scaling.fator"),
+    ({"lora": {"rank": 2, "target": ["q"]}}, "model.lora.target"),
+])
+def test_from_dict_rejects_unknown_keys_by_full_name(data, field):
+    with pytest.raises(ConfigError, match=rf"unknown key\(s\) {field}; allowed: "):
+        model_config_from_dict(data)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"rope_scaling": {"type": "ntk-by-parts"}}, "model.rope_scaling.type: must be one of"),
+    ({"hidden_size": "64"}, "model.hidden_size: must be an integer, got '64'"),
+    ({"qk_norm": 1}, "model.qk_norm: must be true or false"),
+    ({"lora": {"targets": ["q", "qkv"]}}, r"model.lora.targets\[1\]: must be one of"),
+    ({"rope_scaling": 2.0}, "model.rope_scaling: must be a mapping"),
+    ({"dtype": "float64"}, "model.dtype: must be one of"),
+])
+def test_from_dict_type_errors_name_the_field(data, message):
+    with pytest.raises(ConfigError, match=message):
+        model_config_from_dict(data)
+
+
+def test_from_dict_rejects_a_non_mapping():
+    with pytest.raises(ConfigError, match="ModelConfig: must be a mapping"):
+        from_dict(ModelConfig, ["hidden_size", 8])
+
+
+INVALID = [
+    ({"n_kv_heads": 3}, r"n_kv_heads: must divide n_heads \(4\), got 3"),
+    ({"n_kv_heads": 0}, "n_kv_heads: must be a positive integer, got 0"),
+    ({"n_kv_heads": 8}, "n_kv_heads: must divide n_heads"),
+    ({"vocab_size": 0}, "vocab_size: must be a positive integer"),
+    ({"n_layers": -1}, "n_layers: must be a positive integer"),
+    ({"head_dim": 7}, "head_dim: must be even for RoPE, got 7"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps: must be > 0"),
+    ({"rope_theta": -1.0}, "rope_theta: must be > 0"),
+    ({"initializer_range": -0.1}, "initializer_range: must be >= 0"),
+    ({"attention": "mqa"}, "attention: must be one of"),
+    ({"param_dtype": "int8"}, "param_dtype: must be one of"),
+    ({"dtype": "float64"}, "dtype: must be one of"),
+    ({"remat": "everything"}, "remat: must be one of"),
+    ({"rope_scaling": RopeScaling(type="unknown")}, "rope_scaling.type: must be one of"),
+    ({"rope_scaling": RopeScaling(type="linear", factor=0.0)}, "rope_scaling.factor: must be > 0"),
+    ({"rope_scaling": RopeScaling(type="llama3")}, "rope_scaling.original_max_position_embeddings: is required"),
+    ({"rope_scaling": RopeScaling(type="yarn")}, "rope_scaling.original_max_position_embeddings: is required"),
+    ({"rope_scaling": RopeScaling(type="dynamic", original_max_position_embeddings=0)},
+     "rope_scaling.original_max_position_embeddings: must be > 0"),
+    ({"rope_scaling": RopeScaling(type="llama3", original_max_position_embeddings=64, low_freq_factor=4.0)},
+     "rope_scaling.high_freq_factor: must be greater than low_freq_factor"),
+    ({"lora": LoraConfig(rank=-1)}, "lora.rank: must be >= 0"),
+    ({"lora": LoraConfig(rank=4, targets=())}, "lora.targets: must name at least one projection"),
+    ({"lora": LoraConfig(rank=4, targets=("q", "proj"))}, r"lora.targets\[1\]: must be one of"),
+    ({"attention": "mla", "kv_lora_rank": 0}, "kv_lora_rank: must be > 0 for MLA"),
+    ({"attention": "mla", "v_head_dim": 0}, "v_head_dim: must be > 0 for MLA"),
+    ({"attention": "mla", "qk_rope_head_dim": 5}, "qk_rope_head_dim: must be even"),
+    ({"attention": "mla", "q_lora_rank": -2}, "q_lora_rank: must be >= 0"),
+    ({"attention": "mla", "qk_norm": True}, "qk_norm: is not supported with MLA"),
+    ({"attention": "mla", "qkv_bias": True}, "qkv_bias: is not supported with MLA"),
+    ({"attention": "mla", "lora": LoraConfig(rank=2, targets=("q", "v"))}, r"lora.targets\[1\]: 'v' has no projection"),
+    ({"n_experts": -1}, "n_experts: must be >= 0"),
+    ({"n_experts": 4, "n_experts_per_tok": 5}, r"n_experts_per_tok: must be in \[1, n_experts=4\], got 5"),
+    ({"n_experts": 4, "n_experts_per_tok": 0}, "n_experts_per_tok: must be in"),
+    ({"n_experts": 4, "moe_intermediate_size": 0}, "moe_intermediate_size: must be > 0"),
+    ({"n_experts": 4, "n_shared_experts": -1}, "n_shared_experts: must be >= 0"),
+    ({"n_experts": 4, "shared_expert_intermediate_size": -8}, "shared_expert_intermediate_size: must be >= 0"),
+    ({"n_experts": 4, "shared_expert_gate": True}, "shared_expert_gate: needs a shared expert"),
+    ({"n_experts": 4, "router_aux_loss_coef": -0.01}, "router_aux_loss_coef: must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", INVALID, ids=[m.split(":")[0].replace("\\", "") for _, m in INVALID])
+def test_invalid_values_raise_an_error_naming_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match="^" + message):
+        ModelConfig(**kwargs)
+
+
+def test_validation_errors_from_dict_name_the_field_too():
+    with pytest.raises(ConfigError, match=r"^n_kv_heads: must divide n_heads \(4\), got 3"):
+        model_config_from_dict({"n_kv_heads": 3})
+
+
+def test_valid_variants_construct():
+    ModelConfig(n_kv_heads=1)  # MQA
+    ModelConfig(n_kv_heads=4)  # MHA
+    ModelConfig(attention="mla", q_lora_rank=16, lora=LoraConfig(rank=2, targets=("q", "o", "gate")))
+    ModelConfig(n_experts=4, n_experts_per_tok=4, n_shared_experts=1, shared_expert_gate=True)
+    ModelConfig(rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=128))
