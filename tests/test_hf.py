@@ -151,6 +151,44 @@ def test_mixtral_expert_width_is_intermediate_size():
     assert (config.n_experts, config.moe_intermediate_size, config.norm_topk_prob, config.rms_norm_eps) == (4, 32, True, 1e-5)
 
 
+LLAMA31_8B_CONFIG = {  # as published for Llama-3.1-8B (transformers 4.43 era keys)
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+MISTRAL_7B_V01_CONFIG = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
+}
+
+
+def test_published_llama31_config_maps_to_the_expected_model_config():
+    config, model_type = hf.config_from_hf(LLAMA31_8B_CONFIG, dtype="bfloat16", max_position_embeddings=8192)
+    assert model_type == "llama"
+    assert config == ModelConfig(
+        vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+        intermediate_size=14336, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192),
+        param_dtype="bfloat16", dtype="bfloat16")
+
+
+def test_published_mistral_config_needs_the_context_capped_at_its_window():
+    with pytest.raises(hf.HFFormatError, match="window 4096 < max length 32768 is not supported; pass max_position_embeddings<=4096"):
+        hf.config_from_hf(MISTRAL_7B_V01_CONFIG)
+    assert hf.config_from_hf(MISTRAL_7B_V01_CONFIG, max_position_embeddings=4096)[0].max_position_embeddings == 4096
+
+
 def test_legacy_rope_scaling_keys_give_the_same_config_as_rope_parameters():
     new = fixture_config("llama")
     legacy = dict(new)

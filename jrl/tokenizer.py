@@ -1,0 +1,283 @@
+"""Tokenizers: a Hugging Face `tokenizer.json` wrapper, a built-in byte tokenizer, chat templates.
+
+Every tokenizer here satisfies the `Tokenizer` protocol the data pipeline and the rollout
+engine use:
+
+    tok = load_tokenizer("bytes")                 # or a tokenizer.json path / HF directory
+    ids = tok.encode("hello")                     # no BOS/EOS added unless asked
+    text = tok.decode(ids)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+
+`encode` never adds special tokens by default: chat templates already place them, and the
+data pipeline appends EOS itself. Special-token strings inside the text (e.g. "<eos>" or
+"<|im_end|>") are encoded as their single special ids, as Hugging Face tokenizers do.
+
+Chat templates are Jinja, rendered in a sandbox with the same conventions as transformers
+(`trim_blocks`, `lstrip_blocks`, `raise_exception`, a `tojson` that keeps non-ASCII), so the
+`chat_template` of a Hugging Face `tokenizer_config.json` renders as it does there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+# A role marker per turn, each turn closed by the EOS token; generation prompts end with the
+# assistant marker, so a model trained on this format stops by emitting EOS.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('default chat template: unknown role ' ~ message['role'] ~ "
+    "'; allowed: system, user, assistant') }}"
+    "{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What jrl needs from a tokenizer."""
+
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    bos_id: int | None
+    chat_template: str | None
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = False, template: str | None = None,
+                            **context: Any) -> str: ...
+
+
+# ----------------------------------------------------------------------------- chat templates
+
+
+class ChatTemplateError(ValueError):
+    """A chat template or its messages are invalid (raised by templates via raise_exception)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
+            ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
+                      ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str):
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def apply_chat_template(messages: Sequence[Mapping[str, Any]], template: str | None = None, *,
+                        add_generation_prompt: bool = False, bos_token: str | None = None,
+                        eos_token: str | None = None, **context: Any) -> str:
+    """Renders `messages` (dicts with at least a `role`) with a Jinja chat template
+    (`DEFAULT_CHAT_TEMPLATE` when None). Extra keyword arguments (e.g. `tools`,
+    `enable_thinking`) are passed to the template."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError(f"messages: must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"messages[{i}]: must be a dict, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}]: needs a string 'role', got {m.get('role')!r}")
+    return _compile(template or DEFAULT_CHAT_TEMPLATE).render(
+        messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token or "", eos_token=eos_token or "", **context)
+
+
+# ----------------------------------------------------------------------------- byte tokenizer
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then special tokens from id 256 (see `SPECIAL_TOKENS`).
+
+    Needs no files, so demos and tests run offline. Its chat format is DEFAULT_CHAT_TEMPLATE,
+    whose role markers are single special tokens here.
+    """
+
+    SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>")
+
+    def __init__(self) -> None:
+        self.special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
+        self._special_by_id = {i: tok for tok, i in self.special_ids.items()}
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in self.SPECIAL_TOKENS) + ")")
+        self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
+        self.pad_id = self.special_ids["<pad>"]
+        self.bos_id = self.special_ids["<bos>"]
+        self.eos_id = self.special_ids["<eos>"]
+        self.chat_template = DEFAULT_CHAT_TEMPLATE
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """UTF-8 bytes, special-token strings as their ids; `add_special_tokens` prepends <bos>."""
+        ids = [self.bos_id] if add_special_tokens else []
+        for piece in self._split.split(text):
+            if piece in self.special_ids:
+                ids.append(self.special_ids[piece])
+            else:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text for `ids`; invalid UTF-8 becomes U+FFFD. Special ids render as their strings."""
+        out: list[str] = []
+        pending = bytearray()
+        for raw in ids:
+            i = int(raw)
+            if 0 <= i < 256:
+                pending.append(i)
+                continue
+            if i not in self._special_by_id:
+                raise ValueError(f"token id {i} is outside the byte tokenizer's vocab [0, {self.vocab_size})")
+            out.append(pending.decode("utf-8", errors="replace"))
+            pending.clear()
+            if not skip_special_tokens:
+                out.append(self._special_by_id[i])
+        out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = False, template: str | None = None,
+                            **context: Any) -> str:
+        return apply_chat_template(messages, template or self.chat_template,
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token="<bos>", eos_token="<eos>", **context)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or AddedToken dicts."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value
+
+
+def _pick_template(value: Any, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        if "default" in named:
+            return named["default"]
+        raise ValueError(f"{where}: chat_template has no 'default' entry (has {sorted(map(str, named))})")
+    raise ValueError(f"{where}: chat_template must be a string or a list of named templates")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` (tokenizer.json) with its special tokens and chat template."""
+
+    def __init__(self, tokenizer: Any, *, eos_token: str, pad_token: str | None = None,
+                 bos_token: str | None = None, chat_template: str | None = None):
+        self._tok = tokenizer
+        self.eos_token, self.bos_token = eos_token, bos_token
+        self.pad_token = pad_token or eos_token  # common practice when a vocab has no pad token
+        self.eos_id = self._id(eos_token, "eos_token")
+        self.pad_id = self._id(self.pad_token, "pad_token")
+        self.bos_id = self._id(bos_token, "bos_token") if bos_token else None
+        self.chat_template = chat_template
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def _id(self, token: str, field: str) -> int:
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise ValueError(f"{field}: token {token!r} is not in the tokenizer's vocabulary")
+        return i
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str, tokenizer_config: str | None = None, *,
+                  chat_template: str | None = None, eos_token: str | None = None,
+                  pad_token: str | None = None, bos_token: str | None = None) -> HFTokenizer:
+        """Loads `tokenizer.json`, plus special tokens and chat_template from an optional
+        `tokenizer_config.json`; keyword arguments override both."""
+        from tokenizers import Tokenizer as RawTokenizer
+
+        tokenizer_json = os.fspath(tokenizer_json)
+        tok = RawTokenizer.from_file(tokenizer_json)
+        cfg: dict[str, Any] = {}
+        if tokenizer_config is not None:
+            with open(tokenizer_config) as f:
+                cfg = json.load(f)
+        eos = eos_token or _token_content(cfg.get("eos_token"))
+        if not eos:
+            raise ValueError(f"eos_token: {tokenizer_json} has no eos_token in a tokenizer_config.json; "
+                             "pass eos_token=...")
+        return cls(tok, eos_token=eos, pad_token=pad_token or _token_content(cfg.get("pad_token")),
+                   bos_token=bos_token or _token_content(cfg.get("bos_token")),
+                   chat_template=chat_template or _pick_template(cfg.get("chat_template"),
+                                                                 str(tokenizer_config)))
+
+    @classmethod
+    def from_dir(cls, path: str, **overrides: Any) -> HFTokenizer:
+        """A Hugging Face model directory: tokenizer.json, tokenizer_config.json if present, and
+        chat_template.jinja (newer transformers keep the template there) if present."""
+        path = os.fspath(path)
+        tokenizer_json = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tokenizer_json):
+            raise ValueError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
+        config = os.path.join(path, "tokenizer_config.json")
+        jinja = os.path.join(path, "chat_template.jinja")
+        if "chat_template" not in overrides and os.path.exists(jinja):
+            with open(jinja) as f:
+                overrides["chat_template"] = f.read()
+        return cls.from_file(tokenizer_json, config if os.path.exists(config) else None, **overrides)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids; `add_special_tokens` runs the tokenizer's post-processor (e.g. adds BOS)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = False, template: str | None = None,
+                            **context: Any) -> str:
+        return apply_chat_template(messages, template or self.chat_template,
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token, eos_token=self.eos_token, **context)
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    """`"bytes"` -> ByteTokenizer; a directory -> HFTokenizer.from_dir; a tokenizer.json file ->
+    HFTokenizer.from_file (with a tokenizer_config.json beside it, if any)."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if os.path.isdir(spec):
+        return HFTokenizer.from_dir(spec)
+    if os.path.isfile(spec):
+        config = os.path.join(os.path.dirname(spec), "tokenizer_config.json")
+        return HFTokenizer.from_file(spec, config if os.path.exists(config) else None)
+    raise ValueError(f"tokenizer: {spec!r} is neither 'bytes' nor an existing tokenizer.json or directory")
+
+
+__all__ = [
+    "DEFAULT_CHAT_TEMPLATE", "ByteTokenizer", "ChatTemplateError", "HFTokenizer", "Tokenizer",
+    "apply_chat_template", "load_tokenizer",
+]

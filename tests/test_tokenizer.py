@@ -1,0 +1,196 @@
+"""Tokenizers: byte round trips, a tiny BPE trained in-test through HFTokenizer, chat templates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from jrl.tokenizer import (
+    DEFAULT_CHAT_TEMPLATE,
+    ByteTokenizer,
+    ChatTemplateError,
+    HFTokenizer,
+    Tokenizer,
+    apply_chat_template,
+    load_tokenizer,
+)
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["the cat sat on the mat", "the dog sat on the log", "héllo wörld, the cat says hi"] * 20
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    """A byte-level BPE trained on a toy corpus, saved like a Hugging Face model directory."""
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(CORPUS, trainer)
+    path = tmp_path_factory.mktemp("bpe")
+    raw.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": {"content": "<|im_end|>", "special": True}, "pad_token": "<|endoftext|>",
+        "chat_template": CHATML}))
+    return path
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def test_byte_tokenizer_round_trips_unicode_text():
+    tok = ByteTokenizer()
+    text = "héllo wörld — 你好 🙂\n\ttab"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+
+
+def test_byte_tokenizer_ids_of_special_tokens():
+    tok = ByteTokenizer()
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.vocab_size) == (256, 257, 258, 262)
+    assert isinstance(tok, Tokenizer)
+
+
+def test_byte_tokenizer_encodes_special_strings_as_single_ids_and_decodes_them_back():
+    tok = ByteTokenizer()
+    ids = tok.encode("<|user|>\nhi<eos>")
+    assert ids == [260, 10, 104, 105, 258]
+    assert tok.decode(ids) == "<|user|>\nhi<eos>"
+    assert tok.decode(ids, skip_special_tokens=True) == "\nhi"
+
+
+def test_byte_tokenizer_adds_bos_only_when_asked():
+    tok = ByteTokenizer()
+    assert tok.encode("a", add_special_tokens=True) == [257, 97]
+    assert tok.encode("a") == [97]
+
+
+def test_byte_tokenizer_decodes_a_cut_multibyte_character_as_replacement():
+    tok = ByteTokenizer()
+    assert tok.decode(list("é".encode("utf-8"))[:1] + [97]) == "\ufffda"
+
+
+def test_byte_tokenizer_rejects_ids_outside_its_vocab():
+    with pytest.raises(ValueError, match=r"token id 262 is outside the byte tokenizer's vocab \[0, 262\)"):
+        ByteTokenizer().decode([97, 262])
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def test_hf_tokenizer_round_trips_text(bpe_dir):
+    tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", bpe_dir / "tokenizer_config.json")
+    text = "the cat sat on the log, héllo"
+    ids = tok.encode(text)
+    assert len(ids) < len(text.encode("utf-8"))  # merges were learned
+    assert tok.decode(ids) == text
+
+
+def test_hf_tokenizer_reads_special_tokens_from_tokenizer_config(bpe_dir):
+    tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", bpe_dir / "tokenizer_config.json")
+    raw = RawTokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    assert tok.eos_id == raw.token_to_id("<|im_end|>")
+    assert tok.pad_id == raw.token_to_id("<|endoftext|>")
+    assert (tok.bos_id, tok.vocab_size) == (None, raw.get_vocab_size(with_added_tokens=True))
+    assert isinstance(tok, Tokenizer)
+
+
+def test_hf_tokenizer_without_config_needs_an_explicit_eos(bpe_dir):
+    with pytest.raises(ValueError, match="eos_token: .* has no eos_token"):
+        HFTokenizer.from_file(bpe_dir / "tokenizer.json")
+    tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", eos_token="<|endoftext|>")
+    assert tok.pad_id == tok.eos_id  # no pad token: falls back to EOS
+
+
+def test_hf_tokenizer_rejects_an_eos_token_missing_from_the_vocab(bpe_dir):
+    with pytest.raises(ValueError, match="eos_token: token '</s>' is not in the tokenizer's vocabulary"):
+        HFTokenizer.from_file(bpe_dir / "tokenizer.json", eos_token="</s>")
+
+
+def test_hf_chat_template_renders_and_special_tokens_encode_as_single_ids(bpe_dir):
+    tok = load_tokenizer(str(bpe_dir))
+    text = tok.apply_chat_template(MESSAGES[1:2], add_generation_prompt=True)
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(text)
+    assert ids[0] == tok.encode("<|im_start|>")[0] and ids.count(tok.eos_id) == 1
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nHi\nassistant\n"
+
+
+def test_from_dir_prefers_chat_template_jinja(bpe_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((bpe_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert HFTokenizer.from_dir(tmp_path).apply_chat_template(MESSAGES[:2]) == "[Be brief.][Hi]"
+
+
+def test_named_template_list_uses_the_default_entry(bpe_dir, tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>",
+        "chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]}))
+    tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    assert tok.chat_template == "plain"
+
+
+def test_hf_tokenizer_without_template_uses_the_default(bpe_dir):
+    tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", eos_token="<|im_end|>")
+    assert tok.apply_chat_template(MESSAGES[1:2]) == "<|user|>\nHi<|im_end|>"
+
+
+# ----------------------------------------------------------------------------- chat templates
+
+
+def test_default_chat_template_renders_exact_string():
+    assert apply_chat_template(MESSAGES, eos_token="<eos>") == (
+        "<|system|>\nBe brief.<eos><|user|>\nHi<eos><|assistant|>\nHello<eos>")
+
+
+def test_default_chat_template_generation_prompt_with_byte_tokenizer():
+    tok = ByteTokenizer()
+    text = tok.apply_chat_template(MESSAGES[1:2], add_generation_prompt=True)
+    assert text == "<bos><|user|>\nHi<eos><|assistant|>\n"
+    assert tok.encode(text)[:2] == [257, 260] and tok.encode(text)[-2:] == [261, 10]
+
+
+def test_default_chat_template_rejects_unknown_role():
+    with pytest.raises(ChatTemplateError, match="unknown role tool; allowed: system, user, assistant"):
+        apply_chat_template([{"role": "tool", "content": "42"}])
+
+
+def test_messages_must_have_roles():
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]: needs a string 'role'"):
+        apply_chat_template([{"role": "user", "content": "a"}, {"content": "b"}])
+    with pytest.raises(ChatTemplateError, match="messages: must be a list"):
+        apply_chat_template("hello")
+
+
+def test_template_context_tojson_keeps_unicode_and_extra_variables():
+    template = "{{ messages | tojson }}|{{ enable_thinking }}"
+    out = apply_chat_template([{"role": "user", "content": "héllo <b>"}], template, enable_thinking=False)
+    assert out == '[{"role": "user", "content": "héllo <b>"}]|False'
+
+
+def test_jinja_block_whitespace_follows_transformers_conventions():
+    template = "{% for m in messages %}\n  {{ m['content'] }}\n{% endfor %}"
+    assert apply_chat_template(MESSAGES[:2], template) == "  Be brief.\n  Hi\n"
+
+
+def test_default_template_constant_is_what_byte_tokenizer_uses():
+    assert ByteTokenizer().chat_template == DEFAULT_CHAT_TEMPLATE
+
+
+def test_load_tokenizer_rejects_unknown_spec():
+    with pytest.raises(ValueError, match="tokenizer: 'nope.json' is neither 'bytes' nor an existing"):
+        load_tokenizer("nope.json")
