@@ -1,0 +1,55 @@
+"""`generate`: the whole engine as one function call, for notebooks and scripts.
+
+    completions = generate(params, model_config, prompts, jax.random.key(0),
+                           sampling=SamplingParams(temperature=1.0), max_new_tokens=32)
+
+Each call builds a fresh engine (KV pool sized from the prompts, rounded to powers of two)
+but the jitted step programs are cached per model config and engine geometry, so calls
+with the same shapes do not compile again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl.config import ModelConfig
+from jrl.rollout.config import EngineConfig
+from jrl.rollout.engine import Engine
+from jrl.rollout.request import Completion
+from jrl.rollout.sampling import SamplingParams
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def default_engine_config(model_config: ModelConfig, prompts: Sequence[Sequence[int]],
+                          max_new_tokens: int, page_size: int = 16) -> EngineConfig:
+    """A pool holding every request at once; sizes rounded up to powers of two."""
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    pages = sum(-(-(len(p) + max_new_tokens) // page_size) for p in prompts)
+    max_batch = min(_pow2(len(prompts)), 256)
+    return EngineConfig(page_size=page_size, n_pages=_pow2(pages), max_batch=max_batch,
+                        max_tokens_per_step=max(512, max_batch),
+                        max_seq_len=min(model_config.max_position_embeddings, _pow2(longest)))
+
+
+def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]], key: jax.Array,
+             sampling: SamplingParams | None = None, max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
+             stop_sequences: Sequence[Sequence[int]] = (), engine_config: EngineConfig | None = None,
+             version: int = 0) -> list[Completion]:
+    """Generates a completion per prompt (in order). Each prompt's sampling seed is drawn
+    from `key` (replacing `sampling.seed`), so the same key gives the same samples."""
+    if not prompts:
+        return []
+    sampling = sampling or SamplingParams()
+    seeds = np.asarray(jax.random.bits(key, (len(prompts),), jnp.uint32))
+    per_prompt = [SamplingParams(**{**sampling.__dict__, "seed": int(s)}) for s in seeds]
+    engine_config = engine_config or default_engine_config(config, prompts, max_new_tokens)
+    engine = Engine(config, params, engine_config, version=version)
+    return engine.generate(prompts, per_prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                           stop_sequences=stop_sequences)

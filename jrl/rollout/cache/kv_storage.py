@@ -1,0 +1,46 @@
+"""KVStorage: the device KV buffers of every layer, `[n_layers, n_slots, n_kv_heads, head_dim]`.
+
+For MLA the cache is the latent form: one "head" holding `kv_lora_rank + qk_rope_head_dim`
+channels (the normalised latent, then the rope'd key part) and no separate value buffer
+(`v is None`; values are the latent's first `kv_lora_rank` channels). The buffers are
+donated to every jitted step and replaced by its outputs, so they are updated in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jrl.config import ModelConfig
+from jrl.models.layers import dtype_of
+
+
+def kv_shapes(config: ModelConfig, n_slots: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """Shapes of (k, v); v is None for MLA's latent cache."""
+    if config.attention == "mla":
+        return (config.n_layers, n_slots, 1, config.kv_lora_rank + config.qk_rope_head_dim), None
+    shape = (config.n_layers, n_slots, config.n_kv_heads, config.head_dim)
+    return shape, shape
+
+
+class KVStorage:
+    def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None) -> None:
+        self.dtype = dtype_of(dtype or config.dtype)
+        k_shape, v_shape = kv_shapes(config, n_slots)
+        self.k: jax.Array = jnp.zeros(k_shape, self.dtype)
+        self.v: jax.Array | None = None if v_shape is None else jnp.zeros(v_shape, self.dtype)
+
+    @property
+    def n_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
+
+    def buffers(self) -> tuple[jax.Array, jax.Array | None]:
+        return self.k, self.v
+
+    def update(self, k: jax.Array, v: jax.Array | None) -> None:
+        """Takes the buffers a donated step returned (the old ones are no longer valid)."""
+        self.k, self.v = k, v

@@ -1,0 +1,124 @@
+"""TaskCacheManager: one request's KV allocation from admission to release.
+
+Lifecycle of a task (a request while it holds KV pages):
+
+* `alloc` gives it a row of the req_to_token table;
+* `cached` looks its tokens up in the prefix cache and shares the hit pages;
+* `reserve` (contiguous strategy) takes one region for everything it may still write,
+  `extend` (paged strategy) grows its pages to cover the tokens of the next step;
+* `record_hashes` publishes its full pages to the prefix cache as soon as their KV is
+  scheduled, so requests admitted later (even in the same step) reuse them;
+* `free` releases its pages (cached ones stay evictable) and its row;
+* `bind` turns the step's (task, first position, token count) entries into the int32
+  device metadata: cu_q_lens, kv_lens, page table, positions and out_cache_loc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jrl.rollout.cache.page_pool import PagePool
+from jrl.rollout.cache.radix import RadixCache
+from jrl.rollout.cache.req_to_token import ReqToTokenPool
+
+
+@dataclasses.dataclass(eq=False)
+class TaskCache:
+    row: int
+    pages: list[int] = dataclasses.field(default_factory=list)
+    kv_len: int = 0  # positions whose KV is written (or written by a step already dispatched)
+    n_cached_tokens: int = 0  # prefix-cache hit of the latest admission
+    n_published: int = 0  # leading pages already offered to the prefix cache
+
+
+@dataclasses.dataclass
+class BoundBatch:
+    """Host-side int32 metadata of one step (unpadded: the executor pads to buckets)."""
+
+    cu_q_lens: np.ndarray  # [R + 1]
+    kv_lens: np.ndarray  # [R]
+    page_table: np.ndarray  # [R, max pages used]
+    positions: np.ndarray  # [T]
+    out_cache_loc: np.ndarray  # [T]
+
+
+class TaskCacheManager:
+    def __init__(self, pool: PagePool, req_to_token: ReqToTokenPool, radix: RadixCache | None) -> None:
+        self.pool = pool
+        self.req_to_token = req_to_token
+        self.radix = radix
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def alloc(self) -> TaskCache:
+        return TaskCache(row=self.req_to_token.alloc_row())
+
+    def cached(self, task: TaskCache, tokens: Sequence[int], version: int, max_tokens: int) -> int:
+        """Shares the longest cached prefix (<= max_tokens tokens) of `tokens`; returns its length."""
+        assert not task.pages, "cached() is only for a task without pages"
+        if self.radix is None:
+            return 0
+        pages = self.radix.match(tokens, version, max_tokens)
+        if pages:
+            self.pool.allocator.share(pages)
+            self._append(task, pages)
+            task.n_published = len(pages)
+        task.kv_len = task.n_cached_tokens = len(pages) * self.page_size
+        return task.kv_len
+
+    def _append(self, task: TaskCache, pages: list[int]) -> None:
+        self.req_to_token.set_pages(task.row, len(task.pages), pages)
+        task.pages.extend(pages)
+
+    def pages_needed(self, task: TaskCache, n_tokens: int) -> int:
+        """New pages required for the task to hold `n_tokens` positions."""
+        return max(0, self.pool.pages_for(n_tokens) - len(task.pages))
+
+    def extend(self, task: TaskCache, n_tokens: int) -> None:
+        """Grows the task's pages to cover `n_tokens` positions (raises OutOfPages)."""
+        need = self.pages_needed(task, n_tokens)
+        if need:
+            self._append(task, self.pool.allocate(need))
+
+    reserve = extend  # contiguous strategy: one call for the whole region (pool allocates a run)
+
+    def record_hashes(self, task: TaskCache, tokens: Sequence[int], version: int) -> None:
+        """Publishes the task's full pages whose KV is scheduled and whose tokens are known
+        (positions < min(kv_len, len(tokens)))."""
+        if self.radix is None:
+            return
+        n_full = min(min(task.kv_len, len(tokens)) // self.page_size, len(task.pages))
+        if n_full > task.n_published:
+            self.radix.insert(tokens, task.pages[:n_full], version)
+            task.n_published = n_full
+
+    def free(self, task: TaskCache, tokens: Sequence[int] | None = None, version: int | None = None) -> None:
+        """Releases the task; with `tokens` and `version`, publishes its full pages first."""
+        if tokens is not None and version is not None:
+            self.record_hashes(task, tokens, version)
+        self.pool.allocator.release(task.pages)
+        task.pages = []
+        self.req_to_token.free_row(task.row)
+        task.row = -1
+
+    def bind(self, tasks: Sequence[TaskCache], q_starts: Sequence[int], q_lens: Sequence[int]) -> BoundBatch:
+        """Device metadata for a step where task i computes positions
+        `q_starts[i] : q_starts[i] + q_lens[i]` (its KV must already be allocated)."""
+        rows = np.fromiter((t.row for t in tasks), np.int64, len(tasks))
+        starts = np.asarray(q_starts, np.int64)
+        lens = np.asarray(q_lens, np.int64)
+        cu = np.zeros(len(tasks) + 1, np.int32)
+        np.cumsum(lens, out=cu[1:])
+        kv_lens = (starts + lens).astype(np.int32)
+        total = int(cu[-1])
+        owner = np.repeat(np.arange(len(tasks)), lens)
+        positions = (np.arange(total) - cu[:-1][owner] + starts[owner]).astype(np.int32)
+        slots = self.req_to_token.slots(rows[owner], positions.astype(np.int64)).astype(np.int32)
+        width = max(1, self.pool.pages_for(int(kv_lens.max()) if len(tasks) else 1))
+        return BoundBatch(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.req_to_token.page_table(rows, width),
+                          positions=positions, out_cache_loc=slots)

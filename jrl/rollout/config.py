@@ -1,0 +1,127 @@
+"""EngineConfig: the rollout engine's memory, batching and scheduling settings.
+
+Shapes that reach the device (token counts, request rows, page-table width) are padded
+to the buckets resolved here, so a long generation compiles a handful of programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from jrl.config import ConfigError, ModelConfig
+
+
+def _check(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"engine.{field}: {msg}")
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... below hi, then hi itself (so the largest bucket is exactly hi)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n (buckets ascending)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one `Engine` (see docs/rollout.md for how they interact).
+
+    page_size: tokens per KV page. n_pages: pages in the KV pool (n_slots = n_pages *
+    page_size). max_batch: requests running at once (rows of a step). max_tokens_per_step:
+    the token budget of one forward (decode tokens + prefill chunks); must be >= max_batch
+    so every running request can decode every step. max_seq_len: prompt + new tokens of one
+    request (None: the model's max_position_embeddings). token_buckets / batch_buckets:
+    padded sizes of a step's token count / request rows (empty: powers of two).
+    chunked_prefill: split long prompts over steps (else a prompt must fit the budget).
+    allocation: "paged" grows a request page by page (preempting the youngest request when
+    pages run out); "contiguous" reserves one region for prompt + max_new_tokens at
+    admission. prefix_cache: share full pages of identical prefixes (radix tree, per
+    weight version). penalty_window: how many trailing tokens (prompt + output) the
+    repetition/frequency/presence penalties see. on_weight_update: what `update_weights`
+    does with requests in flight: "finish" them with the old weights first, or "restart"
+    them (abort, discard their tokens, re-queue) under the new weights. attention_impl:
+    `pallas_kernels` implementation. overlap: schedule step n+1 while step n runs and read
+    sampled tokens one step late. seed: derives the sampling seed of requests without one.
+    """
+
+    page_size: int = 16
+    n_pages: int = 256
+    max_batch: int = 32
+    max_tokens_per_step: int = 512
+    max_seq_len: int | None = None
+    token_buckets: tuple[int, ...] = ()
+    batch_buckets: tuple[int, ...] = ()
+    chunked_prefill: bool = True
+    allocation: Literal["paged", "contiguous"] = "paged"
+    prefix_cache: bool = True
+    penalty_window: int = 64
+    on_weight_update: Literal["finish", "restart"] = "finish"
+    attention_impl: Literal["auto", "reference", "pallas", "interpret"] = "auto"
+    overlap: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                   f"must be a positive integer, got {v!r}")
+        _check(self.max_tokens_per_step >= self.max_batch, "max_tokens_per_step",
+               f"must be >= max_batch ({self.max_batch}) so every running request can decode "
+               f"each step, got {self.max_tokens_per_step}")
+        if self.max_seq_len is not None:
+            _check(self.max_seq_len > 0, "max_seq_len", f"must be positive, got {self.max_seq_len}")
+        for name, top in (("token_buckets", self.max_tokens_per_step), ("batch_buckets", self.max_batch)):
+            b = getattr(self, name)
+            if b:
+                _check(all(isinstance(x, int) and x > 0 for x in b), name,
+                       f"must be positive integers, got {list(b)}")
+                _check(list(b) == sorted(set(b)), name, f"must be strictly ascending, got {list(b)}")
+                _check(b[-1] >= top, name, f"largest bucket must be >= {top}, got {b[-1]}")
+        _check(self.allocation in ("paged", "contiguous"), "allocation",
+               f"must be 'paged' or 'contiguous', got {self.allocation!r}")
+        _check(self.on_weight_update in ("finish", "restart"), "on_weight_update",
+               f"must be 'finish' or 'restart', got {self.on_weight_update!r}")
+        _check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "attention_impl",
+               f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
+
+    @property
+    def n_slots(self) -> int:
+        return self.n_pages * self.page_size
+
+    @property
+    def resolved_token_buckets(self) -> tuple[int, ...]:
+        return self.token_buckets or powers_of_two(min(16, self.max_tokens_per_step), self.max_tokens_per_step)
+
+    @property
+    def resolved_batch_buckets(self) -> tuple[int, ...]:
+        return self.batch_buckets or powers_of_two(1, self.max_batch)
+
+    def seq_len_limit(self, model: ModelConfig) -> int:
+        """Longest prompt + generation a request may have."""
+        limit = self.max_seq_len or model.max_position_embeddings
+        if limit > model.max_position_embeddings:
+            raise ConfigError(f"engine.max_seq_len: {limit} exceeds the model's "
+                              f"max_position_embeddings ({model.max_position_embeddings})")
+        return limit
+
+    def max_pages_per_request(self, model: ModelConfig) -> int:
+        return -(-self.seq_len_limit(model) // self.page_size)
+
+    def page_col_buckets(self, model: ModelConfig) -> tuple[int, ...]:
+        """Padded widths of the page table (pages per request row): powers of two from 8
+        (fewer programs for short sequences) up to the per-request maximum."""
+        top = self.max_pages_per_request(model)
+        return powers_of_two(min(8, top), top)

@@ -1,0 +1,347 @@
+"""Engine: continuous-batching generation over a paged, prefix-shared KV cache, serving
+one acknowledged weight version at a time.
+
+    engine = Engine(model_config, params, EngineConfig(...), version=0)
+    completions = engine.generate(prompts, SamplingParams(temperature=1.0), max_new_tokens=64)
+    ack = engine.update_weights(new_params, version=1)
+
+The loop overlaps host and device: `step()` plans and dispatches step n (asynchronously),
+then reads back step n-1's sampled tokens, whose device work is already done or nearly so.
+Decode inputs of step n come from step n-1's device output, so the host never waits for
+a token before dispatching the step that consumes it. A request that stopped at step n-1
+has one wasted row in step n, discarded on read-back.
+
+Weight updates happen only between steps (`update_weights` is called from the thread that
+drives the engine). Requests in flight either finish under the old weights before the swap
+or are aborted and restarted under the new ones (`EngineConfig.on_weight_update`); either
+way every token of a completion comes from one forward under one version, recorded per
+token. Prefix-cache entries belong to the version that computed them; on update the
+entries of other versions are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl.config import ModelConfig
+from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
+from jrl.rollout.config import EngineConfig, bucket
+from jrl.rollout.executor import StepLayout, pack, step_function
+from jrl.rollout.request import Completion, Request
+from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, sampling_arrays
+from jrl.rollout.scheduler import ScheduledBatch, Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """Acknowledgement of `update_weights`: the engine now serves `version`."""
+
+    version: int
+    finished_in_flight: int = 0  # requests completed under the old weights first
+    restarted: int = 0  # requests aborted and re-queued under the new weights
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    host_s: float = 0.0  # planning + packing + dispatch (host work per step)
+    wait_s: float = 0.0  # blocked reading back sampled tokens
+    decode_host_s: float = 0.0
+    decode_wait_s: float = 0.0
+
+
+@dataclasses.dataclass
+class _InFlight:
+    tokens: jax.Array
+    logprobs: jax.Array
+    model_logprobs: jax.Array
+    samples: list[tuple[int, Request, int]]  # (row, request, request epoch at dispatch)
+    version: int
+    decode: bool
+
+
+class Engine:
+    def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig | None = None,
+                 version: int = 0) -> None:
+        self.model_config = model_config
+        self.config = config = config or EngineConfig()
+        self.params = params
+        self.version = int(version)
+        self.seq_limit = config.seq_len_limit(model_config)
+        ps = config.page_size
+        self.pool = PagePool(config.n_pages, ps, config.allocation)
+        self.radix = RadixCache(ps, self.pool.allocator) if config.prefix_cache else None
+        self.req_to_token = ReqToTokenPool(config.max_batch, config.max_pages_per_request(model_config), ps)
+        self.cache = TaskCacheManager(self.pool, self.req_to_token, self.radix)
+        self.scheduler = Scheduler(config, self.cache)
+        self.kv = KVStorage(model_config, config.n_slots)
+        self._token_buckets = config.resolved_token_buckets
+        self._batch_buckets = config.resolved_batch_buckets
+        self._col_buckets = config.page_col_buckets(model_config)
+        self.max_rows = self._batch_buckets[-1]
+        self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl)
+        self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32)
+        self._inflight: _InFlight | None = None
+        self._next_id = 0
+        self._finished: list[Completion] = []
+        self._admit = "all"
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int] | np.ndarray, sampling: SamplingParams | None = None,
+                    max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
+                    stop_sequences: Sequence[Sequence[int]] = ()) -> int:
+        """Queues a request; returns its id. Raises ValueError for a request that can
+        never run (bad tokens, longer than max_seq_len, more pages than the pool)."""
+        cfg = self.config
+        sampling = sampling or SamplingParams()
+        prompt = np.asarray(prompt)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"prompt: must be a non-empty 1-D sequence of token ids, got shape {prompt.shape} "
+                             f"dtype {prompt.dtype}")
+        vocab = self.model_config.vocab_size
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got min {prompt.min()} max {prompt.max()}")
+        if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+        total = len(prompt) + int(max_new_tokens)
+        if total > self.seq_limit:
+            raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} "
+                             f"exceeds max_seq_len ({self.seq_limit})")
+        pages = self.pool.pages_for(total)
+        if pages > cfg.n_pages:
+            raise ValueError(f"request can never fit: prompt + max_new_tokens = {total} tokens need {pages} pages "
+                             f"of {cfg.page_size}, the pool has n_pages={cfg.n_pages}")
+        if not cfg.chunked_prefill:
+            longest = len(prompt) if cfg.allocation == "contiguous" else total - 1
+            if longest > cfg.max_tokens_per_step:
+                raise ValueError(f"request can never fit: without chunked_prefill its prefill of up to {longest} "
+                                 f"tokens must fit max_tokens_per_step={cfg.max_tokens_per_step}")
+        eos = frozenset(int(e) for e in eos_ids)
+        stops = tuple(tuple(int(t) for t in s) for s in stop_sequences)
+        if any(len(s) == 0 for s in stops):
+            raise ValueError("stop_sequences: every stop sequence must be non-empty")
+        rid = self._next_id
+        self._next_id += 1
+        seed = sampling.seed if sampling.seed is not None else (cfg.seed * 1_000_003 + rid) % 2**32
+        self.scheduler.add(Request(rid=rid, prompt=prompt.astype(np.int32), sampling=sampling,
+                                   max_new_tokens=int(max_new_tokens), eos_ids=eos, stop_sequences=stops,
+                                   seed=int(seed)))
+        return rid
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._inflight is not None
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[Completion]:
+        """Plans and dispatches one step, reads back the previous one; returns the
+        requests that finished."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule(self.version, admit=self._admit)
+        launched = self._dispatch(batch) if batch is not None else None
+        host = time.perf_counter() - t0
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            self._read_back(previous)
+        if launched is not None and not self.config.overlap:
+            self._inflight = None
+            self._read_back(launched)
+        if launched is None and previous is None and self.scheduler.has_work:
+            raise RuntimeError("engine: no request could be scheduled and none is running "
+                               "(pool too small for the waiting requests?)")
+        if launched is not None:
+            self.stats.steps += 1
+            self.stats.host_s += host
+            if launched.decode:
+                self.stats.decode_steps += 1
+                self.stats.decode_host_s += host
+        done, self._finished = self._finished, []
+        return done
+
+    def flush(self) -> list[Completion]:
+        """Reads back the step in flight (no new step is dispatched)."""
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            self._read_back(previous)
+        done, self._finished = self._finished, []
+        return done
+
+    def run(self) -> list[Completion]:
+        """Steps until every queued request has finished."""
+        done: list[Completion] = []
+        while self.has_work:
+            done += self.step()
+        return done + self.flush()
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
+                 stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
+        """Runs `prompts` to completion; completions in prompt order."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"sampling: {len(sampling)} entries for {len(prompts)} prompts")
+        ids = [self.add_request(p, s, max_new_tokens, eos_ids, stop_sequences) for p, s in zip(prompts, sampling)]
+        wanted = set(ids)
+        by_id: dict[int, Completion] = {}
+        while wanted - by_id.keys():
+            if not self.has_work:
+                raise RuntimeError("engine: requests vanished before finishing")
+            for c in self.step():
+                by_id[c.request_id] = c
+        for c in self.flush():
+            by_id[c.request_id] = c
+        return [by_id[i] for i in ids]
+
+    # ------------------------------------------------------------------ device side
+    def _dispatch(self, batch: ScheduledBatch) -> _InFlight:
+        entries = batch.entries
+        n = len(entries)
+        decode = batch.decode
+        n_rows = bucket(n, self._batch_buckets)
+        n_tokens = n_rows if decode else bucket(batch.n_tokens, self._token_buckets)
+        bound = self.cache.bind([e.req.task for e in entries], [e.q_start for e in entries],
+                                [e.q_len for e in entries])
+        n_cols = bucket(bound.page_table.shape[1], self._col_buckets)
+        sample_params = [e.req.sampling if e.sample else GREEDY for e in entries]
+        penalties, mode = batch_mode([e.req.sampling for e in entries if e.sample] or [GREEDY])
+        window = self.config.penalty_window - 1 if penalties else 0
+        layout = StepLayout(decode=decode, n_tokens=n_tokens, n_rows=n_rows, n_page_cols=n_cols,
+                            window=window, penalties=penalties, mode=mode)
+
+        tokens = np.zeros(n_tokens, np.int32)
+        tok_src = np.full(n_tokens, -1, np.int32)
+        positions = np.zeros(n_tokens, np.int32)
+        out_loc = np.full(n_tokens, -1, np.int32)
+        total = batch.n_tokens
+        positions[:total] = bound.positions
+        out_loc[:total] = bound.out_cache_loc
+        win = np.full((n_rows, window), -1, np.int32)
+        for i, e in enumerate(entries):
+            start = int(bound.cu_q_lens[i])
+            req = e.req
+            if e.device_input:
+                tok_src[start] = req.device_row
+            else:
+                known = req.known_tokens()
+                tokens[start:start + e.q_len] = known[e.q_start:e.q_start + e.q_len]
+            if window and e.sample:
+                last = e.q_start + e.q_len - 1
+                lo = max(0, last - window)
+                seen = req.known_tokens()[lo:last]
+                win[i, window - len(seen):] = seen
+        cu = np.full(n_rows + 1, total, np.int32)
+        cu[:n + 1] = bound.cu_q_lens
+        kv_lens = np.zeros(n_rows, np.int32)
+        kv_lens[:n] = bound.kv_lens
+        page_table = np.zeros((n_rows, n_cols), np.int32)
+        page_table[:n, :bound.page_table.shape[1]] = bound.page_table
+        s = sampling_arrays(sample_params, [e.req.seed for e in entries],
+                            [e.req.n_scheduled_samples - 1 if e.sample else 0 for e in entries], n_rows)
+        ints = pack(layout.int_fields(), dict(tokens=tokens, tok_src=tok_src, positions=positions,
+                                              out_cache_loc=out_loc, cu_q_lens=cu, kv_lens=kv_lens,
+                                              page_table=page_table, top_k=s.top_k, seed=s.seed,
+                                              index=s.index, window=win), np.int32)
+        floats = pack(layout.float_fields(), s._asdict(), np.float32)
+        k, v = self.kv.buffers()
+        tok, logp, model_logp, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
+                                                            layout=layout)
+        self.kv.update(k, v)
+        self._prev_tokens = tok
+        samples = []
+        for row, e in enumerate(entries):
+            if e.sample:
+                e.req.device_row = row
+                samples.append((row, e.req, e.req.epoch))
+        return _InFlight(tok, logp, model_logp, samples, self.version, decode)
+
+    def _read_back(self, step: _InFlight) -> None:
+        t0 = time.perf_counter()
+        tokens, logp, model_logp = jax.device_get((step.tokens, step.logprobs, step.model_logprobs))
+        waited = time.perf_counter() - t0
+        self.stats.wait_s += waited
+        if step.decode:
+            self.stats.decode_wait_s += waited
+        for row, req, epoch in step.samples:
+            if req.epoch != epoch:
+                continue  # preempted, aborted or already finished since dispatch
+            req.n_inflight -= 1
+            if req.n_inflight == 0:
+                req.device_row = -1
+            req.record(int(tokens[row]), float(logp[row]), float(model_logp[row]), step.version)
+            self.stats.generated_tokens += 1
+            if req.finish_reason is not None:
+                self.scheduler.finish(req, step.version)
+                self._finished.append(req.completion())
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, params: dict, version: int) -> Ack:
+        """Serves `params` as `version` from the next step on. Returns once no request is
+        being generated with the old weights. Raises ValueError for a version going
+        backwards, a version already served with other params, or params whose structure,
+        shapes or dtypes differ from the served ones."""
+        if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
+            raise ValueError(f"version: must be an integer, got {version!r}")
+        version = int(version)
+        if version < self.version:
+            raise ValueError(f"version: {version} is older than the served version {self.version}; "
+                             "policy versions never go backwards")
+        _check_same_structure(self.params, params)
+        if version == self.version:
+            same = all(a is b for a, b in zip(jax.tree.leaves(self.params), jax.tree.leaves(params)))
+            if not same:
+                raise ValueError(f"version: {version} is already served with different params; "
+                                 "publish new weights under a new version")
+            return Ack(version)
+        finished = restarted = 0
+        earlier = self.flush()
+        if self.config.on_weight_update == "finish":
+            drained = self._drain_started()
+            finished = len(drained)
+            earlier += drained
+        else:
+            restarted = len(self.scheduler.abort_running())
+            for req in self.scheduler.waiting:
+                if req.outputs:  # preempted under the old weights: restart too
+                    req.reset_outputs()
+                    restarted += 1
+        self._finished = earlier
+        self.params = params
+        self.version = version
+        if self.radix is not None:
+            self.radix.drop_versions_except(version)
+        return Ack(version, finished_in_flight=finished, restarted=restarted)
+
+    def _drain_started(self) -> list[Completion]:
+        """Runs the old weights until no started request is left (running, in flight, or
+        preempted and waiting); admits nothing new meanwhile."""
+        drained: list[Completion] = []
+        self._admit = "started"
+        try:
+            while self.scheduler.running or self._inflight is not None \
+                    or any(r.outputs for r in self.scheduler.waiting):
+                drained += self.step()
+        finally:
+            self._admit = "all"
+        return drained
+
+
+def _check_same_structure(old: dict, new: dict) -> None:
+    old_leaves, old_def = jax.tree.flatten_with_path(old)
+    new_leaves, new_def = jax.tree.flatten_with_path(new)
+    if old_def != new_def:
+        raise ValueError("params: tree structure differs from the served params "
+                         f"({len(new_leaves)} leaves vs {len(old_leaves)})")
+    for (path, a), (_, b) in zip(old_leaves, new_leaves):
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise ValueError(f"params{jax.tree_util.keystr(path)}: {b.dtype}{tuple(b.shape)} differs from the "
+                             f"served {a.dtype}{tuple(a.shape)}")

@@ -1,0 +1,112 @@
+"""The jitted engine step: packed forward over the paged KV cache, LM head on the last
+token of each request only, sampling — one XLA program per static layout.
+
+A step's host metadata is packed into one int32 and one float32 array (two transfers per
+step) whose layout is a static `StepLayout`: padded token count T, request rows R,
+page-table width W, decode-or-prefill and the sampling variant. Buckets keep the number of
+layouts small; `traces` counts how many programs were built. The KV buffers are donated
+and come back updated in place. The sampled tokens stay on device, padded to `max_rows`,
+so the next step can read its decode inputs from them (`tok_src`) without a host sync
+(`max_rows`: the largest row bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl.config import ModelConfig
+from jrl.models import forward, lm_logits
+from jrl.rollout.backend import PagedAttention
+from jrl.rollout.sampling import SamplingArrays, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    decode: bool  # every request has one query token: ragged_decode
+    n_tokens: int  # T (== n_rows when decode)
+    n_rows: int  # R
+    n_page_cols: int  # W
+    window: int  # penalty window columns sent from the host (0 without penalties)
+    penalties: bool
+    mode: str  # "greedy" | "sample" | "filter"
+
+    def int_fields(self) -> list[tuple[str, tuple[int, ...]]]:
+        t, r = self.n_tokens, self.n_rows
+        return [("tokens", (t,)), ("tok_src", (t,)), ("positions", (t,)), ("out_cache_loc", (t,)),
+                ("cu_q_lens", (r + 1,)), ("kv_lens", (r,)), ("page_table", (r, self.n_page_cols)),
+                ("top_k", (r,)), ("seed", (r,)), ("index", (r,)), ("window", (r, self.window))]
+
+    def float_fields(self) -> list[tuple[str, tuple[int, ...]]]:
+        r = self.n_rows
+        return [(n, (r,)) for n in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                    "frequency_penalty", "presence_penalty")]
+
+
+def pack(fields: list[tuple[str, tuple[int, ...]]], values: dict[str, np.ndarray], dtype) -> np.ndarray:
+    parts = []
+    for name, shape in fields:
+        v = np.asarray(values[name])
+        if v.dtype == np.uint32:
+            v = v.view(np.int32)
+        assert v.shape == shape, f"{name}: shape {v.shape} != layout {shape}"
+        parts.append(v.astype(dtype, copy=False).reshape(-1))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+def unpack(fields: list[tuple[str, tuple[int, ...]]], flat: jax.Array) -> dict[str, jax.Array]:
+    out, offset = {}, 0
+    for name, shape in fields:
+        size = int(np.prod(shape))
+        out[name] = flat[offset:offset + size].reshape(shape)
+        offset += size
+    return out
+
+
+@dataclasses.dataclass
+class StepFunction:
+    fn: object  # the jitted step
+    traces: int = 0
+
+
+@functools.lru_cache(maxsize=None)
+def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str) -> StepFunction:
+    """The jitted step for one model and engine geometry (cached: engines and `generate`
+    calls with the same settings reuse the compiled programs)."""
+    holder = StepFunction(fn=None)
+    absorb = config.attention == "mla"
+    v_head_dim = config.kv_lora_rank if absorb else None
+
+    def step(params, k_buf, v_buf, prev_tokens, ints, floats, layout: StepLayout):
+        holder.traces += 1  # runs once per trace, i.e. per compiled program
+        i = unpack(layout.int_fields(), ints)
+        f = unpack(layout.float_fields(), floats)
+        t = layout.n_tokens
+        src = i["tok_src"]
+        tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_rows - 1)], i["tokens"])
+        cu = i["cu_q_lens"]
+        real = jnp.arange(t) < cu[-1]
+        backend = PagedAttention(cu_q_lens=cu, kv_lens=i["kv_lens"], page_table=i["page_table"],
+                                 out_cache_loc=i["out_cache_loc"], page_size=page_size,
+                                 decode=layout.decode, absorb_mla=absorb, v_head_dim=v_head_dim, impl=impl)
+        out = forward(config, params, tokens[None], i["positions"][None], backend,
+                      cache=(k_buf, v_buf), token_mask=real[None])
+        k_buf, v_buf = out.cache
+        last = jnp.maximum(cu[1:] - 1, 0)  # final query row of each request
+        logits = lm_logits(config, params, out.hidden[0, last])  # [R, V]
+        window = jnp.concatenate([i["window"], tokens[last][:, None]], axis=1)
+        s = SamplingArrays(temperature=f["temperature"], top_k=i["top_k"], top_p=f["top_p"], min_p=f["min_p"],
+                           repetition_penalty=f["repetition_penalty"],
+                           frequency_penalty=f["frequency_penalty"], presence_penalty=f["presence_penalty"],
+                           seed=jax.lax.bitcast_convert_type(i["seed"], jnp.uint32), index=i["index"])
+        tok, logp, model_logp = sample(logits, window, s, penalties=layout.penalties, mode=layout.mode)
+        pad = max_rows - layout.n_rows
+        tok = jnp.pad(tok, (0, pad))
+        return tok, jnp.pad(logp, (0, pad)), jnp.pad(model_logp, (0, pad)), k_buf, v_buf
+
+    holder.fn = jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
+    return holder

@@ -1,0 +1,97 @@
+"""A generation request's host-side state, and the completion handed back to callers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+from jrl.rollout.cache.task_cache import TaskCache
+from jrl.rollout.sampling import SamplingParams
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One finished request. `tokens[i]` was produced by weights of version `versions[i]`;
+    `logprobs[i]` is its log-probability under the distribution it was drawn from,
+    `model_logprobs[i]` under the untruncated temperature-1 model distribution."""
+
+    request_id: int
+    prompt: np.ndarray
+    tokens: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n]
+    model_logprobs: np.ndarray  # float32 [n]
+    versions: np.ndarray  # int64 [n]
+    finish_reason: FinishReason
+    cached_tokens: int  # prompt tokens served from the prefix cache (all admissions)
+    n_preemptions: int
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    rid: int
+    prompt: np.ndarray
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    stop_sequences: tuple[tuple[int, ...], ...]
+    seed: int
+    outputs: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    model_logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    task: TaskCache | None = None
+    admitted_at: int = -1  # admission counter: the youngest request has the largest
+    prefill_target: int = 0  # positions to prefill at this admission (prompt + known outputs)
+    epoch: int = 0  # bumped on preempt/abort/finish: results of older steps are ignored
+    n_inflight: int = 0  # samples dispatched but not yet read back (2 while step n-1 is unread)
+    device_row: int = -1  # row of the last dispatched step whose sample is the next input
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
+    n_preemptions: int = 0
+
+    @property
+    def n_known(self) -> int:
+        return len(self.prompt) + len(self.outputs)
+
+    @property
+    def n_scheduled_samples(self) -> int:
+        return len(self.outputs) + self.n_inflight
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.task is not None and self.task.kv_len < self.prefill_target
+
+    def known_tokens(self) -> np.ndarray:
+        if not self.outputs:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.outputs, np.int32)])
+
+    def reset_outputs(self) -> None:
+        self.outputs, self.logprobs, self.model_logprobs, self.versions = [], [], [], []
+
+    def record(self, token: int, logprob: float, model_logprob: float, version: int) -> None:
+        """Appends a sampled token and sets `finish_reason` when a stop condition holds."""
+        self.outputs.append(token)
+        self.logprobs.append(logprob)
+        self.model_logprobs.append(model_logprob)
+        self.versions.append(version)
+        if token in self.eos_ids:
+            self.finish_reason = "eos"
+        elif any(len(self.outputs) >= len(s) and tuple(self.outputs[-len(s):]) == s
+                 for s in self.stop_sequences):
+            self.finish_reason = "stop"
+        elif len(self.outputs) >= self.max_new_tokens:
+            self.finish_reason = "length"
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(
+            request_id=self.rid, prompt=self.prompt, tokens=np.asarray(self.outputs, np.int32),
+            logprobs=np.asarray(self.logprobs, np.float32),
+            model_logprobs=np.asarray(self.model_logprobs, np.float32),
+            versions=np.asarray(self.versions, np.int64), finish_reason=self.finish_reason,
+            cached_tokens=self.cached_tokens, n_preemptions=self.n_preemptions)

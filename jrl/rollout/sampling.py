@@ -1,0 +1,190 @@
+"""Token sampling with per-request parameters, on device, in one documented order.
+
+For each request row, from the float32 model logits `z`:
+
+1. `logprob_model = log_softmax(z)[token]`: the untruncated temperature-1 model
+   distribution (no penalties, no truncation), which is what a trainer recomputes.
+2. Penalties over the request's window (its last `penalty_window` tokens, prompt and
+   output alike; `c_v` = occurrences of token v in the window):
+   repetition (HF/CTRL): for `c_v > 0`, `z_v / r` if `z_v > 0` else `z_v * r`;
+   frequency: `z_v -= f * c_v`; presence: `z_v -= p * [c_v > 0]`.
+3. Temperature 0 means greedy: the token is the argmax of the penalised logits and its
+   sampling logprob is 0 (a point mass). Otherwise `z /= temperature`.
+4. top-k (k > 0): keep the k largest logits (ties broken by lower token id).
+5. top-p (p < 1): over the softmax of what top-k kept, sorted descending, keep a token if
+   the probability mass strictly before it is < p (the smallest set reaching p).
+6. min-p (m > 0): keep tokens whose probability is >= m times the largest probability.
+7. Draw from the softmax of the kept logits with a Gumbel-max draw keyed by
+   `fold_in(key(seed), output index)`, so a request's sample does not depend on the batch
+   it ran in; `logprob = log_softmax(kept logits)[token]` (the distribution drawn from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0: disabled
+    top_p: float = 1.0  # 1: disabled
+    min_p: float = 0.0  # 0: disabled
+    repetition_penalty: float = 1.0  # 1: disabled
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None  # None: derived from the engine seed and the request id
+
+    def __post_init__(self) -> None:
+        def bad(field: str, allowed: str, value) -> None:
+            raise ValueError(f"sampling.{field}: must be {allowed}, got {value!r}")
+
+        if not self.temperature >= 0:
+            bad("temperature", ">= 0 (0 = greedy)", self.temperature)
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            bad("top_k", "an integer >= 0 (0 = disabled)", self.top_k)
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1] (1 = disabled)", self.top_p)
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1] (0 = disabled)", self.min_p)
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", "> 0 (1 = disabled)", self.repetition_penalty)
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+            bad("seed", "an integer in [0, 2**32) or None", self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def uses_filters(self) -> bool:
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class SamplingArrays(NamedTuple):
+    """Per-row sampling parameters, each `[R]`."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    frequency_penalty: jax.Array
+    presence_penalty: jax.Array
+    seed: jax.Array  # uint32
+    index: jax.Array  # int32: output token index (keys the draw)
+
+
+def sampling_arrays(params: list[SamplingParams], seeds: list[int], indices: list[int],
+                    n_rows: int) -> SamplingArrays:
+    """Numpy arrays padded to `n_rows` (padding rows are greedy and discarded)."""
+    n = len(params)
+    pad = n_rows - n
+
+    def col(values, dtype, fill):
+        return np.concatenate([np.asarray(values, dtype), np.full(pad, fill, dtype)])
+
+    return SamplingArrays(
+        temperature=col([p.temperature for p in params], np.float32, 0.0),
+        top_k=col([p.top_k for p in params], np.int32, 0),
+        top_p=col([p.top_p for p in params], np.float32, 1.0),
+        min_p=col([p.min_p for p in params], np.float32, 0.0),
+        repetition_penalty=col([p.repetition_penalty for p in params], np.float32, 1.0),
+        frequency_penalty=col([p.frequency_penalty for p in params], np.float32, 0.0),
+        presence_penalty=col([p.presence_penalty for p in params], np.float32, 0.0),
+        seed=col(seeds, np.uint32, 0),
+        index=col(indices, np.int32, 0),
+    )
+
+
+def batch_mode(params: list[SamplingParams]) -> tuple[bool, str]:
+    """Static sampling variant of a batch: (penalties?, "greedy" | "sample" | "filter")."""
+    penalties = any(p.uses_penalties for p in params)
+    if all(p.greedy for p in params):
+        return penalties, "greedy"
+    return penalties, "filter" if any(p.uses_filters for p in params) else "sample"
+
+
+def window_counts(window: jax.Array, vocab: int) -> jax.Array:
+    """`[R, V]` float32 occurrences of each token in each row's window (-1 = empty)."""
+    r = window.shape[0]
+    idx = jnp.where(window < 0, vocab, window)
+    counts = jnp.zeros((r, vocab + 1), jnp.float32).at[jnp.arange(r)[:, None], idx].add(1.0)
+    return counts[:, :vocab]
+
+
+def penalize(logits: jax.Array, window: jax.Array, s: SamplingArrays) -> jax.Array:
+    counts = window_counts(window, logits.shape[-1])
+    seen = counts > 0
+    rep = s.repetition_penalty[:, None]
+    z = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    z = z - s.frequency_penalty[:, None] * counts
+    return z - s.presence_penalty[:, None] * seen.astype(jnp.float32)
+
+
+def truncate(z: jax.Array, s: SamplingArrays) -> jax.Array:
+    """top-k, then top-p, then min-p on temperature-scaled logits; dropped tokens -> -inf."""
+    r, v = z.shape
+    order = jnp.argsort(-z, axis=-1, stable=True)
+    zs = jnp.take_along_axis(z, order, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    k = s.top_k[:, None]
+    keep = (k <= 0) | (rank < k)
+    probs = jax.nn.softmax(jnp.where(keep, zs, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    p = s.top_p[:, None]
+    keep = keep & ((p >= 1) | (mass_before < p))
+    keep = keep & (zs - zs[:, :1] >= jnp.log(s.min_p)[:, None])
+    mask = jnp.zeros((r, v), jnp.bool_).at[jnp.arange(r)[:, None], order].set(keep)
+    return jnp.where(mask, z, -jnp.inf)
+
+
+def distribution(logits: jax.Array, window: jax.Array, s: SamplingArrays, *, penalties: bool,
+                 mode: str) -> jax.Array:
+    """Log-probabilities `[R, V]` of the distribution each non-greedy row draws from."""
+    z = penalize(logits, window, s) if penalties else logits
+    temp = s.temperature[:, None]
+    z = z / jnp.where(temp > 0, temp, 1.0)
+    if mode == "filter":
+        z = truncate(z, s)
+    return jax.nn.log_softmax(z, axis=-1)
+
+
+def _gumbel(seed: jax.Array, index: jax.Array, vocab: int) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(seed), index)
+    return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+
+def sample(logits: jax.Array, window: jax.Array, s: SamplingArrays, *, penalties: bool,
+           mode: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens [R] int32, logprob under the sampled distribution [R], logprob under the
+    untruncated temperature-1 model distribution [R])."""
+    if mode not in ("greedy", "sample", "filter"):
+        raise ValueError(f"mode: must be greedy/sample/filter, got {mode!r}")
+    logits = logits.astype(jnp.float32)
+    model_logp = jax.nn.log_softmax(logits, axis=-1)
+    z = penalize(logits, window, s) if penalties else logits
+    greedy_tok = jnp.argmax(z, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        tokens, logp = greedy_tok, jnp.zeros(logits.shape[0], jnp.float32)
+    else:
+        dist = distribution(logits, window, s, penalties=penalties, mode=mode)
+        g = jax.vmap(_gumbel, in_axes=(0, 0, None))(s.seed, s.index, logits.shape[-1])
+        drawn = jnp.argmax(dist + g, axis=-1).astype(jnp.int32)
+        is_greedy = s.temperature <= 0
+        tokens = jnp.where(is_greedy, greedy_tok, drawn)
+        logp = jnp.where(is_greedy, 0.0, jnp.take_along_axis(dist, drawn[:, None], axis=-1)[:, 0])
+    model = jnp.take_along_axis(model_logp, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logp, model

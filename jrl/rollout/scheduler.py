@@ -1,0 +1,217 @@
+"""Continuous batching: which requests compute which tokens in the next forward.
+
+Every step, in this order:
+
+1. Decode: each running request past its prefill gets one token (oldest first). When its
+   next position needs a page and none is free or evictable, the youngest running request
+   is preempted (pages released, full pages kept in the prefix cache, re-queued at the
+   front with its prompt + tokens so far) and the allocation retried.
+2. Prefill: requests in the middle of a chunked prefill continue, then waiting requests
+   are admitted in arrival order while rows (`max_batch`), the token budget
+   (`max_tokens_per_step`) and pages allow. An admission first looks the request's tokens
+   up in the prefix cache; every full page whose KV is scheduled is published at once, so
+   identical prompts admitted in the same step share one prefill. No admission happens in
+   a step that preempted.
+
+The scheduler only plans; the engine runs the plan and feeds results back
+(`finish`, `preempt`, `abort_running`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jrl.rollout.cache.page_pool import OutOfPages
+from jrl.rollout.cache.task_cache import TaskCacheManager
+from jrl.rollout.config import EngineConfig
+from jrl.rollout.request import Request
+
+
+@dataclasses.dataclass
+class Entry:
+    req: Request
+    q_start: int  # first position computed
+    q_len: int  # positions computed
+    sample: bool  # the row's sample is the request's next token
+    device_input: bool  # the input token is the previous step's sample (still on device)
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    entries: list[Entry]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(e.q_len for e in self.entries)
+
+    @property
+    def decode(self) -> bool:
+        """Every request has exactly one query token (the decode kernel applies)."""
+        return all(e.q_len == 1 for e in self.entries)
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    prefill_tokens: int = 0  # prompt/prefix tokens computed (not served from cache)
+    cached_tokens: int = 0  # tokens served from the prefix cache at admission
+    decode_tokens: int = 0
+    preemptions: int = 0
+    admissions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: TaskCacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the youngest
+        self.stats = SchedulerStats()
+        self._admissions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self, version: int, admit: str = "all") -> ScheduledBatch | None:
+        """Plans the next step under weight `version`. `admit`: "all" waiting requests,
+        only "started" ones (re-queued with tokens already generated), or "none"."""
+        entries: list[Entry] = []
+        budget = self.config.max_tokens_per_step
+        preempted = False
+        for req in list(self.running):
+            if req.task is None or req.in_prefill or req.n_scheduled_samples >= req.max_new_tokens:
+                continue
+            if not self._grow_for_decode(req, version):
+                preempted = True
+                continue  # req itself was preempted
+            preempted |= self._preempted_in_grow
+            task = req.task
+            entries.append(Entry(req, task.kv_len, 1, True, req.n_inflight > 0))
+            task.kv_len += 1
+            budget -= 1
+            self.stats.decode_tokens += 1
+        for req in [r for r in self.running if r.task is not None and r.in_prefill]:
+            if budget <= 0:
+                break
+            entry = self._prefill_chunk(req, budget, version)
+            if entry is not None:
+                entries.append(entry)
+                budget -= entry.q_len
+        while admit != "none" and not preempted and budget > 0 and self.waiting \
+                and len(self.running) < self.config.max_batch \
+                and (admit == "all" or self.waiting[0].outputs):
+            entry = self._admit(self.waiting[0], budget, version)
+            if entry is None:
+                break
+            self.waiting.popleft()
+            entries.append(entry)
+            budget -= entry.q_len
+        for e in entries:
+            if e.sample:
+                e.req.n_inflight += 1
+        return ScheduledBatch(entries) if entries else None
+
+    def _grow_for_decode(self, req: Request, version: int) -> bool:
+        """Makes room for one more position; False if `req` itself had to be preempted."""
+        self._preempted_in_grow = False
+        while True:
+            try:
+                self.cache.extend(req.task, req.task.kv_len + 1)
+                return True
+            except OutOfPages:
+                victim = self.running[-1]
+                self.preempt(victim, version)
+                self._preempted_in_grow = True
+                if victim is req:
+                    return False
+
+    def _fit_chunk(self, req: Request, want: int) -> int:
+        """Largest chunk <= want whose pages can be allocated now (all of it if unchunked)."""
+        task = req.task
+        if self.config.allocation == "contiguous":
+            return want  # the region was reserved at admission
+        room = (len(task.pages) + self.cache.pool.allocator.n_available) * self.cache.page_size - task.kv_len
+        if not self.config.chunked_prefill and room < want:
+            return 0
+        return max(0, min(want, room))
+
+    def _prefill_chunk(self, req: Request, budget: int, version: int) -> Entry | None:
+        task = req.task
+        remaining = req.prefill_target - task.kv_len
+        want = min(remaining, budget)
+        if not self.config.chunked_prefill and want < remaining:
+            return None
+        chunk = self._fit_chunk(req, want)
+        if chunk <= 0:
+            return None
+        self.cache.extend(task, task.kv_len + chunk)
+        entry = Entry(req, task.kv_len, chunk, task.kv_len + chunk == req.prefill_target, False)
+        task.kv_len += chunk
+        self.stats.prefill_tokens += chunk
+        self.cache.record_hashes(task, req.known_tokens(), version)
+        return entry
+
+    def _admit(self, req: Request, budget: int, version: int) -> Entry | None:
+        cache = self.cache
+        task = cache.alloc()
+        tokens = req.known_tokens()
+        target = len(tokens)
+        matched = cache.cached(task, tokens, version, max_tokens=target - 1)
+        req.task, req.prefill_target = task, target
+        if self.config.allocation == "contiguous":
+            region = target + (req.max_new_tokens - len(req.outputs))
+            try:
+                cache.reserve(task, region)
+            except OutOfPages:
+                cache.free(task)
+                req.task = None
+                return None
+        entry = self._prefill_chunk(req, budget, version)
+        if entry is None:
+            cache.free(task)
+            req.task = None
+            return None
+        req.cached_tokens += matched
+        self.stats.cached_tokens += matched
+        self.stats.admissions += 1
+        self._admissions += 1
+        req.admitted_at = self._admissions
+        self.running.append(req)
+        return entry
+
+    # ------------------------------------------------------------------ feedback
+    def _release(self, req: Request, version: int | None) -> None:
+        if req.task is not None:
+            self.cache.free(req.task, req.known_tokens() if version is not None else None, version)
+            req.task = None
+        self.running.remove(req)
+        req.epoch += 1
+        req.n_inflight = 0
+        req.device_row = -1
+
+    def finish(self, req: Request, version: int) -> None:
+        """A finished request leaves; its full pages stay in the prefix cache."""
+        self._release(req, version)
+
+    def preempt(self, req: Request, version: int) -> None:
+        """Frees `req` and re-queues it at the front with the tokens known so far (a
+        sample still in flight is dropped and drawn again, with the same key)."""
+        self._release(req, version)
+        req.n_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def abort_running(self) -> list[Request]:
+        """Aborts every running request (their outputs are discarded) and re-queues them
+        at the front in admission order; their pages are not published."""
+        aborted = list(self.running)
+        for req in aborted:
+            self._release(req, None)
+            req.reset_outputs()
+        self.waiting.extendleft(reversed(aborted))
+        return aborted
