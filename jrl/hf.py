@@ -673,15 +673,14 @@ def load_pretrained(path: str, dtype: str = "float32", *, max_position_embedding
         if unused:
             shown = ", ".join(unused[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
             raise HFFormatError(f"{path}: {len(unused)} tensor(s) not used by the {model_type} mapping: {shown}")
-    expected = _expected_shapes(config)
     params: dict = {}
-    for p, shape in expected.items():
+    for p, shape in _expected_shapes(config).items():
         value = _get(raw, p)
         if tuple(value.shape) != shape:
-            hint = "/".join(p)
-            raise HFFormatError(f"{path}: {hint}: checkpoint shape {tuple(value.shape)} does not match the "
-                                f"config's {shape}")
-        _set(params, p, np.ascontiguousarray(value.astype(target)))
+            raise HFFormatError(f"{path}: {'/'.join(p)}: checkpoint shape {tuple(value.shape)} does not "
+                                f"match the config's {shape}")
+        _set(params, p, np.ascontiguousarray(value.astype(target, copy=False)))
+        _set(raw, p, None)  # release the stored-dtype copy before converting the next tensor
     return config, params
 
 
