@@ -1,45 +1,85 @@
 """Chooses between the Pallas kernels and the pure-jnp references.
 
-Until a kernel exists for a backend/shape, "auto" falls back to the reference, so callers
-(the rollout engine) never need to know which one ran.
+impl="auto" runs the Mosaic GPU kernel on a Hopper GPU when the shapes are ones it
+supports (see `kernel_supports`) and the reference everywhere else, so callers (the
+rollout engine) never need to know which one ran. "pallas" forces the kernel (an error
+for unsupported shapes), "interpret" runs the kernel in Mosaic GPU interpret mode (CPU
+tests), "reference" the pure-jnp version. The MLA form (`v_buf=None`) always takes the
+reference. `write_kv` is an XLA scatter in every mode: in place on donated buffers.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import reference
 
 Impl = Literal["auto", "reference", "pallas", "interpret"]
+IMPLS = ("auto", "reference", "pallas", "interpret")
 
 
-def _resolve(impl: Impl) -> str:
-    if impl not in ("auto", "reference", "pallas", "interpret"):
-        raise ValueError(f"impl: must be one of auto/reference/pallas/interpret, got {impl!r}")
+@functools.cache
+def on_hopper() -> bool:
+    """True when the default backend is an NVIDIA GPU of compute capability 9.x."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> bool:
+    """Shapes and dtypes the Mosaic GPU kernels handle."""
+    hq, d = q.shape[-2], q.shape[-1]
+    _, n_slots, hkv, dk = k_buf.shape
+    return (v_buf is not None and v_buf.shape == k_buf.shape and (v_head_dim in (None, d))
+            and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 64
+            and k_buf.dtype in (jnp.bfloat16, jnp.float16) and v_buf.dtype == k_buf.dtype
+            and page_size % 8 == 0 and n_slots % 8 == 0)
+
+
+def _resolve(impl: Impl, supported: bool, op: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl: must be one of {'/'.join(IMPLS)}, got {impl!r}")
     if impl == "auto":
-        return "reference"
+        return "pallas" if supported and on_hopper() else "reference"
+    if impl in ("pallas", "interpret") and not supported:
+        raise ValueError(f"{op}: impl={impl!r} needs bf16/f16 K/V buffers with head_dim 64 or "
+                         f"128, page_size and n_slots multiples of 8 and v_buf given")
     return impl
 
 
 def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
                   sm_scale: float, v_head_dim: int | None = None, impl: Impl = "auto") -> jax.Array:
-    which = _resolve(impl)
-    if which != "reference":
-        raise NotImplementedError(f"paged_prefill: impl {which!r} not available yet")
-    return reference.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
-                                   page_size=page_size, sm_scale=sm_scale, v_head_dim=v_head_dim)
+    """Packed ragged causal prefill through the page table (see `reference.paged_prefill`)."""
+    which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill")
+    if which == "reference":
+        return reference.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
+                                       page_size=page_size, sm_scale=sm_scale,
+                                       v_head_dim=v_head_dim)
+    from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
+    return paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
+                              page_size=page_size, sm_scale=float(sm_scale),
+                              interpret=which == "interpret")
 
 
 def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int, sm_scale: float,
                   v_head_dim: int | None = None, impl: Impl = "auto") -> jax.Array:
-    which = _resolve(impl)
-    if which != "reference":
-        raise NotImplementedError(f"ragged_decode: impl {which!r} not available yet")
-    return reference.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table,
-                                   page_size=page_size, sm_scale=sm_scale, v_head_dim=v_head_dim)
+    """One query per request, split over the KV length (see `reference.ragged_decode`)."""
+    which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode")
+    if which == "reference":
+        return reference.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table,
+                                       page_size=page_size, sm_scale=sm_scale,
+                                       v_head_dim=v_head_dim)
+    from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+    return ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, page_size=page_size,
+                              sm_scale=float(sm_scale), interpret=which == "interpret")
 
 
 def write_kv(k_buf, v_buf, layer, slots, k, v, *, impl: Impl = "auto"):
+    """Scatters the step's new K/V into their slots (see `reference.write_kv`)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: must be one of {'/'.join(IMPLS)}, got {impl!r}")
     return reference.write_kv(k_buf, v_buf, layer, slots, k, v)

@@ -34,10 +34,12 @@ def ragged_decode(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer
     """One query token per request: `q [B, Hq, D]` -> `[B, Hq, Dv]`."""
     b, hq, _ = q.shape
     hkv = k_buf.shape[2]
-    k = _gather_kv(k_buf, layer, page_table, page_size).astype(jnp.float32)  # [B, L, Hkv, D]
+    # Gathered in the storage dtype (half the bytes of float32); the einsums multiply
+    # exactly and accumulate in float32.
+    k = _gather_kv(k_buf, layer, page_table, page_size)  # [B, L, Hkv, D]
     v = _values(k, v_buf, layer, page_table, page_size, v_head_dim).astype(jnp.float32)
-    qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, -1)
-    s = jnp.einsum("bhgd,blhd->bhgl", qg, k) * sm_scale
+    qg = q.reshape(b, hkv, hq // hkv, -1)
+    s = jnp.einsum("bhgd,blhd->bhgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
     valid = jnp.arange(k.shape[1])[None, :] < kv_lens[:, None]  # [B, L]
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)

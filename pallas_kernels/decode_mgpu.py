@@ -1,0 +1,248 @@
+"""Ragged paged decode on Hopper through Mosaic GPU (`plgpu.kernel`): flash-decoding.
+
+One CTA per (KV split, KV head, request). Its G query heads (rows 0..G-1 of a 64-row
+wgmma tile) share every K/V tile it loads. A memory warpgroup gathers the request's pages
+from the 4D buffer `[n_layers, n_slots, Hkv, D]` with one TMA copy per page (or per
+`block_kv` rows when pages are larger) into a ring of `num_stages` shared-memory slots;
+the compute warpgroup runs QK^T and PV on the tensor cores with an online softmax in the
+log2 domain. Each split writes its normalized partial output and its log-sum-exp; a small
+XLA epilogue merges the splits with weights `exp2(lse_s - max lse)`, which stays finite
+for every input (empty splits carry lse = -inf and weight 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+ROWS = 64  # wgmma tile height: the G query heads of one KV head occupy the first G rows
+NUM_SMS = 132  # H100/H200 SXM
+
+
+def wgmma_accumulate(acc, a, b, interpret: bool):
+    """`acc + a @ b` on the tensor cores, accumulating in place in the wgmma registers.
+
+    `a` is a shared-memory ref or a register array (the bf16 probabilities), `b` a
+    shared-memory ref. GPU interpret mode (jax 0.11.2) runs neither `pl.run_state` nor
+    a wgmma with a register operand, so there the same function is computed with a
+    float32 `jnp.dot` on the loaded tile.
+    """
+    if interpret:
+        a_val = a if isinstance(a, jax.Array) else a[...]
+        return acc + jnp.dot(a_val, b[...], preferred_element_type=jnp.float32)
+
+    def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def _cdiv(a, b):
+    return lax.div(a + b - 1, b)
+
+
+def default_num_splits(batch: int, n_kv_heads: int, max_ctx: int, block_kv: int) -> int:
+    """Enough CTAs for about four per SM, but every split keeps >= 4 KV blocks of work."""
+    units = batch * n_kv_heads
+    want = -(-4 * NUM_SMS // units)
+    return int(max(1, min(want, max_ctx // (4 * block_kv))))
+
+
+def _check(q, k_buf, v_buf, page_table, page_size, block_kv):
+    b, hq, d = q.shape
+    _, _, hkv, dk = k_buf.shape
+    if v_buf is None or v_buf.shape != k_buf.shape:
+        raise ValueError("decode_mgpu: v_buf must have k_buf's shape (MLA goes to the reference)")
+    if dk != d or d not in (64, 128):
+        raise ValueError(f"decode_mgpu: head_dim must be 64 or 128 and match q, got q {d} k {dk}")
+    if hq % hkv or hq // hkv > ROWS:
+        raise ValueError(f"decode_mgpu: n_q_heads ({hq}) must be a multiple of n_kv_heads ({hkv}) "
+                         f"with at most {ROWS} per group")
+    if k_buf.shape[1] % 8:
+        raise ValueError(f"decode_mgpu: n_slots ({k_buf.shape[1]}) must be a multiple of 8")
+    sub = min(page_size, block_kv)
+    if sub % 8 or block_kv % sub or page_size % sub or block_kv % 64:
+        raise ValueError(f"decode_mgpu: page_size ({page_size}) must be a multiple of 8 and "
+                         f"block_kv ({block_kv}) a multiple of 64 dividing or divided by it")
+
+
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory one CTA may use (227 KB max on Hopper)
+
+
+def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsize: int) -> int:
+    """Deepest K/V ring (2..4 slots per compute warpgroup) that fits the shared-memory budget."""
+    fixed = 2 * ROWS * head_dim * itemsize + ROWS * 4  # q tile + output staging + lse
+    per_stage = 2 * block_kv * head_dim * itemsize  # one K and one V tile
+    return int(max(2, min(4, (SMEM_BUDGET // heads_per_cta - fixed) // per_stage)))
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "block_kv", "num_stages",
+                                             "num_splits", "heads_per_cta", "interpret"))
+def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int,
+                       sm_scale: float, block_kv: int = 64, num_stages: int | None = None,
+                       num_splits: int | None = None, heads_per_cta: int | None = None,
+                       interpret: bool = False) -> jax.Array:
+    """`q [B, Hq, D]` against each request's `kv_lens[b]` keys -> `[B, Hq, D]` (q's dtype).
+
+    A CTA owns one request, one KV split and `heads_per_cta` KV heads (one compute
+    warpgroup each, fed by one shared memory warpgroup). Split partials are stored in the
+    input dtype and merged in float32.
+    """
+    _check(q, k_buf, v_buf, page_table, page_size, block_kv)
+    b, hq, d = q.shape
+    hkv = k_buf.shape[2]
+    g = hq // hkv
+    dtype = k_buf.dtype
+    hpc = heads_per_cta or (2 if hkv % 2 == 0 else 1)
+    if hkv % hpc:
+        raise ValueError(f"decode_mgpu: heads_per_cta ({hpc}) must divide n_kv_heads ({hkv})")
+    max_ctx = page_table.shape[1] * page_size
+    splits = num_splits or default_num_splits(b, hkv // hpc, max_ctx, block_kv)
+    stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize)
+    sub = min(page_size, block_kv)  # rows per TMA copy
+    copies = block_kv // sub
+    scale = float(sm_scale) * LOG2E
+
+    # Query rows padded so the 64-row tile of the last head group stays inside the array
+    # (and to a multiple of 8 rows: TMA views are tiled by 8 rows).
+    q_rows = jnp.pad(q.astype(dtype).reshape(b * hq, d), ((0, ROWS + -(b * hq) % 8), (0, 0)))
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+
+    def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+             q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free):
+        split = lax.axis_index("split")
+        head_pair = lax.axis_index("heads")
+        req = lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        lyr = layer_ref[0]
+        kv_len = lens_ref[req]
+        chunk = _cdiv(_cdiv(kv_len, jnp.int32(splits)), jnp.int32(block_kv)) * block_kv
+        start = split * chunk
+        end = jnp.minimum(start + chunk, kv_len)
+        n_steps = _cdiv(jnp.maximum(end - start, 0), jnp.int32(block_kv))
+        last_page = jnp.maximum(_cdiv(kv_len, jnp.int32(page_size)) - 1, 0)
+
+        @pl.when(wg < hpc)
+        def _compute():
+            if hpc > 1 and not interpret:
+                plgpu.set_max_registers(232, action="increase")
+            head = head_pair * hpc + wg
+            row0 = req * hq + head * g
+            q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS)], q_tile, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+            m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def step(i, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.int32(stages))
+                ring = wg * stages + slot
+                plgpu.barrier_wait(k_bar.at[ring])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[ring].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[ring])
+                pos = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
+                                             layout=plgpu.Layout.WGMMA)
+                s = jnp.where(pos < end - start - i * block_kv, s * scale, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                plgpu.barrier_wait(v_bar.at[ring])
+                acc = wgmma_accumulate(acc, p16, v_smem.at[ring], interpret)
+                plgpu.barrier_arrive(v_free.at[ring])
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+            empty = l_i == 0.0
+            l_safe = jnp.where(empty, 1.0, l_i)
+            o_tile[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+            lse_tile[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(0, g)], o_ref.at[split, pl.ds(row0, g)])
+            plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[split, req * hkv + head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == hpc)
+        def _memory():
+            if hpc > 1 and not interpret:
+                plgpu.set_max_registers(40, action="decrease")
+
+            def fetch(i, _):
+                slot = lax.rem(i, jnp.int32(stages))
+                rows = []
+                for j in range(copies):
+                    t0 = start + i * block_kv + j * sub
+                    page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)), last_page)]
+                    rows.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
+                for buf_ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free),
+                                                 (v_ref, v_smem, v_bar, v_free)):
+                    for w in range(hpc):
+                        ring = w * stages + slot
+
+                        @pl.when(i >= stages)
+                        def _wait_free():
+                            plgpu.barrier_wait(free.at[ring])
+
+                        for j, row in enumerate(rows):
+                            plgpu.copy_gmem_to_smem(
+                                buf_ref.at[lyr, pl.ds(row, sub), head_pair * hpc + w],
+                                smem.at[ring, pl.ds(j * sub, sub)], bar.at[ring])
+
+            lax.fori_loop(0, n_steps, fetch, None)
+
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    rings = hpc * stages
+    scratch = [
+        plgpu.SMEM((hpc, ROWS, d), dtype, transforms=tiled),
+        plgpu.SMEM((rings, block_kv, d), dtype, transforms=tiled),
+        plgpu.SMEM((rings, block_kv, d), dtype, transforms=tiled),
+        plgpu.SMEM((hpc, ROWS, d), dtype),
+        plgpu.SMEM((hpc, ROWS), jnp.float32),
+        plgpu.Barrier(num_barriers=hpc),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=rings),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=rings),
+        plgpu.Barrier(num_arrivals=1, num_barriers=rings),
+        plgpu.Barrier(num_arrivals=1, num_barriers=rings),
+    ]
+    o_part, lse = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((splits, b * hq, d), dtype),
+                  jax.ShapeDtypeStruct((splits, b * hkv, ROWS), jnp.float32)),
+        scratch_types=scratch,
+        grid=(splits, hkv // hpc, b),
+        grid_names=("split", "heads", "batch"),
+        num_threads=hpc + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(layer_arr, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_rows, k_buf, v_buf)
+
+    o_part = o_part.reshape(splits, b, hq, d)
+    if splits == 1:
+        return o_part[0].astype(q.dtype)
+    lse = lse.reshape(splits, b, hkv, ROWS)[..., :g].reshape(splits, b, hq)
+    top = jnp.max(lse, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp2(lse - top)  # [S, B, Hq]; 0 for empty splits
+    den = jnp.sum(w, axis=0)
+    out = jnp.einsum("sbh,sbhd->bhd", w, o_part.astype(jnp.float32))
+    return (out / jnp.where(den > 0, den, 1.0)[..., None]).astype(q.dtype)
