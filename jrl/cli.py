@@ -1,0 +1,31 @@
+"""The `jrl` console script: `jrl train [...]` (= python -m jrl.train) and `jrl plot RUN_DIR`."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {"train": "train a model (python -m jrl.train)", "plot": "plot a run's metrics to a PNG"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jrl {train,plot} ...\n\ncommands:")
+        for name, what in COMMANDS.items():
+            print(f"  {name:<6} {what}")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from jrl.train.__main__ import main as train_main
+
+        return train_main(rest, prog="jrl train")
+    if command == "plot":
+        from jrl.plot import main as plot_main
+
+        return plot_main(rest)
+    print(f"jrl: unknown command {command!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Small datasets generated in code (no download), addressed as `bundled:<name>[:<n>]`.
+
+* `arithmetic`: `{"prompt": "23+45=", "response": "68", "answer": 68}`; sums and
+  differences of numbers below 100 (differences never negative). SFT, and the prompts
+  of RL runs (the answer is the reward's ground truth).
+* `arithmetic_pairs`: `{"prompt", "chosen", "rejected"}` with the correct result chosen
+  and a nearby wrong one rejected (DPO).
+* `tinytext`: `{"text": ...}` short documents of templated English sentences (pretraining).
+
+Every generator is a pure function of `(n, seed)`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DEFAULT_SIZES = {"arithmetic": 2000, "arithmetic_pairs": 1000, "tinytext": 2000}
+
+
+def _problem(rng: np.random.Generator) -> tuple[str, int]:
+    a, b = (int(x) for x in rng.integers(0, 100, size=2))
+    if rng.random() < 0.5:
+        return f"{a}+{b}=", a + b
+    a, b = max(a, b), min(a, b)
+    return f"{a}-{b}=", a - b
+
+
+def arithmetic(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng([seed, 11])
+    out = []
+    for _ in range(n):
+        prompt, answer = _problem(rng)
+        out.append({"prompt": prompt, "response": str(answer), "answer": answer})
+    return out
+
+
+def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng([seed, 12])
+    out = []
+    for _ in range(n):
+        prompt, answer = _problem(rng)
+        offset = int(rng.choice([-10, -2, -1, 1, 2, 10]))
+        wrong = answer + offset if answer + offset >= 0 else answer - offset
+        out.append({"prompt": prompt, "chosen": str(answer), "rejected": str(wrong)})
+    return out
+
+
+_ADJ = ["small", "red", "old", "quiet", "happy", "bright", "tall", "green"]
+_NOUN = ["cat", "dog", "bird", "tree", "house", "river", "child", "ship"]
+_VERB = ["sees", "likes", "finds", "follows", "paints", "hears", "greets", "watches"]
+_PLACE = ["near the hill", "by the sea", "in the garden", "at night", "in the town", "under the sun"]
+
+
+def tinytext(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng([seed, 13])
+    out = []
+    for _ in range(n):
+        sentences = []
+        for _ in range(int(rng.integers(1, 5))):
+            adj, noun, verb, adj2, noun2, place = (
+                _ADJ[rng.integers(len(_ADJ))], _NOUN[rng.integers(len(_NOUN))],
+                _VERB[rng.integers(len(_VERB))], _ADJ[rng.integers(len(_ADJ))],
+                _NOUN[rng.integers(len(_NOUN))], _PLACE[rng.integers(len(_PLACE))])
+            sentences.append(f"The {adj} {noun} {verb} the {adj2} {noun2} {place}.")
+        out.append({"text": " ".join(sentences)})
+    return out
+
+
+GENERATORS = {"arithmetic": arithmetic, "arithmetic_pairs": arithmetic_pairs, "tinytext": tinytext}
+
+
+def is_bundled(source: str) -> bool:
+    return source.startswith("bundled:")
+
+
+def load_bundled(source: str, seed: int = 0) -> list[dict]:
+    """Records of `bundled:<name>[:<n>]`."""
+    parts = source.split(":")
+    name = parts[1] if len(parts) > 1 else ""
+    if name not in GENERATORS or len(parts) > 3:
+        raise ValueError(f"data.source: unknown bundled dataset {source!r}; available: "
+                         + ", ".join(f"bundled:{k}" for k in GENERATORS))
+    n = DEFAULT_SIZES[name]
+    if len(parts) == 3:
+        if not parts[2].isdigit() or int(parts[2]) < 1:
+            raise ValueError(f"data.source: record count in {source!r} must be a positive integer")
+        n = int(parts[2])
+    return GENERATORS[name](n, seed)

@@ -1,0 +1,70 @@
+"""Records -> documents: token ids plus a per-token 'trained' flag, from declarative sections.
+
+A document is `(ids int32 [L], train bool [L])`; `train[t]` says whether token `t` is a
+training target (predicted from the tokens before it). Formats:
+
+* `text`: the `text_field`, every token trained;
+* `sections`: the pieces of `data.sections` in order — a record field or a literal text,
+  each trained or not — e.g. prompt (not trained) then response (trained);
+* `preference`: the sections form the prompt (never trained), then two documents: prompt
+  + `chosen_field` and prompt + `rejected_field`, responses trained.
+
+With `add_eos` an EOS token ends every document, trained like the last piece.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jrl.config import DataConfig, Section
+from jrl.data.text import Tokenizer
+
+Document = tuple[np.ndarray, np.ndarray]
+
+
+def _field_text(record: dict, field: str, where: str, config_key: str) -> str:
+    if field not in record:
+        raise ValueError(f"{where}: missing field {field!r} ({config_key}); "
+                         f"record has: {', '.join(sorted(record)) or 'nothing'}")
+    value = record[field]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: field {field!r} must be a string or number, got {type(value).__name__}")
+    return str(value)
+
+
+def _pieces(record: dict, sections: tuple[Section, ...], where: str) -> list[tuple[str, bool]]:
+    out = []
+    for i, s in enumerate(sections):
+        text = s.text if s.text is not None else _field_text(record, s.field, where, f"data.sections[{i}].field")
+        out.append((text, s.train))
+    return out
+
+
+def _document(pieces: list[tuple[str, bool]], tokenizer: Tokenizer, add_eos: bool) -> Document:
+    ids: list[int] = []
+    train: list[bool] = []
+    for text, trained in pieces:
+        piece = tokenizer.encode(text)
+        ids.extend(piece)
+        train.extend([trained] * len(piece))
+    if add_eos:
+        ids.append(tokenizer.eos_id)
+        train.append(pieces[-1][1] if pieces else True)
+    return np.asarray(ids, np.int32), np.asarray(train, np.bool_)
+
+
+def encode_record(record: dict[str, Any], config: DataConfig, tokenizer: Tokenizer,
+                  where: str = "record") -> list[Document]:
+    """The documents of one record (one, or two for `preference`: chosen then rejected)."""
+    if config.format == "text":
+        return [_document([(_field_text(record, config.text_field, where, "data.text_field"), True)],
+                          tokenizer, config.add_eos)]
+    prompt = _pieces(record, config.sections, where)
+    if config.format == "sections":
+        return [_document(prompt, tokenizer, config.add_eos)]
+    chosen = _field_text(record, config.chosen_field, where, "data.chosen_field")
+    rejected = _field_text(record, config.rejected_field, where, "data.rejected_field")
+    return [_document(prompt + [(chosen, True)], tokenizer, config.add_eos),
+            _document(prompt + [(rejected, True)], tokenizer, config.add_eos)]

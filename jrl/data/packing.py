@@ -1,0 +1,177 @@
+"""Documents -> fixed-length rows: truncation / splitting, packing, and row assembly.
+
+A row of `seq_len` slots holds one or more document pieces back to back, then padding:
+
+    tokens       the piece's tokens; pad_id in padding
+    targets      the next token of the same piece (pad_id at a piece's last slot)
+    loss_mask    1.0 where the target is a trained token of the same piece, else 0.0
+    positions    0, 1, 2, ... restarting at every piece; 0 in padding
+    segment_ids  1, 2, 3, ... one per piece; 0 in padding
+
+so attention masked by equal segment ids never crosses documents, and no target ever
+comes from another document. Packing is greedy in document order (deterministic); a
+piece that does not fit in the current row starts a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jrl.data.store import TokenStore
+
+ROW_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
+
+
+def doc_pieces(length: int, seq_len: int, overflow: str) -> list[tuple[int, int]]:
+    """`(start, length)` pieces of a document of `length` tokens under `overflow`:
+    `truncate_right` keeps the first `seq_len` tokens, `truncate_left` the last ones,
+    `drop` skips long documents, `split` cuts them into consecutive windows that overlap
+    by one token, so every target of the document is trained exactly once."""
+    if length <= seq_len:
+        return [(0, length)]
+    if overflow == "truncate_right":
+        return [(0, seq_len)]
+    if overflow == "truncate_left":
+        return [(length - seq_len, seq_len)]
+    if overflow == "drop":
+        return []
+    if overflow == "split":
+        pieces, start = [], 0
+        while start < length - 1:
+            pieces.append((start, min(seq_len, length - start)))
+            start += seq_len - 1
+        return pieces
+    raise ValueError(f"data.overflow: unknown value {overflow!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """Which document pieces make up each row (flat arrays; row r owns pieces
+    `row_ptr[r]:row_ptr[r + 1]`)."""
+
+    row_ptr: np.ndarray
+    doc: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.row_ptr) - 1
+
+
+def plan_rows(lengths: np.ndarray, seq_len: int, *, pack: bool, overflow: str) -> RowPlan:
+    """Greedy packing plan over documents of `lengths` (pieces shorter than 2 tokens,
+    which have no target, are left out). With `pack` and `overflow="split"` a long
+    document fills the rest of the current row and continues in the next one (again
+    overlapping by one token), so rows are full: the usual pretraining layout."""
+    row_ptr, docs, starts, lens = [0], [], [], []
+    used = 0
+
+    def add(d: int, start: int, n: int) -> None:
+        nonlocal used
+        if used and (not pack or used + n > seq_len):
+            row_ptr.append(len(docs))
+            used = 0
+        docs.append(d)
+        starts.append(start)
+        lens.append(n)
+        used += n
+
+    fill = pack and overflow == "split"
+    for d, length in enumerate(np.asarray(lengths).tolist()):
+        length = int(length)
+        if fill:
+            start = 0
+            while length - start >= 2:
+                if seq_len - used < 2:
+                    row_ptr.append(len(docs))
+                    used = 0
+                n = min(seq_len - used, length - start)
+                add(d, start, n)
+                start += n - 1
+                if start + 1 >= length:
+                    break
+            continue
+        for start, n in doc_pieces(length, seq_len, overflow):
+            if n >= 2:
+                add(d, start, n)
+    if used:
+        row_ptr.append(len(docs))
+    as64 = lambda x: np.asarray(x, np.int64)
+    return RowPlan(as64(row_ptr), as64(docs), as64(starts), as64(lens))
+
+
+def _empty(shape: tuple[int, ...], pad_id: int) -> dict[str, np.ndarray]:
+    return {
+        "tokens": np.full(shape, pad_id, np.int32),
+        "targets": np.full(shape, pad_id, np.int32),
+        "loss_mask": np.zeros(shape, np.float32),
+        "positions": np.zeros(shape, np.int32),
+        "segment_ids": np.zeros(shape, np.int32),
+    }
+
+
+def _put(out: dict, where: tuple, offset: int, ids: np.ndarray, train: np.ndarray, segment: int) -> None:
+    n = len(ids)
+    sl = where + (slice(offset, offset + n),)
+    out["tokens"][sl] = ids
+    out["targets"][where + (slice(offset, offset + n - 1),)] = ids[1:]
+    out["loss_mask"][where + (slice(offset, offset + n - 1),)] = train[1:]
+    out["positions"][sl] = np.arange(n, dtype=np.int32)
+    out["segment_ids"][sl] = segment
+
+
+def assemble_rows(store: TokenStore, plan: RowPlan, rows: np.ndarray, seq_len: int,
+                  pad_id: int) -> dict[str, np.ndarray]:
+    """The fields of `rows` (indices into `plan`), each `[len(rows), seq_len]`."""
+    out = _empty((len(rows), seq_len), pad_id)
+    for i, r in enumerate(np.asarray(rows).tolist()):
+        offset = 0
+        for k in range(int(plan.row_ptr[r]), int(plan.row_ptr[r + 1])):
+            ids, train = store.doc(int(plan.doc[k]))
+            a, n = int(plan.start[k]), int(plan.length[k])
+            _put(out, (i,), offset, ids[a:a + n], train[a:a + n], k - int(plan.row_ptr[r]) + 1)
+            offset += n
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PairPlan:
+    """Preference pairs kept after overflow handling: pair p is documents
+    `2 * pair[p]` (chosen) and `2 * pair[p] + 1` (rejected), cut to `start/length [P, 2]`."""
+
+    pair: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.pair)
+
+
+def plan_pairs(lengths: np.ndarray, seq_len: int, *, overflow: str) -> PairPlan:
+    lengths = np.asarray(lengths)
+    if len(lengths) % 2:
+        raise ValueError(f"preference data must hold an even number of documents, got {len(lengths)}")
+    pairs, starts, lens = [], [], []
+    for p in range(len(lengths) // 2):
+        cut = [doc_pieces(int(lengths[2 * p + j]), seq_len, overflow) for j in (0, 1)]
+        if not all(cut) or any(c[0][1] < 2 for c in cut):
+            continue
+        pairs.append(p)
+        starts.append([cut[0][0][0], cut[1][0][0]])
+        lens.append([cut[0][0][1], cut[1][0][1]])
+    shape2 = lambda x: np.asarray(x, np.int64).reshape(-1, 2)
+    return PairPlan(np.asarray(pairs, np.int64), shape2(starts), shape2(lens))
+
+
+def assemble_pairs(store: TokenStore, plan: PairPlan, rows: np.ndarray, seq_len: int,
+                   pad_id: int) -> dict[str, np.ndarray]:
+    """The fields of pair rows, each `[len(rows), 2, seq_len]` (0: chosen, 1: rejected)."""
+    out = _empty((len(rows), 2, seq_len), pad_id)
+    for i, r in enumerate(np.asarray(rows).tolist()):
+        for j in (0, 1):
+            ids, train = store.doc(2 * int(plan.pair[r]) + j)
+            a, n = int(plan.start[r, j]), int(plan.length[r, j])
+            _put(out, (i, j), 0, ids[a:a + n], train[a:a + n], 1)
+    return out

@@ -1,0 +1,129 @@
+"""From a `DataConfig` to batches: tokenise (optionally into a memory-mapped cache),
+split off the held-out records, pack into rows, sample batches resumably."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Literal
+
+import numpy as np
+
+from jrl.config import DataConfig, to_dict
+from jrl.data.bundled import is_bundled
+from jrl.data.encode import Document, encode_record
+from jrl.data.packing import PairPlan, RowPlan, assemble_pairs, assemble_rows, plan_pairs, plan_rows
+from jrl.data.records import is_heldout, iter_records
+from jrl.data.sampler import EpochSampler
+from jrl.data.store import TokenStore, build_store, open_store, write_store
+from jrl.data.text import Tokenizer
+
+Split = Literal["train", "eval"]
+
+
+def _split_source(config: DataConfig, split: Split) -> tuple[str, bool] | None:
+    """(source, filter by the held-out rule?) for `split`, or None if the split is empty."""
+    if split == "eval":
+        if config.eval_source is not None:
+            return config.eval_source, False
+        return (config.source, True) if config.eval_fraction > 0 else None
+    return config.source, config.eval_source is None and config.eval_fraction > 0
+
+
+def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Iterator[Document]:
+    """The documents of `split`, in source order."""
+    chosen = _split_source(config, split)
+    if chosen is None:
+        return
+    source, filtered = chosen
+    for index, record in iter_records(source, config.seed):
+        if filtered and is_heldout(index, config.seed, config.eval_fraction) != (split == "eval"):
+            continue
+        yield from encode_record(record, config, tokenizer, where=f"{source} record {index}")
+
+
+def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
+    """Hash of everything that determines the tokenised documents of `split`."""
+    chosen = _split_source(config, split)
+    source = chosen[0] if chosen else None
+    stat = None
+    if source and not is_bundled(source) and os.path.exists(source):
+        st = os.stat(source)
+        stat = [os.path.abspath(source), st.st_size, st.st_mtime_ns]
+    fields = {k: v for k, v in to_dict(config).items()
+              if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
+                       "chosen_field", "rejected_field", "tokenizer", "add_eos", "seed")}
+    blob = json.dumps({"split": split, "data": fields, "file": stat,
+                       "tokenizer": [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id]},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def load_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> TokenStore | None:
+    """The token store of `split` (memory-mapped from `cache_dir` when set), or None."""
+    if _split_source(config, split) is None:
+        return None
+    if config.cache_dir is None:
+        return build_store(iter_documents(config, tokenizer, split))
+    directory = Path(config.cache_dir) / f"{split}-{cache_key(config, tokenizer, split)}"
+    if not (directory / "meta.json").is_file():
+        write_store(directory, iter_documents(config, tokenizer, split),
+                    {"split": split, "data": to_dict(config)})
+    return open_store(directory)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowDataset:
+    """Fixed-length rows (`[seq_len]` fields, or `[2, seq_len]` for preference pairs)."""
+
+    store: TokenStore
+    plan: RowPlan | PairPlan
+    seq_len: int
+    pad_id: int
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        if isinstance(self.plan, PairPlan):
+            return assemble_pairs(self.store, self.plan, indices, self.seq_len, self.pad_id)
+        return assemble_rows(self.store, self.plan, indices, self.seq_len, self.pad_id)
+
+
+def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> RowDataset | None:
+    store = load_documents(config, tokenizer, split)
+    if store is None:
+        return None
+    if config.format == "preference":
+        plan = plan_pairs(store.lengths, config.seq_len, overflow=config.overflow)
+    else:
+        plan = plan_rows(store.lengths, config.seq_len, pack=config.pack, overflow=config.overflow)
+    return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
+
+
+class DataSource:
+    """Training batches of `batch_size` rows in the sampler's order; resumable."""
+
+    def __init__(self, dataset: RowDataset, batch_size: int, *, seed: int, shuffle: bool = True):
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle)
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        return self.dataset.rows(self.sampler.take(self.batch_size))
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+
+def fixed_batches(dataset: RowDataset, batch_size: int, n_batches: int) -> list[dict[str, np.ndarray]]:
+    """The first `n_batches` batches of rows in dataset order (wrapping around a small
+    dataset): the same held-out batches at every evaluation."""
+    n = min(n_batches, max(1, -(-len(dataset) // batch_size)))
+    return [dataset.rows(np.arange(i * batch_size, (i + 1) * batch_size) % len(dataset)) for i in range(n)]

@@ -1,0 +1,51 @@
+"""Reading records (JSON objects) from a JSONL file or a bundled dataset, and the
+deterministic train / held-out split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from jrl.data.bundled import is_bundled, load_bundled
+
+_MASK64 = (1 << 64) - 1
+
+
+def iter_records(source: str, seed: int = 0) -> Iterator[tuple[int, dict]]:
+    """`(index, record)` for every record of `source`; bad lines raise naming file:line."""
+    if is_bundled(source):
+        yield from enumerate(load_bundled(source, seed))
+        return
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.source: no such file {source!r}")
+    index = 0
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{source}:{line_no}: expected a JSON object, got {type(record).__name__}")
+            yield index, record
+            index += 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a well-spread 64-bit hash of an integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def is_heldout(index: int, seed: int, fraction: float) -> bool:
+    """Whether record `index` belongs to the held-out split: a fixed pseudo-random choice
+    of about `fraction` of the records, decided per record (works while streaming)."""
+    if fraction <= 0:
+        return False
+    return _mix(_mix(seed) ^ index) < fraction * 2.0**64

@@ -1,0 +1,98 @@
+"""Token stores: every document's token ids and 'trained' flags in three flat arrays,
+in memory or memory-mapped from disk (so corpora larger than RAM can be trained on).
+
+On disk a store is a directory with `tokens.bin` (int32), `train.bin` (uint8),
+`offsets.bin` (int64, n_docs + 1 entries) and `meta.json`; it is written into a hidden
+sibling directory and published by one rename, so a crashed preprocessing run never
+leaves a half-written store that looks complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from jrl.data.encode import Document
+
+FILES = {"tokens": ("tokens.bin", np.int32), "train": ("train.bin", np.uint8),
+         "offsets": ("offsets.bin", np.int64)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStore:
+    tokens: np.ndarray  # int32 [total tokens]
+    train: np.ndarray  # uint8 [total tokens]
+    offsets: np.ndarray  # int64 [n_docs + 1]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def doc(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.train[a:b]
+
+
+def build_store(docs: Iterable[Document]) -> TokenStore:
+    """An in-memory store of `docs`."""
+    tokens, train, lengths = [], [], [0]
+    for ids, trained in docs:
+        tokens.append(np.asarray(ids, np.int32))
+        train.append(np.asarray(trained, np.uint8))
+        lengths.append(len(ids))
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
+    return TokenStore(cat(tokens, np.int32), cat(train, np.uint8), np.cumsum(lengths, dtype=np.int64))
+
+
+def write_store(directory: str | os.PathLike, docs: Iterable[Document], meta: dict[str, Any]) -> Path:
+    """Streams `docs` to disk as a store at `directory` (atomically published)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.parent / f".{directory.name}.staging-{uuid.uuid4().hex}"
+    staging.mkdir()
+    try:
+        n_docs, n_tokens = 0, 0
+        with open(staging / FILES["tokens"][0], "wb") as ft, open(staging / FILES["train"][0], "wb") as fm, \
+                open(staging / FILES["offsets"][0], "wb") as fo:
+            fo.write(np.zeros(1, np.int64).tobytes())
+            for ids, trained in docs:
+                ft.write(np.asarray(ids, np.int32).tobytes())
+                fm.write(np.asarray(trained, np.uint8).tobytes())
+                n_tokens += len(ids)
+                n_docs += 1
+                fo.write(np.asarray([n_tokens], np.int64).tobytes())
+            for f in (ft, fm, fo):
+                f.flush()
+                os.fsync(f.fileno())
+        info = {**meta, "n_docs": n_docs, "n_tokens": n_tokens}
+        (staging / "meta.json").write_text(json.dumps(info, indent=1) + "\n")
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.rename(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory
+
+
+def open_store(directory: str | os.PathLike) -> TokenStore:
+    """A store whose arrays are read-only memory maps of the files in `directory`."""
+    directory = Path(directory)
+    if not (directory / "meta.json").is_file():
+        raise FileNotFoundError(f"{directory} is not a token store (no meta.json)")
+    arrays = {}
+    for key, (name, dtype) in FILES.items():
+        path = directory / name
+        arrays[key] = (np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size
+                       else np.zeros(0, dtype))
+    return TokenStore(**arrays)

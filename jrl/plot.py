@@ -1,0 +1,83 @@
+"""Training curves from a run's `metrics.jsonl` as a PNG: `python -m jrl.plot RUN_DIR`.
+
+Panels: loss (train, and held-out where evaluated), learning rate, gradient norm, and
+throughput (tokens/s); any panel without data is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+PANELS = (
+    ("loss", ("loss", "eval_loss")),
+    ("learning rate", ("lr",)),
+    ("grad norm", ("grad_norm",)),
+    ("tokens / s", ("tokens_per_s",)),
+)
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            xs.append(row["step"])
+            ys.append(float(value))
+    return xs, ys
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Renders `run_dir/metrics.jsonl` to `out` (default `run_dir/metrics.png`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jrl.metrics_log import read_metrics
+
+    run_dir = Path(run_dir)
+    log = run_dir / "metrics.jsonl"
+    if not log.is_file():
+        raise FileNotFoundError(f"{log} not found: is {run_dir} a run directory?")
+    rows = read_metrics(log)
+    panels = [(title, [(k, *_series(rows, k)) for k in keys]) for title, keys in PANELS]
+    panels = [(t, [s for s in series if s[1]]) for t, series in panels]
+    panels = [(t, series) for t, series in panels if series]
+    out = Path(out) if out is not None else run_dir / "metrics.png"
+    fig, axes = plt.subplots(max(len(panels), 1), 1, figsize=(8, 2.4 * max(len(panels), 1)), sharex=True,
+                             squeeze=False)
+    for ax, (title, series) in zip(axes[:, 0], panels):
+        for key, xs, ys in series:
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend()
+    if not panels:
+        axes[0, 0].text(0.5, 0.5, "no metrics yet", ha="center", va="center")
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jrl plot", description="Plot a run's metrics.jsonl to a PNG.")
+    parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    parser.add_argument("--out", help="output PNG (default RUN_DIR/metrics.png)")
+    args = parser.parse_args(argv)
+    try:
+        path = plot_run(args.run_dir, args.out)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

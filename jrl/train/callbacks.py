@@ -1,0 +1,206 @@
+"""Callbacks: hooks into the training loop, and the built-in ones.
+
+Hooks (all optional; each gets the trainer first):
+
+    on_train_begin(trainer, state)            once, after setup / resume
+    on_step_begin(trainer, state, batch)      before each update; batch is host numpy
+    before_optimizer_step(trainer, state, grads) -> grads
+                                              sees the normalised gradients of this step
+                                              (before clipping) and returns the ones to use
+    after_optimizer_step(trainer, state, metrics)
+                                              the new state (state.policy_version already
+                                              bumped if the update was applied) and the
+                                              step's host metrics
+    on_eval(trainer, state, metrics)          after a held-out evaluation ("eval_*" keys)
+    on_checkpoint(trainer, state, path)       after a checkpoint was published
+    on_train_end(trainer, state)              normal end, early stop, SIGTERM/SIGINT
+    on_error(trainer, state, error)           an exception escaped the loop; state is the
+                                              last good state; the error is re-raised after
+
+Callbacks run in list order: the built-ins first (eval, early stopping, metrics log,
+progress bar, checkpointing, plot), then the user's. If any callback overrides
+`before_optimizer_step`, the step runs as two jitted halves with the hook in between;
+otherwise it is a single jitted update.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+class Callback:
+    def on_train_begin(self, trainer, state) -> None:
+        pass
+
+    def on_step_begin(self, trainer, state, batch) -> None:
+        pass
+
+    def before_optimizer_step(self, trainer, state, grads) -> Any:
+        return grads
+
+    def after_optimizer_step(self, trainer, state, metrics: dict) -> None:
+        pass
+
+    def on_eval(self, trainer, state, metrics: dict) -> None:
+        pass
+
+    def on_checkpoint(self, trainer, state, path: Path) -> None:
+        pass
+
+    def on_train_end(self, trainer, state) -> None:
+        pass
+
+    def on_error(self, trainer, state, error: BaseException) -> None:
+        pass
+
+
+def edits_gradients(callback: Callback) -> bool:
+    return type(callback).before_optimizer_step is not Callback.before_optimizer_step
+
+
+class EvalCallback(Callback):
+    """Evaluates on the held-out batches every `every` steps and at the end."""
+
+    def __init__(self, every: int, at_end: bool = True):
+        self.every, self.at_end = every, at_end
+        self._last = None
+
+    def _run(self, trainer, state) -> None:
+        step = int(state.step)
+        if self._last == step or not trainer.has_eval_data:
+            return
+        self._last = step
+        trainer.fire("on_eval", state, trainer.evaluate(state))
+
+    def after_optimizer_step(self, trainer, state, metrics) -> None:
+        if self.every and int(state.step) % self.every == 0:
+            self._run(trainer, state)
+
+    def on_train_end(self, trainer, state) -> None:
+        if self.at_end:
+            self._run(trainer, state)
+
+
+class EarlyStopping(Callback):
+    """Stops training after `patience` checks of `monitor` without improvement by
+    more than `min_delta` (checked whenever a step or evaluation reports it)."""
+
+    def __init__(self, monitor: str, patience: int, mode: str = "min", min_delta: float = 0.0):
+        self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
+        self.best: float | None = None
+        self.bad_checks = 0
+
+    def _check(self, trainer, metrics: dict) -> None:
+        if self.monitor not in metrics:
+            return
+        value = float(metrics[self.monitor])
+        better = (self.best is None or
+                  (value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta))
+        if better:
+            self.best, self.bad_checks = value, 0
+            return
+        self.bad_checks += 1
+        if self.bad_checks >= self.patience:
+            trainer.request_stop(f"early stopping: {self.monitor} did not improve on {self.best:.6g} "
+                                 f"for {self.bad_checks} checks")
+
+    def after_optimizer_step(self, trainer, state, metrics) -> None:
+        self._check(trainer, metrics)
+
+    def on_eval(self, trainer, state, metrics) -> None:
+        self._check(trainer, metrics)
+
+
+class MetricsLogger(Callback):
+    """Appends a row to `metrics.jsonl` every `log_every` steps (and the last step), and
+    one row per evaluation."""
+
+    def __init__(self, log_every: int = 1):
+        self.log_every = log_every
+
+    def after_optimizer_step(self, trainer, state, metrics) -> None:
+        step = metrics["step"]
+        if step % self.log_every == 0 or step == trainer.config.steps:
+            trainer.metrics_log.append(metrics)
+
+    def on_eval(self, trainer, state, metrics) -> None:
+        trainer.metrics_log.append(metrics)
+
+
+class ProgressBar(Callback):
+    """tqdm bar over the run's steps with ETA, loss and lr (stderr)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_begin(self, trainer, state) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=trainer.config.steps, initial=int(state.step), desc=trainer.config.name,
+                        unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def after_optimizer_step(self, trainer, state, metrics) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", refresh=False)
+
+    def on_eval(self, trainer, state, metrics) -> None:
+        if self.bar is not None and "eval_loss" in metrics:
+            self.bar.write(f"step {metrics['step']}: eval_loss {metrics['eval_loss']:.4f}")
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def on_train_end(self, trainer, state) -> None:
+        self._close()
+
+    def on_error(self, trainer, state, error) -> None:
+        self._close()
+
+
+class CheckpointCallback(Callback):
+    """Saves every `interval` steps, at the end (incl. early stop and signals) and, if the
+    state is still intact, when an error escapes the loop."""
+
+    def __init__(self, interval: int, save_on_end: bool = True, save_on_error: bool = True):
+        self.interval, self.save_on_end, self.save_on_error = interval, save_on_end, save_on_error
+
+    def after_optimizer_step(self, trainer, state, metrics) -> None:
+        if self.interval and metrics["step"] % self.interval == 0:
+            trainer.save_checkpoint(state)
+
+    def on_train_end(self, trainer, state) -> None:
+        if self.save_on_end and trainer.last_saved_step != int(state.step):
+            trainer.save_checkpoint(state)
+
+    def on_error(self, trainer, state, error) -> None:
+        if not self.save_on_error or state is None:
+            return
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+            warnings.warn("not saving a checkpoint on error: the state's buffers were donated to the "
+                          "failed update", stacklevel=2)
+            return
+        if trainer.last_saved_step != int(state.step):
+            trainer.save_checkpoint(state)
+
+
+class PlotCallback(Callback):
+    """Renders `metrics.png` from the metrics log when training ends."""
+
+    def on_train_end(self, trainer, state) -> None:
+        from jrl.plot import plot_run
+
+        trainer.metrics_log.flush_and_sync()
+        plot_run(trainer.run_dir)
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,0 +1,104 @@
+"""Optimizers: AdamW, or Muon on hidden matrices with AdamW on everything else, with
+per-group learning rates, weight-decay masks and frozen groups (optax.partition).
+
+Groups come from parameter paths (`param_groups`): `embed`, `head`, `norm`, `bias`,
+`router`, `lora`, `hidden`. Muon is optax's own `scale_by_muon`; layer-stacked kernels
+`[layers, (experts,) in, out]` are orthogonalised per matrix over their last two axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+
+from jrl.config import OptimizerConfig
+from jrl.train.schedules import Schedule
+
+
+def _group_of(names: tuple[str, ...], leaf: Any) -> str:
+    last = names[-1]
+    if last in ("lora_a", "lora_b"):
+        return "lora"
+    if "embed" in names:
+        return "embed"
+    if last == "lm_head":
+        return "head"
+    if last == "scale":
+        return "norm"
+    if last == "bias" or jnp.ndim(leaf) < 2:
+        return "bias"
+    if "router" in names:
+        return "router"
+    return "hidden"
+
+
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def param_groups(params: Any) -> Any:
+    """A pytree like `params` with each leaf's group name."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: _group_of(_names(p), x), params)
+
+
+def trainable_groups(config: OptimizerConfig, present: set[str]) -> set[str]:
+    groups = {"lora"} if config.trainable == "lora" else set(present)
+    return (groups & present) - set(config.freeze)
+
+
+def _scale_by_shape(consistent_rms: float | None) -> optax.GradientTransformation:
+    """Muon's shape factor on `[..., in, out]` updates: `consistent_rms * sqrt(max(in, out))`
+    (update RMS ~ consistent_rms, like AdamW's) or `sqrt(max(1, out / in))`."""
+
+    def factor(shape) -> float:
+        fan_in, fan_out = shape[-2], shape[-1]
+        if consistent_rms is not None:
+            return consistent_rms * math.sqrt(max(fan_in, fan_out))
+        return math.sqrt(max(1.0, fan_out / fan_in))
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u: u * factor(u.shape), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def build_optimizer(config: OptimizerConfig, schedule: Schedule, params: Any) -> optax.GradientTransformation:
+    """The optimizer for `params` (clipping is done by the train step, not here)."""
+    labels = param_groups(params)
+    present = set(jax.tree.leaves(labels))
+    trainable = trainable_groups(config, present)
+    if not trainable:
+        raise ValueError(f"optimizer: no trainable parameter group (present: {sorted(present)}, "
+                         f"trainable={config.trainable!r}, freeze={list(config.freeze)})")
+    mu_dtype = jnp.dtype(config.mu_dtype) if config.mu_dtype else None
+    transforms = {}
+    for group in sorted(present):
+        if group not in trainable:
+            transforms[group] = optax.set_to_zero()
+            continue
+        scale = float(config.lr_scale.get(group, 1.0))
+        decay = 0.0 if group in config.no_decay else config.weight_decay
+        if config.name == "muon" and group == "hidden":
+            lr = config.muon_lr if config.muon_lr is not None else config.lr
+            parts = [
+                scale_by_muon(beta=config.muon_beta, ns_steps=config.muon_ns_steps, mu_dtype=mu_dtype,
+                              nesterov=config.muon_nesterov,
+                              weight_dimension_numbers=lambda t: jax.tree.map(
+                                  lambda _: MuonDimensionNumbers(-2, -1), t)),
+                _scale_by_shape(config.muon_consistent_rms),
+            ]
+        else:
+            lr = config.lr
+            parts = [optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps, mu_dtype=mu_dtype)]
+        if decay:
+            parts.append(optax.add_decayed_weights(decay))
+        peak = lr * scale
+        parts.append(optax.scale_by_learning_rate(lambda count, peak=peak: peak * schedule(count)))
+        transforms[group] = optax.chain(*parts)
+    return optax.partition(transforms, labels)

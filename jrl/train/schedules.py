@@ -1,0 +1,67 @@
+"""Learning-rate multipliers as pure functions of the optimizer-update count.
+
+`make_schedule(config, run_steps)` returns `f(count) -> float32 multiplier`; each
+parameter group's learning rate is `lr * lr_scale[group] * f(count)`. Warmup is linear
+and reaches 1 at update `warmup_steps - 1` (the first update already moves the weights).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax.numpy as jnp
+
+from jrl.config import ScheduleConfig
+
+Schedule = Callable[[jnp.ndarray], jnp.ndarray]
+
+
+def _warmup(count, warmup_steps: int):
+    if warmup_steps <= 0:
+        return jnp.ones_like(count, jnp.float32)
+    return jnp.minimum(1.0, (count + 1.0) / warmup_steps)
+
+
+def _cosine(progress):
+    return 0.5 * (1.0 + jnp.cos(math.pi * jnp.clip(progress, 0.0, 1.0)))
+
+
+def make_schedule(config: ScheduleConfig, run_steps: int) -> Schedule:
+    total = config.total_steps or run_steps
+    warm = config.warmup_steps
+    floor = config.min_lr_ratio
+
+    def constant(count):
+        return _warmup(count, warm)
+
+    def warmup_cosine(count):
+        progress = (count - warm) / max(total - warm, 1)
+        return jnp.where(count < warm, _warmup(count, warm), floor + (1.0 - floor) * _cosine(progress))
+
+    decay_len = max(1, round(config.wsd_decay_fraction * total))
+    decay_start = max(warm, total - decay_len)
+
+    def wsd(count):
+        progress = jnp.clip((count - decay_start) / decay_len, 0.0, 1.0)
+        shape = {"linear": 1.0 - progress, "cosine": _cosine(progress),
+                 "sqrt": 1.0 - jnp.sqrt(progress)}[config.wsd_decay_shape]
+        return jnp.where(count < warm, _warmup(count, warm), floor + (1.0 - floor) * shape)
+
+    period = config.restart_period
+
+    def cosine_restarts(count):
+        since = jnp.maximum(count - warm, 0.0)
+        cycle = jnp.floor(since / period)
+        progress = (since - cycle * period) / period
+        peak = config.restart_decay ** cycle
+        return jnp.where(count < warm, _warmup(count, warm),
+                         peak * (floor + (1.0 - floor) * _cosine(progress)))
+
+    fn = {"constant": constant, "warmup_cosine": warmup_cosine, "wsd": wsd,
+          "cosine_restarts": cosine_restarts}[config.kind]
+
+    def schedule(count):
+        return fn(jnp.asarray(count, jnp.float32)).astype(jnp.float32)
+
+    return schedule

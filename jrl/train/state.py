@@ -1,0 +1,40 @@
+"""The train state: everything a run needs to continue exactly, as one pytree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """params, optimizer state, counters and the run's PRNG key.
+
+    step: train steps taken (batches consumed), including skipped updates.
+    policy_version: optimizer updates applied; starts at 0, +1 per applied update, never
+        decreases; an update skipped for non-finite loss/gradients leaves it unchanged.
+    skipped_updates: how many updates were skipped for non-finite values.
+    rng: typed PRNG key; step keys are `fold_in(rng, step)`, so resuming reproduces them.
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    policy_version: jax.Array
+    skipped_updates: jax.Array
+    rng: jax.Array
+
+
+def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array,
+                     policy_version: int = 0) -> TrainState:
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        policy_version=jnp.asarray(policy_version, jnp.int32),
+        skipped_updates=jnp.zeros((), jnp.int32),
+        rng=rng,
+    )

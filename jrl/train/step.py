@@ -1,0 +1,145 @@
+"""The update: gradients summed over micro-batches, normalised once, clipped, applied.
+
+`make_step_fns` builds three jitted functions from the same pure pieces:
+
+* `update(state, batch, reference_params) -> (state, metrics)`: the whole step as one
+  program with the state donated (used unless a callback edits gradients);
+* `compute_grads(state, batch, reference_params) -> (grads, info)` and
+  `apply_grads(state, grads, info) -> (state, metrics)`: the same step split in two so
+  `before_optimizer_step` callbacks can see and replace the gradients in between.
+
+`batch` fields carry a leading micro-batch axis `[M, b, ...]`; the micro-batches are
+scanned, their loss sums, weights, metric sums and gradients added up, and the sums are
+divided by the total weight once (see the strategy protocol in docs/training.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jrl.config import ModelConfig
+from jrl.train.schedules import Schedule
+from jrl.train.state import TrainState
+from jrl.train.strategies.base import LossContext, Strategy
+
+
+class GradInfo(NamedTuple):
+    """What `apply_grads` needs besides the gradients (all float32 scalars or dicts)."""
+
+    loss: jax.Array
+    weight: jax.Array
+    metrics: dict[str, jax.Array]
+
+
+class StepFns(NamedTuple):
+    update: Callable
+    compute_grads: Callable
+    apply_grads: Callable
+    evaluate: Callable
+
+
+def _micro_keys(state: TrainState, n: int) -> jax.Array:
+    return jax.random.split(jax.random.fold_in(state.rng, state.step), n)
+
+
+def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chunk_size: int,
+                params: Any, batch: dict, reference_params: Any, keys: jax.Array,
+                policy_version: jax.Array, with_grads: bool):
+    """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis."""
+
+    def loss_of(p, micro, key):
+        ctx = LossContext(rng=key, policy_version=policy_version, reference_params=reference_params,
+                          options=options, chunk_size=chunk_size)
+        out = strategy.loss_fn(model_config, p, micro, ctx)
+        return jnp.asarray(out.total, jnp.float32), (jnp.asarray(out.weight, jnp.float32), out.metrics)
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+    def one(micro, key):
+        if with_grads:
+            (total, (weight, metrics)), grads = grad_fn(params, micro, key)
+            return total, weight, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        total, (weight, metrics) = loss_of(params, micro, key)
+        return total, weight, metrics, None
+
+    def body(carry, xs):
+        return jax.tree.map(jnp.add, carry, one(*xs)), None
+
+    first = jax.tree.map(lambda x: x[0], batch)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first, keys[0]))
+    summed, _ = jax.lax.scan(body, zeros, (batch, keys))
+    return summed
+
+
+def _finish_metrics(total, weight, metrics) -> tuple[jax.Array, dict]:
+    denom = jnp.maximum(weight, 1e-12)
+    loss = total / denom
+    reduced = {k: s / jnp.maximum(c, 1e-12) for k, (s, c) in metrics.items()}
+    return loss, reduced
+
+
+def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
+                  optimizer: optax.GradientTransformation, schedule: Schedule, base_lr: float,
+                  *, clip_norm: float, chunk_size: int = 0) -> StepFns:
+    """Jitted update / split update / evaluation for this model, strategy and optimizer."""
+
+    def compute_grads(state: TrainState, batch: dict, reference_params: Any):
+        n_micro = jax.tree.leaves(batch)[0].shape[0]
+        total, weight, metrics, grads = _accumulate(
+            model_config, strategy, options, chunk_size, state.params, batch, reference_params,
+            _micro_keys(state, n_micro), state.policy_version, with_grads=True)
+        denom = jnp.maximum(weight, 1e-12)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        loss, reduced = _finish_metrics(total, weight, metrics)
+        return grads, GradInfo(loss, weight, reduced)
+
+    def apply_grads(state: TrainState, grads: Any, info: GradInfo):
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(info.loss) & jnp.isfinite(grad_norm)
+        if clip_norm > 0:
+            factor = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * factor, grads)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        applied = finite.astype(jnp.int32)
+        new_state = state.replace(
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt_state, state.opt_state),
+            step=state.step + 1,
+            policy_version=state.policy_version + applied,
+            skipped_updates=state.skipped_updates + (1 - applied),
+        )
+        metrics = {
+            "loss": info.loss,
+            "grad_norm": grad_norm,
+            "lr": base_lr * schedule(state.policy_version),
+            "weight": info.weight,
+            "update_applied": applied,
+            "skipped_updates": new_state.skipped_updates,
+            **info.metrics,
+        }
+        return new_state, metrics
+
+    def update(state: TrainState, batch: dict, reference_params: Any):
+        grads, info = compute_grads(state, batch, reference_params)
+        return apply_grads(state, grads, info)
+
+    def evaluate(params: Any, batch: dict, reference_params: Any, rng: jax.Array):
+        """Summed loss/weight/metric sums of one batch (no gradients), for held-out eval."""
+        n_micro = jax.tree.leaves(batch)[0].shape[0]
+        total, weight, metrics, _ = _accumulate(
+            model_config, strategy, options, chunk_size, params, batch, reference_params,
+            jax.random.split(rng, n_micro), jnp.zeros((), jnp.int32), with_grads=False)
+        return total, weight, metrics
+
+    return StepFns(
+        update=jax.jit(update, donate_argnums=0),
+        compute_grads=jax.jit(compute_grads),
+        apply_grads=jax.jit(apply_grads, donate_argnums=(0, 1)),
+        evaluate=jax.jit(evaluate),
+    )

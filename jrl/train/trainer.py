@@ -1,0 +1,340 @@
+"""The Trainer: builds model, optimizer, strategy and data from a `TrainConfig`, runs the
+loop with callbacks, checkpoints, resumes, and stops cleanly on SIGTERM / SIGINT.
+
+    trainer = Trainer(config, callbacks=[...], output_dir="runs/x")
+    state = trainer.fit(resume=True)
+
+A run directory holds `config.yaml` (resolved), `metrics.jsonl`, `checkpoints/step_<N>/`
+and `metrics.png`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from jrl import checkpoint
+from jrl.config import ConfigError, TrainConfig, to_dict
+from jrl.metrics_log import MetricsLog
+from jrl.models import count_params, init_params
+from jrl.train import callbacks as cb
+from jrl.train.optim import build_optimizer, param_groups, trainable_groups
+from jrl.train.schedules import make_schedule
+from jrl.train.state import TrainState, init_train_state
+from jrl.train.step import make_step_fns
+from jrl.train.strategies import get_strategy, strategy_options
+
+# Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0,
+               "B200": 2250.0, "L40S": 362.0}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
+    """(checkpoint root, step or None for the latest) from a run dir, a root or a step dir."""
+    p = Path(path)
+    if p.name.startswith("step_") and p.name[5:].isdigit():
+        return p.parent, int(p.name[5:])
+    if (p / "checkpoints").is_dir():
+        return p / "checkpoints", None
+    return p, None
+
+
+def flops_per_token(config, params: Any, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x active matmul params + attention (12 L H D S)."""
+    mc = config
+    n = 0.0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        names = [str(getattr(k, "key", k)) for k in path]
+        if names[0] == "embed" and not mc.tie_embeddings:
+            continue
+        size = float(np.prod(leaf.shape))
+        if "moe" in names and "router" not in names and "shared_expert" not in names:
+            size *= mc.n_experts_per_tok / mc.n_experts
+        n += size
+    return 6.0 * n + 12.0 * mc.n_layers * mc.n_heads * mc.qk_head_dim * seq_len
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, *, callbacks: Iterable[cb.Callback] = (),
+                 output_dir: str | os.PathLike | None = None):
+        self.config = config
+        self.run_dir = Path(output_dir or config.run_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.strategy = get_strategy(config.strategy.name)
+        self.options = strategy_options(self.strategy, config.strategy.options)
+        self.schedule = make_schedule(config.schedule, config.steps)
+        self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.callbacks = self._builtin_callbacks() + list(callbacks)
+        self.state: TrainState | None = None
+        self.reference_params = None
+        self.train_source = None
+        self.eval_batches: list[dict] = []
+        self.last_saved_step: int | None = None
+        self.stop_reason: str | None = None
+        self._tokenizer = None
+        self._fns = None
+        self._split = any(cb.edits_gradients(c) for c in self.callbacks)
+        self._last_time: float | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _builtin_callbacks(self) -> list[cb.Callback]:
+        c = self.config
+        out: list[cb.Callback] = [cb.EvalCallback(c.eval.every, c.eval.at_end)]
+        es = c.eval.early_stopping
+        if es.patience:
+            out.append(cb.EarlyStopping(es.monitor, es.patience, es.mode, es.min_delta))
+        out.append(cb.MetricsLogger(c.logging.log_every))
+        if c.logging.progress:
+            out.append(cb.ProgressBar())
+        ck = c.checkpoint
+        out.append(cb.CheckpointCallback(ck.interval, ck.save_on_end, ck.save_on_error))
+        if c.logging.plot:
+            out.append(cb.PlotCallback())
+        return out
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from jrl.data import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config.data.tokenizer)
+            vocab = self.config.model.vocab_size
+            if self._tokenizer.vocab_size > vocab:
+                raise ConfigError(f"model.vocab_size: must be >= the tokenizer's vocabulary "
+                                  f"({self._tokenizer.vocab_size}), got {vocab}")
+        return self._tokenizer
+
+    def initial_params(self) -> Any:
+        """Params the run starts from: `init_from` (jrl checkpoint or `hf:<dir>`) or the seeded init."""
+        mc = self.config.model
+        src = self.config.init_from
+        if src is None:  # jitted: one compile instead of one per initializer op
+            return jax.jit(functools.partial(init_params, mc))(jax.random.key(self.config.seed))
+        if src.startswith("hf:"):
+            from jrl.hf import load_pretrained
+
+            _, loaded = load_pretrained(src[3:], dtype=mc.param_dtype)
+        else:
+            root, step = _resolve_checkpoint(src)
+            state, _ = checkpoint.load(root, step)
+            loaded = state["params"] if isinstance(state, dict) else state.params
+        expected = jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
+        want = jax.tree_util.tree_structure(expected)
+        if jax.tree_util.tree_structure(loaded) != want:
+            raise ConfigError(f"init_from: params in {src!r} do not match the model config's parameter tree")
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(loaded), jax.tree.leaves(expected)):
+            if tuple(a.shape) != tuple(b.shape):
+                raise ConfigError(f"init_from: {jax.tree_util.keystr(path)} has shape {tuple(a.shape)}, "
+                                  f"the model config wants {tuple(b.shape)}")
+        return jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), loaded, expected)
+
+    def _make_sources(self) -> None:
+        strategy, data = self.strategy, self.config.data
+        if strategy.make_source is not None:
+            self.train_source = strategy.make_source(self, "train")
+            self.eval_batches = list(strategy.make_source(self, "eval") or [])
+            return
+        if data.format not in strategy.data_formats:
+            raise ConfigError(f"data.format: strategy {strategy.name!r} trains on "
+                              f"{' or '.join(map(repr, strategy.data_formats))}, got {data.format!r}")
+        from jrl.data import DataSource, build_dataset, fixed_batches
+
+        train = build_dataset(data, self.tokenizer, "train")
+        self.train_source = DataSource(train, data.batch_size, seed=data.seed, shuffle=data.shuffle)
+        held = build_dataset(data, self.tokenizer, "eval")
+        self.eval_batches = fixed_batches(held, data.batch_size, self.config.eval.batches) if held and len(held) else []
+
+    def _clear_run_dir(self) -> None:
+        import shutil
+
+        if self.checkpoint_dir.exists():
+            shutil.rmtree(self.checkpoint_dir)
+        for name in ("metrics.jsonl", "metrics.png"):
+            (self.run_dir / name).unlink(missing_ok=True)
+
+    def setup(self, resume: bool = False, overwrite: bool = False) -> TrainState:
+        """Builds params, optimizer, state and data. `resume`: continue from the latest
+        checkpoint in the run directory if there is one. Otherwise an existing run is an
+        error unless `overwrite` (which deletes its checkpoints and metrics first)."""
+        c = self.config
+        params = self.initial_params()
+        if self.strategy.needs_reference:
+            self.reference_params = jax.tree.map(jnp.copy, params)
+        self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
+        state = init_train_state(params, self.optimizer, jax.random.key(c.seed))
+        self._make_sources()
+        existing = checkpoint.latest_step(self.checkpoint_dir)
+        if existing is not None and not resume and not overwrite:
+            raise FileExistsError(
+                f"{self.checkpoint_dir} already holds checkpoints (latest step {existing}): resume them "
+                f"(--resume) or start over (--overwrite deletes them)")
+        resume_step = existing if resume else None
+        if resume_step is None:
+            self._clear_run_dir()  # a fresh start: no stale checkpoints or metrics rows
+        if resume_step is not None:
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+            del state, params
+            state, meta = checkpoint.load(self.checkpoint_dir, resume_step, target=target,
+                                          verify=c.checkpoint.verify_on_load)
+            if "data" in meta and hasattr(self.train_source, "load_state_dict"):
+                self.train_source.load_state_dict(meta["data"])
+            self.metrics_log.truncate_after(int(state.step))
+            self.last_saved_step = int(state.step)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
+        self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
+                                  c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk)
+        self._flops_per_token = flops_per_token(c.model, state.params, c.data.seq_len)
+        self.state = state
+        return state
+
+    # ------------------------------------------------------------------ steps
+
+    def fire(self, hook: str, *args) -> None:
+        for c in self.callbacks:
+            getattr(c, hook)(self, *args)
+
+    def request_stop(self, reason: str) -> None:
+        """Ends the run after the current step (on_train_end and the final checkpoint follow)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def _micro(self, batch: dict) -> dict:
+        missing = [f for f in self.strategy.batch_fields if f not in batch]
+        if missing:
+            raise ValueError(f"batch: missing field(s) {', '.join(missing)} needed by strategy "
+                             f"{self.strategy.name!r}; batch has {', '.join(sorted(batch))}")
+        m = self.config.data.micro_batches
+        rows = len(next(iter(batch.values())))
+        if rows % m:
+            raise ValueError(f"batch: {rows} rows do not split into data.micro_batches={m}")
+        return {k: np.asarray(v).reshape(m, rows // m, *np.shape(v)[1:]) for k, v in batch.items()}
+
+    def _peak_flops(self) -> float | None:
+        if self.config.logging.peak_tflops:
+            return self.config.logging.peak_tflops * 1e12
+        kind = jax.devices()[0].device_kind
+        for name, tflops in PEAK_TFLOPS.items():
+            if name in kind:
+                return tflops * 1e12
+        return None
+
+    def train_step(self, batch: dict) -> dict:
+        """One optimizer step on `batch` (host arrays, leading axis = rows), callbacks
+        included; returns the step's host metrics."""
+        state = self.state
+        self.fire("on_step_begin", state, batch)
+        micro = self._micro(batch)
+        if self._split:
+            grads, info = self._fns.compute_grads(state, micro, self.reference_params)
+            for c in self.callbacks:
+                grads = c.before_optimizer_step(self, state, grads)
+            new_state, metrics = self._fns.apply_grads(state, grads, info)
+        else:
+            new_state, metrics = self._fns.update(state, micro, self.reference_params)
+        self.state = new_state
+        metrics = jax.device_get(metrics)
+        now = time.perf_counter()
+        elapsed = now - self._last_time if self._last_time is not None else None
+        self._last_time = now
+        seg = batch.get("segment_ids")
+        tokens = int(np.count_nonzero(seg)) if seg is not None else int(np.size(batch[next(iter(batch))]))
+        row = {"step": int(new_state.step), "policy_version": int(new_state.policy_version)}
+        row.update({k: _finite(float(v)) for k, v in metrics.items()})
+        row["update_applied"] = bool(metrics["update_applied"])
+        row["skipped_updates"] = int(metrics["skipped_updates"])
+        row["tokens"] = tokens
+        row["tokens_per_s"] = tokens / elapsed if elapsed else None
+        peak = self._peak_flops()
+        row["mfu"] = (row["tokens_per_s"] * self._flops_per_token / (peak * jax.device_count())
+                      if peak and row["tokens_per_s"] else None)
+        self.fire("after_optimizer_step", new_state, row)
+        return row
+
+    def evaluate(self, state: TrainState | None = None) -> dict:
+        """Loss and metrics on the held-out batches ("eval_*" keys, plus step and version)."""
+        state = state if state is not None else self.state
+        total = weight = 0.0
+        sums: dict[str, list[float]] = {}
+        for i, batch in enumerate(self.eval_batches):
+            t, w, m = jax.device_get(self._fns.evaluate(state.params, self._micro(batch), self.reference_params,
+                                                        jax.random.key(i)))
+            total += float(t)
+            weight += float(w)
+            for k, (s, n) in m.items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0] += float(s)
+                acc[1] += float(n)
+        out = {"step": int(state.step), "policy_version": int(state.policy_version),
+               "eval_loss": _finite(total / max(weight, 1e-12))}
+        out.update({f"eval_{k}": _finite(s / max(n, 1e-12)) for k, (s, n) in sums.items()})
+        return out
+
+    @property
+    def has_eval_data(self) -> bool:
+        return bool(self.eval_batches)
+
+    def save_checkpoint(self, state: TrainState | None = None) -> Path:
+        state = state if state is not None else self.state
+        meta = {"config": to_dict(self.config), "run": self.config.name}
+        if hasattr(self.train_source, "state_dict"):
+            meta["data"] = self.train_source.state_dict()
+        ck = self.config.checkpoint
+        path = checkpoint.save(self.checkpoint_dir, int(state.step), state, meta=meta,
+                               keep_last=ck.keep_last, keep_every=ck.keep_every, metrics_log=self.metrics_log)
+        self.last_saved_step = int(state.step)
+        self.fire("on_checkpoint", state, path)
+        return path
+
+    # ------------------------------------------------------------------ loop
+
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+
+        def handler(signum, frame):
+            if self.stop_reason is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.request_stop(f"received {signal.Signals(signum).name}")
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+        return previous
+
+    def fit(self, resume: bool = False, overwrite: bool = False) -> TrainState:
+        """Trains to `config.steps` (or until stopped); returns the final state.
+        `resume` / `overwrite`: see `setup`."""
+        previous = self._install_signal_handlers()
+        try:
+            if self.state is None:
+                self.setup(resume=resume, overwrite=overwrite)
+            self.fire("on_train_begin", self.state)
+            while int(self.state.step) < self.config.steps and self.stop_reason is None:
+                self.train_step(self.train_source.next_batch())
+            self.fire("on_train_end", self.state)
+        except BaseException as error:
+            self.fire("on_error", self.state, error)
+            raise
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+            self.metrics_log.close()
+        return self.state
