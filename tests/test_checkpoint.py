@@ -472,6 +472,13 @@ def test_an_unreadable_manifest_is_reported_as_corrupt_even_without_verify(tmp_p
         ckpt.load(tmp_path)
 
 
+def test_an_unreadable_meta_json_is_reported_as_corrupt_even_without_verify(tmp_path):
+    step_dir = ckpt.save(tmp_path, 1, small_state())
+    corrupt(step_dir / "meta.json", "truncate")
+    with pytest.raises(ckpt.CheckpointCorruptError, match="meta.json: unreadable"):
+        ckpt.load(tmp_path)
+
+
 def test_an_unknown_manifest_format_is_refused_by_number(tmp_path):
     step_dir = ckpt.save(tmp_path, 1, small_state())
     (step_dir / "manifest.json").write_text('{"format": 2, "files": {}}')
