@@ -22,6 +22,7 @@ or per GPU) from the config or the environment; on a single host it does nothing
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -187,13 +188,24 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: Rules = DEFAULT_RULE
     return logical_to_shardings(param_logical_axes(config), abstract_params(config), mesh, rules)
 
 
+@functools.cache
+def _sharded_init(config: ModelConfig, mesh: Mesh, rules: tuple) -> Any:
+    shardings = param_shardings(config, mesh, rules)
+    return jax.jit(lambda key: init_params(config, key), out_shardings=shardings)
+
+
+def sharded_init_fn(config: ModelConfig, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """The jitted `key -> params` behind `init_sharded_params`. Its
+    `.lower(key).compile().memory_analysis()` tells the per-device bytes before any are used."""
+    return _sharded_init(config, mesh, tuple((name, axes) for name, axes in rules))
+
+
 def init_sharded_params(config: ModelConfig, key: jax.Array, mesh: Mesh,
                         rules: Rules = DEFAULT_RULES) -> dict:
     """Random params created already sharded: each device computes and holds only its own
     shards, so a model larger than one device's memory can be initialised. Values equal
     `init_params(config, key)` (the random bits do not depend on the partitioning)."""
-    shardings = param_shardings(config, mesh, rules)
-    return jax.jit(lambda k: init_params(config, k), out_shardings=shardings)(key)
+    return sharded_init_fn(config, mesh, rules)(key)
 
 
 def shard_params(config: ModelConfig, params: dict, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:

@@ -1,0 +1,63 @@
+"""Shared pieces of the 8-device cases: tiny models, a next-token loss, the meshes under test.
+
+These modules run only in a subprocess started by tests/test_parallel.py with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`, so JAX sees 8 CPU devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl.config import ModelConfig
+from jrl.models import dense_attention, forward, init_params, lm_logits
+from jrl.parallel import ParallelConfig
+
+DENSE = ModelConfig()  # GQA: 4 query / 2 KV heads of 16, hidden 64, SwiGLU 128, vocab 256
+# MLA attention and a MoE MLP with a shared expert in one model: one compile covers both.
+MLA_MOE = ModelConfig(attention="mla", q_lora_rank=16, n_experts=4, n_experts_per_tok=2,
+                      n_shared_experts=1)
+
+MESHES = {
+    "dp": ParallelConfig(data=8, fsdp=1, tensor=1),
+    "fsdp": ParallelConfig(data=1, fsdp=8, tensor=1),
+    "tp": ParallelConfig(data=1, fsdp=1, tensor=8),
+    "mixed": ParallelConfig(data=2, fsdp=2, tensor=2),
+}
+
+
+def assert_eight_devices() -> None:
+    assert jax.device_count() == 8, (
+        f"these cases need 8 devices, got {jax.device_count()}; run them through tests/test_parallel.py")
+
+
+def token_batch(config: ModelConfig, batch: int = 8, length: int = 17, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, config.vocab_size, (batch, length), dtype=np.int32)
+
+
+def next_token_loss(config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy (+ the MoE load-balancing loss when the model has one)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    out = forward(config, params, inputs, positions, dense_attention(jnp.ones_like(inputs)))
+    logp = jax.nn.log_softmax(lm_logits(config, params, out.hidden), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    loss = jnp.mean(nll)
+    if config.is_moe:
+        loss = loss + config.router_aux_loss_coef * out.aux["aux_loss"]
+    return loss
+
+
+def jit_init_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Single-device params (jitted: one compile instead of hundreds of eager ops)."""
+    return jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed))
+
+
+def assert_trees_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    flat_a = jax.tree_util.tree_leaves_with_path(actual)
+    flat_e = jax.tree.leaves(expected)
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e in zip(flat_a, flat_e):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
