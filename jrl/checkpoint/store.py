@@ -100,7 +100,17 @@ def _build_meta(step: int, state: Any, user_meta: Mapping | None, records: list[
 class _PendingSave:
     """A save whose Orbax write is in flight; `finish()` completes and publishes it."""
 
-    def __init__(self, root, step, staging, checkpointer, meta, lock, keep_last, keep_every):
+    def __init__(
+        self,
+        root: Path,
+        step: int,
+        staging: Path,
+        checkpointer: ocp.StandardCheckpointer,
+        meta: bytes,
+        lock: durable.WriterLock,
+        keep_last: int | None,
+        keep_every: int | None,
+    ):
         self.root, self.step, self.staging = root, step, staging
         self._checkpointer, self._meta, self._lock = checkpointer, meta, lock
         self._keep_last, self._keep_every = keep_last, keep_every
@@ -223,7 +233,9 @@ class AsyncCheckpointer:
         if self._error is not None:
             error, step = self._error, self._error_step
             self._error = self._error_step = None
-            raise CheckpointSaveError(f"background save of step {step} to {self.root} failed: {error}") from error
+            raise CheckpointSaveError(
+                f"background save of step {step} to {self.root} failed: {error}"
+            ) from error
         return self._last_published
 
     def save(self, step: int, state: Any, *, meta: Mapping | None = None, metrics_log: Any = None) -> None:
