@@ -342,3 +342,12 @@ def test_scanned_layers_lower_to_the_same_program_size_for_2_and_8_layers():
     two, eight = lowered_text(2), lowered_text(8)
     assert two.count("dot_general") == eight.count("dot_general") > 0
     assert abs(len(eight) - len(two)) < 0.05 * len(two)
+
+
+def test_program_size_does_not_grow_with_max_position_embeddings():
+    def lowered_size(max_len):
+        cfg = tiny(max_position_embeddings=max_len)
+        tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+        return len(jax.jit(functools.partial(models.apply, cfg)).lower(shapes(cfg), tokens).as_text())
+
+    assert lowered_size(65536) == lowered_size(32)  # no [max_len, rope_dim/2] table constant

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jrl.config import ModelConfig, RopeScaling
-from jrl.models.rope import apply_rope, rope_table
+from jrl.models.rope import apply_rope, rope_cos_sin, rope_table, rotate
 
 DIM, THETA, TABLE = 16, 10000.0, 64
 BASE = ModelConfig(hidden_size=32, n_heads=2, n_kv_heads=2, head_dim=DIM, rope_theta=THETA,
@@ -130,17 +130,48 @@ def test_apply_rope_rotates_the_first_and_second_halves_as_pairs():
                 np.testing.assert_allclose(got[b, s, :, i + half], x2 * c + x1 * sn, atol=1e-5)
 
 
+SCALINGS = [
+    {}, {"type": "linear", "factor": 3.0}, {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16},
+    {"type": "ntk", "factor": 2.0, "original_max_position_embeddings": 16},
+    {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32},
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+]
+SCALING_IDS = ["default", "linear", "dynamic", "ntk", "llama3", "yarn"]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=SCALING_IDS)
+def test_per_token_cos_sin_equal_the_table_rows_at_each_position(scaling):
+    cfg = config(**scaling)
+    positions = np.array([[0, 1, 2, 17], [63, 5, 5, 40]])
+    cos, sin = rope_cos_sin(cfg, jnp.asarray(positions))
+    table_cos, table_sin = rope_table(cfg)
+    assert cos.shape == (2, 4, DIM // 2) and cos.dtype == jnp.float32
+    np.testing.assert_allclose(cos, table_cos[positions], atol=1e-5)
+    np.testing.assert_allclose(sin, table_sin[positions], atol=1e-5)
+
+
+def test_positions_past_the_configured_length_are_rotated_not_clamped():
+    cos, sin = rope_cos_sin(config(), jnp.array([[TABLE - 1, 1000, 5000]]))
+    angles = np.array([TABLE - 1, 1000, 5000])[:, None] * plain_inv_freq()
+    np.testing.assert_allclose(cos[0], np.cos(angles), atol=2e-3)  # float32 angles, as in HF
+    np.testing.assert_allclose(sin[0], np.sin(angles), atol=2e-3)
+
+
+def test_rotate_with_per_token_cos_sin_equals_apply_rope_with_the_table():
+    cfg = config(type="yarn", factor=4.0, original_max_position_embeddings=32)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 2, DIM)), jnp.float32)
+    positions = jnp.array([[0, 9, 33], [61, 2, 8]])
+    np.testing.assert_allclose(rotate(x, *rope_cos_sin(cfg, positions)),
+                               apply_rope(x, positions, *rope_table(cfg)), atol=1e-5)
+
+
 def test_apply_rope_keeps_dtype():
     cos, sin = rope_table(BASE)
     x = jnp.ones((1, 2, 1, DIM), jnp.bfloat16)
     assert apply_rope(x, jnp.array([[0, 1]]), cos, sin).dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("scaling", [
-    {}, {"type": "linear", "factor": 3.0}, {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16},
-    {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32},
-    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-], ids=["default", "linear", "dynamic", "llama3", "yarn"])
+@pytest.mark.parametrize("scaling", SCALINGS, ids=SCALING_IDS)
 def test_rotated_dot_product_depends_only_on_the_position_difference(scaling):
     cos, sin = rope_table(config(**scaling))
     rng = np.random.default_rng(1)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jrl.config import ModelConfig
 from jrl.models.layers import RMSNorm, dtype_of, linear
-from jrl.models.rope import apply_rope
+from jrl.models.rope import rotate
 
 
 class DenseAttention(flax.struct.PyTreeNode):
@@ -90,9 +90,9 @@ class GQAttention(nn.Module):
             pd = dtype_of(cfg.param_dtype)
             q = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", name="k_norm")(k)
-        cos, sin = rope
-        q = apply_rope(q, positions, cos, sin)
-        k = apply_rope(k, positions, cos, sin)
+        cos, sin = rope  # per token, [B, S, head_dim / 2]
+        q = rotate(q, cos, sin)
+        k = rotate(k, cos, sin)
         out, cache = backend.attend(q, k, v, layer=layer, cache=cache, scale=1.0 / math.sqrt(hd))
         out = out.reshape(b, s, cfg.n_heads * hd)
         return linear(cfg, cfg.hidden_size, ("q_heads", "embed"), "o_proj", "o")(out), cache
@@ -122,9 +122,9 @@ class MLAttention(nn.Module):
         kv = linear(cfg, r + rdim, ("embed", "kv_lora"), "kv_a_proj")(x)
         latent, k_pe = kv[..., :r], kv[..., r:]
         latent = RMSNorm(cfg.rms_norm_eps, pd, "kv_lora", name="kv_a_norm")(latent)
-        cos, sin = rope
-        q_pe = apply_rope(q_pe, positions, cos, sin)
-        k_pe = apply_rope(k_pe[:, :, None, :], positions, cos, sin)  # [B, S, 1, rdim]
+        cos, sin = rope  # per token, [B, S, rdim / 2]
+        q_pe = rotate(q_pe, cos, sin)
+        k_pe = rotate(k_pe[:, :, None, :], cos, sin)  # [B, S, 1, rdim]
         # No LoRA here: the absorbed (paged) path reads this kernel directly.
         kv_b = linear(cfg, h * (nope + vdim), ("kv_lora", "q_heads"), "kv_b_proj")
         scale = 1.0 / math.sqrt(nope + rdim)

@@ -1,8 +1,12 @@
-"""Rotary position embedding from a float32 cos/sin table (Hugging Face rotate-half).
+"""Rotary position embedding (Hugging Face rotate-half convention) with frequency scaling.
 
-The table has shape `[max_len, rope_dim / 2]` for cos and for sin. It is a constant of the
-config, built with numpy so jit folds it, and indexed by each token's position; packed
-documents and paged decoding therefore only need positions, never offsets.
+The model computes each token's angles `position * inv_freq` in float32 from its position
+(`rope_cos_sin`), as Hugging Face does; packed documents and paged decoding therefore
+only need positions, never offsets. The inverse frequencies (and the scaling rules that
+shape them) are computed once in float64 numpy and enter the program as a `[rope_dim/2]`
+constant. A full `[max_len, rope_dim/2]` table is *not* embedded in the jitted program:
+at 128k positions and rope_dim 128 that is 64 MiB of constants per compiled program.
+`rope_table` still builds the float64-accurate table for inspection and tests.
 """
 
 from __future__ import annotations
@@ -70,12 +74,29 @@ def rope_table(config: ModelConfig, table_len: int | None = None) -> tuple[np.nd
     return (np.cos(angles) * attn).astype(np.float32), (np.sin(angles) * attn).astype(np.float32)
 
 
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotates `x[..., S, H, D]` by the table rows at `positions[..., S]` (rotate-half)."""
-    c = jnp.asarray(cos)[positions][..., None, :]  # [..., S, 1, D/2]
-    s = jnp.asarray(sin)[positions][..., None, :]
+def rope_cos_sin(config: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Per-token cos and sin, each `[..., S, rope_dim / 2]` float32, for `positions [..., S]`.
+
+    Frequencies follow `config.rope_scaling` (dynamic/NTK sized for max_position_embeddings);
+    positions past max_position_embeddings are rotated too, never clamped."""
+    inv_freq, attn = inverse_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling,
+                                         config.max_position_embeddings)
+    angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles) * attn, jnp.sin(angles) * attn
+
+
+def rotate(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotates `x[..., S, H, D]` by per-token `cos, sin [..., S, D/2]` (rotate-half pairs
+    `(i, i + D/2)`), in float32, returning x's dtype."""
+    c = cos[..., None, :]  # [..., S, 1, D/2], shared by all heads
+    s = sin[..., None, :]
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
     out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotates `x[..., S, H, D]` by the rows at `positions[..., S]` of a `rope_table`."""
+    return rotate(x, jnp.asarray(cos)[positions], jnp.asarray(sin)[positions])

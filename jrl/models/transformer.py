@@ -24,7 +24,7 @@ from jrl.config import ModelConfig
 from jrl.models.attention import GQAttention, MLAttention, dense_attention
 from jrl.models.layers import RMSNorm, SwiGLU, dtype_of
 from jrl.models.moe import MoE, router_summary
-from jrl.models.rope import rope_table
+from jrl.models.rope import rope_cos_sin
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -96,7 +96,7 @@ class Transformer(nn.Module):
         if token_mask is None:
             token_mask = jnp.ones(tokens.shape, jnp.bool_)
         x = self.embed(tokens)
-        rope = tuple(jnp.asarray(t) for t in rope_table(cfg))
+        rope = rope_cos_sin(cfg, positions)  # per-token cos, sin shared by every layer
         layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
         (x, cache), aux = self.layers((x, cache), layer_ids, positions, rope, backend, token_mask)
         if cfg.is_moe:
