@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jrl import models
-from jrl.config import ModelConfig
+from jrl.config import LoraConfig, ModelConfig
 
 BASE = ModelConfig(vocab_size=61, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    intermediate_size=48, max_position_embeddings=32)
@@ -212,6 +213,20 @@ def test_logical_axes_mirror_params_with_layers_axis_first():
     assert tuple(axes["lm_head"]) == ("embed", "vocab")
 
 
+def test_logical_axes_for_experts_adapters_and_qk_norm():
+    cfg = tiny(n_experts=4, moe_intermediate_size=8, qk_norm=True, lora=LoraConfig(rank=2, targets=("q",)))
+    axes = models.param_logical_axes(cfg)
+    assert jax.tree.structure(shapes(cfg)) == jax.tree.structure(
+        axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    moe, attn = axes["layers"]["moe"], axes["layers"]["attn"]
+    assert tuple(moe["gate_proj"]) == ("layers", "experts", "embed", "mlp")
+    assert tuple(moe["down_proj"]) == ("layers", "experts", "mlp", "embed")
+    assert tuple(moe["router"]["kernel"]) == ("layers", "embed", "experts")
+    assert tuple(attn["q_proj"]["lora_a"]) == ("layers", "embed", "lora")
+    assert tuple(attn["q_proj"]["lora_b"]) == ("layers", "lora", "q_heads")
+    assert tuple(attn["q_norm"]["scale"]) == ("layers", "head_dim")
+
+
 @pytest.mark.parametrize("param_dtype,dtype", [
     ("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float16", "float16"), ("bfloat16", "float32")])
 def test_dtypes_params_compute_and_float32_logits(param_dtype, dtype):
@@ -308,6 +323,41 @@ def test_qk_norm_makes_logits_invariant_to_the_scale_of_q_and_k_projections():
         attn[name] = {"kernel": attn[name]["kernel"] * 7.0}
     scaled = {**params, "layers": {**params["layers"], "attn": attn}}
     np.testing.assert_allclose(logits_fn(cfg)(scaled, TOKENS), logits_fn(cfg)(params, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- backend protocol
+
+
+class KeyRecordingBackend(flax.struct.PyTreeNode):
+    """Dense attention that also writes each layer's rotated keys into `cache[layer]`,
+    the way a paged backend fills its `[n_layers, ...]` buffers."""
+
+    segment_ids: jax.Array
+
+    def attend(self, q, k, v, *, layer, cache, scale):
+        out, _ = models.dense_attention(self.segment_ids).attend(q, k, v, layer=layer, cache=None, scale=scale)
+        return out, cache.at[layer].set(k)
+
+
+def test_backend_gets_the_layer_index_and_its_cache_is_threaded_through_the_layers():
+    cfg = BASE
+    params = perturbed(cfg)
+    cache = jnp.zeros((cfg.n_layers, 2, 10, cfg.n_kv_heads, cfg.head_dim))
+
+    @jax.jit
+    def run(p, c):
+        return models.forward(cfg, p, TOKENS, POSITIONS, KeyRecordingBackend(jnp.asarray(SEGMENTS)), cache=c)
+
+    out = run(params, cache)
+    dense = jax.jit(lambda p: models.forward(cfg, p, TOKENS, POSITIONS, models.dense_attention(SEGMENTS)))(params)
+    np.testing.assert_allclose(out.hidden, dense.hidden, rtol=1e-6, atol=1e-6)
+    # layer 0 keys from the embeddings, by the numpy reference
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    layer0 = jax.tree.map(lambda t: t[0], p["layers"])
+    h = ref_rms(p["embed"]["embedding"][TOKENS], layer0["input_norm"]["scale"], cfg.rms_norm_eps)
+    k0 = ref_rope((h @ layer0["attn"]["k_proj"]["kernel"]).reshape(2, 10, 2, 8), POSITIONS, cfg.rope_theta)
+    np.testing.assert_allclose(out.cache[0], k0, rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(out.cache[1]) - k0).max() > 0.1  # layer 1 wrote its own, different keys
 
 
 # ----------------------------------------------------------------------------- remat and scan
