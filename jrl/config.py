@@ -251,9 +251,10 @@ class ModelConfig:
                      "head_dim", "intermediate_size", "max_position_embeddings"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, name, f"must be a positive integer, got {v!r}")
-        _check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
-               f"must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")
-        _check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
+        if self.attention == "gqa":  # MLA uses neither (its widths are the qk_*/v_* fields)
+            _check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+                   f"must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")
+            _check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
         _check(self.initializer_range >= 0, "initializer_range",

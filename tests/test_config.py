@@ -136,5 +136,6 @@ def test_valid_variants_construct():
     ModelConfig(n_kv_heads=1)  # MQA
     ModelConfig(n_kv_heads=4)  # MHA
     ModelConfig(attention="mla", q_lora_rank=16, lora=LoraConfig(rank=2, targets=("q", "o", "gate")))
+    ModelConfig(attention="mla", n_heads=3)  # n_kv_heads / head_dim are GQA-only fields
     ModelConfig(n_experts=4, n_experts_per_tok=4, n_shared_experts=1, shared_expert_gate=True)
     ModelConfig(rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=128))
