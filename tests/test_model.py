@@ -270,6 +270,18 @@ def test_tied_lm_head_is_the_transposed_embedding():
     np.testing.assert_allclose(models.lm_logits(cfg, params, hidden), want, rtol=1e-5, atol=1e-5)
 
 
+def test_init_draws_kernels_with_initializer_range_norms_at_one_and_biases_at_zero():
+    cfg = tiny(qkv_bias=True, initializer_range=0.05, hidden_size=64, intermediate_size=96)
+    params = jax.jit(functools.partial(models.init_params, cfg))(jax.random.key(3))
+    for kernel in (params["embed"]["embedding"], params["lm_head"], params["layers"]["mlp"]["up_proj"]["kernel"]):
+        assert float(jnp.std(kernel)) == pytest.approx(0.05, rel=0.05)
+        assert abs(float(jnp.mean(kernel))) < 0.005
+    np.testing.assert_array_equal(params["layers"]["input_norm"]["scale"], 1.0)
+    np.testing.assert_array_equal(params["layers"]["attn"]["q_proj"]["bias"], 0.0)
+    q = params["layers"]["attn"]["q_proj"]["kernel"]
+    assert float(jnp.abs(q[0] - q[1]).max()) > 0.01  # each layer draws its own weights
+
+
 # ----------------------------------------------------------------------------- masking
 
 
