@@ -120,11 +120,9 @@ class Engine:
         if pages > cfg.n_pages:
             raise ValueError(f"request can never fit: prompt + max_new_tokens = {total} tokens need {pages} pages "
                              f"of {cfg.page_size}, the pool has n_pages={cfg.n_pages}")
-        if not cfg.chunked_prefill:
-            longest = len(prompt) if cfg.allocation == "contiguous" else total - 1
-            if longest > cfg.max_tokens_per_step:
-                raise ValueError(f"request can never fit: without chunked_prefill its prefill of up to {longest} "
-                                 f"tokens must fit max_tokens_per_step={cfg.max_tokens_per_step}")
+        if not cfg.chunked_prefill and len(prompt) > cfg.max_tokens_per_step:
+            raise ValueError(f"request can never fit: without chunked_prefill its prompt of {len(prompt)} "
+                             f"tokens must fit max_tokens_per_step={cfg.max_tokens_per_step}")
         eos = frozenset(int(e) for e in eos_ids)
         stops = tuple(tuple(int(t) for t in s) for s in stop_sequences)
         if any(len(s) == 0 for s in stops):

@@ -52,6 +52,11 @@ class Request:
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
     n_preemptions: int = 0
+    _tokens: np.ndarray = dataclasses.field(init=False, repr=False)  # prompt + outputs, preallocated
+
+    def __post_init__(self) -> None:
+        self._tokens = np.zeros(len(self.prompt) + self.max_new_tokens, np.int32)
+        self._tokens[:len(self.prompt)] = self.prompt
 
     @property
     def n_known(self) -> int:
@@ -66,15 +71,15 @@ class Request:
         return self.task is not None and self.task.kv_len < self.prefill_target
 
     def known_tokens(self) -> np.ndarray:
-        if not self.outputs:
-            return self.prompt
-        return np.concatenate([self.prompt, np.asarray(self.outputs, np.int32)])
+        """Prompt + tokens read back so far (a view; no copy)."""
+        return self._tokens[:self.n_known]
 
     def reset_outputs(self) -> None:
         self.outputs, self.logprobs, self.model_logprobs, self.versions = [], [], [], []
 
     def record(self, token: int, logprob: float, model_logprob: float, version: int) -> None:
         """Appends a sampled token and sets `finish_reason` when a stop condition holds."""
+        self._tokens[self.n_known] = token
         self.outputs.append(token)
         self.logprobs.append(logprob)
         self.model_logprobs.append(model_logprob)

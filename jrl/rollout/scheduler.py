@@ -130,13 +130,13 @@ class Scheduler:
                 if victim is req:
                     return False
 
-    def _fit_chunk(self, req: Request, want: int) -> int:
-        """Largest chunk <= want whose pages can be allocated now (all of it if unchunked)."""
+    def _fit_chunk(self, req: Request, want: int, whole: bool) -> int:
+        """Largest chunk <= want whose pages can be allocated now (all or nothing if `whole`)."""
         task = req.task
         if self.config.allocation == "contiguous":
             return want  # the region was reserved at admission
         room = (len(task.pages) + self.cache.pool.allocator.n_available) * self.cache.page_size - task.kv_len
-        if not self.config.chunked_prefill and room < want:
+        if whole and room < want:
             return 0
         return max(0, min(want, room))
 
@@ -144,9 +144,10 @@ class Scheduler:
         task = req.task
         remaining = req.prefill_target - task.kv_len
         want = min(remaining, budget)
-        if not self.config.chunked_prefill and want < remaining:
+        whole = not self.config.chunked_prefill and not req.outputs  # re-prefills may be chunked
+        if whole and want < remaining:
             return None
-        chunk = self._fit_chunk(req, want)
+        chunk = self._fit_chunk(req, want, whole)
         if chunk <= 0:
             return None
         self.cache.extend(task, task.kv_len + chunk)

@@ -1,0 +1,249 @@
+"""The engine against the trainer-side model: greedy tokens and logprobs, prefix sharing,
+chunked prefill, preemption, stop conditions, compile counts, MLA and MoE models."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.config import ConfigError, ModelConfig
+from jrl.models import apply, init_params
+from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, generate
+from test_rollout_sampling import np_distribution
+
+MODEL = ModelConfig()  # tiny float32 GQA model: vocab 256, 2 layers, 4 q / 2 kv heads
+# One bucket per dimension: every engine below shares the same two or four programs.
+ENGINE = EngineConfig(page_size=8, n_pages=64, max_batch=8, max_tokens_per_step=32, token_buckets=(32,),
+                      batch_buckets=(8,), max_seq_len=96)
+
+# Jitted: eager Flax init of the scanned layers costs seconds per call on CPU.
+init = jax.jit(init_params, static_argnums=0)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init(MODEL, jax.random.key(0))
+
+
+def prompts_of(lengths, seed=0, vocab=256):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def dense_logits(config, params, tokens):
+    return apply(config, params, tokens)
+
+
+def trainer_view(config, params, completion):
+    """(argmax, log_softmax of the emitted tokens, logits) at each generated position, from
+    the trainer's dense forward (padded at the end to one length: causal, so unaffected)."""
+    seq = np.concatenate([completion.prompt, completion.tokens])
+    padded = np.zeros(ENGINE.max_seq_len, np.int32)
+    padded[:len(seq)] = seq
+    logits = dense_logits(config, params, jnp.asarray(padded)[None])[0]
+    rows = np.arange(len(completion.prompt) - 1, len(seq) - 1)
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))[rows, completion.tokens]
+    return np.asarray(jnp.argmax(logits, -1))[rows], logp, np.asarray(logits)[rows]
+
+
+def assert_greedy_matches_forward(config, params, completions):
+    for c in completions:
+        argmax, logp, _ = trainer_view(config, params, c)
+        np.testing.assert_array_equal(c.tokens, argmax, err_msg=f"request {c.request_id}")
+        assert np.abs(c.model_logprobs - logp).max() <= 1e-5
+
+
+def assert_no_pages_held(engine):
+    a = engine.pool.allocator
+    a.check_invariants()
+    assert a.n_referenced == 0
+    assert a.n_free + a.n_evictable == a.n_pages
+    assert engine.req_to_token.n_free_rows == engine.config.max_batch
+
+
+def test_greedy_ragged_batch_with_chunked_prefill_matches_full_forward_argmax(params):
+    engine = Engine(MODEL, params, ENGINE)
+    prompts = prompts_of([3, 17, 70, 9, 33])  # 70 and 33 exceed the 32-token budget: chunked
+    out = engine.generate(prompts, GREEDY, max_new_tokens=12)
+    assert [c.finish_reason for c in out] == ["length"] * 5
+    assert all(len(c.tokens) == 12 for c in out)
+    assert engine.stats.steps - engine.stats.decode_steps >= 4  # several prefill steps
+    assert_greedy_matches_forward(MODEL, params, out)
+    assert_no_pages_held(engine)
+
+
+def test_greedy_unchunked_prefill_matches_full_forward_argmax(params):
+    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, chunked_prefill=False, prefix_cache=False))
+    out = engine.generate(prompts_of([5, 30, 12, 31], seed=1), GREEDY, max_new_tokens=10)
+    assert_greedy_matches_forward(MODEL, params, out)
+    assert engine.pool.allocator.n_free == ENGINE.n_pages
+
+
+def test_prefix_hits_reuse_cached_pages_and_keep_greedy_outputs_exact(params):
+    engine = Engine(MODEL, params, ENGINE)
+    base = prompts_of([40], seed=2)[0]
+    first = engine.generate([base], GREEDY, max_new_tokens=6)
+    assert first[0].cached_tokens == 0
+    longer = np.concatenate([base, prompts_of([11], seed=3)[0]])
+    again = engine.generate([base, longer], GREEDY, max_new_tokens=6)
+    assert again[0].cached_tokens == 32  # (40 - 1) // 8 full pages: the last token is recomputed
+    assert again[1].cached_tokens == 40  # the whole base prompt: 5 full pages
+    np.testing.assert_array_equal(again[0].tokens, first[0].tokens)
+    assert_greedy_matches_forward(MODEL, params, first + again)
+    assert_no_pages_held(engine)
+
+
+def test_identical_prompts_in_one_batch_compute_their_prefix_once(params):
+    engine = Engine(MODEL, params, ENGINE)
+    prompt = prompts_of([25], seed=4)[0]
+    out = engine.generate([prompt] * 4, GREEDY, max_new_tokens=4)
+    # The first computes 25 tokens and publishes 3 full pages; the others compute 1 each.
+    assert engine.scheduler.stats.prefill_tokens == 25 + 3 * 1
+    assert [c.cached_tokens for c in out] == [0, 24, 24, 24]
+    assert engine.stats.steps - engine.stats.decode_steps == 1  # one packed forward
+    for c in out[1:]:
+        np.testing.assert_array_equal(c.tokens, out[0].tokens)
+    assert_greedy_matches_forward(MODEL, params, out[:1])
+
+
+def test_engine_logprobs_equal_trainer_log_softmax_when_sampling(params):
+    engine = Engine(MODEL, params, ENGINE)
+    out = engine.generate(prompts_of([6, 21, 14], seed=5), SamplingParams(temperature=1.0), max_new_tokens=16)
+    for c in out:
+        _, logp, _ = trainer_view(MODEL, params, c)
+        assert np.abs(c.model_logprobs - logp).max() <= 1e-5
+        # temperature 1 without truncation: the sampled distribution is the model's
+        assert np.abs(c.logprobs - logp).max() <= 1e-5
+
+
+def test_a_seeded_sample_does_not_depend_on_its_batch(params):
+    prompt = prompts_of([13], seed=6)[0]
+    p = SamplingParams(temperature=1.0, seed=1234)
+    alone = Engine(MODEL, params, ENGINE).generate([prompt], p, max_new_tokens=16)[0]
+    others = prompts_of([7, 30, 19], seed=7)
+    mixed = Engine(MODEL, params, ENGINE).generate(
+        others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0)] * 2 + [p] + [SamplingParams()],
+        max_new_tokens=16)[2]
+    np.testing.assert_array_equal(alone.tokens, mixed.tokens)
+    np.testing.assert_allclose(alone.logprobs, mixed.logprobs, atol=1e-5)
+
+
+def test_truncated_and_penalised_sampling_reports_logprobs_of_its_distribution(params):
+    config = dataclasses.replace(ENGINE, penalty_window=12)
+    engine = Engine(MODEL, params, config)
+    sp = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+                        frequency_penalty=0.2, presence_penalty=0.1)
+    out = engine.generate(prompts_of([9, 20], seed=8), sp, max_new_tokens=10)
+    for c in out:
+        _, logp, logits = trainer_view(MODEL, params, c)
+        seq = np.concatenate([c.prompt, c.tokens])
+        for j, tok in enumerate(c.tokens):
+            end = len(c.prompt) + j  # tokens seen before emitting output j
+            window = seq[max(0, end - config.penalty_window):end]
+            dist = np_distribution(logits[j], window, sp)
+            assert np.isfinite(dist[tok])
+            np.testing.assert_allclose(c.logprobs[j], dist[tok], atol=1e-4)
+        assert np.abs(c.model_logprobs - logp).max() <= 1e-5
+
+
+def test_eos_and_stop_sequences_end_requests_with_their_reason(params):
+    engine = Engine(MODEL, params, ENGINE)
+    prompt = prompts_of([10], seed=9)[0]
+    free_run = engine.generate([prompt], GREEDY, max_new_tokens=8)[0].tokens
+    eos = int(free_run[3])
+    cut = int(np.flatnonzero(free_run == eos)[0])
+    by_eos = engine.generate([prompt], GREEDY, max_new_tokens=8, eos_ids=[eos])[0]
+    assert by_eos.finish_reason == "eos"
+    np.testing.assert_array_equal(by_eos.tokens, free_run[:cut + 1])
+    stop = free_run[4:6].tolist()
+    by_stop = engine.generate([prompt], GREEDY, max_new_tokens=8, stop_sequences=[stop])[0]
+    assert by_stop.finish_reason == "stop"
+    assert by_stop.tokens[-2:].tolist() == stop and len(by_stop.tokens) <= 6
+    assert_no_pages_held(engine)
+
+
+def test_page_pressure_preempts_youngest_and_every_request_still_completes_exactly(params):
+    config = dataclasses.replace(ENGINE, prefix_cache=False)  # 64 pages of 8 tokens
+    engine = Engine(MODEL, params, config)
+    prompts = prompts_of([20] * 8, seed=10)  # 8 x (20 + 60) tokens = 80 pages > 64
+    out = engine.generate(prompts, GREEDY, max_new_tokens=60)
+    assert engine.scheduler.stats.preemptions >= 1
+    assert sum(c.n_preemptions for c in out) == engine.scheduler.stats.preemptions
+    assert out[0].n_preemptions == 0  # the oldest request is never the victim
+    assert all(len(c.tokens) == 60 for c in out)
+    assert_greedy_matches_forward(MODEL, params, out)
+    assert engine.pool.allocator.n_free == config.n_pages  # no leaks
+
+
+def test_contiguous_allocation_reserves_one_region_and_matches_forward(params):
+    config = dataclasses.replace(ENGINE, allocation="contiguous", prefix_cache=False)
+    engine = Engine(MODEL, params, config)
+    prompts = prompts_of([20] * 8, seed=10)
+    out = engine.generate(prompts, GREEDY, max_new_tokens=40)  # 8 pages each: all fit at once
+    assert engine.scheduler.stats.preemptions == 0
+    assert_greedy_matches_forward(MODEL, params, out)
+    assert engine.pool.allocator.n_free == config.n_pages
+
+
+def test_request_that_can_never_fit_is_rejected_with_a_clear_error(params):
+    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, n_pages=4))
+    with pytest.raises(ValueError, match="can never fit.*n_pages=4"):
+        engine.add_request(prompts_of([30])[0], max_new_tokens=10)
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        engine.add_request(prompts_of([90])[0], max_new_tokens=10)
+    with pytest.raises(ValueError, match=r"prompt: token ids must be in \[0, 256\)"):
+        engine.add_request([1, 256])
+    unchunked = Engine(MODEL, params, dataclasses.replace(ENGINE, chunked_prefill=False))
+    with pytest.raises(ValueError, match="max_tokens_per_step=32"):
+        unchunked.add_request(prompts_of([40])[0], max_new_tokens=4)
+
+
+def test_engine_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="engine.max_tokens_per_step"):
+        EngineConfig(max_batch=64, max_tokens_per_step=32)
+    with pytest.raises(ConfigError, match="engine.token_buckets"):
+        EngineConfig(max_tokens_per_step=64, token_buckets=(16, 32))
+    with pytest.raises(ConfigError, match="engine.allocation"):
+        EngineConfig(allocation="buddy")
+
+
+def test_long_generation_compiles_a_handful_of_programs(params):
+    # Default power-of-two buckets; a fresh geometry (max_batch 4) so no program exists yet.
+    config = EngineConfig(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=32, max_seq_len=256)
+    engine = Engine(MODEL, params, config)
+    assert engine.step_function.traces == 0
+    out = engine.generate(prompts_of([20], seed=11), GREEDY, max_new_tokens=150)
+    assert len(out[0].tokens) == 150 and engine.stats.steps >= 150
+    # prefill (32 tokens, 1 row, 8 page columns) + decode at 8 and at 32 page columns
+    assert engine.step_function.traces <= 4
+
+
+def test_generate_function_is_reproducible_per_key(params):
+    prompts = prompts_of([5, 12], seed=12)
+    a = generate(params, MODEL, prompts, jax.random.key(1), max_new_tokens=8, engine_config=ENGINE)
+    b = generate(params, MODEL, prompts, jax.random.key(1), max_new_tokens=8, engine_config=ENGINE)
+    c = generate(params, MODEL, prompts, jax.random.key(2), max_new_tokens=8, engine_config=ENGINE)
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    assert any(not np.array_equal(x.tokens, y.tokens) for x, y in zip(a, c))
+    for x in a:
+        _, logp, _ = trainer_view(MODEL, params, x)
+        assert np.abs(x.logprobs - logp).max() <= 1e-5
+
+
+@pytest.mark.parametrize("config", [
+    ModelConfig(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+    ModelConfig(n_experts=4, n_experts_per_tok=2, n_shared_experts=1),
+], ids=["mla", "moe"])
+def test_mla_and_moe_models_greedy_match_full_forward(config):
+    params = init(config, jax.random.key(3))
+    engine = Engine(config, params, ENGINE)
+    prompts = prompts_of([4, 37, 18], seed=13)
+    first = engine.generate(prompts, GREEDY, max_new_tokens=8)
+    again = engine.generate(prompts, GREEDY, max_new_tokens=8)  # prefix hits
+    assert sum(c.cached_tokens for c in again) > 0
+    assert_greedy_matches_forward(config, params, first + again)
+    assert_no_pages_held(engine)

@@ -1,0 +1,147 @@
+"""Policy versions in the engine: acknowledged weight updates, per-token versions,
+version-keyed prefix cache."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.config import ModelConfig
+from jrl.models import apply, init_params
+from jrl.rollout import GREEDY, Engine, EngineConfig
+
+MODEL = ModelConfig()
+ENGINE = EngineConfig(page_size=8, n_pages=64, max_batch=8, max_tokens_per_step=32, token_buckets=(32,),
+                      batch_buckets=(8,), max_seq_len=96)
+
+# Jitted: eager Flax init of the scanned layers costs seconds per call on CPU.
+init = jax.jit(init_params, static_argnums=0)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return init(MODEL, jax.random.key(0)), init(MODEL, jax.random.key(1))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def dense_logits(config, params, tokens):
+    return apply(config, params, tokens)
+
+
+def greedy_reference(params, prompt, n):
+    """Greedy continuation of `prompt` by the dense trainer forward."""
+    seq = list(prompt)
+    for _ in range(n):
+        padded = np.zeros(ENGINE.max_seq_len, np.int32)
+        padded[:len(seq)] = seq
+        logits = dense_logits(MODEL, params, jnp.asarray(padded)[None])[0, len(seq) - 1]
+        seq.append(int(jnp.argmax(logits)))
+    return np.asarray(seq[len(prompt):])
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n).astype(np.int32) for n in lengths]
+
+
+def test_update_rejects_a_version_going_backwards(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE, version=5)
+    with pytest.raises(ValueError, match="version: 4 is older than the served version 5"):
+        engine.update_weights(new, 4)
+    assert engine.version == 5 and engine.params is old
+
+
+def test_same_version_is_a_no_op_only_for_the_same_params(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE, version=2)
+    assert engine.update_weights(old, 2).version == 2
+    with pytest.raises(ValueError, match="already served with different params"):
+        engine.update_weights(new, 2)
+
+
+def test_update_rejects_params_of_another_shape(weights):
+    old, _ = weights
+    engine = Engine(MODEL, old, ENGINE)
+    other = {**old, "embed": {"embedding": jnp.zeros((128, 64), jnp.float32)}}
+    with pytest.raises(ValueError, match=r"params\['embed'\]\['embedding'\]: float32\(128, 64\) differs "
+                                         r"from the served float32\(256, 64\)"):
+        engine.update_weights(other, 1)
+    with pytest.raises(ValueError, match="params: tree structure differs"):
+        engine.update_weights({k: v for k, v in old.items() if k != "embed"}, 1)
+    assert engine.version == 0
+
+
+def test_update_swaps_the_params_object_without_copying(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE)
+    ack = engine.update_weights(new, 1)
+    assert ack.version == 1 and engine.version == 1
+    assert engine.params is new
+
+
+def test_stale_prefix_entries_are_never_served_after_an_update(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE)
+    prompt = prompts_of([30], seed=1)[0]
+    before = engine.generate([prompt], GREEDY, max_new_tokens=5)[0]
+    assert engine.radix.versions == [0] and engine.radix.n_cached_pages > 0
+    engine.update_weights(new, 1)
+    assert engine.radix.versions == [] and engine.radix.n_cached_pages == 0  # evicted eagerly
+    after = engine.generate([prompt], GREEDY, max_new_tokens=5)[0]
+    assert after.cached_tokens == 0
+    np.testing.assert_array_equal(before.tokens, greedy_reference(old, prompt, 5))
+    np.testing.assert_array_equal(after.tokens, greedy_reference(new, prompt, 5))
+    assert set(after.versions) == {1}
+    cached = [engine.radix.version_of_page(p) for p in range(ENGINE.n_pages)]
+    assert {v for v in cached if v is not None} == {1}
+
+
+def test_group_samples_share_one_prompt_prefill_under_the_current_version(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE)
+    engine.update_weights(new, 7)
+    prompt = prompts_of([33], seed=2)[0]
+    group = engine.generate([prompt] * 4, GREEDY, max_new_tokens=3)
+    assert engine.scheduler.stats.prefill_tokens == 33 + 3 * 1
+    assert all(set(c.versions) == {7} for c in group)
+
+
+def test_finish_mode_completes_in_flight_requests_with_old_weights(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="finish"))
+    prompts = prompts_of([6, 19, 11], seed=3)
+    ids = [engine.add_request(p, GREEDY, max_new_tokens=8) for p in prompts]
+    for _ in range(3):
+        assert engine.step() == []  # in flight, partially generated
+    ack = engine.update_weights(new, 1)
+    assert ack.finished_in_flight == 3 and ack.restarted == 0
+    late = engine.add_request(prompts[0], GREEDY, max_new_tokens=8)
+    done = {c.request_id: c for c in engine.run()}
+    for rid, p in zip(ids, prompts):
+        assert list(done[rid].versions) == [0] * 8
+        np.testing.assert_array_equal(done[rid].tokens, greedy_reference(old, p, 8))
+    assert list(done[late].versions) == [1] * 8
+    np.testing.assert_array_equal(done[late].tokens, greedy_reference(new, prompts[0], 8))
+
+
+def test_restart_mode_regenerates_in_flight_requests_with_new_weights(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="restart"))
+    prompts = prompts_of([6, 19, 11], seed=4)
+    ids = [engine.add_request(p, GREEDY, max_new_tokens=8) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    ack = engine.update_weights(new, 1)
+    assert ack.restarted == 3 and ack.finished_in_flight == 0
+    done = {c.request_id: c for c in engine.run()}
+    for rid, p in zip(ids, prompts):
+        assert list(done[rid].versions) == [1] * 8
+        np.testing.assert_array_equal(done[rid].tokens, greedy_reference(new, p, 8))
+        assert done[rid].cached_tokens == 0  # nothing computed under version 0 was reused
+    a = engine.pool.allocator
+    assert a.n_referenced == 0
+    a.check_invariants()
