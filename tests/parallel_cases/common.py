@@ -49,9 +49,12 @@ def next_token_loss(config: ModelConfig, params: dict, tokens: jax.Array) -> jax
     return loss
 
 
+_jitted_init = jax.jit(init_params, static_argnums=0)
+
+
 def jit_init_params(config: ModelConfig, seed: int = 0) -> dict:
-    """Single-device params (jitted: one compile instead of hundreds of eager ops)."""
-    return jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed))
+    """Single-device params (jitted: one compile per config instead of hundreds of eager ops)."""
+    return _jitted_init(config, jax.random.key(seed))
 
 
 def assert_trees_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6) -> None:
