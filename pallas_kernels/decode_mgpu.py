@@ -48,11 +48,10 @@ def _cdiv(a, b):
     return lax.div(a + b - 1, b)
 
 
-def default_num_splits(batch: int, n_kv_heads: int, max_ctx: int, block_kv: int) -> int:
-    """Enough CTAs for about four per SM, but every split keeps >= 4 KV blocks of work."""
-    units = batch * n_kv_heads
-    want = -(-4 * NUM_SMS // units)
-    return int(max(1, min(want, max_ctx // (4 * block_kv))))
+def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
+    """Split the KV length only when there are fewer (request, head group) units than SMs:
+    one long stream per CTA reads fastest (measured on H200, docs/performance.md)."""
+    return int(max(1, min(NUM_SMS // max(n_units, 1), max_ctx // (4 * block_kv))))
 
 
 def _check(q, k_buf, v_buf, page_table, page_size, block_kv):
@@ -62,9 +61,9 @@ def _check(q, k_buf, v_buf, page_table, page_size, block_kv):
         raise ValueError("decode_mgpu: v_buf must have k_buf's shape (MLA goes to the reference)")
     if dk != d or d not in (64, 128):
         raise ValueError(f"decode_mgpu: head_dim must be 64 or 128 and match q, got q {d} k {dk}")
-    if hq % hkv or hq // hkv > ROWS:
+    if hq % hkv or hq // hkv > ROWS - 7:
         raise ValueError(f"decode_mgpu: n_q_heads ({hq}) must be a multiple of n_kv_heads ({hkv}) "
-                         f"with at most {ROWS} per group")
+                         f"with at most {ROWS - 7} per group")
     if k_buf.shape[1] % 8:
         raise ValueError(f"decode_mgpu: n_slots ({k_buf.shape[1]}) must be a multiple of 8")
     sub = min(page_size, block_kv)
@@ -104,7 +103,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     if hkv % hpc:
         raise ValueError(f"decode_mgpu: heads_per_cta ({hpc}) must divide n_kv_heads ({hkv})")
     max_ctx = page_table.shape[1] * page_size
-    splits = num_splits or default_num_splits(b, hkv // hpc, max_ctx, block_kv)
+    splits = num_splits or default_num_splits(b * (hkv // hpc), max_ctx, block_kv)
     stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize)
     sub = min(page_size, block_kv)  # rows per TMA copy
     copies = block_kv // sub
@@ -135,8 +134,11 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 plgpu.set_max_registers(232, action="increase")
             head = head_pair * hpc + wg
             row0 = req * hq + head * g
+            # TMA views of q are tiled by 8 rows, so the tile starts at the multiple of 8
+            # below row0 and the group's G queries sit at tile rows shift..shift+G-1.
+            shift = lax.rem(row0, jnp.int32(8))
             q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, ROWS)], q_tile, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 - shift, ROWS)], q_tile, q_bar.at[wg])
             plgpu.barrier_wait(q_bar.at[wg])
             m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
                                     plgpu.Layout.WGMMA.reduce(1))
@@ -176,7 +178,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             o_tile[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
             lse_tile[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(0, g)], o_ref.at[split, pl.ds(row0, g)])
+            plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(shift, g)], o_ref.at[split, pl.ds(row0, g)])
             plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[split, req * hkv + head])
             plgpu.wait_smem_to_gmem(0)
 
@@ -207,6 +209,16 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                 smem.at[ring, pl.ds(j * sub, sub)], bar.at[ring])
 
             lax.fori_loop(0, n_steps, fetch, None)
+
+            def retire(i, _):
+                # Observe the releases of the last `stages` slots too, so every barrier
+                # phase is waited on before the CTA exits.
+                slot = lax.rem(i, jnp.int32(stages))
+                for w in range(hpc):
+                    plgpu.barrier_wait(k_free.at[w * stages + slot])
+                    plgpu.barrier_wait(v_free.at[w * stages + slot])
+
+            lax.fori_loop(jnp.maximum(n_steps, stages), n_steps + stages, retire, None)
 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     rings = hpc * stages
@@ -239,7 +251,10 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     o_part = o_part.reshape(splits, b, hq, d)
     if splits == 1:
         return o_part[0].astype(q.dtype)
-    lse = lse.reshape(splits, b, hkv, ROWS)[..., :g].reshape(splits, b, hq)
+    rows = jnp.arange(b * hq, dtype=jnp.int32).reshape(b, hkv, g)
+    tile_row = rows[:, :, :1] % 8 + jnp.arange(g, dtype=jnp.int32)  # shift + j
+    lse = jnp.take_along_axis(lse.reshape(splits, b, hkv, ROWS), tile_row[None], axis=-1)
+    lse = lse.reshape(splits, b, hq)
     top = jnp.max(lse, axis=0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     w = jnp.exp2(lse - top)  # [S, B, Hq]; 0 for empty splits

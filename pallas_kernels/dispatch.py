@@ -35,7 +35,7 @@ def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> 
     hq, d = q.shape[-2], q.shape[-1]
     _, n_slots, hkv, dk = k_buf.shape
     return (v_buf is not None and v_buf.shape == k_buf.shape and (v_head_dim in (None, d))
-            and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 64
+            and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 57
             and k_buf.dtype in (jnp.bfloat16, jnp.float16) and v_buf.dtype == k_buf.dtype
             and page_size % 8 == 0 and n_slots % 8 == 0)
 
