@@ -17,15 +17,17 @@ Hooks (all optional; each gets the trainer first):
     on_error(trainer, state, error)           an exception escaped the loop; state is the
                                               last good state; the error is re-raised after
 
-Callbacks run in list order: the built-ins first (eval, early stopping, metrics log,
-progress bar, checkpointing, plot), then the user's. If any callback overrides
+Callbacks run in this order: eval, early stopping, the user's callbacks (in the order
+given), metrics log, progress bar, checkpointing, plot. So a step's evaluation
+(`on_eval`) arrives before its `after_optimizer_step`; user callbacks may add keys to the
+`metrics` dict in `after_optimizer_step` and they are logged; a step's checkpoint
+(`on_checkpoint`) comes last. If any callback overrides
 `before_optimizer_step`, the step runs as two jitted halves with the hook in between;
 otherwise it is a single jitted update.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 from pathlib import Path
@@ -200,7 +202,3 @@ class PlotCallback(Callback):
 
         trainer.metrics_log.flush_and_sync()
         plot_run(trainer.run_dir)
-
-
-def finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None

@@ -98,7 +98,7 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         return grads, GradInfo(loss, weight, reduced)
 
     def apply_grads(state: TrainState, grads: Any, info: GradInfo):
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(info.loss) & jnp.isfinite(grad_norm)
         if clip_norm > 0:
             factor = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))

@@ -80,7 +80,7 @@ class Trainer:
         self.options = strategy_options(self.strategy, config.strategy.options)
         self.schedule = make_schedule(config.schedule, config.steps)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
-        self.callbacks = self._builtin_callbacks() + list(callbacks)
+        self.callbacks = self._with_builtin_callbacks(list(callbacks))
         self.state: TrainState | None = None
         self.reference_params = None
         self.train_source = None
@@ -94,20 +94,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _builtin_callbacks(self) -> list[cb.Callback]:
+    def _with_builtin_callbacks(self, user: list[cb.Callback]) -> list[cb.Callback]:
+        """eval, early stopping, the user's callbacks, metrics log, progress bar,
+        checkpointing, plot: user callbacks see a step's metrics before they are logged
+        (and may add keys to them) and run before the step's checkpoint is taken."""
         c = self.config
-        out: list[cb.Callback] = [cb.EvalCallback(c.eval.every, c.eval.at_end)]
+        before: list[cb.Callback] = [cb.EvalCallback(c.eval.every, c.eval.at_end)]
         es = c.eval.early_stopping
         if es.patience:
-            out.append(cb.EarlyStopping(es.monitor, es.patience, es.mode, es.min_delta))
-        out.append(cb.MetricsLogger(c.logging.log_every))
+            before.append(cb.EarlyStopping(es.monitor, es.patience, es.mode, es.min_delta))
+        after: list[cb.Callback] = [cb.MetricsLogger(c.logging.log_every)]
         if c.logging.progress:
-            out.append(cb.ProgressBar())
+            after.append(cb.ProgressBar())
         ck = c.checkpoint
-        out.append(cb.CheckpointCallback(ck.interval, ck.save_on_end, ck.save_on_error))
+        after.append(cb.CheckpointCallback(ck.interval, ck.save_on_end, ck.save_on_error))
         if c.logging.plot:
-            out.append(cb.PlotCallback())
-        return out
+            after.append(cb.PlotCallback())
+        return before + user + after
 
     @property
     def tokenizer(self):

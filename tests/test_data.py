@@ -1,0 +1,174 @@
+"""Data pipeline: sections -> masks, packing layout, overflow, stores, splits, errors."""
+
+import functools
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jrl.config import DataConfig, ModelConfig, Section
+from jrl.data import (
+    DataSource, assemble_rows, build_dataset, build_store, doc_pieces, encode_record, load_documents,
+    load_tokenizer, open_store, plan_rows, write_store,
+)
+from jrl.data.bundled import load_bundled
+from jrl.data.packing import assemble_pairs, plan_pairs
+from jrl.models import apply, init_params
+
+TOK = load_tokenizer("bytes")
+SECTIONS = (Section(text="Q:"), Section(field="prompt"), Section(text="A:"), Section(field="response", train=True))
+
+
+def doc(ids, train=None):
+    ids = np.asarray(ids, np.int32)
+    return ids, np.ones(len(ids), bool) if train is None else np.asarray(train, bool)
+
+
+def test_sections_mark_only_trained_pieces_and_eos():
+    cfg = DataConfig(sections=SECTIONS)
+    [(ids, train)] = encode_record({"prompt": "1+1", "response": 2}, cfg, TOK)
+    assert TOK.decode(ids[:-1]) == "Q:1+1A:2"
+    assert ids[-1] == TOK.eos_id
+    assert train.tolist() == [False] * 7 + [True, True]  # "2" and EOS are trained
+
+
+def test_text_format_trains_every_token():
+    cfg = DataConfig(format="text", add_eos=False)
+    [(ids, train)] = encode_record({"text": "abc"}, cfg, TOK)
+    assert ids.tolist() == list(b"abc") and train.all()
+
+
+def test_preference_gives_chosen_then_rejected_with_untrained_prompt():
+    cfg = DataConfig(format="preference", sections=(Section(field="prompt"),), add_eos=False)
+    (c, ct), (r, rt) = encode_record({"prompt": "p=", "chosen": "1", "rejected": "22"}, cfg, TOK)
+    assert TOK.decode(c) == "p=1" and TOK.decode(r) == "p=22"
+    assert ct.tolist() == [False, False, True] and rt.tolist() == [False, False, True, True]
+
+
+def test_missing_field_error_names_field_and_config_key():
+    with pytest.raises(ValueError, match=r"missing field 'response' \(data.sections\[1\].field\)"):
+        encode_record({"prompt": "x"}, DataConfig(), TOK, where="rec 3")
+
+
+def test_row_layout_segments_positions_targets_and_mask():
+    store = build_store([doc([10, 11, 12], [0, 1, 1]), doc([20, 21], [0, 1])])
+    plan = plan_rows(store.lengths, 8, pack=True, overflow="truncate_right")
+    assert len(plan) == 1
+    row = {k: v[0].tolist() for k, v in assemble_rows(store, plan, np.array([0]), 8, pad_id=0).items()}
+    assert row["tokens"] == [10, 11, 12, 20, 21, 0, 0, 0]
+    assert row["segment_ids"] == [1, 1, 1, 2, 2, 0, 0, 0]
+    assert row["positions"] == [0, 1, 2, 0, 1, 0, 0, 0]
+    # a document's last token has no target: nothing is predicted across the boundary
+    assert row["targets"] == [11, 12, 0, 21, 0, 0, 0, 0]
+    assert row["loss_mask"] == [1, 1, 0, 1, 0, 0, 0, 0]
+
+
+def test_without_packing_each_document_gets_its_own_row():
+    store = build_store([doc([1, 2]), doc([3, 4])])
+    assert len(plan_rows(store.lengths, 8, pack=False, overflow="truncate_right")) == 2
+    assert len(plan_rows(store.lengths, 8, pack=True, overflow="truncate_right")) == 1
+
+
+def test_overflow_policies():
+    assert doc_pieces(10, 4, "truncate_right") == [(0, 4)]
+    assert doc_pieces(10, 4, "truncate_left") == [(6, 4)]
+    assert doc_pieces(10, 4, "drop") == []
+    assert doc_pieces(10, 4, "split") == [(0, 4), (3, 4), (6, 4)]
+
+
+def test_split_packing_trains_every_target_exactly_once():
+    lengths = [13, 3, 7, 1, 5]
+    store = build_store([doc(np.arange(n) + 100 * (d + 1)) for d, n in enumerate(lengths)])
+    plan = plan_rows(store.lengths, 6, pack=True, overflow="split")
+    rows = assemble_rows(store, plan, np.arange(len(plan)), 6, pad_id=0)
+    trained = sorted(rows["targets"][rows["loss_mask"] > 0].tolist())
+    expected = sorted(int(t) for d, n in enumerate(lengths) for t in np.arange(1, n) + 100 * (d + 1))
+    assert trained == expected
+
+
+def test_packed_documents_do_not_attend_to_each_other():
+    cfg = ModelConfig(hidden_size=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, intermediate_size=64)
+    params = jax.jit(functools.partial(init_params, cfg))(jax.random.key(0))
+    forward = jax.jit(functools.partial(apply, cfg))
+    a, b1, b2 = doc([5, 6, 7, 8]), doc([40, 41, 42]), doc([90, 91, 92, 93])
+    outs = []
+    for other in (b1, b2):
+        store = build_store([other, a])  # `a` packed after a different neighbour
+        plan = plan_rows(store.lengths, 12, pack=True, overflow="truncate_right")
+        row = assemble_rows(store, plan, np.array([0]), 12, pad_id=0)
+        logits = forward(params, row["tokens"], row["positions"], row["segment_ids"])
+        outs.append(np.asarray(logits[0, row["segment_ids"][0] == 2]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_pairs_layout():
+    store = build_store([doc([1, 2, 3], [0, 1, 1]), doc([1, 4], [0, 1])])
+    plan = plan_pairs(store.lengths, 4, overflow="truncate_left")
+    out = assemble_pairs(store, plan, np.array([0]), 4, pad_id=0)
+    assert out["tokens"].shape == (1, 2, 4)
+    assert out["tokens"][0].tolist() == [[1, 2, 3, 0], [1, 4, 0, 0]]
+    assert out["loss_mask"][0].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def test_memmap_store_round_trip(tmp_path):
+    docs = [doc([1, 2, 3], [0, 1, 1]), doc([7]), doc([8, 9])]
+    write_store(tmp_path / "s", iter(docs), {"note": "test"})
+    store = open_store(tmp_path / "s")
+    assert isinstance(store.tokens, np.memmap)
+    assert store.lengths.tolist() == [3, 1, 2]
+    for i, (ids, train) in enumerate(docs):
+        got_ids, got_train = store.doc(i)
+        assert got_ids.tolist() == ids.tolist() and got_train.astype(bool).tolist() == train.tolist()
+    assert json.loads((tmp_path / "s" / "meta.json").read_text())["n_tokens"] == 6
+
+
+def test_cache_dir_reuses_the_tokenised_store(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"{i}+", "response": str(i)}) + "\n" for i in range(20)))
+    cfg = DataConfig(source=str(src), cache_dir=str(tmp_path / "cache"), eval_fraction=0.0)
+    first = load_documents(cfg, TOK, "train")
+    assert isinstance(first.tokens, np.memmap)
+    [cached] = list((tmp_path / "cache").iterdir())
+    stamp = (cached / "tokens.bin").stat().st_mtime_ns
+    second = load_documents(cfg, TOK, "train")
+    assert (cached / "tokens.bin").stat().st_mtime_ns == stamp
+    np.testing.assert_array_equal(first.tokens, second.tokens)
+
+
+def test_heldout_split_is_disjoint_and_covers_all_records():
+    cfg = DataConfig(source="bundled:arithmetic:400", eval_fraction=0.25, add_eos=False)
+    train = load_documents(cfg, TOK, "train")
+    held = load_documents(cfg, TOK, "eval")
+    assert len(train) + len(held) == 400
+    assert 60 <= len(held) <= 140
+    text = lambda store: {TOK.decode(store.doc(i)[0]) for i in range(len(store))}
+    records = {r["prompt"] + r["response"] for r in load_bundled(cfg.source)}
+    assert text(train) | text(held) == records
+
+
+def test_jsonl_errors_name_the_line(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"prompt": "a", "response": "b"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
+
+
+def test_unknown_bundled_dataset_is_named():
+    with pytest.raises(ValueError, match="unknown bundled dataset 'bundled:nope'"):
+        load_bundled("bundled:nope")
+
+
+def test_bundled_arithmetic_is_correct_and_deterministic():
+    records = load_bundled("bundled:arithmetic:50")
+    assert records == load_bundled("bundled:arithmetic:50")
+    for r in records:
+        assert eval(r["prompt"][:-1]) == r["answer"] == int(r["response"])
+
+
+def test_data_source_batches_have_row_fields():
+    cfg = DataConfig(source="bundled:arithmetic:200", seq_len=32)
+    source = DataSource(build_dataset(cfg, TOK, "train"), 4, seed=0)
+    batch = source.next_batch()
+    assert {k: v.shape for k, v in batch.items()} == {k: (4, 32) for k in
+                                                    ("tokens", "targets", "loss_mask", "positions", "segment_ids")}

@@ -1,0 +1,104 @@
+"""Optimizer groups (AdamW / Muon, decay masks, lr scales, freezing) and schedules."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+
+from jrl.config import ConfigError, LoraConfig, ModelConfig, OptimizerConfig, ScheduleConfig
+from jrl.models import init_params
+from jrl.train.optim import build_optimizer, param_groups
+from jrl.train.schedules import make_schedule
+
+CFG = ModelConfig(vocab_size=32, hidden_size=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8,
+                  intermediate_size=32, qkv_bias=True, n_experts=2, n_experts_per_tok=1,
+                  moe_intermediate_size=16, lora=LoraConfig(rank=2, targets=("q",)))
+PARAMS = jax.jit(functools.partial(init_params, CFG))(jax.random.key(0))
+GRADS = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), PARAMS)
+CONST = make_schedule(ScheduleConfig(kind="constant"), 10)
+
+
+def first_update(config, grads=GRADS):
+    tx = build_optimizer(config, CONST, PARAMS)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)  # jitted: one compile
+    return updates
+
+
+def test_parameter_groups_from_paths():
+    g = param_groups(PARAMS)
+    attn = g["layers"]["attn"]
+    assert g["embed"]["embedding"] == "embed" and g["lm_head"] == "head"
+    assert g["final_norm"]["scale"] == "norm" and attn["q_proj"]["bias"] == "bias"
+    assert attn["q_proj"]["kernel"] == "hidden" and g["layers"]["moe"]["up_proj"] == "hidden"
+    assert attn["q_proj"]["lora_a"] == "lora" and g["layers"]["moe"]["router"]["kernel"] == "router"
+
+
+def test_adamw_matches_optax_adamw_with_the_decay_mask():
+    cfg = OptimizerConfig(lr=0.01, weight_decay=0.1, no_decay=("embed", "norm", "bias"))
+    groups = param_groups(PARAMS)
+    mask = jax.tree.map(lambda g: g not in ("embed", "norm", "bias"), groups)
+    ref = optax.adamw(0.01, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=0.1, mask=mask)
+    expected, _ = jax.jit(ref.update)(GRADS, ref.init(PARAMS), PARAMS)
+    for a, b in zip(jax.tree.leaves(first_update(cfg)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+
+
+def test_muon_orthogonalises_hidden_matrices_and_uses_adamw_elsewhere():
+    cfg = OptimizerConfig(name="muon", lr=0.01, muon_lr=0.02, weight_decay=0.0, muon_consistent_rms=0.2)
+    updates = first_update(cfg)
+    grad = GRADS["layers"]["attn"]["o_proj"]["kernel"]  # [layers, in, out]
+    muon = scale_by_muon(weight_dimension_numbers=MuonDimensionNumbers(-2, -1))
+    ortho, _ = muon.update(grad, muon.init(grad))
+    factor = 0.2 * np.sqrt(max(grad.shape[-2:]))
+    np.testing.assert_allclose(np.asarray(updates["layers"]["attn"]["o_proj"]["kernel"]),
+                               -0.02 * factor * np.asarray(ortho), rtol=1e-4, atol=1e-6)
+    adam = optax.adam(0.01, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    emb = GRADS["embed"]["embedding"]
+    expected, _ = adam.update(emb, adam.init(emb))
+    np.testing.assert_allclose(np.asarray(updates["embed"]["embedding"]), np.asarray(expected), rtol=1e-6)
+
+
+def test_per_group_learning_rate_scale():
+    base = first_update(OptimizerConfig(weight_decay=0.0))
+    scaled = first_update(OptimizerConfig(weight_decay=0.0, lr_scale={"head": 0.5}))
+    np.testing.assert_allclose(np.asarray(scaled["lm_head"]), 0.5 * np.asarray(base["lm_head"]), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(scaled["embed"]["embedding"]), np.asarray(base["embed"]["embedding"]))
+
+
+def test_frozen_groups_and_lora_only_training_get_zero_updates():
+    upd = first_update(OptimizerConfig(freeze=("embed", "router")))
+    assert not np.any(np.asarray(upd["embed"]["embedding"]))
+    assert not np.any(np.asarray(upd["layers"]["moe"]["router"]["kernel"]))
+    assert np.any(np.asarray(upd["lm_head"]))
+    lora = first_update(OptimizerConfig(trainable="lora"))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(lora):
+        is_lora = jax.tree_util.keystr(path).endswith(("'lora_a']", "'lora_b']"))
+        assert bool(np.any(np.asarray(leaf))) == is_lora, jax.tree_util.keystr(path)
+
+
+def test_unknown_group_in_lr_scale_is_named():
+    with pytest.raises(ConfigError, match="optimizer.lr_scale.heads: unknown parameter group"):
+        OptimizerConfig(lr_scale={"heads": 2.0})
+
+
+def sched(**kw):
+    return lambda steps: [float(make_schedule(ScheduleConfig(**kw), 10)(c)) for c in steps]
+
+
+def test_warmup_cosine_values():
+    f = sched(kind="warmup_cosine", warmup_steps=2, min_lr_ratio=0.0)
+    np.testing.assert_allclose(f([0, 1, 2, 6, 10]), [0.5, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+
+
+def test_wsd_is_flat_then_decays_over_the_last_fraction():
+    f = sched(kind="wsd", warmup_steps=1, wsd_decay_fraction=0.4, min_lr_ratio=0.0)
+    np.testing.assert_allclose(f([0, 3, 6, 8, 10]), [1.0, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+
+
+def test_cosine_restarts_cycle_with_decaying_peaks():
+    f = sched(kind="cosine_restarts", restart_period=4, restart_decay=0.5, min_lr_ratio=0.0)
+    np.testing.assert_allclose(f([0, 2, 4, 6, 8]), [1.0, 0.5, 0.5, 0.25, 0.25], atol=1e-6)

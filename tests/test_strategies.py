@@ -1,0 +1,180 @@
+"""Each strategy's loss against a hand computation from full logits on a tiny batch."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.config import ConfigError, ModelConfig
+from jrl.models import apply, init_params
+from jrl.train.logprobs import token_logprobs
+from jrl.train.strategies import (
+    LossContext, LossOutput, Strategy, get_strategy, metric, register_strategy, strategy_options,
+)
+
+CFG = ModelConfig(vocab_size=32, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                  intermediate_size=32, max_position_embeddings=16)
+PARAMS = jax.jit(functools.partial(init_params, CFG))(jax.random.key(0))
+POLICY = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), PARAMS)
+logits_of = jax.jit(functools.partial(apply, CFG))  # jitted: one compile instead of one per op
+_LOSSES = {}
+
+
+def loss_of(name, params, batch, context):
+    fn = get_strategy(name).loss_fn
+    if fn not in _LOSSES:
+        _LOSSES[fn] = jax.jit(functools.partial(fn, CFG))
+    return _LOSSES[fn](params, batch, context)
+
+
+def ctx(name, options=None, reference=None, chunk=0):
+    opts = strategy_options(get_strategy(name), options or {})
+    return LossContext(rng=jax.random.key(0), policy_version=jnp.int32(0), reference_params=reference,
+                       options=opts, chunk_size=chunk)
+
+
+def log_softmax_np(logits):
+    logits = np.asarray(logits, np.float64)
+    m = logits.max(-1, keepdims=True)
+    return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+
+
+def packed_batch():
+    """Two rows; row 0 packs two documents, row 1 one document then padding."""
+    tokens = np.array([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 0, 0]], np.int32)
+    segment_ids = np.array([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 0, 0]], np.int32)
+    positions = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 0]], np.int32)
+    targets = np.array([[4, 5, 0, 7, 8, 0], [10, 11, 12, 0, 0, 0]], np.int32)
+    loss_mask = np.array([[0, 1, 0, 1, 1, 0], [1, 0, 1, 0, 0, 0]], np.float32)
+    return dict(tokens=tokens, targets=targets, loss_mask=loss_mask, positions=positions, segment_ids=segment_ids)
+
+
+def hand_token_losses(batch, eps):
+    logp = log_softmax_np(logits_of(PARAMS, batch["tokens"], batch["positions"], batch["segment_ids"]))
+    total = weight = 0.0
+    for b, s in zip(*np.nonzero(batch["loss_mask"])):
+        nll = -logp[b, s, batch["targets"][b, s]]
+        total += (1 - eps) * nll + eps * -logp[b, s].mean()
+        weight += 1
+    return total, weight
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_seq_loss_is_masked_label_smoothed_cross_entropy(eps):
+    batch = packed_batch()
+    out = loss_of("seq", PARAMS, batch, ctx("seq", {"label_smoothing": eps}))
+    total, weight = hand_token_losses(batch, eps)
+    assert float(out.weight) == weight == 5
+    np.testing.assert_allclose(float(out.total), total, rtol=1e-5)
+
+
+def test_sft_scores_only_trained_targets():
+    batch = packed_batch()
+    out = loss_of("sft", PARAMS, batch, ctx("sft"))
+    changed = dict(batch, targets=np.where(batch["loss_mask"] > 0, batch["targets"], 1))  # untrained targets
+    again = loss_of("sft", PARAMS, changed, ctx("sft"))
+    assert float(out.total) == float(again.total)
+    np.testing.assert_allclose(float(out.total), hand_token_losses(batch, 0.0)[0], rtol=1e-5)
+
+
+def test_chunked_lm_head_gives_the_same_loss_and_grads():
+    batch = packed_batch()
+    loss = lambda p, chunk: loss_of("seq", p, batch, ctx("seq", chunk=chunk)).total
+    full, g_full = jax.value_and_grad(loss)(PARAMS, 0)
+    chunked, g_chunk = jax.value_and_grad(loss)(PARAMS, 5)
+    np.testing.assert_allclose(float(chunked), float(full), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_chunk)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def pair_batch():
+    """One pair: prompt [3, 4] then chosen [5, 6] / rejected [7]."""
+    chosen, rejected = [3, 4, 5, 6], [3, 4, 7]
+    out = {k: np.zeros((1, 2, 5), dt) for k, dt in
+           [("tokens", np.int32), ("targets", np.int32), ("loss_mask", np.float32),
+            ("positions", np.int32), ("segment_ids", np.int32)]}
+    for j, seq in enumerate((chosen, rejected)):
+        n = len(seq)
+        out["tokens"][0, j, :n] = seq
+        out["targets"][0, j, :n - 1] = seq[1:]
+        out["loss_mask"][0, j, 1:n - 1] = 1  # targets at positions >= 2 are the response
+        out["positions"][0, j, :n] = np.arange(n)
+        out["segment_ids"][0, j, :n] = 1
+    return out
+
+
+def hand_response_logp(params, seq, prompt_len=2):
+    logp = log_softmax_np(logits_of(params, np.array([seq], np.int32)))[0]
+    return sum(logp[t - 1, seq[t]] for t in range(prompt_len, len(seq)))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+def test_dpo_loss_matches_hand_computation(eps):
+    beta = 0.5
+    out = loss_of("dpo", POLICY, pair_batch(),
+                                      ctx("dpo", {"beta": beta, "label_smoothing": eps}, reference=PARAMS))
+    z = beta * ((hand_response_logp(POLICY, [3, 4, 5, 6]) - hand_response_logp(PARAMS, [3, 4, 5, 6]))
+                - (hand_response_logp(POLICY, [3, 4, 7]) - hand_response_logp(PARAMS, [3, 4, 7])))
+    logsig = lambda x: -np.log1p(np.exp(-x))
+    expected = -(1 - eps) * logsig(z) - eps * logsig(-z)
+    assert float(out.weight) == 1.0
+    np.testing.assert_allclose(float(out.total), expected, rtol=1e-4)
+    np.testing.assert_allclose(float(out.metrics["reward_margin"][0]), z, rtol=1e-4)
+
+
+def test_dpo_uses_precomputed_reference_logps_from_the_batch():
+    ref = np.array([[hand_response_logp(PARAMS, [3, 4, 5, 6]), hand_response_logp(PARAMS, [3, 4, 7])]], np.float32)
+    with_field = loss_of("dpo", POLICY, dict(pair_batch(), ref_logps=ref), ctx("dpo"))
+    with_params = loss_of("dpo", POLICY, pair_batch(), ctx("dpo", reference=PARAMS))
+    np.testing.assert_allclose(float(with_field.total), float(with_params.total), rtol=1e-5)
+
+
+def test_dpo_at_the_reference_is_log_2():
+    out = loss_of("dpo", PARAMS, pair_batch(), ctx("dpo", reference=PARAMS))
+    np.testing.assert_allclose(float(out.total), np.log(2.0), rtol=1e-6)
+
+
+def test_token_logprobs_align_with_tokens_and_zero_at_segment_starts():
+    batch = packed_batch()
+    got = np.asarray(jax.jit(functools.partial(token_logprobs, CFG))(
+        PARAMS, batch["tokens"], batch["positions"], batch["segment_ids"]))
+    logp = log_softmax_np(logits_of(PARAMS, batch["tokens"], batch["positions"], batch["segment_ids"]))
+    tok, seg = batch["tokens"], batch["segment_ids"]
+    for b in range(2):
+        for t in range(6):
+            starts = t == 0 or seg[b, t] != seg[b, t - 1] or seg[b, t] == 0
+            expected = 0.0 if starts else logp[b, t - 1, tok[b, t]]
+            np.testing.assert_allclose(got[b, t], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_strategy_and_bad_options_name_the_field():
+    with pytest.raises(ConfigError, match="strategy.name: unknown strategy 'nope'.*dpo, .*seq, sft"):
+        get_strategy("nope")
+    with pytest.raises(ConfigError, match="unknown key.*strategy.options.bta"):
+        strategy_options(get_strategy("dpo"), {"bta": 1.0})
+    with pytest.raises(ConfigError, match="strategy.options.beta: must be > 0"):
+        strategy_options(get_strategy("dpo"), {"beta": 0.0})
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScaleOptions:
+    scale: float = 1.0
+
+
+def test_a_registered_strategy_is_found_and_sees_extra_batch_fields():
+    def loss(config, params, batch, ctx):
+        adv = batch["advantages"]
+        return LossOutput(ctx.options.scale * jnp.sum(adv), jnp.float32(adv.size), {"adv": metric(adv)})
+
+    register_strategy(Strategy(name="test_plugin", loss_fn=loss, batch_fields=("advantages",),
+                               options_cls=_ScaleOptions, data_formats=()), replace=True)
+    s = get_strategy("test_plugin")
+    opts = strategy_options(s, {"scale": 2.0})
+    out = s.loss_fn(CFG, PARAMS, {"advantages": jnp.array([1.0, 3.0])},
+                    LossContext(rng=jax.random.key(0), policy_version=jnp.int32(0), options=opts))
+    assert float(out.total) == 8.0 and float(out.weight) == 2.0
+    with pytest.raises(ValueError, match="already registered"):
+        register_strategy(Strategy(name="test_plugin", loss_fn=loss, batch_fields=()))

@@ -1,0 +1,127 @@
+"""The jitted update: exact micro-batch accumulation, clipping, non-finite skips, versions."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig
+from jrl.models import init_params
+from jrl.train.optim import build_optimizer
+from jrl.train.schedules import make_schedule
+from jrl.train.state import init_train_state
+from jrl.train.step import make_step_fns
+from jrl.train.strategies import LossOutput, Strategy, get_strategy, metric, strategy_options
+
+CFG = ModelConfig(vocab_size=32, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                  intermediate_size=32, max_position_embeddings=16)
+PARAMS = jax.jit(functools.partial(init_params, CFG))(jax.random.key(0))
+
+
+def fresh_params():
+    return jax.tree.map(jnp.copy, PARAMS)  # the update donates its state
+
+
+def token_batch(rows=4, seq=8, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 32, (rows, seq)).astype(np.int32)
+    # very different trained-token counts per row, so per-micro-batch means would differ
+    loss_mask = np.zeros((rows, seq), np.float32)
+    for r, n in enumerate([7, 1, 3, 6][:rows]):
+        loss_mask[r, :n] = 1
+    return dict(tokens=tokens, targets=np.roll(tokens, -1, 1), loss_mask=loss_mask,
+                positions=np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
+                segment_ids=np.ones((rows, seq), np.int32))
+
+
+def split(batch, m):
+    return {k: v.reshape(m, v.shape[0] // m, *v.shape[1:]) for k, v in batch.items()}
+
+
+SCHEDULE = make_schedule(ScheduleConfig(kind="warmup_cosine", warmup_steps=4), 10)
+OPT = build_optimizer(OptimizerConfig(weight_decay=0.0), SCHEDULE, PARAMS)
+SEQ = get_strategy("seq")
+FNS = make_step_fns(CFG, SEQ, strategy_options(SEQ, {}), OPT, SCHEDULE, 0.5, clip_norm=0.0)
+
+
+def test_k_micro_batches_equal_one_big_batch():
+    batch = token_batch()
+    state = init_train_state(fresh_params(), OPT, jax.random.key(0))
+    g1, info1 = FNS.compute_grads(state, split(batch, 1), None)
+    g4, info4 = FNS.compute_grads(state, split(batch, 4), None)
+    assert float(info1.weight) == float(info4.weight) == 17
+    np.testing.assert_allclose(float(info4.loss), float(info1.loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+def test_loss_is_normalised_by_all_tokens_not_per_micro_batch_mean():
+    batch = token_batch()
+    state = init_train_state(fresh_params(), OPT, jax.random.key(0))
+    per_row = [float(FNS.compute_grads(state, split({k: v[r:r + 1] for k, v in batch.items()}, 1), None)[1].loss)
+               for r in range(4)]
+    _, info = FNS.compute_grads(state, split(batch, 4), None)
+    counts = [7, 1, 3, 6]
+    np.testing.assert_allclose(float(info.loss), np.dot(per_row, counts) / sum(counts), rtol=1e-6)
+    assert abs(float(info.loss) - np.mean(per_row)) > 1e-3
+
+
+def test_applied_update_bumps_version_and_step():
+    state = init_train_state(fresh_params(), OPT, jax.random.key(0))
+    versions = []
+    for i in range(3):
+        state, metrics = FNS.update(state, split(token_batch(seed=i), 4), None)
+        versions.append(int(state.policy_version))
+        assert int(metrics["update_applied"]) == 1
+    assert versions == [1, 2, 3] and int(state.step) == 3 and int(state.skipped_updates) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoOpts:
+    pass
+
+
+def _scaled_loss(config, params, batch, ctx):
+    """sum(lm_head) * scale: `scale` = nan gives a non-finite loss and gradient."""
+    total = jnp.sum(params["lm_head"]) * batch["scale"][0]
+    return LossOutput(total, jnp.float32(1.0), {"scale": metric(batch["scale"])})
+
+
+def test_non_finite_update_is_skipped_counted_and_keeps_version():
+    s = Strategy(name="scaled", loss_fn=_scaled_loss, batch_fields=("scale",), options_cls=_NoOpts)
+    schedule = make_schedule(ScheduleConfig(kind="constant"), 10)
+    fns = make_step_fns(CFG, s, _NoOpts(), OPT, schedule, 1e-3, clip_norm=1.0)
+    state = init_train_state(fresh_params(), OPT, jax.random.key(0))
+    before = np.asarray(state.params["lm_head"]).copy()
+    state, m = fns.update(state, {"scale": jnp.full((1, 1), jnp.nan)}, None)
+    assert int(m["update_applied"]) == 0 and int(m["skipped_updates"]) == 1
+    assert int(state.policy_version) == 0 and int(state.step) == 1
+    np.testing.assert_array_equal(np.asarray(state.params["lm_head"]), before)
+    state, m = fns.update(state, {"scale": jnp.ones((1, 1))}, None)
+    assert int(state.policy_version) == 1 and int(state.step) == 2 and int(state.skipped_updates) == 1
+    assert not np.array_equal(np.asarray(state.params["lm_head"]), before)
+
+
+def test_global_norm_clipping_limits_the_applied_gradient():
+    sgd = optax.sgd(1.0)
+    fns = make_step_fns(CFG, SEQ, strategy_options(SEQ, {}), sgd, SCHEDULE, 1.0, clip_norm=0.01)
+    batch = split(token_batch(), 1)
+    grads, _ = FNS.compute_grads(init_train_state(fresh_params(), OPT, jax.random.key(0)), batch, None)
+    new, metrics = fns.update(init_train_state(fresh_params(), sgd, jax.random.key(0)), batch, None)
+    assert float(metrics["grad_norm"]) == pytest.approx(float(optax.tree.norm(grads)), rel=1e-5)
+    assert float(metrics["grad_norm"]) > 0.01
+    step = jax.tree.map(lambda a, b: a - b, PARAMS, new.params)
+    assert float(optax.tree.norm(step)) == pytest.approx(0.01, rel=1e-4)
+
+
+def test_lr_metric_follows_the_schedule_over_applied_updates():
+    state = init_train_state(fresh_params(), OPT, jax.random.key(0))
+    lrs = []
+    for i in range(2):
+        state, m = FNS.update(state, split(token_batch(seed=i), 4), None)
+        lrs.append(float(m["lr"]))
+    np.testing.assert_allclose(lrs, [0.5 * 1 / 4, 0.5 * 2 / 4], rtol=1e-6)
