@@ -308,9 +308,15 @@ def shard_state(state: Any, params_shardings: Any, mesh: Mesh) -> Any:
 
 def with_shardings(tree: Any, shardings: Any) -> Any:
     """`jax.ShapeDtypeStruct`s carrying `shardings`: the restore target that makes a
-    checkpoint load straight into a (possibly different) mesh."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
+    checkpoint load straight into a (possibly different) mesh. Python scalars (step
+    counters, cursors) stay as they are, so they come back as Python scalars."""
+
+    def one(x, sharding):
+        if isinstance(x, (bool, int, float)):
+            return x
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, tree, shardings)
 
 
 # ----------------------------------------------------------------------------- multi-host

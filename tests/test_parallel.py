@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jrl.config import ConfigError, from_dict
 from jrl.parallel import (ParallelConfig, distributed_settings, initialize_distributed,
-                          logical_to_shardings, make_mesh, mesh_shape)
+                          logical_to_shardings, make_mesh, mesh_shape, with_shardings)
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = REPO / "tests" / "parallel_cases"
@@ -102,6 +102,14 @@ def test_logical_axis_without_a_rule_is_an_error():
     mesh = make_mesh(ParallelConfig(), devices=jax.devices()[:1])
     with pytest.raises(ValueError, match="logical axis 'heads' has no sharding rule"):
         logical_to_shardings(P("embed", "heads"), jax.ShapeDtypeStruct((4, 4), jnp.float32), mesh)
+
+
+def test_restore_target_carries_shardings_and_keeps_python_scalars():
+    mesh = make_mesh(ParallelConfig(), devices=jax.devices()[:1])
+    sharding = jax.sharding.NamedSharding(mesh, P("fsdp"))
+    tree = {"w": np.zeros((4, 2), np.float32), "cursor": 12}
+    target = with_shardings(tree, {"w": sharding, "cursor": sharding})
+    assert target == {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32, sharding=sharding), "cursor": 12}
 
 
 # ----------------------------------------------------------------------------- multi-host settings
