@@ -247,3 +247,12 @@ def test_mla_and_moe_models_greedy_match_full_forward(config):
     assert sum(c.cached_tokens for c in again) > 0
     assert_greedy_matches_forward(config, params, first + again)
     assert_no_pages_held(engine)
+
+
+def test_generate_leaves_other_queued_requests_to_step(params):
+    engine = Engine(MODEL, params, ENGINE)
+    queued = engine.add_request(prompts_of([7], seed=14)[0], GREEDY, max_new_tokens=20)
+    out = engine.generate(prompts_of([5], seed=15), GREEDY, max_new_tokens=2)
+    assert [c.request_id for c in out] == [queued + 1]
+    rest = engine.run()
+    assert [c.request_id for c in rest] == [queued] and len(rest[0].tokens) == 20

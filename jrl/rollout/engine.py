@@ -94,6 +94,7 @@ class Engine:
         self._finished: list[Completion] = []
         self._admit = "all"
         self.stats = EngineStats()
+        self.last_launch: tuple[StepLayout, np.ndarray, np.ndarray] | None = None  # for benchmarks
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int] | np.ndarray, sampling: SamplingParams | None = None,
@@ -191,13 +192,16 @@ class Engine:
         ids = [self.add_request(p, s, max_new_tokens, eos_ids, stop_sequences) for p, s in zip(prompts, sampling)]
         wanted = set(ids)
         by_id: dict[int, Completion] = {}
+        others: list[Completion] = []  # requests queued by add_request: kept for step()/flush()
         while wanted - by_id.keys():
             if not self.has_work:
                 raise RuntimeError("engine: requests vanished before finishing")
             for c in self.step():
-                by_id[c.request_id] = c
-        for c in self.flush():
-            by_id[c.request_id] = c
+                if c.request_id in wanted:
+                    by_id[c.request_id] = c
+                else:
+                    others.append(c)
+        self._finished = others + self._finished
         return [by_id[i] for i in ids]
 
     # ------------------------------------------------------------------ device side
@@ -250,6 +254,7 @@ class Engine:
                                               page_table=page_table, top_k=s.top_k, seed=s.seed,
                                               index=s.index, window=win), np.int32)
         floats = pack(layout.float_fields(), s._asdict(), np.float32)
+        self.last_launch = (layout, ints, floats)
         k, v = self.kv.buffers()
         tok, logp, model_logp, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
                                                             layout=layout)
