@@ -1,0 +1,55 @@
+"""The bundled addition task: format, held-out split, determinism, config errors."""
+
+import numpy as np
+import pytest
+
+from jrl.config import ConfigError
+from jrl.data.tasks import AdditionTask, TaskConfig, encode_prompts, make_task, sft_records
+
+
+def test_prompt_is_zero_padded_and_answer_reversed_by_default():
+    task = AdditionTask(TaskConfig(n_digits=2))
+    p = task.problem(37, 48)
+    assert (p.prompt, p.answer) == ("37+48=", "58")
+    assert task.problem(7, 5).prompt == "07+05="
+    assert task.problem(7, 5).answer == "21"
+
+
+def test_answer_in_natural_order_when_not_reversed():
+    task = AdditionTask(TaskConfig(n_digits=3, reverse_answer=False))
+    assert task.problem(999, 1).answer == "1000"
+
+
+def test_training_problems_never_include_heldout_pairs():
+    task = AdditionTask(TaskConfig(n_digits=1, n_heldout=40))
+    held = {p.prompt for p in task.heldout}
+    assert len(held) == 40
+    drawn = {p.prompt for p in task.sample_train(np.random.default_rng(0), 2000)}
+    assert drawn.isdisjoint(held)
+    assert len(drawn) == 100 - 40  # every trainable pair of one-digit numbers shows up
+
+
+def test_split_and_samples_are_deterministic_in_the_seeds():
+    a, b = make_task({"seed": 3}), make_task({"seed": 3})
+    assert a.heldout == b.heldout
+    assert make_task({"seed": 4}).heldout != a.heldout
+    assert sft_records(a, 5, seed=1) == sft_records(b, 5, seed=1)
+    rec = sft_records(a, 1)[0]
+    assert set(rec) == {"prompt", "response", "answer"} and rec["response"] == rec["answer"]
+
+
+def test_prompts_encode_with_the_tokenizer_and_no_special_tokens():
+    class Bytes:
+        def encode(self, text):
+            return list(text.encode())
+
+    assert encode_prompts(Bytes(), [AdditionTask().problem(1, 2)]) == [list(b"01+02=")]
+
+
+@pytest.mark.parametrize("data,field", [({"n_digits": 0}, "task.n_digits"),
+                                        ({"n_heldout": 6000}, "task.n_heldout"),
+                                        ({"name": "sorting"}, "task.name"),
+                                        ({"digits": 2}, "task.digits")])
+def test_bad_task_config_names_the_field(data, field):
+    with pytest.raises(ConfigError, match=field):
+        make_task(data)
