@@ -375,24 +375,34 @@ def test_backend_gets_the_layer_index_and_its_cache_is_threaded_through_the_laye
 # ----------------------------------------------------------------------------- remat and scan
 
 
-def loss_and_grads(cfg: ModelConfig, params: dict):
+@functools.cache
+def loss_and_grads(cfg: ModelConfig):
+    """Next-token loss and its gradients at `perturbed(BASE)` params (cached per config)."""
     def loss(p):
         logits = models.apply(cfg, p, TOKENS[:, :-1])
         logp = jax.nn.log_softmax(logits, -1)
         return -jnp.mean(jnp.take_along_axis(logp, TOKENS[:, 1:, None], -1))
 
-    return jax.jit(jax.value_and_grad(loss))(params)
+    return jax.jit(jax.value_and_grad(loss))(perturbed(BASE))
 
 
 @pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch"])
 def test_remat_policy_gives_the_same_loss_and_gradients(policy):
     params = perturbed(BASE)
     assert jax.tree.structure(shapes(tiny(remat=policy))) == jax.tree.structure(params)
-    want_loss, want_grads = loss_and_grads(BASE, params)
-    loss, grads = loss_and_grads(tiny(remat=policy), params)
+    want_loss, want_grads = loss_and_grads(BASE)
+    loss, grads = loss_and_grads(tiny(remat=policy))
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7), grads, want_grads)
     assert float(jnp.abs(grads["layers"]["attn"]["q_proj"]["kernel"]).max()) > 0
+
+    def jaxpr_text(cfg):
+        return str(jax.make_jaxpr(functools.partial(models.apply, cfg))(params, TOKENS))
+
+    policy_fn = {"full": "nothing_saveable", "dots": "checkpoint_dots",
+                 "dots_no_batch": "dots_with_no_batch_dims_saveable"}[policy]
+    assert f"policy=<function {policy_fn} " in jaxpr_text(tiny(remat=policy))
+    assert "remat" not in jaxpr_text(BASE)
 
 
 def test_scanned_layers_lower_to_the_same_program_size_for_2_and_8_layers():
