@@ -4,7 +4,8 @@ Each module computes its projections, QK-norm and RoPE, then hands q/k/v to an
 *attention backend* object passed in by the caller:
 
 * `DenseAttention` (training, scoring): causal + segment-id masking through
-  `jax.nn.dot_product_attention` (cuDNN on GPU, XLA on CPU); no KV cache.
+  `jax.nn.dot_product_attention` (cuDNN flash attention on GPU for bf16/fp16, XLA
+  elsewhere); no KV cache.
 * the rollout engine's paged backend (`jrl.rollout`), which writes k/v into the 4D KV
   buffers and reads them back through a page table.
 
@@ -38,16 +39,26 @@ class DenseAttention(flax.struct.PyTreeNode):
     """Causal attention within documents: token i sees j <= i with the same segment id.
 
     `segment_ids` is `[B, S]` int32; padding may use any id of its own (e.g. 0).
+    `one_document_per_row=True` promises that every row is a single document (one
+    segment id per row): attention is then plain causal with no mask at all, which on
+    GPU keeps cuDNN on its fast path (a boolean mask becomes a `[B, 1, S, S]` additive
+    bias that cuDNN must read for every tile). Rows with several segment ids would
+    attend across documents, so only set it when the promise holds.
+    `implementation`: None picks cuDNN on GPU for bf16/fp16 operands with a head width
+    it supports, XLA otherwise; "xla" / "cudnn" force one.
     """
 
     segment_ids: jax.Array
     implementation: str | None = flax.struct.field(pytree_node=False, default=None)
     absorb_mla: bool = flax.struct.field(pytree_node=False, default=False)
+    one_document_per_row: bool = flax.struct.field(pytree_node=False, default=False)
 
     def attend(self, q, k, v, *, layer, cache, scale):
         del layer
-        seg = self.segment_ids
-        mask = (seg[:, :, None] == seg[:, None, :])[:, None, :, :]  # [B, 1, S, S]
+        mask = None
+        if not self.one_document_per_row:
+            seg = self.segment_ids
+            mask = (seg[:, :, None] == seg[:, None, :])[:, None, :, :]  # [B, 1, S, S]
         if v is None:
             # Absorbed MLA: the values are the leading channels of the keys; attending
             # over the whole key width and letting the caller keep its first R channels
@@ -60,14 +71,32 @@ class DenseAttention(flax.struct.PyTreeNode):
             q, k = jnp.pad(q, pad), jnp.pad(k, pad)
         if d_v < width:
             v = jnp.pad(v, [(0, 0)] * 3 + [(0, width - d_v)])
+        impl = self.implementation or attention_implementation(q.dtype, width, q.shape[1], mask is not None)
         out = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, is_causal=True, scale=scale, implementation=self.implementation
+            q, k, v, mask=mask, is_causal=True, scale=scale, implementation=impl
         )
         return out[..., :d_v], cache
 
 
-def dense_attention(segment_ids: jax.Array, implementation: str | None = None) -> DenseAttention:
-    return DenseAttention(segment_ids=jnp.asarray(segment_ids, jnp.int32), implementation=implementation)
+def attention_implementation(dtype, head_dim: int, seq_len: int, masked: bool,
+                             backend: str | None = None) -> str:
+    """"cudnn" on an NVIDIA GPU for bf16/fp16 when cuDNN's flash attention takes the
+    shape (head width a multiple of 8, at most 256 on Hopper and later, 128 before; an
+    even sequence length when a mask is given), else "xla". jax's own default
+    (`implementation=None`) is XLA even on GPU, which materialises `[B, H, S, S]` scores."""
+    backend = backend or jax.default_backend()
+    if backend not in ("gpu", "cuda") or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
+    max_width = 256 if float(capability or 0) >= 9.0 else 128
+    ok = head_dim % 8 == 0 and head_dim <= max_width and not (masked and seq_len % 2)
+    return "cudnn" if ok else "xla"
+
+
+def dense_attention(segment_ids: jax.Array, implementation: str | None = None,
+                    one_document_per_row: bool = False) -> DenseAttention:
+    return DenseAttention(segment_ids=jnp.asarray(segment_ids, jnp.int32), implementation=implementation,
+                          one_document_per_row=one_document_per_row)
 
 
 class GQAttention(nn.Module):

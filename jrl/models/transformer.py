@@ -108,11 +108,14 @@ class Transformer(nn.Module):
         return ModelOutput(self.final_norm(x), cache, aux)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Float32 logits for `hidden [..., hidden_size]`."""
-        h = hidden.astype(jnp.float32)
-        if self.config.tie_embeddings:
-            return h @ self.embed.embedding.astype(jnp.float32).T
-        return h @ self.lm_head.astype(jnp.float32)
+        """Float32 logits for `hidden [..., hidden_size]`.
+
+        The product runs in the compute dtype with float32 accumulation and output (for a
+        bf16 model: bf16 tensor-core GEMM, no float32 copy of the `[hidden, vocab]`
+        matrix per call); a float32 model computes it in float32."""
+        dt = dtype_of(self.config.dtype)
+        w = self.embed.embedding.T if self.config.tie_embeddings else self.lm_head
+        return jnp.matmul(hidden.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
