@@ -140,6 +140,6 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
     return StepFns(
         update=jax.jit(update, donate_argnums=0),
         compute_grads=jax.jit(compute_grads),
-        apply_grads=jax.jit(apply_grads, donate_argnums=(0, 1)),
+        apply_grads=jax.jit(apply_grads, donate_argnums=0),
         evaluate=jax.jit(evaluate),
     )

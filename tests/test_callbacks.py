@@ -1,0 +1,116 @@
+"""Callback hooks: order and arguments in a real run, gradient editing, early stopping."""
+
+import jax
+import numpy as np
+
+from jrl.config import load_train_config
+from jrl.train.callbacks import Callback, EarlyStopping
+from jrl.train.trainer import Trainer
+
+TINY = [
+    "model.vocab_size=256", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
+    "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32",
+    "model.max_position_embeddings=32", "data.source=bundled:arithmetic:200", "data.seq_len=32",
+    "data.batch_size=4", "logging.progress=false", "logging.plot=false",
+]
+
+
+def tiny(*overrides):
+    return load_train_config(None, TINY + list(overrides))
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.calls = []
+
+    def _add(self, hook, state, **extra):
+        self.calls.append((hook, int(state.step), int(state.policy_version), extra))
+
+    def on_train_begin(self, trainer, state):
+        self._add("on_train_begin", state)
+
+    def on_step_begin(self, trainer, state, batch):
+        self._add("on_step_begin", state, rows=batch["tokens"].shape[0])
+
+    def before_optimizer_step(self, trainer, state, grads):
+        same_tree = jax.tree.structure(grads) == jax.tree.structure(state.params)
+        self._add("before_optimizer_step", state, grads_like_params=same_tree)
+        return grads
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        self._add("after_optimizer_step", state, metrics_step=metrics["step"],
+                  has=all(k in metrics for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")))
+        metrics["recorder_note"] = 1.0  # user callbacks may add logged metrics
+
+    def on_eval(self, trainer, state, metrics):
+        self._add("on_eval", state, has_eval_loss="eval_loss" in metrics)
+
+    def on_checkpoint(self, trainer, state, path):
+        self._add("on_checkpoint", state, path=path.name)
+
+    def on_train_end(self, trainer, state):
+        self._add("on_train_end", state)
+
+
+def test_hook_order_and_arguments(tmp_path):
+    rec = Recorder()
+    trainer = Trainer(tiny("steps=4", "eval.every=2", "checkpoint.interval=2"), callbacks=[rec],
+                      output_dir=tmp_path)
+    trainer.fit()
+    step = lambda s: [("on_step_begin", s, s, {"rows": 4}),
+                      ("before_optimizer_step", s, s, {"grads_like_params": True})]
+    after = lambda s: [("after_optimizer_step", s, s, {"metrics_step": s, "has": True})]
+    evaluated = lambda s: [("on_eval", s, s, {"has_eval_loss": True})]
+    saved = lambda s: [("on_checkpoint", s, s, {"path": f"step_{s}"})]
+    assert rec.calls == (
+        [("on_train_begin", 0, 0, {})]
+        + step(0) + after(1)
+        + step(1) + evaluated(2) + after(2) + saved(2)
+        + step(2) + after(3)
+        + step(3) + evaluated(4) + after(4) + saved(4)
+        + [("on_train_end", 4, 4, {})]
+    )
+    rows = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+    assert [r["recorder_note"] for r in rows] == [1.0] * 4
+
+
+class ZeroGrads(Callback):
+    def before_optimizer_step(self, trainer, state, grads):
+        return jax.tree.map(np.zeros_like, grads)
+
+
+def test_before_optimizer_step_can_replace_the_gradients(tmp_path):
+    config = tiny("steps=1", "optimizer.weight_decay=0.0", "eval.at_end=false", "checkpoint.save_on_end=false")
+    trainer = Trainer(config, callbacks=[ZeroGrads()], output_dir=tmp_path)
+    start = jax.tree.map(np.asarray, trainer.setup().params)
+    state = trainer.fit()
+    assert int(state.policy_version) == 1
+    for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))  # Adam on zero gradients moves nothing
+
+
+class _StopRecorder:
+    def __init__(self):
+        self.reason = None
+
+    def request_stop(self, reason):
+        self.reason = reason
+
+
+def test_early_stopping_after_patience_checks_without_improvement():
+    trainer = _StopRecorder()
+    es = EarlyStopping("eval_loss", patience=2, mode="min", min_delta=0.01)
+    for loss in (1.0, 0.9, 0.895, 0.95):
+        es.on_eval(trainer, None, {"eval_loss": loss})
+        if loss != 0.95:
+            assert trainer.reason is None
+    assert trainer.reason == "early stopping: eval_loss did not improve on 0.9 for 2 checks"
+
+
+def test_early_stopping_ignores_rows_without_the_monitored_metric():
+    trainer = _StopRecorder()
+    es = EarlyStopping("eval_loss", patience=1)
+    for _ in range(3):
+        es.after_optimizer_step(trainer, None, {"loss": 1.0})
+    assert trainer.reason is None

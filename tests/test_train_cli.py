@@ -1,0 +1,93 @@
+"""`python -m jrl.train` / `jrl` command line: overrides, validation errors, dry run, plot."""
+
+from pathlib import Path
+
+import jax
+import pytest
+import yaml
+
+from jrl import cli
+from jrl.config import ConfigError, apply_overrides, load_train_config, parse_override, to_dict
+from jrl.metrics_log import MetricsLog
+from jrl.models import init_params
+from jrl.train.__main__ import main
+from jrl.train.defaults import default_run
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_override_values_are_parsed_as_yaml():
+    assert parse_override("optimizer.lr=3e-4") == (["optimizer", "lr"], 3e-4)
+    assert parse_override("steps=12") == (["steps"], 12)
+    assert parse_override("init_from=null") == (["init_from"], None)
+    assert parse_override("optimizer.no_decay=[norm, bias]") == (["optimizer", "no_decay"], ["norm", "bias"])
+    assert parse_override("data.source=bundled:tinytext") == (["data", "source"], "bundled:tinytext")
+
+
+def test_overrides_create_nested_sections_and_reject_malformed_items():
+    assert apply_overrides({}, ["model.hidden_size=32"]) == {"model": {"hidden_size": 32}}
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        apply_overrides({}, ["steps"])
+    with pytest.raises(ConfigError, match="steps is not a section"):
+        apply_overrides({"steps": 3}, ["steps.x=1"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.lrr=0.1", "unknown key(s) optimizer.lrr; allowed: b1, b2"),
+    ("data.batch_size=abc", "data.batch_size: must be an integer, got 'abc'"),
+    ("data.micro_batches=3", "data.micro_batches: must divide data.batch_size (16), got 3"),
+    ("strategy.name=nope", "strategy.name: unknown strategy 'nope'"),
+    ("strategy.options.beta=1", "unknown key(s) strategy.options.beta"),
+    ("schedule.kind=linear", "schedule.kind: must be one of"),
+])
+def test_bad_config_exits_2_naming_the_field(override, message, capsys):
+    assert main([override, "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_dry_run_prints_resolved_config_and_parameter_count(capsys):
+    assert main(["--dry-run", "model.hidden_size=32", "steps=7"]) == 0
+    out = capsys.readouterr().out
+    config = load_train_config(None, ["model.hidden_size=32", "steps=7"], base=default_run())
+    assert yaml.safe_load(out) == to_dict(config)
+    n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))))
+    assert f"# parameters: {n:,} ({n:,} trainable)" in out
+
+
+def test_config_file_gives_the_run_name_and_takes_overrides(tmp_path, capsys):
+    path = tmp_path / "my_run.yaml"
+    path.write_text("steps: 5\noptimizer: {lr: 1e-3}\n")
+    config = load_train_config(str(path), ["steps=9"])
+    assert (config.name, config.steps, config.optimizer.lr, config.run_dir) == ("my_run", 9, 1e-3, "runs/my_run")
+
+
+@pytest.mark.parametrize("name", ["sft_arithmetic", "pretrain_tinytext", "dpo_arithmetic"])
+def test_shipped_configs_validate(name):
+    config = load_train_config(str(CONFIGS / f"{name}.yaml"))
+    assert config.name == name
+    assert main(["--config", str(CONFIGS / f"{name}.yaml"), "--dry-run"]) == 0
+
+
+def test_jrl_plot_renders_the_metrics_log(tmp_path, capsys):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    for step in range(1, 6):
+        log.append({"step": step, "policy_version": step, "loss": 3.0 / step, "lr": 1e-3, "grad_norm": 1.0,
+                    "tokens_per_s": 100.0 + step})
+    log.append({"step": 5, "policy_version": 5, "eval_loss": 0.7})
+    log.close()
+    assert cli.main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.strip() == str(png)
+
+
+def test_jrl_plot_without_metrics_exits_2(tmp_path, capsys):
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert "metrics.jsonl not found" in capsys.readouterr().err
+
+
+def test_jrl_dispatches_train_and_rejects_unknown_commands(capsys):
+    assert cli.main(["train", "--dry-run", "steps=3"]) == 0
+    assert "steps: 3" in capsys.readouterr().out
+    assert cli.main(["serve"]) == 2
+    assert "unknown command 'serve'" in capsys.readouterr().err
