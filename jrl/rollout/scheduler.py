@@ -86,10 +86,10 @@ class Scheduler:
         for req in list(self.running):
             if req.task is None or req.in_prefill or req.n_scheduled_samples >= req.max_new_tokens:
                 continue
-            if not self._grow_for_decode(req, version):
-                preempted = True
+            grown, evicted_someone = self._grow_for_decode(req, version)
+            preempted |= evicted_someone
+            if not grown:
                 continue  # req itself was preempted
-            preempted |= self._preempted_in_grow
             task = req.task
             entries.append(Entry(req, task.kv_len, 1, True, req.n_inflight > 0))
             task.kv_len += 1
@@ -111,24 +111,30 @@ class Scheduler:
             self.waiting.popleft()
             entries.append(entry)
             budget -= entry.q_len
+        if not entries and self.running and not any(r.n_inflight for r in self.running):
+            # Running requests hold pages yet none can progress (partial prefills short of
+            # pages): free the youngest and plan again without admitting anyone.
+            self.preempt(self.running[-1], version)
+            return self.schedule(version, admit="none")
         for e in entries:
             if e.sample:
                 e.req.n_inflight += 1
         return ScheduledBatch(entries) if entries else None
 
-    def _grow_for_decode(self, req: Request, version: int) -> bool:
-        """Makes room for one more position; False if `req` itself had to be preempted."""
-        self._preempted_in_grow = False
+    def _grow_for_decode(self, req: Request, version: int) -> tuple[bool, bool]:
+        """Makes room for one more position of `req`, preempting the youngest running
+        requests while pages are short. Returns (req still running, anyone preempted)."""
+        preempted = False
         while True:
             try:
                 self.cache.extend(req.task, req.task.kv_len + 1)
-                return True
+                return True, preempted
             except OutOfPages:
                 victim = self.running[-1]
                 self.preempt(victim, version)
-                self._preempted_in_grow = True
+                preempted = True
                 if victim is req:
-                    return False
+                    return False, True
 
     def _fit_chunk(self, req: Request, want: int, whole: bool) -> int:
         """Largest chunk <= want whose pages can be allocated now (all or nothing if `whole`)."""
