@@ -319,20 +319,24 @@ class DataConfig:
 
     `source` is a JSONL path or `bundled:<name>[:<n_records>]` (see `jrl.data.bundled`).
     `format`: `text` (one field, every token trained: pretraining), `sections` (the
-    declarative `sections` list: SFT) or `preference` (`sections` form the prompt, then
-    `chosen_field` / `rejected_field` are the two scored responses: DPO).
+    declarative `sections` list: SFT), `chat` (a list of `{role, content}` messages in
+    `messages_field`, rendered by the tokenizer's chat template; turns of `train_roles`
+    are trained) or `preference` (`sections` form the prompt, then `chosen_field` /
+    `rejected_field` are the two scored responses: DPO).
     """
 
     source: str = "bundled:arithmetic"
     eval_source: str | None = None
     eval_fraction: float = 0.05  # of the source's records, used when eval_source is None
-    format: Literal["text", "sections", "preference"] = "sections"
+    format: Literal["text", "sections", "chat", "preference"] = "sections"
     text_field: str = "text"
+    messages_field: str = "messages"
+    train_roles: tuple[str, ...] = ("assistant",)
     sections: tuple[Section, ...] = (Section(field="prompt"), Section(field="response", train=True))
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     tokenizer: str = "bytes"  # "bytes" or a path to a Hugging Face tokenizer.json
-    add_eos: bool = True  # append EOS, trained like the last section
+    add_eos: bool = True  # append EOS, trained like the last section (chat templates place their own)
     seq_len: int = 128
     pack: bool = True  # several documents per row (segment ids keep them apart)
     overflow: Literal["truncate_right", "truncate_left", "split", "drop"] = "truncate_right"
@@ -351,7 +355,9 @@ class DataConfig:
         _check(self.micro_batches >= 1, "data.micro_batches", f"must be >= 1, got {self.micro_batches}")
         _check(self.batch_size % self.micro_batches == 0, "data.micro_batches",
                f"must divide data.batch_size ({self.batch_size}), got {self.micro_batches}")
-        if self.format != "text":
+        if self.format == "chat":
+            _check(len(self.train_roles) > 0, "data.train_roles", "must name at least one role")
+        if self.format in ("sections", "preference"):
             _check(len(self.sections) > 0, "data.sections", f"must not be empty for format {self.format!r}")
         for i, s in enumerate(self.sections):
             s.validate(f"data.sections[{i}]")
@@ -517,7 +523,7 @@ class TrainConfig:
     output_dir: str | None = None
     init_from: str | None = None  # checkpoint directory (root or step_<N>) to take params from
     lm_head_chunk: int = 0  # >0: LM head + cross-entropy in chunks of this many tokens
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = ModelConfig(vocab_size=262)  # 262: the byte tokenizer's vocabulary
     data: DataConfig = DataConfig()
     strategy: StrategyConfig = StrategyConfig()
     optimizer: OptimizerConfig = OptimizerConfig()

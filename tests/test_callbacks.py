@@ -8,7 +8,7 @@ from jrl.train.callbacks import Callback, EarlyStopping
 from jrl.train.trainer import Trainer
 
 TINY = [
-    "model.vocab_size=256", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
+    "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
     "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32",
     "model.max_position_embeddings=32", "data.source=bundled:arithmetic:200", "data.seq_len=32",
     "data.batch_size=4", "logging.progress=false", "logging.plot=false",

@@ -46,6 +46,21 @@ def test_preference_gives_chosen_then_rejected_with_untrained_prompt():
     assert ct.tolist() == [False, False, True] and rt.tolist() == [False, False, True, True]
 
 
+def test_chat_trains_assistant_content_and_closing_eos_only():
+    cfg = DataConfig(format="chat")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"},
+                {"role": "assistant", "content": "6"}]
+    [(ids, train)] = encode_record({"messages": messages}, cfg, TOK)
+    assert TOK.decode(ids) == TOK.apply_chat_template(messages)
+    assert TOK.decode(ids[train]) == "4<eos>6<eos>"
+
+
+def test_chat_rejects_malformed_messages():
+    with pytest.raises(ValueError, match=r"field 'messages' \(data.messages_field\) must be a non-empty list"):
+        encode_record({"messages": [{"role": "user"}]}, DataConfig(format="chat"), TOK)
+
+
 def test_missing_field_error_names_field_and_config_key():
     with pytest.raises(ValueError, match=r"missing field 'response' \(data.sections\[1\].field\)"):
         encode_record({"prompt": "x"}, DataConfig(), TOK, where="rec 3")

@@ -17,7 +17,7 @@ from jrl.metrics_log import read_metrics
 from jrl.train.__main__ import main
 
 TINY = {
-    "model": {"vocab_size": 256, "hidden_size": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+    "model": {"vocab_size": 262, "hidden_size": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
               "head_dim": 8, "intermediate_size": 32, "max_position_embeddings": 32},
     "data": {"source": "bundled:arithmetic:300", "seq_len": 32, "batch_size": 4, "micro_batches": 2},
     "optimizer": {"lr": 3e-3},

@@ -6,6 +6,10 @@ training target (predicted from the tokens before it). Formats:
 * `text`: the `text_field`, every token trained;
 * `sections`: the pieces of `data.sections` in order — a record field or a literal text,
   each trained or not — e.g. prompt (not trained) then response (trained);
+* `chat`: the `messages_field` list of `{"role", "content"}` rendered by the tokenizer's
+  chat template; the content of turns whose role is in `train_roles` (and whatever the
+  template closes them with, e.g. EOS) is trained, role headers and other turns are not.
+  The template places EOS itself, so `add_eos` does not apply;
 * `preference`: the sections form the prompt (never trained), then two documents: prompt
   + `chosen_field` and prompt + `rejected_field`, responses trained.
 
@@ -55,12 +59,46 @@ def _document(pieces: list[tuple[str, bool]], tokenizer: Tokenizer, add_eos: boo
     return np.asarray(ids, np.int32), np.asarray(train, np.bool_)
 
 
+def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: str) -> list[tuple[str, bool]]:
+    """Splits the rendered conversation into trained / untrained text by rendering growing
+    prefixes of it: turn i is `render(messages[:i+1])` minus `render(messages[:i])`, and
+    for a trained turn its header is what `add_generation_prompt` adds."""
+    field = config.messages_field
+    messages = record.get(field)
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError(f"{where}: field {field!r} (data.messages_field) must be a non-empty list of "
+                         f"{{'role': str, 'content': str}} messages")
+    render = tokenizer.apply_chat_template
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        full = render(messages[:i + 1])
+        cut = done
+        if message["role"] in config.train_roles:
+            header = render(messages[:i], add_generation_prompt=True)
+            if not header.startswith(done) or not full.startswith(header):
+                raise ValueError(f"{where}: the chat template's generation prompt is not a prefix of "
+                                 f"message {i}; cannot tell its header from its content")
+            pieces.append((header[len(done):], False))
+            cut = header
+        if not full.startswith(cut):
+            raise ValueError(f"{where}: the chat template does not render message {i} as an extension "
+                             f"of the earlier ones; cannot derive loss masks")
+        pieces.append((full[len(cut):], message["role"] in config.train_roles))
+        done = full
+    return [p for p in pieces if p[0]]
+
+
 def encode_record(record: dict[str, Any], config: DataConfig, tokenizer: Tokenizer,
                   where: str = "record") -> list[Document]:
     """The documents of one record (one, or two for `preference`: chosen then rejected)."""
     if config.format == "text":
         return [_document([(_field_text(record, config.text_field, where, "data.text_field"), True)],
                           tokenizer, config.add_eos)]
+    if config.format == "chat":
+        return [_document(_chat_pieces(record, config, tokenizer, where), tokenizer, add_eos=False)]
     prompt = _pieces(record, config.sections, where)
     if config.format == "sections":
         return [_document(prompt, tokenizer, config.add_eos)]

@@ -27,7 +27,7 @@ def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace):
-    from jrl.config import load_train_config
+    from jrl.config import ConfigError, load_train_config
     from jrl.train.defaults import default_run
 
     if args.config:
@@ -36,7 +36,15 @@ def resolve_config(args: argparse.Namespace):
         config = load_train_config(None, args.overrides, base=default_run())
     from jrl.train.strategies import get_strategy, strategy_options
 
-    strategy_options(get_strategy(config.strategy.name), config.strategy.options)
+    strategy = get_strategy(config.strategy.name)
+    strategy_options(strategy, config.strategy.options)
+    if strategy.make_source is None:  # the built-in data pipeline tokenises with data.tokenizer
+        from jrl.data import load_tokenizer
+
+        vocab = load_tokenizer(config.data.tokenizer).vocab_size
+        if vocab > config.model.vocab_size:
+            raise ConfigError(f"model.vocab_size: must be >= the vocabulary of data.tokenizer "
+                              f"({vocab}), got {config.model.vocab_size}")
     return config
 
 
@@ -63,7 +71,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
 
     try:
         config = resolve_config(args)
-    except (ConfigError, FileNotFoundError, yaml.YAMLError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:

@@ -12,7 +12,7 @@ def default_run() -> dict[str, Any]:
         "name": "default",
         "seed": 0,
         "steps": 300,
-        "model": {"vocab_size": 256, "hidden_size": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+        "model": {"vocab_size": 262, "hidden_size": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                   "head_dim": 16, "intermediate_size": 192, "max_position_embeddings": 128},
         "data": {"source": "bundled:arithmetic:4000", "format": "sections",
                  "sections": [{"field": "prompt"}, {"field": "response", "train": True}],
