@@ -187,3 +187,16 @@ def test_data_source_batches_have_row_fields():
     batch = source.next_batch()
     assert {k: v.shape for k, v in batch.items()} == {k: (4, 32) for k in
                                                     ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
+
+
+def test_preprocess_command_writes_the_stores_a_run_reuses(tmp_path, capsys):
+    from jrl.data.__main__ import main
+
+    cache = tmp_path / "cache"
+    overrides = [f"data.cache_dir={cache}", "data.source=bundled:arithmetic:100"]
+    assert main(overrides) == 0
+    assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == ["eval", "train"]
+    cfg = DataConfig(source="bundled:arithmetic:100", cache_dir=str(cache))
+    store = load_documents(cfg, TOK, "train")
+    assert isinstance(store.tokens, np.memmap)
+    assert f"train: {len(store)} documents" in capsys.readouterr().out

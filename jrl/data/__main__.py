@@ -1,0 +1,45 @@
+"""`python -m jrl.data --config X.yaml [key=value ...]`: tokenise a run's data ahead of
+time into memory-mapped token stores under `data.cache_dir` (which the run then reuses),
+and print what was written."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jrl.config import ConfigError, load_train_config
+from jrl.data.pipeline import build_dataset, cache_key
+from jrl.data.text import load_tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jrl.data", description=__doc__)
+    p.add_argument("--config", help="YAML run config (default: the embedded default run)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    args = p.parse_args(argv)
+    try:
+        if args.config:
+            config = load_train_config(args.config, args.overrides)
+        else:
+            from jrl.train.defaults import default_run
+
+            config = load_train_config(None, args.overrides, base=default_run())
+        if config.data.cache_dir is None:
+            raise ConfigError("data.cache_dir: set it to the directory the token stores go to")
+        tokenizer = load_tokenizer(config.data.tokenizer)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    for split in ("train", "eval"):
+        dataset = build_dataset(config.data, tokenizer, split)
+        if dataset is None:
+            print(f"{split}: no data")
+            continue
+        print(f"{split}: {len(dataset.store)} documents, {len(dataset.store.tokens)} tokens, "
+              f"{len(dataset)} rows of {config.data.seq_len} -> "
+              f"{config.data.cache_dir}/{split}-{cache_key(config.data, tokenizer, split)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
