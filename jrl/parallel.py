@@ -268,10 +268,11 @@ def _path_names(path: tuple) -> tuple:
 def state_shardings(state: Any, params_shardings: Any, mesh: Mesh) -> Any:
     """Shardings for any pytree holding params-shaped leaves (a TrainState, an optax state).
 
-    A leaf whose key path *ends with* a parameter's full path and has that parameter's shape
-    gets the parameter's sharding: Adam's `mu/nu`, `params` inside a train state, an EMA
-    copy. Every other leaf (step counters, rng keys, scalars, factored statistics) is
-    replicated. `state` may hold arrays or `jax.ShapeDtypeStruct`s (from `jax.eval_shape`).
+    A leaf whose key path *ends with* a parameter's full path, has that parameter's rank and
+    dimensions the parameter's mesh axes divide gets the parameter's sharding: Adam's
+    `mu/nu`, `params` inside a train state, an EMA copy. Every other leaf (step counters,
+    rng keys, scalars, factored statistics of lower rank) is replicated. `state` may hold
+    arrays or `jax.ShapeDtypeStruct`s (from `jax.eval_shape`).
     """
     table: dict[tuple, NamedSharding] = {}
     for path, sharding in jax.tree_util.tree_leaves_with_path(params_shardings):
@@ -292,7 +293,7 @@ def state_shardings(state: Any, params_shardings: Any, mesh: Mesh) -> Any:
 
 def _fits(sharding: NamedSharding, shape: tuple) -> bool:
     spec = tuple(sharding.spec)
-    if len(spec) > len(shape):
+    if len(spec) != len(shape):  # param specs from logical_to_shardings name every dim
         return False
     for axes, size in zip(spec, shape):
         group = (axes,) if isinstance(axes, str) else tuple(axes or ())

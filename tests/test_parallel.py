@@ -31,11 +31,21 @@ REPO = Path(__file__).resolve().parents[1]
 CASES = REPO / "tests" / "parallel_cases"
 
 
-def cpu_env(n_devices: int, **extra: str) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory) -> Path:
+    """A JAX compilation cache shared by this module's subprocesses: programs they have in
+    common (one-device init and loss of the tiny model) compile once, not once per process."""
+    return tmp_path_factory.mktemp("jax_compilation_cache")
+
+
+def cpu_env(n_devices: int, cache: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={n_devices}").strip()
     env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
     env.update(extra)
     return env
 
@@ -171,23 +181,23 @@ def test_cluster_detection_leaves_unset_fields_to_jax():
 
 @pytest.mark.parametrize("cases", ["mesh_cases.py", "equivalence_cases.py", "train_step_cases.py",
                                    "checkpoint_cases.py"])
-def test_cases_on_eight_simulated_devices(cases, tmp_path):
+def test_cases_on_eight_simulated_devices(cases, tmp_path, compilation_cache):
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path}",
          str(CASES / cases)],
-        cwd=REPO, env=cpu_env(8), capture_output=True, text=True, timeout=600,
+        cwd=REPO, env=cpu_env(8, compilation_cache), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, f"{cases} failed:\n{result.stdout[-12000:]}\n{result.stderr[-4000:]}"
 
 
-def test_two_processes_join_into_one_eight_device_mesh():
+def test_two_processes_join_into_one_eight_device_mesh(compilation_cache):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     workers = [
         subprocess.Popen(
             [sys.executable, str(CASES / "two_process_worker.py")], cwd=REPO,
-            env=cpu_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+            env=cpu_env(4, compilation_cache, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                         JAX_PROCESS_ID=str(i)),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(2)
