@@ -60,9 +60,7 @@ class EngineStats:
 
 @dataclasses.dataclass
 class _InFlight:
-    tokens: jax.Array
-    logprobs: jax.Array
-    model_logprobs: jax.Array
+    readback: jax.Array  # [3, max_rows] float32: token ids (bit-cast), logprobs, model logprobs
     samples: list[tuple[int, Request, int]]  # (row, request, request epoch at dispatch)
     version: int
     decode: bool
@@ -256,8 +254,8 @@ class Engine:
         floats = pack(layout.float_fields(), s._asdict(), np.float32)
         self.last_launch = (layout, ints, floats)
         k, v = self.kv.buffers()
-        tok, logp, model_logp, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
-                                                            layout=layout)
+        tok, readback, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
+                                                    layout=layout)
         self.kv.update(k, v)
         self._prev_tokens = tok
         samples = []
@@ -265,11 +263,12 @@ class Engine:
             if e.sample:
                 e.req.device_row = row
                 samples.append((row, e.req, e.req.epoch))
-        return _InFlight(tok, logp, model_logp, samples, self.version, decode)
+        return _InFlight(readback, samples, self.version, decode)
 
     def _read_back(self, step: _InFlight) -> None:
         t0 = time.perf_counter()
-        tokens, logp, model_logp = jax.device_get((step.tokens, step.logprobs, step.model_logprobs))
+        readback = np.asarray(jax.device_get(step.readback))
+        tokens, logp, model_logp = readback[0].view(np.int32), readback[1], readback[2]
         waited = time.perf_counter() - t0
         self.stats.wait_s += waited
         if step.decode:

@@ -106,7 +106,10 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str)
         tok, logp, model_logp = sample(logits, window, s, penalties=layout.penalties, mode=layout.mode)
         pad = max_rows - layout.n_rows
         tok = jnp.pad(tok, (0, pad))
-        return tok, jnp.pad(logp, (0, pad)), jnp.pad(model_logp, (0, pad)), k_buf, v_buf
+        # One array for the host to read back: token ids (bit-cast), logprobs, model logprobs.
+        readback = jnp.stack([jax.lax.bitcast_convert_type(tok, jnp.float32), jnp.pad(logp, (0, pad)),
+                              jnp.pad(model_logp, (0, pad))])
+        return tok, readback, k_buf, v_buf
 
     holder.fn = jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
     return holder
