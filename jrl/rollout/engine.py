@@ -204,54 +204,8 @@ class Engine:
 
     # ------------------------------------------------------------------ device side
     def _dispatch(self, batch: ScheduledBatch) -> _InFlight:
-        entries = batch.entries
-        n = len(entries)
-        decode = batch.decode
-        n_rows = bucket(n, self._batch_buckets)
-        n_tokens = n_rows if decode else bucket(batch.n_tokens, self._token_buckets)
-        bound = self.cache.bind([e.req.task for e in entries], [e.q_start for e in entries],
-                                [e.q_len for e in entries])
-        n_cols = bucket(bound.page_table.shape[1], self._col_buckets)
-        sample_params = [e.req.sampling if e.sample else GREEDY for e in entries]
-        penalties, mode = batch_mode([e.req.sampling for e in entries if e.sample] or [GREEDY])
-        window = self.config.penalty_window - 1 if penalties else 0
-        layout = StepLayout(decode=decode, n_tokens=n_tokens, n_rows=n_rows, n_page_cols=n_cols,
-                            window=window, penalties=penalties, mode=mode)
-
-        tokens = np.zeros(n_tokens, np.int32)
-        tok_src = np.full(n_tokens, -1, np.int32)
-        positions = np.zeros(n_tokens, np.int32)
-        out_loc = np.full(n_tokens, -1, np.int32)
-        total = batch.n_tokens
-        positions[:total] = bound.positions
-        out_loc[:total] = bound.out_cache_loc
-        win = np.full((n_rows, window), -1, np.int32)
-        for i, e in enumerate(entries):
-            start = int(bound.cu_q_lens[i])
-            req = e.req
-            if e.device_input:
-                tok_src[start] = req.device_row
-            else:
-                known = req.known_tokens()
-                tokens[start:start + e.q_len] = known[e.q_start:e.q_start + e.q_len]
-            if window and e.sample:
-                last = e.q_start + e.q_len - 1
-                lo = max(0, last - window)
-                seen = req.known_tokens()[lo:last]
-                win[i, window - len(seen):] = seen
-        cu = np.full(n_rows + 1, total, np.int32)
-        cu[:n + 1] = bound.cu_q_lens
-        kv_lens = np.zeros(n_rows, np.int32)
-        kv_lens[:n] = bound.kv_lens
-        page_table = np.zeros((n_rows, n_cols), np.int32)
-        page_table[:n, :bound.page_table.shape[1]] = bound.page_table
-        s = sampling_arrays(sample_params, [e.req.seed for e in entries],
-                            [e.req.n_scheduled_samples - 1 if e.sample else 0 for e in entries], n_rows)
-        ints = pack(layout.int_fields(), dict(tokens=tokens, tok_src=tok_src, positions=positions,
-                                              out_cache_loc=out_loc, cu_q_lens=cu, kv_lens=kv_lens,
-                                              page_table=page_table, top_k=s.top_k, seed=s.seed,
-                                              index=s.index, window=win), np.int32)
-        floats = pack(layout.float_fields(), s._asdict(), np.float32)
+        """Packs the plan into the step's two host arrays and launches it (asynchronously)."""
+        layout, ints, floats = self._pack(batch)
         self.last_launch = (layout, ints, floats)
         k, v = self.kv.buffers()
         tok, readback, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
@@ -259,11 +213,58 @@ class Engine:
         self.kv.update(k, v)
         self._prev_tokens = tok
         samples = []
-        for row, e in enumerate(entries):
+        for row, e in enumerate(batch.entries):
             if e.sample:
                 e.req.device_row = row
                 samples.append((row, e.req, e.req.epoch))
-        return _InFlight(readback, samples, self.version, decode)
+        return _InFlight(readback, samples, self.version, layout.decode)
+
+    def _pack(self, batch: ScheduledBatch) -> tuple[StepLayout, np.ndarray, np.ndarray]:
+        """The static layout (bucketed sizes, sampling variant) and the padded int32 /
+        float32 inputs of one step."""
+        entries = batch.entries
+        n, total = len(entries), batch.n_tokens
+        n_rows = bucket(n, self._batch_buckets)
+        n_tokens = n_rows if batch.decode else bucket(total, self._token_buckets)
+        bound = self.cache.bind([e.req.task for e in entries], [e.q_start for e in entries],
+                                [e.q_len for e in entries])
+        n_cols = bucket(bound.page_table.shape[1], self._col_buckets)
+        penalties, mode = batch_mode([e.req.sampling for e in entries if e.sample] or [GREEDY])
+        window = self.config.penalty_window - 1 if penalties else 0
+        layout = StepLayout(decode=batch.decode, n_tokens=n_tokens, n_rows=n_rows, n_page_cols=n_cols,
+                            window=window, penalties=penalties, mode=mode)
+
+        tokens = np.zeros(n_tokens, np.int32)
+        tok_src = np.full(n_tokens, -1, np.int32)  # >= 0: take the previous step's sample at that row
+        win = np.full((n_rows, window), -1, np.int32)
+        for i, e in enumerate(entries):
+            start = int(bound.cu_q_lens[i])
+            if e.device_input:
+                tok_src[start] = e.req.device_row
+            else:
+                tokens[start:start + e.q_len] = e.req.known_tokens()[e.q_start:e.q_start + e.q_len]
+            if window and e.sample:  # the window's last token (the row's input) is added on device
+                last = e.q_start + e.q_len - 1
+                seen = e.req.known_tokens()[max(0, last - window):last]
+                win[i, window - len(seen):] = seen
+        positions = np.zeros(n_tokens, np.int32)
+        positions[:total] = bound.positions
+        out_loc = np.full(n_tokens, -1, np.int32)
+        out_loc[:total] = bound.out_cache_loc
+        cu = np.full(n_rows + 1, total, np.int32)
+        cu[:n + 1] = bound.cu_q_lens
+        kv_lens = np.zeros(n_rows, np.int32)
+        kv_lens[:n] = bound.kv_lens
+        page_table = np.zeros((n_rows, n_cols), np.int32)
+        page_table[:n, :bound.page_table.shape[1]] = bound.page_table
+        s = sampling_arrays([e.req.sampling if e.sample else GREEDY for e in entries],
+                            [e.req.seed for e in entries],
+                            [e.req.n_scheduled_samples - 1 if e.sample else 0 for e in entries], n_rows)
+        ints = pack(layout.int_fields(), dict(tokens=tokens, tok_src=tok_src, positions=positions,
+                                              out_cache_loc=out_loc, cu_q_lens=cu, kv_lens=kv_lens,
+                                              page_table=page_table, top_k=s.top_k, seed=s.seed,
+                                              index=s.index, window=win), np.int32)
+        return layout, ints, pack(layout.float_fields(), s._asdict(), np.float32)
 
     def _read_back(self, step: _InFlight) -> None:
         t0 = time.perf_counter()
