@@ -76,8 +76,10 @@ def test_greedy_ragged_batch_with_chunked_prefill_matches_full_forward_argmax(pa
     assert_no_pages_held(engine)
 
 
-def test_greedy_unchunked_prefill_matches_full_forward_argmax(params):
-    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, chunked_prefill=False, prefix_cache=False))
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_unchunked_prefill_matches_full_forward_argmax(params, overlap):
+    config = dataclasses.replace(ENGINE, chunked_prefill=False, prefix_cache=False, overlap=overlap)
+    engine = Engine(MODEL, params, config)
     out = engine.generate(prompts_of([5, 30, 12, 31], seed=1), GREEDY, max_new_tokens=10)
     assert_greedy_matches_forward(MODEL, params, out)
     assert engine.pool.allocator.n_free == ENGINE.n_pages
