@@ -203,8 +203,9 @@ def sharded_init_fn(config: ModelConfig, mesh: Mesh, rules: Rules = DEFAULT_RULE
 def init_sharded_params(config: ModelConfig, key: jax.Array, mesh: Mesh,
                         rules: Rules = DEFAULT_RULES) -> dict:
     """Random params created already sharded: each device computes and holds only its own
-    shards, so a model larger than one device's memory can be initialised. Values equal
-    `init_params(config, key)` (the random bits do not depend on the partitioning)."""
+    shards, so a model larger than one device's memory can be initialised. Values equal a
+    jitted `init_params(config, key)` on one device bit for bit (the random bits do not
+    depend on the partitioning; eager, unjitted init may differ in the last float bit)."""
     return sharded_init_fn(config, mesh, rules)(key)
 
 
