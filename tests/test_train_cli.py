@@ -39,6 +39,7 @@ def test_overrides_create_nested_sections_and_reject_malformed_items():
     ("strategy.name=nope", "strategy.name: unknown strategy 'nope'"),
     ("strategy.options.beta=1", "unknown key(s) strategy.options.beta"),
     ("schedule.kind=linear", "schedule.kind: must be one of"),
+    ("strategy.name=dpo", "data.format: strategy 'dpo' trains on 'preference', got 'sections'"),
     ("model.vocab_size=256", "model.vocab_size: must be >= the vocabulary of data.tokenizer (262), got 256"),
     ("data.tokenizer=/no/such/tokenizer.json", "data.tokenizer: tokenizer: '/no/such/tokenizer.json' is neither"),
 ])

@@ -36,8 +36,11 @@ def resolve_config(args: argparse.Namespace):
         config = load_train_config(None, args.overrides, base=default_run())
     from jrl.train.strategies import get_strategy, strategy_options
 
+    from jrl.train.trainer import check_data_format
+
     strategy = get_strategy(config.strategy.name)
     strategy_options(strategy, config.strategy.options)
+    check_data_format(config, strategy)
     if strategy.make_source is None:  # the built-in data pipeline tokenises with data.tokenizer
         from jrl.data import load_tokenizer
 

@@ -70,6 +70,13 @@ def flops_per_token(config, params: Any, seq_len: int) -> float:
     return 6.0 * n + 12.0 * mc.n_layers * mc.n_heads * mc.qk_head_dim * seq_len
 
 
+def check_data_format(config: TrainConfig, strategy) -> None:
+    """A strategy on the built-in data pipeline must accept `data.format`."""
+    if strategy.make_source is None and config.data.format not in strategy.data_formats:
+        raise ConfigError(f"data.format: strategy {strategy.name!r} trains on "
+                          f"{' or '.join(map(repr, strategy.data_formats))}, got {config.data.format!r}")
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, *, callbacks: Iterable[cb.Callback] = (),
                  output_dir: str | os.PathLike | None = None):
@@ -78,6 +85,7 @@ class Trainer:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.strategy = get_strategy(config.strategy.name)
         self.options = strategy_options(self.strategy, config.strategy.options)
+        check_data_format(config, self.strategy)
         self.schedule = make_schedule(config.schedule, config.steps)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.callbacks = self._with_builtin_callbacks(list(callbacks))
@@ -154,9 +162,6 @@ class Trainer:
             self.train_source = strategy.make_source(self, "train")
             self.eval_batches = list(strategy.make_source(self, "eval") or [])
             return
-        if data.format not in strategy.data_formats:
-            raise ConfigError(f"data.format: strategy {strategy.name!r} trains on "
-                              f"{' or '.join(map(repr, strategy.data_formats))}, got {data.format!r}")
         from jrl.data import DataSource, build_dataset, fixed_batches
 
         train = build_dataset(data, self.tokenizer, "train")
@@ -182,30 +187,31 @@ class Trainer:
             self.reference_params = jax.tree.map(jnp.copy, params)
         self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
         state = init_train_state(params, self.optimizer, jax.random.key(c.seed))
-        self._make_sources()
         existing = checkpoint.latest_step(self.checkpoint_dir)
         if existing is not None and not resume and not overwrite:
             raise FileExistsError(
                 f"{self.checkpoint_dir} already holds checkpoints (latest step {existing}): resume them "
                 f"(--resume) or start over (--overwrite deletes them)")
         resume_step = existing if resume else None
+        meta: dict = {}
         if resume_step is None:
             self._clear_run_dir()  # a fresh start: no stale checkpoints or metrics rows
-        if resume_step is not None:
+        else:
             target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
             del state, params
             state, meta = checkpoint.load(self.checkpoint_dir, resume_step, target=target,
                                           verify=c.checkpoint.verify_on_load)
-            if "data" in meta and hasattr(self.train_source, "load_state_dict"):
-                self.train_source.load_state_dict(meta["data"])
             self.metrics_log.truncate_after(int(state.step))
             self.last_saved_step = int(state.step)
+        self.state = state  # sources may read the (resumed) state
+        self._make_sources()
+        if "data" in meta and hasattr(self.train_source, "load_state_dict"):
+            self.train_source.load_state_dict(meta["data"])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk)
         self._flops_per_token = flops_per_token(c.model, state.params, c.data.seq_len)
-        self.state = state
         return state
 
     # ------------------------------------------------------------------ steps
