@@ -1,0 +1,259 @@
+"""Rollout throughput of the jrl engine: decode tokens/s, time per decode step and the host
+gap between device steps, with transformers' `generate` beside it.
+
+    PYTHONPATH=. python bench/decode_throughput.py [--tiny] [--batches 1,16,64,128,256]
+        [--prompt 512] [--new 256] [--torch] [--torch-compiled 1,256] [--budget-s 300]
+
+The model is the ~1B shape (vocab 32000, hidden 2048, 16 layers, 16 q / 8 kv heads of
+128, SwiGLU 5632, tied embeddings: 0.82B parameters) with random bf16 weights. Every
+batch size runs the whole generation twice through `Engine.step` (prompts of random
+tokens, exactly `--new` greedy tokens, prefix cache off): the first run compiles, the
+second is timed. Reported per batch size:
+
+* decode tok/s: batch / mean wall time of the steps in which every request decodes;
+* end-to-end tok/s: batch * new / wall time of the whole run (prefill included);
+* device step: the same decode program (captured mid-generation, at the mean context
+  length) replayed back to back with no host work in between: what the GPU needs;
+* host gap: mean engine decode step minus device step, as a share of the device step
+  (what the host adds between device steps: the target is under 5%);
+* memory floor: bytes a decode step must read (weights + the KV of every request at the
+  mean context) over the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl.config import ModelConfig
+from jrl.models import init_params
+from jrl.models.transformer import count_params
+from jrl.rollout.config import EngineConfig
+from jrl.rollout.engine import Engine
+from jrl.rollout.sampling import GREEDY
+
+MODEL = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
+                    intermediate_size=5632, max_position_embeddings=4096, tie_embeddings=True,
+                    param_dtype="bfloat16", dtype="bfloat16")
+TINY = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, max_position_embeddings=256, tie_embeddings=True,
+                   param_dtype="bfloat16", dtype="bfloat16")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t0)
+    return 2 * n_bytes / statistics.median(times)
+
+
+def kv_bytes_per_token(cfg: ModelConfig) -> int:
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2  # k and v, bf16
+
+
+class Recorder:
+    """Wraps the engine's jitted step to keep the inputs of one decode call (the call at
+    `target` decode steps), so the same program can be replayed without the host loop."""
+
+    def __init__(self, holder, target: int):
+        self.holder, self.fn, self.target = holder, holder.fn, target
+        self.n_decode = 0
+        self.captured = None
+
+    def __call__(self, params, k, v, prev, ints, floats, layout):
+        if layout.decode:
+            self.n_decode += 1
+            if self.n_decode == self.target:
+                self.captured = (prev, ints, floats, layout)
+        return self.fn(params, k, v, prev, ints, floats, layout=layout)
+
+    def __enter__(self):
+        self.holder.fn = self
+        return self
+
+    def __exit__(self, *exc):
+        self.holder.fn = self.fn
+
+
+def engine_config(cfg: ModelConfig, max_batch: int, prompt: int, new: int, page_size: int) -> EngineConfig:
+    """One engine for every batch size (same KV buffer and row buckets, so the compiled
+    programs are shared): room for `max_batch` requests of prompt + new tokens."""
+    per_request = -(-(prompt + new) // page_size)
+    return EngineConfig(page_size=page_size, n_pages=max_batch * per_request + 8, max_batch=max_batch,
+                        max_tokens_per_step=max(max_batch, 8192), max_seq_len=prompt + new,
+                        prefix_cache=False, overlap=True)
+
+
+def generate_once(engine: Engine, prompts: np.ndarray, new: int) -> dict:
+    for p in prompts:
+        engine.add_request(p, GREEDY, max_new_tokens=new)
+    step_times, decode_flags, done = [], [], []
+    t_start = time.perf_counter()
+    while engine.has_work:
+        before = engine.stats.decode_steps
+        t0 = time.perf_counter()
+        done += engine.step()
+        step_times.append(time.perf_counter() - t0)
+        decode_flags.append(engine.stats.decode_steps > before)
+    done += engine.flush()
+    total = time.perf_counter() - t_start
+    lengths = {len(c.tokens) for c in done}
+    return {"total_s": total, "step_times": step_times, "decode_flags": decode_flags,
+            "n_done": len(done), "lengths": sorted(lengths)}
+
+
+def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwidth: float,
+              replay_steps: int = 50) -> dict:
+    cfg = engine.model_config
+    rng = np.random.default_rng(batch)
+    prompts = rng.integers(0, cfg.vocab_size, (batch, prompt), dtype=np.int32)
+    traces_before = engine.step_function.traces
+    t0 = time.perf_counter()
+    warm = generate_once(engine, prompts, new)  # compiles every program the run needs
+    warm_s = time.perf_counter() - t0
+    engine.stats = type(engine.stats)()
+    with Recorder(engine.step_function, target=new // 2) as rec:
+        run = generate_once(engine, prompts, new)
+    stats = engine.stats
+    # Decode steps proper: every request decodes. The step that launched decode step n
+    # also read back step n-1, so its wall time is what one decode step costs in steady state.
+    dec = [t for t, d in zip(run["step_times"], run["decode_flags"]) if d]
+    steady = dec[1:-1] if len(dec) > 2 else dec
+    step_s = statistics.mean(steady)
+    # The same decode program, replayed back to back (no host work between dispatches).
+    prev, ints, floats, layout = rec.captured
+    fn = engine.step_function.fn
+    k, v = engine.kv.buffers()
+    out = fn(params, k, v, prev, ints, floats, layout=layout)
+    jax.block_until_ready(out)
+    k, v = out[-2], out[-1]  # the step returns (..., k_buf, v_buf), buffers donated
+    t0 = time.perf_counter()
+    for _ in range(replay_steps):
+        out = fn(params, k, v, prev, ints, floats, layout=layout)
+        k, v = out[-2], out[-1]
+    jax.block_until_ready(out)
+    device_s = (time.perf_counter() - t0) / replay_steps
+    engine.kv.update(k, v)
+    mean_ctx = prompt + new / 2
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    floor_s = (param_bytes + batch * mean_ctx * kv_bytes_per_token(cfg)) / bandwidth
+    return {
+        "batch": batch, "decode_tokens_per_s": batch / step_s,
+        "e2e_tokens_per_s": batch * new / run["total_s"], "total_s": run["total_s"],
+        "step_ms": 1e3 * step_s, "step_ms_median": 1e3 * statistics.median(steady),
+        "device_step_ms": 1e3 * device_s, "host_gap_pct": 100 * max(0.0, step_s - device_s) / device_s,
+        "floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s,
+        "decode_steps": len(dec), "steps": len(run["step_times"]),
+        "host_ms_per_decode_step": 1e3 * stats.decode_host_s / max(1, stats.decode_steps),
+        "wait_ms_per_decode_step": 1e3 * stats.decode_wait_s / max(1, stats.decode_steps),
+        "completions": run["n_done"], "lengths": run["lengths"], "warmup_s": warm_s,
+        "programs_compiled": engine.step_function.traces - traces_before,
+    }
+
+
+def run_torch(args, timeout: float) -> list[dict]:
+    cmd = [sys.executable, "bench/torch_reference.py", "generate", "--model",
+           json.dumps(dataclasses.asdict(MODEL)), "--batches", args.torch_batches,
+           "--compiled-batches", args.torch_compiled, "--prompt", str(args.prompt), "--new", str(args.new),
+           "--budget-s", str(max(30.0, timeout - 90))]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        partial = [json.loads(line) for line in (e.stdout or b"").decode().splitlines() if line.startswith("{")]
+        return [r for r in partial if "batch" in r] + [{"error": f"timed out after {timeout:.0f}s"}]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        return [{"error": out.stderr[-2000:]}]
+    return json.loads(lines[-1])["rows"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--batches", default="1,16,64,128,256")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--torch", action="store_true", help="transformers generate in a subprocess")
+    ap.add_argument("--torch-batches", default="1,16,64,128,256", help="eager (disable_compile)")
+    ap.add_argument("--torch-compiled", default="1,256", help="with transformers' automatic compile")
+    ap.add_argument("--torch-timeout-s", type=float, default=240)
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    start = time.perf_counter()
+    cfg = MODEL
+    if args.tiny:
+        cfg, args.prompt, args.new = TINY, min(args.prompt, 24), min(args.new, 8)
+    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "command": " ".join(sys.argv)}
+    log(json.dumps(header))
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    header["params"] = count_params(params)
+    bandwidth = copy_bandwidth(4 << 30 if not args.tiny else 1 << 24)
+    header["copy_bandwidth_tb_s"] = bandwidth / 1e12
+    log(f"params {header['params'] / 1e9:.3f}B, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    batches = [int(x) for x in args.batches.split(",")]
+    engine = Engine(cfg, params, engine_config(cfg, max(batches), args.prompt, args.new, args.page_size))
+    rows = []
+    for b in batches:
+        if time.perf_counter() - start > args.budget_s:
+            rows.append({"batch": b, "skipped": "time budget"})
+            continue
+        try:
+            row = run_batch(engine, params, b, args.prompt, args.new, bandwidth)
+        except Exception:  # noqa: BLE001 - record and keep the other sizes
+            log(traceback.format_exc())
+            row = {"batch": b, "error": traceback.format_exc()[-1500:]}
+        log(json.dumps(row))
+        rows.append(row)
+    del params, engine
+    torch_rows = []
+    if args.torch:
+        torch_rows = run_torch(args, args.torch_timeout_s)
+        for r in torch_rows:
+            log(f"torch: {json.dumps(r)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "jrl": rows, "transformers": torch_rows}, f, indent=1)
+    log("")
+    log(f"{'batch':>5s} {'dec tok/s':>10s} {'e2e tok/s':>10s} {'step ms':>8s} {'dev ms':>7s} "
+        f"{'floor ms':>8s} {'x floor':>7s} {'gap %':>6s}")
+    for r in rows:
+        if "step_ms" not in r:
+            log(f"{r['batch']:5d} -- {r.get('skipped') or 'error'}")
+            continue
+        log(f"{r['batch']:5d} {r['decode_tokens_per_s']:10.0f} {r['e2e_tokens_per_s']:10.0f} {r['step_ms']:8.2f} "
+            f"{r['device_step_ms']:7.2f} {r['floor_ms']:8.2f} {r['step_over_floor']:7.2f} {r['host_gap_pct']:6.1f}")
+    for r in torch_rows:
+        if "decode_tokens_per_s" in r:
+            log(f"transformers generate b={r['batch']:<4d} {'compiled' if r['compiled'] else 'eager':8s} "
+                f"dec {r['decode_tokens_per_s']:8.0f} tok/s, e2e {r['tokens_per_s']:8.0f} tok/s, "
+                f"step {r['step_ms']:.2f} ms")
+        else:
+            log(f"transformers: {r}")
+
+
+if __name__ == "__main__":
+    main()

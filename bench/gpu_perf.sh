@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Every single-GPU number of docs/performance.md ("Training throughput", "Rollout
+# throughput", "GRPO step") in one run, each part under a hard time limit so a slow part
+# cannot starve the others. Logs and JSON go to ${OUT:-bench_out}; the tables print last.
+#
+#   PYTHONPATH=. bash bench/gpu_perf.sh            (on the GPU machine)
+#   TINY=1 PYTHONPATH=. bash bench/gpu_perf.sh     (CPU smoke run of the same commands)
+set -u
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+TINY_FLAG=${TINY:+--tiny}
+export PYTHONUNBUFFERED=1
+# The PyTorch reference runs in a subprocess beside a live JAX process: let JAX take GPU
+# memory as it needs it instead of reserving 75% up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+T_TRAIN=${T_TRAIN:-270} T_DECODE=${T_DECODE:-220} T_GRPO=${T_GRPO:-75}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+timeout -k 5 "$T_TRAIN" $PY bench/train_throughput.py $TINY_FLAG --check --torch --torch-first \
+  --variants causal,mask,causal_chunk,causal_chunk_full,causal_chunk_mubf16 \
+  --budget-s $((T_TRAIN - 75)) --json "$OUT/train.json" > "$OUT/train.log" 2>&1
+echo "train exit $?" >> "$OUT/train.log"
+timeout -k 5 "$T_DECODE" $PY bench/decode_throughput.py $TINY_FLAG --batches 256,128,64,16,1 --torch \
+  --torch-batches 256,1 --torch-compiled 256 --torch-timeout-s 100 \
+  --budget-s $((T_DECODE - 120)) --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
+echo "decode exit $?" >> "$OUT/decode.log"
+timeout -k 5 "$T_GRPO" $PY bench/grpo_step.py $TINY_FLAG --steps 3 --budget-s $((T_GRPO - 30)) \
+  --json "$OUT/grpo.json" > "$OUT/grpo.log" 2>&1
+echo "grpo exit $?" >> "$OUT/grpo.log"
+
+for part in train decode grpo; do
+  echo "===== $part"
+  grep -v '^{' "$OUT/$part.log" | grep -v '^\s*$' | tail -n 24
+done

@@ -1,0 +1,301 @@
+"""Training throughput of jrl's train step (tokens/s, MFU, memory, compile time), with
+Hugging Face transformers' Llama in PyTorch beside it.
+
+    PYTHONPATH=. python bench/train_throughput.py [--tiny] [--variants a,b] [--torch]
+                                                  [--batch 8] [--steps 10] [--budget-s 420]
+                                                  [--json out.json]
+
+Each variant is the real update the trainer runs (`jrl.train.step.make_step_fns`: loss,
+gradients, global-norm clipping, AdamW from `build_optimizer`, state donated) on random
+tokens, one micro-batch of `--batch` rows of `--seq` tokens, float32 master weights and
+bf16 compute (like PyTorch autocast). A variant sets the remat policy, the LM-head chunk
+(`lm_head_chunk`: no full `[B, S, vocab]` float32 logits), AdamW's first-moment dtype
+and whether attention takes the segment mask (the trainer's path today) or plain causal
+attention (`one_document_per_row`, valid for these rows). MFU counts model FLOPs only:
+6 x matmul params per token + causal attention (half of 12 L H D S), against 989 TFLOP/s.
+
+`--check` first compares the attention jrl picks on this device (cuDNN on a GPU) with
+XLA's on small random inputs, forward and gradients, with and without the mask.
+`--torch` runs bench/torch_reference.py in a subprocess (torch must be importable).
+`--tiny` is a CPU-sized smoke run of the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig
+from jrl.models import dense_attention, forward, init_params
+from jrl.models.attention import attention_implementation
+from jrl.train.logprobs import target_stats
+from jrl.train.optim import build_optimizer
+from jrl.train.schedules import make_schedule
+from jrl.train.state import init_train_state
+from jrl.train.step import make_step_fns
+from jrl.train.strategies import LossOutput, Strategy, get_strategy, metric, register_strategy
+
+PEAK_FLOPS = 989e12  # H100/H200 dense bf16 (datasheet)
+
+ONE_B = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                    head_dim=128, intermediate_size=5632, max_position_embeddings=4096,
+                    tie_embeddings=False, param_dtype="float32", dtype="bfloat16")
+TINY = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, max_position_embeddings=64, param_dtype="float32",
+                   dtype="bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    remat: str = "none"  # ModelConfig.remat
+    chunk: int = 0  # TrainConfig.lm_head_chunk (0: whole [B, S, V] logits at once)
+    mu_dtype: str | None = None  # OptimizerConfig.mu_dtype
+    mask: bool = True  # segment mask (trainer default) vs plain causal attention
+    batch_scale: int = 1  # multiplies --batch (remat frees memory for bigger batches)
+
+
+VARIANTS = {v.name: v for v in [
+    Variant("mask", mask=True),
+    Variant("causal", mask=False),
+    Variant("causal_chunk", mask=False, chunk=8192),
+    Variant("causal_chunk_mubf16", mask=False, chunk=8192, mu_dtype="bfloat16"),
+    Variant("causal_chunk_dots", mask=False, chunk=8192, remat="dots_no_batch"),
+    Variant("causal_chunk_full", mask=False, chunk=8192, remat="full"),
+    Variant("causal_chunk_full_b2", mask=False, chunk=8192, remat="full", batch_scale=2),
+]}
+DEFAULT_VARIANTS = "mask,causal,causal_chunk,causal_chunk_mubf16,causal_chunk_full"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (everything but norms and the
+    input embedding lookup; the LM head counts, tied or not)."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    attn = h * cfg.n_heads * hd * 2 + h * cfg.n_kv_heads * hd * 2
+    mlp = 3 * h * cfg.intermediate_size
+    return cfg.n_layers * (attn + mlp) + h * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """Model training FLOPs per token: 6 N + causal attention (6 L H D S, i.e. 12 L H D S halved)."""
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq
+
+
+def causal_cross_entropy(config, params, batch, ctx) -> LossOutput:
+    """The `seq` loss (next-token CE over loss_mask) with plain causal attention: every
+    row is one document, so no segment mask reaches the attention op."""
+    tokens = jnp.asarray(batch["tokens"], jnp.int32)
+    out = forward(config, params, tokens, batch["positions"],
+                  dense_attention(batch["segment_ids"], one_document_per_row=True))
+    stats = target_stats(config, params, out.hidden, batch["targets"], chunk_size=ctx.chunk_size)
+    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    nll = -stats.logp
+    return LossOutput(jnp.sum(nll * mask), jnp.sum(mask),
+                      {"nll": metric(nll, mask), "entropy": metric(stats.entropy, mask)})
+
+
+CAUSAL = register_strategy(Strategy(
+    name="bench_causal_seq", loss_fn=causal_cross_entropy,
+    batch_fields=("tokens", "targets", "loss_mask", "positions", "segment_ids")), replace=True)
+
+
+def random_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    stream = rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
+    fields = {
+        "tokens": stream[:, :-1], "targets": stream[:, 1:],
+        "loss_mask": np.ones((batch, seq), np.float32),
+        "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy(),
+        "segment_ids": np.ones((batch, seq), np.int32),
+    }
+    return {k: jnp.asarray(v[None]) for k, v in fields.items()}  # [micro=1, B, S]
+
+
+def device_peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def run_variant(v: Variant, base: ModelConfig, params, batch_rows: int, seq: int, steps: int,
+                warmup: int) -> dict:
+    cfg = dataclasses.replace(base, remat=v.remat)
+    rows = batch_rows * v.batch_scale
+    strategy = get_strategy("seq") if v.mask else CAUSAL
+    opt_cfg = OptimizerConfig(lr=1e-4, weight_decay=0.1, mu_dtype=v.mu_dtype)
+    schedule = make_schedule(ScheduleConfig(), 1000)
+    optimizer = build_optimizer(opt_cfg, schedule, params)
+    fns = make_step_fns(cfg, strategy, strategy.options_cls(), optimizer, schedule, opt_cfg.lr,
+                        clip_norm=1.0, chunk_size=v.chunk)
+    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer, jax.random.key(0))
+    batch = random_batch(cfg, rows, seq)
+    t0 = time.perf_counter()
+    compiled = fns.update.lower(state, batch, None).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    xla_bytes = None
+    if mem is not None:
+        xla_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                     - mem.alias_size_in_bytes)
+    losses = []
+    for _ in range(warmup):
+        state, metrics = compiled(state, batch, None)
+    losses.append(float(metrics["loss"]))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, batch, None)
+    loss = float(metrics["loss"])  # waits for the last step
+    dt = (time.perf_counter() - t0) / steps
+    losses.append(loss)
+    tokens = rows * seq
+    tps = tokens / dt
+    mfu = tps * flops_per_token(cfg, seq) / PEAK_FLOPS
+    del state, compiled, metrics
+    gc.collect()
+    return {"variant": v.name, "remat": v.remat, "lm_head_chunk": v.chunk, "mu_dtype": v.mu_dtype or "float32",
+            "attention_mask": v.mask, "batch": rows, "seq": seq, "step_s": dt, "tokens_per_s": tps,
+            "mfu": mfu, "compile_s": compile_s, "xla_memory_gib": None if xla_bytes is None else xla_bytes / 2**30,
+            "device_peak_gib_so_far": (device_peak_bytes() or 0) / 2**30, "loss_first_last": losses}
+
+
+def check_attention(log_rows: list) -> None:
+    """The attention jrl picks here (cuDNN on GPU) against XLA's, forward and gradients."""
+    key = jax.random.key(1)
+    b, s, hq, hkv, d = 2, 256, 8, 4, 128
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (b, s, hq, d), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, s, hkv, d), jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, hkv, d), jnp.bfloat16)
+    cot = jax.random.normal(kc, (b, s, hq, d), jnp.float32)
+    seg = jnp.concatenate([jnp.ones((b, s // 3), jnp.int32), 2 * jnp.ones((b, s - s // 3), jnp.int32)], 1)
+    picked = attention_implementation(jnp.bfloat16, d, s, True)
+    for name, segs, one_doc in (("mask", seg, False), ("causal", jnp.ones_like(seg), True)):
+        def loss(q, k, v, impl):
+            be = dense_attention(segs, implementation=impl, one_document_per_row=one_doc)
+            out, _ = be.attend(q, k, v, layer=0, cache=None, scale=d ** -0.5)
+            return jnp.sum(out.astype(jnp.float32) * cot), out
+        results = {}
+        for impl in (None, "xla"):
+            (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                                      static_argnums=3)(q, k, v, impl)
+            results[impl] = [out] + list(grads)
+        errs = []
+        for a, r in zip(results[None], results["xla"]):
+            a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+            errs.append(float(np.linalg.norm(a - r) / np.linalg.norm(r)))
+        row = {"check": name, "picked": picked, "rel_err_out_dq_dk_dv": errs}
+        log(f"check attention [{name}] picked={picked}: rel err out/dq/dk/dv = "
+            + " ".join(f"{e:.2e}" for e in errs))
+        log_rows.append(row)
+
+
+def run_torch(args, cfg: ModelConfig, timeout: float) -> dict:
+    cmd = [sys.executable, "bench/torch_reference.py", "train", "--batch", str(args.batch), "--seq", str(args.seq),
+           "--steps", str(args.steps), "--model", json.dumps(dataclasses.asdict(cfg))]
+    if args.torch_compile:
+        cmd.append("--compile")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    if out.returncode != 0:
+        return {"error": out.stderr[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU-sized model and batch")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma list of {','.join(VARIANTS)}")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--check", action="store_true", help="cuDNN vs XLA attention check first")
+    ap.add_argument("--torch", action="store_true", help="also run transformers' Llama (subprocess)")
+    ap.add_argument("--torch-first", action="store_true", help="run torch before the jrl variants")
+    ap.add_argument("--torch-compile", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip variants once this much time is spent")
+    ap.add_argument("--json", default=None, help="write all rows here")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    base = ONE_B
+    if args.tiny:
+        base = TINY
+        args.batch, args.seq, args.steps = min(args.batch, 2), min(args.seq, 64), min(args.steps, 2)
+    header = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "command": " ".join(sys.argv), "model": dataclasses.asdict(base),
+              "flops_per_token": flops_per_token(base, args.seq),
+              "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    log(json.dumps(header))
+    rows: list[dict] = []
+    if args.check:
+        try:
+            check_attention(rows)
+        except Exception:  # noqa: BLE001 - report and carry on with the timings
+            log(traceback.format_exc())
+            rows.append({"check": "failed", "error": traceback.format_exc()[-1500:]})
+
+    torch_row = None
+    torch_timeout = 240.0
+    if args.torch and args.torch_first:
+        torch_row = run_torch(args, base, torch_timeout)
+        log(f"torch: {torch_row}")
+    params = jax.jit(init_params, static_argnums=0)(base, jax.random.key(0))
+    for name in args.variants.split(","):
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget_s:
+            log(f"skip {name}: budget spent ({elapsed:.0f}s)")
+            rows.append({"variant": name, "skipped": "time budget"})
+            continue
+        try:
+            row = run_variant(VARIANTS[name], base, params, args.batch, args.seq, args.steps, args.warmup)
+        except Exception:  # noqa: BLE001 - e.g. out of memory: record and go on
+            log(traceback.format_exc())
+            row = {"variant": name, "error": traceback.format_exc()[-1500:]}
+        log(json.dumps(row))
+        rows.append(row)
+    del params
+    if args.torch and not args.torch_first:
+        torch_row = run_torch(args, base, torch_timeout)
+        log(f"torch: {torch_row}")
+    if torch_row is not None:
+        fpt = flops_per_token(base, args.seq)
+        if "tokens_per_s" in torch_row:
+            torch_row["mfu"] = torch_row["tokens_per_s"] * fpt / PEAK_FLOPS
+        rows.append({"variant": "transformers_llama_sdpa" + ("_compiled" if args.torch_compile else ""),
+                     **torch_row})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=1)
+    log("")
+    log(f"{'variant':28s} {'batch':>5s} {'tok/s':>9s} {'MFU':>6s} {'step ms':>8s} {'mem GiB':>8s} {'compile s':>9s}")
+    for r in rows:
+        if "tokens_per_s" not in r:
+            if "variant" in r:
+                log(f"{r['variant']:28s} {'-- ' + (r.get('skipped') or 'error')}")
+            continue
+        mem = r.get("xla_memory_gib", r.get("peak_gib"))
+        log(f"{r['variant']:28s} {r.get('batch', args.batch):5d} {r['tokens_per_s']:9.0f} {100 * r.get('mfu', 0):5.1f}% "
+            f"{1e3 * r['step_s']:8.1f} {mem if mem is None else round(mem, 1)!s:>8s} "
+            f"{r.get('compile_s', float('nan')):9.1f}")
+
+
+if __name__ == "__main__":
+    main()
