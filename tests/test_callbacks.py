@@ -2,8 +2,10 @@
 
 import jax
 import numpy as np
+import pytest
 
 from jrl.config import load_train_config
+from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback, EarlyStopping
 from jrl.train.trainer import Trainer
 
@@ -70,8 +72,7 @@ def test_hook_order_and_arguments(tmp_path):
         + step(3) + evaluated(4) + after(4) + saved(4)
         + [("on_train_end", 4, 4, {})]
     )
-    rows = [r for r in map(__import__("json").loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r]
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
     assert [r["recorder_note"] for r in rows] == [1.0] * 4
 
 
@@ -114,3 +115,25 @@ def test_early_stopping_ignores_rows_without_the_monitored_metric():
     for _ in range(3):
         es.after_optimizer_step(trainer, None, {"loss": 1.0})
     assert trainer.reason is None
+
+
+class FailAtStep(Callback):
+    def __init__(self, step):
+        self.step, self.errors = step, []
+
+    def on_step_begin(self, trainer, state, batch):
+        if int(state.step) == self.step:
+            raise RuntimeError("data went away")
+
+    def on_error(self, trainer, state, error):
+        self.errors.append((int(state.step), str(error)))
+
+
+def test_error_reaches_on_error_saves_the_last_good_state_and_propagates(tmp_path):
+    failing = FailAtStep(1)
+    trainer = Trainer(tiny("steps=5", "eval.at_end=false", "checkpoint.interval=0"), callbacks=[failing],
+                      output_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="data went away"):
+        trainer.fit()
+    assert failing.errors == [(1, "data went away")]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step_1"]
