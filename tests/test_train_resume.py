@@ -1,7 +1,5 @@
 """Real processes: resume is bitwise exact, and SIGTERM / SIGINT save and exit 0."""
 
-import json
-import os
 import signal
 import subprocess
 import sys

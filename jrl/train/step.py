@@ -1,12 +1,14 @@
 """The update: gradients summed over micro-batches, normalised once, clipped, applied.
 
-`make_step_fns` builds three jitted functions from the same pure pieces:
+`make_step_fns` builds jitted functions from the same pure pieces:
 
 * `update(state, batch, reference_params) -> (state, metrics)`: the whole step as one
   program with the state donated (used unless a callback edits gradients);
 * `compute_grads(state, batch, reference_params) -> (grads, info)` and
   `apply_grads(state, grads, info) -> (state, metrics)`: the same step split in two so
-  `before_optimizer_step` callbacks can see and replace the gradients in between.
+  `before_optimizer_step` callbacks can see and replace the gradients in between;
+* `evaluate(params, batch, reference_params, rng, policy_version)`: the summed loss,
+  weight and metrics of a batch without gradients (held-out evaluation).
 
 `batch` fields carry a leading micro-batch axis `[M, b, ...]`; the micro-batches are
 scanned, their loss sums, weights, metric sums and gradients added up, and the sums are
@@ -129,12 +131,12 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         grads, info = compute_grads(state, batch, reference_params)
         return apply_grads(state, grads, info)
 
-    def evaluate(params: Any, batch: dict, reference_params: Any, rng: jax.Array):
+    def evaluate(params: Any, batch: dict, reference_params: Any, rng: jax.Array, policy_version: jax.Array):
         """Summed loss/weight/metric sums of one batch (no gradients), for held-out eval."""
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         total, weight, metrics, _ = _accumulate(
             model_config, strategy, options, chunk_size, params, batch, reference_params,
-            jax.random.split(rng, n_micro), jnp.zeros((), jnp.int32), with_grads=False)
+            jax.random.split(rng, n_micro), policy_version, with_grads=False)
         return total, weight, metrics
 
     return StepFns(

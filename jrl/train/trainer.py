@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,9 +27,9 @@ import yaml
 from jrl import checkpoint
 from jrl.config import ConfigError, TrainConfig, to_dict
 from jrl.metrics_log import MetricsLog
-from jrl.models import count_params, init_params
+from jrl.models import init_params
 from jrl.train import callbacks as cb
-from jrl.train.optim import build_optimizer, param_groups, trainable_groups
+from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
 from jrl.train.state import TrainState, init_train_state
 from jrl.train.step import make_step_fns
@@ -284,7 +283,7 @@ class Trainer:
         sums: dict[str, list[float]] = {}
         for i, batch in enumerate(self.eval_batches):
             t, w, m = jax.device_get(self._fns.evaluate(state.params, self._micro(batch), self.reference_params,
-                                                        jax.random.key(i)))
+                                                        jax.random.key(i), state.policy_version))
             total += float(t)
             weight += float(w)
             for k, (s, n) in m.items():
