@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1
 # The PyTorch reference runs in a subprocess beside a live JAX process: let JAX take GPU
 # memory as it needs it instead of reserving 75% up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-T_TRAIN=${T_TRAIN:-270} T_DECODE=${T_DECODE:-220} T_GRPO=${T_GRPO:-75}
+T_TRAIN=${T_TRAIN:-250} T_DECODE=${T_DECODE:-230} T_GRPO=${T_GRPO:-70}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 timeout -k 5 "$T_TRAIN" $PY bench/train_throughput.py $TINY_FLAG --check --torch --torch-first \
@@ -22,7 +22,7 @@ timeout -k 5 "$T_TRAIN" $PY bench/train_throughput.py $TINY_FLAG --check --torch
   --budget-s $((T_TRAIN - 75)) --json "$OUT/train.json" > "$OUT/train.log" 2>&1
 echo "train exit $?" >> "$OUT/train.log"
 timeout -k 5 "$T_DECODE" $PY bench/decode_throughput.py $TINY_FLAG --batches 256,128,64,16,1 --torch \
-  --torch-batches 256,1 --torch-compiled 256 --torch-timeout-s 100 \
+  --torch-batches 1,256 --torch-compiled 256 --torch-timeout-s 110 \
   --budget-s $((T_DECODE - 120)) --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
 echo "decode exit $?" >> "$OUT/decode.log"
 timeout -k 5 "$T_GRPO" $PY bench/grpo_step.py $TINY_FLAG --steps 3 --budget-s $((T_GRPO - 30)) \

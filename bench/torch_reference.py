@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--batches", default="1,16,64,128,256")
+    ap.add_argument("--batches", default="1,16,64,128,256", help="generate: eager (disable_compile)")
     ap.add_argument("--compiled-batches", default="", help="generate: batches also run compiled")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
@@ -153,8 +153,8 @@ def main() -> None:
     start = time.perf_counter()
     cfg = from_jrl(model, max_len=args.prompt + args.new)
     rows = []
-    runs = [(int(b), False) for b in args.batches.split(",") if b]
-    runs += [(int(b), True) for b in args.compiled_batches.split(",") if b]
+    runs = [(int(b), True) for b in args.compiled_batches.split(",") if b]  # compiled first
+    runs += [(int(b), False) for b in args.batches.split(",") if b]
     for batch, compiled in runs:
         if time.perf_counter() - start > args.budget_s:
             rows.append({"batch": batch, "compiled": compiled, "skipped": "time budget"})

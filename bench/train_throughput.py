@@ -230,6 +230,7 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="also run transformers' Llama (subprocess)")
     ap.add_argument("--torch-first", action="store_true", help="run torch before the jrl variants")
     ap.add_argument("--torch-compile", action="store_true")
+    ap.add_argument("--torch-timeout-s", type=float, default=75.0)
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip variants once this much time is spent")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
@@ -253,7 +254,7 @@ def main() -> None:
             rows.append({"check": "failed", "error": traceback.format_exc()[-1500:]})
 
     torch_row = None
-    torch_timeout = 240.0
+    torch_timeout = args.torch_timeout_s
     if args.torch and args.torch_first:
         torch_row = run_torch(args, base, torch_timeout)
         log(f"torch: {torch_row}")

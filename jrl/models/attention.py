@@ -22,6 +22,7 @@ but the backend is shared, so training and inference run the same model code.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -83,14 +84,28 @@ def attention_implementation(dtype, head_dim: int, seq_len: int, masked: bool,
     """"cudnn" on an NVIDIA GPU for bf16/fp16 when cuDNN's flash attention takes the
     shape (head width a multiple of 8, at most 256 on Hopper and later, 128 before; an
     even sequence length when a mask is given), else "xla". jax's own default
-    (`implementation=None`) is XLA even on GPU, which materialises `[B, H, S, S]` scores."""
-    backend = backend or jax.default_backend()
+    (`implementation=None`) is XLA even on GPU, which materialises `[B, H, S, S]` scores.
+    With `backend=None` the running platform is used and cuDNN must also be loadable."""
+    if backend is None:
+        backend = jax.default_backend()
+        if backend in ("gpu", "cuda") and not _cudnn_available():
+            return "xla"
     if backend not in ("gpu", "cuda") or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return "xla"
     capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
     max_width = 256 if float(capability or 0) >= 9.0 else 128
     ok = head_dim % 8 == 0 and head_dim <= max_width and not (masked and seq_len % 2)
     return "cudnn" if ok else "xla"
+
+
+@functools.cache
+def _cudnn_available() -> bool:
+    try:  # jax's own check (cuDNN present and new enough for its fused attention)
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+        check_cudnn_version()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: use XLA's attention
+        return False
 
 
 def dense_attention(segment_ids: jax.Array, implementation: str | None = None,
