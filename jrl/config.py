@@ -600,7 +600,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_train_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
                       base: dict[str, Any] | None = None) -> TrainConfig:
-    """Reads YAML at `path` (or `base` data, or the defaults), applies overrides, validates."""
+    """Reads YAML at `path` (or `base` data), applies overrides, fills every key left out
+    with TrainConfig's default, validates."""
     import os
 
     if path is not None:
@@ -611,4 +612,17 @@ def load_train_config(path: str | None = None, overrides: list[str] | tuple[str,
         data.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     else:
         data = dict(base or {})
-    return from_dict(TrainConfig, apply_overrides(data, list(overrides)))
+    merged = _merge_into(to_dict(TrainConfig()), apply_overrides(data, list(overrides)))
+    return from_dict(TrainConfig, merged)
+
+
+def _merge_into(defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """`given` on top of `defaults`, section by section (lists and values replace), so a
+    key left out keeps TrainConfig's default even inside a partly given section."""
+    out = dict(defaults)
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and out[key]:
+            out[key] = _merge_into(out[key], value)
+        else:
+            out[key] = value
+    return out

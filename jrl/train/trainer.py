@@ -69,6 +69,46 @@ def flops_per_token(config, params: Any, seq_len: int) -> float:
     return 6.0 * n + 12.0 * mc.n_layers * mc.n_heads * mc.qk_head_dim * seq_len
 
 
+# Fields that may differ between init_from's model and the run's: numerics and training-only.
+_FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "lora", "initializer_range", "router_aux_loss_coef",
+                      "max_position_embeddings")
+
+
+def _check_same_architecture(want, got, src: str) -> None:
+    a, b = to_dict(want), to_dict(got)
+    diff = [f"model.{k} (config {a[k]!r}, checkpoint {b[k]!r})" for k in a
+            if k not in _FREE_MODEL_FIELDS and a[k] != b[k]]
+    if diff:
+        raise ConfigError(f"init_from: the model config differs from {src!r} in {'; '.join(diff)}; "
+                          f"set these under model:")
+
+
+def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -> Any:
+    """`loaded` params in the structure / dtypes of `template`; template leaves that
+    `loaded` lacks are kept only if they are LoRA factors (template values, i.e. init)."""
+    where = "/".join(path) or "<root>"
+    if not isinstance(template, dict):
+        if tuple(np.shape(loaded)) != tuple(template.shape):
+            raise ConfigError(f"init_from: {where} in {src!r} has shape {tuple(np.shape(loaded))}, the model "
+                              f"config wants {tuple(template.shape)}")
+        return jnp.asarray(loaded, template.dtype)
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"init_from: {where} in {src!r} is not a parameter group")
+    extra = sorted(set(loaded) - set(template))
+    if extra:
+        raise ConfigError(f"init_from: {src!r} has parameter(s) the model config lacks: "
+                          f"{', '.join('/'.join(path + (k,)) for k in extra)}")
+    out = {}
+    for key, value in template.items():
+        if key in loaded:
+            out[key] = _overlay(value, loaded[key], src, path + (key,))
+        elif key in ("lora_a", "lora_b"):
+            out[key] = value
+        else:
+            raise ConfigError(f"init_from: {src!r} lacks parameter {'/'.join(path + (key,))}")
+    return out
+
+
 def check_data_format(config: TrainConfig, strategy) -> None:
     """A strategy on the built-in data pipeline must accept `data.format`."""
     if strategy.make_source is None and config.data.format not in strategy.data_formats:
@@ -132,28 +172,26 @@ class Trainer:
         return self._tokenizer
 
     def initial_params(self) -> Any:
-        """Params the run starts from: `init_from` (jrl checkpoint or `hf:<dir>`) or the seeded init."""
+        """Params the run starts from: `init_from` (a jrl run / checkpoint, or `hf:<dir>`)
+        or the seeded init. LoRA factors the source lacks (adapters on a pretrained base)
+        come from the seeded init."""
         mc = self.config.model
         src = self.config.init_from
+        seeded = lambda: jax.jit(functools.partial(init_params, mc))(jax.random.key(self.config.seed))
         if src is None:  # jitted: one compile instead of one per initializer op
-            return jax.jit(functools.partial(init_params, mc))(jax.random.key(self.config.seed))
+            return seeded()
         if src.startswith("hf:"):
             from jrl.hf import load_pretrained
 
-            _, loaded = load_pretrained(src[3:], dtype=mc.param_dtype)
+            hf_config, loaded = load_pretrained(src[3:], dtype=mc.param_dtype,
+                                                max_position_embeddings=mc.max_position_embeddings)
+            _check_same_architecture(mc, hf_config, src)
         else:
             root, step = _resolve_checkpoint(src)
             state, _ = checkpoint.load(root, step)
             loaded = state["params"] if isinstance(state, dict) else state.params
-        expected = jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
-        want = jax.tree_util.tree_structure(expected)
-        if jax.tree_util.tree_structure(loaded) != want:
-            raise ConfigError(f"init_from: params in {src!r} do not match the model config's parameter tree")
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(loaded), jax.tree.leaves(expected)):
-            if tuple(a.shape) != tuple(b.shape):
-                raise ConfigError(f"init_from: {jax.tree_util.keystr(path)} has shape {tuple(a.shape)}, "
-                                  f"the model config wants {tuple(b.shape)}")
-        return jax.tree.map(lambda a, b: jnp.asarray(a, b.dtype), loaded, expected)
+        template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
+        return _overlay(template, loaded, src)
 
     def _make_sources(self) -> None:
         strategy, data = self.strategy, self.config.data

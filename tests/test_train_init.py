@@ -1,0 +1,65 @@
+"""`init_from`: start a run from a jrl checkpoint or Hugging Face weights (LoRA on top)."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jrl import checkpoint
+from jrl.config import ConfigError, load_train_config
+from jrl.hf import load_pretrained
+from jrl.train.trainer import Trainer
+
+LLAMA = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
+LLAMA_MODEL = ["model.vocab_size=128", "model.hidden_size=32", "model.n_heads=4", "model.n_kv_heads=2",
+               "model.head_dim=8", "model.intermediate_size=64", "model.max_position_embeddings=256",
+               "model.rms_norm_eps=1e-5", "model.rope_scaling={type: llama3, factor: 8.0, "
+               "original_max_position_embeddings: 64}"]
+
+
+def start(tmp_path, *overrides):
+    return Trainer(load_train_config(None, list(overrides)), output_dir=tmp_path).initial_params()
+
+
+def assert_same(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_hugging_face_weights(tmp_path):
+    _, expected = load_pretrained(str(LLAMA))
+    assert_same(start(tmp_path, f"init_from=hf:{LLAMA}", *LLAMA_MODEL), expected)
+
+
+def test_hugging_face_architecture_mismatch_names_the_fields(tmp_path):
+    with pytest.raises(ConfigError, match=r"differs from .* in model.rope_theta \(config 500000.0, checkpoint 10000.0\)"):
+        start(tmp_path, f"init_from=hf:{LLAMA}", *LLAMA_MODEL, "model.rope_theta=500000.0")
+
+
+def test_lora_adapters_start_from_init_on_a_pretrained_base(tmp_path):
+    _, base = load_pretrained(str(LLAMA))
+    params = start(tmp_path, f"init_from=hf:{LLAMA}", *LLAMA_MODEL, "model.lora.rank=2")
+    q = params["layers"]["attn"]["q_proj"]
+    np.testing.assert_array_equal(np.asarray(q["kernel"]), base["layers"]["attn"]["q_proj"]["kernel"])
+    assert not np.any(np.asarray(q["lora_b"])) and np.any(np.asarray(q["lora_a"]))
+
+
+TINY = ["model.hidden_size=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8",
+        "model.intermediate_size=32"]
+
+
+def test_jrl_checkpoint_params(tmp_path):
+    params = start(tmp_path / "a", *TINY, "seed=3")
+    checkpoint.save(tmp_path / "run" / "checkpoints", 7, {"params": params, "policy_version": 7})
+    for where in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_7"):
+        assert_same(start(tmp_path / "b", *TINY, f"init_from={where}"), params)
+
+
+def test_shape_mismatch_names_the_parameter(tmp_path):
+    params = start(tmp_path / "a", *TINY)
+    checkpoint.save(tmp_path / "ck", 1, {"params": params})
+    with pytest.raises(ConfigError, match=r"init_from: embed/embedding in .* has shape \(262, 16\), the model "
+                                          r"config wants \(262, 24\)"):
+        start(tmp_path / "b", *TINY, "model.hidden_size=24", f"init_from={tmp_path / 'ck'}")
