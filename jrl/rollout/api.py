@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.config import ModelConfig
+from jrl.parallel import ParallelConfig
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
 from jrl.rollout.request import Completion
@@ -41,15 +42,16 @@ def default_engine_config(model_config: ModelConfig, prompts: Sequence[Sequence[
 def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]], key: jax.Array,
              sampling: SamplingParams | None = None, max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
              stop_sequences: Sequence[Sequence[int]] = (), engine_config: EngineConfig | None = None,
-             version: int = 0) -> list[Completion]:
+             version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None) -> list[Completion]:
     """Generates a completion per prompt (in order). Each prompt's sampling seed is drawn
-    from `key` (replacing `sampling.seed`), so the same key gives the same samples."""
+    from `key` (replacing `sampling.seed`), so the same key gives the same samples.
+    `mesh`: serve tensor-parallel (see `Engine`)."""
     if not prompts:
         return []
     sampling = sampling or SamplingParams()
     seeds = np.asarray(jax.random.bits(key, (len(prompts),), jnp.uint32))
     per_prompt = [SamplingParams(**{**sampling.__dict__, "seed": int(s)}) for s in seeds]
     engine_config = engine_config or default_engine_config(config, prompts, max_new_tokens)
-    engine = Engine(config, params, engine_config, version=version)
+    engine = Engine(config, params, engine_config, version=version, mesh=mesh)
     return engine.generate(prompts, per_prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                            stop_sequences=stop_sequences)

@@ -7,13 +7,19 @@ are dropped), then attends through the page table with `pallas_kernels`: `paged_
 query token, `ragged_decode`. Because the write precedes the read in every layer, a
 request may attend to pages another request of the same step is writing (a prefix shared
 inside one batch is computed once). MLA runs in the absorbed form against the latent
-cache (`v_buf is None`, values = the latent's first `kv_lora_rank` channels).
+cache (`v_buf is None`, values = the latent's first `kv_lora_rank` channels). With `heads`
+set (tensor parallelism) the write and the kernel run per device on its own heads
+(`jrl.rollout.sharding.shard_attention`).
 """
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
+
+from jrl.rollout.sharding import HeadSplit, shard_attention
 
 # Imported from the dispatch module directly: it resolves even where an older editable
 # install registered `pallas_kernels` as a namespace package (no __init__ executed).
@@ -30,17 +36,30 @@ class PagedAttention(flax.struct.PyTreeNode):
     absorb_mla: bool = flax.struct.field(pytree_node=False, default=False)
     v_head_dim: int | None = flax.struct.field(pytree_node=False, default=None)
     impl: str = flax.struct.field(pytree_node=False, default="auto")
+    # Tensor parallelism: run the write and the kernel per device on its own heads.
+    heads: HeadSplit | None = flax.struct.field(pytree_node=False, default=None)
 
     def attend(self, q, k, v, *, layer, cache, scale):
         if q.shape[0] != 1:
             raise ValueError(f"PagedAttention: expects one packed sequence (B=1), got B={q.shape[0]}")
         k_buf, v_buf = cache
-        k_buf, v_buf = kernels.write_kv(k_buf, v_buf, layer, self.out_cache_loc, k[0],
-                                        None if v is None else v[0], impl=self.impl)
+        packed = functools.partial(self._attend_packed, scale)
+        metadata = (self.out_cache_loc, self.cu_q_lens, self.kv_lens, self.page_table)
+        args = (q[0], k[0], None if v is None else v[0], k_buf, v_buf, layer)
+        if self.heads is None:
+            out, k_buf, v_buf = packed(*args, *metadata)
+        else:
+            out, k_buf, v_buf = shard_attention(self.heads, packed, *args, metadata)
+        return out[None], (k_buf, v_buf)
+
+    def _attend_packed(self, scale, q, k, v, k_buf, v_buf, layer, out_cache_loc, cu_q_lens, kv_lens,
+                       page_table):
+        """Write then attend for packed `q [T, Hq, D]`, `k/v [T, Hkv, D]` (all heads, or one
+        device's heads under `shard_attention`)."""
+        k_buf, v_buf = kernels.write_kv(k_buf, v_buf, layer, out_cache_loc, k, v, impl=self.impl)
         kwargs = dict(page_size=self.page_size, sm_scale=scale, v_head_dim=self.v_head_dim, impl=self.impl)
         if self.decode:
-            out = kernels.ragged_decode(q[0], k_buf, v_buf, layer, self.kv_lens, self.page_table, **kwargs)
+            out = kernels.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, **kwargs)
         else:
-            out = kernels.paged_prefill(q[0], k_buf, v_buf, layer, self.cu_q_lens, self.kv_lens,
-                                        self.page_table, **kwargs)
-        return out[None], (k_buf, v_buf)
+            out = kernels.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, **kwargs)
+        return out, k_buf, v_buf

@@ -17,6 +17,9 @@ or are aborted and restarted under the new ones (`EngineConfig.on_weight_update`
 way every token of a completion comes from one forward under one version, recorded per
 token. Prefix-cache entries belong to the version that computed them; on update the
 entries of other versions are dropped.
+
+Given a `mesh` (or a `jrl.parallel.ParallelConfig`), the engine serves tensor-parallel
+params: see `jrl.rollout.sharding` for what lives where.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.config import ModelConfig
+from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import EngineConfig, bucket
 from jrl.rollout.executor import StepLayout, pack, step_function
 from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, sampling_arrays
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
+from jrl.rollout.sharding import EngineSharding, SourceParams, engine_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +72,17 @@ class _InFlight:
 
 
 class Engine:
+    """`mesh`: serve tensor-parallel over its `tensor` axis (`data` and `fsdp` of size 1);
+    params are laid out with `jrl.parallel.param_shardings`, re-sharded if they arrive in
+    another layout. None: one device, params used as given."""
+
     def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None) -> None:
         self.model_config = model_config
         self.config = config = config or EngineConfig()
-        self.params = params
+        self.sharding: EngineSharding | None = None if mesh is None else engine_sharding(model_config, mesh)
+        self._source = SourceParams(params)
+        self.params = self._placed(params)
         self.version = int(version)
         self.seq_limit = config.seq_len_limit(model_config)
         ps = config.page_size
@@ -80,13 +91,16 @@ class Engine:
         self.req_to_token = ReqToTokenPool(config.max_batch, config.max_pages_per_request(model_config), ps)
         self.cache = TaskCacheManager(self.pool, self.req_to_token, self.radix)
         self.scheduler = Scheduler(config, self.cache)
-        self.kv = KVStorage(model_config, config.n_slots)
+        self.kv = KVStorage(model_config, config.n_slots,
+                            sharding=None if self.sharding is None else self.sharding.kv)
         self._token_buckets = config.resolved_token_buckets
         self._batch_buckets = config.resolved_batch_buckets
         self._col_buckets = config.page_col_buckets(model_config)
         self.max_rows = self._batch_buckets[-1]
-        self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl)
-        self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32)
+        self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
+                                           None if self.sharding is None else self.sharding.heads)
+        self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
+                                      device=None if self.sharding is None else self.sharding.replicated)
         self._inflight: _InFlight | None = None
         self._next_id = 0
         self._finished: list[Completion] = []
@@ -208,6 +222,8 @@ class Engine:
         layout, ints, floats = self._pack(batch)
         self.last_launch = (layout, ints, floats)
         k, v = self.kv.buffers()
+        if self.sharding is not None:  # replicated on the mesh: one transfer per array
+            ints, floats = jax.device_put((ints, floats), self.sharding.replicated)
         tok, readback, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
                                                     layout=layout)
         self.kv.update(k, v)
@@ -291,7 +307,8 @@ class Engine:
         """Serves `params` as `version` from the next step on. Returns once no request is
         being generated with the old weights. Raises ValueError for a version going
         backwards, a version already served with other params, or params whose structure,
-        shapes or dtypes differ from the served ones."""
+        shapes or dtypes differ from the served ones. With a mesh, params in the engine's
+        layout are used by reference; others are re-sharded (copied) onto it first."""
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise ValueError(f"version: must be an integer, got {version!r}")
         version = int(version)
@@ -301,7 +318,7 @@ class Engine:
         _check_same_structure(self.params, params)
         if version == self.version:
             same = all(a is b for a, b in zip(jax.tree.leaves(self.params), jax.tree.leaves(params)))
-            if not same:
+            if not (same or self._source.same(params)):
                 raise ValueError(f"version: {version} is already served with different params; "
                                  "publish new weights under a new version")
             return Ack(version)
@@ -318,11 +335,15 @@ class Engine:
                     req.reset_outputs()
                     restarted += 1
         self._finished = earlier
-        self.params = params
+        self._source = SourceParams(params)
+        self.params = self._placed(params)
         self.version = version
         if self.radix is not None:
             self.radix.drop_versions_except(version)
         return Ack(version, finished_in_flight=finished, restarted=restarted)
+
+    def _placed(self, params: dict) -> dict:
+        return params if self.sharding is None else self.sharding.place(params)
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or

@@ -7,7 +7,9 @@ page-table width W, decode-or-prefill and the sampling variant. Buckets keep the
 layouts small; `traces` counts how many programs were built. The KV buffers are donated
 and come back updated in place. The sampled tokens stay on device, padded to `max_rows`,
 so the next step can read its decode inputs from them (`tok_src`) without a host sync
-(`max_rows`: the largest row bucket).
+(`max_rows`: the largest row bucket). Under tensor parallelism (`heads` given) the KV
+buffers come back with the sharding they went in with, and the sampled tokens and the
+read-back replicated.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jrl.config import ModelConfig
 from jrl.models import forward, lm_logits
 from jrl.rollout.backend import PagedAttention
 from jrl.rollout.sampling import SamplingArrays, sample
+from jrl.rollout.sharding import HeadSplit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +77,11 @@ class StepFunction:
 
 
 @functools.lru_cache(maxsize=None)
-def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str) -> StepFunction:
+def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
+                  heads: HeadSplit | None = None) -> StepFunction:
     """The jitted step for one model and engine geometry (cached: engines and `generate`
-    calls with the same settings reuse the compiled programs)."""
+    calls with the same settings reuse the compiled programs). `heads`: the tensor-parallel
+    attention split (None: one device)."""
     holder = StepFunction(fn=None)
     absorb = config.attention == "mla"
     v_head_dim = config.kv_lora_rank if absorb else None
@@ -92,7 +97,8 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str)
         real = jnp.arange(t) < cu[-1]
         backend = PagedAttention(cu_q_lens=cu, kv_lens=i["kv_lens"], page_table=i["page_table"],
                                  out_cache_loc=i["out_cache_loc"], page_size=page_size,
-                                 decode=layout.decode, absorb_mla=absorb, v_head_dim=v_head_dim, impl=impl)
+                                 decode=layout.decode, absorb_mla=absorb, v_head_dim=v_head_dim, impl=impl,
+                                 heads=heads)
         out = forward(config, params, tokens[None], i["positions"][None], backend,
                       cache=(k_buf, v_buf), token_mask=real[None])
         k_buf, v_buf = out.cache
@@ -111,5 +117,9 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str)
                               jnp.pad(model_logp, (0, pad))])
         return tok, readback, k_buf, v_buf
 
-    holder.fn = jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
+    out_shardings = None
+    if heads is not None:  # donated buffers keep their sharding from step to step
+        buf = heads.buffer_sharding
+        out_shardings = (heads.replicated, heads.replicated, buf, None if absorb else buf)
+    holder.fn = jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2), out_shardings=out_shardings)
     return holder

@@ -4,12 +4,15 @@ For MLA the cache is the latent form: one "head" holding `kv_lora_rank + qk_rope
 channels (the normalised latent, then the rope'd key part) and no separate value buffer
 (`v is None`; values are the latent's first `kv_lora_rank` channels). The buffers are
 donated to every jitted step and replaced by its outputs, so they are updated in place.
+Given a `sharding` (tensor parallelism: split over kv heads, or replicated) the buffers are
+created already laid out, each device allocating only its part.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from jrl.config import ModelConfig
 from jrl.models.layers import dtype_of
@@ -24,11 +27,12 @@ def kv_shapes(config: ModelConfig, n_slots: int) -> tuple[tuple[int, ...], tuple
 
 
 class KVStorage:
-    def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None,
+                 sharding: NamedSharding | None = None) -> None:
         self.dtype = dtype_of(dtype or config.dtype)
         k_shape, v_shape = kv_shapes(config, n_slots)
-        self.k: jax.Array = jnp.zeros(k_shape, self.dtype)
-        self.v: jax.Array | None = None if v_shape is None else jnp.zeros(v_shape, self.dtype)
+        self.k: jax.Array = jnp.zeros(k_shape, self.dtype, device=sharding)
+        self.v: jax.Array | None = None if v_shape is None else jnp.zeros(v_shape, self.dtype, device=sharding)
 
     @property
     def n_slots(self) -> int:
