@@ -513,6 +513,52 @@ class LoggingConfig:
             _check(self.peak_tflops > 0, "logging.peak_tflops", f"must be > 0, got {self.peak_tflops}")
 
 
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh axis sizes (one may be -1: "all remaining devices") and multi-host settings.
+
+    The default, `fsdp=-1`, shards params and batch over every device; on one device every
+    axis has size 1 and nothing is sharded. Multi-host fields left `None` are read from the
+    `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` and
+    `JAX_LOCAL_DEVICE_IDS` environment variables (see docs/parallel.md). `jrl.parallel`
+    builds the mesh from it; a run config holds it as its `parallel` section.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    coordinator_address: str | None = None  # "host:port" of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None  # GPUs this process uses (default: all)
+    cluster_detection: bool = False  # let jax detect SLURM / Open MPI / ... settings
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in MESH_AXES:
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v >= 1), f"parallel.{name}",
+                   f"must be -1 (the remaining devices) or a positive integer, got {v!r}")
+        rest = [name for name in MESH_AXES if getattr(self, name) == -1]
+        if len(rest) > 1:
+            raise ConfigError(f"parallel.{rest[1]}: only one mesh axis may be -1, but {' and '.join(rest)} are")
+        if self.num_processes is not None:
+            _check(self.num_processes >= 1, "parallel.num_processes", f"must be >= 1, got {self.num_processes}")
+        if self.process_id is not None:
+            _check(self.process_id >= 0, "parallel.process_id", f"must be >= 0, got {self.process_id}")
+            if self.num_processes is not None:
+                _check(self.process_id < self.num_processes, "parallel.process_id",
+                       f"must be in [0, num_processes={self.num_processes}), got {self.process_id}")
+        _check(self.initialization_timeout_s > 0, "parallel.initialization_timeout_s",
+               f"must be > 0, got {self.initialization_timeout_s}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole training run. `output_dir` defaults to `runs/<name>`."""
@@ -531,6 +577,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+    # None: one device (jax.devices()[0]); a section (even `parallel: {}`): a mesh over
+    # every device of every process, see docs/parallel.md
+    parallel: ParallelConfig | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and self.name != "" and "/" not in self.name, "name",

@@ -21,7 +21,6 @@ or per GPU) from the config or the environment; on a single host it does nothing
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -33,10 +32,10 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jrl.config import ConfigError, ModelConfig
+# ParallelConfig lives in jrl.config (a run config's `parallel` section) and is re-exported here.
+from jrl.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig
 from jrl.models import init_params, param_logical_axes
 
-MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # Logical name -> mesh axis (or None: replicated). Every logical name the model uses must
@@ -64,50 +63,6 @@ ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """Mesh axis sizes (one may be -1: "all remaining devices") and multi-host settings.
-
-    The default, `fsdp=-1`, shards params and batch over every device; on one device every
-    axis has size 1 and nothing is sharded. Multi-host fields left `None` are read from the
-    `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` and
-    `JAX_LOCAL_DEVICE_IDS` environment variables (see docs/parallel.md).
-    """
-
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
-    coordinator_address: str | None = None  # "host:port" of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
-    local_device_ids: tuple[int, ...] | None = None  # GPUs this process uses (default: all)
-    cluster_detection: bool = False  # let jax detect SLURM / Open MPI / ... settings
-    initialization_timeout_s: int = 300
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        for name in MESH_AXES:
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v >= 1)):
-                raise ConfigError(f"{name}: must be -1 (the remaining devices) or a positive "
-                                  f"integer, got {v!r}")
-        rest = [name for name in MESH_AXES if getattr(self, name) == -1]
-        if len(rest) > 1:
-            raise ConfigError(f"{rest[1]}: only one mesh axis may be -1, but {' and '.join(rest)} are")
-        if self.num_processes is not None and self.num_processes < 1:
-            raise ConfigError(f"num_processes: must be >= 1, got {self.num_processes}")
-        if self.process_id is not None and self.process_id < 0:
-            raise ConfigError(f"process_id: must be >= 0, got {self.process_id}")
-        if (self.num_processes is not None and self.process_id is not None
-                and self.process_id >= self.num_processes):
-            raise ConfigError(f"process_id: must be in [0, num_processes={self.num_processes}), "
-                              f"got {self.process_id}")
-        if self.initialization_timeout_s <= 0:
-            raise ConfigError(f"initialization_timeout_s: must be > 0, got {self.initialization_timeout_s}")
 
 
 # ----------------------------------------------------------------------------- mesh
