@@ -82,54 +82,55 @@ def check(args) -> None:
         (32, 8, 128, 16), (32, 8, 128, 64), (8, 8, 64, 16), (64, 8, 128, 32), (16, 2, 64, 64),
         (8, 1, 128, 16), (6, 3, 128, 16), (12, 4, 128, 16),
     ]
-    for hq, hkv, d, ps in cases:
-        for kind in ("decode", "prefill"):
-            key, k1, k2, k3 = jax.random.split(key, 4)
-            try:
-                if kind == "decode":
-                    b, max_ctx = 13, 1000
-                    lens = rng.integers(1, max_ctx + 1, size=b)
-                    lens[0], lens[1] = 1, max_ctx
-                    lens[2] = 0  # a padded bucket row
-                    pages = -(-max_ctx // ps)
-                    kb, vb = paged_cache(k1, 2, b * pages + 5, ps, hkv, d)
-                    pt = random_page_table(k2, b, pages, b * pages + 5)
-                    q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
-                    lens = jnp.asarray(lens, jnp.int32)
-                    out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps,
-                                             sm_scale=d ** -0.5)
-                    ref = reference.ragged_decode(q.astype(jnp.float32), kb.astype(jnp.float32),
-                                                  vb.astype(jnp.float32), jnp.int32(1), lens, pt,
-                                                  page_size=ps, sm_scale=d ** -0.5)
-                else:
-                    q_lens = np.array([1, 77, 300, 129, 64, 0])
-                    prefix = np.array([0, 5, 200, 0, 31, 0])
-                    kv_lens = q_lens + prefix
-                    b, max_ctx = len(q_lens), int(kv_lens.max())
-                    t_rows = int(q_lens.sum()) + 24  # padded bucket rows at the end
-                    pages = -(-max_ctx // ps)
-                    kb, vb = paged_cache(k1, 2, b * pages + 5, ps, hkv, d)
-                    pt = random_page_table(k2, b, pages, b * pages + 5)
-                    q = jax.random.normal(k3, (t_rows, hq, d), jnp.bfloat16)
-                    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-                    lens = jnp.asarray(kv_lens, jnp.int32)
-                    out = paged_prefill_mgpu(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps,
-                                             sm_scale=d ** -0.5, persistent=hq % 3 != 0)
-                    ref = reference.paged_prefill(q.astype(jnp.float32), kb.astype(jnp.float32),
-                                                  vb.astype(jnp.float32), jnp.int32(1), cu, lens,
-                                                  pt, page_size=ps, sm_scale=d ** -0.5)
-                err = rel_err(out, ref)
-                nans = int(np.isnan(np.asarray(out, np.float32)).sum())
-                ok = err < 1e-2 and nans == 0
-                log(f"check {kind:8s} hq={hq:3d} hkv={hkv} d={d:3d} ps={ps:3d}: rel_err={err:.2e} "
-                    f"nans={nans} {'PASS' if ok else 'FAIL'}")
-                record(section="check", kind=kind, hq=hq, hkv=hkv, d=d, page_size=ps, rel_err=err,
-                       nans=nans, ok=ok)
-            except Exception as e:  # keep going: one failure must not hide the others
-                log(f"check {kind} hq={hq} hkv={hkv} d={d} ps={ps}: ERROR {type(e).__name__}: "
-                    f"{str(e)[:400]}")
-                record(section="check", kind=kind, hq=hq, hkv=hkv, d=d, page_size=ps,
-                       error=str(e)[:400], ok=False)
+    runs = [(kind, c) for kind in ("decode", "prefill", "prefill-persistent") for c in cases]
+    for kind, (hq, hkv, d, ps) in runs:
+        key, k1, k2, k3 = jax.random.split(key, 4)
+        try:
+            if kind == "decode":
+                b, max_ctx = 13, 1000
+                lens = rng.integers(1, max_ctx + 1, size=b)
+                lens[0], lens[1] = 1, max_ctx
+                lens[2] = 0  # a padded bucket row
+                pages = -(-max_ctx // ps)
+                kb, vb = paged_cache(k1, 2, b * pages + 5, ps, hkv, d)
+                pt = random_page_table(k2, b, pages, b * pages + 5)
+                q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
+                lens = jnp.asarray(lens, jnp.int32)
+                out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps,
+                                         sm_scale=d ** -0.5)
+                ref = reference.ragged_decode(q.astype(jnp.float32), kb.astype(jnp.float32),
+                                              vb.astype(jnp.float32), jnp.int32(1), lens, pt,
+                                              page_size=ps, sm_scale=d ** -0.5)
+            else:
+                q_lens = np.array([1, 77, 300, 129, 64, 0])
+                prefix = np.array([0, 5, 200, 0, 31, 0])
+                kv_lens = q_lens + prefix
+                b, max_ctx = len(q_lens), int(kv_lens.max())
+                t_rows = int(q_lens.sum()) + 24  # padded bucket rows at the end
+                pages = -(-max_ctx // ps)
+                kb, vb = paged_cache(k1, 2, b * pages + 5, ps, hkv, d)
+                pt = random_page_table(k2, b, pages, b * pages + 5)
+                q = jax.random.normal(k3, (t_rows, hq, d), jnp.bfloat16)
+                cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+                lens = jnp.asarray(kv_lens, jnp.int32)
+                out = paged_prefill_mgpu(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps,
+                                         sm_scale=d ** -0.5,
+                                         persistent=kind == "prefill-persistent")
+                ref = reference.paged_prefill(q.astype(jnp.float32), kb.astype(jnp.float32),
+                                              vb.astype(jnp.float32), jnp.int32(1), cu, lens,
+                                              pt, page_size=ps, sm_scale=d ** -0.5)
+            err = rel_err(out, ref)
+            nans = int(np.isnan(np.asarray(out, np.float32)).sum())
+            ok = err < 1e-2 and nans == 0
+            log(f"check {kind:18s} hq={hq:3d} hkv={hkv} d={d:3d} ps={ps:3d}: rel_err={err:.2e} "
+                f"nans={nans} {'PASS' if ok else 'FAIL'}")
+            record(section="check", kind=kind, hq=hq, hkv=hkv, d=d, page_size=ps, rel_err=err,
+                   nans=nans, ok=ok)
+        except Exception as e:  # keep going: one failure must not hide the others
+            log(f"check {kind} hq={hq} hkv={hkv} d={d} ps={ps}: ERROR {type(e).__name__}: "
+                f"{str(e)[:400]}")
+            record(section="check", kind=kind, hq=hq, hkv=hkv, d=d, page_size=ps,
+                   error=str(e)[:400], ok=False)
 
 
 # ----------------------------------------------------------------------------- decode

@@ -60,9 +60,12 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
     from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
+    # Interpret mode runs one (tile, head) item per CTA: jax 0.11.2's GPU interpreter
+    # intermittently stalls on the persistent loop (see docs/kernels.md).
+    interpret = which == "interpret"
     return paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                               page_size=page_size, sm_scale=float(sm_scale),
-                              interpret=which == "interpret")
+                              persistent=not interpret, interpret=interpret)
 
 
 def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int, sm_scale: float,

@@ -92,14 +92,15 @@ def num_sms() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "block_kv", "num_stages",
-                                             "pingpong", "persistent", "interpret"))
+                                             "pingpong", "persistent", "num_ctas", "interpret"))
 def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
                        sm_scale: float, block_kv: int | None = None, num_stages: int | None = None,
                        pingpong: bool = True, persistent: bool = True,
-                       interpret: bool = False) -> jax.Array:
+                       num_ctas: int | None = None, interpret: bool = False) -> jax.Array:
     """`q [T, Hq, D]` packed ragged queries -> `[T, Hq, D]`; rows past `cu_q_lens[-1]` are 0.
 
-    Needs `kv_lens[b] >= q_len[b]` (the new tokens are already in the cache).
+    Needs `kv_lens[b] >= q_len[b]` (the new tokens are already in the cache). `num_ctas`
+    overrides the persistent grid size (default: one CTA per SM).
     """
     d_bk, d_ns = default_blocks(q.shape[-1])
     block_kv = block_kv or d_bk
@@ -118,7 +119,7 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
     n_ext = kv.shape[0]
     n_tiles = -(-t_rows // TILE) + n_ext
     n_items = n_tiles * hq
-    n_ctas = min(num_sms(), n_items) if persistent else n_items
+    n_ctas = min(num_ctas or num_sms(), n_items) if persistent else n_items
     tile_req, tile_row0 = tile_table(cu, kv, n_tiles, block_kv)
     q_in = q.astype(dtype)
     # TMA views of q are tiled by 8 rows, so T must be a multiple of 8. Past T the GPU's
