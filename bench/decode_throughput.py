@@ -18,6 +18,10 @@ second is timed. Reported per batch size:
   (what the host adds between device steps: the target is under 5%);
 * memory floor: bytes a decode step must read (weights + the KV of every request at the
   mean context) over the copy bandwidth measured in the same run.
+
+`--step-only` skips the engine and times the executor's decode program alone on a
+synthetic decode batch (random KV, every request at context `prompt + new/2`): a quick way
+to compare variants of the device step (e.g. under different XLA_FLAGS).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,6 +46,7 @@ from jrl.models import init_params
 from jrl.models.transformer import count_params
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
+from jrl.rollout.executor import StepLayout, pack, step_function
 from jrl.rollout.sampling import GREEDY
 
 MODEL = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
@@ -172,6 +178,54 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     }
 
 
+def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_size: int,
+                     bandwidth: float, iters: int = 50) -> dict:
+    """The engine's decode program on a synthetic batch: `batch` requests at `context`
+    tokens each (pages laid out per request), random KV, greedy; timed back to back."""
+    per_req = -(-context // page_size)
+    cols = 1 << (per_req - 1).bit_length()
+    n_slots = batch * per_req * page_size
+    fn = step_function(cfg, page_size, batch, "auto").fn
+    layout = StepLayout(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
+                        penalties=False, mode="greedy")
+    rng = np.random.default_rng(0)
+    table = np.zeros((batch, cols), np.int32)
+    table[:, :per_req] = np.arange(batch * per_req, dtype=np.int32).reshape(batch, per_req)
+    last = context - 1
+    ints = pack(layout.int_fields(), dict(
+        tokens=rng.integers(0, cfg.vocab_size, batch, dtype=np.int32), tok_src=np.full(batch, -1, np.int32),
+        positions=np.full(batch, last, np.int32),
+        out_cache_loc=(table[:, last // page_size] * page_size + last % page_size).astype(np.int32),
+        cu_q_lens=np.arange(batch + 1, dtype=np.int32), kv_lens=np.full(batch, context, np.int32),
+        page_table=table, top_k=np.zeros(batch, np.int32), seed=np.zeros(batch, np.int32),
+        index=np.zeros(batch, np.int32), window=np.zeros((batch, 0), np.int32)), np.int32)
+    floats = pack(layout.float_fields(), dict(
+        temperature=np.zeros(batch), top_p=np.ones(batch), min_p=np.zeros(batch),
+        repetition_penalty=np.ones(batch), frequency_penalty=np.zeros(batch),
+        presence_penalty=np.zeros(batch)), np.float32)
+    shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim)
+    kk, kv = jax.random.split(jax.random.key(batch))
+    k = jax.random.normal(kk, shape, jnp.bfloat16)
+    v = jax.random.normal(kv, shape, jnp.bfloat16)
+    prev = jnp.zeros(batch, jnp.int32)
+    t0 = time.perf_counter()
+    out = fn(params, k, v, prev, ints, floats, layout=layout)
+    jax.block_until_ready(out)
+    compile_s = time.perf_counter() - t0
+    k, v = out[-2], out[-1]
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(params, k, v, prev, ints, floats, layout=layout)
+        k, v = out[-2], out[-1]
+    jax.block_until_ready(out)
+    step_s = (time.perf_counter() - t0) / iters
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    floor_s = (param_bytes + batch * context * kv_bytes_per_token(cfg)) / bandwidth
+    return {"batch": batch, "context": context, "device_step_ms": 1e3 * step_s,
+            "floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s,
+            "tokens_per_s": batch / step_s, "first_call_s": compile_s}
+
+
 def run_torch(args, timeout: float) -> list[dict]:
     cmd = [sys.executable, "bench/torch_reference.py", "generate", "--model",
            json.dumps(dataclasses.asdict(MODEL)), "--batches", args.torch_batches,
@@ -201,6 +255,7 @@ def main() -> None:
     ap.add_argument("--torch-timeout-s", type=float, default=240)
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--step-only", action="store_true", help="time the decode program alone (no engine)")
     args = ap.parse_args()
     start = time.perf_counter()
     cfg = MODEL
@@ -215,6 +270,29 @@ def main() -> None:
     header["copy_bandwidth_tb_s"] = bandwidth / 1e12
     log(f"params {header['params'] / 1e9:.3f}B, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     batches = [int(x) for x in args.batches.split(",")]
+    if args.step_only:
+        rows = []
+        for b in batches:
+            if time.perf_counter() - start > args.budget_s:
+                continue
+            try:
+                row = device_step_only(cfg, params, b, args.prompt + args.new // 2, args.page_size, bandwidth)
+            except Exception:  # noqa: BLE001 - record, keep the other sizes
+                log(traceback.format_exc())
+                row = {"batch": b, "error": traceback.format_exc()[-1500:]}
+            log(json.dumps(row))
+            rows.append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "step_only": rows}, f, indent=1)
+        log(f"xla_flags: {os.environ.get('XLA_FLAGS', '')}")
+        for r in rows:
+            if "device_step_ms" in r:
+                log(f"step-only b={r['batch']:<4d} {r['device_step_ms']:7.3f} ms "
+                    f"(floor {r['floor_ms']:.3f}, x{r['step_over_floor']:.2f}) first call {r['first_call_s']:.1f}s")
+            else:
+                log(f"step-only b={r['batch']} error")
+        return
     econf = engine_config(cfg, max(batches), args.prompt, args.new, args.page_size)
     engine = Engine(cfg, params, econf)
     rows = []

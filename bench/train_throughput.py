@@ -10,9 +10,10 @@ gradients, global-norm clipping, AdamW from `build_optimizer`, state donated) on
 tokens, one micro-batch of `--batch` rows of `--seq` tokens, float32 master weights and
 bf16 compute (like PyTorch autocast). A variant sets the remat policy, the LM-head chunk
 (`lm_head_chunk`: no full `[B, S, vocab]` float32 logits), AdamW's first-moment dtype
-and whether attention takes the segment mask (the trainer's path today) or plain causal
-attention (`one_document_per_row`, valid for these rows). MFU counts model FLOPs only:
-6 x matmul params per token + causal attention (half of 12 L H D S), against 989 TFLOP/s.
+and the attention layout (`max_segments`: the segment mask, the trainer's path today;
+plain causal for one document per row; cuDNN's packed layout for several documents per
+row). MFU counts model FLOPs only: 6 x matmul params per token + causal attention within
+each document (half of 12 L H D S), against 989 TFLOP/s.
 
 `--check` first compares the attention jrl picks on this device (cuDNN on a GPU) with
 XLA's on small random inputs, forward and gradients, with and without the mask.
@@ -63,18 +64,23 @@ class Variant:
     remat: str = "none"  # ModelConfig.remat
     chunk: int = 0  # TrainConfig.lm_head_chunk (0: whole [B, S, V] logits at once)
     mu_dtype: str | None = None  # OptimizerConfig.mu_dtype
-    mask: bool = True  # segment mask (trainer default) vs plain causal attention
+    # Attention layout promise (`dense_attention(max_segments=...)`): 0 = segment mask
+    # (the trainer's `seq` strategy today), 1 = one document per row, k = packed runs.
+    max_segments: int = 0
+    docs_per_row: int = 1  # documents packed in each row (equal lengths)
     batch_scale: int = 1  # multiplies --batch (remat frees memory for bigger batches)
 
 
 VARIANTS = {v.name: v for v in [
-    Variant("mask", mask=True),
-    Variant("causal", mask=False),
-    Variant("causal_chunk", mask=False, chunk=8192),
-    Variant("causal_chunk_mubf16", mask=False, chunk=8192, mu_dtype="bfloat16"),
-    Variant("causal_chunk_dots", mask=False, chunk=8192, remat="dots_no_batch"),
-    Variant("causal_chunk_full", mask=False, chunk=8192, remat="full"),
-    Variant("causal_chunk_full_b2", mask=False, chunk=8192, remat="full", batch_scale=2),
+    Variant("mask", max_segments=0),
+    Variant("causal", max_segments=1),
+    Variant("causal_chunk", max_segments=1, chunk=8192),
+    Variant("causal_chunk_mubf16", max_segments=1, chunk=8192, mu_dtype="bfloat16"),
+    Variant("causal_chunk_dots", max_segments=1, chunk=8192, remat="dots_no_batch"),
+    Variant("causal_chunk_full", max_segments=1, chunk=8192, remat="full"),
+    Variant("causal_chunk_full_b2", max_segments=1, chunk=8192, remat="full", batch_scale=2),
+    Variant("packed4", max_segments=4, docs_per_row=4),
+    Variant("packed4_chunk_full_b2", max_segments=4, docs_per_row=4, chunk=8192, remat="full", batch_scale=2),
 ]}
 DEFAULT_VARIANTS = "mask,causal,causal_chunk,causal_chunk_mubf16,causal_chunk_full"
 
@@ -97,32 +103,37 @@ def flops_per_token(cfg: ModelConfig, seq: int) -> float:
     return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq
 
 
-def causal_cross_entropy(config, params, batch, ctx) -> LossOutput:
-    """The `seq` loss (next-token CE over loss_mask) with plain causal attention: every
-    row is one document, so no segment mask reaches the attention op."""
-    tokens = jnp.asarray(batch["tokens"], jnp.int32)
-    out = forward(config, params, tokens, batch["positions"],
-                  dense_attention(batch["segment_ids"], one_document_per_row=True))
-    stats = target_stats(config, params, out.hidden, batch["targets"], chunk_size=ctx.chunk_size)
-    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
-    nll = -stats.logp
-    return LossOutput(jnp.sum(nll * mask), jnp.sum(mask),
-                      {"nll": metric(nll, mask), "entropy": metric(stats.entropy, mask)})
+def layout_cross_entropy(max_segments: int):
+    """The `seq` loss (next-token CE over loss_mask) with the attention told the rows'
+    layout (`max_segments`), which the trainer's `seq` strategy does not pass yet."""
+
+    def loss_fn(config, params, batch, ctx) -> LossOutput:
+        tokens = jnp.asarray(batch["tokens"], jnp.int32)
+        out = forward(config, params, tokens, batch["positions"],
+                      dense_attention(batch["segment_ids"], max_segments=max_segments))
+        stats = target_stats(config, params, out.hidden, batch["targets"], chunk_size=ctx.chunk_size)
+        mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+        nll = -stats.logp
+        return LossOutput(jnp.sum(nll * mask), jnp.sum(mask),
+                          {"nll": metric(nll, mask), "entropy": metric(stats.entropy, mask)})
+
+    return register_strategy(Strategy(
+        name=f"bench_seq_segments{max_segments}", loss_fn=loss_fn,
+        batch_fields=("tokens", "targets", "loss_mask", "positions", "segment_ids")), replace=True)
 
 
-CAUSAL = register_strategy(Strategy(
-    name="bench_causal_seq", loss_fn=causal_cross_entropy,
-    batch_fields=("tokens", "targets", "loss_mask", "positions", "segment_ids")), replace=True)
-
-
-def random_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> dict:
+def random_batch(cfg: ModelConfig, batch: int, seq: int, docs_per_row: int = 1, seed: int = 0) -> dict:
+    """Random tokens; each row holds `docs_per_row` equal documents (segment ids 1..k,
+    positions restarting per document, no target across a boundary)."""
     rng = np.random.default_rng(seed)
     stream = rng.integers(0, cfg.vocab_size, (batch, seq + 1), dtype=np.int32)
+    doc = seq // docs_per_row
+    index = np.arange(seq)
     fields = {
         "tokens": stream[:, :-1], "targets": stream[:, 1:],
-        "loss_mask": np.ones((batch, seq), np.float32),
-        "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy(),
-        "segment_ids": np.ones((batch, seq), np.int32),
+        "loss_mask": np.broadcast_to(((index + 1) % doc != 0) | (index == seq - 1), (batch, seq)).astype(np.float32),
+        "positions": np.broadcast_to(index % doc, (batch, seq)).astype(np.int32),
+        "segment_ids": np.broadcast_to(1 + np.minimum(index // doc, docs_per_row - 1), (batch, seq)).astype(np.int32),
     }
     return {k: jnp.asarray(v[None]) for k, v in fields.items()}  # [micro=1, B, S]
 
@@ -136,14 +147,14 @@ def run_variant(v: Variant, base: ModelConfig, params, batch_rows: int, seq: int
                 warmup: int) -> dict:
     cfg = dataclasses.replace(base, remat=v.remat)
     rows = batch_rows * v.batch_scale
-    strategy = get_strategy("seq") if v.mask else CAUSAL
+    strategy = get_strategy("seq") if v.max_segments == 0 else layout_cross_entropy(v.max_segments)
     opt_cfg = OptimizerConfig(lr=1e-4, weight_decay=0.1, mu_dtype=v.mu_dtype)
     schedule = make_schedule(ScheduleConfig(), 1000)
     optimizer = build_optimizer(opt_cfg, schedule, params)
     fns = make_step_fns(cfg, strategy, strategy.options_cls(), optimizer, schedule, opt_cfg.lr,
                         clip_norm=1.0, chunk_size=v.chunk)
     state = init_train_state(jax.tree.map(jnp.copy, params), optimizer, jax.random.key(0))
-    batch = random_batch(cfg, rows, seq)
+    batch = random_batch(cfg, rows, seq, v.docs_per_row)
     t0 = time.perf_counter()
     compiled = fns.update.lower(state, batch, None).compile()
     compile_s = time.perf_counter() - t0
@@ -164,11 +175,11 @@ def run_variant(v: Variant, base: ModelConfig, params, batch_rows: int, seq: int
     losses.append(loss)
     tokens = rows * seq
     tps = tokens / dt
-    mfu = tps * flops_per_token(cfg, seq) / PEAK_FLOPS
+    mfu = tps * flops_per_token(cfg, seq // v.docs_per_row) / PEAK_FLOPS  # attention within documents
     del state, compiled, metrics
     gc.collect()
     return {"variant": v.name, "remat": v.remat, "lm_head_chunk": v.chunk, "mu_dtype": v.mu_dtype or "float32",
-            "attention_mask": v.mask, "batch": rows, "seq": seq, "step_s": dt, "tokens_per_s": tps,
+            "max_segments": v.max_segments, "docs_per_row": v.docs_per_row, "batch": rows, "seq": seq, "step_s": dt, "tokens_per_s": tps,
             "mfu": mfu, "compile_s": compile_s, "xla_memory_gib": None if xla_bytes is None else xla_bytes / 2**30,
             "device_peak_gib_so_far": (device_peak_bytes() or 0) / 2**30, "loss_first_last": losses}
 
@@ -184,9 +195,10 @@ def check_attention(log_rows: list) -> None:
     cot = jax.random.normal(kc, (b, s, hq, d), jnp.float32)
     seg = jnp.concatenate([jnp.ones((b, s // 3), jnp.int32), 2 * jnp.ones((b, s - s // 3), jnp.int32)], 1)
     picked = attention_implementation(jnp.bfloat16, d, s, True)
-    for name, segs, one_doc in (("mask", seg, False), ("causal", jnp.ones_like(seg), True)):
+    seg3 = jnp.concatenate([seg[:, :100], 3 * jnp.ones((b, 60), jnp.int32), jnp.zeros((b, s - 160), jnp.int32)], 1)
+    for name, segs, max_seg in (("mask", seg, 0), ("causal", jnp.ones_like(seg), 1), ("packed", seg3, 4)):
         def loss(q, k, v, impl):
-            be = dense_attention(segs, implementation=impl, one_document_per_row=one_doc)
+            be = dense_attention(segs, implementation=impl, max_segments=max_seg)
             out, _ = be.attend(q, k, v, layer=0, cache=None, scale=d ** -0.5)
             return jnp.sum(out.astype(jnp.float32) * cot), out
         results = {}

@@ -1,6 +1,7 @@
 """Performance-motivated paths of the model, pinned to what they must compute: the
-attention implementation choice, attention without a segment mask for one document per
-row, and the LM head run in the compute dtype with float32 accumulation."""
+attention implementation choice, the segment layouts `max_segments` promises (no mask for
+one document per row; run offsets for cuDNN's packed layout), and the LM head run in the
+compute dtype with float32 accumulation."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from jrl import models
 from jrl.config import ModelConfig
-from jrl.models.attention import attention_implementation
+from jrl.models.attention import attention_implementation, count_segments, segment_runs
 
 CFG = ModelConfig(vocab_size=97, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                   intermediate_size=48, max_position_embeddings=32)
@@ -36,30 +37,55 @@ def test_cpu_always_picks_xla():
     assert attention_implementation(jnp.bfloat16, 128, 4096, False, backend="cpu") == "xla"
 
 
-def _hidden(cfg, params, tokens, segments, one_doc):
+def _hidden(cfg, params, tokens, segments, max_segments):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    backend = models.dense_attention(segments, one_document_per_row=one_doc)
+    backend = models.dense_attention(segments, max_segments=max_segments)
     return models.forward(cfg, params, tokens, positions, backend).hidden
 
 
-def test_one_document_per_row_equals_the_segment_mask_for_single_document_rows():
+def test_one_segment_per_row_equals_the_segment_mask_for_single_document_rows():
     params = models.init_params(CFG, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, CFG.vocab_size)
     segments = jnp.array([[3] * 12, [1] * 12], jnp.int32)
-    masked = _hidden(CFG, params, tokens, segments, one_doc=False)
-    causal = _hidden(CFG, params, tokens, segments, one_doc=True)
+    masked = _hidden(CFG, params, tokens, segments, max_segments=0)
+    causal = _hidden(CFG, params, tokens, segments, max_segments=1)
     np.testing.assert_allclose(np.asarray(causal), np.asarray(masked), rtol=1e-5, atol=1e-5)
 
 
-def test_one_document_per_row_ignores_segment_boundaries():
+def test_one_segment_per_row_ignores_segment_boundaries():
     """The promise matters: on a packed row the second document then sees the first."""
     params = models.init_params(CFG, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 12), 0, CFG.vocab_size)
     segments = jnp.array([[1] * 5 + [2] * 7], jnp.int32)
-    masked = np.asarray(_hidden(CFG, params, tokens, segments, one_doc=False))
-    causal = np.asarray(_hidden(CFG, params, tokens, segments, one_doc=True))
+    masked = np.asarray(_hidden(CFG, params, tokens, segments, max_segments=0))
+    causal = np.asarray(_hidden(CFG, params, tokens, segments, max_segments=1))
     np.testing.assert_allclose(causal[:, :5], masked[:, :5], rtol=1e-5, atol=1e-5)
     assert np.abs(causal[:, 5:] - masked[:, 5:]).max() > 1e-3
+
+
+def test_packed_segments_off_gpu_keep_the_exact_segment_mask():
+    params = models.init_params(CFG, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, CFG.vocab_size)
+    segments = jnp.array([[1] * 5 + [2] * 4 + [0] * 3, [7] * 12], jnp.int32)
+    masked = _hidden(CFG, params, tokens, segments, max_segments=0)
+    packed = _hidden(CFG, params, tokens, segments, max_segments=4)
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(masked))
+
+
+def test_segment_runs_give_offsets_and_lengths_padded_with_minus_one():
+    segments = jnp.array([[1, 1, 1, 2, 2, 0, 0, 0], [5] * 8], jnp.int32)
+    offsets, lengths = segment_runs(segments, 4)
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1]])
+
+
+def test_count_segments_counts_contiguous_runs_not_distinct_ids():
+    assert count_segments(np.array([[1, 1, 2, 2, 1, 0], [4, 4, 4, 4, 4, 4]])) == 4
+
+
+def test_max_segments_must_be_a_non_negative_integer():
+    with pytest.raises(ValueError, match="max_segments"):
+        models.dense_attention(jnp.ones((1, 4), jnp.int32), max_segments=-1)
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -30,6 +30,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.models.layers import RMSNorm, dtype_of, linear
@@ -40,11 +41,20 @@ class DenseAttention(flax.struct.PyTreeNode):
     """Causal attention within documents: token i sees j <= i with the same segment id.
 
     `segment_ids` is `[B, S]` int32; padding may use any id of its own (e.g. 0).
-    `one_document_per_row=True` promises that every row is a single document (one
-    segment id per row): attention is then plain causal with no mask at all, which on
-    GPU keeps cuDNN on its fast path (a boolean mask becomes a `[B, 1, S, S]` additive
-    bias that cuDNN must read for every tile). Rows with several segment ids would
-    attend across documents, so only set it when the promise holds.
+
+    `max_segments` tells the backend how rows are laid out, so the GPU path need not turn
+    the segment mask into a `[B, H, S, S]` additive bias (cuDNN's only way to take a
+    boolean mask: at B=8, S=4096 that is 4 GiB per layer, saved for the backward pass):
+
+    * 0 (default): nothing promised; a boolean segment mask (any layout, any backend).
+    * 1: every row is one document (one segment id per row): plain causal, no mask.
+    * k >= 2: every row is at most k *contiguous* runs of equal ids (packed documents,
+      trailing padding counting as one run). On cuDNN the runs go in as its packed
+      layout (per-run offsets and lengths: no mask, no cross-document tiles computed);
+      elsewhere the mask is used. A row with more than k runs would silently attend
+      across the extra boundaries: count them on the host (`count_segments`) and round
+      up, e.g. to a power of two (each value is one compiled program).
+
     `implementation`: None picks cuDNN on GPU for bf16/fp16 operands with a head width
     it supports, XLA otherwise; "xla" / "cudnn" force one.
     """
@@ -52,14 +62,10 @@ class DenseAttention(flax.struct.PyTreeNode):
     segment_ids: jax.Array
     implementation: str | None = flax.struct.field(pytree_node=False, default=None)
     absorb_mla: bool = flax.struct.field(pytree_node=False, default=False)
-    one_document_per_row: bool = flax.struct.field(pytree_node=False, default=False)
+    max_segments: int = flax.struct.field(pytree_node=False, default=0)
 
     def attend(self, q, k, v, *, layer, cache, scale):
         del layer
-        mask = None
-        if not self.one_document_per_row:
-            seg = self.segment_ids
-            mask = (seg[:, :, None] == seg[:, None, :])[:, None, :, :]  # [B, 1, S, S]
         if v is None:
             # Absorbed MLA: the values are the leading channels of the keys; attending
             # over the whole key width and letting the caller keep its first R channels
@@ -72,11 +78,55 @@ class DenseAttention(flax.struct.PyTreeNode):
             q, k = jnp.pad(q, pad), jnp.pad(k, pad)
         if d_v < width:
             v = jnp.pad(v, [(0, 0)] * 3 + [(0, width - d_v)])
-        impl = self.implementation or attention_implementation(q.dtype, width, q.shape[1], mask is not None)
-        out = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, is_causal=True, scale=scale, implementation=impl
-        )
+        packed = self.max_segments >= 2 and _hopper_or_later()  # cuDNN's packed layout needs sm90+
+        masked = self.max_segments == 0 or (self.max_segments >= 2 and not packed)
+        impl = self.implementation or attention_implementation(q.dtype, width, q.shape[1], masked)
+        if impl == "cudnn" and packed:
+            out = _cudnn_packed(q, k, v, self.segment_ids, self.max_segments, scale)
+        else:
+            mask = None
+            if self.max_segments != 1:
+                seg = self.segment_ids
+                mask = (seg[:, :, None] == seg[:, None, :])[:, None, :, :]  # [B, 1, S, S]
+            out = jax.nn.dot_product_attention(
+                q, k, v, mask=mask, is_causal=True, scale=scale, implementation=impl
+            )
         return out[..., :d_v], cache
+
+
+def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Start offsets `[B, max_segments + 1]` and lengths `[B, max_segments]` of the
+    contiguous runs of equal ids in each row, unused entries -1 (cuDNN's packed layout).
+    Runs past `max_segments` are merged into the last one kept."""
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    b, s = seg.shape
+    is_start = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    starts = jax.vmap(lambda r: jnp.nonzero(r, size=max_segments, fill_value=-1)[0])(is_start)
+    starts = starts.astype(jnp.int32)
+    used = starts >= 0
+    nxt = jnp.concatenate([starts[:, 1:], jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    ends = jnp.where(nxt >= 0, nxt, s)
+    lengths = jnp.where(used, ends - starts, -1)
+    offsets = jnp.concatenate([starts, jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return offsets, lengths
+
+
+def count_segments(segment_ids) -> int:
+    """Host-side: the largest number of contiguous runs of equal ids in any row (what
+    `max_segments` must be at least)."""
+    seg = np.asarray(segment_ids)
+    if seg.size == 0:
+        return 0
+    return int((np.diff(seg, axis=-1) != 0).sum(axis=-1).max()) + 1
+
+
+def _cudnn_packed(q, k, v, segment_ids, max_segments: int, scale: float):
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    offsets, lengths = segment_runs(segment_ids, max_segments)
+    return dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+                                 kv_offsets=offsets, scale=scale, mask_type=MaskType.PADDING_CAUSAL,
+                                 qkv_layout="BTNH")
 
 
 def attention_implementation(dtype, head_dim: int, seq_len: int, masked: bool,
@@ -92,10 +142,14 @@ def attention_implementation(dtype, head_dim: int, seq_len: int, masked: bool,
             return "xla"
     if backend not in ("gpu", "cuda") or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return "xla"
-    capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
-    max_width = 256 if float(capability or 0) >= 9.0 else 128
+    max_width = 256 if _hopper_or_later() else 128
     ok = head_dim % 8 == 0 and head_dim <= max_width and not (masked and seq_len % 2)
     return "cudnn" if ok else "xla"
+
+
+def _hopper_or_later() -> bool:
+    capability = str(getattr(jax.devices()[0], "compute_capability", "") or "0")
+    return jax.devices()[0].platform == "gpu" and float(capability) >= 9.0
 
 
 @functools.cache
@@ -109,9 +163,11 @@ def _cudnn_available() -> bool:
 
 
 def dense_attention(segment_ids: jax.Array, implementation: str | None = None,
-                    one_document_per_row: bool = False) -> DenseAttention:
+                    max_segments: int = 0) -> DenseAttention:
+    if not (isinstance(max_segments, int) and max_segments >= 0):
+        raise ValueError(f"max_segments: must be an integer >= 0, got {max_segments!r}")
     return DenseAttention(segment_ids=jnp.asarray(segment_ids, jnp.int32), implementation=implementation,
-                          one_document_per_row=one_document_per_row)
+                          max_segments=max_segments)
 
 
 class GQAttention(nn.Module):
