@@ -222,8 +222,6 @@ class Engine:
         layout, ints, floats = self._pack(batch)
         self.last_launch = (layout, ints, floats)
         k, v = self.kv.buffers()
-        if self.sharding is not None:  # replicated on the mesh: one transfer per array
-            ints, floats = jax.device_put((ints, floats), self.sharding.replicated)
         tok, readback, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
                                                     layout=layout)
         self.kv.update(k, v)
