@@ -82,7 +82,7 @@ def check(args) -> None:
         (32, 8, 128, 16), (32, 8, 128, 64), (8, 8, 64, 16), (64, 8, 128, 32), (16, 2, 64, 64),
         (8, 1, 128, 16), (6, 3, 128, 16), (12, 4, 128, 16),
     ]
-    runs = [(kind, c) for kind in ("decode", "prefill", "prefill-persistent") for c in cases]
+    runs = [(kind, c) for kind in args.check_kinds for c in cases]
     for kind, (hq, hkv, d, ps) in runs:
         key, k1, k2, k3 = jax.random.split(key, 4)
         try:
@@ -304,6 +304,8 @@ def main(argv=None) -> None:
     for name in ("check", "decode", "prefill", "write"):
         p.add_argument(f"--{name}", action="store_true")
     p.add_argument("--json", default=None, help="write all rows to this JSON file")
+    p.add_argument("--check-kinds", nargs="+", default=["decode", "prefill", "prefill-persistent"],
+                   help="which kernels --check runs")
     p.add_argument("--decode-variants", type=json.loads, default=[],
                    help='extra decode kernel settings, e.g. \'[{"num_splits": 2}]\'')
     p.add_argument("--prefill-variants", type=json.loads, default=[],

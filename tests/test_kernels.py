@@ -1,0 +1,166 @@
+"""Paged attention kernels vs their float32 references, on CPU through Mosaic GPU interpret mode.
+
+Every check draws fresh random inputs (never zeros). The interpreter fills every buffer it
+allocates, outputs included, with NaN before the kernel runs, so an output row the kernel
+forgot to write fails the finiteness check (poisoned outputs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch, reference
+from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
+
+TOL = 1e-2  # bf16 inputs and bf16 probabilities in PV: observed 1e-3..3e-3
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def f32(x):
+    return x.astype(jnp.float32)
+
+
+def paged_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2):
+    """bf16 K/V buffers with shuffled page tables (plus spare pages nobody owns)."""
+    pages = -(-max_ctx // ps)
+    n_pages = n_req * pages + 3
+    shape = (n_layers, n_pages * ps, hkv, d)
+    kb = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    vb = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    pt = jnp.asarray(rng.permutation(n_pages)[: n_req * pages].reshape(n_req, pages), jnp.int32)
+    return kb, vb, pt
+
+
+@pytest.mark.parametrize("hq,hkv,d,ps,splits", [
+    (8, 2, 128, 16, 3),  # GQA group 4, two heads per CTA, KV split 3 ways (some splits empty)
+    (2, 2, 64, 32, 1),  # group 1
+    (8, 1, 64, 16, 2),  # group 8, one head per CTA
+])
+def test_ragged_decode_matches_float32_reference(hq, hkv, d, ps, splits):
+    rng = np.random.default_rng(hq * 100 + d + ps)
+    lens = np.array([1, 45, 16, 0, 70])  # length 1, not page multiples, a padded row (0)
+    kb, vb, pt = paged_inputs(rng, len(lens), int(lens.max()), hkv, d, ps)
+    q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.bfloat16)
+    lens = jnp.asarray(lens, jnp.int32)
+    out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=d ** -0.5,
+                             num_splits=splits, interpret=True)
+    ref = reference.ragged_decode(f32(q), f32(kb), f32(vb), jnp.int32(1), lens, pt, page_size=ps,
+                                  sm_scale=d ** -0.5)
+    assert out.shape == q.shape and out.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, ref) < TOL
+    np.testing.assert_array_equal(np.asarray(out[3], np.float32), 0.0)  # kv_len 0 -> zeros
+
+
+@pytest.mark.parametrize("hq,hkv,d,ps", [
+    (4, 1, 128, 16),  # GQA group 4
+    (2, 2, 64, 32),  # group 1
+    (8, 1, 64, 16),  # group 8
+])
+def test_paged_prefill_matches_float32_reference(hq, hkv, d, ps):
+    rng = np.random.default_rng(hq * 100 + d + ps)
+    q_lens = np.array([1, 70, 0, 133])  # 133: two 128-row tiles, the second one partial
+    prefix = np.array([0, 37, 0, 5])  # q_len < kv_len: prefix-cache hits / chunked prefill
+    kv_lens = q_lens + prefix
+    t_rows = int(q_lens.sum()) + 11  # padded bucket rows at the end
+    kb, vb, pt = paged_inputs(rng, len(q_lens), int(kv_lens.max()), hkv, d, ps)
+    q = jnp.asarray(rng.standard_normal((t_rows, hq, d)), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    out = dispatch.paged_prefill(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps,
+                                 sm_scale=d ** -0.5, impl="interpret")
+    ref = reference.paged_prefill(f32(q), f32(kb), f32(vb), jnp.int32(1), cu, lens, pt,
+                                  page_size=ps, sm_scale=d ** -0.5)
+    assert out.shape == q.shape and out.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, ref) < TOL
+    np.testing.assert_array_equal(np.asarray(out[-11:], np.float32), 0.0)  # padding rows
+
+
+def test_persistent_prefill_walks_several_items_per_cta():
+    rng = np.random.default_rng(7)
+    hq, hkv, d, ps = 2, 1, 64, 16
+    q_lens, kv_lens = np.array([9, 130]), np.array([9, 150])
+    kb, vb, pt = paged_inputs(rng, 2, int(kv_lens.max()), hkv, d, ps)
+    q = jnp.asarray(rng.standard_normal((int(q_lens.sum()), hq, d)), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    out = paged_prefill_mgpu(q, kb, vb, jnp.int32(0), cu, lens, pt, page_size=ps, sm_scale=0.1,
+                             persistent=True, num_ctas=2, pingpong=False, interpret=True)
+    ref = reference.paged_prefill(f32(q), f32(kb), f32(vb), jnp.int32(0), cu, lens, pt,
+                                  page_size=ps, sm_scale=0.1)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, ref) < TOL
+
+
+def test_tile_table_starts_tiles_on_8_row_boundaries_heaviest_first():
+    cu = jnp.asarray([0, 3, 139, 139, 140], jnp.int32)  # requests of 3, 136, 0 rows; 1 pad row
+    kv = jnp.asarray([3, 200, 0, 0], jnp.int32)
+    req, row0 = tile_table(cu, kv, n_tiles=6, block_kv=128)
+    tiles = sorted(zip(np.asarray(req).tolist(), np.asarray(row0).tolist()))
+    # request 1 starts at packed row 3: its tiles begin 3 rows early (row -3) and at 125;
+    # the padding pseudo request (index 3, row 139) starts 3 rows early too.
+    assert tiles == [(0, 0), (1, -3), (1, 125), (3, -3), (4, 0), (4, 0)]
+    assert np.asarray(req)[0] == 1  # the tile reading the most keys comes first
+
+
+def test_write_kv_drops_padding_slots_and_keeps_other_slots():
+    rng = np.random.default_rng(3)
+    kb = jnp.asarray(rng.standard_normal((2, 64, 2, 8)), jnp.bfloat16)
+    vb = jnp.asarray(rng.standard_normal((2, 64, 2, 8)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.bfloat16)
+    slots = jnp.asarray([5, -1, 63, 64], jnp.int32)  # rows 1 and 3 are bucket padding
+    k2, v2 = dispatch.write_kv(kb, vb, jnp.int32(1), slots, k, v)
+    want_k = np.asarray(kb, np.float32).copy()
+    want_v = np.asarray(vb, np.float32).copy()
+    want_k[1, [5, 63]] = np.asarray(k, np.float32)[[0, 2]]
+    want_v[1, [5, 63]] = np.asarray(v, np.float32)[[0, 2]]
+    np.testing.assert_array_equal(np.asarray(k2, np.float32), want_k)
+    np.testing.assert_array_equal(np.asarray(v2, np.float32), want_v)
+
+
+def test_write_kv_with_donated_buffers_updates_them_in_place():
+    kb = jnp.asarray(np.random.default_rng(4).standard_normal((2, 4096, 2, 64)), jnp.bfloat16)
+    new = jnp.ones((16, 2, 64), jnp.bfloat16)
+    slots = jnp.arange(16, dtype=jnp.int32)
+    step = jax.jit(dispatch.write_kv, donate_argnums=(0, 1))
+    stats = step.lower(kb, kb, jnp.int32(1), slots, new, new).compile().memory_analysis()
+    assert stats.alias_size_in_bytes == 2 * kb.nbytes  # both outputs reuse the inputs
+    assert stats.temp_size_in_bytes < kb.nbytes // 100  # no scratch copy of a buffer
+
+
+def test_auto_runs_the_reference_off_gpu_and_for_mla():
+    rng = np.random.default_rng(5)
+    kb, vb, pt = paged_inputs(rng, 2, 40, 2, 64, 16)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
+    lens = jnp.asarray([40, 7], jnp.int32)
+    args = (q, kb, vb, jnp.int32(0), lens, pt)
+    auto = dispatch.ragged_decode(*args, page_size=16, sm_scale=0.125)
+    ref = reference.ragged_decode(*args, page_size=16, sm_scale=0.125)
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(ref, np.float32))
+    mla = dispatch.ragged_decode(q, kb, None, jnp.int32(0), lens, pt, page_size=16,
+                                 sm_scale=0.125, v_head_dim=32)
+    assert mla.shape == (2, 4, 32)
+
+
+def test_bad_impl_and_unsupported_shapes_are_named_errors():
+    rng = np.random.default_rng(6)
+    kb, vb, pt = paged_inputs(rng, 1, 16, 1, 64, 16)
+    q = jnp.asarray(rng.standard_normal((1, 2, 64)), jnp.bfloat16)
+    lens = jnp.asarray([16], jnp.int32)
+    with pytest.raises(ValueError, match="impl"):
+        dispatch.ragged_decode(q, kb, vb, 0, lens, pt, page_size=16, sm_scale=1.0, impl="fast")
+    with pytest.raises(ValueError, match="v_buf"):
+        dispatch.ragged_decode(q, kb, None, 0, lens, pt, page_size=16, sm_scale=1.0,
+                               v_head_dim=32, impl="pallas")
+    with pytest.raises(ValueError, match="page_size"):
+        ragged_decode_mgpu(q, kb, vb, 0, lens, pt, page_size=4, sm_scale=1.0, interpret=True)
