@@ -8,6 +8,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
+
+from jrl.parallel import state_shardings
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -38,3 +41,13 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: 
         skipped_updates=jnp.zeros((), jnp.int32),
         rng=rng,
     )
+
+
+def init_sharded_train_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array,
+                             params_shardings: Any, mesh: Mesh) -> tuple[TrainState, TrainState]:
+    """`init_train_state` on a mesh, and the state's shardings: optimizer leaves that mirror
+    a parameter are sharded like it, counters and the key replicated. `params` (already
+    placed by `params_shardings`) are donated, so no second copy of them is made."""
+    make = lambda p, key: init_train_state(p, optimizer, key)
+    shardings = state_shardings(jax.eval_shape(make, params, rng), params_shardings, mesh)
+    return jax.jit(make, out_shardings=shardings, donate_argnums=0)(params, rng), shardings

@@ -44,6 +44,19 @@ class StepFns(NamedTuple):
     evaluate: Callable
 
 
+class StepShardings(NamedTuple):
+    """Where the step functions' inputs and outputs live on a device mesh (jrl.parallel).
+
+    Given to `make_step_fns`, every function is jitted with these in / out shardings, so
+    a donated state comes back exactly as sharded as it went in.
+    """
+
+    state: Any  # a TrainState of shardings (its `params` field: the params' shardings)
+    batch: Any  # one sharding for every batch field `[M, b, ...]` (rows split over devices)
+    reference: Any  # the reference params' shardings, or None when the step gets none
+    replicated: Any  # scalars and metrics
+
+
 def _micro_keys(state: TrainState, n: int) -> jax.Array:
     return jax.random.split(jax.random.fold_in(state.rng, state.step), n)
 
@@ -86,8 +99,9 @@ def _finish_metrics(total, weight, metrics) -> tuple[jax.Array, dict]:
 
 def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
                   optimizer: optax.GradientTransformation, schedule: Schedule, base_lr: float,
-                  *, clip_norm: float, chunk_size: int = 0) -> StepFns:
-    """Jitted update / split update / evaluation for this model, strategy and optimizer."""
+                  *, clip_norm: float, chunk_size: int = 0, shardings: StepShardings | None = None) -> StepFns:
+    """Jitted update / split update / evaluation for this model, strategy and optimizer
+    (placed by `shardings` when given; otherwise wherever their inputs are)."""
 
     def compute_grads(state: TrainState, batch: dict, reference_params: Any):
         n_micro = jax.tree.leaves(batch)[0].shape[0]
@@ -139,9 +153,18 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
             jax.random.split(rng, n_micro), policy_version, with_grads=False)
         return total, weight, metrics
 
+    if shardings is None:
+        return StepFns(
+            update=jax.jit(update, donate_argnums=0),
+            compute_grads=jax.jit(compute_grads),
+            apply_grads=jax.jit(apply_grads, donate_argnums=0),
+            evaluate=jax.jit(evaluate),
+        )
+    state, batch, ref, rep = shardings
     return StepFns(
-        update=jax.jit(update, donate_argnums=0),
-        compute_grads=jax.jit(compute_grads),
-        apply_grads=jax.jit(apply_grads, donate_argnums=0),
-        evaluate=jax.jit(evaluate),
+        update=jax.jit(update, in_shardings=(state, batch, ref), out_shardings=(state, rep), donate_argnums=0),
+        compute_grads=jax.jit(compute_grads, in_shardings=(state, batch, ref), out_shardings=(state.params, rep)),
+        apply_grads=jax.jit(apply_grads, in_shardings=(state, state.params, rep), out_shardings=(state, rep),
+                            donate_argnums=0),
+        evaluate=jax.jit(evaluate, in_shardings=(state.params, batch, ref, None, None), out_shardings=rep),
     )

@@ -6,11 +6,15 @@ loop with callbacks, checkpoints, resumes, and stops cleanly on SIGTERM / SIGINT
 
 A run directory holds `config.yaml` (resolved), `metrics.jsonl`, `checkpoints/step_<N>/`
 and `metrics.png`.
+
+Placement: the run lives on `trainer.mesh`, one device without a `parallel` config section,
+else a `(data, fsdp, tensor)` mesh over every device (jrl.parallel). Params are created
+sharded, the optimizer state is sharded like the params, every batch's rows are split over
+`(data, fsdp)`, and the jitted step keeps the donated state on those shardings.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import signal
@@ -23,16 +27,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl import checkpoint
-from jrl.config import ConfigError, TrainConfig, to_dict
+from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.metrics_log import MetricsLog
 from jrl.models import init_params
+from jrl.parallel import (BATCH_AXES, init_sharded_params, initialize_distributed, make_mesh, param_shardings,
+                          shard_params, with_shardings)
 from jrl.train import callbacks as cb
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
-from jrl.train.state import TrainState, init_train_state
-from jrl.train.step import make_step_fns
+from jrl.train.state import TrainState, init_sharded_train_state
+from jrl.train.step import StepShardings, make_step_fns
 from jrl.train.strategies import get_strategy, strategy_options
 
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
@@ -109,6 +116,17 @@ def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -
     return out
 
 
+def run_mesh(parallel: ParallelConfig | None) -> Mesh:
+    """The devices a run uses: `jax.devices()[0]` alone without a `parallel` section (a
+    one-device mesh), else the `(data, fsdp, tensor)` mesh over every device."""
+    if parallel is not None:
+        return make_mesh(parallel)
+    if jax.process_count() > 1:
+        raise ConfigError(f"parallel: a run over {jax.process_count()} processes needs a parallel section "
+                          "(e.g. parallel: {fsdp: -1}); without one a run uses a single device")
+    return make_mesh(ParallelConfig(fsdp=1), devices=jax.devices()[:1])
+
+
 def check_data_format(config: TrainConfig, strategy) -> None:
     """A strategy on the built-in data pipeline must accept `data.format`."""
     if strategy.make_source is None and config.data.format not in strategy.data_formats:
@@ -120,6 +138,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, callbacks: Iterable[cb.Callback] = (),
                  output_dir: str | os.PathLike | None = None):
         self.config = config
+        initialize_distributed(config.parallel or ParallelConfig())  # no-op unless multi-process
         self.run_dir = Path(output_dir or config.run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.strategy = get_strategy(config.strategy.name)
@@ -136,6 +155,8 @@ class Trainer:
         self.stop_reason: str | None = None
         self._tokenizer = None
         self._fns = None
+        self._mesh: Mesh | None = None
+        self._shardings: StepShardings | None = None
         self._split = any(cb.edits_gradients(c) for c in self.callbacks)
         self._last_time: float | None = None
 
@@ -171,14 +192,22 @@ class Trainer:
                                   f"({self._tokenizer.vocab_size}), got {vocab}")
         return self._tokenizer
 
+    @property
+    def mesh(self) -> Mesh:
+        """The devices this run trains on (see `run_mesh`)."""
+        if self._mesh is None:
+            self._mesh = run_mesh(self.config.parallel)
+        return self._mesh
+
     def initial_params(self) -> Any:
-        """Params the run starts from: `init_from` (a jrl run / checkpoint, or `hf:<dir>`)
-        or the seeded init. LoRA factors the source lacks (adapters on a pretrained base)
-        come from the seeded init."""
+        """Params the run starts from, sharded on `mesh`: `init_from` (a jrl run /
+        checkpoint, or `hf:<dir>`) or the seeded init. LoRA factors the source lacks
+        (adapters on a pretrained base) come from the seeded init."""
         mc = self.config.model
         src = self.config.init_from
-        seeded = lambda: jax.jit(functools.partial(init_params, mc))(jax.random.key(self.config.seed))
-        if src is None:  # jitted: one compile instead of one per initializer op
+        # jitted with sharded outputs: each device computes only its shards
+        seeded = lambda: init_sharded_params(mc, jax.random.key(self.config.seed), self.mesh)
+        if src is None:
             return seeded()
         if src.startswith("hf:"):
             from jrl.hf import load_pretrained
@@ -191,7 +220,7 @@ class Trainer:
             state, _ = checkpoint.load(root, step)
             loaded = state["params"] if isinstance(state, dict) else state.params
         template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
-        return _overlay(template, loaded, src)
+        return shard_params(mc, _overlay(template, loaded, src), self.mesh)
 
     def _make_sources(self) -> None:
         strategy, data = self.strategy, self.config.data
@@ -219,11 +248,18 @@ class Trainer:
         checkpoint in the run directory if there is one. Otherwise an existing run is an
         error unless `overwrite` (which deletes its checkpoints and metrics first)."""
         c = self.config
+        self._check_batch_rows()
         params = self.initial_params()
         if self.strategy.needs_reference:
             self.reference_params = jax.tree.map(jnp.copy, params)
         self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
-        state = init_train_state(params, self.optimizer, jax.random.key(c.seed))
+        p_shardings = param_shardings(c.model, self.mesh)
+        state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
+                                                    p_shardings, self.mesh)
+        self._shardings = StepShardings(
+            state=shardings, batch=NamedSharding(self.mesh, PartitionSpec(None, BATCH_AXES)),
+            reference=p_shardings if self.reference_params is not None else None,
+            replicated=NamedSharding(self.mesh, PartitionSpec()))
         existing = checkpoint.latest_step(self.checkpoint_dir)
         if existing is not None and not resume and not overwrite:
             raise FileExistsError(
@@ -234,7 +270,7 @@ class Trainer:
         if resume_step is None:
             self._clear_run_dir()  # a fresh start: no stale checkpoints or metrics rows
         else:
-            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+            target = with_shardings(state, shardings)  # restored straight onto this run's mesh
             del state, params
             state, meta = checkpoint.load(self.checkpoint_dir, resume_step, target=target,
                                           verify=c.checkpoint.verify_on_load)
@@ -247,7 +283,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
-                                  c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk)
+                                  c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
+                                  shardings=self._shardings)
         self._flops_per_token = flops_per_token(c.model, state.params, c.data.seq_len)
         return state
 
@@ -261,6 +298,32 @@ class Trainer:
         """Ends the run after the current step (on_train_end and the final checkpoint follow)."""
         if self.stop_reason is None:
             self.stop_reason = reason
+
+    @property
+    def _row_blocks(self) -> int:
+        """How many parts each micro-batch's rows are split into (parallel data * fsdp)."""
+        return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
+
+    def _check_batch_rows(self) -> None:
+        """The built-in data pipeline's micro-batches must split evenly over the devices."""
+        d = self.config.data
+        rows, blocks = d.batch_size // d.micro_batches, self._row_blocks
+        if self.strategy.make_source is None and rows % blocks:
+            raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
+                              f"= {rows}) must be divisible by parallel data*fsdp = {blocks}, got "
+                              f"data.batch_size={d.batch_size}")
+
+    def _on_mesh(self, micro: dict) -> dict:
+        """Host micro-batches `[M, b, ...]` as global arrays with rows split over (data,
+        fsdp). Every process holds the whole (deterministic) batch; each device takes its rows."""
+        sharding = self._shardings.batch
+        out = {}
+        for k, v in micro.items():
+            if v.shape[1] % self._row_blocks:
+                raise ValueError(f"batch[{k!r}]: {v.shape[1]} rows per micro-batch do not split over "
+                                 f"parallel data*fsdp = {self._row_blocks} devices")
+            out[k] = jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+        return out
 
     def _micro(self, batch: dict) -> dict:
         missing = [f for f in self.strategy.batch_fields if f not in batch]
@@ -287,11 +350,12 @@ class Trainer:
         included; returns the step's host metrics."""
         state = self.state
         self.fire("on_step_begin", state, batch)
-        micro = self._micro(batch)
+        micro = self._on_mesh(self._micro(batch))
         if self._split:
             grads, info = self._fns.compute_grads(state, micro, self.reference_params)
             for c in self.callbacks:
                 grads = c.before_optimizer_step(self, state, grads)
+            grads = jax.device_put(grads, self._shardings.state.params)  # edited grads back in place
             new_state, metrics = self._fns.apply_grads(state, grads, info)
         else:
             new_state, metrics = self._fns.update(state, micro, self.reference_params)
@@ -309,7 +373,7 @@ class Trainer:
         row["tokens"] = tokens
         row["tokens_per_s"] = tokens / elapsed if elapsed else None
         peak = self._peak_flops()
-        row["mfu"] = (row["tokens_per_s"] * self._flops_per_token / (peak * jax.device_count())
+        row["mfu"] = (row["tokens_per_s"] * self._flops_per_token / (peak * self.mesh.size)
                       if peak and row["tokens_per_s"] else None)
         self.fire("after_optimizer_step", new_state, row)
         return row
@@ -320,7 +384,8 @@ class Trainer:
         total = weight = 0.0
         sums: dict[str, list[float]] = {}
         for i, batch in enumerate(self.eval_batches):
-            t, w, m = jax.device_get(self._fns.evaluate(state.params, self._micro(batch), self.reference_params,
+            t, w, m = jax.device_get(self._fns.evaluate(state.params, self._on_mesh(self._micro(batch)),
+                                                        self.reference_params,
                                                         jax.random.key(i), state.policy_version))
             total += float(t)
             weight += float(w)
