@@ -51,6 +51,17 @@ def resolve_config(args: argparse.Namespace):
     return config
 
 
+def start_distributed(config) -> bool:
+    """Joins the other processes of a multi-host run (`jax.distributed`, settings from the
+    `parallel` section or the JAX_* environment variables). Must come before any other JAX
+    work, which would fix the device list to this process's devices; a no-op (False) for
+    a single process."""
+    from jrl.config import ParallelConfig
+    from jrl.parallel import initialize_distributed
+
+    return initialize_distributed(config.parallel or ParallelConfig())
+
+
 def dry_run(config, output_dir: str | None) -> None:
     import jax
 
@@ -74,6 +85,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
 
     try:
         config = resolve_config(args)
+        start_distributed(config)
     except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
