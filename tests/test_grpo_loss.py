@@ -124,10 +124,10 @@ def test_seq_mean_ignores_sequences_without_response_tokens():
 @pytest.mark.parametrize("field,value", [("clip_eps_low", 1.0), ("kl_coef", -0.1),
                                          ("aggregation", "sum"), ("tis_cap", 0.5)])
 def test_bad_options_name_the_field(field, value):
-    with pytest.raises(ConfigError, match=f"grpo.{field}"):
+    with pytest.raises(ConfigError, match=f"strategy.options.{field}"):
         GRPOLossConfig(**{field: value})
 
 
 def test_dr_grpo_requires_max_response_len():
-    with pytest.raises(ConfigError, match="grpo.max_response_len"):
+    with pytest.raises(ConfigError, match="strategy.options.max_response_len"):
         GRPOLossConfig(aggregation="dr_grpo")

@@ -24,12 +24,17 @@ log-probability is taken), `mask` is 1.0 on trained response tokens and 0.0 else
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jrl.config import ConfigError
+from jrl.config import ConfigError, ModelConfig
+from jrl.data.tasks import TaskConfig
+from jrl.train.logprobs import TargetStats, hidden_states, target_stats
+from jrl.train.rewards import reward_specs_from_config
+from jrl.train.strategies import register_strategy
+from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric
 
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
@@ -53,7 +58,7 @@ class GRPOLossConfig:
     def __post_init__(self) -> None:
         def check(ok: bool, field: str, msg: str) -> None:
             if not ok:
-                raise ConfigError(f"grpo.{field}: {msg}")
+                raise ConfigError(f"strategy.options.{field}: {msg}")
 
         check(0.0 <= self.clip_eps_low < 1.0, "clip_eps_low",
               f"must be in [0, 1), got {self.clip_eps_low}")
@@ -181,3 +186,144 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
         "ratio_mean": parts.metrics["ratio_sum"] / n,
     }
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------- the strategy
+
+GRPO_FIELDS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "old_logp",
+               "behaviour_logp", "ref_logp", "is_weight", "advantages", "behaviour_version")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GRPOOptions:
+    """`strategy.options` of `grpo`; every field is described in docs/rl.md.
+
+    A rollout batch is `prompts_per_step` prompts x `group_size` samples; it is split into
+    minibatches of `data.batch_size` rows (one optimizer step each) and passed over
+    `epochs` times, so one rollout feeds `epochs * rollout_size / batch_size` updates (the
+    clipped ratio matters from the second on).
+    """
+
+    task: TaskConfig = TaskConfig()
+    rewards: tuple[Any, ...] = ({"fn": "exact_match"},)
+    prompts_per_step: int = 32
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    epochs: int = 1
+    # objective
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    aggregation: Aggregation = "token_mean"
+    scale_adv_by_std: bool = True
+    adv_eps: float = 1e-6
+    old_logp: Literal["engine", "recomputed"] = "engine"
+    tis_cap: float = 0.0
+    drop_zero_variance: bool = True
+    dynamic_sampling_rounds: int = 0
+    # staleness
+    off_policy: bool = False
+    max_version_lag: int | None = None
+    # rollout engine settings (EngineConfig fields) and held-out evaluation
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eval_problems: int = 0  # 0: every held-out problem of the task
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, field: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"strategy.options.{field}: {msg}")
+
+        for name, lo in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
+                         ("epochs", 1), ("dynamic_sampling_rounds", 0),
+                         ("eval_problems", 0)):
+            v = getattr(self, name)
+            check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, name,
+                  f"must be an integer >= {lo}, got {v!r}")
+        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        check(self.old_logp in ("engine", "recomputed"), "old_logp",
+              f"must be 'engine' or 'recomputed', got {self.old_logp!r}")
+        check(self.tis_cap == 0.0 or self.old_logp == "recomputed", "tis_cap",
+              "needs old_logp: recomputed (truncated importance weights correct the recomputed "
+              "anchor for the engine's sampling numerics)")
+        if self.max_version_lag is not None:
+            check(isinstance(self.max_version_lag, int) and self.max_version_lag >= 0,
+                  "max_version_lag", f"must be an integer >= 0 or null, got {self.max_version_lag!r}")
+        check(isinstance(self.engine, dict), "engine", f"must be a mapping, got {self.engine!r}")
+        self.loss_config()  # validates the objective's fields
+        reward_specs_from_config(self.rewards, "strategy.options.rewards")
+
+    @property
+    def rollout_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def updates_per_rollout(self, batch_size: int) -> int:
+        """Optimizer steps fed by one rollout batch of `rollout_size` rows."""
+        return self.epochs * (self.rollout_size // batch_size)
+
+    def resolved_max_version_lag(self, batch_size: int) -> int:
+        """Samples older than this many versions (at the start of their training) are
+        dropped: by default 0 when synchronous, one rollout's updates when off-policy."""
+        if self.max_version_lag is not None:
+            return self.max_version_lag
+        return self.updates_per_rollout(batch_size) if self.off_policy else 0
+
+    def loss_config(self) -> GRPOLossConfig:
+        return GRPOLossConfig(
+            clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high, kl_coef=self.kl_coef,
+            aggregation=self.aggregation, max_response_len=self.max_new_tokens,
+            scale_adv_by_std=self.scale_adv_by_std, adv_eps=self.adv_eps, tis_cap=self.tis_cap)
+
+
+def policy_stats(config: ModelConfig, params: Any, batch: dict, temperature: float,
+                 chunk_size: int = 0) -> tuple[TargetStats, dict]:
+    """Statistics of the sampling distribution `softmax(logits / temperature)` at the
+    batch's targets (the LM head is linear, so scaling the hidden states scales the
+    logits). The loss and the rollout-time recomputation both call this."""
+    hidden, aux = hidden_states(config, params, batch["tokens"], batch["positions"],
+                                batch["segment_ids"])
+    if temperature != 1.0:
+        hidden = hidden.astype(jnp.float32) / temperature
+    return target_stats(config, params, hidden, batch["targets"], chunk_size=chunk_size), aux
+
+
+def grpo_loss_fn(config: ModelConfig, params: Any, batch: dict, ctx: LossContext) -> LossOutput:
+    """The `grpo` strategy's loss for one micro-batch of rollout rows (docs/rl.md)."""
+    opts: GRPOOptions = ctx.options
+    loss_cfg = opts.loss_config()
+    stats, aux = policy_stats(config, params, batch, opts.temperature, ctx.chunk_size)
+    mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    parts = grpo_objective(
+        stats.logp, batch["old_logp"], batch["advantages"], mask, loss_cfg,
+        ref_logp=batch["ref_logp"] if opts.kl_coef > 0 else None,
+        is_weights=batch["is_weight"] if opts.tis_cap > 0 else None)
+    total, weight = parts.numerator, parts.denominator
+    n = parts.metrics["tokens"]
+    logp = jax.lax.stop_gradient(stats.logp)
+    metrics = {
+        "clip_frac": (parts.metrics["clip_frac_sum"], n),
+        "ratio_mean": (parts.metrics["ratio_sum"], n),
+        "entropy": metric(stats.entropy, mask),
+        "kl_behaviour": metric(k3_kl(logp, batch["behaviour_logp"]), mask),
+    }
+    trained_rows = jnp.any(mask > 0, axis=1)
+    lag = (ctx.policy_version - batch["behaviour_version"]).astype(jnp.float32)
+    metrics["version_lag"] = metric(lag, trained_rows)
+    if opts.kl_coef > 0:
+        metrics["kl_ref"] = (parts.metrics["kl_sum"], n)
+    if config.is_moe:
+        total = total + config.router_aux_loss_coef * aux["aux_loss"] * weight
+        metrics["moe_aux_loss"] = metric(aux["aux_loss"])
+    return LossOutput(total, weight, metrics)
+
+
+def _make_source(trainer: Any, split: str) -> Any:
+    from jrl.train.rl import make_rollout_source
+
+    return make_rollout_source(trainer, split)
+
+
+GRPO = register_strategy(Strategy(
+    name="grpo", loss_fn=grpo_loss_fn, batch_fields=GRPO_FIELDS, options_cls=GRPOOptions,
+    needs_reference=False, data_formats=(), make_source=_make_source,
+))

@@ -1,0 +1,180 @@
+"""The GRPO loop through the real Trainer and rollout engine on a tiny model: policy
+versions, weight sync, staleness, resume, skipped updates, engine/trainer log-probs."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jrl.config import ConfigError, TrainConfig, from_dict
+from jrl.metrics_log import read_metrics
+from jrl.train.callbacks import Callback
+from jrl.train.rl import build_rows, stale_groups
+from jrl.train.trainer import Trainer
+
+
+def first_byte_even(prompt, completion, answer):
+    """A reward with variance even for a random model: 1 if the first byte is even."""
+    data = completion.encode()
+    return 1.0 if data and data[0] % 2 == 0 else 0.0
+
+
+def tiny(steps=6, **options) -> TrainConfig:
+    opts = {"task": {"n_digits": 1, "n_heldout": 16}, "prompts_per_step": 4, "group_size": 4,
+            "max_new_tokens": 3, "rewards": [{"fn": "test_rl_loop:first_byte_even"}],
+            "engine": {"page_size": 2}, **options}
+    return from_dict(TrainConfig, {
+        "name": "tiny", "seed": 0, "steps": steps,
+        "model": {"vocab_size": 262, "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+                  "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 32},
+        "data": {"seq_len": 8, "batch_size": 8},  # 16 samples per rollout -> 2 updates each
+        "strategy": {"name": "grpo", "options": opts},
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "schedule": {"kind": "constant"},
+        "checkpoint": {"interval": 0},
+        "eval": {"every": 0},
+        "logging": {"progress": False, "plot": False},
+    })
+
+
+def run(config, out, callbacks=(), resume=False):
+    trainer = Trainer(config, output_dir=out, callbacks=callbacks)
+    trainer.fit(resume=resume, overwrite=not resume)
+    return trainer, read_metrics(out / "metrics.jsonl")
+
+
+def train_rows(rows):
+    return [r for r in rows if "loss" in r]
+
+
+def rollout_rows(rows):
+    return [r for r in rows if "rl_step" in r]
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    return run(tiny(steps=6), tmp_path_factory.mktemp("sync"))
+
+
+def test_every_update_bumps_the_version_and_rows_carry_it(sync_run):
+    _, rows = sync_run
+    steps = [(r["step"], r["policy_version"]) for r in train_rows(rows)]
+    assert steps == [(s, s) for s in range(1, 7)]
+
+
+def test_each_rollout_is_sampled_by_the_acknowledged_version_it_trains(sync_run):
+    trainer, rows = sync_run
+    rollouts = rollout_rows(rows)
+    assert [r["rl_step"] for r in rollouts] == [0, 1, 2]
+    for r in rollouts:  # the row of a rollout's first update: version before it = sampler's
+        assert r["behaviour_version"] == r["engine_version"] == r["policy_version"] - 1
+        assert r["rollout_version_lag_max"] == 0
+        assert r["mixed_version_samples"] == 0
+    # within a rollout the second update trains samples one version old (the clip's job)
+    assert [r["version_lag"] for r in train_rows(rows)] == [0, 1] * 3
+
+
+def test_engine_logprobs_equal_trainer_logprobs_of_the_same_version(sync_run):
+    _, rows = sync_run
+    for r in rollout_rows(rows):
+        assert r["logp_diff_max"] <= 1e-5
+
+
+def test_group_samples_share_their_prompt_prefill(sync_run):
+    _, rows = sync_run
+    assert all(r["prefix_cached_tokens"] > 0 for r in rollout_rows(rows))
+
+
+def test_rows_report_rollout_and_update_metrics(sync_run):
+    _, rows = sync_run
+    first = rollout_rows(rows)[0]
+    for key in ("reward_mean", "reward_std", "accuracy", "response_len_mean", "groups_kept",
+                "logp_diff_mean", "rollout_s", "generate_s", "train_s", "clip_frac", "kl_behaviour",
+                "entropy", "ratio_mean", "version_lag", "stale_samples_dropped"):
+        assert key in first, key
+    # the first update of a rollout runs at the behaviour weights: ratio 1, nothing clipped
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert first["clip_frac"] == 0.0
+
+
+def test_held_out_accuracy_is_evaluated_at_start_and_end(sync_run):
+    _, rows = sync_run
+    evals = [(r["step"], r["policy_version"]) for r in rows if "eval_accuracy" in r]
+    assert evals == [(0, 0), (6, 6)]
+    assert all(0.0 <= r["eval_accuracy_sampled"] <= 1.0 for r in rows if "eval_accuracy" in r)
+
+
+def test_versions_continue_monotonically_after_resume(tmp_path):
+    first = dataclasses.replace(tiny(steps=4), checkpoint=dataclasses.replace(tiny().checkpoint, interval=2))
+    run(first, tmp_path)
+    trainer, rows = run(dataclasses.replace(first, steps=8), tmp_path, resume=True)
+    versions = [r["policy_version"] for r in rows]
+    assert versions == sorted(versions)
+    assert [r["step"] for r in train_rows(rows)] == list(range(1, 9))
+    assert [r["rl_step"] for r in rollout_rows(rows)] == [0, 1, 2, 3]
+    resumed = rollout_rows(rows)[2]
+    assert resumed["behaviour_version"] == resumed["engine_version"] == 4
+
+
+class PoisonSteps(Callback):
+    """Makes the given steps' loss non-finite, so their updates are skipped."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_step_begin(self, trainer, state, batch):
+        if int(state.step) + 1 in self.steps:
+            batch["advantages"][:] = np.nan
+
+
+def test_skipped_updates_keep_the_version_and_the_engine_serves_it(tmp_path):
+    trainer, rows = run(tiny(steps=6), tmp_path, callbacks=[PoisonSteps({3, 4})])
+    train = train_rows(rows)
+    assert [r["update_applied"] for r in train] == [True, True, False, False, True, True]
+    assert [r["policy_version"] for r in train] == [1, 2, 2, 2, 3, 4]
+    third = rollout_rows(rows)[2]  # after two skipped updates: same version, new buffers
+    assert third["behaviour_version"] == third["engine_version"] == 2
+    assert third["logp_diff_max"] <= 1e-5
+    assert trainer.train_source.engine_rebuilds == 1
+
+
+def test_off_policy_samples_lag_one_rollout_and_overlap_training(tmp_path):
+    _, rows = run(tiny(steps=6, off_policy=True), tmp_path)
+    rollouts = rollout_rows(rows)
+    assert [r["rollout_version_lag_max"] for r in rollouts] == [0, 2, 2]
+    assert [r["behaviour_version"] for r in rollouts] == [0, 0, 2]
+    assert all(r["stale_samples_dropped"] == 0 for r in rollouts)
+    assert all(r["logp_diff_max"] <= 1e-5 for r in rollouts)
+
+
+def test_samples_older_than_max_version_lag_are_dropped_and_counted(tmp_path):
+    _, rows = run(tiny(steps=6, off_policy=True, max_version_lag=1), tmp_path)
+    rollouts = rollout_rows(rows)
+    # every sample of rollouts 1 and 2 lagged 2 > 1 versions: dropped, batch regenerated
+    assert [r["stale_samples_dropped"] for r in rollouts] == [0, 16, 32]
+    assert [r["stale_batches_regenerated"] for r in rollouts] == [0, 1, 2]
+    assert all(r["rollout_version_lag_max"] == 0 for r in rollouts)
+
+
+def test_build_rows_places_response_targets_mask_and_logprobs():
+    rows = build_rows([np.array([5, 6, 7])], [np.array([8, 9])], [np.array([-0.5, -0.25])],
+                      seq_len=7, pad_id=0)
+    np.testing.assert_array_equal(rows["tokens"][0], [5, 6, 7, 8, 9, 0, 0])
+    np.testing.assert_array_equal(rows["targets"][0], [6, 7, 8, 9, 0, 0, 0])
+    np.testing.assert_array_equal(rows["loss_mask"][0], [0, 0, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(rows["behaviour_logp"][0], [0, 0, -0.5, -0.25, 0, 0, 0])
+    np.testing.assert_array_equal(rows["segment_ids"][0], [1, 1, 1, 1, 1, 0, 0])
+    with pytest.raises(ValueError, match="data.seq_len: 4 is shorter"):
+        build_rows([np.array([5, 6, 7])], [np.array([8, 9])], [np.array([0.0, 0.0])], seq_len=4, pad_id=0)
+
+
+def test_stale_groups_flag_any_sample_beyond_the_lag():
+    versions = np.array([5, 5, 4, 5, 3, 3])
+    assert stale_groups(versions, 2, trainer_version=5, max_lag=1).tolist() == [False, False, True]
+    assert stale_groups(versions, 2, trainer_version=5, max_lag=2).tolist() == [False, False, False]
+
+
+def test_rollout_batch_must_split_into_whole_updates(tmp_path):
+    config = dataclasses.replace(tiny(), data=dataclasses.replace(tiny().data, batch_size=6))
+    with pytest.raises(ConfigError, match=r"data.batch_size: must divide the rollout batch .* = 16\), got 6"):
+        Trainer(config, output_dir=tmp_path).setup()
