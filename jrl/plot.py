@@ -1,7 +1,8 @@
 """Training curves from a run's `metrics.jsonl` as a PNG: `python -m jrl.plot RUN_DIR`.
 
-Panels: loss (train, and held-out where evaluated), learning rate, gradient norm, and
-throughput (tokens/s); any panel without data is left out.
+Panels: loss (train, and held-out where evaluated), RL reward and accuracy (rollouts and
+held-out), learning rate, gradient norm, and throughput (tokens/s); any panel without data
+is left out.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 PANELS = (
     ("loss", ("loss", "eval_loss")),
+    ("reward / accuracy", ("reward_mean", "accuracy", "eval_accuracy", "eval_accuracy_sampled")),
     ("learning rate", ("lr",)),
     ("grad norm", ("grad_norm",)),
     ("tokens / s", ("tokens_per_s",)),

@@ -35,11 +35,11 @@ def test_overrides_create_nested_sections_and_reject_malformed_items():
 @pytest.mark.parametrize("override, message", [
     ("optimizer.lrr=0.1", "unknown key(s) optimizer.lrr; allowed: b1, b2"),
     ("data.batch_size=abc", "data.batch_size: must be an integer, got 'abc'"),
-    ("data.micro_batches=3", "data.micro_batches: must divide data.batch_size (16), got 3"),
+    ("data.micro_batches=3", "data.micro_batches: must divide data.batch_size (256), got 3"),
     ("strategy.name=nope", "strategy.name: unknown strategy 'nope'"),
     ("strategy.options.beta=1", "unknown key(s) strategy.options.beta"),
     ("schedule.kind=linear", "schedule.kind: must be one of"),
-    ("strategy.name=dpo", "data.format: strategy 'dpo' trains on 'preference', got 'sections'"),
+    ("strategy={name: dpo}", "data.format: strategy 'dpo' trains on 'preference', got 'sections'"),
     ("model.vocab_size=256", "model.vocab_size: must be >= the vocabulary of data.tokenizer (262), got 256"),
     ("data.tokenizer=/no/such/tokenizer.json", "data.tokenizer: tokenizer: '/no/such/tokenizer.json' is neither"),
 ])

@@ -6,6 +6,9 @@
 * `arithmetic_pairs`: `{"prompt", "chosen", "rejected"}` with the correct result chosen
   and a nearby wrong one rejected (DPO).
 * `tinytext`: `{"text": ...}` short documents of templated English sentences (pretraining).
+* `addition`: demonstrations of the RL task `jrl.data.tasks` (default `TaskConfig`):
+  `{"prompt": "37+48=", "response": "58", "answer": "58"}`, never a held-out problem
+  (the SFT warm start of the embedded default run).
 
 Every generator is a pure function of `(n, seed)`.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-DEFAULT_SIZES = {"arithmetic": 2000, "arithmetic_pairs": 1000, "tinytext": 2000}
+DEFAULT_SIZES = {"arithmetic": 2000, "arithmetic_pairs": 1000, "tinytext": 2000, "addition": 4000}
 
 
 def _problem(rng: np.random.Generator) -> tuple[str, int]:
@@ -66,7 +69,14 @@ def tinytext(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-GENERATORS = {"arithmetic": arithmetic, "arithmetic_pairs": arithmetic_pairs, "tinytext": tinytext}
+def addition(n: int, seed: int = 0) -> list[dict]:
+    from jrl.data.tasks import make_task, sft_records
+
+    return sft_records(make_task(), n, seed)
+
+
+GENERATORS = {"arithmetic": arithmetic, "arithmetic_pairs": arithmetic_pairs, "tinytext": tinytext,
+              "addition": addition}
 
 
 def is_bundled(source: str) -> bool:

@@ -41,13 +41,12 @@ def resolve_config(args: argparse.Namespace):
     strategy = get_strategy(config.strategy.name)
     strategy_options(strategy, config.strategy.options)
     check_data_format(config, strategy)
-    if strategy.make_source is None:  # the built-in data pipeline tokenises with data.tokenizer
-        from jrl.data import load_tokenizer
+    from jrl.data import load_tokenizer  # the data pipeline and RL sources tokenise with it
 
-        vocab = load_tokenizer(config.data.tokenizer).vocab_size
-        if vocab > config.model.vocab_size:
-            raise ConfigError(f"model.vocab_size: must be >= the vocabulary of data.tokenizer "
-                              f"({vocab}), got {config.model.vocab_size}")
+    vocab = load_tokenizer(config.data.tokenizer).vocab_size
+    if vocab > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: must be >= the vocabulary of data.tokenizer "
+                          f"({vocab}), got {config.model.vocab_size}")
     return config
 
 
@@ -94,8 +93,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         return 0
     from jrl.train.trainer import Trainer
 
-    trainer = Trainer(config, output_dir=args.output_dir)
     overwrite = args.overwrite or (not args.config and not args.resume)
+    if not args.config and config.init_from is None:  # the embedded default: SFT warm start, then GRPO
+        from jrl.train.warm_start import run_warm_start
+
+        config = run_warm_start(config, output_dir=args.output_dir, resume=args.resume, overwrite=overwrite)
+        if config is None:
+            return 0
+    trainer = Trainer(config, output_dir=args.output_dir)
     try:
         state = trainer.fit(resume=args.resume, overwrite=overwrite)
     except (ConfigError, FileExistsError) as e:
