@@ -121,7 +121,7 @@ def main() -> None:
 
     strategy = get_strategy("grpo")
     options = GRPOOptions(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new,
-                          minibatches=args.minibatches, old_logp="recomputed")
+                          old_logp="recomputed")
     opt_cfg = OptimizerConfig(lr=1e-6, weight_decay=0.0)
     schedule = make_schedule(ScheduleConfig(), 1000)
     optimizer = build_optimizer(opt_cfg, schedule, params)
