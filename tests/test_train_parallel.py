@@ -1,0 +1,70 @@
+"""The trainer's `parallel` section: parsing in-process, sharded training on 8 simulated
+devices in a subprocess (see tests/test_parallel.py for why a fresh process is needed)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jrl.config import ConfigError, ParallelConfig, load_train_config, to_dict
+from jrl.parallel import ParallelConfig as ParallelConfigFromParallel
+from jrl.train.__main__ import main
+
+REPO = Path(__file__).resolve().parents[1]
+CASES = REPO / "tests" / "parallel_cases"
+
+
+def test_without_a_parallel_section_a_run_uses_one_device():
+    assert load_train_config(None, []).parallel is None
+
+
+def test_an_empty_parallel_section_is_fsdp_over_every_device():
+    config = load_train_config(None, [], base={"parallel": {}})
+    assert config.parallel == ParallelConfig(data=1, fsdp=-1, tensor=1)
+
+
+def test_parallel_sizes_come_from_overrides_and_round_trip():
+    config = load_train_config(None, ["parallel.data=2", "parallel.tensor=2", "parallel.fsdp=-1"])
+    assert (config.parallel.data, config.parallel.fsdp, config.parallel.tensor) == (2, -1, 2)
+    assert load_train_config(None, [], base=to_dict(config)).parallel == config.parallel
+
+
+def test_the_run_config_section_is_jrl_parallels_config():
+    assert ParallelConfigFromParallel is ParallelConfig
+
+
+def test_unknown_parallel_key_is_named():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) parallel.tensr"):
+        load_train_config(None, ["parallel.tensr=2"])
+
+
+def test_bad_parallel_size_is_named():
+    with pytest.raises(ConfigError, match=r"parallel.tensor: must be -1 \(the remaining devices\) or a "
+                                          r"positive integer, got 0"):
+        load_train_config(None, ["parallel.tensor=0"])
+
+
+def test_bad_multi_process_environment_exits_2_before_training(monkeypatch, capsys):
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+    assert main(["--dry-run"]) == 2
+    assert "config error: JAX_NUM_PROCESSES: must be an integer, got 'two'" in capsys.readouterr().err
+
+
+def test_trainer_cases_on_eight_simulated_devices(tmp_path):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    # programs the cases share (the same step on the same mesh in two runs) compile once
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'cases'}",
+         str(CASES / "train_cases.py")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, f"train_cases.py failed:\n{result.stdout[-12000:]}\n{result.stderr[-4000:]}"
