@@ -1,12 +1,14 @@
 """Ragged paged decode on Hopper through Mosaic GPU (`plgpu.kernel`): flash-decoding.
 
-One CTA per (KV split, KV head, request). Its G query heads (rows 0..G-1 of a 64-row
-wgmma tile) share every K/V tile it loads. A memory warpgroup gathers the request's pages
-from the 4D buffer `[n_layers, n_slots, Hkv, D]` with one TMA copy per page (or per
-`block_kv` rows when pages are larger) into a ring of `num_stages` shared-memory slots;
-the compute warpgroup runs QK^T and PV on the tensor cores with an online softmax in the
-log2 domain. Each split writes its normalized partial output and its log-sum-exp; a small
-XLA epilogue merges the splits with weights `exp2(lse_s - max lse)`, which stays finite
+One CTA per (KV split, pair of KV heads, request), one compute warpgroup per KV head. A
+KV head's G query heads sit in G consecutive rows of a 64-row wgmma tile (starting at the
+row the 8-row-aligned TMA load puts them on), so they share every K/V tile it loads. A
+memory warpgroup gathers the request's pages from the 4D buffer `[n_layers, n_slots,
+Hkv, D]` with one TMA copy per page (or per `block_kv` rows when pages are larger) into a
+ring of `num_stages` shared-memory slots per compute warpgroup; the compute warpgroups
+run QK^T and PV on the tensor cores with an online softmax in the log2 domain. With more
+than one split, each split writes its normalized partial output and its log-sum-exp and
+a small XLA epilogue merges them with weights `exp2(lse_s - max lse)`, which stays finite
 for every input (empty splits carry lse = -inf and weight 0).
 """
 
@@ -54,8 +56,8 @@ def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
     return int(max(1, min(NUM_SMS // max(n_units, 1), max_ctx // (4 * block_kv))))
 
 
-def _check(q, k_buf, v_buf, page_table, page_size, block_kv):
-    b, hq, d = q.shape
+def _check(q, k_buf, v_buf, page_size, block_kv):
+    _, hq, d = q.shape
     _, _, hkv, dk = k_buf.shape
     if v_buf is None or v_buf.shape != k_buf.shape:
         raise ValueError("decode_mgpu: v_buf must have k_buf's shape (MLA goes to the reference)")
@@ -94,7 +96,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     warpgroup each, fed by one shared memory warpgroup). Split partials are stored in the
     input dtype and merged in float32.
     """
-    _check(q, k_buf, v_buf, page_table, page_size, block_kv)
+    _check(q, k_buf, v_buf, page_size, block_kv)
     b, hq, d = q.shape
     hkv = k_buf.shape[2]
     g = hq // hkv

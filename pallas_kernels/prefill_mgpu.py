@@ -70,7 +70,7 @@ def tile_table(cu_ext: jax.Array, kv_ext: jax.Array, n_tiles: int, block_kv: int
 
 
 def _check(q, k_buf, v_buf, page_size, block_kv):
-    t, hq, d = q.shape
+    _, hq, d = q.shape
     _, _, hkv, dk = k_buf.shape
     if v_buf is None or v_buf.shape != k_buf.shape:
         raise ValueError("prefill_mgpu: v_buf must have k_buf's shape (MLA goes to the reference)")
