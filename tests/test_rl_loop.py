@@ -20,7 +20,7 @@ def first_byte_even(prompt, completion, answer):
 
 
 def tiny(steps=6, **options) -> TrainConfig:
-    opts = {"task": {"n_digits": 1, "n_heldout": 16}, "prompts_per_step": 4, "group_size": 4,
+    opts = {"task": {"n_digits": 1, "n_heldout": 16, "n_validation": 0}, "prompts_per_step": 4, "group_size": 4,
             "max_new_tokens": 3, "rewards": [{"fn": "test_rl_loop:first_byte_even"}],
             "engine": {"page_size": 2}, **options}
     return from_dict(TrainConfig, {
@@ -32,7 +32,7 @@ def tiny(steps=6, **options) -> TrainConfig:
         "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
         "schedule": {"kind": "constant"},
         "checkpoint": {"interval": 0},
-        "eval": {"every": 0},
+        "eval": {"every": 0, "at_end": False},
         "logging": {"progress": False, "plot": False},
     })
 
@@ -53,7 +53,9 @@ def rollout_rows(rows):
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
-    return run(tiny(steps=6), tmp_path_factory.mktemp("sync"))
+    config = tiny(steps=6)
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, at_end=True))
+    return run(config, tmp_path_factory.mktemp("sync"))
 
 
 def test_every_update_bumps_the_version_and_rows_carry_it(sync_run):

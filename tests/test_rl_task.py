@@ -20,13 +20,19 @@ def test_answer_in_natural_order_when_not_reversed():
     assert task.problem(999, 1).answer == "1000"
 
 
-def test_training_problems_never_include_heldout_pairs():
-    task = AdditionTask(TaskConfig(n_digits=1, n_heldout=40))
+def test_heldout_validation_and_training_problems_are_disjoint():
+    task = AdditionTask(TaskConfig(n_digits=1, n_heldout=25, n_validation=15))
     held = {p.prompt for p in task.heldout}
-    assert len(held) == 40
+    val = {p.prompt for p in task.validation}
+    assert (len(held), len(val)) == (25, 15) and held.isdisjoint(val)
     drawn = {p.prompt for p in task.sample_train(np.random.default_rng(0), 2000)}
-    assert drawn.isdisjoint(held)
+    assert drawn.isdisjoint(held | val)
     assert len(drawn) == 100 - 40  # every trainable pair of one-digit numbers shows up
+    assert not task.is_trainable(*map(int, task.heldout[0].prompt[:-1].split("+")))
+
+
+def test_heldout_set_does_not_depend_on_the_validation_size():
+    assert AdditionTask(TaskConfig(n_validation=0)).heldout == AdditionTask(TaskConfig(n_validation=300)).heldout
 
 
 def test_split_and_samples_are_deterministic_in_the_seeds():
@@ -47,7 +53,7 @@ def test_prompts_encode_with_the_tokenizer_and_no_special_tokens():
 
 
 @pytest.mark.parametrize("data,field", [({"n_digits": 0}, "task.n_digits"),
-                                        ({"n_heldout": 6000}, "task.n_heldout"),
+                                        ({"n_heldout": 6000}, "task.n_heldout"), ({"n_validation": -1}, "task.n_validation"),
                                         ({"name": "sorting"}, "task.name"),
                                         ({"digits": 2}, "task.digits")])
 def test_bad_task_config_names_the_field(data, field):

@@ -6,9 +6,11 @@
 fastest (each output digit depends on two input digits and the carry just produced),
 which lets a 2-core CPU show an SFT warm start and a GRPO gain in minutes.
 
-Every (a, b) pair is either held out or trainable, never both: the held-out problems are a
-fixed, seeded sample of `n_heldout` pairs; training prompts and SFT demonstrations are drawn
-from the rest. All generators are pure functions of their seeds.
+Every (a, b) pair is in exactly one split: `heldout` (a fixed, seeded sample of
+`n_heldout` pairs: the test set GRPO's before/after accuracy is measured on), `validation`
+(another `n_validation` pairs, for decisions taken during training such as when a warm
+start has learned enough, so the test set never influences a run) or training (everything
+else: RL prompts and SFT demonstrations). All generators are pure functions of their seeds.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class TaskConfig:
     n_digits: int = 2
     reverse_answer: bool = True
     n_heldout: int = 200
+    n_validation: int = 200
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -46,8 +49,10 @@ class TaskConfig:
         check(isinstance(self.n_digits, int) and 1 <= self.n_digits <= 6, "n_digits",
               f"must be an integer in [1, 6], got {self.n_digits!r}")
         n_pairs = 10 ** (2 * self.n_digits)
-        check(isinstance(self.n_heldout, int) and 1 <= self.n_heldout <= n_pairs // 2, "n_heldout",
-              f"must be in [1, {n_pairs // 2}] (half of the {n_pairs} problems), got {self.n_heldout!r}")
+        check(isinstance(self.n_heldout, int) and 1 <= self.n_heldout <= n_pairs // 4, "n_heldout",
+              f"must be in [1, {n_pairs // 4}] (a quarter of the {n_pairs} problems), got {self.n_heldout!r}")
+        check(isinstance(self.n_validation, int) and 0 <= self.n_validation <= n_pairs // 4, "n_validation",
+              f"must be in [0, {n_pairs // 4}] (a quarter of the {n_pairs} problems), got {self.n_validation!r}")
 
 
 class AdditionTask:
@@ -57,10 +62,19 @@ class AdditionTask:
         self.config = config
         self.base = 10 ** config.n_digits
         rng = np.random.default_rng([config.seed, 101])
-        picked = rng.choice(self.base * self.base, size=config.n_heldout, replace=False)
-        self._heldout_ids = frozenset(int(i) for i in picked)
-        self.heldout: list[Problem] = [self.problem(int(i) // self.base, int(i) % self.base)
-                                       for i in sorted(self._heldout_ids)]
+        n_pairs = self.base * self.base
+        heldout = sorted(int(i) for i in rng.choice(n_pairs, size=config.n_heldout, replace=False))
+        taken = set(heldout)
+        validation: list[int] = []
+        rng = np.random.default_rng([config.seed, 103])
+        while len(validation) < config.n_validation:
+            i = int(rng.integers(0, n_pairs))
+            if i not in taken:
+                taken.add(i)
+                validation.append(i)
+        self._excluded = frozenset(taken)
+        self.heldout: list[Problem] = [self.problem(i // self.base, i % self.base) for i in heldout]
+        self.validation: list[Problem] = [self.problem(i // self.base, i % self.base) for i in validation]
 
     def problem(self, a: int, b: int) -> Problem:
         d = self.config.n_digits
@@ -68,17 +82,18 @@ class AdditionTask:
         return Problem(prompt=f"{a:0{d}d}+{b:0{d}d}=",
                        answer=total[::-1] if self.config.reverse_answer else total)
 
-    def is_heldout(self, a: int, b: int) -> bool:
-        return a * self.base + b in self._heldout_ids
+    def is_trainable(self, a: int, b: int) -> bool:
+        """Neither a held-out nor a validation problem."""
+        return a * self.base + b not in self._excluded
 
     def sample_train(self, rng: np.random.Generator, n: int) -> list[Problem]:
-        """`n` problems drawn uniformly from the trainable (not held-out) pairs."""
+        """`n` problems drawn uniformly from the trainable pairs."""
         out: list[Problem] = []
         while len(out) < n:
             ids = rng.integers(0, self.base * self.base, size=2 * (n - len(out)) + 8)
             for i in ids:
                 i = int(i)
-                if i not in self._heldout_ids:
+                if i not in self._excluded:
                     out.append(self.problem(i // self.base, i % self.base))
                     if len(out) == n:
                         break

@@ -32,14 +32,15 @@ def default_run() -> dict[str, Any]:
 
 
 def default_warm_start() -> dict[str, Any]:
-    """The SFT stage before GRPO: demonstrations of the same task (never a held-out
-    problem), stopped while the model is still often wrong so RL has room to improve."""
+    """The SFT stage before GRPO: demonstrations of the same task (never a held-out or
+    validation problem); at most `steps`, but `jrl.train.warm_start` stops it once the
+    model solves 40% of the validation problems, so RL has signal and room to improve."""
     return {
         "name": "warm_start",
         "seed": 0,
-        "steps": 500,
+        "steps": 1500,
         "model": dict(MODEL),
-        "data": {"source": "bundled:addition:60000", "format": "sections",
+        "data": {"source": "bundled:addition:100000", "format": "sections",
                  "sections": [{"field": "prompt"}, {"field": "response", "train": True}],
                  "seq_len": 64, "batch_size": 16, "eval_fraction": 0.0},
         "strategy": {"name": "sft"},

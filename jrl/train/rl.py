@@ -118,6 +118,60 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def engine_config_for(options: GRPOOptions, seq_len: int, n_requests: int, seed: int) -> EngineConfig:
+    """Engine settings sized for `n_requests` concurrent requests of up to `seq_len`
+    tokens, overridden by `strategy.options.engine`."""
+    max_batch = min(_pow2(n_requests), 256)
+    page_size = int(options.engine.get("page_size", 16))
+    pages_per_request = -(-seq_len // max(page_size, 1))
+    derived = {"page_size": page_size, "max_batch": max_batch,
+               "n_pages": _pow2(max_batch * pages_per_request + 8),
+               "max_tokens_per_step": max(max_batch, 1024), "max_seq_len": seq_len, "seed": seed}
+    return from_dict(EngineConfig, {**derived, **options.engine}, prefix="strategy.options.engine.")
+
+
+def serve_weights(engine: Engine | None, params: Any, version: int, model_config: Any,
+                  engine_config: EngineConfig) -> tuple[Engine, bool]:
+    """Makes `engine` (or a new one) serve `params` as `version`, acknowledged.
+    Returns (engine, whether it had to be rebuilt)."""
+    if engine is None:
+        return Engine(model_config, params, engine_config, version=version), False
+    if version == engine.version:
+        # One version is one set of weights, so the engine keeps what it has unless
+        # those buffers were donated to an update since: then every such update was
+        # skipped (non-finite) and `params` holds the same weights in new buffers.
+        # The engine never serves one version with two params objects, so it starts
+        # over with these.
+        if not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(engine.params)):
+            return engine, False
+        return Engine(model_config, params, engine_config, version=version), True
+    ack = engine.update_weights(params, version)
+    if ack.version != version:
+        raise RuntimeError(f"engine acknowledged version {ack.version}, expected {version}")
+    return engine, False
+
+
+def completion_text(tokenizer: Any, c: Completion) -> str:
+    """The decoded response without its stop token."""
+    ids = c.tokens[:-1] if c.finish_reason == "eos" else c.tokens
+    return tokenizer.decode([int(t) for t in ids])
+
+
+def score_problems(engine: Engine, tokenizer: Any, problems: Sequence[Problem], *, max_new_tokens: int,
+                   temperature: float, seed: int, rewards: RewardModel | None = None) -> dict[str, float]:
+    """One completion per problem (greedy when temperature is 0): exact-match accuracy,
+    and the mean reward when `rewards` is given."""
+    prompts = [np.asarray(p, np.int32) for p in encode_prompts(tokenizer, problems)]
+    seeds = np.random.default_rng([seed, 29]).integers(0, 2**32, size=len(prompts), dtype=np.uint64)
+    sampling = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
+    comps = engine.generate(prompts, sampling, max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_id])
+    texts = [completion_text(tokenizer, c) for c in comps]
+    out = {"accuracy": float(np.mean([exact_match(p.prompt, t, p.answer) for p, t in zip(problems, texts)]))}
+    if rewards is not None:
+        out["reward"] = float(rewards([p.prompt for p in problems], texts, [p.answer for p in problems])[0].mean())
+    return out
+
+
 # ----------------------------------------------------------------------------- the source
 
 
@@ -146,14 +200,14 @@ class RolloutSource:
             raise ConfigError(f"data.batch_size: must divide the rollout batch (strategy.options."
                               f"prompts_per_step * group_size = {o.rollout_size}), got {self.batch_size}")
         self.max_version_lag = o.resolved_max_version_lag(self.batch_size)
-        self.engine_config = self._engine_config()
+        self.engine_config = engine_config_for(o, self.seq_len, max(o.rollout_size, len(self.eval_problems)),
+                                               self.seed)
         self.engine: Engine | None = None
         self.engine_rebuilds = 0
         self.rl_step = 0
         self.stale_samples_dropped = 0
         self.stale_batches_regenerated = 0
         self.pending_metrics: dict[str, float] | None = None
-        self.last_ack = None
         self._queue: list[dict[str, np.ndarray]] = []
         self._pending: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -162,18 +216,6 @@ class RolloutSource:
         self._logp_fn = jax.jit(lambda params, rows: policy_stats(mc, params, rows, temperature, chunk)[0].logp)
 
     # ------------------------------------------------------------------ setup
-    def _engine_config(self) -> EngineConfig:
-        o = self.options
-        requests = max(o.rollout_size, len(self.eval_problems))
-        max_batch = min(_pow2(requests), 256)
-        page_size = int(o.engine.get("page_size", 16))
-        pages_per_request = -(-self.seq_len // max(page_size, 1))
-        derived = {"page_size": page_size, "max_batch": max_batch,
-                   "n_pages": _pow2(max_batch * pages_per_request + 8),
-                   "max_tokens_per_step": max(max_batch, 1024), "max_seq_len": self.seq_len,
-                   "seed": self.seed}
-        return from_dict(EngineConfig, {**derived, **o.engine}, prefix="strategy.options.engine.")
-
     def _engine_params(self, params: Any) -> Any:
         """The trainer's params as the engine should hold them: shared (no copy) when
         generation never overlaps an update, a copy when it does (updates donate)."""
@@ -183,24 +225,8 @@ class RolloutSource:
 
     def sync_weights(self, params: Any, version: int) -> None:
         """Makes the engine serve `params` as `version` (acknowledged)."""
-        if self.engine is None:
-            self.engine = Engine(self.model_config, params, self.engine_config, version=version)
-            return
-        if version == self.engine.version:
-            # One version is one set of weights, so the engine keeps what it has unless
-            # those buffers were donated to an update since: then every such update was
-            # skipped (non-finite) and `params` holds the same weights in new buffers.
-            # The engine never serves one version with two params objects, so it starts
-            # over with these.
-            if not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.engine.params)):
-                return
-            self.engine = Engine(self.model_config, params, self.engine_config, version=version)
-            self.engine_rebuilds += 1
-            return
-        ack = self.engine.update_weights(params, version)
-        if ack.version != version:
-            raise RuntimeError(f"engine acknowledged version {ack.version}, expected {version}")
-        self.last_ack = ack
+        self.engine, rebuilt = serve_weights(self.engine, params, version, self.model_config, self.engine_config)
+        self.engine_rebuilds += int(rebuilt)
 
     def reference_params(self) -> Any:
         """The frozen reference policy of the KL penalty: the run's initial params."""
@@ -218,17 +244,13 @@ class RolloutSource:
                                     eos_ids=[self.tokenizer.eos_id])
         return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
 
-    def _completion_text(self, c: Completion) -> str:
-        ids = c.tokens[:-1] if c.finish_reason == "eos" else c.tokens
-        return self.tokenizer.decode([int(t) for t in ids])
-
     def _groups(self, problems: list[Problem], rng: np.random.Generator) -> list[_Group]:
         o = self.options
         prompts = [np.asarray(p, np.int32) for p in encode_prompts(self.tokenizer, problems)]
         sampled = self._sample(prompts, rng, o.temperature, o.group_size)
         groups = []
         for problem, prompt, comps in zip(problems, prompts, sampled):
-            texts = [self._completion_text(c) for c in comps]
+            texts = [completion_text(self.tokenizer, c) for c in comps]
             rewards, terms = self.rewards([problem.prompt] * len(comps), texts, [problem.answer] * len(comps))
             correct = np.array([exact_match(problem.prompt, t, problem.answer) for t in texts], np.float32)
             groups.append(_Group(problem, prompt, comps, rewards, terms, correct))
@@ -380,25 +402,17 @@ class RolloutSource:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, state: Any) -> dict[str, float]:
-        """Held-out accuracy of `state`'s params: greedy and one sample per problem."""
+        """Held-out accuracy of `state`'s params: greedy, and one sample per problem."""
         self._wait_pending()
         version = int(state.policy_version)
         self.sync_weights(self._engine_params(state.params), version)
-        problems = self.eval_problems
-        prompts = [np.asarray(p, np.int32) for p in encode_prompts(self.tokenizer, problems)]
-        out: dict[str, float] = {}
-        rng = np.random.default_rng([self.seed, 29])
-        for name, temperature in (("", 0.0), ("_sampled", self.options.temperature)):
-            comps = [g[0] for g in self._sample(prompts, rng, temperature, 1)] if temperature else \
-                self.engine.generate(prompts, SamplingParams(temperature=0.0),
-                                     max_new_tokens=self.options.max_new_tokens, eos_ids=[self.tokenizer.eos_id])
-            texts = [self._completion_text(c) for c in comps]
-            correct = [exact_match(p.prompt, t, p.answer) for p, t in zip(problems, texts)]
-            out[f"eval_accuracy{name}"] = float(np.mean(correct))
-            if temperature:
-                rewards, _ = self.rewards([p.prompt for p in problems], texts, [p.answer for p in problems])
-                out["eval_reward_sampled"] = float(rewards.mean())
-        return {"step": int(state.step), "policy_version": version, **out}
+        o = self.options
+        common = dict(max_new_tokens=o.max_new_tokens, seed=self.seed)
+        greedy = score_problems(self.engine, self.tokenizer, self.eval_problems, temperature=0.0, **common)
+        sampled = score_problems(self.engine, self.tokenizer, self.eval_problems, temperature=o.temperature,
+                                 rewards=self.rewards, **common)
+        return {"step": int(state.step), "policy_version": version, "eval_accuracy": greedy["accuracy"],
+                "eval_accuracy_sampled": sampled["accuracy"], "eval_reward_sampled": sampled["reward"]}
 
     # ------------------------------------------------------------------ lifecycle
     def _wait_pending(self) -> None:
@@ -458,7 +472,8 @@ class RLCallback(Callback):
         trainer.fire("on_eval", state, row)
 
     def on_train_begin(self, trainer, state) -> None:
-        self._evaluate(trainer, state, "start")
+        if trainer.config.eval.at_end or trainer.config.eval.every:  # the "before" of before/after
+            self._evaluate(trainer, state, "start")
 
     def on_step_begin(self, trainer, state, batch) -> None:
         self._t0 = time.perf_counter()
