@@ -6,6 +6,10 @@ directory (returns once arrays are on the host). `_PendingSave.finish` (caller's
 or a background thread for AsyncCheckpointer): wait for Orbax, write meta.json, hash and
 fsync every file, write manifest.json, fsync directories, publish by atomic rename,
 apply retention, release the lock.
+
+With several JAX processes every process calls `save`; process 0 alone does the steps
+above, except the Orbax save, in which every process writes its shards into the staging
+directory process 0 created. `coordination.SaveGroup` carries the messages between them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jrl.checkpoint import durable, layout, payload
+from jrl.checkpoint.coordination import SaveGroup
 from jrl.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointCorruptError,
@@ -98,7 +103,12 @@ def _build_meta(step: int, state: Any, user_meta: Mapping | None, records: list[
 
 
 class _PendingSave:
-    """A save whose Orbax write is in flight; `finish()` completes and publishes it."""
+    """A save whose Orbax write is in flight; `finish()` completes and publishes it.
+
+    On a process other than 0 of a multi-process save (`group` set, not primary) there is
+    no lock and no meta: `finish()` reports its shards written and waits for process 0 to
+    publish.
+    """
 
     def __init__(
         self,
@@ -107,18 +117,40 @@ class _PendingSave:
         staging: Path,
         checkpointer: ocp.StandardCheckpointer,
         meta: bytes,
-        lock: durable.WriterLock,
+        lock: durable.WriterLock | None,
         keep_last: int | None,
         keep_every: int | None,
+        group: SaveGroup | None = None,
     ):
         self.root, self.step, self.staging = root, step, staging
         self._checkpointer, self._meta, self._lock = checkpointer, meta, lock
         self._keep_last, self._keep_every = keep_last, keep_every
+        self._group = group
 
     def finish(self) -> Path:
-        published = False
+        if self._group is not None and not self._group.is_primary:
+            return self._finish_secondary()
+        return self._finish_primary()
+
+    def _finish_secondary(self) -> Path:
         try:
             self._checkpointer.wait_until_finished()
+        except BaseException as error:
+            self._group.report_payload(error)
+            raise
+        finally:
+            self._checkpointer.close()
+        self._group.report_payload(None)
+        self._group.wait_for_publication()
+        return layout.step_dir(self.root, self.step)
+
+    def _finish_primary(self) -> Path:
+        published = False
+        failure: BaseException | None = None
+        try:
+            self._checkpointer.wait_until_finished()
+            if self._group is not None:
+                self._group.collect_payloads()  # every process's shards are on disk
             durable.write_file_durably(self.staging / META_NAME, self._meta)
             manifest = build_manifest(self.staging)
             durable.write_file_durably(self.staging / MANIFEST_NAME, manifest_bytes(manifest))
@@ -134,44 +166,76 @@ class _PendingSave:
             for victim in victims:
                 layout.remove_step(self.root, victim)
             return final
+        except BaseException as error:
+            failure = error
+            raise
         finally:
             self._checkpointer.close()
             if not published and self.staging.exists():
                 durable.remove_tree(self.staging)
             self._lock.release()
+            if self._group is not None:
+                self._group.announce_publication(failure)
 
 
-def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log) -> _PendingSave:
-    if jax.process_count() > 1:
-        raise RuntimeError(
-            f"jrl.checkpoint writes from a single JAX process; got jax.process_count()="
-            f"{jax.process_count()}"
-        )
-    root = Path(root)
-    step = layout.check_step(step)
-    layout.check_retention(keep_last, keep_every)
-    encoded, records = payload.encode_state(state)
-    meta_bytes = _build_meta(step, state, meta, records)
+def _prepare_staging(root: Path, step: int, metrics_log: Any) -> tuple[durable.WriterLock, Path]:
+    """Takes the writer lock, cleans crash leftovers, fsyncs the metrics log and creates a
+    fresh staging directory; returns (lock, staging). Releases the lock if it fails."""
     durable.make_dirs_durably(root)
     lock = durable.WriterLock(root / layout.LOCK_NAME)
     lock.acquire()
-    checkpointer = None
     staging = layout.hidden_dir(root, step, "staging")
     try:
         layout.clean_leftovers(root)
         if metrics_log is not None:
             metrics_log.flush_and_sync()
         staging.mkdir()
-        checkpointer = ocp.StandardCheckpointer()
-        payload.save_payload(checkpointer, staging / payload.PAYLOAD_DIR, encoded)
     except BaseException:
-        if checkpointer is not None:
-            checkpointer.close()
         if staging.exists():
             durable.remove_tree(staging)
         lock.release()
         raise
-    return _PendingSave(root, step, staging, checkpointer, meta_bytes, lock, keep_last, keep_every)
+    return lock, staging
+
+
+def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log) -> _PendingSave:
+    root = Path(root)
+    step = layout.check_step(step)
+    layout.check_retention(keep_last, keep_every)
+    encoded, records = payload.encode_state(state)
+    meta_bytes = _build_meta(step, state, meta, records)
+    group = SaveGroup.for_save(step, root)  # None for a single process
+    primary = group is None or group.is_primary
+    lock = staging = None
+    if primary:
+        try:
+            lock, staging = _prepare_staging(root, step, metrics_log)
+        except BaseException as error:
+            if group is not None:
+                group.share_staging(None, error)
+            raise
+    if group is not None:
+        staging = group.share_staging(staging)
+    checkpointer = None
+    try:
+        if group is None:
+            checkpointer = ocp.StandardCheckpointer()
+        else:
+            checkpointer = ocp.StandardCheckpointer(multiprocessing_options=group.orbax_options())
+        payload.save_payload(checkpointer, staging / payload.PAYLOAD_DIR, encoded)
+    except BaseException as error:
+        if checkpointer is not None:
+            checkpointer.close()
+        if primary:
+            if staging.exists():
+                durable.remove_tree(staging)
+            lock.release()
+            if group is not None:
+                group.announce_publication(error)
+        else:
+            group.report_payload(error)
+        raise
+    return _PendingSave(root, step, staging, checkpointer, meta_bytes, lock, keep_last, keep_every, group)
 
 
 def save(
