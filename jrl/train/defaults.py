@@ -17,7 +17,7 @@ def default_run() -> dict[str, Any]:
     return {
         "name": "default",
         "seed": 0,
-        "steps": 150,
+        "steps": 300,
         "model": dict(MODEL),
         "data": {"seq_len": 16, "batch_size": 256},
         "strategy": {"name": "grpo", "options": {
@@ -25,7 +25,7 @@ def default_run() -> dict[str, Any]:
             "epochs": 1, "engine": {"page_size": 4}}},
         "optimizer": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.0, "clip_norm": 1.0},
         "schedule": {"kind": "constant"},
-        "checkpoint": {"interval": 50, "keep_last": 2},
+        "checkpoint": {"interval": 100, "keep_last": 2},
         "eval": {"every": 50},
         "logging": {"log_every": 1},
     }

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jrl.config import ConfigError, ModelConfig
 from jrl.data.tasks import TaskConfig
 from jrl.train.logprobs import TargetStats, hidden_states, target_stats
-from jrl.train.rewards import reward_specs_from_config
+from jrl.train.rewards import RewardModel, reward_specs_from_config
 from jrl.train.strategies import register_strategy
 from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric
 
@@ -251,7 +251,8 @@ class GRPOOptions:
                   "max_version_lag", f"must be an integer >= 0 or null, got {self.max_version_lag!r}")
         check(isinstance(self.engine, dict), "engine", f"must be a mapping, got {self.engine!r}")
         self.loss_config()  # validates the objective's fields
-        reward_specs_from_config(self.rewards, "strategy.options.rewards")
+        RewardModel(reward_specs_from_config(self.rewards, "strategy.options.rewards"),
+                    "strategy.options.rewards")  # resolves every fn now: errors before any run
 
     @property
     def rollout_size(self) -> int:

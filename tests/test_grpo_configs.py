@@ -1,0 +1,49 @@
+"""The shipped GRPO configs and the embedded default resolve, and their options are checked."""
+
+from pathlib import Path
+
+import pytest
+
+from jrl.config import ConfigError, load_train_config
+from jrl.train.__main__ import main
+from jrl.train.defaults import default_run
+from jrl.train.strategies import get_strategy, strategy_options
+from jrl.train.warm_start import warm_start_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("name", ["grpo_addition", "grpo_warm_start"])
+def test_shipped_grpo_configs_dry_run(name, capsys):
+    assert main(["--config", str(CONFIGS / f"{name}.yaml"), "--dry-run"]) == 0
+    assert f"# output_dir: runs/{name}" in capsys.readouterr().out
+
+
+def test_grpo_config_starts_from_the_warm_start_config_run():
+    grpo = load_train_config(str(CONFIGS / "grpo_addition.yaml"))
+    warm = load_train_config(str(CONFIGS / "grpo_warm_start.yaml"))
+    assert grpo.init_from == f"{warm.run_dir}/checkpoints"
+    assert grpo.model == warm.model
+
+
+def test_default_is_grpo_and_its_warm_start_shares_model_and_seed():
+    config = load_train_config(None, ["model.hidden_size=32", "seed=3"], base=default_run())
+    assert config.strategy.name == "grpo" and config.init_from is None
+    warm = warm_start_config(config)
+    assert warm.strategy.name == "sft" and warm.data.source.startswith("bundled:addition")
+    assert (warm.model, warm.seed) == (config.model, 3)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"group_size": 1}, "strategy.options.group_size: must be an integer >= 2, got 1"),
+    ({"temperature": 0.0}, "strategy.options.temperature: must be > 0"),
+    ({"tis_cap": 2.0}, "strategy.options.tis_cap: needs old_logp: recomputed"),
+    ({"old_logp": "trainer"}, "strategy.options.old_logp: must be one of"),
+    ({"rewards": [{"fn": "nope"}]}, r"strategy.options.rewards\[0\].fn: unknown built-in reward 'nope'"),
+    ({"task": {"n_digits": 9}}, "task.n_digits"),
+    ({"max_version_lag": -1}, "strategy.options.max_version_lag"),
+    ({"aggregation": "dr_grpo", "clip_eps_low": 1.5}, "strategy.options.clip_eps_low"),
+])
+def test_bad_grpo_options_name_the_field(options, message):
+    with pytest.raises(ConfigError, match=message):
+        strategy_options(get_strategy("grpo"), options)
