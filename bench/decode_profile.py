@@ -43,21 +43,26 @@ import subprocess
 import sys
 import time
 import traceback
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # (name, XLA_FLAGS, code variants); the first worker carries the default-flag variants.
+# The run recorded in docs/performance.md ("Decode step fixed cost", 2026-11-29) used the
+# PLAN of commit 4598ab4 (command-buffer and loop-unrolling flags: none helped). This one
+# tests what that run pointed at: metadata at 256-byte offsets ("_aligned"), so that the
+# Mosaic kernels accept a program without the layer loop, whose static weight slices need
+# no per-layer copies.
 PLAN = [
-    ("A", "", "real,real_dev,argmax,nohead,noattn,layers1"),
-    ("U", "", "unroll_opaque,unroll_const"),
-    ("cb_while", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL", "real"),
-    ("cb_while_unroll", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL "
-                        "--xla_gpu_command_buffer_unroll_loops=true", "real"),
-    ("cb_off", "--xla_gpu_enable_command_buffer=", "real"),
-    ("hlo_full_unroll", "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL", "real"),
-    ("cb_min1", "--xla_gpu_graph_min_graph_size=1", "real"),
-    ("cb_while_min1", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1", "real"),
+    ("A", "", "real,real_dev,argmax,noattn,layers1,layers1_aligned,real_aligned"),
+    ("U", "", "unroll_opaque_aligned,unroll_const_aligned"),
+    ("hlo_full_unroll", "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL", "real_aligned"),
 ]
+
+# The Mosaic GPU kernels reject inputs that are not 256-byte aligned; without a layer loop
+# XLA hands them slices of the packed int32 metadata upload at whatever offset the field
+# has. "_aligned" variants pad the packed fields to 64-element (256-byte) offsets.
+ALIGN_INTS = 64
 
 
 def log(msg: str) -> None:
@@ -213,6 +218,30 @@ def build_model_variants():
     return UnrolledTransformer
 
 
+def aligned_layout_class():
+    """A StepLayout whose int fields start at multiples of ALIGN_INTS (pad fields between)."""
+    from jrl.rollout.executor import StepLayout
+
+    @dataclasses.dataclass(frozen=True)
+    class AlignedLayout(StepLayout):
+        def int_fields(self):
+            out, offset = [], 0
+            for i, (name, shape) in enumerate(super().int_fields()):
+                if offset % ALIGN_INTS:
+                    pad = ALIGN_INTS - offset % ALIGN_INTS
+                    out.append((f"_pad{i}", (pad,)))
+                    offset += pad
+                out.append((name, shape))
+                offset += np_prod(shape)
+            return out
+
+    return AlignedLayout
+
+
+def base_variant(variant: str) -> str:
+    return variant.removesuffix("_aligned")
+
+
 def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: str):
     """A jitted step with the executor's signature. "real"/"layers1" are the executor's own
     program; the others mirror it with one part swapped."""
@@ -225,6 +254,7 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
     from jrl.rollout.sampling import SamplingArrays, sample
     from pallas_kernels import dispatch as kernels
 
+    variant = base_variant(variant)
     if variant in ("real", "real_dev", "layers1"):
         return step_function(cfg, page_size, max_rows, impl).fn
 
@@ -280,8 +310,9 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
     return jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
 
 
-def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int):
-    """A decode batch as the engine builds it: `batch` requests at `context` tokens."""
+def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, aligned: bool = False):
+    """A decode batch as the engine builds it: `batch` requests at `context` tokens (the
+    same inputs for every variant at one batch size)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -291,19 +322,23 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int):
     per_req = -(-context // page_size)
     cols = 1 << (per_req - 1).bit_length()
     n_slots = batch * per_req * page_size
-    layout = StepLayout(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
+    layout_cls = aligned_layout_class() if aligned else StepLayout
+    layout = layout_cls(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
                         penalties=False, mode="greedy")
     rng = np.random.default_rng(seed)
     table = np.zeros((batch, cols), np.int32)
     table[:, :per_req] = np.arange(batch * per_req, dtype=np.int32).reshape(batch, per_req)
     last = context - 1
-    ints = pack(layout.int_fields(), dict(
+    values = dict(
         tokens=rng.integers(0, cfg.vocab_size, batch, dtype=np.int32), tok_src=np.full(batch, -1, np.int32),
         positions=np.full(batch, last, np.int32),
         out_cache_loc=(table[:, last // page_size] * page_size + last % page_size).astype(np.int32),
         cu_q_lens=np.arange(batch + 1, dtype=np.int32), kv_lens=np.full(batch, context, np.int32),
         page_table=table, top_k=np.zeros(batch, np.int32), seed=np.zeros(batch, np.int32),
-        index=np.zeros(batch, np.int32), window=np.zeros((batch, 0), np.int32)), np.int32)
+        index=np.zeros(batch, np.int32), window=np.zeros((batch, 0), np.int32))
+    for name, shape in layout.int_fields():
+        values.setdefault(name, np.zeros(shape, np.int32))  # alignment padding
+    ints = pack(layout.int_fields(), values, np.int32)
     floats = pack(layout.float_fields(), dict(
         temperature=np.zeros(batch), top_p=np.ones(batch), min_p=np.zeros(batch),
         repetition_penalty=np.ones(batch), frequency_penalty=np.zeros(batch),
@@ -369,6 +404,7 @@ def trace_step(out_dir: str, b: int, params, fn, case, emit, n: int = 10) -> Non
 
 def worker(args) -> None:
     import jax
+    import numpy as np
 
     from decode_throughput import MODEL, TINY, kv_bytes_per_token
     from jrl.models import init_params
@@ -400,13 +436,14 @@ def worker(args) -> None:
                 emit({"variant": variant, "batch": b, "error": "skipped: deadline before compile"})
                 continue
             vcfg, vparams = cfg, params
-            if variant == "layers1":
+            if base_variant(variant) == "layers1":
                 if params1 is None:
                     params1 = dict(params, layers=jax.tree.map(lambda x: x[:1], params["layers"]))
                 vcfg, vparams = cfg1, params1
             try:
                 fn = make_variant_step(vcfg, args.page_size, b, impl, variant)
-                case = synthetic_batch(vcfg, b, context, args.page_size, seed=b)
+                case = synthetic_batch(vcfg, b, context, args.page_size, seed=b,
+                                       aligned=variant.endswith("_aligned"))
                 layout, ints, floats, k, v, prev = case
                 t0 = time.perf_counter()
                 compiled_text = None
@@ -415,6 +452,8 @@ def worker(args) -> None:
                 out = fn(vparams, k, v, prev, ints, floats, layout=layout)
                 jax.block_until_ready(out)
                 first_s = time.perf_counter() - t0
+                # Same inputs for every variant at this batch: equal token hashes = same output.
+                tok_hash = f"{zlib.crc32(np.asarray(out[0]).tobytes()):08x}"
                 case = (layout, ints, floats, out[-2], out[-1], prev)
                 if compiled_text is not None:
                     with open(os.path.join(out_dir, f"hlo_real_b{b}.txt"), "w") as f:
@@ -423,7 +462,7 @@ def worker(args) -> None:
                     with open(os.path.join(out_dir, "hlo_stats.json"), "w") as f:
                         json.dump(stats, f, indent=1)
                     log(f"[{name}] HLO real b={b}: {hlo_summary_line(stats)}")
-                ready.append((variant, b, vcfg, vparams, fn, case, first_s))
+                ready.append((variant, b, vcfg, vparams, fn, case, first_s, tok_hash))
             except Exception as e:  # noqa: BLE001 - record the failure, keep the others
                 log(traceback.format_exc())
                 emit({"variant": variant, "batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -435,7 +474,7 @@ def worker(args) -> None:
     to_trace = None
     with open(os.path.join(out_dir, "gpu.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for variant, b, vcfg, vparams, fn, case, first_s in ready:
+        for variant, b, vcfg, vparams, fn, case, first_s, tok_hash in ready:
             if time.time() > deadline - 5:
                 emit({"variant": variant, "batch": b, "error": "skipped: deadline before timing"})
                 continue
@@ -443,7 +482,7 @@ def worker(args) -> None:
                 row, case = time_replays(fn, vparams, case, variant == "real_dev", args.rounds, args.per_round)
                 kv = b * context * kv_bytes_per_token(vcfg)
                 vbytes = sum(x.nbytes for x in jax.tree.leaves(vparams)) + kv
-                row.update(variant=variant, batch=b, first_call_s=first_s,
+                row.update(variant=variant, batch=b, first_call_s=first_s, tok_hash=tok_hash,
                            floor_ms=1e3 * vbytes / args.bandwidth, n_layers=vcfg.n_layers)
                 emit(row)
                 if args.trace and variant == "real" and b == batches[0]:
@@ -564,15 +603,16 @@ def print_table(header: dict, rows: list[dict]) -> None:
         if r["variant"] == "trace_real" and "error" not in r:
             log(f"trace b={r['batch']}: traced step {r['ms']:.3f} ms, kernels/step {r['kernels_per_step']}, "
                 f"GPU busy {r['gpu_busy_ms']:.3f} ms, span {r['gpu_span_ms']:.3f} ms")
-    log(f"{'worker':<16s} {'variant':<14s} {'b':>3s} {'ms':>7s} {'min':>7s} {'disp':>7s} {'floor':>6s} {'1st s':>6s}")
+    log(f"{'worker':<16s} {'variant':<21s} {'b':>3s} {'ms':>7s} {'min':>7s} {'disp':>7s} {'floor':>6s} "
+        f"{'1st s':>6s} tokens")
     for r in rows:
         if r["variant"] == "trace_real" and "error" not in r:
             continue
         if "error" in r:
-            log(f"{r['worker']:<16s} {r['variant']:<14s} {r['batch']:>3d} ERROR {r['error'][:90]}")
+            log(f"{r['worker']:<16s} {r['variant']:<21s} {r['batch']:>3d} ERROR {r['error'][:90]}")
             continue
-        log(f"{r['worker']:<16s} {r['variant']:<14s} {r['batch']:>3d} {r['ms']:7.3f} {r['ms_min']:7.3f} "
-            f"{r['disp_ms']:7.3f} {r['floor_ms']:6.3f} {r['first_call_s']:6.1f}")
+        log(f"{r['worker']:<16s} {r['variant']:<21s} {r['batch']:>3d} {r['ms']:7.3f} {r['ms_min']:7.3f} "
+            f"{r['disp_ms']:7.3f} {r['floor_ms']:6.3f} {r['first_call_s']:6.1f} {r.get('tok_hash', '')}")
 
 
 def hlo_only(args) -> None:
