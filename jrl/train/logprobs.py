@@ -6,17 +6,82 @@ tokens at a time inside a `lax.map` whose body is rematerialised (`jax.checkpoin
 the forward pass keeps only per-token scalars and the backward pass recomputes one
 chunk of logits at a time: peak logits memory is `chunk_size * vocab` floats instead of
 `B * S * vocab`.
+
+Attention layout: `hidden_states` tells dense attention how the rows are laid out
+(`max_segments`, see `jrl.models.attention.DenseAttention`): the `max_segments` argument
+when given, else the value of the enclosing `attention_layout(...)` block, else 0 (the
+segment mask, right for any layout). The train step opens that block with the value
+`batch_max_segments` computed on the host, so every strategy that goes through
+`hidden_states` gets the fast GPU path without knowing about it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+import contextvars
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.models import dense_attention, forward, lm_logits
+
+_MAX_SEGMENTS = contextvars.ContextVar("jrl_attention_max_segments", default=0)
+
+
+def _check_max_segments(max_segments: int) -> int:
+    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or max_segments < 0:
+        raise ValueError(f"max_segments: must be an integer >= 0, got {max_segments!r}")
+    return int(max_segments)
+
+
+@contextlib.contextmanager
+def attention_layout(max_segments: int) -> Iterator[None]:
+    """Within the block, `hidden_states` calls without an explicit `max_segments` use this
+    one. It is read when a function is *traced*: open the block inside the jitted function
+    (with `max_segments` a static argument), as `jrl.train.step` does. A jitted helper
+    that calls `hidden_states` and is traced once keeps the layout of its first trace."""
+    token = _MAX_SEGMENTS.set(_check_max_segments(max_segments))
+    try:
+        yield
+    finally:
+        _MAX_SEGMENTS.reset(token)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def batch_max_segments(segment_ids) -> int:
+    """Host-side: the attention layout (`max_segments`) that a batch of `segment_ids`
+    (last axis = tokens of a row, any leading axes) keeps, for `attention_layout`.
+
+    * 1 when every row is one document followed only by padding (`[a, .., a, 0, .., 0]`,
+      or a single id throughout): plain causal attention. Padding comes after the
+      document, so causal masking alone keeps it out of every real token; the padding
+      positions themselves then see the document, which changes nothing a loss reads
+      as long as it masks padding (`loss_mask` is 0 there in every built-in batch).
+    * 0 when a row reuses an id in two separate runs (`[1, 1, 2, 1]`): only the segment
+      mask lets those runs attend to each other.
+    * otherwise the largest number of contiguous runs in a row (padding runs included),
+      rounded up to a power of two >= 2, so a run compiles a handful of programs.
+    """
+    seg = np.asarray(segment_ids)
+    if seg.ndim == 0:
+        raise ValueError(f"segment_ids: must have a token axis, got a scalar {seg!r}")
+    if seg.size == 0:
+        return 0
+    rows = seg.reshape(-1, seg.shape[-1])
+    runs = (np.diff(rows, axis=-1) != 0).sum(axis=-1) + 1
+    one_document = (runs == 1) | ((runs == 2) & (rows[:, 0] != 0) & (rows[:, -1] == 0))
+    if one_document.all():
+        return 1
+    distinct = (np.diff(np.sort(rows, axis=-1), axis=-1) != 0).sum(axis=-1) + 1
+    if (distinct < runs).any():
+        return 0
+    return max(2, _next_power_of_two(int(runs.max())))
 
 
 class TargetStats(NamedTuple):
@@ -62,13 +127,17 @@ def target_stats(config: ModelConfig, params: dict, hidden: jax.Array, targets: 
 
 
 def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
-                  segment_ids: jax.Array) -> tuple[jax.Array, dict]:
+                  segment_ids: jax.Array, *, max_segments: int | None = None) -> tuple[jax.Array, dict]:
     """Final hidden states `[B, S, D]` and the model's aux dict (MoE losses) for a dense
-    causal batch in which tokens attend only within their own segment."""
+    causal batch in which tokens attend only within their own segment.
+
+    `max_segments`: the rows' layout promise (see the module doc and
+    `batch_max_segments`); None takes the enclosing `attention_layout` (0 outside one)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
-    out = forward(config, params, tokens, positions, dense_attention(segment_ids),
+    layout = _MAX_SEGMENTS.get() if max_segments is None else _check_max_segments(max_segments)
+    out = forward(config, params, tokens, positions, dense_attention(segment_ids, max_segments=layout),
                   token_mask=segment_ids > 0)
     return out.hidden, out.aux
 

@@ -2,13 +2,19 @@
 
 `make_step_fns` builds jitted functions from the same pure pieces:
 
-* `update(state, batch, reference_params) -> (state, metrics)`: the whole step as one
-  program with the state donated (used unless a callback edits gradients);
-* `compute_grads(state, batch, reference_params) -> (grads, info)` and
+* `update(state, batch, reference_params, max_segments=0) -> (state, metrics)`: the
+  whole step as one program with the state donated (used unless a callback edits
+  gradients);
+* `compute_grads(state, batch, reference_params, max_segments=0) -> (grads, info)` and
   `apply_grads(state, grads, info) -> (state, metrics)`: the same step split in two so
   `before_optimizer_step` callbacks can see and replace the gradients in between;
-* `evaluate(params, batch, reference_params, rng, policy_version)`: the summed loss,
-  weight and metrics of a batch without gradients (held-out evaluation).
+* `evaluate(params, batch, reference_params, rng, policy_version, max_segments=0)`: the
+  summed loss, weight and metrics of a batch without gradients (held-out evaluation).
+
+`max_segments` (static: one compiled program per value) is the batch's attention layout,
+`jrl.train.logprobs.batch_max_segments(batch["segment_ids"])` on the host; the loss runs
+inside `attention_layout(max_segments)`, so `hidden_states` gives dense attention that
+promise (0, the default, is the segment mask and right for any batch).
 
 `batch` fields carry a leading micro-batch axis `[M, b, ...]`; the micro-batches are
 scanned, their loss sums, weights, metric sums and gradients added up, and the sums are
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from jrl.config import ModelConfig
+from jrl.train.logprobs import attention_layout
 from jrl.train.schedules import Schedule
 from jrl.train.state import TrainState
 from jrl.train.strategies.base import LossContext, Strategy
@@ -63,13 +70,14 @@ def _micro_keys(state: TrainState, n: int) -> jax.Array:
 
 def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chunk_size: int,
                 params: Any, batch: dict, reference_params: Any, keys: jax.Array,
-                policy_version: jax.Array, with_grads: bool):
+                policy_version: jax.Array, with_grads: bool, max_segments: int):
     """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis."""
 
     def loss_of(p, micro, key):
         ctx = LossContext(rng=key, policy_version=policy_version, reference_params=reference_params,
                           options=options, chunk_size=chunk_size)
-        out = strategy.loss_fn(model_config, p, micro, ctx)
+        with attention_layout(max_segments):  # read by hidden_states while this is traced
+            out = strategy.loss_fn(model_config, p, micro, ctx)
         return jnp.asarray(out.total, jnp.float32), (jnp.asarray(out.weight, jnp.float32), out.metrics)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -103,11 +111,11 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
     """Jitted update / split update / evaluation for this model, strategy and optimizer
     (placed by `shardings` when given; otherwise wherever their inputs are)."""
 
-    def compute_grads(state: TrainState, batch: dict, reference_params: Any):
+    def compute_grads(state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         total, weight, metrics, grads = _accumulate(
             model_config, strategy, options, chunk_size, state.params, batch, reference_params,
-            _micro_keys(state, n_micro), state.policy_version, with_grads=True)
+            _micro_keys(state, n_micro), state.policy_version, with_grads=True, max_segments=max_segments)
         denom = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss, reduced = _finish_metrics(total, weight, metrics)
@@ -141,30 +149,35 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         }
         return new_state, metrics
 
-    def update(state: TrainState, batch: dict, reference_params: Any):
-        grads, info = compute_grads(state, batch, reference_params)
+    def update(state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
+        grads, info = compute_grads(state, batch, reference_params, max_segments)
         return apply_grads(state, grads, info)
 
-    def evaluate(params: Any, batch: dict, reference_params: Any, rng: jax.Array, policy_version: jax.Array):
+    def evaluate(params: Any, batch: dict, reference_params: Any, rng: jax.Array, policy_version: jax.Array,
+                 max_segments: int = 0):
         """Summed loss/weight/metric sums of one batch (no gradients), for held-out eval."""
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         total, weight, metrics, _ = _accumulate(
             model_config, strategy, options, chunk_size, params, batch, reference_params,
-            jax.random.split(rng, n_micro), policy_version, with_grads=False)
+            jax.random.split(rng, n_micro), policy_version, with_grads=False, max_segments=max_segments)
         return total, weight, metrics
 
+    # max_segments is static and positional (jit takes no keyword arguments with in_shardings)
     if shardings is None:
         return StepFns(
-            update=jax.jit(update, donate_argnums=0),
-            compute_grads=jax.jit(compute_grads),
+            update=jax.jit(update, donate_argnums=0, static_argnums=3),
+            compute_grads=jax.jit(compute_grads, static_argnums=3),
             apply_grads=jax.jit(apply_grads, donate_argnums=0),
-            evaluate=jax.jit(evaluate),
+            evaluate=jax.jit(evaluate, static_argnums=5),
         )
     state, batch, ref, rep = shardings
     return StepFns(
-        update=jax.jit(update, in_shardings=(state, batch, ref), out_shardings=(state, rep), donate_argnums=0),
-        compute_grads=jax.jit(compute_grads, in_shardings=(state, batch, ref), out_shardings=(state.params, rep)),
+        update=jax.jit(update, in_shardings=(state, batch, ref), out_shardings=(state, rep), donate_argnums=0,
+                       static_argnums=3),
+        compute_grads=jax.jit(compute_grads, in_shardings=(state, batch, ref), out_shardings=(state.params, rep),
+                              static_argnums=3),
         apply_grads=jax.jit(apply_grads, in_shardings=(state, state.params, rep), out_shardings=(state, rep),
                             donate_argnums=0),
-        evaluate=jax.jit(evaluate, in_shardings=(state.params, batch, ref, None, None), out_shardings=rep),
+        evaluate=jax.jit(evaluate, in_shardings=(state.params, batch, ref, None, None), out_shardings=rep,
+                         static_argnums=5),
     )
