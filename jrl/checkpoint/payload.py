@@ -141,17 +141,21 @@ def restore_payload(directory: Path, records: list[dict], target: Any = None) ->
     """Restores the payload in `directory`, undoing the encodings listed in `records`.
 
     Without `target` the structure is Orbax's (nested dicts and lists: namedtuples and
-    dataclasses come back as dicts) and arrays land on the default device. With
-    `target` (a pytree of arrays or jax.ShapeDtypeStruct, shardings included) the result
-    has exactly the target's structure, dtypes and shardings.
+    dataclasses come back as dicts) and arrays keep the shardings they were saved with
+    when this process has those devices, else land on this process's first local device
+    (a checkpoint of an 8-device or multi-host run, read on one device). With `target` (a
+    pytree of arrays or jax.ShapeDtypeStruct, shardings included) the result has exactly
+    the target's structure, dtypes and shardings.
     """
     by_path = _records_by_path(records)
+    if target is None:
+        fallback = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+            raw = checkpointer.restore(directory, args=ocp.args.StandardRestore(fallback_sharding=fallback))
+        return jax.tree_util.tree_map_with_path(
+            lambda kp, v: _decode_leaf(v, by_path.get(path_names(kp))), raw
+        )
     with ocp.StandardCheckpointer() as checkpointer:
-        if target is None:
-            raw = checkpointer.restore(directory)
-            return jax.tree_util.tree_map_with_path(
-                lambda kp, v: _decode_leaf(v, by_path.get(path_names(kp))), raw
-            )
         abstract = jax.tree_util.tree_map_with_path(
             lambda kp, x: _abstract_leaf(path_names(kp), x, by_path.get(path_names(kp))), target
         )

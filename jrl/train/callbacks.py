@@ -24,6 +24,10 @@ given), metrics log, progress bar, checkpointing, plot. So a step's evaluation
 (`on_checkpoint`) comes last. If any callback overrides
 `before_optimizer_step`, the step runs as two jitted halves with the hook in between;
 otherwise it is a single jitted update.
+
+In a multi-process run every process runs every callback (a checkpoint is a joint save
+of all processes), but only process 0 (`trainer.is_main_process`) writes the metrics log
+and the plot and shows the progress bar.
 """
 
 from __future__ import annotations
@@ -128,11 +132,12 @@ class MetricsLogger(Callback):
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         step = metrics["step"]
-        if step % self.log_every == 0 or step == trainer.config.steps:
+        if trainer.is_main_process and (step % self.log_every == 0 or step == trainer.config.steps):
             trainer.metrics_log.append(metrics)
 
     def on_eval(self, trainer, state, metrics) -> None:
-        trainer.metrics_log.append(metrics)
+        if trainer.is_main_process:
+            trainer.metrics_log.append(metrics)
 
 
 class ProgressBar(Callback):
@@ -142,6 +147,8 @@ class ProgressBar(Callback):
         self.bar = None
 
     def on_train_begin(self, trainer, state) -> None:
+        if not trainer.is_main_process:
+            return
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=trainer.config.steps, initial=int(state.step), desc=trainer.config.name,
@@ -198,6 +205,8 @@ class PlotCallback(Callback):
     """Renders `metrics.png` from the metrics log when training ends."""
 
     def on_train_end(self, trainer, state) -> None:
+        if not trainer.is_main_process:
+            return
         from jrl.plot import plot_run
 
         trainer.metrics_log.flush_and_sync()

@@ -5,7 +5,8 @@ loop with callbacks, checkpoints, resumes, and stops cleanly on SIGTERM / SIGINT
     state = trainer.fit(resume=True)
 
 A run directory holds `config.yaml` (resolved), `metrics.jsonl`, `checkpoints/step_<N>/`
-and `metrics.png`.
+and `metrics.png`. In a multi-process run every process takes part in each checkpoint
+save, and only process 0 writes the other files.
 
 Placement: the run lives on `trainer.mesh`, one device without a `parallel` config section,
 else a `(data, fsdp, tensor)` mesh over every device (jrl.parallel). Params are created
@@ -36,6 +37,8 @@ from jrl.models import init_params
 from jrl.parallel import (BATCH_AXES, init_sharded_params, initialize_distributed, make_mesh, param_shardings,
                           shard_params, with_shardings)
 from jrl.train import callbacks as cb
+from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
+from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
 from jrl.train.state import TrainState, init_sharded_train_state
@@ -59,21 +62,6 @@ def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
     if (p / "checkpoints").is_dir():
         return p / "checkpoints", None
     return p, None
-
-
-def flops_per_token(config, params: Any, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x active matmul params + attention (12 L H D S)."""
-    mc = config
-    n = 0.0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        names = [str(getattr(k, "key", k)) for k in path]
-        if names[0] == "embed" and not mc.tie_embeddings:
-            continue
-        size = float(np.prod(leaf.shape))
-        if "moe" in names and "router" not in names and "shared_expert" not in names:
-            size *= mc.n_experts_per_tok / mc.n_experts
-        n += size
-    return 6.0 * n + 12.0 * mc.n_layers * mc.n_heads * mc.qk_head_dim * seq_len
 
 
 # Fields that may differ between init_from's model and the run's: numerics and training-only.
@@ -193,6 +181,12 @@ class Trainer:
         return self._tokenizer
 
     @property
+    def is_main_process(self) -> bool:
+        """True on the one process that writes the run directory's files (metrics log,
+        config.yaml, plot): process 0 of a multi-process run, or the only process."""
+        return jax.process_index() == 0
+
+    @property
     def mesh(self) -> Mesh:
         """The devices this run trains on (see `run_mesh`)."""
         if self._mesh is None:
@@ -238,6 +232,8 @@ class Trainer:
     def _clear_run_dir(self) -> None:
         import shutil
 
+        if not self.is_main_process:
+            return
         if self.checkpoint_dir.exists():
             shutil.rmtree(self.checkpoint_dir)
         for name in ("metrics.jsonl", "metrics.png"):
@@ -274,18 +270,21 @@ class Trainer:
             del state, params
             state, meta = checkpoint.load(self.checkpoint_dir, resume_step, target=target,
                                           verify=c.checkpoint.verify_on_load)
-            self.metrics_log.truncate_after(int(state.step))
+            if self.is_main_process:
+                self.metrics_log.truncate_after(int(state.step))
             self.last_saved_step = int(state.step)
         self.state = state  # sources may read the (resumed) state
         self._make_sources()
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
             self.train_source.load_state_dict(meta["data"])
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
+        if self.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
                                   shardings=self._shardings)
-        self._flops_per_token = flops_per_token(c.model, state.params, c.data.seq_len)
+        if self._peak_flops():
+            matmul_params(c.model)  # counted once here (cached), not inside a timed step
         return state
 
     # ------------------------------------------------------------------ steps
@@ -345,20 +344,30 @@ class Trainer:
                 return tflops * 1e12
         return None
 
+    @staticmethod
+    def attention_layout(batch: dict) -> int:
+        """The `max_segments` the step tells dense attention for `batch` (host arrays):
+        1 for one document per row, the packed runs rounded up to a power of two, 0 (the
+        segment mask) without `segment_ids` or when a row reuses an id in separate runs
+        (`jrl.train.logprobs.batch_max_segments`). Each value is one compiled program."""
+        seg = batch.get("segment_ids")
+        return 0 if seg is None else batch_max_segments(seg)
+
     def train_step(self, batch: dict) -> dict:
         """One optimizer step on `batch` (host arrays, leading axis = rows), callbacks
         included; returns the step's host metrics."""
         state = self.state
         self.fire("on_step_begin", state, batch)
+        layout = self.attention_layout(batch)
         micro = self._on_mesh(self._micro(batch))
         if self._split:
-            grads, info = self._fns.compute_grads(state, micro, self.reference_params)
+            grads, info = self._fns.compute_grads(state, micro, self.reference_params, layout)
             for c in self.callbacks:
                 grads = c.before_optimizer_step(self, state, grads)
             grads = jax.device_put(grads, self._shardings.state.params)  # edited grads back in place
             new_state, metrics = self._fns.apply_grads(state, grads, info)
         else:
-            new_state, metrics = self._fns.update(state, micro, self.reference_params)
+            new_state, metrics = self._fns.update(state, micro, self.reference_params, layout)
         self.state = new_state
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
@@ -366,6 +375,7 @@ class Trainer:
         self._last_time = now
         seg = batch.get("segment_ids")
         tokens = int(np.count_nonzero(seg)) if seg is not None else int(np.size(batch[next(iter(batch))]))
+        span = attention_span(seg) if seg is not None else np.shape(batch[next(iter(batch))])[-1]
         row = {"step": int(new_state.step), "policy_version": int(new_state.policy_version)}
         row.update({k: _finite(float(v)) for k, v in metrics.items()})
         row["update_applied"] = bool(metrics["update_applied"])
@@ -373,7 +383,7 @@ class Trainer:
         row["tokens"] = tokens
         row["tokens_per_s"] = tokens / elapsed if elapsed else None
         peak = self._peak_flops()
-        row["mfu"] = (row["tokens_per_s"] * self._flops_per_token / (peak * self.mesh.size)
+        row["mfu"] = (row["tokens_per_s"] * model_flops_per_token(self.config.model, span) / (peak * self.mesh.size)
                       if peak and row["tokens_per_s"] else None)
         self.fire("after_optimizer_step", new_state, row)
         return row
@@ -385,8 +395,8 @@ class Trainer:
         sums: dict[str, list[float]] = {}
         for i, batch in enumerate(self.eval_batches):
             t, w, m = jax.device_get(self._fns.evaluate(state.params, self._on_mesh(self._micro(batch)),
-                                                        self.reference_params,
-                                                        jax.random.key(i), state.policy_version))
+                                                        self.reference_params, jax.random.key(i),
+                                                        state.policy_version, self.attention_layout(batch)))
             total += float(t)
             weight += float(w)
             for k, (s, n) in m.items():
