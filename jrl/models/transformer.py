@@ -64,6 +64,10 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     config: ModelConfig
+    # Inference option: unroll the layer scan (same params). Each layer then reads static
+    # slices of the stacked weights instead of dynamic-slicing them inside a loop, which
+    # on GPU costs a copy of every layer's weights per call (docs/performance.md).
+    unroll_layers: bool = False
 
     def setup(self) -> None:
         cfg = self.config
@@ -82,6 +86,7 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.n_layers,
+            unroll=cfg.n_layers if self.unroll_layers else 1,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg)
         self.final_norm = RMSNorm(cfg.rms_norm_eps, pd, "embed")
@@ -134,9 +139,12 @@ def param_logical_axes(config: ModelConfig) -> dict:
 
 
 def forward(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
-            backend: Any, cache: Any = None, token_mask: jax.Array | None = None) -> ModelOutput:
-    """Hidden states for `tokens [B, S]` at `positions [B, S]` through `backend`."""
-    return Transformer(config).apply({"params": params}, tokens, positions, backend, cache, token_mask)
+            backend: Any, cache: Any = None, token_mask: jax.Array | None = None,
+            unroll_layers: bool = False) -> ModelOutput:
+    """Hidden states for `tokens [B, S]` at `positions [B, S]` through `backend`.
+    `unroll_layers`: unroll the layer loop (same params and results; for inference
+    programs, where it avoids per-layer weight copies at a longer compile)."""
+    return Transformer(config, unroll_layers=unroll_layers).apply({"params": params}, tokens, positions, backend, cache, token_mask)
 
 
 def lm_logits(config: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:

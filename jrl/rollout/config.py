@@ -35,6 +35,11 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+# unroll_layers=None per backend: off until a GPU measurement shows a gain
+# (docs/performance.md, "Decode step fixed cost").
+UNROLL_LAYERS_DEFAULT: dict[str, bool] = {"gpu": False}
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Settings of one `Engine` (see docs/rollout.md for how they interact).
@@ -55,6 +60,9 @@ class EngineConfig:
     them (abort, discard their tokens, re-queue) under the new weights. attention_impl:
     `pallas_kernels` implementation. overlap: schedule step n+1 while step n runs and read
     sampled tokens one step late. seed: derives the sampling seed of requests without one.
+    unroll_layers: unroll the model's layer loop in the step programs (same tokens and
+    logprobs; no per-layer weight copies on GPU, longer compiles); None: the measured
+    default for the backend (`UNROLL_LAYERS_DEFAULT`).
     """
 
     page_size: int = 16
@@ -72,6 +80,7 @@ class EngineConfig:
     attention_impl: Literal["auto", "reference", "pallas", "interpret"] = "auto"
     overlap: bool = True
     seed: int = 0
+    unroll_layers: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -96,6 +105,14 @@ class EngineConfig:
                f"must be 'finish' or 'restart', got {self.on_weight_update!r}")
         _check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "attention_impl",
                f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
+        _check(self.unroll_layers in (None, True, False), "unroll_layers",
+               f"must be True, False or None (backend default), got {self.unroll_layers!r}")
+
+    def resolved_unroll_layers(self, backend: str) -> bool:
+        """`unroll_layers`, or the default for `backend` ("gpu", "cpu", ...) when None."""
+        if self.unroll_layers is not None:
+            return self.unroll_layers
+        return UNROLL_LAYERS_DEFAULT.get(backend, False)
 
     @property
     def n_slots(self) -> int:

@@ -37,12 +37,26 @@ class StepLayout:
     window: int  # penalty window columns sent from the host (0 without penalties)
     penalties: bool
     mode: str  # "greedy" | "sample" | "filter"
+    # Each int field starts at a multiple of this many elements (zero padding between).
+    # 64 (256 bytes) when the layer loop is unrolled: the Mosaic GPU kernels then get
+    # the metadata as slices of the packed upload and require 256-byte-aligned inputs.
+    int_align: int = 1
 
     def int_fields(self) -> list[tuple[str, tuple[int, ...]]]:
         t, r = self.n_tokens, self.n_rows
-        return [("tokens", (t,)), ("tok_src", (t,)), ("positions", (t,)), ("out_cache_loc", (t,)),
-                ("cu_q_lens", (r + 1,)), ("kv_lens", (r,)), ("page_table", (r, self.n_page_cols)),
-                ("top_k", (r,)), ("seed", (r,)), ("index", (r,)), ("window", (r, self.window))]
+        fields = [("tokens", (t,)), ("tok_src", (t,)), ("positions", (t,)), ("out_cache_loc", (t,)),
+                  ("cu_q_lens", (r + 1,)), ("kv_lens", (r,)), ("page_table", (r, self.n_page_cols)),
+                  ("top_k", (r,)), ("seed", (r,)), ("index", (r,)), ("window", (r, self.window))]
+        if self.int_align == 1:
+            return fields
+        out, offset = [], 0
+        for name, shape in fields:
+            gap = -offset % self.int_align
+            if gap:
+                out.append((PAD_PREFIX + name, (gap,)))
+            out.append((name, shape))
+            offset += gap + int(np.prod(shape))
+        return out
 
     def float_fields(self) -> list[tuple[str, tuple[int, ...]]]:
         r = self.n_rows
@@ -50,10 +64,13 @@ class StepLayout:
                                     "frequency_penalty", "presence_penalty")]
 
 
+PAD_PREFIX = "_pad_before_"  # alignment gaps in StepLayout.int_fields (packed as zeros)
+
+
 def pack(fields: list[tuple[str, tuple[int, ...]]], values: dict[str, np.ndarray], dtype) -> np.ndarray:
     parts = []
     for name, shape in fields:
-        v = np.asarray(values[name])
+        v = np.zeros(shape, dtype) if name.startswith(PAD_PREFIX) else np.asarray(values[name])
         if v.dtype == np.uint32:
             v = v.view(np.int32)
         assert v.shape == shape, f"{name}: shape {v.shape} != layout {shape}"
@@ -70,6 +87,9 @@ def unpack(fields: list[tuple[str, tuple[int, ...]]], flat: jax.Array) -> dict[s
     return out
 
 
+INT_ALIGN_UNROLLED = 64  # int32 elements = 256 bytes
+
+
 @dataclasses.dataclass
 class StepFunction:
     fn: object  # the jitted step
@@ -78,16 +98,20 @@ class StepFunction:
 
 @functools.lru_cache(maxsize=None)
 def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
-                  heads: HeadSplit | None = None) -> StepFunction:
+                  heads: HeadSplit | None = None, unroll_layers: bool = False) -> StepFunction:
     """The jitted step for one model and engine geometry (cached: engines and `generate`
     calls with the same settings reuse the compiled programs). `heads`: the tensor-parallel
-    attention split (None: one device)."""
+    attention split (None: one device). `unroll_layers`: unroll the layer loop (layouts
+    must then use `int_align=INT_ALIGN_UNROLLED`)."""
     holder = StepFunction(fn=None)
     absorb = config.attention == "mla"
     v_head_dim = config.kv_lora_rank if absorb else None
 
     def step(params, k_buf, v_buf, prev_tokens, ints, floats, layout: StepLayout):
         holder.traces += 1  # runs once per trace, i.e. per compiled program
+        if unroll_layers and layout.int_align % INT_ALIGN_UNROLLED:
+            raise ValueError(f"layout.int_align: must be a multiple of {INT_ALIGN_UNROLLED} with "
+                             f"unroll_layers, got {layout.int_align}")
         i = unpack(layout.int_fields(), ints)
         f = unpack(layout.float_fields(), floats)
         t = layout.n_tokens
@@ -100,7 +124,7 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
                                  decode=layout.decode, absorb_mla=absorb, v_head_dim=v_head_dim, impl=impl,
                                  heads=heads)
         out = forward(config, params, tokens[None], i["positions"][None], backend,
-                      cache=(k_buf, v_buf), token_mask=real[None])
+                      cache=(k_buf, v_buf), token_mask=real[None], unroll_layers=unroll_layers)
         k_buf, v_buf = out.cache
         last = jnp.maximum(cu[1:] - 1, 0)  # final query row of each request
         logits = lm_logits(config, params, out.hidden[0, last])  # [R, V]
