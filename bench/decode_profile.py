@@ -16,16 +16,19 @@ to dispatch one step (when disp ~ ms the host, not the GPU, sets the pace). Vari
   no sampler either (argmax over the hidden state);
 * noattn: the attention kernel replaced by a no-op (the KV write kept);
 * layers1: the same step for a 1-layer model (per-layer cost = (real - layers1) / 15);
+* engine_unroll: the engine's own step with `unroll_layers=True` (EngineConfig.unroll_layers:
+  layer loop unrolled, int metadata at 256-byte offsets); its tokens and logprobs are
+  compared with "real" on the same inputs (`tok=` agreement, `dlogp` max |difference|);
 * unroll_opaque / unroll_const: the layer scan fully unrolled (the layer index hidden
   behind an optimization barrier, or left constant);
 * XLA flag variants: each in its own process with XLA_FLAGS set (see PLAN).
 
 Workers (one process per XLA_FLAGS setting) compile concurrently, then time one at a time
-under a lock so no two measure together. Worker A also records a profiler trace of the
-batch-1 real step (kernels per step, GPU busy time, top kernels, top host events) and
+under a lock so no two measure together. Each worker also records a profiler trace of its first
+variant's batch-1 step (kernels per step, GPU busy time, top kernels, top host events) and
 the GPU-optimized HLO's instruction counts per computation. Everything goes to
-`$OUT` (or --out): results.json, trace_b1.json, hlo_real_b1.txt, worker logs; the table
-prints last.
+`$OUT` (or --out): results.json, trace_<variant>_b1.json, hlo_<variant>_b1.txt and
+hlo_stats_<variant>.json of each worker's first variant, worker logs; the table prints last.
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # tests what that run pointed at: metadata at 256-byte offsets ("_aligned"), so that the
 # Mosaic kernels accept a program without the layer loop, whose static weight slices need
 # no per-layer copies.
+# The run of commit 237d42a's PLAN was not made; this PLAN measures the engine option
+# that came of it (EngineConfig.unroll_layers) against the scanned step, at batch 1, 64, 256.
 PLAN = [
-    ("A", "", "real,real_dev,argmax,noattn,layers1,layers1_aligned,real_aligned"),
-    ("U", "", "unroll_opaque_aligned,unroll_const_aligned"),
-    ("hlo_full_unroll", "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL", "real_aligned"),
+    ("A", "", "real"),
+    ("U", "", "engine_unroll"),
 ]
 
 # The Mosaic GPU kernels reject inputs that are not 256-byte aligned; without a layer loop
@@ -218,24 +222,9 @@ def build_model_variants():
     return UnrolledTransformer
 
 
-def aligned_layout_class():
-    """A StepLayout whose int fields start at multiples of ALIGN_INTS (pad fields between)."""
-    from jrl.rollout.executor import StepLayout
-
-    @dataclasses.dataclass(frozen=True)
-    class AlignedLayout(StepLayout):
-        def int_fields(self):
-            out, offset = [], 0
-            for i, (name, shape) in enumerate(super().int_fields()):
-                if offset % ALIGN_INTS:
-                    pad = ALIGN_INTS - offset % ALIGN_INTS
-                    out.append((f"_pad{i}", (pad,)))
-                    offset += pad
-                out.append((name, shape))
-                offset += np_prod(shape)
-            return out
-
-    return AlignedLayout
+def aligned(variant: str) -> bool:
+    """Variants whose int metadata is packed at ALIGN_INTS offsets."""
+    return variant.endswith("_aligned") or variant == "engine_unroll"
 
 
 def base_variant(variant: str) -> str:
@@ -257,6 +246,8 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
     variant = base_variant(variant)
     if variant in ("real", "real_dev", "layers1"):
         return step_function(cfg, page_size, max_rows, impl).fn
+    if variant == "engine_unroll":
+        return step_function(cfg, page_size, max_rows, impl, unroll_layers=True).fn
 
     class NoAttention(PagedAttention):
         def _attend_packed(self, scale, q, k, v, k_buf, v_buf, layer, *metadata):
@@ -322,9 +313,8 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, al
     per_req = -(-context // page_size)
     cols = 1 << (per_req - 1).bit_length()
     n_slots = batch * per_req * page_size
-    layout_cls = aligned_layout_class() if aligned else StepLayout
-    layout = layout_cls(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
-                        penalties=False, mode="greedy")
+    layout = StepLayout(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
+                        penalties=False, mode="greedy", int_align=ALIGN_INTS if aligned else 1)
     rng = np.random.default_rng(seed)
     table = np.zeros((batch, cols), np.int32)
     table[:, :per_req] = np.arange(batch * per_req, dtype=np.int32).reshape(batch, per_req)
@@ -336,8 +326,6 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, al
         cu_q_lens=np.arange(batch + 1, dtype=np.int32), kv_lens=np.full(batch, context, np.int32),
         page_table=table, top_k=np.zeros(batch, np.int32), seed=np.zeros(batch, np.int32),
         index=np.zeros(batch, np.int32), window=np.zeros((batch, 0), np.int32))
-    for name, shape in layout.int_fields():
-        values.setdefault(name, np.zeros(shape, np.int32))  # alignment padding
     ints = pack(layout.int_fields(), values, np.int32)
     floats = pack(layout.float_fields(), dict(
         temperature=np.zeros(batch), top_p=np.ones(batch), min_p=np.zeros(batch),
@@ -378,8 +366,8 @@ def time_replays(fn, params, case, device_args: bool, rounds: int, per_round: in
     return row, (layout, ints, floats, k, v, prev)
 
 
-def trace_step(out_dir: str, b: int, params, fn, case, emit, n: int = 10) -> None:
-    """Profiler trace of `n` back-to-back replays, summarised (trace_b{b}.json)."""
+def trace_step(out_dir: str, variant: str, b: int, params, fn, case, emit, n: int = 10) -> None:
+    """Profiler trace of `n` back-to-back replays, summarised (trace_{variant}_b{b}.json)."""
     import jax
     from jax._src.lib import _profiler
     from jax.profiler import ProfileOptions
@@ -394,9 +382,9 @@ def trace_step(out_dir: str, b: int, params, fn, case, emit, n: int = 10) -> Non
     traced_ms = 1e3 * (time.perf_counter() - t0) / n
     summary = trace_summary(session.stop(), n)
     summary["traced_step_ms"] = traced_ms
-    with open(os.path.join(out_dir, f"trace_b{b}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"trace_{variant}_b{b}.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    emit({"variant": "trace_real", "batch": b, "ms": traced_ms,
+    emit({"variant": "trace_" + variant, "batch": b, "ms": traced_ms,
           "kernels_per_step": summary.get("kernels_per_step"),
           "gpu_busy_ms": (summary.get("gpu_busy_us_per_step") or 0) / 1e3,
           "gpu_span_ms": (summary.get("gpu_span_us_per_step") or 0) / 1e3})
@@ -443,26 +431,29 @@ def worker(args) -> None:
             try:
                 fn = make_variant_step(vcfg, args.page_size, b, impl, variant)
                 case = synthetic_batch(vcfg, b, context, args.page_size, seed=b,
-                                       aligned=variant.endswith("_aligned"))
+                                       aligned=aligned(variant))
                 layout, ints, floats, k, v, prev = case
                 t0 = time.perf_counter()
                 compiled_text = None
-                if args.hlo and variant == "real" and b == batches[0]:
+                if args.hlo and variant == variants[0] and b == batches[0]:
                     compiled_text = fn.lower(vparams, k, v, prev, ints, floats, layout=layout).compile().as_text()
                 out = fn(vparams, k, v, prev, ints, floats, layout=layout)
                 jax.block_until_ready(out)
                 first_s = time.perf_counter() - t0
                 # Same inputs for every variant at this batch: equal token hashes = same output.
                 tok_hash = f"{zlib.crc32(np.asarray(out[0]).tobytes()):08x}"
+                readback = np.asarray(out[1])
+                first_out = {"tokens": readback[0].view(np.int32)[:b].tolist(),
+                             "logp": readback[2][:b].tolist()}  # model logprobs of the tokens
                 case = (layout, ints, floats, out[-2], out[-1], prev)
                 if compiled_text is not None:
-                    with open(os.path.join(out_dir, f"hlo_real_b{b}.txt"), "w") as f:
+                    with open(os.path.join(out_dir, f"hlo_{variant}_b{b}.txt"), "w") as f:
                         f.write(compiled_text)
                     stats = hlo_stats(compiled_text)
-                    with open(os.path.join(out_dir, "hlo_stats.json"), "w") as f:
+                    with open(os.path.join(out_dir, f"hlo_stats_{variant}.json"), "w") as f:
                         json.dump(stats, f, indent=1)
-                    log(f"[{name}] HLO real b={b}: {hlo_summary_line(stats)}")
-                ready.append((variant, b, vcfg, vparams, fn, case, first_s, tok_hash))
+                    log(f"[{name}] HLO {variant} b={b}: {hlo_summary_line(stats)}")
+                ready.append((variant, b, vcfg, vparams, fn, case, first_s, tok_hash, first_out))
             except Exception as e:  # noqa: BLE001 - record the failure, keep the others
                 log(traceback.format_exc())
                 emit({"variant": variant, "batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -474,7 +465,7 @@ def worker(args) -> None:
     to_trace = None
     with open(os.path.join(out_dir, "gpu.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for variant, b, vcfg, vparams, fn, case, first_s, tok_hash in ready:
+        for variant, b, vcfg, vparams, fn, case, first_s, tok_hash, first_out in ready:
             if time.time() > deadline - 5:
                 emit({"variant": variant, "batch": b, "error": "skipped: deadline before timing"})
                 continue
@@ -483,22 +474,22 @@ def worker(args) -> None:
                 kv = b * context * kv_bytes_per_token(vcfg)
                 vbytes = sum(x.nbytes for x in jax.tree.leaves(vparams)) + kv
                 row.update(variant=variant, batch=b, first_call_s=first_s, tok_hash=tok_hash,
-                           floor_ms=1e3 * vbytes / args.bandwidth, n_layers=vcfg.n_layers)
+                           floor_ms=1e3 * vbytes / args.bandwidth, n_layers=vcfg.n_layers, **first_out)
                 emit(row)
-                if args.trace and variant == "real" and b == batches[0]:
-                    to_trace = (b, vparams, fn, case)
+                if args.trace and variant == variants[0] and b == batches[0]:
+                    to_trace = (variant, b, vparams, fn, case)
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
                 emit({"variant": variant, "batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             del case
         if to_trace is not None and time.time() < deadline - 8:
             # Last: a profiler session is the one step that could take the process down.
-            b, vparams, fn, case = to_trace
+            variant, b, vparams, fn, case = to_trace
             try:
-                trace_step(out_dir, b, vparams, fn, case, emit)
+                trace_step(out_dir, variant, b, vparams, fn, case, emit)
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
-                emit({"variant": "trace_real", "batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                emit({"variant": "trace_" + variant, "batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
         fcntl.flock(lock, fcntl.LOCK_UN)
 
 
@@ -553,8 +544,7 @@ def orchestrate(args) -> None:
                "--page-size", str(args.page_size)]
         if args.tiny:
             cmd.append("--tiny")
-        if name == "A":
-            cmd += ["--trace", "--hlo"]
+        cmd += ["--trace", "--hlo"]
         logf = open(os.path.join(args.out, f"log_{name}.txt"), "w")
         procs[name] = (subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env), logf)
     # Go once every worker has compiled (or died), or at the barrier deadline.
@@ -600,19 +590,30 @@ def print_table(header: dict, rows: list[dict]) -> None:
     log(f"{header.get('gpu', '')} jax {header['jax']} copy {header['copy_bandwidth_tb_s']:.2f} TB/s "
         f"go after {header.get('go_after_s', 0):.0f}s")
     for r in rows:
-        if r["variant"] == "trace_real" and "error" not in r:
-            log(f"trace b={r['batch']}: traced step {r['ms']:.3f} ms, kernels/step {r['kernels_per_step']}, "
+        if r["variant"].startswith("trace_") and "error" not in r:
+            log(f"{r['variant']} b={r['batch']}: traced step {r['ms']:.3f} ms, kernels/step {r['kernels_per_step']}, "
                 f"GPU busy {r['gpu_busy_ms']:.3f} ms, span {r['gpu_span_ms']:.3f} ms")
     log(f"{'worker':<16s} {'variant':<21s} {'b':>3s} {'ms':>7s} {'min':>7s} {'disp':>7s} {'floor':>6s} "
-        f"{'1st s':>6s} tokens")
+        f"{'1st s':>6s} tokens   vs real")
+    base = {r["batch"]: r for r in rows if r["variant"] == "real" and "tokens" in r}
     for r in rows:
-        if r["variant"] == "trace_real" and "error" not in r:
+        if r["variant"].startswith("trace_") and "error" not in r:
             continue
         if "error" in r:
             log(f"{r['worker']:<16s} {r['variant']:<21s} {r['batch']:>3d} ERROR {r['error'][:90]}")
             continue
         log(f"{r['worker']:<16s} {r['variant']:<21s} {r['batch']:>3d} {r['ms']:7.3f} {r['ms_min']:7.3f} "
-            f"{r['disp_ms']:7.3f} {r['floor_ms']:6.3f} {r['first_call_s']:6.1f} {r.get('tok_hash', '')}")
+            f"{r['disp_ms']:7.3f} {r['floor_ms']:6.3f} {r['first_call_s']:6.1f} {r.get('tok_hash', '')} "
+            f"{compare(base.get(r['batch']), r)}")
+
+
+def compare(ref: dict | None, r: dict) -> str:
+    """Token agreement and max |logprob difference| of a variant against "real"."""
+    if ref is None or ref is r or "tokens" not in r or len(ref["tokens"]) != len(r["tokens"]):
+        return ""
+    same = sum(a == b for a, b in zip(ref["tokens"], r["tokens"]))
+    both = [abs(a - b) for a, b, x, y in zip(ref["logp"], r["logp"], ref["tokens"], r["tokens"]) if x == y]
+    return f"tok={same}/{len(r['tokens'])} dlogp={max(both, default=0.0):.2e}"
 
 
 def hlo_only(args) -> None:
