@@ -10,10 +10,11 @@ gradients, global-norm clipping, AdamW from `build_optimizer`, state donated) on
 tokens, one micro-batch of `--batch` rows of `--seq` tokens, float32 master weights and
 bf16 compute (like PyTorch autocast). A variant sets the remat policy, the LM-head chunk
 (`lm_head_chunk`: no full `[B, S, vocab]` float32 logits), AdamW's first-moment dtype
-and the attention layout (`max_segments`: the segment mask, the trainer's path today;
-plain causal for one document per row; cuDNN's packed layout for several documents per
-row). MFU counts model FLOPs only: 6 x matmul params per token + causal attention within
-each document (half of 12 L H D S), against 989 TFLOP/s.
+and the attention layout (`max_segments`: the segment mask, the trainer's path before
+it passed the layout; plain causal for one document per row; cuDNN's packed layout for
+several documents per row). MFU counts model FLOPs only (`jrl.train.flops.model_flops_per_token`, the trainer's
+count too): 6 x matmul params per token + causal attention within each document (half of
+12 L H D S), against 989 TFLOP/s.
 
 `--check` first compares the attention jrl picks on this device (cuDNN on a GPU) with
 XLA's on small random inputs, forward and gradients, with and without the mask.
@@ -41,6 +42,7 @@ import numpy as np
 from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig
 from jrl.models import dense_attention, forward, init_params
 from jrl.models.attention import attention_implementation
+from jrl.train.flops import model_flops_per_token as flops_per_token
 from jrl.train.logprobs import target_stats
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
@@ -65,7 +67,7 @@ class Variant:
     chunk: int = 0  # TrainConfig.lm_head_chunk (0: whole [B, S, V] logits at once)
     mu_dtype: str | None = None  # OptimizerConfig.mu_dtype
     # Attention layout promise (`dense_attention(max_segments=...)`): 0 = segment mask
-    # (the trainer's `seq` strategy today), 1 = one document per row, k = packed runs.
+    # (what the trainer used for every batch before it passed the layout), 1 = one document per row, k = packed runs.
     max_segments: int = 0
     docs_per_row: int = 1  # documents packed in each row (equal lengths)
     batch_scale: int = 1  # multiplies --batch (remat frees memory for bigger batches)
@@ -89,23 +91,9 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (everything but norms and the
-    input embedding lookup; the LM head counts, tied or not)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    attn = h * cfg.n_heads * hd * 2 + h * cfg.n_kv_heads * hd * 2
-    mlp = 3 * h * cfg.intermediate_size
-    return cfg.n_layers * (attn + mlp) + h * cfg.vocab_size
-
-
-def flops_per_token(cfg: ModelConfig, seq: int) -> float:
-    """Model training FLOPs per token: 6 N + causal attention (6 L H D S, i.e. 12 L H D S halved)."""
-    return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq
-
-
 def layout_cross_entropy(max_segments: int):
     """The `seq` loss (next-token CE over loss_mask) with the attention told the rows'
-    layout (`max_segments`), which the trainer's `seq` strategy does not pass yet."""
+    layout (`max_segments`) directly (the trainer now sets it per batch, jrl.train.step)."""
 
     def loss_fn(config, params, batch, ctx) -> LossOutput:
         tokens = jnp.asarray(batch["tokens"], jnp.int32)
