@@ -53,7 +53,7 @@ def rollout_rows(rows):
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
-    config = tiny(steps=6)
+    config = tiny(steps=6, dynamic_sampling_rounds=2)
     config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, at_end=True))
     return run(config, tmp_path_factory.mktemp("sync"))
 
@@ -85,6 +85,15 @@ def test_engine_logprobs_equal_trainer_logprobs_of_the_same_version(sync_run):
 def test_group_samples_share_their_prompt_prefill(sync_run):
     _, rows = sync_run
     assert all(r["prefix_cached_tokens"] > 0 for r in rollout_rows(rows))
+
+
+def test_dynamic_sampling_refills_groups_without_signal(sync_run):
+    _, rows = sync_run
+    for r in rollout_rows(rows):
+        drawn, flat = r["groups_drawn"], r["groups_zero_variance"]
+        assert r["groups_kept"] == r["groups_trained"] == min(4, drawn - flat)
+        assert drawn in (4, 8, 12)  # up to 2 more rounds of 4 prompts ...
+        assert drawn == 12 or drawn - flat >= 4  # ... drawn only while groups were missing
 
 
 def test_rows_report_rollout_and_update_metrics(sync_run):

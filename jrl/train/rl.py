@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import sys
 import time
 from typing import Any, Sequence
@@ -263,10 +262,11 @@ class RolloutSource:
         rng = np.random.default_rng([self.seed, 17, rl_step])
         kept: list[_Group] = []
         spare: list[_Group] = []
-        drawn = zero_variance = 0
+        drawn: list[_Group] = []
+        zero_variance = 0
         for _ in range(1 + o.dynamic_sampling_rounds):
             groups = self._groups(self.task.sample_train(rng, o.prompts_per_step), rng)
-            drawn += len(groups)
+            drawn += groups
             for g in groups:
                 signal = g.rewards.max() > g.rewards.min()
                 zero_variance += not signal
@@ -303,16 +303,17 @@ class RolloutSource:
 
         versions = np.array([int(c.versions.min()) for c in comps], np.int64)
         mixed = sum(int(c.versions.min() != c.versions.max()) for c in comps)
-        lengths = np.array([len(c.tokens) for c in comps], np.float32)
-        correct = np.concatenate([g.correct for g in groups])
+        # reward / accuracy / length statistics of everything sampled, not only the trained groups
+        all_rewards = np.concatenate([g.rewards for g in drawn])
+        lengths = np.array([len(c.tokens) for g in drawn for c in g.completions], np.float32)
         metrics = {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
-            "accuracy": float(correct.mean()),
+            "reward_mean": float(all_rewards.mean()),
+            "reward_std": float(all_rewards.std()),
+            "accuracy": float(np.concatenate([g.correct for g in drawn]).mean()),
             "response_len_mean": float(lengths.mean()),
             "response_len_max": float(lengths.max()),
-            "truncated_frac": float(np.mean([c.finish_reason == "length" for c in comps])),
-            "groups_drawn": float(drawn),
+            "truncated_frac": float(np.mean([c.finish_reason == "length" for g in drawn for c in g.completions])),
+            "groups_drawn": float(len(drawn)),
             "groups_zero_variance": float(zero_variance),
             "groups_kept": float(n_kept),
             "logp_diff_mean": float(diff.sum() / max(mask.sum(), 1.0)),
@@ -325,7 +326,7 @@ class RolloutSource:
         }
         if len(self.rewards.names) > 1:
             for name in self.rewards.names:
-                metrics[f"reward_{name}"] = float(np.concatenate([g.terms[name] for g in groups]).mean())
+                metrics[f"reward_{name}"] = float(np.concatenate([g.terms[name] for g in drawn]).mean())
         return Rollout(rows, versions, group_kept, metrics)
 
     @staticmethod
