@@ -1,5 +1,5 @@
-"""EngineConfig.unroll_layers: the unrolled layer loop serves the same tokens and logprobs
-as the scanned one, with the int metadata packed at 256-byte offsets."""
+"""EngineConfig.unroll_layers: decode steps with the unrolled layer loop serve the same
+tokens and logprobs as the scanned ones, with the int metadata packed at 256-byte offsets."""
 
 import jax
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
 from jrl.rollout import Engine, EngineConfig, SamplingParams
-from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, unpack
+from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, step_function, unpack
 
 MODEL = ModelConfig()  # tiny float32 GQA model: vocab 256, 2 layers
 ENGINE = dict(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=32, token_buckets=(32,),
@@ -52,8 +52,21 @@ def test_aligned_layout_starts_every_int_field_at_256_bytes_and_round_trips():
         np.testing.assert_array_equal(np.asarray(out[name]), v)
 
 
-def test_unroll_layers_default_is_off_on_cpu_and_bad_value_is_named():
+def test_unrolled_decode_step_rejects_unaligned_metadata():
+    fn = step_function(MODEL, 8, 4, "reference", unroll_layers=True).fn
+    layout = StepLayout(decode=True, n_tokens=4, n_rows=4, n_page_cols=8, window=0, penalties=False,
+                        mode="greedy")
+    n_int = sum(int(np.prod(s)) for _, s in layout.int_fields())
+    kv = np.zeros((MODEL.n_layers, 64, MODEL.n_kv_heads, MODEL.head_dim), np.float32)
+    with pytest.raises(ValueError, match="layout.int_align"):
+        fn({}, kv, kv, np.zeros(4, np.int32), np.zeros(n_int, np.int32), np.zeros(24, np.float32),
+           layout=layout)
+
+
+def test_unroll_layers_default_is_on_for_gpu_only_and_bad_value_is_named():
+    assert EngineConfig().resolved_unroll_layers("gpu") is True
     assert EngineConfig().resolved_unroll_layers("cpu") is False
+    assert EngineConfig(unroll_layers=False).resolved_unroll_layers("gpu") is False
     assert EngineConfig(unroll_layers=True).resolved_unroll_layers("cpu") is True
     with pytest.raises(ConfigError, match="engine.unroll_layers"):
         EngineConfig(unroll_layers="yes")

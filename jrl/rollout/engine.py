@@ -98,7 +98,6 @@ class Engine:
         self._col_buckets = config.page_col_buckets(model_config)
         self.max_rows = self._batch_buckets[-1]
         self.unroll_layers = config.resolved_unroll_layers(jax.default_backend())
-        self._int_align = INT_ALIGN_UNROLLED if self.unroll_layers else 1
         self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
                                            self.unroll_layers)
@@ -249,7 +248,8 @@ class Engine:
         penalties, mode = batch_mode([e.req.sampling for e in entries if e.sample] or [GREEDY])
         window = self.config.penalty_window - 1 if penalties else 0
         layout = StepLayout(decode=batch.decode, n_tokens=n_tokens, n_rows=n_rows, n_page_cols=n_cols,
-                            window=window, penalties=penalties, mode=mode, int_align=self._int_align)
+                            window=window, penalties=penalties, mode=mode,
+                            int_align=INT_ALIGN_UNROLLED if self.unroll_layers and batch.decode else 1)
 
         tokens = np.zeros(n_tokens, np.int32)
         tok_src = np.full(n_tokens, -1, np.int32)  # >= 0: take the previous step's sample at that row
