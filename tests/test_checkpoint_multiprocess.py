@@ -88,8 +88,9 @@ TINY = {
 def two_processes(tmp_path_factory):
     """One launch of checkpoint_multiprocess_worker.py as processes 0 and 1: checkpoints in
     `run/checkpoints` (step 1 blocking, steps 2 and 3 async with keep_last=2, step 3
-    re-published), then the training runs `straight` (4 steps, checkpoints at 2 and 4) and
-    `resumed` (a copy of straight's step 2 and full metrics log, resumed to step 4)."""
+    re-published), a save into `broken` that process 0 cannot lock, then the training runs
+    `straight` (4 steps, checkpoints at 2 and 4) and `resumed` (a copy of straight's step 2
+    and full metrics log, resumed to step 4)."""
     workdir = tmp_path_factory.mktemp("two_processes")
     config = workdir / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
@@ -159,6 +160,15 @@ def test_only_process_zero_touches_the_metrics_log(saved):
     root, _ = saved
     assert read_metrics(root.parent / "metrics.jsonl") == [{"step": 1, "loss": 1.5}]
     assert not (root.parent / "metrics-process1.jsonl").exists()  # process 1's log was ignored
+
+
+def test_a_failure_of_process_zero_is_raised_on_every_process(saved):
+    root, reports = saved
+    lock = root.parent / "broken" / ".jrl-checkpoint.lock"
+    assert reports[0]["failure"] == f"IsADirectoryError: [Errno 21] Is a directory: '{lock}'"
+    assert reports[1]["failure"] == (f"RuntimeError: checkpoint save of step 1: process 0 could not prepare it: "
+                                     f"IsADirectoryError: [Errno 21] Is a directory: '{lock}'")
+    assert ckpt.all_steps(root.parent / "broken") == []
 
 
 def test_both_processes_restore_the_checkpoint_onto_another_mesh(saved):

@@ -12,7 +12,8 @@ Checkpoints (`<dir>/run/checkpoints`), every process:
 2. saves steps 2 and 3 through an AsyncCheckpointer (keep_last=2, so step 1 goes), running
    sharded computations while the saves finish in the background;
 3. re-publishes step 3 with other contents (blocking);
-4. loads step 3 back together, verified, onto another mesh.
+4. saves into a root where process 0 cannot take the writer lock: both must raise;
+5. loads step 3 back together, verified, onto another mesh.
 
 The state of step s with seed k: params = sharded init with seed k on `fsdp=8`, Adam-like
 moments = params / 2, a replicated typed key of seed k, step s, policy version s, a numpy
@@ -82,6 +83,16 @@ def checkpoints(root: Path) -> dict:
         paths.append(saver.wait())
     paths.append(ckpt.save(root, 3, make_state(3, seed=4), meta={"note": "re-published"}))
 
+    broken = root.parent / "broken"  # process 0 cannot take the writer lock there: it is a directory
+    if process == 0:
+        (broken / ".jrl-checkpoint.lock").mkdir(parents=True)
+    multihost_utils.sync_global_devices("broken root prepared")
+    try:
+        ckpt.save(broken, 1, make_state(1, seed=1))
+        failure = None
+    except Exception as e:  # reported, then the saves below (training) must still work
+        failure = f"{type(e).__name__}: {e}"
+
     other_mesh = make_mesh(ParallelConfig(data=2, fsdp=2, tensor=2))
     wanted = make_state(3, seed=4)
     abstract = jax.eval_shape(lambda: wanted)
@@ -93,7 +104,7 @@ def checkpoints(root: Path) -> dict:
     host = lambda xs: [multihost_utils.process_allgather(x, tiled=True) for x in xs]  # all values, every process
     equal = all(np.array_equal(a, b) for a, b in zip(host(arrays(wanted)), host(arrays(loaded))))
     return {
-        "paths": [str(p) for p in paths], "losses": losses, "loaded_equal": equal,
+        "paths": [str(p) for p in paths], "losses": losses, "failure": failure, "loaded_equal": equal,
         "loaded_mesh_shape": dict(loaded["params"]["layers"]["attn"]["q_proj"]["kernel"].sharding.mesh.shape),
         "loaded_scalars": [loaded["step"], int(loaded["policy_version"]), type(loaded["policy_version"]).__name__,
                            loaded["cursor"].tolist()],
