@@ -9,7 +9,8 @@ and come back updated in place. The sampled tokens stay on device, padded to `ma
 so the next step can read its decode inputs from them (`tok_src`) without a host sync
 (`max_rows`: the largest row bucket). Under tensor parallelism (`heads` given) the KV
 buffers come back with the sharding they went in with, and the sampled tokens and the
-read-back replicated.
+read-back replicated. With `unroll_layers`, decode steps run the model's layers unrolled
+(no per-layer weight-slice copies on GPU) and their int fields sit at 256-byte offsets.
 """
 
 from __future__ import annotations
