@@ -46,7 +46,7 @@ from jrl.models import init_params
 from jrl.models.transformer import count_params
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
-from jrl.rollout.executor import StepLayout, pack, step_function
+from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, step_function
 from jrl.rollout.sampling import GREEDY
 
 MODEL = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
@@ -185,9 +185,10 @@ def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_si
     per_req = -(-context // page_size)
     cols = 1 << (per_req - 1).bit_length()
     n_slots = batch * per_req * page_size
-    fn = step_function(cfg, page_size, batch, "auto").fn
+    unroll = EngineConfig().resolved_unroll_layers(jax.default_backend())
+    fn = step_function(cfg, page_size, batch, "auto", unroll_layers=unroll).fn
     layout = StepLayout(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
-                        penalties=False, mode="greedy")
+                        penalties=False, mode="greedy", int_align=INT_ALIGN_UNROLLED if unroll else 1)
     rng = np.random.default_rng(0)
     table = np.zeros((batch, cols), np.int32)
     table[:, :per_req] = np.arange(batch * per_req, dtype=np.int32).reshape(batch, per_req)
