@@ -46,6 +46,7 @@ from jrl.data.tasks import Problem, encode_prompts, make_task
 from jrl.rollout import Engine, EngineConfig, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.train.callbacks import Callback, MetricsLogger
+from jrl.train.logprobs import attention_layout, batch_max_segments
 from jrl.train.rewards import RewardModel, exact_match, reward_specs_from_config
 from jrl.train.strategies.grpo import GRPOOptions, group_advantages, policy_stats
 
@@ -212,7 +213,15 @@ class RolloutSource:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._reference = None
         temperature, chunk, mc = o.temperature, config.lm_head_chunk, self.model_config
-        self._logp_fn = jax.jit(lambda params, rows: policy_stats(mc, params, rows, temperature, chunk)[0].logp)
+
+        def logp(params, rows, max_segments):
+            # Same attention layout as the trainer's loss, so on GPU both take the same
+            # cuDNN path and the first epoch's importance ratio is exactly 1.
+            with attention_layout(max_segments):
+                return policy_stats(mc, params, rows, temperature, chunk)[0].logp
+
+        jitted = jax.jit(logp, static_argnums=2)
+        self._logp_fn = lambda params, rows: jitted(params, rows, batch_max_segments(rows["segment_ids"]))
 
     # ------------------------------------------------------------------ setup
     def _engine_params(self, params: Any) -> Any:
