@@ -239,8 +239,7 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
 
     from jrl.models import forward, lm_logits
     from jrl.rollout.backend import PagedAttention
-    from jrl.rollout.executor import step_function, unpack
-    from jrl.rollout.sampling import SamplingArrays, sample
+    from jrl.rollout.executor import pack_readback, sample_rows, step_function, step_tokens, unpack
     from pallas_kernels import dispatch as kernels
 
     variant = base_variant(variant)
@@ -262,11 +261,9 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
     def step(params, k_buf, v_buf, prev_tokens, ints, floats, layout):
         i = unpack(layout.int_fields(), ints)
         f = unpack(layout.float_fields(), floats)
-        t = layout.n_tokens
-        src = i["tok_src"]
-        tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_rows - 1)], i["tokens"])
+        tokens = step_tokens(i, prev_tokens, max_rows)
         cu = i["cu_q_lens"]
-        real = jnp.arange(t) < cu[-1]
+        real = jnp.arange(layout.n_tokens) < cu[-1]
         cls = NoAttention if variant == "noattn" else PagedAttention
         backend = cls(cu_q_lens=cu, kv_lens=i["kv_lens"], page_table=i["page_table"],
                       out_cache_loc=i["out_cache_loc"], page_size=page_size, decode=layout.decode, impl=impl)
@@ -286,17 +283,8 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             logp = model_logp = jnp.zeros(tok.shape, jnp.float32)
         else:
-            window = jnp.concatenate([i["window"], tokens[last][:, None]], axis=1)
-            s = SamplingArrays(temperature=f["temperature"], top_k=i["top_k"], top_p=f["top_p"],
-                               min_p=f["min_p"], repetition_penalty=f["repetition_penalty"],
-                               frequency_penalty=f["frequency_penalty"], presence_penalty=f["presence_penalty"],
-                               seed=jax.lax.bitcast_convert_type(i["seed"], jnp.uint32), index=i["index"])
-            tok, logp, model_logp = sample(logits, window, s, penalties=layout.penalties, mode=layout.mode)
-        pad = max_rows - layout.n_rows
-        tok = jnp.pad(tok, (0, pad))
-        readback = jnp.stack([jax.lax.bitcast_convert_type(tok, jnp.float32), jnp.pad(logp, (0, pad)),
-                              jnp.pad(model_logp, (0, pad))])
-        return tok, readback, k_buf, v_buf
+            tok, logp, model_logp = sample_rows(logits, tokens[last], i, f, layout)
+        return (*pack_readback(tok, logp, model_logp, max_rows), k_buf, v_buf)
 
     return jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
 

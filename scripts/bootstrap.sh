@@ -4,9 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+is_312() { "$@" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
 if [ ! -x .venv/bin/python ]; then
-  if command -v python3.12 >/dev/null 2>&1; then
+  if is_312 python3.12; then
     python3.12 -m venv .venv
+  elif is_312 python3; then
+    python3 -m venv .venv
   elif command -v pyenv >/dev/null 2>&1 && pyenv versions --bare | grep -q '^3\.12'; then
     PYENV_VERSION="$(pyenv versions --bare | grep '^3\.12' | tail -n 1)" python3 -m venv .venv
   else

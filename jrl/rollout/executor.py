@@ -97,6 +97,34 @@ class StepFunction:
     traces: int = 0
 
 
+def step_tokens(i: dict, prev_tokens: jax.Array, max_rows: int) -> jax.Array:
+    """The step's input tokens: given ids, or (decode) the previous step's samples still on
+    the device (`tok_src[t] >= 0` names the row of `prev_tokens` to take)."""
+    src = i["tok_src"]
+    return jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_rows - 1)], i["tokens"])
+
+
+def sample_rows(logits: jax.Array, last_tokens: jax.Array, i: dict, f: dict, layout: StepLayout):
+    """Samples one token per request row from `logits [R, V]` with the rows' own settings;
+    returns (tokens, logprob under the sampled distribution, model logprob)."""
+    window = jnp.concatenate([i["window"], last_tokens[:, None]], axis=1)
+    s = SamplingArrays(temperature=f["temperature"], top_k=i["top_k"], top_p=f["top_p"], min_p=f["min_p"],
+                       repetition_penalty=f["repetition_penalty"],
+                       frequency_penalty=f["frequency_penalty"], presence_penalty=f["presence_penalty"],
+                       seed=jax.lax.bitcast_convert_type(i["seed"], jnp.uint32), index=i["index"])
+    return sample(logits, window, s, penalties=layout.penalties, mode=layout.mode)
+
+
+def pack_readback(tok: jax.Array, logp: jax.Array, model_logp: jax.Array, max_rows: int):
+    """(tokens padded to `max_rows`, one `[3, max_rows]` array for the host to read back:
+    token ids bit-cast to float32, logprobs, model logprobs)."""
+    pad = max_rows - tok.shape[0]
+    tok = jnp.pad(tok, (0, pad))
+    readback = jnp.stack([jax.lax.bitcast_convert_type(tok, jnp.float32), jnp.pad(logp, (0, pad)),
+                          jnp.pad(model_logp, (0, pad))])
+    return tok, readback
+
+
 @functools.lru_cache(maxsize=None)
 def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
                   heads: HeadSplit | None = None, unroll_layers: bool = False) -> StepFunction:
@@ -118,11 +146,9 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
                              f"unrolled decode step, got {layout.int_align}")
         i = unpack(layout.int_fields(), ints)
         f = unpack(layout.float_fields(), floats)
-        t = layout.n_tokens
-        src = i["tok_src"]
-        tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_rows - 1)], i["tokens"])
+        tokens = step_tokens(i, prev_tokens, max_rows)
         cu = i["cu_q_lens"]
-        real = jnp.arange(t) < cu[-1]
+        real = jnp.arange(layout.n_tokens) < cu[-1]
         backend = PagedAttention(cu_q_lens=cu, kv_lens=i["kv_lens"], page_table=i["page_table"],
                                  out_cache_loc=i["out_cache_loc"], page_size=page_size,
                                  decode=layout.decode, absorb_mla=absorb, v_head_dim=v_head_dim, impl=impl,
@@ -132,18 +158,8 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
         k_buf, v_buf = out.cache
         last = jnp.maximum(cu[1:] - 1, 0)  # final query row of each request
         logits = lm_logits(config, params, out.hidden[0, last])  # [R, V]
-        window = jnp.concatenate([i["window"], tokens[last][:, None]], axis=1)
-        s = SamplingArrays(temperature=f["temperature"], top_k=i["top_k"], top_p=f["top_p"], min_p=f["min_p"],
-                           repetition_penalty=f["repetition_penalty"],
-                           frequency_penalty=f["frequency_penalty"], presence_penalty=f["presence_penalty"],
-                           seed=jax.lax.bitcast_convert_type(i["seed"], jnp.uint32), index=i["index"])
-        tok, logp, model_logp = sample(logits, window, s, penalties=layout.penalties, mode=layout.mode)
-        pad = max_rows - layout.n_rows
-        tok = jnp.pad(tok, (0, pad))
-        # One array for the host to read back: token ids (bit-cast), logprobs, model logprobs.
-        readback = jnp.stack([jax.lax.bitcast_convert_type(tok, jnp.float32), jnp.pad(logp, (0, pad)),
-                              jnp.pad(model_logp, (0, pad))])
-        return tok, readback, k_buf, v_buf
+        tok, logp, model_logp = sample_rows(logits, tokens[last], i, f, layout)
+        return (*pack_readback(tok, logp, model_logp, max_rows), k_buf, v_buf)
 
     out_shardings = None
     if heads is not None:  # donated buffers keep their sharding from step to step
