@@ -124,6 +124,16 @@ def test_round_trip_into_concrete_target_is_bitwise_exact(tmp_path):
     assert meta["verification"] == "passed"
 
 
+def test_relative_root_saves_and_loads(tmp_path, monkeypatch):
+    # `python -m jrl.train` writes under runs/<name>: a path relative to the working dir.
+    monkeypatch.chdir(tmp_path)
+    state = train_state()
+    ckpt.save("runs/x/checkpoints", 1, state)
+    restored, meta = ckpt.load("runs/x/checkpoints", target=blank_like(state), verify=True)
+    assert_bitwise_equal(restored, state)
+    assert ckpt.all_steps("runs/x/checkpoints") == [1]
+
+
 def test_round_trip_into_abstract_target_is_bitwise_exact(tmp_path):
     state = train_state()
     ckpt.save(tmp_path, 2, state)

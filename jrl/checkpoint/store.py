@@ -199,7 +199,7 @@ def _prepare_staging(root: Path, step: int, metrics_log: Any) -> tuple[durable.W
 
 
 def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log) -> _PendingSave:
-    root = Path(root)
+    root = Path(root).absolute()  # Orbax refuses relative paths
     step = layout.check_step(step)
     layout.check_retention(keep_last, keep_every)
     encoded, records = payload.encode_state(state)
@@ -276,7 +276,7 @@ class AsyncCheckpointer:
         self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None
     ):
         layout.check_retention(keep_last, keep_every)
-        self.root = Path(root)
+        self.root = Path(root).absolute()
         self._keep_last, self._keep_every = keep_last, keep_every
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -343,7 +343,7 @@ def _read_meta(directory: Path) -> dict:
 
 
 def _resolve(root: str | os.PathLike, step: int | None) -> Path:
-    root = Path(root)
+    root = Path(root).absolute()  # Orbax refuses relative paths
     steps = layout.all_steps(root)
     if step is None:
         if not steps:
