@@ -46,8 +46,10 @@ from jrl.models import init_params
 from jrl.models.transformer import count_params
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
-from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, step_function
+from jrl.rollout.executor import step_function
 from jrl.rollout.sampling import GREEDY
+
+from decode_profile import synthetic_batch  # bench/ is on sys.path when run as a script
 
 MODEL = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
                     intermediate_size=5632, max_position_embeddings=4096, tie_embeddings=True,
@@ -182,33 +184,9 @@ def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_si
                      bandwidth: float, iters: int = 50) -> dict:
     """The engine's decode program on a synthetic batch: `batch` requests at `context`
     tokens each (pages laid out per request), random KV, greedy; timed back to back."""
-    per_req = -(-context // page_size)
-    cols = 1 << (per_req - 1).bit_length()
-    n_slots = batch * per_req * page_size
     unroll = EngineConfig().resolved_unroll_layers(jax.default_backend())
     fn = step_function(cfg, page_size, batch, "auto", unroll_layers=unroll).fn
-    layout = StepLayout(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
-                        penalties=False, mode="greedy", int_align=INT_ALIGN_UNROLLED if unroll else 1)
-    rng = np.random.default_rng(0)
-    table = np.zeros((batch, cols), np.int32)
-    table[:, :per_req] = np.arange(batch * per_req, dtype=np.int32).reshape(batch, per_req)
-    last = context - 1
-    ints = pack(layout.int_fields(), dict(
-        tokens=rng.integers(0, cfg.vocab_size, batch, dtype=np.int32), tok_src=np.full(batch, -1, np.int32),
-        positions=np.full(batch, last, np.int32),
-        out_cache_loc=(table[:, last // page_size] * page_size + last % page_size).astype(np.int32),
-        cu_q_lens=np.arange(batch + 1, dtype=np.int32), kv_lens=np.full(batch, context, np.int32),
-        page_table=table, top_k=np.zeros(batch, np.int32), seed=np.zeros(batch, np.int32),
-        index=np.zeros(batch, np.int32), window=np.zeros((batch, 0), np.int32)), np.int32)
-    floats = pack(layout.float_fields(), dict(
-        temperature=np.zeros(batch), top_p=np.ones(batch), min_p=np.zeros(batch),
-        repetition_penalty=np.ones(batch), frequency_penalty=np.zeros(batch),
-        presence_penalty=np.zeros(batch)), np.float32)
-    shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, cfg.head_dim)
-    kk, kv = jax.random.split(jax.random.key(batch))
-    k = jax.random.normal(kk, shape, jnp.bfloat16)
-    v = jax.random.normal(kv, shape, jnp.bfloat16)
-    prev = jnp.zeros(batch, jnp.int32)
+    layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, page_size, seed=batch, aligned=unroll)
     t0 = time.perf_counter()
     out = fn(params, k, v, prev, ints, floats, layout=layout)
     jax.block_until_ready(out)
