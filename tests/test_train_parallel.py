@@ -13,6 +13,9 @@ import pytest
 from jrl.config import ConfigError, ParallelConfig, load_train_config, to_dict
 from jrl.parallel import ParallelConfig as ParallelConfigFromParallel
 from jrl.train.__main__ import main
+from jrl.train.rl import engine_mesh
+from jrl.train.strategies.grpo import GRPOOptions
+from jrl.train.trainer import run_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = REPO / "tests" / "parallel_cases"
@@ -54,7 +57,25 @@ def test_bad_multi_process_environment_exits_2_before_training(monkeypatch, caps
     assert "config error: JAX_NUM_PROCESSES: must be an integer, got 'two'" in capsys.readouterr().err
 
 
-def test_trainer_cases_on_eight_simulated_devices(tmp_path):
+def test_bad_engine_tensor_parallel_is_named():
+    with pytest.raises(ConfigError, match=r"strategy.options.engine_tensor_parallel: must be -1 \(the trainer's "
+                                          r"parallel.tensor\) or a positive integer, got 0"):
+        GRPOOptions(engine_tensor_parallel=0)
+
+
+def test_engine_tensor_parallel_beyond_the_devices_is_named():
+    with pytest.raises(ConfigError, match=r"strategy.options.engine_tensor_parallel: 2 devices, but this "
+                                          r"process has 1 of the trainer's mesh"):
+        engine_mesh(run_mesh(None), 2)
+
+
+def test_a_one_device_run_serves_its_engine_without_a_mesh():
+    assert engine_mesh(run_mesh(None), 1) is None
+    assert engine_mesh(run_mesh(None), -1) is None
+
+
+def run_cases(cases: str, tmp_path: Path) -> None:
+    """Runs tests/parallel_cases/`cases` with pytest in a fresh process on 8 CPU devices."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
@@ -64,7 +85,15 @@ def test_trainer_cases_on_eight_simulated_devices(tmp_path):
     env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'cases'}",
-         str(CASES / "train_cases.py")],
+         str(CASES / cases)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
-    assert result.returncode == 0, f"train_cases.py failed:\n{result.stdout[-12000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, f"{cases} failed:\n{result.stdout[-12000:]}\n{result.stderr[-4000:]}"
+
+
+def test_trainer_cases_on_eight_simulated_devices(tmp_path):
+    run_cases("train_cases.py", tmp_path)
+
+
+def test_grpo_with_a_tensor_parallel_engine_on_eight_simulated_devices(tmp_path):
+    run_cases("rl_cases.py", tmp_path)

@@ -25,6 +25,10 @@ donates its own buffers to each update). A sample whose version lags the trainer
 than `max_version_lag` at the start of its updates is dropped (its group masked out) and
 counted; a batch left empty is regenerated synchronously.
 
+With a `parallel` section the engine serves on its own tensor-only mesh
+(`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
+onto it. On one device it serves the trainer's own buffers (no copy).
+
 `RLCallback` adds the rollout's metrics to the trainer's rows and evaluates held-out
 accuracy (greedy and sampled) at the start, every `eval.every` steps and at the end.
 """
@@ -41,8 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.config import ConfigError, from_dict
+from jrl.config import ConfigError, ParallelConfig, from_dict
 from jrl.data.tasks import Problem, encode_prompts, make_task
+from jrl.parallel import make_mesh
 from jrl.rollout import Engine, EngineConfig, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.train.callbacks import Callback, MetricsLogger
@@ -130,12 +135,27 @@ def engine_config_for(options: GRPOOptions, seq_len: int, n_requests: int, seed:
     return from_dict(EngineConfig, {**derived, **options.engine}, prefix="strategy.options.engine.")
 
 
+def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sharding.Mesh | None:
+    """The engine's tensor-only mesh (data = fsdp = 1, as jrl.rollout.sharding requires)
+    over the first `tensor_parallel` of this process's devices of `trainer_mesh` (-1: its
+    `tensor` size). None when the trainer runs on one device and so does the engine: it
+    then serves the trainer's params by reference, exactly as without a mesh."""
+    field = "strategy.options.engine_tensor_parallel"
+    tp = trainer_mesh.shape["tensor"] if tensor_parallel == -1 else tensor_parallel
+    local = [d for d in trainer_mesh.devices.flat if d.process_index == jax.process_index()]
+    if tp > len(local):
+        raise ConfigError(f"{field}: {tp} devices, but this process has {len(local)} of the trainer's mesh")
+    if tp == 1 and trainer_mesh.size == 1:
+        return None
+    return make_mesh(ParallelConfig(data=1, fsdp=1, tensor=tp), devices=local[:tp])
+
+
 def serve_weights(engine: Engine | None, params: Any, version: int, model_config: Any,
-                  engine_config: EngineConfig) -> tuple[Engine, bool]:
-    """Makes `engine` (or a new one) serve `params` as `version`, acknowledged.
-    Returns (engine, whether it had to be rebuilt)."""
+                  engine_config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> tuple[Engine, bool]:
+    """Makes `engine` (or a new one, on `mesh` when given) serve `params` as `version`,
+    acknowledged. Returns (engine, whether it had to be rebuilt)."""
     if engine is None:
-        return Engine(model_config, params, engine_config, version=version), False
+        return Engine(model_config, params, engine_config, version=version, mesh=mesh), False
     if version == engine.version:
         # One version is one set of weights, so the engine keeps what it has unless
         # those buffers were donated to an update since: then every such update was
@@ -144,7 +164,7 @@ def serve_weights(engine: Engine | None, params: Any, version: int, model_config
         # over with these.
         if not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(engine.params)):
             return engine, False
-        return Engine(model_config, params, engine_config, version=version), True
+        return Engine(model_config, params, engine_config, version=version, mesh=mesh), True
     ack = engine.update_weights(params, version)
     if ack.version != version:
         raise RuntimeError(f"engine acknowledged version {ack.version}, expected {version}")
@@ -202,6 +222,7 @@ class RolloutSource:
         self.max_version_lag = o.resolved_max_version_lag(self.batch_size)
         self.engine_config = engine_config_for(o, self.seq_len, max(o.rollout_size, len(self.eval_problems)),
                                                self.seed)
+        self.engine_mesh = engine_mesh(trainer.mesh, o.engine_tensor_parallel)
         self.engine: Engine | None = None
         self.engine_rebuilds = 0
         self.rl_step = 0
@@ -233,7 +254,8 @@ class RolloutSource:
 
     def sync_weights(self, params: Any, version: int) -> None:
         """Makes the engine serve `params` as `version` (acknowledged)."""
-        self.engine, rebuilt = serve_weights(self.engine, params, version, self.model_config, self.engine_config)
+        self.engine, rebuilt = serve_weights(self.engine, params, version, self.model_config, self.engine_config,
+                                             self.engine_mesh)
         self.engine_rebuilds += int(rebuilt)
 
     def reference_params(self) -> Any:

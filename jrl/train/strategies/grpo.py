@@ -227,6 +227,9 @@ class GRPOOptions:
     max_version_lag: int | None = None
     # rollout engine settings (EngineConfig fields) and held-out evaluation
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # devices the engine serves tensor-parallel on (a tensor-only mesh over the first of the
+    # trainer's devices); -1: the trainer mesh's `parallel.tensor`
+    engine_tensor_parallel: int = 1
     eval_problems: int = 0  # 0: every held-out problem of the task
 
     def __post_init__(self) -> None:
@@ -250,6 +253,10 @@ class GRPOOptions:
             check(isinstance(self.max_version_lag, int) and self.max_version_lag >= 0,
                   "max_version_lag", f"must be an integer >= 0 or null, got {self.max_version_lag!r}")
         check(isinstance(self.engine, dict), "engine", f"must be a mapping, got {self.engine!r}")
+        tp = self.engine_tensor_parallel
+        check(isinstance(tp, int) and not isinstance(tp, bool) and (tp == -1 or tp >= 1),
+              "engine_tensor_parallel", f"must be -1 (the trainer's parallel.tensor) or a positive "
+              f"integer, got {tp!r}")
         self.loss_config()  # validates the objective's fields
         RewardModel(reward_specs_from_config(self.rewards, "strategy.options.rewards"),
                     "strategy.options.rewards")  # resolves every fn now: errors before any run
