@@ -23,6 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.shapes import check_paged_shapes
+
 LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma tile height: the G query heads of one KV head occupy the first G rows
 NUM_SMS = 132  # H100/H200 SXM
@@ -56,24 +58,6 @@ def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
     return int(max(1, min(NUM_SMS // max(n_units, 1), max_ctx // (4 * block_kv))))
 
 
-def _check(q, k_buf, v_buf, page_size, block_kv):
-    _, hq, d = q.shape
-    _, _, hkv, dk = k_buf.shape
-    if v_buf is None or v_buf.shape != k_buf.shape:
-        raise ValueError("decode_mgpu: v_buf must have k_buf's shape (MLA goes to the reference)")
-    if dk != d or d not in (64, 128):
-        raise ValueError(f"decode_mgpu: head_dim must be 64 or 128 and match q, got q {d} k {dk}")
-    if hq % hkv or hq // hkv > ROWS - 7:
-        raise ValueError(f"decode_mgpu: n_q_heads ({hq}) must be a multiple of n_kv_heads ({hkv}) "
-                         f"with at most {ROWS - 7} per group")
-    if k_buf.shape[1] % 8:
-        raise ValueError(f"decode_mgpu: n_slots ({k_buf.shape[1]}) must be a multiple of 8")
-    sub = min(page_size, block_kv)
-    if sub % 8 or block_kv % sub or page_size % sub or block_kv % 64:
-        raise ValueError(f"decode_mgpu: page_size ({page_size}) must be a multiple of 8 and "
-                         f"block_kv ({block_kv}) a multiple of 64 dividing or divided by it")
-
-
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory one CTA may use (227 KB max on Hopper)
 
 
@@ -96,7 +80,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     warpgroup each, fed by one shared memory warpgroup). Split partials are stored in the
     input dtype and merged in float32.
     """
-    _check(q, k_buf, v_buf, page_size, block_kv)
+    check_paged_shapes("decode_mgpu", q, k_buf, v_buf, page_size, block_kv, max_group=ROWS - 7)
     b, hq, d = q.shape
     hkv = k_buf.shape[2]
     g = hq // hkv

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.decode_mgpu import wgmma_accumulate
+from pallas_kernels.shapes import check_paged_shapes
 
 LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # query rows per compute warpgroup
@@ -69,23 +70,6 @@ def tile_table(cu_ext: jax.Array, kv_ext: jax.Array, n_tiles: int, block_kv: int
             jnp.where(used, row0, 0)[order].astype(jnp.int32))
 
 
-def _check(q, k_buf, v_buf, page_size, block_kv):
-    _, hq, d = q.shape
-    _, _, hkv, dk = k_buf.shape
-    if v_buf is None or v_buf.shape != k_buf.shape:
-        raise ValueError("prefill_mgpu: v_buf must have k_buf's shape (MLA goes to the reference)")
-    if dk != d or d not in (64, 128):
-        raise ValueError(f"prefill_mgpu: head_dim must be 64 or 128 and match q, got q {d} k {dk}")
-    if hq % hkv:
-        raise ValueError(f"prefill_mgpu: n_q_heads ({hq}) must be a multiple of n_kv_heads ({hkv})")
-    if k_buf.shape[1] % 8:
-        raise ValueError(f"prefill_mgpu: n_slots ({k_buf.shape[1]}) must be a multiple of 8")
-    sub = min(page_size, block_kv)
-    if sub % 8 or block_kv % sub or page_size % sub or block_kv % 64:
-        raise ValueError(f"prefill_mgpu: page_size ({page_size}) must be a multiple of 8 and "
-                         f"block_kv ({block_kv}) a multiple of 64 dividing or divided by it")
-
-
 def num_sms() -> int:
     """Multiprocessors of the default device (132 on an H100/H200 SXM; also off-GPU)."""
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
@@ -105,7 +89,7 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
     d_bk, d_ns = default_blocks(q.shape[-1])
     block_kv = block_kv or d_bk
     stages = num_stages or d_ns
-    _check(q, k_buf, v_buf, page_size, block_kv)
+    check_paged_shapes("prefill_mgpu", q, k_buf, v_buf, page_size, block_kv)
     t_rows, hq, d = q.shape
     hkv = k_buf.shape[2]
     g = hq // hkv

@@ -1,0 +1,26 @@
+"""Shape rules the Mosaic GPU kernels share (checked before tracing, errors name the kernel)."""
+
+from __future__ import annotations
+
+
+def check_paged_shapes(kernel: str, q, k_buf, v_buf, page_size: int, block_kv: int,
+                       max_group: int | None = None) -> None:
+    """Raises ValueError unless the 4D buffers, head widths, GQA grouping, slot count and
+    page/block sizes are ones `kernel` supports (`max_group`: most q heads per kv head)."""
+    _, hq, d = q.shape
+    _, _, hkv, dk = k_buf.shape
+    if v_buf is None or v_buf.shape != k_buf.shape:
+        raise ValueError(f"{kernel}: v_buf must have k_buf's shape (MLA goes to the reference)")
+    if dk != d or d not in (64, 128):
+        raise ValueError(f"{kernel}: head_dim must be 64 or 128 and match q, got q {d} k {dk}")
+    if max_group is not None and (hq % hkv or hq // hkv > max_group):
+        raise ValueError(f"{kernel}: n_q_heads ({hq}) must be a multiple of n_kv_heads ({hkv}) "
+                         f"with at most {max_group} per group")
+    if hq % hkv:
+        raise ValueError(f"{kernel}: n_q_heads ({hq}) must be a multiple of n_kv_heads ({hkv})")
+    if k_buf.shape[1] % 8:
+        raise ValueError(f"{kernel}: n_slots ({k_buf.shape[1]}) must be a multiple of 8")
+    sub = min(page_size, block_kv)
+    if sub % 8 or block_kv % sub or page_size % sub or block_kv % 64:
+        raise ValueError(f"{kernel}: page_size ({page_size}) must be a multiple of 8 and "
+                         f"block_kv ({block_kv}) a multiple of 64 dividing or divided by it")
