@@ -136,6 +136,20 @@ def hlo_summary_line(stats: dict) -> str:
 
 # ----------------------------------------------------------------------------- trace summary
 
+KERNEL_CLASSES = (  # first match wins; names as the CUDA profiler reports them
+    ("collective", ("nccl", "allreduce", "all_reduce", "reducescatter", "reduce_scatter", "allgather", "all_gather")),
+    ("attention", ("cudnn", "fmha", "flash", "sdpa", "mosaic", "paged", "ragged")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "dot", "matmul")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_class(name: str) -> str:
+    """Coarse class of a GPU kernel by name: collective, attention, matmul, copy or other."""
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
 def trace_summary(xspace: bytes, n_steps: int) -> dict:
     """Kernels per step, GPU busy time per step (union of kernel intervals), the span from
     first to last kernel, top kernels and top host events, from a serialized XSpace."""
@@ -178,6 +192,10 @@ def trace_summary(xspace: bytes, n_steps: int) -> dict:
             by[name[:90]][1] += e - s
         out["top_kernels"] = [{"name": k, "per_step": c / n_steps, "us_per_step": d / 1e3 / n_steps}
                               for k, (c, d) in sorted(by.items(), key=lambda kv: -kv[1][1])[:25]]
+        classes = collections.Counter()
+        for s, e, name in kernels:
+            classes[kernel_class(name)] += e - s
+        out["by_class_us_per_step"] = {k: d / 1e3 / n_steps for k, d in classes.most_common()}
     out["top_host"] = [{"name": k, "per_step": c / n_steps, "us_per_step": d / 1e3 / n_steps}
                        for k, (c, d) in sorted(host.items(), key=lambda kv: -kv[1][1])[:30]]
     return out

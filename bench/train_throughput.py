@@ -39,16 +39,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig
-from jrl.models import dense_attention, forward, init_params
+from jrl.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig
+from jrl.models import dense_attention, init_params
+from jrl.parallel import make_mesh, param_shardings
 from jrl.models.attention import attention_implementation
 from jrl.train.flops import model_flops_per_token as flops_per_token
-from jrl.train.logprobs import target_stats
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
-from jrl.train.state import init_train_state
-from jrl.train.step import make_step_fns
-from jrl.train.strategies import LossOutput, Strategy, get_strategy, metric, register_strategy
+from jrl.train.state import init_sharded_train_state
+from jrl.train.step import make_step_fns, mesh_step_shardings
+from jrl.train.strategies import get_strategy
 
 PEAK_FLOPS = 989e12  # H100/H200 dense bf16 (datasheet)
 
@@ -71,12 +71,15 @@ class Variant:
     max_segments: int = 0
     docs_per_row: int = 1  # documents packed in each row (equal lengths)
     batch_scale: int = 1  # multiplies --batch (remat frees memory for bigger batches)
+    scan_layers: bool = True  # ModelConfig.scan_layers (False: layers unrolled)
 
 
 VARIANTS = {v.name: v for v in [
     Variant("mask", max_segments=0),
     Variant("causal", max_segments=1),
     Variant("causal_chunk", max_segments=1, chunk=8192),
+    Variant("causal_unrolled", max_segments=1, scan_layers=False),
+    Variant("causal_chunk_full_unrolled", max_segments=1, chunk=8192, remat="full", scan_layers=False),
     Variant("causal_chunk_mubf16", max_segments=1, chunk=8192, mu_dtype="bfloat16"),
     Variant("causal_chunk_dots", max_segments=1, chunk=8192, remat="dots_no_batch"),
     Variant("causal_chunk_full", max_segments=1, chunk=8192, remat="full"),
@@ -89,25 +92,6 @@ DEFAULT_VARIANTS = "mask,causal,causal_chunk,causal_chunk_mubf16,causal_chunk_fu
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def layout_cross_entropy(max_segments: int):
-    """The `seq` loss (next-token CE over loss_mask) with the attention told the rows'
-    layout (`max_segments`) directly (the trainer now sets it per batch, jrl.train.step)."""
-
-    def loss_fn(config, params, batch, ctx) -> LossOutput:
-        tokens = jnp.asarray(batch["tokens"], jnp.int32)
-        out = forward(config, params, tokens, batch["positions"],
-                      dense_attention(batch["segment_ids"], max_segments=max_segments))
-        stats = target_stats(config, params, out.hidden, batch["targets"], chunk_size=ctx.chunk_size)
-        mask = jnp.asarray(batch["loss_mask"], jnp.float32)
-        nll = -stats.logp
-        return LossOutput(jnp.sum(nll * mask), jnp.sum(mask),
-                          {"nll": metric(nll, mask), "entropy": metric(stats.entropy, mask)})
-
-    return register_strategy(Strategy(
-        name=f"bench_seq_segments{max_segments}", loss_fn=loss_fn,
-        batch_fields=("tokens", "targets", "loss_mask", "positions", "segment_ids")), replace=True)
 
 
 def random_batch(cfg: ModelConfig, batch: int, seq: int, docs_per_row: int = 1, seed: int = 0) -> dict:
@@ -131,20 +115,42 @@ def device_peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def parse_mesh(spec: str) -> ParallelConfig:
+    """`1` (one device) or `data=2`, `fsdp=2`, `data=2,tensor=1`, ... (unset axes are 1)."""
+    if spec == "1":
+        return ParallelConfig(fsdp=1)
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.isdigit():
+            raise SystemExit(f"--meshes: {part!r} is not AXIS=N with AXIS one of data, fsdp, tensor")
+        sizes[name] = int(value)
+    return ParallelConfig(**sizes)
+
+
 def run_variant(v: Variant, base: ModelConfig, params, batch_rows: int, seq: int, steps: int,
-                warmup: int) -> dict:
-    cfg = dataclasses.replace(base, remat=v.remat)
-    rows = batch_rows * v.batch_scale
-    strategy = get_strategy("seq") if v.max_segments == 0 else layout_cross_entropy(v.max_segments)
+                warmup: int, mesh_spec: str = "1", trace_dir: str | None = None) -> dict:
+    """Times the trainer's update for one variant on one mesh. `batch_rows` is per row
+    block: the global batch grows with the mesh's data*fsdp axes (weak scaling)."""
+    cfg = dataclasses.replace(base, remat=v.remat, scan_layers=v.scan_layers)
+    parallel = parse_mesh(mesh_spec)
+    n_devices = parallel.data * parallel.fsdp * parallel.tensor
+    mesh = make_mesh(parallel, jax.devices()[:n_devices])
+    blocks = parallel.data * parallel.fsdp
+    rows = batch_rows * v.batch_scale * blocks
+    strategy = get_strategy("seq")
     opt_cfg = OptimizerConfig(lr=1e-4, weight_decay=0.1, mu_dtype=v.mu_dtype)
     schedule = make_schedule(ScheduleConfig(), 1000)
     optimizer = build_optimizer(opt_cfg, schedule, params)
+    p_shardings = param_shardings(cfg, mesh)
+    placed = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=p_shardings)(params)  # donated below
+    state, state_shardings = init_sharded_train_state(placed, optimizer, jax.random.key(0), p_shardings, mesh)
+    shardings = mesh_step_shardings(mesh, state_shardings)
     fns = make_step_fns(cfg, strategy, strategy.options_cls(), optimizer, schedule, opt_cfg.lr,
-                        clip_norm=1.0, chunk_size=v.chunk)
-    state = init_train_state(jax.tree.map(jnp.copy, params), optimizer, jax.random.key(0))
-    batch = random_batch(cfg, rows, seq, v.docs_per_row)
+                        clip_norm=1.0, chunk_size=v.chunk, shardings=shardings)
+    batch = jax.device_put(random_batch(cfg, rows, seq, v.docs_per_row), shardings.batch)
     t0 = time.perf_counter()
-    compiled = fns.update.lower(state, batch, None).compile()
+    compiled = fns.update.lower(state, batch, None, v.max_segments).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     xla_bytes = None
@@ -161,15 +167,52 @@ def run_variant(v: Variant, base: ModelConfig, params, batch_rows: int, seq: int
     loss = float(metrics["loss"])  # waits for the last step
     dt = (time.perf_counter() - t0) / steps
     losses.append(loss)
+    trace = None
+    if trace_dir:
+        trace = trace_steps(trace_dir, f"{v.name}_{mesh_spec.replace('=', '').replace(',', '_')}",
+                            compiled, state, batch)
     tokens = rows * seq
     tps = tokens / dt
-    mfu = tps * flops_per_token(cfg, seq // v.docs_per_row) / PEAK_FLOPS  # attention within documents
+    # MFU per device: attention within documents, against every device's peak
+    mfu = tps * flops_per_token(cfg, seq // v.docs_per_row) / (PEAK_FLOPS * n_devices)
     del state, compiled, metrics
     gc.collect()
-    return {"variant": v.name, "remat": v.remat, "lm_head_chunk": v.chunk, "mu_dtype": v.mu_dtype or "float32",
-            "max_segments": v.max_segments, "docs_per_row": v.docs_per_row, "batch": rows, "seq": seq, "step_s": dt, "tokens_per_s": tps,
-            "mfu": mfu, "compile_s": compile_s, "xla_memory_gib": None if xla_bytes is None else xla_bytes / 2**30,
-            "device_peak_gib_so_far": (device_peak_bytes() or 0) / 2**30, "loss_first_last": losses}
+    row = {"variant": v.name, "mesh": mesh_spec, "devices": n_devices, "remat": v.remat, "lm_head_chunk": v.chunk,
+           "scan_layers": v.scan_layers,
+           "mu_dtype": v.mu_dtype or "float32", "max_segments": v.max_segments, "docs_per_row": v.docs_per_row,
+           "batch": rows, "seq": seq, "step_s": dt, "tokens_per_s": tps, "mfu": mfu, "compile_s": compile_s,
+           "xla_memory_gib": None if xla_bytes is None else xla_bytes / 2**30,
+           "device_peak_gib_so_far": (device_peak_bytes() or 0) / 2**30, "loss_first_last": losses}
+    if trace is not None:
+        row["trace"] = trace
+    return row
+
+
+def trace_steps(out_dir: str, name: str, compiled, state, batch, n: int = 3) -> dict:
+    """Profiler trace of `n` more steps, summarised by kernel class (trace_<name>.json)."""
+    from jax._src.lib import _profiler
+    from jax.profiler import ProfileOptions
+
+    from decode_profile import trace_summary  # bench/ is on sys.path when run as a script
+
+    session = _profiler.ProfilerSession(ProfileOptions())
+    for _ in range(n):
+        state, metrics = compiled(state, batch, None)
+    jax.block_until_ready(metrics)
+    summary = trace_summary(session.stop(), n)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"trace_{name}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return {k: summary.get(k) for k in ("kernels_per_step", "gpu_busy_us_per_step", "gpu_span_us_per_step",
+                                        "by_class_us_per_step")}
+
+
+def add_scaling_efficiency(rows: list[dict]) -> None:
+    """tokens/s on n devices over n x tokens/s of the same variant on one device."""
+    single = {r["variant"]: r["tokens_per_s"] for r in rows if r.get("mesh") == "1" and "tokens_per_s" in r}
+    for r in rows:
+        if "tokens_per_s" in r and r.get("devices", 1) > 1 and r["variant"] in single:
+            r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * single[r["variant"]])
 
 
 def check_attention(log_rows: list) -> None:
@@ -231,6 +274,10 @@ def main() -> None:
     ap.add_argument("--torch-first", action="store_true", help="run torch before the jrl variants")
     ap.add_argument("--torch-compile", action="store_true")
     ap.add_argument("--torch-timeout-s", type=float, default=75.0)
+    ap.add_argument("--meshes", default="1",
+                    help="comma-free list separated by ';' of meshes to run each variant on: '1' (one device), "
+                         "'data=2', 'fsdp=2', ...; --batch is per data*fsdp block (weak scaling)")
+    ap.add_argument("--trace", default=None, help="directory: profiler trace of each variant's steps, summarised")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip variants once this much time is spent")
     ap.add_argument("--json", default=None, help="write all rows here")
     args = ap.parse_args()
@@ -260,18 +307,21 @@ def main() -> None:
         log(f"torch: {torch_row}")
     params = jax.jit(init_params, static_argnums=0)(base, jax.random.key(0))
     for name in args.variants.split(","):
-        elapsed = time.perf_counter() - start
-        if elapsed > args.budget_s:
-            log(f"skip {name}: budget spent ({elapsed:.0f}s)")
-            rows.append({"variant": name, "skipped": "time budget"})
-            continue
-        try:
-            row = run_variant(VARIANTS[name], base, params, args.batch, args.seq, args.steps, args.warmup)
-        except Exception:  # noqa: BLE001 - e.g. out of memory: record and go on
-            log(traceback.format_exc())
-            row = {"variant": name, "error": traceback.format_exc()[-1500:]}
-        log(json.dumps(row))
-        rows.append(row)
+        for mesh_spec in args.meshes.split(";"):
+            elapsed = time.perf_counter() - start
+            if elapsed > args.budget_s:
+                log(f"skip {name} on {mesh_spec}: budget spent ({elapsed:.0f}s)")
+                rows.append({"variant": name, "mesh": mesh_spec, "skipped": "time budget"})
+                continue
+            try:
+                row = run_variant(VARIANTS[name], base, params, args.batch, args.seq, args.steps, args.warmup,
+                                  mesh_spec, args.trace)
+            except Exception:  # noqa: BLE001 - e.g. out of memory: record and go on
+                log(traceback.format_exc())
+                row = {"variant": name, "mesh": mesh_spec, "error": traceback.format_exc()[-1500:]}
+            log(json.dumps(row))
+            rows.append(row)
+    add_scaling_efficiency(rows)
     del params
     if args.torch and not args.torch_first:
         torch_row = run_torch(args, base, torch_timeout)
@@ -286,16 +336,23 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)
     log("")
-    log(f"{'variant':28s} {'batch':>5s} {'tok/s':>9s} {'MFU':>6s} {'step ms':>8s} {'mem GiB':>8s} {'compile s':>9s}")
+    log(f"{'variant':28s} {'mesh':>8s} {'batch':>5s} {'tok/s':>9s} {'MFU':>6s} {'scaling':>7s} {'step ms':>8s} "
+        f"{'mem GiB':>8s} {'compile s':>9s}")
     for r in rows:
         if "tokens_per_s" not in r:
             if "variant" in r:
-                log(f"{r['variant']:28s} {'-- ' + (r.get('skipped') or 'error')}")
+                log(f"{r['variant']:28s} {r.get('mesh', ''):>8s} {'-- ' + (r.get('skipped') or 'error')}")
             continue
         mem = r.get("xla_memory_gib", r.get("peak_gib"))
-        log(f"{r['variant']:28s} {r.get('batch', args.batch):5d} {r['tokens_per_s']:9.0f} {100 * r.get('mfu', 0):5.1f}% "
+        eff = r.get("scaling_efficiency")
+        log(f"{r['variant']:28s} {r.get('mesh', '1'):>8s} {r.get('batch', args.batch):5d} {r['tokens_per_s']:9.0f} "
+            f"{100 * r.get('mfu', 0):5.1f}% {'' if eff is None else f'{100 * eff:.1f}%':>7s} "
             f"{1e3 * r['step_s']:8.1f} {mem if mem is None else round(mem, 1)!s:>8s} "
             f"{r.get('compile_s', float('nan')):9.1f}")
+        if "trace" in r and r["trace"].get("by_class_us_per_step"):
+            t = r["trace"]
+            log(f"  trace: {t['kernels_per_step']:.0f} kernels/step, GPU busy {t['gpu_busy_us_per_step'] / 1e3:.1f} ms; "
+                + ", ".join(f"{k} {us / 1e3:.1f} ms" for k, us in t["by_class_us_per_step"].items()))
 
 
 if __name__ == "__main__":

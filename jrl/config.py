@@ -216,6 +216,11 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype
     remat: RematPolicy = "none"
+    # False: the layers run unrolled in training and scoring too (same params, stacked on
+    # the `layers` axis either way). Unrolled, each layer reads static slices of the
+    # stacked weights and gradients instead of copying them in and out of a loop; the
+    # program takes longer to compile (docs/performance-tuning.md).
+    scan_layers: bool = True
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
@@ -514,6 +519,7 @@ class LoggingConfig:
 
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")  # the mesh axes that split batch rows
 
 
 @dataclasses.dataclass(frozen=True)

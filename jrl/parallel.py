@@ -33,10 +33,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 # ParallelConfig lives in jrl.config (a run config's `parallel` section) and is re-exported here.
-from jrl.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig
+from jrl.config import BATCH_AXES, MESH_AXES, ConfigError, ModelConfig, ParallelConfig
 from jrl.models import init_params, param_logical_axes
-
-BATCH_AXES = ("data", "fsdp")
 
 # Logical name -> mesh axis (or None: replicated). Every logical name the model uses must
 # appear here, so a new annotation cannot silently end up replicated.

@@ -417,6 +417,18 @@ def test_scanned_layers_lower_to_the_same_program_size_for_2_and_8_layers():
     assert abs(len(eight) - len(two)) < 0.05 * len(two)
 
 
+def test_unscanned_layers_give_the_same_loss_and_gradients_from_the_same_params():
+    cfg = tiny(scan_layers=False)
+    assert jax.tree.structure(shapes(cfg)) == jax.tree.structure(perturbed(BASE))  # still stacked
+    want_loss, want_grads = loss_and_grads(BASE)
+    loss, grads = loss_and_grads(cfg)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7), grads, want_grads)
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    text = jax.jit(functools.partial(models.apply, cfg)).lower(shapes(cfg), tokens).as_text()
+    assert "stablehlo.while" not in text  # one copy of the layer per layer, no loop
+
+
 def test_program_size_does_not_grow_with_max_position_embeddings():
     def lowered_size(max_len):
         cfg = tiny(max_position_embeddings=max_len)
@@ -424,3 +436,28 @@ def test_program_size_does_not_grow_with_max_position_embeddings():
         return len(jax.jit(functools.partial(models.apply, cfg)).lower(shapes(cfg), tokens).as_text())
 
     assert lowered_size(65536) == lowered_size(32)  # no [max_len, rope_dim/2] table constant
+
+
+def _head_grads(hidden, w, cot):
+    return jax.grad(lambda h, w: jnp.sum(models.transformer.head_product(h, w) * cot), (0, 1))(hidden, w)
+
+
+def test_lm_head_gradients_in_float32_are_plain_autodiff():
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    hidden, w = jax.random.normal(k1, (2, 5, 8)), jax.random.normal(k2, (8, 11))
+    cot = jax.random.normal(k3, (2, 5, 11))
+    got = _head_grads(hidden, w, cot)
+    want = jax.grad(lambda h, w: jnp.sum(jnp.matmul(h, w) * cot), (0, 1))(hidden, w)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+
+
+def test_lm_head_backward_gemms_run_in_bfloat16_for_a_bfloat16_model():
+    # the float32 cotangent of the float32 logits is cast down before both backward GEMMs
+    # (a float32 GEMM there runs at half the bf16 rate on a GPU)
+    hidden, w = jnp.ones((2, 5, 8), jnp.bfloat16), jnp.ones((8, 11), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(_head_grads)(hidden, w, jnp.ones((2, 5, 11), jnp.float32))
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]  # the backward pass
+    assert len(dots) == 2
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    assert all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)

@@ -31,8 +31,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jrl.config import ModelConfig
+from jrl.config import BATCH_AXES, ModelConfig
 from jrl.models.layers import RMSNorm, dtype_of, linear
 from jrl.models.rope import rotate
 
@@ -57,12 +58,19 @@ class DenseAttention(flax.struct.PyTreeNode):
 
     `implementation`: None picks cuDNN on GPU for bf16/fp16 operands with a head width
     it supports, XLA otherwise; "xla" / "cudnn" force one.
+
+    `mesh`: the `(data, fsdp, tensor)` device mesh the step runs on (jrl.parallel), or
+    None. With one, q, k, v and the mask are pinned to rows split over `(data, fsdp)` and
+    heads over `tensor`: the layout attention needs anyway, and the one cuDNN's
+    partitioner demands (it rejects q, k and v sharded differently, which XLA's
+    propagation produces under FSDP, where the projections' weights are split).
     """
 
     segment_ids: jax.Array
     implementation: str | None = flax.struct.field(pytree_node=False, default=None)
     absorb_mla: bool = flax.struct.field(pytree_node=False, default=False)
     max_segments: int = flax.struct.field(pytree_node=False, default=0)
+    mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
     def attend(self, q, k, v, *, layer, cache, scale):
         del layer
@@ -78,20 +86,34 @@ class DenseAttention(flax.struct.PyTreeNode):
             q, k = jnp.pad(q, pad), jnp.pad(k, pad)
         if d_v < width:
             v = jnp.pad(v, [(0, 0)] * 3 + [(0, width - d_v)])
+        segment_ids = self.segment_ids
+        if self.mesh is not None and self.mesh.size > 1:
+            q, k, v, segment_ids = _pin_rows_and_heads(self.mesh, q, k, v, segment_ids)
         packed = self.max_segments >= 2 and _hopper_or_later()  # cuDNN's packed layout needs sm90+
         masked = self.max_segments == 0 or (self.max_segments >= 2 and not packed)
         impl = self.implementation or attention_implementation(q.dtype, width, q.shape[1], masked)
         if impl == "cudnn" and packed:
-            out = _cudnn_packed(q, k, v, self.segment_ids, self.max_segments, scale)
+            out = _cudnn_packed(q, k, v, segment_ids, self.max_segments, scale)
         else:
             mask = None
             if self.max_segments != 1:
-                seg = self.segment_ids
+                seg = segment_ids
                 mask = (seg[:, :, None] == seg[:, None, :])[:, None, :, :]  # [B, 1, S, S]
             out = jax.nn.dot_product_attention(
                 q, k, v, mask=mask, is_causal=True, scale=scale, implementation=impl
             )
         return out[..., :d_v], cache
+
+
+def _pin_rows_and_heads(mesh: Mesh, q, k, v, segment_ids):
+    """q, k, v `[B, S, H, D]` with rows over the batch axes and heads over `tensor` (when
+    both head counts split evenly; else heads replicated); segment ids by rows."""
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
+    rows = tuple(a for a in BATCH_AXES if a in mesh.shape)
+    pin = lambda x, *spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+    q, k, v = (pin(x, rows, None, heads, None) for x in (q, k, v))
+    return q, k, v, pin(segment_ids, rows, None)
 
 
 def segment_runs(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
@@ -163,11 +185,11 @@ def _cudnn_available() -> bool:
 
 
 def dense_attention(segment_ids: jax.Array, implementation: str | None = None,
-                    max_segments: int = 0) -> DenseAttention:
+                    max_segments: int = 0, mesh: Mesh | None = None) -> DenseAttention:
     if not (isinstance(max_segments, int) and max_segments >= 0):
         raise ValueError(f"max_segments: must be an integer >= 0, got {max_segments!r}")
     return DenseAttention(segment_ids=jnp.asarray(segment_ids, jnp.int32), implementation=implementation,
-                          max_segments=max_segments)
+                          max_segments=max_segments, mesh=mesh)
 
 
 class GQAttention(nn.Module):

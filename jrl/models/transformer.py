@@ -86,7 +86,7 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.n_layers,
-            unroll=cfg.n_layers if self.unroll_layers else 1,
+            unroll=cfg.n_layers if self.unroll_layers or not cfg.scan_layers else 1,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg)
         self.final_norm = RMSNorm(cfg.rms_norm_eps, pd, "embed")
@@ -117,10 +117,39 @@ class Transformer(nn.Module):
 
         The product runs in the compute dtype with float32 accumulation and output (for a
         bf16 model: bf16 tensor-core GEMM, no float32 copy of the `[hidden, vocab]`
-        matrix per call); a float32 model computes it in float32."""
+        matrix per call); a float32 model computes it in float32. Its gradients run in
+        the compute dtype too (`head_product`)."""
         dt = dtype_of(self.config.dtype)
         w = self.embed.embedding.T if self.config.tie_embeddings else self.lm_head
-        return jnp.matmul(hidden.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+        return head_product(hidden.astype(dt), w.astype(dt))
+
+
+@jax.custom_vjp
+def head_product(hidden: jax.Array, w: jax.Array) -> jax.Array:
+    """`hidden [..., D] @ w [D, V]` accumulated and returned in float32.
+
+    Plain autodiff would take the float32 cotangent of the float32 logits into both
+    backward GEMMs, promoting them to float32 (on a GPU: TF32 at half the bf16 rate, the
+    two largest GEMMs of a 32k-vocab model's step). Here the cotangent is cast to the
+    operands' dtype first, as PyTorch autocast does: both backward GEMMs run in bf16 with
+    float32 accumulation. For float32 operands this is exactly the autodiff result."""
+    return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+
+
+def _head_product_fwd(hidden, w):
+    return head_product(hidden, w), (hidden, w)
+
+
+def _head_product_bwd(residuals, g):
+    hidden, w = residuals
+    g = g.astype(hidden.dtype)
+    d_hidden = jnp.matmul(g, w.T, preferred_element_type=jnp.float32).astype(hidden.dtype)
+    lead = tuple(range(hidden.ndim - 1))
+    d_w = jax.lax.dot_general(hidden, g, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    return d_hidden, d_w.astype(w.dtype)
+
+
+head_product.defvjp(_head_product_fwd, _head_product_bwd)
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:

@@ -11,8 +11,9 @@ Attention layout: `hidden_states` tells dense attention how the rows are laid ou
 (`max_segments`, see `jrl.models.attention.DenseAttention`): the `max_segments` argument
 when given, else the value of the enclosing `attention_layout(...)` block, else 0 (the
 segment mask, right for any layout). The train step opens that block with the value
-`batch_max_segments` computed on the host, so every strategy that goes through
-`hidden_states` gets the fast GPU path without knowing about it.
+`batch_max_segments` computed on the host, and with its device mesh, so every strategy
+that goes through `hidden_states` gets the fast GPU path, on any mesh, without knowing
+about it.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from typing import Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jrl.config import ModelConfig
 from jrl.models import dense_attention, forward, lm_logits
 
 _MAX_SEGMENTS = contextvars.ContextVar("jrl_attention_max_segments", default=0)
+_MESH = contextvars.ContextVar("jrl_attention_mesh", default=None)
 
 
 def _check_max_segments(max_segments: int) -> int:
@@ -38,16 +41,19 @@ def _check_max_segments(max_segments: int) -> int:
 
 
 @contextlib.contextmanager
-def attention_layout(max_segments: int) -> Iterator[None]:
+def attention_layout(max_segments: int, mesh: Mesh | None = None) -> Iterator[None]:
     """Within the block, `hidden_states` calls without an explicit `max_segments` use this
-    one. It is read when a function is *traced*: open the block inside the jitted function
-    (with `max_segments` a static argument), as `jrl.train.step` does. A jitted helper
-    that calls `hidden_states` and is traced once keeps the layout of its first trace."""
-    token = _MAX_SEGMENTS.set(_check_max_segments(max_segments))
+    one, and place attention's inputs on `mesh` (see `DenseAttention.mesh`; None: leave
+    placement to XLA). Both are read when a function is *traced*: open the block inside
+    the jitted function (with `max_segments` a static argument), as `jrl.train.step` does.
+    A jitted helper that calls `hidden_states` and is traced once keeps the layout of its
+    first trace."""
+    tokens = _MAX_SEGMENTS.set(_check_max_segments(max_segments)), _MESH.set(mesh)
     try:
         yield
     finally:
-        _MAX_SEGMENTS.reset(token)
+        _MESH.reset(tokens[1])
+        _MAX_SEGMENTS.reset(tokens[0])
 
 
 def _next_power_of_two(n: int) -> int:
@@ -137,7 +143,8 @@ def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, position
     positions = jnp.asarray(positions, jnp.int32)
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
     layout = _MAX_SEGMENTS.get() if max_segments is None else _check_max_segments(max_segments)
-    out = forward(config, params, tokens, positions, dense_attention(segment_ids, max_segments=layout),
+    backend = dense_attention(segment_ids, max_segments=layout, mesh=_MESH.get())
+    out = forward(config, params, tokens, positions, backend,
                   token_mask=segment_ids > 0)
     return out.hidden, out.aux
 

@@ -233,12 +233,12 @@ class RolloutSource:
         self._pending: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._reference = None
-        temperature, chunk, mc = o.temperature, config.lm_head_chunk, self.model_config
+        temperature, chunk, mc, mesh = o.temperature, config.lm_head_chunk, self.model_config, trainer.mesh
 
         def logp(params, rows, max_segments):
-            # Same attention layout as the trainer's loss, so on GPU both take the same
-            # cuDNN path and the first epoch's importance ratio is exactly 1.
-            with attention_layout(max_segments):
+            # Same attention layout (and placement) as the trainer's loss, so on GPU both
+            # take the same cuDNN path and the first epoch's importance ratio is exactly 1.
+            with attention_layout(max_segments, mesh):
                 return policy_stats(mc, params, rows, temperature, chunk)[0].logp
 
         jitted = jax.jit(logp, static_argnums=2)

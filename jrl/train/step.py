@@ -28,8 +28,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.config import ModelConfig
+from jrl.parallel import BATCH_AXES
 from jrl.train.logprobs import attention_layout
 from jrl.train.schedules import Schedule
 from jrl.train.state import TrainState
@@ -64,19 +66,26 @@ class StepShardings(NamedTuple):
     replicated: Any  # scalars and metrics
 
 
+def mesh_step_shardings(mesh: Mesh, state: Any, reference: Any = None) -> StepShardings:
+    """The step's placement on `mesh`: the state as `state` (a TrainState of shardings),
+    micro-batch rows `[M, b, ...]` split over `(data, fsdp)`, scalars replicated."""
+    return StepShardings(state=state, batch=NamedSharding(mesh, PartitionSpec(None, BATCH_AXES)),
+                         reference=reference, replicated=NamedSharding(mesh, PartitionSpec()))
+
+
 def _micro_keys(state: TrainState, n: int) -> jax.Array:
     return jax.random.split(jax.random.fold_in(state.rng, state.step), n)
 
 
 def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chunk_size: int,
                 params: Any, batch: dict, reference_params: Any, keys: jax.Array,
-                policy_version: jax.Array, with_grads: bool, max_segments: int):
+                policy_version: jax.Array, with_grads: bool, max_segments: int, mesh: Mesh | None):
     """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis."""
 
     def loss_of(p, micro, key):
         ctx = LossContext(rng=key, policy_version=policy_version, reference_params=reference_params,
                           options=options, chunk_size=chunk_size)
-        with attention_layout(max_segments):  # read by hidden_states while this is traced
+        with attention_layout(max_segments, mesh):  # read by hidden_states while this is traced
             out = strategy.loss_fn(model_config, p, micro, ctx)
         return jnp.asarray(out.total, jnp.float32), (jnp.asarray(out.weight, jnp.float32), out.metrics)
 
@@ -110,12 +119,14 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
                   *, clip_norm: float, chunk_size: int = 0, shardings: StepShardings | None = None) -> StepFns:
     """Jitted update / split update / evaluation for this model, strategy and optimizer
     (placed by `shardings` when given; otherwise wherever their inputs are)."""
+    mesh = None if shardings is None else shardings.batch.mesh
 
     def compute_grads(state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         total, weight, metrics, grads = _accumulate(
             model_config, strategy, options, chunk_size, state.params, batch, reference_params,
-            _micro_keys(state, n_micro), state.policy_version, with_grads=True, max_segments=max_segments)
+            _micro_keys(state, n_micro), state.policy_version, with_grads=True, max_segments=max_segments,
+            mesh=mesh)
         denom = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss, reduced = _finish_metrics(total, weight, metrics)
@@ -159,7 +170,8 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         total, weight, metrics, _ = _accumulate(
             model_config, strategy, options, chunk_size, params, batch, reference_params,
-            jax.random.split(rng, n_micro), policy_version, with_grads=False, max_segments=max_segments)
+            jax.random.split(rng, n_micro), policy_version, with_grads=False, max_segments=max_segments,
+            mesh=mesh)
         return total, weight, metrics
 
     # max_segments is static and positional (jit takes no keyword arguments with in_shardings)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jrl import checkpoint
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
@@ -42,7 +42,7 @@ from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
 from jrl.train.state import TrainState, init_sharded_train_state
-from jrl.train.step import StepShardings, make_step_fns
+from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings
 from jrl.train.strategies import get_strategy, strategy_options
 
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
@@ -252,10 +252,8 @@ class Trainer:
         p_shardings = param_shardings(c.model, self.mesh)
         state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
                                                     p_shardings, self.mesh)
-        self._shardings = StepShardings(
-            state=shardings, batch=NamedSharding(self.mesh, PartitionSpec(None, BATCH_AXES)),
-            reference=p_shardings if self.reference_params is not None else None,
-            replicated=NamedSharding(self.mesh, PartitionSpec()))
+        self._shardings = mesh_step_shardings(self.mesh, shardings,
+                                              p_shardings if self.reference_params is not None else None)
         existing = checkpoint.latest_step(self.checkpoint_dir)
         if existing is not None and not resume and not overwrite:
             raise FileExistsError(

@@ -114,3 +114,31 @@ def test_a_leaf_at_a_param_path_with_another_shape_is_replicated():
     row_stats = {"stats": {"embed": {"embedding": jax.ShapeDtypeStruct((256,), jnp.float32)}}}
     got = state_shardings(row_stats, p_shardings, mesh)
     assert got["stats"]["embed"]["embedding"].spec == P()
+
+
+def test_dense_attention_on_a_mesh_pins_q_k_v_to_rows_and_heads():
+    # cuDNN's partitioner rejects q, k, v sharded differently (what XLA's propagation gives
+    # under FSDP): on a mesh they are pinned to rows over (data, fsdp), heads over tensor.
+    from jrl.models.attention import dense_attention
+
+    mesh = make_mesh(MESHES["mixed"])
+
+    def attend(q, k, v, segment_ids):
+        out, _ = dense_attention(segment_ids, mesh=mesh).attend(q, k, v, layer=0, cache=None, scale=0.3)
+        return out
+
+    q, kv, seg = jnp.ones((8, 16, 4, 8)), jnp.ones((8, 16, 2, 8)), jnp.ones((8, 16), jnp.int32)
+    text = jax.jit(attend).lower(q, kv, kv, seg).as_text()
+    pins = [line.split("<@mesh, ")[1].split(">")[0] for line in text.splitlines() if "sharding_constraint" in line]
+    rows = '{"data", "fsdp"}'
+    assert pins == [f'[{rows}, {{}}, {{"tensor"}}, {{}}]'] * 3 + [f"[{rows}, {{}}]"]
+
+
+def test_dense_attention_replicates_heads_the_tensor_axis_does_not_divide():
+    from jrl.models.attention import dense_attention
+
+    mesh = make_mesh(MESHES["mixed"])  # tensor = 2; one KV head cannot be split
+    out = lambda q, k, v, s: dense_attention(s, mesh=mesh).attend(q, k, v, layer=0, cache=None, scale=0.3)[0]
+    text = jax.jit(out).lower(jnp.ones((8, 16, 4, 8)), jnp.ones((8, 16, 1, 8)), jnp.ones((8, 16, 1, 8)),
+                              jnp.ones((8, 16), jnp.int32)).as_text()
+    assert text.count('[{"data", "fsdp"}, {}, {}, {}]') == 3

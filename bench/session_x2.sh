@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call on the two-GPU kind: training scaling (1 GPU vs data=2 vs fsdp=2) with
+# profiler traces, then the engine's decode generation end to end (one GPU).
+set -u
+OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PY:-python3}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/gpu.txt" 2>&1
+timeout -k 5 ${T_TRAIN:-240} $PY bench/train_throughput.py --variants ${VARIANTS:-causal} --meshes "${MESHES:-1;data=2;fsdp=2}" \
+  --steps 8 --trace /tmp/traces --json "$OUT/scaling.json" > "$OUT/scaling.log" 2>&1
+echo "train exit $?" >> "$OUT/scaling.log"
+tar czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null
+[ "${T_DECODE:-270}" = 0 ] || timeout -k 5 ${T_DECODE:-270} $PY bench/decode_throughput.py --batches 256,1,128,64,16 --budget-s $(( ${T_DECODE:-270} - 30 )) \
+  --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1; rc=$?
+[ -f "$OUT/decode.log" ] && echo "decode exit $rc" >> "$OUT/decode.log"
+cat "$OUT/gpu.txt"
+for part in scaling decode; do
+  [ -f "$OUT/$part.log" ] || continue
+  echo "===== $part"; grep -v '^{' "$OUT/$part.log" | grep -v '^\s*$' | tail -n 30
+done
