@@ -61,6 +61,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PLAN = [
     ("A", "", "real"),
     ("U", "", "engine_unroll"),
+    # The unrolled step at batch 256 spent 1.38 of its 4.44 busy ms in GEMMs that XLA ran
+    # as Triton fusions at ~1.3 TB/s of weight bytes (2026-11-29 17:03 trace): cuBLAS instead.
+    ("T", "--xla_gpu_enable_triton_gemm=false", "engine_unroll"),
 ]
 
 # The Mosaic GPU kernels reject inputs that are not 256-byte aligned; without a layer loop
@@ -191,7 +194,7 @@ def trace_summary(xspace: bytes, n_steps: int) -> dict:
             by[name[:90]][0] += 1
             by[name[:90]][1] += e - s
         out["top_kernels"] = [{"name": k, "per_step": c / n_steps, "us_per_step": d / 1e3 / n_steps}
-                              for k, (c, d) in sorted(by.items(), key=lambda kv: -kv[1][1])[:25]]
+                              for k, (c, d) in sorted(by.items(), key=lambda kv: -kv[1][1])[:60]]
         classes = collections.Counter()
         for s, e, name in kernels:
             classes[kernel_class(name)] += e - s
@@ -372,8 +375,8 @@ def time_replays(fn, params, case, device_args: bool, rounds: int, per_round: in
     return row, (layout, ints, floats, k, v, prev)
 
 
-def trace_step(out_dir: str, variant: str, b: int, params, fn, case, emit, n: int = 10) -> None:
-    """Profiler trace of `n` back-to-back replays, summarised (trace_{variant}_b{b}.json)."""
+def trace_step(out_dir: str, variant: str, b: int, params, fn, case, emit, n: int = 10, tag: str = "") -> None:
+    """Profiler trace of `n` back-to-back replays, summarised (trace_{tag}{variant}_b{b}.json)."""
     import jax
     from jax._src.lib import _profiler
     from jax.profiler import ProfileOptions
@@ -388,7 +391,7 @@ def trace_step(out_dir: str, variant: str, b: int, params, fn, case, emit, n: in
     traced_ms = 1e3 * (time.perf_counter() - t0) / n
     summary = trace_summary(session.stop(), n)
     summary["traced_step_ms"] = traced_ms
-    with open(os.path.join(out_dir, f"trace_{variant}_b{b}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"trace_{tag}{variant}_b{b}.json"), "w") as f:
         json.dump(summary, f, indent=1)
     emit({"variant": "trace_" + variant, "batch": b, "ms": traced_ms,
           "kernels_per_step": summary.get("kernels_per_step"),
@@ -492,7 +495,7 @@ def worker(args) -> None:
             # Last: a profiler session is the one step that could take the process down.
             variant, b, vparams, fn, case = to_trace
             try:
-                trace_step(out_dir, variant, b, vparams, fn, case, emit)
+                trace_step(out_dir, variant, b, vparams, fn, case, emit, tag=f"{args.worker}_")
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
                 emit({"variant": "trace_" + variant, "batch": b, "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -503,12 +506,9 @@ def worker(args) -> None:
 
 def copy_bandwidth_subprocess(tiny: bool, timeout: float) -> float:
     """Copy bandwidth measured in a short subprocess (the orchestrator holds no GPU)."""
-    code = ("import jax,jax.numpy as jnp,time,statistics\n"
-            f"n={(1 << 24) if tiny else (2 << 30)}\n"
-            "x=jnp.ones((n//4,),jnp.float32);f=jax.jit(lambda a:a+1.0);jax.block_until_ready(f(x))\n"
-            "t=[]\n"
-            "for _ in range(5):\n t0=time.perf_counter();jax.block_until_ready(f(x));t.append(time.perf_counter()-t0)\n"
-            "print(2*n/statistics.median(t))\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); from bandwidth import copy_bandwidth; "
+            f"print(copy_bandwidth({(1 << 24) if tiny else (2 << 30)}))")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
         return float(out.stdout.strip().splitlines()[-1])

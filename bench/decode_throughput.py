@@ -49,7 +49,8 @@ from jrl.rollout.engine import Engine
 from jrl.rollout.executor import step_function
 from jrl.rollout.sampling import GREEDY
 
-from decode_profile import synthetic_batch  # bench/ is on sys.path when run as a script
+from bandwidth import copy_bandwidth  # bench/ is on sys.path when run as a script
+from decode_profile import synthetic_batch
 
 MODEL = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
                     intermediate_size=5632, max_position_embeddings=4096, tie_embeddings=True,
@@ -61,19 +62,6 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_h
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
-    """Bytes read + written per second by a device-to-device copy."""
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return 2 * n_bytes / statistics.median(times)
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
