@@ -64,7 +64,7 @@ def test_config_file_gives_the_run_name_and_takes_overrides(tmp_path, capsys):
     assert (config.name, config.steps, config.optimizer.lr, config.run_dir) == ("my_run", 9, 1e-3, "runs/my_run")
 
 
-@pytest.mark.parametrize("name", ["sft_arithmetic", "pretrain_tinytext", "dpo_arithmetic"])
+@pytest.mark.parametrize("name", ["sft_arithmetic", "pretrain_tinytext", "dpo_arithmetic", "pretrain_1b_gpu"])
 def test_shipped_configs_validate(name):
     config = load_train_config(str(CONFIGS / f"{name}.yaml"))
     assert config.name == name
