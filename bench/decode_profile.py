@@ -64,6 +64,12 @@ PLAN = [
     # The unrolled step at batch 256 spent 1.38 of its 4.44 busy ms in GEMMs that XLA ran
     # as Triton fusions at ~1.3 TB/s of weight bytes (2026-11-29 17:03 trace): cuBLAS instead.
     ("T", "--xla_gpu_enable_triton_gemm=false", "engine_unroll"),
+    # With cuBLAS, XLA concatenated the gate and up weights every step (16 copies, 0.34 ms)
+    # to merge their two dots: the same without dot merging, and with cuBLASLt.
+    ("N", "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0", "engine_unroll"),
+    ("M", "--xla_gpu_dot_merger_threshold_mb=0", "engine_unroll"),
+    ("L", "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0 --xla_gpu_enable_cublaslt=true",
+     "engine_unroll"),
 ]
 
 # The Mosaic GPU kernels reject inputs that are not 256-byte aligned; without a layer loop
