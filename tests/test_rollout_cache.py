@@ -225,7 +225,7 @@ def test_bind_builds_ragged_metadata_for_prefill_and_decode_rows():
     t, u = m.alloc(), m.alloc()
     m.extend(t, 6)  # pages [0, 1]
     m.extend(u, 3)  # page [2]
-    b = m.bind([t, u], q_starts=[0, 2], q_lens=[6, 1])
+    b = m.bind([t.row, u.row], q_starts=[0, 2], q_lens=[6, 1])
     assert b.cu_q_lens.tolist() == [0, 6, 7]
     assert b.kv_lens.tolist() == [6, 3]
     assert b.positions.tolist() == [0, 1, 2, 3, 4, 5, 2]

@@ -36,11 +36,14 @@ from jrl.config import ModelConfig
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import EngineConfig, bucket
-from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, step_function
+from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, step_function
 from jrl.rollout.request import Completion, Request
-from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, sampling_arrays
+from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_columns
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
 from jrl.rollout.sharding import EngineSharding, SourceParams, engine_sharding
+
+
+_MAX_INTERNED = 4096  # distinct sampling params kept by Engine._interned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +69,9 @@ class EngineStats:
 @dataclasses.dataclass
 class _InFlight:
     readback: jax.Array  # [3, max_rows] float32: token ids (bit-cast), logprobs, model logprobs
-    samples: list[tuple[int, Request, int]]  # (row, request, request epoch at dispatch)
+    rows: np.ndarray | slice  # the rows that sample, and for each: its request and the request's epoch
+    reqs: list[Request]  # at dispatch (a sample whose request's epoch moved on is dropped)
+    epochs: list[int]
     version: int
     decode: bool
 
@@ -107,6 +112,7 @@ class Engine:
         self._next_id = 0
         self._finished: list[Completion] = []
         self._admit = "all"
+        self._sampling_params: dict[SamplingParams, SamplingParams] = {}
         self.stats = EngineStats()
         self.last_launch: tuple[StepLayout, np.ndarray, np.ndarray] | None = None  # for benchmarks
 
@@ -145,10 +151,22 @@ class Engine:
         rid = self._next_id
         self._next_id += 1
         seed = sampling.seed if sampling.seed is not None else (cfg.seed * 1_000_003 + rid) % 2**32
-        self.scheduler.add(Request(rid=rid, prompt=prompt.astype(np.int32), sampling=sampling,
+        self.scheduler.add(Request(rid=rid, prompt=prompt.astype(np.int32), sampling=self._interned(sampling),
                                    max_new_tokens=int(max_new_tokens), eos_ids=eos, stop_sequences=stops,
                                    seed=int(seed)))
         return rid
+
+    def _interned(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` without its seed (the request carries it), as the one object the
+        engine uses for all equal params: requests that differ only in seed (the usual RL
+        batch) then share one object, which the per-step packing recognises without
+        looking at each request's params (see `sampling._distinct`). A cache: cleared when
+        it grows past `_MAX_INTERNED` distinct params."""
+        if sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=None)
+        if len(self._sampling_params) >= _MAX_INTERNED:
+            self._sampling_params.clear()
+        return self._sampling_params.setdefault(sampling, sampling)
 
     @property
     def has_work(self) -> bool:
@@ -228,80 +246,95 @@ class Engine:
                                                     layout=layout)
         self.kv.update(k, v)
         self._prev_tokens = tok
-        samples = []
-        for row, e in enumerate(batch.entries):
-            if e.sample:
-                e.req.device_row = row
-                samples.append((row, e.req, e.req.epoch))
-        return _InFlight(readback, samples, self.version, layout.decode)
+        if all(batch.sample):  # read back with a slice, not a gather
+            picked, reqs, rows = range(len(batch)), batch.reqs, slice(0, len(batch))
+        else:
+            picked = [row for row, sample in enumerate(batch.sample) if sample]
+            reqs, rows = [batch.reqs[row] for row in picked], np.asarray(picked, np.intp)
+        for row, req in zip(picked, reqs):
+            req.device_row = row
+        return _InFlight(readback, rows, reqs, [r.epoch for r in reqs], self.version, layout.decode)
 
     def _pack(self, batch: ScheduledBatch) -> tuple[StepLayout, np.ndarray, np.ndarray]:
         """The static layout (bucketed sizes, sampling variant) and the padded int32 /
-        float32 inputs of one step."""
-        entries = batch.entries
-        n, total = len(entries), batch.n_tokens
+        float32 inputs of one step. Works by column, writing whole lists and arrays into
+        views of the two flat arrays: a step costs a fixed few dozen numpy calls, with
+        Python loops only over rows whose input tokens are on the host (prefill chunks) or
+        that need a penalty window."""
+        reqs, n = batch.reqs, len(batch)
+        total, decode = batch.n_tokens, batch.decode
+        every_row_samples = all(batch.sample)
+        sampling = [r.sampling for r in reqs]
+        if not every_row_samples:
+            sampling = [p if s else GREEDY for p, s in zip(sampling, batch.sample)]
         n_rows = bucket(n, self._batch_buckets)
-        n_tokens = n_rows if batch.decode else bucket(total, self._token_buckets)
-        bound = self.cache.bind([e.req.task for e in entries], [e.q_start for e in entries],
-                                [e.q_len for e in entries])
-        n_cols = bucket(bound.page_table.shape[1], self._col_buckets)
-        penalties, mode = batch_mode([e.req.sampling for e in entries if e.sample] or [GREEDY])
+        n_tokens = n_rows if decode else bucket(total, self._token_buckets)
+        bound = self.cache.bind(batch.rows, batch.q_starts, batch.q_lens)
+        width = bound.page_table.shape[1]
+        penalties, mode = batch_mode(sampling)
         window = self.config.penalty_window - 1 if penalties else 0
-        layout = StepLayout(decode=batch.decode, n_tokens=n_tokens, n_rows=n_rows, n_page_cols=n_cols,
-                            window=window, penalties=penalties, mode=mode,
-                            int_align=INT_ALIGN_UNROLLED if self.unroll_layers and batch.decode else 1)
+        layout = StepLayout(decode=decode, n_tokens=n_tokens, n_rows=n_rows,
+                            n_page_cols=bucket(width, self._col_buckets), window=window, penalties=penalties,
+                            mode=mode, int_align=INT_ALIGN_UNROLLED if self.unroll_layers and decode else 1)
 
-        tokens = np.zeros(n_tokens, np.int32)
-        tok_src = np.full(n_tokens, -1, np.int32)  # >= 0: take the previous step's sample at that row
-        win = np.full((n_rows, window), -1, np.int32)
-        for i, e in enumerate(entries):
-            start = int(bound.cu_q_lens[i])
-            if e.device_input:
-                tok_src[start] = e.req.device_row
-            else:
-                tokens[start:start + e.q_len] = e.req.known_tokens()[e.q_start:e.q_start + e.q_len]
-            if window and e.sample:  # the window's last token (the row's input) is added on device
-                last = e.q_start + e.q_len - 1
-                seen = e.req.known_tokens()[max(0, last - window):last]
-                win[i, window - len(seen):] = seen
-        positions = np.zeros(n_tokens, np.int32)
-        positions[:total] = bound.positions
-        out_loc = np.full(n_tokens, -1, np.int32)
-        out_loc[:total] = bound.out_cache_loc
-        cu = np.full(n_rows + 1, total, np.int32)
-        cu[:n + 1] = bound.cu_q_lens
-        kv_lens = np.zeros(n_rows, np.int32)
-        kv_lens[:n] = bound.kv_lens
-        page_table = np.zeros((n_rows, n_cols), np.int32)
-        page_table[:n, :bound.page_table.shape[1]] = bound.page_table
-        s = sampling_arrays([e.req.sampling if e.sample else GREEDY for e in entries],
-                            [e.req.seed for e in entries],
-                            [e.req.n_scheduled_samples - 1 if e.sample else 0 for e in entries], n_rows)
-        ints = pack(layout.int_fields(), dict(tokens=tokens, tok_src=tok_src, positions=positions,
-                                              out_cache_loc=out_loc, cu_q_lens=cu, kv_lens=kv_lens,
-                                              page_table=page_table, top_k=s.top_k, seed=s.seed,
-                                              index=s.index, window=win), np.int32)
-        return layout, ints, pack(layout.float_fields(), s._asdict(), np.float32)
+        ints = np.zeros(layout.int_packing.size, np.int32)  # fields default to 0 unless set below
+        i = layout.int_packing.views(ints)
+        starts = bound.cu_q_lens[:-1]
+        tok_src = i["tok_src"]  # >= 0: take the previous step's sample at that row
+        tok_src[:] = -1
+        if all(batch.device_input):
+            tok_src[starts] = [r.device_row for r in reqs]
+        else:
+            for row, (req, on_device) in enumerate(zip(reqs, batch.device_input)):
+                start, q_start, q_len = int(starts[row]), batch.q_starts[row], batch.q_lens[row]
+                if on_device:
+                    tok_src[start] = req.device_row
+                else:  # host-known input tokens (prefill chunks, or a token read back already)
+                    i["tokens"][start:start + q_len] = req.known_tokens()[q_start:q_start + q_len]
+        i["positions"][:total] = bound.positions
+        i["out_cache_loc"][:] = -1
+        i["out_cache_loc"][:total] = bound.out_cache_loc
+        i["cu_q_lens"][:] = total
+        i["cu_q_lens"][:n + 1] = bound.cu_q_lens
+        i["kv_lens"][:n] = bound.kv_lens
+        i["page_table"][:n, :width] = bound.page_table
+        if window:  # the window's last token (the row's input) is added on device
+            win = i["window"]
+            win[:] = -1
+            for row, (req, sample) in enumerate(zip(reqs, batch.sample)):
+                if sample:
+                    last = batch.q_starts[row] + batch.q_lens[row] - 1
+                    seen = req.known_tokens()[max(0, last - window):last]
+                    win[row, window - len(seen):] = seen
+        float_columns, i["top_k"][:] = param_columns(sampling, n_rows)
+        i["seed"][:n] = np.array([r.seed for r in reqs], np.uint32).view(np.int32)
+        i["index"][:n] = batch.index
+        return layout, ints, float_columns.reshape(layout.float_packing.size)
 
     def _read_back(self, step: _InFlight) -> None:
+        """Records step's samples in their requests (skipping requests preempted, aborted or
+        finished since dispatch) and hands finished requests to the scheduler."""
         t0 = time.perf_counter()
         readback = np.asarray(jax.device_get(step.readback))
-        tokens, logp, model_logp = readback[0].view(np.int32), readback[1], readback[2]
         waited = time.perf_counter() - t0
         self.stats.wait_s += waited
         if step.decode:
             self.stats.decode_wait_s += waited
-        for row, req, epoch in step.samples:
+        values = readback[:, step.rows]
+        tokens, logp, model_logp = values[0].view(np.int32).tolist(), values[1].tolist(), values[2].tolist()
+        recorded = 0
+        for req, epoch, token, lp, model_lp in zip(step.reqs, step.epochs, tokens, logp, model_logp):
             if req.epoch != epoch:
-                continue  # preempted, aborted or already finished since dispatch
+                continue
             req.n_inflight -= 1
             if req.n_inflight == 0:
                 req.device_row = -1
-            req.record(int(tokens[row]), float(logp[row]), float(model_logp[row]), step.version)
-            self.stats.generated_tokens += 1
+            req.record(token, lp, model_lp, step.version)
+            recorded += 1
             if req.finish_reason is not None:
                 self.scheduler.finish(req, step.version)
                 self._finished.append(req.completion())
+        self.stats.generated_tokens += recorded
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, params: dict, version: int) -> Ack:

@@ -25,7 +25,7 @@ import numpy as np
 from jrl.config import ModelConfig
 from jrl.models import forward, lm_logits
 from jrl.rollout.backend import PagedAttention
-from jrl.rollout.sampling import SamplingArrays, sample
+from jrl.rollout.sampling import FLOAT_COLUMNS, SamplingArrays, sample
 from jrl.rollout.sharding import HeadSplit
 
 
@@ -61,31 +61,67 @@ class StepLayout:
 
     def float_fields(self) -> list[tuple[str, tuple[int, ...]]]:
         r = self.n_rows
-        return [(n, (r,)) for n in ("temperature", "top_p", "min_p", "repetition_penalty",
-                                    "frequency_penalty", "presence_penalty")]
+        return [(n, (r,)) for n in FLOAT_FIELDS]
+
+    @property
+    def int_packing(self) -> Packing:
+        return _packings(self)[0]
+
+    @property
+    def float_packing(self) -> Packing:
+        return _packings(self)[1]
 
 
+FLOAT_FIELDS = FLOAT_COLUMNS  # the float array is exactly `sampling.param_columns`' block, flattened
 PAD_PREFIX = "_pad_before_"  # alignment gaps in StepLayout.int_fields (packed as zeros)
 
 
-def pack(fields: list[tuple[str, tuple[int, ...]]], values: dict[str, np.ndarray], dtype) -> np.ndarray:
-    parts = []
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where each field of one packed array lives: `(name, start, stop, shape)` in order, and
+    the array's size. Computed once per field list (`packing` is cached), so a step only
+    slices its preallocated array instead of concatenating a dozen small ones."""
+
+    fields: tuple[tuple[str, int, int, tuple[int, ...]], ...]
+    size: int
+
+    def views(self, flat):
+        """Each field (alignment gaps left out) as a view (numpy) or slice (jax) of `flat`."""
+        return {name: flat[start:stop].reshape(shape) for name, start, stop, shape in self.fields
+                if not name.startswith(PAD_PREFIX)}
+
+
+@functools.lru_cache(maxsize=None)
+def packing(fields: tuple[tuple[str, tuple[int, ...]], ...]) -> Packing:
+    out, offset = [], 0
     for name, shape in fields:
-        v = np.zeros(shape, dtype) if name.startswith(PAD_PREFIX) else np.asarray(values[name])
+        size = int(np.prod(shape))
+        out.append((name, offset, offset + size, shape))
+        offset += size
+    return Packing(tuple(out), offset)
+
+
+@functools.lru_cache(maxsize=None)
+def _packings(layout: StepLayout) -> tuple[Packing, Packing]:
+    return packing(tuple(layout.int_fields())), packing(tuple(layout.float_fields()))
+
+
+def pack(fields: list[tuple[str, tuple[int, ...]]], values: dict[str, np.ndarray], dtype) -> np.ndarray:
+    """One flat `dtype` array holding `values` in the order and shapes of `fields` (uint32
+    values bit-cast, alignment gaps zero)."""
+    p = packing(tuple(fields))
+    flat = np.zeros(p.size, dtype)
+    for name, view in p.views(flat).items():
+        v = np.asarray(values[name])
         if v.dtype == np.uint32:
             v = v.view(np.int32)
-        assert v.shape == shape, f"{name}: shape {v.shape} != layout {shape}"
-        parts.append(v.astype(dtype, copy=False).reshape(-1))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+        assert v.shape == view.shape, f"{name}: shape {v.shape} != layout {view.shape}"
+        view[...] = v
+    return flat
 
 
 def unpack(fields: list[tuple[str, tuple[int, ...]]], flat: jax.Array) -> dict[str, jax.Array]:
-    out, offset = {}, 0
-    for name, shape in fields:
-        size = int(np.prod(shape))
-        out[name] = flat[offset:offset + size].reshape(shape)
-        offset += size
-    return out
+    return packing(tuple(fields)).views(flat)
 
 
 INT_ALIGN_UNROLLED = 64  # int32 elements = 256 bytes
@@ -144,8 +180,8 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
         if unroll and layout.int_align % INT_ALIGN_UNROLLED:
             raise ValueError(f"layout.int_align: must be a multiple of {INT_ALIGN_UNROLLED} for an "
                              f"unrolled decode step, got {layout.int_align}")
-        i = unpack(layout.int_fields(), ints)
-        f = unpack(layout.float_fields(), floats)
+        i = layout.int_packing.views(ints)
+        f = layout.float_packing.views(floats)
         tokens = step_tokens(i, prev_tokens, max_rows)
         cu = i["cu_q_lens"]
         real = jnp.arange(layout.n_tokens) < cu[-1]

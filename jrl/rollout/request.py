@@ -34,7 +34,7 @@ class Completion:
 class Request:
     rid: int
     prompt: np.ndarray
-    sampling: SamplingParams
+    sampling: SamplingParams  # the engine passes them without their seed (which is `seed`)
     max_new_tokens: int
     eos_ids: frozenset[int]
     stop_sequences: tuple[tuple[int, ...], ...]
@@ -53,6 +53,7 @@ class Request:
     cached_tokens: int = 0
     n_preemptions: int = 0
     _tokens: np.ndarray = dataclasses.field(init=False, repr=False)  # prompt + outputs, preallocated
+    _n_synced: int = dataclasses.field(default=0, init=False, repr=False)  # outputs copied into _tokens
 
     def __post_init__(self) -> None:
         self._tokens = np.zeros(len(self.prompt) + self.max_new_tokens, np.int32)
@@ -71,25 +72,33 @@ class Request:
         return self.task is not None and self.task.kv_len < self.prefill_target
 
     def known_tokens(self) -> np.ndarray:
-        """Prompt + tokens read back so far (a view; no copy)."""
-        return self._tokens[:self.n_known]
+        """Prompt + tokens read back so far (a view; no copy). Outputs are copied into the
+        preallocated array here, when asked for, rather than per recorded token, so reading
+        a decode step back touches no numpy per request."""
+        n_out = len(self.outputs)
+        if self._n_synced < n_out:
+            start = len(self.prompt)
+            self._tokens[start + self._n_synced:start + n_out] = self.outputs[self._n_synced:]
+            self._n_synced = n_out
+        return self._tokens[:len(self.prompt) + n_out]
 
     def reset_outputs(self) -> None:
         self.outputs, self.logprobs, self.model_logprobs, self.versions = [], [], [], []
+        self._n_synced = 0
 
     def record(self, token: int, logprob: float, model_logprob: float, version: int) -> None:
         """Appends a sampled token and sets `finish_reason` when a stop condition holds."""
-        self._tokens[self.n_known] = token
-        self.outputs.append(token)
+        outputs = self.outputs
+        outputs.append(token)
         self.logprobs.append(logprob)
         self.model_logprobs.append(model_logprob)
         self.versions.append(version)
         if token in self.eos_ids:
             self.finish_reason = "eos"
-        elif any(len(self.outputs) >= len(s) and tuple(self.outputs[-len(s):]) == s
-                 for s in self.stop_sequences):
+        elif self.stop_sequences and any(len(outputs) >= len(s) and tuple(outputs[-len(s):]) == s
+                                         for s in self.stop_sequences):
             self.finish_reason = "stop"
-        elif len(self.outputs) >= self.max_new_tokens:
+        elif len(outputs) >= self.max_new_tokens:
             self.finish_reason = "length"
 
     def completion(self) -> Completion:

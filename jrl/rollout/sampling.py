@@ -22,6 +22,8 @@ For each request row, from the float32 model logits `z`:
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -87,30 +89,68 @@ class SamplingArrays(NamedTuple):
     index: jax.Array  # int32: output token index (keys the draw)
 
 
-def sampling_arrays(params: list[SamplingParams], seeds: list[int], indices: list[int],
-                    n_rows: int) -> SamplingArrays:
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _host_row(p: SamplingParams) -> tuple:
+    """The float columns (FLOAT_COLUMNS order), then top_k."""
+    return (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+            p.top_k)
+
+
+def _columns(table: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    cols = table[rows].T
+    return np.ascontiguousarray(cols[:-1], np.float32), cols[-1].astype(np.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_columns(params: SamplingParams, n: int, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.full(n_rows, 1, np.intp)
+    rows[:n] = 0
+    floats, top_k = _columns(np.array([_host_row(params), _host_row(GREEDY)], np.float64), rows)
+    floats.flags.writeable = top_k.flags.writeable = False  # shared between steps
+    return floats, top_k
+
+
+def param_columns(params: Sequence[SamplingParams], n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 `[len(FLOAT_COLUMNS), n_rows]`, int32 top_k `[n_rows]`) of the rows' params,
+    padded with greedy rows. A batch whose rows share one params object (the engine
+    interns them, see `Engine.add_request`; `list.count` compares by identity first) gets
+    cached read-only arrays; a mixed batch hashes each row once. (No `id()`: it runs the
+    interpreter's audit hooks, slow once a library installs one.)"""
+    params = list(params)
+    n = len(params)
+    if n and params.count(params[0]) == n:
+        return _shared_columns(params[0], n, n_rows)
+    distinct, which = _distinct(params)
+    table = np.array([_host_row(p) for p in distinct] + [_host_row(GREEDY)], np.float64)
+    rows = np.full(n_rows, len(distinct), np.intp)  # padding rows take the last (greedy) row
+    rows[:n] = which
+    return _columns(table, rows)
+
+
+def _distinct(params: list[SamplingParams]) -> tuple[list[SamplingParams], np.ndarray]:
+    """(the distinct params in order of appearance, each row's index among them)."""
+    n = len(params)
+    if n and params.count(params[0]) == n:
+        return [params[0]], np.zeros(n, np.intp)
+    slot = {p: k for k, p in enumerate(dict.fromkeys(params))}
+    return list(slot), np.fromiter(map(slot.__getitem__, params), np.intp, n)
+
+
+def sampling_arrays(params: Sequence[SamplingParams], seeds: Sequence[int] | np.ndarray,
+                    indices: Sequence[int] | np.ndarray, n_rows: int) -> SamplingArrays:
     """Numpy arrays padded to `n_rows` (padding rows are greedy and discarded)."""
     n = len(params)
-    pad = n_rows - n
-
-    def col(values, dtype, fill):
-        return np.concatenate([np.asarray(values, dtype), np.full(pad, fill, dtype)])
-
-    return SamplingArrays(
-        temperature=col([p.temperature for p in params], np.float32, 0.0),
-        top_k=col([p.top_k for p in params], np.int32, 0),
-        top_p=col([p.top_p for p in params], np.float32, 1.0),
-        min_p=col([p.min_p for p in params], np.float32, 0.0),
-        repetition_penalty=col([p.repetition_penalty for p in params], np.float32, 1.0),
-        frequency_penalty=col([p.frequency_penalty for p in params], np.float32, 0.0),
-        presence_penalty=col([p.presence_penalty for p in params], np.float32, 0.0),
-        seed=col(seeds, np.uint32, 0),
-        index=col(indices, np.int32, 0),
-    )
+    floats, top_k = param_columns(params, n_rows)
+    seed, index = np.zeros(n_rows, np.uint32), np.zeros(n_rows, np.int32)
+    seed[:n], index[:n] = np.asarray(seeds, np.int64), indices
+    return SamplingArrays(**dict(zip(FLOAT_COLUMNS, floats)), top_k=top_k, seed=seed, index=index)
 
 
-def batch_mode(params: list[SamplingParams]) -> tuple[bool, str]:
+def batch_mode(params: Sequence[SamplingParams]) -> tuple[bool, str]:
     """Static sampling variant of a batch: (penalties?, "greedy" | "sample" | "filter")."""
+    params = _distinct(list(params))[0]
     penalties = any(p.uses_penalties for p in params)
     if all(p.greedy for p in params):
         return penalties, "greedy"

@@ -37,18 +37,63 @@ class Entry:
     device_input: bool  # the input token is the previous step's sample (still on device)
 
 
-@dataclasses.dataclass
 class ScheduledBatch:
-    entries: list[Entry]
+    """One step's plan, stored by column (row i: `reqs[i]` computes positions `q_starts[i] :
+    q_starts[i] + q_lens[i]`): the executor turns whole columns into arrays, so a decode
+    step of hundreds of rows builds no per-row objects. `entries` gives the rows as `Entry`s."""
+
+    def __init__(self) -> None:
+        self.reqs: list[Request] = []
+        self.rows: list[int] = []  # the request's req_to_token row
+        self.q_starts: list[int] = []
+        self.q_lens: list[int] = []
+        self.sample: list[bool] = []
+        self.device_input: list[bool] = []
+        self.index: list[int] = []  # output index of the row's sample (0 for rows that don't sample)
+
+    def add(self, req: Request, q_start: int, q_len: int, sample: bool, device_input: bool) -> None:
+        """Appends a row; a sampling row puts one more sample of `req` in flight."""
+        self.reqs.append(req)
+        self.rows.append(req.task.row)
+        self.q_starts.append(q_start)
+        self.q_lens.append(q_len)
+        self.sample.append(sample)
+        self.device_input.append(device_input)
+        if sample:
+            self.index.append(req.n_scheduled_samples)
+            req.n_inflight += 1
+        else:
+            self.index.append(0)
+
+    def add_decode(self, reqs: list[Request]) -> None:
+        """Appends one decode row per request (its next position; it samples; its input is
+        the previous step's sample when one is still in flight): `add` by whole columns."""
+        self.reqs += reqs
+        self.rows += [r.task.row for r in reqs]
+        self.q_starts += [r.task.kv_len for r in reqs]
+        self.q_lens += [1] * len(reqs)
+        self.sample += [True] * len(reqs)
+        self.device_input += [r.n_inflight > 0 for r in reqs]
+        self.index += [r.n_scheduled_samples for r in reqs]
+        for r in reqs:
+            r.n_inflight += 1
+            r.task.kv_len += 1
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def entries(self) -> list[Entry]:
+        return [Entry(*row) for row in zip(self.reqs, self.q_starts, self.q_lens, self.sample, self.device_input)]
 
     @property
     def n_tokens(self) -> int:
-        return sum(e.q_len for e in self.entries)
+        return sum(self.q_lens)
 
     @property
     def decode(self) -> bool:
         """Every request has exactly one query token (the decode kernel applies)."""
-        return all(e.q_len == 1 for e in self.entries)
+        return self.n_tokens == len(self.q_lens)
 
 
 @dataclasses.dataclass
@@ -80,46 +125,44 @@ class Scheduler:
     def schedule(self, version: int, admit: str = "all") -> ScheduledBatch | None:
         """Plans the next step under weight `version`. `admit`: "all" waiting requests,
         only "started" ones (re-queued with tokens already generated), or "none"."""
-        entries: list[Entry] = []
+        batch = ScheduledBatch()
         budget = self.config.max_tokens_per_step
+        page_size = self.cache.page_size
         preempted = False
+        decoding = []
         for req in list(self.running):
-            if req.task is None or req.in_prefill or req.n_scheduled_samples >= req.max_new_tokens:
-                continue
-            grown, evicted_someone = self._grow_for_decode(req, version)
-            preempted |= evicted_someone
-            if not grown:
-                continue  # req itself was preempted
             task = req.task
-            entries.append(Entry(req, task.kv_len, 1, True, req.n_inflight > 0))
-            task.kv_len += 1
-            budget -= 1
-            self.stats.decode_tokens += 1
+            if task is None or req.in_prefill or req.n_scheduled_samples >= req.max_new_tokens:
+                continue
+            # Growing is needed only when the next position starts a new page. Only requests
+            # younger than req are preempted, so none of `decoding` is.
+            if task.kv_len >= len(task.pages) * page_size:
+                grown, evicted_someone = self._grow_for_decode(req, version)
+                preempted |= evicted_someone
+                if not grown:
+                    continue  # req itself was preempted
+            decoding.append(req)
+        batch.add_decode(decoding)
+        budget -= len(batch)
+        self.stats.decode_tokens += len(batch)
         for req in [r for r in self.running if r.task is not None and r.in_prefill]:
             if budget <= 0:
                 break
-            entry = self._prefill_chunk(req, budget, version)
-            if entry is not None:
-                entries.append(entry)
-                budget -= entry.q_len
+            budget -= self._prefill_chunk(req, budget, version, batch)
         while admit != "none" and not preempted and budget > 0 and self.waiting \
                 and len(self.running) < self.config.max_batch \
                 and (admit == "all" or self.waiting[0].outputs):
-            entry = self._admit(self.waiting[0], budget, version)
-            if entry is None:
+            chunk = self._admit(self.waiting[0], budget, version, batch)
+            if not chunk:
                 break
             self.waiting.popleft()
-            entries.append(entry)
-            budget -= entry.q_len
-        if not entries and self.running and not any(r.n_inflight for r in self.running):
+            budget -= chunk
+        if not len(batch) and self.running and not any(r.n_inflight for r in self.running):
             # Running requests hold pages yet none can progress (partial prefills short of
             # pages): free the youngest and plan again without admitting anyone.
             self.preempt(self.running[-1], version)
             return self.schedule(version, admit="none")
-        for e in entries:
-            if e.sample:
-                e.req.n_inflight += 1
-        return ScheduledBatch(entries) if entries else None
+        return batch if len(batch) else None
 
     def _grow_for_decode(self, req: Request, version: int) -> tuple[bool, bool]:
         """Makes room for one more position of `req`, preempting the youngest running
@@ -146,24 +189,27 @@ class Scheduler:
             return 0
         return max(0, min(want, room))
 
-    def _prefill_chunk(self, req: Request, budget: int, version: int) -> Entry | None:
+    def _prefill_chunk(self, req: Request, budget: int, version: int, batch: ScheduledBatch) -> int:
+        """Adds the next prefill chunk of `req` to `batch`; returns its length (0: none fits)."""
         task = req.task
         remaining = req.prefill_target - task.kv_len
         want = min(remaining, budget)
         whole = not self.config.chunked_prefill and not req.outputs  # re-prefills may be chunked
         if whole and want < remaining:
-            return None
+            return 0
         chunk = self._fit_chunk(req, want, whole)
         if chunk <= 0:
-            return None
+            return 0
         self.cache.extend(task, task.kv_len + chunk)
-        entry = Entry(req, task.kv_len, chunk, task.kv_len + chunk == req.prefill_target, False)
+        batch.add(req, task.kv_len, chunk, task.kv_len + chunk == req.prefill_target, False)
         task.kv_len += chunk
         self.stats.prefill_tokens += chunk
         self.cache.record_hashes(task, req.known_tokens(), version)
-        return entry
+        return chunk
 
-    def _admit(self, req: Request, budget: int, version: int) -> Entry | None:
+    def _admit(self, req: Request, budget: int, version: int, batch: ScheduledBatch) -> int:
+        """Admits `req` with its first prefill chunk in `batch`; returns the chunk's length
+        (0: it does not fit now, nothing changed)."""
         cache = self.cache
         task = cache.alloc()
         tokens = req.known_tokens()
@@ -177,19 +223,19 @@ class Scheduler:
             except OutOfPages:
                 cache.free(task)
                 req.task = None
-                return None
-        entry = self._prefill_chunk(req, budget, version)
-        if entry is None:
+                return 0
+        chunk = self._prefill_chunk(req, budget, version, batch)
+        if not chunk:
             cache.free(task)
             req.task = None
-            return None
+            return 0
         req.cached_tokens += matched
         self.stats.cached_tokens += matched
         self.stats.admissions += 1
         self._admissions += 1
         req.admitted_at = self._admissions
         self.running.append(req)
-        return entry
+        return chunk
 
     # ------------------------------------------------------------------ feedback
     def _release(self, req: Request, version: int | None) -> None:

@@ -9,7 +9,7 @@ Lifecycle of a task (a request while it holds KV pages):
 * `record_hashes` publishes its full pages to the prefix cache as soon as their KV is
   scheduled, so requests admitted later (even in the same step) reuse them;
 * `free` releases its pages (cached ones stay evictable) and its row;
-* `bind` turns the step's (task, first position, token count) entries into the int32
+* `bind` turns the step's (task row, first position, token count) entries into the int32
   device metadata: cu_q_lens, kv_lens, page table, positions and out_cache_loc.
 """
 
@@ -106,19 +106,26 @@ class TaskCacheManager:
         self.req_to_token.free_row(task.row)
         task.row = -1
 
-    def bind(self, tasks: Sequence[TaskCache], q_starts: Sequence[int], q_lens: Sequence[int]) -> BoundBatch:
-        """Device metadata for a step where task i computes positions
-        `q_starts[i] : q_starts[i] + q_lens[i]` (its KV must already be allocated)."""
-        rows = np.fromiter((t.row for t in tasks), np.int64, len(tasks))
+    def bind(self, rows: Sequence[int], q_starts: Sequence[int], q_lens: Sequence[int]) -> BoundBatch:
+        """Device metadata for a step where the task in req_to_token row `rows[i]` computes
+        positions `q_starts[i] : q_starts[i] + q_lens[i]` (its KV must already be allocated).
+        A decode step (one position per row) takes a shorter path: its positions are the
+        starts themselves."""
+        n, total = len(rows), int(sum(q_lens))
+        rows = np.asarray(rows, np.int64)
         starts = np.asarray(q_starts, np.int64)
-        lens = np.asarray(q_lens, np.int64)
-        cu = np.zeros(len(tasks) + 1, np.int32)
-        np.cumsum(lens, out=cu[1:])
-        kv_lens = (starts + lens).astype(np.int32)
-        total = int(cu[-1])
-        owner = np.repeat(np.arange(len(tasks)), lens)
-        positions = (np.arange(total) - cu[:-1][owner] + starts[owner]).astype(np.int32)
-        slots = self.req_to_token.slots(rows[owner], positions.astype(np.int64)).astype(np.int32)
-        width = max(1, self.pool.pages_for(int(kv_lens.max()) if len(tasks) else 1))
-        return BoundBatch(cu_q_lens=cu, kv_lens=kv_lens, page_table=self.req_to_token.page_table(rows, width),
-                          positions=positions, out_cache_loc=slots)
+        if total == n:
+            cu = np.arange(n + 1, dtype=np.int32)
+            positions, owner_rows, kv_lens = starts, rows, starts + 1
+        else:
+            lens = np.asarray(q_lens, np.int64)
+            cu = np.zeros(n + 1, np.int32)
+            np.cumsum(lens, out=cu[1:])
+            owner = np.repeat(np.arange(n), lens)
+            positions, owner_rows = np.arange(total) - cu[:-1][owner] + starts[owner], rows[owner]
+            kv_lens = starts + lens
+        width = max(1, self.pool.pages_for(int(kv_lens.max()) if n else 1))
+        return BoundBatch(cu_q_lens=cu, kv_lens=kv_lens.astype(np.int32),
+                          page_table=self.req_to_token.page_table(rows, width),
+                          positions=positions.astype(np.int32),
+                          out_cache_loc=self.req_to_token.slots(owner_rows, positions).astype(np.int32))
