@@ -59,12 +59,12 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_h
                    param_dtype="float32", dtype="float32")
 
 
-def engine_config(max_batch: int, prompt: int, new: int, page_size: int = 16) -> EngineConfig:
+def engine_config(max_batch: int, prompt: int, new: int, page_size: int = 16, overlap: bool = True) -> EngineConfig:
     """bench/decode_throughput.py's settings: room for `max_batch` requests of prompt + new."""
     per_request = -(-(prompt + new) // page_size)
     return EngineConfig(page_size=page_size, n_pages=max_batch * per_request + 8, max_batch=max_batch,
                         max_tokens_per_step=max(max_batch, 8192), max_seq_len=prompt + new,
-                        prefix_cache=False, overlap=True)
+                        prefix_cache=False, overlap=overlap)
 
 
 class Timers:
@@ -188,6 +188,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per batch (best median kept)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="read each step back before planning the next: the host pieces then run while "
+                         "the device is idle (no contention for the 2 cores), isolating their own cost")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--digest", action="store_true", help="print a checksum of the tokens and logprobs")
@@ -196,7 +199,7 @@ def main() -> None:
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()} jax {jax.__version__} "
           f"{jax.default_backend()} | {' '.join(sys.argv)}", flush=True)
     params = init_params(TINY, jax.random.key(0))
-    engine = Engine(TINY, params, engine_config(max(batches), args.prompt, args.new))
+    engine = Engine(TINY, params, engine_config(max(batches), args.prompt, args.new, overlap=not args.no_overlap))
     rows, profiles = [], []
     for b in batches:
         row, text, done = run_batch(engine, b, args.prompt, args.new, args.profile and b == args.profile_batch,
