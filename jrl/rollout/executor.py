@@ -87,8 +87,8 @@ class Packing:
 
     def views(self, flat):
         """Each field (alignment gaps left out) as a view (numpy) or slice (jax) of `flat`."""
-        return {name: flat[start:stop].reshape(shape) for name, start, stop, shape in self.fields
-                if not name.startswith(PAD_PREFIX)}
+        return {name: flat[start:stop] if len(shape) == 1 else flat[start:stop].reshape(shape)
+                for name, start, stop, shape in self.fields if not name.startswith(PAD_PREFIX)}
 
 
 @functools.lru_cache(maxsize=None)

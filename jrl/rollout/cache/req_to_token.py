@@ -39,8 +39,8 @@ class ReqToTokenPool:
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """KV slot of each (row, position) pair."""
-        p = self.page_size
-        return self.table[rows, positions // p] * p + positions % p
+        page, offset = np.divmod(positions, self.page_size)
+        return self.table[rows, page] * self.page_size + offset
 
     def page_table(self, rows: np.ndarray, width: int) -> np.ndarray:
         return self.table[rows, :width]

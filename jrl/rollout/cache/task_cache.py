@@ -109,23 +109,23 @@ class TaskCacheManager:
     def bind(self, rows: Sequence[int], q_starts: Sequence[int], q_lens: Sequence[int]) -> BoundBatch:
         """Device metadata for a step where the task in req_to_token row `rows[i]` computes
         positions `q_starts[i] : q_starts[i] + q_lens[i]` (its KV must already be allocated).
-        A decode step (one position per row) takes a shorter path: its positions are the
-        starts themselves."""
+        All int32 (slots index the KV buffers, which the device indexes in int32). A decode
+        step (one position per row) takes a shorter path: its positions are the starts."""
         n, total = len(rows), int(sum(q_lens))
-        rows = np.asarray(rows, np.int64)
-        starts = np.asarray(q_starts, np.int64)
+        rows = np.asarray(rows, np.int32)
+        starts = np.asarray(q_starts, np.int32)
         if total == n:
             cu = np.arange(n + 1, dtype=np.int32)
             positions, owner_rows, kv_lens = starts, rows, starts + 1
+            longest = max(q_starts, default=0) + 1
         else:
-            lens = np.asarray(q_lens, np.int64)
+            lens = np.asarray(q_lens, np.int32)
             cu = np.zeros(n + 1, np.int32)
             np.cumsum(lens, out=cu[1:])
             owner = np.repeat(np.arange(n), lens)
-            positions, owner_rows = np.arange(total) - cu[:-1][owner] + starts[owner], rows[owner]
+            positions, owner_rows = np.arange(total, dtype=np.int32) - cu[:-1][owner] + starts[owner], rows[owner]
             kv_lens = starts + lens
-        width = max(1, self.pool.pages_for(int(kv_lens.max()) if n else 1))
-        return BoundBatch(cu_q_lens=cu, kv_lens=kv_lens.astype(np.int32),
-                          page_table=self.req_to_token.page_table(rows, width),
-                          positions=positions.astype(np.int32),
-                          out_cache_loc=self.req_to_token.slots(owner_rows, positions).astype(np.int32))
+            longest = int(kv_lens.max()) if n else 1
+        return BoundBatch(cu_q_lens=cu, kv_lens=kv_lens,
+                          page_table=self.req_to_token.page_table(rows, max(1, self.pool.pages_for(longest))),
+                          positions=positions, out_cache_loc=self.req_to_token.slots(owner_rows, positions))
