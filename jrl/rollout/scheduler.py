@@ -129,10 +129,15 @@ class Scheduler:
         budget = self.config.max_tokens_per_step
         page_size = self.cache.page_size
         preempted = False
-        decoding = []
+        decoding, prefilling = [], []
         for req in list(self.running):
             task = req.task
-            if task is None or req.in_prefill or req.n_scheduled_samples >= req.max_new_tokens:
+            if task is None:
+                continue  # preempted earlier in this loop
+            if req.in_prefill:
+                prefilling.append(req)
+                continue
+            if req.n_scheduled_samples >= req.max_new_tokens:
                 continue
             # Growing is needed only when the next position starts a new page. Only requests
             # younger than req are preempted, so none of `decoding` is.
@@ -145,9 +150,11 @@ class Scheduler:
         batch.add_decode(decoding)
         budget -= len(batch)
         self.stats.decode_tokens += len(batch)
-        for req in [r for r in self.running if r.task is not None and r.in_prefill]:
+        for req in prefilling:
             if budget <= 0:
                 break
+            if req.task is None:
+                continue  # preempted by a decode above
             budget -= self._prefill_chunk(req, budget, version, batch)
         while admit != "none" and not preempted and budget > 0 and self.waiting \
                 and len(self.running) < self.config.max_batch \
