@@ -182,8 +182,10 @@ def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_si
                      bandwidth: float, iters: int = 50) -> dict:
     """The engine's decode program on a synthetic batch: `batch` requests at `context`
     tokens each (pages laid out per request), random KV, greedy; timed back to back."""
-    unroll = EngineConfig().resolved_unroll_layers(jax.default_backend())
-    fn = step_function(cfg, page_size, batch, "auto", unroll_layers=unroll).fn
+    defaults, backend = EngineConfig(), jax.default_backend()
+    unroll = defaults.resolved_unroll_layers(backend)
+    fn = step_function(cfg, page_size, batch, "auto", unroll_layers=unroll,
+                       cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend)).fn
     layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, page_size, seed=batch, aligned=unroll)
     step_s, compile_s, _, _ = replay(fn, params, k, v, (prev, ints, floats, layout), iters)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))

@@ -40,6 +40,13 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 # Elsewhere off: the CPU has no weight-slice copies to save.
 UNROLL_LAYERS_DEFAULT: dict[str, bool] = {"gpu": True}
 
+# cublas_decode_rows=None per backend. GPU: decode steps of >= 128 rows compile their GEMMs
+# for cuBLAS without XLA's dot merging; measured on an H200 (0.82B, unrolled layers):
+# 4.61 -> 4.20 ms at 256 rows, 2.79 -> 2.72 at 128, but 1.81 -> 1.93 at 64 and 1.56 -> 1.71
+# at 1, where XLA's Triton GEMM fusions win (docs/performance.md, "The decode step at batch
+# 256: GEMMs"). Elsewhere 0 (never): the options only concern GPU code generation.
+CUBLAS_DECODE_ROWS_DEFAULT: dict[str, int] = {"gpu": 128}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -65,6 +72,10 @@ class EngineConfig:
     tokens and logprobs up to rounding; no per-layer weight copies on GPU, ~5x longer
     compiles of those programs); prefill steps keep the scan. None: the measured default
     for the backend (`UNROLL_LAYERS_DEFAULT`: on for GPU).
+    cublas_decode_rows: decode steps padded to at least this many rows compile their
+    GEMMs for cuBLAS, without XLA merging dots that share an input (which concatenates
+    their weights every step); smaller steps keep XLA's Triton GEMM fusions. 0: never.
+    None: the measured default for the backend (`CUBLAS_DECODE_ROWS_DEFAULT`: 128 on GPU).
     """
 
     page_size: int = 16
@@ -83,6 +94,7 @@ class EngineConfig:
     overlap: bool = True
     seed: int = 0
     unroll_layers: bool | None = None
+    cublas_decode_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -109,12 +121,21 @@ class EngineConfig:
                f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
         _check(self.unroll_layers in (None, True, False), "unroll_layers",
                f"must be True, False or None (backend default), got {self.unroll_layers!r}")
+        rows = self.cublas_decode_rows
+        _check(rows is None or (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0),
+               "cublas_decode_rows", f"must be an integer >= 0 (0: never) or None (backend default), got {rows!r}")
 
     def resolved_unroll_layers(self, backend: str) -> bool:
         """`unroll_layers`, or the default for `backend` ("gpu", "cpu", ...) when None."""
         if self.unroll_layers is not None:
             return self.unroll_layers
         return UNROLL_LAYERS_DEFAULT.get(backend, False)
+
+    def resolved_cublas_decode_rows(self, backend: str) -> int:
+        """`cublas_decode_rows`, or the default for `backend` when None (0: never)."""
+        if self.cublas_decode_rows is not None:
+            return self.cublas_decode_rows
+        return CUBLAS_DECODE_ROWS_DEFAULT.get(backend, 0)
 
     @property
     def n_slots(self) -> int:

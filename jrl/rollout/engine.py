@@ -102,10 +102,11 @@ class Engine:
         self._batch_buckets = config.resolved_batch_buckets
         self._col_buckets = config.page_col_buckets(model_config)
         self.max_rows = self._batch_buckets[-1]
-        self.unroll_layers = config.resolved_unroll_layers(jax.default_backend())
+        backend = jax.default_backend()
+        self.unroll_layers = config.resolved_unroll_layers(backend)
         self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
-                                           self.unroll_layers)
+                                           self.unroll_layers, config.resolved_cublas_decode_rows(backend))
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
                                       device=None if self.sharding is None else self.sharding.replicated)
         self._inflight: _InFlight | None = None

@@ -129,8 +129,17 @@ INT_ALIGN_UNROLLED = 64  # int32 elements = 256 bytes
 
 @dataclasses.dataclass
 class StepFunction:
-    fn: object  # the jitted step
+    fn: object  # the step: fn(params, k_buf, v_buf, prev_tokens, ints, floats, layout=...)
     traces: int = 0
+    # the jitted functions `fn` calls: "default", and "cublas" when large decode steps
+    # compile with CUBLAS_GEMM_OPTIONS
+    programs: dict = dataclasses.field(default_factory=dict)
+
+
+# XLA options for decode programs of many rows (EngineConfig.cublas_decode_rows): cuBLAS
+# GEMMs, and no merging of the dots that share an input (it would concatenate their
+# weights, a copy per layer per step).
+CUBLAS_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
 
 
 def step_tokens(i: dict, prev_tokens: jax.Array, max_rows: int) -> jax.Array:
@@ -163,13 +172,15 @@ def pack_readback(tok: jax.Array, logp: jax.Array, model_logp: jax.Array, max_ro
 
 @functools.lru_cache(maxsize=None)
 def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
-                  heads: HeadSplit | None = None, unroll_layers: bool = False) -> StepFunction:
+                  heads: HeadSplit | None = None, unroll_layers: bool = False,
+                  cublas_decode_rows: int = 0) -> StepFunction:
     """The jitted step for one model and engine geometry (cached: engines and `generate`
     calls with the same settings reuse the compiled programs). `heads`: the tensor-parallel
     attention split (None: one device). `unroll_layers`: unroll the layer loop of decode
     steps (their layouts must then use `int_align=INT_ALIGN_UNROLLED`); prefill steps keep
     the scan (measured on GPU for decode only; an unrolled program compiles ~5x longer and
-    prefill steps come in many more layouts)."""
+    prefill steps come in many more layouts). `cublas_decode_rows` > 0: decode layouts of
+    at least that many rows compile with `CUBLAS_GEMM_OPTIONS`."""
     holder = StepFunction(fn=None)
     absorb = config.attention == "mla"
     v_head_dim = config.kv_lora_rank if absorb else None
@@ -201,5 +212,18 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
     if heads is not None:  # donated buffers keep their sharding from step to step
         buf = heads.buffer_sharding
         out_shardings = (heads.replicated, heads.replicated, buf, None if absorb else buf)
-    holder.fn = jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2), out_shardings=out_shardings)
+    jit = functools.partial(jax.jit, step, static_argnames=("layout",), donate_argnums=(1, 2),
+                            out_shardings=out_shardings)
+    default = jit()
+    holder.programs["default"] = default
+    if cublas_decode_rows <= 0:
+        holder.fn = default
+        return holder
+    cublas = holder.programs["cublas"] = jit(compiler_options=CUBLAS_GEMM_OPTIONS)
+
+    def dispatch(params, k_buf, v_buf, prev_tokens, ints, floats, layout: StepLayout):
+        many = layout.decode and layout.n_rows >= cublas_decode_rows
+        return (cublas if many else default)(params, k_buf, v_buf, prev_tokens, ints, floats, layout=layout)
+
+    holder.fn = dispatch
     return holder
