@@ -70,6 +70,10 @@ PLAN = [
     ("M", "--xla_gpu_dot_merger_threshold_mb=0", "engine_unroll"),
     ("L", "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0 --xla_gpu_enable_cublaslt=true",
      "engine_unroll"),
+    # At 1-16 rows the host's dispatch of an unrolled step (~1.2 ms) is about the device
+    # step: CUDA graphs that also take the Mosaic custom calls, or graphs of any size.
+    ("C", "--xla_gpu_enable_command_buffer=+CUSTOM_CALL", "engine_unroll"),
+    ("G", "--xla_gpu_graph_min_graph_size=1", "engine_unroll"),
 ]
 
 # The Mosaic GPU kernels reject inputs that are not 256-byte aligned; without a layer loop
