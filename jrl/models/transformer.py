@@ -132,7 +132,8 @@ def head_product(hidden: jax.Array, w: jax.Array) -> jax.Array:
     backward GEMMs, promoting them to float32 (on a GPU: TF32 at half the bf16 rate, the
     two largest GEMMs of a 32k-vocab model's step). Here the cotangent is cast to the
     operands' dtype first, as PyTorch autocast does: both backward GEMMs run in bf16 with
-    float32 accumulation. For float32 operands this is exactly the autodiff result."""
+    float32 accumulation. For float32 operands it is the autodiff result up to the order
+    of float32 summation in the weight gradient."""
     return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
 
 
