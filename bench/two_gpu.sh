@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call on the two-GPU kind: training scaling (1 GPU vs data=2 vs fsdp=2) with
-# profiler traces, then the engine's decode generation end to end (one GPU).
+# Training scaling on a machine with two GPUs (1 GPU vs data=2 vs fsdp=2, each with a
+# profiler trace summary), then the engine's decode generation end to end (one GPU).
+#   PYTHONPATH=. bash bench/two_gpu.sh     (VARIANTS=..., MESHES=..., T_TRAIN / T_DECODE=0 to skip)
 set -u
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
