@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from jrl.checkpoint.durable import fsync_dir
+
 
 def _json_value(value: Any) -> Any:
     """JSON encoder hook: numpy/jax scalars and arrays become Python numbers and lists."""
@@ -84,7 +86,7 @@ class MetricsLog:
                 _drop_torn_tail(self.path)
             self._file = open(self.path, "a", encoding="utf-8")
             if not existed:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
         return self._file
 
     def append(self, row: dict) -> None:
@@ -126,7 +128,7 @@ class MetricsLog:
             f.flush()
             os.fsync(f.fileno())
         os.replace(staging, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return len(rows) - len(kept)
 
     def close(self) -> None:
@@ -170,11 +172,3 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(cut)
             f.flush()
             os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -28,6 +28,16 @@ def _values(k: jax.Array, v_buf: jax.Array | None, layer, page_table, page_size,
     return _gather_kv(v_buf, layer, page_table, page_size)
 
 
+def _attend_visible(s: jax.Array, valid: jax.Array, v: jax.Array) -> jax.Array:
+    """Softmax of scores `s [N, Hkv, G, L]` over the keys `valid [N, L]` marks, applied to
+    float32 values `v [N, L, Hkv, Dv]` -> `[N, Hkv, G, Dv]`; a row with no visible key is 0."""
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    return jnp.einsum("nhgl,nlhd->nhgd", p, v) / jnp.where(l > 0, l, 1.0)
+
+
 def ragged_decode(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array,
                   kv_lens: jax.Array, page_table: jax.Array, *, page_size: int, sm_scale: float,
                   v_head_dim: int | None = None) -> jax.Array:
@@ -41,12 +51,7 @@ def ragged_decode(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer
     qg = q.reshape(b, hkv, hq // hkv, -1)
     s = jnp.einsum("bhgd,blhd->bhgl", qg, k, preferred_element_type=jnp.float32) * sm_scale
     valid = jnp.arange(k.shape[1])[None, :] < kv_lens[:, None]  # [B, L]
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bhgl,blhd->bhgd", p, v) / jnp.where(l > 0, l, 1.0)
-    return o.reshape(b, hq, -1).astype(q.dtype)
+    return _attend_visible(s, valid, v).reshape(b, hq, -1).astype(q.dtype)
 
 
 def paged_prefill(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array,
@@ -72,12 +77,7 @@ def paged_prefill(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer
     qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, -1)
     s = jnp.einsum("thgd,tlhd->thgl", qg, k) * sm_scale
     valid = (jnp.arange(k.shape[1])[None, :] < limit[:, None]) & is_real[:, None] & (kv_len[:, None] > 0)
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("thgl,tlhd->thgd", p, v) / jnp.where(l > 0, l, 1.0)
-    return o.reshape(t, hq, -1).astype(q.dtype)
+    return _attend_visible(s, valid, v).reshape(t, hq, -1).astype(q.dtype)
 
 
 def write_kv(k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array, slots: jax.Array,
