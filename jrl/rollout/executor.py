@@ -61,7 +61,7 @@ class StepLayout:
 
     def float_fields(self) -> list[tuple[str, tuple[int, ...]]]:
         r = self.n_rows
-        return [(n, (r,)) for n in FLOAT_FIELDS]
+        return [(n, (r,)) for n in FLOAT_COLUMNS]  # exactly `sampling.param_columns`' block, flattened
 
     @property
     def int_packing(self) -> Packing:
@@ -72,7 +72,6 @@ class StepLayout:
         return _packings(self)[1]
 
 
-FLOAT_FIELDS = FLOAT_COLUMNS  # the float array is exactly `sampling.param_columns`' block, flattened
 PAD_PREFIX = "_pad_before_"  # alignment gaps in StepLayout.int_fields (packed as zeros)
 
 

@@ -94,8 +94,7 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequen
 
 def _host_row(p: SamplingParams) -> tuple:
     """The float columns (FLOAT_COLUMNS order), then top_k."""
-    return (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-            p.top_k)
+    return (*(getattr(p, column) for column in FLOAT_COLUMNS), p.top_k)
 
 
 def _columns(table: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
