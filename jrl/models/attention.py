@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.config import BATCH_AXES, ModelConfig
-from jrl.models.layers import RMSNorm, dtype_of, linear
+from jrl.models.layers import Projection, RMSNorm, dtype_of, linear, projections
 from jrl.models.rope import rotate
 
 
@@ -193,18 +193,21 @@ def dense_attention(segment_ids: jax.Array, implementation: str | None = None,
 
 
 class GQAttention(nn.Module):
-    """Grouped-query attention (MHA when n_kv_heads == n_heads, MQA when 1)."""
+    """Grouped-query attention (MHA when n_kv_heads == n_heads, MQA when 1). `fused`: q, k
+    and v come from one `qkv_proj` kernel (`jrl.models.fused`)."""
 
     config: ModelConfig
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x, positions, rope, backend: Any, layer, cache):
         cfg = self.config
         b, s, _ = x.shape
         hd = cfg.head_dim
-        q = linear(cfg, cfg.n_heads * hd, ("embed", "q_heads"), "q_proj", "q", cfg.qkv_bias)(x)
-        k = linear(cfg, cfg.n_kv_heads * hd, ("embed", "kv_heads"), "k_proj", "k", cfg.qkv_bias)(x)
-        v = linear(cfg, cfg.n_kv_heads * hd, ("embed", "kv_heads"), "v_proj", "v", cfg.qkv_bias)(x)
+        q, k, v = projections(cfg, x, (Projection("q_proj", cfg.n_heads * hd, ("embed", "q_heads"), "q"),
+                                       Projection("k_proj", cfg.n_kv_heads * hd, ("embed", "kv_heads"), "k"),
+                                       Projection("v_proj", cfg.n_kv_heads * hd, ("embed", "kv_heads"), "v")),
+                              "qkv_proj" if self.fused else None, cfg.qkv_bias)
         q = q.reshape(b, s, cfg.n_heads, hd)
         k = k.reshape(b, s, cfg.n_kv_heads, hd)
         v = v.reshape(b, s, cfg.n_kv_heads, hd)

@@ -1,5 +1,8 @@
 """Small building blocks: RMSNorm, LoRA-capable linear projection, SwiGLU MLP.
 
+`projections` runs several projections of one input either as separate linears or as one
+fused linear (`jrl.models.fused`: the inference layout with concatenated kernels).
+
 Kernels are stored `[in, out]` with Flax logical-axis annotations so that
 `jrl.parallel` can shard them by rule; LoRA factors `lora_a [in, r]` (random) and
 `lora_b [r, out]` (zeros) make the initial adapter delta exactly zero.
@@ -10,6 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+
+from typing import NamedTuple
+
+import numpy as np
 
 from jrl.config import ModelConfig
 
@@ -86,15 +93,42 @@ def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
     )
 
 
+class Projection(NamedTuple):
+    """One projection of `projections`: its module name, width, logical axes, LoRA target."""
+
+    name: str
+    features: int
+    axes: tuple[str, str]
+    lora_target: str | None = None
+
+
+def projections(config: ModelConfig, x: jax.Array, parts: tuple[Projection, ...], fused_name: str | None,
+                use_bias: bool = False) -> list[jax.Array]:
+    """`x` through each of `parts`, in order. `fused_name` None: one linear per part.
+    Otherwise one linear named `fused_name` whose kernel is the parts' kernels
+    concatenated along the output axis (`jrl.models.fused`), its output split back: one
+    GEMM instead of several, same results. The fused kernel carries no LoRA factors and
+    its output axis is logically `unsharded` (its columns are blocks of different
+    heads); the layout is for single-device inference. Call inside a compact method."""
+    if fused_name is None:
+        return [linear(config, p.features, p.axes, p.name, p.lora_target, use_bias)(x) for p in parts]
+    widths = [p.features for p in parts]
+    y = linear(config, sum(widths), (parts[0].axes[0], "unsharded"), fused_name, None, use_bias)(x)
+    return jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
+
+
 class SwiGLU(nn.Module):
-    """`down(silu(gate(x)) * up(x))`."""
+    """`down(silu(gate(x)) * up(x))`; `fused`: gate and up read one `gate_up_proj` kernel."""
 
     config: ModelConfig
     intermediate_size: int
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
-        gate = linear(cfg, self.intermediate_size, ("embed", "mlp"), "gate_proj", "gate")(x)
-        up = linear(cfg, self.intermediate_size, ("embed", "mlp"), "up_proj", "up")(x)
+        width = self.intermediate_size
+        gate, up = projections(cfg, x, (Projection("gate_proj", width, ("embed", "mlp"), "gate"),
+                                        Projection("up_proj", width, ("embed", "mlp"), "up")),
+                               "gate_up_proj" if self.fused else None)
         return linear(cfg, cfg.hidden_size, ("mlp", "embed"), "down_proj", "down")(nn.silu(gate) * up)

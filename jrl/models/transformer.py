@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jrl.config import ModelConfig
 from jrl.models.attention import GQAttention, MLAttention, dense_attention
+from jrl.models.fused import unfusable_reason
 from jrl.models.layers import RMSNorm, SwiGLU, dtype_of
 from jrl.models.moe import MoE, router_summary
 from jrl.models.rope import rope_cos_sin
@@ -40,24 +41,27 @@ class ModelOutput(NamedTuple):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
+    `fused_projections`: GQA attention and the dense MLP read fused kernels."""
 
     config: ModelConfig
+    fused_projections: bool = False
 
     @nn.compact
     def __call__(self, carry, layer, positions, rope, backend, token_mask):
         cfg = self.config
         x, cache = carry
         pd = dtype_of(cfg.param_dtype)
-        attn_cls = MLAttention if cfg.attention == "mla" else GQAttention
+        fused = self.fused_projections
+        attn = MLAttention(cfg, name="attn") if cfg.attention == "mla" else GQAttention(cfg, fused, name="attn")
         h = RMSNorm(cfg.rms_norm_eps, pd, "embed", name="input_norm")(x)
-        h, cache = attn_cls(cfg, name="attn")(h, positions, rope, backend, layer, cache)
+        h, cache = attn(h, positions, rope, backend, layer, cache)
         x = x + h.astype(x.dtype)
         h = RMSNorm(cfg.rms_norm_eps, pd, "embed", name="post_attn_norm")(x)
         if cfg.is_moe:
             h, aux = MoE(cfg, name="moe")(h, token_mask)
         else:
-            h, aux = SwiGLU(cfg, cfg.intermediate_size, name="mlp")(h), {}
+            h, aux = SwiGLU(cfg, cfg.intermediate_size, fused, name="mlp")(h), {}
         x = x + h.astype(x.dtype)
         return (x, cache), aux
 
@@ -68,9 +72,14 @@ class Transformer(nn.Module):
     # slices of the stacked weights instead of dynamic-slicing them inside a loop, which
     # on GPU costs a copy of every layer's weights per call (docs/performance.md).
     unroll_layers: bool = False
+    # Inference option: read q/k/v and gate/up from fused kernels (`jrl.models.fused`:
+    # `fuse_projections` builds that layout from the trainer's); one GEMM per group.
+    fused_projections: bool = False
 
     def setup(self) -> None:
         cfg = self.config
+        if self.fused_projections and (reason := unfusable_reason(cfg)) is not None:
+            raise ValueError(f"fused_projections: {reason}")
         pd = dtype_of(cfg.param_dtype)
         self.embed = nn.Embed(
             cfg.vocab_size, cfg.hidden_size, param_dtype=pd, dtype=dtype_of(cfg.dtype),
@@ -88,7 +97,7 @@ class Transformer(nn.Module):
             length=cfg.n_layers,
             unroll=cfg.n_layers if self.unroll_layers or not cfg.scan_layers else 1,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg)
+        )(cfg, fused_projections=self.fused_projections)
         self.final_norm = RMSNorm(cfg.rms_norm_eps, pd, "embed")
         if not cfg.tie_embeddings:
             self.lm_head = self.param(
@@ -170,11 +179,14 @@ def param_logical_axes(config: ModelConfig) -> dict:
 
 def forward(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
             backend: Any, cache: Any = None, token_mask: jax.Array | None = None,
-            unroll_layers: bool = False) -> ModelOutput:
+            unroll_layers: bool = False, fused_projections: bool = False) -> ModelOutput:
     """Hidden states for `tokens [B, S]` at `positions [B, S]` through `backend`.
     `unroll_layers`: unroll the layer loop (same params and results; for inference
-    programs, where it avoids per-layer weight copies at a longer compile)."""
-    return Transformer(config, unroll_layers=unroll_layers).apply({"params": params}, tokens, positions, backend, cache, token_mask)
+    programs, where it avoids per-layer weight copies at a longer compile).
+    `fused_projections`: `params` are in the fused layout of
+    `jrl.models.fused.fuse_projections` (same results, fewer and larger GEMMs)."""
+    model = Transformer(config, unroll_layers=unroll_layers, fused_projections=fused_projections)
+    return model.apply({"params": params}, tokens, positions, backend, cache, token_mask)
 
 
 def lm_logits(config: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
