@@ -3,7 +3,7 @@
     PYTHONPATH=. python bench/kernels.py [--check] [--decode] [--prefill] [--write] [--json F]
 
 --check    kernel vs float32 reference on random ragged inputs (relative error, NaN count)
---decode   ragged decode, D=128 Hq=32 Hkv=8, page sizes 16/64: achieved KV-read TB/s of
+--decode   ragged decode (--decode-shapes; default D=128 Hq=32 Hkv=8, pages 16/64): KV-read TB/s of
            jrl's Mosaic GPU kernel, JAX's stock Pallas (Triton) paged_attention and the
            XLA gather+einsum reference, side by side
 --prefill  causal paged prefill, D=128 and 64: TFLOP/s (causal FLOPs halved) of jrl's
@@ -85,7 +85,7 @@ def check(args) -> None:
     for kind, (hq, hkv, d, ps) in runs:
         key, k1, k2, k3 = jax.random.split(key, 4)
         try:
-            if kind == "decode":
+            if kind in ("decode", "decode-7-ctas"):
                 b, max_ctx = 13, 1000
                 lens = rng.integers(1, max_ctx + 1, size=b)
                 lens[0], lens[1] = 1, max_ctx
@@ -95,8 +95,9 @@ def check(args) -> None:
                 pt = random_page_table(k2, b, pages, b * pages + 5)
                 q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
                 lens = jnp.asarray(lens, jnp.int32)
+                # decode-7-ctas: every CTA of the persistent grid walks many items
                 out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps,
-                                         sm_scale=d ** -0.5)
+                                         sm_scale=d ** -0.5, num_ctas=7 if kind == "decode-7-ctas" else None)
                 ref = reference.ragged_decode(q.astype(jnp.float32), kb.astype(jnp.float32),
                                               vb.astype(jnp.float32), jnp.int32(1), lens, pt,
                                               page_size=ps, sm_scale=d ** -0.5)
@@ -140,63 +141,67 @@ def stock_paged_attention():
     return paged_attention
 
 
+# [Hq, Hkv, D, page_size, batch, ctx]. The rollout benchmark's layer is [16, 8, 128, 16, 256, 640].
+DECODE_SHAPES = [[32, 8, 128, ps, b, ctx] for ps in (16, 64)
+                 for b, ctx in ((64, 2048), (256, 2048), (32, 8192), (128, 8192))]
+
+
 def decode(args) -> None:
-    log("== decode: achieved KV-read TB/s (bf16, D=128, Hq=32, Hkv=8, random page tables)")
-    hq, hkv, d = 32, 8, 128
-    scale = d ** -0.5
+    log("== decode: achieved KV-read TB/s (bf16, random page tables)")
     stock = stock_paged_attention()
     variants = [dict()] + [dict(v) for v in args.decode_variants]
-    for ps in (16, 64):
-        for b, ctx in ((64, 2048), (256, 2048), (32, 8192), (128, 8192)):
-            key = jax.random.key(b * ctx + ps)
-            k1, k2, k3 = jax.random.split(key, 3)
-            pages = ctx // ps
-            n_pages = b * pages
-            kb, vb = paged_cache(k1, 1, n_pages, ps, hkv, d)
-            pt = random_page_table(k2, b, pages, n_pages)
-            q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
-            lens = jnp.full((b,), ctx, jnp.int32)
-            kv_bytes = 2 * b * ctx * hkv * d * 2
-            row = dict(section="decode", page_size=ps, batch=b, ctx=ctx, kv_gb=kv_bytes / 1e9)
-            ref_out = None
-            for name, fn in [("xla", functools.partial(reference.ragged_decode, page_size=ps,
-                                                       sm_scale=scale))]:
-                try:
-                    f = jax.jit(fn)
-                    ref_out = f(q, kb, vb, jnp.int32(0), lens, pt)
-                    row[name] = kv_bytes / timeit(f, q, kb, vb, jnp.int32(0), lens, pt) / 1e12
-                except Exception as e:
-                    row[name] = f"error {type(e).__name__}"
-                    log(f"  {name} failed: {str(e)[:300]}")
-            for i, var in enumerate(variants):
-                name = "jrl" if i == 0 else "jrl" + "".join(f",{k}={v}" for k, v in var.items())
-                try:
-                    f = jax.jit(functools.partial(ragged_decode_mgpu, page_size=ps, sm_scale=scale,
-                                                  **var))
-                    out = f(q, kb, vb, jnp.int32(0), lens, pt)
-                    err = rel_err(out, ref_out) if ref_out is not None else float("nan")
-                    row[name] = kv_bytes / timeit(f, q, kb, vb, jnp.int32(0), lens, pt) / 1e12
-                    row[name + "_err"] = err
-                except Exception as e:
-                    row[name] = f"error {type(e).__name__}"
-                    log(f"  {name} failed: {str(e)[:300]}")
-            try:  # the stock op wants [Hkv, n_pages, page_size, D] pages
-                kp = kb[0].reshape(n_pages, ps, hkv, d).transpose(2, 0, 1, 3)
-                vp = vb[0].reshape(n_pages, ps, hkv, d).transpose(2, 0, 1, 3)
-                # No sm_scale argument: scale q instead. 128-token compute blocks.
-                f = jax.jit(functools.partial(stock, pages_per_compute_block=max(1, 128 // ps)))
-                qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
-                out = f(qs, kp, vp, pt, lens)
-                row["stock_err"] = rel_err(out, ref_out) if ref_out is not None else float("nan")
-                row["stock"] = kv_bytes / timeit(f, qs, kp, vp, pt, lens) / 1e12
-                del kp, vp
+    for hq, hkv, d, ps, b, ctx in args.decode_shapes:
+        scale = d ** -0.5
+        key = jax.random.key(b * ctx + ps)
+        k1, k2, k3 = jax.random.split(key, 3)
+        pages = ctx // ps
+        n_pages = b * pages
+        kb, vb = paged_cache(k1, 1, n_pages, ps, hkv, d)
+        pt = random_page_table(k2, b, pages, n_pages) if args.decode_pages == "random" else \
+            jnp.arange(n_pages, dtype=jnp.int32).reshape(b, pages)
+        q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
+        lens = jnp.full((b,), ctx, jnp.int32)
+        kv_bytes = 2 * b * ctx * hkv * d * 2
+        row = dict(section="decode", hq=hq, hkv=hkv, d=d, page_size=ps, batch=b, ctx=ctx, kv_gb=kv_bytes / 1e9)
+        ref_out = None
+        for name, fn in [("xla", functools.partial(reference.ragged_decode, page_size=ps,
+                                                   sm_scale=scale))]:
+            try:
+                f = jax.jit(fn)
+                ref_out = f(q, kb, vb, jnp.int32(0), lens, pt)
+                row[name] = kv_bytes / timeit(f, q, kb, vb, jnp.int32(0), lens, pt) / 1e12
             except Exception as e:
-                row["stock"] = f"error {type(e).__name__}"
-                log(f"  stock failed: {str(e)[:300]}")
-            del kb, vb
-            record(**row)
-            log("decode " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                     for k, v in row.items() if k != "section"))
+                row[name] = f"error {type(e).__name__}"
+                log(f"  {name} failed: {str(e)[:300]}")
+        for i, var in enumerate(variants):
+            name = "jrl" if i == 0 else "jrl" + "".join(f",{k}={v}" for k, v in var.items())
+            try:
+                f = jax.jit(functools.partial(ragged_decode_mgpu, page_size=ps, sm_scale=scale,
+                                              **var))
+                out = f(q, kb, vb, jnp.int32(0), lens, pt)
+                err = rel_err(out, ref_out) if ref_out is not None else float("nan")
+                row[name] = kv_bytes / timeit(f, q, kb, vb, jnp.int32(0), lens, pt) / 1e12
+                row[name + "_err"] = err
+            except Exception as e:
+                row[name] = f"error {type(e).__name__}"
+                log(f"  {name} failed: {str(e)[:300]}")
+        try:  # the stock op wants [Hkv, n_pages, page_size, D] pages
+            kp = kb[0].reshape(n_pages, ps, hkv, d).transpose(2, 0, 1, 3)
+            vp = vb[0].reshape(n_pages, ps, hkv, d).transpose(2, 0, 1, 3)
+            # No sm_scale argument: scale q instead. 128-token compute blocks.
+            f = jax.jit(functools.partial(stock, pages_per_compute_block=max(1, 128 // ps)))
+            qs = (q.astype(jnp.float32) * scale).astype(q.dtype)
+            out = f(qs, kp, vp, pt, lens)
+            row["stock_err"] = rel_err(out, ref_out) if ref_out is not None else float("nan")
+            row["stock"] = kv_bytes / timeit(f, qs, kp, vp, pt, lens) / 1e12
+            del kp, vp
+        except Exception as e:
+            row["stock"] = f"error {type(e).__name__}"
+            log(f"  stock failed: {str(e)[:300]}")
+        del kb, vb
+        record(**row)
+        log("decode " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in row.items() if k != "section"))
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -303,10 +308,16 @@ def main(argv=None) -> None:
     for name in ("check", "decode", "prefill", "write"):
         p.add_argument(f"--{name}", action="store_true")
     p.add_argument("--json", default=None, help="write all rows to this JSON file")
-    p.add_argument("--check-kinds", nargs="+", default=["decode", "prefill", "prefill-persistent"],
+    p.add_argument("--check-kinds", nargs="+", default=["decode", "decode-7-ctas", "prefill", "prefill-persistent"],
                    help="which kernels --check runs")
     p.add_argument("--decode-variants", type=json.loads, default=[],
                    help='extra decode kernel settings, e.g. \'[{"num_splits": 2}]\'')
+    p.add_argument("--decode-shapes", type=json.loads, default=DECODE_SHAPES,
+                   help="decode cases as [[Hq, Hkv, D, page_size, batch, ctx], ...]; default: "
+                        "D=128 Hq=32 Hkv=8 at pages 16 and 64, four (batch, ctx) each")
+    p.add_argument("--decode-pages", choices=("random", "sequential"), default="random",
+                   help="decode page tables: a random permutation of the pool, or each request's "
+                        "pages in order (what a fresh engine's allocator hands out)")
     p.add_argument("--prefill-variants", type=json.loads, default=[],
                    help='extra prefill kernel settings, e.g. \'[{"pingpong": false}]\'')
     args = p.parse_args(argv)

@@ -1,6 +1,7 @@
 """Ragged paged decode on Hopper through Mosaic GPU (`plgpu.kernel`): flash-decoding.
 
-One CTA per (KV split, pair of KV heads, request), one compute warpgroup per KV head. A
+Work items are (request, KV split, pair of KV heads), one compute warpgroup per KV head;
+one CTA per SM walks them (persistent) or one CTA per item. A
 KV head's G query heads sit in G consecutive rows of a 64-row wgmma tile (starting at the
 row the 8-row-aligned TMA load puts them on), so they share every K/V tile it loads. A
 memory warpgroup gathers the request's pages from the 4D buffer `[n_layers, n_slots,
@@ -27,7 +28,6 @@ from pallas_kernels.shapes import check_paged_shapes
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma tile height: the G query heads of one KV head occupy the first G rows
-NUM_SMS = 132  # H100/H200 SXM
 
 
 def wgmma_accumulate(acc, a, b, interpret: bool):
@@ -52,10 +52,15 @@ def _cdiv(a, b):
     return lax.div(a + b - 1, b)
 
 
+def num_sms() -> int:
+    """Multiprocessors of the default device (132 on an H100/H200 SXM; also off-GPU)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
     """Split the KV length only when there are fewer (request, head group) units than SMs:
     one long stream per CTA reads fastest (measured on H200, docs/performance.md)."""
-    return int(max(1, min(NUM_SMS // max(n_units, 1), max_ctx // (4 * block_kv))))
+    return int(max(1, min(num_sms() // max(n_units, 1), max_ctx // (4 * block_kv))))
 
 
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory one CTA may use (227 KB max on Hopper)
@@ -69,16 +74,22 @@ def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsiz
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "block_kv", "num_stages",
-                                             "num_splits", "heads_per_cta", "interpret"))
+                                             "num_splits", "heads_per_cta", "persistent", "num_ctas",
+                                             "interpret"))
 def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int,
                        sm_scale: float, block_kv: int = 64, num_stages: int | None = None,
                        num_splits: int | None = None, heads_per_cta: int | None = None,
+                       persistent: bool = True, num_ctas: int | None = None,
                        interpret: bool = False) -> jax.Array:
     """`q [B, Hq, D]` against each request's `kv_lens[b]` keys -> `[B, Hq, D]` (q's dtype).
 
-    A CTA owns one request, one KV split and `heads_per_cta` KV heads (one compute
-    warpgroup each, fed by one shared memory warpgroup). Split partials are stored in the
-    input dtype and merged in float32.
+    Work comes in items of one request, one KV split and `heads_per_cta` KV heads (one
+    compute warpgroup each, fed by one shared memory warpgroup). With `persistent` one CTA
+    per SM (`num_ctas` overrides the count) walks the items round-robin, its memory
+    warpgroup streaming the next item's K/V while the compute warpgroups finish the
+    current one; otherwise each CTA takes one item. Consecutive items are the head groups
+    of one request, so CTAs running side by side read the same KV rows. Split partials are
+    stored in the input dtype and merged in float32.
     """
     check_paged_shapes("decode_mgpu", q, k_buf, v_buf, page_size, block_kv, max_group=ROWS - 7)
     b, hq, d = q.shape
@@ -89,83 +100,106 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     if hkv % hpc:
         raise ValueError(f"decode_mgpu: heads_per_cta ({hpc}) must divide n_kv_heads ({hkv})")
     max_ctx = page_table.shape[1] * page_size
-    splits = num_splits or default_num_splits(b * (hkv // hpc), max_ctx, block_kv)
+    n_groups = hkv // hpc
+    splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv)
     stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize)
     sub = min(page_size, block_kv)  # rows per TMA copy
     copies = block_kv // sub
     scale = float(sm_scale) * LOG2E
+    n_items = b * splits * n_groups
+    n_ctas = min(num_ctas or num_sms(), n_items) if persistent else n_items
 
-    # Query rows padded so the 64-row tile of the last head group stays inside the array
-    # (and to a multiple of 8 rows: TMA views are tiled by 8 rows).
-    q_rows = jnp.pad(q.astype(dtype).reshape(b * hq, d), ((0, ROWS + -(b * hq) % 8), (0, 0)))
+    # A head group's 64-row q tile starts at the multiple of 8 rows at or below its first
+    # row. Past the last row the GPU's TMA zero-fills the tile; the interpreter raises
+    # instead, so there q gets real padding rows (on the GPU only up to a multiple of 8).
+    q_rows = q.astype(dtype).reshape(b * hq, d)
+    pad = ROWS + -(b * hq) % 8 if interpret else -(b * hq) % 8
+    if pad:
+        q_rows = jnp.pad(q_rows, ((0, pad), (0, 0)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
-    def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-             q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free):
-        split = lax.axis_index("split")
-        head_pair = lax.axis_index("heads")
-        req = lax.axis_index("batch")
-        wg = lax.axis_index("wg")
-        lyr = layer_ref[0]
+    def item(lens_ref, w):
+        """Item w: head group w % n_groups, split (w // n_groups) % splits, request last."""
+        group = lax.rem(w, jnp.int32(n_groups))
+        rest = lax.div(w, jnp.int32(n_groups))
+        split = lax.rem(rest, jnp.int32(splits))
+        req = lax.div(rest, jnp.int32(splits))
         kv_len = lens_ref[req]
         chunk = _cdiv(_cdiv(kv_len, jnp.int32(splits)), jnp.int32(block_kv)) * block_kv
         start = split * chunk
         end = jnp.minimum(start + chunk, kv_len)
         n_steps = _cdiv(jnp.maximum(end - start, 0), jnp.int32(block_kv))
-        last_page = jnp.maximum(_cdiv(kv_len, jnp.int32(page_size)) - 1, 0)
+        return group, split, req, kv_len, start, end, n_steps
+
+    def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *rest):
+        lse_ref = rest[0] if splits > 1 else None
+        (q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free,
+         v_free) = rest[1:] if splits > 1 else rest
+        cta = lax.axis_index("cta")
+        wg = lax.axis_index("wg")
+        lyr = layer_ref[0]
+        my_items = _cdiv(jnp.int32(n_items) - cta, jnp.int32(n_ctas))
 
         @pl.when(wg < hpc)
         def _compute():
             if hpc > 1 and not interpret:
                 plgpu.set_max_registers(232, action="increase")
-            head = head_pair * hpc + wg
-            row0 = req * hq + head * g
-            # TMA views of q are tiled by 8 rows, so the tile starts at the multiple of 8
-            # below row0 and the group's G queries sit at tile rows shift..shift+G-1.
-            shift = lax.rem(row0, jnp.int32(8))
             q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 - shift, ROWS)], q_tile, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
-            m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def step(i, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(i, jnp.int32(stages))
-                ring = wg * stages + slot
-                plgpu.barrier_wait(k_bar.at[ring])
+            def one_item(it, gstep):
+                group, split, req, _, start, end, n_steps = item(lens_ref, cta + it * n_ctas)
+                head = group * hpc + wg
+                row0 = req * hq + head * g
+                # TMA views of q are tiled by 8 rows, so the tile starts at the multiple of
+                # 8 below row0 and the group's G queries sit at tile rows shift..shift+G-1.
+                shift = lax.rem(row0, jnp.int32(8))
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 - shift, ROWS)], q_tile, q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
+                m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_tile, k_smem.at[ring].transpose((1, 0)))
-                    return acc_ref[...]
+                def step(i, carry):
+                    acc, m_i, l_i = carry
+                    ring = wg * stages + lax.rem(gstep + i, jnp.int32(stages))
+                    plgpu.barrier_wait(k_bar.at[ring])
 
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[ring])
-                pos = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
-                                             layout=plgpu.Layout.WGMMA)
-                s = jnp.where(pos < end - start - i * block_kv, s * scale, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(dtype)
-                plgpu.barrier_wait(v_bar.at[ring])
-                acc = wgmma_accumulate(acc, p16, v_smem.at[ring], interpret)
-                plgpu.barrier_arrive(v_free.at[ring])
-                return acc, m_new, l_i
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, q_tile, k_smem.at[ring].transpose((1, 0)))
+                        return acc_ref[...]
 
-            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
-            empty = l_i == 0.0
-            l_safe = jnp.where(empty, 1.0, l_i)
-            o_tile[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-            lse_tile[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(shift, g)], o_ref.at[split, pl.ds(row0, g)])
-            plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[split, req * hkv + head])
+                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[ring])
+                    pos = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
+                                                 layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(pos < end - start - i * block_kv, s * scale, -jnp.inf)
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(dtype)
+                    plgpu.barrier_wait(v_bar.at[ring])
+                    acc = wgmma_accumulate(acc, p16, v_smem.at[ring], interpret)
+                    plgpu.barrier_arrive(v_free.at[ring])
+                    return acc, m_new, l_i
+
+                acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+                empty = l_i == 0.0
+                l_safe = jnp.where(empty, 1.0, l_i)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores read
+                o_tile[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+                if splits > 1:
+                    lse_tile[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(shift, g)], o_ref.at[split, pl.ds(row0, g)])
+                if splits > 1:
+                    plgpu.copy_smem_to_gmem(lse_tile, lse_ref.at[split, req * hkv + head])
+                return gstep + n_steps
+
+            lax.fori_loop(0, my_items, one_item, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == hpc)
@@ -173,28 +207,35 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             if hpc > 1 and not interpret:
                 plgpu.set_max_registers(40, action="decrease")
 
-            def fetch(i, _):
-                slot = lax.rem(i, jnp.int32(stages))
-                rows = []
-                for j in range(copies):
-                    t0 = start + i * block_kv + j * sub
-                    page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)), last_page)]
-                    rows.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
-                for buf_ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free),
-                                                 (v_ref, v_smem, v_bar, v_free)):
-                    for w in range(hpc):
-                        ring = w * stages + slot
+            def one_item(it, gstep):
+                group, _, req, kv_len, start, _, n_steps = item(lens_ref, cta + it * n_ctas)
+                last_page = jnp.maximum(_cdiv(kv_len, jnp.int32(page_size)) - 1, 0)
 
-                        @pl.when(i >= stages)
-                        def _wait_free():
-                            plgpu.barrier_wait(free.at[ring])
+                def fetch(i, _):
+                    slot = lax.rem(gstep + i, jnp.int32(stages))
+                    rows = []
+                    for j in range(copies):
+                        t0 = start + i * block_kv + j * sub
+                        page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)), last_page)]
+                        rows.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
+                    for buf_ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free),
+                                                     (v_ref, v_smem, v_bar, v_free)):
+                        for w in range(hpc):
+                            ring = w * stages + slot
 
-                        for j, row in enumerate(rows):
-                            plgpu.copy_gmem_to_smem(
-                                buf_ref.at[lyr, pl.ds(row, sub), head_pair * hpc + w],
-                                smem.at[ring, pl.ds(j * sub, sub)], bar.at[ring])
+                            @pl.when(gstep + i >= stages)
+                            def _wait_free():
+                                plgpu.barrier_wait(free.at[ring])
 
-            lax.fori_loop(0, n_steps, fetch, None)
+                            for j, row in enumerate(rows):
+                                plgpu.copy_gmem_to_smem(
+                                    buf_ref.at[lyr, pl.ds(row, sub), group * hpc + w],
+                                    smem.at[ring, pl.ds(j * sub, sub)], bar.at[ring])
+
+                lax.fori_loop(0, n_steps, fetch, None)
+                return gstep + n_steps
+
+            total = lax.fori_loop(0, my_items, one_item, jnp.int32(0))
 
             def retire(i, _):
                 # Observe the releases of the last `stages` slots too, so every barrier
@@ -204,7 +245,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                     plgpu.barrier_wait(k_free.at[w * stages + slot])
                     plgpu.barrier_wait(v_free.at[w * stages + slot])
 
-            lax.fori_loop(jnp.maximum(n_steps, stages), n_steps + stages, retire, None)
+            lax.fori_loop(jnp.maximum(total, stages), total + stages, retire, None)
 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     rings = hpc * stages
@@ -220,13 +261,15 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         plgpu.Barrier(num_arrivals=1, num_barriers=rings),
         plgpu.Barrier(num_arrivals=1, num_barriers=rings),
     ]
-    o_part, lse = plgpu.kernel(
+    out_type = [jax.ShapeDtypeStruct((splits, b * hq, d), dtype)]
+    if splits > 1:  # one log-sum-exp per (request, KV head) tile row, for the merge
+        out_type.append(jax.ShapeDtypeStruct((splits, b * hkv, ROWS), jnp.float32))
+    outs = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((splits, b * hq, d), dtype),
-                  jax.ShapeDtypeStruct((splits, b * hkv, ROWS), jnp.float32)),
+        out_type=tuple(out_type),
         scratch_types=scratch,
-        grid=(splits, hkv // hpc, b),
-        grid_names=("split", "heads", "batch"),
+        grid=(n_ctas,),
+        grid_names=("cta",),
         num_threads=hpc + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True,
@@ -234,12 +277,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(layer_arr, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_rows, k_buf, v_buf)
 
-    o_part = o_part.reshape(splits, b, hq, d)
+    o_part = outs[0].reshape(splits, b, hq, d)
     if splits == 1:
         return o_part[0].astype(q.dtype)
     rows = jnp.arange(b * hq, dtype=jnp.int32).reshape(b, hkv, g)
     tile_row = rows[:, :, :1] % 8 + jnp.arange(g, dtype=jnp.int32)  # shift + j
-    lse = jnp.take_along_axis(lse.reshape(splits, b, hkv, ROWS), tile_row[None], axis=-1)
+    lse = jnp.take_along_axis(outs[1].reshape(splits, b, hkv, ROWS), tile_row[None], axis=-1)
     lse = lse.reshape(splits, b, hq)
     top = jnp.max(lse, axis=0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)

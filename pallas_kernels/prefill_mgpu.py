@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_mgpu import wgmma_accumulate
+from pallas_kernels.decode_mgpu import num_sms, wgmma_accumulate
 from pallas_kernels.shapes import check_paged_shapes
 
 LOG2E = math.log2(math.e)
@@ -68,11 +68,6 @@ def tile_table(cu_ext: jax.Array, kv_ext: jax.Array, n_tiles: int, block_kv: int
     order = jnp.argsort(-work, stable=True)
     return (jnp.where(used, req, n_ext)[order].astype(jnp.int32),
             jnp.where(used, row0, 0)[order].astype(jnp.int32))
-
-
-def num_sms() -> int:
-    """Multiprocessors of the default device (132 on an H100/H200 SXM; also off-GPU)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "block_kv", "num_stages",

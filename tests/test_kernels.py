@@ -101,6 +101,25 @@ def test_persistent_prefill_walks_several_items_per_cta():
     assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_persistent_decode_walks_several_items_per_cta(splits):
+    # 4 requests x 2 head pairs x splits items on 3 CTAs: every CTA runs 2..6 items, the
+    # K/V ring and the output staging carried from one item into the next.
+    rng = np.random.default_rng(8 + splits)
+    hq, hkv, d, ps = 8, 4, 64, 16
+    lens = np.array([70, 0, 33, 128])
+    kb, vb, pt = paged_inputs(rng, len(lens), int(lens.max()), hkv, d, ps)
+    q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.bfloat16)
+    lens = jnp.asarray(lens, jnp.int32)
+    out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=0.1,
+                             num_splits=splits, num_ctas=3, interpret=True)
+    ref = reference.ragged_decode(f32(q), f32(kb), f32(vb), jnp.int32(1), lens, pt, page_size=ps,
+                                  sm_scale=0.1)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, ref) < TOL
+    np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)  # kv_len 0 -> zeros
+
+
 def test_tile_table_starts_tiles_on_8_row_boundaries_heaviest_first():
     cu = jnp.asarray([0, 3, 139, 139, 140], jnp.int32)  # requests of 3, 136, 0 rows; 1 pad row
     kv = jnp.asarray([3, 200, 0, 0], jnp.int32)
