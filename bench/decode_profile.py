@@ -16,6 +16,8 @@ to dispatch one step (when disp ~ ms the host, not the GPU, sets the pace). Vari
   no sampler either (argmax over the hidden state);
 * noattn: the attention kernel replaced by a no-op (the KV write kept);
 * layers1: the same step for a 1-layer model (per-layer cost = (real - layers1) / 15);
+* engine_fused: engine_unroll with the engine's fused projection weights
+  (`fused_projections=True`, params through `jrl.models.fused.fuse_projections`);
 * engine_unroll: the engine's own step with `unroll_layers=True` (EngineConfig.unroll_layers:
   layer loop unrolled, int metadata at 256-byte offsets); its tokens and logprobs are
   compared with "real" on the same inputs (`tok=` agreement, `dlogp` max |difference|);
@@ -51,29 +53,21 @@ import zlib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # (name, XLA_FLAGS, code variants); the first worker carries the default-flag variants.
-# The run recorded in docs/performance.md ("Decode step fixed cost", 2026-11-29) used the
-# PLAN of commit 4598ab4 (command-buffer and loop-unrolling flags: none helped). This one
-# tests what that run pointed at: metadata at 256-byte offsets ("_aligned"), so that the
-# Mosaic kernels accept a program without the layer loop, whose static weight slices need
-# no per-layer copies.
-# The run of commit 237d42a's PLAN was not made; this PLAN measures the engine option
-# that came of it (EngineConfig.unroll_layers) against the scanned step, at batch 1, 64, 256.
+# Earlier PLANs, each recorded in docs/performance.md with its commit: 4598ab4
+# (command-buffer and loop-unrolling flags), 237d42a (metadata at 256-byte offsets), the
+# unrolled step and its GEMM options (commit 0234feb..db9d0a8: Triton vs cuBLAS, dot
+# merging, cuBLASLt, CUDA graphs at 1-16 rows). This one measures the engine's fused
+# projection weights (`engine_fused`: one q/k/v and one gate/up GEMM a layer) under
+# both GEMM code generators, and CUDA graphs around the whole cuBLAS step.
+CUBLAS_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
 PLAN = [
     ("A", "", "real"),
     ("U", "", "engine_unroll"),
-    # The unrolled step at batch 256 spent 1.38 of its 4.44 busy ms in GEMMs that XLA ran
-    # as Triton fusions at ~1.3 TB/s of weight bytes (2026-11-29 17:03 trace): cuBLAS instead.
-    ("T", "--xla_gpu_enable_triton_gemm=false", "engine_unroll"),
-    # With cuBLAS, XLA concatenated the gate and up weights every step (16 copies, 0.34 ms)
-    # to merge their two dots: the same without dot merging, and with cuBLASLt.
-    ("N", "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0", "engine_unroll"),
-    ("M", "--xla_gpu_dot_merger_threshold_mb=0", "engine_unroll"),
-    ("L", "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0 --xla_gpu_enable_cublaslt=true",
-     "engine_unroll"),
-    # At 1-16 rows the host's dispatch of an unrolled step (~1.2 ms) is about the device
-    # step: CUDA graphs that also take the Mosaic custom calls, or graphs of any size.
-    ("C", "--xla_gpu_enable_command_buffer=+CUSTOM_CALL", "engine_unroll"),
-    ("G", "--xla_gpu_graph_min_graph_size=1", "engine_unroll"),
+    ("N", CUBLAS_FLAGS, "engine_unroll"),  # the engine's program at >= 128 rows before fusion
+    ("F", CUBLAS_FLAGS, "engine_fused"),
+    ("D", "", "engine_fused"),
+    ("FC", CUBLAS_FLAGS + " --xla_gpu_enable_command_buffer=+CUSTOM_CALL", "engine_fused"),
+    ("FG", CUBLAS_FLAGS + " --xla_gpu_graph_min_graph_size=1", "engine_fused"),
 ]
 
 # The Mosaic GPU kernels reject inputs that are not 256-byte aligned; without a layer loop
@@ -255,7 +249,7 @@ def build_model_variants():
 
 def aligned(variant: str) -> bool:
     """Variants whose int metadata is packed at ALIGN_INTS offsets."""
-    return variant.endswith("_aligned") or variant == "engine_unroll"
+    return variant.endswith("_aligned") or variant in ("engine_unroll", "engine_fused")
 
 
 def base_variant(variant: str) -> str:
@@ -278,6 +272,8 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
         return step_function(cfg, page_size, max_rows, impl).fn
     if variant == "engine_unroll":
         return step_function(cfg, page_size, max_rows, impl, unroll_layers=True).fn
+    if variant == "engine_fused":  # params must be fuse_projections(cfg, params)
+        return step_function(cfg, page_size, max_rows, impl, unroll_layers=True, fused_projections=True).fn
 
     class NoAttention(PagedAttention):
         def _attend_packed(self, scale, q, k, v, k_buf, v_buf, layer, *metadata):
@@ -415,6 +411,7 @@ def worker(args) -> None:
 
     from decode_throughput import MODEL, TINY, kv_bytes_per_token
     from jrl.models import init_params
+    from jrl.models.fused import fuse_projections
 
     out_dir, name = args.out, args.worker
     rows_path = os.path.join(out_dir, f"rows_{name}.jsonl")
@@ -434,7 +431,7 @@ def worker(args) -> None:
     log(f"[{name}] devices {jax.devices()} flags {os.environ.get('XLA_FLAGS', '')!r}")
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     cfg1 = dataclasses.replace(cfg, n_layers=1)
-    params1 = None
+    params1 = fused = None
     # Phase 1: build and compile (first call) every (variant, batch).
     ready = []
     for variant in variants:
@@ -447,6 +444,10 @@ def worker(args) -> None:
                 if params1 is None:
                     params1 = dict(params, layers=jax.tree.map(lambda x: x[:1], params["layers"]))
                 vcfg, vparams = cfg1, params1
+            if base_variant(variant) == "engine_fused":
+                if fused is None:
+                    fused = fuse_projections(cfg, params)
+                vparams = fused
             try:
                 fn = make_variant_step(vcfg, args.page_size, b, impl, variant)
                 case = synthetic_batch(vcfg, b, context, args.page_size, seed=b,

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.models.attention import GQAttention, MLAttention, dense_attention
@@ -111,7 +112,9 @@ class Transformer(nn.Module):
             token_mask = jnp.ones(tokens.shape, jnp.bool_)
         x = self.embed(tokens)
         rope = rope_cos_sin(cfg, positions)  # per-token cos, sin shared by every layer
-        layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+        # A literal (numpy) constant, not an iota: with the layers unrolled, XLA folds each
+        # layer's index into a constant instead of launching a kernel per layer to make it.
+        layer_ids = np.arange(cfg.n_layers, dtype=np.int32)
         (x, cache), aux = self.layers((x, cache), layer_ids, positions, rope, backend, token_mask)
         if cfg.is_moe:
             aux = {
