@@ -10,6 +10,7 @@ import dataclasses
 from typing import Literal
 
 from jrl.config import ConfigError, ModelConfig
+from jrl.models.fused import unfusable_reason
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
@@ -47,6 +48,13 @@ UNROLL_LAYERS_DEFAULT: dict[str, bool] = {"gpu": True}
 # 256: GEMMs"). Elsewhere 0 (never): the options only concern GPU code generation.
 CUBLAS_DECODE_ROWS_DEFAULT: dict[str, int] = {"gpu": 128}
 
+# fuse_projections=None per backend. GPU: on; measured on an H200 (bench/decode_gemms.py,
+# the 0.82B shape's projection GEMMs of one decode layer, separate -> fused weights):
+# 69.4 -> 57.6 us at 256 rows (cuBLAS), 62.0 -> 47.6 at 128, 51.0 -> 45.0 / 49.8 at 64
+# (XLA's Triton GEMMs / cuBLAS); docs/rollout.md, "Fused projections". Elsewhere off: not
+# measured, and the CPU would pay a copy of those weights per update for nothing known.
+FUSE_PROJECTIONS_DEFAULT: dict[str, bool] = {"gpu": True}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -76,6 +84,14 @@ class EngineConfig:
     GEMMs for cuBLAS, without XLA merging dots that share an input (which concatenates
     their weights every step); smaller steps keep XLA's Triton GEMM fusions. 0: never.
     None: the measured default for the backend (`CUBLAS_DECODE_ROWS_DEFAULT`: 128 on GPU).
+    fuse_projections: serve a private copy of the weights with q/k/v and gate/up fused into
+    one kernel each (`jrl.models.fused`; every step program runs one GEMM per group).
+    Callers still hand over (and `update_weights` still takes) the separate layout; the
+    copy is built once per weight update (a concatenation of those weights: ~1 GB for the
+    0.82B bf16 model). Not applicable under tensor parallelism, with LoRA adapters on
+    q/k/v/gate/up, or for a model with nothing to fuse (MLA + MoE): None then resolves to
+    off, True is an error. None: the measured default for the backend
+    (`FUSE_PROJECTIONS_DEFAULT`: on for GPU).
     """
 
     page_size: int = 16
@@ -95,6 +111,7 @@ class EngineConfig:
     seed: int = 0
     unroll_layers: bool | None = None
     cublas_decode_rows: int | None = None
+    fuse_projections: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -124,6 +141,8 @@ class EngineConfig:
         rows = self.cublas_decode_rows
         _check(rows is None or (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0),
                "cublas_decode_rows", f"must be an integer >= 0 (0: never) or None (backend default), got {rows!r}")
+        _check(self.fuse_projections in (None, True, False), "fuse_projections",
+               f"must be True, False or None (backend default), got {self.fuse_projections!r}")
 
     def resolved_unroll_layers(self, backend: str) -> bool:
         """`unroll_layers`, or the default for `backend` ("gpu", "cpu", ...) when None."""
@@ -136,6 +155,19 @@ class EngineConfig:
         if self.cublas_decode_rows is not None:
             return self.cublas_decode_rows
         return CUBLAS_DECODE_ROWS_DEFAULT.get(backend, 0)
+
+    def resolved_fuse_projections(self, backend: str, model: ModelConfig, tensor_parallel: bool = False) -> bool:
+        """`fuse_projections`, or the default for `backend` when None; off (None) or a
+        ConfigError (True) where fusion does not apply: a tensor-parallel engine (the
+        sharding rules split the separate kernels by heads) or a model without a fused
+        layout (`jrl.models.fused.unfusable_reason`: LoRA on a fused projection, MLA + MoE)."""
+        reason = "not supported with tensor parallelism (the engine has a mesh)" if tensor_parallel else None
+        reason = reason or unfusable_reason(model)
+        if reason is None:
+            return self.fuse_projections if self.fuse_projections is not None else \
+                FUSE_PROJECTIONS_DEFAULT.get(backend, False)
+        _check(self.fuse_projections is not True, "fuse_projections", reason)
+        return False
 
     @property
     def n_slots(self) -> int:

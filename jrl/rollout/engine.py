@@ -20,6 +20,10 @@ entries of other versions are dropped.
 
 Given a `mesh` (or a `jrl.parallel.ParallelConfig`), the engine serves tensor-parallel
 params: see `jrl.rollout.sharding` for what lives where.
+
+With `EngineConfig.fuse_projections` (on by default on GPU) the engine serves a private
+copy in the fused layout (`jrl.models.fused`), built from the params it is handed at
+construction and at each `update_weights`; callers always hand over the separate layout.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.config import ModelConfig
+from jrl.models.fused import fuse_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import EngineConfig, bucket
@@ -79,15 +84,21 @@ class _InFlight:
 class Engine:
     """`mesh`: serve tensor-parallel over its `tensor` axis (`data` and `fsdp` of size 1);
     params are laid out with `jrl.parallel.param_shardings`, re-sharded if they arrive in
-    another layout. None: one device, params used as given."""
+    another layout. None: one device, params used as given (or, with `fuse_projections`,
+    their fused copy: `self.params` is what the steps read, in the served layout)."""
 
     def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig | None = None,
                  version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None) -> None:
         self.model_config = model_config
         self.config = config = config or EngineConfig()
         self.sharding: EngineSharding | None = None if mesh is None else engine_sharding(model_config, mesh)
+        backend = jax.default_backend()
+        self.fuse_projections = config.resolved_fuse_projections(backend, model_config,
+                                                                 tensor_parallel=self.sharding is not None)
+        # What callers hand over (the separate layout): update_weights checks against it.
         self._source = SourceParams(params)
-        self.params = self._placed(params)
+        self._source_structure = _structure(params)
+        self.params = self._served(params)
         self.version = int(version)
         self.seq_limit = config.seq_len_limit(model_config)
         ps = config.page_size
@@ -102,11 +113,11 @@ class Engine:
         self._batch_buckets = config.resolved_batch_buckets
         self._col_buckets = config.page_col_buckets(model_config)
         self.max_rows = self._batch_buckets[-1]
-        backend = jax.default_backend()
         self.unroll_layers = config.resolved_unroll_layers(backend)
         self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
-                                           self.unroll_layers, config.resolved_cublas_decode_rows(backend))
+                                           self.unroll_layers, config.resolved_cublas_decode_rows(backend),
+                                           self.fuse_projections)
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
                                       device=None if self.sharding is None else self.sharding.replicated)
         self._inflight: _InFlight | None = None
@@ -342,18 +353,20 @@ class Engine:
         """Serves `params` as `version` from the next step on. Returns once no request is
         being generated with the old weights. Raises ValueError for a version going
         backwards, a version already served with other params, or params whose structure,
-        shapes or dtypes differ from the served ones. With a mesh, params in the engine's
-        layout are used by reference; others are re-sharded (copied) onto it first."""
+        shapes or dtypes differ from those handed over before (the separate layout, also
+        when the engine serves a fused copy). With a mesh, params in the engine's layout
+        are used by reference; others are re-sharded (copied) onto it first. With
+        `fuse_projections`, the fused copy is rebuilt (one concatenation of the q/k/v and
+        gate/up weights; the previous copy is released first)."""
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise ValueError(f"version: must be an integer, got {version!r}")
         version = int(version)
         if version < self.version:
             raise ValueError(f"version: {version} is older than the served version {self.version}; "
                              "policy versions never go backwards")
-        _check_same_structure(self.params, params)
+        _check_same_structure(self._source_structure, params)
         if version == self.version:
-            same = all(a is b for a, b in zip(jax.tree.leaves(self.params), jax.tree.leaves(params)))
-            if not (same or self._source.same(params)):
+            if not (self._source.same(params) or _same_leaves(self.params, params)):
                 raise ValueError(f"version: {version} is already served with different params; "
                                  "publish new weights under a new version")
             return Ack(version)
@@ -371,14 +384,18 @@ class Engine:
                     restarted += 1
         self._finished = earlier
         self._source = SourceParams(params)
-        self.params = self._placed(params)
+        self.params = None  # drop the old served copy before building the new one (peak memory)
+        self.params = self._served(params)
         self.version = version
         if self.radix is not None:
             self.radix.drop_versions_except(version)
         return Ack(version, finished_in_flight=finished, restarted=restarted)
 
-    def _placed(self, params: dict) -> dict:
-        return params if self.sharding is None else self.sharding.place(params)
+    def _served(self, params: dict) -> dict:
+        """The params as the steps read them: placed on the mesh, or fused, or as given."""
+        if self.sharding is not None:
+            return self.sharding.place(params)
+        return fuse_projections(self.model_config, params) if self.fuse_projections else params
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or
@@ -392,6 +409,16 @@ class Engine:
         finally:
             self._admit = "all"
         return drained
+
+
+def _structure(params: dict) -> dict:
+    """The params' tree of shapes and dtypes (what a later update must match)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+
+
+def _same_leaves(a: dict, b: dict) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
 
 
 def _check_same_structure(old: dict, new: dict) -> None:

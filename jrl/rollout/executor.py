@@ -11,6 +11,8 @@ so the next step can read its decode inputs from them (`tok_src`) without a host
 buffers come back with the sharding they went in with, and the sampled tokens and the
 read-back replicated. With `unroll_layers`, decode steps run the model's layers unrolled
 (no per-layer weight-slice copies on GPU) and their int fields sit at 256-byte offsets.
+With `fused_projections`, every step reads params in the fused layout
+(`jrl.models.fused`: one q/k/v and one gate/up kernel per layer).
 """
 
 from __future__ import annotations
@@ -172,14 +174,16 @@ def pack_readback(tok: jax.Array, logp: jax.Array, model_logp: jax.Array, max_ro
 @functools.lru_cache(maxsize=None)
 def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
                   heads: HeadSplit | None = None, unroll_layers: bool = False,
-                  cublas_decode_rows: int = 0) -> StepFunction:
+                  cublas_decode_rows: int = 0, fused_projections: bool = False) -> StepFunction:
     """The jitted step for one model and engine geometry (cached: engines and `generate`
     calls with the same settings reuse the compiled programs). `heads`: the tensor-parallel
     attention split (None: one device). `unroll_layers`: unroll the layer loop of decode
     steps (their layouts must then use `int_align=INT_ALIGN_UNROLLED`); prefill steps keep
     the scan (measured on GPU for decode only; an unrolled program compiles ~5x longer and
     prefill steps come in many more layouts). `cublas_decode_rows` > 0: decode layouts of
-    at least that many rows compile with `CUBLAS_GEMM_OPTIONS`."""
+    at least that many rows compile with `CUBLAS_GEMM_OPTIONS`. `fused_projections`: the
+    params passed to every step (prefill and decode) are in the fused layout of
+    `jrl.models.fused.fuse_projections`."""
     holder = StepFunction(fn=None)
     absorb = config.attention == "mla"
     v_head_dim = config.kv_lora_rank if absorb else None
@@ -200,7 +204,8 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
                                  decode=layout.decode, absorb_mla=absorb, v_head_dim=v_head_dim, impl=impl,
                                  heads=heads)
         out = forward(config, params, tokens[None], i["positions"][None], backend,
-                      cache=(k_buf, v_buf), token_mask=real[None], unroll_layers=unroll)
+                      cache=(k_buf, v_buf), token_mask=real[None], unroll_layers=unroll,
+                      fused_projections=fused_projections)
         k_buf, v_buf = out.cache
         last = jnp.maximum(cu[1:] - 1, 0)  # final query row of each request
         logits = lm_logits(config, params, out.hidden[0, last])  # [R, V]
