@@ -16,6 +16,7 @@ from jrl.models import Transformer, dense_attention, forward, init_params
 from jrl.models.fused import fuse_projections, unfuse_projections
 from jrl.models.lora import merge_lora
 from jrl.rollout import GREEDY, Engine, EngineConfig
+from jrl.rollout.config import FUSE_PROJECTIONS_DEFAULT
 
 BIAS_NORM_TIED = ModelConfig(qkv_bias=True, qk_norm=True, tie_embeddings=True)
 PLAIN = ModelConfig()
@@ -175,8 +176,8 @@ def test_fused_engine_generates_the_same_tokens_and_logprobs(weights):
     for a, b in zip(plain.generate(prompts(), GREEDY, max_new_tokens=6),
                     fused.generate(prompts(), GREEDY, max_new_tokens=6)):
         np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
-        np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)  # float32 on CPU: bit for bit
+        np.testing.assert_array_equal(a.model_logprobs, b.model_logprobs)
 
 
 def test_fused_engine_serves_updated_weights_like_a_fresh_engine(weights):
@@ -230,9 +231,23 @@ def test_explicit_fusion_where_it_does_not_apply_is_a_config_error(config, messa
         Engine(config, init(config, jax.random.key(0)), EngineConfig(**ENGINE, fuse_projections=True))
 
 
-def test_explicit_fusion_under_tensor_parallelism_is_a_config_error(weights):
+@pytest.fixture
+def fusion_on_by_default(monkeypatch):
+    """This backend's default as on GPU (fusion on), to see where None resolves to off."""
+    monkeypatch.setitem(FUSE_PROJECTIONS_DEFAULT, jax.default_backend(), True)
+
+
+def test_default_fusion_serves_lora_params_as_given(fusion_on_by_default):
+    # RL with LoRA hands the engine the trainer's params, adapters included (jrl/train/rl.py)
+    params = init(LORA, jax.random.key(0))
+    engine = Engine(LORA, params, EngineConfig(**ENGINE))
+    assert engine.fuse_projections is False and engine.params is params
+    assert Engine(PLAIN, init(PLAIN, jax.random.key(0)), EngineConfig(**ENGINE)).fuse_projections is True
+
+
+def test_fusion_under_tensor_parallelism_is_off_by_default_and_an_error_when_asked(weights, fusion_on_by_default):
     params, _ = weights
     mesh = ParallelConfig(data=1, fsdp=1, tensor=1)
+    assert Engine(PLAIN, params, EngineConfig(**ENGINE), mesh=mesh).fuse_projections is False
     with pytest.raises(ConfigError, match="engine.fuse_projections: not supported with tensor parallelism"):
         Engine(PLAIN, params, EngineConfig(**ENGINE, fuse_projections=True), mesh=mesh)
-    assert Engine(PLAIN, params, EngineConfig(**ENGINE), mesh=mesh).fuse_projections is False
