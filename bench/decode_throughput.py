@@ -43,9 +43,11 @@ import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.models import init_params
+from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
+from jrl.models.fused import fuse_projections
 from jrl.rollout.executor import step_function
 from jrl.rollout.sampling import GREEDY
 
@@ -141,7 +143,7 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     prev, ints, floats, layout = rec.captured
     fn = engine.step_function.fn
     k, v = engine.kv.buffers()
-    device_s, _, k, v = replay(fn, params, k, v, (prev, ints, floats, layout), replay_steps)
+    device_s, _, k, v = replay(fn, engine.params, k, v, (prev, ints, floats, layout), replay_steps)  # as served
     engine.kv.update(k, v)
     mean_ctx = prompt + new / 2
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -184,8 +186,12 @@ def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_si
     tokens each (pages laid out per request), random KV, greedy; timed back to back."""
     defaults, backend = EngineConfig(), jax.default_backend()
     unroll = defaults.resolved_unroll_layers(backend)
+    fused = defaults.resolved_fuse_projections(backend, cfg)
     fn = step_function(cfg, page_size, batch, "auto", unroll_layers=unroll,
-                       cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend)).fn
+                       cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend),
+                       fused_projections=fused).fn
+    if fused:
+        params = fuse_projections(cfg, params)
     layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, page_size, seed=batch, aligned=unroll)
     step_s, compile_s, _, _ = replay(fn, params, k, v, (prev, ints, floats, layout), iters)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
