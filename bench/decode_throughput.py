@@ -188,7 +188,7 @@ def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_si
     unroll = defaults.resolved_unroll_layers(backend)
     fused = defaults.resolved_fuse_projections(backend, cfg)
     fn = step_function(cfg, page_size, batch, "auto", unroll_layers=unroll,
-                       cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend),
+                       cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend, fused),
                        fused_projections=fused).fn
     if fused:
         params = fuse_projections(cfg, params)

@@ -39,9 +39,11 @@ def test_decode_steps_below_the_row_threshold_keep_the_default_program():
     assert engine.step_function.programs["default"]._cache_size() >= 2  # prefill and decode
 
 
-def test_cublas_rows_default_is_128_on_gpu_never_elsewhere_and_bad_value_is_named():
-    assert EngineConfig().resolved_cublas_decode_rows("gpu") == 128
-    assert EngineConfig().resolved_cublas_decode_rows("cpu") == 0
-    assert EngineConfig(cublas_decode_rows=0).resolved_cublas_decode_rows("gpu") == 0
+def test_cublas_rows_default_on_gpu_is_64_fused_128_separate_never_elsewhere_and_bad_value_is_named():
+    assert EngineConfig().resolved_cublas_decode_rows("gpu", fused_projections=True) == 64
+    assert EngineConfig().resolved_cublas_decode_rows("gpu", fused_projections=False) == 128
+    assert EngineConfig().resolved_cublas_decode_rows("cpu", fused_projections=True) == 0
+    assert EngineConfig(cublas_decode_rows=0).resolved_cublas_decode_rows("gpu", fused_projections=True) == 0
+    assert EngineConfig(cublas_decode_rows=32).resolved_cublas_decode_rows("gpu") == 32
     with pytest.raises(ConfigError, match="engine.cublas_decode_rows"):
         EngineConfig(cublas_decode_rows=-1)

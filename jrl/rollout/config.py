@@ -41,12 +41,16 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 # Elsewhere off: the CPU has no weight-slice copies to save.
 UNROLL_LAYERS_DEFAULT: dict[str, bool] = {"gpu": True}
 
-# cublas_decode_rows=None per backend. GPU: decode steps of >= 128 rows compile their GEMMs
-# for cuBLAS without XLA's dot merging; measured on an H200 (0.82B, unrolled layers):
-# 4.61 -> 4.20 ms at 256 rows, 2.79 -> 2.72 at 128, but 1.81 -> 1.93 at 64 and 1.56 -> 1.71
-# at 1, where XLA's Triton GEMM fusions win (docs/performance.md, "The decode step at batch
-# 256: GEMMs"). Elsewhere 0 (never): the options only concern GPU code generation.
-CUBLAS_DECODE_ROWS_DEFAULT: dict[str, int] = {"gpu": 128}
+# cublas_decode_rows=None per backend and weight layout (separate, fused projections). GPU:
+# decode steps of at least this many rows compile their GEMMs for cuBLAS without XLA's dot
+# merging; measured on an H200 (0.82B, unrolled layers, docs/performance.md). Separate
+# weights ("The decode step at batch 256: GEMMs"): 4.61 -> 4.20 ms at 256 rows, 2.79 ->
+# 2.72 at 128, but 1.81 -> 1.93 at 64 and 1.56 -> 1.71 at 1, where XLA's Triton GEMM
+# fusions win. Fused weights ("Fused projections"): cuBLAS 3.79 / 2.33 / 1.66 ms at
+# 256 / 128 / 64 rows against Triton 4.16 / 2.53 / (64: not measured; the layer's GEMMs
+# alone 45.0 vs 49.8 us, bench/decode_gemms.py), but 1.15 / 1.59 against 1.12 / 1.47 at 16
+# and 1. Elsewhere 0 (never): the options only concern GPU code generation.
+CUBLAS_DECODE_ROWS_DEFAULT: dict[str, dict[bool, int]] = {"gpu": {False: 128, True: 64}}
 
 # fuse_projections=None per backend. GPU: on; measured on an H200 (bench/decode_gemms.py,
 # the 0.82B shape's projection GEMMs of one decode layer, separate -> fused weights):
@@ -83,7 +87,8 @@ class EngineConfig:
     cublas_decode_rows: decode steps padded to at least this many rows compile their
     GEMMs for cuBLAS, without XLA merging dots that share an input (which concatenates
     their weights every step); smaller steps keep XLA's Triton GEMM fusions. 0: never.
-    None: the measured default for the backend (`CUBLAS_DECODE_ROWS_DEFAULT`: 128 on GPU).
+    None: the measured default for the backend and weight layout
+    (`CUBLAS_DECODE_ROWS_DEFAULT`: on GPU 64 with fused projections, 128 without).
     fuse_projections: serve a private copy of the weights with q/k/v and gate/up fused into
     one kernel each (`jrl.models.fused`; every step program runs one GEMM per group).
     Callers still hand over (and `update_weights` still takes) the separate layout; the
@@ -150,11 +155,12 @@ class EngineConfig:
             return self.unroll_layers
         return UNROLL_LAYERS_DEFAULT.get(backend, False)
 
-    def resolved_cublas_decode_rows(self, backend: str) -> int:
-        """`cublas_decode_rows`, or the default for `backend` when None (0: never)."""
+    def resolved_cublas_decode_rows(self, backend: str, fused_projections: bool = False) -> int:
+        """`cublas_decode_rows`, or the default for `backend` and the served weight layout
+        when None (0: never)."""
         if self.cublas_decode_rows is not None:
             return self.cublas_decode_rows
-        return CUBLAS_DECODE_ROWS_DEFAULT.get(backend, 0)
+        return CUBLAS_DECODE_ROWS_DEFAULT.get(backend, {}).get(bool(fused_projections), 0)
 
     def resolved_fuse_projections(self, backend: str, model: ModelConfig, tensor_parallel: bool = False) -> bool:
         """`fuse_projections`, or the default for `backend` when None; off (None) or a

@@ -116,7 +116,8 @@ class Engine:
         self.unroll_layers = config.resolved_unroll_layers(backend)
         self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
-                                           self.unroll_layers, config.resolved_cublas_decode_rows(backend),
+                                           self.unroll_layers,
+                                           config.resolved_cublas_decode_rows(backend, self.fuse_projections),
                                            self.fuse_projections)
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
                                       device=None if self.sharding is None else self.sharding.replicated)
