@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -94,13 +95,15 @@ class Recorder:
         self.holder.fn = self.fn
 
 
-def engine_config(cfg: ModelConfig, max_batch: int, prompt: int, new: int, page_size: int) -> EngineConfig:
+def engine_config(cfg: ModelConfig, max_batch: int, prompt: int, new: int, page_size: int,
+                  overrides: dict | None = None) -> EngineConfig:
     """One engine for every batch size (same KV buffer and row buckets, so the compiled
-    programs are shared): room for `max_batch` requests of prompt + new tokens."""
+    programs are shared): room for `max_batch` requests of prompt + new tokens.
+    `overrides`: other EngineConfig fields (e.g. {"fuse_projections": false})."""
     per_request = -(-(prompt + new) // page_size)
-    return EngineConfig(page_size=page_size, n_pages=max_batch * per_request + 8, max_batch=max_batch,
-                        max_tokens_per_step=max(max_batch, 8192), max_seq_len=prompt + new,
-                        prefix_cache=False, overlap=True)
+    return EngineConfig(**{**dict(page_size=page_size, n_pages=max_batch * per_request + 8, max_batch=max_batch,
+                                  max_tokens_per_step=max(max_batch, 8192), max_seq_len=prompt + new,
+                                  prefix_cache=False, overlap=True), **(overrides or {})})
 
 
 def generate_once(engine: Engine, prompts: np.ndarray, new: int) -> dict:
@@ -121,6 +124,26 @@ def generate_once(engine: Engine, prompts: np.ndarray, new: int) -> dict:
             "n_done": len(done), "lengths": sorted(lengths)}
 
 
+class GcTimer:
+    """Counts Python garbage collections (any generation) and their time inside the block:
+    a host-side pause the engine's per-step times would otherwise hide."""
+
+    def __enter__(self):
+        self.collections, self.seconds, self._t0 = 0, 0.0, 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.collections += 1
+            self.seconds += time.perf_counter() - self._t0
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
 def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwidth: float,
               replay_steps: int = 50) -> dict:
     cfg = engine.model_config
@@ -131,7 +154,7 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     warm = generate_once(engine, prompts, new)  # compiles every program the run needs
     warm_s = time.perf_counter() - t0
     engine.stats = type(engine.stats)()
-    with Recorder(engine.step_function, target=new // 2) as rec:
+    with Recorder(engine.step_function, target=new // 2) as rec, GcTimer() as gc_timer:
         run = generate_once(engine, prompts, new)
     stats = engine.stats
     # Decode steps proper: every request decodes. The step that launched decode step n
@@ -158,6 +181,7 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
         "host_ms_per_decode_step": 1e3 * stats.decode_host_s / max(1, stats.decode_steps),
         "wait_ms_per_decode_step": 1e3 * stats.decode_wait_s / max(1, stats.decode_steps),
         "completions": run["n_done"], "lengths": run["lengths"], "warmup_s": warm_s,
+        "gc_collections": gc_timer.collections, "gc_ms": 1e3 * gc_timer.seconds,
         "programs_compiled": engine.step_function.traces - traces_before,
     }
 
@@ -230,6 +254,8 @@ def main() -> None:
     ap.add_argument("--torch-timeout-s", type=float, default=240)
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--engine", type=json.loads, default={},
+                    help='EngineConfig fields over the defaults, e.g. \'{"fuse_projections": false}\'')
     ap.add_argument("--step-only", action="store_true", help="time the decode program alone (no engine)")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -268,7 +294,8 @@ def main() -> None:
             else:
                 log(f"step-only b={r['batch']} error")
         return
-    econf = engine_config(cfg, max(batches), args.prompt, args.new, args.page_size)
+    econf = engine_config(cfg, max(batches), args.prompt, args.new, args.page_size, args.engine)
+    header["engine"] = args.engine
     engine = Engine(cfg, params, econf)
     rows = []
     for b in batches:
@@ -300,13 +327,14 @@ def main() -> None:
             json.dump({"header": header, "jrl": rows, "transformers": torch_rows}, f, indent=1)
     log("")
     log(f"{'batch':>5s} {'dec tok/s':>10s} {'e2e tok/s':>10s} {'step ms':>8s} {'dev ms':>7s} "
-        f"{'floor ms':>8s} {'x floor':>7s} {'gap %':>6s}")
+        f"{'floor ms':>8s} {'x floor':>7s} {'gap %':>6s} {'host ms':>7s} {'gc ms':>6s}")
     for r in rows:
         if "step_ms" not in r:
             log(f"{r['batch']:5d} -- {r.get('skipped') or 'error'}")
             continue
         log(f"{r['batch']:5d} {r['decode_tokens_per_s']:10.0f} {r['e2e_tokens_per_s']:10.0f} {r['step_ms']:8.2f} "
-            f"{r['device_step_ms']:7.2f} {r['floor_ms']:8.2f} {r['step_over_floor']:7.2f} {r['host_gap_pct']:6.1f}")
+            f"{r['device_step_ms']:7.2f} {r['floor_ms']:8.2f} {r['step_over_floor']:7.2f} {r['host_gap_pct']:6.1f} "
+            f"{r['host_ms_per_decode_step']:7.2f} {r['gc_ms']:6.1f}")
     for r in torch_rows:
         if "decode_tokens_per_s" in r:
             log(f"transformers generate b={r['batch']:<4d} {'compiled' if r['compiled'] else 'eager':8s} "
