@@ -54,8 +54,8 @@ CUBLAS_DECODE_ROWS_DEFAULT: dict[str, dict[bool, int]] = {"gpu": {False: 128, Tr
 
 # fuse_projections=None per backend. GPU: on; measured on an H200 (bench/decode_gemms.py,
 # the 0.82B shape's projection GEMMs of one decode layer, separate -> fused weights):
-# 69.4 -> 57.6 us at 256 rows (cuBLAS), 62.0 -> 47.6 at 128, 51.0 -> 45.0 / 49.8 at 64
-# (XLA's Triton GEMMs / cuBLAS); docs/rollout.md, "Fused projections". Elsewhere off: not
+# 69.4 -> 57.6 us at 256 rows (cuBLAS), 62.0 -> 47.6 at 128, 51.0 (Triton) -> 45.0 (cuBLAS)
+# at 64; the whole step at 256: 3.94 -> 3.79 ms (docs/performance.md). Elsewhere off: not
 # measured, and the CPU would pay a copy of those weights per update for nothing known.
 FUSE_PROJECTIONS_DEFAULT: dict[str, bool] = {"gpu": True}
 
