@@ -10,12 +10,11 @@ Kernels are stored `[in, out]` with Flax logical-axis annotations so that
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import flax.linen as nn
-
 from typing import NamedTuple
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jrl.config import ModelConfig
