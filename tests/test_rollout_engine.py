@@ -12,6 +12,7 @@ import pytest
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import apply, init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, generate
+from jrl.rollout.executor import step_function
 from test_rollout_sampling import np_distribution
 
 MODEL = ModelConfig()  # tiny float32 GQA model: vocab 256, 2 layers, 4 q / 2 kv heads
@@ -214,7 +215,9 @@ def test_engine_config_errors_name_the_field():
 
 
 def test_long_generation_compiles_a_handful_of_programs(params):
-    # Default power-of-two buckets; a fresh geometry (max_batch 4) so no program exists yet.
+    # Default power-of-two buckets. The programs are cached per model and geometry across
+    # engines (and other test files use this geometry), so start from an empty cache.
+    step_function.cache_clear()
     config = EngineConfig(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=32, max_seq_len=256)
     engine = Engine(MODEL, params, config)
     assert engine.step_function.traces == 0
