@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +26,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from decode_throughput import MODEL, TINY  # noqa: E402
+from kernels import timeit  # noqa: E402
 from jrl.rollout.executor import CUBLAS_GEMM_OPTIONS  # noqa: E402
 
 MATMUL_PEAK = 790e12  # bf16 dense, the measured ceiling quoted in docs/performance.md
@@ -67,18 +65,6 @@ def layers_program(cfg, fused: bool):
     return run
 
 
-def time_program(fn, *args, repeats: int = 20, rounds: int = 7) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / repeats)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,64,128,256")
@@ -101,7 +87,7 @@ def main() -> None:
             for opt_name, opts in options.items():
                 fn = jax.jit(layers_program(cfg, fused), compiler_options=opts) if opts else \
                     jax.jit(layers_program(cfg, fused))
-                t = time_program(fn, x, w) / cfg.n_layers
+                t = timeit(fn, x, w, iters=20, reps=7) / cfg.n_layers
                 row = dict(weights="fused" if fused else "separate", rows=m, options=opt_name, us_per_layer=1e6 * t,
                            weight_tb_s=w_bytes / t / 1e12, tflop_s=flops / t / 1e12, floor_us=1e6 * floor)
                 rows_out.append(row)

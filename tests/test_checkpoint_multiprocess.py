@@ -9,9 +9,7 @@ after the two writers have exited.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -27,17 +25,7 @@ from jrl.checkpoint.layout import hidden_leftovers
 from jrl.checkpoint.manifest import read_manifest
 from jrl.metrics_log import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
-CASES = REPO / "tests" / "parallel_cases"
-
-
-def cpu_env(cache: Path, port: int, process: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(process))
-    return env
+from test_parallel import CASES, REPO, cpu_env, load_common
 
 
 def run_two_processes(argv: list[str], cache: Path) -> list[str]:
@@ -45,7 +33,8 @@ def run_two_processes(argv: list[str], cache: Path) -> list[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    workers = [subprocess.Popen(argv, cwd=REPO, env=cpu_env(cache, port, i), stdout=subprocess.PIPE,
+    workers = [subprocess.Popen(argv, cwd=REPO, env=cpu_env(4, cache, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                                                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for i in range(2)]
     outputs = []
     try:
@@ -61,27 +50,9 @@ def run_two_processes(argv: list[str], cache: Path) -> list[str]:
     return outputs
 
 
-def load_common():
-    """tests/parallel_cases/common.py (the tiny model the worker saves)."""
-    spec = importlib.util.spec_from_file_location("jrl_parallel_cases_common", CASES / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TINY = {
-    "name": "tiny",
-    "model": {"vocab_size": 264, "hidden_size": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2,
-              "head_dim": 8, "intermediate_size": 64, "max_position_embeddings": 32},
-    "data": {"source": "bundled:arithmetic:300", "seq_len": 32, "batch_size": 16, "micro_batches": 2},
-    "optimizer": {"lr": 3e-3, "eps": 1e-4},
-    "schedule": {"kind": "warmup_cosine", "warmup_steps": 2, "total_steps": 4},
-    "eval": {"every": 0, "at_end": False},
-    "logging": {"progress": False, "plot": False},
-    "checkpoint": {"interval": 2, "keep_last": None, "verify_on_load": True},
-    "parallel": {"data": 2, "fsdp": 2, "tensor": 2},
-    "steps": 4,
-}
+# The 8-device training cases' tiny run, checkpointing every 2 steps on a 2x2x2 mesh.
+TINY = {**load_common().TINY_TRAIN, "checkpoint": {"interval": 2, "keep_last": None, "verify_on_load": True},
+        "parallel": {"data": 2, "fsdp": 2, "tensor": 2}}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,25 @@ DENSE = ModelConfig()  # GQA: 4 query / 2 KV heads of 16, hidden 64, SwiGLU 128,
 MLA_MOE = ModelConfig(attention="mla", q_lora_rank=16, n_experts=4, n_experts_per_tok=2,
                       n_shared_experts=1)
 
+# A tiny training run (trainer config dict) for the 8-device and multi-process cases.
+TINY_TRAIN = {
+    "name": "tiny",
+    # vocab 264 (>= the byte tokenizer's 262) and every width divisible by 8, so the
+    # embedding, heads and MLP really are split on every mesh the cases use
+    "model": {"vocab_size": 264, "hidden_size": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2,
+              "head_dim": 8, "intermediate_size": 64, "max_position_embeddings": 32},
+    # 2 micro-batches of 8 rows: accumulation runs too, and 8 rows split over data*fsdp <= 8
+    "data": {"source": "bundled:arithmetic:300", "seq_len": 32, "batch_size": 16, "micro_batches": 2},
+    # Adam divides by sqrt(v) + eps: eps 1e-4 keeps rounding noise in near-zero gradients
+    # (the sharded sums add in another order) from becoming full-size updates
+    "optimizer": {"lr": 3e-3, "eps": 1e-4},
+    "schedule": {"kind": "warmup_cosine", "warmup_steps": 2, "total_steps": 4},
+    "eval": {"every": 0, "at_end": False},
+    "logging": {"progress": False, "plot": False},
+    "checkpoint": {"interval": 0, "keep_last": None},
+    "steps": 4,
+}
+
 MESHES = {
     "dp": ParallelConfig(data=8, fsdp=1, tensor=1),
     "fsdp": ParallelConfig(data=1, fsdp=8, tensor=1),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from common import assert_eight_devices, assert_trees_close
+from common import TINY_TRAIN, assert_eight_devices, assert_trees_close
 from jrl import checkpoint
 from jrl.config import ConfigError, load_train_config
 from jrl.metrics_log import read_metrics
@@ -22,24 +22,8 @@ from jrl.train.trainer import Trainer
 
 assert_eight_devices()
 
-STEPS = 4
-TINY = {
-    "name": "tiny",
-    # vocab 264 (>= the byte tokenizer's 262) and every width divisible by 8, so the
-    # embedding, heads and MLP really are split on every mesh below
-    "model": {"vocab_size": 264, "hidden_size": 32, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2,
-              "head_dim": 8, "intermediate_size": 64, "max_position_embeddings": 32},
-    # 2 micro-batches of 8 rows: accumulation runs too, and 8 rows split over data*fsdp <= 8
-    "data": {"source": "bundled:arithmetic:300", "seq_len": 32, "batch_size": 16, "micro_batches": 2},
-    # Adam divides by sqrt(v) + eps: eps 1e-4 keeps rounding noise in near-zero gradients
-    # (the sharded sums add in another order) from becoming full-size updates
-    "optimizer": {"lr": 3e-3, "eps": 1e-4},
-    "schedule": {"kind": "warmup_cosine", "warmup_steps": 2, "total_steps": STEPS},
-    "eval": {"every": 0, "at_end": False},
-    "logging": {"progress": False, "plot": False},
-    "checkpoint": {"interval": 0, "keep_last": None},
-    "steps": STEPS,
-}
+TINY = TINY_TRAIN
+STEPS = TINY["steps"]
 MESHES = {
     "fsdp8": ["parallel.fsdp=8"],
     "data2_fsdp2_tensor2": ["parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"],
