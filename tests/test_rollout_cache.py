@@ -194,6 +194,46 @@ def test_drop_versions_frees_unreferenced_pages_and_uncaches_held_ones():
     a.check_invariants()
 
 
+
+def test_uncache_many_frees_idle_pages_and_keeps_the_rest_in_lru_order():
+    a = Allocator(6)
+    evicted = []
+    a.on_evict = lambda page: (evicted.append(page), a.uncache(page))
+    pages = a.allocate(6)
+    for p in pages:
+        a.mark_cached(p)
+    for p in (5, 0, 3, 1):
+        a.release([p])  # LRU: 5, 0, 3, 1; pages 2 and 4 held
+    a.uncache_many([3, 2])
+    assert a.is_free.tolist() == [False, False, False, True, False, False]
+    assert not a.cached[[2, 3]].any() and a.n_evictable == 3
+    a.check_invariants()
+    assert a.allocate(3) == [0, 3, 5]  # page 3, then two evictions in LRU order
+    assert evicted == [5, 0]
+
+
+def test_radix_keys_pages_by_token_values_whatever_the_sequence_type():
+    a, r = _radix()
+    pages = a.allocate(2)
+    r.insert(np.array([1, 2, 3, 4], np.int64), pages, version=0)
+    assert r.match([1, 2, 3, 4], version=0, max_tokens=4) == pages
+    assert r.match(np.array([1, 2, 3, 4], np.int32), version=0, max_tokens=4) == pages
+    assert r.match((1, 2, 3, 5), version=0, max_tokens=4) == pages[:1]
+
+
+def test_evicting_a_page_of_an_older_version_drops_only_that_versions_subtree():
+    a, r = _radix(n_pages=4)
+    old, new = a.allocate(2), a.allocate(2)
+    r.insert([1, 2, 3, 4], old, version=0)
+    r.insert([1, 2, 3, 4], new, version=1)
+    a.release(old)
+    a.release(new)
+    a.allocate(2)  # evicts the two old pages (released first), not the new ones
+    assert r.versions == [1] and r.n_cached_pages == 2
+    assert r.match([1, 2, 3, 4], version=1, max_tokens=4) == new
+    a.check_invariants()
+
+
 def _manager(n_pages=8, page_size=4, rows=4, strategy="paged"):
     pool = PagePool(n_pages, page_size, strategy)
     radix = RadixCache(page_size, pool.allocator)
