@@ -59,6 +59,17 @@ CUBLAS_DECODE_ROWS_DEFAULT: dict[str, dict[bool, int]] = {"gpu": {False: 128, Tr
 # measured, and the CPU would pay a copy of those weights per update for nothing known.
 FUSE_PROJECTIONS_DEFAULT: dict[str, bool] = {"gpu": True}
 
+# min_decode_rows=None per backend. GPU: 2; measured on an H200 (0.82B, fused weights,
+# unrolled layers, bench/decode_profile.py): a 1-row decode step takes 1.46 ms, a 2-row one
+# 0.95 ms (XLA turns the 1-row projections into multiply + reduce kernels instead of GEMMs).
+# Elsewhere 1: not measured.
+MIN_DECODE_ROWS_DEFAULT: dict[str, int] = {"gpu": 2}
+
+# decode_steps_per_call=None per backend (see EngineConfig). GPU:
+# measured on an H200 (docs/performance.md, "Multi-step decode"). Elsewhere 1: CPU runs
+# keep one step per call.
+DECODE_STEPS_PER_CALL_DEFAULT: dict[str, int] = {"gpu": 4}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -97,6 +108,18 @@ class EngineConfig:
     q/k/v/gate/up, or for a model with nothing to fuse (MLA + MoE): None then resolves to
     off, True is an error. None: the measured default for the backend
     (`FUSE_PROJECTIONS_DEFAULT`: on for GPU).
+    decode_steps_per_call: decode steps one device call runs when every running request is
+    past its prefill, no waiting request could be admitted and none samples with
+    repetition/frequency/presence penalties: the program loops over the steps on
+    the device (sampling included) and the host plans, uploads and reads back once per
+    call, not once per token. Tokens, logprobs and versions are those of single steps (the
+    same per-token sampling keys); a request that stops inside a call (EOS, stop
+    sequence) has its later tokens of that call discarded, and a request with fewer
+    tokens left than the call's steps computes only those. None: the measured default
+    for the backend (`DECODE_STEPS_PER_CALL_DEFAULT`). 1: one step per call.
+    min_decode_rows: decode steps are padded to at least this many request rows (a GPU
+    runs one row slower than two: `MIN_DECODE_ROWS_DEFAULT`). None: the backend default,
+    at most max_batch.
     """
 
     page_size: int = 16
@@ -117,6 +140,8 @@ class EngineConfig:
     unroll_layers: bool | None = None
     cublas_decode_rows: int | None = None
     fuse_projections: bool | None = None
+    decode_steps_per_call: int | None = None
+    min_decode_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -148,6 +173,13 @@ class EngineConfig:
                "cublas_decode_rows", f"must be an integer >= 0 (0: never) or None (backend default), got {rows!r}")
         _check(self.fuse_projections in (None, True, False), "fuse_projections",
                f"must be True, False or None (backend default), got {self.fuse_projections!r}")
+        for name in ("decode_steps_per_call", "min_decode_rows"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
+                   f"must be an integer >= 1 or None (backend default), got {v!r}")
+        if self.min_decode_rows is not None:
+            _check(self.min_decode_rows <= self.max_batch, "min_decode_rows",
+                   f"must be <= max_batch ({self.max_batch}), got {self.min_decode_rows}")
 
     def resolved_unroll_layers(self, backend: str) -> bool:
         """`unroll_layers`, or the default for `backend` ("gpu", "cpu", ...) when None."""
@@ -174,6 +206,18 @@ class EngineConfig:
                 FUSE_PROJECTIONS_DEFAULT.get(backend, False)
         _check(self.fuse_projections is not True, "fuse_projections", reason)
         return False
+
+    def resolved_decode_steps_per_call(self, backend: str) -> int:
+        """`decode_steps_per_call`, or the default for `backend` when None."""
+        if self.decode_steps_per_call is not None:
+            return self.decode_steps_per_call
+        return DECODE_STEPS_PER_CALL_DEFAULT.get(backend, 1)
+
+    def resolved_min_decode_rows(self, backend: str) -> int:
+        """`min_decode_rows`, or the default for `backend` (at most max_batch) when None."""
+        if self.min_decode_rows is not None:
+            return self.min_decode_rows
+        return min(MIN_DECODE_ROWS_DEFAULT.get(backend, 1), self.max_batch)
 
     @property
     def n_slots(self) -> int:

@@ -11,6 +11,12 @@ Decode inputs of step n come from step n-1's device output, so the host never wa
 a token before dispatching the step that consumes it. A request that stopped at step n-1
 has one wasted row in step n, discarded on read-back.
 
+When every running request decodes and nobody waits to be admitted, a step is a call of
+`EngineConfig.decode_steps_per_call` decode steps run in one device loop
+(`jrl.rollout.executor`): the host's planning, upload, dispatch and read-back are paid
+once per call instead of once per token (on a GPU they cost about as much as a small
+batch's device step). Tokens sampled after a request stopped inside a call are discarded.
+
 Weight updates happen only between steps (`update_weights` is called from the thread that
 drives the engine). Requests in flight either finish under the old weights before the swap
 or are aborted and restarted under the new ones (`EngineConfig.on_weight_update`); either
@@ -41,7 +47,7 @@ from jrl.models.fused import fuse_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import EngineConfig, bucket
-from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, step_function
+from jrl.rollout.executor import INT_ALIGN_UNROLLED, HeldMetadata, StepLayout, step_function
 from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_columns
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
@@ -62,10 +68,11 @@ class Ack:
 
 @dataclasses.dataclass
 class EngineStats:
-    steps: int = 0
-    decode_steps: int = 0
+    steps: int = 0  # device calls dispatched
+    decode_steps: int = 0  # calls in which every row decodes
+    decode_device_steps: int = 0  # decode steps those calls ran (decode_steps_per_call each, or 1)
     generated_tokens: int = 0
-    host_s: float = 0.0  # planning + packing + dispatch (host work per step)
+    host_s: float = 0.0  # planning + packing + dispatch (host work per call)
     wait_s: float = 0.0  # blocked reading back sampled tokens
     decode_host_s: float = 0.0
     decode_wait_s: float = 0.0
@@ -73,12 +80,14 @@ class EngineStats:
 
 @dataclasses.dataclass
 class _InFlight:
-    readback: jax.Array  # [3, max_rows] float32: token ids (bit-cast), logprobs, model logprobs
+    readback: jax.Array  # [steps, 3, max_rows] float32 ([3, max_rows] for one step): token ids
+    # (bit-cast), logprobs, model logprobs
     rows: np.ndarray | slice  # the rows that sample, and for each: its request and the request's epoch
     reqs: list[Request]  # at dispatch (a sample whose request's epoch moved on is dropped)
     epochs: list[int]
     version: int
     decode: bool
+    counts: list[int] | None = None  # multi-step call: the steps each row computes
 
 
 class Engine:
@@ -114,6 +123,8 @@ class Engine:
         self._col_buckets = config.page_col_buckets(model_config)
         self.max_rows = self._batch_buckets[-1]
         self.unroll_layers = config.resolved_unroll_layers(backend)
+        self.decode_steps_per_call = config.resolved_decode_steps_per_call(backend)
+        self._min_decode_rows = config.resolved_min_decode_rows(backend)
         self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
                                            self.unroll_layers,
@@ -121,6 +132,7 @@ class Engine:
                                            self.fuse_projections)
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
                                       device=None if self.sharding is None else self.sharding.replicated)
+        self._metadata = HeldMetadata() if self.sharding is None else None
         self._inflight: _InFlight | None = None
         self._next_id = 0
         self._finished: list[Completion] = []
@@ -190,7 +202,7 @@ class Engine:
         """Plans and dispatches one step, reads back the previous one; returns the
         requests that finished."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule(self.version, admit=self._admit)
+        batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.decode_steps_per_call)
         launched = self._dispatch(batch) if batch is not None else None
         host = time.perf_counter() - t0
         previous, self._inflight = self._inflight, launched
@@ -207,6 +219,7 @@ class Engine:
             self.stats.host_s += host
             if launched.decode:
                 self.stats.decode_steps += 1
+                self.stats.decode_device_steps += 1 if launched.counts is None else max(launched.counts)
                 self.stats.decode_host_s += host
         done, self._finished = self._finished, []
         return done
@@ -254,6 +267,8 @@ class Engine:
         """Packs the plan into the step's two host arrays and launches it (asynchronously)."""
         layout, ints, floats = self._pack(batch)
         self.last_launch = (layout, ints, floats)
+        if self._metadata is not None:
+            ints, floats = self._metadata.put(ints, floats)
         k, v = self.kv.buffers()
         tok, readback, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
                                                     layout=layout)
@@ -266,7 +281,10 @@ class Engine:
             reqs, rows = [batch.reqs[row] for row in picked], np.asarray(picked, np.intp)
         for row, req in zip(picked, reqs):
             req.device_row = row
-        return _InFlight(readback, rows, reqs, [r.epoch for r in reqs], self.version, layout.decode)
+        counts = batch.step_counts
+        if counts is not None and not isinstance(rows, slice):
+            counts = [counts[row] for row in picked]
+        return _InFlight(readback, rows, reqs, [r.epoch for r in reqs], self.version, layout.decode, counts)
 
     def _pack(self, batch: ScheduledBatch) -> tuple[StepLayout, np.ndarray, np.ndarray]:
         """The static layout (bucketed sizes, sampling variant) and the padded int32 /
@@ -280,15 +298,19 @@ class Engine:
         sampling = [r.sampling for r in reqs]
         if not every_row_samples:
             sampling = [p if s else GREEDY for p, s in zip(sampling, batch.sample)]
-        n_rows = bucket(n, self._batch_buckets)
+        n_rows = bucket(max(n, self._min_decode_rows) if decode else n, self._batch_buckets)
         n_tokens = n_rows if decode else bucket(total, self._token_buckets)
-        bound = self.cache.bind(batch.rows, batch.q_starts, batch.q_lens)
+        if batch.step_counts is None:
+            bound = self.cache.bind(batch.rows, batch.q_starts, batch.q_lens)
+        else:
+            bound = self.cache.bind_decode_steps(batch.rows, batch.q_starts, batch.step_counts, batch.steps)
         width = bound.page_table.shape[1]
         penalties, mode = batch_mode(sampling)
         window = self.config.penalty_window - 1 if penalties else 0
         layout = StepLayout(decode=decode, n_tokens=n_tokens, n_rows=n_rows,
                             n_page_cols=bucket(width, self._col_buckets), window=window, penalties=penalties,
-                            mode=mode, int_align=INT_ALIGN_UNROLLED if self.unroll_layers and decode else 1)
+                            mode=mode, int_align=INT_ALIGN_UNROLLED if self.unroll_layers and decode else 1,
+                            steps=batch.steps)
 
         ints = np.zeros(layout.int_packing.size, np.int32)  # fields default to 0 unless set below
         i = layout.int_packing.views(ints)
@@ -304,12 +326,12 @@ class Engine:
                     tok_src[start] = req.device_row
                 else:  # host-known input tokens (prefill chunks, or a token read back already)
                     i["tokens"][start:start + q_len] = req.known_tokens()[q_start:q_start + q_len]
-        i["positions"][:total] = bound.positions
+        i["positions"][..., :total] = bound.positions
         i["out_cache_loc"][:] = -1
-        i["out_cache_loc"][:total] = bound.out_cache_loc
+        i["out_cache_loc"][..., :total] = bound.out_cache_loc
         i["cu_q_lens"][:] = total
         i["cu_q_lens"][:n + 1] = bound.cu_q_lens
-        i["kv_lens"][:n] = bound.kv_lens
+        i["kv_lens"][..., :n] = bound.kv_lens
         i["page_table"][:n, :width] = bound.page_table
         if window:  # the window's last token (the row's input) is added on device
             win = i["window"]
@@ -333,20 +355,26 @@ class Engine:
         self.stats.wait_s += waited
         if step.decode:
             self.stats.decode_wait_s += waited
-        values = readback[:, step.rows]
-        tokens, logp, model_logp = values[0].view(np.int32).tolist(), values[1].tolist(), values[2].tolist()
         recorded = 0
-        for req, epoch, token, lp, model_lp in zip(step.reqs, step.epochs, tokens, logp, model_logp):
-            if req.epoch != epoch:
-                continue
-            req.n_inflight -= 1
-            if req.n_inflight == 0:
-                req.device_row = -1
-            req.record(token, lp, model_lp, step.version)
-            recorded += 1
-            if req.finish_reason is not None:
-                self.scheduler.finish(req, step.version)
-                self._finished.append(req.completion())
+        counts = step.counts
+        everyone = min(counts) if counts is not None else 1  # steps every row computes
+        for j, values in enumerate(readback.reshape(-1, *readback.shape[-2:])):  # one step after another
+            values, reqs, epochs = values[:, step.rows], step.reqs, step.epochs
+            if j >= everyone:  # rows that had fewer tokens left than the call has steps are done
+                keep = [r for r, n in enumerate(counts) if n > j]
+                values, reqs, epochs = values[:, keep], [reqs[r] for r in keep], [epochs[r] for r in keep]
+            tokens, logp, model_logp = values[0].view(np.int32).tolist(), values[1].tolist(), values[2].tolist()
+            for req, epoch, token, lp, model_lp in zip(reqs, epochs, tokens, logp, model_logp):
+                if req.epoch != epoch:
+                    continue  # preempted, aborted or finished since dispatch
+                req.n_inflight -= 1
+                if req.n_inflight == 0:
+                    req.device_row = -1
+                req.record(token, lp, model_lp, step.version)
+                recorded += 1
+                if req.finish_reason is not None:
+                    self.scheduler.finish(req, step.version)
+                    self._finished.append(req.completion())
         self.stats.generated_tokens += recorded
 
     # ------------------------------------------------------------------ weights

@@ -12,6 +12,13 @@ Every step, in this order:
    up in the prefix cache; every full page whose KV is scheduled is published at once, so
    identical prompts admitted in the same step share one prefill. No admission happens in
    a step that preempted.
+3. Multi-step decode: when every running request decodes and nobody could be admitted
+   (no one waiting, no free row, or admission closed), none samples with penalties, and
+   the pages for the whole call can be had without preempting anyone, the step becomes a
+   call of `steps` decode steps (each request computes min(steps, tokens it has left) of
+   them). Penalties need the window of a request's latest tokens, built on the host from
+   tokens read back; with the previous call still in flight that window would miss all
+   but the last token of a multi-step call, so penalised batches keep one step per call.
 
 The scheduler only plans; the engine runs the plan and feeds results back
 (`finish`, `preempt`, `abort_running`).
@@ -50,6 +57,8 @@ class ScheduledBatch:
         self.sample: list[bool] = []
         self.device_input: list[bool] = []
         self.index: list[int] = []  # output index of the row's sample (0 for rows that don't sample)
+        self.steps = 1  # decode steps of the call (> 1: multi-step decode)
+        self.step_counts: list[int] | None = None  # steps each row computes (multi-step only)
 
     def add(self, req: Request, q_start: int, q_len: int, sample: bool, device_input: bool) -> None:
         """Appends a row; a sampling row puts one more sample of `req` in flight."""
@@ -65,9 +74,12 @@ class ScheduledBatch:
         else:
             self.index.append(0)
 
-    def add_decode(self, reqs: list[Request]) -> None:
+    def add_decode(self, reqs: list[Request], counts: list[int] | None = None, steps: int = 1) -> None:
         """Appends one decode row per request (its next position; it samples; its input is
-        the previous step's sample when one is still in flight): `add` by whole columns."""
+        the previous step's sample when one is still in flight): `add` by whole columns.
+        With `counts`, the batch is a multi-step call of `steps` decode steps in which
+        request i computes (and samples) `counts[i]` positions; it must be the only call
+        of `add_decode` and no `add` may follow."""
         self.reqs += reqs
         self.rows += [r.task.row for r in reqs]
         self.q_starts += [r.task.kv_len for r in reqs]
@@ -75,9 +87,15 @@ class ScheduledBatch:
         self.sample += [True] * len(reqs)
         self.device_input += [r.n_inflight > 0 for r in reqs]
         self.index += [r.n_scheduled_samples for r in reqs]
-        for r in reqs:
-            r.n_inflight += 1
-            r.task.kv_len += 1
+        if counts is None:
+            for r in reqs:
+                r.n_inflight += 1
+                r.task.kv_len += 1
+            return
+        self.steps, self.step_counts = steps, counts
+        for r, n in zip(reqs, counts):
+            r.n_inflight += n
+            r.task.kv_len += n
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -122,9 +140,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ planning
-    def schedule(self, version: int, admit: str = "all") -> ScheduledBatch | None:
+    def schedule(self, version: int, admit: str = "all", steps: int = 1) -> ScheduledBatch | None:
         """Plans the next step under weight `version`. `admit`: "all" waiting requests,
-        only "started" ones (re-queued with tokens already generated), or "none"."""
+        only "started" ones (re-queued with tokens already generated), or "none".
+        `steps` > 1: plan a multi-step decode call when nothing else is waiting to run."""
         batch = ScheduledBatch()
         budget = self.config.max_tokens_per_step
         page_size = self.cache.page_size
@@ -147,7 +166,14 @@ class Scheduler:
                 if not grown:
                     continue  # req itself was preempted
             decoding.append(req)
-        batch.add_decode(decoding)
+        counts = None
+        if steps > 1 and decoding and not prefilling and not preempted and not self._can_admit(admit) \
+                and not any(r.sampling.uses_penalties for r in decoding):
+            counts = self._reserve_steps(decoding, steps)
+        batch.add_decode(decoding, counts, steps)
+        if counts is not None:
+            self.stats.decode_tokens += sum(counts)
+            return batch
         budget -= len(batch)
         self.stats.decode_tokens += len(batch)
         for req in prefilling:
@@ -170,6 +196,24 @@ class Scheduler:
             self.preempt(self.running[-1], version)
             return self.schedule(version, admit="none")
         return batch if len(batch) else None
+
+    def _can_admit(self, admit: str) -> bool:
+        """Whether the admission loop of `schedule` could take a waiting request now."""
+        return admit != "none" and bool(self.waiting) and len(self.running) < self.config.max_batch \
+            and (admit == "all" or bool(self.waiting[0].outputs))
+
+    def _reserve_steps(self, decoding: list[Request], steps: int) -> list[int] | None:
+        """Pages for a multi-step decode call: each request's positions for min(steps, the
+        tokens it has left). Returns the per-request counts, or None (nothing changed)
+        when the pool cannot cover them all without preempting."""
+        cache = self.cache
+        counts = [min(steps, r.max_new_tokens - r.n_scheduled_samples) for r in decoding]
+        need = sum(cache.pages_needed(r.task, r.task.kv_len + n) for r, n in zip(decoding, counts))
+        if need > cache.pool.allocator.n_available:
+            return None
+        for r, n in zip(decoding, counts):
+            cache.extend(r.task, r.task.kv_len + n)
+        return counts
 
     def _grow_for_decode(self, req: Request, version: int) -> tuple[bool, bool]:
         """Makes room for one more position of `req`, preempting the youngest running

@@ -10,7 +10,9 @@ Lifecycle of a task (a request while it holds KV pages):
   scheduled, so requests admitted later (even in the same step) reuse them;
 * `free` releases its pages (cached ones stay evictable) and its row;
 * `bind` turns the step's (task row, first position, token count) entries into the int32
-  device metadata: cu_q_lens, kv_lens, page table, positions and out_cache_loc.
+  device metadata: cu_q_lens, kv_lens, page table, positions and out_cache_loc;
+  `bind_decode_steps` does the same for a multi-step decode call (one position per row
+  and step).
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ class BoundBatch:
     """Host-side int32 metadata of one step (unpadded: the executor pads to buckets)."""
 
     cu_q_lens: np.ndarray  # [R + 1]
-    kv_lens: np.ndarray  # [R]
+    kv_lens: np.ndarray  # [R] ([steps, R] for a multi-step decode call)
     page_table: np.ndarray  # [R, max pages used]
-    positions: np.ndarray  # [T]
-    out_cache_loc: np.ndarray  # [T]
+    positions: np.ndarray  # [T] ([steps, T])
+    out_cache_loc: np.ndarray  # [T] ([steps, T])
 
 
 class TaskCacheManager:
@@ -129,3 +131,21 @@ class TaskCacheManager:
         return BoundBatch(cu_q_lens=cu, kv_lens=kv_lens,
                           page_table=self.req_to_token.page_table(rows, max(1, self.pool.pages_for(longest))),
                           positions=positions, out_cache_loc=self.req_to_token.slots(owner_rows, positions))
+
+    def bind_decode_steps(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
+                          steps: int) -> BoundBatch:
+        """Device metadata of a multi-step decode call: at step j, row i computes position
+        `starts[i] + j` while j < counts[i]; later steps repeat its last position and write
+        no KV (slot -1), so a row with fewer tokens left than the call has steps touches
+        nothing past them. Per-step fields are `[steps, R]`."""
+        n = len(rows)
+        rows = np.asarray(rows, np.int32)
+        starts = np.asarray(starts, np.int32)
+        counts = np.asarray(counts, np.int32)
+        j = np.arange(steps, dtype=np.int32)[:, None]
+        positions = starts + np.minimum(j, counts - 1)
+        slots = self.req_to_token.slots(np.broadcast_to(rows, positions.shape), positions)
+        longest = int((starts + counts).max()) if n else 1
+        return BoundBatch(cu_q_lens=np.arange(n + 1, dtype=np.int32), kv_lens=positions + 1,
+                          page_table=self.req_to_token.page_table(rows, max(1, self.pool.pages_for(longest))),
+                          positions=positions, out_cache_loc=np.where(j < counts, slots, -1).astype(np.int32))
