@@ -10,12 +10,13 @@ block_until_ready) / N, i.e. device time when the host keeps up; `disp` is the h
 to dispatch one step (when disp ~ ms the host, not the GPU, sets the pace). Variants:
 
 * real: the engine's own jitted step (`jrl.rollout.executor.step_function`), metadata
-  uploaded from numpy every call as the engine does; real_dev: the same program with the
-  metadata already on the device;
+  uploaded from numpy every call as the engine does;
 * argmax: the step with the sampler replaced by a plain argmax; nohead: no LM head and
   no sampler either (argmax over the hidden state);
 * noattn: the attention kernel replaced by a no-op (the KV write kept);
 * layers1: the same step for a 1-layer model (per-layer cost = (real - layers1) / 15);
+* `_dev` suffix (real_dev, engine_fused_dev): the same program with the metadata already
+  on the device (one upload before timing, the same buffers every call);
 * engine_fused: engine_unroll with the engine's fused projection weights
   (`fused_projections=True`, params through `jrl.models.fused.fuse_projections`);
 * engine_unroll: the engine's own step with `unroll_layers=True` (EngineConfig.unroll_layers:
@@ -68,6 +69,17 @@ PLAN = [
     ("D", "", "engine_fused"),
     ("FC", CUBLAS_FLAGS + " --xla_gpu_enable_command_buffer=+CUSTOM_CALL", "engine_fused"),
     ("FG", CUBLAS_FLAGS + " --xla_gpu_graph_min_graph_size=1", "engine_fused"),
+    ("DD", "", "engine_fused_dev"),  # D with the metadata already on the device
+    # Fewer CUDA-graph updates: by default XLA updates the step's command buffer on every
+    # call whose buffers moved (fresh metadata uploads, new outputs, temps).
+    ("S", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP", "engine_fused"),
+    ("P", "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED", "engine_fused"),
+    ("SD", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP", "engine_fused_dev"),
+    # Multi-step decode calls (4 steps in a device loop; times per step): where the loop
+    # body's kernels go (CUDA graphs or one launch each).
+    ("K", "", "engine_fused_k4"),
+    ("K2", "", "engine_fused_k2"),
+    ("FK", CUBLAS_FLAGS, "engine_fused_k4"),
 ]
 
 # The Mosaic GPU kernels reject inputs that are not 256-byte aligned; without a layer loop
@@ -249,11 +261,18 @@ def build_model_variants():
 
 def aligned(variant: str) -> bool:
     """Variants whose int metadata is packed at ALIGN_INTS offsets."""
-    return variant.endswith("_aligned") or variant in ("engine_unroll", "engine_fused")
+    return variant.endswith("_aligned") or base_variant(variant) in ("engine_unroll", "engine_fused")
 
 
 def base_variant(variant: str) -> str:
-    return variant.removesuffix("_aligned")
+    """The program a variant runs: "_aligned" (metadata layout), "_dev" (metadata already
+    on the device) and "_k<N>" (a multi-step call of N decode steps) only change its inputs."""
+    return re.sub(r"_k\d+$", "", variant.removesuffix("_aligned").removesuffix("_dev"))
+
+
+def variant_steps(variant: str) -> int:
+    m = re.search(r"_k(\d+)", variant)
+    return int(m.group(1)) if m else 1
 
 
 def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: str):
@@ -268,7 +287,7 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
     from pallas_kernels import dispatch as kernels
 
     variant = base_variant(variant)
-    if variant in ("real", "real_dev", "layers1"):
+    if variant in ("real", "layers1"):
         return step_function(cfg, page_size, max_rows, impl).fn
     if variant == "engine_unroll":
         return step_function(cfg, page_size, max_rows, impl, unroll_layers=True).fn
@@ -316,29 +335,32 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
     return jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
 
 
-def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, aligned: bool = False):
+def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, aligned: bool = False,
+                    steps: int = 1):
     """A decode batch as the engine builds it: `batch` requests at `context` tokens (the
-    same inputs for every variant at one batch size)."""
+    same inputs for every variant at one batch size); `steps` > 1: a multi-step decode
+    call whose step j computes position `context - 1 + j`."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jrl.rollout.executor import StepLayout, pack
 
-    per_req = -(-context // page_size)
+    per_req = -(-(context + steps - 1) // page_size)
     cols = 1 << (per_req - 1).bit_length()
     n_slots = batch * per_req * page_size
     layout = StepLayout(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
-                        penalties=False, mode="greedy", int_align=ALIGN_INTS if aligned else 1)
+                        penalties=False, mode="greedy", int_align=ALIGN_INTS if aligned else 1, steps=steps)
     rng = np.random.default_rng(seed)
     table = np.zeros((batch, cols), np.int32)
     table[:, :per_req] = np.arange(batch * per_req, dtype=np.int32).reshape(batch, per_req)
-    last = context - 1
+    last = np.full((steps, batch), context - 1, np.int32) + np.arange(steps, dtype=np.int32)[:, None]
+    slots = table[np.arange(batch), last // page_size] * page_size + last % page_size
+    squeeze = (lambda a: a[0]) if steps == 1 else (lambda a: a)
     values = dict(
         tokens=rng.integers(0, cfg.vocab_size, batch, dtype=np.int32), tok_src=np.full(batch, -1, np.int32),
-        positions=np.full(batch, last, np.int32),
-        out_cache_loc=(table[:, last // page_size] * page_size + last % page_size).astype(np.int32),
-        cu_q_lens=np.arange(batch + 1, dtype=np.int32), kv_lens=np.full(batch, context, np.int32),
+        positions=squeeze(last), out_cache_loc=squeeze(slots.astype(np.int32)),
+        cu_q_lens=np.arange(batch + 1, dtype=np.int32), kv_lens=squeeze(last + 1),
         page_table=table, top_k=np.zeros(batch, np.int32), seed=np.zeros(batch, np.int32),
         index=np.zeros(batch, np.int32), window=np.zeros((batch, 0), np.int32))
     ints = pack(layout.int_fields(), values, np.int32)
@@ -363,14 +385,14 @@ def time_replays(fn, params, case, device_args: bool, rounds: int, per_round: in
         ints, floats = jax.device_put(ints), jax.device_put(floats)
     for _ in range(3):
         out = fn(params, k, v, prev, ints, floats, layout=layout)
-        k, v = out[-2], out[-1]
+        prev, k, v = out[0], out[-2], out[-1]  # all three donated
     jax.block_until_ready(out)
     steps, disps = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(per_round):
             out = fn(params, k, v, prev, ints, floats, layout=layout)
-            k, v = out[-2], out[-1]
+            prev, k, v = out[0], out[-2], out[-1]  # all three donated
         t1 = time.perf_counter()
         jax.block_until_ready(out)
         t2 = time.perf_counter()
@@ -392,10 +414,10 @@ def trace_step(out_dir: str, variant: str, b: int, params, fn, case, emit, n: in
     t0 = time.perf_counter()
     for _ in range(n):
         out = fn(params, k, v, prev, ints, floats, layout=layout)
-        k, v = out[-2], out[-1]
+        prev, k, v = out[0], out[-2], out[-1]  # all three donated
     jax.block_until_ready(out)
-    traced_ms = 1e3 * (time.perf_counter() - t0) / n
-    summary = trace_summary(session.stop(), n)
+    traced_ms = 1e3 * (time.perf_counter() - t0) / (n * layout.steps)
+    summary = trace_summary(session.stop(), n * layout.steps)  # per decode step
     summary["traced_step_ms"] = traced_ms
     with open(os.path.join(out_dir, f"trace_{tag}{variant}_b{b}.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -451,7 +473,7 @@ def worker(args) -> None:
             try:
                 fn = make_variant_step(vcfg, args.page_size, b, impl, variant)
                 case = synthetic_batch(vcfg, b, context, args.page_size, seed=b,
-                                       aligned=aligned(variant))
+                                       aligned=aligned(variant), steps=variant_steps(variant))
                 layout, ints, floats, k, v, prev = case
                 t0 = time.perf_counter()
                 compiled_text = None
@@ -463,9 +485,10 @@ def worker(args) -> None:
                 # Same inputs for every variant at this batch: equal token hashes = same output.
                 tok_hash = f"{zlib.crc32(np.asarray(out[0]).tobytes()):08x}"
                 readback = np.asarray(out[1])
+                readback = readback[0] if readback.ndim == 3 else readback  # a multi-step call: its first step
                 first_out = {"tokens": readback[0].view(np.int32)[:b].tolist(),
                              "logp": readback[2][:b].tolist()}  # model logprobs of the tokens
-                case = (layout, ints, floats, out[-2], out[-1], prev)
+                case = (layout, ints, floats, out[-2], out[-1], out[0])
                 if compiled_text is not None:
                     with open(os.path.join(out_dir, f"hlo_{variant}_b{b}.txt"), "w") as f:
                         f.write(compiled_text)
@@ -490,7 +513,9 @@ def worker(args) -> None:
                 emit({"variant": variant, "batch": b, "error": "skipped: deadline before timing"})
                 continue
             try:
-                row, case = time_replays(fn, vparams, case, variant == "real_dev", args.rounds, args.per_round)
+                row, case = time_replays(fn, vparams, case, variant.endswith("_dev"), args.rounds, args.per_round)
+                steps = variant_steps(variant)
+                row.update({key: row[key] / steps for key in ("ms", "ms_min", "ms_max", "disp_ms")}, steps=steps)
                 kv = b * context * kv_bytes_per_token(vcfg)
                 vbytes = sum(x.nbytes for x in jax.tree.leaves(vparams)) + kv
                 row.update(variant=variant, batch=b, first_call_s=first_s, tok_hash=tok_hash,

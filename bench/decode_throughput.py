@@ -10,10 +10,13 @@ batch size runs the whole generation twice through `Engine.step` (prompts of ran
 tokens, exactly `--new` greedy tokens, prefix cache off): the first run compiles, the
 second is timed. Reported per batch size:
 
-* decode tok/s: batch / mean wall time of the steps in which every request decodes;
+* decode tok/s: batch / mean wall time per decode step of the calls in which every
+  request decodes (a multi-step call, `EngineConfig.decode_steps_per_call`, counts as
+  its number of steps);
 * end-to-end tok/s: batch * new / wall time of the whole run (prefill included);
 * device step: the same decode program (captured mid-generation, at the mean context
-  length) replayed back to back with no host work in between: what the GPU needs;
+  length) replayed back to back with no host work in between, per decode step: what the
+  GPU needs;
 * host gap: mean engine decode step minus device step, as a share of the device step
   (what the host adds between device steps: the target is under 5%);
 * memory floor: bytes a decode step must read (weights + the KV of every request at the
@@ -48,7 +51,6 @@ from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
-from jrl.models.fused import fuse_projections
 from jrl.rollout.executor import step_function
 from jrl.rollout.sampling import GREEDY
 
@@ -73,10 +75,13 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
 
 class Recorder:
     """Wraps the engine's jitted step to keep the inputs of one decode call (the call at
-    `target` decode steps), so the same program can be replayed without the host loop."""
+    `target` decode steps), so the same program can be replayed without the host loop:
+    the host metadata the engine packed (`Engine.last_launch`) and the previous tokens'
+    shape (the step donates its device inputs, so they cannot be kept)."""
 
-    def __init__(self, holder, target: int):
-        self.holder, self.fn, self.target = holder, holder.fn, target
+    def __init__(self, engine, target: int):
+        self.engine, self.holder, self.target = engine, engine.step_function, target
+        self.fn = self.holder.fn
         self.n_decode = 0
         self.captured = None
 
@@ -84,7 +89,8 @@ class Recorder:
         if layout.decode:
             self.n_decode += 1
             if self.n_decode == self.target:
-                self.captured = (prev, ints, floats, layout)
+                _, host_ints, host_floats = self.engine.last_launch
+                self.captured = (prev.shape, host_ints, host_floats, layout)
         return self.fn(params, k, v, prev, ints, floats, layout=layout)
 
     def __enter__(self):
@@ -109,19 +115,20 @@ def engine_config(cfg: ModelConfig, max_batch: int, prompt: int, new: int, page_
 def generate_once(engine: Engine, prompts: np.ndarray, new: int) -> dict:
     for p in prompts:
         engine.add_request(p, GREEDY, max_new_tokens=new)
-    step_times, decode_flags, done = [], [], []
+    step_times, decode_flags, decode_counts, done = [], [], [], []
     t_start = time.perf_counter()
     while engine.has_work:
-        before = engine.stats.decode_steps
+        before, before_device = engine.stats.decode_steps, engine.stats.decode_device_steps
         t0 = time.perf_counter()
         done += engine.step()
         step_times.append(time.perf_counter() - t0)
         decode_flags.append(engine.stats.decode_steps > before)
+        decode_counts.append(engine.stats.decode_device_steps - before_device)
     done += engine.flush()
     total = time.perf_counter() - t_start
     lengths = {len(c.tokens) for c in done}
     return {"total_s": total, "step_times": step_times, "decode_flags": decode_flags,
-            "n_done": len(done), "lengths": sorted(lengths)}
+            "decode_counts": decode_counts, "n_done": len(done), "lengths": sorted(lengths)}
 
 
 class GcTimer:
@@ -154,19 +161,23 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     warm = generate_once(engine, prompts, new)  # compiles every program the run needs
     warm_s = time.perf_counter() - t0
     engine.stats = type(engine.stats)()
-    with Recorder(engine.step_function, target=new // 2) as rec, GcTimer() as gc_timer:
+    per_call = engine.decode_steps_per_call if batch <= engine.scheduler.multi_step_max_rows else 1
+    target = max(1, new // 2 // per_call)  # a decode call mid-generation
+    with Recorder(engine, target=target) as rec, GcTimer() as gc_timer:
         run = generate_once(engine, prompts, new)
     stats = engine.stats
-    # Decode steps proper: every request decodes. The step that launched decode step n
-    # also read back step n-1, so its wall time is what one decode step costs in steady state.
-    dec = [t for t, d in zip(run["step_times"], run["decode_flags"]) if d]
+    # Decode calls proper: every request decodes. The call that launched decode call n
+    # also read back call n-1, so its wall time is what one call costs in steady state.
+    dec = [(t, n) for t, d, n in zip(run["step_times"], run["decode_flags"], run["decode_counts"]) if d]
     steady = dec[1:-1] if len(dec) > 2 else dec
-    step_s = statistics.mean(steady)
+    step_s = sum(t for t, _ in steady) / sum(n for _, n in steady)  # per decode step
     # The same decode program, replayed back to back (no host work between dispatches).
-    prev, ints, floats, layout = rec.captured
+    prev_shape, ints, floats, layout = rec.captured
+    prev, ints, floats = jnp.zeros(prev_shape, jnp.int32), jax.device_put(ints), jax.device_put(floats)
     fn = engine.step_function.fn
     k, v = engine.kv.buffers()
-    device_s, _, k, v = replay(fn, engine.params, k, v, (prev, ints, floats, layout), replay_steps)  # as served
+    call_s, _, k, v = replay(fn, engine.params, k, v, (prev, ints, floats, layout), replay_steps)  # as served
+    device_s = call_s / layout.steps
     engine.kv.update(k, v)
     mean_ctx = prompt + new / 2
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -174,12 +185,13 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     return {
         "batch": batch, "decode_tokens_per_s": batch / step_s,
         "e2e_tokens_per_s": batch * new / run["total_s"], "total_s": run["total_s"],
-        "step_ms": 1e3 * step_s, "step_ms_median": 1e3 * statistics.median(steady),
+        "step_ms": 1e3 * step_s, "call_ms_median": 1e3 * statistics.median(t for t, _ in steady),
+        "steps_per_call": layout.steps,
         "device_step_ms": 1e3 * device_s, "host_gap_pct": 100 * max(0.0, step_s - device_s) / device_s,
-        "floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s,
-        "decode_steps": len(dec), "steps": len(run["step_times"]),
-        "host_ms_per_decode_step": 1e3 * stats.decode_host_s / max(1, stats.decode_steps),
-        "wait_ms_per_decode_step": 1e3 * stats.decode_wait_s / max(1, stats.decode_steps),
+        "floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s, "device_over_floor": device_s / floor_s,
+        "decode_calls": len(dec), "decode_steps": sum(n for _, n in dec), "steps": len(run["step_times"]),
+        "host_ms_per_decode_step": 1e3 * stats.decode_host_s / max(1, stats.decode_device_steps),
+        "wait_ms_per_decode_step": 1e3 * stats.decode_wait_s / max(1, stats.decode_device_steps),
         "completions": run["n_done"], "lengths": run["lengths"], "warmup_s": warm_s,
         "gc_collections": gc_timer.collections, "gc_ms": 1e3 * gc_timer.seconds,
         "programs_compiled": engine.step_function.traces - traces_before,
@@ -195,11 +207,11 @@ def replay(fn, params, k, v, inputs, iters: int):
     out = fn(params, k, v, prev, ints, floats, layout=layout)
     jax.block_until_ready(out)
     first_s = time.perf_counter() - t0
-    k, v = out[-2], out[-1]
+    prev, k, v = out[0], out[-2], out[-1]  # all three donated
     t0 = time.perf_counter()
     for _ in range(iters):
         out = fn(params, k, v, prev, ints, floats, layout=layout)
-        k, v = out[-2], out[-1]
+        prev, k, v = out[0], out[-2], out[-1]  # all three donated
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / iters, first_s, k, v
 
@@ -327,14 +339,14 @@ def main() -> None:
             json.dump({"header": header, "jrl": rows, "transformers": torch_rows}, f, indent=1)
     log("")
     log(f"{'batch':>5s} {'dec tok/s':>10s} {'e2e tok/s':>10s} {'step ms':>8s} {'dev ms':>7s} "
-        f"{'floor ms':>8s} {'x floor':>7s} {'gap %':>6s} {'host ms':>7s} {'gc ms':>6s}")
+        f"{'floor ms':>8s} {'x floor':>7s} {'dev/fl':>6s} {'gap %':>6s} {'host ms':>7s} {'gc ms':>6s} {'steps/call':>10s}")
     for r in rows:
         if "step_ms" not in r:
             log(f"{r['batch']:5d} -- {r.get('skipped') or 'error'}")
             continue
         log(f"{r['batch']:5d} {r['decode_tokens_per_s']:10.0f} {r['e2e_tokens_per_s']:10.0f} {r['step_ms']:8.2f} "
-            f"{r['device_step_ms']:7.2f} {r['floor_ms']:8.2f} {r['step_over_floor']:7.2f} {r['host_gap_pct']:6.1f} "
-            f"{r['host_ms_per_decode_step']:7.2f} {r['gc_ms']:6.1f}")
+            f"{r['device_step_ms']:7.2f} {r['floor_ms']:8.2f} {r['step_over_floor']:7.2f} {r['device_over_floor']:6.2f} {r['host_gap_pct']:6.1f} "
+            f"{r['host_ms_per_decode_step']:7.2f} {r['gc_ms']:6.1f} {r['steps_per_call']:10d}")
     for r in torch_rows:
         if "decode_tokens_per_s" in r:
             log(f"transformers generate b={r['batch']:<4d} {'compiled' if r['compiled'] else 'eager':8s} "

@@ -103,6 +103,14 @@ def test_waiting_requests_are_admitted_as_before_when_rows_free_up(params):
     assert_no_pages_held(engine)
 
 
+def test_batches_above_multi_step_max_rows_keep_one_step_per_call(params):
+    prompts = prompts_of([7, 12, 5, 9], seed=6)
+    _, single = run(params, 1, prompts, GREEDY, max_new_tokens=10)
+    engine, multi = run(params, 4, prompts, GREEDY, max_new_tokens=10, multi_step_max_rows=3)
+    assert engine.stats.decode_device_steps == engine.stats.decode_steps
+    assert_same_completions(single, multi)
+
+
 def test_page_pressure_falls_back_to_single_steps_and_stays_exact(params):
     # 8 x (20 + 60) tokens need 80 pages of a 64-page pool: preemptions happen.
     prompts = prompts_of([20] * 8, seed=10)
@@ -153,11 +161,15 @@ def test_multi_step_and_row_padding_defaults_and_errors_name_the_field():
     assert EngineConfig().resolved_decode_steps_per_call("gpu") == 4
     assert EngineConfig().resolved_decode_steps_per_call("cpu") == 1
     assert EngineConfig(decode_steps_per_call=2).resolved_decode_steps_per_call("gpu") == 2
+    assert EngineConfig().resolved_multi_step_max_rows("gpu") == 128
+    assert EngineConfig(max_batch=8).resolved_multi_step_max_rows("cpu") == 8
     assert EngineConfig().resolved_min_decode_rows("gpu") == 2
     assert EngineConfig(max_batch=1, max_tokens_per_step=8).resolved_min_decode_rows("gpu") == 1
     assert EngineConfig().resolved_min_decode_rows("cpu") == 1
     with pytest.raises(ConfigError, match="engine.decode_steps_per_call"):
         EngineConfig(decode_steps_per_call=0)
+    with pytest.raises(ConfigError, match="engine.multi_step_max_rows"):
+        EngineConfig(multi_step_max_rows=-1)
     with pytest.raises(ConfigError, match="engine.min_decode_rows.*max_batch"):
         EngineConfig(max_batch=4, min_decode_rows=8)
 

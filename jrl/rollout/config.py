@@ -65,10 +65,14 @@ FUSE_PROJECTIONS_DEFAULT: dict[str, bool] = {"gpu": True}
 # Elsewhere 1: not measured.
 MIN_DECODE_ROWS_DEFAULT: dict[str, int] = {"gpu": 2}
 
-# decode_steps_per_call=None per backend (see EngineConfig). GPU:
-# measured on an H200 (docs/performance.md, "Multi-step decode"). Elsewhere 1: CPU runs
-# keep one step per call.
+# decode_steps_per_call / multi_step_max_rows = None per backend (see EngineConfig). GPU:
+# 4 steps per call for decode batches of up to 128 requests; measured on an H200 (0.82B,
+# docs/performance.md, "Multi-step decode"): 4 steps a call took batch 1 from 660 to 997
+# tokens/s and batch 16 from 10.1k to 14.1k (the host's ~1 ms per call no longer shows),
+# but 256 requests decoded at 61.8k tokens/s against 63.7k with one step a call (device
+# step 3.99 vs 3.90 ms). Elsewhere 1: CPU runs keep one step per call.
 DECODE_STEPS_PER_CALL_DEFAULT: dict[str, int] = {"gpu": 4}
+MULTI_STEP_MAX_ROWS_DEFAULT: dict[str, int] = {"gpu": 128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +121,9 @@ class EngineConfig:
     sequence) has its later tokens of that call discarded, and a request with fewer
     tokens left than the call's steps computes only those. None: the measured default
     for the backend (`DECODE_STEPS_PER_CALL_DEFAULT`). 1: one step per call.
+    multi_step_max_rows: multi-step calls only while at most this many requests decode
+    (large batches keep the host busy for less than their device step anyway). None: the
+    backend default (`MULTI_STEP_MAX_ROWS_DEFAULT`; max_batch where there is none).
     min_decode_rows: decode steps are padded to at least this many request rows (a GPU
     runs one row slower than two: `MIN_DECODE_ROWS_DEFAULT`). None: the backend default,
     at most max_batch.
@@ -141,6 +148,7 @@ class EngineConfig:
     cublas_decode_rows: int | None = None
     fuse_projections: bool | None = None
     decode_steps_per_call: int | None = None
+    multi_step_max_rows: int | None = None
     min_decode_rows: int | None = None
 
     def __post_init__(self) -> None:
@@ -173,7 +181,7 @@ class EngineConfig:
                "cublas_decode_rows", f"must be an integer >= 0 (0: never) or None (backend default), got {rows!r}")
         _check(self.fuse_projections in (None, True, False), "fuse_projections",
                f"must be True, False or None (backend default), got {self.fuse_projections!r}")
-        for name in ("decode_steps_per_call", "min_decode_rows"):
+        for name in ("decode_steps_per_call", "multi_step_max_rows", "min_decode_rows"):
             v = getattr(self, name)
             _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
                    f"must be an integer >= 1 or None (backend default), got {v!r}")
@@ -212,6 +220,12 @@ class EngineConfig:
         if self.decode_steps_per_call is not None:
             return self.decode_steps_per_call
         return DECODE_STEPS_PER_CALL_DEFAULT.get(backend, 1)
+
+    def resolved_multi_step_max_rows(self, backend: str) -> int:
+        """`multi_step_max_rows`, or the default for `backend` (max_batch where none) when None."""
+        if self.multi_step_max_rows is not None:
+            return self.multi_step_max_rows
+        return MULTI_STEP_MAX_ROWS_DEFAULT.get(backend, self.max_batch)
 
     def resolved_min_decode_rows(self, backend: str) -> int:
         """`min_decode_rows`, or the default for `backend` (at most max_batch) when None."""

@@ -47,7 +47,7 @@ from jrl.models.fused import fuse_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import EngineConfig, bucket
-from jrl.rollout.executor import INT_ALIGN_UNROLLED, HeldMetadata, StepLayout, step_function
+from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, step_function
 from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_columns
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
@@ -115,7 +115,7 @@ class Engine:
         self.radix = RadixCache(ps, self.pool.allocator) if config.prefix_cache else None
         self.req_to_token = ReqToTokenPool(config.max_batch, config.max_pages_per_request(model_config), ps)
         self.cache = TaskCacheManager(self.pool, self.req_to_token, self.radix)
-        self.scheduler = Scheduler(config, self.cache)
+        self.scheduler = Scheduler(config, self.cache, config.resolved_multi_step_max_rows(backend))
         self.kv = KVStorage(model_config, config.n_slots,
                             sharding=None if self.sharding is None else self.sharding.kv)
         self._token_buckets = config.resolved_token_buckets
@@ -132,7 +132,6 @@ class Engine:
                                            self.fuse_projections)
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
                                       device=None if self.sharding is None else self.sharding.replicated)
-        self._metadata = HeldMetadata() if self.sharding is None else None
         self._inflight: _InFlight | None = None
         self._next_id = 0
         self._finished: list[Completion] = []
@@ -267,8 +266,6 @@ class Engine:
         """Packs the plan into the step's two host arrays and launches it (asynchronously)."""
         layout, ints, floats = self._pack(batch)
         self.last_launch = (layout, ints, floats)
-        if self._metadata is not None:
-            ints, floats = self._metadata.put(ints, floats)
         k, v = self.kv.buffers()
         tok, readback, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
                                                     layout=layout)

@@ -261,7 +261,8 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
         buf = heads.buffer_sharding
         out_shardings = (heads.replicated, heads.replicated, buf, None if absorb else buf)
     # KV buffers and the previous tokens are donated: the sampled tokens come back in the
-    # previous tokens' buffer, so (like the KV) they keep one device address (see HeldMetadata).
+    # previous tokens' buffer, so (like the KV) they keep one device address from call to
+    # call (XLA updates a program's CUDA graphs when its buffers move).
     jit = functools.partial(jax.jit, step, static_argnames=("layout",), donate_argnums=(1, 2, 3),
                             out_shardings=out_shardings)
     default = jit()
@@ -278,30 +279,3 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
     holder.fn = dispatch
     return holder
 
-
-@functools.partial(jax.jit, donate_argnums=(0, 1), keep_unused=True)
-def _write_into(held_ints, held_floats, ints, floats):
-    return ints, floats  # into the donated buffers: the outputs alias them
-
-
-class HeldMetadata:
-    """Device buffers for the steps' packed metadata, one pair per layout size, rewritten
-    in place every call (a donating copy) instead of uploaded into fresh buffers.
-
-    XLA runs a step program as CUDA graphs and updates the graphs whenever one of the
-    program's buffers moved since its last call; a fresh upload moves every call. Measured
-    on an H200 (0.82B, 2-row decode step): the dispatch took 0.90 ms with fresh uploads,
-    0.65 ms of it in `command_buffer::update`, against 0.31 ms with the metadata at fixed
-    addresses (docs/performance.md, "The small-batch dispatch cost"). One device only:
-    under tensor parallelism the step takes host arrays and places them itself."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[int, int], tuple[jax.Array, jax.Array]] = {}
-
-    def put(self, ints: np.ndarray, floats: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        key = (ints.size, floats.size)
-        held = self._buffers.pop(key, None)
-        if held is None:
-            held = (jnp.zeros(ints.shape, ints.dtype), jnp.zeros(floats.shape, floats.dtype))
-        self._buffers[key] = held = _write_into(*held, ints, floats)
-        return held

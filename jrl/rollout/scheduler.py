@@ -13,7 +13,8 @@ Every step, in this order:
    identical prompts admitted in the same step share one prefill. No admission happens in
    a step that preempted.
 3. Multi-step decode: when every running request decodes and nobody could be admitted
-   (no one waiting, no free row, or admission closed), none samples with penalties, and
+   (no one waiting, no free row, or admission closed), no more than `multi_step_max_rows`
+   decode, none samples with penalties, and
    the pages for the whole call can be had without preempting anyone, the step becomes a
    call of `steps` decode steps (each request computes min(steps, tokens it has left) of
    them). Penalties need the window of a request's latest tokens, built on the host from
@@ -124,9 +125,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: TaskCacheManager) -> None:
+    def __init__(self, config: EngineConfig, cache: TaskCacheManager, multi_step_max_rows: int | None = None) -> None:
         self.config = config
         self.cache = cache
+        self.multi_step_max_rows = config.max_batch if multi_step_max_rows is None else multi_step_max_rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the youngest
         self.stats = SchedulerStats()
@@ -167,8 +169,8 @@ class Scheduler:
                     continue  # req itself was preempted
             decoding.append(req)
         counts = None
-        if steps > 1 and decoding and not prefilling and not preempted and not self._can_admit(admit) \
-                and not any(r.sampling.uses_penalties for r in decoding):
+        if steps > 1 and 0 < len(decoding) <= self.multi_step_max_rows and not prefilling and not preempted \
+                and not self._can_admit(admit) and not any(r.sampling.uses_penalties for r in decoding):
             counts = self._reserve_steps(decoding, steps)
         batch.add_decode(decoding, counts, steps)
         if counts is not None:
