@@ -122,11 +122,42 @@ def test_page_pressure_falls_back_to_single_steps_and_stays_exact(params):
     assert engine.pool.allocator.n_free == ENGINE.n_pages
 
 
+def test_contiguous_allocation_multi_step_calls_match_single_steps(params):
+    prompts = prompts_of([20] * 4, seed=10)
+    _, single = run(params, 1, prompts, GREEDY, max_new_tokens=[17, 30, 9, 22], allocation="contiguous",
+                    prefix_cache=False)
+    engine, multi = run(params, 4, prompts, GREEDY, max_new_tokens=[17, 30, 9, 22], allocation="contiguous",
+                        prefix_cache=False)
+    assert engine.stats.decode_device_steps > engine.stats.decode_steps
+    assert_same_completions(single, multi)
+    assert engine.pool.allocator.n_free == ENGINE.n_pages
+
+
+@pytest.mark.parametrize("config", [
+    ModelConfig(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+    ModelConfig(n_experts=4, n_experts_per_tok=2, n_shared_experts=1),
+], ids=["mla", "moe"])
+def test_mla_and_moe_models_multi_step_calls_match_the_full_forward(config):
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(3))
+    engine = Engine(config, params, dataclasses.replace(ENGINE, decode_steps_per_call=4))
+    out = engine.generate(prompts_of([4, 37, 18], seed=13), GREEDY, max_new_tokens=11)
+    assert engine.stats.decode_device_steps > engine.stats.decode_steps
+    assert_greedy_matches_forward(config, params, out)
+
+
 def test_multi_step_calls_with_unrolled_layers_match_single_steps(params):
     prompts = prompts_of([6, 14], seed=4)
     _, single = run(params, 1, prompts, SAMPLED, max_new_tokens=9, unroll_layers=True)
     _, multi = run(params, 4, prompts, SAMPLED, max_new_tokens=9, unroll_layers=True)
     assert_same_completions(single, multi)
+
+
+def test_a_one_request_engine_pads_its_decode_steps_past_max_batch(params):
+    config = dataclasses.replace(ENGINE, max_batch=1, batch_buckets=(), min_decode_rows=2)
+    engine = Engine(MODEL, params, config)
+    out = engine.generate(prompts_of([9], seed=7), GREEDY, max_new_tokens=6)
+    assert engine.max_rows == 2 and engine.last_launch[0].n_rows == 2
+    assert_greedy_matches_forward(MODEL, params, out)
 
 
 def test_padded_decode_rows_give_the_same_completion(params):
@@ -164,14 +195,16 @@ def test_multi_step_and_row_padding_defaults_and_errors_name_the_field():
     assert EngineConfig().resolved_multi_step_max_rows("gpu") == 128
     assert EngineConfig(max_batch=8).resolved_multi_step_max_rows("cpu") == 8
     assert EngineConfig().resolved_min_decode_rows("gpu") == 2
-    assert EngineConfig(max_batch=1, max_tokens_per_step=8).resolved_min_decode_rows("gpu") == 1
+    one_request = EngineConfig(max_batch=1, max_tokens_per_step=8)
+    assert one_request.resolved_batch_buckets_for("gpu") == (1, 2)  # still decodes with 2 rows
+    assert one_request.resolved_batch_buckets_for("cpu") == (1,)
     assert EngineConfig().resolved_min_decode_rows("cpu") == 1
     with pytest.raises(ConfigError, match="engine.decode_steps_per_call"):
         EngineConfig(decode_steps_per_call=0)
     with pytest.raises(ConfigError, match="engine.multi_step_max_rows"):
         EngineConfig(multi_step_max_rows=-1)
-    with pytest.raises(ConfigError, match="engine.min_decode_rows.*max_batch"):
-        EngineConfig(max_batch=4, min_decode_rows=8)
+    with pytest.raises(ConfigError, match="engine.min_decode_rows"):
+        EngineConfig(min_decode_rows=0)
 
 
 def test_a_multi_step_layout_with_penalties_or_prefill_is_rejected():

@@ -125,8 +125,8 @@ class EngineConfig:
     (large batches keep the host busy for less than their device step anyway). None: the
     backend default (`MULTI_STEP_MAX_ROWS_DEFAULT`; max_batch where there is none).
     min_decode_rows: decode steps are padded to at least this many request rows (a GPU
-    runs one row slower than two: `MIN_DECODE_ROWS_DEFAULT`). None: the backend default,
-    at most max_batch.
+    runs one row slower than two: `MIN_DECODE_ROWS_DEFAULT`), adding a row bucket of that
+    size when every bucket is smaller. None: the backend default.
     """
 
     page_size: int = 16
@@ -185,9 +185,6 @@ class EngineConfig:
             v = getattr(self, name)
             _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
                    f"must be an integer >= 1 or None (backend default), got {v!r}")
-        if self.min_decode_rows is not None:
-            _check(self.min_decode_rows <= self.max_batch, "min_decode_rows",
-                   f"must be <= max_batch ({self.max_batch}), got {self.min_decode_rows}")
 
     def resolved_unroll_layers(self, backend: str) -> bool:
         """`unroll_layers`, or the default for `backend` ("gpu", "cpu", ...) when None."""
@@ -228,10 +225,16 @@ class EngineConfig:
         return MULTI_STEP_MAX_ROWS_DEFAULT.get(backend, self.max_batch)
 
     def resolved_min_decode_rows(self, backend: str) -> int:
-        """`min_decode_rows`, or the default for `backend` (at most max_batch) when None."""
+        """`min_decode_rows`, or the default for `backend` when None."""
         if self.min_decode_rows is not None:
             return self.min_decode_rows
-        return min(MIN_DECODE_ROWS_DEFAULT.get(backend, 1), self.max_batch)
+        return MIN_DECODE_ROWS_DEFAULT.get(backend, 1)
+
+    def resolved_batch_buckets_for(self, backend: str) -> tuple[int, ...]:
+        """The row buckets, with one of `resolved_min_decode_rows` added when every bucket
+        is smaller (e.g. max_batch 1 on GPU still decodes with 2 rows)."""
+        buckets, rows = self.resolved_batch_buckets, self.resolved_min_decode_rows(backend)
+        return buckets if buckets[-1] >= rows else buckets + (rows,)
 
     @property
     def n_slots(self) -> int:

@@ -119,7 +119,7 @@ class Engine:
         self.kv = KVStorage(model_config, config.n_slots,
                             sharding=None if self.sharding is None else self.sharding.kv)
         self._token_buckets = config.resolved_token_buckets
-        self._batch_buckets = config.resolved_batch_buckets
+        self._batch_buckets = config.resolved_batch_buckets_for(backend)
         self._col_buckets = config.page_col_buckets(model_config)
         self.max_rows = self._batch_buckets[-1]
         self.unroll_layers = config.resolved_unroll_layers(backend)
