@@ -57,9 +57,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Earlier PLANs, each recorded in docs/performance.md with its commit: 4598ab4
 # (command-buffer and loop-unrolling flags), 237d42a (metadata at 256-byte offsets), the
 # unrolled step and its GEMM options (commit 0234feb..db9d0a8: Triton vs cuBLAS, dot
-# merging, cuBLASLt, CUDA graphs at 1-16 rows). This one measures the engine's fused
-# projection weights (`engine_fused`: one q/k/v and one gate/up GEMM a layer) under
-# both GEMM code generators, and CUDA graphs around the whole cuBLAS step.
+# merging, cuBLASLt, CUDA graphs at 1-16 rows), 3edb266 (fused projection weights under
+# both GEMM code generators, CUDA graphs around the whole cuBLAS step). This one adds the
+# small-batch runs of 2026-12-01: rows 1-16 with the metadata uploaded or already on the
+# device (D, DD), CUDA-graph update modes (S, P, SD: not run yet) and multi-step calls
+# (K, K2, FK).
 CUBLAS_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_dot_merger_threshold_mb=0"
 PLAN = [
     ("A", "", "real"),
@@ -71,12 +73,13 @@ PLAN = [
     ("FG", CUBLAS_FLAGS + " --xla_gpu_graph_min_graph_size=1", "engine_fused"),
     ("DD", "", "engine_fused_dev"),  # D with the metadata already on the device
     # Fewer CUDA-graph updates: by default XLA updates the step's command buffer on every
-    # call whose buffers moved (fresh metadata uploads, new outputs, temps).
+    # call whose buffers moved (fresh metadata uploads, new outputs, temps). Not run yet.
     ("S", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP", "engine_fused"),
     ("P", "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED", "engine_fused"),
     ("SD", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP", "engine_fused_dev"),
-    # Multi-step decode calls (4 steps in a device loop; times per step): where the loop
-    # body's kernels go (CUDA graphs or one launch each).
+    # Multi-step decode calls (times per step): 4 or 2 steps a call, Triton and cuBLAS
+    # GEMMs. (Earlier in this PLAN, with the steps in a device loop: +WHILE command
+    # buffers and graph_min_graph_size=1; docs/performance.md, "Small batches".)
     ("K", "", "engine_fused_k4"),
     ("K2", "", "engine_fused_k2"),
     ("FK", CUBLAS_FLAGS, "engine_fused_k4"),

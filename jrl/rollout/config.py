@@ -114,9 +114,9 @@ class EngineConfig:
     (`FUSE_PROJECTIONS_DEFAULT`: on for GPU).
     decode_steps_per_call: decode steps one device call runs when every running request is
     past its prefill, no waiting request could be admitted and none samples with
-    repetition/frequency/presence penalties: the program loops over the steps on
-    the device (sampling included) and the host plans, uploads and reads back once per
-    call, not once per token. Tokens, logprobs and versions are those of single steps (the
+    repetition/frequency/presence penalties: one device program runs the steps back to
+    back (sampling included) and the host plans, uploads and reads back once per call,
+    not once per token. Tokens, logprobs and versions are those of single steps (the
     same per-token sampling keys); a request that stops inside a call (EOS, stop
     sequence) has its later tokens of that call discarded, and a request with fewer
     tokens left than the call's steps computes only those. None: the measured default

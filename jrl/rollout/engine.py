@@ -12,7 +12,7 @@ a token before dispatching the step that consumes it. A request that stopped at 
 has one wasted row in step n, discarded on read-back.
 
 When every running request decodes and nobody waits to be admitted, a step is a call of
-`EngineConfig.decode_steps_per_call` decode steps run in one device loop
+`EngineConfig.decode_steps_per_call` decode steps run back to back by one device program
 (`jrl.rollout.executor`): the host's planning, upload, dispatch and read-back are paid
 once per call instead of once per token (on a GPU they cost about as much as a small
 batch's device step). Tokens sampled after a request stopped inside a call are discarded.
@@ -70,7 +70,7 @@ class Ack:
 class EngineStats:
     steps: int = 0  # device calls dispatched
     decode_steps: int = 0  # calls in which every row decodes
-    decode_device_steps: int = 0  # decode steps those calls ran (decode_steps_per_call each, or 1)
+    decode_device_steps: int = 0  # decode steps with tokens those calls ran (<= decode_steps_per_call each)
     generated_tokens: int = 0
     host_s: float = 0.0  # planning + packing + dispatch (host work per call)
     wait_s: float = 0.0  # blocked reading back sampled tokens

@@ -14,10 +14,11 @@ read-back replicated. With `unroll_layers`, decode steps run the model's layers 
 With `fused_projections`, every step reads params in the fused layout
 (`jrl.models.fused`: one q/k/v and one gate/up kernel per layer).
 
-A decode layout with `steps` > 1 (and no penalties) is a multi-step program: it loops over
-that many decode steps on the device, each feeding its samples to the next, with per-step
-positions, KV slots and lengths from the host; it reads back `[steps, 3, max_rows]`. One call then costs the host one upload, one dispatch and
-one read-back for `steps` tokens per request.
+A decode layout with `steps` > 1 (and no penalties) is a multi-step program: it runs that
+many decode steps back to back, each feeding its samples to the next, with per-step
+positions, KV slots and lengths from the host; it reads back `[steps, 3, max_rows]`. One
+call then costs the host one upload, one dispatch and one read-back for `steps` tokens per
+request.
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ Every step, in this order:
    a step that preempted.
 3. Multi-step decode: when every running request decodes and nobody could be admitted
    (no one waiting, no free row, or admission closed), no more than `multi_step_max_rows`
-   decode, none samples with penalties, and
-   the pages for the whole call can be had without preempting anyone, the step becomes a
-   call of `steps` decode steps (each request computes min(steps, tokens it has left) of
-   them). Penalties need the window of a request's latest tokens, built on the host from
-   tokens read back; with the previous call still in flight that window would miss all
-   but the last token of a multi-step call, so penalised batches keep one step per call.
+   decode, none samples with penalties, and the pages for the whole call can be had
+   without preempting anyone, the step becomes a call of `steps` decode steps (each
+   request computes min(steps, tokens it has left) of them). Penalties need the window
+   of a request's latest tokens, built on the host from tokens read back; with the
+   previous call still in flight that window would miss all but the last token of a
+   multi-step call, so penalised batches keep one step per call.
 
 The scheduler only plans; the engine runs the plan and feeds results back
 (`finish`, `preempt`, `abort_running`).
