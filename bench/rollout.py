@@ -8,7 +8,8 @@ B random prompts of --prompt-len tokens, greedy, exactly --new-tokens each (no E
 cache off. Columns:
 
 * prefill_s: wall time until every request has its first token;
-* decode_ms: wall time per decode step (all B requests advance one token);
+* decode_ms: wall time per decode step (all B requests advance one token; a multi-step
+  call, `EngineConfig.decode_steps_per_call`, counts as its number of steps);
 * decode_tok/s: B / decode step time; total_tok/s: B * new tokens / total wall time;
 * host_ms: host work per decode step (planning, packing, dispatch), mostly overlapped;
 * wait_ms: per decode step, time blocked reading back the previous step's tokens;
@@ -55,7 +56,7 @@ def run_once(engine: Engine, prompts, new_tokens: int) -> dict:
     for p in prompts:
         engine.add_request(p, GREEDY, max_new_tokens=new_tokens)
     s0 = engine.stats
-    base = dict(decode_steps=s0.decode_steps, host=s0.decode_host_s, wait=s0.decode_wait_s)
+    base = dict(decode_steps=s0.decode_device_steps, host=s0.decode_host_s, wait=s0.decode_wait_s)
     t0 = time.perf_counter()
     first_decode = None
     while engine.has_work:
@@ -66,28 +67,30 @@ def run_once(engine: Engine, prompts, new_tokens: int) -> dict:
     engine.flush()
     end = time.perf_counter()
     s = engine.stats
-    steps = s.decode_steps - base["decode_steps"]
+    steps = s.decode_device_steps - base["decode_steps"]
     return dict(prefill_s=(first_decode or end) - t0, decode_s=end - (first_decode or end), total_s=end - t0,
                 decode_steps=steps, host_s=s.decode_host_s - base["host"], wait_s=s.decode_wait_s - base["wait"])
 
 
 def device_step_ms(engine: Engine, repeats: int) -> float:
-    """Replays the last decode step back to back (host work excluded) and times it."""
+    """Replays the last decode call back to back (host work excluded) and times it, per
+    decode step. The call donates the KV and previous-token buffers: both go back to the
+    engine afterwards."""
     layout, ints, floats = engine.last_launch
     fn = engine.step_function.fn
     ints_d, floats_d = jax.device_put(ints), jax.device_put(floats)
     k, v = engine.kv.buffers()
-    prev = engine._prev_tokens
-    out = fn(engine.params, k, v, prev, ints_d, floats_d, layout=layout)
+    out = fn(engine.params, k, v, engine._prev_tokens, ints_d, floats_d, layout=layout)
     jax.block_until_ready(out)
-    k, v = out[2], out[3]
+    prev, k, v = out[0], out[2], out[3]
     t0 = time.perf_counter()
     for _ in range(repeats):
         out = fn(engine.params, k, v, prev, ints_d, floats_d, layout=layout)
-        k, v = out[2], out[3]
+        prev, k, v = out[0], out[2], out[3]
     jax.block_until_ready(out)
     engine.kv.update(k, v)
-    return (time.perf_counter() - t0) / repeats * 1e3
+    engine._prev_tokens = prev
+    return (time.perf_counter() - t0) / repeats / layout.steps * 1e3
 
 
 def main() -> None:
