@@ -1,14 +1,15 @@
 """Host (Python) time per decode step of the rollout engine, on CPU with a tiny model.
 
     JAX_PLATFORMS=cpu PYTHONPATH=. python bench/engine_host.py [--batches 1,16,64,256]
-        [--prompt 512] [--new 256] [--profile] [--profile-batch 64]
+        [--prompt 512] [--new 256] [--steps-per-call 1] [--profile] [--profile-batch 64]
 
 The model is tiny (vocab 512, hidden 64, 2 layers) so the device work is small and the
 numbers are what the engine's own Python costs per step. The engine settings are those of
 bench/decode_throughput.py (page size 16, max_tokens_per_step 8192, prefix cache off,
 overlap on); each batch runs `--prompt`-token random prompts to exactly `--new` greedy
 tokens twice (the first run compiles). Per decode step (a step in which every request
-decodes) it reports, in ms:
+decodes; `--steps-per-call` N > 1: a multi-step call's time over its steps) it reports,
+in ms:
 
 * schedule: `Scheduler.schedule` (the plan);
 * pack: `Engine._pack` (host metadata: layout, int32/float32 arrays);
@@ -59,12 +60,13 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_h
                    param_dtype="float32", dtype="float32")
 
 
-def engine_config(max_batch: int, prompt: int, new: int, page_size: int = 16, overlap: bool = True) -> EngineConfig:
+def engine_config(max_batch: int, prompt: int, new: int, page_size: int = 16, overlap: bool = True,
+                  steps_per_call: int = 1) -> EngineConfig:
     """bench/decode_throughput.py's settings: room for `max_batch` requests of prompt + new."""
     per_request = -(-(prompt + new) // page_size)
     return EngineConfig(page_size=page_size, n_pages=max_batch * per_request + 8, max_batch=max_batch,
                         max_tokens_per_step=max(max_batch, 8192), max_seq_len=prompt + new,
-                        prefix_cache=False, overlap=overlap)
+                        prefix_cache=False, overlap=overlap, decode_steps_per_call=steps_per_call)
 
 
 class Timers:
@@ -106,9 +108,11 @@ class Timers:
 
         def timed_step():
             self._now, self._flags = {}, [False, False]
+            before = engine.stats.decode_device_steps
             out = step()
-            if all(self._flags):
-                self.samples.append(self._now)
+            if all(self._flags):  # per decode step: a multi-step call counts as its steps
+                steps = max(1, engine.stats.decode_device_steps - before)
+                self.samples.append({k: v / steps for k, v in self._now.items()})
             return out
 
         sched.schedule = timed_schedule
@@ -172,7 +176,7 @@ def timed_run(engine: Engine, prompts: np.ndarray, new: int, profile: bool) -> t
         timers.restore()
     wall = time.perf_counter() - t0
     row = timers.summary()
-    row.update(decode_steps=engine.stats.decode_steps, steps=engine.stats.steps, wall_s=wall)
+    row.update(decode_steps=engine.stats.decode_device_steps, steps=engine.stats.steps, wall_s=wall)
     text = ""
     if prof:
         s = io.StringIO()
@@ -191,6 +195,8 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true",
                     help="read each step back before planning the next: the host pieces then run while "
                          "the device is idle (no contention for the 2 cores), isolating their own cost")
+    ap.add_argument("--steps-per-call", type=int, default=1,
+                    help="EngineConfig.decode_steps_per_call (multi-step decode calls; times stay per decode step)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--digest", action="store_true", help="print a checksum of the tokens and logprobs")
@@ -199,7 +205,8 @@ def main() -> None:
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()} jax {jax.__version__} "
           f"{jax.default_backend()} | {' '.join(sys.argv)}", flush=True)
     params = init_params(TINY, jax.random.key(0))
-    engine = Engine(TINY, params, engine_config(max(batches), args.prompt, args.new, overlap=not args.no_overlap))
+    engine = Engine(TINY, params, engine_config(max(batches), args.prompt, args.new, overlap=not args.no_overlap,
+                                                steps_per_call=args.steps_per_call))
     rows, profiles = [], []
     for b in batches:
         row, text, done = run_batch(engine, b, args.prompt, args.new, args.profile and b == args.profile_batch,
@@ -214,7 +221,7 @@ def main() -> None:
             print(f"batch {b}: {len(done)} completions, token sum {int(toks.sum())}, "
                   f"token hash {zlib.crc32(toks.tobytes()):08x}, logprob sum {float(logp.sum()):.6f} hash {lcrc:08x}",
                   flush=True)
-        print(f"batch {b}: {row['decode_steps']} decode steps of {row['steps']}, {row['wall_s']:.1f} s", flush=True)
+        print(f"batch {b}: {row['decode_steps']} decode steps in {row['steps']} calls, {row['wall_s']:.1f} s", flush=True)
     cols = (*Timers.PIECES, "host", "host_mean", "wait")
     print(f"{'batch':>5s} " + " ".join(f"{c:>9s}" for c in cols) + "   (ms per steady decode step: medians, and the mean of host)")
     for r in rows:
