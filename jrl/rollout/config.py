@@ -67,10 +67,10 @@ MIN_DECODE_ROWS_DEFAULT: dict[str, int] = {"gpu": 2}
 
 # decode_steps_per_call / multi_step_max_rows = None per backend (see EngineConfig). GPU:
 # 4 steps per call for decode batches of up to 128 requests; measured on an H200 (0.82B,
-# docs/performance.md, "Multi-step decode"): 4 steps a call took batch 1 from 660 to 997
-# tokens/s and batch 16 from 10.1k to 14.1k (the host's ~1 ms per call no longer shows),
-# but 256 requests decoded at 61.8k tokens/s against 63.7k with one step a call (device
-# step 3.99 vs 3.90 ms). Elsewhere 1: CPU runs keep one step per call.
+# docs/performance.md, "Small batches"): 4 steps a call took batch 1 from 730 to 997
+# tokens/s and batch 16 from 11.6k to 14.1k (the host's ~1 ms per call no longer shows),
+# but 256 requests decoded at 60.6-61.8k tokens/s against 62.6k with one step a call
+# (device step 3.99-4.00 vs 3.92 ms). Elsewhere 1: CPU runs keep one step per call.
 DECODE_STEPS_PER_CALL_DEFAULT: dict[str, int] = {"gpu": 4}
 MULTI_STEP_MAX_ROWS_DEFAULT: dict[str, int] = {"gpu": 128}
 
