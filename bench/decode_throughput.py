@@ -176,7 +176,7 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     prev, ints, floats = jnp.zeros(prev_shape, jnp.int32), jax.device_put(ints), jax.device_put(floats)
     fn = engine.step_function.fn
     k, v = engine.kv.buffers()
-    call_s, _, k, v = replay(fn, engine.params, k, v, (prev, ints, floats, layout), replay_steps)  # as served
+    call_s, _, k, v, _ = replay(fn, engine.params, k, v, (prev, ints, floats, layout), replay_steps)  # as served
     device_s = call_s / layout.steps
     engine.kv.update(k, v)
     mean_ctx = prompt + new / 2
@@ -200,8 +200,9 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
 
 def replay(fn, params, k, v, inputs, iters: int):
     """Runs the decode program once (compiling it if needed), then `iters` times back to
-    back with nothing between dispatches. The step donates and returns the KV buffers.
-    Returns (seconds per replayed step, seconds of the first call, k, v)."""
+    back with nothing between dispatches. The step donates and returns the KV buffers and
+    the previous tokens. Returns (seconds per replayed call, seconds of the first call, k,
+    v, the last call's tokens)."""
     prev, ints, floats, layout = inputs
     t0 = time.perf_counter()
     out = fn(params, k, v, prev, ints, floats, layout=layout)
@@ -213,7 +214,7 @@ def replay(fn, params, k, v, inputs, iters: int):
         out = fn(params, k, v, prev, ints, floats, layout=layout)
         prev, k, v = out[0], out[-2], out[-1]  # all three donated
     jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters, first_s, k, v
+    return (time.perf_counter() - t0) / iters, first_s, k, v, prev
 
 
 def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_size: int,
@@ -229,7 +230,7 @@ def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_si
     if fused:
         params = fuse_projections(cfg, params)
     layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, page_size, seed=batch, aligned=unroll)
-    step_s, compile_s, _, _ = replay(fn, params, k, v, (prev, ints, floats, layout), iters)
+    step_s, compile_s, *_ = replay(fn, params, k, v, (prev, ints, floats, layout), iters)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     floor_s = (param_bytes + batch * context * kv_bytes_per_token(cfg)) / bandwidth
     return {"batch": batch, "context": context, "device_step_ms": 1e3 * step_s,

@@ -31,6 +31,8 @@ from jrl.config import ModelConfig
 from jrl.models import count_params, init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig
 
+from decode_throughput import replay  # bench/ is on sys.path when run as a script
+
 PRESETS = {
     "small": dict(model=ModelConfig(vocab_size=1024, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=2,
                                     head_dim=32, intermediate_size=256, max_position_embeddings=1024),
@@ -77,20 +79,12 @@ def device_step_ms(engine: Engine, repeats: int) -> float:
     decode step. The call donates the KV and previous-token buffers: both go back to the
     engine afterwards."""
     layout, ints, floats = engine.last_launch
-    fn = engine.step_function.fn
-    ints_d, floats_d = jax.device_put(ints), jax.device_put(floats)
     k, v = engine.kv.buffers()
-    out = fn(engine.params, k, v, engine._prev_tokens, ints_d, floats_d, layout=layout)
-    jax.block_until_ready(out)
-    prev, k, v = out[0], out[2], out[3]
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(engine.params, k, v, prev, ints_d, floats_d, layout=layout)
-        prev, k, v = out[0], out[2], out[3]
-    jax.block_until_ready(out)
+    call_s, _, k, v, engine._prev_tokens = replay(
+        engine.step_function.fn, engine.params, k, v,
+        (engine._prev_tokens, jax.device_put(ints), jax.device_put(floats), layout), repeats)
     engine.kv.update(k, v)
-    engine._prev_tokens = prev
-    return (time.perf_counter() - t0) / repeats / layout.steps * 1e3
+    return call_s / layout.steps * 1e3
 
 
 def main() -> None:

@@ -229,20 +229,21 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
         per_step = ("positions", "out_cache_loc", "kv_lens")
 
         def body(j, carry):
-            tokens, k_buf, v_buf, readback = carry
+            tokens, _, k_buf, v_buf, readback = carry
             ij = {**i, **{name: i[name][j] for name in per_step}, "index": i["index"] + j}
             tok, logp, model_logp, k_buf, v_buf = forward_sample(params, k_buf, v_buf, tokens, ij, f, layout)
-            readback = readback.at[j].set(pack_readback(tok, logp, model_logp, max_rows)[1])
-            return tok, k_buf, v_buf, readback
+            padded, step_readback = pack_readback(tok, logp, model_logp, max_rows)
+            return tok, padded, k_buf, v_buf, readback.at[j].set(step_readback)
 
-        carry = (tokens, k_buf, v_buf, jnp.zeros((layout.steps, 3, max_rows), jnp.float32))
+        carry = (tokens, jnp.zeros(max_rows, jnp.int32), k_buf, v_buf,
+                 jnp.zeros((layout.steps, 3, max_rows), jnp.float32))
         if unroll_layers:
             for j in range(layout.steps):
                 carry = body(j, carry)
         else:
             carry = jax.lax.fori_loop(0, layout.steps, body, carry)
-        tok, k_buf, v_buf, readback = carry
-        return jnp.pad(tok, (0, max_rows - tok.shape[0])), readback, k_buf, v_buf
+        _, padded, k_buf, v_buf, readback = carry
+        return padded, readback, k_buf, v_buf
 
     def step(params, k_buf, v_buf, prev_tokens, ints, floats, layout: StepLayout):
         holder.traces += 1  # runs once per trace, i.e. per compiled program
@@ -279,4 +280,3 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
 
     holder.fn = dispatch
     return holder
-

@@ -128,8 +128,7 @@ class TaskCacheManager:
             positions, owner_rows = np.arange(total, dtype=np.int32) - cu[:-1][owner] + starts[owner], rows[owner]
             kv_lens = starts + lens
             longest = int(kv_lens.max()) if n else 1
-        return BoundBatch(cu_q_lens=cu, kv_lens=kv_lens,
-                          page_table=self.req_to_token.page_table(rows, max(1, self.pool.pages_for(longest))),
+        return BoundBatch(cu_q_lens=cu, kv_lens=kv_lens, page_table=self._page_table(rows, longest),
                           positions=positions, out_cache_loc=self.req_to_token.slots(owner_rows, positions))
 
     def bind_decode_steps(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int],
@@ -147,5 +146,9 @@ class TaskCacheManager:
         slots = self.req_to_token.slots(np.broadcast_to(rows, positions.shape), positions)
         longest = int((starts + counts).max()) if n else 1
         return BoundBatch(cu_q_lens=np.arange(n + 1, dtype=np.int32), kv_lens=positions + 1,
-                          page_table=self.req_to_token.page_table(rows, max(1, self.pool.pages_for(longest))),
+                          page_table=self._page_table(rows, longest),
                           positions=positions, out_cache_loc=np.where(j < counts, slots, -1).astype(np.int32))
+
+    def _page_table(self, rows: np.ndarray, longest: int) -> np.ndarray:
+        """The rows' page tables, as wide as the longest row's `longest` positions need."""
+        return self.req_to_token.page_table(rows, max(1, self.pool.pages_for(longest)))
