@@ -10,8 +10,11 @@ if [ ! -x .venv/bin/python ]; then
     python3.12 -m venv .venv
   elif is_312 python3; then
     python3 -m venv .venv
-  elif command -v pyenv >/dev/null 2>&1 && pyenv versions --bare | grep -q '^3\.12'; then
-    PYENV_VERSION="$(pyenv versions --bare | grep '^3\.12' | tail -n 1)" python3 -m venv .venv
+  # (No `grep -q` in a pipeline here: it exits at the first match, pyenv can then die of
+  # SIGPIPE, and under pipefail the whole test fails now and then.)
+  elif command -v pyenv >/dev/null 2>&1 && v312="$(pyenv versions --bare | grep '^3\.12' | tail -n 1)" \
+      && [ -n "$v312" ]; then
+    PYENV_VERSION="$v312" python3 -m venv .venv
   else
     echo "bootstrap: Python 3.12 not found (install it, or pyenv install 3.12)" >&2
     exit 1
