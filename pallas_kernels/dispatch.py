@@ -5,7 +5,8 @@ supports (see `kernel_supports`) and the reference everywhere else, so callers (
 rollout engine) never need to know which one ran. "pallas" forces the kernel (an error
 for unsupported shapes), "interpret" runs the kernel in Mosaic GPU interpret mode (CPU
 tests), "reference" the pure-jnp version. The MLA form (`v_buf=None`) always takes the
-reference. `write_kv` is an XLA scatter in every mode: in place on donated buffers.
+reference. `write_kv` is one XLA scatter for K and V in every mode: in place on donated
+buffers.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.scatter_rows import scatter_rows
+
 
 def _gather_kv(buf: jax.Array, layer: jax.Array, page_table: jax.Array, page_size: int) -> jax.Array:
     """`[B, max_pages * page_size, H, D]` keys of each request, read as `buf[layer, slots]`."""
@@ -83,10 +85,9 @@ def paged_prefill(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer
 def write_kv(k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array, slots: jax.Array,
              k: jax.Array, v: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
     """Writes `k/v [T, Hkv, D]` at `buf[layer, slots[T]]` in place (buffers are donated by
-    the caller). Slots `< 0` or `>= n_slots` are padding rows and are dropped."""
-    n_slots = k_buf.shape[1]
-    slots = jnp.where((slots >= 0) & (slots < n_slots), slots, n_slots)  # out of range -> dropped
-    k_buf = k_buf.at[layer, slots].set(k.astype(k_buf.dtype), mode="drop")
-    if v_buf is not None:
-        v_buf = v_buf.at[layer, slots].set(v.astype(v_buf.dtype), mode="drop")
-    return k_buf, v_buf
+    the caller), K and V in one scatter. In-range slots must be distinct; slots `< 0` or
+    `>= n_slots` are padding rows and are dropped."""
+    if v_buf is None:
+        (k_buf,) = scatter_rows((k_buf,), layer, slots, (k,))
+        return k_buf, None
+    return scatter_rows((k_buf, v_buf), layer, slots, (k, v))

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch, reference
-from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.decode_mgpu import default_num_stages, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
+from pallas_kernels.scatter_rows import scatter_rows
 
 TOL = 1e-2  # bf16 inputs and bf16 probabilities in PV: observed 1e-3..3e-3
 
@@ -41,6 +42,7 @@ def paged_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2):
 
 @pytest.mark.parametrize("hq,hkv,d,ps,splits", [
     (8, 2, 128, 16, 3),  # GQA group 4, two heads per CTA, KV split 3 ways (some splits empty)
+    (8, 2, 128, 16, 1),  # the same without splits: a 3-slot K/V ring per compute warpgroup
     (2, 2, 64, 32, 1),  # group 1
     (8, 1, 64, 16, 2),  # group 8, one head per CTA
 ])
@@ -101,6 +103,14 @@ def test_persistent_prefill_walks_several_items_per_cta():
     assert rel_err(out, ref) < TOL
 
 
+def test_decode_ring_depth_fills_shared_memory_without_splits():
+    # D=128 bf16, two heads a CTA: 3 K/V slots each, 2 once the log-sum-exp staging is needed
+    assert default_num_stages(2, 64, 128, 2, with_lse=False) == 3
+    assert default_num_stages(2, 64, 128, 2, with_lse=True) == 2
+    assert default_num_stages(1, 64, 128, 2, with_lse=True) == 4
+    assert default_num_stages(2, 64, 64, 2, with_lse=True) == 4
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_persistent_decode_walks_several_items_per_cta(splits):
     # 4 requests x 2 head pairs x splits items on 3 CTAs: every CTA runs 2..6 items, the
@@ -145,6 +155,20 @@ def test_write_kv_drops_padding_slots_and_keeps_other_slots():
     want_v[1, [5, 63]] = np.asarray(v, np.float32)[[0, 2]]
     np.testing.assert_array_equal(np.asarray(k2, np.float32), want_k)
     np.testing.assert_array_equal(np.asarray(v2, np.float32), want_v)
+
+
+def test_write_kv_writes_k_and_v_in_one_scatter():
+    kb = jnp.zeros((2, 64, 2, 8), jnp.bfloat16)
+    new = jnp.ones((4, 2, 8), jnp.bfloat16)
+    slots = jnp.asarray([3, -1, 7, 9], jnp.int32)
+    text = jax.jit(dispatch.write_kv).lower(kb, kb, jnp.int32(0), slots, new, new).as_text()
+    assert text.count("\"stablehlo.scatter\"(") == 1
+
+
+def test_scatter_rows_names_a_mismatched_update():
+    kb = jnp.zeros((2, 64, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="scatter_rows: buffer"):
+        scatter_rows((kb, kb), jnp.int32(0), jnp.arange(4), (jnp.ones((4, 2, 8)), jnp.ones((4, 2, 4))))
 
 
 def test_write_kv_with_donated_buffers_updates_them_in_place():
