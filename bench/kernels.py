@@ -85,7 +85,7 @@ def check(args) -> None:
     for kind, (hq, hkv, d, ps) in runs:
         key, k1, k2, k3 = jax.random.split(key, 4)
         try:
-            if kind in ("decode", "decode-7-ctas"):
+            if kind in ("decode", "decode-7-ctas", "decode-1-split"):
                 b, max_ctx = 13, 1000
                 lens = rng.integers(1, max_ctx + 1, size=b)
                 lens[0], lens[1] = 1, max_ctx
@@ -95,9 +95,11 @@ def check(args) -> None:
                 pt = random_page_table(k2, b, pages, b * pages + 5)
                 q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
                 lens = jnp.asarray(lens, jnp.int32)
-                # decode-7-ctas: every CTA of the persistent grid walks many items
+                # decode-7-ctas: every CTA of the persistent grid walks many items;
+                # decode-1-split: the same without KV splits (the deepest K/V ring)
                 out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps,
-                                         sm_scale=d ** -0.5, num_ctas=7 if kind == "decode-7-ctas" else None)
+                                         sm_scale=d ** -0.5, num_ctas=None if kind == "decode" else 7,
+                                         num_splits=1 if kind == "decode-1-split" else None)
                 ref = reference.ragged_decode(q.astype(jnp.float32), kb.astype(jnp.float32),
                                               vb.astype(jnp.float32), jnp.int32(1), lens, pt,
                                               page_size=ps, sm_scale=d ** -0.5)
@@ -308,7 +310,7 @@ def main(argv=None) -> None:
     for name in ("check", "decode", "prefill", "write"):
         p.add_argument(f"--{name}", action="store_true")
     p.add_argument("--json", default=None, help="write all rows to this JSON file")
-    p.add_argument("--check-kinds", nargs="+", default=["decode", "decode-7-ctas", "prefill", "prefill-persistent"],
+    p.add_argument("--check-kinds", nargs="+", default=["decode", "decode-7-ctas", "decode-1-split", "prefill", "prefill-persistent"],
                    help="which kernels --check runs")
     p.add_argument("--decode-variants", type=json.loads, default=[],
                    help='extra decode kernel settings, e.g. \'[{"num_splits": 2}]\'')

@@ -63,14 +63,20 @@ def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
     return int(max(1, min(num_sms() // max(n_units, 1), max_ctx // (4 * block_kv))))
 
 
-SMEM_BUDGET = 200 * 1024  # bytes of shared memory one CTA may use (227 KB max on Hopper)
+SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on Hopper
+SMEM_OVERHEAD = 3 * 1024  # beyond the buffers below: barriers, alignment (measured: 2,768 B)
 
 
-def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsize: int) -> int:
-    """Deepest K/V ring (2..4 slots per compute warpgroup) that fits the shared-memory budget."""
-    fixed = 2 * ROWS * head_dim * itemsize + ROWS * 4  # q tile + output staging + lse
+def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsize: int,
+                       with_lse: bool) -> int:
+    """Deepest K/V ring (2..4 slots per compute warpgroup) that fits in shared memory.
+    At D=128, bf16, two heads a CTA that is 3 slots without KV splits (the q tile and the
+    output staging share their memory to make room for the third) and 2 with them (the
+    log-sum-exp staging no longer fits)."""
+    fixed = ROWS * head_dim * itemsize + (ROWS * 4 if with_lse else 0)  # q tile / output + lse
     per_stage = 2 * block_kv * head_dim * itemsize  # one K and one V tile
-    return int(max(2, min(4, (SMEM_BUDGET // heads_per_cta - fixed) // per_stage)))
+    room = (SMEM_LIMIT - SMEM_OVERHEAD) // heads_per_cta - fixed
+    return int(max(2, min(4, room // per_stage)))
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "block_kv", "num_stages",
@@ -102,7 +108,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     max_ctx = page_table.shape[1] * page_size
     n_groups = hkv // hpc
     splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv)
-    stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize)
+    stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize, splits > 1)
     sub = min(page_size, block_kv)  # rows per TMA copy
     copies = block_kv // sub
     scale = float(sm_scale) * LOG2E
@@ -132,9 +138,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         return group, split, req, kv_len, start, end, n_steps
 
     def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *rest):
-        lse_ref = rest[0] if splits > 1 else None
-        (q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free,
-         v_free) = rest[1:] if splits > 1 else rest
+        if splits > 1:
+            lse_ref, (q_or_o, k_smem, v_smem, lse_smem, *bars) = rest[0], rest[1:]
+        else:  # no log-sum-exp output or staging
+            lse_ref, lse_smem, (q_or_o, k_smem, v_smem, *bars) = None, None, rest
+        q_bar, k_bar, v_bar, k_free, v_free = bars
+        q_smem, o_smem = q_or_o  # one memory: an item's q tile, then its output
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
         lyr = layer_ref[0]
@@ -144,7 +153,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         def _compute():
             if hpc > 1 and not interpret:
                 plgpu.set_max_registers(232, action="increase")
-            q_tile, o_tile, lse_tile = q_smem.at[wg], o_smem.at[wg], lse_smem.at[wg]
+            q_tile, o_tile = q_smem.at[wg], o_smem.at[wg]
+            lse_tile = lse_smem.at[wg] if splits > 1 else None
 
             def one_item(it, gstep):
                 group, split, req, _, start, end, n_steps = item(lens_ref, cta + it * n_ctas)
@@ -153,6 +163,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 # TMA views of q are tiled by 8 rows, so the tile starts at the multiple of
                 # 8 below row0 and the group's G queries sit at tile rows shift..shift+G-1.
                 shift = lax.rem(row0, jnp.int32(8))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output read
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 - shift, ROWS)], q_tile, q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
                 m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
@@ -189,7 +200,6 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
                 empty = l_i == 0.0
                 l_safe = jnp.where(empty, 1.0, l_i)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's stores read
                 o_tile[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
                 if splits > 1:
                     lse_tile[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
@@ -250,11 +260,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     rings = hpc * stages
     scratch = [
-        plgpu.SMEM((hpc, ROWS, d), dtype, transforms=tiled),
+        # The q tiles and the output staging alias: an item's last QK^T has read q before
+        # its output is written, and the next q load waits until that output is stored.
+        plgpu.RefUnion(plgpu.SMEM((hpc, ROWS, d), dtype, transforms=tiled), plgpu.SMEM((hpc, ROWS, d), dtype)),
         plgpu.SMEM((rings, block_kv, d), dtype, transforms=tiled),
         plgpu.SMEM((rings, block_kv, d), dtype, transforms=tiled),
-        plgpu.SMEM((hpc, ROWS, d), dtype),
-        plgpu.SMEM((hpc, ROWS), jnp.float32),
+        *([plgpu.SMEM((hpc, ROWS), jnp.float32)] if splits > 1 else []),
         plgpu.Barrier(num_barriers=hpc),
         plgpu.Barrier(num_arrivals=copies, num_barriers=rings),
         plgpu.Barrier(num_arrivals=copies, num_barriers=rings),
