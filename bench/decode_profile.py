@@ -197,14 +197,22 @@ def trace_summary(xspace: bytes, n_steps: int) -> dict:
                     h[1] += e.duration_ns
     if kernels:
         kernels.sort()
-        busy, cur_s, cur_e = 0, kernels[0][0], kernels[0][1]
-        for s, e, _ in kernels[1:]:
+        busy, cur_s, cur_e, gaps = 0, kernels[0][0], kernels[0][1], []
+        before = kernels[0][2]
+        for s, e, name in kernels[1:]:
             if s > cur_e:
                 busy += cur_e - cur_s
+                gaps.append((s - cur_e, cur_e - kernels[0][0], before, name))
                 cur_s, cur_e = s, e
             else:
                 cur_e = max(cur_e, e)
+            if e >= cur_e:
+                before = name
         busy += cur_e - cur_s
+        # The longest stretches with no kernel running: where the GPU waited on the host.
+        out["idle_gaps"] = [{"us": g / 1e3, "at_us": at / 1e3, "after": a[:60], "before": b[:60]}
+                            for g, at, a, b in sorted(gaps, reverse=True)[:40]]
+        out["idle_us_over_20us"] = sum(g for g, *_ in gaps if g > 20_000) / 1e3
         span = max(e for _, e, _ in kernels) - kernels[0][0]
         out.update(kernels_per_step=len(kernels) / n_steps, gpu_busy_us_per_step=busy / 1e3 / n_steps,
                    gpu_span_us_per_step=span / 1e3 / n_steps)
@@ -338,11 +346,18 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
     return jax.jit(step, static_argnames=("layout",), donate_argnums=(1, 2))
 
 
+PAGE_ORDERS = ("per_request", "engine", "random")
+
+
 def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, aligned: bool = False,
-                    steps: int = 1):
+                    steps: int = 1, pages: str = "per_request", prompt: int = 512):
     """A decode batch as the engine builds it: `batch` requests at `context` tokens (the
     same inputs for every variant at one batch size); `steps` > 1: a multi-step decode
-    call whose step j computes position `context - 1 + j`."""
+    call whose step j computes position `context - 1 + j`. `pages`: "per_request" gives
+    each request consecutive page ids; "engine" what the engine's lowest-id-first
+    allocator gives a batch that prefilled `prompt` tokens together and then decoded
+    (each prompt consecutive, the decode pages of all requests interleaved); "random" a
+    random permutation of the pages."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -355,8 +370,18 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, al
     layout = StepLayout(decode=True, n_tokens=batch, n_rows=batch, n_page_cols=cols, window=0,
                         penalties=False, mode="greedy", int_align=ALIGN_INTS if aligned else 1, steps=steps)
     rng = np.random.default_rng(seed)
+    if pages not in PAGE_ORDERS:
+        raise ValueError(f"pages: must be one of {PAGE_ORDERS}, got {pages!r}")
+    ids = np.arange(batch * per_req, dtype=np.int32)
+    if pages == "engine":
+        n_prompt = min(per_req, prompt // page_size)
+        prompt_ids = ids[:batch * n_prompt].reshape(batch, n_prompt)
+        decode_ids = ids[batch * n_prompt:].reshape(per_req - n_prompt, batch).T
+        ids = np.concatenate([prompt_ids, decode_ids], axis=1)
+    elif pages == "random":
+        ids = rng.permutation(ids)
     table = np.zeros((batch, cols), np.int32)
-    table[:, :per_req] = np.arange(batch * per_req, dtype=np.int32).reshape(batch, per_req)
+    table[:, :per_req] = ids.reshape(batch, per_req)
     last = np.full((steps, batch), context - 1, np.int32) + np.arange(steps, dtype=np.int32)[:, None]
     slots = table[np.arange(batch), last // page_size] * page_size + last % page_size
     squeeze = (lambda a: a[0]) if steps == 1 else (lambda a: a)
@@ -406,8 +431,9 @@ def time_replays(fn, params, case, device_args: bool, rounds: int, per_round: in
     return row, (layout, ints, floats, k, v, prev)
 
 
-def trace_step(out_dir: str, variant: str, b: int, params, fn, case, emit, n: int = 10, tag: str = "") -> None:
-    """Profiler trace of `n` back-to-back replays, summarised (trace_{tag}{variant}_b{b}.json)."""
+def trace_step(out_dir: str, variant: str, b: int, params, fn, case, emit, n: int = 10, tag: str = "") -> tuple:
+    """Profiler trace of `n` back-to-back replays, summarised (trace_{tag}{variant}_b{b}.json).
+    Returns the case with the buffers the replays donated and returned."""
     import jax
     from jax._src.lib import _profiler
     from jax.profiler import ProfileOptions
@@ -428,6 +454,7 @@ def trace_step(out_dir: str, variant: str, b: int, params, fn, case, emit, n: in
           "kernels_per_step": summary.get("kernels_per_step"),
           "gpu_busy_ms": (summary.get("gpu_busy_us_per_step") or 0) / 1e3,
           "gpu_span_ms": (summary.get("gpu_span_us_per_step") or 0) / 1e3})
+    return layout, ints, floats, k, v, prev
 
 
 def worker(args) -> None:

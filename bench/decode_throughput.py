@@ -14,13 +14,16 @@ second is timed. Reported per batch size:
   request decodes (a multi-step call, `EngineConfig.decode_steps_per_call`, counts as
   its number of steps);
 * end-to-end tok/s: batch * new / wall time of the whole run (prefill included);
-* device step: the same decode program (captured mid-generation, at the mean context
-  length) replayed back to back with no host work in between, per decode step: what the
+* device step: the same decode call (captured mid-generation: decode call `new / 2` of the
+  run) replayed back to back with no host work in between, per decode step: what the
   GPU needs;
 * host gap: mean engine decode step minus device step, as a share of the device step
   (what the host adds between device steps: the target is under 5%);
-* memory floor: bytes a decode step must read (weights + the KV of every request at the
-  mean context) over the copy bandwidth measured in the same run.
+* memory floor: bytes the replayed decode step must read (the weights + the KV of every
+  request at its length in that step, `sum(kv_lens)`) over the copy bandwidth measured in
+  the same run. Requests prefilled in later chunks start decoding later, so mid-run the
+  lengths spread over up to a chunk's worth of steps (at 256 x 512-token prompts and
+  8,192 tokens a prefill step: 640-656, mean 648, not the 640 of prompt + new / 2).
 
 `--step-only` skips the engine and times the executor's decode program alone on a
 synthetic decode batch (random KV, every request at context `prompt + new/2`): a quick way
@@ -79,11 +82,14 @@ class Recorder:
     the host metadata the engine packed (`Engine.last_launch`) and the previous tokens'
     shape (the step donates its device inputs, so they cannot be kept)."""
 
-    def __init__(self, engine, target: int):
+    def __init__(self, engine, target: int, trace_calls: int = 0):
         self.engine, self.holder, self.target = engine, engine.step_function, target
         self.fn = self.holder.fn
         self.n_decode = 0
         self.captured = None
+        # trace_calls > 0: a profiler trace of the engine's own loop from the target call
+        # on, for that many decode calls (`self.trace`: bench/decode_profile.py's summary).
+        self.trace_calls, self.trace, self._session = trace_calls, None, None
 
     def __call__(self, params, k, v, prev, ints, floats, layout):
         if layout.decode:
@@ -91,7 +97,19 @@ class Recorder:
             if self.n_decode == self.target:
                 _, host_ints, host_floats = self.engine.last_launch
                 self.captured = (prev.shape, host_ints, host_floats, layout)
+                if self.trace_calls:
+                    from jax._src.lib import _profiler
+                    from jax.profiler import ProfileOptions
+                    self._session = _profiler.ProfilerSession(ProfileOptions())
+            elif self._session is not None and self.n_decode == self.target + self.trace_calls:
+                self._stop_trace(prev, self.trace_calls * layout.steps)
         return self.fn(params, k, v, prev, ints, floats, layout=layout)
+
+    def _stop_trace(self, last_output, n_steps: int) -> None:
+        from decode_profile import trace_summary
+        jax.block_until_ready(last_output)
+        self.trace = trace_summary(self._session.stop(), max(1, n_steps))
+        self._session = None
 
     def __enter__(self):
         self.holder.fn = self
@@ -99,6 +117,8 @@ class Recorder:
 
     def __exit__(self, *exc):
         self.holder.fn = self.fn
+        if self._session is not None:  # the run ended first: what was traced
+            self._stop_trace(self.engine.kv.buffers(), self.n_decode - self.target)
 
 
 def engine_config(cfg: ModelConfig, max_batch: int, prompt: int, new: int, page_size: int,
@@ -152,7 +172,7 @@ class GcTimer:
 
 
 def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwidth: float,
-              replay_steps: int = 50) -> dict:
+              replay_steps: int = 50, trace_dir: str | None = None) -> dict:
     cfg = engine.model_config
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, cfg.vocab_size, (batch, prompt), dtype=np.int32)
@@ -163,8 +183,12 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     engine.stats = type(engine.stats)()
     per_call = engine.decode_steps_per_call if batch <= engine.scheduler.multi_step_max_rows else 1
     target = max(1, new // 2 // per_call)  # a decode call mid-generation
-    with Recorder(engine, target=target) as rec, GcTimer() as gc_timer:
+    with Recorder(engine, target=target, trace_calls=20 if trace_dir else 0) as rec, GcTimer() as gc_timer:
         run = generate_once(engine, prompts, new)
+    if rec.trace is not None:  # the engine's loop itself: idle gaps between its device steps
+        os.makedirs(trace_dir, exist_ok=True)
+        with open(os.path.join(trace_dir, f"trace_loop_b{batch}.json"), "w") as f:
+            json.dump(rec.trace, f, indent=1)
     stats = engine.stats
     # Decode calls proper: every request decodes. The call that launched decode call n
     # also read back call n-1, so its wall time is what one call costs in steady state.
@@ -176,12 +200,21 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     prev, ints, floats = jnp.zeros(prev_shape, jnp.int32), jax.device_put(ints), jax.device_put(floats)
     fn = engine.step_function.fn
     k, v = engine.kv.buffers()
-    call_s, _, k, v, _ = replay(fn, engine.params, k, v, (prev, ints, floats, layout), replay_steps)  # as served
+    call_s, _, k, v, prev = replay(fn, engine.params, k, v, (prev, ints, floats, layout), replay_steps)  # as served
     device_s = call_s / layout.steps
+    traced = {}
+    if trace_dir:  # the replayed call under the profiler, kernel by kernel (trace_engine_b<batch>.json)
+        from decode_profile import trace_step
+        os.makedirs(trace_dir, exist_ok=True)
+        *_, k, v, _ = trace_step(trace_dir, "engine", batch, engine.params, fn, (layout, ints, floats, k, v, prev),
+                                 traced.update)
     engine.kv.update(k, v)
-    mean_ctx = prompt + new / 2
+    # The floor of the replayed call: the weights and the KV its requests read. Requests
+    # that prefilled in an earlier chunk started decoding earlier, so mid-run the batch is
+    # up to a chunk's worth of steps apart (not all at prompt + new / 2).
+    kv_tokens = int(np.asarray(layout.int_packing.views(np.asarray(ints))["kv_lens"]).sum()) / layout.steps
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-    floor_s = (param_bytes + batch * mean_ctx * kv_bytes_per_token(cfg)) / bandwidth
+    floor_s = (param_bytes + kv_tokens * kv_bytes_per_token(cfg)) / bandwidth
     return {
         "batch": batch, "decode_tokens_per_s": batch / step_s,
         "e2e_tokens_per_s": batch * new / run["total_s"], "total_s": run["total_s"],
@@ -189,12 +222,16 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
         "steps_per_call": layout.steps,
         "device_step_ms": 1e3 * device_s, "host_gap_pct": 100 * max(0.0, step_s - device_s) / device_s,
         "floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s, "device_over_floor": device_s / floor_s,
-        "decode_calls": len(dec), "decode_steps": sum(n for _, n in dec), "steps": len(run["step_times"]),
+        "replayed_mean_kv_len": kv_tokens / batch, "decode_calls": len(dec), "decode_steps": sum(n for _, n in dec), "steps": len(run["step_times"]),
         "host_ms_per_decode_step": 1e3 * stats.decode_host_s / max(1, stats.decode_device_steps),
         "wait_ms_per_decode_step": 1e3 * stats.decode_wait_s / max(1, stats.decode_device_steps),
         "completions": run["n_done"], "lengths": run["lengths"], "warmup_s": warm_s,
         "gc_collections": gc_timer.collections, "gc_ms": 1e3 * gc_timer.seconds,
         "programs_compiled": engine.step_function.traces - traces_before,
+        **{f"trace_{key}": traced[key] for key in ("kernels_per_step", "gpu_busy_ms") if key in traced},
+        **({"loop_gpu_busy_ms": rec.trace.get("gpu_busy_us_per_step", 0) / 1e3,
+            "loop_gpu_span_ms": rec.trace.get("gpu_span_us_per_step", 0) / 1e3}
+           if rec.trace is not None else {}),
     }
 
 
@@ -270,6 +307,7 @@ def main() -> None:
     ap.add_argument("--engine", type=json.loads, default={},
                     help='EngineConfig fields over the defaults, e.g. \'{"fuse_projections": false}\'')
     ap.add_argument("--step-only", action="store_true", help="time the decode program alone (no engine)")
+    ap.add_argument("--trace-dir", default=None, help="also trace each size's replayed decode call there")
     args = ap.parse_args()
     start = time.perf_counter()
     cfg = MODEL
@@ -316,7 +354,7 @@ def main() -> None:
             rows.append({"batch": b, "skipped": "time budget"})
             continue
         try:
-            row = run_batch(engine, params, b, args.prompt, args.new, bandwidth)
+            row = run_batch(engine, params, b, args.prompt, args.new, bandwidth, trace_dir=args.trace_dir)
         except Exception:  # noqa: BLE001 - record and keep the other sizes
             log(traceback.format_exc())
             row = {"batch": b, "error": traceback.format_exc()[-1500:]}
