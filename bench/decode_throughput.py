@@ -100,7 +100,9 @@ class Recorder:
                 if self.trace_calls:
                     from jax._src.lib import _profiler
                     from jax.profiler import ProfileOptions
-                    self._session = _profiler.ProfilerSession(ProfileOptions())
+                    options = ProfileOptions()
+                    options.python_tracer_level = 0  # Python tracing would slow the host loop itself
+                    self._session = _profiler.ProfilerSession(options)
             elif self._session is not None and self.n_decode == self.target + self.trace_calls:
                 self._stop_trace(prev, self.trace_calls * layout.steps)
         return self.fn(params, k, v, prev, ints, floats, layout=layout)
@@ -183,12 +185,16 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     engine.stats = type(engine.stats)()
     per_call = engine.decode_steps_per_call if batch <= engine.scheduler.multi_step_max_rows else 1
     target = max(1, new // 2 // per_call)  # a decode call mid-generation
-    with Recorder(engine, target=target, trace_calls=20 if trace_dir else 0) as rec, GcTimer() as gc_timer:
+    with Recorder(engine, target=target) as rec, GcTimer() as gc_timer:
         run = generate_once(engine, prompts, new)
-    if rec.trace is not None:  # the engine's loop itself: idle gaps between its device steps
+    loop_trace = None
+    if trace_dir:  # one more run: the engine's loop under the profiler, idle gaps between its steps
+        with Recorder(engine, target=target, trace_calls=20) as traced_run:
+            generate_once(engine, prompts, new)
+        loop_trace = traced_run.trace
         os.makedirs(trace_dir, exist_ok=True)
         with open(os.path.join(trace_dir, f"trace_loop_b{batch}.json"), "w") as f:
-            json.dump(rec.trace, f, indent=1)
+            json.dump(loop_trace, f, indent=1)
     stats = engine.stats
     # Decode calls proper: every request decodes. The call that launched decode call n
     # also read back call n-1, so its wall time is what one call costs in steady state.
@@ -229,9 +235,10 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
         "gc_collections": gc_timer.collections, "gc_ms": 1e3 * gc_timer.seconds,
         "programs_compiled": engine.step_function.traces - traces_before,
         **{f"trace_{key}": traced[key] for key in ("kernels_per_step", "gpu_busy_ms") if key in traced},
-        **({"loop_gpu_busy_ms": rec.trace.get("gpu_busy_us_per_step", 0) / 1e3,
-            "loop_gpu_span_ms": rec.trace.get("gpu_span_us_per_step", 0) / 1e3}
-           if rec.trace is not None else {}),
+        **({"loop_gpu_busy_ms": loop_trace.get("gpu_busy_us_per_step", 0) / 1e3,
+            "loop_gpu_span_ms": loop_trace.get("gpu_span_us_per_step", 0) / 1e3,
+            "loop_idle_ms_over_20us": loop_trace.get("idle_us_over_20us", 0) / 1e3 / loop_trace["n_steps"]}
+           if loop_trace is not None else {}),
     }
 
 
