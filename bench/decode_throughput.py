@@ -187,15 +187,7 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     target = max(1, new // 2 // per_call)  # a decode call mid-generation
     with Recorder(engine, target=target) as rec, GcTimer() as gc_timer:
         run = generate_once(engine, prompts, new)
-    loop_trace = None
-    if trace_dir:  # one more run: the engine's loop under the profiler, idle gaps between its steps
-        with Recorder(engine, target=target, trace_calls=20) as traced_run:
-            generate_once(engine, prompts, new)
-        loop_trace = traced_run.trace
-        os.makedirs(trace_dir, exist_ok=True)
-        with open(os.path.join(trace_dir, f"trace_loop_b{batch}.json"), "w") as f:
-            json.dump(loop_trace, f, indent=1)
-    stats = engine.stats
+    stats = dataclasses.replace(engine.stats)  # this run's counters (more runs follow)
     # Decode calls proper: every request decodes. The call that launched decode call n
     # also read back call n-1, so its wall time is what one call costs in steady state.
     dec = [(t, n) for t, d, n in zip(run["step_times"], run["decode_flags"], run["decode_counts"]) if d]
@@ -215,10 +207,18 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
         *_, k, v, _ = trace_step(trace_dir, "engine", batch, engine.params, fn, (layout, ints, floats, k, v, prev),
                                  traced.update)
     engine.kv.update(k, v)
+    loop_trace = None
+    if trace_dir:  # last, one more run: the engine's loop under the profiler, idle gaps between its steps
+        with Recorder(engine, target=target, trace_calls=20) as traced_run:
+            generate_once(engine, prompts, new)
+        loop_trace = traced_run.trace
+        os.makedirs(trace_dir, exist_ok=True)
+        with open(os.path.join(trace_dir, f"trace_loop_b{batch}.json"), "w") as f:
+            json.dump(loop_trace, f, indent=1)
     # The floor of the replayed call: the weights and the KV its requests read. Requests
     # that prefilled in an earlier chunk started decoding earlier, so mid-run the batch is
     # up to a chunk's worth of steps apart (not all at prompt + new / 2).
-    kv_tokens = int(np.asarray(layout.int_packing.views(np.asarray(ints))["kv_lens"]).sum()) / layout.steps
+    kv_tokens = int(layout.int_packing.views(rec.captured[1])["kv_lens"].sum()) / layout.steps
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     floor_s = (param_bytes + kv_tokens * kv_bytes_per_token(cfg)) / bandwidth
     return {
