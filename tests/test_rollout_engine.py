@@ -182,6 +182,35 @@ def test_page_pressure_preempts_youngest_and_every_request_still_completes_exact
     assert engine.pool.allocator.n_free == config.n_pages  # no leaks
 
 
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_no_step_writes_one_kv_slot_twice(params, steps_per_call):
+    # The KV write scatters with unique indices (pallas_kernels.scatter_rows): within one
+    # write, the real slots must be distinct, under prefix sharing inside a batch, prefix
+    # hits, chunked prefill, preemption and multi-step calls alike.
+    config = dataclasses.replace(ENGINE, n_pages=28, decode_steps_per_call=steps_per_call)
+    engine = Engine(MODEL, params, config)
+    holder, writes = engine.step_function, []
+    inner = holder.fn
+
+    def recording(params, k, v, prev, ints, floats, layout):
+        slots = layout.int_packing.views(np.asarray(ints))["out_cache_loc"]
+        writes.extend(slots.reshape(-1, slots.shape[-1]))  # one row per decode step of a call
+        return inner(params, k, v, prev, ints, floats, layout=layout)
+
+    holder.fn = recording
+    try:
+        shared = prompts_of([17], seed=11)[0]
+        prompts = [np.concatenate([shared, p]) for p in prompts_of([3, 9, 0, 14, 5, 3], seed=12)]
+        out = engine.generate(prompts + prompts_of([30, 12], seed=13), GREEDY, max_new_tokens=30)
+    finally:
+        holder.fn = inner
+    assert engine.scheduler.stats.preemptions >= 1 and sum(c.cached_tokens for c in out) > 0
+    for slots in writes:
+        real = slots[slots >= 0]
+        assert len(np.unique(real)) == len(real)
+    assert_greedy_matches_forward(MODEL, params, out)
+
+
 def test_contiguous_allocation_reserves_one_region_and_matches_forward(params):
     config = dataclasses.replace(ENGINE, allocation="contiguous", prefix_cache=False)
     engine = Engine(MODEL, params, config)
