@@ -46,11 +46,10 @@ import jax.numpy as jnp  # noqa: E402
 
 from bandwidth import copy_bandwidth  # noqa: E402
 from decode_profile import PAGE_ORDERS, synthetic_batch, trace_step  # noqa: E402
-from decode_throughput import MODEL, TINY, kv_bytes_per_token  # noqa: E402
+from decode_throughput import MODEL, TINY, default_decode_program, kv_bytes_per_token  # noqa: E402
 from jrl.models import init_params  # noqa: E402
 from jrl.models.fused import fuse_projections  # noqa: E402
 from jrl.rollout import executor, sampling  # noqa: E402
-from jrl.rollout.config import EngineConfig  # noqa: E402
 from pallas_kernels import decode_mgpu, reference  # noqa: E402
 
 
@@ -97,13 +96,8 @@ VARIANTS = {
 
 
 def build(cfg, batch: int, context: int, page_size: int, pages: str):
-    """The engine's decode step for `batch` rows with the variant's swap, compiled."""
-    defaults, backend = EngineConfig(), jax.default_backend()
-    unroll = defaults.resolved_unroll_layers(backend)
-    fused = defaults.resolved_fuse_projections(backend, cfg)
-    fn = executor.step_function.__wrapped__(  # uncached: every variant traces anew
-        cfg, page_size, batch, "auto", unroll_layers=unroll,
-        cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend, fused), fused_projections=fused).fn
+    """The engine's decode step for `batch` rows, traced anew (under the variant's swap)."""
+    fn, fused, unroll = default_decode_program(cfg, page_size, batch, cached=False)
     layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, page_size,
                                                         seed=batch, aligned=unroll, pages=pages)
     return fn, fused, [layout, ints, floats, k, v, prev]

@@ -261,16 +261,24 @@ def replay(fn, params, k, v, inputs, iters: int):
     return (time.perf_counter() - t0) / iters, first_s, k, v, prev
 
 
+def default_decode_program(cfg: ModelConfig, page_size: int, max_rows: int, cached: bool = True):
+    """(the engine's step function under this backend's EngineConfig defaults, whether it
+    takes fused projection weights, whether its layers are unrolled). `cached=False`
+    builds a fresh one (a program traced anew, e.g. with a function swapped)."""
+    defaults, backend = EngineConfig(), jax.default_backend()
+    unroll = defaults.resolved_unroll_layers(backend)
+    fused = defaults.resolved_fuse_projections(backend, cfg)
+    build = step_function if cached else step_function.__wrapped__
+    fn = build(cfg, page_size, max_rows, "auto", unroll_layers=unroll,
+               cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend, fused), fused_projections=fused).fn
+    return fn, fused, unroll
+
+
 def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_size: int,
                      bandwidth: float, iters: int = 50) -> dict:
     """The engine's decode program on a synthetic batch: `batch` requests at `context`
     tokens each (pages laid out per request), random KV, greedy; timed back to back."""
-    defaults, backend = EngineConfig(), jax.default_backend()
-    unroll = defaults.resolved_unroll_layers(backend)
-    fused = defaults.resolved_fuse_projections(backend, cfg)
-    fn = step_function(cfg, page_size, batch, "auto", unroll_layers=unroll,
-                       cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend, fused),
-                       fused_projections=fused).fn
+    fn, fused, unroll = default_decode_program(cfg, page_size, batch)
     if fused:
         params = fuse_projections(cfg, params)
     layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, page_size, seed=batch, aligned=unroll)

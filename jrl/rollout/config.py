@@ -186,11 +186,15 @@ class EngineConfig:
             _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1), name,
                    f"must be an integer >= 1 or None (backend default), got {v!r}")
 
+    def _or_default(self, name: str, defaults: dict, backend: str, fallback):
+        """Field `name`, or when it is None the `defaults` entry of `backend` ("gpu", "cpu",
+        ...), or `fallback` for a backend without one."""
+        value = getattr(self, name)
+        return defaults.get(backend, fallback) if value is None else value
+
     def resolved_unroll_layers(self, backend: str) -> bool:
-        """`unroll_layers`, or the default for `backend` ("gpu", "cpu", ...) when None."""
-        if self.unroll_layers is not None:
-            return self.unroll_layers
-        return UNROLL_LAYERS_DEFAULT.get(backend, False)
+        """`unroll_layers`, or the default for `backend` when None."""
+        return self._or_default("unroll_layers", UNROLL_LAYERS_DEFAULT, backend, False)
 
     def resolved_cublas_decode_rows(self, backend: str, fused_projections: bool = False) -> int:
         """`cublas_decode_rows`, or the default for `backend` and the served weight layout
@@ -214,21 +218,15 @@ class EngineConfig:
 
     def resolved_decode_steps_per_call(self, backend: str) -> int:
         """`decode_steps_per_call`, or the default for `backend` when None."""
-        if self.decode_steps_per_call is not None:
-            return self.decode_steps_per_call
-        return DECODE_STEPS_PER_CALL_DEFAULT.get(backend, 1)
+        return self._or_default("decode_steps_per_call", DECODE_STEPS_PER_CALL_DEFAULT, backend, 1)
 
     def resolved_multi_step_max_rows(self, backend: str) -> int:
         """`multi_step_max_rows`, or the default for `backend` (max_batch where none) when None."""
-        if self.multi_step_max_rows is not None:
-            return self.multi_step_max_rows
-        return MULTI_STEP_MAX_ROWS_DEFAULT.get(backend, self.max_batch)
+        return self._or_default("multi_step_max_rows", MULTI_STEP_MAX_ROWS_DEFAULT, backend, self.max_batch)
 
     def resolved_min_decode_rows(self, backend: str) -> int:
         """`min_decode_rows`, or the default for `backend` when None."""
-        if self.min_decode_rows is not None:
-            return self.min_decode_rows
-        return MIN_DECODE_ROWS_DEFAULT.get(backend, 1)
+        return self._or_default("min_decode_rows", MIN_DECODE_ROWS_DEFAULT, backend, 1)
 
     def resolved_batch_buckets_for(self, backend: str) -> tuple[int, ...]:
         """The row buckets, with one of `resolved_min_decode_rows` added when every bucket
