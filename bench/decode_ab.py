@@ -20,7 +20,10 @@ replays + one sync) / N. Variants:
   (every other variant passes the host arrays, so each call uploads fresh buffers, as the
   engine does, and XLA updates the program's CUDA graphs for their new addresses);
 * stages2: the decode kernel with a ring of 2 K/V slots per compute warpgroup (before its
-  q tile and output staging shared memory, 2 was all that fit at D=128 with two heads).
+  q tile and output staging shared memory, 2 was all that fit at D=128 with two heads);
+* queries_as_rows: the decode kernel with the queries as the rows of its tensor-core
+  tiles, two KV heads a CTA (the default before keys as rows); keys_as_rows_1cta: keys as
+  rows (the default for small GQA groups) with one CTA an SM instead of two.
 
 With --trace-dir each variant's replays are also traced (kernels per step, busy time,
 top kernels: bench/decode_profile.py's trace_summary). XLA flags apply to the whole
@@ -92,6 +95,12 @@ VARIANTS = {
     "dev_metadata": contextlib.nullcontext,
     "stages2": lambda: patched(decode_mgpu, "ragged_decode_mgpu",
                                functools.partial(decode_mgpu.ragged_decode_mgpu, num_stages=2)),
+    "queries_as_rows": lambda: patched(decode_mgpu, "ragged_decode_mgpu",
+                                       functools.partial(decode_mgpu.ragged_decode_mgpu,
+                                                         keys_as_rows=False)),
+    "keys_as_rows_1cta": lambda: patched(decode_mgpu, "ragged_decode_mgpu",
+                                         functools.partial(decode_mgpu.ragged_decode_mgpu,
+                                                           keys_as_rows=True, ctas_per_sm=1)),
 }
 
 

@@ -73,6 +73,19 @@ def random_page_table(key, batch, pages_per_req, n_pages):
 
 
 # ----------------------------------------------------------------------------- checks
+# Decode check kinds -> kernel options. "-7-ctas": every CTA of the persistent grid walks
+# many items; "-1-split": the same without KV splits (the deepest K/V ring); "kar": keys as
+# the rows of the tensor-core tiles.
+DECODE_CHECKS = {
+    "decode": {},
+    "decode-7-ctas": dict(num_ctas=7),
+    "decode-1-split": dict(num_ctas=7, num_splits=1),
+    "decode-kar": dict(keys_as_rows=True),
+    "decode-kar-7-ctas": dict(keys_as_rows=True, num_ctas=7),
+    "decode-kar-1-split": dict(keys_as_rows=True, num_ctas=7, num_splits=1),
+}
+
+
 def check(args) -> None:
     log("== GPU correctness: kernel vs float32 reference (random ragged inputs)")
     rng = np.random.default_rng(0)
@@ -85,7 +98,7 @@ def check(args) -> None:
     for kind, (hq, hkv, d, ps) in runs:
         key, k1, k2, k3 = jax.random.split(key, 4)
         try:
-            if kind in ("decode", "decode-7-ctas", "decode-1-split"):
+            if kind in DECODE_CHECKS:
                 b, max_ctx = 13, 1000
                 lens = rng.integers(1, max_ctx + 1, size=b)
                 lens[0], lens[1] = 1, max_ctx
@@ -95,11 +108,8 @@ def check(args) -> None:
                 pt = random_page_table(k2, b, pages, b * pages + 5)
                 q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
                 lens = jnp.asarray(lens, jnp.int32)
-                # decode-7-ctas: every CTA of the persistent grid walks many items;
-                # decode-1-split: the same without KV splits (the deepest K/V ring)
                 out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps,
-                                         sm_scale=d ** -0.5, num_ctas=None if kind == "decode" else 7,
-                                         num_splits=1 if kind == "decode-1-split" else None)
+                                         sm_scale=d ** -0.5, **DECODE_CHECKS[kind])
                 ref = reference.ragged_decode(q.astype(jnp.float32), kb.astype(jnp.float32),
                                               vb.astype(jnp.float32), jnp.int32(1), lens, pt,
                                               page_size=ps, sm_scale=d ** -0.5)

@@ -1,10 +1,18 @@
 """Ragged paged decode on Hopper through Mosaic GPU (`plgpu.kernel`): flash-decoding.
 
-Work items are (request, KV split, pair of KV heads), one compute warpgroup per KV head;
-one CTA per SM walks them (persistent) or one CTA per item. A
-KV head's G query heads sit in G consecutive rows of a 64-row wgmma tile (starting at the
-row the 8-row-aligned TMA load puts them on), so they share every K/V tile it loads. A
-memory warpgroup gathers the request's pages from the 4D buffer `[n_layers, n_slots,
+Work items are (request, KV split, KV heads of a CTA), one compute warpgroup per KV head;
+persistent CTAs walk them or one CTA takes each item. A KV head's G query heads share every
+K/V tile loaded for it, in one of two orientations of the tensor-core tiles:
+
+* queries as rows: the G queries sit in G rows of a 64-row wgmma tile (from the row the
+  8-row-aligned TMA load puts them on); S = Q K^T, O = P V. Every key block costs a full
+  64-row tile of work, however small G is.
+* keys as rows (`keys_as_rows`): S^T = K Q^T with the 64 keys of a block as the tile rows
+  and the queries as an 8- or 16-column tile; O^T = V^T P^T with P^T staged in shared
+  memory. The work per block shrinks with G, so a block is as cheap as its bytes and a
+  partial last block costs little; the softmax reduces over keys, across the warps.
+
+A memory warpgroup gathers the request's pages from the 4D buffer `[n_layers, n_slots,
 Hkv, D]` with one TMA copy per page (or per `block_kv` rows when pages are larger) into a
 ring of `num_stages` shared-memory slots per compute warpgroup; the compute warpgroups
 run QK^T and PV on the tensor cores with an online softmax in the log2 domain. With more
@@ -57,69 +65,110 @@ def num_sms() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
-    """Split the KV length only when there are fewer (request, head group) units than SMs:
-    one long stream per CTA reads fastest (measured on H200, docs/performance.md)."""
-    return int(max(1, min(num_sms() // max(n_units, 1), max_ctx // (4 * block_kv))))
+def default_num_splits(n_units: int, max_ctx: int, block_kv: int, n_ctas: int | None = None) -> int:
+    """Split the KV length only when there are fewer (request, head group) units than CTAs
+    (one per SM by default): one long stream per CTA reads fastest (measured on H200,
+    docs/performance.md)."""
+    n_ctas = n_ctas or num_sms()
+    return int(max(1, min(n_ctas // max(n_units, 1), max_ctx // (4 * block_kv))))
 
 
 SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on Hopper
 SMEM_OVERHEAD = 3 * 1024  # beyond the buffers below: barriers, alignment (measured: 2,768 B)
 
 
+# Keys as rows by default up to this many q tile columns (G <= 10, 12 or 16): measured
+# faster at G = 2 and 4 (docs/performance.md); the tile work per block is then at most a
+# quarter of the 64-row query tile's.
+KEYS_AS_ROWS_MAX_COLUMNS = 16
+
+
+def default_keys_as_rows(group: int, heads_per_cta: int | None = None) -> bool:
+    """Keys as the tile rows unless the q tile would be wide or two heads a CTA are asked for."""
+    return (heads_per_cta or 1) == 1 and query_columns(group) <= KEYS_AS_ROWS_MAX_COLUMNS
+
+
+SMEM_PER_SM = 228 * 1024  # shared by the CTAs of one SM, 1 KB of it reserved per CTA
+
+
+def query_columns(group: int) -> int:
+    """Columns of the keys-as-rows q tile: the 8-row-aligned window that holds a group's G
+    queries. A group starts at a multiple of G, so at most 8 - gcd(G, 8) rows into its
+    window: 8 columns when G divides 8, 16 for G = 3, 16 or 9, 64 at most."""
+    return -(-(group + 8 - math.gcd(group, 8)) // 8) * 8
+
+
 def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsize: int,
-                       with_lse: bool) -> int:
+                       with_lse: bool, q_rows: int = ROWS, ctas_per_sm: int = 1) -> int:
     """Deepest K/V ring (2..4 slots per compute warpgroup) that fits in shared memory.
     At D=128, bf16, two heads a CTA that is 3 slots without KV splits (the q tile and the
     output staging share their memory to make room for the third) and 2 with them (the
-    log-sum-exp staging no longer fits)."""
-    fixed = ROWS * head_dim * itemsize + (ROWS * 4 if with_lse else 0)  # q tile / output + lse
+    log-sum-exp staging no longer fits). Keys as rows (`q_rows` 8 or 16, one head a CTA,
+    two CTAs an SM) leaves room for 3 either way."""
+    fixed = q_rows * head_dim * itemsize + (q_rows * 4 if with_lse else 0)  # q tile / output + lse
+    if q_rows != ROWS:
+        fixed += q_rows * block_kv * itemsize  # the staged P^T
     per_stage = 2 * block_kv * head_dim * itemsize  # one K and one V tile
-    room = (SMEM_LIMIT - SMEM_OVERHEAD) // heads_per_cta - fixed
+    limit = min(SMEM_LIMIT, SMEM_PER_SM // ctas_per_sm - 1024)
+    room = (limit - SMEM_OVERHEAD) // heads_per_cta - fixed
     return int(max(2, min(4, room // per_stage)))
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "block_kv", "num_stages",
                                              "num_splits", "heads_per_cta", "persistent", "num_ctas",
-                                             "interpret"))
+                                             "keys_as_rows", "ctas_per_sm", "interpret"))
 def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int,
                        sm_scale: float, block_kv: int = 64, num_stages: int | None = None,
                        num_splits: int | None = None, heads_per_cta: int | None = None,
                        persistent: bool = True, num_ctas: int | None = None,
+                       keys_as_rows: bool | None = None, ctas_per_sm: int | None = None,
                        interpret: bool = False) -> jax.Array:
     """`q [B, Hq, D]` against each request's `kv_lens[b]` keys -> `[B, Hq, D]` (q's dtype).
 
     Work comes in items of one request, one KV split and `heads_per_cta` KV heads (one
-    compute warpgroup each, fed by one shared memory warpgroup). With `persistent` one CTA
-    per SM (`num_ctas` overrides the count) walks the items round-robin, its memory
-    warpgroup streaming the next item's K/V while the compute warpgroups finish the
-    current one; otherwise each CTA takes one item. Consecutive items are the head groups
-    of one request, so CTAs running side by side read the same KV rows. Split partials are
-    stored in the input dtype and merged in float32.
+    compute warpgroup each, fed by one shared memory warpgroup). With `persistent`
+    `ctas_per_sm` CTAs per SM (`num_ctas` overrides the count) walk the items round-robin,
+    each memory warpgroup streaming the next item's K/V while its compute warpgroups finish
+    the current one; otherwise each CTA takes one item. Consecutive items are the head
+    groups of one request, so CTAs running side by side read the same KV rows. Split
+    partials are stored in the input dtype and merged in float32. `keys_as_rows` picks the
+    orientation of the tiles (module docstring); by default keys are the rows when the q
+    tile needs at most 16 columns (`query_columns`) and no `heads_per_cta` above 1 is
+    asked for. It
+    runs one KV head a CTA (its softmax reduces across warps through a scratch buffer that
+    two compute warpgroups would share) and two CTAs an SM by default.
     """
     check_paged_shapes("decode_mgpu", q, k_buf, v_buf, page_size, block_kv, max_group=ROWS - 7)
     b, hq, d = q.shape
     hkv = k_buf.shape[2]
     g = hq // hkv
     dtype = k_buf.dtype
-    hpc = heads_per_cta or (2 if hkv % 2 == 0 else 1)
+    if keys_as_rows is None:
+        keys_as_rows = default_keys_as_rows(g, heads_per_cta)
+    if keys_as_rows and (heads_per_cta or 1) != 1:
+        raise ValueError(f"decode_mgpu: keys_as_rows runs one KV head a CTA, got "
+                         f"heads_per_cta={heads_per_cta}")
+    hpc = 1 if keys_as_rows else heads_per_cta or (2 if hkv % 2 == 0 else 1)
     if hkv % hpc:
         raise ValueError(f"decode_mgpu: heads_per_cta ({hpc}) must divide n_kv_heads ({hkv})")
+    per_sm = ctas_per_sm or (2 if keys_as_rows else 1)
+    rows = query_columns(g) if keys_as_rows else ROWS  # q tile rows (keys as rows: columns)
     max_ctx = page_table.shape[1] * page_size
     n_groups = hkv // hpc
-    splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv)
-    stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize, splits > 1)
+    splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv, per_sm * num_sms())
+    stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize,
+                                              splits > 1, rows, per_sm)
     sub = min(page_size, block_kv)  # rows per TMA copy
     copies = block_kv // sub
     scale = float(sm_scale) * LOG2E
     n_items = b * splits * n_groups
-    n_ctas = min(num_ctas or num_sms(), n_items) if persistent else n_items
+    n_ctas = min(num_ctas or per_sm * num_sms(), n_items) if persistent else n_items
 
-    # A head group's 64-row q tile starts at the multiple of 8 rows at or below its first
-    # row. Past the last row the GPU's TMA zero-fills the tile; the interpreter raises
-    # instead, so there q gets real padding rows (on the GPU only up to a multiple of 8).
+    # A head group's q tile starts at the multiple of 8 rows at or below its first row.
+    # Past the last row the GPU's TMA zero-fills the tile; the interpreter raises instead,
+    # so there q gets real padding rows (on the GPU only up to a multiple of 8).
     q_rows = q.astype(dtype).reshape(b * hq, d)
-    pad = ROWS + -(b * hq) % 8 if interpret else -(b * hq) % 8
+    pad = rows + -(b * hq) % 8 if interpret else -(b * hq) % 8
     if pad:
         q_rows = jnp.pad(q_rows, ((0, pad), (0, 0)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -137,12 +186,81 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         n_steps = _cdiv(jnp.maximum(end - start, 0), jnp.int32(block_kv))
         return group, split, req, kv_len, start, end, n_steps
 
+    def queries_as_rows(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps):
+        """S = Q K^T, O = P V over the item's blocks -> (O [rows, d], m, l) per row."""
+        m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((rows, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(i, carry):
+            acc, m_i, l_i = carry
+            k_smem = k_tile(i)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, k_smem.transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+            k_done(i)
+            pos = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(pos < n_keys - i * block_kv, s * scale, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc = wgmma_accumulate(acc, p.astype(dtype), v_tile(i), interpret)
+            v_done(i)
+            return acc, m_new, l_i
+
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+        return acc, m_i, l_i, 0
+
+    def keys_as_rows_(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile):
+        """S^T = K Q^T, O^T = V^T P^T over the item's blocks -> (O^T [d, rows], m, l) per
+        column. The row sums of P^T are kept per element and reduced once at the end."""
+        cols = plgpu.Layout.WGMMA.reduce(0)
+        m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), cols)
+        l_part = plgpu.layout_cast(jnp.full((block_kv, rows), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        acc = plgpu.layout_cast(jnp.full((d, rows), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(i, carry):
+            acc, m_i, l_part = carry
+            k_smem = k_tile(i)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, k_smem, q_tile.transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((block_kv, rows), jnp.float32))
+            k_done(i)
+            pos = plgpu.broadcasted_iota(jnp.int32, (block_kv, rows), 0, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(pos < n_keys - i * block_kv, s * scale, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=0))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+            l_part = l_part * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+            # The last block's PV has completed (its accumulator was read), so P^T's
+            # staging is free; the fence makes the stores visible to the tensor cores.
+            p_tile.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(dtype),
+                                                              plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            acc = wgmma_accumulate(acc, v_tile(i).transpose((1, 0)), p_tile.transpose((1, 0)),
+                                   interpret)
+            v_done(i)
+            return acc, m_new, l_part
+
+        acc, m_i, l_part = lax.fori_loop(0, n_steps, step, (acc, m_i, l_part))
+        return acc, m_i, l_part.sum(axis=0), 1
+
     def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *rest):
-        if splits > 1:
-            lse_ref, (q_or_o, k_smem, v_smem, lse_smem, *bars) = rest[0], rest[1:]
-        else:  # no log-sum-exp output or staging
-            lse_ref, lse_smem, (q_or_o, k_smem, v_smem, *bars) = None, None, rest
-        q_bar, k_bar, v_bar, k_free, v_free = bars
+        lse_ref = rest[0] if splits > 1 else None
+        q_or_o, k_smem, v_smem, *rest = rest[1:] if splits > 1 else rest
+        p_smem = rest.pop(0) if keys_as_rows else None
+        lse_smem = rest.pop(0) if splits > 1 else None
+        q_bar, k_bar, v_bar, k_free, v_free = rest
         q_smem, o_smem = q_or_o  # one memory: an item's q tile, then its output
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
@@ -164,43 +282,34 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 # 8 below row0 and the group's G queries sit at tile rows shift..shift+G-1.
                 shift = lax.rem(row0, jnp.int32(8))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output read
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 - shift, ROWS)], q_tile, q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 - shift, rows)], q_tile, q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
-                m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                                        plgpu.Layout.WGMMA.reduce(1))
-                l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32),
-                                        plgpu.Layout.WGMMA.reduce(1))
-                acc = plgpu.layout_cast(jnp.full((ROWS, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-                def step(i, carry):
-                    acc, m_i, l_i = carry
-                    ring = wg * stages + lax.rem(gstep + i, jnp.int32(stages))
-                    plgpu.barrier_wait(k_bar.at[ring])
+                def ring(i):
+                    return wg * stages + lax.rem(gstep + i, jnp.int32(stages))
 
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_tile, k_smem.at[ring].transpose((1, 0)))
-                        return acc_ref[...]
+                def k_tile(i):
+                    plgpu.barrier_wait(k_bar.at[ring(i)])
+                    return k_smem.at[ring(i)]
 
-                    s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-                    plgpu.barrier_arrive(k_free.at[ring])
-                    pos = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
-                                                 layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(pos < end - start - i * block_kv, s * scale, -jnp.inf)
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    p16 = p.astype(dtype)
-                    plgpu.barrier_wait(v_bar.at[ring])
-                    acc = wgmma_accumulate(acc, p16, v_smem.at[ring], interpret)
-                    plgpu.barrier_arrive(v_free.at[ring])
-                    return acc, m_new, l_i
+                def v_tile(i):
+                    plgpu.barrier_wait(v_bar.at[ring(i)])
+                    return v_smem.at[ring(i)]
 
-                acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
+                run = (functools.partial(keys_as_rows_, p_tile=p_smem.at[wg]) if keys_as_rows
+                       else queries_as_rows)
+                acc, m_i, l_i, q_dim = run(q_tile, k_tile, v_tile,
+                                           lambda i: plgpu.barrier_arrive(k_free.at[ring(i)]),
+                                           lambda i: plgpu.barrier_arrive(v_free.at[ring(i)]),
+                                           end - start, n_steps)
                 empty = l_i == 0.0
                 l_safe = jnp.where(empty, 1.0, l_i)
-                o_tile[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+                out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [q_dim])).astype(dtype)
+                if keys_as_rows:
+                    o_tile.transpose((1, 0))[...] = plgpu.layout_cast(
+                        out, plgpu.Layout.WGMMA_TRANSPOSED)
+                else:
+                    o_tile[...] = out
                 if splits > 1:
                     lse_tile[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(l_safe))
                 plgpu.commit_smem()
@@ -223,11 +332,11 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
                 def fetch(i, _):
                     slot = lax.rem(gstep + i, jnp.int32(stages))
-                    rows = []
+                    rows_ = []
                     for j in range(copies):
                         t0 = start + i * block_kv + j * sub
                         page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)), last_page)]
-                        rows.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
+                        rows_.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
                     for buf_ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free),
                                                      (v_ref, v_smem, v_bar, v_free)):
                         for w in range(hpc):
@@ -237,7 +346,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                             def _wait_free():
                                 plgpu.barrier_wait(free.at[ring])
 
-                            for j, row in enumerate(rows):
+                            for j, row in enumerate(rows_):
                                 plgpu.copy_gmem_to_smem(
                                     buf_ref.at[lyr, pl.ds(row, sub), group * hpc + w],
                                     smem.at[ring, pl.ds(j * sub, sub)], bar.at[ring])
@@ -262,10 +371,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     scratch = [
         # The q tiles and the output staging alias: an item's last QK^T has read q before
         # its output is written, and the next q load waits until that output is stored.
-        plgpu.RefUnion(plgpu.SMEM((hpc, ROWS, d), dtype, transforms=tiled), plgpu.SMEM((hpc, ROWS, d), dtype)),
+        plgpu.RefUnion(plgpu.SMEM((hpc, rows, d), dtype, transforms=tiled),
+                       plgpu.SMEM((hpc, rows, d), dtype)),
         plgpu.SMEM((rings, block_kv, d), dtype, transforms=tiled),
         plgpu.SMEM((rings, block_kv, d), dtype, transforms=tiled),
-        *([plgpu.SMEM((hpc, ROWS), jnp.float32)] if splits > 1 else []),
+        *([plgpu.SMEM((hpc, rows, block_kv), dtype, transforms=tiled)] if keys_as_rows else []),
+        *([plgpu.SMEM((hpc, rows), jnp.float32)] if splits > 1 else []),
         plgpu.Barrier(num_barriers=hpc),
         plgpu.Barrier(num_arrivals=copies, num_barriers=rings),
         plgpu.Barrier(num_arrivals=copies, num_barriers=rings),
@@ -274,7 +385,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     ]
     out_type = [jax.ShapeDtypeStruct((splits, b * hq, d), dtype)]
     if splits > 1:  # one log-sum-exp per (request, KV head) tile row, for the merge
-        out_type.append(jax.ShapeDtypeStruct((splits, b * hkv, ROWS), jnp.float32))
+        out_type.append(jax.ShapeDtypeStruct((splits, b * hkv, rows), jnp.float32))
     outs = plgpu.kernel(
         body,
         out_type=tuple(out_type),
@@ -291,9 +402,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     o_part = outs[0].reshape(splits, b, hq, d)
     if splits == 1:
         return o_part[0].astype(q.dtype)
-    rows = jnp.arange(b * hq, dtype=jnp.int32).reshape(b, hkv, g)
-    tile_row = rows[:, :, :1] % 8 + jnp.arange(g, dtype=jnp.int32)  # shift + j
-    lse = jnp.take_along_axis(outs[1].reshape(splits, b, hkv, ROWS), tile_row[None], axis=-1)
+    tile_rows = jnp.arange(b * hq, dtype=jnp.int32).reshape(b, hkv, g)
+    tile_row = tile_rows[:, :, :1] % 8 + jnp.arange(g, dtype=jnp.int32)  # shift + j
+    lse = jnp.take_along_axis(outs[1].reshape(splits, b, hkv, rows), tile_row[None], axis=-1)
     lse = lse.reshape(splits, b, hq)
     top = jnp.max(lse, axis=0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch, reference
-from pallas_kernels.decode_mgpu import default_num_stages, ragged_decode_mgpu
+from pallas_kernels.decode_mgpu import (default_keys_as_rows, default_num_stages, query_columns,
+                                        ragged_decode_mgpu)
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
 from pallas_kernels.scatter_rows import scatter_rows
 
@@ -40,20 +41,22 @@ def paged_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2):
     return kb, vb, pt
 
 
+@pytest.mark.parametrize("keys_as_rows", [False, True], ids=["queries_as_rows", "keys_as_rows"])
 @pytest.mark.parametrize("hq,hkv,d,ps,splits", [
-    (8, 2, 128, 16, 3),  # GQA group 4, two heads per CTA, KV split 3 ways (some splits empty)
-    (8, 2, 128, 16, 1),  # the same without splits: a 3-slot K/V ring per compute warpgroup
+    (8, 2, 128, 16, 3),  # GQA group 4, KV split 3 ways (some splits empty)
+    (8, 2, 128, 16, 1),  # the same without splits: the deepest K/V ring
     (2, 2, 64, 32, 1),  # group 1
-    (8, 1, 64, 16, 2),  # group 8, one head per CTA
+    (8, 1, 64, 16, 2),  # group 8, one KV head
+    (6, 2, 64, 16, 2),  # group 3: queries start 0 or 3 rows into their 8-row window
 ])
-def test_ragged_decode_matches_float32_reference(hq, hkv, d, ps, splits):
+def test_ragged_decode_matches_float32_reference(hq, hkv, d, ps, splits, keys_as_rows):
     rng = np.random.default_rng(hq * 100 + d + ps)
     lens = np.array([1, 45, 16, 0, 70])  # length 1, not page multiples, a padded row (0)
     kb, vb, pt = paged_inputs(rng, len(lens), int(lens.max()), hkv, d, ps)
     q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.bfloat16)
     lens = jnp.asarray(lens, jnp.int32)
     out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=d ** -0.5,
-                             num_splits=splits, interpret=True)
+                             num_splits=splits, keys_as_rows=keys_as_rows, interpret=True)
     ref = reference.ragged_decode(f32(q), f32(kb), f32(vb), jnp.int32(1), lens, pt, page_size=ps,
                                   sm_scale=d ** -0.5)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
@@ -111,9 +114,40 @@ def test_decode_ring_depth_fills_shared_memory_without_splits():
     assert default_num_stages(2, 64, 64, 2, with_lse=True) == 4
 
 
+def test_keys_as_rows_ring_leaves_room_for_two_ctas_an_sm():
+    # 8-column q tile, one head a CTA: 3 slots of 32 KB fit in half an SM's shared memory
+    assert default_num_stages(1, 64, 128, 2, with_lse=True, q_rows=8, ctas_per_sm=2) == 3
+    assert default_num_stages(1, 64, 128, 2, with_lse=True, q_rows=8, ctas_per_sm=3) == 2
+
+
+def test_query_columns_cover_every_start_of_a_group_in_its_window():
+    assert [query_columns(g) for g in (1, 2, 4, 8)] == [8, 8, 8, 8]
+    assert [query_columns(g) for g in (3, 6, 9, 12, 16)] == [16, 16, 16, 16, 16]
+    assert query_columns(11) == 24 and query_columns(57) == 64
+    for g in range(1, 58):  # a group starts at a multiple of g: check every start in 0..7
+        assert all(row % 8 + g <= query_columns(g) for row in range(0, 8 * g, g))
+
+
+def test_decode_takes_keys_as_rows_for_narrow_q_tiles_only():
+    assert all(default_keys_as_rows(g) for g in (1, 2, 4, 8, 3, 12, 16))
+    assert not any(default_keys_as_rows(g) for g in (11, 32, 57))
+    assert not default_keys_as_rows(2, heads_per_cta=2)  # two heads a CTA: queries as rows
+
+
+def test_keys_as_rows_names_two_heads_a_cta_as_unsupported():
+    rng = np.random.default_rng(4)
+    kb, vb, pt = paged_inputs(rng, 1, 16, 2, 64, 16)
+    q = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="keys_as_rows runs one KV head a CTA"):
+        ragged_decode_mgpu(q, kb, vb, 0, jnp.asarray([5], jnp.int32), pt, page_size=16,
+                           sm_scale=0.1, keys_as_rows=True, heads_per_cta=2, interpret=True)
+
+
+@pytest.mark.parametrize("keys_as_rows", [False, True], ids=["queries_as_rows", "keys_as_rows"])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_persistent_decode_walks_several_items_per_cta(splits):
-    # 4 requests x 2 head pairs x splits items on 3 CTAs: every CTA runs 2..6 items, the
+def test_persistent_decode_walks_several_items_per_cta(splits, keys_as_rows):
+    # 4 requests x 2 head pairs (4 heads with keys as rows) x splits items on 3 CTAs: every
+    # CTA runs 2..11 items, the
     # K/V ring and the output staging carried from one item into the next.
     rng = np.random.default_rng(8 + splits)
     hq, hkv, d, ps = 8, 4, 64, 16
@@ -122,7 +156,8 @@ def test_persistent_decode_walks_several_items_per_cta(splits):
     q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.bfloat16)
     lens = jnp.asarray(lens, jnp.int32)
     out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=0.1,
-                             num_splits=splits, num_ctas=3, interpret=True)
+                             num_splits=splits, num_ctas=3, keys_as_rows=keys_as_rows,
+                             interpret=True)
     ref = reference.ragged_decode(f32(q), f32(kb), f32(vb), jnp.int32(1), lens, pt, page_size=ps,
                                   sm_scale=0.1)
     assert np.isfinite(np.asarray(out, np.float32)).all()
