@@ -74,15 +74,16 @@ def random_page_table(key, batch, pages_per_req, n_pages):
 
 # ----------------------------------------------------------------------------- checks
 # Decode check kinds -> kernel options. "-7-ctas": every CTA of the persistent grid walks
-# many items; "-1-split": the same without KV splits (the deepest K/V ring); "kar": keys as
-# the rows of the tensor-core tiles.
+# many items; "-1-split": the same without KV splits (the deepest K/V ring); "-qar": the
+# queries as the rows of the tensor-core tiles (the default takes keys as rows for every
+# GQA group of the cases below).
 DECODE_CHECKS = {
     "decode": {},
     "decode-7-ctas": dict(num_ctas=7),
     "decode-1-split": dict(num_ctas=7, num_splits=1),
-    "decode-kar": dict(keys_as_rows=True),
-    "decode-kar-7-ctas": dict(keys_as_rows=True, num_ctas=7),
-    "decode-kar-1-split": dict(keys_as_rows=True, num_ctas=7, num_splits=1),
+    "decode-qar": dict(keys_as_rows=False),
+    "decode-qar-7-ctas": dict(keys_as_rows=False, num_ctas=7),
+    "decode-qar-1-split": dict(keys_as_rows=False, num_ctas=7, num_splits=1),
 }
 
 
@@ -166,7 +167,7 @@ def decode(args) -> None:
         scale = d ** -0.5
         key = jax.random.key(b * ctx + ps)
         k1, k2, k3 = jax.random.split(key, 3)
-        pages = ctx // ps
+        pages = -(-ctx // ps)  # a partial last page when ctx is not a page multiple
         n_pages = b * pages
         kb, vb = paged_cache(k1, 1, n_pages, ps, hkv, d)
         pt = random_page_table(k2, b, pages, n_pages) if args.decode_pages == "random" else \
@@ -320,7 +321,7 @@ def main(argv=None) -> None:
     for name in ("check", "decode", "prefill", "write"):
         p.add_argument(f"--{name}", action="store_true")
     p.add_argument("--json", default=None, help="write all rows to this JSON file")
-    p.add_argument("--check-kinds", nargs="+", default=["decode", "decode-7-ctas", "decode-1-split", "prefill", "prefill-persistent"],
+    p.add_argument("--check-kinds", nargs="+", default=[*DECODE_CHECKS, "prefill", "prefill-persistent"],
                    help="which kernels --check runs")
     p.add_argument("--decode-variants", type=json.loads, default=[],
                    help='extra decode kernel settings, e.g. \'[{"num_splits": 2}]\'')

@@ -65,12 +65,11 @@ def num_sms() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-def default_num_splits(n_units: int, max_ctx: int, block_kv: int, n_ctas: int | None = None) -> int:
-    """Split the KV length only when there are fewer (request, head group) units than CTAs
-    (one per SM by default): one long stream per CTA reads fastest (measured on H200,
-    docs/performance.md)."""
-    n_ctas = n_ctas or num_sms()
-    return int(max(1, min(n_ctas // max(n_units, 1), max_ctx // (4 * block_kv))))
+def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
+    """Split the KV length only when there are fewer (request, head group) units than SMs:
+    one long stream per SM reads fastest (measured on H200, docs/performance.md), also
+    with two keys-as-rows CTAs an SM."""
+    return int(max(1, min(num_sms() // max(n_units, 1), max_ctx // (4 * block_kv))))
 
 
 SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on Hopper
@@ -155,7 +154,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     rows = query_columns(g) if keys_as_rows else ROWS  # q tile rows (keys as rows: columns)
     max_ctx = page_table.shape[1] * page_size
     n_groups = hkv // hpc
-    splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv, per_sm * num_sms())
+    splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv)
     stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize,
                                               splits > 1, rows, per_sm)
     sub = min(page_size, block_kv)  # rows per TMA copy
