@@ -185,74 +185,59 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         n_steps = _cdiv(jnp.maximum(end - start, 0), jnp.int32(block_kv))
         return group, split, req, kv_len, start, end, n_steps
 
-    def queries_as_rows(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps):
-        """S = Q K^T, O = P V over the item's blocks -> (O [rows, d], m, l) per row."""
+    # A score tile holds one key block for the q tile's rows: [block_kv, rows] with keys as
+    # rows, [rows, block_kv] otherwise; the output accumulator is O^T [d, rows] or O [rows, d].
+    key_axis = 0 if keys_as_rows else 1
+    q_axis = 1 - key_axis
+    score_shape = (block_kv, rows) if keys_as_rows else (rows, block_kv)
+    acc_shape = (d, rows) if keys_as_rows else (rows, d)
+
+    def attend(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile):
+        """Online softmax over the item's key blocks -> (O or O^T, m, l) per query. With
+        keys as rows the sums of P are kept per element, so that they are reduced across
+        the warps once at the end rather than once a block."""
         m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((rows, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                                plgpu.Layout.WGMMA.reduce(key_axis))
+        l_i = (plgpu.layout_cast(jnp.full(score_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+               if keys_as_rows else
+               plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+        acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
         def step(i, carry):
             acc, m_i, l_i = carry
             k_smem = k_tile(i)
+            a, b = ((k_smem, q_tile.transpose((1, 0))) if keys_as_rows
+                    else (q_tile, k_smem.transpose((1, 0))))
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, k_smem.transpose((1, 0)))
+                plgpu.wgmma(acc_ref, a, b)
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))
             k_done(i)
-            pos = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
+            pos = plgpu.broadcasted_iota(jnp.int32, score_shape, key_axis, layout=plgpu.Layout.WGMMA)
             s = jnp.where(pos < n_keys - i * block_kv, s * scale, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_new = jnp.maximum(m_i, s.max(axis=key_axis))
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            acc = wgmma_accumulate(acc, p.astype(dtype), v_tile(i), interpret)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, score_shape, [q_axis]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc_shape, [q_axis])
+            if keys_as_rows:
+                l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
+                # The last block's PV has completed (its accumulator was read), so P^T's
+                # staging is free; the fence makes the stores visible to the tensor cores.
+                p_tile.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(dtype),
+                                                                  plgpu.Layout.WGMMA_TRANSPOSED)
+                plgpu.commit_smem()
+                acc = wgmma_accumulate(acc, v_tile(i).transpose((1, 0)), p_tile.transpose((1, 0)),
+                                       interpret)
+            else:
+                l_i = l_i * alpha + p.sum(axis=key_axis)
+                acc = wgmma_accumulate(acc, p.astype(dtype), v_tile(i), interpret)
             v_done(i)
             return acc, m_new, l_i
 
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
-        return acc, m_i, l_i, 0
-
-    def keys_as_rows_(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile):
-        """S^T = K Q^T, O^T = V^T P^T over the item's blocks -> (O^T [d, rows], m, l) per
-        column. The row sums of P^T are kept per element and reduced once at the end."""
-        cols = plgpu.Layout.WGMMA.reduce(0)
-        m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), cols)
-        l_part = plgpu.layout_cast(jnp.full((block_kv, rows), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        acc = plgpu.layout_cast(jnp.full((d, rows), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-        def step(i, carry):
-            acc, m_i, l_part = carry
-            k_smem = k_tile(i)
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, k_smem, q_tile.transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((block_kv, rows), jnp.float32))
-            k_done(i)
-            pos = plgpu.broadcasted_iota(jnp.int32, (block_kv, rows), 0, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(pos < n_keys - i * block_kv, s * scale, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=0))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-            l_part = l_part * lax.broadcast_in_dim(alpha, s.shape, [1]) + p
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-            # The last block's PV has completed (its accumulator was read), so P^T's
-            # staging is free; the fence makes the stores visible to the tensor cores.
-            p_tile.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(dtype),
-                                                              plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.commit_smem()
-            acc = wgmma_accumulate(acc, v_tile(i).transpose((1, 0)), p_tile.transpose((1, 0)),
-                                   interpret)
-            v_done(i)
-            return acc, m_new, l_part
-
-        acc, m_i, l_part = lax.fori_loop(0, n_steps, step, (acc, m_i, l_part))
-        return acc, m_i, l_part.sum(axis=0), 1
+        return acc, m_i, l_i.sum(axis=key_axis) if keys_as_rows else l_i
 
     def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *rest):
         lse_ref = rest[0] if splits > 1 else None
@@ -295,15 +280,14 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                     plgpu.barrier_wait(v_bar.at[ring(i)])
                     return v_smem.at[ring(i)]
 
-                run = (functools.partial(keys_as_rows_, p_tile=p_smem.at[wg]) if keys_as_rows
-                       else queries_as_rows)
-                acc, m_i, l_i, q_dim = run(q_tile, k_tile, v_tile,
-                                           lambda i: plgpu.barrier_arrive(k_free.at[ring(i)]),
-                                           lambda i: plgpu.barrier_arrive(v_free.at[ring(i)]),
-                                           end - start, n_steps)
+                acc, m_i, l_i = attend(q_tile, k_tile, v_tile,
+                                       lambda i: plgpu.barrier_arrive(k_free.at[ring(i)]),
+                                       lambda i: plgpu.barrier_arrive(v_free.at[ring(i)]),
+                                       end - start, n_steps,
+                                       p_smem.at[wg] if keys_as_rows else None)
                 empty = l_i == 0.0
                 l_safe = jnp.where(empty, 1.0, l_i)
-                out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [q_dim])).astype(dtype)
+                out = (acc / lax.broadcast_in_dim(l_safe, acc_shape, [q_axis])).astype(dtype)
                 if keys_as_rows:
                     o_tile.transpose((1, 0))[...] = plgpu.layout_cast(
                         out, plgpu.Layout.WGMMA_TRANSPOSED)
