@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.shapes import check_paged_shapes
 
 LOG2E = math.log2(math.e)
-ROWS = 64  # wgmma tile height: the G query heads of one KV head occupy the first G rows
+ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in it
 
 
 def wgmma_accumulate(acc, a, b, interpret: bool):
@@ -73,8 +73,8 @@ def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
 
 
 SMEM_LIMIT = 227 * 1024  # shared memory one CTA may use on Hopper
+SMEM_PER_SM = 228 * 1024  # shared by the CTAs of one SM, 1 KB of it reserved per CTA
 SMEM_OVERHEAD = 3 * 1024  # beyond the buffers below: barriers, alignment (measured: 2,768 B)
-
 
 # Keys as rows by default up to this many q tile columns (G <= 10, 12 or 16): measured
 # faster at G = 2 and 4 (docs/performance.md); the tile work per block is then at most a
@@ -82,19 +82,16 @@ SMEM_OVERHEAD = 3 * 1024  # beyond the buffers below: barriers, alignment (measu
 KEYS_AS_ROWS_MAX_COLUMNS = 16
 
 
-def default_keys_as_rows(group: int, heads_per_cta: int | None = None) -> bool:
-    """Keys as the tile rows unless the q tile would be wide or two heads a CTA are asked for."""
-    return (heads_per_cta or 1) == 1 and query_columns(group) <= KEYS_AS_ROWS_MAX_COLUMNS
-
-
-SMEM_PER_SM = 228 * 1024  # shared by the CTAs of one SM, 1 KB of it reserved per CTA
-
-
 def query_columns(group: int) -> int:
     """Columns of the keys-as-rows q tile: the 8-row-aligned window that holds a group's G
     queries. A group starts at a multiple of G, so at most 8 - gcd(G, 8) rows into its
     window: 8 columns when G divides 8, 16 for G = 3, 16 or 9, 64 at most."""
     return -(-(group + 8 - math.gcd(group, 8)) // 8) * 8
+
+
+def default_keys_as_rows(group: int, heads_per_cta: int | None = None) -> bool:
+    """Keys as the tile rows unless the q tile would be wide or two heads a CTA are asked for."""
+    return (heads_per_cta or 1) == 1 and query_columns(group) <= KEYS_AS_ROWS_MAX_COLUMNS
 
 
 def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsize: int,
@@ -133,9 +130,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     partials are stored in the input dtype and merged in float32. `keys_as_rows` picks the
     orientation of the tiles (module docstring); by default keys are the rows when the q
     tile needs at most 16 columns (`query_columns`) and no `heads_per_cta` above 1 is
-    asked for. It
-    runs one KV head a CTA (its softmax reduces across warps through a scratch buffer that
-    two compute warpgroups would share) and two CTAs an SM by default.
+    asked for. Keys as rows runs one KV head a CTA (its softmax reduces across warps
+    through a scratch buffer that two compute warpgroups would share) and two CTAs an SM
+    by default.
     """
     check_paged_shapes("decode_mgpu", q, k_buf, v_buf, page_size, block_kv, max_group=ROWS - 7)
     b, hq, d = q.shape
