@@ -203,7 +203,7 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     traced = {}
     if trace_dir:  # the replayed call under the profiler, kernel by kernel (trace_engine_b<batch>.json)
         from decode_profile import trace_step
-        os.makedirs(trace_dir, exist_ok=True)
+        os.makedirs(trace_dir, exist_ok=True)  # the loop trace below writes there too
         *_, k, v, _ = trace_step(trace_dir, "engine", batch, engine.params, fn, (layout, ints, floats, k, v, prev),
                                  traced.update)
     engine.kv.update(k, v)
@@ -212,7 +212,6 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
         with Recorder(engine, target=target, trace_calls=20) as traced_run:
             generate_once(engine, prompts, new)
         loop_trace = traced_run.trace
-        os.makedirs(trace_dir, exist_ok=True)
         with open(os.path.join(trace_dir, f"trace_loop_b{batch}.json"), "w") as f:
             json.dump(loop_trace, f, indent=1)
     # The floor of the replayed call: the weights and the KV its requests read. Requests

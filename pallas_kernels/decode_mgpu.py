@@ -95,14 +95,15 @@ def default_keys_as_rows(group: int, heads_per_cta: int | None = None) -> bool:
 
 
 def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsize: int,
-                       with_lse: bool, q_rows: int = ROWS, ctas_per_sm: int = 1) -> int:
+                       with_lse: bool, q_rows: int = ROWS, ctas_per_sm: int = 1,
+                       keys_as_rows: bool = False) -> int:
     """Deepest K/V ring (2..4 slots per compute warpgroup) that fits in shared memory.
     At D=128, bf16, two heads a CTA that is 3 slots without KV splits (the q tile and the
     output staging share their memory to make room for the third) and 2 with them (the
     log-sum-exp staging no longer fits). Keys as rows (`q_rows` 8 or 16, one head a CTA,
     two CTAs an SM) leaves room for 3 either way."""
     fixed = q_rows * head_dim * itemsize + (q_rows * 4 if with_lse else 0)  # q tile / output + lse
-    if q_rows != ROWS:
+    if keys_as_rows:
         fixed += q_rows * block_kv * itemsize  # the staged P^T
     per_stage = 2 * block_kv * head_dim * itemsize  # one K and one V tile
     limit = min(SMEM_LIMIT, SMEM_PER_SM // ctas_per_sm - 1024)
@@ -153,7 +154,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     n_groups = hkv // hpc
     splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv)
     stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize,
-                                              splits > 1, rows, per_sm)
+                                              splits > 1, rows, per_sm, keys_as_rows)
     sub = min(page_size, block_kv)  # rows per TMA copy
     copies = block_kv // sub
     scale = float(sm_scale) * LOG2E

@@ -116,8 +116,10 @@ def test_decode_ring_depth_fills_shared_memory_without_splits():
 
 def test_keys_as_rows_ring_leaves_room_for_two_ctas_an_sm():
     # 8-column q tile, one head a CTA: 3 slots of 32 KB fit in half an SM's shared memory
-    assert default_num_stages(1, 64, 128, 2, with_lse=True, q_rows=8, ctas_per_sm=2) == 3
-    assert default_num_stages(1, 64, 128, 2, with_lse=True, q_rows=8, ctas_per_sm=3) == 2
+    assert default_num_stages(1, 64, 128, 2, with_lse=True, q_rows=8, ctas_per_sm=2,
+                              keys_as_rows=True) == 3
+    assert default_num_stages(1, 64, 128, 2, with_lse=True, q_rows=8, ctas_per_sm=3,
+                              keys_as_rows=True) == 2
 
 
 def test_query_columns_cover_every_start_of_a_group_in_its_window():
