@@ -50,7 +50,8 @@ from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
 from jrl.train.step import make_step_fns
 from jrl.train.strategies import get_strategy
-from jrl.train.strategies.grpo import GRPOOptions, group_advantages
+from jrl.rl.advantages import group_advantages
+from jrl.train.strategies.grpo import GRPOLossConfig
 
 MODEL = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=128,
                     intermediate_size=2816, max_position_embeddings=1024, tie_embeddings=True,
@@ -122,8 +123,7 @@ def main() -> None:
     log(json.dumps(header))
 
     strategy = get_strategy("grpo")
-    options = GRPOOptions(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new,
-                          old_logp="recomputed")
+    options = GRPOLossConfig(max_response_len=args.new)
     opt_cfg = OptimizerConfig(lr=1e-6, weight_decay=0.0)
     schedule = make_schedule(ScheduleConfig(), 1000)
     optimizer = build_optimizer(opt_cfg, schedule, params)

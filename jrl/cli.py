@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from jrl.launch import main as train_main
+from jrl.plot import main as plot_main
+
 COMMANDS = {"train": "train a model (python -m jrl.train)", "plot": "plot a run's metrics to a PNG"}
 
 
@@ -16,12 +19,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from jrl.train.__main__ import main as train_main
-
         return train_main(rest, prog="jrl train")
     if command == "plot":
-        from jrl.plot import main as plot_main
-
         return plot_main(rest)
     print(f"jrl: unknown command {command!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2

@@ -7,11 +7,15 @@ the field, so a typo never turns into a silently ignored setting.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import os
 import re
 import types
 import typing
 from typing import Any, Literal, TypeVar
+
+import yaml
 
 T = TypeVar("T")
 
@@ -604,8 +608,6 @@ class TrainConfig:
 def yaml_load(text: str) -> Any:
     """YAML safe-load that also reads `3e-4` / `1E5` as floats (plain YAML 1.1 reads them
     as strings, a classic source of 'must be a number' errors for learning rates)."""
-    import yaml
-
     class _Loader(yaml.SafeLoader):
         pass
 
@@ -619,8 +621,6 @@ def yaml_load(text: str) -> Any:
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML: 3 -> int, x -> str, [1, 2] -> list)."""
-    import yaml
-
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected dotted.key=value")
     key, raw = item.split("=", 1)
@@ -636,8 +636,6 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """A copy of plain config data with each `dotted.key=value` set (nested dicts created)."""
-    import copy
-
     out = copy.deepcopy(data)
     for item in overrides:
         path, value = parse_override(item)
@@ -657,8 +655,6 @@ def load_train_config(path: str | None = None, overrides: list[str] | tuple[str,
                       base: dict[str, Any] | None = None) -> TrainConfig:
     """Reads YAML at `path` (or `base` data), applies overrides, fills every key left out
     with TrainConfig's default, validates."""
-    import os
-
     if path is not None:
         with open(path) as f:
             data = yaml_load(f.read()) or {}

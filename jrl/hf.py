@@ -33,6 +33,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -113,8 +114,6 @@ def _numpy_dtype(name: str) -> np.dtype:
     if name not in _DTYPE_NAMES:
         raise HFFormatError(f"dtype: must be one of {list(_DTYPE_NAMES)}, got {name!r}")
     if name == "bfloat16":
-        import ml_dtypes  # a jax dependency; only needed for bfloat16
-
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 

@@ -11,6 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
+from jrl.metrics_log import read_metrics
+
 PANELS = (
     ("loss", ("loss", "eval_loss")),
     ("reward / accuracy", ("reward_mean", "accuracy", "eval_accuracy", "eval_accuracy_sampled")),
@@ -32,13 +36,6 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Renders `run_dir/metrics.jsonl` to `out` (default `run_dir/metrics.png`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from jrl.metrics_log import read_metrics
-
     run_dir = Path(run_dir)
     log = run_dir / "metrics.jsonl"
     if not log.is_file():
@@ -48,8 +45,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     panels = [(t, [s for s in series if s[1]]) for t, series in panels]
     panels = [(t, series) for t, series in panels if series]
     out = Path(out) if out is not None else run_dir / "metrics.png"
-    fig, axes = plt.subplots(max(len(panels), 1), 1, figsize=(8, 2.4 * max(len(panels), 1)), sharex=True,
-                             squeeze=False)
+    # a Figure of its own (no pyplot): the caller's matplotlib backend is left alone
+    fig = Figure(figsize=(8, 2.4 * max(len(panels), 1)))
+    axes = fig.subplots(max(len(panels), 1), 1, sharex=True, squeeze=False)
     for ax, (title, series) in zip(axes[:, 0], panels):
         for key, xs, ys in series:
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
@@ -63,7 +61,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
 
 

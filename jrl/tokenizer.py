@@ -27,6 +27,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as RawTokenizer
+
 # A role marker per turn, each turn closed by the EOS token; generation prompts end with the
 # assistant marker, so a model trained on this format stops by emitting EOS.
 DEFAULT_CHAT_TEMPLATE = (
@@ -84,9 +88,6 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _compile(template: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -217,8 +218,6 @@ class HFTokenizer:
                   pad_token: str | None = None, bos_token: str | None = None) -> HFTokenizer:
         """Loads `tokenizer.json`, plus special tokens and chat_template from an optional
         `tokenizer_config.json`; keyword arguments override both."""
-        from tokenizers import Tokenizer as RawTokenizer
-
         tokenizer_json = os.fspath(tokenizer_json)
         tok = RawTokenizer.from_file(tokenizer_json)
         cfg: dict[str, Any] = {}

@@ -7,7 +7,7 @@ import pytest
 
 from jrl import checkpoint
 from jrl.metrics_log import read_metrics
-from jrl.train.__main__ import main
+from jrl.launch import main
 
 
 @pytest.mark.slow

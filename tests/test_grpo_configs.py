@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 
 from jrl.config import ConfigError, load_train_config
-from jrl.train.__main__ import main
+from jrl.launch import main
 from jrl.train.defaults import default_run
-from jrl.train.strategies import get_strategy, strategy_options
-from jrl.train.warm_start import warm_start_config
+from jrl.rl.options import RLOptions
+from jrl.rl.warm_start import warm_start_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -46,4 +46,4 @@ def test_default_is_grpo_and_its_warm_start_shares_model_and_seed():
 ])
 def test_bad_grpo_options_name_the_field(options, message):
     with pytest.raises(ConfigError, match=message):
-        strategy_options(get_strategy("grpo"), options)
+        RLOptions.from_config(options)

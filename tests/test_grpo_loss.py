@@ -10,7 +10,6 @@ import pytest
 from jrl.config import ConfigError
 from jrl.train.strategies.grpo import (
     GRPOLossConfig,
-    group_advantages,
     grpo_loss,
     grpo_objective,
     k3_kl,
@@ -27,26 +26,6 @@ ADV = jnp.array([1.0, -1.0], jnp.float32)
 #   seq 0: -min(1.5, 1.2) = -1.2 (clipped), -min(0.9, 0.9) = -0.9
 #   seq 1: -min(-0.5, -0.8) = 0.8 (clipped), -min(-1.1, -1.1) = 1.1, 1.0
 # token sums: seq 0 = -2.1, seq 1 = 2.9
-
-
-def test_group_advantages_centre_and_scale_by_population_std():
-    adv, signal = group_advantages(jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), 4,
-                                   eps=0.0 + 1e-12)
-    # group 0: mean 0.25, std sqrt(0.1875) = 0.4330127 -> 0.75/std, -0.25/std
-    np.testing.assert_allclose(adv[:4], [1.7320508, -0.5773503, -0.5773503, -0.5773503],
-                               rtol=1e-6)
-    np.testing.assert_allclose(adv[4:], [0.0] * 4, atol=0)
-    assert signal.tolist() == [True, False]
-
-
-def test_group_advantages_without_std_scaling_are_centred_rewards():
-    adv, _ = group_advantages(jnp.array([2.0, 0.0, 1.0, 1.0]), 2, scale_by_std=False)
-    np.testing.assert_allclose(adv, [1.0, -1.0, 0.0, 0.0])
-
-
-def test_group_advantages_reject_group_size_not_dividing_rewards():
-    with pytest.raises(ValueError, match="group_size"):
-        group_advantages(jnp.zeros(6), 4)
 
 
 def test_token_mean_loss_matches_hand_computation():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jrl.config import ConfigError
-from jrl.train.rewards import (
+from jrl.rl.rewards import (
     RewardModel,
     RewardSpec,
     exact_match,

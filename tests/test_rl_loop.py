@@ -9,8 +9,8 @@ import pytest
 from jrl.config import ConfigError, TrainConfig, from_dict
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
-from jrl.train.rl import build_rows, stale_groups
-from jrl.train.trainer import Trainer
+from jrl.rl.batch import build_rows, stale_groups
+from jrl.rl import build_learner
 
 
 def first_byte_even(prompt, completion, answer):
@@ -38,9 +38,9 @@ def tiny(steps=6, **options) -> TrainConfig:
 
 
 def run(config, out, callbacks=(), resume=False):
-    trainer = Trainer(config, output_dir=out, callbacks=callbacks)
-    trainer.fit(resume=resume, overwrite=not resume)
-    return trainer, read_metrics(out / "metrics.jsonl")
+    learner = build_learner(config, output_dir=out, callbacks=callbacks)
+    learner.fit(resume=resume, overwrite=not resume)
+    return learner.trainer, read_metrics(out / "metrics.jsonl")
 
 
 def train_rows(rows):
@@ -188,4 +188,4 @@ def test_stale_groups_flag_any_sample_beyond_the_lag():
 def test_rollout_batch_must_split_into_whole_updates(tmp_path):
     config = dataclasses.replace(tiny(), data=dataclasses.replace(tiny().data, batch_size=6))
     with pytest.raises(ConfigError, match=r"data.batch_size: must divide the rollout batch .* = 16\), got 6"):
-        Trainer(config, output_dir=tmp_path).setup()
+        build_learner(config, output_dir=tmp_path)

@@ -14,7 +14,7 @@ from jrl.config import ModelConfig
 from jrl.models import init_params
 from jrl.rollout import Engine, EngineConfig, SamplingParams
 from jrl.train.logprobs import token_logprobs
-from jrl.train.rl import build_rows
+from jrl.rl.batch import build_rows
 from jrl.train.strategies.grpo import policy_stats
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,

@@ -10,7 +10,7 @@ from jrl import cli
 from jrl.config import ConfigError, apply_overrides, load_train_config, parse_override, to_dict
 from jrl.metrics_log import MetricsLog
 from jrl.models import init_params
-from jrl.train.__main__ import main
+from jrl.launch import main
 from jrl.train.defaults import default_run
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -12,9 +12,9 @@ import pytest
 
 from jrl.config import ConfigError, ParallelConfig, load_train_config, to_dict
 from jrl.parallel import ParallelConfig as ParallelConfigFromParallel
-from jrl.train.__main__ import main
-from jrl.train.rl import engine_mesh
-from jrl.train.strategies.grpo import GRPOOptions
+from jrl.launch import main
+from jrl.rl.engines import engine_mesh
+from jrl.rl.options import RLOptions
 from jrl.train.trainer import run_mesh
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def test_bad_multi_process_environment_exits_2_before_training(monkeypatch, caps
 def test_bad_engine_tensor_parallel_is_named():
     with pytest.raises(ConfigError, match=r"strategy.options.engine_tensor_parallel: must be -1 \(the trainer's "
                                           r"parallel.tensor\) or a positive integer, got 0"):
-        GRPOOptions(engine_tensor_parallel=0)
+        RLOptions(engine_tensor_parallel=0)
 
 
 def test_engine_tensor_parallel_beyond_the_devices_is_named():

@@ -12,7 +12,7 @@ import yaml
 
 from jrl import checkpoint
 from jrl.metrics_log import read_metrics
-from jrl.train.__main__ import main
+from jrl.launch import main
 
 TINY = {
     "model": {"vocab_size": 262, "hidden_size": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,

@@ -19,7 +19,7 @@ from jrl.models.attention import count_segments
 from jrl.train.callbacks import Callback
 from jrl.train.logprobs import attention_layout, batch_max_segments, hidden_states
 from jrl.train.optim import build_optimizer
-from jrl.train.rl import build_rows
+from jrl.rl.batch import build_rows
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
 from jrl.train.step import make_step_fns

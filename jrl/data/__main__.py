@@ -10,6 +10,7 @@ import sys
 from jrl.config import ConfigError, load_train_config
 from jrl.data.pipeline import build_dataset, cache_key
 from jrl.data.text import load_tokenizer
+from jrl.train.defaults import default_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,8 +22,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.config:
             config = load_train_config(args.config, args.overrides)
         else:
-            from jrl.train.defaults import default_run
-
             config = load_train_config(None, args.overrides, base=default_run())
         if config.data.cache_dir is None:
             raise ConfigError("data.cache_dir: set it to the directory the token stores go to")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jrl.data.tasks import make_task, sft_records
+
 DEFAULT_SIZES = {"arithmetic": 2000, "arithmetic_pairs": 1000, "tinytext": 2000, "addition": 4000}
 
 
@@ -70,8 +72,6 @@ def tinytext(n: int, seed: int = 0) -> list[dict]:
 
 
 def addition(n: int, seed: int = 0) -> list[dict]:
-    from jrl.data.tasks import make_task, sft_records
-
     return sft_records(make_task(), n, seed)
 
 

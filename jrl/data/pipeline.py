@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
 
 import numpy as np
 
@@ -112,7 +112,8 @@ class DataSource:
         self.batch_size = batch_size
         self.sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle)
 
-    def next_batch(self) -> dict[str, np.ndarray]:
+    def next_batch(self, state: Any = None) -> dict[str, np.ndarray]:
+        """The next rows; `state` (the trainer's, for policy-dependent sources) is unused."""
         return self.dataset.rows(self.sampler.take(self.batch_size))
 
     def state_dict(self) -> dict:

@@ -20,7 +20,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from jrl.config import ConfigError
+from jrl.config import ConfigError, from_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +105,6 @@ def make_task(config: TaskConfig | dict[str, Any] | None = None) -> AdditionTask
     if config is None:
         config = TaskConfig()
     elif isinstance(config, dict):
-        from jrl.config import from_dict
-
         config = from_dict(TaskConfig, config, prefix="task.")
     return AdditionTask(config)
 

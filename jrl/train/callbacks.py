@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from tqdm.auto import tqdm
+
+from jrl.plot import plot_run
 
 
 class Callback:
@@ -149,8 +152,6 @@ class ProgressBar(Callback):
     def on_train_begin(self, trainer, state) -> None:
         if not trainer.is_main_process:
             return
-        from tqdm.auto import tqdm
-
         self.bar = tqdm(total=trainer.config.steps, initial=int(state.step), desc=trainer.config.name,
                         unit="step", file=sys.stderr, dynamic_ncols=True)
 
@@ -207,7 +208,5 @@ class PlotCallback(Callback):
     def on_train_end(self, trainer, state) -> None:
         if not trainer.is_main_process:
             return
-        from jrl.plot import plot_run
-
         trainer.metrics_log.flush_and_sync()
         plot_run(trainer.run_dir)

@@ -1,7 +1,7 @@
 """The run `python -m jrl.train` performs without a config: GRPO on the bundled addition
 task (`37+48=` -> `58`, the sum's digits least-significant first; `jrl.data.tasks`) for a
 tiny byte-level model, after a short SFT warm start (`default_warm_start`, run into
-`<run_dir>/warm_start/` by `jrl.train.warm_start`). Sized to finish on a 2-core CPU in a
+`<run_dir>/warm_start/` by `jrl.rl.warm_start`). Sized to finish on a 2-core CPU in a
 few minutes; overrides apply to the GRPO stage (and `model.*` / `seed` to both)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def default_run() -> dict[str, Any]:
 
 def default_warm_start() -> dict[str, Any]:
     """The SFT stage before GRPO: demonstrations of the same task (never a held-out or
-    validation problem); at most `steps`, but `jrl.train.warm_start` stops it once the
+    validation problem); at most `steps`, but `jrl.rl.warm_start` stops it once the
     model solves 40% of the validation problems, so RL has signal and room to improve."""
     return {
         "name": "warm_start",

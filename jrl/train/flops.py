@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jrl.config import ModelConfig
+from jrl.models import init_params
 
 
 def _is_matmul_weight(names: list[str], config: ModelConfig) -> bool:
@@ -41,8 +42,6 @@ def _routed_expert(names: list[str]) -> bool:
 @functools.lru_cache(maxsize=32)
 def matmul_params(config: ModelConfig) -> float:
     """Active matmul parameters per token (see the module doc), from the params' shapes."""
-    from jrl.models import init_params
-
     shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     n = 0.0
     for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):

@@ -4,6 +4,10 @@ loop with callbacks, checkpoints, resumes, and stops cleanly on SIGTERM / SIGINT
     trainer = Trainer(config, callbacks=[...], output_dir="runs/x")
     state = trainer.fit(resume=True)
 
+The trainer reads its batches from the built-in data pipeline (`config.data`) unless it
+is handed a `train_source` (any object with `next_batch(state) -> rows`, and optionally
+`state_dict` / `load_state_dict` for resuming): that is how `jrl.rl` feeds it rollouts.
+
 A run directory holds `config.yaml` (resolved), `metrics.jsonl`, `checkpoints/step_<N>/`
 and `metrics.png`. In a multi-process run every process takes part in each checkpoint
 save, and only process 0 writes the other files.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -32,6 +37,8 @@ from jax.sharding import Mesh
 
 from jrl import checkpoint
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
+from jrl.data import DataSource, build_dataset, fixed_batches, load_tokenizer
+from jrl.hf import load_pretrained
 from jrl.metrics_log import MetricsLog
 from jrl.models import init_params
 from jrl.parallel import (BATCH_AXES, init_sharded_params, initialize_distributed, make_mesh, param_shardings,
@@ -43,7 +50,8 @@ from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
 from jrl.train.state import TrainState, init_sharded_train_state
 from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings
-from jrl.train.strategies import get_strategy, strategy_options
+from jrl.train.strategies import get_strategy
+from jrl.train.strategies import strategy_options as parse_strategy_options
 
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0,
@@ -115,35 +123,82 @@ def run_mesh(parallel: ParallelConfig | None) -> Mesh:
     return make_mesh(ParallelConfig(fsdp=1), devices=jax.devices()[:1])
 
 
-def check_data_format(config: TrainConfig, strategy) -> None:
-    """A strategy on the built-in data pipeline must accept `data.format`."""
-    if strategy.make_source is None and config.data.format not in strategy.data_formats:
+def check_data_format(config: TrainConfig, strategy, has_source: bool = False) -> None:
+    """A strategy on the built-in data pipeline must accept `data.format`; one that
+    brings its own data (no formats) must be handed a source."""
+    if has_source:
+        return
+    if not strategy.data_formats:
+        raise ConfigError(f"strategy.name: {strategy.name!r} trains on rows its own loop generates; build the "
+                          f"trainer through jrl.rl.build_trainer (python -m jrl.train does)")
+    if config.data.format not in strategy.data_formats:
         raise ConfigError(f"data.format: strategy {strategy.name!r} trains on "
                           f"{' or '.join(map(repr, strategy.data_formats))}, got {config.data.format!r}")
 
 
+def load_run_tokenizer(config: TrainConfig) -> Any:
+    """The run's tokenizer (`data.tokenizer`), checked against `model.vocab_size`."""
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: must be >= the tokenizer's vocabulary "
+                          f"({tokenizer.vocab_size}), got {config.model.vocab_size}")
+    return tokenizer
+
+
+def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
+    """Params a run starts from, sharded on `mesh`: `init_from` (a jrl run / checkpoint,
+    or `hf:<dir>`) or the seeded init. LoRA factors the source lacks (adapters on a
+    pretrained base) come from the seeded init."""
+    mc = config.model
+    src = config.init_from
+    # jitted with sharded outputs: each device computes only its shards
+    seeded = lambda: init_sharded_params(mc, jax.random.key(config.seed), mesh)
+    if src is None:
+        return seeded()
+    if src.startswith("hf:"):
+        hf_config, loaded = load_pretrained(src[3:], dtype=mc.param_dtype,
+                                            max_position_embeddings=mc.max_position_embeddings)
+        _check_same_architecture(mc, hf_config, src)
+    else:
+        root, step = _resolve_checkpoint(src)
+        state, _ = checkpoint.load(root, step)
+        loaded = state["params"] if isinstance(state, dict) else state.params
+    template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
+    return shard_params(mc, _overlay(template, loaded, src), mesh)
+
+
 class Trainer:
+    """Trains `config`. `train_source`: the batches (default: the built-in data pipeline);
+    `eval_batches`: held-out batches for `evaluate` with a given source (default: none);
+    `strategy_options`: the strategy's options when its caller parsed them (default: from
+    `config.strategy.options`); `tokenizer` / `mesh`: when the caller built them already
+    (defaults: `data.tokenizer`, `run_mesh(config.parallel)`)."""
+
     def __init__(self, config: TrainConfig, *, callbacks: Iterable[cb.Callback] = (),
-                 output_dir: str | os.PathLike | None = None):
+                 output_dir: str | os.PathLike | None = None, train_source: Any = None,
+                 eval_batches: Iterable[dict] | None = None, strategy_options: Any = None,
+                 tokenizer: Any = None, mesh: Mesh | None = None):
         self.config = config
         initialize_distributed(config.parallel or ParallelConfig())  # no-op unless multi-process
         self.run_dir = Path(output_dir or config.run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.strategy = get_strategy(config.strategy.name)
-        self.options = strategy_options(self.strategy, config.strategy.options)
-        check_data_format(config, self.strategy)
+        self.options = (strategy_options if strategy_options is not None
+                        else parse_strategy_options(self.strategy, config.strategy.options))
+        check_data_format(config, self.strategy, train_source is not None)
         self.schedule = make_schedule(config.schedule, config.steps)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.callbacks = self._with_builtin_callbacks(list(callbacks))
         self.state: TrainState | None = None
         self.reference_params = None
-        self.train_source = None
-        self.eval_batches: list[dict] = []
+        self.train_source = train_source
+        self._source_given = train_source is not None
+        self.eval_batches: list[dict] = list(eval_batches or [])
         self.last_saved_step: int | None = None
         self.stop_reason: str | None = None
-        self._tokenizer = None
+        self._tokenizer = tokenizer
         self._fns = None
-        self._mesh: Mesh | None = None
+        self._mesh: Mesh | None = mesh
         self._shardings: StepShardings | None = None
         self._split = any(cb.edits_gradients(c) for c in self.callbacks)
         self._last_time: float | None = None
@@ -171,13 +226,7 @@ class Trainer:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from jrl.data import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.config.data.tokenizer)
-            vocab = self.config.model.vocab_size
-            if self._tokenizer.vocab_size > vocab:
-                raise ConfigError(f"model.vocab_size: must be >= the tokenizer's vocabulary "
-                                  f"({self._tokenizer.vocab_size}), got {vocab}")
+            self._tokenizer = load_run_tokenizer(self.config)
         return self._tokenizer
 
     @property
@@ -194,44 +243,19 @@ class Trainer:
         return self._mesh
 
     def initial_params(self) -> Any:
-        """Params the run starts from, sharded on `mesh`: `init_from` (a jrl run /
-        checkpoint, or `hf:<dir>`) or the seeded init. LoRA factors the source lacks
-        (adapters on a pretrained base) come from the seeded init."""
-        mc = self.config.model
-        src = self.config.init_from
-        # jitted with sharded outputs: each device computes only its shards
-        seeded = lambda: init_sharded_params(mc, jax.random.key(self.config.seed), self.mesh)
-        if src is None:
-            return seeded()
-        if src.startswith("hf:"):
-            from jrl.hf import load_pretrained
-
-            hf_config, loaded = load_pretrained(src[3:], dtype=mc.param_dtype,
-                                                max_position_embeddings=mc.max_position_embeddings)
-            _check_same_architecture(mc, hf_config, src)
-        else:
-            root, step = _resolve_checkpoint(src)
-            state, _ = checkpoint.load(root, step)
-            loaded = state["params"] if isinstance(state, dict) else state.params
-        template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
-        return shard_params(mc, _overlay(template, loaded, src), self.mesh)
+        """Params the run starts from, sharded on `mesh` (see `load_initial_params`)."""
+        return load_initial_params(self.config, self.mesh)
 
     def _make_sources(self) -> None:
-        strategy, data = self.strategy, self.config.data
-        if strategy.make_source is not None:
-            self.train_source = strategy.make_source(self, "train")
-            self.eval_batches = list(strategy.make_source(self, "eval") or [])
+        data = self.config.data
+        if self._source_given:
             return
-        from jrl.data import DataSource, build_dataset, fixed_batches
-
         train = build_dataset(data, self.tokenizer, "train")
         self.train_source = DataSource(train, data.batch_size, seed=data.seed, shuffle=data.shuffle)
         held = build_dataset(data, self.tokenizer, "eval")
         self.eval_batches = fixed_batches(held, data.batch_size, self.config.eval.batches) if held and len(held) else []
 
     def _clear_run_dir(self) -> None:
-        import shutil
-
         if not self.is_main_process:
             return
         if self.checkpoint_dir.exists():
@@ -305,7 +329,7 @@ class Trainer:
         """The built-in data pipeline's micro-batches must split evenly over the devices."""
         d = self.config.data
         rows, blocks = d.batch_size // d.micro_batches, self._row_blocks
-        if self.strategy.make_source is None and rows % blocks:
+        if not self._source_given and rows % blocks:
             raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
                               f"= {rows}) must be divisible by parallel data*fsdp = {blocks}, got "
                               f"data.batch_size={d.batch_size}")
@@ -447,7 +471,7 @@ class Trainer:
                 self.setup(resume=resume, overwrite=overwrite)
             self.fire("on_train_begin", self.state)
             while int(self.state.step) < self.config.steps and self.stop_reason is None:
-                self.train_step(self.train_source.next_batch())
+                self.train_step(self.train_source.next_batch(self.state))
             self.fire("on_train_end", self.state)
         except BaseException as error:
             self.fire("on_error", self.state, error)

@@ -46,7 +46,7 @@ from jrl import checkpoint as ckpt  # noqa: E402
 from jrl.metrics_log import MetricsLog  # noqa: E402
 from jrl.parallel import (ParallelConfig, init_sharded_params, initialize_distributed,  # noqa: E402
                           make_mesh, param_shardings, shard_batch, state_shardings, with_shardings)
-from jrl.train.__main__ import main as train_main  # noqa: E402
+from jrl.launch import main as train_main  # noqa: E402
 
 # Importing jax is fine; it must not compute (or list devices) before this call.
 started = initialize_distributed(ParallelConfig(initialization_timeout_s=60))

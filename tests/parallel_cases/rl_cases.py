@@ -12,7 +12,7 @@ from common import assert_eight_devices
 from jrl.config import TrainConfig, from_dict
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
-from jrl.train.trainer import Trainer
+from jrl.rl import build_learner
 
 assert_eight_devices()
 
@@ -51,21 +51,23 @@ class RecordSync(Callback):
     buffers of the trainer's params (a sync that moved no bytes)."""
 
     def __init__(self) -> None:
+        self.source = None  # the learner's rollout source, set by run()
         self.tokens: list[np.ndarray] = []
         self.shared: list[bool] = []
 
     def on_step_begin(self, trainer, state, batch) -> None:
         self.tokens.append(np.asarray(batch["tokens"]).copy())
-        engine = trainer.rl_callback.source.engine
+        engine = self.source.engine
         self.shared.append(all(a is b for a, b in zip(jax.tree.leaves(engine.params),
                                                       jax.tree.leaves(state.params))))
 
 
 def run(config: TrainConfig, out):
     record = RecordSync()
-    trainer = Trainer(config, output_dir=out, callbacks=[record])
-    trainer.fit()
-    return trainer, record, read_metrics(out / "metrics.jsonl")
+    learner = build_learner(config, output_dir=out, callbacks=[record])
+    record.source = learner.source
+    learner.fit()
+    return learner, record, read_metrics(out / "metrics.jsonl")
 
 
 def test_tensor_parallel_engine_samples_what_the_one_device_run_samples(tmp_path):
@@ -74,13 +76,13 @@ def test_tensor_parallel_engine_samples_what_the_one_device_run_samples(tmp_path
                                  tmp_path / "tp")
 
     # one device: no engine mesh, the engine serves the trainer's buffers (0 bytes synced)
-    assert one.rl_callback.source.engine_mesh is None
+    assert one.source.engine_mesh is None
     assert one_record.shared[0] and one_record.shared[2]  # first update of each rollout
     # fsdp=4 x tensor=2: the engine holds its own copy on a data=fsdp=1, tensor=2 mesh
-    mesh = tp.rl_callback.source.engine_mesh
+    mesh = tp.source.engine_mesh
     assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 2}
-    assert list(mesh.devices.flat) == list(tp.mesh.devices.flat[:2])
-    engine = tp.rl_callback.source.engine
+    assert list(mesh.devices.flat) == list(tp.trainer.mesh.devices.flat[:2])
+    engine = tp.source.engine
     assert {x.sharding.mesh for x in jax.tree.leaves(engine.params)} == {mesh}
     assert not any(tp_record.shared)
 

@@ -17,7 +17,7 @@ from jrl import checkpoint
 from jrl.config import ConfigError, load_train_config
 from jrl.metrics_log import read_metrics
 from jrl.parallel import param_shardings, state_shardings
-from jrl.train.__main__ import main
+from jrl.launch import main
 from jrl.train.trainer import Trainer
 
 assert_eight_devices()

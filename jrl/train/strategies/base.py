@@ -65,9 +65,8 @@ class Strategy:
     needs_reference: the trainer keeps a frozen copy of the initial params and passes it
         as `ctx.reference_params` (e.g. DPO without precomputed reference log-probs).
     data_formats: the `data.format` values this strategy can train on; empty means the
-        strategy brings its own data (`make_source`).
-    make_source: optional `(trainer, split) -> BatchSource | None` building the batches
-        for "train" / "eval" (e.g. a rollout loop); None uses the built-in data pipeline.
+        strategy brings its own data: its Trainer must be handed a `train_source`
+        (e.g. the rollout loop of jrl.rl).
     """
 
     name: str
@@ -76,7 +75,6 @@ class Strategy:
     options_cls: type = NoOptions
     needs_reference: bool = False
     data_formats: tuple[str, ...] = ("text", "sections")
-    make_source: Callable[..., Any] | None = None
 
 
 def metric(values: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

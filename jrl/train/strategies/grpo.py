@@ -1,11 +1,8 @@
 """GRPO: group-relative policy optimisation, as pure functions of arrays.
 
-The pieces, in the order the RL loop uses them:
+The loss of the RL loop in `jrl.rl` (which samples the rows, scores them and computes
+their advantages; this module only sees arrays):
 
-* `group_advantages(rewards, group_size)`: each prompt was sampled `G` times; a sample's
-  advantage is its reward minus its group's mean, optionally divided by the group's
-  (population) standard deviation. Groups whose rewards are all equal carry no learning
-  signal and are reported so the loop can drop them (dynamic sampling).
 * `grpo_objective(...)`: the clipped surrogate over response tokens,
   `-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)` with `r = exp(logp - old_logp)`,
   optionally multiplied by truncated importance weights (trainer/engine mismatch) and
@@ -30,9 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jrl.config import ConfigError, ModelConfig
-from jrl.data.tasks import TaskConfig
 from jrl.train.logprobs import TargetStats, hidden_states, target_stats
-from jrl.train.rewards import RewardModel, reward_specs_from_config
 from jrl.train.strategies import register_strategy
 from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric
 
@@ -42,15 +37,16 @@ AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
 
 @dataclasses.dataclass(frozen=True)
 class GRPOLossConfig:
-    """Options of the GRPO objective (validated; errors name the field)."""
+    """Options of the GRPO objective, the `grpo` strategy's options (validated; errors
+    name the field). `temperature` is the sampling temperature: the loss scores the
+    distribution the engine sampled from, `softmax(logits / temperature)`."""
 
+    temperature: float = 1.0
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     kl_coef: float = 0.0  # > 0 needs reference log-probs (a frozen copy of the start params)
     aggregation: Aggregation = "token_mean"
     max_response_len: int = 0  # the constant of `dr_grpo`; required > 0 for it
-    scale_adv_by_std: bool = True  # False: Dr. GRPO's unscaled advantages
-    adv_eps: float = 1e-6
     # Truncated importance sampling: weights min(exp(old_logp - behaviour_logp), cap)
     # correct for the engine's numerics differing from the trainer's. 0 disables.
     tis_cap: float = 0.0
@@ -60,6 +56,7 @@ class GRPOLossConfig:
             if not ok:
                 raise ConfigError(f"strategy.options.{field}: {msg}")
 
+        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(0.0 <= self.clip_eps_low < 1.0, "clip_eps_low",
               f"must be in [0, 1), got {self.clip_eps_low}")
         check(self.clip_eps_high >= 0.0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
@@ -71,32 +68,8 @@ class GRPOLossConfig:
         if self.aggregation == "dr_grpo":
             check(self.max_response_len > 0, "max_response_len",
                   "must be > 0 when aggregation is 'dr_grpo' (it is the constant divisor)")
-        check(self.adv_eps > 0.0, "adv_eps", f"must be > 0, got {self.adv_eps}")
         check(self.tis_cap == 0.0 or self.tis_cap >= 1.0, "tis_cap",
               f"must be 0 (off) or >= 1, got {self.tis_cap}")
-
-
-class GroupAdvantages(NamedTuple):
-    advantages: jax.Array  # [N] float32
-    group_has_signal: jax.Array  # [N // G] bool: rewards not all equal
-
-
-def group_advantages(rewards: jax.Array, group_size: int, *, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> GroupAdvantages:
-    """Group-normalised advantages for `rewards [N]`, N = n_groups * group_size, grouped
-    contiguously (samples `g*G .. g*G + G - 1` share a prompt)."""
-    rewards = jnp.asarray(rewards, jnp.float32)
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards: must be 1-D, got shape {rewards.shape}")
-    if group_size < 1 or rewards.shape[0] % group_size:
-        raise ValueError(f"group_size: must be >= 1 and divide the number of rewards "
-                         f"({rewards.shape[0]}), got {group_size}")
-    grouped = rewards.reshape(-1, group_size)
-    centred = grouped - grouped.mean(axis=1, keepdims=True)
-    std = jnp.sqrt(jnp.mean(centred**2, axis=1, keepdims=True))
-    adv = centred / (std + eps) if scale_by_std else centred
-    has_signal = jnp.max(grouped, axis=1) > jnp.min(grouped, axis=1)
-    return GroupAdvantages(adv.reshape(-1), has_signal)
 
 
 def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
@@ -194,95 +167,6 @@ GRPO_FIELDS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "ol
                "behaviour_logp", "ref_logp", "is_weight", "advantages", "behaviour_version")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class GRPOOptions:
-    """`strategy.options` of `grpo`; every field is described in docs/rl.md.
-
-    A rollout batch is `prompts_per_step` prompts x `group_size` samples; it is split into
-    minibatches of `data.batch_size` rows (one optimizer step each) and passed over
-    `epochs` times, so one rollout feeds `epochs * rollout_size / batch_size` updates (the
-    clipped ratio matters from the second on).
-    """
-
-    task: TaskConfig = TaskConfig()
-    rewards: tuple[Any, ...] = ({"fn": "exact_match"},)
-    prompts_per_step: int = 32
-    group_size: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    epochs: int = 1
-    # objective
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    kl_coef: float = 0.0
-    aggregation: Aggregation = "token_mean"
-    scale_adv_by_std: bool = True
-    adv_eps: float = 1e-6
-    old_logp: Literal["engine", "recomputed"] = "engine"
-    tis_cap: float = 0.0
-    drop_zero_variance: bool = True
-    dynamic_sampling_rounds: int = 0
-    # staleness
-    off_policy: bool = False
-    max_version_lag: int | None = None
-    # rollout engine settings (EngineConfig fields) and held-out evaluation
-    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # devices the engine serves tensor-parallel on (a tensor-only mesh over the first of the
-    # trainer's devices); -1: the trainer mesh's `parallel.tensor`
-    engine_tensor_parallel: int = 1
-    eval_problems: int = 0  # 0: every held-out problem of the task
-
-    def __post_init__(self) -> None:
-        def check(ok: bool, field: str, msg: str) -> None:
-            if not ok:
-                raise ConfigError(f"strategy.options.{field}: {msg}")
-
-        for name, lo in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
-                         ("epochs", 1), ("dynamic_sampling_rounds", 0),
-                         ("eval_problems", 0)):
-            v = getattr(self, name)
-            check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, name,
-                  f"must be an integer >= {lo}, got {v!r}")
-        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
-        check(self.old_logp in ("engine", "recomputed"), "old_logp",
-              f"must be 'engine' or 'recomputed', got {self.old_logp!r}")
-        check(self.tis_cap == 0.0 or self.old_logp == "recomputed", "tis_cap",
-              "needs old_logp: recomputed (truncated importance weights correct the recomputed "
-              "anchor for the engine's sampling numerics)")
-        if self.max_version_lag is not None:
-            check(isinstance(self.max_version_lag, int) and self.max_version_lag >= 0,
-                  "max_version_lag", f"must be an integer >= 0 or null, got {self.max_version_lag!r}")
-        check(isinstance(self.engine, dict), "engine", f"must be a mapping, got {self.engine!r}")
-        tp = self.engine_tensor_parallel
-        check(isinstance(tp, int) and not isinstance(tp, bool) and (tp == -1 or tp >= 1),
-              "engine_tensor_parallel", f"must be -1 (the trainer's parallel.tensor) or a positive "
-              f"integer, got {tp!r}")
-        self.loss_config()  # validates the objective's fields
-        RewardModel(reward_specs_from_config(self.rewards, "strategy.options.rewards"),
-                    "strategy.options.rewards")  # resolves every fn now: errors before any run
-
-    @property
-    def rollout_size(self) -> int:
-        return self.prompts_per_step * self.group_size
-
-    def updates_per_rollout(self, batch_size: int) -> int:
-        """Optimizer steps fed by one rollout batch of `rollout_size` rows."""
-        return self.epochs * (self.rollout_size // batch_size)
-
-    def resolved_max_version_lag(self, batch_size: int) -> int:
-        """Samples older than this many versions (at the start of their training) are
-        dropped: by default 0 when synchronous, one rollout's updates when off-policy."""
-        if self.max_version_lag is not None:
-            return self.max_version_lag
-        return self.updates_per_rollout(batch_size) if self.off_policy else 0
-
-    def loss_config(self) -> GRPOLossConfig:
-        return GRPOLossConfig(
-            clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high, kl_coef=self.kl_coef,
-            aggregation=self.aggregation, max_response_len=self.max_new_tokens,
-            scale_adv_by_std=self.scale_adv_by_std, adv_eps=self.adv_eps, tis_cap=self.tis_cap)
-
-
 def policy_stats(config: ModelConfig, params: Any, batch: dict, temperature: float,
                  chunk_size: int = 0) -> tuple[TargetStats, dict]:
     """Statistics of the sampling distribution `softmax(logits / temperature)` at the
@@ -297,12 +181,11 @@ def policy_stats(config: ModelConfig, params: Any, batch: dict, temperature: flo
 
 def grpo_loss_fn(config: ModelConfig, params: Any, batch: dict, ctx: LossContext) -> LossOutput:
     """The `grpo` strategy's loss for one micro-batch of rollout rows (docs/rl.md)."""
-    opts: GRPOOptions = ctx.options
-    loss_cfg = opts.loss_config()
+    opts: GRPOLossConfig = ctx.options
     stats, aux = policy_stats(config, params, batch, opts.temperature, ctx.chunk_size)
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
     parts = grpo_objective(
-        stats.logp, batch["old_logp"], batch["advantages"], mask, loss_cfg,
+        stats.logp, batch["old_logp"], batch["advantages"], mask, opts,
         ref_logp=batch["ref_logp"] if opts.kl_coef > 0 else None,
         is_weights=batch["is_weight"] if opts.tis_cap > 0 else None)
     total, weight = parts.numerator, parts.denominator
@@ -325,13 +208,7 @@ def grpo_loss_fn(config: ModelConfig, params: Any, batch: dict, ctx: LossContext
     return LossOutput(total, weight, metrics)
 
 
-def _make_source(trainer: Any, split: str) -> Any:
-    from jrl.train.rl import make_rollout_source
-
-    return make_rollout_source(trainer, split)
-
-
 GRPO = register_strategy(Strategy(
-    name="grpo", loss_fn=grpo_loss_fn, batch_fields=GRPO_FIELDS, options_cls=GRPOOptions,
-    needs_reference=False, data_formats=(), make_source=_make_source,
+    name="grpo", loss_fn=grpo_loss_fn, batch_fields=GRPO_FIELDS, options_cls=GRPOLossConfig,
+    needs_reference=False, data_formats=(),
 ))

@@ -1,8 +1,8 @@
 """The RL loop behind the `grpo` strategy: rollouts through the engine, rewards,
 group-normalised advantages, log-prob recomputation, weight sync and staleness control.
 
-The Trainer drives it like any data source (`strategy.make_source`): every optimizer step
-asks `RolloutSource.next_batch()` for rows. When the current rollout batch is used up
+The Trainer drives it like any data source it is handed: every optimizer step asks
+`RolloutSource.next_batch(state)` for rows. When the current rollout batch is used up
 (`epochs` passes in minibatches of `data.batch_size` rows), the source
 
 1. publishes the trainer's params to the engine as the state's `policy_version`
@@ -29,7 +29,7 @@ With a `parallel` section the engine serves on its own tensor-only mesh
 (`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
 onto it. On one device it serves the trainer's own buffers (no copy).
 
-`RLCallback` adds the rollout's metrics to the trainer's rows and evaluates held-out
+`jrl.rl.callback.RLCallback` adds the rollout's metrics to the trainer's rows and evaluates held-out
 accuracy (greedy and sampled) at the start, every `eval.every` steps and at the end.
 """
 
@@ -37,76 +37,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.config import ConfigError, ParallelConfig, from_dict
+from jrl.config import ConfigError, ModelConfig
 from jrl.data.tasks import Problem, encode_prompts, make_task
-from jrl.parallel import make_mesh
-from jrl.rollout import Engine, EngineConfig, SamplingParams
+from jrl.rl.advantages import group_advantages
+from jrl.rl.batch import Rollout, build_rows, completion_text, stale_groups
+from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
+from jrl.rl.evaluation import score_problems
+from jrl.rl.options import RLOptions
+from jrl.rl.rewards import exact_match
+from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
-from jrl.train.callbacks import Callback, MetricsLogger
 from jrl.train.logprobs import attention_layout, batch_max_segments
-from jrl.train.rewards import RewardModel, exact_match, reward_specs_from_config
-from jrl.train.strategies.grpo import GRPOOptions, group_advantages, policy_stats
-
-
-# ----------------------------------------------------------------------------- rows
-
-
-def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
-               behaviour_logp: Sequence[np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-    """Trainer rows for prompt + response pairs, in the target convention of the losses:
-    position t predicts `targets[t] = tokens[t + 1]`; `loss_mask` is 1 exactly where the
-    target is a response token, and `behaviour_logp` holds the engine's log-prob of it."""
-    n = len(prompts)
-    tokens = np.full((n, seq_len), pad_id, np.int32)
-    targets = np.full((n, seq_len), pad_id, np.int32)
-    positions = np.zeros((n, seq_len), np.int32)
-    segment_ids = np.zeros((n, seq_len), np.int32)
-    loss_mask = np.zeros((n, seq_len), np.float32)
-    blogp = np.zeros((n, seq_len), np.float32)
-    for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logp)):
-        p, r = np.asarray(p, np.int32), np.asarray(r, np.int32)
-        length = len(p) + len(r)
-        if length > seq_len:
-            raise ValueError(f"data.seq_len: {seq_len} is shorter than prompt ({len(p)}) + response "
-                             f"({len(r)}) = {length} tokens; raise data.seq_len")
-        if len(lp) != len(r):
-            raise ValueError(f"behaviour_logp: {len(lp)} log-probs for a response of {len(r)} tokens")
-        seq = np.concatenate([p, r])
-        tokens[i, :length] = seq
-        targets[i, :length - 1] = seq[1:]
-        positions[i, :length] = np.arange(length)
-        segment_ids[i, :length] = 1
-        loss_mask[i, len(p) - 1:length - 1] = 1.0
-        blogp[i, len(p) - 1:length - 1] = lp
-    return {"tokens": tokens, "targets": targets, "positions": positions, "segment_ids": segment_ids,
-            "loss_mask": loss_mask, "behaviour_logp": blogp}
-
-
-def stale_groups(sample_versions: np.ndarray, group_size: int, trainer_version: int,
-                 max_lag: int) -> np.ndarray:
-    """[n_groups] bool: groups holding a sample generated more than `max_lag` versions
-    before `trainer_version` (a sample's version is the oldest of its tokens')."""
-    lag = trainer_version - np.asarray(sample_versions).reshape(-1, group_size)
-    return (lag > max_lag).any(axis=1)
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One rollout batch: trainer rows (all `prompts_per_step * group_size` of them, masked
-    groups included so shapes never change) and host-side statistics."""
-
-    rows: dict[str, np.ndarray]
-    sample_versions: np.ndarray  # [N] oldest token version per sample
-    group_kept: np.ndarray  # [n_groups] bool: trained on (signal, not stale)
-    metrics: dict[str, float]
+from jrl.train.strategies.grpo import policy_stats
 
 
 @dataclasses.dataclass
@@ -119,110 +68,34 @@ class _Group:
     correct: np.ndarray
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def engine_config_for(options: GRPOOptions, seq_len: int, n_requests: int, seed: int) -> EngineConfig:
-    """Engine settings sized for `n_requests` concurrent requests of up to `seq_len`
-    tokens, overridden by `strategy.options.engine`."""
-    max_batch = min(_pow2(n_requests), 256)
-    page_size = int(options.engine.get("page_size", 16))
-    pages_per_request = -(-seq_len // max(page_size, 1))
-    derived = {"page_size": page_size, "max_batch": max_batch,
-               "n_pages": _pow2(max_batch * pages_per_request + 8),
-               "max_tokens_per_step": max(max_batch, 1024), "max_seq_len": seq_len, "seed": seed}
-    return from_dict(EngineConfig, {**derived, **options.engine}, prefix="strategy.options.engine.")
-
-
-def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sharding.Mesh | None:
-    """The engine's tensor-only mesh (data = fsdp = 1, as jrl.rollout.sharding requires)
-    over the first `tensor_parallel` of this process's devices of `trainer_mesh` (-1: its
-    `tensor` size). None when the trainer runs on one device and so does the engine: it
-    then serves the trainer's params by reference, exactly as without a mesh."""
-    field = "strategy.options.engine_tensor_parallel"
-    tp = trainer_mesh.shape["tensor"] if tensor_parallel == -1 else tensor_parallel
-    local = [d for d in trainer_mesh.devices.flat if d.process_index == jax.process_index()]
-    if tp > len(local):
-        raise ConfigError(f"{field}: {tp} devices, but this process has {len(local)} of the trainer's mesh")
-    if tp == 1 and trainer_mesh.size == 1:
-        return None
-    return make_mesh(ParallelConfig(data=1, fsdp=1, tensor=tp), devices=local[:tp])
-
-
-def serve_weights(engine: Engine | None, params: Any, version: int, model_config: Any,
-                  engine_config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> tuple[Engine, bool]:
-    """Makes `engine` (or a new one, on `mesh` when given) serve `params` as `version`,
-    acknowledged. Returns (engine, whether it had to be rebuilt)."""
-    if engine is None:
-        return Engine(model_config, params, engine_config, version=version, mesh=mesh), False
-    if version == engine.version:
-        # One version is one set of weights, so the engine keeps what it has unless
-        # those buffers were donated to an update since: then every such update was
-        # skipped (non-finite) and `params` holds the same weights in new buffers.
-        # The engine never serves one version with two params objects, so it starts
-        # over with these.
-        if not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(engine.params)):
-            return engine, False
-        return Engine(model_config, params, engine_config, version=version, mesh=mesh), True
-    ack = engine.update_weights(params, version)
-    if ack.version != version:
-        raise RuntimeError(f"engine acknowledged version {ack.version}, expected {version}")
-    return engine, False
-
-
-def completion_text(tokenizer: Any, c: Completion) -> str:
-    """The decoded response without its stop token."""
-    ids = c.tokens[:-1] if c.finish_reason == "eos" else c.tokens
-    return tokenizer.decode([int(t) for t in ids])
-
-
-def score_problems(engine: Engine, tokenizer: Any, problems: Sequence[Problem], *, max_new_tokens: int,
-                   temperature: float, seed: int, rewards: RewardModel | None = None) -> dict[str, float]:
-    """One completion per problem (greedy when temperature is 0): exact-match accuracy,
-    and the mean reward when `rewards` is given."""
-    prompts = [np.asarray(p, np.int32) for p in encode_prompts(tokenizer, problems)]
-    seeds = np.random.default_rng([seed, 29]).integers(0, 2**32, size=len(prompts), dtype=np.uint64)
-    sampling = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
-    comps = engine.generate(prompts, sampling, max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_id])
-    texts = [completion_text(tokenizer, c) for c in comps]
-    out = {"accuracy": float(np.mean([exact_match(p.prompt, t, p.answer) for p, t in zip(problems, texts)]))}
-    if rewards is not None:
-        out["reward"] = float(rewards([p.prompt for p in problems], texts, [p.answer for p in problems])[0].mean())
-    return out
-
-
-# ----------------------------------------------------------------------------- the source
-
-
 class RolloutSource:
     """Yields GRPO training rows to the Trainer, generating them with the rollout engine."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        config = trainer.config
-        self.options: GRPOOptions = trainer.options
-        o = self.options
-        self.model_config = config.model
-        self.seed = config.seed
-        self.seq_len = config.data.seq_len
+    def __init__(self, options: RLOptions, *, model_config: ModelConfig, tokenizer: Any,
+                 mesh: jax.sharding.Mesh, seq_len: int, batch_size: int, seed: int, lm_head_chunk: int = 0,
+                 reference_params: Callable[[], Any] | None = None) -> None:
+        """`tokenizer` and `mesh` are the trainer's; `reference_params` returns the frozen
+        reference policy of the KL penalty (called once, when kl_coef > 0)."""
+        self.options = o = options
+        self.model_config = model_config
+        self.seed = seed
+        self.seq_len = seq_len
         self.task = make_task(o.task)
-        self.rewards = RewardModel(reward_specs_from_config(o.rewards, "strategy.options.rewards"),
-                                   "strategy.options.rewards")
-        self.tokenizer = trainer.tokenizer
+        self.rewards = o.reward_model()
+        self.tokenizer = tokenizer
         self.eval_problems = self.task.heldout[:o.eval_problems or None]
         longest = max(len(p) for p in encode_prompts(self.tokenizer, self.task.heldout[:64]))
         if longest + o.max_new_tokens > self.seq_len:
             raise ConfigError(f"data.seq_len: must hold a prompt ({longest} tokens) + max_new_tokens "
                               f"({o.max_new_tokens}), got {self.seq_len}")
-        self.batch_size = config.data.batch_size
+        self.batch_size = batch_size
         if o.rollout_size % self.batch_size:
             raise ConfigError(f"data.batch_size: must divide the rollout batch (strategy.options."
                               f"prompts_per_step * group_size = {o.rollout_size}), got {self.batch_size}")
         self.max_version_lag = o.resolved_max_version_lag(self.batch_size)
         self.engine_config = engine_config_for(o, self.seq_len, max(o.rollout_size, len(self.eval_problems)),
                                                self.seed)
-        self.engine_mesh = engine_mesh(trainer.mesh, o.engine_tensor_parallel)
+        self.engine_mesh = engine_mesh(mesh, o.engine_tensor_parallel)
         self.engine: Engine | None = None
         self.engine_rebuilds = 0
         self.rl_step = 0
@@ -232,8 +105,9 @@ class RolloutSource:
         self._queue: list[dict[str, np.ndarray]] = []
         self._pending: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reference_fn = reference_params
         self._reference = None
-        temperature, chunk, mc, mesh = o.temperature, config.lm_head_chunk, self.model_config, trainer.mesh
+        temperature, chunk, mc = o.temperature, lm_head_chunk, model_config
 
         def logp(params, rows, max_segments):
             # Same attention layout (and placement) as the trainer's loss, so on GPU both
@@ -261,7 +135,9 @@ class RolloutSource:
     def reference_params(self) -> Any:
         """The frozen reference policy of the KL penalty: the run's initial params."""
         if self._reference is None:
-            self._reference = self.trainer.initial_params()
+            if self._reference_fn is None:
+                raise ValueError("reference_params: needed for kl_coef > 0, not given to the RolloutSource")
+            self._reference = self._reference_fn()
         return self._reference
 
     # ------------------------------------------------------------------ generation
@@ -312,8 +188,7 @@ class RolloutSource:
         rows = build_rows([g.prompt for g in groups for _ in g.completions], [c.tokens for c in comps],
                           [c.logprobs for c in comps], self.seq_len, self.tokenizer.pad_id)
         rewards = np.concatenate([g.rewards for g in groups])
-        adv, _ = group_advantages(jnp.asarray(rewards), o.group_size, scale_by_std=o.scale_adv_by_std,
-                                  eps=o.adv_eps)
+        adv, _ = group_advantages(rewards, o.group_size, scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
         group_kept = np.arange(len(groups)) < n_kept
         rows["advantages"] = np.asarray(adv, np.float32)
 
@@ -372,8 +247,7 @@ class RolloutSource:
         self.sync_weights(engine_params, version)
         return self._executor.submit(self.generate, engine_params, version, rl_step)
 
-    def _next_rollout(self) -> Rollout:
-        state = self.trainer.state
+    def _next_rollout(self, state: Any) -> Rollout:
         version = int(state.policy_version)
         o = self.options
         if not o.off_policy:
@@ -396,17 +270,18 @@ class RolloutSource:
         self._pending = self._submit(state.params, version, self.rl_step + 1)
         return rollout
 
-    def next_batch(self) -> dict[str, np.ndarray]:
+    def next_batch(self, state: Any) -> dict[str, np.ndarray]:
+        """The rows of the next update of `state` (a TrainState: params and policy version)."""
         if not self._queue:
-            self._start_rollout()
+            self._start_rollout(state)
         return self._queue.pop(0)
 
-    def _start_rollout(self) -> None:
+    def _start_rollout(self, state: Any) -> None:
         o = self.options
         t0 = time.perf_counter()
-        rollout = self._next_rollout()
+        rollout = self._next_rollout(state)
         wait_s = time.perf_counter() - t0
-        version = int(self.trainer.state.policy_version)
+        version = int(state.policy_version)
         rows = rollout.rows
         kept_rows = np.repeat(rollout.group_kept, o.group_size)
         rows["loss_mask"] = rows["loss_mask"] * kept_rows[:, None]
@@ -466,88 +341,3 @@ class RolloutSource:
         self.rl_step = int(state["rl_step"])
 
 
-# ----------------------------------------------------------------------------- callback
-
-
-def _say(message: str) -> None:
-    try:
-        from tqdm.auto import tqdm
-
-        tqdm.write(message, file=sys.stdout)
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        print(message, flush=True)
-
-
-class RLCallback(Callback):
-    """Adds rollout metrics to the step rows; held-out evaluation at start, every
-    `eval.every` steps and at the end (rows via `on_eval`, so they are logged and
-    early stopping may monitor `eval_accuracy`)."""
-
-    def __init__(self, source: RolloutSource) -> None:
-        self.source = source
-        self.first_eval: dict | None = None
-        self.last_eval: dict | None = None
-        self._t0: float | None = None
-        self._last_eval_step: int | None = None
-
-    def _evaluate(self, trainer, state, label: str) -> None:
-        if self._last_eval_step == int(state.step):
-            return
-        self._last_eval_step = int(state.step)
-        row = self.source.evaluate(state)
-        if self.first_eval is None:
-            self.first_eval = row
-        self.last_eval = row
-        _say(f"[grpo] {label} step {row['step']} (policy version {row['policy_version']}): held-out accuracy "
-             f"{row['eval_accuracy']:.1%} greedy, {row['eval_accuracy_sampled']:.1%} sampled "
-             f"({len(self.source.eval_problems)} problems)")
-        trainer.fire("on_eval", state, row)
-
-    def on_train_begin(self, trainer, state) -> None:
-        if trainer.config.eval.at_end or trainer.config.eval.every:  # the "before" of before/after
-            self._evaluate(trainer, state, "start")
-
-    def on_step_begin(self, trainer, state, batch) -> None:
-        self._t0 = time.perf_counter()
-
-    def after_optimizer_step(self, trainer, state, metrics) -> None:
-        if self._t0 is not None:
-            metrics["train_s"] = time.perf_counter() - self._t0
-        if self.source.pending_metrics is not None:
-            metrics.update(self.source.pending_metrics)
-            self.source.pending_metrics = None
-        every = trainer.config.eval.every
-        if every and int(state.step) % every == 0:
-            self._evaluate(trainer, state, "eval")
-
-    def on_train_end(self, trainer, state) -> None:
-        try:
-            stopped_by_signal = (trainer.stop_reason or "").startswith("received")
-            if trainer.config.eval.at_end and not stopped_by_signal:
-                self._evaluate(trainer, state, "end")
-            if self.first_eval is not None and self.last_eval is not None \
-                    and self.first_eval is not self.last_eval:
-                a, b = self.first_eval, self.last_eval
-                _say(f"[grpo] held-out accuracy: {a['eval_accuracy']:.1%} -> {b['eval_accuracy']:.1%} greedy, "
-                     f"{a['eval_accuracy_sampled']:.1%} -> {b['eval_accuracy_sampled']:.1%} sampled "
-                     f"(policy version {a['policy_version']} -> {b['policy_version']})")
-        finally:
-            self.source.close()
-
-    def on_error(self, trainer, state, error) -> None:
-        self.source.close()
-
-
-def make_rollout_source(trainer: Any, split: str) -> RolloutSource | None:
-    """The `grpo` strategy's `make_source`: a RolloutSource for "train" (with its callback
-    placed among the user callbacks, before the metrics logger); no fixed eval batches
-    (held-out evaluation generates instead)."""
-    if split != "train":
-        return None
-    source = RolloutSource(trainer)
-    callback = RLCallback(source)
-    at = next((i for i, c in enumerate(trainer.callbacks) if isinstance(c, MetricsLogger)),
-              len(trainer.callbacks))
-    trainer.callbacks.insert(at, callback)
-    trainer.rl_callback = callback
-    return source

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+
 from jrl.config import TrainConfig, from_dict
+from jrl.data.tasks import make_task
+from jrl.rl.engines import engine_config_for, serve_weights
+from jrl.rl.evaluation import score_problems
+from jrl.rl.options import RLOptions
 from jrl.train.callbacks import Callback
+from jrl.train.defaults import default_warm_start
+from jrl.train.trainer import Trainer
 
 TARGET_ACCURACY = 0.4
 CHECK_EVERY = 25
@@ -30,18 +37,13 @@ class StopAtValidationAccuracy(Callback):
     with `val_accuracy`); requests the stop once it reaches `target`."""
 
     def __init__(self, grpo: TrainConfig, target: float, every: int) -> None:
-        from jrl.train.strategies import get_strategy, strategy_options
-
-        self.options = strategy_options(get_strategy("grpo"), grpo.strategy.options)
+        self.options = RLOptions.from_config(grpo.strategy.options)
         self.seq_len = grpo.data.seq_len
         self.target, self.every = target, every
         self.engine = None
         self.history: list[tuple[int, float]] = []
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
-        from jrl.data.tasks import make_task
-        from jrl.train.rl import engine_config_for, score_problems, serve_weights
-
         step = int(state.step)
         if step % self.every:
             return
@@ -63,8 +65,6 @@ class StopAtValidationAccuracy(Callback):
 
 def warm_start_config(config: TrainConfig) -> TrainConfig:
     """The SFT stage for the GRPO stage `config`: its model, seed and logging."""
-    from jrl.train.defaults import default_warm_start
-
     warm = from_dict(TrainConfig, default_warm_start())
     return dataclasses.replace(warm, model=config.model, seed=config.seed, logging=config.logging)
 
@@ -74,8 +74,6 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
                    target_accuracy: float = TARGET_ACCURACY, check_every: int = CHECK_EVERY) -> TrainConfig | None:
     """Trains the warm start into `<run_dir>/warm_start` (resuming it when `resume`) and
     returns `config` starting from its final checkpoint; None if a signal stopped it."""
-    from jrl.train.trainer import Trainer
-
     run_dir = Path(output_dir or config.run_dir)
     warm = warm or warm_start_config(config)
     stop = StopAtValidationAccuracy(config, target_accuracy, check_every)

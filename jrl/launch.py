@@ -1,0 +1,115 @@
+"""The program behind `python -m jrl.train [--config X.yaml] [dotted.key=value ...]
+[--output-dir D] [--resume | --overwrite] [--dry-run]` (and `jrl train`).
+
+It sits above both `jrl.train` and `jrl.rl`: a config whose strategy generates its own
+data (`grpo`) gets its trainer from `jrl.rl.build_learner`, every other one a plain
+`Trainer` on the data pipeline.
+
+Without `--config` the embedded default run (`jrl.train.defaults`) is the base; overrides
+apply on top of either. Exit status: 0 on success (also after SIGTERM / SIGINT, which
+save a checkpoint first), 2 for a bad config or command line, 1 for a failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import yaml
+
+from jrl.config import ConfigError, ParallelConfig, TrainConfig, load_train_config, to_dict
+from jrl.models import init_params
+from jrl.parallel import initialize_distributed
+from jrl.rl.learner import build_learner
+from jrl.rl.options import RLOptions
+from jrl.rl.warm_start import run_warm_start
+from jrl.train.defaults import default_run
+from jrl.train.optim import param_groups, trainable_groups
+from jrl.train.strategies import get_strategy, strategy_options
+from jrl.train.trainer import Trainer, check_data_format, load_run_tokenizer
+
+RL_STRATEGIES = ("grpo",)
+
+
+def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train a model (see docs/training.md).")
+    p.add_argument("--config", help="YAML run config (default: the embedded default run)")
+    p.add_argument("--output-dir", help="run directory (default: runs/<name>)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
+    mode.add_argument("--overwrite", action="store_true", help="delete the run directory's checkpoints and metrics first")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and parameter count, then exit")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optimizer.lr=3e-4")
+    return p
+
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """The run's config, with its strategy options, data format and tokenizer checked."""
+    if args.config:
+        config = load_train_config(args.config, args.overrides)
+    else:
+        config = load_train_config(None, args.overrides, base=default_run())
+    strategy = get_strategy(config.strategy.name)
+    if strategy.name in RL_STRATEGIES:
+        RLOptions.from_config(config.strategy.options)
+    else:
+        strategy_options(strategy, config.strategy.options)
+        check_data_format(config, strategy)
+    load_run_tokenizer(config)  # the data pipeline and RL sources tokenise with it
+    return config
+
+
+def make_trainer(config: TrainConfig, *, callbacks=(), output_dir: str | None = None) -> Trainer:
+    """The trainer for any config: RL strategies through jrl.rl, the rest directly."""
+    if config.strategy.name in RL_STRATEGIES:
+        return build_learner(config, callbacks=callbacks, output_dir=output_dir).trainer
+    return Trainer(config, callbacks=callbacks, output_dir=output_dir)
+
+
+def start_distributed(config) -> bool:
+    """Joins the other processes of a multi-host run (`jax.distributed`, settings from the
+    `parallel` section or the JAX_* environment variables). Must come before any other JAX
+    work, which would fix the device list to this process's devices; a no-op (False) for
+    a single process."""
+    return initialize_distributed(config.parallel or ParallelConfig())
+
+
+def dry_run(config, output_dir: str | None) -> None:
+    abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
+    groups = param_groups(abstract)
+    trainable = trainable_groups(config.optimizer, set(jax.tree.leaves(groups)))
+    total = sum(x.size for x in jax.tree.leaves(abstract))
+    n_train = sum(x.size for x, g in zip(jax.tree.leaves(abstract), jax.tree.leaves(groups)) if g in trainable)
+    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+    print(f"# output_dir: {output_dir or config.run_dir}")
+    print(f"# parameters: {total:,} ({n_train:,} trainable)")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        config = resolve_config(args)
+        start_distributed(config)
+    except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        dry_run(config, args.output_dir)
+        return 0
+    overwrite = args.overwrite or (not args.config and not args.resume)
+    if not args.config and config.init_from is None:  # the embedded default: SFT warm start, then GRPO
+        config = run_warm_start(config, output_dir=args.output_dir, resume=args.resume, overwrite=overwrite)
+        if config is None:
+            return 0
+    try:
+        trainer = make_trainer(config, output_dir=args.output_dir)
+        state = trainer.fit(resume=args.resume, overwrite=overwrite)
+    except (ConfigError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
+    print(f"finished at step {int(state.step)}, policy version {int(state.policy_version)}{reason}; "
+          f"run directory: {trainer.run_dir}")
+    return 0
+

@@ -1,0 +1,66 @@
+"""Trainer rows from sampled completions, and the rollout batch that carries them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from jrl.rollout.request import Completion
+
+
+def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
+               behaviour_logp: Sequence[np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Trainer rows for prompt + response pairs, in the target convention of the losses:
+    position t predicts `targets[t] = tokens[t + 1]`; `loss_mask` is 1 exactly where the
+    target is a response token, and `behaviour_logp` holds the engine's log-prob of it."""
+    n = len(prompts)
+    tokens = np.full((n, seq_len), pad_id, np.int32)
+    targets = np.full((n, seq_len), pad_id, np.int32)
+    positions = np.zeros((n, seq_len), np.int32)
+    segment_ids = np.zeros((n, seq_len), np.int32)
+    loss_mask = np.zeros((n, seq_len), np.float32)
+    blogp = np.zeros((n, seq_len), np.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logp)):
+        p, r = np.asarray(p, np.int32), np.asarray(r, np.int32)
+        length = len(p) + len(r)
+        if length > seq_len:
+            raise ValueError(f"data.seq_len: {seq_len} is shorter than prompt ({len(p)}) + response "
+                             f"({len(r)}) = {length} tokens; raise data.seq_len")
+        if len(lp) != len(r):
+            raise ValueError(f"behaviour_logp: {len(lp)} log-probs for a response of {len(r)} tokens")
+        seq = np.concatenate([p, r])
+        tokens[i, :length] = seq
+        targets[i, :length - 1] = seq[1:]
+        positions[i, :length] = np.arange(length)
+        segment_ids[i, :length] = 1
+        loss_mask[i, len(p) - 1:length - 1] = 1.0
+        blogp[i, len(p) - 1:length - 1] = lp
+    return {"tokens": tokens, "targets": targets, "positions": positions, "segment_ids": segment_ids,
+            "loss_mask": loss_mask, "behaviour_logp": blogp}
+
+
+def stale_groups(sample_versions: np.ndarray, group_size: int, trainer_version: int,
+                 max_lag: int) -> np.ndarray:
+    """[n_groups] bool: groups holding a sample generated more than `max_lag` versions
+    before `trainer_version` (a sample's version is the oldest of its tokens')."""
+    lag = trainer_version - np.asarray(sample_versions).reshape(-1, group_size)
+    return (lag > max_lag).any(axis=1)
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One rollout batch: trainer rows (all `prompts_per_step * group_size` of them, masked
+    groups included so shapes never change) and host-side statistics."""
+
+    rows: dict[str, np.ndarray]
+    sample_versions: np.ndarray  # [N] oldest token version per sample
+    group_kept: np.ndarray  # [n_groups] bool: trained on (signal, not stale)
+    metrics: dict[str, float]
+
+
+def completion_text(tokenizer: Any, c: Completion) -> str:
+    """The decoded response without its stop token."""
+    ids = c.tokens[:-1] if c.finish_reason == "eos" else c.tokens
+    return tokenizer.decode([int(t) for t in ids])

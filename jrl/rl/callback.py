@@ -1,0 +1,74 @@
+"""The RL loop's trainer callback: rollout metrics in the step rows, held-out evaluation."""
+
+from __future__ import annotations
+
+import time
+
+from tqdm.auto import tqdm
+
+from jrl.rl.source import RolloutSource
+from jrl.train.callbacks import Callback
+
+
+def _say(message: str) -> None:
+    tqdm.write(message)
+
+
+class RLCallback(Callback):
+    """Adds rollout metrics to the step rows; held-out evaluation at start, every
+    `eval.every` steps and at the end (rows via `on_eval`, so they are logged and
+    early stopping may monitor `eval_accuracy`)."""
+
+    def __init__(self, source: RolloutSource) -> None:
+        self.source = source
+        self.first_eval: dict | None = None
+        self.last_eval: dict | None = None
+        self._t0: float | None = None
+        self._last_eval_step: int | None = None
+
+    def _evaluate(self, trainer, state, label: str) -> None:
+        if self._last_eval_step == int(state.step):
+            return
+        self._last_eval_step = int(state.step)
+        row = self.source.evaluate(state)
+        if self.first_eval is None:
+            self.first_eval = row
+        self.last_eval = row
+        _say(f"[grpo] {label} step {row['step']} (policy version {row['policy_version']}): held-out accuracy "
+             f"{row['eval_accuracy']:.1%} greedy, {row['eval_accuracy_sampled']:.1%} sampled "
+             f"({len(self.source.eval_problems)} problems)")
+        trainer.fire("on_eval", state, row)
+
+    def on_train_begin(self, trainer, state) -> None:
+        if trainer.config.eval.at_end or trainer.config.eval.every:  # the "before" of before/after
+            self._evaluate(trainer, state, "start")
+
+    def on_step_begin(self, trainer, state, batch) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_optimizer_step(self, trainer, state, metrics) -> None:
+        if self._t0 is not None:
+            metrics["train_s"] = time.perf_counter() - self._t0
+        if self.source.pending_metrics is not None:
+            metrics.update(self.source.pending_metrics)
+            self.source.pending_metrics = None
+        every = trainer.config.eval.every
+        if every and int(state.step) % every == 0:
+            self._evaluate(trainer, state, "eval")
+
+    def on_train_end(self, trainer, state) -> None:
+        try:
+            stopped_by_signal = (trainer.stop_reason or "").startswith("received")
+            if trainer.config.eval.at_end and not stopped_by_signal:
+                self._evaluate(trainer, state, "end")
+            if self.first_eval is not None and self.last_eval is not None \
+                    and self.first_eval is not self.last_eval:
+                a, b = self.first_eval, self.last_eval
+                _say(f"[grpo] held-out accuracy: {a['eval_accuracy']:.1%} -> {b['eval_accuracy']:.1%} greedy, "
+                     f"{a['eval_accuracy_sampled']:.1%} -> {b['eval_accuracy_sampled']:.1%} sampled "
+                     f"(policy version {a['policy_version']} -> {b['policy_version']})")
+        finally:
+            self.source.close()
+
+    def on_error(self, trainer, state, error) -> None:
+        self.source.close()

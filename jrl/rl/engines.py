@@ -1,0 +1,65 @@
+"""The RL loop's rollout engine: its size for a workload, the devices it serves on, and
+handing it each new version of the weights (acknowledged)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jrl.config import ConfigError, ParallelConfig, from_dict
+from jrl.parallel import make_mesh
+from jrl.rl.options import RLOptions
+from jrl.rollout import Engine, EngineConfig
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: int) -> EngineConfig:
+    """Engine settings sized for `n_requests` concurrent requests of up to `seq_len`
+    tokens, overridden by `strategy.options.engine`."""
+    max_batch = min(_pow2(n_requests), 256)
+    page_size = int(options.engine.get("page_size", 16))
+    pages_per_request = -(-seq_len // max(page_size, 1))
+    derived = {"page_size": page_size, "max_batch": max_batch,
+               "n_pages": _pow2(max_batch * pages_per_request + 8),
+               "max_tokens_per_step": max(max_batch, 1024), "max_seq_len": seq_len, "seed": seed}
+    return from_dict(EngineConfig, {**derived, **options.engine}, prefix="strategy.options.engine.")
+
+
+def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sharding.Mesh | None:
+    """The engine's tensor-only mesh (data = fsdp = 1, as jrl.rollout.sharding requires)
+    over the first `tensor_parallel` of this process's devices of `trainer_mesh` (-1: its
+    `tensor` size). None when the trainer runs on one device and so does the engine: it
+    then serves the trainer's params by reference, exactly as without a mesh."""
+    field = "strategy.options.engine_tensor_parallel"
+    tp = trainer_mesh.shape["tensor"] if tensor_parallel == -1 else tensor_parallel
+    local = [d for d in trainer_mesh.devices.flat if d.process_index == jax.process_index()]
+    if tp > len(local):
+        raise ConfigError(f"{field}: {tp} devices, but this process has {len(local)} of the trainer's mesh")
+    if tp == 1 and trainer_mesh.size == 1:
+        return None
+    return make_mesh(ParallelConfig(data=1, fsdp=1, tensor=tp), devices=local[:tp])
+
+
+def serve_weights(engine: Engine | None, params: Any, version: int, model_config: Any,
+                  engine_config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> tuple[Engine, bool]:
+    """Makes `engine` (or a new one, on `mesh` when given) serve `params` as `version`,
+    acknowledged. Returns (engine, whether it had to be rebuilt)."""
+    if engine is None:
+        return Engine(model_config, params, engine_config, version=version, mesh=mesh), False
+    if version == engine.version:
+        # One version is one set of weights, so the engine keeps what it has unless
+        # those buffers were donated to an update since: then every such update was
+        # skipped (non-finite) and `params` holds the same weights in new buffers.
+        # The engine never serves one version with two params objects, so it starts
+        # over with these.
+        if not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(engine.params)):
+            return engine, False
+        return Engine(model_config, params, engine_config, version=version, mesh=mesh), True
+    ack = engine.update_weights(params, version)
+    if ack.version != version:
+        raise RuntimeError(f"engine acknowledged version {ack.version}, expected {version}")
+    return engine, False

@@ -1,0 +1,50 @@
+"""The GRPO learner: a Trainer handed its roles (the rollout source that generates its
+batches with the engine, the callback that reports and evaluates, the reference policy
+of the KL penalty) instead of reaching into the trainer for them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterable
+
+from jrl.config import ParallelConfig, TrainConfig
+from jrl.parallel import initialize_distributed
+from jrl.rl.callback import RLCallback
+from jrl.rl.options import RLOptions
+from jrl.rl.source import RolloutSource
+from jrl.train.callbacks import Callback
+from jrl.train.state import TrainState
+from jrl.train.trainer import Trainer, load_initial_params, load_run_tokenizer, run_mesh
+
+
+@dataclasses.dataclass
+class Learner:
+    """A GRPO run: the trainer and the roles it was handed."""
+
+    trainer: Trainer
+    source: RolloutSource
+    callback: RLCallback
+    options: RLOptions
+
+    def fit(self, resume: bool = False, overwrite: bool = False) -> TrainState:
+        return self.trainer.fit(resume=resume, overwrite=overwrite)
+
+
+def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
+                  output_dir: str | os.PathLike | None = None) -> Learner:
+    """The trainer of a `grpo` config with its rollout source and RL callback (the last
+    of the user callbacks: it adds the rollout's metrics to a step's row just before the
+    metrics logger writes it)."""
+    initialize_distributed(config.parallel or ParallelConfig())  # before any device is touched
+    options = RLOptions.from_config(config.strategy.options)
+    tokenizer = load_run_tokenizer(config)
+    mesh = run_mesh(config.parallel)
+    source = RolloutSource(options, model_config=config.model, tokenizer=tokenizer, mesh=mesh,
+                           seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed,
+                           lm_head_chunk=config.lm_head_chunk,
+                           reference_params=lambda: load_initial_params(config, mesh))
+    callback = RLCallback(source)
+    trainer = Trainer(config, callbacks=[*callbacks, callback], output_dir=output_dir, train_source=source,
+                      strategy_options=options.loss, tokenizer=tokenizer, mesh=mesh)
+    return Learner(trainer, source, callback, options)

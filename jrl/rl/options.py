@@ -1,0 +1,136 @@
+"""The `grpo` recipe's settings: what the RL loop does (task, rewards, sampling, staleness,
+engine, evaluation) and, separately, the objective the trainer minimises.
+
+Users write every key under `strategy.options` (docs/rl.md). `RLOptions.from_config`
+splits that mapping: the objective's keys (`jrl.train.strategies.grpo.GRPOLossConfig`)
+become `RLOptions.loss`, handed to the trainer as its strategy options; the others are
+the loop's. An unknown key is refused with the names of both sets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from jrl.config import ConfigError, from_dict
+from jrl.data.tasks import TaskConfig
+from jrl.rl.rewards import RewardModel, reward_specs_from_config
+from jrl.train.strategies.grpo import GRPOLossConfig
+
+PREFIX = "strategy.options."
+
+
+def _check(ok: bool, field: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{PREFIX}{field}: {msg}")
+
+
+def _is_int(v: Any, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+# Keys of `strategy.options` that configure the objective (max_response_len is derived
+# from max_new_tokens; temperature belongs to both: it is how the engine samples and so
+# the distribution the loss scores).
+LOSS_KEYS = tuple(f.name for f in dataclasses.fields(GRPOLossConfig) if f.name != "max_response_len")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RLOptions:
+    """The loop's settings; every field is described in docs/rl.md.
+
+    A rollout batch is `prompts_per_step` prompts x `group_size` samples; it is split into
+    minibatches of `data.batch_size` rows (one optimizer step each) and passed over
+    `epochs` times, so one rollout feeds `epochs * rollout_size / batch_size` updates (the
+    clipped ratio matters from the second on).
+    """
+
+    task: TaskConfig = TaskConfig()
+    rewards: tuple[Any, ...] = ({"fn": "exact_match"},)
+    prompts_per_step: int = 32
+    group_size: int = 8
+    max_new_tokens: int = 8
+    epochs: int = 1
+    # advantages
+    scale_adv_by_std: bool = True
+    adv_eps: float = 1e-6
+    # ratio anchor and sample filtering
+    old_logp: Literal["engine", "recomputed"] = "engine"
+    drop_zero_variance: bool = True
+    dynamic_sampling_rounds: int = 0
+    # staleness
+    off_policy: bool = False
+    max_version_lag: int | None = None
+    # rollout engine settings (EngineConfig fields) and held-out evaluation
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # devices the engine serves tensor-parallel on (a tensor-only mesh over the first of the
+    # trainer's devices); -1: the trainer mesh's `parallel.tensor`
+    engine_tensor_parallel: int = 1
+    eval_problems: int = 0  # 0: every held-out problem of the task
+    # the objective (strategy options of `grpo`), built by from_config
+    loss: GRPOLossConfig = GRPOLossConfig()
+
+    def __post_init__(self) -> None:
+        for name, lo in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
+                         ("epochs", 1), ("dynamic_sampling_rounds", 0), ("eval_problems", 0)):
+            v = getattr(self, name)
+            _check(_is_int(v, lo), name, f"must be an integer >= {lo}, got {v!r}")
+        _check(self.adv_eps > 0.0, "adv_eps", f"must be > 0, got {self.adv_eps}")
+        _check(self.old_logp in ("engine", "recomputed"), "old_logp",
+               f"must be one of ['engine', 'recomputed'], got {self.old_logp!r}")
+        _check(self.loss.tis_cap == 0.0 or self.old_logp == "recomputed", "tis_cap",
+               "needs old_logp: recomputed (truncated importance weights correct the recomputed "
+               "anchor for the engine's sampling numerics)")
+        if self.max_version_lag is not None:
+            _check(_is_int(self.max_version_lag, 0), "max_version_lag",
+                   f"must be an integer >= 0 or null, got {self.max_version_lag!r}")
+        _check(isinstance(self.engine, dict), "engine", f"must be a mapping, got {self.engine!r}")
+        tp = self.engine_tensor_parallel
+        _check(isinstance(tp, int) and not isinstance(tp, bool) and (tp == -1 or tp >= 1),
+               "engine_tensor_parallel", f"must be -1 (the trainer's parallel.tensor) or a positive "
+               f"integer, got {tp!r}")
+        self.reward_model()  # resolves every fn now: errors before any run
+
+    @classmethod
+    def from_config(cls, options: dict[str, Any] | None) -> RLOptions:
+        """Validated options from the plain `strategy.options` mapping of a grpo run."""
+        options = dict(options or {})
+        loop_keys = {f.name for f in dataclasses.fields(cls) if f.name != "loss"}
+        unknown = sorted(set(options) - loop_keys - set(LOSS_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown key(s) {', '.join(PREFIX + k for k in unknown)}; allowed: "
+                              f"{', '.join(sorted(loop_keys | set(LOSS_KEYS)))}")
+        loss_part = {k: options.pop(k) for k in LOSS_KEYS if k in options}
+        loss_part["max_response_len"] = options.get("max_new_tokens", cls.max_new_tokens)
+        loss = from_dict(GRPOLossConfig, loss_part, prefix=PREFIX)
+        return from_dict(cls, {**options, "loss": loss}, prefix=PREFIX)
+
+    @property
+    def temperature(self) -> float:
+        return self.loss.temperature
+
+    @property
+    def kl_coef(self) -> float:
+        return self.loss.kl_coef
+
+    @property
+    def tis_cap(self) -> float:
+        return self.loss.tis_cap
+
+    @property
+    def rollout_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def reward_model(self) -> RewardModel:
+        return RewardModel(reward_specs_from_config(self.rewards, f"{PREFIX}rewards"), f"{PREFIX}rewards")
+
+    def updates_per_rollout(self, batch_size: int) -> int:
+        """Optimizer steps fed by one rollout batch of `rollout_size` rows."""
+        return self.epochs * (self.rollout_size // batch_size)
+
+    def resolved_max_version_lag(self, batch_size: int) -> int:
+        """Samples older than this many versions (at the start of their training) are
+        dropped: by default 0 when synchronous, one rollout's updates when off-policy."""
+        if self.max_version_lag is not None:
+            return self.max_version_lag
+        return self.updates_per_rollout(batch_size) if self.off_policy else 0
