@@ -1,0 +1,1 @@
+"""Reinforcement-learning pieces of jrl."""
