@@ -503,10 +503,13 @@ class EvalConfig:
     batches: int = 4  # held-out batches per evaluation (the same ones every time)
     at_end: bool = True
     early_stopping: EarlyStoppingConfig = EarlyStoppingConfig()
+    samples: int = 1  # RL: sampled completions per held-out problem (pass@1 and pass@samples)
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "eval.every", f"must be >= 0, got {self.every}")
         _check(self.batches >= 1, "eval.batches", f"must be >= 1, got {self.batches}")
+        _check(isinstance(self.samples, int) and self.samples >= 1, "eval.samples",
+               f"must be an integer >= 1, got {self.samples!r}")
 
 
 @dataclasses.dataclass(frozen=True)

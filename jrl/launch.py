@@ -23,6 +23,7 @@ from jrl.models import init_params
 from jrl.parallel import initialize_distributed
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions
+from jrl.rl.rewards import RewardError
 from jrl.rl.warm_start import run_warm_start
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, trainable_groups
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     except (ConfigError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"finished at step {int(state.step)}, policy version {int(state.policy_version)}{reason}; "
           f"run directory: {trainer.run_dir}")

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import reference
+from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 
 Impl = Literal["auto", "reference", "pallas", "interpret"]
 IMPLS = ("auto", "reference", "pallas", "interpret")
@@ -60,7 +62,6 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
         return reference.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
-    from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
     # Interpret mode runs one (tile, head) item per CTA: jax 0.11.2's GPU interpreter
     # intermittently stalls on the persistent loop (see docs/kernels.md).
     interpret = which == "interpret"
@@ -77,7 +78,6 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
         return reference.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
-    from pallas_kernels.decode_mgpu import ragged_decode_mgpu
     return ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, page_size=page_size,
                               sm_scale=float(sm_scale), interpret=which == "interpret")
 

@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 
-from jrl.config import ConfigError
-from jrl.data.tasks import AdditionTask, TaskConfig, encode_prompts, make_task, sft_records
+from jrl.config import ConfigError, from_dict
+from jrl.data.tasks import AdditionConfig, AdditionTask, make_task, sft_records
+from jrl.rl.tasks import TaskConfig
 
 
 def test_prompt_is_zero_padded_and_answer_reversed_by_default():
-    task = AdditionTask(TaskConfig(n_digits=2))
+    task = AdditionTask(AdditionConfig(n_digits=2))
     p = task.problem(37, 48)
     assert (p.prompt, p.answer) == ("37+48=", "58")
     assert task.problem(7, 5).prompt == "07+05="
@@ -16,12 +17,12 @@ def test_prompt_is_zero_padded_and_answer_reversed_by_default():
 
 
 def test_answer_in_natural_order_when_not_reversed():
-    task = AdditionTask(TaskConfig(n_digits=3, reverse_answer=False))
+    task = AdditionTask(AdditionConfig(n_digits=3, reverse_answer=False))
     assert task.problem(999, 1).answer == "1000"
 
 
 def test_heldout_validation_and_training_problems_are_disjoint():
-    task = AdditionTask(TaskConfig(n_digits=1, n_heldout=25, n_validation=15))
+    task = AdditionTask(AdditionConfig(n_digits=1, n_heldout=25, n_validation=15))
     held = {p.prompt for p in task.heldout}
     val = {p.prompt for p in task.validation}
     assert (len(held), len(val)) == (25, 15) and held.isdisjoint(val)
@@ -32,7 +33,7 @@ def test_heldout_validation_and_training_problems_are_disjoint():
 
 
 def test_heldout_set_does_not_depend_on_the_validation_size():
-    assert AdditionTask(TaskConfig(n_validation=0)).heldout == AdditionTask(TaskConfig(n_validation=300)).heldout
+    assert AdditionTask(AdditionConfig(n_validation=0)).heldout == AdditionTask(AdditionConfig(n_validation=300)).heldout
 
 
 def test_split_and_samples_are_deterministic_in_the_seeds():
@@ -44,18 +45,10 @@ def test_split_and_samples_are_deterministic_in_the_seeds():
     assert set(rec) == {"prompt", "response", "answer"} and rec["response"] == rec["answer"]
 
 
-def test_prompts_encode_with_the_tokenizer_and_no_special_tokens():
-    class Bytes:
-        def encode(self, text):
-            return list(text.encode())
-
-    assert encode_prompts(Bytes(), [AdditionTask().problem(1, 2)]) == [list(b"01+02=")]
-
-
 @pytest.mark.parametrize("data,field", [({"n_digits": 0}, "task.n_digits"),
                                         ({"n_heldout": 6000}, "task.n_heldout"), ({"n_validation": -1}, "task.n_validation"),
                                         ({"name": "sorting"}, "task.name"),
                                         ({"digits": 2}, "task.digits")])
 def test_bad_task_config_names_the_field(data, field):
     with pytest.raises(ConfigError, match=field):
-        make_task(data)
+        from_dict(TaskConfig, data, prefix="task.")

@@ -12,15 +12,16 @@ from jrl.data.bundled import is_bundled, load_bundled
 _MASK64 = (1 << 64) - 1
 
 
-def iter_records(source: str, seed: int = 0) -> Iterator[tuple[int, dict]]:
-    """`(index, record)` for every record of `source`; bad lines raise naming file:line."""
+def iter_located_records(source: str, seed: int = 0) -> Iterator[tuple[str, dict]]:
+    """`(where, record)` for every record of `source`, `where` being `file:line` (or
+    `bundled:<name>[index]`); bad lines raise naming file:line."""
     if is_bundled(source):
-        yield from enumerate(load_bundled(source, seed))
+        for index, record in enumerate(load_bundled(source, seed)):
+            yield f"{source}[{index}]", record
         return
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"data.source: no such file {source!r}")
-    index = 0
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -31,8 +32,13 @@ def iter_records(source: str, seed: int = 0) -> Iterator[tuple[int, dict]]:
                 raise ValueError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{source}:{line_no}: expected a JSON object, got {type(record).__name__}")
-            yield index, record
-            index += 1
+            yield f"{source}:{line_no}", record
+
+
+def iter_records(source: str, seed: int = 0) -> Iterator[tuple[int, dict]]:
+    """`(index, record)` for every record of `source` (blank lines skipped)."""
+    for index, (_, record) in enumerate(iter_located_records(source, seed)):
+        yield index, record
 
 
 def _mix(x: int) -> int:

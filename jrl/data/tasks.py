@@ -16,7 +16,7 @@ else: RL prompts and SFT demonstrations). All generators are pure functions of t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,15 +25,20 @@ from jrl.config import ConfigError, from_dict
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    prompt: str
+    """One RL prompt: text or chat messages, the reference answer, the whole record it came
+    from (handed to rewards that declare `example`), and where it came from (for errors)."""
+
+    prompt: str | tuple[dict, ...]
     answer: str
+    example: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    where: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskConfig:
-    """Which task and its size. Validated on construction; errors name `task.<field>`."""
+class AdditionConfig:
+    """The addition task's size and format. Validated on construction; errors name
+    `task.<field>`."""
 
-    name: Literal["addition"] = "addition"
     n_digits: int = 2
     reverse_answer: bool = True
     n_heldout: int = 200
@@ -45,7 +50,6 @@ class TaskConfig:
             if not ok:
                 raise ConfigError(f"task.{field}: {msg}")
 
-        check(self.name in ("addition",), "name", f"must be one of ['addition'], got {self.name!r}")
         check(isinstance(self.n_digits, int) and 1 <= self.n_digits <= 6, "n_digits",
               f"must be an integer in [1, 6], got {self.n_digits!r}")
         n_pairs = 10 ** (2 * self.n_digits)
@@ -58,7 +62,7 @@ class TaskConfig:
 class AdditionTask:
     """`a+b=` problems; see the module docstring for the format and the split."""
 
-    def __init__(self, config: TaskConfig = TaskConfig()) -> None:
+    def __init__(self, config: AdditionConfig = AdditionConfig()) -> None:
         self.config = config
         self.base = 10 ** config.n_digits
         rng = np.random.default_rng([config.seed, 101])
@@ -79,8 +83,9 @@ class AdditionTask:
     def problem(self, a: int, b: int) -> Problem:
         d = self.config.n_digits
         total = str(a + b)
-        return Problem(prompt=f"{a:0{d}d}+{b:0{d}d}=",
-                       answer=total[::-1] if self.config.reverse_answer else total)
+        prompt, answer = f"{a:0{d}d}+{b:0{d}d}=", total[::-1] if self.config.reverse_answer else total
+        return Problem(prompt=prompt, answer=answer, example={"prompt": prompt, "answer": answer, "a": a, "b": b},
+                       where=f"addition:{prompt}")
 
     def is_trainable(self, a: int, b: int) -> bool:
         """Neither a held-out nor a validation problem."""
@@ -100,12 +105,12 @@ class AdditionTask:
         return out
 
 
-def make_task(config: TaskConfig | dict[str, Any] | None = None) -> AdditionTask:
-    """The task named by `config` (a TaskConfig or its plain-dict form)."""
+def make_task(config: AdditionConfig | dict[str, Any] | None = None) -> AdditionTask:
+    """The addition task of `config` (an AdditionConfig or its plain-dict form)."""
     if config is None:
-        config = TaskConfig()
+        config = AdditionConfig()
     elif isinstance(config, dict):
-        config = from_dict(TaskConfig, config, prefix="task.")
+        config = from_dict(AdditionConfig, config, prefix="task.")
     return AdditionTask(config)
 
 
@@ -116,6 +121,3 @@ def sft_records(task: AdditionTask, n: int, seed: int = 0) -> list[dict]:
     return [{"prompt": p.prompt, "response": p.answer, "answer": p.answer} for p in problems]
 
 
-def encode_prompts(tokenizer: Any, problems: Sequence[Problem]) -> list[list[int]]:
-    """Token ids of each prompt (no special tokens: the SFT data is encoded the same way)."""
-    return [list(tokenizer.encode(p.prompt)) for p in problems]

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from jrl.rollout.request import Completion
 
 
 def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
@@ -58,9 +57,3 @@ class Rollout:
     sample_versions: np.ndarray  # [N] oldest token version per sample
     group_kept: np.ndarray  # [n_groups] bool: trained on (signal, not stale)
     metrics: dict[str, float]
-
-
-def completion_text(tokenizer: Any, c: Completion) -> str:
-    """The decoded response without its stop token."""
-    ids = c.tokens[:-1] if c.finish_reason == "eos" else c.tokens
-    return tokenizer.decode([int(t) for t in ids])

@@ -1,27 +1,107 @@
-"""Scoring a policy on a task's problems through the rollout engine."""
+"""Scoring a policy on a task's problems through the rollout engine: greedy accuracy,
+pass@1 and pass@k from k samples a problem, reward and response length.
+
+A completion *solves* its problem when the first reward term (the task's verifier, e.g.
+`exact_match` or `math_answer`) is at least `success_threshold`. pass@k is the unbiased
+estimator of Chen et al. (2021) from `n` samples of which `c` solve the problem:
+1 - C(n - c, k) / C(n, k), averaged over problems.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Sequence
 
 import numpy as np
 
-from jrl.data.tasks import Problem, encode_prompts
-from jrl.rl.batch import completion_text
-from jrl.rl.rewards import RewardModel, exact_match
+from jrl.data.tasks import Problem
+from jrl.rl.prompts import PromptFormat
+from jrl.rl.rewards import RewardModel
 from jrl.rollout import Engine, SamplingParams
 
 
-def score_problems(engine: Engine, tokenizer: Any, problems: Sequence[Problem], *, max_new_tokens: int,
-                   temperature: float, seed: int, rewards: RewardModel | None = None) -> dict[str, float]:
-    """One completion per problem (greedy when temperature is 0): exact-match accuracy,
-    and the mean reward when `rewards` is given."""
-    prompts = [np.asarray(p, np.int32) for p in encode_prompts(tokenizer, problems)]
-    seeds = np.random.default_rng([seed, 29]).integers(0, 2**32, size=len(prompts), dtype=np.uint64)
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of `k` of `n` samples (of which `c` are correct) is
+    correct, drawing without replacement."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    # 1 - prod_{i = n-c+1}^{n} (1 - k / i), the numerically stable form of the ratio
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+@dataclasses.dataclass
+class ProblemResult:
+    """One problem's outcome: the greedy completion and `samples` sampled ones."""
+
+    where: str
+    answer: str
+    greedy_correct: bool
+    greedy_completion: str
+    correct: list[bool]
+    rewards: list[float]
+    response_tokens: list[int]
+    completions: list[str]
+
+    def row(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def solved(rewards: RewardModel, terms: dict[str, np.ndarray], threshold: float) -> np.ndarray:
+    """[N] bool: the first reward term (the task's verifier) reaches `threshold`."""
+    return terms[rewards.names[0]] >= threshold
+
+
+def _generate(engine: Engine, fmt: PromptFormat, prompts: list[np.ndarray], temperature: float,
+              seeds: np.ndarray, max_new_tokens: int):
     sampling = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
-    comps = engine.generate(prompts, sampling, max_new_tokens=max_new_tokens, eos_ids=[tokenizer.eos_id])
-    texts = [completion_text(tokenizer, c) for c in comps]
-    out = {"accuracy": float(np.mean([exact_match(p.prompt, t, p.answer) for p, t in zip(problems, texts)]))}
-    if rewards is not None:
-        out["reward"] = float(rewards([p.prompt for p in problems], texts, [p.answer for p in problems])[0].mean())
-    return out
+    return engine.generate(prompts, sampling, max_new_tokens=max_new_tokens, **fmt.generate_kwargs())
+
+
+def evaluate_problems(engine: Engine, fmt: PromptFormat, problems: Sequence[Problem], rewards: RewardModel, *,
+                      prompts: Sequence[np.ndarray], max_new_tokens: int, samples: int, temperature: float,
+                      seed: int, success_threshold: float = 1.0, greedy: bool = True,
+                      ) -> tuple[dict[str, float], list[ProblemResult]]:
+    """Greedy (when `greedy`) and `samples` sampled completions of each problem; returns
+    the summary (`n`, `greedy_accuracy`, `pass@1`, `pass@<samples>`, `reward_mean`,
+    `response_tokens_mean`; the greedy completions' reward and length when `samples` is 0)
+    and one result per problem. `prompts`: the problems' ids."""
+    if samples < 0 or (samples == 0 and not greedy):
+        raise ValueError(f"samples: must be >= 1 (or 0 with greedy), got {samples}")
+    n = len(problems)
+    prompts = [np.asarray(p, np.int32) for p in prompts]
+
+    def score(comps, reps):
+        texts = [fmt.completion_text(c) for c in comps]
+        ps = [p for p in problems for _ in range(reps)]
+        total, terms = rewards([fmt.render(p) for p in ps], texts, [p.answer for p in ps],
+                               examples=[p.example for p in ps], wheres=[p.where for p in ps])
+        return texts, total, solved(rewards, terms, success_threshold)
+
+    greedy_texts, greedy_ok = [""] * n, np.zeros(n, bool)
+    if greedy:
+        comps = _generate(engine, fmt, prompts, 0.0, np.zeros(n, np.uint64), max_new_tokens)
+        greedy_texts, total, greedy_ok = score(comps, 1)
+    if samples == 0:
+        summary = {"n": float(n), "greedy_accuracy": float(greedy_ok.mean()), "reward_mean": float(total.mean()),
+                   "response_tokens_mean": float(np.mean([len(c.tokens) for c in comps]))}
+        return summary, [ProblemResult(p.where, p.answer, bool(greedy_ok[i]), greedy_texts[i], [], [], [], [])
+                         for i, p in enumerate(problems)]
+    seeds = np.random.default_rng([seed, 29]).integers(0, 2**32, size=n * samples, dtype=np.uint64)
+    comps = _generate(engine, fmt, [p for p in prompts for _ in range(samples)], temperature, seeds, max_new_tokens)
+    texts, total, ok = score(comps, samples)
+    results = []
+    for i, p in enumerate(problems):
+        sl = slice(i * samples, (i + 1) * samples)
+        results.append(ProblemResult(
+            where=p.where, answer=p.answer, greedy_correct=bool(greedy_ok[i]), greedy_completion=greedy_texts[i],
+            correct=[bool(x) for x in ok[sl]], rewards=[float(x) for x in total[sl]],
+            response_tokens=[len(c.tokens) for c in comps[sl]], completions=texts[sl]))
+    summary = {"n": float(n), "pass@1": float(np.mean([pass_at_k(samples, sum(r.correct), 1) for r in results])),
+               f"pass@{samples}": float(np.mean([pass_at_k(samples, sum(r.correct), samples) for r in results])),
+               "reward_mean": float(total.mean()),
+               "response_tokens_mean": float(np.mean([t for r in results for t in r.response_tokens]))}
+    if greedy:
+        summary["greedy_accuracy"] = float(greedy_ok.mean())
+    return summary, results

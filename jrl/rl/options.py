@@ -13,8 +13,8 @@ import dataclasses
 from typing import Any, Literal
 
 from jrl.config import ConfigError, from_dict
-from jrl.data.tasks import TaskConfig
 from jrl.rl.rewards import RewardModel, reward_specs_from_config
+from jrl.rl.tasks import TaskConfig
 from jrl.train.strategies.grpo import GRPOLossConfig
 
 PREFIX = "strategy.options."
@@ -47,6 +47,8 @@ class RLOptions:
 
     task: TaskConfig = TaskConfig()
     rewards: tuple[Any, ...] = ({"fn": "exact_match"},)
+    # a completion solves its problem when the first reward term (the verifier) is >= this
+    success_threshold: float = 1.0
     prompts_per_step: int = 32
     group_size: int = 8
     max_new_tokens: int = 8

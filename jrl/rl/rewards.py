@@ -6,7 +6,10 @@ A reward function scores one sample:
 
 `prompt` is the prompt text, `completion` the decoded response (without the stop token),
 `answer` the task's reference answer ("" when the task has none) and `kwargs` the
-options given in the config. A config lists one or more terms whose weighted sum is the
+options given in the config. A function that declares a parameter named `example` also
+receives the task's whole record (a dict: test cases, units, difficulty, ...):
+
+    def passes_tests(prompt, completion, answer, example): ... A config lists one or more terms whose weighted sum is the
 sample's reward:
 
     rewards:
@@ -14,13 +17,16 @@ sample's reward:
       - {fn: format_check, weight: 0.1, kwargs: {pattern: '^[0-9]+$'}}
       - {fn: my_package.my_rewards:brevity, weight: 0.05}
 
-Built-ins are looked up by bare name; anything with a colon is imported.
+Built-ins are looked up by bare name (`exact_match`, `format_check`, `math_answer`);
+anything with a colon is imported. A reward function that raises stops the run with a
+`RewardError` naming the function and the record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 import re
 from typing import Any, Callable, Sequence
@@ -28,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jrl.config import ConfigError
+from jrl.rl.math_answer import math_answer
 
 RewardFn = Callable[..., float]
 
@@ -56,7 +63,20 @@ def format_check(prompt: str, completion: str, answer: str, *, pattern: str) -> 
     return 1.0 if re.fullmatch(pattern, completion.strip()) else 0.0
 
 
-BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "format_check": format_check}
+BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "format_check": format_check,
+                                  "math_answer": math_answer}
+
+
+class RewardError(ValueError):
+    """A reward function raised or returned a non-finite value; names the function and row."""
+
+
+def takes_example(fn: RewardFn) -> bool:
+    """Whether `fn` declares a parameter named `example` (it then gets the whole record)."""
+    try:
+        return "example" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,24 +126,40 @@ class RewardModel:
             if not isinstance(spec.kwargs, dict):
                 raise ConfigError(f"{field}[{i}].kwargs: must be a mapping, got {spec.kwargs!r}")
             self._fns.append(resolve_reward(spec.fn, f"{field}[{i}].fn"))
+            if "example" in spec.kwargs:
+                raise ConfigError(f"{field}[{i}].kwargs: 'example' is reserved (the task's record is passed as "
+                                  f"`example` to functions that declare it)")
             base = spec.fn.rpartition(":")[2]
             name = base if base not in self.names else f"{base}_{i}"
             self.names.append(name)
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str],
-                 answers: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Returns (total reward [N] float32, each term's unweighted values by name)."""
-        if not len(prompts) == len(completions) == len(answers):
-            raise ValueError(f"prompts/completions/answers: lengths differ "
-                             f"({len(prompts)}, {len(completions)}, {len(answers)})")
-        total = np.zeros(len(completions), np.float32)
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str],
+                 examples: Sequence[dict] | None = None,
+                 wheres: Sequence[str] | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Returns (total reward [N] float32, each term's unweighted values by name).
+        `examples`: each sample's task record (for functions that declare `example`);
+        `wheres`: where each record came from, for error messages."""
+        n = len(completions)
+        if not len(prompts) == n == len(answers) or (examples is not None and len(examples) != n):
+            raise ValueError(f"prompts/completions/answers/examples: lengths differ "
+                             f"({len(prompts)}, {n}, {len(answers)}, {len(examples or ())})")
+        examples = examples if examples is not None else [{}] * n
+        wheres = wheres if wheres is not None else [f"sample {j}" for j in range(n)]
+        total = np.zeros(n, np.float32)
         terms: dict[str, np.ndarray] = {}
         for spec, name, fn in zip(self.specs, self.names, self._fns):
-            values = np.empty(len(completions), np.float32)
+            with_example = takes_example(fn)
+            values = np.empty(n, np.float32)
             for j, (p, c, a) in enumerate(zip(prompts, completions, answers)):
-                v = fn(p, c, a, **spec.kwargs)
+                extra = {"example": examples[j]} if with_example else {}
+                try:
+                    v = fn(p, c, a, **spec.kwargs, **extra)
+                except Exception as e:
+                    raise RewardError(f"reward {spec.fn!r} raised {type(e).__name__}: {e} (on {wheres[j]}, "
+                                      f"completion {c[:200]!r})") from e
                 if not isinstance(v, (int, float, np.number)) or not math.isfinite(float(v)):
-                    raise ValueError(f"reward {spec.fn!r}: must return a finite number, got {v!r}")
+                    raise RewardError(f"reward {spec.fn!r}: must return a finite number, got {v!r} "
+                                      f"(on {wheres[j]})")
                 values[j] = float(v)
             terms[name] = values
             total += np.float32(spec.weight) * values

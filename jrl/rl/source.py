@@ -45,13 +45,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.config import ConfigError, ModelConfig
-from jrl.data.tasks import Problem, encode_prompts, make_task
+from jrl.data.tasks import Problem
 from jrl.rl.advantages import group_advantages
-from jrl.rl.batch import Rollout, build_rows, completion_text, stale_groups
+from jrl.rl.batch import Rollout, build_rows, stale_groups
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
-from jrl.rl.evaluation import score_problems
+from jrl.rl.evaluation import evaluate_problems, solved
 from jrl.rl.options import RLOptions
-from jrl.rl.rewards import exact_match
+from jrl.rl.prompts import PromptFormat
+from jrl.rl.tasks import check_prompt_lengths, make_task
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.train.logprobs import attention_layout, batch_max_segments
@@ -73,9 +74,10 @@ class RolloutSource:
 
     def __init__(self, options: RLOptions, *, model_config: ModelConfig, tokenizer: Any,
                  mesh: jax.sharding.Mesh, seq_len: int, batch_size: int, seed: int, lm_head_chunk: int = 0,
-                 reference_params: Callable[[], Any] | None = None) -> None:
+                 reference_params: Callable[[], Any] | None = None, eval_samples: int = 1) -> None:
         """`tokenizer` and `mesh` are the trainer's; `reference_params` returns the frozen
-        reference policy of the KL penalty (called once, when kl_coef > 0)."""
+        reference policy of the KL penalty (called once, when kl_coef > 0);
+        `eval_samples`: sampled completions per held-out problem in `evaluate`."""
         self.options = o = options
         self.model_config = model_config
         self.seed = seed
@@ -83,18 +85,26 @@ class RolloutSource:
         self.task = make_task(o.task)
         self.rewards = o.reward_model()
         self.tokenizer = tokenizer
+        self.format = PromptFormat(tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
+                                   stop=o.task.stop)
         self.eval_problems = self.task.heldout[:o.eval_problems or None]
-        longest = max(len(p) for p in encode_prompts(self.tokenizer, self.task.heldout[:64]))
-        if longest + o.max_new_tokens > self.seq_len:
-            raise ConfigError(f"data.seq_len: must hold a prompt ({longest} tokens) + max_new_tokens "
-                              f"({o.max_new_tokens}), got {self.seq_len}")
+        self.eval_samples = eval_samples
+        self._prompt_ids: dict[str, np.ndarray] = {}
+        limit = self.seq_len - o.max_new_tokens
+        if limit < 1:
+            raise ConfigError(f"data.seq_len: must exceed strategy.options.max_new_tokens ({o.max_new_tokens}), "
+                              f"got {self.seq_len}")
+        splits = {"heldout": self.task.heldout, "validation": self.task.validation,
+                  "train": getattr(self.task, "train", [])}  # generated tasks draw train problems lazily
+        for name, problems in splits.items():
+            check_prompt_lengths(problems, self.prompt_ids(problems), limit, f"task split {name}")
         self.batch_size = batch_size
         if o.rollout_size % self.batch_size:
             raise ConfigError(f"data.batch_size: must divide the rollout batch (strategy.options."
                               f"prompts_per_step * group_size = {o.rollout_size}), got {self.batch_size}")
         self.max_version_lag = o.resolved_max_version_lag(self.batch_size)
-        self.engine_config = engine_config_for(o, self.seq_len, max(o.rollout_size, len(self.eval_problems)),
-                                               self.seed)
+        self.engine_config = engine_config_for(
+            o, self.seq_len, max(o.rollout_size, len(self.eval_problems) * eval_samples), self.seed)
         self.engine_mesh = engine_mesh(mesh, o.engine_tensor_parallel)
         self.engine: Engine | None = None
         self.engine_rebuilds = 0
@@ -141,24 +151,36 @@ class RolloutSource:
         return self._reference
 
     # ------------------------------------------------------------------ generation
+    def prompt_ids(self, problems: list[Problem]) -> list[np.ndarray]:
+        """Each problem's prompt ids, rendered and encoded once per problem."""
+        out = []
+        for p in problems:
+            ids = self._prompt_ids.get(p.where)
+            if ids is None:
+                ids = self._prompt_ids[p.where] = self.format.encode(p)
+            out.append(ids)
+        return out
+
     def _sample(self, prompts: list[np.ndarray], rng: np.random.Generator, temperature: float,
                 n_per_prompt: int) -> list[list[Completion]]:
         seeds = rng.integers(0, 2**32, size=len(prompts) * n_per_prompt, dtype=np.uint64)
         requests = [p for p in prompts for _ in range(n_per_prompt)]
         sampling = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
         outs = self.engine.generate(requests, sampling, max_new_tokens=self.options.max_new_tokens,
-                                    eos_ids=[self.tokenizer.eos_id])
+                                    **self.format.generate_kwargs())
         return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
 
     def _groups(self, problems: list[Problem], rng: np.random.Generator) -> list[_Group]:
         o = self.options
-        prompts = [np.asarray(p, np.int32) for p in encode_prompts(self.tokenizer, problems)]
+        prompts = self.prompt_ids(problems)
         sampled = self._sample(prompts, rng, o.temperature, o.group_size)
         groups = []
         for problem, prompt, comps in zip(problems, prompts, sampled):
-            texts = [completion_text(self.tokenizer, c) for c in comps]
-            rewards, terms = self.rewards([problem.prompt] * len(comps), texts, [problem.answer] * len(comps))
-            correct = np.array([exact_match(problem.prompt, t, problem.answer) for t in texts], np.float32)
+            texts = [self.format.completion_text(c) for c in comps]
+            n = len(comps)
+            rewards, terms = self.rewards([self.format.render(problem)] * n, texts, [problem.answer] * n,
+                                          examples=[problem.example] * n, wheres=[problem.where] * n)
+            correct = solved(self.rewards, terms, o.success_threshold).astype(np.float32)
             groups.append(_Group(problem, prompt, comps, rewards, terms, correct))
         return groups
 
@@ -309,17 +331,22 @@ class RolloutSource:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, state: Any) -> dict[str, float]:
-        """Held-out accuracy of `state`'s params: greedy, and one sample per problem."""
+        """Held-out scores of `state`'s params (jrl.rl.evaluation): greedy accuracy, pass@1
+        and pass@k of `eval_samples` samples a problem, reward and response length."""
         self._wait_pending()
         version = int(state.policy_version)
         self.sync_weights(self._engine_params(state.params), version)
-        o = self.options
-        common = dict(max_new_tokens=o.max_new_tokens, seed=self.seed)
-        greedy = score_problems(self.engine, self.tokenizer, self.eval_problems, temperature=0.0, **common)
-        sampled = score_problems(self.engine, self.tokenizer, self.eval_problems, temperature=o.temperature,
-                                 rewards=self.rewards, **common)
-        return {"step": int(state.step), "policy_version": version, "eval_accuracy": greedy["accuracy"],
-                "eval_accuracy_sampled": sampled["accuracy"], "eval_reward_sampled": sampled["reward"]}
+        o, k = self.options, self.eval_samples
+        summary, _ = evaluate_problems(self.engine, self.format, self.eval_problems, self.rewards,
+                                       prompts=self.prompt_ids(self.eval_problems), max_new_tokens=o.max_new_tokens,
+                                       samples=k, temperature=o.temperature, seed=self.seed,
+                                       success_threshold=o.success_threshold)
+        row = {"step": int(state.step), "policy_version": version, "eval_accuracy": summary["greedy_accuracy"],
+               "eval_accuracy_sampled": summary["pass@1"], "eval_reward_sampled": summary["reward_mean"],
+               "eval_response_tokens_mean": summary["response_tokens_mean"]}
+        if k > 1:
+            row[f"eval_pass@{k}"] = summary[f"pass@{k}"]
+        return row
 
     # ------------------------------------------------------------------ lifecycle
     def _wait_pending(self) -> None:

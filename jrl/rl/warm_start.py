@@ -20,10 +20,11 @@ import dataclasses
 from pathlib import Path
 
 from jrl.config import TrainConfig, from_dict
-from jrl.data.tasks import make_task
 from jrl.rl.engines import engine_config_for, serve_weights
-from jrl.rl.evaluation import score_problems
+from jrl.rl.evaluation import evaluate_problems
 from jrl.rl.options import RLOptions
+from jrl.rl.prompts import PromptFormat
+from jrl.rl.tasks import make_task
 from jrl.train.callbacks import Callback
 from jrl.train.defaults import default_warm_start
 from jrl.train.trainer import Trainer
@@ -47,14 +48,20 @@ class StopAtValidationAccuracy(Callback):
         step = int(state.step)
         if step % self.every:
             return
-        problems = make_task(self.options.task).validation
+        o = self.options
+        problems = make_task(o.task).validation
         if not problems:
             return
-        config = engine_config_for(self.options, self.seq_len, len(problems), trainer.config.seed)
+        config = engine_config_for(o, self.seq_len, len(problems), trainer.config.seed)
         self.engine, _ = serve_weights(self.engine, state.params, int(state.policy_version),
                                        trainer.config.model, config)
-        acc = score_problems(self.engine, trainer.tokenizer, problems, temperature=0.0,
-                             max_new_tokens=self.options.max_new_tokens, seed=trainer.config.seed)["accuracy"]
+        fmt = PromptFormat(trainer.tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
+                           stop=o.task.stop)
+        summary, _ = evaluate_problems(self.engine, fmt, problems, o.reward_model(),
+                                       prompts=[fmt.encode(p) for p in problems], max_new_tokens=o.max_new_tokens,
+                                       samples=0, temperature=1.0, seed=trainer.config.seed,
+                                       success_threshold=o.success_threshold)
+        acc = summary["greedy_accuracy"]
         self.history.append((step, acc))
         trainer.fire("on_eval", state, {"step": step, "policy_version": int(state.policy_version),
                                         "val_accuracy": acc})

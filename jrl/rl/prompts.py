@@ -1,0 +1,106 @@
+"""How a task's problems become token ids, and how sampled tokens become the text that
+rewards score: chat template or plain text, system prompt, stop conditions.
+
+Stop conditions: the tokenizer's EOS, the end-of-turn token of its chat template (e.g.
+`<|im_end|>`, `<|eot_id|>`: found by rendering an assistant turn and reading the special
+token that closes it), and the task's `stop` strings. A stop string stops the engine when
+it tokenizes the same inside the completion as alone (always true for the byte tokenizer
+and for special tokens); the text handed to rewards is cut before the first stop string
+in any case, and never contains the stop token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from jrl.config import ConfigError
+from jrl.data.tasks import Problem
+from jrl.rollout.request import Completion
+
+_MARK = "\x00jrl-end-of-turn-probe\x00"
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """EOS, plus the special token that closes an assistant turn in the tokenizer's chat
+    template when that is another token."""
+    ids = [int(tokenizer.eos_id)]
+    if not getattr(tokenizer, "chat_template", None):
+        return ids
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": _MARK}])
+    except Exception:  # a template that refuses the probe (e.g. strict role orders): EOS alone
+        return ids
+    if _MARK not in text:
+        return ids
+    suffix = tokenizer.encode(text.split(_MARK, 1)[1])
+    if suffix and tokenizer.decode(suffix[:1], skip_special_tokens=True) == "" and suffix[0] not in ids:
+        ids.append(int(suffix[0]))
+    return ids
+
+
+class PromptFormat:
+    """Renders and encodes problems for one tokenizer, and decodes completions for rewards.
+
+    chat_template: "auto" renders message-list prompts with the tokenizer's template (and
+    the generation prompt) and encodes text prompts as they are; True renders both (a text
+    prompt becomes one user turn); False renders neither (message lists are refused).
+    system_prompt: a system turn put first (needs the template).
+    """
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | bool = "auto", system_prompt: str | None = None,
+                 stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        self.stop = tuple(stop)
+        self.eos_ids = end_of_turn_ids(tokenizer)
+        self.stop_sequences = [list(tokenizer.encode(s)) for s in self.stop]
+
+    def _uses_template(self, prompt: Any) -> bool:
+        if self.chat_template == "auto":
+            return not isinstance(prompt, str)
+        return bool(self.chat_template)
+
+    def render(self, problem: Problem) -> str:
+        """The prompt text the model continues."""
+        prompt = problem.prompt
+        if not self._uses_template(prompt):
+            if not isinstance(prompt, str):
+                raise ConfigError(f"{problem.where}: the prompt is a message list, but task.chat_template is false")
+            if self.system_prompt is not None:
+                raise ConfigError("task.system_prompt: needs the prompt rendered with the chat template "
+                                  f"(task.chat_template: true or auto with message prompts); {problem.where} is text")
+            return prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"{problem.where}: rendering the prompt needs a chat template, and the tokenizer has none "
+                              f"(give data.tokenizer a directory with one, or task.chat_template: false with text prompts)")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if self.system_prompt is not None:
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def encode(self, problem: Problem) -> np.ndarray:
+        """int32 prompt ids (no special tokens beyond those the template writes)."""
+        return np.asarray(self.tokenizer.encode(self.render(problem)), np.int32)
+
+    def completion_text(self, completion: Completion) -> str:
+        """The decoded response without its stop token or stop string, cut before the
+        first stop string it contains."""
+        ids = [int(t) for t in completion.tokens]
+        if completion.finish_reason == "eos":
+            ids = ids[:-1]
+        elif completion.finish_reason == "stop":
+            for seq in self.stop_sequences:
+                if ids[-len(seq):] == seq:
+                    ids = ids[:-len(seq)]
+                    break
+        text = self.tokenizer.decode(ids)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return text[:min(cuts)] if cuts else text
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The engine's stop arguments."""
+        return {"eos_ids": self.eos_ids, "stop_sequences": self.stop_sequences}

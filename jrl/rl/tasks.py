@@ -1,0 +1,175 @@
+"""RL tasks: the problems a run trains on, evaluates on and decides with.
+
+A task has three disjoint splits of `Problem`s: `heldout` (the test set that before/after
+accuracy and `jrl eval` report), `validation` (for decisions taken during a run, such as
+when a warm start has learned enough) and training (drawn by `sample_train`).
+
+* `name: addition`: the built-in, code-generated task (`jrl.data.tasks`).
+* `name: jsonl`: records from files (or `bundled:<name>[:<n>]` sources), one JSON object
+  a line. `prompt_field` holds a string or a chat message list; `answer_field` the
+  reference answer; every field of the record travels with the problem (`example`).
+  Without a `heldout` (or `validation`) file, a seeded share of `train` (`n_heldout`,
+  `n_validation` records) is set aside for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Protocol, Sequence
+
+import numpy as np
+
+from jrl.config import ConfigError
+from jrl.data.records import iter_located_records
+from jrl.data.tasks import AdditionConfig, AdditionTask, Problem
+
+
+def _check(ok: bool, field: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"task.{field}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """`strategy.options.task` (docs/rl.md). Validated on construction."""
+
+    name: Literal["addition", "jsonl"] = "addition"
+    # addition
+    n_digits: int = 2
+    reverse_answer: bool = True
+    # both: held-out / validation problems (addition: drawn; jsonl: carved from train
+    # when no heldout / validation file is given)
+    n_heldout: int = 200
+    n_validation: int = 200
+    seed: int = 0
+    # jsonl
+    train: str | None = None
+    heldout: str | None = None
+    validation: str | None = None
+    prompt_field: str = "prompt"
+    answer_field: str | None = "answer"  # null: the rewards need no reference answer
+    # prompt format and stops (any task)
+    chat_template: Literal["auto", True, False] = "auto"
+    system_prompt: str | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.name in ("addition", "jsonl"), "name", f"must be one of ['addition', 'jsonl'], got {self.name!r}")
+        files = {"train": self.train, "heldout": self.heldout, "validation": self.validation}
+        if self.name == "addition":
+            given = sorted(k for k, v in files.items() if v is not None)
+            _check(not given, given[0] if given else "train", "is a jsonl task field; set task.name: jsonl")
+            AdditionConfig(self.n_digits, self.reverse_answer, self.n_heldout, self.n_validation, self.seed)
+        else:
+            _check(isinstance(self.train, str) and self.train != "", "train",
+                   f"must be a JSONL path or bundled:<name> for task.name jsonl, got {self.train!r}")
+            for k in ("n_heldout", "n_validation"):
+                v = getattr(self, k)
+                _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, k, f"must be an integer >= 0, got {v!r}")
+            _check(isinstance(self.prompt_field, str) and self.prompt_field != "", "prompt_field",
+                   f"must be a field name, got {self.prompt_field!r}")
+        _check(all(isinstance(s, str) and s != "" for s in self.stop), "stop",
+               f"must be a list of non-empty strings, got {list(self.stop)!r}")
+
+
+class Task(Protocol):
+    heldout: list[Problem]
+    validation: list[Problem]
+
+    def sample_train(self, rng: np.random.Generator, n: int) -> list[Problem]: ...
+
+
+def _messages(value: Any, where: str, field: str) -> tuple[dict, ...]:
+    if not value:
+        raise ConfigError(f"{where}: field {field!r} is an empty message list")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ConfigError(f"{where}: field {field!r}[{i}] must be {{role: str, content: str}}, got {m!r}")
+    return tuple(dict(m) for m in value)
+
+
+def read_problems(source: str, prompt_field: str, answer_field: str | None, *, seed: int = 0) -> list[Problem]:
+    """Every record of a JSONL file (or bundled source) as a Problem; errors name the file,
+    the line and the field."""
+    problems = []
+    try:
+        records = list(iter_located_records(source, seed))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e).replace("data.source: ", "task: ")) from None
+    for where, record in records:
+        if prompt_field not in record:
+            raise ConfigError(f"{where}: missing field {prompt_field!r} (task.prompt_field); the record has "
+                              f"{sorted(record)}")
+        prompt = record[prompt_field]
+        if isinstance(prompt, list):
+            prompt = _messages(prompt, where, prompt_field)
+        elif not isinstance(prompt, str) or not prompt:
+            raise ConfigError(f"{where}: field {prompt_field!r} must be a non-empty string or a chat message "
+                              f"list, got {prompt!r}")
+        answer = ""
+        if answer_field is not None:
+            if answer_field not in record:
+                raise ConfigError(f"{where}: missing field {answer_field!r} (task.answer_field; null when the "
+                                  f"rewards need no reference answer)")
+            value = record[answer_field]
+            if isinstance(value, (dict, list)) or value is None:
+                raise ConfigError(f"{where}: field {answer_field!r} must be a string or a number, got {value!r}")
+            answer = str(value)
+        problems.append(Problem(prompt=prompt, answer=answer, example=dict(record), where=where))
+    if not problems:
+        raise ConfigError(f"{source}: no records (an empty file?)")
+    return problems
+
+
+class FileTask:
+    """Problems from records (see the module docstring)."""
+
+    def __init__(self, config: TaskConfig) -> None:
+        c = config
+        train = read_problems(c.train, c.prompt_field, c.answer_field, seed=c.seed)
+        rng = np.random.default_rng([c.seed, 107])
+        order = rng.permutation(len(train))
+        taken = 0
+
+        def carve(path: str | None, n: int, field: str) -> list[Problem]:
+            nonlocal taken
+            if path is not None:
+                return read_problems(path, c.prompt_field, c.answer_field, seed=c.seed)
+            if taken + n >= len(train):
+                raise ConfigError(f"task.{field}: cannot set aside {n} of the {len(train)} records of {c.train} "
+                                  f"and keep some to train on; give a task.{field.removeprefix('n_')} file "
+                                  f"or a smaller task.{field}")
+            picked = sorted(int(i) for i in order[taken:taken + n])
+            taken += n
+            return [train[i] for i in picked]
+
+        self.heldout = carve(c.heldout, c.n_heldout, "n_heldout")
+        self.validation = carve(c.validation, c.n_validation, "n_validation")
+        held_out = {int(i) for i in order[:taken]}
+        self.train = [p for i, p in enumerate(train) if i not in held_out]
+        if not self.heldout:
+            raise ConfigError("task.n_heldout: must be >= 1 without a task.heldout file (the run reports held-out "
+                              "accuracy)")
+
+    def sample_train(self, rng: np.random.Generator, n: int) -> list[Problem]:
+        """`n` training problems drawn uniformly (with replacement across calls, without
+        within one call while the split is large enough)."""
+        idx = rng.choice(len(self.train), size=n, replace=n > len(self.train))
+        return [self.train[int(i)] for i in idx]
+
+
+def make_task(config: TaskConfig) -> Task:
+    if config.name == "addition":
+        return AdditionTask(AdditionConfig(config.n_digits, config.reverse_answer, config.n_heldout,
+                                           config.n_validation, config.seed))
+    return FileTask(config)
+
+
+def check_prompt_lengths(problems: Sequence[Problem], encoded: Sequence[np.ndarray], limit: int,
+                         what: str) -> None:
+    """Every prompt must leave room for the response: `limit` = seq_len - max_new_tokens."""
+    for p, ids in zip(problems, encoded):
+        if len(ids) > limit:
+            raise ConfigError(f"{p.where}: the prompt is {len(ids)} tokens, longer than data.seq_len - "
+                              f"strategy.options.max_new_tokens = {limit} ({what}); raise data.seq_len or "
+                              f"shorten the prompt")

@@ -1,0 +1,242 @@
+"""RL tasks from JSONL files: splits, records travelling with problems, prompt rendering
+(text, chat template, system prompt), stop conditions, rewards that read the record, and
+errors that name the file, the line and the field."""
+
+import json
+
+import numpy as np
+import pytest
+
+from chat_fixtures import write_chat_tokenizer
+from jrl.config import ConfigError, from_dict
+from jrl.rl.prompts import PromptFormat, end_of_turn_ids
+from jrl.rl.rewards import RewardError, RewardModel, reward_specs_from_config
+from jrl.rl.tasks import TaskConfig, make_task, read_problems
+from jrl.rollout.request import Completion
+from jrl.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def rows(n, start=0):
+    return [{"prompt": f"q{i}", "answer": str(i), "level": i % 3} for i in range(start, start + n)]
+
+
+def task(tmp_path, **fields):
+    return make_task(from_dict(TaskConfig, {"name": "jsonl", **fields}, prefix="task."))
+
+
+def completion(tokens, reason):
+    t = np.asarray(tokens, np.int32)
+    return Completion(0, np.zeros(1, np.int32), t, np.zeros(len(t), np.float32), np.zeros(len(t), np.float32),
+                      np.zeros(len(t), np.int64), reason, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tmp_path_factory):
+    return load_tokenizer(str(write_chat_tokenizer(tmp_path_factory.mktemp("tok"))))
+
+
+# ----------------------------------------------------------------------------- splits
+
+
+def test_heldout_and_validation_files_are_used_as_given(tmp_path):
+    t = task(tmp_path, train=write_jsonl(tmp_path / "train.jsonl", rows(10)),
+             heldout=write_jsonl(tmp_path / "test.jsonl", rows(3, 100)),
+             validation=write_jsonl(tmp_path / "val.jsonl", rows(2, 200)))
+    assert [p.answer for p in t.heldout] == ["100", "101", "102"]
+    assert [p.answer for p in t.validation] == ["200", "201"]
+    assert len(t.train) == 10
+
+
+def test_without_files_a_seeded_share_of_train_is_set_aside_disjointly(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", rows(20))
+    a = task(tmp_path, train=path, n_heldout=5, n_validation=3)
+    b = task(tmp_path, train=path, n_heldout=5, n_validation=3)
+    held, val, train = ({p.answer for p in s} for s in (a.heldout, a.validation, a.train))
+    assert (len(held), len(val), len(train)) == (5, 3, 12)
+    assert held.isdisjoint(val) and (held | val).isdisjoint(train)
+    assert [p.answer for p in a.heldout] == [p.answer for p in b.heldout]
+    drawn = {p.answer for p in a.sample_train(np.random.default_rng(0), 200)}
+    assert drawn == train
+
+
+def test_every_field_of_the_record_travels_with_the_problem(tmp_path):
+    (p,) = read_problems(write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "answer": 7, "tests": [1, 2]}]),
+                         "prompt", "answer")
+    assert (p.prompt, p.answer, p.example, p.where) == ("q", "7", {"prompt": "q", "answer": 7, "tests": [1, 2]},
+                                                        f"{tmp_path}/t.jsonl:1")
+
+
+def test_custom_field_names_and_no_answer_field(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"question": "q", "tests": "x"}])
+    (p,) = read_problems(path, "question", None)
+    assert (p.prompt, p.answer) == ("q", "")
+
+
+def test_bundled_sources_work_as_task_files():
+    t = make_task(TaskConfig(name="jsonl", train="bundled:arithmetic:50", n_heldout=10, n_validation=0))
+    assert len(t.heldout) == 10 and len(t.train) == 40
+    assert t.heldout[0].where.startswith("bundled:arithmetic:50[")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_prompt_field_names_file_line_and_field(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n\n{"question": "b", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=rf"{path}:3: missing field 'prompt' \(task.prompt_field\)"):
+        read_problems(str(path), "prompt", "answer")
+
+
+def test_missing_answer_field_names_file_line_and_field(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a"}])
+    with pytest.raises(ConfigError, match=rf"{path}:1: missing field 'answer' \(task.answer_field"):
+        read_problems(path, "prompt", "answer")
+
+
+def test_empty_file_is_refused(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ConfigError, match=rf"{path}: no records"):
+        read_problems(str(path), "prompt", "answer")
+
+
+def test_bad_json_line_is_named(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": \n')
+    with pytest.raises(ConfigError, match=rf"{path}:2: not valid JSON"):
+        read_problems(str(path), "prompt", "answer")
+
+
+def test_malformed_message_list_is_named(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user"}], "answer": "1"}])
+    with pytest.raises(ConfigError, match=rf"{path}:1: field 'prompt'\[0\] must be \{{role: str, content: str\}}"):
+        read_problems(path, "prompt", "answer")
+
+
+def test_too_few_records_to_set_aside_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"task.n_heldout: cannot set aside 200 of the 10 records"):
+        task(tmp_path, train=write_jsonl(tmp_path / "t.jsonl", rows(10)))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"name": "jsonl"}, "task.train: must be a JSONL path"),
+    ({"name": "addition", "train": "x.jsonl"}, "task.train: is a jsonl task field"),
+    ({"name": "jsonl", "train": "x", "stop": [""]}, "task.stop: must be a list of non-empty strings"),
+    ({"name": "jsonl", "train": "x", "chat_template": "maybe"}, "task.chat_template: must be one of"),
+])
+def test_bad_task_fields_are_named(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(TaskConfig, fields, prefix="task.")
+
+
+def test_missing_task_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        task(tmp_path, train=str(tmp_path / "nope.jsonl"))
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def test_text_prompts_are_encoded_as_they_are_by_default():
+    fmt = PromptFormat(ByteTokenizer())
+    (p,) = read_problems("bundled:arithmetic:1", "prompt", "answer")
+    assert fmt.render(p) == p.prompt
+    assert fmt.encode(p).tolist() == list(p.prompt.encode())
+
+
+def test_message_prompts_render_with_the_chat_template_and_generation_prompt(chat_tok, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user", "content": "2+3?"}], "answer": "5"}])
+    (p,) = read_problems(path, "prompt", "answer")
+    fmt = PromptFormat(chat_tok, system_prompt="Be brief.")
+    assert fmt.render(p) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+3?<|im_end|>\n"
+                             "<|im_start|>assistant\n")
+    assert chat_tok.decode(fmt.encode(p).tolist()) == fmt.render(p)
+
+
+def test_chat_template_true_wraps_a_text_prompt_as_a_user_turn(chat_tok):
+    (p,) = read_problems("bundled:arithmetic:1", "prompt", "answer")
+    text = PromptFormat(chat_tok, chat_template=True).render(p)
+    assert text == f"<|im_start|>user\n{p.prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_message_list_with_chat_template_false_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}])
+    (p,) = read_problems(path, "prompt", "answer")
+    with pytest.raises(ConfigError, match=rf"{path}:1: the prompt is a message list, but task.chat_template is false"):
+        PromptFormat(ByteTokenizer(), chat_template=False).render(p)
+
+
+def test_message_list_without_a_tokenizer_template_is_refused(chat_tok, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}])
+    (p,) = read_problems(path, "prompt", "answer")
+    chat_tok.chat_template, saved = None, chat_tok.chat_template
+    try:
+        with pytest.raises(ConfigError, match=rf"{path}:1: rendering the prompt needs a chat template"):
+            PromptFormat(chat_tok).render(p)
+    finally:
+        chat_tok.chat_template = saved
+
+
+def test_system_prompt_on_text_prompts_is_refused():
+    (p,) = read_problems("bundled:arithmetic:1", "prompt", "answer")
+    with pytest.raises(ConfigError, match="task.system_prompt: needs the prompt rendered with the chat template"):
+        PromptFormat(ByteTokenizer(), system_prompt="x").render(p)
+
+
+# ----------------------------------------------------------------------------- stops
+
+
+def test_stop_tokens_are_eos_and_the_templates_end_of_turn(chat_tok):
+    im_end = chat_tok.encode("<|im_end|>")[0]
+    assert end_of_turn_ids(chat_tok) == [chat_tok.eos_id, im_end]
+    assert end_of_turn_ids(ByteTokenizer()) == [ByteTokenizer().eos_id]  # its turns end with <eos>
+
+
+def test_completion_text_excludes_the_stop_token(chat_tok):
+    fmt = PromptFormat(chat_tok)
+    ids = chat_tok.encode("the cat") + chat_tok.encode("<|im_end|>")
+    assert fmt.completion_text(completion(ids, "eos")) == "the cat"
+
+
+def test_completion_text_excludes_a_stop_string_and_what_follows():
+    tok = ByteTokenizer()
+    fmt = PromptFormat(tok, stop=["\n\n", "###"])
+    assert fmt.stop_sequences == [[10, 10], list(b"###")]
+    assert fmt.completion_text(completion(list(b"42\n\n"), "stop")) == "42"
+    assert fmt.completion_text(completion(list(b"42 ### more"), "length")) == "42 "
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def levelled(prompt, completion, answer, example):
+    return float(completion == answer) * (1 + example["level"])
+
+
+def broken(prompt, completion, answer):
+    raise KeyError("boom")
+
+
+def test_a_reward_declaring_example_receives_the_record():
+    model = RewardModel(reward_specs_from_config([{"fn": "test_rl_file_tasks:levelled"}, "exact_match"]))
+    total, terms = model(["q", "q"], ["5", "4"], ["5", "5"], examples=[{"level": 2}, {"level": 0}])
+    assert terms["levelled"].tolist() == [3.0, 0.0] and terms["exact_match"].tolist() == [1.0, 0.0]
+    assert total.tolist() == [4.0, 0.0]
+
+
+def test_a_raising_reward_is_named_with_its_record():
+    model = RewardModel(reward_specs_from_config([{"fn": "test_rl_file_tasks:broken"}]))
+    with pytest.raises(RewardError, match=r"reward 'test_rl_file_tasks:broken' raised KeyError: 'boom' "
+                                          r"\(on data.jsonl:7, completion 'x'\)"):
+        model(["q"], ["x"], ["1"], examples=[{}], wheres=["data.jsonl:7"])
+
+
+def test_example_is_reserved_in_reward_kwargs():
+    with pytest.raises(ConfigError, match=r"rewards\[0\].kwargs: 'example' is reserved"):
+        RewardModel(reward_specs_from_config([{"fn": "exact_match", "kwargs": {"example": 1}}]), "rewards")
