@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -53,7 +52,8 @@ from decode_throughput import MODEL, TINY, default_decode_program, kv_bytes_per_
 from jrl.models import init_params  # noqa: E402
 from jrl.models.fused import fuse_projections  # noqa: E402
 from jrl.rollout import executor, sampling  # noqa: E402
-from pallas_kernels import decode_mgpu, reference  # noqa: E402
+from pallas_kernels import dispatch, reference  # noqa: E402
+from pallas_kernels.tuning import DecodeTuning  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -68,6 +68,12 @@ def patched(module, name: str, value):
         yield
     finally:
         setattr(module, name, old)
+
+
+def decode_tuning(**options):
+    """The decode kernel launched with `options` (`pallas_kernels.tuning.DecodeTuning`)
+    instead of the ones the dispatch resolves."""
+    return patched(dispatch, "decode_tuning", lambda which: DecodeTuning(**options))
 
 
 def _two_scatters(unique: bool):
@@ -93,14 +99,9 @@ VARIANTS = {
     "two_unique": lambda: patched(reference, "write_kv", _two_scatters(unique=True)),
     "lse_logprob": lambda: patched(executor, "sample", _lse_logprob_sample),
     "dev_metadata": contextlib.nullcontext,
-    "stages2": lambda: patched(decode_mgpu, "ragged_decode_mgpu",
-                               functools.partial(decode_mgpu.ragged_decode_mgpu, num_stages=2)),
-    "queries_as_rows": lambda: patched(decode_mgpu, "ragged_decode_mgpu",
-                                       functools.partial(decode_mgpu.ragged_decode_mgpu,
-                                                         keys_as_rows=False)),
-    "keys_as_rows_1cta": lambda: patched(decode_mgpu, "ragged_decode_mgpu",
-                                         functools.partial(decode_mgpu.ragged_decode_mgpu,
-                                                           keys_as_rows=True, ctas_per_sm=1)),
+    "stages2": lambda: decode_tuning(num_stages=2),
+    "queries_as_rows": lambda: decode_tuning(keys_as_rows=False),
+    "keys_as_rows_1cta": lambda: decode_tuning(keys_as_rows=True, ctas_per_sm=1),
 }
 
 

@@ -19,7 +19,7 @@ to dispatch one step (when disp ~ ms the host, not the GPU, sets the pace). Vari
   on the device (one upload before timing, the same buffers every call);
 * engine_fused: engine_unroll with the engine's fused projection weights
   (`fused_projections=True`, params through `jrl.models.fused.fuse_projections`);
-* engine_unroll: the engine's own step with `unroll_layers=True` (EngineConfig.unroll_layers:
+* engine_unroll: the engine's own step with `unroll_layers=True` (Tuning.unroll_layers:
   layer loop unrolled, int metadata at 256-byte offsets); its tokens and logprobs are
   compared with "real" on the same inputs (`tok=` agreement, `dlogp` max |difference|);
 * unroll_opaque / unroll_const: the layer scan fully unrolled (the layer index hidden
@@ -308,7 +308,7 @@ def make_variant_step(cfg, page_size: int, max_rows: int, impl: str, variant: st
     class NoAttention(PagedAttention):
         def _attend_packed(self, scale, q, k, v, k_buf, v_buf, layer, *metadata):
             out_cache_loc = metadata[0]
-            k_buf, v_buf = kernels.write_kv(k_buf, v_buf, layer, out_cache_loc, k, v, impl=self.impl)
+            k_buf, v_buf = kernels.write_kv(k_buf, v_buf, layer, out_cache_loc, k, v)
             return q, k_buf, v_buf
 
     unrolled = None

@@ -11,7 +11,7 @@ tokens, exactly `--new` greedy tokens, prefix cache off): the first run compiles
 second is timed. Reported per batch size:
 
 * decode tok/s: batch / mean wall time per decode step of the calls in which every
-  request decodes (a multi-step call, `EngineConfig.decode_steps_per_call`, counts as
+  request decodes (a multi-step call, `TuningOverrides.decode_steps_per_call`, counts as
   its number of steps);
 * end-to-end tok/s: batch * new / wall time of the whole run (prefill included);
 * device step: the same decode call (captured mid-generation: decode call `new / 2` of the
@@ -56,6 +56,7 @@ from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
 from jrl.rollout.executor import step_function
 from jrl.rollout.sampling import GREEDY
+from jrl.rollout.tuning import TuningOverrides, resolve_tuning
 
 from bandwidth import copy_bandwidth  # bench/ is on sys.path when run as a script
 from decode_profile import synthetic_batch
@@ -79,8 +80,9 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
 class Recorder:
     """Wraps the engine's jitted step to keep the inputs of one decode call (the call at
     `target` decode steps), so the same program can be replayed without the host loop:
-    the host metadata the engine packed (`Engine.last_launch`) and the previous tokens'
-    shape (the step donates its device inputs, so they cannot be kept)."""
+    the host metadata the engine packed (the call's int and float arrays, still on the
+    host) and the previous tokens' shape (the step donates its device inputs, so they
+    cannot be kept)."""
 
     def __init__(self, engine, target: int, trace_calls: int = 0):
         self.engine, self.holder, self.target = engine, engine.step_function, target
@@ -95,8 +97,7 @@ class Recorder:
         if layout.decode:
             self.n_decode += 1
             if self.n_decode == self.target:
-                _, host_ints, host_floats = self.engine.last_launch
-                self.captured = (prev.shape, host_ints, host_floats, layout)
+                self.captured = (prev.shape, np.asarray(ints), np.asarray(floats), layout)
                 if self.trace_calls:
                     from jax._src.lib import _profiler
                     from jax.profiler import ProfileOptions
@@ -127,7 +128,7 @@ def engine_config(cfg: ModelConfig, max_batch: int, prompt: int, new: int, page_
                   overrides: dict | None = None) -> EngineConfig:
     """One engine for every batch size (same KV buffer and row buckets, so the compiled
     programs are shared): room for `max_batch` requests of prompt + new tokens.
-    `overrides`: other EngineConfig fields (e.g. {"fuse_projections": false})."""
+    `overrides`: other EngineConfig fields (e.g. {"prefix_cache": true})."""
     per_request = -(-(prompt + new) // page_size)
     return EngineConfig(**{**dict(page_size=page_size, n_pages=max_batch * per_request + 8, max_batch=max_batch,
                                   max_tokens_per_step=max(max_batch, 8192), max_seq_len=prompt + new,
@@ -183,7 +184,7 @@ def run_batch(engine: Engine, params, batch: int, prompt: int, new: int, bandwid
     warm = generate_once(engine, prompts, new)  # compiles every program the run needs
     warm_s = time.perf_counter() - t0
     engine.stats = type(engine.stats)()
-    per_call = engine.decode_steps_per_call if batch <= engine.scheduler.multi_step_max_rows else 1
+    per_call = engine.tuning.decode_steps_per_call if batch <= engine.scheduler.multi_step_max_rows else 1
     target = max(1, new // 2 // per_call)  # a decode call mid-generation
     with Recorder(engine, target=target) as rec, GcTimer() as gc_timer:
         run = generate_once(engine, prompts, new)
@@ -261,16 +262,14 @@ def replay(fn, params, k, v, inputs, iters: int):
 
 
 def default_decode_program(cfg: ModelConfig, page_size: int, max_rows: int, cached: bool = True):
-    """(the engine's step function under this backend's EngineConfig defaults, whether it
+    """(the engine's step function under this backend's default tuning, whether it
     takes fused projection weights, whether its layers are unrolled). `cached=False`
     builds a fresh one (a program traced anew, e.g. with a function swapped)."""
-    defaults, backend = EngineConfig(), jax.default_backend()
-    unroll = defaults.resolved_unroll_layers(backend)
-    fused = defaults.resolved_fuse_projections(backend, cfg)
+    tuning = resolve_tuning(jax.default_backend(), cfg, EngineConfig())
     build = step_function if cached else step_function.__wrapped__
-    fn = build(cfg, page_size, max_rows, "auto", unroll_layers=unroll,
-               cublas_decode_rows=defaults.resolved_cublas_decode_rows(backend, fused), fused_projections=fused).fn
-    return fn, fused, unroll
+    fn = build(cfg, page_size, max_rows, "auto", unroll_layers=tuning.unroll_layers,
+               cublas_decode_rows=tuning.cublas_decode_rows, fused_projections=tuning.fuse_projections).fn
+    return fn, tuning.fuse_projections, tuning.unroll_layers
 
 
 def device_step_only(cfg: ModelConfig, params, batch: int, context: int, page_size: int,
@@ -319,7 +318,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--json", default=None)
     ap.add_argument("--engine", type=json.loads, default={},
-                    help='EngineConfig fields over the defaults, e.g. \'{"fuse_projections": false}\'')
+                    help='EngineConfig fields over the defaults, e.g. \'{"prefix_cache": true}\'')
+    ap.add_argument("--tuning", type=json.loads, default={},
+                    help='TuningOverrides fields over the backend defaults, e.g. \'{"fuse_projections": false}\'')
     ap.add_argument("--step-only", action="store_true", help="time the decode program alone (no engine)")
     ap.add_argument("--trace-dir", default=None, help="also trace each size's replayed decode call there")
     args = ap.parse_args()
@@ -360,8 +361,9 @@ def main() -> None:
                 log(f"step-only b={r['batch']} error")
         return
     econf = engine_config(cfg, max(batches), args.prompt, args.new, args.page_size, args.engine)
-    header["engine"] = args.engine
-    engine = Engine(cfg, params, econf)
+    header["engine"], header["tuning"] = args.engine, args.tuning
+    tuning = TuningOverrides(**args.tuning)
+    engine = Engine(cfg, params, econf, tuning=tuning)
     rows = []
     for b in batches:
         if time.perf_counter() - start > args.budget_s:
@@ -377,7 +379,7 @@ def main() -> None:
                 # other numbers still come (labelled), instead of failing every size.
                 econf = dataclasses.replace(econf, attention_impl="reference")
                 del engine
-                engine = Engine(cfg, params, econf)
+                engine = Engine(cfg, params, econf, tuning=tuning)
         row["attention_impl"] = econf.attention_impl
         log(json.dumps(row))
         rows.append(row)

@@ -54,19 +54,19 @@ from jrl.models import init_params
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import GREEDY
+from jrl.rollout.tuning import TuningOverrides
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_position_embeddings=1024, tie_embeddings=True,
                    param_dtype="float32", dtype="float32")
 
 
-def engine_config(max_batch: int, prompt: int, new: int, page_size: int = 16, overlap: bool = True,
-                  steps_per_call: int = 1) -> EngineConfig:
+def engine_config(max_batch: int, prompt: int, new: int, page_size: int = 16, overlap: bool = True) -> EngineConfig:
     """bench/decode_throughput.py's settings: room for `max_batch` requests of prompt + new."""
     per_request = -(-(prompt + new) // page_size)
     return EngineConfig(page_size=page_size, n_pages=max_batch * per_request + 8, max_batch=max_batch,
                         max_tokens_per_step=max(max_batch, 8192), max_seq_len=prompt + new,
-                        prefix_cache=False, overlap=overlap, decode_steps_per_call=steps_per_call)
+                        prefix_cache=False, overlap=overlap)
 
 
 class Timers:
@@ -196,7 +196,8 @@ def main() -> None:
                     help="read each step back before planning the next: the host pieces then run while "
                          "the device is idle (no contention for the 2 cores), isolating their own cost")
     ap.add_argument("--steps-per-call", type=int, default=1,
-                    help="EngineConfig.decode_steps_per_call (multi-step decode calls; times stay per decode step)")
+                    help="TuningOverrides.decode_steps_per_call (multi-step decode calls; times stay per decode "
+                         "step)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--digest", action="store_true", help="print a checksum of the tokens and logprobs")
@@ -205,8 +206,8 @@ def main() -> None:
     print(f"# {datetime.date.today()} {platform.processor() or platform.machine()} jax {jax.__version__} "
           f"{jax.default_backend()} | {' '.join(sys.argv)}", flush=True)
     params = init_params(TINY, jax.random.key(0))
-    engine = Engine(TINY, params, engine_config(max(batches), args.prompt, args.new, overlap=not args.no_overlap,
-                                                steps_per_call=args.steps_per_call))
+    engine = Engine(TINY, params, engine_config(max(batches), args.prompt, args.new, overlap=not args.no_overlap),
+                    tuning=TuningOverrides(decode_steps_per_call=args.steps_per_call))
     rows, profiles = [], []
     for b in batches:
         row, text, done = run_batch(engine, b, args.prompt, args.new, args.profile and b == args.profile_batch,

@@ -18,7 +18,7 @@ One RL step, in the order the loop runs it, each phase timed to its last device 
 6. weight sync: `engine.update_weights(state.params, version)`, timed until the served
    params are ready. With trainer and engine on one device nothing crosses devices: the
    engine serves the trainer's own arrays, except that with fused projections (the GPU
-   default, `EngineConfig.fuse_projections`) it concatenates q/k/v and gate/up into its
+   default, `Tuning.fuse_projections`) it concatenates q/k/v and gate/up into its
    own copy; `bytes_copied` counts the bytes of served leaves that are not the trainer's.
 
 The first step compiles; the table reports the mean of the later ones.

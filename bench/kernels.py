@@ -31,6 +31,7 @@ import numpy as np
 from pallas_kernels import reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
+from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 RESULTS: list[dict] = []
 
@@ -110,7 +111,7 @@ def check(args) -> None:
                 q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
                 lens = jnp.asarray(lens, jnp.int32)
                 out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps,
-                                         sm_scale=d ** -0.5, **DECODE_CHECKS[kind])
+                                         sm_scale=d ** -0.5, tuning=DecodeTuning(**DECODE_CHECKS[kind]))
                 ref = reference.ragged_decode(q.astype(jnp.float32), kb.astype(jnp.float32),
                                               vb.astype(jnp.float32), jnp.int32(1), lens, pt,
                                               page_size=ps, sm_scale=d ** -0.5)
@@ -128,7 +129,7 @@ def check(args) -> None:
                 lens = jnp.asarray(kv_lens, jnp.int32)
                 out = paged_prefill_mgpu(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps,
                                          sm_scale=d ** -0.5,
-                                         persistent=kind == "prefill-persistent")
+                                         tuning=PrefillTuning(persistent=kind == "prefill-persistent"))
                 ref = reference.paged_prefill(q.astype(jnp.float32), kb.astype(jnp.float32),
                                               vb.astype(jnp.float32), jnp.int32(1), cu, lens,
                                               pt, page_size=ps, sm_scale=d ** -0.5)
@@ -190,7 +191,7 @@ def decode(args) -> None:
             name = "jrl" if i == 0 else "jrl" + "".join(f",{k}={v}" for k, v in var.items())
             try:
                 f = jax.jit(functools.partial(ragged_decode_mgpu, page_size=ps, sm_scale=scale,
-                                              **var))
+                                              tuning=DecodeTuning(**var)))
                 out = f(q, kb, vb, jnp.int32(0), lens, pt)
                 err = rel_err(out, ref_out) if ref_out is not None else float("nan")
                 row[name] = kv_bytes / timeit(f, q, kb, vb, jnp.int32(0), lens, pt) / 1e12
@@ -258,7 +259,7 @@ def prefill(args) -> None:
                     name = "jrl" if i == 0 else "jrl" + "".join(f",{k}={v}" for k, v in var.items())
                     try:
                         f = jax.jit(functools.partial(paged_prefill_mgpu, page_size=ps,
-                                                      sm_scale=scale, **var))
+                                                      sm_scale=scale, tuning=PrefillTuning(**var)))
                         out = f(q, kb, vb, jnp.int32(0), cu, lens, pt)
                         if dense_out is not None:
                             row[name + "_err_vs_cudnn"] = rel_err(out, dense_out)

@@ -9,7 +9,7 @@ cache off. Columns:
 
 * prefill_s: wall time until every request has its first token;
 * decode_ms: wall time per decode step (all B requests advance one token; a multi-step
-  call, `EngineConfig.decode_steps_per_call`, counts as its number of steps);
+  call, `TuningOverrides.decode_steps_per_call`, counts as its number of steps);
 * decode_tok/s: B / decode step time; total_tok/s: B * new tokens / total wall time;
 * host_ms: host work per decode step (planning, packing, dispatch), mostly overlapped;
 * wait_ms: per decode step, time blocked reading back the previous step's tokens;
@@ -74,11 +74,24 @@ def run_once(engine: Engine, prompts, new_tokens: int) -> dict:
                 decode_steps=steps, host_s=s.decode_host_s - base["host"], wait_s=s.decode_wait_s - base["wait"])
 
 
-def device_step_ms(engine: Engine, repeats: int) -> float:
+def record_last_launch(engine: Engine) -> list:
+    """A one-element list that holds (layout, ints, floats) of the last call `engine`
+    packed from now on (its `_pack` wrapped on the instance)."""
+    last, pack = [None], engine._pack
+
+    def recording(batch):
+        last[0] = pack(batch)
+        return last[0]
+
+    engine._pack = recording
+    return last
+
+
+def device_step_ms(engine: Engine, last_launch: list, repeats: int) -> float:
     """Replays the last decode call back to back (host work excluded) and times it, per
     decode step. The call donates the KV and previous-token buffers: both go back to the
     engine afterwards."""
-    layout, ints, floats = engine.last_launch
+    layout, ints, floats = last_launch[0]
     k, v = engine.kv.buffers()
     call_s, _, k, v, engine._prev_tokens = replay(
         engine.step_function.fn, engine.params, k, v,
@@ -119,13 +132,14 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     for b in batch_sizes:
         engine = Engine(model, params, engine_config(args, b))
+        last_launch = record_last_launch(engine)
         warm = [rng.integers(0, model.vocab_size, args.prompt_len) for _ in range(b)]
         run_once(engine, warm, args.new_tokens)
         prompts = [rng.integers(0, model.vocab_size, args.prompt_len) for _ in range(b)]
         r = run_once(engine, prompts, args.new_tokens)
         steps = max(r["decode_steps"], 1)
         decode_ms = r["decode_s"] / steps * 1e3
-        dev_ms = device_step_ms(engine, args.device_repeats)
+        dev_ms = device_step_ms(engine, last_launch, args.device_repeats)
         row = (b, f"{r['prefill_s']:.3f}", f"{decode_ms:.2f}", f"{b / decode_ms * 1e3:.1f}",
                f"{b * args.new_tokens / r['total_s']:.1f}", f"{r['host_s'] / steps * 1e3:.2f}",
                f"{r['wait_s'] / steps * 1e3:.2f}", f"{dev_ms:.2f}", f"{max(0.0, decode_ms - dev_ms):.2f}",

@@ -27,9 +27,14 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check(cond: bool, field: str, msg: str) -> None:
-    if not cond:
+def check(ok: bool, field: str, msg: str) -> None:
+    """Raises `ConfigError("<field>: <msg>")` unless `ok`: the one validation helper of
+    every config (`field` is the full dotted name the user wrote, e.g. `engine.max_batch`)."""
+    if not ok:
         raise ConfigError(f"{field}: {msg}")
+
+
+_check = check  # the name this module's validators use
 
 
 def _check_choice(value: Any, choices: Any, field: str) -> None:

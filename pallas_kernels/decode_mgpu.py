@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.shapes import check_paged_shapes
+from pallas_kernels.tuning import DecodeTuning
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in it
@@ -67,8 +68,8 @@ def num_sms() -> int:
 
 def default_num_splits(n_units: int, max_ctx: int, block_kv: int) -> int:
     """Split the KV length only when there are fewer (request, head group) units than SMs:
-    one long stream per SM reads fastest (measured on H200, docs/performance.md), also
-    with two keys-as-rows CTAs an SM."""
+    one long stream per SM reads fastest (docs/performance.md), also with two keys-as-rows
+    CTAs an SM."""
     return int(max(1, min(num_sms() // max(n_units, 1), max_ctx // (4 * block_kv))))
 
 
@@ -111,30 +112,29 @@ def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsiz
     return int(max(2, min(4, room // per_stage)))
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "block_kv", "num_stages",
-                                             "num_splits", "heads_per_cta", "persistent", "num_ctas",
-                                             "keys_as_rows", "ctas_per_sm", "interpret"))
+@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "tuning", "interpret"))
 def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int,
-                       sm_scale: float, block_kv: int = 64, num_stages: int | None = None,
-                       num_splits: int | None = None, heads_per_cta: int | None = None,
-                       persistent: bool = True, num_ctas: int | None = None,
-                       keys_as_rows: bool | None = None, ctas_per_sm: int | None = None,
+                       sm_scale: float, tuning: DecodeTuning | None = None,
                        interpret: bool = False) -> jax.Array:
     """`q [B, Hq, D]` against each request's `kv_lens[b]` keys -> `[B, Hq, D]` (q's dtype).
 
-    Work comes in items of one request, one KV split and `heads_per_cta` KV heads (one
-    compute warpgroup each, fed by one shared memory warpgroup). With `persistent`
-    `ctas_per_sm` CTAs per SM (`num_ctas` overrides the count) walk the items round-robin,
-    each memory warpgroup streaming the next item's K/V while its compute warpgroups finish
-    the current one; otherwise each CTA takes one item. Consecutive items are the head
-    groups of one request, so CTAs running side by side read the same KV rows. Split
-    partials are stored in the input dtype and merged in float32. `keys_as_rows` picks the
-    orientation of the tiles (module docstring); by default keys are the rows when the q
-    tile needs at most 16 columns (`query_columns`) and no `heads_per_cta` above 1 is
-    asked for. Keys as rows runs one KV head a CTA (its softmax reduces across warps
-    through a scratch buffer that two compute warpgroups would share) and two CTAs an SM
-    by default.
+    Launch options come in `tuning` (`pallas_kernels.tuning.DecodeTuning`; None: all
+    defaults). Work comes in items of one request, one KV split and `heads_per_cta` KV
+    heads (one compute warpgroup each, fed by one shared memory warpgroup). With
+    `persistent` `ctas_per_sm` CTAs per SM (`num_ctas` overrides the count) walk the
+    items round-robin, each memory warpgroup streaming the next item's K/V while its
+    compute warpgroups finish the current one; otherwise each CTA takes one item.
+    Consecutive items are the head groups of one request, so CTAs running side by side
+    read the same KV rows. Split partials are stored in the input dtype and merged in
+    float32. `keys_as_rows` picks the orientation of the tiles (module docstring); by
+    default keys are the rows when the q tile needs at most 16 columns (`query_columns`)
+    and no `heads_per_cta` above 1 is asked for. Keys as rows runs one KV head a CTA (its
+    softmax reduces across warps through a scratch buffer that two compute warpgroups
+    would share) and two CTAs an SM by default.
     """
+    t = tuning or DecodeTuning()
+    block_kv, num_stages, num_splits, heads_per_cta = t.block_kv, t.num_stages, t.num_splits, t.heads_per_cta
+    persistent, num_ctas, keys_as_rows, ctas_per_sm = t.persistent, t.num_ctas, t.keys_as_rows, t.ctas_per_sm
     check_paged_shapes("decode_mgpu", q, k_buf, v_buf, page_size, block_kv, max_group=ROWS - 7)
     b, hq, d = q.shape
     hkv = k_buf.shape[2]

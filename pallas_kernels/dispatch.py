@@ -5,8 +5,10 @@ supports (see `kernel_supports`) and the reference everywhere else, so callers (
 rollout engine) never need to know which one ran. "pallas" forces the kernel (an error
 for unsupported shapes), "interpret" runs the kernel in Mosaic GPU interpret mode (CPU
 tests), "reference" the pure-jnp version. The MLA form (`v_buf=None`) always takes the
-reference. `write_kv` is one XLA scatter for K and V in every mode: in place on donated
-buffers.
+reference. `write_kv` is one XLA scatter for K and V whatever runs the attention: in
+place on donated buffers. The kernels' launch options are resolved here
+(`prefill_tuning`, `decode_tuning`), not taken from callers; benchmarks that compare
+them call the kernels with their own `pallas_kernels.tuning` objects.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from pallas_kernels import reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
+from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 Impl = Literal["auto", "reference", "pallas", "interpret"]
 IMPLS = ("auto", "reference", "pallas", "interpret")
@@ -54,6 +57,18 @@ def _resolve(impl: Impl, supported: bool, op: str) -> str:
     return impl
 
 
+def prefill_tuning(which: str) -> PrefillTuning:
+    """The prefill kernel's launch options for `which` ("pallas" or "interpret").
+    Interpret mode runs one (tile, head) item per CTA: jax 0.11.2's GPU interpreter
+    intermittently stalls on the persistent loop (see docs/kernels.md)."""
+    return PrefillTuning(persistent=which != "interpret")
+
+
+def decode_tuning(which: str) -> DecodeTuning:
+    """The decode kernel's launch options for `which`: its own defaults in both modes."""
+    return DecodeTuning()
+
+
 def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
                   sm_scale: float, v_head_dim: int | None = None, impl: Impl = "auto") -> jax.Array:
     """Packed ragged causal prefill through the page table (see `reference.paged_prefill`)."""
@@ -62,12 +77,9 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
         return reference.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
-    # Interpret mode runs one (tile, head) item per CTA: jax 0.11.2's GPU interpreter
-    # intermittently stalls on the persistent loop (see docs/kernels.md).
-    interpret = which == "interpret"
     return paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
-                              page_size=page_size, sm_scale=float(sm_scale),
-                              persistent=not interpret, interpret=interpret)
+                              page_size=page_size, sm_scale=float(sm_scale), tuning=prefill_tuning(which),
+                              interpret=which == "interpret")
 
 
 def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int, sm_scale: float,
@@ -79,11 +91,11 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
     return ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, page_size=page_size,
-                              sm_scale=float(sm_scale), interpret=which == "interpret")
+                              sm_scale=float(sm_scale), tuning=decode_tuning(which),
+                              interpret=which == "interpret")
 
 
-def write_kv(k_buf, v_buf, layer, slots, k, v, *, impl: Impl = "auto"):
-    """Scatters the step's new K/V into their slots (see `reference.write_kv`)."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl: must be one of {'/'.join(IMPLS)}, got {impl!r}")
+def write_kv(k_buf, v_buf, layer, slots, k, v):
+    """Scatters the step's new K/V into their slots (see `reference.write_kv`): the same
+    XLA scatter whichever attention implementation runs."""
     return reference.write_kv(k_buf, v_buf, layer, slots, k, v)

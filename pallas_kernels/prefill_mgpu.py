@@ -32,6 +32,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.decode_mgpu import num_sms, wgmma_accumulate
 from pallas_kernels.shapes import check_paged_shapes
+from pallas_kernels.tuning import PrefillTuning
 
 LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # query rows per compute warpgroup
@@ -70,20 +71,21 @@ def tile_table(cu_ext: jax.Array, kv_ext: jax.Array, n_tiles: int, block_kv: int
             jnp.where(used, row0, 0)[order].astype(jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "block_kv", "num_stages",
-                                             "pingpong", "persistent", "num_ctas", "interpret"))
+@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "tuning", "interpret"))
 def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
-                       sm_scale: float, block_kv: int | None = None, num_stages: int | None = None,
-                       pingpong: bool = True, persistent: bool = True,
-                       num_ctas: int | None = None, interpret: bool = False) -> jax.Array:
+                       sm_scale: float, tuning: PrefillTuning | None = None,
+                       interpret: bool = False) -> jax.Array:
     """`q [T, Hq, D]` packed ragged queries -> `[T, Hq, D]`; rows past `cu_q_lens[-1]` are 0.
 
-    Needs `kv_lens[b] >= q_len[b]` (the new tokens are already in the cache). `num_ctas`
-    overrides the persistent grid size (default: one CTA per SM).
+    Needs `kv_lens[b] >= q_len[b]` (the new tokens are already in the cache). Launch
+    options come in `tuning` (`pallas_kernels.tuning.PrefillTuning`; None: all defaults;
+    its `num_ctas` overrides the persistent grid size, by default one CTA per SM).
     """
+    t = tuning or PrefillTuning()
+    pingpong, persistent, num_ctas = t.pingpong, t.persistent, t.num_ctas
     d_bk, d_ns = default_blocks(q.shape[-1])
-    block_kv = block_kv or d_bk
-    stages = num_stages or d_ns
+    block_kv = t.block_kv or d_bk
+    stages = t.num_stages or d_ns
     check_paged_shapes("prefill_mgpu", q, k_buf, v_buf, page_size, block_kv)
     t_rows, hq, d = q.shape
     hkv = k_buf.shape[2]

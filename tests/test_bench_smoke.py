@@ -23,7 +23,7 @@ def run_bench(*args: str) -> str:
 def test_decode_throughput_reports_every_batch_with_its_steps_per_call(tmp_path, steps):
     report = tmp_path / "decode.json"
     run_bench("bench/decode_throughput.py", "--tiny", "--batches", "1,2", "--json", str(report),
-              "--engine", json.dumps({"decode_steps_per_call": steps}))
+              "--tuning", json.dumps({"decode_steps_per_call": steps}))
     rows = json.loads(report.read_text())["jrl"]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:  # 8 new tokens: the first from the prefill step, 7 from decode calls

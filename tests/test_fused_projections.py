@@ -1,4 +1,4 @@
-"""Fused projection weights (jrl.models.fused, EngineConfig.fuse_projections): one q/k/v and
+"""Fused projection weights (jrl.models.fused, Tuning.fuse_projections): one q/k/v and
 one gate/up kernel per layer give the same model, convert back exactly, and the engine
 serves a fused copy of the separate-layout params it is handed."""
 
@@ -15,8 +15,8 @@ from jrl.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 from jrl.models import Transformer, dense_attention, forward, init_params
 from jrl.models.fused import fuse_projections, unfuse_projections
 from jrl.models.lora import merge_lora
-from jrl.rollout import GREEDY, Engine, EngineConfig
-from jrl.rollout.config import FUSE_PROJECTIONS_DEFAULT
+from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
+from jrl.rollout.tuning import BACKEND_DEFAULTS, FALLBACK, resolve_tuning
 
 BIAS_NORM_TIED = ModelConfig(qkv_bias=True, qk_norm=True, tie_embeddings=True)
 PLAIN = ModelConfig()
@@ -26,6 +26,7 @@ MLA_MOE = ModelConfig(attention="mla", n_experts=4)
 LORA = ModelConfig(lora=LoraConfig(rank=4, targets=("q", "v")))
 ENGINE = dict(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=32, token_buckets=(32,),
               batch_buckets=(4,), max_seq_len=64)
+FUSED, SEPARATE = TuningOverrides(fuse_projections=True), TuningOverrides(fuse_projections=False)
 
 init = jax.jit(init_params, static_argnums=0)  # eager Flax init of the scanned layers is slow on CPU
 
@@ -169,9 +170,9 @@ def weights():
 
 def test_fused_engine_generates_the_same_tokens_and_logprobs(weights):
     params, _ = weights
-    plain = Engine(PLAIN, params, EngineConfig(**ENGINE, fuse_projections=False))
-    fused = Engine(PLAIN, params, EngineConfig(**ENGINE, fuse_projections=True))
-    assert (plain.fuse_projections, fused.fuse_projections) == (False, True)
+    plain = Engine(PLAIN, params, EngineConfig(**ENGINE), tuning=SEPARATE)
+    fused = Engine(PLAIN, params, EngineConfig(**ENGINE), tuning=FUSED)
+    assert (plain.tuning.fuse_projections, fused.tuning.fuse_projections) == (False, True)
     assert plain.params is params and "qkv_proj" in fused.params["layers"]["attn"]
     for a, b in zip(plain.generate(prompts(), GREEDY, max_new_tokens=6),
                     fused.generate(prompts(), GREEDY, max_new_tokens=6)):
@@ -182,12 +183,12 @@ def test_fused_engine_generates_the_same_tokens_and_logprobs(weights):
 
 def test_fused_engine_serves_updated_weights_like_a_fresh_engine(weights):
     old, new = weights
-    config = EngineConfig(**ENGINE, fuse_projections=True)
-    engine = Engine(PLAIN, old, config)
+    config = EngineConfig(**ENGINE)
+    engine = Engine(PLAIN, old, config, tuning=FUSED)
     before = engine.generate(prompts(), GREEDY, max_new_tokens=6)
     assert engine.update_weights(new, 1).version == 1
     after = engine.generate(prompts(), GREEDY, max_new_tokens=6)
-    fresh = Engine(PLAIN, new, config).generate(prompts(), GREEDY, max_new_tokens=6)
+    fresh = Engine(PLAIN, new, config, tuning=FUSED).generate(prompts(), GREEDY, max_new_tokens=6)
     assert any(not np.array_equal(a.tokens, b.tokens) for a, b in zip(before, after))
     for a, b in zip(after, fresh):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -199,7 +200,7 @@ def test_fused_engine_serves_updated_weights_like_a_fresh_engine(weights):
 
 def test_fused_engine_checks_updates_against_the_separate_layout(weights):
     old, new = weights
-    engine = Engine(PLAIN, old, EngineConfig(**ENGINE, fuse_projections=True), version=2)
+    engine = Engine(PLAIN, old, EngineConfig(**ENGINE), version=2, tuning=FUSED)
     assert engine.update_weights(old, 2).version == 2  # same version, same params: a no-op
     with pytest.raises(ValueError, match="already served with different params"):
         engine.update_weights(new, 2)
@@ -213,41 +214,47 @@ def test_fused_engine_checks_updates_against_the_separate_layout(weights):
 
 
 def test_fuse_projections_default_is_on_for_gpu_only_and_off_where_it_does_not_apply():
-    assert EngineConfig().resolved_fuse_projections("gpu", PLAIN) is True
-    assert EngineConfig().resolved_fuse_projections("cpu", PLAIN) is False
-    assert EngineConfig(fuse_projections=True).resolved_fuse_projections("cpu", PLAIN) is True
-    assert EngineConfig(fuse_projections=False).resolved_fuse_projections("gpu", PLAIN) is False
-    assert EngineConfig().resolved_fuse_projections("gpu", PLAIN, tensor_parallel=True) is False
-    assert EngineConfig().resolved_fuse_projections("gpu", LORA) is False  # RL with LoRA: adapters served as is
-    assert EngineConfig().resolved_fuse_projections("gpu", MLA_MOE) is False
-    with pytest.raises(ConfigError, match="engine.fuse_projections: must be True, False or None"):
-        EngineConfig(fuse_projections="yes")
+    def fused(backend, model, overrides=None, tensor_parallel=False):
+        return resolve_tuning(backend, model, EngineConfig(), overrides,
+                              tensor_parallel=tensor_parallel).fuse_projections
+
+    assert fused("gpu", PLAIN) is True
+    assert fused("cpu", PLAIN) is False
+    assert fused("cpu", PLAIN, FUSED) is True
+    assert fused("gpu", PLAIN, SEPARATE) is False
+    assert fused("gpu", PLAIN, tensor_parallel=True) is False
+    assert fused("gpu", LORA) is False  # RL with LoRA: adapters served as is
+    assert fused("gpu", MLA_MOE) is False
+    with pytest.raises(ConfigError, match="tuning.fuse_projections: must be True, False or None"):
+        TuningOverrides(fuse_projections="yes")
 
 
 @pytest.mark.parametrize("config,message", [(LORA, "LoRA adapters on"), (MLA_MOE, "nothing to fuse")],
                          ids=["lora", "mla_moe"])
 def test_explicit_fusion_where_it_does_not_apply_is_a_config_error(config, message):
-    with pytest.raises(ConfigError, match=f"engine.fuse_projections: {message}"):
-        Engine(config, init(config, jax.random.key(0)), EngineConfig(**ENGINE, fuse_projections=True))
+    with pytest.raises(ConfigError, match=f"tuning.fuse_projections: {message}"):
+        Engine(config, init(config, jax.random.key(0)), EngineConfig(**ENGINE), tuning=FUSED)
 
 
 @pytest.fixture
 def fusion_on_by_default(monkeypatch):
     """This backend's default as on GPU (fusion on), to see where None resolves to off."""
-    monkeypatch.setitem(FUSE_PROJECTIONS_DEFAULT, jax.default_backend(), True)
+    backend = jax.default_backend()
+    defaults = BACKEND_DEFAULTS.get(backend, FALLBACK)
+    monkeypatch.setitem(BACKEND_DEFAULTS, backend, dataclasses.replace(defaults, fuse_projections=True))
 
 
 def test_default_fusion_serves_lora_params_as_given(fusion_on_by_default):
     # RL with LoRA hands the engine the trainer's params, adapters included (jrl/train/rl.py)
     params = init(LORA, jax.random.key(0))
     engine = Engine(LORA, params, EngineConfig(**ENGINE))
-    assert engine.fuse_projections is False and engine.params is params
-    assert Engine(PLAIN, init(PLAIN, jax.random.key(0)), EngineConfig(**ENGINE)).fuse_projections is True
+    assert engine.tuning.fuse_projections is False and engine.params is params
+    assert Engine(PLAIN, init(PLAIN, jax.random.key(0)), EngineConfig(**ENGINE)).tuning.fuse_projections is True
 
 
 def test_fusion_under_tensor_parallelism_is_off_by_default_and_an_error_when_asked(weights, fusion_on_by_default):
     params, _ = weights
     mesh = ParallelConfig(data=1, fsdp=1, tensor=1)
-    assert Engine(PLAIN, params, EngineConfig(**ENGINE), mesh=mesh).fuse_projections is False
-    with pytest.raises(ConfigError, match="engine.fuse_projections: not supported with tensor parallelism"):
-        Engine(PLAIN, params, EngineConfig(**ENGINE, fuse_projections=True), mesh=mesh)
+    assert Engine(PLAIN, params, EngineConfig(**ENGINE), mesh=mesh).tuning.fuse_projections is False
+    with pytest.raises(ConfigError, match="tuning.fuse_projections: not supported with tensor parallelism"):
+        Engine(PLAIN, params, EngineConfig(**ENGINE), mesh=mesh, tuning=FUSED)

@@ -17,6 +17,7 @@ from pallas_kernels.decode_mgpu import (default_keys_as_rows, default_num_stages
                                         ragged_decode_mgpu)
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
 from pallas_kernels.scatter_rows import scatter_rows
+from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 TOL = 1e-2  # bf16 inputs and bf16 probabilities in PV: observed 1e-3..3e-3
 
@@ -56,7 +57,8 @@ def test_ragged_decode_matches_float32_reference(hq, hkv, d, ps, splits, keys_as
     q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.bfloat16)
     lens = jnp.asarray(lens, jnp.int32)
     out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=d ** -0.5,
-                             num_splits=splits, keys_as_rows=keys_as_rows, interpret=True)
+                             tuning=DecodeTuning(num_splits=splits, keys_as_rows=keys_as_rows),
+                             interpret=True)
     ref = reference.ragged_decode(f32(q), f32(kb), f32(vb), jnp.int32(1), lens, pt, page_size=ps,
                                   sm_scale=d ** -0.5)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
@@ -99,7 +101,8 @@ def test_persistent_prefill_walks_several_items_per_cta():
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     lens = jnp.asarray(kv_lens, jnp.int32)
     out = paged_prefill_mgpu(q, kb, vb, jnp.int32(0), cu, lens, pt, page_size=ps, sm_scale=0.1,
-                             persistent=True, num_ctas=2, pingpong=False, interpret=True)
+                             tuning=PrefillTuning(persistent=True, num_ctas=2, pingpong=False),
+                             interpret=True)
     ref = reference.paged_prefill(f32(q), f32(kb), f32(vb), jnp.int32(0), cu, lens, pt,
                                   page_size=ps, sm_scale=0.1)
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -142,7 +145,8 @@ def test_keys_as_rows_names_two_heads_a_cta_as_unsupported():
     q = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.bfloat16)
     with pytest.raises(ValueError, match="keys_as_rows runs one KV head a CTA"):
         ragged_decode_mgpu(q, kb, vb, 0, jnp.asarray([5], jnp.int32), pt, page_size=16,
-                           sm_scale=0.1, keys_as_rows=True, heads_per_cta=2, interpret=True)
+                           sm_scale=0.1, tuning=DecodeTuning(keys_as_rows=True, heads_per_cta=2),
+                           interpret=True)
 
 
 @pytest.mark.parametrize("keys_as_rows", [False, True], ids=["queries_as_rows", "keys_as_rows"])
@@ -158,7 +162,7 @@ def test_persistent_decode_walks_several_items_per_cta(splits, keys_as_rows):
     q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.bfloat16)
     lens = jnp.asarray(lens, jnp.int32)
     out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=0.1,
-                             num_splits=splits, num_ctas=3, keys_as_rows=keys_as_rows,
+                             tuning=DecodeTuning(num_splits=splits, num_ctas=3, keys_as_rows=keys_as_rows),
                              interpret=True)
     ref = reference.ragged_decode(f32(q), f32(kb), f32(vb), jnp.int32(1), lens, pt, page_size=ps,
                                   sm_scale=0.1)

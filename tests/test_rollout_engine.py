@@ -11,8 +11,10 @@ import pytest
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import apply, init_params
-from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, generate
+from jrl.rollout import (GREEDY, Engine, EngineConfig, SamplingParams, TuningOverrides, engine_config_for_workload,
+                         generate)
 from jrl.rollout.executor import step_function
+from jrl.rollout.tuning import resolve_tuning
 from test_rollout_sampling import np_distribution
 
 MODEL = ModelConfig()  # tiny float32 GQA model: vocab 256, 2 layers, 4 q / 2 kv heads
@@ -56,6 +58,19 @@ def assert_greedy_matches_forward(config, params, completions):
         argmax, logp, _ = trainer_view(config, params, c)
         np.testing.assert_array_equal(c.tokens, argmax, err_msg=f"request {c.request_id}")
         assert np.abs(c.model_logprobs - logp).max() <= 1e-5
+
+
+def record_layouts(engine) -> list:
+    """The `StepLayout` of every call `engine` dispatches from now on (appended in order)."""
+    layouts, pack = [], engine._pack
+
+    def recording(batch):
+        out = pack(batch)
+        layouts.append(out[0])
+        return out
+
+    engine._pack = recording
+    return layouts
 
 
 def assert_no_pages_held(engine):
@@ -187,8 +202,8 @@ def test_no_step_writes_one_kv_slot_twice(params, steps_per_call):
     # The KV write scatters with unique indices (pallas_kernels.scatter_rows): within one
     # write, the real slots must be distinct, under prefix sharing inside a batch, prefix
     # hits, chunked prefill, preemption and multi-step calls alike.
-    config = dataclasses.replace(ENGINE, n_pages=28, decode_steps_per_call=steps_per_call)
-    engine = Engine(MODEL, params, config)
+    config = dataclasses.replace(ENGINE, n_pages=28)
+    engine = Engine(MODEL, params, config, tuning=TuningOverrides(decode_steps_per_call=steps_per_call))
     holder, writes = engine.step_function, []
     inner = holder.fn
 
@@ -241,6 +256,42 @@ def test_engine_config_errors_name_the_field():
         EngineConfig(max_tokens_per_step=64, token_buckets=(16, 32))
     with pytest.raises(ConfigError, match="engine.allocation"):
         EngineConfig(allocation="buddy")
+
+
+def test_engine_config_holds_the_user_settings_and_no_tuning():
+    # Tuning (unrolled layers, GEMM options, fused projections, multi-step calls, row
+    # padding) is resolved per backend by jrl.rollout.tuning, overridable only through
+    # `Engine(..., tuning=TuningOverrides(...))`.
+    assert {f.name for f in dataclasses.fields(EngineConfig)} == {
+        "page_size", "n_pages", "max_batch", "max_tokens_per_step", "max_seq_len", "token_buckets",
+        "batch_buckets", "chunked_prefill", "allocation", "prefix_cache", "penalty_window", "on_weight_update",
+        "attention_impl", "overlap", "seed"}
+
+
+def test_tuning_overrides_reach_the_engine(params):
+    default = Engine(MODEL, params, ENGINE)
+    assert default.tuning == resolve_tuning(jax.default_backend(), MODEL, ENGINE)
+    forced = Engine(MODEL, params, ENGINE, tuning=TuningOverrides(decode_steps_per_call=3))
+    assert forced.tuning == dataclasses.replace(default.tuning, decode_steps_per_call=3)
+    layouts = record_layouts(forced)
+    out = forced.generate(prompts_of([5, 9], seed=14), GREEDY, max_new_tokens=10)
+    assert max(layout.steps for layout in layouts) == 3
+    assert forced.stats.decode_device_steps > forced.stats.decode_steps  # some calls ran 3 steps
+    assert_greedy_matches_forward(MODEL, params, out)
+
+
+def test_engine_config_for_workload_sizes_the_pool_and_lets_user_settings_win():
+    config = engine_config_for_workload(300, 5, seed=3)
+    assert (config.max_batch, config.page_size, config.max_seq_len, config.seed) == (8, 16, 300, 3)
+    assert config.max_tokens_per_step == 1024
+    assert config.n_pages == 256  # 8 requests x 19 pages + 8, rounded up to a power of two
+    config = engine_config_for_workload(300, 5, page_size=32, prefix_cache=False, token_buckets=[64, 1024])
+    assert (config.n_pages, config.prefix_cache, config.token_buckets) == (128, False, (64, 1024))
+    assert engine_config_for_workload(100, 1000).max_batch == 256
+    with pytest.raises(ConfigError, match="engine.decode_steps_per_call"):  # tuning is not a user setting
+        engine_config_for_workload(300, 5, decode_steps_per_call=4)
+    with pytest.raises(ConfigError, match="engine.allocation"):
+        engine_config_for_workload(300, 5, allocation="buddy")
 
 
 def test_long_generation_compiles_a_handful_of_programs(params):

@@ -1,4 +1,4 @@
-"""Multi-step decode (`EngineConfig.decode_steps_per_call`): one device call runs several
+"""Multi-step decode (`TuningOverrides.decode_steps_per_call`): one device call runs several
 decode steps, and every completion is exactly what one step per call produces."""
 
 import dataclasses
@@ -9,10 +9,11 @@ import pytest
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
-from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams
+from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, TuningOverrides
 from jrl.rollout.cache import PagePool, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.executor import StepLayout
-from test_rollout_engine import assert_greedy_matches_forward, assert_no_pages_held, prompts_of
+from jrl.rollout.tuning import batch_buckets, resolve_tuning
+from test_rollout_engine import assert_greedy_matches_forward, assert_no_pages_held, prompts_of, record_layouts
 
 MODEL = ModelConfig()  # tiny float32 GQA model: vocab 256, 2 layers, 4 q / 2 kv heads
 ENGINE = EngineConfig(page_size=8, n_pages=64, max_batch=8, max_tokens_per_step=32, token_buckets=(32,),
@@ -26,8 +27,10 @@ def params():
     return jax.jit(init_params, static_argnums=0)(MODEL, jax.random.key(0))
 
 
-def run(params, steps, prompts, sampling, max_new_tokens, **config):
-    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, decode_steps_per_call=steps, **config))
+def run(params, steps, prompts, sampling, max_new_tokens, tuning=None, **config):
+    tuning = TuningOverrides(**{"decode_steps_per_call": steps, **(tuning or {})})
+    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, **config), tuning=tuning)
+    engine.layouts = record_layouts(engine)
     if isinstance(max_new_tokens, int):
         return engine, engine.generate(prompts, sampling, max_new_tokens=max_new_tokens)
     ids = [engine.add_request(p, sampling, max_new_tokens=n) for p, n in zip(prompts, max_new_tokens)]
@@ -54,7 +57,7 @@ def test_greedy_multi_step_calls_match_single_steps_and_the_full_forward(params)
     stats = multi_engine.stats
     assert stats.decode_device_steps > stats.decode_steps  # some calls ran several steps
     assert single_engine.stats.decode_device_steps == single_engine.stats.decode_steps
-    assert multi_engine.last_launch[0].steps == 4
+    assert max(layout.steps for layout in multi_engine.layouts) == 4
     assert_no_pages_held(multi_engine)
 
 
@@ -83,7 +86,7 @@ def test_eos_and_stop_sequences_inside_a_call_discard_the_later_tokens(params):
     for kwargs, reason in (({"eos_ids": [eos]}, "eos"), ({"stop_sequences": [stop]}, "stop")):
         outs = []
         for steps in (1, 4):
-            engine = Engine(MODEL, params, dataclasses.replace(ENGINE, decode_steps_per_call=steps))
+            engine = Engine(MODEL, params, ENGINE, tuning=TuningOverrides(decode_steps_per_call=steps))
             outs.append(engine.generate([prompt], GREEDY, max_new_tokens=12, **kwargs)[0])
             assert_no_pages_held(engine)
         assert outs[1].finish_reason == reason
@@ -106,7 +109,7 @@ def test_waiting_requests_are_admitted_as_before_when_rows_free_up(params):
 def test_batches_above_multi_step_max_rows_keep_one_step_per_call(params):
     prompts = prompts_of([7, 12, 5, 9], seed=6)
     _, single = run(params, 1, prompts, GREEDY, max_new_tokens=10)
-    engine, multi = run(params, 4, prompts, GREEDY, max_new_tokens=10, multi_step_max_rows=3)
+    engine, multi = run(params, 4, prompts, GREEDY, max_new_tokens=10, tuning={"multi_step_max_rows": 3})
     assert engine.stats.decode_device_steps == engine.stats.decode_steps
     assert_same_completions(single, multi)
 
@@ -139,7 +142,7 @@ def test_contiguous_allocation_multi_step_calls_match_single_steps(params):
 ], ids=["mla", "moe"])
 def test_mla_and_moe_models_multi_step_calls_match_the_full_forward(config):
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(3))
-    engine = Engine(config, params, dataclasses.replace(ENGINE, decode_steps_per_call=4))
+    engine = Engine(config, params, ENGINE, tuning=TuningOverrides(decode_steps_per_call=4))
     out = engine.generate(prompts_of([4, 37, 18], seed=13), GREEDY, max_new_tokens=11)
     assert engine.stats.decode_device_steps > engine.stats.decode_steps
     assert_greedy_matches_forward(config, params, out)
@@ -147,28 +150,31 @@ def test_mla_and_moe_models_multi_step_calls_match_the_full_forward(config):
 
 def test_multi_step_calls_with_unrolled_layers_match_single_steps(params):
     prompts = prompts_of([6, 14], seed=4)
-    _, single = run(params, 1, prompts, SAMPLED, max_new_tokens=9, unroll_layers=True)
-    _, multi = run(params, 4, prompts, SAMPLED, max_new_tokens=9, unroll_layers=True)
+    _, single = run(params, 1, prompts, SAMPLED, max_new_tokens=9, tuning={"unroll_layers": True})
+    _, multi = run(params, 4, prompts, SAMPLED, max_new_tokens=9, tuning={"unroll_layers": True})
     assert_same_completions(single, multi)
 
 
 def test_a_one_request_engine_pads_its_decode_steps_past_max_batch(params):
-    config = dataclasses.replace(ENGINE, max_batch=1, batch_buckets=(), min_decode_rows=2)
-    engine = Engine(MODEL, params, config)
+    config = dataclasses.replace(ENGINE, max_batch=1, batch_buckets=())
+    engine = Engine(MODEL, params, config, tuning=TuningOverrides(min_decode_rows=2))
+    layouts = record_layouts(engine)
     out = engine.generate(prompts_of([9], seed=7), GREEDY, max_new_tokens=6)
-    assert engine.max_rows == 2 and engine.last_launch[0].n_rows == 2
+    assert engine.max_rows == 2 and layouts[-1].n_rows == 2
     assert_greedy_matches_forward(MODEL, params, out)
 
 
 def test_padded_decode_rows_give_the_same_completion(params):
     prompt = prompts_of([11], seed=5)
     one = dataclasses.replace(ENGINE, batch_buckets=(1, 2, 4, 8))
-    engine = Engine(MODEL, params, dataclasses.replace(one, min_decode_rows=2))
+    engine = Engine(MODEL, params, one, tuning=TuningOverrides(min_decode_rows=2))
+    layouts = record_layouts(engine)
     padded = engine.generate(prompt, GREEDY, max_new_tokens=8)
-    assert engine.last_launch[0].decode and engine.last_launch[0].n_rows == 2
-    plain_engine = Engine(MODEL, params, dataclasses.replace(one, min_decode_rows=1))
+    assert layouts[-1].decode and layouts[-1].n_rows == 2
+    plain_engine = Engine(MODEL, params, one, tuning=TuningOverrides(min_decode_rows=1))
+    plain_layouts = record_layouts(plain_engine)
     plain = plain_engine.generate(prompt, GREEDY, max_new_tokens=8)
-    assert plain_engine.last_launch[0].n_rows == 1
+    assert plain_layouts[-1].n_rows == 1
     assert_same_completions(plain, padded)
 
 
@@ -189,22 +195,25 @@ def test_bind_decode_steps_gives_each_row_its_positions_and_writes_nothing_past_
 
 
 def test_multi_step_and_row_padding_defaults_and_errors_name_the_field():
-    assert EngineConfig().resolved_decode_steps_per_call("gpu") == 4
-    assert EngineConfig().resolved_decode_steps_per_call("cpu") == 1
-    assert EngineConfig(decode_steps_per_call=2).resolved_decode_steps_per_call("gpu") == 2
-    assert EngineConfig().resolved_multi_step_max_rows("gpu") == 128
-    assert EngineConfig(max_batch=8).resolved_multi_step_max_rows("cpu") == 8
-    assert EngineConfig().resolved_min_decode_rows("gpu") == 2
+    def tuned(backend, engine=EngineConfig(), **overrides):
+        return resolve_tuning(backend, MODEL, engine, TuningOverrides(**overrides))
+
+    assert tuned("gpu").decode_steps_per_call == 4
+    assert tuned("cpu").decode_steps_per_call == 1
+    assert tuned("gpu", decode_steps_per_call=2).decode_steps_per_call == 2
+    assert tuned("gpu").multi_step_max_rows == 128
+    assert tuned("cpu", EngineConfig(max_batch=8)).multi_step_max_rows == 8
+    assert tuned("gpu").min_decode_rows == 2
+    assert tuned("cpu").min_decode_rows == 1
     one_request = EngineConfig(max_batch=1, max_tokens_per_step=8)
-    assert one_request.resolved_batch_buckets_for("gpu") == (1, 2)  # still decodes with 2 rows
-    assert one_request.resolved_batch_buckets_for("cpu") == (1,)
-    assert EngineConfig().resolved_min_decode_rows("cpu") == 1
-    with pytest.raises(ConfigError, match="engine.decode_steps_per_call"):
-        EngineConfig(decode_steps_per_call=0)
-    with pytest.raises(ConfigError, match="engine.multi_step_max_rows"):
-        EngineConfig(multi_step_max_rows=-1)
-    with pytest.raises(ConfigError, match="engine.min_decode_rows"):
-        EngineConfig(min_decode_rows=0)
+    assert batch_buckets(one_request, tuned("gpu", one_request)) == (1, 2)  # still decodes with 2 rows
+    assert batch_buckets(one_request, tuned("cpu", one_request)) == (1,)
+    with pytest.raises(ConfigError, match="tuning.decode_steps_per_call"):
+        TuningOverrides(decode_steps_per_call=0)
+    with pytest.raises(ConfigError, match="tuning.multi_step_max_rows"):
+        TuningOverrides(multi_step_max_rows=-1)
+    with pytest.raises(ConfigError, match="tuning.min_decode_rows"):
+        TuningOverrides(min_decode_rows=0)
 
 
 def test_a_multi_step_layout_with_penalties_or_prefill_is_rejected():

@@ -1,4 +1,4 @@
-"""EngineConfig.unroll_layers: decode steps with the unrolled layer loop serve the same
+"""Tuning.unroll_layers: decode steps with the unrolled layer loop serve the same
 tokens and logprobs as the scanned ones, with the int metadata packed at 256-byte offsets."""
 
 import jax
@@ -7,8 +7,10 @@ import pytest
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
-from jrl.rollout import Engine, EngineConfig, SamplingParams
+from jrl.rollout import Engine, EngineConfig, SamplingParams, TuningOverrides
 from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, step_function, unpack
+from jrl.rollout.tuning import resolve_tuning
+from test_rollout_engine import record_layouts
 
 MODEL = ModelConfig()  # tiny float32 GQA model: vocab 256, 2 layers
 ENGINE = dict(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=32, token_buckets=(32,),
@@ -17,7 +19,8 @@ ENGINE = dict(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=32, toke
 
 def generate(unroll: bool, sampling: SamplingParams):
     params = jax.jit(init_params, static_argnums=0)(MODEL, jax.random.key(0))
-    engine = Engine(MODEL, params, EngineConfig(**ENGINE, unroll_layers=unroll))
+    engine = Engine(MODEL, params, EngineConfig(**ENGINE), tuning=TuningOverrides(unroll_layers=unroll))
+    engine.layouts = record_layouts(engine)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, MODEL.vocab_size, n).astype(np.int32) for n in (5, 19, 11)]
     return engine, engine.generate(prompts, sampling, max_new_tokens=6)
@@ -27,8 +30,8 @@ def test_unrolled_engine_matches_scanned_engine_exactly():
     greedy = SamplingParams(temperature=0.0)
     scanned_engine, scanned = generate(False, greedy)
     unrolled_engine, unrolled = generate(True, greedy)
-    assert (scanned_engine.unroll_layers, unrolled_engine.unroll_layers) == (False, True)
-    assert unrolled_engine.last_launch[0].int_align == INT_ALIGN_UNROLLED
+    assert (scanned_engine.tuning.unroll_layers, unrolled_engine.tuning.unroll_layers) == (False, True)
+    assert unrolled_engine.layouts[-1].decode and unrolled_engine.layouts[-1].int_align == INT_ALIGN_UNROLLED
     for a, b in zip(scanned, unrolled):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
@@ -64,9 +67,12 @@ def test_unrolled_decode_step_rejects_unaligned_metadata():
 
 
 def test_unroll_layers_default_is_on_for_gpu_only_and_bad_value_is_named():
-    assert EngineConfig().resolved_unroll_layers("gpu") is True
-    assert EngineConfig().resolved_unroll_layers("cpu") is False
-    assert EngineConfig(unroll_layers=False).resolved_unroll_layers("gpu") is False
-    assert EngineConfig(unroll_layers=True).resolved_unroll_layers("cpu") is True
-    with pytest.raises(ConfigError, match="engine.unroll_layers"):
-        EngineConfig(unroll_layers="yes")
+    def unroll(backend, **overrides):
+        return resolve_tuning(backend, MODEL, EngineConfig(), TuningOverrides(**overrides)).unroll_layers
+
+    assert unroll("gpu") is True
+    assert unroll("cpu") is False
+    assert unroll("gpu", unroll_layers=False) is False
+    assert unroll("cpu", unroll_layers=True) is True
+    with pytest.raises(ConfigError, match="tuning.unroll_layers"):
+        TuningOverrides(unroll_layers="yes")

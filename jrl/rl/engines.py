@@ -7,26 +7,16 @@ from typing import Any
 
 import jax
 
-from jrl.config import ConfigError, ParallelConfig, from_dict
+from jrl.config import ConfigError, ParallelConfig
 from jrl.parallel import make_mesh
 from jrl.rl.options import RLOptions
-from jrl.rollout import Engine, EngineConfig
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
+from jrl.rollout import Engine, EngineConfig, engine_config_for_workload
 
 
 def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: int) -> EngineConfig:
     """Engine settings sized for `n_requests` concurrent requests of up to `seq_len`
-    tokens, overridden by `strategy.options.engine`."""
-    max_batch = min(_pow2(n_requests), 256)
-    page_size = int(options.engine.get("page_size", 16))
-    pages_per_request = -(-seq_len // max(page_size, 1))
-    derived = {"page_size": page_size, "max_batch": max_batch,
-               "n_pages": _pow2(max_batch * pages_per_request + 8),
-               "max_tokens_per_step": max(max_batch, 1024), "max_seq_len": seq_len, "seed": seed}
-    return from_dict(EngineConfig, {**derived, **options.engine}, prefix="strategy.options.engine.")
+    tokens (the rollout engine's one sizing rule), overridden by `strategy.options.engine`."""
+    return engine_config_for_workload(seq_len, n_requests, **{"seed": seed, **options.engine})
 
 
 def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sharding.Mesh | None:

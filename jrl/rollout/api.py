@@ -3,9 +3,10 @@
     completions = generate(params, model_config, prompts, jax.random.key(0),
                            sampling=SamplingParams(temperature=1.0), max_new_tokens=32)
 
-Each call builds a fresh engine (KV pool sized from the prompts, rounded to powers of two)
-but the jitted step programs are cached per model config and engine geometry, so calls
-with the same shapes do not compile again.
+Each call builds a fresh engine (sized by `engine_config_for_workload`, with a KV pool of
+exactly the prompts' pages, rounded up to a power of two), but the jitted step programs
+are cached per model config and engine geometry, so calls with the same shapes do not
+compile again.
 """
 
 from __future__ import annotations
@@ -18,25 +19,21 @@ import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.parallel import ParallelConfig
-from jrl.rollout.config import EngineConfig
+from jrl.rollout.config import EngineConfig, engine_config_for_workload, pow2_at_least
 from jrl.rollout.engine import Engine
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def default_engine_config(model_config: ModelConfig, prompts: Sequence[Sequence[int]],
-                          max_new_tokens: int, page_size: int = 16) -> EngineConfig:
-    """A pool holding every request at once; sizes rounded up to powers of two."""
+def _config_for_prompts(model_config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                        page_size: int = 16) -> EngineConfig:
+    """`engine_config_for_workload` for these prompts (longest prompt + max_new_tokens,
+    rounded up to a power of two), with a pool of exactly the pages they need: every
+    request runs at once, and none can outgrow its prompt + max_new_tokens."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     pages = sum(-(-(len(p) + max_new_tokens) // page_size) for p in prompts)
-    max_batch = min(_pow2(len(prompts)), 256)
-    return EngineConfig(page_size=page_size, n_pages=_pow2(pages), max_batch=max_batch,
-                        max_tokens_per_step=max(512, max_batch),
-                        max_seq_len=min(model_config.max_position_embeddings, _pow2(longest)))
+    max_seq_len = min(model_config.max_position_embeddings, pow2_at_least(longest))
+    return engine_config_for_workload(max_seq_len, len(prompts), page_size=page_size, n_pages=pow2_at_least(pages))
 
 
 def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]], key: jax.Array,
@@ -51,7 +48,7 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     sampling = sampling or SamplingParams()
     seeds = np.asarray(jax.random.bits(key, (len(prompts),), jnp.uint32))
     per_prompt = [SamplingParams(**{**sampling.__dict__, "seed": int(s)}) for s in seeds]
-    engine_config = engine_config or default_engine_config(config, prompts, max_new_tokens)
+    engine_config = engine_config or _config_for_prompts(config, prompts, max_new_tokens)
     engine = Engine(config, params, engine_config, version=version, mesh=mesh)
     return engine.generate(prompts, per_prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                            stop_sequences=stop_sequences)

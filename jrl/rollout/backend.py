@@ -56,7 +56,7 @@ class PagedAttention(flax.struct.PyTreeNode):
                        page_table):
         """Write then attend for packed `q [T, Hq, D]`, `k/v [T, Hkv, D]` (all heads, or one
         device's heads under `shard_attention`)."""
-        k_buf, v_buf = kernels.write_kv(k_buf, v_buf, layer, out_cache_loc, k, v, impl=self.impl)
+        k_buf, v_buf = kernels.write_kv(k_buf, v_buf, layer, out_cache_loc, k, v)
         kwargs = dict(page_size=self.page_size, sm_scale=scale, v_head_dim=self.v_head_dim, impl=self.impl)
         if self.decode:
             out = kernels.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, **kwargs)

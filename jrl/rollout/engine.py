@@ -12,8 +12,8 @@ a token before dispatching the step that consumes it. A request that stopped at 
 has one wasted row in step n, discarded on read-back.
 
 When every running request decodes and nobody waits to be admitted, a step is a call of
-`EngineConfig.decode_steps_per_call` decode steps run back to back by one device program
-(`jrl.rollout.executor`): the host's planning, upload, dispatch and read-back are paid
+`decode_steps_per_call` decode steps (`jrl.rollout.tuning`) run back to back by one device
+program (`jrl.rollout.executor`): the host's planning, upload, dispatch and read-back are paid
 once per call instead of once per token (on a GPU they cost about as much as a small
 batch's device step). Tokens sampled after a request stopped inside a call are discarded.
 
@@ -27,8 +27,8 @@ entries of other versions are dropped.
 Given a `mesh` (or a `jrl.parallel.ParallelConfig`), the engine serves tensor-parallel
 params: see `jrl.rollout.sharding` for what lives where.
 
-With `EngineConfig.fuse_projections` (on by default on GPU) the engine serves a private
-copy in the fused layout (`jrl.models.fused`), built from the params it is handed at
+With `fuse_projections` (`jrl.rollout.tuning`; on by default on GPU) the engine serves a
+private copy in the fused layout (`jrl.models.fused`), built from the params it is handed at
 construction and at each `update_weights`; callers always hand over the separate layout.
 """
 
@@ -52,6 +52,7 @@ from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_columns
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
 from jrl.rollout.sharding import EngineSharding, SourceParams, engine_sharding
+from jrl.rollout.tuning import TuningOverrides, batch_buckets, resolve_tuning
 
 
 _MAX_INTERNED = 4096  # distinct sampling params kept by Engine._interned
@@ -94,16 +95,18 @@ class Engine:
     """`mesh`: serve tensor-parallel over its `tensor` axis (`data` and `fsdp` of size 1);
     params are laid out with `jrl.parallel.param_shardings`, re-sharded if they arrive in
     another layout. None: one device, params used as given (or, with `fuse_projections`,
-    their fused copy: `self.params` is what the steps read, in the served layout)."""
+    their fused copy: `self.params` is what the steps read, in the served layout).
+    `tuning`: benchmarks' and tests' override of the internal tuning (`jrl.rollout.tuning`;
+    None: this backend's defaults); `self.tuning` is what was resolved."""
 
     def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig | None = None,
-                 version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None) -> None:
+                 version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None, *,
+                 tuning: TuningOverrides | None = None) -> None:
         self.model_config = model_config
         self.config = config = config or EngineConfig()
         self.sharding: EngineSharding | None = None if mesh is None else engine_sharding(model_config, mesh)
-        backend = jax.default_backend()
-        self.fuse_projections = config.resolved_fuse_projections(backend, model_config,
-                                                                 tensor_parallel=self.sharding is not None)
+        self.tuning = resolve_tuning(jax.default_backend(), model_config, config, tuning,
+                                     tensor_parallel=self.sharding is not None)
         # What callers hand over (the separate layout): update_weights checks against it.
         self._source = SourceParams(params)
         self._source_structure = _structure(params)
@@ -115,21 +118,17 @@ class Engine:
         self.radix = RadixCache(ps, self.pool.allocator) if config.prefix_cache else None
         self.req_to_token = ReqToTokenPool(config.max_batch, config.max_pages_per_request(model_config), ps)
         self.cache = TaskCacheManager(self.pool, self.req_to_token, self.radix)
-        self.scheduler = Scheduler(config, self.cache, config.resolved_multi_step_max_rows(backend))
+        self.scheduler = Scheduler(config, self.cache, self.tuning.multi_step_max_rows)
         self.kv = KVStorage(model_config, config.n_slots,
                             sharding=None if self.sharding is None else self.sharding.kv)
         self._token_buckets = config.resolved_token_buckets
-        self._batch_buckets = config.resolved_batch_buckets_for(backend)
+        self._batch_buckets = batch_buckets(config, self.tuning)
         self._col_buckets = config.page_col_buckets(model_config)
         self.max_rows = self._batch_buckets[-1]
-        self.unroll_layers = config.resolved_unroll_layers(backend)
-        self.decode_steps_per_call = config.resolved_decode_steps_per_call(backend)
-        self._min_decode_rows = config.resolved_min_decode_rows(backend)
         self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
-                                           self.unroll_layers,
-                                           config.resolved_cublas_decode_rows(backend, self.fuse_projections),
-                                           self.fuse_projections)
+                                           self.tuning.unroll_layers, self.tuning.cublas_decode_rows,
+                                           self.tuning.fuse_projections)
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
                                       device=None if self.sharding is None else self.sharding.replicated)
         self._inflight: _InFlight | None = None
@@ -138,7 +137,6 @@ class Engine:
         self._admit = "all"
         self._sampling_params: dict[SamplingParams, SamplingParams] = {}
         self.stats = EngineStats()
-        self.last_launch: tuple[StepLayout, np.ndarray, np.ndarray] | None = None  # for benchmarks
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int] | np.ndarray, sampling: SamplingParams | None = None,
@@ -201,7 +199,7 @@ class Engine:
         """Plans and dispatches one step, reads back the previous one; returns the
         requests that finished."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.decode_steps_per_call)
+        batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
         launched = self._dispatch(batch) if batch is not None else None
         host = time.perf_counter() - t0
         previous, self._inflight = self._inflight, launched
@@ -265,7 +263,6 @@ class Engine:
     def _dispatch(self, batch: ScheduledBatch) -> _InFlight:
         """Packs the plan into the step's two host arrays and launches it (asynchronously)."""
         layout, ints, floats = self._pack(batch)
-        self.last_launch = (layout, ints, floats)
         k, v = self.kv.buffers()
         tok, readback, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
                                                     layout=layout)
@@ -295,7 +292,7 @@ class Engine:
         sampling = [r.sampling for r in reqs]
         if not every_row_samples:
             sampling = [p if s else GREEDY for p, s in zip(sampling, batch.sample)]
-        n_rows = bucket(max(n, self._min_decode_rows) if decode else n, self._batch_buckets)
+        n_rows = bucket(max(n, self.tuning.min_decode_rows) if decode else n, self._batch_buckets)
         n_tokens = n_rows if decode else bucket(total, self._token_buckets)
         if batch.step_counts is None:
             bound = self.cache.bind(batch.rows, batch.q_starts, batch.q_lens)
@@ -306,7 +303,7 @@ class Engine:
         window = self.config.penalty_window - 1 if penalties else 0
         layout = StepLayout(decode=decode, n_tokens=n_tokens, n_rows=n_rows,
                             n_page_cols=bucket(width, self._col_buckets), window=window, penalties=penalties,
-                            mode=mode, int_align=INT_ALIGN_UNROLLED if self.unroll_layers and decode else 1,
+                            mode=mode, int_align=INT_ALIGN_UNROLLED if self.tuning.unroll_layers and decode else 1,
                             steps=batch.steps)
 
         ints = np.zeros(layout.int_packing.size, np.int32)  # fields default to 0 unless set below
@@ -382,7 +379,7 @@ class Engine:
         shapes or dtypes differ from those handed over before (the separate layout, also
         when the engine serves a fused copy). With a mesh, params in the engine's layout
         are used by reference; others are re-sharded (copied) onto it first. With
-        `fuse_projections`, the fused copy is rebuilt (one concatenation of the q/k/v and
+        `tuning.fuse_projections`, the fused copy is rebuilt (one concatenation of the q/k/v and
         gate/up weights; the previous copy is released first)."""
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise ValueError(f"version: must be an integer, got {version!r}")
@@ -421,7 +418,7 @@ class Engine:
         """The params as the steps read them: placed on the mesh, or fused, or as given."""
         if self.sharding is not None:
             return self.sharding.place(params)
-        return fuse_projections(self.model_config, params) if self.fuse_projections else params
+        return fuse_projections(self.model_config, params) if self.tuning.fuse_projections else params
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or

@@ -153,7 +153,7 @@ class StepFunction:
     programs: dict = dataclasses.field(default_factory=dict)
 
 
-# XLA options for decode programs of many rows (EngineConfig.cublas_decode_rows): cuBLAS
+# XLA options for decode programs of many rows (Tuning.cublas_decode_rows): cuBLAS
 # GEMMs, and no merging of the dots that share an input (it would concatenate their
 # weights, a copy per layer per step).
 CUBLAS_GEMM_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
@@ -195,9 +195,10 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
     calls with the same settings reuse the compiled programs). `heads`: the tensor-parallel
     attention split (None: one device). `unroll_layers`: unroll the layer loop of decode
     steps (their layouts must then use `int_align=INT_ALIGN_UNROLLED`); prefill steps keep
-    the scan (measured on GPU for decode only; an unrolled program compiles ~5x longer and
-    prefill steps come in many more layouts). `cublas_decode_rows` > 0: decode layouts of
-    at least that many rows compile with `CUBLAS_GEMM_OPTIONS`. `fused_projections`: the
+    the scan (an unrolled program compiles much longer and prefill steps come in many more
+    layouts; the gain was measured for decode only, docs/performance.md).
+    `cublas_decode_rows` > 0: decode layouts of at least that many rows compile with
+    `CUBLAS_GEMM_OPTIONS`. `fused_projections`: the
     params passed to every step (prefill and decode) are in the fused layout of
     `jrl.models.fused.fuse_projections`."""
     holder = StepFunction(fn=None)
@@ -224,8 +225,8 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
         """`layout.steps` decode steps in one program: step j reads row j of the per-step
         fields, samples output `index + j` and feeds its tokens to step j + 1. With
         `unroll_layers` the steps are unrolled too: inside a device loop XLA copies every
-        layer's weight slices once per step (measured on an H200: 64 copies, 0.74 ms a
-        step at 2 rows), in a straight-line program it reads them in place."""
+        layer's weight slices once per step, in a straight-line program it reads them in
+        place (docs/performance.md)."""
         per_step = ("positions", "out_cache_loc", "kv_lens")
 
         def body(j, carry):

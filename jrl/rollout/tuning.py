@@ -1,0 +1,161 @@
+"""The engine's internal tuning: how its step programs are built and called on a backend.
+
+These are not user settings. They change speed and compile time, never which tokens a
+request gets (up to floating-point rounding), and their best values depend on the device,
+so the engine resolves them once, per backend and model, into a frozen `Tuning`:
+
+    tuning = resolve_tuning(jax.default_backend(), model_config, engine_config)
+
+Benchmarks and tests that compare alternatives override single fields through ONE object,
+`TuningOverrides`, handed to the engine explicitly:
+
+    Engine(model_config, params, engine_config, tuning=TuningOverrides(decode_steps_per_call=1))
+
+A field left None takes the backend's default (`BACKEND_DEFAULTS`; `FALLBACK` for a
+backend without an entry). The defaults were measured on an H200 (docs/performance.md,
+how to reproduce them in docs/performance-tuning.md).
+
+unroll_layers: unroll the model's layer loop in the decode-step programs (no per-layer
+weight-slice copies on GPU, longer compiles); prefill steps keep the scan.
+cublas_decode_rows: decode steps padded to at least this many rows compile their GEMMs for
+cuBLAS, without XLA merging dots that share an input (which concatenates their weights
+every step); smaller steps keep XLA's Triton GEMM fusions. 0: never. Its default depends
+on the served weight layout (fused or separate projections).
+fuse_projections: serve a private copy of the weights with q/k/v and gate/up fused into one
+kernel each (`jrl.models.fused`). Callers still hand over the separate layout; the copy is
+rebuilt at each weight update. Not applicable under tensor parallelism, with LoRA adapters
+on q/k/v/gate/up, or for a model with nothing to fuse (MLA + MoE): a default then resolves
+to off, an explicit True is an error.
+decode_steps_per_call: decode steps one device call runs when every running request is
+past its prefill, nobody waiting could be admitted and none samples with penalties (the
+host plans, uploads and reads back once per call, not once per token; tokens are those of
+single steps). 1: one step per call.
+multi_step_max_rows: multi-step calls only while at most this many requests decode
+(FALLBACK: the engine's max_batch).
+min_decode_rows: decode steps are padded to at least this many request rows, adding a row
+bucket of that size when every bucket is smaller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jrl.config import ModelConfig, check
+from jrl.models.fused import unfusable_reason
+from jrl.rollout.config import EngineConfig
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningOverrides:
+    """Expert / benchmark override of single `Tuning` fields (None: the backend default).
+    Errors name `tuning.<field>`."""
+
+    unroll_layers: bool | None = None
+    cublas_decode_rows: int | None = None
+    fuse_projections: bool | None = None
+    decode_steps_per_call: int | None = None
+    multi_step_max_rows: int | None = None
+    min_decode_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("unroll_layers", "fuse_projections"):
+            v = getattr(self, name)
+            check(v in (None, True, False), f"tuning.{name}",
+                  f"must be True, False or None (backend default), got {v!r}")
+        rows = self.cublas_decode_rows
+        check(rows is None or (_is_int(rows) and rows >= 0), "tuning.cublas_decode_rows",
+              f"must be an integer >= 0 (0: never) or None (backend default), got {rows!r}")
+        for name in ("decode_steps_per_call", "multi_step_max_rows", "min_decode_rows"):
+            v = getattr(self, name)
+            check(v is None or (_is_int(v) and v >= 1), f"tuning.{name}",
+                  f"must be an integer >= 1 or None (backend default), got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendDefaults:
+    """One backend's tuning defaults. `cublas_decode_rows` has one threshold per served
+    weight layout; `multi_step_max_rows` None means the engine's max_batch."""
+
+    unroll_layers: bool
+    fuse_projections: bool
+    cublas_decode_rows_separate: int
+    cublas_decode_rows_fused: int
+    decode_steps_per_call: int
+    multi_step_max_rows: int | None
+    min_decode_rows: int
+
+
+# GPU (measured on an H200, docs/performance.md):
+# - unroll_layers: the scanned layer loop copies every layer's weight slices each decode step.
+# - fuse_projections: one q/k/v and one gate/up GEMM a layer are faster than five small ones.
+# - cublas_decode_rows: cuBLAS on unmerged dots beats XLA's Triton fusions only for large
+#   decode steps, from fewer rows with fused weights than with separate ones.
+# - decode_steps_per_call / multi_step_max_rows: a small batch's host work per call is as
+#   long as its device step, so several steps a call hide it; large batches hide the host
+#   anyway and ran slightly faster with one step a call.
+# - min_decode_rows: XLA turns one-row projections into multiply + reduce kernels instead
+#   of GEMMs, so a two-row step is faster than a one-row one.
+BACKEND_DEFAULTS: dict[str, BackendDefaults] = {
+    "gpu": BackendDefaults(unroll_layers=True, fuse_projections=True, cublas_decode_rows_separate=128,
+                           cublas_decode_rows_fused=64, decode_steps_per_call=4, multi_step_max_rows=128,
+                           min_decode_rows=2),
+}
+# Elsewhere (CPU): nothing measured, nothing to save (no weight-slice copies, no GPU code
+# generation choices), and a fused copy would cost a copy of those weights per update.
+FALLBACK = BackendDefaults(unroll_layers=False, fuse_projections=False, cublas_decode_rows_separate=0,
+                           cublas_decode_rows_fused=0, decode_steps_per_call=1, multi_step_max_rows=None,
+                           min_decode_rows=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The resolved tuning of one engine (every field set; see the module docstring)."""
+
+    unroll_layers: bool
+    cublas_decode_rows: int
+    fuse_projections: bool
+    decode_steps_per_call: int
+    multi_step_max_rows: int
+    min_decode_rows: int
+
+
+def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
+                   overrides: TuningOverrides | None = None, *, tensor_parallel: bool = False) -> Tuning:
+    """The tuning of an engine serving `model` with `engine` on `backend` ("gpu", "cpu",
+    ...): each field of `overrides` that is set, else the backend's default. Fusion is off
+    where it does not apply (`tensor_parallel`: the sharding rules split the separate
+    kernels by heads; `jrl.models.fused.unfusable_reason`); forcing it on there raises a
+    ConfigError naming `tuning.fuse_projections`."""
+    o = overrides or TuningOverrides()
+    d = BACKEND_DEFAULTS.get(backend, FALLBACK)
+
+    def pick(name: str, default):
+        value = getattr(o, name)
+        return default if value is None else value
+
+    reason = "not supported with tensor parallelism (the engine has a mesh)" if tensor_parallel else None
+    reason = reason or unfusable_reason(model)
+    if reason is None:
+        fused = pick("fuse_projections", d.fuse_projections)
+    else:
+        check(o.fuse_projections is not True, "tuning.fuse_projections", reason)
+        fused = False
+    cublas_default = d.cublas_decode_rows_fused if fused else d.cublas_decode_rows_separate
+    multi_default = engine.max_batch if d.multi_step_max_rows is None else d.multi_step_max_rows
+    return Tuning(unroll_layers=pick("unroll_layers", d.unroll_layers),
+                  cublas_decode_rows=pick("cublas_decode_rows", cublas_default),
+                  fuse_projections=fused,
+                  decode_steps_per_call=pick("decode_steps_per_call", d.decode_steps_per_call),
+                  multi_step_max_rows=pick("multi_step_max_rows", multi_default),
+                  min_decode_rows=pick("min_decode_rows", d.min_decode_rows))
+
+
+def batch_buckets(engine: EngineConfig, tuning: Tuning) -> tuple[int, ...]:
+    """The engine's row buckets, with one of `tuning.min_decode_rows` added when every
+    bucket is smaller (e.g. max_batch 1 on GPU still decodes with 2 rows)."""
+    buckets = engine.resolved_batch_buckets
+    return buckets if buckets[-1] >= tuning.min_decode_rows else buckets + (tuning.min_decode_rows,)
