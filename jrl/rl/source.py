@@ -46,7 +46,7 @@ import numpy as np
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.data.tasks import Problem, encode_prompts, make_task
-from jrl.rl.advantages import group_advantages
+from jrl.rl.advantages import compute_advantages
 from jrl.rl.batch import Rollout, build_rows, completion_text, stale_groups
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.evaluation import score_problems
@@ -188,7 +188,8 @@ class RolloutSource:
         rows = build_rows([g.prompt for g in groups for _ in g.completions], [c.tokens for c in comps],
                           [c.logprobs for c in comps], self.seq_len, self.tokenizer.pad_id)
         rewards = np.concatenate([g.rewards for g in groups])
-        adv, _ = group_advantages(rewards, o.group_size, scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
+        adv, _ = compute_advantages(rewards, o.group_size, estimator=o.advantage,
+                                    scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
         group_kept = np.arange(len(groups)) < n_kept
         rows["advantages"] = np.asarray(adv, np.float32)
 
