@@ -55,7 +55,7 @@ from jrl.rl.rewards import exact_match
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.train.logprobs import attention_layout, batch_max_segments
-from jrl.train.strategies.grpo import policy_stats
+from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
 
 @dataclasses.dataclass
@@ -199,7 +199,8 @@ class RolloutSource:
         diff = np.abs(trainer_logp - rows["behaviour_logp"]) * mask
         rows["old_logp"] = trainer_logp * mask if o.old_logp == "recomputed" else rows["behaviour_logp"].copy()
         if o.tis_cap > 0:
-            rows["is_weight"] = np.minimum(np.exp(trainer_logp - rows["behaviour_logp"]), o.tis_cap) * mask
+            # the loss's own tested helper (min(exp(old - behaviour), cap)), not a copy of it
+            rows["is_weight"] = np.asarray(truncated_is_weights(trainer_logp, rows["behaviour_logp"], o.tis_cap)) * mask
         else:
             rows["is_weight"] = mask.copy()
         if o.kl_coef > 0:
