@@ -11,6 +11,7 @@ from jrl.config import ConfigError, TrainConfig, from_dict
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
 from jrl.rl.batch import build_rows, stale_groups
+import jrl.rl.source as source_module
 from jrl.rl import build_learner
 from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
@@ -243,8 +244,6 @@ def test_recomputed_old_logp_anchors_the_first_update_at_ratio_one(tmp_path):
 
 
 def test_truncated_importance_weights_are_capped_and_one_where_engine_agrees(tmp_path, monkeypatch):
-    import jrl.rl.source as source_module
-
     def disagreeing_rows(*args, **kwargs):
         """Rows whose engine log-probs are lowered at each response's first token, by 1 in even
         rows and 0.5 in odd ones, as if the engine's numerics differed from the trainer's."""
