@@ -46,7 +46,7 @@ import numpy as np
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.data.tasks import Problem
-from jrl.rl.advantages import group_advantages
+from jrl.rl.advantages import compute_advantages
 from jrl.rl.batch import Rollout, build_rows, stale_groups
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.evaluation import evaluate_problems, solved
@@ -56,7 +56,7 @@ from jrl.rl.tasks import check_prompt_lengths, make_task
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.train.logprobs import attention_layout, batch_max_segments
-from jrl.train.strategies.grpo import policy_stats
+from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
 
 @dataclasses.dataclass
@@ -210,7 +210,8 @@ class RolloutSource:
         rows = build_rows([g.prompt for g in groups for _ in g.completions], [c.tokens for c in comps],
                           [c.logprobs for c in comps], self.seq_len, self.tokenizer.pad_id)
         rewards = np.concatenate([g.rewards for g in groups])
-        adv, _ = group_advantages(rewards, o.group_size, scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
+        adv, _ = compute_advantages(rewards, o.group_size, estimator=o.advantage,
+                                    scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
         group_kept = np.arange(len(groups)) < n_kept
         rows["advantages"] = np.asarray(adv, np.float32)
 
@@ -220,7 +221,8 @@ class RolloutSource:
         diff = np.abs(trainer_logp - rows["behaviour_logp"]) * mask
         rows["old_logp"] = trainer_logp * mask if o.old_logp == "recomputed" else rows["behaviour_logp"].copy()
         if o.tis_cap > 0:
-            rows["is_weight"] = np.minimum(np.exp(trainer_logp - rows["behaviour_logp"]), o.tis_cap) * mask
+            # the loss's own tested helper (min(exp(old - behaviour), cap)), not a copy of it
+            rows["is_weight"] = np.asarray(truncated_is_weights(trainer_logp, rows["behaviour_logp"], o.tis_cap)) * mask
         else:
             rows["is_weight"] = mask.copy()
         if o.kl_coef > 0:
