@@ -140,7 +140,7 @@ def load_run_tokenizer(config: TrainConfig) -> Any:
     """The run's tokenizer (`data.tokenizer`), checked against `model.vocab_size`."""
     tokenizer = load_tokenizer(config.data.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: must be >= the tokenizer's vocabulary "
+        raise ConfigError(f"model.vocab_size: must be >= the vocabulary of data.tokenizer "
                           f"({tokenizer.vocab_size}), got {config.model.vocab_size}")
     return tokenizer
 
