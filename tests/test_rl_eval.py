@@ -74,13 +74,15 @@ def test_scores_equal_the_trainers_final_evaluation(evaluated, trained):
     assert report["response_tokens_mean"] == pytest.approx(final["eval_response_tokens_mean"])
 
 
-def test_step_dir_greedy_sampling_and_max_problems_print_a_table_last(trained, capsys, tmp_path):
+def test_validation_split_step_dir_greedy_sampling_and_max_problems_print_a_table_last(trained, capsys, tmp_path):
     out, _ = trained
-    rc = jrl(["eval", "--checkpoint", str(out / "checkpoints" / "step_2"), "--samples", "2", "--temperature", "0",
-              "--max-problems", "5", "--json", str(tmp_path / "greedy.json")])  # config: the run's config.yaml
+    # config: the run's config.yaml, with validation problems set aside (the held-out ones do not move)
+    rc = jrl(["eval", "--checkpoint", str(out / "checkpoints" / "step_2"), "--split", "validation", "--samples", "2",
+              "--temperature", "0", "--max-problems", "5", "--json", str(tmp_path / "greedy.json"),
+              "strategy.options.task.n_validation=8"])
     assert rc == 0
     report = json.loads((tmp_path / "greedy.json").read_text())
-    assert (report["n"], report["k"], report["temperature"]) == (5, 2, 0.0)
+    assert (report["split"], report["n"], report["k"], report["temperature"]) == ("validation", 5, 2, 0.0)
     # at temperature 0 every sample is the greedy completion
     assert report["pass@1"] == report["pass@2"] == report["greedy_accuracy"]
     assert len((tmp_path / "greedy.problems.jsonl").read_text().splitlines()) == 5
