@@ -50,7 +50,7 @@ from jrl.parallel import (BATCH_AXES, init_sharded_params, initialize_distribute
 from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
 from jrl.train.logprobs import batch_max_segments
-from jrl.train.optim import build_optimizer
+from jrl.train.optim import build_optimizer, learning_rates
 from jrl.train.schedules import make_schedule
 from jrl.train.state import TrainState, init_sharded_train_state
 from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings
@@ -323,6 +323,7 @@ class Trainer:
         if self.strategy.needs_reference:
             self.reference_params = jax.tree.map(jnp.copy, params)
         self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
+        rates = learning_rates(c.optimizer, self.schedule, params)
         p_shardings = param_shardings(c.model, self.mesh)
         state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
                                                     p_shardings, self.mesh)
@@ -354,7 +355,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
-                                  shardings=self._shardings)
+                                  shardings=self._shardings, learning_rates=rates)
         if self._peak_flops():
             matmul_params(c.model)  # counted once here (cached), not inside a timed step
         return state
