@@ -80,3 +80,12 @@ def test_a_checkpoint_of_older_jrl_with_only_the_rollout_counter_still_loads(tmp
     learner.source.load_state_dict({"rl_step": 3})
     assert learner.source.rl_step == 3 and learner.source.state_dict()["rl_step"] == 3
     assert "rollout" not in learner.source.state_dict()
+
+
+def test_resume_after_an_evaluation_is_exact(tmp_path):
+    # the uninterrupted run evaluates at step 4 and then samples rollout 1 at version 4;
+    # the resumed one starts at step 4 without evaluating: evaluation must leave nothing
+    # (cached prefixes) that the rollout would see
+    config = tiny(steps=6, epochs=2)
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, every=4))
+    assert_resume_is_exact(config, 4, tmp_path)

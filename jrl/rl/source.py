@@ -340,10 +340,15 @@ class RolloutSource:
         version = int(state.policy_version)
         self.sync_weights(self._engine_params(state.params), version)
         o, k = self.options, self.eval_samples
+        # Evaluation neither reads nor leaves cached prefixes: a rollout's samples (and
+        # log-probs) must not depend on whether an evaluation ran before it at its version,
+        # or a resumed run (which does not repeat the evaluation) would differ.
+        self.engine.drop_prefix_cache()
         summary, _ = evaluate_problems(self.engine, self.format, self.eval_problems, self.rewards,
                                        prompts=self.prompt_ids(self.eval_problems), max_new_tokens=o.max_new_tokens,
                                        samples=k, temperature=o.temperature, seed=self.seed,
                                        success_threshold=o.success_threshold)
+        self.engine.drop_prefix_cache()
         row = {"step": int(state.step), "policy_version": version, "eval_accuracy": summary["greedy_accuracy"],
                "eval_accuracy_sampled": summary["pass@1"], "eval_reward_sampled": summary["reward_mean"],
                "eval_response_tokens_mean": summary["response_tokens_mean"]}
