@@ -29,6 +29,10 @@ With a `parallel` section the engine serves on its own tensor-only mesh
 (`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
 onto it. On one device it serves the trainer's own buffers (no copy).
 
+Resuming is exact: `state_dict()` holds the rollout batch in progress (rows, minibatch
+plan, position) and, off-policy, the rollout generated ahead, so a resumed run trains on
+the rows the uninterrupted run would have (docs/rl.md, "Resume and signals").
+
 `jrl.rl.callback.RLCallback` adds the rollout's metrics to the trainer's rows and evaluates held-out
 accuracy (greedy and sampled) at the start, every `eval.every` steps and at the end.
 """
