@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from jrl.bench import STAGES, UNAVAILABLE
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"jrl bench: unknown stage {stage!r}; choose from {', '.join(STAGES)}", file=sys.stderr)
         return 2
+    if stage == "decode" and "--host" in rest:  # before jax is imported: see decode.py, Host
+        os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     module = importlib.import_module(f"jrl.bench.{stage}")
     args = stage_parser(stage, module).parse_args(rest)
     from jrl.bench.results import Results, record_path
