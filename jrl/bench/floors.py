@@ -42,13 +42,6 @@ def gemm_floor_s(weight_bytes: float, flops: float, bandwidth: float, matmul_flo
     return max(weight_bytes / bandwidth, flops / matmul_flops)
 
 
-def prefill_flops(cfg, n_params_matmul: int, prompt: int) -> float:
-    """Forward FLOPs of one causal prompt: 2 x matmul params a token plus causal attention
-    (QK^T and PV, halved for causality)."""
-    attn = 2 * 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * prompt * prompt / 2
-    return 2 * n_params_matmul * prompt + attn
-
-
 # ----------------------------------------------------------------------------- ceilings
 
 def _stream_rate(fn, x, n_bytes: int, donated: bool, bytes_factor: int = 2, repeats: int = 10,
