@@ -1,4 +1,5 @@
-"""The `jrl` console script: `jrl train [...]` (= python -m jrl.train) and `jrl plot RUN_DIR`."""
+"""The `jrl` console script: `jrl train [...]` (= python -m jrl.train), `jrl plot RUN_DIR` and
+`jrl bench STAGE [...]` (= python -m jrl.bench)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import sys
 from jrl.launch import main as train_main
 from jrl.plot import main as plot_main
 
-COMMANDS = {"train": "train a model (python -m jrl.train)", "plot": "plot a run's metrics to a PNG"}
+COMMANDS = {"train": "train a model (python -m jrl.train)", "plot": "plot a run's metrics to a PNG",
+            "bench": "run a benchmark stage (jrl bench --help lists them)"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: jrl {train,plot} ...\n\ncommands:")
+        print("usage: jrl {" + ",".join(COMMANDS) + "} ...\n\ncommands:")
         for name, what in COMMANDS.items():
             print(f"  {name:<6} {what}")
         return 0 if argv else 2
@@ -22,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(rest, prog="jrl train")
     if command == "plot":
         return plot_main(rest)
+    if command == "bench":
+        from jrl.bench.cli import main as bench_main
+
+        return bench_main(rest)
     print(f"jrl: unknown command {command!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
 

@@ -140,6 +140,10 @@ def mode_of(args) -> str:
 
 def run(args, results) -> int:
     mode = mode_of(args)
+    if mode == "ab" and (unknown := [v for v in args.ab.split(",") if v not in VARIANTS]):
+        raise SystemExit(f"--ab: unknown {unknown}; choose from {','.join(VARIANTS)}")
+    if mode == "ab" and (bad := [o for o in args.pages.split(",") if o not in PAGE_ORDERS]):
+        raise SystemExit(f"--pages: unknown {bad}; choose from {','.join(PAGE_ORDERS)}")
     if mode == "host":
         return run_host(args, results)
     if mode == "gemms":
@@ -429,12 +433,7 @@ VARIANTS = {
 
 
 def run_ab(args, results, cfg, params, bandwidth: float) -> int:
-    variants = args.ab.split(",")
-    if unknown := [v for v in variants if v not in VARIANTS]:
-        raise SystemExit(f"--ab: unknown {unknown}; choose from {','.join(VARIANTS)}")
-    orders = args.pages.split(",")
-    if bad := [o for o in orders if o not in PAGE_ORDERS]:
-        raise SystemExit(f"--pages: unknown {bad}; choose from {','.join(PAGE_ORDERS)}")
+    variants, orders = args.ab.split(","), args.pages.split(",")
     contexts = csv_ints(args.contexts or str(args.prompt + args.new // 2))
     # (label, variant, page order, context); the first is the baseline of the deltas
     cases = [(v + (f"@{o}" if len(orders) > 1 else "") + (f"@{c}" if len(contexts) > 1 else ""), v, o, c)
