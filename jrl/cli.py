@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from jrl.bench.cli import main as bench_main
 from jrl.launch import main as train_main
 from jrl.plot import main as plot_main
 
@@ -25,8 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     if command == "plot":
         return plot_main(rest)
     if command == "bench":
-        from jrl.bench.cli import main as bench_main
-
         return bench_main(rest)
     print(f"jrl: unknown command {command!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2

@@ -13,7 +13,10 @@ import importlib
 import os
 import sys
 
+import jax
+
 from jrl.bench import STAGES, UNAVAILABLE
+from jrl.bench.results import Results, record_path
 
 USAGE = "usage: jrl bench {" + ",".join(STAGES) + "} [flags]   (jrl bench STAGE --help: its flags)"
 
@@ -49,13 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"jrl bench: unknown stage {stage!r}; choose from {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    if stage == "decode" and "--host" in rest:  # before jax is imported: see decode.py, Host
+    if stage == "decode" and "--host" in rest:  # before a backend starts: see decode.py, Host
         os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if "JAX_PLATFORMS" not in os.environ:
+            jax.config.update("jax_platforms", "cpu")
     module = importlib.import_module(f"jrl.bench.{stage}")
     args = stage_parser(stage, module).parse_args(rest)
-    from jrl.bench.results import Results, record_path
-
     path = args.json
     if args.record:
         path = record_path(module.record_name(args))

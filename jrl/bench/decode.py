@@ -73,7 +73,7 @@ from jrl.bench import floors, torch_ref
 from jrl.bench.decode_program import PAGE_ORDERS, Case, default_decode_program, replay, synthetic_batch
 from jrl.bench.log import log
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
-from jrl.bench.timing import Budget
+from jrl.bench.timing import Budget, timeit
 from jrl.bench.trace import start_session, trace_calls, trace_summary
 from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
@@ -646,8 +646,6 @@ def layers_program(cfg, fused: bool):
 
 
 def run_gemms(args, results) -> int:
-    from jrl.bench.timing import timeit
-
     cfg = TINY if args.tiny else ROLLOUT_082B
     bandwidth = args.bandwidth or floors.copy_bandwidth(1 << 24 if args.tiny else 4 << 30)
     matmul = 1e12 * args.matmul_tflops if args.matmul_tflops else floors.matmul_ceiling((256,) if args.tiny else

@@ -12,6 +12,11 @@ from __future__ import annotations
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+
+from jrl.bench.timing import timeit
+
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, datasheet: the MFU denominator
 
 
@@ -21,7 +26,6 @@ def kv_bytes_per_token(cfg, itemsize: int = 2) -> int:
 
 
 def tree_bytes(tree) -> int:
-    import jax
 
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
@@ -46,7 +50,6 @@ def gemm_floor_s(weight_bytes: float, flops: float, bandwidth: float, matmul_flo
 
 def _stream_rate(fn, x, n_bytes: int, donated: bool, bytes_factor: int = 2, repeats: int = 10,
                  rounds: int = 5) -> float:
-    import jax
 
     x = fn(x) if donated else jax.block_until_ready(fn(x))
     times = []
@@ -68,8 +71,6 @@ def stream_rates(n_bytes: int = 4 << 30) -> dict[str, float]:
     times back to back between two syncs, median of 5 rounds: `f32 a+1` (a new output each
     call), `bf16 a*2 donated` (written in place), `copy` (`jnp.copy`), all counted as read +
     write; `read` (`jnp.sum`, read only)."""
-    import jax
-    import jax.numpy as jnp
 
     n_bytes = n_bytes // 4 * 4
     rates = {}
@@ -94,10 +95,6 @@ def copy_bandwidth(n_bytes: int = 4 << 30) -> float:
 
 def matmul_rates(sizes: tuple[int, ...] = (4096, 8192)) -> dict[int, float]:
     """FLOP/s of a square bf16 matmul (float32 accumulation, bf16 out) at each size."""
-    import jax
-    import jax.numpy as jnp
-
-    from jrl.bench.timing import timeit
 
     rates = {}
     for n in sizes:

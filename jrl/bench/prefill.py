@@ -14,6 +14,7 @@ compute floor: those FLOPs at the bf16 matmul rate measured in the same process
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 
@@ -31,8 +32,6 @@ from jrl.train.flops import model_flops_per_token
 
 
 def add_arguments(p) -> None:
-    import json
-
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--page-size", type=int, default=16)

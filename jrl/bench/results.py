@@ -17,6 +17,8 @@ import shlex
 import subprocess
 import sys
 
+import jax
+
 from jrl.bench.log import log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,8 +35,6 @@ def git_commit() -> str | None:
 
 
 def device_name() -> str:
-    import jax
-
     d = jax.devices()[0]
     return str(d.device_kind) if d.platform != "cpu" else f"cpu ({d.device_kind})"
 
@@ -55,8 +55,6 @@ class Results:
     """Collects a stage's rows, writes each one as it comes, prints the table last."""
 
     def __init__(self, stage: str, argv: list[str], path: str | None = None):
-        import jax
-
         self.stage, self.path = stage, path
         self.rows: list[dict] = []
         self.common = {"device": device_name(), "command": "jrl bench " + shlex.join([stage, *argv]),

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jrl.config import ModelConfig
+from jrl.models import init_params
 
 # Training: the 1B shape (0.886B parameters, untied), float32 master weights, bf16 compute.
 TRAIN_1B = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8,
@@ -32,10 +35,6 @@ def tiny_like(cfg: ModelConfig, **changes) -> ModelConfig:
 
 def init(cfg: ModelConfig, seed: int = 0):
     """Random params of `cfg` (jitted init: no host copy of the weights)."""
-    import jax
-
-    from jrl.models import init_params
-
     return jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed))
 
 

@@ -6,12 +6,12 @@ import statistics
 import time
 from collections.abc import Callable
 
+import jax
+
 
 def timeit(fn: Callable, *args, iters: int = 10, reps: int = 5) -> float:
     """Median seconds per call over `reps` batches of `iters` back-to-back calls (after
     one call that compiles)."""
-    import jax
-
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
@@ -25,8 +25,6 @@ def timeit(fn: Callable, *args, iters: int = 10, reps: int = 5) -> float:
 
 def timed(fn: Callable, *args, **kwargs) -> tuple[object, float]:
     """(result, seconds) of one call, its outputs waited for."""
-    import jax
-
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args, **kwargs))
     return out, time.perf_counter() - t0

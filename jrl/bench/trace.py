@@ -7,6 +7,10 @@ import json
 import os
 from collections.abc import Callable
 
+import jax
+from jax._src.lib import _profiler
+from jax.profiler import ProfileData, ProfileOptions
+
 KERNEL_CLASSES = (  # first match wins; names as the CUDA profiler reports them
     ("collective", ("nccl", "allreduce", "all_reduce", "reducescatter", "reduce_scatter", "allgather", "all_gather")),
     ("attention", ("cudnn", "fmha", "flash", "sdpa", "mosaic", "paged", "ragged")),
@@ -23,9 +27,6 @@ def kernel_class(name: str) -> str:
 
 def start_session(python_tracer: bool = True):
     """A running profiler session (`session.stop()` returns the serialized XSpace)."""
-    from jax._src.lib import _profiler
-    from jax.profiler import ProfileOptions
-
     options = ProfileOptions()
     if not python_tracer:
         options.python_tracer_level = 0  # Python tracing would slow a host loop itself
@@ -36,8 +37,6 @@ def trace_summary(xspace: bytes, n_steps: int) -> dict:
     """Kernels per step, GPU busy time per step (union of kernel intervals), the span from
     first to last kernel, the longest idle gaps, top kernels, time by kernel class and top
     host events, from a serialized XSpace of `n_steps` steps."""
-    from jax.profiler import ProfileData
-
     data = ProfileData.from_serialized_xspace(xspace)
     out = {"n_steps": n_steps, "gpu_lines": {}, "top_kernels": [], "top_host": []}
     kernels, host = [], collections.defaultdict(lambda: [0, 0])
@@ -94,8 +93,6 @@ def trace_calls(out_dir: str, name: str, call: Callable[[], object], n_calls: in
     """Runs `call` `n_calls` times under the profiler (waiting for the last result), writes
     the summary per step to `out_dir/trace_<name>.json` and returns its headline fields
     (kernels_per_step, gpu_busy_ms, gpu_span_ms, by_class_us_per_step)."""
-    import jax
-
     session = start_session()
     out = None
     for _ in range(n_calls):
