@@ -63,11 +63,11 @@ def test_decode_engine_counts_multi_step_calls_and_the_replayed_kv(tmp_path):
              "copy_bandwidth_tb_s")
 
 
-def test_decode_ab_times_every_variant_on_every_page_order(tmp_path):
-    rows = bench(tmp_path, "decode", "--ab", "base,two_scatters", "--batches", "4", "--pages", "per_request,random",
-                 "--rounds", "1", "--per-round", "1")
+def test_decode_ab_times_every_variant_against_the_first(tmp_path):
+    rows = bench(tmp_path, "decode", "--ab", "base,two_scatters", "--batches", "4", "--pages", "random",
+                 "--rounds", "2", "--per-round", "1")
     ab = section(rows, "ab")
-    assert [r["variant"] for r in ab] == [f"{v}@{o}" for v in ("base", "two_scatters") for o in ("per_request", "random")]
+    assert [(r["variant"], r["pages"], r["context"]) for r in ab] == [("base", "random", 28), ("two_scatters", "random", 28)]  # 24 + 8 // 2
     assert ab[0]["delta_ms"] == 0
     for r in ab:
         positive(r, "ms", "floor_ms", "over_floor")
@@ -77,7 +77,8 @@ def test_decode_host_and_gemms(tmp_path):
     (r,) = section(bench(tmp_path, "decode", "--host", "--batches", "2", "--repeat", "1", "--digest"), "host")
     positive(r, "schedule_ms", "pack_ms", "call_ms", "dispatch_ms", "host_ms", "decode_steps")
     assert r["completions"] == 2 and len(r["token_hash"]) == 8
-    gemms = section(bench(tmp_path, "decode", "--gemms", "--rows", "2"), "gemms")
+    gemms = section(bench(tmp_path, "decode", "--gemms", "--rows", "2", "--bandwidth", "1e10", "--matmul-tflops", "0.1"),
+                    "gemms")
     assert {r["weights"] for r in gemms} == {"separate", "fused"}
     for r in gemms:
         positive(r, "us_per_layer", "floor_us", "tflops", "matmul_tflops")
@@ -109,11 +110,10 @@ def test_grpo_times_every_phase(tmp_path):
 
 
 def test_train_reports_throughput_and_mfu(tmp_path):
-    rows = bench(tmp_path, "train", "--variants", "causal", "--check", "--torch")
+    rows = bench(tmp_path, "train", "--variants", "causal", "--torch")  # --check: compiles 6 more programs
     (r,) = section(rows, "jrl")
     assert r["variant"] == "causal" and r["mesh"] == "1" and r["batch"] == 2 and r["seq"] == 64
     positive(r, "tokens_per_s", "mfu_pct", "step_ms", "compile_s")
-    assert {c["check"] for c in section(rows, "check")} == {"mask", "causal", "packed"}
     (torch_row,) = section(rows, "transformers")  # measured, or skipped without torch
     assert "tokens_per_s" in torch_row or "skipped" in torch_row or "error" in torch_row
 
