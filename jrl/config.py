@@ -480,7 +480,7 @@ class CheckpointConfig:
     keep_every: int | None = None  # additionally keep every M-th step
     save_on_end: bool = True
     save_on_error: bool = True
-    verify_on_load: bool = False
+    verify_on_load: bool = True  # resume checks SHA-256s (false: sizes only); a bad step falls back
 
     def __post_init__(self) -> None:
         _check(self.interval >= 0, "checkpoint.interval", f"must be >= 0, got {self.interval}")
