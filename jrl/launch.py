@@ -21,6 +21,7 @@ import jax
 import yaml
 
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, load_train_config, to_dict
+from jrl.hf import HFFormatError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
 from jrl.rl.learner import build_learner
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     try:
         trainer = make_trainer(config, output_dir=args.output_dir)
         state = trainer.fit(resume=args.resume, overwrite=overwrite, resume_from=args.resume_from)
-    except (ConfigError, FileExistsError) as e:
+    except (ConfigError, FileExistsError, HFFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (RewardError, RunLockedError, ResumeError) as e:
