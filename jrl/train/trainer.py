@@ -48,7 +48,7 @@ from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
 from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer
-from jrl.train.run_lock import RunLock, acquire_for_run
+from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
 from jrl.train.schedules import make_schedule
 from jrl.train.state import TrainState, init_sharded_train_state
 from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings
@@ -327,7 +327,8 @@ class Trainer:
                                                     p_shardings, self.mesh)
         self._shardings = mesh_step_shardings(self.mesh, shardings,
                                               p_shardings if self.reference_params is not None else None)
-        existing = checkpoint.latest_step(self.checkpoint_dir)
+        seen = checkpoint.all_steps(self.checkpoint_dir)
+        existing = seen[-1] if seen else None
         if existing is not None and not resume and not overwrite:
             raise FileExistsError(
                 f"{self.checkpoint_dir} already holds checkpoints (latest step {existing}): resume them "
@@ -350,6 +351,10 @@ class Trainer:
             matmul_params(c.model)  # counted once here (cached), not inside a timed step
         # Everything is checked: from here on the run writes.
         self._take_run_dir()
+        if checkpoint.all_steps(self.checkpoint_dir) != seen:  # another run wrote while this one set up
+            raise RunLockedError(f"{self.checkpoint_dir} changed while this run was being set up (steps "
+                                 f"{seen or 'none'}, now {checkpoint.all_steps(self.checkpoint_dir) or 'none'}): "
+                                 f"another run wrote into it; check it, then start again")
         if not resumed:
             self._clear_run_dir()  # a fresh start: no stale checkpoints or metrics rows
         elif self.is_main_process:
