@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import itertools
 import json
 import os
 import socket
@@ -28,10 +29,13 @@ import warnings
 from pathlib import Path
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
+import orbax.checkpoint as ocp
+
+from jrl.checkpoint import coordination
 
 LOCK_NAME = ".jrl-run.lock"
+_OK = "ok"
+_acquisitions = itertools.count()  # every process locks as often as process 0: keys match
 
 
 class RunLockedError(RuntimeError):
@@ -121,20 +125,24 @@ class RunLock:
 
 
 def acquire_for_run(run_dir: str | os.PathLike) -> RunLock | None:
-    """Process 0 locks `run_dir`; in a multi-process run every process learns the outcome,
-    so that all of them fail together when the directory is taken. Returns the lock on
-    process 0, None elsewhere."""
-    lock = RunLock(run_dir) if jax.process_index() == 0 else None
-    error: BaseException | None = None
-    if lock is not None:
-        try:
-            lock.acquire()
-        except BaseException as e:  # shared with the other processes below, then raised
-            error = e
+    """Process 0 locks `run_dir`; in a multi-process run every process calls this at the
+    same point and learns the outcome through the JAX coordination service (no device
+    data), so that all of them fail together when the directory is taken. Returns the
+    lock on process 0, None elsewhere."""
+    number = next(_acquisitions)
+    if jax.process_index() != 0:
+        client = ocp.multihost.get_jax_distributed_client()
+        message = client.blocking_key_value_get(f"jrl_run_lock/{number}", coordination.TIMEOUT_S * 1000)
+        if message != _OK:
+            raise RunLockedError(f"process 0 could not lock the run directory: {message}")
+        return None
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+    except BaseException as error:
+        if jax.process_count() > 1:
+            ocp.multihost.get_jax_distributed_client().key_value_set(f"jrl_run_lock/{number}", str(error) or "error")
+        raise
     if jax.process_count() > 1:
-        ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
-        if error is None and not int(ok):
-            raise RunLockedError(f"{run_dir}: process 0 could not lock the run directory (see its error)")
-    if error is not None:
-        raise error
+        ocp.multihost.get_jax_distributed_client().key_value_set(f"jrl_run_lock/{number}", _OK)
     return lock

@@ -223,7 +223,8 @@ class Trainer:
         self._shardings: StepShardings | None = None
         self._split = any(cb.edits_gradients(c) for c in self.callbacks)
         self._last_time: float | None = None
-        self._run_lock: RunLock | None = None
+        self._run_lock: RunLock | None = None  # held on process 0 only
+        self._run_dir_taken = False
         # the step this session started from (set when setup is complete): the checkpoint
         # callback never saves a state that has not trained past it
         self.start_step: int | None = None
@@ -308,7 +309,7 @@ class Trainer:
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other")
         try:
-            if self.run_dir.is_dir():
+            if self.run_dir.is_dir() and jax.process_count() == 1:  # (processes could see it differently)
                 self._take_run_dir()  # a directory in use: fail before building anything
             return self._setup(resume, overwrite, resume_from)
         except BaseException:
@@ -408,15 +409,17 @@ class Trainer:
                           + "; ".join(f"step_{b}: {why}" for b, why in bad))
 
     def _take_run_dir(self) -> None:
-        """Locks the run directory for this run's lifetime (process 0; see jrl.train.run_lock)."""
-        if self._run_lock is None or not self._run_lock.held:
+        """Locks the run directory for this run's lifetime (process 0 holds the lock; every
+        process takes part, see jrl.train.run_lock.acquire_for_run)."""
+        if not self._run_dir_taken:
             self._run_lock = acquire_for_run(self.run_dir)
+            self._run_dir_taken = True
 
     def release_run_dir(self) -> None:
         """Releases the run directory's lock (fit does this when it returns or raises)."""
         if self._run_lock is not None:
             self._run_lock.release()
-            self._run_lock = None
+        self._run_lock, self._run_dir_taken = None, False
 
     # ------------------------------------------------------------------ steps
 
