@@ -480,7 +480,7 @@ class CheckpointConfig:
     keep_every: int | None = None  # additionally keep every M-th step
     save_on_end: bool = True
     save_on_error: bool = True
-    verify_on_load: bool = False
+    verify_on_load: bool = True  # resume checks SHA-256s (false: sizes only); a bad step falls back
 
     def __post_init__(self) -> None:
         _check(self.interval >= 0, "checkpoint.interval", f"must be >= 0, got {self.interval}")
@@ -664,8 +664,22 @@ def load_train_config(path: str | None = None, overrides: list[str] | tuple[str,
     """Reads YAML at `path` (or `base` data), applies overrides, fills every key left out
     with TrainConfig's default, validates."""
     if path is not None:
-        with open(path) as f:
-            data = yaml_load(f.read()) or {}
+        if os.path.isdir(path):
+            raise ConfigError(f"{path}: is a directory, not a YAML config file (e.g. configs/sft_arithmetic.yaml)")
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read the config file ({e})") from None
+        try:
+            data = yaml_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+            problem = getattr(e, "problem", None) or str(e)
+            raise ConfigError(f"{where}: invalid YAML: {problem}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         data.setdefault("name", os.path.splitext(os.path.basename(path))[0])

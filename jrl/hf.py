@@ -110,6 +110,18 @@ class HFFormatError(ValueError):
 # ============================================================================ config mapping
 
 
+def dtype_name(dtype: Any) -> str:
+    """The name of a dtype given as a string ("bfloat16") or as JAX / numpy users write it
+    (`jnp.bfloat16`, `np.float32`, `np.dtype("float16")`); other values come back unchanged
+    for the caller's check to reject."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return dtype
+
+
 def _numpy_dtype(name: str) -> np.dtype:
     if name not in _DTYPE_NAMES:
         raise HFFormatError(f"dtype: must be one of {list(_DTYPE_NAMES)}, got {name!r}")
@@ -198,14 +210,16 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, 
                             f">= max length {max_len} are not supported")
 
 
-def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32",
+def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
                    max_position_embeddings: int | None = None, ignore_fields: Iterable[str] = (),
                    where: str = "config.json") -> tuple[ModelConfig, str]:
     """(jrl ModelConfig, model_type) for a Hugging Face `config.json` dict.
 
     `max_position_embeddings` overrides the context length (the RoPE table size);
     `ignore_fields` names config keys the caller accepts to drop although jrl does not model them.
+    `dtype`: a name or a dtype object (`jnp.bfloat16`).
     """
+    dtype = dtype_name(dtype)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HFFormatError(f"{where}: model_type {model_type!r} is not supported; "
@@ -426,7 +440,7 @@ class _Reader:
     """Tensors by HF name from one or more safetensors files; remembers what was used."""
 
     def __init__(self, handles: Mapping[str, Any], where: str):
-        self._handles = handles  # name -> open safe_open handle
+        self._handles = handles  # name -> (open safe_open handle, its file)
         self.where = where
         self.used: set[str] = set()
 
@@ -440,7 +454,11 @@ class _Reader:
         if name not in self._handles:
             raise HFFormatError(f"{self.where}: tensor {name!r} is missing")
         self.used.add(name)
-        return self._handles[name].get_tensor(name)
+        handle, file = self._handles[name]
+        try:
+            return handle.get_tensor(name)
+        except Exception as e:  # data cut short after a valid header
+            raise HFFormatError(f"{file}: cannot read tensor {name!r} ({e}); is the file complete?") from None
 
 
 def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -643,19 +661,28 @@ def read_hf_config(path: str) -> dict[str, Any]:
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise HFFormatError(f"{path}: config.json not found")
-    with open(config_path) as f:
-        return json.load(f)
+    try:
+        with open(config_path, "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HFFormatError(f"{config_path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise HFFormatError(f"{config_path}: must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
-def load_pretrained(path: str, dtype: str = "float32", *, max_position_embeddings: int | None = None,
+def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embeddings: int | None = None,
                     ignore_fields: Iterable[str] = ()) -> tuple[ModelConfig, dict]:
     """Reads a local Hugging Face directory into (ModelConfig, params as numpy arrays in `dtype`).
 
     `max_position_embeddings` caps/extends the context (RoPE table) length, e.g. to the
     sliding window of a Mistral checkpoint; `ignore_fields` drops named config fields jrl
-    does not model, on purpose. Raises HFFormatError naming anything it cannot represent.
+    does not model, on purpose. `dtype`: "float32" / "bfloat16" / "float16" or the dtype
+    itself (`jnp.bfloat16`). Raises HFFormatError naming anything it cannot represent, and
+    the file when `config.json` or a safetensors file is unreadable or cut short.
     """
     path = os.fspath(path)
+    dtype = dtype_name(dtype)
     target = _numpy_dtype(dtype)
     config, model_type = config_from_hf(read_hf_config(path), dtype=dtype,
                                         max_position_embeddings=max_position_embeddings,
@@ -663,9 +690,13 @@ def load_pretrained(path: str, dtype: str = "float32", *, max_position_embedding
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
         for file in _weight_files(path):
-            handle = stack.enter_context(safe_open(file, framework="numpy"))
+            try:
+                handle = stack.enter_context(safe_open(file, framework="numpy"))
+            except Exception as e:  # safetensors' own error type (truncated header, bad JSON)
+                raise HFFormatError(f"{file}: not a readable safetensors file ({e}); "
+                                    f"is it complete?") from None
             for name in handle.keys():
-                handles[name] = handle
+                handles[name] = (handle, file)
         reader = _Reader(handles, path)
         raw = _params_from_reader(reader, config, model_type)
         unused = sorted(n for n in reader.names() - reader.used if not n.endswith(_IGNORED_TENSOR_SUFFIXES))

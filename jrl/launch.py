@@ -1,5 +1,5 @@
 """The program behind `python -m jrl.train [--config X.yaml] [dotted.key=value ...]
-[--output-dir D] [--resume | --overwrite] [--dry-run]` (and `jrl train`).
+[--output-dir D] [--resume | --resume-from STEP | --overwrite] [--dry-run]` (and `jrl train`).
 
 It sits above both `jrl.train` and `jrl.rl`: a config whose strategy generates its own
 data (`grpo`) gets its trainer from `jrl.rl.build_learner`, every other one a plain
@@ -7,7 +7,9 @@ data (`grpo`) gets its trainer from `jrl.rl.build_learner`, every other one a pl
 
 Without `--config` the embedded default run (`jrl.train.defaults`) is the base; overrides
 apply on top of either. Exit status: 0 on success (also after SIGTERM / SIGINT, which
-save a checkpoint first), 2 for a bad config or command line, 1 for a failed run.
+save a checkpoint first), 2 for a bad config or command line (or a run directory that
+holds checkpoints without --resume / --overwrite, or checkpoints of another model), 1 for
+a failed run (including a run directory another run holds, and no resumable checkpoint).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import yaml
 
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, load_train_config, to_dict
+from jrl.hf import HFFormatError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
 from jrl.rl.learner import build_learner
@@ -28,7 +31,8 @@ from jrl.rl.warm_start import run_warm_start
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, trainable_groups
 from jrl.train.strategies import get_strategy, strategy_options
-from jrl.train.trainer import Trainer, check_data_format, load_run_tokenizer
+from jrl.train.run_lock import RunLockedError
+from jrl.train.trainer import ResumeError, Trainer, check_data_format, load_run_tokenizer
 
 RL_STRATEGIES = ("grpo",)
 
@@ -39,6 +43,8 @@ def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
     p.add_argument("--output-dir", help="run directory (default: runs/<name>)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
+    mode.add_argument("--resume-from", type=int, metavar="STEP",
+                      help="continue from checkpoint step_STEP (newer steps are moved aside)")
     mode.add_argument("--overwrite", action="store_true", help="delete the run directory's checkpoints and metrics first")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and parameter count, then exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optimizer.lr=3e-4")
@@ -98,18 +104,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     if args.dry_run:
         dry_run(config, args.output_dir)
         return 0
-    overwrite = args.overwrite or (not args.config and not args.resume)
+    resuming = args.resume or args.resume_from is not None
+    overwrite = args.overwrite or (not args.config and not resuming)
     if not args.config and config.init_from is None:  # the embedded default: SFT warm start, then GRPO
-        config = run_warm_start(config, output_dir=args.output_dir, resume=args.resume, overwrite=overwrite)
+        config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite)
         if config is None:
             return 0
     try:
         trainer = make_trainer(config, output_dir=args.output_dir)
-        state = trainer.fit(resume=args.resume, overwrite=overwrite)
-    except (ConfigError, FileExistsError) as e:
+        state = trainer.fit(resume=args.resume, overwrite=overwrite, resume_from=args.resume_from)
+    except (ConfigError, FileExistsError, HFFormatError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RewardError as e:
+    except (RewardError, RunLockedError, ResumeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""

@@ -3,6 +3,7 @@
     save(root, step, state, meta=..., keep_last=..., keep_every=..., metrics_log=...) -> Path
     load(root, step=None, verify=False, target=None) -> (state, meta)
     latest_step(root), all_steps(root), verify_checkpoint(root, step=None)
+    step_problem(root, step, checksums=True), set_aside(root, step, kind)   (resume)
     AsyncCheckpointer(root, keep_last=..., keep_every=...).save(step, state, ...)
 
 Layout of one checkpoint: `root/step_<N>/{state/, meta.json, manifest.json}` where
@@ -11,6 +12,8 @@ Layout of one checkpoint: `root/step_<N>/{state/, meta.json, manifest.json}` whe
 
 from jrl.checkpoint.layout import all_steps, latest_step
 from jrl.checkpoint.manifest import CheckpointCorruptError
+from jrl.checkpoint.payload import TargetMismatchError
+from jrl.checkpoint.resume import set_aside, step_problem
 from jrl.checkpoint.store import (
     AsyncCheckpointer,
     CheckpointSaveError,
@@ -23,9 +26,12 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointCorruptError",
     "CheckpointSaveError",
+    "TargetMismatchError",
     "all_steps",
     "latest_step",
     "load",
     "save",
+    "set_aside",
+    "step_problem",
     "verify_checkpoint",
 ]

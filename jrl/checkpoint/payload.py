@@ -137,6 +137,55 @@ def _decode_leaf(value: Any, record: dict | None, target_leaf: Any = None) -> An
     return value
 
 
+class TargetMismatchError(ValueError):
+    """A restore target does not fit the stored payload. `leaf` names the first leaf that
+    differs ("params/embed/embedding"); `stored` / `wanted` are its shapes in the checkpoint
+    and in the target (None where that side lacks the leaf)."""
+
+    def __init__(self, directory: Path, leaf: str, stored: tuple | None, wanted: tuple | None, detail: str):
+        self.directory, self.leaf, self.stored, self.wanted = Path(directory), leaf, stored, wanted
+        super().__init__(f"{directory}: {detail}")
+
+
+def _stored_leaves(directory: Path) -> dict[tuple[str, ...], Any] | None:
+    """The payload's leaves (Orbax metadata) by name path, or None if Orbax cannot say."""
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            metadata = checkpointer.metadata(directory)
+    except Exception:  # no readable metadata: let the restore itself report it
+        return None
+    tree = getattr(metadata, "item_metadata", metadata)
+    if tree is None:
+        return None
+    return {path_names(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_target(directory: Path, abstract: Any) -> None:
+    """Raises TargetMismatchError naming the first leaf of `abstract` (a restore target in
+    Orbax's terms) that the payload in `directory` lacks or stores with another shape, or
+    the first stored leaf the target lacks. Costs one metadata read, no array data."""
+    stored = _stored_leaves(directory)
+    if stored is None:
+        return
+    wanted = [(path_names(kp), x) for kp, x in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    for names, x in wanted:
+        leaf, want = _show(names), tuple(np.shape(x))
+        if names not in stored:
+            raise TargetMismatchError(directory, leaf, None, want,
+                                      f"the target's leaf {leaf!r} {want} is not in the checkpoint")
+        have = getattr(stored[names], "shape", None)
+        if have is not None and tuple(have) != want and not is_typed_key(x):  # Orbax-native keys: key data
+            raise TargetMismatchError(directory, leaf, tuple(have), want,
+                                      f"leaf {leaf!r} has shape {tuple(have)} in the checkpoint, the target "
+                                      f"wants {want}")
+    extra = sorted(set(stored) - {names for names, _ in wanted})
+    if extra:
+        leaf, have = _show(extra[0]), getattr(stored[extra[0]], "shape", None)
+        raise TargetMismatchError(directory, leaf, tuple(have) if have is not None else None, None,
+                                  f"the checkpoint's leaf {leaf!r} is not in the target"
+                                  + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
+
+
 def restore_payload(directory: Path, records: list[dict], target: Any = None) -> Any:
     """Restores the payload in `directory`, undoing the encodings listed in `records`.
 
@@ -145,7 +194,8 @@ def restore_payload(directory: Path, records: list[dict], target: Any = None) ->
     when this process has those devices, else land on this process's first local device
     (a checkpoint of an 8-device or multi-host run, read on one device). With `target` (a
     pytree of arrays or jax.ShapeDtypeStruct, shardings included) the result has exactly
-    the target's structure, dtypes and shardings.
+    the target's structure, dtypes and shardings; a target whose structure or shapes do
+    not fit raises TargetMismatchError naming the first leaf that differs.
     """
     by_path = _records_by_path(records)
     if target is None:
@@ -155,10 +205,11 @@ def restore_payload(directory: Path, records: list[dict], target: Any = None) ->
         return jax.tree_util.tree_map_with_path(
             lambda kp, v: _decode_leaf(v, by_path.get(path_names(kp))), raw
         )
+    abstract = jax.tree_util.tree_map_with_path(
+        lambda kp, x: _abstract_leaf(path_names(kp), x, by_path.get(path_names(kp))), target
+    )
+    check_target(directory, abstract)  # before Orbax's async restore fails noisily
     with ocp.StandardCheckpointer() as checkpointer:
-        abstract = jax.tree_util.tree_map_with_path(
-            lambda kp, x: _abstract_leaf(path_names(kp), x, by_path.get(path_names(kp))), target
-        )
         raw = checkpointer.restore(directory, abstract)
     return jax.tree_util.tree_map_with_path(
         lambda kp, v, t: _decode_leaf(v, by_path.get(path_names(kp)), t), raw, target

@@ -111,8 +111,28 @@ def resolve_reward(name: str, field: str = "fn") -> RewardFn:
     return fn
 
 
+def check_signature(fn: RewardFn, kwargs: dict[str, Any], field: str) -> None:
+    """Raises ConfigError naming `field` unless `fn` can be called the way the reward model
+    calls it: `fn(prompt, completion, answer, **kwargs)`, plus `example=` when it declares
+    one. Functions without an inspectable signature (some builtins) pass unchecked."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    extra = {"example": {}} if "example" in signature.parameters else {}
+    try:
+        signature.bind("prompt", "completion", "answer", **kwargs, **extra)
+    except TypeError as e:
+        call = ", ".join(["prompt", "completion", "answer", *(f"{k}=..." for k in [*kwargs, *extra])])
+        bare = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                 return_annotation=signature.empty)
+        raise ConfigError(f"{field}: {getattr(fn, '__qualname__', fn)!s}{bare} cannot be called as "
+                          f"fn({call}): {e}") from None
+
+
 class RewardModel:
-    """The weighted sum of reward terms, applied to a batch of samples."""
+    """The weighted sum of reward terms, applied to a batch of samples. Every function's
+    signature is checked against its configured kwargs when the model is built."""
 
     def __init__(self, specs: Sequence[RewardSpec], field: str = "rewards") -> None:
         if not specs:
@@ -125,10 +145,12 @@ class RewardModel:
                 raise ConfigError(f"{field}[{i}].weight: must be a finite number, got {spec.weight}")
             if not isinstance(spec.kwargs, dict):
                 raise ConfigError(f"{field}[{i}].kwargs: must be a mapping, got {spec.kwargs!r}")
-            self._fns.append(resolve_reward(spec.fn, f"{field}[{i}].fn"))
+            fn = resolve_reward(spec.fn, f"{field}[{i}].fn")
             if "example" in spec.kwargs:
                 raise ConfigError(f"{field}[{i}].kwargs: 'example' is reserved (the task's record is passed as "
                                   f"`example` to functions that declare it)")
+            check_signature(fn, spec.kwargs, f"{field}[{i}]")
+            self._fns.append(fn)
             base = spec.fn.rpartition(":")[2]
             name = base if base not in self.names else f"{base}_{i}"
             self.names.append(name)

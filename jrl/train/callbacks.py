@@ -178,21 +178,28 @@ class ProgressBar(Callback):
 
 class CheckpointCallback(Callback):
     """Saves every `interval` steps, at the end (incl. early stop and signals) and, if the
-    state is still intact, when an error escapes the loop."""
+    state is still intact, when an error escapes the loop. Never saves a state that has
+    not trained past the step the run started from (`trainer.start_step`): a run that
+    fails during setup or its first step leaves the directory as it found it."""
 
     def __init__(self, interval: int, save_on_end: bool = True, save_on_error: bool = True):
         self.interval, self.save_on_end, self.save_on_error = interval, save_on_end, save_on_error
+
+    @staticmethod
+    def _trained(trainer, state) -> bool:
+        start = getattr(trainer, "start_step", None)
+        return state is not None and start is not None and int(state.step) != start
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         if self.interval and metrics["step"] % self.interval == 0:
             trainer.save_checkpoint(state)
 
     def on_train_end(self, trainer, state) -> None:
-        if self.save_on_end and trainer.last_saved_step != int(state.step):
+        if self.save_on_end and self._trained(trainer, state) and trainer.last_saved_step != int(state.step):
             trainer.save_checkpoint(state)
 
     def on_error(self, trainer, state, error) -> None:
-        if not self.save_on_error or state is None:
+        if not self.save_on_error or not self._trained(trainer, state):
             return
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
             warnings.warn("not saving a checkpoint on error: the state's buffers were donated to the "

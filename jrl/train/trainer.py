@@ -30,6 +30,7 @@ import shutil
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -51,6 +52,7 @@ from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
 from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer, learning_rates
+from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
 from jrl.train.schedules import make_schedule
 from jrl.train.state import TrainState, init_sharded_train_state
 from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings
@@ -60,6 +62,25 @@ from jrl.train.strategies import strategy_options as parse_strategy_options
 # Dense bf16 peak per device, for the MFU estimate (matched against device_kind).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0,
                "B200": 2250.0, "L40S": 362.0}
+
+
+class ResumeError(RuntimeError):
+    """No checkpoint can be resumed (all corrupt, or the one asked for is missing or corrupt)."""
+
+
+class ResumeWarning(UserWarning):
+    """Resume skipped a bad checkpoint or moves newer ones aside; the message names them."""
+
+
+def _mismatch_message(e: checkpoint.TargetMismatchError, step: int) -> str:
+    """One line for a checkpoint whose state does not fit the run's (a changed model or optimizer)."""
+    where = f"{e.directory.parent.parent}/step_{step}" if e.directory.name == "state" else str(e.directory)
+    if e.stored is not None and e.wanted is not None:
+        return (f"--resume: {where} does not fit this config: {e.leaf} has shape {e.stored} in the "
+                f"checkpoint, the config builds {e.wanted}")
+    if e.stored is None:
+        return f"--resume: {where} does not fit this config: it has no {e.leaf} (the config builds one)"
+    return f"--resume: {where} does not fit this config: it has {e.leaf}, which the config does not build"
 
 
 def _finite(x: float) -> float | None:
@@ -252,6 +273,11 @@ class Trainer:
         self._shardings: StepShardings | None = None
         self._split = any(cb.edits_gradients(c) for c in self.callbacks)
         self._last_time: float | None = None
+        self._run_lock: RunLock | None = None  # held on process 0 only
+        self._run_dir_taken = False
+        # the step this session started from (set when setup is complete): the checkpoint
+        # callback never saves a state that has not trained past it
+        self.start_step: int | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -313,10 +339,34 @@ class Trainer:
         for name in ("metrics.jsonl", "metrics.png"):
             (self.run_dir / name).unlink(missing_ok=True)
 
-    def setup(self, resume: bool = False, overwrite: bool = False) -> TrainState:
-        """Builds params, optimizer, state and data. `resume`: continue from the latest
-        checkpoint in the run directory if there is one. Otherwise an existing run is an
-        error unless `overwrite` (which deletes its checkpoints and metrics first)."""
+    def setup(self, resume: bool = False, overwrite: bool = False, resume_from: int | None = None) -> TrainState:
+        """Builds params, optimizer, state and data, then takes the run directory.
+
+        `resume`: continue from the newest checkpoint in the run directory that checks out
+        (sizes and, with `checkpoint.verify_on_load`, SHA-256s against its manifest); a bad
+        one is skipped with a warning naming it and later moved aside. `resume_from`: from
+        exactly that step (an error if it is missing or bad; newer steps are moved aside).
+        Without either, an existing run is an error unless `overwrite`.
+
+        Nothing is written or deleted before the config, the model (params, optimizer, the
+        checkpoint to resume) and the data have been built: only then does the run lock
+        its directory (`RunLockedError` naming the holder if another run has it; a run
+        directory that already exists is locked first thing, so a second run fails at
+        once), `overwrite` delete the old checkpoints and metrics, bad checkpoints move
+        aside, and config.yaml get written."""
+        if resume_from is not None:
+            resume = True
+        if resume and overwrite:
+            raise ValueError("resume and overwrite exclude each other")
+        try:
+            if self.run_dir.is_dir() and jax.process_count() == 1:  # (processes could see it differently)
+                self._take_run_dir()  # a directory in use: fail before building anything
+            return self._setup(resume, overwrite, resume_from)
+        except BaseException:
+            self.release_run_dir()
+            raise
+
+    def _setup(self, resume: bool, overwrite: bool, resume_from: int | None) -> TrainState:
         c = self.config
         self._check_batch_rows()
         params = self.initial_params()
@@ -329,36 +379,98 @@ class Trainer:
                                                     p_shardings, self.mesh)
         self._shardings = mesh_step_shardings(self.mesh, shardings,
                                               p_shardings if self.reference_params is not None else None)
-        existing = checkpoint.latest_step(self.checkpoint_dir)
+        seen = checkpoint.all_steps(self.checkpoint_dir)
+        existing = seen[-1] if seen else None
         if existing is not None and not resume and not overwrite:
             raise FileExistsError(
                 f"{self.checkpoint_dir} already holds checkpoints (latest step {existing}): resume them "
                 f"(--resume) or start over (--overwrite deletes them)")
-        resume_step = existing if resume else None
         meta: dict = {}
-        if resume_step is None:
-            self._clear_run_dir()  # a fresh start: no stale checkpoints or metrics rows
-        else:
+        set_aside: list[tuple[int, str]] = []
+        resumed = resume and (existing is not None or resume_from is not None)
+        if resumed:
             target = with_shardings(state, shardings)  # restored straight onto this run's mesh
             del state, params
-            state, meta = checkpoint.load(self.checkpoint_dir, resume_step, target=target,
-                                          verify=c.checkpoint.verify_on_load)
-            if self.is_main_process:
-                self.metrics_log.truncate_after(int(state.step))
-            self.last_saved_step = int(state.step)
+            state, meta, set_aside = self._restore(target, resume_from)
         self.state = state  # sources may read the (resumed) state
         self._make_sources()
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
             self.train_source.load_state_dict(_source_state(meta))
-        if self.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
                                   shardings=self._shardings, learning_rates=rates)
         if self._peak_flops():
             matmul_params(c.model)  # counted once here (cached), not inside a timed step
+        # Everything is checked: from here on the run writes.
+        self._take_run_dir()
+        if checkpoint.all_steps(self.checkpoint_dir) != seen:  # another run wrote while this one set up
+            raise RunLockedError(f"{self.checkpoint_dir} changed while this run was being set up (steps "
+                                 f"{seen or 'none'}, now {checkpoint.all_steps(self.checkpoint_dir) or 'none'}): "
+                                 f"another run wrote into it; check it, then start again")
+        if not resumed:
+            self._clear_run_dir()  # a fresh start: no stale checkpoints or metrics rows
+        elif self.is_main_process:
+            for step, kind in set_aside:
+                checkpoint.set_aside(self.checkpoint_dir, step, kind)
+            self.metrics_log.truncate_after(int(state.step))
+        if resumed:
+            self.last_saved_step = int(state.step)
+        if self.is_main_process:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
+        self.start_step = int(state.step)
         return state
+
+    def _restore(self, target: TrainState, resume_from: int | None) -> tuple[TrainState, dict, list[tuple[int, str]]]:
+        """(state, meta, steps to set aside) of the checkpoint this run resumes from: the
+        newest one that checks out, or `resume_from`. Reads only."""
+        root = self.checkpoint_dir
+        steps = checkpoint.all_steps(root)
+        if resume_from is not None and resume_from not in steps:
+            raise ResumeError(f"--resume-from {resume_from}: there is no step_{resume_from} in {root} "
+                              f"(available steps: {', '.join(map(str, steps)) or 'none'})")
+        candidates = [resume_from] if resume_from is not None else steps[::-1]
+        bad: list[tuple[int, str]] = []
+        for step in candidates:
+            problem = checkpoint.step_problem(root, step, checksums=self.config.checkpoint.verify_on_load)
+            if problem is None:
+                try:
+                    state, meta = checkpoint.load(root, step, target=target)
+                except checkpoint.TargetMismatchError as e:
+                    raise ConfigError(_mismatch_message(e, step)) from None
+                except Exception as e:  # noqa: BLE001 - an unverifiable (legacy) payload that fails to restore
+                    if (root / f"step_{step}" / "manifest.json").exists():
+                        raise  # verified bytes: not a corruption, a real error
+                    problem = f"restore failed: {type(e).__name__}: {e}".splitlines()[0]
+                else:
+                    later = [s for s in steps if s > step and s not in dict(bad)]
+                    for b, why in bad:
+                        warnings.warn(f"checkpoint {root / f'step_{b}'} is corrupt ({why}); resuming from "
+                                      f"step_{step} instead (step_{b} is moved aside to a hidden "
+                                      f".step_{b}.corrupt-<id> directory)", ResumeWarning, stacklevel=4)
+                    if later:
+                        warnings.warn(f"resuming from step_{step}: the newer step(s) {', '.join(map(str, later))} "
+                                      f"are moved aside to hidden .step_<N>.superseded-<id> directories",
+                                      ResumeWarning, stacklevel=4)
+                    return state, meta, [(b, "corrupt") for b, _ in bad] + [(s, "superseded") for s in later]
+            if resume_from is not None:
+                raise ResumeError(f"--resume-from {resume_from}: checkpoint {root / f'step_{step}'} is "
+                                  f"corrupt: {problem}")
+            bad.append((step, problem))
+        raise ResumeError(f"--resume: no checkpoint in {root} can be resumed: "
+                          + "; ".join(f"step_{b}: {why}" for b, why in bad))
+
+    def _take_run_dir(self) -> None:
+        """Locks the run directory for this run's lifetime (process 0 holds the lock; every
+        process takes part, see jrl.train.run_lock.acquire_for_run)."""
+        if not self._run_dir_taken:
+            self._run_lock = acquire_for_run(self.run_dir)
+            self._run_dir_taken = True
+
+    def release_run_dir(self) -> None:
+        """Releases the run directory's lock (fit does this when it returns or raises)."""
+        if self._run_lock is not None:
+            self._run_lock.release()
+        self._run_lock, self._run_dir_taken = None, False
 
     # ------------------------------------------------------------------ steps
 
@@ -518,13 +630,16 @@ class Trainer:
             previous[sig] = signal.signal(sig, handler)
         return previous
 
-    def fit(self, resume: bool = False, overwrite: bool = False) -> TrainState:
+    def fit(self, resume: bool = False, overwrite: bool = False, resume_from: int | None = None) -> TrainState:
         """Trains to `config.steps` (or until stopped); returns the final state.
-        `resume` / `overwrite`: see `setup`."""
+        `resume` / `overwrite` / `resume_from`: see `setup`. The run directory stays
+        locked until fit returns or raises."""
         previous = self._install_signal_handlers()
         try:
             if self.state is None:
-                self.setup(resume=resume, overwrite=overwrite)
+                self.setup(resume=resume, overwrite=overwrite, resume_from=resume_from)
+            else:
+                self._take_run_dir()
             self.fire("on_train_begin", self.state)
             while int(self.state.step) < self.config.steps and self.stop_reason is None:
                 self.train_step(self.train_source.next_batch(self.state))
@@ -536,4 +651,5 @@ class Trainer:
             for sig, old in previous.items():
                 signal.signal(sig, old)
             self.metrics_log.close()
+            self.release_run_dir()
         return self.state

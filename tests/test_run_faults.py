@@ -1,0 +1,359 @@
+"""Faults that used to lose runs, each as the user meets it through `python -m jrl.train`
+(jrl.launch.main in this process, tiny configs): a failed setup writes nothing, --overwrite
+deletes only once the new run has validated, resume verifies and falls back, a run locks
+its directory, and bad inputs fail in one line naming what is wrong."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from jrl import checkpoint, hf
+from jrl.config import ModelConfig
+from jrl.launch import main
+from jrl.metrics_log import read_metrics
+from jrl.models import init_params
+from jrl.train.run_lock import LOCK_NAME
+from jrl.train.trainer import ResumeWarning
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+TINY = {
+    "model": {"vocab_size": 262, "hidden_size": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+              "head_dim": 8, "intermediate_size": 32, "max_position_embeddings": 32},
+    "data": {"source": "bundled:arithmetic:300", "seq_len": 32, "batch_size": 4, "micro_batches": 2},
+    "optimizer": {"lr": 3e-3},
+    "eval": {"every": 0, "at_end": False},
+    "logging": {"progress": False, "plot": False},
+    "checkpoint": {"interval": 2, "keep_last": None},
+    "steps": 4,
+}
+
+
+def write_config(tmp_path, **top) -> str:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, **top}))
+    return str(path)
+
+
+def bad_jsonl(tmp_path) -> list[str]:
+    """Overrides pointing the data at a file whose second line is not JSON."""
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "1+1=", "response": "2"}\nnot json\n')
+    return [f"data.source={path}", "data.sections=[{field: prompt}, {field: response, train: true}]"]
+
+
+def steps_logged(run) -> list[int]:
+    return [r["step"] for r in read_metrics(Path(run) / "metrics.jsonl") if "loss" in r]
+
+
+def flip_a_byte_of_the_payload(step_dir: Path) -> None:
+    biggest = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    biggest.write_bytes(bytes(data))
+
+
+def snapshot(run: Path) -> dict[str, bytes]:
+    """Every file of a run directory but the run lock (whose body a run empties when it ends)."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != LOCK_NAME}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 4-step run with checkpoints 2 and 4; tests copy it."""
+    base = tmp_path_factory.mktemp("finished")
+    run = base / "run"
+    assert main(["--config", write_config(base), "--output-dir", str(run)]) == 0
+    assert checkpoint.all_steps(run / "checkpoints") == [2, 4]
+    return run
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    return run
+
+
+# ---------------------------------------------------------------- item 2: setup writes nothing
+
+
+def test_a_run_whose_data_fails_writes_nothing_and_the_corrected_rerun_just_starts(tmp_path):
+    config, run = write_config(tmp_path), tmp_path / "run"
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
+        main(["--config", config, "--output-dir", str(run), *bad_jsonl(tmp_path)])
+    assert not run.exists()  # no step_0, no config.yaml, not even the directory
+    assert main(["--config", config, "--output-dir", str(run), "steps=2"]) == 0  # no --resume / --overwrite needed
+    assert checkpoint.all_steps(run / "checkpoints") == [2]
+
+
+def test_a_failed_setup_in_an_existing_run_directory_publishes_no_checkpoint(run_copy, tmp_path):
+    before = snapshot(run_copy)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=6",
+              *bad_jsonl(tmp_path)])
+    assert snapshot(run_copy) == before
+    assert (run_copy / LOCK_NAME).read_bytes() == b""  # taken and released
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_validated_its_data(run_copy, tmp_path):
+    before = snapshot(run_copy)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--overwrite",
+              *bad_jsonl(tmp_path)])
+    assert snapshot(run_copy) == before
+    assert checkpoint.verify_checkpoint(run_copy / "checkpoints", 4)
+
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--overwrite", "steps=2"]) == 0
+    assert checkpoint.all_steps(run_copy / "checkpoints") == [2]
+    assert steps_logged(run_copy) == [1, 2]
+
+
+# ---------------------------------------------------------------- item 3: verified resume, fallback
+
+
+def test_a_corrupt_latest_step_resumes_from_the_previous_one_and_says_so(run_copy, tmp_path, capsys):
+    flip_a_byte_of_the_payload(run_copy / "checkpoints" / "step_4")
+    # keep_last=2 and a save at step 3: retention must not count the corrupt step 4 and
+    # delete step 2, the last good checkpoint before this run's
+    with pytest.warns(ResumeWarning, match=r"step_4 is corrupt \(state/.*SHA-256 does not match the manifest\); "
+                                           r"resuming from step_2 instead"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=3",
+                     "checkpoint.interval=3", "checkpoint.keep_last=2"]) == 0
+    assert "finished at step 3" in capsys.readouterr().out
+    ckpts = run_copy / "checkpoints"
+    assert checkpoint.all_steps(ckpts) == [2, 3]
+    assert all(checkpoint.verify_checkpoint(ckpts, s) for s in (2, 3))
+    aside = [p.name for p in ckpts.iterdir() if p.name.startswith(".step_4.corrupt-")]
+    assert len(aside) == 1  # kept for inspection, invisible to readers and retention
+    assert steps_logged(run_copy) == [1, 2, 3]  # rows of the bad step 3, 4 dropped, step 3 once
+
+
+def test_empty_and_half_copied_step_directories_are_skipped_the_same_way(run_copy, tmp_path):
+    ckpts = run_copy / "checkpoints"
+    (ckpts / "step_8").mkdir()  # an empty directory
+    shutil.copytree(ckpts / "step_4", ckpts / "step_6")  # a copy cut short: the manifest did not arrive
+    (ckpts / "step_6" / "manifest.json").unlink()
+    with pytest.warns(ResumeWarning) as record:
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=5",
+                     "checkpoint.interval=5"]) == 0
+    messages = [str(w.message) for w in record]
+    assert any("step_8 is corrupt (empty directory); resuming from step_4" in m for m in messages)
+    assert any("step_6 is corrupt (manifest.json: missing" in m for m in messages)
+    assert checkpoint.all_steps(ckpts) == [2, 4, 5]
+    assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
+
+
+def test_a_truncated_file_is_caught_even_with_checksums_off(run_copy, tmp_path):
+    state = run_copy / "checkpoints" / "step_4" / "state"
+    biggest = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    with pytest.warns(ResumeWarning, match=r"step_4 is corrupt \(state/.*: size \d+ bytes, manifest says \d+\)"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=4",
+                     "checkpoint.verify_on_load=false"]) == 0
+    assert steps_logged(run_copy) == [1, 2, 3, 4]
+
+
+def test_resume_from_a_chosen_step_sets_the_newer_ones_aside(run_copy, tmp_path):
+    config = write_config(tmp_path)
+    with pytest.warns(ResumeWarning, match=r"resuming from step_2: the newer step\(s\) 4 are moved aside"):
+        assert main(["--config", config, "--output-dir", str(run_copy), "--resume-from", "2", "steps=3",
+                     "checkpoint.interval=0"]) == 0
+    ckpts = run_copy / "checkpoints"
+    assert checkpoint.all_steps(ckpts) == [2, 3]
+    assert any(p.name.startswith(".step_4.superseded-") for p in ckpts.iterdir())
+    assert steps_logged(run_copy) == [1, 2, 3]
+
+
+def test_resume_from_a_missing_or_corrupt_step_fails_naming_it(run_copy, tmp_path, capsys):
+    config = write_config(tmp_path)
+    assert main(["--config", config, "--output-dir", str(run_copy), "--resume-from", "3"]) == 1
+    assert "--resume-from 3: there is no step_3" in capsys.readouterr().err
+    flip_a_byte_of_the_payload(run_copy / "checkpoints" / "step_2")
+    before = snapshot(run_copy)
+    assert main(["--config", config, "--output-dir", str(run_copy), "--resume-from", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "--resume-from 2: checkpoint" in err and "step_2 is corrupt: state/" in err
+    assert snapshot(run_copy) == before
+
+
+def test_when_every_checkpoint_is_corrupt_resume_stops_and_deletes_nothing(run_copy, tmp_path, capsys):
+    for step in (2, 4):
+        flip_a_byte_of_the_payload(run_copy / "checkpoints" / f"step_{step}")
+    before = snapshot(run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume"]) == 1
+    err = capsys.readouterr().err
+    assert "no checkpoint in" in err and "step_4: state/" in err and "step_2: state/" in err
+    assert snapshot(run_copy) == before
+
+
+# ---------------------------------------------------------------- item 4: one run per directory
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from jrl.train.run_lock import RunLock
+    lock = RunLock(sys.argv[1])
+    lock.acquire()
+    print("locked", flush=True)
+    time.sleep(600)
+""")
+
+
+def hold_lock(run: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_run_into_a_locked_directory_exits_nonzero_naming_the_first(run_copy, tmp_path, capsys):
+    holder = hold_lock(run_copy)
+    try:
+        before = snapshot(run_copy)
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
+                     "steps=6"]) == 1
+        err = capsys.readouterr().err
+        assert f"{run_copy} is in use by another run (pid {holder.pid} on host {socket.gethostname()}, started " in err
+        assert snapshot(run_copy) == before  # it wrote nothing, deleted nothing
+        # nor may --overwrite delete the directory of a live run
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--overwrite"]) == 1
+        assert snapshot(run_copy) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_stale_lock_of_a_killed_run_is_taken_over(run_copy, tmp_path):
+    holder = hold_lock(run_copy)
+    holder.send_signal(signal.SIGKILL)  # dies holding it: the body stays, the flock goes
+    holder.wait()
+    body = json.loads((run_copy / LOCK_NAME).read_text())
+    assert body["pid"] == holder.pid
+    with pytest.warns(UserWarning, match=rf"taking over the stale lock .* \(pid {holder.pid} on host "):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
+                     "steps=5", "checkpoint.interval=5"]) == 0
+    assert (run_copy / LOCK_NAME).read_bytes() == b""  # released at the end
+    assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
+
+
+def test_two_runs_started_together_into_one_directory_one_fails_and_steps_are_logged_once(tmp_path):
+    config, run = write_config(tmp_path, steps=3), tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "jrl.train", "--config", config, "--output-dir", str(run)]
+    procs = [subprocess.Popen([*cmd, f"seed={seed}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for seed in (1, 2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(code for code, _, _ in results)
+    assert codes in ([0, 1], [0, 2]), results  # 2: it came second and found the first one's checkpoints
+    loser = next(err for code, _, err in results if code != 0)
+    assert "is in use by another run (pid" in loser or "already holds checkpoints" in loser
+    assert steps_logged(run) == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- also: one-line errors
+
+
+def test_resume_with_a_changed_architecture_names_the_first_mismatched_parameter(run_copy, tmp_path, capsys):
+    before = snapshot(run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
+                 "model.hidden_size=32"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines == [f"error: --resume: {run_copy / 'checkpoints' / 'step_4'} does not fit this config: "
+                     f"params/embed/embedding has shape (262, 16) in the checkpoint, the config builds (262, 32)"]
+    assert snapshot(run_copy) == before
+
+
+def test_a_restore_target_with_a_wrong_shape_names_the_leaf(tmp_path):
+    state = {"params": {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}, "step": 1}
+    checkpoint.save(tmp_path, 1, state)
+    target = {"params": {"w": jax.ShapeDtypeStruct((2, 4), jnp.float32), "b": np.zeros(3, np.float32)}, "step": 0}
+    with pytest.raises(checkpoint.TargetMismatchError, match=r"leaf 'params/w' has shape \(2, 3\) in the "
+                                                             r"checkpoint, the target wants \(2, 4\)") as info:
+        checkpoint.load(tmp_path, target=target)
+    assert (info.value.leaf, info.value.stored, info.value.wanted) == ("params/w", (2, 3), (2, 4))
+    with pytest.raises(checkpoint.TargetMismatchError, match=r"the checkpoint's leaf 'params/b' is not in the target"):
+        checkpoint.load(tmp_path, target={"params": {"w": np.zeros((2, 3), np.float32)}, "step": 0})
+
+
+def test_config_pointing_at_a_directory_is_a_one_line_error(tmp_path, capsys):
+    assert main(["--config", str(tmp_path), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (f"config error: {tmp_path}: is a directory, not a YAML config file "
+                                               f"(e.g. configs/sft_arithmetic.yaml)")
+
+
+def test_yaml_errors_name_the_file_and_line(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text("steps: 3\nmodel: {hidden_size: 16\n  n_layers: [\n")
+    assert main(["--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"config error: {path}:3:") and "invalid YAML" in err and len(err.splitlines()) == 1
+
+
+def test_a_reward_function_with_a_wrong_signature_fails_at_config_time(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_rewards.py").write_text("def two_args(completion, answer):\n    return 1.0\n\n"
+                                            "def strict(prompt, completion, answer, *, scale):\n    return scale\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = str(CONFIGS / "grpo_addition.yaml")
+    assert main(["--config", config, "--dry-run", "strategy.options.rewards=[{fn: 'my_rewards:two_args'}]"]) == 2
+    err = capsys.readouterr().err
+    assert ("strategy.options.rewards[0]: two_args(completion, answer) cannot be called as "
+            "fn(prompt, completion, answer): too many positional arguments") in err
+    assert main(["--config", config, "--dry-run",
+                 "strategy.options.rewards=[{fn: 'my_rewards:strict', kwargs: {scal: 2}}]"]) == 2
+    assert ("strict(prompt, completion, answer, *, scale) cannot be called as fn(prompt, completion, answer, "
+            "scal=...): missing a required keyword-only argument: 'scale'") in capsys.readouterr().err
+    assert main(["--config", config, "--dry-run",
+                 "strategy.options.rewards=[{fn: 'my_rewards:strict', kwargs: {scale: 2}}]"]) == 0
+
+
+TINY_HF = ModelConfig(vocab_size=262, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                      intermediate_size=32, max_position_embeddings=32)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    params = jax.tree.map(np.asarray, init_params(TINY_HF, jax.random.key(0)))
+    hf.save_pretrained(TINY_HF, params, tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_load_pretrained_takes_a_jax_dtype_like_its_name(hf_dir):
+    config, params = hf.load_pretrained(hf_dir, dtype=jnp.bfloat16)
+    assert config.param_dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(jnp.bfloat16)}
+    assert hf.load_pretrained(hf_dir, dtype=np.float16)[0].param_dtype == "float16"
+
+
+def test_a_truncated_safetensors_file_is_named(hf_dir):
+    weights = hf_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size - 100])
+    with pytest.raises(hf.HFFormatError, match=rf"^{weights}: not a readable safetensors file .*is it complete\?"):
+        hf.load_pretrained(hf_dir)
+
+
+def test_an_invalid_config_json_is_named(hf_dir, tmp_path, capsys):
+    config_json = hf_dir / "config.json"
+    config_json.write_text(config_json.read_text()[:-20])
+    with pytest.raises(hf.HFFormatError, match=rf"^{config_json}: not a readable JSON file"):
+        hf.load_pretrained(hf_dir)
+    # and through a run that starts from it: one line, exit 2, nothing written
+    run = tmp_path / "run"
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run), f"init_from=hf:{hf_dir}"]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {config_json}: not a readable JSON file")
+    assert not run.exists()
