@@ -21,6 +21,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch, reference
+from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
+from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 
 # ---------------------------------------------------------------------------- attention masking
@@ -120,3 +123,26 @@ def test_reference_mla_latent_ignores_nan_in_slots_it_may_not_see():
     nan_k = poison_unused(kb, pt, lens, 16)
     assert_same(dispatch.paged_prefill(qp, nan_k, None, jnp.int32(1), cu, lens, pt, **kw),
                 dispatch.paged_prefill(qp, kb, None, jnp.int32(1), cu, lens, pt, **kw))
+@pytest.mark.parametrize("keys_as_rows", [False, True], ids=["queries_as_rows", "keys_as_rows"])
+@pytest.mark.parametrize("hq,hkv,d,ps,splits", [
+    (8, 2, 128, 16, 3),  # pages smaller than a 64-key block: a block reads past the last page
+    (2, 2, 64, 64, 1),  # one page a block: the tail of the last page
+])
+def test_decode_kernel_ignores_nan_in_slots_it_may_not_see(hq, hkv, d, ps, splits, keys_as_rows):
+    q, kb, vb, pt, lens = decode_case(10 + splits, hq, hkv, d, ps)
+    run = lambda k, v: ragged_decode_mgpu(q, k, v, jnp.int32(1), lens, pt, page_size=ps, sm_scale=d ** -0.5,
+                                          tuning=DecodeTuning(num_splits=splits, keys_as_rows=keys_as_rows),
+                                          interpret=True)
+    assert_same(run(poison_unused(kb, pt, lens, ps), poison_unused(vb, pt, lens, ps)), run(kb, vb))
+
+
+@pytest.mark.parametrize("hq,hkv,d,ps,block_kv", [
+    (4, 1, 64, 16, 128),  # pages smaller than a block
+    (2, 2, 64, 64, 64),  # one page a block
+])
+def test_prefill_kernel_ignores_nan_in_slots_it_may_not_see(hq, hkv, d, ps, block_kv):
+    q, kb, vb, pt, cu, lens = prefill_case(20 + ps, hq, hkv, d, ps)
+    run = lambda k, v: paged_prefill_mgpu(q, k, v, jnp.int32(1), cu, lens, pt, page_size=ps, sm_scale=d ** -0.5,
+                                          tuning=PrefillTuning(block_kv=block_kv, persistent=False),
+                                          interpret=True)
+    assert_same(run(poison_unused(kb, pt, lens, ps), poison_unused(vb, pt, lens, ps)), run(kb, vb))
