@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrl.models.attention import dense_attention, sees_marked_key
 from pallas_kernels import dispatch, reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
@@ -123,26 +124,74 @@ def test_reference_mla_latent_ignores_nan_in_slots_it_may_not_see():
     nan_k = poison_unused(kb, pt, lens, 16)
     assert_same(dispatch.paged_prefill(qp, nan_k, None, jnp.int32(1), cu, lens, pt, **kw),
                 dispatch.paged_prefill(qp, kb, None, jnp.int32(1), cu, lens, pt, **kw))
+# Interpret mode everywhere; on a Hopper GPU the compiled kernels too (the interpreter does
+# not model shared-memory layouts or the proxy fences the select relies on).
+KERNEL_MODES = ["interpret"] + (["gpu"] if dispatch.on_hopper() else [])
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("keys_as_rows", [False, True], ids=["queries_as_rows", "keys_as_rows"])
 @pytest.mark.parametrize("hq,hkv,d,ps,splits", [
     (8, 2, 128, 16, 3),  # pages smaller than a 64-key block: a block reads past the last page
     (2, 2, 64, 64, 1),  # one page a block: the tail of the last page
 ])
-def test_decode_kernel_ignores_nan_in_slots_it_may_not_see(hq, hkv, d, ps, splits, keys_as_rows):
+def test_decode_kernel_ignores_nan_in_slots_it_may_not_see(hq, hkv, d, ps, splits, keys_as_rows, mode):
     q, kb, vb, pt, lens = decode_case(10 + splits, hq, hkv, d, ps)
     run = lambda k, v: ragged_decode_mgpu(q, k, v, jnp.int32(1), lens, pt, page_size=ps, sm_scale=d ** -0.5,
                                           tuning=DecodeTuning(num_splits=splits, keys_as_rows=keys_as_rows),
-                                          interpret=True)
+                                          interpret=mode == "interpret")
     assert_same(run(poison_unused(kb, pt, lens, ps), poison_unused(vb, pt, lens, ps)), run(kb, vb))
 
 
+@pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("hq,hkv,d,ps,block_kv", [
     (4, 1, 64, 16, 128),  # pages smaller than a block
     (2, 2, 64, 64, 64),  # one page a block
 ])
-def test_prefill_kernel_ignores_nan_in_slots_it_may_not_see(hq, hkv, d, ps, block_kv):
+def test_prefill_kernel_ignores_nan_in_slots_it_may_not_see(hq, hkv, d, ps, block_kv, mode):
     q, kb, vb, pt, cu, lens = prefill_case(20 + ps, hq, hkv, d, ps)
+    # On the GPU the default launch (persistent, ping-pong: both warpgroups zeroing one
+    # shared slot) as well.
+    tuning = PrefillTuning(block_kv=block_kv, persistent=mode == "gpu")
     run = lambda k, v: paged_prefill_mgpu(q, k, v, jnp.int32(1), cu, lens, pt, page_size=ps, sm_scale=d ** -0.5,
-                                          tuning=PrefillTuning(block_kv=block_kv, persistent=False),
-                                          interpret=True)
+                                          tuning=tuning, interpret=mode == "interpret")
     assert_same(run(poison_unused(kb, pt, lens, ps), poison_unused(vb, pt, lens, ps)), run(kb, vb))
+
+
+@pytest.mark.parametrize("max_segments", [0, 1, 3])
+def test_sees_marked_key_matches_the_attention_mask(max_segments):
+    rng = np.random.default_rng(max_segments)
+    seg = np.array([[1] * 4 + [2] * 5 + [0] * 3, [5] * 12, [2, 2, 7, 7, 7, 7, 7, 3, 3, 3, 3, 3]])
+    if max_segments == 0:
+        seg[0] = [1, 2, 1, 1, 2, 2, 1, 3, 2, 1, 3, 3]  # ids in any layout
+    marked = rng.random((3, 12, 2)) < 0.15
+    same = np.ones((3, 12, 12), bool) if max_segments == 1 else seg[:, :, None] == seg[:, None, :]
+    visible = same & np.tril(np.ones((12, 12), bool))
+    want = np.einsum("bij,bjh->bih", visible.astype(int), marked.astype(int)) > 0
+    got = sees_marked_key(jnp.asarray(marked), jnp.asarray(seg), max_segments)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("max_segments", [0, 2])
+def test_dense_attention_keeps_a_nan_token_out_of_rows_that_do_not_see_it(max_segments):
+    # Training / scoring: a packed row of two documents; token 6 (second document) has a
+    # NaN key and value. The first document and the second's earlier rows are unchanged,
+    # the rows that see token 6 are NaN, as plain attention makes them.
+    rng = np.random.default_rng(9)
+    q = jnp.asarray(rng.standard_normal((1, 12, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 12, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 12, 2, 8)), jnp.float32)
+    backend = dense_attention(jnp.asarray([[1] * 4 + [2] * 8]), max_segments=max_segments)
+    attend = lambda k, v: np.asarray(backend.attend(q, k, v, layer=0, cache=None, scale=0.3)[0])
+    clean = attend(k, v)
+    out = attend(k.at[0, 6, 1].set(jnp.nan), v.at[0, 6, 0, 3].set(jnp.inf))
+    np.testing.assert_array_equal(out[0, :6], clean[0, :6])
+    assert np.isnan(out[0, 6:]).all()
+    # the MLA absorbed form (values = the keys' first channels) the same way
+    mla = dense_attention(jnp.asarray([[1] * 12]), max_segments=max_segments)
+    mla = mla.replace(absorb_mla=True)
+    latent = jnp.asarray(rng.standard_normal((1, 12, 1, 8)), jnp.float32)
+    attend = lambda lat: np.asarray(mla.attend(q, lat, None, layer=0, cache=None, scale=0.3)[0])
+    clean, out = attend(latent), attend(latent.at[0, 6, 0, 5].set(jnp.nan))
+    np.testing.assert_array_equal(out[0, :6], clean[0, :6])
+    assert np.isnan(out[0, 6:]).all()
