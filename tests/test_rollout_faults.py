@@ -314,8 +314,9 @@ def test_a_nan_request_does_not_change_the_tokens_of_a_later_request(params):
     engine.pool.allocator.check_invariants()
 
 
-def test_freed_pages_of_a_failed_request_are_zeroed_before_reuse(params):
-    engine = Engine(MODEL, params, ENGINE)
+@pytest.mark.parametrize("model", [MODEL, MLA_MODEL], ids=["gqa", "mla"])
+def test_freed_pages_of_a_failed_request_are_zeroed_before_reuse(model):
+    engine = Engine(model, init(model, jax.random.key(2)), ENGINE)
     (pa,) = prompts_of([17], seed=4)
     a = engine.add_request(pa, GREEDY, 6)
     req = run_until_decoding(engine, a, 1)

@@ -46,32 +46,32 @@ class SamplingParams:
         # Each field: a real (or integer) number, numpy scalars included, stored as the
         # Python type (equal params then compare and hash equal, whatever type came in).
         # Float fields must stay finite once packed into the step's float32 inputs.
-        real = lambda name: _real(f"sampling.{name}", getattr(self, name))
-        temperature, top_p, min_p = real("temperature"), real("top_p"), real("min_p")
-        repetition, frequency, presence = real("repetition_penalty"), real("frequency_penalty"), \
-            real("presence_penalty")
-        top_k = _integer("sampling.top_k", self.top_k)
-        seed = None if self.seed is None else _integer("sampling.seed", self.seed)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not float:
+                object.__setattr__(self, name, _real(f"sampling.{name}", value))
+            elif not -_FLOAT32_MAX <= value <= _FLOAT32_MAX:  # NaN fails both comparisons
+                _real(f"sampling.{name}", value)  # raises
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if type(value) is not int and not (name == "seed" and value is None):
+                object.__setattr__(self, name, _integer(f"sampling.{name}", value))
 
-        def bad(field: str, allowed: str, value) -> None:
-            raise ValueError(f"sampling.{field}: must be {allowed}, got {value!r}")
+        def bad(field: str, allowed: str) -> None:
+            raise ValueError(f"sampling.{field}: must be {allowed}, got {getattr(self, field)!r}")
 
-        if not temperature >= 0:
-            bad("temperature", ">= 0 (0 = greedy)", self.temperature)
-        if not 0 <= top_k < 2**31:
-            bad("top_k", "an integer in [0, 2**31) (0 = disabled)", self.top_k)
-        if not 0 < top_p <= 1:
-            bad("top_p", "in (0, 1] (1 = disabled)", self.top_p)
-        if not 0 <= min_p <= 1:
-            bad("min_p", "in [0, 1] (0 = disabled)", self.min_p)
-        if not repetition > 0:
-            bad("repetition_penalty", "> 0 (1 = disabled)", self.repetition_penalty)
-        if seed is not None and not 0 <= seed < 2**32:
-            bad("seed", "an integer in [0, 2**32) or None", self.seed)
-        for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
-                            ("repetition_penalty", repetition), ("frequency_penalty", frequency),
-                            ("presence_penalty", presence), ("seed", seed)):
-            object.__setattr__(self, name, value)
+        if not self.temperature >= 0:
+            bad("temperature", ">= 0 (0 = greedy)")
+        if not 0 <= self.top_k < 2**31:
+            bad("top_k", "an integer in [0, 2**31) (0 = disabled)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1] (1 = disabled)")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1] (0 = disabled)")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", "> 0 (1 = disabled)")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            bad("seed", "an integer in [0, 2**32) or None")
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +87,7 @@ class SamplingParams:
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def _real(field: str, value) -> float:
@@ -95,7 +96,7 @@ def _real(field: str, value) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{field}: must be a real number, got {value!r} ({type(value).__name__})")
     x = float(value)
-    if not (np.isfinite(x) and abs(x) <= _FLOAT32_MAX):
+    if not -_FLOAT32_MAX <= x <= _FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{field}: must be finite (within float32 range), got {value!r}")
     return x
 
