@@ -236,8 +236,6 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, score_shape, [q_axis]))
             acc = acc * lax.broadcast_in_dim(alpha, acc_shape, [q_axis])
-            v_smem = v_tile(i)
-            zero_rows_from(v_smem, n_valid)  # masked keys: not even 0 * stale NaN in PV
             if keys_as_rows:
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
                 # The last block's PV has completed (its accumulator was read), so P^T's
@@ -245,11 +243,16 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 p_tile.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(dtype),
                                                                   plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
+                v_smem = v_tile(i)
+                zero_rows_from(v_smem, n_valid)  # masked keys: not even 0 * stale NaN in PV
                 acc = wgmma_accumulate(acc, v_smem.transpose((1, 0)), p_tile.transpose((1, 0)),
                                        interpret)
             else:
                 l_i = l_i * alpha + p.sum(axis=key_axis)
-                acc = wgmma_accumulate(acc, p.astype(dtype), v_smem, interpret)
+                p16 = p.astype(dtype)
+                v_smem = v_tile(i)
+                zero_rows_from(v_smem, n_valid)  # masked keys: not even 0 * stale NaN in PV
+                acc = wgmma_accumulate(acc, p16, v_smem, interpret)
             v_done(i)
             return acc, m_new, l_i
 
