@@ -61,6 +61,22 @@ def _cdiv(a, b):
     return lax.div(a + b - 1, b)
 
 
+def zero_rows_from(tile, n_valid):
+    """Zeroes the rows `>= n_valid` of a K/V tile `[block_kv, d]` in shared memory (when it
+    has any), with a select: `0 * NaN` is NaN, so a zero probability does not keep a
+    value out of P·V, and the rows past a request's keys are stale slots of reused pages
+    (or its last page read again). Only a request's partial last block takes the branch:
+    one shared-memory read and write of the tile in the compute warpgroup, no global
+    memory traffic. The fence makes the stores visible to the tensor cores."""
+
+    @pl.when(n_valid < tile.shape[0])
+    def _zero():
+        v = tile[...]
+        rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+        tile[...] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+
+
 def num_sms() -> int:
     """Multiprocessors of the default device (132 on an H100/H200 SXM; also off-GPU)."""
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
@@ -213,8 +229,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
             s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))
             k_done(i)
+            n_valid = n_keys - i * block_kv  # keys of this block the item owns
             pos = plgpu.broadcasted_iota(jnp.int32, score_shape, key_axis, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(pos < n_keys - i * block_kv, s * scale, -jnp.inf)
+            s = jnp.where(pos < n_valid, s * scale, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=key_axis))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, score_shape, [q_axis]))
@@ -226,11 +243,16 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 p_tile.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(dtype),
                                                                   plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
-                acc = wgmma_accumulate(acc, v_tile(i).transpose((1, 0)), p_tile.transpose((1, 0)),
+                v_smem = v_tile(i)
+                zero_rows_from(v_smem, n_valid)  # masked keys: not even 0 * stale NaN in PV
+                acc = wgmma_accumulate(acc, v_smem.transpose((1, 0)), p_tile.transpose((1, 0)),
                                        interpret)
             else:
                 l_i = l_i * alpha + p.sum(axis=key_axis)
-                acc = wgmma_accumulate(acc, p.astype(dtype), v_tile(i), interpret)
+                p16 = p.astype(dtype)
+                v_smem = v_tile(i)
+                zero_rows_from(v_smem, n_valid)  # masked keys: not even 0 * stale NaN in PV
+                acc = wgmma_accumulate(acc, p16, v_smem, interpret)
             v_done(i)
             return acc, m_new, l_i
 

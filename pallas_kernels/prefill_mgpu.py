@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_mgpu import num_sms, wgmma_accumulate
+from pallas_kernels.decode_mgpu import num_sms, wgmma_accumulate, zero_rows_from
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import PrefillTuning
 
@@ -197,6 +197,12 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                     if pingpong:
                         plgpu.barrier_arrive(turn)
                     plgpu.barrier_wait(v_bar.at[slot])
+                    if masked:
+                        # Keys past kv_len (stale slots of reused pages, or the last page
+                        # read again) leave PV by a select, not by 0 * value. Both
+                        # warpgroups may zero the same shared slot: they store the same
+                        # bits (the same rows kept, the same rows zeroed).
+                        zero_rows_from(v_smem.at[slot], it_["kv_len"] - i * block_kv)
                     if pingpong:
                         plgpu.barrier_wait(turn)
                     acc = wgmma_accumulate(acc, p16, v_smem.at[slot], interpret)

@@ -7,6 +7,12 @@ query row i of a request with `q_len` queries sees keys `< kv_len - q_len + i + 
 `v_buf=None` means the values are the first `v_head_dim` channels of the keys (MLA's
 latent cache). Rows of padding (beyond `cu_q_lens[-1]`, or requests with `kv_len == 0`)
 produce zeros. Everything is computed in float32 and cast to the query dtype.
+
+Masked keys contribute exactly nothing, whatever their slots hold: a key a row may not see
+(past its request's `kv_len`, causally hidden, or in a page-table column past the
+request's pages) is removed with a select on its score (-inf) *and* on its value (0).
+Multiplying a zero probability by the value is not enough: `0 * NaN` is NaN, and pages
+are reused, so a slot past `kv_len` can hold anything an earlier owner left there.
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ def _values(k: jax.Array, v_buf: jax.Array | None, layer, page_table, page_size,
 
 def _attend_visible(s: jax.Array, valid: jax.Array, v: jax.Array) -> jax.Array:
     """Softmax of scores `s [N, Hkv, G, L]` over the keys `valid [N, L]` marks, applied to
-    float32 values `v [N, L, Hkv, Dv]` -> `[N, Hkv, G, Dv]`; a row with no visible key is 0."""
+    float32 values `v [N, L, Hkv, Dv]` -> `[N, Hkv, G, Dv]`; a row with no visible key is 0.
+    Hidden keys are selected away in the scores and in the values (non-finite stale slots
+    contribute nothing; see the module docstring)."""
     s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    v = jnp.where(valid[:, :, None, None], v, 0.0)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=-1, keepdims=True)

@@ -59,6 +59,14 @@ class DenseAttention(flax.struct.PyTreeNode):
     `implementation`: None picks cuDNN on GPU for bf16/fp16 operands with a head width
     it supports, XLA otherwise; "xla" / "cudnn" force one.
 
+    Masked keys contribute nothing, even non-finite ones: a key or value holding NaN/inf
+    is zeroed before the attention op (whose `0 * NaN` would otherwise reach every row
+    that masks it: earlier rows of its document, other documents of a packed row), and
+    the rows that do see it (causal, same document) are set to NaN, as plain attention
+    would leave them. Cost: an `isfinite` select on K and V and one on the output (XLA
+    fuses them with their neighbours) and a scan over the sequence (a sort first when
+    `max_segments` is 0); nothing of size S x S.
+
     `mesh`: the `(data, fsdp, tensor)` device mesh the step runs on (jrl.parallel), or
     None. With one, q, k, v and the mask are pinned to rows split over `(data, fsdp)` and
     heads over `tensor`: the layout attention needs anyway, and the one cuDNN's
@@ -86,6 +94,9 @@ class DenseAttention(flax.struct.PyTreeNode):
             q, k = jnp.pad(q, pad), jnp.pad(k, pad)
         if d_v < width:
             v = jnp.pad(v, [(0, 0)] * 3 + [(0, width - d_v)])
+        bad = ~(jnp.isfinite(k).all(-1) & jnp.isfinite(v).all(-1))  # [B, S, Hkv]
+        k = jnp.where(bad[..., None], jnp.zeros((), k.dtype), k)
+        v = jnp.where(bad[..., None], jnp.zeros((), v.dtype), v)
         segment_ids = self.segment_ids
         if self.mesh is not None and self.mesh.size > 1:
             q, k, v, segment_ids = _pin_rows_and_heads(self.mesh, q, k, v, segment_ids)
@@ -102,7 +113,36 @@ class DenseAttention(flax.struct.PyTreeNode):
             out = jax.nn.dot_product_attention(
                 q, k, v, mask=mask, is_causal=True, scale=scale, implementation=impl
             )
+        seen = sees_marked_key(bad, self.segment_ids, self.max_segments)  # [B, S, Hkv]
+        seen = jnp.repeat(seen, q.shape[2] // k.shape[2], axis=2)  # query head h reads kv head h // G
+        out = jnp.where(seen[..., None], jnp.asarray(jnp.nan, out.dtype), out)
         return out[..., :d_v], cache
+
+
+def sees_marked_key(marked: jax.Array, segment_ids: jax.Array, max_segments: int) -> jax.Array:
+    """`[B, S, H]`: whether row i attends (causally, within its document as `max_segments`
+    defines documents: 1 = the whole row, >= 2 = contiguous runs of equal ids, 0 = equal
+    ids anywhere) to a key j <= i with `marked[b, j, h]`. A count of marked keys along the
+    sequence minus the count before the document's start: O(S) per row (ids in any layout
+    are first sorted stably by id, which makes each document contiguous, positions in
+    order)."""
+    count = jnp.cumsum(marked.astype(jnp.int32), axis=1)
+    if max_segments == 1:
+        return count > 0
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    order = None
+    if max_segments == 0:
+        order = jnp.argsort(seg, axis=1, stable=True)
+        seg = jnp.take_along_axis(seg, order, axis=1)
+        count = jnp.cumsum(jnp.take_along_axis(marked, order[..., None], axis=1).astype(jnp.int32), axis=1)
+    b, s = seg.shape
+    is_start = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    start = jax.lax.cummax(jnp.where(is_start, jnp.arange(s, dtype=jnp.int32), 0), axis=1)
+    before = jnp.take_along_axis(count, jnp.maximum(start - 1, 0)[..., None], axis=1)
+    seen = count - jnp.where(start[..., None] > 0, before, 0) > 0
+    if order is not None:
+        seen = jnp.take_along_axis(seen, jnp.argsort(order, axis=1)[..., None], axis=1)
+    return seen
 
 
 def _pin_rows_and_heads(mesh: Mesh, q, k, v, segment_ids):

@@ -20,7 +20,7 @@ import numpy as np
 from jrl.config import ModelConfig
 from jrl.parallel import ParallelConfig
 from jrl.rollout.config import EngineConfig, engine_config_for_workload, pow2_at_least
-from jrl.rollout.engine import Engine
+from jrl.rollout.engine import Engine, check_token_ids
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 
@@ -45,7 +45,18 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     `mesh`: serve tensor-parallel (see `Engine`)."""
     if not prompts:
         return []
+    # Checked here too: the pool is sized from the prompts and max_new_tokens before the
+    # engine (which checks every field again) exists.
+    for k, p in enumerate(prompts):
+        if check_token_ids(f"prompts[{k}]", p, config.vocab_size).size == 0:
+            raise ValueError(f"prompts[{k}]: must hold at least one token id, got an empty sequence")
+    if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)
     sampling = sampling or SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: must be a SamplingParams, got {type(sampling).__name__}")
     seeds = np.asarray(jax.random.bits(key, (len(prompts),), jnp.uint32))
     per_prompt = [SamplingParams(**{**sampling.__dict__, "seed": int(s)}) for s in seeds]
     engine_config = engine_config or _config_for_prompts(config, prompts, max_new_tokens)

@@ -46,7 +46,7 @@ from jrl.config import ModelConfig
 from jrl.models.fused import fuse_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
-from jrl.rollout.config import EngineConfig, bucket
+from jrl.rollout.config import EngineConfig, bucket, pow2_at_least
 from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, step_function
 from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_columns
@@ -73,6 +73,7 @@ class EngineStats:
     decode_steps: int = 0  # calls in which every row decodes
     decode_device_steps: int = 0  # decode steps with tokens those calls ran (<= decode_steps_per_call each)
     generated_tokens: int = 0
+    failed_requests: int = 0  # finished with "error" (non-finite logits)
     host_s: float = 0.0  # planning + packing + dispatch (host work per call)
     wait_s: float = 0.0  # blocked reading back sampled tokens
     decode_host_s: float = 0.0
@@ -102,6 +103,7 @@ class Engine:
     def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig | None = None,
                  version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None, *,
                  tuning: TuningOverrides | None = None) -> None:
+        _check_finite(params, "Engine: refusing to serve them")
         self.model_config = model_config
         self.config = config = config or EngineConfig()
         self.sharding: EngineSharding | None = None if mesh is None else engine_sharding(model_config, mesh)
@@ -129,6 +131,8 @@ class Engine:
                                            None if self.sharding is None else self.sharding.heads,
                                            self.tuning.unroll_layers, self.tuning.cublas_decode_rows,
                                            self.tuning.fuse_projections)
+        self._zero_slots = jax.jit(_zero_slots, donate_argnums=(0, 1), out_shardings=(
+            self.kv.k.sharding, None if self.kv.v is None else self.kv.v.sharding))
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
                                       device=None if self.sharding is None else self.sharding.replicated)
         self._inflight: _InFlight | None = None
@@ -143,19 +147,26 @@ class Engine:
                     max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
                     stop_sequences: Sequence[Sequence[int]] = ()) -> int:
         """Queues a request; returns its id. Raises ValueError for a request that can
-        never run (bad tokens, longer than max_seq_len, more pages than the pool)."""
+        never run or whose fields are out of range (token ids outside [0, vocab_size),
+        an empty prompt or stop sequence, max_new_tokens < 1, longer than max_seq_len,
+        more pages than the pool); numpy integers are accepted wherever ints are."""
+        return self._queue(self._checked_request(prompt, sampling, max_new_tokens, eos_ids, stop_sequences))
+
+    def _checked_request(self, prompt, sampling, max_new_tokens, eos_ids, stop_sequences) -> tuple:
+        """The request's fields, validated and normalised (nothing is queued)."""
         cfg = self.config
-        sampling = sampling or SamplingParams()
-        prompt = np.asarray(prompt)
-        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(f"prompt: must be a non-empty 1-D sequence of token ids, got shape {prompt.shape} "
-                             f"dtype {prompt.dtype}")
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: must be a SamplingParams, got {type(sampling).__name__}")
         vocab = self.model_config.vocab_size
-        if prompt.min() < 0 or prompt.max() >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got min {prompt.min()} max {prompt.max()}")
-        if not (isinstance(max_new_tokens, (int, np.integer)) and max_new_tokens >= 1):
+        prompt = check_token_ids("prompt", prompt, vocab)
+        if prompt.size == 0:
+            raise ValueError("prompt: must hold at least one token id, got an empty sequence")
+        if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
-        total = len(prompt) + int(max_new_tokens)
+        max_new_tokens = int(max_new_tokens)
+        total = len(prompt) + max_new_tokens
         if total > self.seq_limit:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} "
                              f"exceeds max_seq_len ({self.seq_limit})")
@@ -166,15 +177,22 @@ class Engine:
         if not cfg.chunked_prefill and len(prompt) > cfg.max_tokens_per_step:
             raise ValueError(f"request can never fit: without chunked_prefill its prompt of {len(prompt)} "
                              f"tokens must fit max_tokens_per_step={cfg.max_tokens_per_step}")
-        eos = frozenset(int(e) for e in eos_ids)
-        stops = tuple(tuple(int(t) for t in s) for s in stop_sequences)
-        if any(len(s) == 0 for s in stops):
+        eos = frozenset(check_token_ids("eos_ids", eos_ids, vocab).tolist())
+        if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (Sequence, np.ndarray)):
+            raise ValueError(f"stop_sequences: must be a sequence of token-id sequences, got {stop_sequences!r}")
+        stops = tuple(tuple(check_token_ids(f"stop_sequences[{i}]", seq, vocab).tolist())
+                      for i, seq in enumerate(stop_sequences))
+        if any(len(seq) == 0 for seq in stops):
             raise ValueError("stop_sequences: every stop sequence must be non-empty")
+        return prompt, sampling, max_new_tokens, eos, stops
+
+    def _queue(self, checked: tuple) -> int:
+        prompt, sampling, max_new_tokens, eos, stops = checked
         rid = self._next_id
         self._next_id += 1
-        seed = sampling.seed if sampling.seed is not None else (cfg.seed * 1_000_003 + rid) % 2**32
-        self.scheduler.add(Request(rid=rid, prompt=prompt.astype(np.int32), sampling=self._interned(sampling),
-                                   max_new_tokens=int(max_new_tokens), eos_ids=eos, stop_sequences=stops,
+        seed = sampling.seed if sampling.seed is not None else (self.config.seed * 1_000_003 + rid) % 2**32
+        self.scheduler.add(Request(rid=rid, prompt=prompt, sampling=self._interned(sampling),
+                                   max_new_tokens=max_new_tokens, eos_ids=eos, stop_sequences=stops,
                                    seed=int(seed)))
         return rid
 
@@ -244,7 +262,14 @@ class Engine:
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"sampling: {len(sampling)} entries for {len(prompts)} prompts")
-        ids = [self.add_request(p, s, max_new_tokens, eos_ids, stop_sequences) for p, s in zip(prompts, sampling)]
+        # Every request is checked before any is queued: a bad one leaves nothing behind.
+        checked = []
+        for k, (p, s) in enumerate(zip(prompts, sampling)):
+            try:
+                checked.append(self._checked_request(p, s, max_new_tokens, eos_ids, stop_sequences))
+            except ValueError as e:
+                raise ValueError(f"prompts[{k}]: {e}") from None
+        ids = [self._queue(c) for c in checked]
         wanted = set(ids)
         by_id: dict[int, Completion] = {}
         others: list[Completion] = []  # requests queued by add_request: kept for step()/flush()
@@ -263,6 +288,7 @@ class Engine:
     def _dispatch(self, batch: ScheduledBatch) -> _InFlight:
         """Packs the plan into the step's two host arrays and launches it (asynchronously)."""
         layout, ints, floats = self._pack(batch)
+        self._scrub_freed_pages()
         k, v = self.kv.buffers()
         tok, readback, k, v = self.step_function.fn(self.params, k, v, self._prev_tokens, ints, floats,
                                                     layout=layout)
@@ -358,12 +384,18 @@ class Engine:
                 keep = [r for r, n in enumerate(counts) if n > j]
                 values, reqs, epochs = values[:, keep], [reqs[r] for r in keep], [epochs[r] for r in keep]
             tokens, logp, model_logp = values[0].view(np.int32).tolist(), values[1].tolist(), values[2].tolist()
-            for req, epoch, token, lp, model_lp in zip(reqs, epochs, tokens, logp, model_logp):
+            # Non-finite logits of a row make its model log-probability NaN (NaN or +inf in
+            # the log-softmax normaliser); a NaN sampling input makes the other one NaN.
+            finite = np.isfinite(values[1:3]).all(axis=0).tolist()
+            for req, epoch, token, lp, model_lp, ok in zip(reqs, epochs, tokens, logp, model_logp, finite):
                 if req.epoch != epoch:
                     continue  # preempted, aborted or finished since dispatch
                 req.n_inflight -= 1
                 if req.n_inflight == 0:
                     req.device_row = -1
+                if not ok:
+                    self._fail(req)
+                    continue
                 req.record(token, lp, model_lp, step.version)
                 recorded += 1
                 if req.finish_reason is not None:
@@ -371,13 +403,37 @@ class Engine:
                     self._finished.append(req.completion())
         self.stats.generated_tokens += recorded
 
+    def _fail(self, req: Request) -> None:
+        """Finishes `req` with "error" (its logits turned non-finite; the token drawn from
+        them is dropped). Its KV pages may hold NaN: they leave the prefix cache and are
+        zeroed on the device before the next step (`_dispatch`), so no later request, of
+        this version or another, ever attends to them."""
+        req.finish_reason = "error"
+        self.scheduler.fail(req)
+        self.stats.failed_requests += 1
+        self._finished.append(req.completion())
+
+    def _scrub_freed_pages(self) -> None:
+        """Zeroes the freed dirty pages (`Allocator.pending_scrub`) in the KV buffers, in
+        place (donated), before the step that may reuse them is dispatched."""
+        pages = self.pool.allocator.take_scrub()
+        if not pages:
+            return
+        ps = self.config.page_size
+        slots = (np.asarray(pages, np.int64)[:, None] * ps + np.arange(ps)).ravel()
+        padded = np.full(pow2_at_least(len(slots)), self.kv.n_slots, np.int32)  # past the end: dropped
+        padded[:len(slots)] = slots
+        k, v = self.kv.buffers()
+        self.kv.update(*self._zero_slots(k, v, padded))
+
     # ------------------------------------------------------------------ weights
     def update_weights(self, params: dict, version: int) -> Ack:
         """Serves `params` as `version` from the next step on. Returns once no request is
         being generated with the old weights. Raises ValueError for a version going
-        backwards, a version already served with other params, or params whose structure,
+        backwards, a version already served with other params, params whose structure,
         shapes or dtypes differ from those handed over before (the separate layout, also
-        when the engine serves a fused copy). With a mesh, params in the engine's layout
+        when the engine serves a fused copy), or params holding NaN or inf (the error names
+        the first such leaf); after a refusal the engine still serves the old version. With a mesh, params in the engine's layout
         are used by reference; others are re-sharded (copied) onto it first. With
         `tuning.fuse_projections`, the fused copy is rebuilt (one concatenation of the q/k/v and
         gate/up weights; the previous copy is released first)."""
@@ -393,6 +449,8 @@ class Engine:
                 raise ValueError(f"version: {version} is already served with different params; "
                                  "publish new weights under a new version")
             return Ack(version)
+        _check_finite(params, f"update_weights: refusing version {version}; the engine keeps serving "
+                              f"version {self.version}")
         finished = restarted = 0
         earlier = self.flush()
         if self.config.on_weight_update == "finish":
@@ -440,6 +498,53 @@ class Engine:
         finally:
             self._admit = "all"
         return drained
+
+
+def check_token_ids(field: str, values, vocab: int) -> np.ndarray:
+    """`values` as int32 token ids: a 1-D sequence (or array) of Python or numpy integers,
+    each in [0, vocab). Floats, bools and strings are refused (by the array's dtype), not
+    converted."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise ValueError(f"{field}: must be a sequence of token ids, got {values!r}")
+    try:
+        ids = np.asarray(values)
+    except ValueError:  # ragged nesting
+        raise ValueError(f"{field}: must be a 1-D sequence of integer token ids, got {values!r}") from None
+    if ids.size == 0:
+        return np.zeros(0, np.int32)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{field}: must be a 1-D sequence of integer token ids, got shape {ids.shape} "
+                         f"dtype {ids.dtype}")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{field}: token ids must be in [0, {vocab}) (the model's vocab_size), got min "
+                         f"{ids.min()} max {ids.max()}")
+    return ids.astype(np.int32)
+
+
+def _zero_slots(k: jax.Array, v: jax.Array | None, slots: jax.Array):
+    """The KV buffers with `slots` zeroed in every layer (slots past the end: dropped)."""
+    k = k.at[:, slots].set(0, mode="drop")
+    return k, None if v is None else v.at[:, slots].set(0, mode="drop")
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(x))
+
+
+def _check_finite(params: dict, action: str) -> None:
+    """Raises ValueError naming the first floating-point leaf of `params` that holds NaN or
+    inf. One reduction per leaf, on the devices the leaf lives on (leaves may come in
+    different layouts), read back together: one pass over the weights."""
+    leaves = [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(params)
+              if jnp.issubdtype(np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, jnp.inexact)]
+    flags = jax.device_get([np.isfinite(x).all() if isinstance(x, np.ndarray) else _all_finite(x)
+                            for _, x in leaves])
+    for (path, x), ok in zip(leaves, flags):
+        if not ok:
+            bad = int(np.count_nonzero(~np.isfinite(np.asarray(jax.device_get(x), np.float32))))
+            raise ValueError(f"params{jax.tree_util.keystr(path)}: holds {bad} non-finite value(s) (NaN or inf) "
+                             f"of {int(np.size(x))}; {action}")
 
 
 def _structure(params: dict) -> dict:

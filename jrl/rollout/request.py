@@ -10,14 +10,17 @@ import numpy as np
 from jrl.rollout.cache.task_cache import TaskCache
 from jrl.rollout.sampling import SamplingParams
 
-FinishReason = Literal["eos", "stop", "length"]
+# "error": the request's logits (or log-probabilities) turned non-finite; the token drawn
+# from them is dropped and the request ends there.
+FinishReason = Literal["eos", "stop", "length", "error"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """One finished request. `tokens[i]` was produced by weights of version `versions[i]`;
     `logprobs[i]` is its log-probability under the distribution it was drawn from,
-    `model_logprobs[i]` under the untruncated temperature-1 model distribution."""
+    `model_logprobs[i]` under the untruncated temperature-1 model distribution.
+    `finish_reason` "error": the logits turned non-finite; `tokens` are those before."""
 
     request_id: int
     prompt: np.ndarray

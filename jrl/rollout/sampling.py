@@ -43,21 +43,35 @@ class SamplingParams:
     seed: int | None = None  # None: derived from the engine seed and the request id
 
     def __post_init__(self) -> None:
-        def bad(field: str, allowed: str, value) -> None:
-            raise ValueError(f"sampling.{field}: must be {allowed}, got {value!r}")
+        # Each field: a real (or integer) number, numpy scalars included, stored as the
+        # Python type (equal params then compare and hash equal, whatever type came in).
+        # Float fields must stay finite once packed into the step's float32 inputs.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not float:
+                object.__setattr__(self, name, _real(f"sampling.{name}", value))
+            elif not -_FLOAT32_MAX <= value <= _FLOAT32_MAX:  # NaN fails both comparisons
+                _real(f"sampling.{name}", value)  # raises
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if type(value) is not int and not (name == "seed" and value is None):
+                object.__setattr__(self, name, _integer(f"sampling.{name}", value))
+
+        def bad(field: str, allowed: str) -> None:
+            raise ValueError(f"sampling.{field}: must be {allowed}, got {getattr(self, field)!r}")
 
         if not self.temperature >= 0:
-            bad("temperature", ">= 0 (0 = greedy)", self.temperature)
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            bad("top_k", "an integer >= 0 (0 = disabled)", self.top_k)
+            bad("temperature", ">= 0 (0 = greedy)")
+        if not 0 <= self.top_k < 2**31:
+            bad("top_k", "an integer in [0, 2**31) (0 = disabled)")
         if not 0 < self.top_p <= 1:
-            bad("top_p", "in (0, 1] (1 = disabled)", self.top_p)
+            bad("top_p", "in (0, 1] (1 = disabled)")
         if not 0 <= self.min_p <= 1:
-            bad("min_p", "in [0, 1] (0 = disabled)", self.min_p)
+            bad("min_p", "in [0, 1] (0 = disabled)")
         if not self.repetition_penalty > 0:
-            bad("repetition_penalty", "> 0 (1 = disabled)", self.repetition_penalty)
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
-            bad("seed", "an integer in [0, 2**32) or None", self.seed)
+            bad("repetition_penalty", "> 0 (1 = disabled)")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            bad("seed", "an integer in [0, 2**32) or None")
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +84,28 @@ class SamplingParams:
     @property
     def uses_filters(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _real(field: str, value) -> float:
+    """`value` as a float: an int, float or numpy real scalar (not a bool), finite and
+    within float32's range (the step's inputs are float32)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{field}: must be a real number, got {value!r} ({type(value).__name__})")
+    x = float(value)
+    if not -_FLOAT32_MAX <= x <= _FLOAT32_MAX:  # NaN fails both comparisons
+        raise ValueError(f"{field}: must be finite (within float32 range), got {value!r}")
+    return x
+
+
+def _integer(field: str, value) -> int:
+    """`value` as an int: a Python or numpy integer (not a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{field}: must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)
 
 
 GREEDY = SamplingParams(temperature=0.0)

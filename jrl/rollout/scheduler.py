@@ -22,7 +22,7 @@ Every step, in this order:
    multi-step call, so penalised batches keep one step per call.
 
 The scheduler only plans; the engine runs the plan and feeds results back
-(`finish`, `preempt`, `abort_running`).
+(`finish`, `fail`, `preempt`, `abort_running`).
 """
 
 from __future__ import annotations
@@ -291,9 +291,12 @@ class Scheduler:
         return chunk
 
     # ------------------------------------------------------------------ feedback
-    def _release(self, req: Request, version: int | None) -> None:
+    def _release(self, req: Request, version: int | None, discard: bool = False) -> None:
         if req.task is not None:
-            self.cache.free(req.task, req.known_tokens() if version is not None else None, version)
+            if discard:
+                self.cache.discard(req.task)
+            else:
+                self.cache.free(req.task, req.known_tokens() if version is not None else None, version)
             req.task = None
         self.running.remove(req)
         req.epoch += 1
@@ -303,6 +306,11 @@ class Scheduler:
     def finish(self, req: Request, version: int) -> None:
         """A finished request leaves; its full pages stay in the prefix cache."""
         self._release(req, version)
+
+    def fail(self, req: Request) -> None:
+        """A request whose logits turned non-finite leaves; its pages are discarded (out
+        of the prefix cache, zeroed before reuse), not published."""
+        self._release(req, None, discard=True)
 
     def preempt(self, req: Request, version: int) -> None:
         """Frees `req` and re-queues it at the front with the tokens known so far (a

@@ -7,6 +7,11 @@ A page is in exactly one of three states:
   (least recently released first) only when a new allocation needs the room;
 * free: neither.
 
+A page may also be *dirty*: it belonged to a request whose KV turned non-finite
+(`mark_dirty`). When a dirty page becomes free it is queued in `pending_scrub`; the
+engine zeroes the queued pages on the device before it dispatches the next step, so no
+request ever gets a page holding another request's NaN.
+
 `Allocator` does the counting; `PagePool` adds the page geometry and the two allocation
 strategies: "paged" (any free pages, lowest ids first) and "contiguous" (one run of
 consecutive page ids per request region).
@@ -43,6 +48,8 @@ class Allocator:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.on_evict = on_evict
         self.n_evictions = 0
+        self.dirty = np.zeros(n_pages, np.bool_)
+        self.pending_scrub: list[int] = []  # freed dirty pages, to zero before the next step
 
     # ---------------------------------------------------------------- counts
     @property
@@ -150,8 +157,24 @@ class Allocator:
             self._lru = OrderedDict.fromkeys(lru[self.cached[lru]].tolist())  # order kept
         idle = idx[(self.ref[idx] == 0) & ~self.is_free[idx]]
         if idle.size:
+            dirty = idle[self.dirty[idle]]
+            if dirty.size:
+                self.dirty[dirty] = False
+                self.pending_scrub.extend(dirty.tolist())
             self.is_free[idle] = True
             self._free_heap = np.flatnonzero(self.is_free).tolist()  # sorted, so a heap; no stale entries
+
+    def mark_dirty(self, pages: Iterable[int]) -> None:
+        """The pages' KV may be non-finite: zero them when they become free (`pending_scrub`)."""
+        idx = np.fromiter(pages, np.int64)
+        if idx.size and self.is_free[idx].any():
+            raise ValueError("allocator: marking a free page dirty")
+        self.dirty[idx] = True
+
+    def take_scrub(self) -> list[int]:
+        """The freed dirty pages to zero now (the queue is emptied)."""
+        pages, self.pending_scrub = self.pending_scrub, []
+        return pages
 
     def _evict_one(self) -> None:
         page = next(iter(self._lru))
@@ -163,6 +186,9 @@ class Allocator:
         assert self.is_free[page], "allocator: evicted page was not freed by the cache"
 
     def _make_free(self, p: int) -> None:
+        if self.dirty[p]:
+            self.dirty[p] = False
+            self.pending_scrub.append(p)
         self.is_free[p] = True
         heapq.heappush(self._free_heap, p)
 

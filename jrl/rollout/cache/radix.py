@@ -102,7 +102,9 @@ class RadixCache:
         for key, page in zip(self._keys(tokens, len(pages)), pages):
             child = node.children.get(key)
             if child is None:
-                if self.allocator.cached[page]:  # already cached under another prefix: keep private
+                # Already cached under another prefix: keep private. Dirty (a request that
+                # shared it failed with non-finite logits): never cached again.
+                if self.allocator.cached[page] or self.allocator.dirty[page]:
                     break
                 child = _Node(key, page, node.page)
                 node.children[key] = child
@@ -129,6 +131,19 @@ class RadixCache:
                 self._remove_subtree(tree, node)
                 return
         raise KeyError(f"page {page}: evicted but in no prefix tree")
+
+    def drop_pages(self, pages: Sequence[int]) -> int:
+        """Removes `pages` from every tree, with everything cached below them (their KV
+        was computed attending to these pages). Pages still referenced by a request leave
+        the cache and are freed when released. Returns the number of nodes removed."""
+        before = self.n_cached_pages
+        for page in pages:
+            for tree in self._trees.values():
+                node = tree.nodes.get(page)
+                if node is not None:
+                    self._remove_subtree(tree, node)
+                    break
+        return before - self.n_cached_pages
 
     def drop_versions_except(self, version: int) -> int:
         """Removes every entry computed under another version (pages still referenced by a

@@ -8,7 +8,9 @@ Lifecycle of a task (a request while it holds KV pages):
   `extend` (paged strategy) grows its pages to cover the tokens of the next step;
 * `record_hashes` publishes its full pages to the prefix cache as soon as their KV is
   scheduled, so requests admitted later (even in the same step) reuse them;
-* `free` releases its pages (cached ones stay evictable) and its row;
+* `free` releases its pages (cached ones stay evictable) and its row; `discard` releases
+  a task whose KV may be non-finite: its pages leave the prefix cache and are zeroed
+  before anyone gets them again;
 * `bind` turns the step's (task row, first position, token count) entries into the int32
   device metadata: cu_q_lens, kv_lens, page table, positions and out_cache_loc;
   `bind_decode_steps` does the same for a multi-step decode call (one position per row
@@ -104,6 +106,19 @@ class TaskCacheManager:
         if tokens is not None and version is not None:
             self.record_hashes(task, tokens, version)
         self.pool.allocator.release(task.pages)
+        task.pages = []
+        self.req_to_token.free_row(task.row)
+        task.row = -1
+
+    def discard(self, task: TaskCache) -> None:
+        """Releases a task whose KV may hold NaN/inf (its request's logits turned
+        non-finite): its pages are marked dirty (zeroed by the engine once free), leave the
+        prefix cache with everything below them, and are never published again."""
+        allocator = self.pool.allocator
+        allocator.mark_dirty(task.pages)
+        if self.radix is not None:
+            self.radix.drop_pages(task.pages)
+        allocator.release(task.pages)
         task.pages = []
         self.req_to_token.free_row(task.row)
         task.row = -1
