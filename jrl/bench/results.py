@@ -1,7 +1,8 @@
 """Results as JSON rows: every row carries where and when it was measured.
 
-Every row has `date` (ISO 8601, UTC), `device`, `command`, `commit` (`git rev-parse HEAD`
-of the checkout, or null), `jax_version`, `stage` and `section` (which part of the stage),
+Every row has `date` (ISO 8601, UTC), `device`, `command`, `commit` (`$JRL_BENCH_COMMIT`
+when set, for a copied tree whose .git is not the source's; else `git rev-parse HEAD` of
+the checkout, or null), `jax_version`, `stage` and `section` (which part of the stage),
 then the measured fields. `--json PATH` appends each row to PATH as one JSON line when it
 is measured (a crash later keeps the rows before it); `--record` appends to the stage's
 file under bench/results/ instead. The table is printed to stdout last.
@@ -27,6 +28,8 @@ COMMON_KEYS = ("date", "device", "command", "commit", "jax_version", "stage", "s
 
 
 def git_commit() -> str | None:
+    if os.environ.get("JRL_BENCH_COMMIT"):
+        return os.environ["JRL_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
