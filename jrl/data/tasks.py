@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from jrl.config import ConfigError, from_dict
+from jrl.config import from_dict
+from jrl.config import check as config_check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,7 @@ class AdditionConfig:
 
     def __post_init__(self) -> None:
         def check(ok: bool, field: str, msg: str) -> None:
-            if not ok:
-                raise ConfigError(f"task.{field}: {msg}")
+            config_check(ok, "task." + field, msg)
 
         check(isinstance(self.n_digits, int) and 1 <= self.n_digits <= 6, "n_digits",
               f"must be an integer in [1, 6], got {self.n_digits!r}")

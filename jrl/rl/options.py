@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from jrl.config import ConfigError, from_dict
+from jrl.config import ConfigError, check, from_dict
 from jrl.rl.advantages import ESTIMATORS
 from jrl.rl.rewards import RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig
@@ -22,8 +22,7 @@ PREFIX = "strategy.options."
 
 
 def _check(ok: bool, field: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"{PREFIX}{field}: {msg}")
+    check(ok, PREFIX + field, msg)
 
 
 def _is_int(v: Any, lo: int) -> bool:

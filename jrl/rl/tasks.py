@@ -19,14 +19,13 @@ from typing import Any, Literal, Protocol, Sequence
 
 import numpy as np
 
-from jrl.config import ConfigError
+from jrl.config import ConfigError, check
 from jrl.data.records import iter_located_records
 from jrl.data.tasks import AdditionConfig, AdditionTask, Problem
 
 
 def _check(ok: bool, field: str, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"task.{field}: {msg}")
+    check(ok, "task." + field, msg)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jrl.config import ConfigError, ModelConfig
+from jrl.config import ModelConfig
+from jrl.config import check as config_check
 from jrl.train.logprobs import TargetStats, hidden_states, target_stats
 from jrl.train.strategies import register_strategy
 from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric
@@ -65,8 +66,7 @@ class GRPOLossConfig:
 
     def __post_init__(self) -> None:
         def check(ok: bool, field: str, msg: str) -> None:
-            if not ok:
-                raise ConfigError(f"strategy.options.{field}: {msg}")
+            config_check(ok, "strategy.options." + field, msg)
 
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(0.0 <= self.clip_eps_low < 1.0, "clip_eps_low",
