@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 
 from jrl.config import ModelConfig
-from jrl.models import init_params
 from jrl.models.attention import dense_attention, sees_marked_key
 from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, generate
 from pallas_kernels import dispatch, reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
+from test_rollout_engine import MODEL, init, prompts_of
 
 
 # ---------------------------------------------------------------------------- attention masking
@@ -204,22 +204,15 @@ def test_dense_attention_keeps_a_nan_token_out_of_rows_that_do_not_see_it(max_se
 
 # ---------------------------------------------------------------------------- the engine
 
-MODEL = ModelConfig()  # tiny float32 GQA model: vocab 256, 2 layers, 4 q / 2 kv heads
 MLA_MODEL = ModelConfig(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 # One bucket per dimension (few programs); a pool small enough that pages are reused.
 ENGINE = EngineConfig(page_size=8, n_pages=24, max_batch=4, max_tokens_per_step=32, token_buckets=(32,),
                       batch_buckets=(4,), max_seq_len=64)
-init = jax.jit(init_params, static_argnums=0)
 
 
 @pytest.fixture(scope="module")
 def params():
     return init(MODEL, jax.random.key(0))
-
-
-def prompts_of(lengths, seed=0, vocab=256):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
 
 
 def fresh_run(params, prompts, max_new_tokens=8, model=MODEL):

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from chat_fixtures import CHATML, SPECIALS
 from jrl.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     ByteTokenizer,
@@ -18,13 +19,6 @@ from jrl.tokenizer import (
     load_tokenizer,
 )
 
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["the cat sat on the mat", "the dog sat on the log", "héllo wörld, the cat says hi"] * 20
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello"}]
