@@ -16,7 +16,7 @@ from jrl.rl.examples import letters_in_place, reversed_word
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat, end_of_turn_text
 from jrl.rl.tasks import TaskConfig, make_task
-from jrl.rl.warm_start import warm_start_config
+from jrl.rl.warm_start import run_warm_start, warm_start_config
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
 from jrl.train.defaults import default_run
 
@@ -111,3 +111,22 @@ def test_example_rewards_read_the_record():
     assert reversed_word("", f" {word[::-1]}\n", "", example=record) == 1.0
     assert reversed_word("", word, "", example=record) == (1.0 if word == word[::-1] else 0.0)
     assert letters_in_place("", word[::-1][:-1] + "?", "", example=record) == pytest.approx(1 - 1 / len(word))
+
+
+def test_resume_skips_a_finished_warm_start(tmp_path):
+    config = load_train_config(str(CONFIG), [])
+    (tmp_path / "warm_start").mkdir()
+    (tmp_path / "warm_start" / "done").write_text("85\n")
+    resumed = run_warm_start(config, output_dir=str(tmp_path), resume=True)
+    assert resumed.init_from == str(tmp_path / "warm_start" / "checkpoints")
+    assert resumed.strategy == config.strategy and resumed.optimizer == config.optimizer
+
+
+def test_a_task_without_validation_problems_is_refused(tmp_path):
+    src = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{w}>", "answer": w[::-1], "response": w[::-1]}
+                                              for w in ("abc", "bcd", "cde")])
+    config = load_train_config(str(CONFIG), [f"strategy.options.task.train={src}", "strategy.options.task.n_heldout=1",
+                                             "strategy.options.task.n_validation=0",
+                                             f"strategy.options.warm_start.source={src}"])
+    with pytest.raises(ConfigError, match="no validation problems"):
+        run_warm_start(config, output_dir=str(tmp_path))
