@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from jrl import checkpoint
 from jrl.config import (CheckpointConfig, ConfigError, DataConfig, ScheduleConfig, Section, StrategyConfig,
                         TrainConfig)
 from jrl.data.tasks import Problem
@@ -132,7 +133,8 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
               flush=True)
     stop = StopAtValidationAccuracy(config, ws.target_accuracy, ws.check_every, problems=task.validation)
     trainer = Trainer(warm_start_config(config, demos), output_dir=warm_dir, callbacks=[stop])
-    done.unlink(missing_ok=True)
+    if resume or overwrite or checkpoint.latest_step(trainer.checkpoint_dir) is None:
+        done.unlink(missing_ok=True)  # else fit refuses to start over an earlier warm start, which stays marked
     state = trainer.fit(resume=resume, overwrite=overwrite)
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"warm start finished at step {int(state.step)}{reason}; run directory: {trainer.run_dir}",
