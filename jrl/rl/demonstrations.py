@@ -118,7 +118,7 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
     prompt_field = config.prompt_field or task_prompt_field
     response_field = config.response_field
     forbidden = {fmt.render(p) for p in excluded}
-    end_of_turn = end_of_turn_text(fmt.tokenizer)
+    end_of_turn: str | None = None  # read from the tokenizer at the first templated prompt
     rows: list[dict] = []
     as_is = True
     dropped = 0
@@ -141,8 +141,10 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
         templated = rendered != problem.prompt
         as_is = as_is and not templated
         response = str(response)
-        if templated and not response.endswith(end_of_turn):
-            response += end_of_turn
+        if templated:
+            end_of_turn = end_of_turn if end_of_turn is not None else end_of_turn_text(fmt.tokenizer)
+            if not response.endswith(end_of_turn):
+                response += end_of_turn
         rows.append({"prompt": rendered, "response": response, "templated": templated})
     if not rows:
         raise ConfigError(f"{PREFIX}source: no demonstrations left in {config.source!r}"
