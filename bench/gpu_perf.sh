@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every single-GPU number of docs/performance.md ("Training throughput", "Rollout
 # throughput", "GRPO step") in one run, each part under a hard time limit so a slow part
-# cannot starve the others (a part whose limit is 0 is skipped). Logs and JSON go to
+# cannot starve the others (a part whose limit is 0 is skipped). Logs and JSON rows go to
 # ${OUT:-bench_out}; the tables print last.
 #
 #   PYTHONPATH=. bash bench/gpu_perf.sh            (on the GPU machine)
@@ -20,26 +20,27 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 T_TRAIN=${T_TRAIN:-200} T_DECODE=${T_DECODE:-300} T_GRPO=${T_GRPO:-70}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+# stdout: the stage's table; stderr: its progress (one JSON line a row)
 if [ "$T_TRAIN" != 0 ]; then
-  timeout -k 5 "$T_TRAIN" $PY bench/train_throughput.py $TINY_FLAG --check --torch --torch-first \
+  timeout -k 5 "$T_TRAIN" $PY -m jrl.bench train $TINY_FLAG --check --torch --torch-first \
     --variants ${TRAIN_VARIANTS:-causal_unrolled,causal} --budget-s $((T_TRAIN - 75)) \
-    --json "$OUT/train.json" > "$OUT/train.log" 2>&1
-  echo "train exit $?" >> "$OUT/train.log"
+    --json "$OUT/train.jsonl" > "$OUT/train.txt" 2> "$OUT/train.log"
+  echo "train exit $?" >> "$OUT/train.txt"
 fi
 if [ "$T_DECODE" != 0 ]; then
-  timeout -k 5 "$T_DECODE" $PY bench/decode_throughput.py $TINY_FLAG --batches 256,1,128,64,16 --torch \
+  timeout -k 5 "$T_DECODE" $PY -m jrl.bench decode $TINY_FLAG --batches 256,1,128,64,16 --torch \
     --torch-batches 1,256 --torch-compiled 256 --torch-timeout-s 110 \
-    --budget-s $((T_DECODE - 120)) --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
-  echo "decode exit $?" >> "$OUT/decode.log"
+    --budget-s $((T_DECODE - 120)) --json "$OUT/decode.jsonl" > "$OUT/decode.txt" 2> "$OUT/decode.log"
+  echo "decode exit $?" >> "$OUT/decode.txt"
 fi
 if [ "$T_GRPO" != 0 ]; then
-  timeout -k 5 "$T_GRPO" $PY bench/grpo_step.py $TINY_FLAG --steps 3 --budget-s $((T_GRPO - 30)) \
-    --json "$OUT/grpo.json" > "$OUT/grpo.log" 2>&1
-  echo "grpo exit $?" >> "$OUT/grpo.log"
+  timeout -k 5 "$T_GRPO" $PY -m jrl.bench grpo $TINY_FLAG --steps 3 --budget-s $((T_GRPO - 30)) \
+    --json "$OUT/grpo.jsonl" > "$OUT/grpo.txt" 2> "$OUT/grpo.log"
+  echo "grpo exit $?" >> "$OUT/grpo.txt"
 fi
 
 for part in train decode grpo; do
-  [ -f "$OUT/$part.log" ] || continue
+  [ -f "$OUT/$part.txt" ] || continue
   echo "===== $part"
-  grep -v '^{' "$OUT/$part.log" | grep -v '^\s*$' | tail -n 24
+  grep -v '^\s*$' "$OUT/$part.txt" | tail -n 24
 done

@@ -9,15 +9,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpu.txt" 2>&1
-timeout -k 5 ${T_TRAIN:-240} $PY bench/train_throughput.py --variants ${VARIANTS:-causal} --meshes "${MESHES:-1;data=2;fsdp=2}" \
-  --steps 8 --trace /tmp/traces --json "$OUT/scaling.json" > "$OUT/scaling.log" 2>&1
-echo "train exit $?" >> "$OUT/scaling.log"
+[ "${T_TRAIN:-240}" = 0 ] || timeout -k 5 ${T_TRAIN:-240} $PY -m jrl.bench train --variants ${VARIANTS:-causal} \
+  --meshes "${MESHES:-1;data=2;fsdp=2}" --steps 8 --trace /tmp/traces --json "$OUT/scaling.jsonl" \
+  > "$OUT/scaling.txt" 2> "$OUT/scaling.log"; rc=$?
+[ -f "$OUT/scaling.txt" ] && echo "train exit $rc" >> "$OUT/scaling.txt"
 tar czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null
-[ "${T_DECODE:-270}" = 0 ] || timeout -k 5 ${T_DECODE:-270} $PY bench/decode_throughput.py --batches 256,1,128,64,16 --budget-s $(( ${T_DECODE:-270} - 30 )) \
-  --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1; rc=$?
-[ -f "$OUT/decode.log" ] && echo "decode exit $rc" >> "$OUT/decode.log"
+[ "${T_DECODE:-270}" = 0 ] || timeout -k 5 ${T_DECODE:-270} $PY -m jrl.bench decode --batches 256,1,128,64,16 \
+  --budget-s $(( ${T_DECODE:-270} - 30 )) --json "$OUT/decode.jsonl" > "$OUT/decode.txt" 2> "$OUT/decode.log"; rc=$?
+[ -f "$OUT/decode.txt" ] && echo "decode exit $rc" >> "$OUT/decode.txt"
 cat "$OUT/gpu.txt"
 for part in scaling decode; do
-  [ -f "$OUT/$part.log" ] || continue
-  echo "===== $part"; grep -v '^{' "$OUT/$part.log" | grep -v '^\s*$' | tail -n 30
+  [ -f "$OUT/$part.txt" ] || continue
+  echo "===== $part"; grep -v '^\s*$' "$OUT/$part.txt" | tail -n 30
 done

@@ -1,27 +1,32 @@
-"""The `jrl` console script: `jrl train [...]` (= python -m jrl.train) and `jrl plot RUN_DIR`."""
+"""The `jrl` console script: `jrl train [...]` (= python -m jrl.train), `jrl plot RUN_DIR`,
+`jrl eval --checkpoint C [...]` (jrl.rl.eval_cli) and `jrl bench STAGE [...]`
+(= python -m jrl.bench)."""
 
 from __future__ import annotations
 
 import sys
 
+from jrl.bench.cli import main as bench_main
 from jrl.launch import main as train_main
 from jrl.plot import main as plot_main
+from jrl.rl.eval_cli import main as eval_main
 
-COMMANDS = {"train": "train a model (python -m jrl.train)", "plot": "plot a run's metrics to a PNG"}
+COMMANDS = {"train": ("train a model (python -m jrl.train)", lambda rest: train_main(rest, prog="jrl train")),
+            "plot": ("plot a run's metrics to a PNG", plot_main),
+            "eval": ("score a checkpoint on a GRPO task (pass@k)", eval_main),
+            "bench": ("run a benchmark stage (jrl bench --help lists them)", bench_main)}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: jrl {train,plot} ...\n\ncommands:")
-        for name, what in COMMANDS.items():
+        print("usage: jrl {" + ",".join(COMMANDS) + "} ...\n\ncommands:")
+        for name, (what, _) in COMMANDS.items():
             print(f"  {name:<6} {what}")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "train":
-        return train_main(rest, prog="jrl train")
-    if command == "plot":
-        return plot_main(rest)
+    if command in COMMANDS:
+        return COMMANDS[command][1](rest)
     print(f"jrl: unknown command {command!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
     return 2
 

@@ -1,58 +1,125 @@
-"""The rollout benchmarks run end to end on CPU (tiny shapes): their replays of the engine's
-decode program hand back what the program donates, and multi-step calls count as their
-steps."""
+"""`jrl bench`: every stage runs end to end on CPU with tiny shapes and writes JSON rows
+that carry where and when they were measured. Checked: the rows' keys and that measured
+values are finite and positive, never wall-clock thresholds."""
 
 import json
-import os
-import subprocess
-import sys
+import math
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from jrl.bench import STAGES, UNAVAILABLE
+from jrl.bench.cli import main
+from jrl.bench.results import COMMON_KEYS
 
 
-def run_bench(*args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+def bench(tmp_path, *args: str, rc: int = 0) -> list[dict]:
+    path = tmp_path / "rows.jsonl"
+    assert main([*args, "--tiny", "--json", str(path)]) == rc
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows
+    for r in rows:
+        assert all(k in r for k in COMMON_KEYS), r
+        assert r["stage"] == args[0] and r["command"].startswith(f"jrl bench {args[0]}")
+        assert r["date"].endswith("+00:00") and r["jax_version"]
+    return rows
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_decode_throughput_reports_every_batch_with_its_steps_per_call(tmp_path, steps):
-    report = tmp_path / "decode.json"
-    run_bench("bench/decode_throughput.py", "--tiny", "--batches", "1,2", "--json", str(report),
-              "--tuning", json.dumps({"decode_steps_per_call": steps}))
-    rows = json.loads(report.read_text())["jrl"]
-    assert [r["batch"] for r in rows] == [1, 2]
-    for r in rows:  # 8 new tokens: the first from the prefill step, 7 from decode calls
-        assert r["steps_per_call"] == steps
-        assert r["completions"] == r["batch"] and r["lengths"] == [8]
-        assert (r["decode_steps"], r["decode_calls"]) == (7, -(-7 // steps))
-        assert r["device_step_ms"] > 0 and r["decode_tokens_per_s"] > 0
+def positive(row: dict, *keys: str) -> None:
+    for k in keys:
+        assert isinstance(row[k], (int, float)) and math.isfinite(row[k]) and row[k] > 0, (k, row)
 
 
-def test_rollout_bench_replays_the_last_decode_call_and_leaves_the_engine_usable():
-    out = run_bench("bench/rollout.py", "--batch-sizes", "2", "--prompt-len", "16", "--new-tokens", "6")
-    row = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == "2"]
-    assert len(row) == 1 and float(row[0][7]) > 0  # device_ms
+def section(rows, name):
+    return [r for r in rows if r["section"] == name]
 
 
-def test_decode_throughput_floor_counts_the_replayed_steps_own_kv(tmp_path):
-    report = tmp_path / "decode.json"
-    run_bench("bench/decode_throughput.py", "--tiny", "--batches", "2", "--json", str(report))
-    row = json.loads(report.read_text())["jrl"][0]
-    # prompt 24; decode call n writes position 23 + n, so call 4 (of 7) reads 28 keys a request
-    assert row["replayed_mean_kv_len"] == 28
+def test_help_lists_every_stage(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in (*STAGES, *UNAVAILABLE):
+        assert f"  {name} " in out
+    assert main(["serve"]) == 2  # listed, not available
 
 
-def test_decode_ab_times_every_variant_on_every_page_order_and_length(tmp_path):
-    report = tmp_path / "ab.json"
-    run_bench("bench/decode_ab.py", "--tiny", "--batches", "4", "--variants", "base,two_scatters",
-              "--pages", "per_request,random", "--contexts", "20,24", "--rounds", "1", "--per-round", "1",
-              "--json", str(report))
-    rows = json.loads(report.read_text())["rows"]
-    assert [r["variant"] for r in rows] == [f"{v}@{o}@{c}" for v in ("base", "two_scatters")
-                                            for o in ("per_request", "random") for c in (20, 24)]
-    assert rows[0]["delta_ms"] == 0 and all(r["ms"] > 0 for r in rows)
+def test_bandwidth_measures_streams_and_the_matmul_ceiling(tmp_path):
+    rows = bench(tmp_path, "bandwidth")
+    assert {r["stream"] for r in section(rows, "stream")} == {"f32 a+1", "bf16 a*2 donated", "copy", "read"}
+    for r in section(rows, "stream"):
+        positive(r, "tb_per_s")
+    positive(section(rows, "matmul")[0], "tflops")
+    positive(section(rows, "ceilings")[0], "copy_tb_per_s", "matmul_tflops")
+
+
+def test_decode_engine_counts_multi_step_calls_and_the_replayed_kv(tmp_path):
+    rows = bench(tmp_path, "decode", "--batches", "2", "--tuning", json.dumps({"decode_steps_per_call": 3}))
+    (r,) = section(rows, "engine")
+    # 8 new tokens: the first from the prefill step, 7 from decode calls of up to 3 steps
+    assert r["batch"] == 2 and r["steps_per_call"] == 3
+    assert r["completions"] == 2 and r["lengths"] == [8]
+    assert (r["decode_steps"], r["decode_calls"]) == (7, 3)
+    # the replayed call is decode call 1 (8 // 2 // 3): positions 24, 25, 26 read 25..27 keys
+    assert r["replayed_mean_kv_len"] == 26
+    positive(r, "decode_tokens_per_s", "e2e_tokens_per_s", "prefill_s", "step_ms", "device_step_ms", "floor_ms",
+             "copy_bandwidth_tb_s")
+
+
+def test_decode_ab_times_every_variant_against_the_first(tmp_path):
+    rows = bench(tmp_path, "decode", "--ab", "base,two_scatters", "--batches", "4", "--pages", "random",
+                 "--rounds", "2", "--per-round", "1")
+    ab = section(rows, "ab")
+    assert [(r["variant"], r["pages"], r["context"]) for r in ab] == [("base", "random", 28), ("two_scatters", "random", 28)]  # 24 + 8 // 2
+    assert ab[0]["delta_ms"] == 0
+    for r in ab:
+        positive(r, "ms", "floor_ms", "over_floor")
+
+
+def test_decode_host_and_gemms(tmp_path):
+    (r,) = section(bench(tmp_path, "decode", "--host", "--batches", "2", "--repeat", "1", "--digest"), "host")
+    positive(r, "schedule_ms", "pack_ms", "call_ms", "dispatch_ms", "host_ms", "decode_steps")
+    assert r["completions"] == 2 and len(r["token_hash"]) == 8
+    gemms = section(bench(tmp_path, "decode", "--gemms", "--rows", "2", "--bandwidth", "1e10", "--matmul-tflops", "0.1"),
+                    "gemms")
+    assert {r["weights"] for r in gemms} == {"separate", "fused"}
+    for r in gemms:
+        positive(r, "us_per_layer", "floor_us", "tflops", "matmul_tflops")
+
+
+def test_prefill_reports_tokens_per_second_against_the_compute_floor(tmp_path):
+    (r,) = section(bench(tmp_path, "prefill", "--batches", "2"), "engine")
+    assert r["completions"] == 2 and r["engine_steps"] >= 2  # 96 prompt tokens at 64 a step
+    positive(r, "prefill_tokens_per_s", "tflops", "floor_ms", "flops_per_token")
+
+
+def test_kernels_check_and_decode_in_interpret_mode(tmp_path):
+    rows = bench(tmp_path, "kernels", "--check", "--decode", "--check-kinds", "decode")
+    (check,) = section(rows, "check")
+    assert check["ok"] and check["nans"] == 0 and check["rel_err"] < 1e-2
+    (dec,) = section(rows, "decode")
+    positive(dec, "jrl_tb_per_s", "xla_tb_per_s")
+    assert dec["jrl_rel_err"] < 1e-2
+    assert "stock_tb_per_s" in dec or "stock_error" in dec  # the stock kernel is GPU only
+
+
+def test_grpo_times_every_phase(tmp_path):
+    rows = bench(tmp_path, "grpo", "--steps", "2")
+    assert [r["step"] for r in section(rows, "step")] == [0, 1]
+    (mean,) = section(rows, "mean")
+    positive(mean, "generation_ms", "reward_ms", "batch_ms", "logprobs_ms", "optimizer_ms", "weight_sync_ms",
+             "total_ms")
+    assert section(rows, "step")[-1]["ack_version"] == 4  # two optimizer steps a GRPO step
+
+
+def test_train_reports_throughput_and_mfu(tmp_path):
+    rows = bench(tmp_path, "train", "--variants", "causal", "--torch")  # --check: compiles 6 more programs
+    (r,) = section(rows, "jrl")
+    assert r["variant"] == "causal" and r["mesh"] == "1" and r["batch"] == 2 and r["seq"] == 64
+    positive(r, "tokens_per_s", "mfu_pct", "step_ms", "compile_s")
+    (torch_row,) = section(rows, "transformers")  # measured, or skipped without torch
+    assert "tokens_per_s" in torch_row or "skipped" in torch_row or "error" in torch_row
+
+
+def test_bad_input_names_the_choices(capsys):
+    assert main(["nope"]) == 2
+    assert "choose from" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="choose from"):
+        main(["decode", "--ab", "nope", "--tiny"])

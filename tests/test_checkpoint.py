@@ -205,6 +205,25 @@ def test_checkpoint_directory_layout(tmp_path):
 # ---------------------------------------------------------------- meta
 
 
+def test_extra_files_are_published_with_the_step_and_covered_by_the_manifest(tmp_path):
+    path = ckpt.save(tmp_path, 3, small_state(), files={"source_state.npz": b"rows"})
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "meta.json", "source_state.npz", "state"]
+    assert (path / "source_state.npz").read_bytes() == b"rows"
+    assert "source_state.npz" in json.loads((path / "manifest.json").read_text())["files"]
+    _, meta = ckpt.load(tmp_path, 3, verify=True)
+    assert meta["path"] == str(path)
+    (path / "source_state.npz").write_bytes(b"rowz")
+    with pytest.raises(ckpt.CheckpointCorruptError, match="source_state.npz"):
+        ckpt.verify_checkpoint(tmp_path, 3)
+
+
+@pytest.mark.parametrize("name", ["meta.json", "manifest.json", "state", ".hidden", "a/b", ""])
+def test_extra_file_names_that_would_clash_or_escape_are_rejected(tmp_path, name):
+    with pytest.raises(ValueError, match="files: .* is not allowed"):
+        ckpt.save(tmp_path, 1, small_state(), files={name: b"x"})
+    assert ckpt.all_steps(tmp_path) == []
+
+
 def test_meta_records_step_policy_version_config_versions_and_time(tmp_path):
     state = train_state()
     ckpt.save(tmp_path, 3, state, meta={"config": {"model": {"hidden_size": 64}}})

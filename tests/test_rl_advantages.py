@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from jrl.rl.advantages import group_advantages
+from jrl.config import ConfigError
+from jrl.rl.advantages import compute_advantages, group_advantages, rloo_advantages
+from jrl.rl.options import RLOptions
 
 
 def test_group_advantages_centre_and_scale_by_population_std():
@@ -24,3 +26,36 @@ def test_group_advantages_without_std_scaling_are_centred_rewards():
 def test_group_advantages_reject_group_size_not_dividing_rewards():
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(np.zeros(6), 4)
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples():
+    adv, signal = rloo_advantages(np.array([1.0, 0.0, 0.0, 0.0, 3.0, 1.0, 2.0, 2.0, 5.0, 5.0, 5.0, 5.0]), 4)
+    # group 0: sample 0's others average 0 -> 1 - 0 = 1; samples 1-3's others (1+0+0)/3 -> -1/3
+    # group 1: 3 - (1+2+2)/3 = 4/3, 1 - (3+2+2)/3 = -4/3, 2 - (3+1+2)/3 = 0, and 0
+    #   (= G/(G-1) * (r - mean) = 4/3 * [1, -1, 0, 0]); group 2: equal rewards -> 0
+    np.testing.assert_allclose(adv, [1.0, -1 / 3, -1 / 3, -1 / 3, 4 / 3, -4 / 3, 0.0, 0.0, 0, 0, 0, 0],
+                               rtol=1e-6, atol=1e-7)
+    assert signal.tolist() == [True, True, False]
+
+
+def test_compute_advantages_dispatches_on_the_estimator():
+    rewards = np.array([1.0, 0.0, 0.0, 0.0])
+    grpo = compute_advantages(rewards, 4, eps=1e-12).advantages
+    np.testing.assert_allclose(grpo, group_advantages(rewards, 4, eps=1e-12).advantages)
+    dr = compute_advantages(rewards, 4, scale_by_std=False).advantages
+    np.testing.assert_allclose(dr, [0.75, -0.25, -0.25, -0.25])
+    # rloo ignores the std options: 4/3 of the centred rewards
+    rloo = compute_advantages(rewards, 4, estimator="rloo", scale_by_std=True).advantages
+    np.testing.assert_allclose(rloo, [1.0, -1 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+    with pytest.raises(ValueError, match="estimator"):
+        compute_advantages(rewards, 4, estimator="ppo")
+
+
+def test_advantage_option_is_validated_and_names_the_field():
+    assert RLOptions.from_config({}).advantage == "grpo"
+    assert RLOptions.from_config({"advantage": "rloo"}).advantage == "rloo"
+    with pytest.raises(ConfigError, match="strategy.options.advantage"):
+        RLOptions.from_config({"advantage": "ppo"})
+    with pytest.raises(ConfigError, match="strategy.options.scale_adv_by_std: applies to advantage: grpo only"):
+        RLOptions.from_config({"advantage": "rloo", "scale_adv_by_std": True})
+    assert RLOptions.from_config({"advantage": "rloo", "scale_adv_by_std": False}).advantage == "rloo"

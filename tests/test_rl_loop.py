@@ -3,6 +3,7 @@ versions, weight sync, staleness, resume, skipped updates, engine/trainer log-pr
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -10,7 +11,9 @@ from jrl.config import ConfigError, TrainConfig, from_dict
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
 from jrl.rl.batch import build_rows, stale_groups
+import jrl.rl.source as source_module
 from jrl.rl import build_learner
+from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
 
 def first_byte_even(prompt, completion, answer):
@@ -189,3 +192,108 @@ def test_rollout_batch_must_split_into_whole_updates(tmp_path):
     config = dataclasses.replace(tiny(), data=dataclasses.replace(tiny().data, batch_size=6))
     with pytest.raises(ConfigError, match=r"data.batch_size: must divide the rollout batch .* = 16\), got 6"):
         build_learner(config, output_dir=tmp_path)
+
+
+# ------------------------------------------------------------------ the objective's options
+# through the whole loop (engine, source, trainer), each on a few updates
+
+
+class CaptureBatches(Callback):
+    """Keeps a copy of every batch the trainer updates on, and the params it started from."""
+
+    def __init__(self):
+        self.batches = []
+        self.initial_params = None
+
+    def on_step_begin(self, trainer, state, batch):
+        if self.initial_params is None:
+            self.initial_params = jax.device_get(state.params)
+        self.batches.append({k: np.array(v) for k, v in batch.items()})
+
+
+def test_kl_penalty_to_the_initial_params_runs_end_to_end(tmp_path):
+    capture = CaptureBatches()
+    config = tiny(steps=4, kl_coef=0.1)
+    _, rows = run(config, tmp_path, callbacks=[capture])
+    train = train_rows(rows)
+    kl = [r["kl_ref"] for r in train]
+    assert all(np.isfinite(kl))
+    assert kl[0] == pytest.approx(0.0, abs=1e-6)  # the first update runs at the reference params
+    assert all(k > 0 for k in kl[1:])  # then the policy has moved away from it
+    # every rollout's ref_logp is the initial params' log-prob of its response tokens
+    for batch in (capture.batches[0], capture.batches[-1]):
+        mask = batch["loss_mask"] > 0
+        stats, _ = policy_stats(config.model, capture.initial_params,
+                                {k: batch[k] for k in ("tokens", "targets", "positions", "segment_ids")}, 1.0)
+        np.testing.assert_allclose(batch["ref_logp"][mask], np.asarray(stats.logp)[mask], atol=1e-5)
+    # the first rollout was sampled by those params too; the last by moved ones
+    first, last = capture.batches[0], capture.batches[-1]
+    np.testing.assert_allclose(first["ref_logp"], first["behaviour_logp"], atol=1e-5)
+    assert np.abs(last["ref_logp"] - last["behaviour_logp"]).max() > 1e-4
+
+
+def test_recomputed_old_logp_anchors_the_first_update_at_ratio_one(tmp_path):
+    capture = CaptureBatches()
+    _, rows = run(tiny(steps=4, old_logp="recomputed"), tmp_path, callbacks=[capture])
+    for r in rollout_rows(rows):
+        assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert r["logp_diff_max"] <= 1e-5
+    for batch in capture.batches:  # the trainer's own forward, equal to the engine's in float32
+        np.testing.assert_allclose(batch["old_logp"], batch["behaviour_logp"], atol=1e-5)
+    assert all(np.isfinite(r["loss"]) for r in train_rows(rows))
+
+
+def test_truncated_importance_weights_are_capped_and_one_where_engine_agrees(tmp_path, monkeypatch):
+    def disagreeing_rows(*args, **kwargs):
+        """Rows whose engine log-probs are lowered at each response's first token, by 1 in even
+        rows and 0.5 in odd ones, as if the engine's numerics differed from the trainer's."""
+        built = build_rows(*args, **kwargs)
+        first = np.argmax(built["loss_mask"] > 0, axis=1)
+        rows_ = np.arange(len(first))
+        built["behaviour_logp"][rows_, first] -= np.where(rows_ % 2 == 0, 1.0, 0.5)
+        return built
+
+    helper_calls = []
+
+    def spy(*args, **kwargs):  # the loop must call the loss module's tested helper
+        helper_calls.append(1)
+        return truncated_is_weights(*args, **kwargs)
+
+    monkeypatch.setattr(source_module, "build_rows", disagreeing_rows)
+    monkeypatch.setattr(source_module, "truncated_is_weights", spy)
+    capture = CaptureBatches()
+    _, rows = run(tiny(steps=4, old_logp="recomputed", tis_cap=2.0), tmp_path, callbacks=[capture])
+    assert all(np.isfinite(r["loss"]) for r in train_rows(rows))
+    assert len(helper_calls) == len(rollout_rows(rows)) == 2
+    for batch in capture.batches:
+        w = batch["is_weight"]
+        shift = batch["old_logp"] - batch["behaviour_logp"]  # trainer - engine, per token
+        resp = np.abs(batch["behaviour_logp"]) > 0  # response tokens (kept groups or not)
+        assert (w <= 2.0 + 1e-6).all()
+        # min(exp(1), 2) = 2 where lowered by 1, exp(0.5) = 1.6487 where lowered by 0.5,
+        # 1 where engine and trainer agree (to float32 rounding), 0 off the response
+        np.testing.assert_allclose(w[resp & (shift > 0.9)], 2.0, rtol=1e-6)
+        np.testing.assert_allclose(w[resp & (shift > 0.4) & (shift < 0.6)], np.exp(0.5), rtol=1e-4)
+        np.testing.assert_allclose(w[resp & (np.abs(shift) < 1e-4)], 1.0, atol=2e-5)
+        assert (w[~resp] == 0).all()
+        assert (resp & (shift > 0.9)).any() and (resp & (np.abs(shift) < 1e-4)).any()
+
+
+def test_rloo_advantages_train_end_to_end(tmp_path):
+    capture = CaptureBatches()
+    _, rows = run(tiny(steps=4, advantage="rloo"), tmp_path, callbacks=[capture])
+    assert all(np.isfinite(r["loss"]) for r in train_rows(rows))
+    for batch in capture.batches:
+        # 0/1 rewards in groups of 4, unscaled leave-one-out: (4 r_i - sum r) / 3, thirds
+        thirds = batch["advantages"] * 3
+        np.testing.assert_allclose(thirds, np.round(thirds), atol=1e-5)
+
+
+def test_sequence_ratio_trains_end_to_end(tmp_path):
+    _, rows = run(tiny(steps=4, ratio="sequence", aggregation="seq_mean"), tmp_path)
+    train = train_rows(rows)
+    assert all(np.isfinite(r["loss"]) for r in train)
+    assert all(0.0 <= r["clip_frac"] <= 1.0 for r in train)
+    for r in rollout_rows(rows):  # each rollout's first update: sequence ratios 1, nothing clipped
+        assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert r["clip_frac"] == 0.0

@@ -12,7 +12,7 @@ from jrl.train.strategies import LossOutput, Strategy, metric, register_strategy
 from jrl.train.strategies.seq import TOKEN_FIELDS
 from jrl.train.trainer import Trainer
 
-# bench/train_throughput.py's 1B shape (docs/performance.md)
+# `jrl bench train`'s 1B shape (docs/performance.md)
 ONE_B = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
                     intermediate_size=5632, max_position_embeddings=4096)
 

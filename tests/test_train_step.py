@@ -11,10 +11,10 @@ import pytest
 
 from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig
 from jrl.models import init_params
-from jrl.train.optim import build_optimizer
+from jrl.train.optim import build_optimizer, learning_rates, param_groups
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
-from jrl.train.step import make_step_fns
+from jrl.train.step import GradInfo, make_step_fns
 from jrl.train.strategies import LossOutput, Strategy, get_strategy, metric, strategy_options
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
@@ -43,9 +43,11 @@ def split(batch, m):
 
 
 SCHEDULE = make_schedule(ScheduleConfig(kind="warmup_cosine", warmup_steps=4), 10)
-OPT = build_optimizer(OptimizerConfig(weight_decay=0.0), SCHEDULE, PARAMS)
+OPT_CONFIG = OptimizerConfig(lr=0.5, weight_decay=0.0)
+OPT = build_optimizer(OPT_CONFIG, SCHEDULE, PARAMS)
 SEQ = get_strategy("seq")
-FNS = make_step_fns(CFG, SEQ, strategy_options(SEQ, {}), OPT, SCHEDULE, 0.5, clip_norm=0.0)
+FNS = make_step_fns(CFG, SEQ, strategy_options(SEQ, {}), OPT, SCHEDULE, 0.5, clip_norm=0.0,
+                    learning_rates=learning_rates(OPT_CONFIG, SCHEDULE, PARAMS))
 
 
 def test_k_micro_batches_equal_one_big_batch():
@@ -125,3 +127,45 @@ def test_lr_metric_follows_the_schedule_over_applied_updates():
         state, m = FNS.update(state, split(token_batch(seed=i), 4), None)
         lrs.append(float(m["lr"]))
     np.testing.assert_allclose(lrs, [0.5 * 1 / 4, 0.5 * 2 / 4], rtol=1e-6)
+
+
+@pytest.mark.parametrize("lr_scale", [{}, {"embed": 0.1, "norm": 2.0}])
+def test_logged_lr_is_the_rate_optax_applied_per_group_during_warmup(lr_scale):
+    # Adam with b1 = b2 = 0 turns a gradient of ones into an update of exactly ones, so
+    # each parameter moves by minus the rate optax applied to its group at that update.
+    config = OptimizerConfig(lr=0.5, weight_decay=0.0, b1=0.0, b2=0.0, lr_scale=lr_scale)
+    zeros = jax.tree.map(jnp.zeros_like, PARAMS)
+    opt = build_optimizer(config, SCHEDULE, zeros)
+    fns = make_step_fns(CFG, SEQ, strategy_options(SEQ, {}), opt, SCHEDULE, 0.5, clip_norm=0.0,
+                        learning_rates=learning_rates(config, SCHEDULE, zeros))
+    groups = param_groups(zeros)
+    state = init_train_state(jax.tree.map(jnp.copy, zeros), opt, jax.random.key(0))
+    info = GradInfo(jnp.float32(1.0), jnp.float32(1.0), {})
+    for step in (1, 2, 3):  # warmup over 4 updates: multipliers 1/4, 2/4, 3/4
+        before = jax.device_get(state.params)
+        state, m = fns.apply_grads(state, jax.tree.map(jnp.ones_like, zeros), info)
+        moved = jax.tree.map(lambda a, b: np.unique(np.asarray(a) - np.asarray(b)), before,
+                             jax.device_get(state.params))
+        applied = {}
+        for group, delta in zip(jax.tree.leaves(groups), jax.tree.leaves(moved)):
+            assert delta.size == 1  # every entry of a leaf moved alike
+            applied.setdefault(group, []).append(float(delta[0]))
+        if not lr_scale:
+            assert not [k for k in m if k.startswith("lr/")]
+            logged = {g: float(m["lr"]) for g in applied}
+        else:
+            assert float(m["lr"]) == pytest.approx(0.5 * step / 4, rel=1e-6)
+            logged = {g: float(m[f"lr/{g}"]) for g in applied}
+        for group, deltas in applied.items():
+            want = 0.5 * lr_scale.get(group, 1.0) * step / 4
+            assert logged[group] == pytest.approx(want, rel=1e-6)
+            np.testing.assert_allclose(deltas, logged[group], rtol=1e-5)
+
+
+def test_logged_lr_of_muon_and_frozen_groups():
+    config = OptimizerConfig(name="muon", lr=0.5, muon_lr=0.02, weight_decay=0.0, freeze=["norm"])
+    fn = learning_rates(config, SCHEDULE, PARAMS)
+    rates = jax.device_get(fn(build_optimizer(config, SCHEDULE, PARAMS).init(PARAMS)))
+    assert "lr/norm" not in rates  # frozen: no rate applied
+    assert rates["lr/hidden"] == pytest.approx(0.02 / 4) and rates["lr/embed"] == pytest.approx(0.5 / 4)
+    assert rates["lr"] == pytest.approx(0.5 / 4)

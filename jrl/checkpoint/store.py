@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import threading
 import time
 import warnings
@@ -46,6 +47,7 @@ META_FORMAT = 1
 _RESERVED_META_KEYS = ("format", "step", "wall_time", "wall_time_utc", "versions", "encoded_leaves")
 _VERSIONED_PACKAGES = ("jrl", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class CheckpointSaveError(RuntimeError):
@@ -102,6 +104,21 @@ def _build_meta(step: int, state: Any, user_meta: Mapping | None, records: list[
         raise ValueError(f"meta must be JSON-serializable: {e}") from e
 
 
+def _check_files(files: Mapping[str, bytes] | None) -> dict[str, bytes]:
+    """`files=` of a save: plain names beside meta.json (no directories, not hidden, not a
+    name the checkpoint itself uses) mapped to bytes."""
+    files = dict(files or {})
+    reserved = (META_NAME, MANIFEST_NAME, payload.PAYLOAD_DIR)
+    for name, data in files.items():
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or name in reserved:
+            raise ValueError(f"files: {name!r} is not allowed; a plain file name (letters, digits, '.', '_', "
+                             f"'-'; not hidden) other than {', '.join(reserved)}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"files[{name!r}]: must be bytes, got {type(data).__name__}")
+        files[name] = bytes(data)
+    return files
+
+
 class _PendingSave:
     """A save whose Orbax write is in flight; `finish()` completes and publishes it.
 
@@ -121,8 +138,10 @@ class _PendingSave:
         keep_last: int | None,
         keep_every: int | None,
         group: SaveGroup | None = None,
+        files: dict[str, bytes] | None = None,
     ):
         self.root, self.step, self.staging = root, step, staging
+        self._files = files or {}
         self._checkpointer, self._meta, self._lock = checkpointer, meta, lock
         self._keep_last, self._keep_every = keep_last, keep_every
         self._group = group
@@ -151,6 +170,8 @@ class _PendingSave:
             self._checkpointer.wait_until_finished()
             if self._group is not None:
                 self._group.collect_payloads()  # every process's shards are on disk
+            for name, data in self._files.items():
+                durable.write_file_durably(self.staging / name, data)
             durable.write_file_durably(self.staging / META_NAME, self._meta)
             manifest = build_manifest(self.staging)
             durable.write_file_durably(self.staging / MANIFEST_NAME, manifest_bytes(manifest))
@@ -198,10 +219,11 @@ def _prepare_staging(root: Path, step: int, metrics_log: Any) -> tuple[durable.W
     return lock, staging
 
 
-def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log) -> _PendingSave:
+def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log, files=None) -> _PendingSave:
     root = Path(root).absolute()  # Orbax refuses relative paths
     step = layout.check_step(step)
     layout.check_retention(keep_last, keep_every)
+    files = _check_files(files)
     encoded, records = payload.encode_state(state)
     meta_bytes = _build_meta(step, state, meta, records)
     group = SaveGroup.for_save(step, root)  # None for a single process
@@ -235,7 +257,8 @@ def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log) 
         else:
             group.report_payload(error)
         raise
-    return _PendingSave(root, step, staging, checkpointer, meta_bytes, lock, keep_last, keep_every, group)
+    return _PendingSave(root, step, staging, checkpointer, meta_bytes, lock, keep_last, keep_every, group,
+                        files if primary else None)
 
 
 def save(
@@ -247,6 +270,7 @@ def save(
     keep_last: int | None = None,
     keep_every: int | None = None,
     metrics_log: Any = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Writes `state` as `root/step_<step>/` and returns that path once it is published.
 
@@ -255,11 +279,15 @@ def save(
     (e.g. {"config": ...}). `keep_last`/`keep_every`: retention applied after publishing
     (keep the newest `keep_last` steps plus every multiple of `keep_every`; the step just
     saved is always kept). `metrics_log`: a MetricsLog flushed and fsynced before the
-    checkpoint becomes visible. Re-saving an existing step replaces it atomically.
+    checkpoint becomes visible. `files`: extra files of the step directory, {name: bytes}
+    (plain names beside meta.json, e.g. a data source's arrays); they are staged, listed
+    in the manifest and published with the rest (process 0's, in a multi-process save);
+    `load` returns the directory as `meta["path"]`. Re-saving an existing step replaces
+    it atomically.
     """
     pending = _start_save(
         root, step, state, meta=meta, keep_last=keep_last, keep_every=keep_every,
-        metrics_log=metrics_log,
+        metrics_log=metrics_log, files=files,
     )
     return pending.finish()
 
@@ -302,12 +330,13 @@ class AsyncCheckpointer:
             ) from error
         return self._last_published
 
-    def save(self, step: int, state: Any, *, meta: Mapping | None = None, metrics_log: Any = None) -> None:
+    def save(self, step: int, state: Any, *, meta: Mapping | None = None, metrics_log: Any = None,
+             files: Mapping[str, bytes] | None = None) -> None:
         """Starts saving `state` as step `step` (see `save` for the arguments)."""
         self.wait()
         pending = _start_save(
             self.root, step, state, meta=meta, keep_last=self._keep_last,
-            keep_every=self._keep_every, metrics_log=metrics_log,
+            keep_every=self._keep_every, metrics_log=metrics_log, files=files,
         )
         self._thread = threading.Thread(target=self._run, args=(pending,), name=f"jrl-checkpoint-{step}")
         self._thread.start()

@@ -40,7 +40,9 @@ class RLCallback(Callback):
         trainer.fire("on_eval", state, row)
 
     def on_train_begin(self, trainer, state) -> None:
-        if trainer.config.eval.at_end or trainer.config.eval.every:  # the "before" of before/after
+        # the "before" of before/after; a resumed run (step > 0) was evaluated when it began,
+        # and evaluating again would sync the engine where the uninterrupted run did not
+        if int(state.step) == 0 and (trainer.config.eval.at_end or trainer.config.eval.every):
             self._evaluate(trainer, state, "start")
 
     def on_step_begin(self, trainer, state, batch) -> None:

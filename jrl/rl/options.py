@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Literal
 
 from jrl.config import ConfigError, from_dict
+from jrl.rl.advantages import ESTIMATORS
 from jrl.rl.demonstrations import WarmStartConfig
 from jrl.rl.rewards import RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig
@@ -54,8 +55,9 @@ class RLOptions:
     group_size: int = 8
     max_new_tokens: int = 8
     epochs: int = 1
-    # advantages
-    scale_adv_by_std: bool = True
+    # advantages: grpo (group-normalised) | rloo (leave-one-out baseline, never std-scaled)
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    scale_adv_by_std: bool = True  # grpo only
     adv_eps: float = 1e-6
     # ratio anchor and sample filtering
     old_logp: Literal["engine", "recomputed"] = "engine"
@@ -80,6 +82,8 @@ class RLOptions:
                          ("epochs", 1), ("dynamic_sampling_rounds", 0), ("eval_problems", 0)):
             v = getattr(self, name)
             _check(_is_int(v, lo), name, f"must be an integer >= {lo}, got {v!r}")
+        _check(self.advantage in ESTIMATORS, "advantage",
+               f"must be one of {list(ESTIMATORS)}, got {self.advantage!r}")
         _check(self.adv_eps > 0.0, "adv_eps", f"must be > 0, got {self.adv_eps}")
         _check(self.old_logp in ("engine", "recomputed"), "old_logp",
                f"must be one of ['engine', 'recomputed'], got {self.old_logp!r}")
@@ -105,6 +109,11 @@ class RLOptions:
         if unknown:
             raise ConfigError(f"unknown key(s) {', '.join(PREFIX + k for k in unknown)}; allowed: "
                               f"{', '.join(sorted(loop_keys | set(LOSS_KEYS)))}")
+        # rloo's baseline is never divided by the std (that would be grpo's advantage times
+        # G / (G - 1)); asking for both is refused rather than silently ignored
+        _check(not (options.get("advantage") == "rloo" and options.get("scale_adv_by_std") is True),
+               "scale_adv_by_std", "applies to advantage: grpo only; advantage: rloo is never scaled "
+               "by the group std (leave scale_adv_by_std out, or use advantage: grpo)")
         loss_part = {k: options.pop(k) for k in LOSS_KEYS if k in options}
         loss_part["max_response_len"] = options.get("max_new_tokens", cls.max_new_tokens)
         loss = from_dict(GRPOLossConfig, loss_part, prefix=PREFIX)

@@ -29,6 +29,10 @@ With a `parallel` section the engine serves on its own tensor-only mesh
 (`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
 onto it. On one device it serves the trainer's own buffers (no copy).
 
+Resuming is exact: `state_dict()` holds the rollout batch in progress (rows, minibatch
+plan, position) and, off-policy, the rollout generated ahead, so a resumed run trains on
+the rows the uninterrupted run would have (docs/rl.md, "Resume and signals").
+
 `jrl.rl.callback.RLCallback` adds the rollout's metrics to the trainer's rows and evaluates held-out
 accuracy (greedy and sampled) at the start, every `eval.every` steps and at the end.
 """
@@ -46,7 +50,7 @@ import numpy as np
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.data.tasks import Problem
-from jrl.rl.advantages import group_advantages
+from jrl.rl.advantages import compute_advantages
 from jrl.rl.batch import Rollout, build_rows, stale_groups
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.evaluation import evaluate_problems, solved
@@ -56,7 +60,7 @@ from jrl.rl.tasks import check_prompt_lengths, make_task
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.train.logprobs import attention_layout, batch_max_segments
-from jrl.train.strategies.grpo import policy_stats
+from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
 
 @dataclasses.dataclass
@@ -112,7 +116,11 @@ class RolloutSource:
         self.stale_samples_dropped = 0
         self.stale_batches_regenerated = 0
         self.pending_metrics: dict[str, float] | None = None
-        self._queue: list[dict[str, np.ndarray]] = []
+        # the rollout batch being trained on: its rows, its minibatches (row indices, in
+        # order: `epochs` permutations cut into `batch_size` rows) and the next one's index
+        self._rows: dict[str, np.ndarray] | None = None
+        self._batches = np.zeros((0, batch_size), np.int64)
+        self._next = 0
         self._pending: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._reference_fn = reference_params
@@ -210,7 +218,8 @@ class RolloutSource:
         rows = build_rows([g.prompt for g in groups for _ in g.completions], [c.tokens for c in comps],
                           [c.logprobs for c in comps], self.seq_len, self.tokenizer.pad_id)
         rewards = np.concatenate([g.rewards for g in groups])
-        adv, _ = group_advantages(rewards, o.group_size, scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
+        adv, _ = compute_advantages(rewards, o.group_size, estimator=o.advantage,
+                                    scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
         group_kept = np.arange(len(groups)) < n_kept
         rows["advantages"] = np.asarray(adv, np.float32)
 
@@ -220,7 +229,8 @@ class RolloutSource:
         diff = np.abs(trainer_logp - rows["behaviour_logp"]) * mask
         rows["old_logp"] = trainer_logp * mask if o.old_logp == "recomputed" else rows["behaviour_logp"].copy()
         if o.tis_cap > 0:
-            rows["is_weight"] = np.minimum(np.exp(trainer_logp - rows["behaviour_logp"]), o.tis_cap) * mask
+            # the loss's own tested helper (min(exp(old - behaviour), cap)), not a copy of it
+            rows["is_weight"] = np.asarray(truncated_is_weights(trainer_logp, rows["behaviour_logp"], o.tis_cap)) * mask
         else:
             rows["is_weight"] = mask.copy()
         if o.kl_coef > 0:
@@ -294,9 +304,11 @@ class RolloutSource:
 
     def next_batch(self, state: Any) -> dict[str, np.ndarray]:
         """The rows of the next update of `state` (a TrainState: params and policy version)."""
-        if not self._queue:
+        if self._next >= len(self._batches):
             self._start_rollout(state)
-        return self._queue.pop(0)
+        idx = self._batches[self._next]
+        self._next += 1
+        return {k: v[idx] for k, v in self._rows.items()}
 
     def _start_rollout(self, state: Any) -> None:
         o = self.options
@@ -322,11 +334,8 @@ class RolloutSource:
         }
         rng = np.random.default_rng([self.seed, 23, self.rl_step])
         n, size = len(rows["tokens"]), self.batch_size
-        for _ in range(o.epochs):
-            order = rng.permutation(n)
-            for start in range(0, n, size):
-                idx = order[start:start + size]
-                self._queue.append({k: v[idx] for k, v in rows.items()})
+        self._batches = np.concatenate([rng.permutation(n).reshape(n // size, size) for _ in range(o.epochs)])
+        self._rows, self._next = rows, 0
         self.rl_step += 1
 
     # ------------------------------------------------------------------ evaluation
@@ -337,10 +346,15 @@ class RolloutSource:
         version = int(state.policy_version)
         self.sync_weights(self._engine_params(state.params), version)
         o, k = self.options, self.eval_samples
+        # Evaluation neither reads nor leaves cached prefixes: a rollout's samples (and
+        # log-probs) must not depend on whether an evaluation ran before it at its version,
+        # or a resumed run (which does not repeat the evaluation) would differ.
+        self.engine.drop_prefix_cache()
         summary, _ = evaluate_problems(self.engine, self.format, self.eval_problems, self.rewards,
                                        prompts=self.prompt_ids(self.eval_problems), max_new_tokens=o.max_new_tokens,
                                        samples=k, temperature=o.temperature, seed=self.seed,
                                        success_threshold=o.success_threshold)
+        self.engine.drop_prefix_cache()
         row = {"step": int(state.step), "policy_version": version, "eval_accuracy": summary["greedy_accuracy"],
                "eval_accuracy_sampled": summary["pass@1"], "eval_reward_sampled": summary["reward_mean"],
                "eval_response_tokens_mean": summary["response_tokens_mean"]}
@@ -355,16 +369,58 @@ class RolloutSource:
             self._pending.exception()
 
     def close(self) -> None:
+        """Waits for an overlapping generation and stops its thread. A finished one is
+        kept: the final checkpoint (taken after this, at the end of a run) holds it."""
         self._wait_pending()
-        self._pending = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
 
+    def _pending_rollout(self) -> Rollout | None:
+        """The off-policy rollout generated ahead (waiting for it), None if there is none
+        or its generation failed."""
+        if self._pending is None or self._pending.exception() is not None:
+            return None
+        return self._pending.result()
+
     def state_dict(self) -> dict:
-        return {"rl_step": self.rl_step}
+        """What a resumed run needs to continue exactly as this one would: the rollout
+        counter and running totals, the rollout batch in progress (its rows, minibatch
+        plan and position) and, off-policy, the rollout generated ahead for the next batch
+        (waited for here). Rows are numpy arrays; the trainer stores them beside meta.json."""
+        state: dict[str, Any] = {"rl_step": self.rl_step, "stale_samples_dropped": self.stale_samples_dropped,
+                                 "stale_batches_regenerated": self.stale_batches_regenerated,
+                                 "pending_metrics": self.pending_metrics}
+        if self._next < len(self._batches):
+            state["rollout"] = {"rows": dict(self._rows), "batches": self._batches, "next": self._next}
+        ahead = self._pending_rollout()
+        if ahead is not None:
+            state["pending"] = {"rows": dict(ahead.rows), "sample_versions": ahead.sample_versions,
+                                "group_kept": ahead.group_kept, "metrics": dict(ahead.metrics)}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores `state_dict()`. A checkpoint holding only `rl_step` (older jrl)
+        continues with the next rollout."""
         self.rl_step = int(state["rl_step"])
+        self.stale_samples_dropped = int(state.get("stale_samples_dropped", 0))
+        self.stale_batches_regenerated = int(state.get("stale_batches_regenerated", 0))
+        self.pending_metrics = state.get("pending_metrics")
+        current = state.get("rollout")
+        if current is not None:
+            self._rows = {k: np.array(v) for k, v in current["rows"].items()}
+            self._batches = np.array(current["batches"], np.int64)
+            self._next = int(current["next"])
+        else:
+            self._rows, self._batches, self._next = None, np.zeros((0, self.batch_size), np.int64), 0
+        self._pending = None
+        ahead = state.get("pending")
+        if ahead is not None and self.options.off_policy:
+            # generated by the weights of the current batch's start, which the engine no
+            # longer needs: _next_rollout syncs the trainer's weights before generating again
+            self._pending = concurrent.futures.Future()
+            self._pending.set_result(Rollout({k: np.array(v) for k, v in ahead["rows"].items()},
+                                             np.array(ahead["sample_versions"]), np.array(ahead["group_kept"]),
+                                             dict(ahead["metrics"])))
 
 

@@ -414,6 +414,14 @@ class Engine:
             self.radix.drop_versions_except(version)
         return Ack(version, finished_in_flight=finished, restarted=restarted)
 
+    def drop_prefix_cache(self) -> int:
+        """Forgets every cached prefix, so the next requests are computed as on a new engine
+        (pages a request still holds are freed when it releases them). Returns the pages
+        dropped."""
+        if self.radix is None:
+            return 0
+        return self.radix.drop_versions_except(-1)  # versions are >= 0: none is kept
+
     def _served(self, params: dict) -> dict:
         """The params as the steps read them: placed on the mesh, or fused, or as given."""
         if self.sharding is not None:

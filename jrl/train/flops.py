@@ -1,5 +1,5 @@
 """Model FLOPs per trained token: the one count behind every MFU jrl reports (the trainer's
-logged `mfu` and bench/train_throughput.py).
+logged `mfu` and `jrl bench train`).
 
     model_flops_per_token(config, seq_len) = 6 * N + 3 * L * H * (D_qk + D_v) * seq_len
 

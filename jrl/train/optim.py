@@ -4,12 +4,15 @@ per-group learning rates, weight-decay masks and frozen groups (optax.partition)
 Groups come from parameter paths (`param_groups`): `embed`, `head`, `norm`, `bias`,
 `router`, `lora`, `hidden`. Muon is optax's own `scale_by_muon`; layer-stacked kernels
 `[layers, (experts,) in, out]` are orthogonalised per matrix over their last two axes.
+
+`learning_rates` reads back from an optimizer state the rate each group's next update
+applies (what the train step logs as `lr`, and `lr/<group>` where groups differ).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +71,15 @@ def _scale_by_shape(consistent_rms: float | None) -> optax.GradientTransformatio
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
+def _peak_lr(config: OptimizerConfig, group: str) -> float:
+    """A trainable group's learning rate before the schedule: `lr` (`muon_lr` for Muon's
+    `hidden` group) times `lr_scale[group]`."""
+    lr = config.lr
+    if config.name == "muon" and group == "hidden" and config.muon_lr is not None:
+        lr = config.muon_lr
+    return lr * float(config.lr_scale.get(group, 1.0))
+
+
 def build_optimizer(config: OptimizerConfig, schedule: Schedule, params: Any) -> optax.GradientTransformation:
     """The optimizer for `params` (clipping is done by the train step, not here)."""
     labels = param_groups(params)
@@ -82,10 +94,8 @@ def build_optimizer(config: OptimizerConfig, schedule: Schedule, params: Any) ->
         if group not in trainable:
             transforms[group] = optax.set_to_zero()
             continue
-        scale = float(config.lr_scale.get(group, 1.0))
         decay = 0.0 if group in config.no_decay else config.weight_decay
         if config.name == "muon" and group == "hidden":
-            lr = config.muon_lr if config.muon_lr is not None else config.lr
             parts = [
                 scale_by_muon(beta=config.muon_beta, ns_steps=config.muon_ns_steps, mu_dtype=mu_dtype,
                               nesterov=config.muon_nesterov,
@@ -94,11 +104,41 @@ def build_optimizer(config: OptimizerConfig, schedule: Schedule, params: Any) ->
                 _scale_by_shape(config.muon_consistent_rms),
             ]
         else:
-            lr = config.lr
             parts = [optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps, mu_dtype=mu_dtype)]
         if decay:
             parts.append(optax.add_decayed_weights(decay))
-        peak = lr * scale
-        parts.append(optax.scale_by_learning_rate(lambda count, peak=peak: peak * schedule(count)))
+        # last in the chain: `learning_rates` finds its count there
+        parts.append(optax.scale_by_learning_rate(lambda count, peak=_peak_lr(config, group): peak * schedule(count)))
         transforms[group] = optax.chain(*parts)
     return optax.partition(transforms, labels)
+
+
+def _schedule_count(opt_state: Any, group: str) -> jax.Array:
+    """The update count `group`'s learning-rate step evaluates the schedule at next (optax
+    reads it before incrementing; a skipped update leaves it unchanged)."""
+    inner = opt_state.inner_states[group].inner_state
+    for part in inner if isinstance(inner, tuple) else (inner,):
+        if isinstance(part, optax.ScaleByScheduleState):
+            return part.count
+    raise ValueError(f"opt_state: group {group!r} has no learning-rate schedule state; not a state of "
+                     f"build_optimizer's optimizer")
+
+
+def learning_rates(config: OptimizerConfig, schedule: Schedule, params: Any) -> Callable[[Any], dict]:
+    """`fn(opt_state) -> {name: rate}`: the learning rate the next update of
+    `build_optimizer(config, schedule, params)` applies with that state, per trainable
+    group (frozen groups apply none): `{"lr": rate}` when all trainable groups share one
+    rate, else `"lr"` (`optimizer.lr` on the schedule) and `"lr/<group>"` for each. Read
+    from the schedule counts inside the state, computed as optax computes it."""
+    present = set(jax.tree.leaves(param_groups(params)))
+    groups = sorted(trainable_groups(config, present))
+    peaks = {g: _peak_lr(config, g) for g in groups}
+
+    def fn(opt_state: Any) -> dict:
+        rates = {g: peaks[g] * schedule(_schedule_count(opt_state, g)) for g in groups}
+        if len(set(peaks.values())) == 1:
+            return {"lr": rates[groups[0]]}
+        return {"lr": config.lr * schedule(_schedule_count(opt_state, groups[0])),
+                **{f"lr/{g}": rate for g, rate in rates.items()}}
+
+    return fn

@@ -116,9 +116,19 @@ def _finish_metrics(total, weight, metrics) -> tuple[jax.Array, dict]:
 
 def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
                   optimizer: optax.GradientTransformation, schedule: Schedule, base_lr: float,
-                  *, clip_norm: float, chunk_size: int = 0, shardings: StepShardings | None = None) -> StepFns:
+                  *, clip_norm: float, chunk_size: int = 0, shardings: StepShardings | None = None,
+                  learning_rates: Callable[[Any], dict] | None = None) -> StepFns:
     """Jitted update / split update / evaluation for this model, strategy and optimizer
-    (placed by `shardings` when given; otherwise wherever their inputs are)."""
+    (placed by `shardings` when given; otherwise wherever their inputs are).
+    `learning_rates(opt_state) -> {name: rate}`: the rates an update with that optimizer
+    state applies, logged in its metrics (`jrl.train.optim.learning_rates`, which the
+    Trainer passes). Without it the step logs `lr = base_lr * schedule(policy_version)`,
+    right only for one group at `base_lr` whose optimizer counts every applied update."""
+    def logged_lr(state: TrainState) -> dict:  # state: as the update found it
+        if learning_rates is not None:
+            return learning_rates(state.opt_state)
+        return {"lr": base_lr * schedule(state.policy_version)}
+
     mesh = None if shardings is None else shardings.batch.mesh
 
     def compute_grads(state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
@@ -152,7 +162,7 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         metrics = {
             "loss": info.loss,
             "grad_norm": grad_norm,
-            "lr": base_lr * schedule(state.policy_version),
+            **logged_lr(state),
             "weight": info.weight,
             "update_applied": applied,
             "skipped_updates": new_state.skipped_updates,

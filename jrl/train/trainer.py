@@ -7,6 +7,9 @@ loop with callbacks, checkpoints, resumes, and stops cleanly on SIGTERM / SIGINT
 The trainer reads its batches from the built-in data pipeline (`config.data`) unless it
 is handed a `train_source` (any object with `next_batch(state) -> rows`, and optionally
 `state_dict` / `load_state_dict` for resuming): that is how `jrl.rl` feeds it rollouts.
+A source's state goes into each checkpoint: JSON values into meta.json (`data`), numpy
+arrays anywhere in it (e.g. a rollout batch in progress) into `source_state.npz` beside
+it, published with the checkpoint and handed back in place on resume.
 
 A run directory holds `config.yaml` (resolved), `metrics.jsonl`, `checkpoints/step_<N>/`
 and `metrics.png`. In a multi-process run every process takes part in each checkpoint
@@ -20,6 +23,7 @@ sharded, the optimizer state is sharded like the params, every batch's rows are 
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import shutil
@@ -46,7 +50,7 @@ from jrl.parallel import (BATCH_AXES, init_sharded_params, initialize_distribute
 from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
 from jrl.train.logprobs import batch_max_segments
-from jrl.train.optim import build_optimizer
+from jrl.train.optim import build_optimizer, learning_rates
 from jrl.train.schedules import make_schedule
 from jrl.train.state import TrainState, init_sharded_train_state
 from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings
@@ -70,6 +74,52 @@ def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
     if (p / "checkpoints").is_dir():
         return p / "checkpoints", None
     return p, None
+
+
+SOURCE_ARRAYS = "source_state.npz"  # the train source's arrays, in the checkpoint's step directory
+_ARRAY_KEY = "__source_array__"
+
+
+def _split_arrays(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """`tree` (a source's state_dict) with every numpy array moved into `arrays` and
+    replaced by a reference to it, so the rest is JSON."""
+    if isinstance(tree, np.ndarray):
+        if tree.dtype.hasobject:
+            raise ValueError(f"train_source.state_dict(): arrays of Python objects cannot be saved ({tree.dtype})")
+        key = f"a{len(arrays)}"
+        arrays[key] = tree
+        return {_ARRAY_KEY: key}
+    if isinstance(tree, dict):
+        return {k: _split_arrays(v, arrays) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_split_arrays(v, arrays) for v in tree]
+    return tree
+
+
+def _join_arrays(tree: Any, arrays: Any) -> Any:
+    """Undoes `_split_arrays`: `arrays` is the loaded npz."""
+    if isinstance(tree, dict):
+        if set(tree) == {_ARRAY_KEY}:
+            return arrays[tree[_ARRAY_KEY]]
+        return {k: _join_arrays(v, arrays) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_join_arrays(v, arrays) for v in tree]
+    return tree
+
+
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _source_state(meta: dict) -> Any:
+    """The train source's state saved in a checkpoint (meta.json `data` + its arrays)."""
+    path = Path(meta["path"]) / SOURCE_ARRAYS
+    if not path.exists():
+        return meta["data"]
+    with np.load(path, allow_pickle=False) as npz:
+        return _join_arrays(meta["data"], {k: npz[k] for k in npz.files})
 
 
 # Fields that may differ between init_from's model and the run's: numerics and training-only.
@@ -140,7 +190,7 @@ def load_run_tokenizer(config: TrainConfig) -> Any:
     """The run's tokenizer (`data.tokenizer`), checked against `model.vocab_size`."""
     tokenizer = load_tokenizer(config.data.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: must be >= the tokenizer's vocabulary "
+        raise ConfigError(f"model.vocab_size: must be >= the vocabulary of data.tokenizer "
                           f"({tokenizer.vocab_size}), got {config.model.vocab_size}")
     return tokenizer
 
@@ -273,6 +323,7 @@ class Trainer:
         if self.strategy.needs_reference:
             self.reference_params = jax.tree.map(jnp.copy, params)
         self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
+        rates = learning_rates(c.optimizer, self.schedule, params)
         p_shardings = param_shardings(c.model, self.mesh)
         state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
                                                     p_shardings, self.mesh)
@@ -298,13 +349,13 @@ class Trainer:
         self.state = state  # sources may read the (resumed) state
         self._make_sources()
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
-            self.train_source.load_state_dict(meta["data"])
+            self.train_source.load_state_dict(_source_state(meta))
         if self.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
-                                  shardings=self._shardings)
+                                  shardings=self._shardings, learning_rates=rates)
         if self._peak_flops():
             matmul_params(c.model)  # counted once here (cached), not inside a timed step
         return state
@@ -437,11 +488,16 @@ class Trainer:
     def save_checkpoint(self, state: TrainState | None = None) -> Path:
         state = state if state is not None else self.state
         meta = {"config": to_dict(self.config), "run": self.config.name}
+        files = {}
         if hasattr(self.train_source, "state_dict"):
-            meta["data"] = self.train_source.state_dict()
+            arrays: dict[str, np.ndarray] = {}
+            meta["data"] = _split_arrays(self.train_source.state_dict(), arrays)
+            if arrays:
+                files[SOURCE_ARRAYS] = _npz_bytes(arrays)
         ck = self.config.checkpoint
         path = checkpoint.save(self.checkpoint_dir, int(state.step), state, meta=meta,
-                               keep_last=ck.keep_last, keep_every=ck.keep_every, metrics_log=self.metrics_log)
+                               keep_last=ck.keep_last, keep_every=ck.keep_every, metrics_log=self.metrics_log,
+                               files=files)
         self.last_saved_step = int(state.step)
         self.fire("on_checkpoint", state, path)
         return path

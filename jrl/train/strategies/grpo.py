@@ -13,6 +13,12 @@ their advantages; this module only sees arrays):
   (each sequence's token mean, then the mean over sequences; the original GRPO), and
   `dr_grpo` (token sum divided by `n_sequences * max_response_len`, a constant, so long
   answers are not down-weighted; Dr. GRPO).
+* Ratios: `token` (`r_t = exp(logp_t - old_logp_t)`, clipped by `clip_eps_low/high`) or
+  `sequence` (GSPO: the length-normalised sequence ratio
+  `s_i = exp(mean_t(logp_t - old_logp_t))` over the sequence's response tokens, clipped by
+  `clip_eps_seq_low/high`, in GSPO's token form `sg[s_i] * exp(logp_t - sg[logp_t])`: its
+  value is `s_i` at every token and its gradient `s_i * grad logp_t`, so with `seq_mean`
+  the gradient is exactly GSPO's `A_i * grad s_i`).
 
 All arrays are `[B, T]` over the *target* positions of the sequences (the token whose
 log-probability is taken), `mask` is 1.0 on trained response tokens and 0.0 elsewhere.
@@ -33,6 +39,7 @@ from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric
 
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
+RATIOS: tuple[str, ...] = ("token", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +57,11 @@ class GRPOLossConfig:
     # Truncated importance sampling: weights min(exp(old_logp - behaviour_logp), cap)
     # correct for the engine's numerics differing from the trainer's. 0 disables.
     tis_cap: float = 0.0
+    # Importance ratio: per token, or GSPO's length-normalised sequence ratio, which stays
+    # much closer to 1 and so has its own, much narrower, clip range (GSPO's 3e-4 / 4e-4).
+    ratio: Literal["token", "sequence"] = "token"
+    clip_eps_seq_low: float = 3e-4
+    clip_eps_seq_high: float = 4e-4
 
     def __post_init__(self) -> None:
         def check(ok: bool, field: str, msg: str) -> None:
@@ -70,6 +82,18 @@ class GRPOLossConfig:
                   "must be > 0 when aggregation is 'dr_grpo' (it is the constant divisor)")
         check(self.tis_cap == 0.0 or self.tis_cap >= 1.0, "tis_cap",
               f"must be 0 (off) or >= 1, got {self.tis_cap}")
+        check(self.ratio in RATIOS, "ratio", f"must be one of {list(RATIOS)}, got {self.ratio!r}")
+        check(0.0 <= self.clip_eps_seq_low < 1.0, "clip_eps_seq_low",
+              f"must be in [0, 1), got {self.clip_eps_seq_low}")
+        check(self.clip_eps_seq_high >= 0.0, "clip_eps_seq_high",
+              f"must be >= 0, got {self.clip_eps_seq_high}")
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high) eps of the ratio in use: the token or the sequence clip range."""
+        if self.ratio == "sequence":
+            return self.clip_eps_seq_low, self.clip_eps_seq_high
+        return self.clip_eps_low, self.clip_eps_high
 
 
 def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
@@ -97,13 +121,22 @@ def grpo_objective(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
                    mask: jax.Array, config: GRPOLossConfig, *, ref_logp: jax.Array | None = None,
                    is_weights: jax.Array | None = None) -> ObjectiveParts:
     """The GRPO surrogate for one (micro-)batch. `logp` carries the gradient; `old_logp`
-    (the anchor of the clipped ratio), `ref_logp` and `is_weights` are constants."""
+    (the anchor of the clipped ratio), `ref_logp` and `is_weights` are constants. With
+    `ratio: sequence` the ratio of every token of row i is GSPO's `s_i` (the row's mean
+    log-ratio over `mask`), so one micro-batch must hold whole rows (it always does)."""
     mask = mask.astype(jnp.float32)
     old_logp = jax.lax.stop_gradient(old_logp)
     adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
+    stop = jax.lax.stop_gradient
     log_ratio = logp - old_logp
-    ratio = jnp.exp(log_ratio)
-    clipped_ratio = jnp.clip(ratio, 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
+    if config.ratio == "sequence":
+        n_tokens = mask.sum(axis=1, keepdims=True)
+        seq_log_ratio = (log_ratio * mask).sum(axis=1, keepdims=True) / jnp.maximum(n_tokens, 1.0)
+        ratio = jnp.exp(stop(seq_log_ratio)) * jnp.exp(logp - stop(logp))
+    else:
+        ratio = jnp.exp(log_ratio)
+    eps_low, eps_high = config.clip_range
+    clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
     unclipped = ratio * adv
     clipped = clipped_ratio * adv
     per_token = -jnp.minimum(unclipped, clipped)
@@ -134,7 +167,6 @@ def grpo_objective(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
         numerator = token_sum_per_seq.sum()
         denominator = (tokens_per_seq > 0).astype(jnp.float32).sum() * config.max_response_len
 
-    stop = jax.lax.stop_gradient
     metrics = {
         "tokens": mask.sum(),
         "clip_frac_sum": stop((is_clipped * mask).sum()),

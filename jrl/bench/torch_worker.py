@@ -1,13 +1,6 @@
-"""What a user would run instead: Hugging Face transformers' Llama in PyTorch.
-
-Used by bench/train_throughput.py and bench/decode_throughput.py on the GPU machine (torch
-and transformers are installed there, not in jrl's own environment), in a subprocess so
-that the two frameworks never share the GPU's memory pool:
-
-    python bench/torch_reference.py train --model '<ModelConfig as JSON>' --batch 8 --seq 4096
-    python bench/torch_reference.py generate --model '...' --batches 1,256 --prompt 512 --new 256
-
-Each prints one JSON line (the last line of stdout) with plain numbers.
+"""The transformers / PyTorch side of the comparisons, run by `jrl.bench.torch_ref.run` in a
+subprocess: Hugging Face transformers' Llama, built from a jrl ModelConfig given as JSON.
+Prints one JSON object a line, one per measurement. Imports neither jax nor the rest of jrl.
 """
 
 from __future__ import annotations
@@ -16,33 +9,28 @@ import argparse
 import json
 import time
 
+try:  # optional: the parent process checks first (`torch_ref.missing`)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+except ImportError:
+    torch = None
 
-def llama_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, max_len: int, tie: bool):
-    from transformers import LlamaConfig
 
+def llama_config(model: dict, max_len: int | None = None):
+    """The Llama equivalent of a jrl ModelConfig given as a dict (SDPA attention)."""
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
-        max_position_embeddings=max_len, tie_word_embeddings=tie,
-    )
+        vocab_size=model["vocab_size"], hidden_size=model["hidden_size"], num_hidden_layers=model["n_layers"],
+        num_attention_heads=model["n_heads"], num_key_value_heads=model["n_kv_heads"], head_dim=model["head_dim"],
+        intermediate_size=model["intermediate_size"],
+        max_position_embeddings=max_len or model["max_position_embeddings"],
+        tie_word_embeddings=model["tie_embeddings"])
     cfg._attn_implementation = "sdpa"
     return cfg
 
 
-def from_jrl(model: dict, max_len: int | None = None):
-    """The Llama equivalent of a jrl ModelConfig given as a dict."""
-    return llama_config(model["vocab_size"], model["hidden_size"], model["n_layers"], model["n_heads"],
-                        model["n_kv_heads"], model["head_dim"], model["intermediate_size"],
-                        max_len or model["max_position_embeddings"], model["tie_embeddings"])
-
-
 def train_tokens_per_s(cfg, batch: int, seq: int, steps: int = 10, warmup: int = 3,
                        compile_model: bool = False) -> dict:
-    """float32 weights, bf16 autocast, fused AdamW: tokens/s and peak memory (GiB)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
+    """float32 weights, bf16 autocast, fused AdamW, clipping: tokens/s and peak memory."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
@@ -75,19 +63,13 @@ def train_tokens_per_s(cfg, batch: int, seq: int, steps: int = 10, warmup: int =
     dt = (time.perf_counter() - t0) / steps
     return {"tokens_per_s": batch * seq / dt, "step_s": dt, "first_step_s": first_s,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
-            "batch": batch, "seq": seq, "compiled": compile_model,
-            "torch": torch.__version__}
+            "batch": batch, "seq": seq, "compiled": compile_model, "torch_version": torch.__version__}
 
 
-def generate_tokens_per_s(cfg, batch: int, prompt_len: int, new_tokens: int,
-                          compile_model: bool = True) -> dict:
-    """Greedy `generate` with a static cache; with `compile_model` transformers compiles
-    the forward itself (its automatic compile for static caches), else `disable_compile`.
-    Decode time is measured from the first decode step (a logits processor records when
-    the prefill's logits arrive) to the end."""
-    import torch
-    from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
-
+def generate_tokens_per_s(cfg, batch: int, prompt_len: int, new_tokens: int, compile_model: bool = True) -> dict:
+    """Greedy `generate` with a static cache; compiled by transformers itself, or eager
+    (`disable_compile`). Decode time runs from the prefill's logits (a logits processor
+    records when they arrive) to the end."""
     class Clock(LogitsProcessor):
         def __init__(self):
             self.first = None
@@ -104,7 +86,7 @@ def generate_tokens_per_s(cfg, batch: int, prompt_len: int, new_tokens: int,
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), device="cuda")
     mask = torch.ones_like(prompt)
 
-    def run():
+    def once():
         clock = Clock()
         kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                       cache_implementation="static", pad_token_id=0, attention_mask=mask,
@@ -119,17 +101,17 @@ def generate_tokens_per_s(cfg, batch: int, prompt_len: int, new_tokens: int,
 
     with torch.no_grad():
         t0 = time.perf_counter()
-        run()  # warm-up (compiles when compile_model)
+        once()  # warm-up (compiles when compile_model)
         warm_s = time.perf_counter() - t0
-        total, decode = run()
+        total, decode = once()
     steps = new_tokens - 1  # the first token comes from the prefill
     return {"batch": batch, "compiled": compile_model, "total_s": total, "decode_s": decode,
             "tokens_per_s": batch * new_tokens / total, "decode_tokens_per_s": batch * steps / decode,
-            "step_ms": 1e3 * decode / steps, "warmup_s": warm_s}
+            "step_ms": 1e3 * decode / steps, "warmup_s": warm_s, "torch_version": torch.__version__}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("train", "generate"))
     ap.add_argument("--model", required=True, help="jrl ModelConfig as a JSON dict")
     ap.add_argument("--batch", type=int, default=8)
@@ -137,35 +119,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--batches", default="1,16,64,128,256", help="generate: eager (disable_compile)")
-    ap.add_argument("--compiled-batches", default="", help="generate: batches also run compiled")
+    ap.add_argument("--compiled-batches", default="", help="generate: batches also run compiled (first)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=1e9)
     args = ap.parse_args()
     model = json.loads(args.model)
     if args.what == "train":
-        result = train_tokens_per_s(from_jrl(model), args.batch, args.seq, steps=args.steps,
-                                    compile_model=args.compile)
-        print(json.dumps(result), flush=True)
+        print(json.dumps(train_tokens_per_s(llama_config(model), args.batch, args.seq, steps=args.steps,
+                                            compile_model=args.compile)), flush=True)
         return
-    import torch
-
     start = time.perf_counter()
-    cfg = from_jrl(model, max_len=args.prompt + args.new)
-    rows = []
-    runs = [(int(b), True) for b in args.compiled_batches.split(",") if b]  # compiled first
+    cfg = llama_config(model, max_len=args.prompt + args.new)
+    runs = [(int(b), True) for b in args.compiled_batches.split(",") if b]
     runs += [(int(b), False) for b in args.batches.split(",") if b]
     for batch, compiled in runs:
         if time.perf_counter() - start > args.budget_s:
-            rows.append({"batch": batch, "compiled": compiled, "skipped": "time budget"})
-            continue
-        try:
-            rows.append(generate_tokens_per_s(cfg, batch, args.prompt, args.new, compile_model=compiled))
-        except Exception as e:  # noqa: BLE001 - report, keep the other sizes
-            rows.append({"batch": batch, "compiled": compiled, "error": repr(e)[-1000:]})
-        torch.cuda.empty_cache()
-        print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({"rows": rows, "torch": torch.__version__}), flush=True)
+            row = {"batch": batch, "compiled": compiled, "skipped": "time budget"}
+        else:
+            try:
+                row = generate_tokens_per_s(cfg, batch, args.prompt, args.new, compile_model=compiled)
+            except Exception as e:  # noqa: BLE001 - report, keep the other sizes
+                row = {"batch": batch, "compiled": compiled, "error": repr(e)[-1000:]}
+            torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

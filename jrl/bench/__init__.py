@@ -1,0 +1,22 @@
+"""`jrl bench <stage>`: jrl's benchmarks behind one command, results as JSON rows.
+
+Stages (one module each) share the helpers of this package: `timing` (device-synchronised
+timers, medians), `floors` (the bytes and FLOPs a step must move, the device ceilings they
+are divided by), `results` (the JSON row writer and the table printed last), `torch_ref`
+(the transformers / PyTorch comparison, `torch_worker` run in a subprocess), `shapes` (the
+benchmark models), `decode_program` (the engine's decode program on a synthetic batch) and
+`trace` (profiler summaries). Only the `jrl` console script (jrl/cli.py) imports it.
+"""
+
+# name -> one line for `jrl bench --help`; UNAVAILABLE: listed, with why it cannot run.
+STAGES = {
+    "train": "trainer step throughput: tokens/s, MFU, memory, meshes; --torch: transformers beside it",
+    "decode": "engine decode throughput; --step-only, --ab (variants), --host, --gemms, --trace-dir",
+    "prefill": "engine prefill throughput: prompt tokens/s against the compute floor",
+    "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
+    "grpo": "one synchronous GRPO step, phase by phase (generation .. weight sync)",
+    "bandwidth": "device ceilings the floors use: HBM stream rates, the bf16 matmul rate",
+}
+UNAVAILABLE = {
+    "serve": "not available: no server yet (issue 20)",
+}

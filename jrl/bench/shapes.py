@@ -1,0 +1,43 @@
+"""The benchmark models (docs/performance.md names them) and their CPU-sized stand-ins."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jrl.config import ModelConfig
+from jrl.models import init_params
+
+# Training: the 1B shape (0.886B parameters, untied), float32 master weights, bf16 compute.
+TRAIN_1B = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                       head_dim=128, intermediate_size=5632, max_position_embeddings=4096,
+                       tie_embeddings=False, param_dtype="float32", dtype="bfloat16")
+# Rollout: the same shape with tied embeddings (0.82B), bf16 weights.
+ROLLOUT_082B = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                           head_dim=128, intermediate_size=5632, max_position_embeddings=4096,
+                           tie_embeddings=True, param_dtype="bfloat16", dtype="bfloat16")
+# GRPO: 174M, tied, float32 master weights, bf16 compute.
+GRPO_174M = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=128,
+                        intermediate_size=2816, max_position_embeddings=1024, tie_embeddings=True,
+                        param_dtype="float32", dtype="bfloat16")
+# CPU smoke runs of the same code (`--tiny`).
+TINY = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, max_position_embeddings=256, tie_embeddings=True,
+                   param_dtype="bfloat16", dtype="bfloat16")
+
+
+def tiny_like(cfg: ModelConfig, **changes) -> ModelConfig:
+    """TINY with `cfg`'s dtypes and tying (and `changes`)."""
+    return dataclasses.replace(TINY, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
+                               tie_embeddings=cfg.tie_embeddings, **changes)
+
+
+def init(cfg: ModelConfig, seed: int = 0):
+    """Random params of `cfg` (jitted init: no host copy of the weights)."""
+    return jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed))
+
+
+def csv_ints(text: str) -> list[int]:
+    """"1,16,64" -> [1, 16, 64]."""
+    return [int(x) for x in str(text).split(",") if x.strip()]

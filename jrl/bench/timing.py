@@ -1,0 +1,48 @@
+"""Device-synchronised timing: every time here ends at `jax.block_until_ready`."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+
+def timeit(fn: Callable, *args, iters: int = 10, reps: int = 5) -> float:
+    """Median seconds per call over `reps` batches of `iters` back-to-back calls (after
+    one call that compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def timed(fn: Callable, *args, **kwargs) -> tuple[object, float]:
+    """(result, seconds) of one call, its outputs waited for."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    return out, time.perf_counter() - t0
+
+
+def median_ms(samples_s: list[float]) -> dict[str, float]:
+    """{"ms", "ms_min", "ms_max"} of samples in seconds: median and range."""
+    return {"ms": 1e3 * statistics.median(samples_s), "ms_min": 1e3 * min(samples_s), "ms_max": 1e3 * max(samples_s)}
+
+
+class Budget:
+    """Wall-clock budget of a run: `spent()` once `seconds` have passed since creation."""
+
+    def __init__(self, seconds: float):
+        self.start, self.seconds = time.perf_counter(), seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def spent(self) -> bool:
+        return self.elapsed() > self.seconds

@@ -1,0 +1,223 @@
+"""The program behind `jrl eval`: scores one checkpoint on a GRPO config's task.
+
+    jrl eval --config runs/x/config.yaml --checkpoint runs/x/checkpoints --samples 8 --json eval.json
+
+`--checkpoint` is a run directory, its `checkpoints/` directory (both: the latest step),
+one `step_<N>/` directory, or `hf:<dir>` (Hugging Face weights; the tokenizer is the
+config's `data.tokenizer` as in training). Without `--config` the run directory's
+resolved `config.yaml` is used. The config supplies the model, the task, the rewards, the
+verifier's `success_threshold`, `max_new_tokens`, the temperature and the engine settings;
+`key=value` overrides apply on top, as for `jrl train`.
+
+The scores are those of the trainer's periodic evaluation (`jrl.rl.evaluation`): greedy
+accuracy, pass@1 (the mean over K samples a problem), pass@K (the unbiased estimator),
+the mean reward and response length of the samples. `--json F` writes them (with `k`,
+`split`, `checkpoint`, `step`, `policy_version`, `temperature`, ...) to F and one row per
+problem to F's `.problems.jsonl` sibling; a table is printed last.
+
+Exit status: 0 on success, 2 for a bad command line, config or checkpoint path, 1 when a
+reward function fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jrl.checkpoint import CheckpointCorruptError, latest_step
+from jrl.config import ConfigError, TrainConfig, load_train_config
+from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
+from jrl.rl.evaluation import ProblemResult, evaluate_problems
+from jrl.rl.options import RLOptions
+from jrl.rl.prompts import PromptFormat
+from jrl.rl.rewards import RewardError
+from jrl.rl.tasks import check_prompt_lengths, make_task
+from jrl.train.trainer import load_initial_params, load_run_tokenizer, run_mesh
+
+SPLITS = ("heldout", "validation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """Where the weights come from: `init_from` as the trainer reads it, plus what is
+    known about them (a jrl step directory records its step and policy version)."""
+
+    init_from: str
+    step: int | None = None
+    policy_version: int | None = None
+    run_dir: Path | None = None  # the jrl run directory holding it, when there is one
+
+
+def resolve_checkpoint(spec: str) -> Checkpoint:
+    """The checkpoint named by `--checkpoint`; ConfigError naming the path when it is missing."""
+    if spec.startswith("hf:"):
+        path = Path(spec[3:])
+        if not path.is_dir():
+            raise ConfigError(f"--checkpoint: {path} does not exist (hf:<dir> names a Hugging Face checkpoint "
+                              f"directory)")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--checkpoint: {path} has no config.json (not a Hugging Face checkpoint)")
+        return Checkpoint(spec)
+    path = Path(spec)
+    if not path.exists():
+        raise ConfigError(f"--checkpoint: {path} does not exist (give a run directory, its checkpoints/ "
+                          f"directory, a step_<N> directory or hf:<dir>)")
+    if path.name.startswith("step_") and path.name[5:].isdigit():
+        step_dir = path
+    else:
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        step = latest_step(root)
+        if step is None:
+            raise ConfigError(f"--checkpoint: no checkpoints (step_<N> directories) in {root}")
+        step_dir = root / f"step_{step}"
+    meta: dict[str, Any] = {}
+    if (step_dir / "meta.json").is_file():
+        meta = json.loads((step_dir / "meta.json").read_text())
+    step = meta.get("step", int(step_dir.name[5:]))
+    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
+    return Checkpoint(str(step_dir), step=step, policy_version=meta.get("policy_version"), run_dir=run_dir)
+
+
+def load_config(config_path: str | None, overrides: list[str], checkpoint: Checkpoint) -> tuple[TrainConfig, RLOptions]:
+    """The run config (`--config`, else the checkpoint's run's `config.yaml`) with its
+    `init_from` pointing at the checkpoint, and its validated RL options."""
+    if config_path is None:
+        candidate = checkpoint.run_dir / "config.yaml" if checkpoint.run_dir is not None else None
+        if candidate is None or not candidate.is_file():
+            raise ConfigError("--config: needed (the checkpoint is not inside a run directory with a config.yaml)")
+        config_path = str(candidate)
+    config = load_train_config(config_path, overrides)
+    if config.strategy.name != "grpo":
+        raise ConfigError(f"strategy.name: jrl eval needs a grpo config (its strategy.options name the task, "
+                          f"rewards and sampling), got {config.strategy.name!r}")
+    options = RLOptions.from_config(config.strategy.options)
+    return dataclasses.replace(config, init_from=checkpoint.init_from), options
+
+
+def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *, split: str = "heldout",
+             samples: int = 1, temperature: float | None = None, seed: int | None = None,
+             max_problems: int | None = None) -> tuple[dict[str, Any], list[ProblemResult]]:
+    """Scores the checkpoint (`config.init_from`) on the task's `split`; returns the
+    report (the JSON written by `--json`) and one result per problem."""
+    if split not in SPLITS:
+        raise ConfigError(f"--split: must be one of {list(SPLITS)}, got {split!r}")
+    if not (isinstance(samples, int) and samples >= 1):
+        raise ConfigError(f"--samples: must be an integer >= 1, got {samples!r}")
+    if max_problems is not None and max_problems < 1:
+        raise ConfigError(f"--max-problems: must be >= 1, got {max_problems}")
+    temperature = options.temperature if temperature is None else float(temperature)
+    if temperature < 0:
+        raise ConfigError(f"--temperature: must be >= 0, got {temperature}")
+    seed = config.seed if seed is None else seed
+    task = make_task(options.task)
+    problems = list(getattr(task, split))[:max_problems]
+    if not problems:
+        raise ConfigError(f"--split: the task has no {split} problems (strategy.options.task.n_{split} is 0?)")
+    tokenizer = load_run_tokenizer(config)
+    fmt = PromptFormat(tokenizer, chat_template=options.task.chat_template, system_prompt=options.task.system_prompt,
+                       stop=options.task.stop)
+    prompts = [fmt.encode(p) for p in problems]
+    limit = config.data.seq_len - options.max_new_tokens
+    if limit < 1:
+        raise ConfigError(f"data.seq_len: must exceed strategy.options.max_new_tokens ({options.max_new_tokens}), "
+                          f"got {config.data.seq_len}")
+    check_prompt_lengths(problems, prompts, limit, f"task split {split}")
+
+    mesh = run_mesh(config.parallel)
+    params = load_initial_params(config, mesh)
+    engine_config = engine_config_for(options, config.data.seq_len, len(problems) * samples, seed)
+    engine, _ = serve_weights(None, params, checkpoint.policy_version or 0, config.model, engine_config,
+                              engine_mesh(mesh, options.engine_tensor_parallel))
+    summary, results = evaluate_problems(engine, fmt, problems, options.reward_model(), prompts=prompts,
+                                         max_new_tokens=options.max_new_tokens, samples=samples,
+                                         temperature=temperature, seed=seed,
+                                         success_threshold=options.success_threshold)
+    report = {"checkpoint": checkpoint.init_from, "step": checkpoint.step, "policy_version": checkpoint.policy_version,
+              "split": split, "n": len(problems), "k": samples, "temperature": temperature,
+              "max_new_tokens": options.max_new_tokens, "seed": seed,
+              "greedy_accuracy": summary["greedy_accuracy"], "pass@1": summary["pass@1"],
+              f"pass@{samples}": summary[f"pass@{samples}"], "reward_mean": summary["reward_mean"],
+              "response_tokens_mean": summary["response_tokens_mean"]}
+    return report, results
+
+
+def problems_path(json_path: str | Path) -> Path:
+    """The per-problem JSONL beside the summary: `eval.json` -> `eval.problems.jsonl`."""
+    return Path(json_path).with_suffix(".problems.jsonl")
+
+
+def write_report(report: dict[str, Any], results: list[ProblemResult], json_path: str | Path) -> Path:
+    """Writes the summary to `json_path` and one row per problem beside it; returns the JSONL path."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    rows = problems_path(json_path)
+    rows.write_text("".join(json.dumps(r.row()) + "\n" for r in results))
+    return rows
+
+
+def format_table(report: dict[str, Any]) -> str:
+    k = report["k"]
+    known = [f"{name} {report[name]}" for name in ("step", "policy_version") if report[name] is not None]
+    lines = [f"checkpoint {report['checkpoint']}" + (f" ({', '.join(known).replace('_', ' ')})" if known else ""),
+             f"{report['split']} split, {report['n']} problems, {k} sample{'s' * (k > 1)} each at temperature "
+             f"{report['temperature']:g}, up to {report['max_new_tokens']} new tokens", ""]
+    rows = [("greedy accuracy", f"{report['greedy_accuracy']:.1%}"), ("pass@1", f"{report['pass@1']:.1%}")]
+    if k > 1:
+        rows.append((f"pass@{k}", f"{report[f'pass@{k}']:.1%}"))
+    rows += [("reward mean", f"{report['reward_mean']:.4g}"),
+             ("response tokens mean", f"{report['response_tokens_mean']:.2f}")]
+    width = max(len(name) for name, _ in rows)
+    lines += [f"{'metric':<{width}}  value"] + [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Score a checkpoint on a GRPO config's task: greedy "
+                                "accuracy, pass@1 and pass@K, reward and response length (docs/rl.md).")
+    p.add_argument("--checkpoint", required=True,
+                   help="run dir, its checkpoints/ dir (latest step), a step_<N> dir, or hf:<dir>")
+    p.add_argument("--config", help="the run's YAML config (default: config.yaml of the checkpoint's run)")
+    p.add_argument("--samples", type=int, help="K: sampled completions per problem (default: the config's "
+                   "eval.samples)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default: strategy.options.temperature)")
+    p.add_argument("--split", default="heldout", choices=SPLITS, help="task split (default: heldout)")
+    p.add_argument("--max-problems", type=int, help="score only the split's first N problems")
+    p.add_argument("--seed", type=int, help="sampling seed (default: the config's seed)")
+    p.add_argument("--json", help="write the summary here and one row per problem to <name>.problems.jsonl")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for jrl train")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        checkpoint = resolve_checkpoint(args.checkpoint)
+        config, options = load_config(args.config, args.overrides, checkpoint)
+        samples = config.eval.samples if args.samples is None else args.samples
+        report, results = run_eval(config, options, checkpoint, split=args.split, samples=samples,
+                                   temperature=args.temperature, seed=args.seed, max_problems=args.max_problems)
+    except RewardError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except CheckpointCorruptError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        rows = write_report(report, results, args.json)
+        print(f"wrote {args.json} and {rows}")
+    print(format_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

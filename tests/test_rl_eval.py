@@ -1,0 +1,128 @@
+"""`jrl eval`: a checkpoint of a real (tiny) GRPO run scored on its held-out split, the JSON
+and per-problem JSONL it writes, agreement with the trainer's own evaluation, errors, and
+the unbiased pass@k estimator on hand-computed values."""
+
+import dataclasses
+import json
+
+import pytest
+
+from jrl.cli import main as jrl
+from jrl.rl.evaluation import pass_at_k
+from test_rl_loop import run, tiny
+
+N_HELDOUT = 16  # tiny()'s held-out split
+REPORT_KEYS = {"checkpoint", "step", "policy_version", "split", "n", "k", "temperature", "max_new_tokens", "seed",
+               "greedy_accuracy", "pass@1", "pass@4", "reward_mean", "response_tokens_mean"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """2 GRPO updates on 1-digit addition; evaluated at start and end with 4 samples a problem."""
+    out = tmp_path_factory.mktemp("run")
+    config = tiny(steps=2)
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, at_end=True, samples=4))
+    _, rows = run(config, out)
+    return out, rows
+
+
+@pytest.fixture(scope="module")
+def evaluated(trained, tmp_path_factory):
+    out, _ = trained
+    report = tmp_path_factory.mktemp("eval") / "eval.json"
+    rc = jrl(["eval", "--config", str(out / "config.yaml"), "--checkpoint", str(out / "checkpoints"),
+              "--samples", "4", "--json", str(report)])
+    assert rc == 0
+    return report
+
+
+def test_report_has_exactly_the_documented_keys(evaluated, trained):
+    out, _ = trained
+    report = json.loads(evaluated.read_text())
+    assert set(report) == REPORT_KEYS
+    assert report["n"] == N_HELDOUT
+    assert (report["k"], report["split"], report["temperature"]) == (4, "heldout", 1.0)
+    assert (report["step"], report["policy_version"]) == (2, 2)  # the latest step of checkpoints/
+    assert report["checkpoint"] == str(out / "checkpoints" / "step_2")
+    assert 0.0 <= report["pass@1"] <= report["pass@4"] <= 1.0
+    assert 0.0 <= report["greedy_accuracy"] <= 1.0
+    assert 1.0 <= report["response_tokens_mean"] <= 3.0  # tiny(): max_new_tokens 3
+
+
+def test_one_jsonl_row_per_problem_beside_the_json(evaluated):
+    assert evaluated.with_name("eval.problems.jsonl").exists()
+    rows = [json.loads(line) for line in evaluated.with_name("eval.problems.jsonl").read_text().splitlines()]
+    assert len(rows) == N_HELDOUT
+    assert all(len(r["correct"]) == len(r["completions"]) == len(r["rewards"]) == 4 for r in rows)
+    report = json.loads(evaluated.read_text())
+    assert report["pass@1"] == pytest.approx(sum(sum(r["correct"]) / 4 for r in rows) / N_HELDOUT)
+    assert report["pass@4"] == pytest.approx(sum(any(r["correct"]) for r in rows) / N_HELDOUT)
+    assert report["greedy_accuracy"] == pytest.approx(sum(r["greedy_correct"] for r in rows) / N_HELDOUT)
+
+
+def test_scores_equal_the_trainers_final_evaluation(evaluated, trained):
+    """Same params, problems, seeds and sampling settings as the trainer's `eval.samples: 4`
+    evaluation at the end of the run: the same numbers."""
+    _, rows = trained
+    final = [r for r in rows if "eval_accuracy" in r][-1]
+    assert final["step"] == 2 and final["policy_version"] == 2
+    report = json.loads(evaluated.read_text())
+    assert report["greedy_accuracy"] == pytest.approx(final["eval_accuracy"])
+    assert report["pass@1"] == pytest.approx(final["eval_accuracy_sampled"])
+    assert report["pass@4"] == pytest.approx(final["eval_pass@4"])
+    assert report["reward_mean"] == pytest.approx(final["eval_reward_sampled"])
+    assert report["response_tokens_mean"] == pytest.approx(final["eval_response_tokens_mean"])
+
+
+def test_validation_split_step_dir_greedy_sampling_and_max_problems_print_a_table_last(trained, capsys, tmp_path):
+    out, _ = trained
+    # config: the run's config.yaml, with validation problems set aside (the held-out ones do not move)
+    rc = jrl(["eval", "--checkpoint", str(out / "checkpoints" / "step_2"), "--split", "validation", "--samples", "2",
+              "--temperature", "0", "--max-problems", "5", "--json", str(tmp_path / "greedy.json"),
+              "strategy.options.task.n_validation=8"])
+    assert rc == 0
+    report = json.loads((tmp_path / "greedy.json").read_text())
+    assert (report["split"], report["n"], report["k"], report["temperature"]) == ("validation", 5, 2, 0.0)
+    # at temperature 0 every sample is the greedy completion
+    assert report["pass@1"] == report["pass@2"] == report["greedy_accuracy"]
+    assert len((tmp_path / "greedy.problems.jsonl").read_text().splitlines()) == 5
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-6].split() == ["metric", "value"]
+    assert [line.split()[0] for line in lines[-5:]] == ["greedy", "pass@1", "pass@2", "reward", "response"]
+
+
+def test_missing_checkpoint_exits_2_naming_the_path(tmp_path, capsys):
+    missing = tmp_path / "nope" / "checkpoints"
+    assert jrl(["eval", "--checkpoint", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: --checkpoint:") and str(missing) in err
+    assert jrl(["eval", "--checkpoint", f"hf:{missing}"]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_config_errors_exit_2(trained, capsys):
+    out, _ = trained
+    # tiny() sets no validation problems aside
+    assert jrl(["eval", "--checkpoint", str(out), "--split", "validation"]) == 2
+    assert "config error: --split: the task has no validation problems" in capsys.readouterr().err
+    assert jrl(["eval", "--checkpoint", str(out), "strategy.options.group_size=1"]) == 2
+    assert "config error: strategy.options.group_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
+    (5, 2, 1, 2 / 5),  # pass@1 is the fraction correct
+    (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5)
+    (4, 1, 4, 1.0),  # every sample drawn: solved iff any is correct
+    (4, 0, 4, 0.0),
+    (5, 3, 3, 1.0),  # fewer than k wrong samples: a draw of k always holds a correct one
+    (8, 8, 1, 1.0),
+])
+def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("n, c, k", [(5, 6, 1), (5, 2, 0), (5, 2, 6), (3, -1, 1)])
+def test_pass_at_k_refuses_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)

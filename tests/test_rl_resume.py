@@ -1,0 +1,91 @@
+"""Exact RL resume: a run stopped in the middle of a rollout (and, off-policy, with the next
+rollout generated ahead) and resumed from its checkpoint ends with bitwise the params of
+the uninterrupted run, and logs the same rows after the resume point."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jrl.train.callbacks import Callback
+from test_rl_loop import run, tiny, train_rows
+
+TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu")
+
+
+class StopAfter(Callback):
+    """Asks the trainer to stop after step `step` (the end-of-run checkpoint follows)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        if metrics["step"] == self.step:
+            trainer.request_stop("test")
+
+
+def comparable(rows, after):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in train_rows(rows) if r["step"] > after]
+
+
+def assert_resume_is_exact(config, stop, tmp_path):
+    whole, whole_rows = run(config, tmp_path / "whole")
+    part, _ = run(config, tmp_path / "part", callbacks=[StopAfter(stop)])
+    assert int(part.state.step) == stop
+    step_dir = tmp_path / "part" / "checkpoints" / f"step_{stop}"
+    meta = json.loads((step_dir / "meta.json").read_text())
+    resumed, rows = run(config, tmp_path / "part", resume=True)  # a fresh learner, as a new process builds
+    assert int(resumed.state.step) == config.steps
+    for a, b in zip(jax.tree.leaves(whole.state.params), jax.tree.leaves(resumed.state.params), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(whole.state.opt_state), jax.tree.leaves(resumed.state.opt_state), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert [r["step"] for r in train_rows(rows)] == list(range(1, config.steps + 1))
+    after = comparable(rows, stop)
+    assert after and after == comparable(whole_rows, stop)
+    assert any("reward_mean" in r for r in after)  # a rollout generated after the resume is compared too
+    return meta, step_dir
+
+
+def test_sync_run_stopped_between_minibatches_resumes_exactly(tmp_path):
+    # 16 samples a rollout, 8 rows a minibatch, 2 epochs: 4 updates per rollout;
+    # stopped after step 3, one minibatch of rollout 0 is left
+    config = tiny(steps=6, epochs=2)
+    meta, step_dir = assert_resume_is_exact(config, 3, tmp_path)
+    data = meta["data"]
+    assert data["rl_step"] == 1 and data["rollout"]["next"] == 3 and "pending" not in data
+    assert (step_dir / "source_state.npz").exists()
+    assert "source_state.npz" in json.loads((step_dir / "manifest.json").read_text())["files"]
+
+
+def test_off_policy_run_stopped_with_a_rollout_pending_resumes_exactly(tmp_path):
+    # 2 updates per rollout; after step 3 rollout 1 has one minibatch left and rollout 2
+    # (generated ahead with the weights of step 2) is pending
+    config = tiny(steps=6, off_policy=True)
+    meta, _ = assert_resume_is_exact(config, 3, tmp_path)
+    data = meta["data"]
+    assert data["rl_step"] == 2 and data["rollout"]["next"] == 1 and "pending" in data
+
+
+def test_off_policy_run_stopped_at_a_rollout_boundary_keeps_the_pending_rollout(tmp_path):
+    meta, _ = assert_resume_is_exact(tiny(steps=6, off_policy=True), 4, tmp_path)
+    assert "rollout" not in meta["data"] and "pending" in meta["data"]
+
+
+def test_a_checkpoint_of_older_jrl_with_only_the_rollout_counter_still_loads(tmp_path):
+    from jrl.rl import build_learner
+    learner = build_learner(tiny(steps=2), output_dir=tmp_path)
+    learner.source.load_state_dict({"rl_step": 3})
+    assert learner.source.rl_step == 3 and learner.source.state_dict()["rl_step"] == 3
+    assert "rollout" not in learner.source.state_dict()
+
+
+def test_resume_after_an_evaluation_is_exact(tmp_path):
+    # the uninterrupted run evaluates at step 4 and then samples rollout 1 at version 4;
+    # the resumed one starts at step 4 without evaluating: evaluation must leave nothing
+    # (cached prefixes) that the rollout would see
+    config = tiny(steps=6, epochs=2)
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, every=4))
+    assert_resume_is_exact(config, 4, tmp_path)
