@@ -6,11 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from chat_fixtures import write_chat_tokenizer
+from jrl import checkpoint
 from jrl.config import ConfigError, load_train_config
 from jrl.data.bundled import load_bundled
-from jrl.launch import has_warm_start
+from jrl.launch import has_warm_start, main
 from jrl.rl.demonstrations import WarmStartConfig, prepare_demonstrations
 from jrl.rl.examples import letters_in_place, reversed_word
 from jrl.rl.options import RLOptions
@@ -130,3 +132,32 @@ def test_a_task_without_validation_problems_is_refused(tmp_path):
                                              f"strategy.options.warm_start.source={src}"])
     with pytest.raises(ConfigError, match="no validation problems"):
         run_warm_start(config, output_dir=str(tmp_path))
+
+
+@pytest.mark.slow
+def test_config_warm_start_runs_first_and_resume_skips_it_once_done(tmp_path, capsys):
+    out = tmp_path / "run"
+    small = [f"--output-dir={out}", "steps=2", "data.batch_size=8", "strategy.options.prompts_per_step=4",
+             "strategy.options.group_size=2", "strategy.options.task.n_heldout=8",
+             "strategy.options.task.n_validation=8", "strategy.options.warm_start.source=bundled:reverse:200",
+             "strategy.options.warm_start.max_steps=4", "strategy.options.warm_start.check_every=2",
+             "strategy.options.warm_start.target_accuracy=1.0", "eval.every=0", "checkpoint.interval=1",
+             "logging.progress=false", "logging.plot=false"]
+    assert main(["--config", str(CONFIG), *small]) == 0
+    printed = capsys.readouterr().out
+    assert "warm start finished at step 4" in printed and (out / "warm_start" / "done").read_text() == "4\n"
+    warm_rows = (out / "warm_start" / "metrics.jsonl").read_text()
+    assert [r["step"] for r in map(json.loads, warm_rows.splitlines()) if "val_accuracy" in r] == [2, 4]
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["init_from"] == str(out / "warm_start" / "checkpoints")
+
+    # a second start without --resume / --overwrite refuses, and the finished warm start stays marked
+    assert main(["--config", str(CONFIG), *small]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert (out / "warm_start" / "done").is_file()
+
+    # --resume skips the finished warm start and continues GRPO from its last checkpoint
+    assert main(["--config", str(CONFIG), *[a if a != "steps=2" else "steps=3" for a in small], "--resume"]) == 0
+    assert "warm start finished" not in capsys.readouterr().out
+    assert (out / "warm_start" / "metrics.jsonl").read_text() == warm_rows
+    assert checkpoint.latest_step(out / "checkpoints") == 3
