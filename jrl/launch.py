@@ -82,6 +82,16 @@ def start_distributed(config) -> bool:
     return initialize_distributed(config.parallel or ParallelConfig())
 
 
+def has_warm_start(config: TrainConfig, *, embedded_default: bool) -> bool:
+    """Whether the run starts with the warm start of `strategy.options.warm_start` (from
+    `init_from`, if any); for the embedded default an explicit `init_from` skips it."""
+    if config.strategy.name not in RL_STRATEGIES:
+        return False
+    if RLOptions.from_config(config.strategy.options).warm_start is None:
+        return False
+    return not (embedded_default and config.init_from is not None)
+
+
 def dry_run(config, output_dir: str | None) -> None:
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     groups = param_groups(abstract)
@@ -106,11 +116,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         return 0
     resuming = args.resume or args.resume_from is not None
     overwrite = args.overwrite or (not args.config and not resuming)
-    if not args.config and config.init_from is None:  # the embedded default: SFT warm start, then GRPO
-        config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite)
-        if config is None:
-            return 0
     try:
+        if has_warm_start(config, embedded_default=not args.config):  # SFT warm start, then GRPO
+            config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite)
+            if config is None:
+                return 0
         trainer = make_trainer(config, output_dir=args.output_dir)
         state = trainer.fit(resume=args.resume, overwrite=overwrite, resume_from=args.resume_from)
     except (ConfigError, FileExistsError, HFFormatError) as e:

@@ -26,6 +26,8 @@ def test_default_run_warm_start_then_grpo_raises_heldout_accuracy(tmp_path, caps
     evals = [r for r in rows if "eval_accuracy" in r]
     before, after = evals[0], evals[-1]
     assert (before["policy_version"], after["policy_version"]) == (0, 50)
+    print(f"\n[default e2e] held-out greedy accuracy {before['eval_accuracy']:.1%} -> {after['eval_accuracy']:.1%}, "
+          f"sampled {before['eval_accuracy_sampled']:.1%} -> {after['eval_accuracy_sampled']:.1%}")
     assert after["eval_accuracy"] >= before["eval_accuracy"] + 0.05
     assert after["eval_accuracy_sampled"] >= before["eval_accuracy_sampled"] + 0.05
     rollouts = [r for r in rows if "rl_step" in r]

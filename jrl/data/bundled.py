@@ -9,6 +9,10 @@
 * `addition`: demonstrations of the RL task `jrl.data.tasks` (default `TaskConfig`):
   `{"prompt": "37+48=", "response": "58", "answer": "58"}`, never a held-out problem
   (the SFT warm start of the embedded default run).
+* `reverse`: a word of 3 or 4 lowercase letters and the word backwards,
+  `{"prompt": "ycjl>", "response": "ljcy", "answer": "ljcy", "word": "ycjl"}`, every
+  record a different word: the task of `configs/grpo_jsonl_example.yaml`, whose reward
+  (`jrl.rl.examples:reversed_word`) reads the record's `word`.
 
 Every generator is a pure function of `(n, seed)`.
 """
@@ -19,7 +23,8 @@ import numpy as np
 
 from jrl.data.tasks import make_task, sft_records
 
-DEFAULT_SIZES = {"arithmetic": 2000, "arithmetic_pairs": 1000, "tinytext": 2000, "addition": 4000}
+DEFAULT_SIZES = {"arithmetic": 2000, "arithmetic_pairs": 1000, "tinytext": 2000, "addition": 4000,
+                 "reverse": 4000}
 
 
 def _problem(rng: np.random.Generator) -> tuple[str, int]:
@@ -75,8 +80,30 @@ def addition(n: int, seed: int = 0) -> list[dict]:
     return sft_records(make_task(), n, seed)
 
 
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _distinct(space: int, n: int, rng: np.random.Generator, name: str) -> list[int]:
+    """`n` distinct indices of a problem space of `space` problems, in seeded order."""
+    if n > space:
+        raise ValueError(f"data.source: bundled:{name} has {space} distinct problems, asked for {n}")
+    return [int(i) for i in rng.permutation(space)[:n]]
+
+
+def reverse(n: int, seed: int = 0) -> list[dict]:
+    """`n` distinct words of 3 or 4 lowercase letters (uniform over all such words)."""
+    rng = np.random.default_rng([seed, 15])
+    out = []
+    for i in _distinct(26 ** 3 + 26 ** 4, n, rng, "reverse"):
+        k = 3 if i < 26 ** 3 else 4
+        i = i if k == 3 else i - 26 ** 3
+        word = "".join(_LETTERS[(i // 26 ** j) % 26] for j in range(k))
+        out.append({"prompt": f"{word}>", "response": word[::-1], "answer": word[::-1], "word": word})
+    return out
+
+
 GENERATORS = {"arithmetic": arithmetic, "arithmetic_pairs": arithmetic_pairs, "tinytext": tinytext,
-              "addition": addition}
+              "addition": addition, "reverse": reverse}
 
 
 def is_bundled(source: str) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from jrl.config import ConfigError, check, from_dict
 from jrl.rl.advantages import ESTIMATORS
+from jrl.rl.demonstrations import WarmStartConfig
 from jrl.rl.rewards import RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig
 from jrl.train.strategies.grpo import GRPOLossConfig
@@ -70,6 +71,8 @@ class RLOptions:
     # trainer's devices); -1: the trainer mesh's `parallel.tensor`
     engine_tensor_parallel: int = 1
     eval_problems: int = 0  # 0: every held-out problem of the task
+    # SFT on demonstrations before GRPO (jrl.rl.warm_start); None: start from init_from
+    warm_start: WarmStartConfig | None = None
     # the objective (strategy options of `grpo`), built by from_config
     loss: GRPOLossConfig = GRPOLossConfig()
 

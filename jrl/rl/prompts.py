@@ -41,6 +41,18 @@ def end_of_turn_ids(tokenizer: Any) -> list[int]:
     return ids
 
 
+def end_of_turn_text(tokenizer: Any) -> str:
+    """The text of the token that ends an assistant's response: the one closing an
+    assistant turn in the chat template (EOS when the template closes turns with EOS or
+    has none). A demonstration response to a template-rendered prompt ends with it."""
+    token = end_of_turn_ids(tokenizer)[-1]
+    text = tokenizer.decode([token])
+    if list(tokenizer.encode(text)) != [token]:
+        raise ConfigError(f"the end-of-turn token {token} decodes to {text!r}, which does not encode back to it; "
+                          f"cannot write demonstrations that end with it")
+    return text
+
+
 class PromptFormat:
     """Renders and encodes problems for one tokenizer, and decodes completions for rewards.
 

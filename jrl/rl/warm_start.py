@@ -1,14 +1,17 @@
-"""The embedded default's first stage: an SFT warm start, then GRPO from its checkpoint.
+"""The warm start: SFT on demonstrations of the RL task, then GRPO from its checkpoint.
 
-`python -m jrl.train` without a config runs `run_warm_start` (SFT on demonstrations of the
-RL task, `jrl.train.defaults.default_warm_start`) into `<run_dir>/warm_start/`, then the
-GRPO stage with `init_from` pointing at the warm start's checkpoints. The model section and
-seed of the GRPO config apply to both stages (the params must fit one model), and so does
-logging. Giving `init_from` explicitly skips the warm start.
+A grpo config with `strategy.options.warm_start` (`jrl.rl.demonstrations.WarmStartConfig`)
+makes `python -m jrl.train` run `run_warm_start` first: SFT on the demonstrations, rendered
+as the RL prompts are, into `<run_dir>/warm_start/`, starting from the config's
+`init_from` when it has one; then the GRPO stage starts from the warm start's checkpoints.
+The SFT stage shares the GRPO config's model, seed, tokenizer, optimizer (with the warm
+start's `lr` and `clip_norm`), logging and parallel layout. The embedded default run
+(`jrl.train.defaults`) is such a config, on the bundled addition task; for it alone an
+explicit `init_from` skips the warm start.
 
 The warm start stops as soon as greedy accuracy on the task's *validation* problems (never
 trained on, and disjoint from the held-out test problems) reaches `target_accuracy`, or
-after its `steps`. Small transformers learn this task in a sudden jump whose timing
+after `max_steps`. Small transformers learn such tasks in a sudden jump whose timing
 varies with the seed and the machine's float rounding; stopping on accuracy rather than
 after a fixed step count hands GRPO a model that is right a fair part of the time
 everywhere, so there is both signal (groups with mixed rewards) and room to improve.
@@ -19,28 +22,36 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from jrl.config import TrainConfig, from_dict
+from jrl import checkpoint
+from jrl.config import (CheckpointConfig, ConfigError, DataConfig, ScheduleConfig, Section, StrategyConfig,
+                        TrainConfig)
+from jrl.data.tasks import Problem
+from jrl.rl.demonstrations import Demonstrations, WarmStartConfig, prepare_demonstrations
 from jrl.rl.engines import engine_config_for, serve_weights
 from jrl.rl.evaluation import evaluate_problems
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.tasks import make_task
 from jrl.train.callbacks import Callback
-from jrl.train.defaults import default_warm_start
-from jrl.train.trainer import Trainer
+from jrl.train.trainer import Trainer, load_run_tokenizer
 
-TARGET_ACCURACY = 0.4
-CHECK_EVERY = 25
+
+def _warm_start_of(options: RLOptions) -> WarmStartConfig:
+    if options.warm_start is None:
+        raise ConfigError("strategy.options.warm_start: not set; the run has no warm start")
+    return options.warm_start
 
 
 class StopAtValidationAccuracy(Callback):
     """Every `every` steps: greedy validation accuracy of the task (an evaluation row
     with `val_accuracy`); requests the stop once it reaches `target`."""
 
-    def __init__(self, grpo: TrainConfig, target: float, every: int) -> None:
+    def __init__(self, grpo: TrainConfig, target: float, every: int,
+                 problems: list[Problem] | None = None) -> None:
         self.options = RLOptions.from_config(grpo.strategy.options)
         self.seq_len = grpo.data.seq_len
         self.target, self.every = target, every
+        self.problems = problems  # None: the task's validation split, read at the first check
         self.engine = None
         self.history: list[tuple[int, float]] = []
 
@@ -49,7 +60,9 @@ class StopAtValidationAccuracy(Callback):
         if step % self.every:
             return
         o = self.options
-        problems = make_task(o.task).validation
+        if self.problems is None:
+            self.problems = make_task(o.task).validation
+        problems = self.problems
         if not problems:
             return
         config = engine_config_for(o, self.seq_len, len(problems), trainer.config.seed)
@@ -70,26 +83,59 @@ class StopAtValidationAccuracy(Callback):
                                  f"{self.target:.0%}")
 
 
-def warm_start_config(config: TrainConfig) -> TrainConfig:
-    """The SFT stage for the GRPO stage `config`: its model, seed and logging."""
-    warm = from_dict(TrainConfig, default_warm_start())
-    return dataclasses.replace(warm, model=config.model, seed=config.seed, logging=config.logging)
+def warm_start_config(config: TrainConfig, demonstrations: Demonstrations | None = None) -> TrainConfig:
+    """The SFT stage for the GRPO stage `config` (whose `strategy.options.warm_start` it
+    follows): its model, seed, tokenizer, init_from, logging and parallel layout, its
+    optimizer with the warm start's lr / clip_norm. `demonstrations`: what to train on
+    (default: the warm start's source as it is, prompt -> response, EOS appended)."""
+    options = RLOptions.from_config(config.strategy.options)
+    ws = _warm_start_of(options)
+    demos = demonstrations or Demonstrations(ws.source, ws.prompt_field or options.task.prompt_field,
+                                             ws.response_field, add_eos=True, count=0, dropped=0)
+    data = DataConfig(source=demos.source, format="sections",
+                      sections=(Section(field=demos.prompt_field), Section(field=demos.response_field, train=True)),
+                      seq_len=ws.seq_len or config.data.seq_len, batch_size=ws.batch_size, eval_fraction=0.0,
+                      add_eos=demos.add_eos, tokenizer=config.data.tokenizer, seed=config.data.seed,
+                      cache_dir=config.data.cache_dir)
+    optimizer = dataclasses.replace(
+        config.optimizer, lr=config.optimizer.lr if ws.lr is None else ws.lr,
+        clip_norm=config.optimizer.clip_norm if ws.clip_norm is None else ws.clip_norm)
+    return TrainConfig(name="warm_start", seed=config.seed, steps=ws.max_steps, init_from=config.init_from,
+                       lm_head_chunk=config.lm_head_chunk, model=config.model, data=data,
+                       strategy=StrategyConfig(name="sft"), optimizer=optimizer,
+                       schedule=ScheduleConfig(kind="constant", warmup_steps=ws.warmup_steps),
+                       checkpoint=CheckpointConfig(interval=0, keep_last=1), logging=config.logging,
+                       parallel=config.parallel)
 
 
 def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume: bool = False,
-                   overwrite: bool = False, warm: TrainConfig | None = None,
-                   target_accuracy: float = TARGET_ACCURACY, check_every: int = CHECK_EVERY) -> TrainConfig | None:
-    """Trains the warm start into `<run_dir>/warm_start` (resuming it when `resume`) and
-    returns `config` starting from its final checkpoint; None if a signal stopped it."""
-    run_dir = Path(output_dir or config.run_dir)
-    warm = warm or warm_start_config(config)
-    stop = StopAtValidationAccuracy(config, target_accuracy, check_every)
-    trainer = Trainer(warm, output_dir=run_dir / "warm_start", callbacks=[stop])
-    done = trainer.run_dir / "done"  # written when the warm start ended (not by a signal)
+                   overwrite: bool = False) -> TrainConfig | None:
+    """Trains the warm start of `config` into `<run_dir>/warm_start` (resuming it when
+    `resume`; a finished one, marked by `warm_start/done`, is not rerun) and returns
+    `config` starting from its final checkpoint; None if a signal stopped it."""
+    options = RLOptions.from_config(config.strategy.options)
+    ws = _warm_start_of(options)
+    warm_dir = Path(output_dir or config.run_dir) / "warm_start"
+    done = warm_dir / "done"  # written when the warm start ended (not by a signal)
     if resume and done.is_file():
-        return dataclasses.replace(config, init_from=str(trainer.checkpoint_dir))
-    done.unlink(missing_ok=True)
-    state = trainer.fit(resume=resume, overwrite=overwrite or not resume)
+        return dataclasses.replace(config, init_from=str(warm_dir / "checkpoints"))
+    task = make_task(options.task)
+    if not task.validation:
+        raise ConfigError("strategy.options.task: the warm start stops on validation accuracy, and the task has no "
+                          "validation problems (give task.validation or task.n_validation >= 1)")
+    fmt = PromptFormat(load_run_tokenizer(config), chat_template=options.task.chat_template,
+                       system_prompt=options.task.system_prompt, stop=options.task.stop)
+    demos = prepare_demonstrations(ws, fmt, options.task.prompt_field, task.heldout + task.validation, warm_dir,
+                                   seed=config.data.seed)
+    if demos.source != ws.source:
+        print(f"warm start: {demos.count} demonstrations of {ws.source} rendered into {demos.source}"
+              + (f" ({demos.dropped} left out: held-out or validation prompts)" if demos.dropped else ""),
+              flush=True)
+    stop = StopAtValidationAccuracy(config, ws.target_accuracy, ws.check_every, problems=task.validation)
+    trainer = Trainer(warm_start_config(config, demos), output_dir=warm_dir, callbacks=[stop])
+    if resume or overwrite or checkpoint.latest_step(trainer.checkpoint_dir) is None:
+        done.unlink(missing_ok=True)  # else fit refuses to start over an earlier warm start, which stays marked
+    state = trainer.fit(resume=resume, overwrite=overwrite)
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"warm start finished at step {int(state.step)}{reason}; run directory: {trainer.run_dir}",
           flush=True)

@@ -1,8 +1,9 @@
 """The run `python -m jrl.train` performs without a config: GRPO on the bundled addition
 task (`37+48=` -> `58`, the sum's digits least-significant first; `jrl.data.tasks`) for a
-tiny byte-level model, after a short SFT warm start (`default_warm_start`, run into
-`<run_dir>/warm_start/` by `jrl.rl.warm_start`). Sized to finish on a 2-core CPU in a
-few minutes; overrides apply to the GRPO stage (and `model.*` / `seed` to both)."""
+tiny byte-level model, after a short SFT warm start (`strategy.options.warm_start`: on
+`bundled:addition` demonstrations until 40% of the validation problems are solved, run into
+`<run_dir>/warm_start/` by `jrl.rl.warm_start`). Sized to finish on a 2-core CPU in a few
+minutes; overrides apply to the GRPO stage (and `model.*` / `seed` to both)."""
 
 from __future__ import annotations
 
@@ -22,30 +23,16 @@ def default_run() -> dict[str, Any]:
         "data": {"seq_len": 16, "batch_size": 256},
         "strategy": {"name": "grpo", "options": {
             "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 5, "temperature": 1.0,
-            "epochs": 1, "engine": {"page_size": 4}}},
+            "epochs": 1, "engine": {"page_size": 4},
+            # SFT on demonstrations of training problems (never a held-out or validation
+            # one) until the model solves 40% of the validation problems, so RL has signal
+            # and room to improve
+            "warm_start": {"source": "bundled:addition:100000", "target_accuracy": 0.4, "max_steps": 1500,
+                           "check_every": 25, "lr": 5e-3, "clip_norm": 0.0, "batch_size": 16, "seq_len": 64,
+                           "warmup_steps": 20}}},
         "optimizer": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.0, "clip_norm": 1.0},
         "schedule": {"kind": "constant"},
         "checkpoint": {"interval": 100, "keep_last": 2},
         "eval": {"every": 50},
         "logging": {"log_every": 1},
-    }
-
-
-def default_warm_start() -> dict[str, Any]:
-    """The SFT stage before GRPO: demonstrations of the same task (never a held-out or
-    validation problem); at most `steps`, but `jrl.rl.warm_start` stops it once the
-    model solves 40% of the validation problems, so RL has signal and room to improve."""
-    return {
-        "name": "warm_start",
-        "seed": 0,
-        "steps": 1500,
-        "model": dict(MODEL),
-        "data": {"source": "bundled:addition:100000", "format": "sections",
-                 "sections": [{"field": "prompt"}, {"field": "response", "train": True}],
-                 "seq_len": 64, "batch_size": 16, "eval_fraction": 0.0},
-        "strategy": {"name": "sft"},
-        "optimizer": {"name": "adamw", "lr": 5e-3, "weight_decay": 0.0, "clip_norm": 0.0},
-        "schedule": {"kind": "constant", "warmup_steps": 20},
-        "checkpoint": {"interval": 0, "keep_last": 1},
-        "logging": {"log_every": 10},
     }

@@ -1,0 +1,165 @@
+"""The warm start's settings and its data: demonstrations of an RL task, rendered exactly as
+the RL prompts are.
+
+`strategy.options.warm_start` (docs/rl.md) names a source of demonstration records (a JSONL
+file or `bundled:<name>[:<n>]`): each has a prompt (`prompt_field`, by default the task's:
+text or a chat message list) and the response to learn (`response_field`). SFT on them
+teaches the policy the task before GRPO starts, so that its groups have mixed rewards.
+
+The SFT stage must see the prompt the engine will see: each demonstration prompt goes
+through the task's `PromptFormat.render` (chat template, generation prompt, system
+prompt), and a response to a template-rendered prompt ends with the text of the token that
+closes an assistant turn (`<|im_end|>`, `<|eot_id|>`, ...), so the model learns to stop
+where the engine stops it; a plain-text prompt's response ends with EOS (the data
+pipeline's `add_eos`). Demonstrations whose rendered prompt is a held-out or validation
+prompt of the task are dropped (a warm start on the test set would make the before/after
+accuracy meaningless).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from jrl.config import ConfigError
+from jrl.data.records import iter_located_records
+from jrl.data.tasks import Problem
+from jrl.rl.prompts import PromptFormat, end_of_turn_text
+
+PREFIX = "strategy.options.warm_start."
+
+
+def _check(ok: bool, field: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{PREFIX}{field}: {msg}")
+
+
+def _is_int(v: Any, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """SFT on demonstrations until greedy accuracy on the task's validation problems reaches
+    `target_accuracy` (checked every `check_every` steps), or `max_steps`. The optimizer is
+    the run's (`optimizer.*`) with `lr` and `clip_norm` replaced when given; the schedule
+    is constant after `warmup_steps`."""
+
+    source: str = ""
+    prompt_field: str | None = None  # None: the task's prompt_field
+    response_field: str = "response"
+    target_accuracy: float = 0.4
+    max_steps: int = 1000
+    check_every: int = 25
+    lr: float | None = None  # None: the run's optimizer.lr
+    clip_norm: float | None = None  # None: the run's optimizer.clip_norm (0 disables)
+    batch_size: int = 16  # rows of seq_len tokens (packed demonstrations) per step
+    seq_len: int | None = None  # None: the run's data.seq_len
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.source, str) and self.source != "", "source",
+               f"must be a JSONL path or bundled:<name>[:<n>], got {self.source!r}")
+        if self.prompt_field is not None:
+            _check(isinstance(self.prompt_field, str) and self.prompt_field != "", "prompt_field",
+                   f"must be a field name or null (the task's), got {self.prompt_field!r}")
+        _check(isinstance(self.response_field, str) and self.response_field != "", "response_field",
+               f"must be a field name, got {self.response_field!r}")
+        _check(isinstance(self.target_accuracy, (int, float)) and 0.0 < self.target_accuracy <= 1.0,
+               "target_accuracy", f"must be in (0, 1], got {self.target_accuracy!r}")
+        for name, lo in (("max_steps", 1), ("check_every", 1), ("batch_size", 1), ("warmup_steps", 0)):
+            v = getattr(self, name)
+            _check(_is_int(v, lo), name, f"must be an integer >= {lo}, got {v!r}")
+        if self.seq_len is not None:
+            _check(_is_int(self.seq_len, 2), "seq_len", f"must be an integer >= 2 or null, got {self.seq_len!r}")
+        if self.lr is not None:
+            _check(self.lr > 0, "lr", f"must be > 0 or null, got {self.lr}")
+        if self.clip_norm is not None:
+            _check(self.clip_norm >= 0, "clip_norm", f"must be >= 0 or null, got {self.clip_norm}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Demonstrations:
+    """What the SFT stage trains on: `source` with prompt -> response `sections`, EOS
+    appended when `add_eos`. `dropped`: demonstrations left out because their prompt is a
+    held-out or validation prompt."""
+
+    source: str
+    prompt_field: str
+    response_field: str
+    add_eos: bool
+    count: int
+    dropped: int
+
+
+def _problem(record: dict, where: str, field: str) -> Problem:
+    if field not in record:
+        raise ConfigError(f"{where}: missing field {field!r} ({PREFIX}prompt_field); the record has {sorted(record)}")
+    prompt = record[field]
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                 and isinstance(m.get("content"), str) for m in prompt):
+            raise ConfigError(f"{where}: field {field!r} must be a non-empty list of {{role: str, content: str}}")
+        prompt = tuple(dict(m) for m in prompt)
+    elif not isinstance(prompt, str) or not prompt:
+        raise ConfigError(f"{where}: field {field!r} must be a non-empty string or a chat message list, got {prompt!r}")
+    return Problem(prompt=prompt, answer="", example=record, where=where)
+
+
+def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prompt_field: str,
+                           excluded: list[Problem], out_dir: Path, *, seed: int = 0) -> Demonstrations:
+    """Reads the demonstrations, renders their prompts with `fmt` and leaves out those whose
+    rendered prompt is one of `excluded` (the task's held-out and validation problems).
+    When every prompt renders as it is and nothing is left out, the source is used as it
+    is; otherwise the rendered demonstrations are written to `out_dir/demonstrations.jsonl`
+    (`{"prompt", "response"}` records)."""
+    prompt_field = config.prompt_field or task_prompt_field
+    response_field = config.response_field
+    forbidden = {fmt.render(p) for p in excluded}
+    end_of_turn: str | None = None  # read from the tokenizer at the first templated prompt
+    rows: list[dict] = []
+    as_is = True
+    dropped = 0
+    try:
+        located = list(iter_located_records(config.source, seed))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e).replace("data.source: ", f"{PREFIX}source: ")) from None
+    for where, record in located:
+        problem = _problem(record, where, prompt_field)
+        if response_field not in record:
+            raise ConfigError(f"{where}: missing field {response_field!r} ({PREFIX}response_field); the record has "
+                              f"{sorted(record)}")
+        response = record[response_field]
+        if isinstance(response, bool) or not isinstance(response, (str, int, float)):
+            raise ConfigError(f"{where}: field {response_field!r} must be a string or a number, got {response!r}")
+        rendered = fmt.render(problem)
+        if rendered in forbidden:
+            dropped += 1
+            continue
+        templated = rendered != problem.prompt
+        as_is = as_is and not templated
+        response = str(response)
+        if templated:
+            end_of_turn = end_of_turn if end_of_turn is not None else end_of_turn_text(fmt.tokenizer)
+            if not response.endswith(end_of_turn):
+                response += end_of_turn
+        rows.append({"prompt": rendered, "response": response, "templated": templated})
+    if not rows:
+        raise ConfigError(f"{PREFIX}source: no demonstrations left in {config.source!r}"
+                          + (f" ({dropped} are held-out or validation prompts of the task)" if dropped else ""))
+    if as_is and not dropped:
+        return Demonstrations(config.source, prompt_field, response_field, add_eos=True, count=len(rows), dropped=0)
+    if len({r["templated"] for r in rows}) > 1:
+        raise ConfigError(f"{PREFIX}source: some prompts of {config.source!r} are rendered with the chat template "
+                          f"and some are not; give them one form (all text or all message lists)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "demonstrations.jsonl"
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps({"prompt": r["prompt"], "response": r["response"]}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return Demonstrations(str(path), "prompt", "response", add_eos=not rows[0]["templated"], count=len(rows),
+                          dropped=dropped)

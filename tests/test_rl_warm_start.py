@@ -1,0 +1,163 @@
+"""The warm start's settings and data: demonstrations rendered as the RL prompts are (chat
+template, end-of-turn token closing the response), held-out / validation prompts left out,
+the SFT config derived from the GRPO run, and the embedded default expressed through it."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from chat_fixtures import write_chat_tokenizer
+from jrl import checkpoint
+from jrl.config import ConfigError, load_train_config
+from jrl.data.bundled import load_bundled
+from jrl.launch import has_warm_start, main
+from jrl.rl.demonstrations import WarmStartConfig, prepare_demonstrations
+from jrl.rl.examples import letters_in_place, reversed_word
+from jrl.rl.options import RLOptions
+from jrl.rl.prompts import PromptFormat, end_of_turn_text
+from jrl.rl.tasks import TaskConfig, make_task
+from jrl.rl.warm_start import run_warm_start, warm_start_config
+from jrl.tokenizer import ByteTokenizer, load_tokenizer
+from jrl.train.defaults import default_run
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_jsonl_example.yaml"
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_plain_prompts_use_the_source_as_it_is(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab>", "response": "ba"}])
+    demos = prepare_demonstrations(WarmStartConfig(source=src), PromptFormat(ByteTokenizer()), "prompt", [],
+                                   tmp_path / "out")
+    assert (demos.source, demos.add_eos, demos.count, demos.dropped) == (src, True, 1, 0)
+    assert not (tmp_path / "out").exists()
+
+
+def test_chat_prompts_are_rendered_and_closed_by_the_end_of_turn_token(tmp_path):
+    tok = load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok")))
+    assert end_of_turn_text(tok) == "<|im_end|>"
+    src = write_jsonl(tmp_path / "d.jsonl", [
+        {"messages": [{"role": "user", "content": "2+3?"}], "response": "5", "n": 1},
+        {"messages": [{"role": "user", "content": "1+1?"}], "response": "2<|im_end|>", "n": 2}])
+    fmt = PromptFormat(tok, system_prompt="Be brief.")
+    demos = prepare_demonstrations(WarmStartConfig(source=src, prompt_field="messages"), fmt, "prompt", [],
+                                   tmp_path / "out")
+    assert demos.add_eos is False and demos.source == str(tmp_path / "out" / "demonstrations.jsonl")
+    rows = [json.loads(line) for line in open(demos.source)]
+    assert rows[0]["prompt"] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+3?<|im_end|>\n"
+                                 "<|im_start|>assistant\n")
+    assert [r["response"] for r in rows] == ["5<|im_end|>", "2<|im_end|>"]  # never closed twice
+
+
+def test_heldout_and_validation_prompts_are_left_out(tmp_path):
+    config = TaskConfig(name="jsonl", train="bundled:reverse:600", n_heldout=50, n_validation=50)
+    task = make_task(config)
+    demos = prepare_demonstrations(WarmStartConfig(source="bundled:reverse:600"), PromptFormat(ByteTokenizer()),
+                                   "prompt", task.heldout + task.validation, tmp_path)
+    assert (demos.count, demos.dropped) == (500, 100)
+    kept = {json.loads(line)["prompt"] for line in open(demos.source)}
+    assert kept.isdisjoint(p.prompt for p in task.heldout + task.validation)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"source": ""}, "strategy.options.warm_start.source: must be a JSONL path"),
+    ({"source": "x", "target_accuracy": 0.0}, r"warm_start.target_accuracy: must be in \(0, 1\]"),
+    ({"source": "x", "max_steps": 0}, "warm_start.max_steps: must be an integer >= 1"),
+    ({"source": "x", "lr": -1.0}, "warm_start.lr: must be > 0"),
+])
+def test_bad_warm_start_settings_name_the_field(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        RLOptions.from_config({"warm_start": fields})
+
+
+def test_missing_response_names_the_record(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab>", "answer": "ba"}])
+    with pytest.raises(ConfigError, match=r"d.jsonl:1: missing field 'response' \(strategy.options.warm_start"):
+        prepare_demonstrations(WarmStartConfig(source=src), PromptFormat(ByteTokenizer()), "prompt", [], tmp_path)
+
+
+def test_default_warm_start_is_the_historic_sft_stage():
+    config = load_train_config(None, [], base=default_run())
+    warm = warm_start_config(config)
+    assert has_warm_start(config, embedded_default=True)
+    assert not has_warm_start(load_train_config(None, ["init_from=x"], base=default_run()), embedded_default=True)
+    assert warm.steps == 1500 and warm.init_from is None and warm.strategy.name == "sft"
+    d = warm.data
+    assert (d.source, d.format, d.seq_len, d.batch_size, d.eval_fraction, d.add_eos) == (
+        "bundled:addition:100000", "sections", 64, 16, 0.0, True)
+    assert [(s.field, s.train) for s in d.sections] == [("prompt", False), ("response", True)]
+    o = warm.optimizer
+    assert (o.name, o.lr, o.weight_decay, o.clip_norm) == ("adamw", 5e-3, 0.0, 0.0)
+    assert (warm.schedule.kind, warm.schedule.warmup_steps) == ("constant", 20)
+    assert (warm.checkpoint.interval, warm.checkpoint.keep_last) == (0, 1)
+
+
+def test_a_config_warm_start_starts_from_init_from_with_the_run_optimizer():
+    config = load_train_config(str(CONFIG), ["init_from=runs/base/checkpoints",
+                                                                    "strategy.options.warm_start.lr=null"])
+    warm = warm_start_config(config)
+    assert has_warm_start(config, embedded_default=False)
+    assert warm.init_from == "runs/base/checkpoints" and warm.optimizer.lr == config.optimizer.lr
+    assert warm.model == config.model and warm.data.tokenizer == config.data.tokenizer
+
+
+def test_example_rewards_read_the_record():
+    record = load_bundled("bundled:reverse:1")[0]
+    word = record["word"]
+    assert record["answer"] == record["response"] == word[::-1] and record["prompt"] == f"{word}>"
+    assert reversed_word("", f" {word[::-1]}\n", "", example=record) == 1.0
+    assert reversed_word("", word, "", example=record) == (1.0 if word == word[::-1] else 0.0)
+    assert letters_in_place("", word[::-1][:-1] + "?", "", example=record) == pytest.approx(1 - 1 / len(word))
+
+
+def test_resume_skips_a_finished_warm_start(tmp_path):
+    config = load_train_config(str(CONFIG), [])
+    (tmp_path / "warm_start").mkdir()
+    (tmp_path / "warm_start" / "done").write_text("85\n")
+    resumed = run_warm_start(config, output_dir=str(tmp_path), resume=True)
+    assert resumed.init_from == str(tmp_path / "warm_start" / "checkpoints")
+    assert resumed.strategy == config.strategy and resumed.optimizer == config.optimizer
+
+
+def test_a_task_without_validation_problems_is_refused(tmp_path):
+    src = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{w}>", "answer": w[::-1], "response": w[::-1]}
+                                              for w in ("abc", "bcd", "cde")])
+    config = load_train_config(str(CONFIG), [f"strategy.options.task.train={src}", "strategy.options.task.n_heldout=1",
+                                             "strategy.options.task.n_validation=0",
+                                             f"strategy.options.warm_start.source={src}"])
+    with pytest.raises(ConfigError, match="no validation problems"):
+        run_warm_start(config, output_dir=str(tmp_path))
+
+
+@pytest.mark.slow
+def test_config_warm_start_runs_first_and_resume_skips_it_once_done(tmp_path, capsys):
+    out = tmp_path / "run"
+    small = [f"--output-dir={out}", "steps=2", "data.batch_size=8", "strategy.options.prompts_per_step=4",
+             "strategy.options.group_size=2", "strategy.options.task.n_heldout=8",
+             "strategy.options.task.n_validation=8", "strategy.options.warm_start.source=bundled:reverse:200",
+             "strategy.options.warm_start.max_steps=4", "strategy.options.warm_start.check_every=2",
+             "strategy.options.warm_start.target_accuracy=1.0", "eval.every=0", "checkpoint.interval=1",
+             "logging.progress=false", "logging.plot=false"]
+    assert main(["--config", str(CONFIG), *small]) == 0
+    printed = capsys.readouterr().out
+    assert "warm start finished at step 4" in printed and (out / "warm_start" / "done").read_text() == "4\n"
+    warm_rows = (out / "warm_start" / "metrics.jsonl").read_text()
+    assert [r["step"] for r in map(json.loads, warm_rows.splitlines()) if "val_accuracy" in r] == [2, 4]
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["init_from"] == str(out / "warm_start" / "checkpoints")
+
+    # a second start without --resume / --overwrite refuses, and the finished warm start stays marked
+    assert main(["--config", str(CONFIG), *small]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert (out / "warm_start" / "done").is_file()
+
+    # --resume skips the finished warm start and continues GRPO from its last checkpoint
+    assert main(["--config", str(CONFIG), *[a if a != "steps=2" else "steps=3" for a in small], "--resume"]) == 0
+    assert "warm start finished" not in capsys.readouterr().out
+    assert (out / "warm_start" / "metrics.jsonl").read_text() == warm_rows
+    assert checkpoint.latest_step(out / "checkpoints") == 3
