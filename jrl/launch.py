@@ -32,7 +32,8 @@ from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, trainable_groups
 from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.run_lock import RunLockedError
-from jrl.train.trainer import ResumeError, Trainer, check_data_format, load_run_tokenizer
+from jrl.train.initial import load_run_tokenizer
+from jrl.train.trainer import ResumeError, Trainer, check_data_format
 
 RL_STRATEGIES = ("grpo",)
 

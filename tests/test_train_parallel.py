@@ -15,7 +15,7 @@ from jrl.parallel import ParallelConfig as ParallelConfigFromParallel
 from jrl.launch import main
 from jrl.rl.engines import engine_mesh
 from jrl.rl.options import RLOptions
-from jrl.train.trainer import run_mesh
+from jrl.train.initial import run_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = REPO / "tests" / "parallel_cases"

@@ -38,7 +38,7 @@ from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.rewards import RewardError
 from jrl.rl.tasks import check_prompt_lengths, make_task
-from jrl.train.trainer import load_initial_params, load_run_tokenizer, run_mesh
+from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
 
 SPLITS = ("heldout", "validation")
 

@@ -15,7 +15,8 @@ from jrl.rl.options import RLOptions
 from jrl.rl.source import RolloutSource
 from jrl.train.callbacks import Callback
 from jrl.train.state import TrainState
-from jrl.train.trainer import Trainer, load_initial_params, load_run_tokenizer, run_mesh
+from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
+from jrl.train.trainer import Trainer
 
 
 @dataclasses.dataclass

@@ -33,7 +33,8 @@ from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.tasks import make_task
 from jrl.train.callbacks import Callback
-from jrl.train.trainer import Trainer, load_run_tokenizer
+from jrl.train.initial import load_run_tokenizer
+from jrl.train.trainer import Trainer
 
 
 def _warm_start_of(options: RLOptions) -> WarmStartConfig:

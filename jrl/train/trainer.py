@@ -23,7 +23,6 @@ sharded, the optimizer state is sharded like the params, every batch's rows are 
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import shutil
@@ -42,18 +41,17 @@ from jax.sharding import Mesh
 
 from jrl import checkpoint
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
-from jrl.data import DataSource, build_dataset, fixed_batches, load_tokenizer
-from jrl.hf import load_pretrained
+from jrl.data import DataSource, build_dataset, fixed_batches
 from jrl.metrics_log import MetricsLog
-from jrl.models import init_params
-from jrl.parallel import (BATCH_AXES, init_sharded_params, initialize_distributed, make_mesh, param_shardings,
-                          shard_params, with_shardings)
+from jrl.parallel import BATCH_AXES, initialize_distributed, param_shardings, with_shardings
 from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
+from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
 from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer, learning_rates
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
 from jrl.train.schedules import make_schedule
+from jrl.train.source_state import load_source_state, pack_source_state
 from jrl.train.state import TrainState, init_sharded_train_state
 from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings
 from jrl.train.strategies import get_strategy
@@ -87,113 +85,6 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
-    """(checkpoint root, step or None for the latest) from a run dir, a root or a step dir."""
-    p = Path(path)
-    if p.name.startswith("step_") and p.name[5:].isdigit():
-        return p.parent, int(p.name[5:])
-    if (p / "checkpoints").is_dir():
-        return p / "checkpoints", None
-    return p, None
-
-
-SOURCE_ARRAYS = "source_state.npz"  # the train source's arrays, in the checkpoint's step directory
-_ARRAY_KEY = "__source_array__"
-
-
-def _split_arrays(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
-    """`tree` (a source's state_dict) with every numpy array moved into `arrays` and
-    replaced by a reference to it, so the rest is JSON."""
-    if isinstance(tree, np.ndarray):
-        if tree.dtype.hasobject:
-            raise ValueError(f"train_source.state_dict(): arrays of Python objects cannot be saved ({tree.dtype})")
-        key = f"a{len(arrays)}"
-        arrays[key] = tree
-        return {_ARRAY_KEY: key}
-    if isinstance(tree, dict):
-        return {k: _split_arrays(v, arrays) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [_split_arrays(v, arrays) for v in tree]
-    return tree
-
-
-def _join_arrays(tree: Any, arrays: Any) -> Any:
-    """Undoes `_split_arrays`: `arrays` is the loaded npz."""
-    if isinstance(tree, dict):
-        if set(tree) == {_ARRAY_KEY}:
-            return arrays[tree[_ARRAY_KEY]]
-        return {k: _join_arrays(v, arrays) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_join_arrays(v, arrays) for v in tree]
-    return tree
-
-
-def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
-
-
-def _source_state(meta: dict) -> Any:
-    """The train source's state saved in a checkpoint (meta.json `data` + its arrays)."""
-    path = Path(meta["path"]) / SOURCE_ARRAYS
-    if not path.exists():
-        return meta["data"]
-    with np.load(path, allow_pickle=False) as npz:
-        return _join_arrays(meta["data"], {k: npz[k] for k in npz.files})
-
-
-# Fields that may differ between init_from's model and the run's: numerics and training-only.
-_FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "lora", "initializer_range", "router_aux_loss_coef",
-                      "max_position_embeddings")
-
-
-def _check_same_architecture(want, got, src: str) -> None:
-    a, b = to_dict(want), to_dict(got)
-    diff = [f"model.{k} (config {a[k]!r}, checkpoint {b[k]!r})" for k in a
-            if k not in _FREE_MODEL_FIELDS and a[k] != b[k]]
-    if diff:
-        raise ConfigError(f"init_from: the model config differs from {src!r} in {'; '.join(diff)}; "
-                          f"set these under model:")
-
-
-def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -> Any:
-    """`loaded` params in the structure / dtypes of `template`; template leaves that
-    `loaded` lacks are kept only if they are LoRA factors (template values, i.e. init)."""
-    where = "/".join(path) or "<root>"
-    if not isinstance(template, dict):
-        if tuple(np.shape(loaded)) != tuple(template.shape):
-            raise ConfigError(f"init_from: {where} in {src!r} has shape {tuple(np.shape(loaded))}, the model "
-                              f"config wants {tuple(template.shape)}")
-        return jnp.asarray(loaded, template.dtype)
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"init_from: {where} in {src!r} is not a parameter group")
-    extra = sorted(set(loaded) - set(template))
-    if extra:
-        raise ConfigError(f"init_from: {src!r} has parameter(s) the model config lacks: "
-                          f"{', '.join('/'.join(path + (k,)) for k in extra)}")
-    out = {}
-    for key, value in template.items():
-        if key in loaded:
-            out[key] = _overlay(value, loaded[key], src, path + (key,))
-        elif key in ("lora_a", "lora_b"):
-            out[key] = value
-        else:
-            raise ConfigError(f"init_from: {src!r} lacks parameter {'/'.join(path + (key,))}")
-    return out
-
-
-def run_mesh(parallel: ParallelConfig | None) -> Mesh:
-    """The devices a run uses: `jax.devices()[0]` alone without a `parallel` section (a
-    one-device mesh), else the `(data, fsdp, tensor)` mesh over every device."""
-    if parallel is not None:
-        return make_mesh(parallel)
-    if jax.process_count() > 1:
-        raise ConfigError(f"parallel: a run over {jax.process_count()} processes needs a parallel section "
-                          "(e.g. parallel: {fsdp: -1}); without one a run uses a single device")
-    return make_mesh(ParallelConfig(fsdp=1), devices=jax.devices()[:1])
-
-
 def check_data_format(config: TrainConfig, strategy, has_source: bool = False) -> None:
     """A strategy on the built-in data pipeline must accept `data.format`; one that
     brings its own data (no formats) must be handed a source."""
@@ -205,37 +96,6 @@ def check_data_format(config: TrainConfig, strategy, has_source: bool = False) -
     if config.data.format not in strategy.data_formats:
         raise ConfigError(f"data.format: strategy {strategy.name!r} trains on "
                           f"{' or '.join(map(repr, strategy.data_formats))}, got {config.data.format!r}")
-
-
-def load_run_tokenizer(config: TrainConfig) -> Any:
-    """The run's tokenizer (`data.tokenizer`), checked against `model.vocab_size`."""
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: must be >= the vocabulary of data.tokenizer "
-                          f"({tokenizer.vocab_size}), got {config.model.vocab_size}")
-    return tokenizer
-
-
-def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
-    """Params a run starts from, sharded on `mesh`: `init_from` (a jrl run / checkpoint,
-    or `hf:<dir>`) or the seeded init. LoRA factors the source lacks (adapters on a
-    pretrained base) come from the seeded init."""
-    mc = config.model
-    src = config.init_from
-    # jitted with sharded outputs: each device computes only its shards
-    seeded = lambda: init_sharded_params(mc, jax.random.key(config.seed), mesh)
-    if src is None:
-        return seeded()
-    if src.startswith("hf:"):
-        hf_config, loaded = load_pretrained(src[3:], dtype=mc.param_dtype,
-                                            max_position_embeddings=mc.max_position_embeddings)
-        _check_same_architecture(mc, hf_config, src)
-    else:
-        root, step = _resolve_checkpoint(src)
-        state, _ = checkpoint.load(root, step)
-        loaded = state["params"] if isinstance(state, dict) else state.params
-    template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
-    return shard_params(mc, _overlay(template, loaded, src), mesh)
 
 
 class Trainer:
@@ -395,7 +255,7 @@ class Trainer:
         self.state = state  # sources may read the (resumed) state
         self._make_sources()
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
-            self.train_source.load_state_dict(_source_state(meta))
+            self.train_source.load_state_dict(load_source_state(meta))
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
                                   shardings=self._shardings, learning_rates=rates)
@@ -600,12 +460,9 @@ class Trainer:
     def save_checkpoint(self, state: TrainState | None = None) -> Path:
         state = state if state is not None else self.state
         meta = {"config": to_dict(self.config), "run": self.config.name}
-        files = {}
+        files: dict[str, bytes] = {}
         if hasattr(self.train_source, "state_dict"):
-            arrays: dict[str, np.ndarray] = {}
-            meta["data"] = _split_arrays(self.train_source.state_dict(), arrays)
-            if arrays:
-                files[SOURCE_ARRAYS] = _npz_bytes(arrays)
+            meta["data"], files = pack_source_state(self.train_source.state_dict())
         ck = self.config.checkpoint
         path = checkpoint.save(self.checkpoint_dir, int(state.step), state, meta=meta,
                                keep_last=ck.keep_last, keep_every=ck.keep_every, metrics_log=self.metrics_log,

@@ -1,0 +1,110 @@
+"""What a run starts from: its devices, its tokenizer and its initial params (the seeded
+init, a jrl checkpoint or a Hugging Face directory, with LoRA factors from the init)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jrl import checkpoint
+from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
+from jrl.data import load_tokenizer
+from jrl.hf import load_pretrained
+from jrl.models import init_params
+from jrl.parallel import init_sharded_params, make_mesh, shard_params
+
+def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
+    """(checkpoint root, step or None for the latest) from a run dir, a root or a step dir."""
+    p = Path(path)
+    if p.name.startswith("step_") and p.name[5:].isdigit():
+        return p.parent, int(p.name[5:])
+    if (p / "checkpoints").is_dir():
+        return p / "checkpoints", None
+    return p, None
+
+
+# Fields that may differ between init_from's model and the run's: numerics and training-only.
+_FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "lora", "initializer_range", "router_aux_loss_coef",
+                      "max_position_embeddings")
+
+
+def _check_same_architecture(want, got, src: str) -> None:
+    a, b = to_dict(want), to_dict(got)
+    diff = [f"model.{k} (config {a[k]!r}, checkpoint {b[k]!r})" for k in a
+            if k not in _FREE_MODEL_FIELDS and a[k] != b[k]]
+    if diff:
+        raise ConfigError(f"init_from: the model config differs from {src!r} in {'; '.join(diff)}; "
+                          f"set these under model:")
+
+
+def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -> Any:
+    """`loaded` params in the structure / dtypes of `template`; template leaves that
+    `loaded` lacks are kept only if they are LoRA factors (template values, i.e. init)."""
+    where = "/".join(path) or "<root>"
+    if not isinstance(template, dict):
+        if tuple(np.shape(loaded)) != tuple(template.shape):
+            raise ConfigError(f"init_from: {where} in {src!r} has shape {tuple(np.shape(loaded))}, the model "
+                              f"config wants {tuple(template.shape)}")
+        return jnp.asarray(loaded, template.dtype)
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"init_from: {where} in {src!r} is not a parameter group")
+    extra = sorted(set(loaded) - set(template))
+    if extra:
+        raise ConfigError(f"init_from: {src!r} has parameter(s) the model config lacks: "
+                          f"{', '.join('/'.join(path + (k,)) for k in extra)}")
+    out = {}
+    for key, value in template.items():
+        if key in loaded:
+            out[key] = _overlay(value, loaded[key], src, path + (key,))
+        elif key in ("lora_a", "lora_b"):
+            out[key] = value
+        else:
+            raise ConfigError(f"init_from: {src!r} lacks parameter {'/'.join(path + (key,))}")
+    return out
+
+
+def run_mesh(parallel: ParallelConfig | None) -> Mesh:
+    """The devices a run uses: `jax.devices()[0]` alone without a `parallel` section (a
+    one-device mesh), else the `(data, fsdp, tensor)` mesh over every device."""
+    if parallel is not None:
+        return make_mesh(parallel)
+    if jax.process_count() > 1:
+        raise ConfigError(f"parallel: a run over {jax.process_count()} processes needs a parallel section "
+                          "(e.g. parallel: {fsdp: -1}); without one a run uses a single device")
+    return make_mesh(ParallelConfig(fsdp=1), devices=jax.devices()[:1])
+
+
+def load_run_tokenizer(config: TrainConfig) -> Any:
+    """The run's tokenizer (`data.tokenizer`), checked against `model.vocab_size`."""
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: must be >= the vocabulary of data.tokenizer "
+                          f"({tokenizer.vocab_size}), got {config.model.vocab_size}")
+    return tokenizer
+
+
+def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
+    """Params a run starts from, sharded on `mesh`: `init_from` (a jrl run / checkpoint,
+    or `hf:<dir>`) or the seeded init. LoRA factors the source lacks (adapters on a
+    pretrained base) come from the seeded init."""
+    mc = config.model
+    src = config.init_from
+    # jitted with sharded outputs: each device computes only its shards
+    seeded = lambda: init_sharded_params(mc, jax.random.key(config.seed), mesh)
+    if src is None:
+        return seeded()
+    if src.startswith("hf:"):
+        hf_config, loaded = load_pretrained(src[3:], dtype=mc.param_dtype,
+                                            max_position_embeddings=mc.max_position_embeddings)
+        _check_same_architecture(mc, hf_config, src)
+    else:
+        root, step = _resolve_checkpoint(src)
+        state, _ = checkpoint.load(root, step)
+        loaded = state["params"] if isinstance(state, dict) else state.params
+    template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
+    return shard_params(mc, _overlay(template, loaded, src), mesh)
