@@ -13,6 +13,7 @@ import pytest
 from jrl.data.bundled import load_bundled
 from jrl.launch import main
 from jrl.metrics_log import read_metrics
+from jrl.rl.eval_cli import main as eval_main
 from jrl.rl.examples import reversed_word
 from jrl.rl.rewards import takes_example
 
@@ -59,3 +60,12 @@ def test_grpo_on_jsonl_files_with_a_reward_reading_example_raises_heldout_accura
           f"sampled {before['eval_accuracy_sampled']:.1%} -> {after['eval_accuracy_sampled']:.1%}")
     assert after["eval_accuracy"] >= before["eval_accuracy"] + 0.10
     assert "held-out accuracy:" in printed
+
+    # `jrl eval` on the run's last checkpoint (its config.yaml): pass@1 <= pass@8, and
+    # its greedy accuracy is the trainer's last held-out evaluation
+    report = tmp_path / "eval.json"
+    assert eval_main(["--checkpoint", str(out), "--samples", "8", "--json", str(report)]) == 0
+    scores = json.loads(report.read_text())
+    assert scores["n"] == 200 and scores["k"] == 8
+    assert scores["pass@1"] <= scores["pass@8"]
+    assert scores["greedy_accuracy"] == pytest.approx(after["eval_accuracy"])
