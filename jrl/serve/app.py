@@ -28,7 +28,7 @@ from jrl.rollout import Engine, SamplingParams
 from jrl.serve.loading import Served, load_update
 from jrl.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, WeightsRequest,
                                 error_body, _Common)
-from jrl.serve.text import TextStream
+from jrl.serve.text import TextStream, decode
 from jrl.serve.tools import parse_tool_calls
 from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent
 from jrl.tokenizer import ChatTemplateError
@@ -165,9 +165,10 @@ class Server:
 class _Choice:
     """One choice being generated: its engine request, its text, what it reports."""
 
-    def __init__(self, server: Server, index: int, prompt_index: int, handle: Handle, stop: list[str]) -> None:
+    def __init__(self, server: Server, index: int, prompt_index: int, handle: Handle, stop: list[str],
+                 eos_ids: list[int]) -> None:
         self.server, self.index, self.prompt_index, self.handle = server, index, prompt_index, handle
-        self.text = TextStream(server.tokenizer, stop, skip_ids=server.eos_ids)
+        self.text = TextStream(server.tokenizer, stop, skip_ids=eos_ids)
         self.logprobs: list[float] = []
         self.generated = 0
         self.cached = 0
@@ -218,7 +219,7 @@ class _Choice:
 
 
 def _token_str(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
+    return decode(tokenizer, [token])
 
 
 def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, int]]) -> dict[str, Any]:
@@ -331,6 +332,10 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
 
     async def _generate(request: Request, body, prompts: list[np.ndarray], limit, stop: list[str], *, chat: bool):
         n = body.n
+        if n * len(prompts) > server.capacity:
+            raise ServeError(f"n: {n} choices x {len(prompts)} prompt(s) exceed what the server admits at once "
+                             f"({server.capacity} = max_batch + max_queue)", param="n")
+        eos_ids = [] if body.ignore_eos else server.eos_ids
         samplings = [server.sampling(body, k) for k in range(n * len(prompts))]  # validated before anything runs
         server.admit(n * len(prompts))
         choices: list[_Choice] = []
@@ -338,9 +343,9 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
             max_new = limit[p_idx] if isinstance(limit, list) else limit
             for j in range(n):
                 k = p_idx * n + j
-                handle = server.worker.submit(prompt, samplings[k], max_new, server.eos_ids)
+                handle = server.worker.submit(prompt, samplings[k], max_new, eos_ids)
                 server.outstanding += 1
-                choices.append(_Choice(server, k, p_idx, handle, stop))
+                choices.append(_Choice(server, k, p_idx, handle, stop, eos_ids))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         meta = {"id": rid, "created": int(time.time()), "model": server.served.name}
         want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None

@@ -58,6 +58,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # jrl extension (as vLLM's): run to max_tokens, for benchmarks
     # Declared so that a value that would change the answer is refused, not ignored.
     logit_bias: dict[str, float] | None = None
 

@@ -66,7 +66,7 @@ class TextStream:
         self._pending = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode(self.tokenizer, ids)
 
     def _flush_pending(self) -> None:
         if self._pending:
@@ -101,3 +101,10 @@ class TextStream:
         log-probabilities a response reports (a token that starts at or after a stop
         cut is dropped)."""
         return sum(1 for o in self.offsets if o < len(self.text)) if self.cut else len(self.ids)
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    """`ids` as text, special tokens skipped; ids past the tokenizer's vocabulary (a model's
+    padded embedding rows) decode to nothing."""
+    vocab = tokenizer.vocab_size
+    return tokenizer.decode([i for i in ids if i < vocab], skip_special_tokens=True)
