@@ -49,7 +49,8 @@ def hf_dirs(tmp_path_factory):
     for seed in (0, 1):  # the served weights, and another version for /v1/weights
         d = root / f"tiny-{seed}"
         write_chat_tokenizer(d)
-        save_pretrained(config, init_params(config, jax.random.key(seed)), str(d), model_type="qwen2")
+        save_pretrained(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed)), str(d),
+                        model_type="qwen2")
         dirs.append(d)
     return dirs
 
@@ -276,8 +277,8 @@ def test_bad_input_through_the_client_and_the_server_lives_on(live):
 
 
 def test_engine_abort_frees_pages_and_keeps_the_others(live):
-    config = from_dict(ModelConfig, MODEL)
-    engine = Engine(config, init_params(config, jax.random.key(0)), live.server.engine.config)  # compiled already
+    served = live.server.served
+    engine = Engine(served.model_config, served.params, live.server.engine.config)  # same programs: compiled
     total = engine.pool.allocator.n_available
     keep = engine.add_request([1, 2, 3], SamplingParams(seed=1), max_new_tokens=12)
     gone = engine.add_request(list(range(4, 30)), SamplingParams(seed=2), max_new_tokens=40)
