@@ -100,6 +100,9 @@ class Server:
                              f"pool has {self.engine.config.n_pages}", param=field)
         return limit
 
+    def request_ended(self) -> None:
+        self.outstanding -= 1
+
     def admit(self, n: int) -> None:
         if self.worker is None or not self.worker.alive:
             raise ServeError("the engine is not running", status=503, type="server_error")
@@ -174,7 +177,6 @@ class _Choice:
         self.cached = 0
         self.version = server.engine.version
         self.finish_reason: str | None = None
-        self.released = False  # counted out of Server.outstanding
         self._lp_sent = 0
 
     async def events(self) -> AsyncIterator[None]:
@@ -343,7 +345,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
             max_new = limit[p_idx] if isinstance(limit, list) else limit
             for j in range(n):
                 k = p_idx * n + j
-                handle = server.worker.submit(prompt, samplings[k], max_new, eos_ids)
+                handle = server.worker.submit(prompt, samplings[k], max_new, eos_ids, on_end=server.request_ended)
                 server.outstanding += 1
                 choices.append(_Choice(server, k, p_idx, handle, stop, eos_ids))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -356,7 +358,9 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            await _wait_or_disconnect(request, asyncio.gather(*(_drain(c) for c in choices)))
+            if await _wait_or_disconnect(request, asyncio.gather(*(_drain(c) for c in choices))) is _GONE:
+                # 499 (nginx's "client closed request"): nobody reads it, the log says why
+                return JSONResponse(error_body("client disconnected; request cancelled"), status_code=499)
         finally:
             _release(choices)
         out = []
@@ -387,12 +391,11 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
             pass
 
     def _release(choices: list[_Choice]) -> None:
-        """Every choice's engine request ends here (aborted if still running)."""
+        """Aborts the choices' engine requests that are still running (a no-op for the
+        finished ones). A stream whose client left before it started never gets here: its
+        requests run to their end, and their handles still leave `outstanding` then."""
         for c in choices:
             server.worker.abort(c.handle)
-            if not c.released:
-                c.released = True
-                server.outstanding -= 1
 
     async def _stream(choices: list[_Choice], prompts, meta: dict, chat: bool, want_logprobs: bool,
                       include_usage: bool) -> AsyncIterator[str]:
@@ -480,8 +483,11 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
     return app
 
 
+_GONE = object()
+
+
 async def _wait_or_disconnect(request: Request, work: asyncio.Future) -> Any:
-    """Awaits `work`; if the client disconnects first, cancels it and raises CancelledError."""
+    """Awaits `work`; if the client disconnects first, cancels it and returns `_GONE`."""
     work = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
@@ -489,7 +495,7 @@ async def _wait_or_disconnect(request: Request, work: asyncio.Future) -> Any:
         if work in done:
             return work.result()
         work.cancel()
-        raise asyncio.CancelledError("client disconnected")
+        return _GONE
     finally:
         watch.cancel()
         if not work.done():

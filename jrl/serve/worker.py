@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -61,11 +62,21 @@ class ErrorEvent:
 class Handle:
     """One engine request as the event loop sees it: an async iterator of events."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None] | None = None) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rid: int | None = None  # the engine's id, set on the engine thread
         self.done = False  # a DoneEvent / ErrorEvent was delivered (or it was aborted)
+        self._on_end = on_end
+        self._ended = False
+
+    def ended(self) -> None:
+        """The engine request is over (finished, failed or aborted): `on_end` runs, once,
+        on the event loop, whether or not anyone reads the events."""
+        if not self._ended:
+            self._ended = True
+            if self._on_end is not None:
+                self._on_end()
 
     def __aiter__(self):
         return self
@@ -104,8 +115,9 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ called from the event loop
     def submit(self, prompt: np.ndarray, sampling: SamplingParams, max_new_tokens: int,
-               eos_ids: list[int]) -> Handle:
-        handle = Handle(asyncio.get_running_loop())
+               eos_ids: list[int], on_end: Callable[[], None] | None = None) -> Handle:
+        """Queues a request (from the event loop); `on_end` runs on the loop when it is over."""
+        handle = Handle(asyncio.get_running_loop(), on_end)
         self._commands.put(("add", handle, prompt, sampling, max_new_tokens, eos_ids))
         return handle
 
@@ -114,6 +126,7 @@ class EngineWorker:
         if not handle.done:
             handle.done = True
             self._commands.put(("abort", handle))
+        handle.ended()
 
     async def update_weights(self, params: Any, version: int) -> Ack:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -254,3 +267,5 @@ class EngineWorker:
 def _put_all(items: list) -> None:
     for handle, event in items:
         handle.queue.put_nowait(event)
+        if isinstance(event, (DoneEvent, ErrorEvent)):
+            handle.ended()
