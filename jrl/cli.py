@@ -10,12 +10,7 @@ from jrl.bench.cli import main as bench_main
 from jrl.launch import main as train_main
 from jrl.plot import main as plot_main
 from jrl.rl.eval_cli import main as eval_main
-
-
-def serve_main(argv: list[str]) -> int:
-    from jrl.serve.cli import main  # imported on use: fastapi/uvicorn load only for `jrl serve`
-
-    return main(argv)
+from jrl.serve.cli import main as serve_main
 
 
 COMMANDS = {"train": ("train a model (python -m jrl.train)", lambda rest: train_main(rest, prog="jrl train")),

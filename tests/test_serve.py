@@ -20,8 +20,10 @@ import jax
 import numpy as np
 import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from chat_fixtures import write_chat_tokenizer
+from jrl.bench.cli import main as bench
 from jrl.config import ModelConfig, from_dict
 from jrl.hf import save_pretrained
 from jrl.models import init_params
@@ -315,8 +317,6 @@ def test_weights_admin_updates_the_served_version(live, hf_dirs):
 
 
 def test_weights_endpoint_is_off_without_a_token(hf_dirs):
-    from fastapi.testclient import TestClient
-
     _, app = build(build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", *ENGINE_FLAGS]))
 
     with TestClient(app) as client:
@@ -367,8 +367,6 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(hf_dirs):
 
 
 def test_bench_serve_tiny(tmp_path, hf_dirs):
-    from jrl.bench.cli import main as bench
-
     path = tmp_path / "rows.jsonl"
     assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "1,4",
                   "--requests", "8", "--prompt", "8", "--new", "4", *ENGINE_FLAGS]) == 0

@@ -29,9 +29,15 @@ import asyncio
 import json
 import time
 
+import httpx
 import numpy as np
 
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
+from jrl.rollout import Engine, SamplingParams
+from jrl.serve.app import Server, create_app
+from jrl.serve.cli import ServerThread, build_parser, engine_config
+from jrl.serve.loading import Served, load_served
+from jrl.tokenizer import ByteTokenizer
 
 
 def add_arguments(p) -> None:
@@ -58,9 +64,6 @@ def record_name(args) -> str:
 
 
 def _served(args, serve_args):
-    from jrl.serve.loading import Served, load_served
-    from jrl.tokenizer import ByteTokenizer
-
     if args.model or args.checkpoint:
         return load_served(args.model, args.checkpoint, args.config)
     cfg = TINY if args.tiny else ROLLOUT_082B
@@ -68,10 +71,6 @@ def _served(args, serve_args):
 
 
 def run(args, results) -> int:
-    from jrl.serve.app import Server, create_app
-    from jrl.serve.cli import ServerThread, build_parser, engine_config
-    from jrl.rollout import Engine
-
     tiny = args.tiny
     levels = csv_ints(args.concurrency or ("1,4" if tiny else "1,16,64,256"))
     prompt_len = args.prompt or (16 if tiny else 128)
@@ -128,8 +127,6 @@ def run(args, results) -> int:
 
 async def _http_load(url: str, model: str, prompts: list[list[int]], concurrency: int,
                      new: int) -> tuple[float, list[float], int]:
-    import httpx
-
     queue = list(enumerate(prompts))
     latencies: list[float] = []
     tokens = 0
@@ -155,8 +152,6 @@ async def _http_load(url: str, model: str, prompts: list[list[int]], concurrency
 
 
 def _engine_load(engine, prompts: list[list[int]], concurrency: int, new: int) -> tuple[float, int]:
-    from jrl.rollout import SamplingParams
-
     pending = list(enumerate(prompts))
     in_flight = tokens = 0
     t0 = time.perf_counter()

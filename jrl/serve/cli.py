@@ -17,13 +17,16 @@ import logging
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
+import uvicorn
 import yaml
 
 from jrl.checkpoint import CheckpointCorruptError
 from jrl.config import ConfigError
 from jrl.rollout import Engine, EngineConfig, engine_config_for_workload
+from jrl.serve.app import Server, create_app
 from jrl.serve.loading import Served, load_served
 
 log = logging.getLogger("jrl.serve")
@@ -97,8 +100,6 @@ def engine_config(served: Served, args: argparse.Namespace) -> EngineConfig:
 
 def build(args: argparse.Namespace):
     """(Server, FastAPI app) for parsed arguments; raises ConfigError & co. for bad ones."""
-    from jrl.serve.app import Server, create_app  # fastapi is imported only when serving
-
     served = load_served(args.model, args.checkpoint, args.config, args.tokenizer, args.dtype,
                          args.served_model_name, args.overrides)
     engine = Engine(served.model_config, served.params, engine_config(served, args), version=served.version)
@@ -117,8 +118,6 @@ def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
     except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    import uvicorn
-
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")
     uv = uvicorn.Server(config)
@@ -138,8 +137,6 @@ class ServerThread:
     serve`): `with ServerThread(server, app) as s: s.url`."""
 
     def __init__(self, server, app, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 10.0) -> None:
-        import uvicorn
-
         self.server = server
         self.uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                                 timeout_graceful_shutdown=shutdown_timeout))
@@ -151,8 +148,6 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
-        import time
-
         deadline = time.time() + 120
         while not self.uv.started:
             if not self._thread.is_alive() or time.time() > deadline:
