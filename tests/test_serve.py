@@ -23,13 +23,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from chat_fixtures import write_chat_tokenizer
+from jrl import checkpoint
 from jrl.bench.cli import main as bench
-from jrl.config import ModelConfig, from_dict
-from jrl.hf import save_pretrained
+from jrl.config import ConfigError, ModelConfig, from_dict
+from jrl.hf import params_equal, save_pretrained
 from jrl.models import init_params
 from jrl.rollout import Engine, SamplingParams
 from jrl.serve.cli import ServerThread, build, build_parser
-from jrl.tokenizer import load_tokenizer
+from jrl.serve.loading import load_served
+from jrl.serve.text import TextStream
+from jrl.tokenizer import ByteTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"vocab_size": 320, "hidden_size": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16,
@@ -89,6 +92,8 @@ def settle(live, timeout: float = 60.0) -> dict:
 def test_models_and_health(live):
     (m,) = live.client.models.list().data
     assert m.id == NAME and m.model_extra["max_model_len"] == 128
+    tok = live.server.tokenizer  # stops at EOS and at the ChatML end of turn
+    assert live.server.eos_ids == [tok.encode("<|endoftext|>")[0], tok.encode("<|im_end|>")[0]]
     h = health(live)
     assert h["status"] == "ok" and h["capacity"] == 16 + 48
     assert h["engine"]["total_pages"] == h["engine"]["available_pages"] > 0
@@ -109,6 +114,9 @@ def test_chat_completion_renders_the_template_and_counts_cached_tokens(live, hf_
         assert r.usage.prompt_tokens == len(prompt) and 1 <= r.usage.completion_tokens <= 8
         assert r.object == "chat.completion" and r.model == NAME
     assert again.choices[0].message.content == first.choices[0].message.content  # greedy
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with_tools = live.client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, tools=tools)
+    assert with_tools.choices[0].message.tool_calls is None  # parsed once the shared parser lands
     # the second request reads the first one's full prompt pages from the prefix cache
     assert len(prompt) > 16
     assert again.usage.prompt_tokens_details.cached_tokens >= 16 * ((len(prompt) - 1) // 16)
@@ -377,3 +385,39 @@ def test_bench_serve_tiny(tmp_path, hf_dirs):
         for r in mine:
             assert r["requests"] == 8 and r["output_tokens"] == 32
             assert all(np.isfinite(r[k]) and r[k] > 0 for k in ("requests_per_s", "output_tokens_per_s"))
+
+
+def test_a_jrl_checkpoint_serves_with_its_run_config_tokenizer_and_version(tmp_path):
+    run = tmp_path / "myrun"
+    model = {**MODEL, "vocab_size": 262}  # the byte tokenizer's vocabulary
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(json.dumps({"name": "myrun", "model": model,
+                                                 "data": {"tokenizer": "bytes", "seq_len": 64}}))
+    config = from_dict(ModelConfig, model)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(4))
+    checkpoint.save(run / "checkpoints", 5, {"params": params}, meta={"policy_version": 7})
+    served = load_served(checkpoint=str(run / "checkpoints"))
+    assert (served.name, served.version, served.tokenizer.vocab_size) == ("myrun", 7, 262)
+    assert served.model_config.vocab_size == 262
+    assert params_equal(jax.device_get(served.params), jax.device_get(params))
+    step = load_served(checkpoint=str(run / "checkpoints" / "step_5"), name="other")
+    assert (step.name, step.version) == ("other", 7)
+    with pytest.raises(ConfigError, match="--model"):
+        load_served(model=str(run))
+
+
+def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo <<END>> world")
+    s = TextStream(tok, stop=["<<END>>"], skip_ids=[tok.eos_id])
+    shown = []
+    for i in ids:
+        s.add([i])
+        shown.append(s.emit())
+    assert "".join(shown) + s.emit(final=True) == "héllo "
+    assert s.cut and "\ufffd" not in "".join(shown)
+    assert s.kept_tokens() == len(tok.encode("héllo "))
+    # the end-of-turn id ends the text; nothing after it is shown
+    s = TextStream(tok, skip_ids=[tok.eos_id])
+    s.add(tok.encode("ab") + [tok.eos_id] + tok.encode("cd"))
+    assert s.emit(final=True) == "ab" and s.stopped and not s.cut
