@@ -172,6 +172,13 @@ def test_streaming_chat_matches_the_plain_answer(live):
     assert "assistant" in roles and set(finish) == {0, 1}
     assert [texts[i] for i in (0, 1)] == [c.message.content for c in plain.choices]
     assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+    # logprobs stream with the text they belong to: one entry per kept token
+    entries = []
+    for chunk in live.client.chat.completions.create(**{**kw, "n": 1}, stream=True, logprobs=True,
+                                                     extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs:
+            entries += chunk.choices[0].logprobs.content
+    assert len(entries) == 10 and all(e.logprob <= 0 for e in entries)
     # the raw stream ends with [DONE]
     with live.http.stream("POST", "/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2,
                                                              "stream": True}) as r:
@@ -421,3 +428,22 @@ def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():
     s = TextStream(tok, skip_ids=[tok.eos_id])
     s.add(tok.encode("ab") + [tok.eos_id] + tok.encode("cd"))
     assert s.emit(final=True) == "ab" and s.stopped and not s.cut
+
+
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live, monkeypatch):
+    engine = live.server.engine
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    r = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    ok = live.client.completions.create(model=NAME, prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 3
+    h = settle(live)
+    assert h["engine"]["engine_errors"] == 1 and h["engine"]["available_pages"] == h["engine"]["total_pages"]

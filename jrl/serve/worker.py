@@ -37,6 +37,8 @@ from jrl.rollout import Ack, Completion, Engine, SamplingParams
 
 log = logging.getLogger("jrl.serve")
 
+_MAX_FAILURES = 3  # engine steps failing in a row before the worker gives up
+
 
 @dataclasses.dataclass
 class TokenEvent:
@@ -145,6 +147,7 @@ class EngineWorker:
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         engine = self.engine
+        failures = 0  # in a row: an engine that fails every step is broken, not unlucky
         while True:
             try:
                 self._take_commands(block=not engine.has_work)
@@ -154,10 +157,15 @@ class EngineWorker:
                     finished = engine.step()
                     self._deliver(finished)
                 self._publish_snapshot()
+                failures = 0
             except Exception:  # noqa: BLE001 - the thread must survive any request
                 self.error_count += 1
+                failures += 1
                 log.error("engine step failed; failing its requests:\n%s", traceback.format_exc())
                 self._fail_all("internal error in the engine step (see the server log)")
+                if failures >= _MAX_FAILURES:
+                    log.error("the engine failed %d steps in a row; stopping it (/health reports 503)", failures)
+                    break
         self._fail_all("the server is shutting down", status=503)
         self._publish_snapshot()
 
