@@ -211,7 +211,7 @@ class _Choice:
     def new_logprob_entries(self, final: bool) -> list[tuple[int, float, int]]:
         """(token, logprob, text offset) of the tokens whose text was emitted since the last call."""
         ts = self.text
-        end = ts.kept_tokens() if final else sum(1 for o in ts.offsets[:ts.kept_tokens()] if o < ts._emitted)
+        end = ts.kept_tokens() if final else sum(1 for o in ts.offsets[:ts.kept_tokens()] if o < ts.emitted)
         out = [(ts.ids[i], self.logprobs[i], ts.offsets[i]) for i in range(self._lp_sent, end)]
         self._lp_sent = max(self._lp_sent, end)
         return out

@@ -69,7 +69,7 @@ class TextStream:
         return decode(self.tokenizer, ids)
 
     def _flush_pending(self) -> None:
-        if self._pending:
+        if self._pending and not self.cut:
             self._decode_pending(final=True)
             self._check_stop()
 
@@ -95,6 +95,11 @@ class TextStream:
         out = self.text[self._emitted:end]
         self._emitted = end
         return out
+
+    @property
+    def emitted(self) -> int:
+        """Characters of `text` handed out by `emit()` so far."""
+        return self._emitted
 
     def kept_tokens(self) -> int:
         """How many tokens' text is (at least partly) in `text`: the tokens whose
