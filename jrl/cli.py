@@ -1,6 +1,6 @@
 """The `jrl` console script: `jrl train [...]` (= python -m jrl.train), `jrl plot RUN_DIR`,
 `jrl eval --checkpoint C [...]` (jrl.rl.eval_cli) and `jrl bench STAGE [...]`
-(= python -m jrl.bench)."""
+(= python -m jrl.bench), `jrl serve [...]` (jrl.serve.cli, the OpenAI-compatible server)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from jrl.bench.cli import main as bench_main
 from jrl.launch import main as train_main
 from jrl.plot import main as plot_main
 from jrl.rl.eval_cli import main as eval_main
+from jrl.serve.cli import main as serve_main
+
 
 COMMANDS = {"train": ("train a model (python -m jrl.train)", lambda rest: train_main(rest, prog="jrl train")),
             "plot": ("plot a run's metrics to a PNG", plot_main),
             "eval": ("score a checkpoint on a GRPO task (pass@k)", eval_main),
-            "bench": ("run a benchmark stage (jrl bench --help lists them)", bench_main)}
+            "bench": ("run a benchmark stage (jrl bench --help lists them)", bench_main),
+            "serve": ("serve a model over HTTP, OpenAI-compatible (docs/serve.md)", serve_main)}
 
 
 def main(argv: list[str] | None = None) -> int:

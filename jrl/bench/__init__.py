@@ -16,7 +16,6 @@ STAGES = {
     "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
     "grpo": "one synchronous GRPO step, phase by phase (generation .. weight sync)",
     "bandwidth": "device ceilings the floors use: HBM stream rates, the bf16 matmul rate",
+    "serve": "jrl serve under load: requests/s, output tok/s over HTTP vs the in-process engine",
 }
-UNAVAILABLE = {
-    "serve": "not available: no server yet (issue 20)",
-}
+UNAVAILABLE: dict[str, str] = {}

@@ -212,6 +212,24 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None
 
+    def abort(self, request_id: int) -> bool:
+        """Cancels a queued or running request (call it between steps, from the thread
+        that drives the engine): it leaves without a completion, its pages return to the
+        pool (full ones stay in the prefix cache, as after finishing) and samples of it
+        still in flight are dropped on read-back. Returns False when no such request is
+        queued or running (unknown, finished, or aborted already)."""
+        waiting = self.scheduler.waiting
+        for req in waiting:
+            if req.rid == request_id:
+                waiting.remove(req)
+                req.epoch += 1
+                return True
+        for req in self.scheduler.running:
+            if req.rid == request_id:
+                self.scheduler.finish(req, self.version)
+                return True
+        return False
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Completion]:
         """Plans and dispatches one step, reads back the previous one; returns the

@@ -1,0 +1,509 @@
+"""The HTTP side: a FastAPI app over one `EngineWorker` (see docs/serve.md).
+
+Every handler runs on the event loop and never blocks it: a request is validated and
+tokenized here, queued to the engine thread as one engine request per choice, and its
+tokens come back through asyncio queues. Errors are OpenAI error objects naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jrl.rl.prompts import end_of_turn_ids
+from jrl.rollout import Engine, SamplingParams
+from jrl.serve.loading import Served, load_update
+from jrl.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, WeightsRequest,
+                                error_body, _Common)
+from jrl.serve.text import TextStream, decode
+from jrl.serve.tools import parse_tool_calls
+from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent
+from jrl.tokenizer import ChatTemplateError
+
+log = logging.getLogger("jrl.serve")
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty")
+
+
+class Server:
+    """State shared by the handlers: the served model, the engine thread, the admission
+    count behind the 429s."""
+
+    def __init__(self, served: Served, engine: Engine, *, max_queue: int = 256, admin_token: str | None = None,
+                 retry_after_s: int = 1) -> None:
+        self.served, self.engine = served, engine
+        self.tokenizer = served.tokenizer
+        self.eos_ids = end_of_turn_ids(served.tokenizer)
+        self.capacity = engine.config.max_batch + max_queue  # engine requests admitted at once
+        self.admin_token = admin_token
+        self.retry_after_s = retry_after_s
+        self.outstanding = 0  # engine requests submitted and not yet finished (event loop only)
+        self.worker: EngineWorker | None = None
+        self.weights_lock = asyncio.Lock()
+        self.created = int(time.time())
+
+    def start(self) -> None:
+        if self.worker is None:
+            self.worker = EngineWorker(self.engine)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.worker is not None:
+            self.worker.stop(timeout)
+
+    # ------------------------------------------------------------------ requests -> engine requests
+    def check_model(self, body: _Common) -> None:
+        if body.model != self.served.name:
+            raise ServeError(f"model: {body.model!r} is not served here; this server serves {self.served.name!r}",
+                             param="model", code="model_not_found")
+
+    def sampling(self, body: _Common, choice: int) -> SamplingParams:
+        seed = None if body.seed is None else body.seed + choice
+        if seed is not None and not 0 <= body.seed < 2**32:
+            raise ServeError(f"seed: must be an integer in [0, 2**32), got {body.seed}", param="seed")
+        try:
+            return SamplingParams(**{f: getattr(body, f) for f in _SAMPLING_FIELDS},
+                                  seed=None if seed is None else seed % 2**32)
+        except ValueError as e:
+            message = str(e)
+            field = message.split(":", 1)[0].removeprefix("sampling.")
+            raise ServeError(message.removeprefix("sampling."), param=field) from None
+
+    def max_new_tokens(self, prompt_len: int, limit: int | None, field: str, prompt_field: str) -> int:
+        """The request's max_new_tokens: `limit`, or what is left of the context."""
+        seq_limit = self.engine.seq_limit
+        if prompt_len >= seq_limit:
+            raise ServeError(f"{prompt_field}: the prompt has {prompt_len} tokens, the context is {seq_limit} "
+                             f"(max_seq_len): no room for a completion", param=prompt_field)
+        if limit is None:
+            limit = seq_limit - prompt_len
+        elif prompt_len + limit > seq_limit:
+            raise ServeError(f"{field}: prompt ({prompt_len} tokens) + {field} ({limit}) = {prompt_len + limit} "
+                             f"exceeds the context of {seq_limit} tokens (max_seq_len)", param=field)
+        pages = self.engine.pool.pages_for(prompt_len + limit)
+        if pages > self.engine.config.n_pages:
+            raise ServeError(f"{field}: prompt + {field} = {prompt_len + limit} tokens need {pages} KV pages, the "
+                             f"pool has {self.engine.config.n_pages}", param=field)
+        return limit
+
+    def request_ended(self) -> None:
+        self.outstanding -= 1
+
+    def admit(self, n: int) -> None:
+        if self.worker is None or not self.worker.alive:
+            raise ServeError("the engine is not running", status=503, type="server_error")
+        if self.outstanding + n > self.capacity:
+            raise ServeError(f"server busy: {self.outstanding} requests in flight, at most {self.capacity} "
+                             f"(max_batch + max_queue); retry later", status=429, type="rate_limit_error",
+                             code="queue_full", headers={"Retry-After": str(self.retry_after_s)})
+
+    def render_chat(self, body: ChatCompletionRequest) -> np.ndarray:
+        messages = []
+        for i, m in enumerate(body.messages):
+            msg = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                parts = []
+                for j, part in enumerate(m.content):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ServeError(f"messages[{i}].content[{j}]: only text parts are supported, got type "
+                                         f"{part.get('type')!r}", param=f"messages[{i}].content")
+                    parts.append(part["text"])
+                msg["content"] = "".join(parts)
+            elif m.content is None:
+                msg["content"] = ""
+            messages.append(msg)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ServeError("messages: the served tokenizer has no chat template; use /v1/completions",
+                             param="messages")
+        context = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            context["tools"] = body.tools
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **context)
+        except ChatTemplateError as e:
+            raise ServeError(f"messages: the chat template refused them: {e}", param="messages") from None
+        except Exception as e:  # noqa: BLE001 - a template error on unusual input is the input's fault
+            raise ServeError(f"messages: rendering the chat template failed: {type(e).__name__}: {e}",
+                             param="messages") from None
+        return np.asarray(self.tokenizer.encode(text), np.int32)
+
+    def completion_prompts(self, body: CompletionRequest) -> list[np.ndarray]:
+        p = body.prompt
+        if isinstance(p, str):
+            raw: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            raw = [p]
+        else:
+            raw = list(p)
+        if not raw:
+            raise ServeError("prompt: must not be empty", param="prompt")
+        vocab = self.served.model_config.vocab_size
+        prompts = []
+        for k, x in enumerate(raw):
+            ids = np.asarray(self.tokenizer.encode(x) if isinstance(x, str) else x, np.int64)
+            where = "prompt" if len(raw) == 1 else f"prompt[{k}]"
+            if ids.size == 0:
+                raise ServeError(f"{where}: must hold at least one token", param="prompt")
+            if ids.min() < 0 or ids.max() >= vocab:
+                bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+                raise ServeError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            prompts.append(ids.astype(np.int32))
+        return prompts
+
+
+class _Choice:
+    """One choice being generated: its engine request, its text, what it reports."""
+
+    def __init__(self, server: Server, index: int, prompt_index: int, handle: Handle, stop: list[str],
+                 eos_ids: list[int]) -> None:
+        self.server, self.index, self.prompt_index, self.handle = server, index, prompt_index, handle
+        self.text = TextStream(server.tokenizer, stop, skip_ids=eos_ids)
+        self.logprobs: list[float] = []
+        self.generated = 0
+        self.cached = 0
+        self.version = server.engine.version
+        self.finish_reason: str | None = None
+        self._lp_sent = 0
+
+    async def events(self) -> AsyncIterator[None]:
+        """Consumes the engine's events; yields after each batch of tokens. Raises ServeError
+        if the engine refused or failed the request."""
+        async for event in self.handle:
+            if isinstance(event, TokenEvent):
+                self.generated += len(event.tokens)
+                self.logprobs += event.model_logprobs
+                self.version, self.cached = event.version, event.cached_tokens
+                self.text.add(event.tokens)
+                if self.text.cut:  # a stop string: the rest is not wanted
+                    self.server.worker.abort(self.handle)
+                    self.finish_reason = "stop"
+                    self.text.finish()
+                    yield
+                    return
+                yield
+            elif isinstance(event, DoneEvent):
+                comp = event.completion
+                self.cached = comp.cached_tokens
+                if len(comp.versions):
+                    self.version = int(comp.versions[-1])
+                self.finish_reason = _FINISH[comp.finish_reason]
+                self.text.finish()
+                yield
+                return
+            elif isinstance(event, ErrorEvent):
+                raise ServeError(event.message, param=event.param, status=event.status,
+                                 type="invalid_request_error" if event.status == 400 else "server_error")
+
+    def new_logprob_entries(self, final: bool) -> list[tuple[int, float, int]]:
+        """(token, logprob, text offset) of the tokens whose text was emitted since the last call."""
+        ts = self.text
+        end = ts.kept_tokens() if final else sum(1 for o in ts.offsets[:ts.kept_tokens()] if o < ts.emitted)
+        out = [(ts.ids[i], self.logprobs[i], ts.offsets[i]) for i in range(self._lp_sent, end)]
+        self._lp_sent = max(self._lp_sent, end)
+        return out
+
+    def jrl(self) -> dict[str, Any]:
+        return {"policy_version": self.version}
+
+
+def _token_str(tokenizer: Any, token: int) -> str:
+    return decode(tokenizer, [token])
+
+
+def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, int]]) -> dict[str, Any]:
+    content = []
+    for tok, lp, _ in entries:
+        s = _token_str(tokenizer, tok)
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer: Any, entries: list[tuple[int, float, int]]) -> dict[str, Any]:
+    return {"tokens": [_token_str(tokenizer, t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": None, "text_offset": [o for _, _, o in entries]}
+
+
+def _usage(prompts: list[np.ndarray], choices: list[_Choice]) -> dict[str, Any]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    cached = 0
+    for k in range(len(prompts)):
+        mine = [c.cached for c in choices if c.prompt_index == k]
+        cached += min(mine) if mine else 0
+    completion = sum(c.generated for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _error_response(e: ServeError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.stop, shutdown_timeout)
+
+    app = FastAPI(title="jrl serve", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ServeError)
+    async def _serve_error(request: Request, e: ServeError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return _error_response(ServeError(f"the body is not valid JSON ({first.get('msg', '')})"))
+        loc = [x for x in first.get("loc", ()) if x != "body"]
+        param = ""
+        for x in loc:
+            param += f"[{x}]" if isinstance(x, int) else (f".{x}" if param else str(x))
+        if not param:
+            return _error_response(ServeError("the body must be a JSON object (sent with Content-Type: "
+                                              f"application/json): {first.get('msg', '')}"))
+        msg = f"{param}: {first.get('msg', 'invalid')}"
+        if "input" in first and not isinstance(first["input"], (dict, list)):
+            msg += f", got {first['input']!r}"
+        return _error_response(ServeError(msg, param=param.split("[")[0].split(".")[0]))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), type="invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.get("/health")
+    async def health():
+        worker = server.worker
+        ok = worker is not None and worker.alive
+        snap = dict(worker.snapshot) if worker is not None else {}
+        body = {"status": "ok" if ok else "unavailable", "model": server.served.name,
+                "outstanding_requests": server.outstanding, "capacity": server.capacity, "engine": snap}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.served.name, "object": "model", "created": server.created, "owned_by": "jrl",
+            "max_model_len": server.engine.seq_limit, "jrl": {"policy_version": server.engine.version,
+                                                              "source": server.served.source}}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_model(body)
+        body.refuse_unsupported()
+        stop = body.stop_strings()
+        prompt = server.render_chat(body)
+        limit = server.max_new_tokens(len(prompt), body.token_limit(),
+                                      "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                                      "messages")
+        return await _generate(request, body, [prompt], limit, stop, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body)
+        body.refuse_unsupported()
+        stop = body.stop_strings()
+        prompts = server.completion_prompts(body)
+        limit = body.max_tokens if body.max_tokens is not None else 16
+        limits = [server.max_new_tokens(len(p), limit, "max_tokens", "prompt") for p in prompts]
+        return await _generate(request, body, prompts, limits[0] if len(set(limits)) == 1 else limits, stop, chat=False)
+
+    async def _generate(request: Request, body, prompts: list[np.ndarray], limit, stop: list[str], *, chat: bool):
+        n = body.n
+        if n * len(prompts) > server.capacity:
+            raise ServeError(f"n: {n} choices x {len(prompts)} prompt(s) exceed what the server admits at once "
+                             f"({server.capacity} = max_batch + max_queue)", param="n")
+        eos_ids = [] if body.ignore_eos else server.eos_ids
+        samplings = [server.sampling(body, k) for k in range(n * len(prompts))]  # validated before anything runs
+        server.admit(n * len(prompts))
+        choices: list[_Choice] = []
+        for p_idx, prompt in enumerate(prompts):
+            max_new = limit[p_idx] if isinstance(limit, list) else limit
+            for j in range(n):
+                k = p_idx * n + j
+                handle = server.worker.submit(prompt, samplings[k], max_new, eos_ids, on_end=server.request_ended)
+                server.outstanding += 1
+                choices.append(_Choice(server, k, p_idx, handle, stop, eos_ids))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        meta = {"id": rid, "created": int(time.time()), "model": server.served.name}
+        want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        tools = getattr(body, "tools", None)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _stream(choices, prompts, meta, chat, want_logprobs, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            if await _wait_or_disconnect(request, asyncio.gather(*(_drain(c) for c in choices))) is _GONE:
+                # 499 (nginx's "client closed request"): nobody reads it, the log says why
+                return JSONResponse(error_body("client disconnected; request cancelled"), status_code=499)
+        finally:
+            _release(choices)
+        out = []
+        for c in choices:
+            text = c.text.emit(final=True)
+            entries = c.new_logprob_entries(final=True) if want_logprobs else []
+            if chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if tools:
+                    content, calls = parse_tool_calls(text, tools)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = "tool_calls"
+                out.append({"index": c.index, "message": message, "finish_reason": finish,
+                            "logprobs": chat_logprobs(server.tokenizer, entries) if want_logprobs else None,
+                            "jrl": c.jrl()})
+            else:
+                out.append({"index": c.index, "text": text, "finish_reason": c.finish_reason,
+                            "logprobs": completion_logprobs(server.tokenizer, entries) if want_logprobs else None,
+                            "jrl": c.jrl()})
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out,
+                "usage": _usage(prompts, choices), "system_fingerprint": None}
+
+    async def _drain(c: _Choice) -> None:
+        async for _ in c.events():
+            pass
+
+    def _release(choices: list[_Choice]) -> None:
+        """Aborts the choices' engine requests that are still running (a no-op for the
+        finished ones). A stream whose client left before it started never gets here: its
+        requests run to their end, and their handles still leave `outstanding` then."""
+        for c in choices:
+            server.worker.abort(c.handle)
+
+    async def _stream(choices: list[_Choice], prompts, meta: dict, chat: bool, want_logprobs: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {**meta, "object": obj, "system_fingerprint": None}
+        if include_usage:
+            base["usage"] = None
+        out: asyncio.Queue = asyncio.Queue()
+
+        def chunk(c: _Choice, text: str, entries, finish: str | None, first: bool = False) -> dict:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
+                    {"content": text} if text or not finish else {})
+                choice = {"index": c.index, "delta": delta, "finish_reason": finish,
+                          "logprobs": chat_logprobs(server.tokenizer, entries) if want_logprobs and entries else None}
+            else:
+                choice = {"index": c.index, "text": text, "finish_reason": finish,
+                          "logprobs": completion_logprobs(server.tokenizer, entries) if want_logprobs and entries
+                          else None}
+            choice["jrl"] = c.jrl()
+            return {**base, "choices": [choice]}
+
+        async def run(c: _Choice) -> None:
+            try:
+                async for _ in c.events():
+                    done = c.finish_reason is not None
+                    text = c.text.emit(final=done)
+                    entries = c.new_logprob_entries(final=done) if want_logprobs else []
+                    if text or entries:
+                        await out.put(chunk(c, text, entries, None))
+                await out.put(chunk(c, "", [], c.finish_reason or "stop"))
+            except ServeError as e:
+                await out.put(e)
+
+        tasks = []
+        try:
+            if chat:
+                for c in choices:
+                    yield _sse(chunk(c, "", [], None, first=True))
+            tasks = [asyncio.create_task(run(c)) for c in choices]
+            remaining = len(tasks)
+            while remaining:
+                item = await out.get()
+                if isinstance(item, ServeError):
+                    yield _sse(item.body())
+                    remaining -= 1
+                    continue
+                if item["choices"][0]["finish_reason"] is not None:
+                    remaining -= 1
+                yield _sse(item)
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(prompts, choices)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            _release(choices)
+
+    @app.post("/v1/weights")
+    async def weights(body: WeightsRequest, request: Request):
+        if server.admin_token is None:
+            raise ServeError("not found (admin endpoints are off: start the server with --admin-token)", status=404)
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), server.admin_token.encode()):
+            raise ServeError("invalid admin token (Authorization: Bearer <token>)", status=401,
+                             type="authentication_error")
+        async with server.weights_lock:
+            try:
+                params, recorded, source = await asyncio.to_thread(load_update, body.checkpoint, server.served)
+            except Exception as e:  # noqa: BLE001 - a bad path or checkpoint is the request's fault
+                raise ServeError(f"checkpoint: {e}", param="checkpoint") from None
+            version = body.version if body.version is not None else (
+                recorded if recorded is not None else server.engine.version + 1)
+            t0 = time.perf_counter()
+            try:
+                ack = await server.worker.update_weights(params, version)
+            except ValueError as e:
+                raise ServeError(str(e), param="version" if str(e).startswith("version") else "checkpoint") from None
+            server.served.source = source
+            return {"object": "weights.update", "policy_version": ack.version, "checkpoint": source,
+                    "finished_in_flight": ack.finished_in_flight, "restarted": ack.restarted,
+                    "seconds": round(time.perf_counter() - t0, 3)}
+
+    return app
+
+
+_GONE = object()
+
+
+async def _wait_or_disconnect(request: Request, work: asyncio.Future) -> Any:
+    """Awaits `work`; if the client disconnects first, cancels it and returns `_GONE`."""
+    work = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        return _GONE
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

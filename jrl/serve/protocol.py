@@ -1,0 +1,145 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic), and the error object.
+
+Fields jrl does not implement but clients commonly send are declared so that a value that
+would change the result is refused with a 400 naming the field (`logit_bias`, `echo`,
+`best_of`, `suffix`, a `response_format` other than text); fields that change nothing here
+(`user`, `metadata`, `store`, ...) are ignored. Range checks of the sampling values are the
+engine's own (`jrl.rollout.SamplingParams`), reported under the OpenAI field name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServeError(Exception):
+    """An error answered as an OpenAI error object: `status`, a message, the offending
+    field (`param`) and a `type` / `code`."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, param=self.param, type=self.type, code=self.code)
+
+
+def error_body(message: str, *, param: str | None = None, type: str = "invalid_request_error",
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Parameters shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # jrl extension (as vLLM's): run to max_tokens, for benchmarks
+    # Declared so that a value that would change the answer is refused, not ignored.
+    logit_bias: dict[str, float] | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for i, s in enumerate(stops):
+            if s == "":
+                raise ServeError(f"stop[{i}]: stop strings must be non-empty", param="stop")
+        return stops
+
+    def refuse_unsupported(self) -> None:
+        if self.logit_bias:
+            raise ServeError("logit_bias: not supported by this server", param="logit_bias")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name, ... go to the template
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs:
+            raise ServeError("top_logprobs: the engine reports only the sampled token's log-probability; "
+                             "top alternatives are not available (use top_logprobs 0 or leave it out)",
+                             param="top_logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ServeError("response_format: only {'type': 'text'} is supported (no constrained decoding)",
+                             param="response_format")
+        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
+            raise ServeError("tool_choice: only 'auto' and 'none' are supported (no forced tool calls)",
+                             param="tool_choice")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ServeError("max_completion_tokens: differs from max_tokens; give one of them",
+                             param="max_completion_tokens")
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs:
+            raise ServeError("logprobs: the engine reports only the sampled token's log-probability; "
+                             "top alternatives are not available (use logprobs 0 for the tokens' own)",
+                             param="logprobs")
+        if self.echo:
+            raise ServeError("echo: not supported by this server", param="echo")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ServeError("best_of: not supported by this server (leave it out or equal to n)", param="best_of")
+        if self.suffix:
+            raise ServeError("suffix: not supported by this server (no fill-in-the-middle)", param="suffix")
+
+
+class WeightsRequest(BaseModel):
+    """POST /v1/weights: `checkpoint` is a run directory, its checkpoints/ directory (the
+    latest step), a step_<N> directory or hf:<dir>; `version` defaults to the step's
+    recorded policy version, else the served version + 1."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str
+    version: int | None = Field(None, ge=0)
+

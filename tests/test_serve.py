@@ -1,0 +1,449 @@
+"""`jrl serve`: a live server on 127.0.0.1 (a random free port) over a tiny random qwen2
+model saved as a Hugging Face directory with a ChatML tokenizer, driven with the official
+`openai` client (and httpx for raw bodies): chat, completions, streaming, n > 1, logprobs,
+stop strings, seeds, 64 concurrent requests, cancellation returning pages, every bad input's
+400 / 429, the admin weights endpoint, SIGTERM shutdown (a subprocess), `jrl bench serve
+--tiny`. Nothing asserts on wall-clock time."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from chat_fixtures import write_chat_tokenizer
+from jrl import checkpoint
+from jrl.bench.cli import main as bench
+from jrl.config import ConfigError, ModelConfig, from_dict
+from jrl.hf import params_equal, save_pretrained
+from jrl.models import init_params
+from jrl.rollout import Engine, SamplingParams
+from jrl.serve.cli import ServerThread, build, build_parser
+from jrl.serve.loading import load_served
+from jrl.serve.text import TextStream
+from jrl.tokenizer import ByteTokenizer, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = {"vocab_size": 320, "hidden_size": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16,
+         "intermediate_size": 64, "max_position_embeddings": 128, "qkv_bias": True}
+# One engine geometry for every server here (the step programs compile once per process).
+# Every step padded to 16 rows and 16 or 128 tokens: a handful of programs to compile.
+ENGINE_FLAGS = ["--max-batch", "16", "--page-size", "16", "--max-seq-len", "128", "--max-queue", "48",
+                "--engine", json.dumps({"batch_buckets": [16], "token_buckets": [16, 128],
+                                        "max_tokens_per_step": 128})]
+TOKEN = "s3cret"
+NAME = "tiny-qwen"
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    config = from_dict(ModelConfig, MODEL)
+    dirs = []
+    for seed in (0, 1):  # the served weights, and another version for /v1/weights
+        d = root / f"tiny-{seed}"
+        write_chat_tokenizer(d)
+        save_pretrained(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed)), str(d),
+                        model_type="qwen2")
+        dirs.append(d)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def live(hf_dirs):
+    args = build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME,
+                                      "--admin-token", TOKEN, *ENGINE_FLAGS])
+    server, app = build(args)
+    with ServerThread(server, app) as thread:
+        thread.client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0)
+        thread.http = httpx.Client(base_url=thread.url, timeout=120)
+        yield thread
+        thread.http.close()
+
+
+def health(live) -> dict:
+    r = live.http.get("/health")
+    assert r.status_code == 200
+    return r.json()
+
+
+def settle(live, timeout: float = 60.0) -> dict:
+    """/health once no request is active any more."""
+    deadline = time.time() + timeout
+    while True:
+        h = health(live)
+        if h["outstanding_requests"] == 0 and h["engine"]["active_requests"] == 0 and h["engine"]["running"] == 0:
+            return h
+        assert time.time() < deadline, h
+        time.sleep(0.05)
+
+
+def test_models_and_health(live):
+    (m,) = live.client.models.list().data
+    assert m.id == NAME and m.model_extra["max_model_len"] == 128
+    tok = live.server.tokenizer  # stops at EOS and at the ChatML end of turn
+    assert live.server.eos_ids == [tok.encode("<|endoftext|>")[0], tok.encode("<|im_end|>")[0]]
+    h = health(live)
+    assert h["status"] == "ok" and h["capacity"] == 16 + 48
+    assert h["engine"]["total_pages"] == h["engine"]["available_pages"] > 0
+
+
+def test_chat_completion_renders_the_template_and_counts_cached_tokens(live, hf_dirs):
+    tok = load_tokenizer(str(hf_dirs[0]))
+    messages = [{"role": "system", "content": "be brief: the user asks about the cat on the mat"},
+                {"role": "user", "content": "what is 2 plus 3?"}]
+    prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    first = live.client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+    again = live.client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=8,
+                                                temperature=0)
+    for r in (first, again):
+        (c,) = r.choices
+        assert c.message.role == "assistant" and isinstance(c.message.content, str)
+        assert c.finish_reason in ("stop", "length") and c.model_extra["jrl"] == {"policy_version": 0}
+        assert r.usage.prompt_tokens == len(prompt) and 1 <= r.usage.completion_tokens <= 8
+        assert r.object == "chat.completion" and r.model == NAME
+    assert again.choices[0].message.content == first.choices[0].message.content  # greedy
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with_tools = live.client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, tools=tools)
+    assert with_tools.choices[0].message.tool_calls is None  # parsed once the shared parser lands
+    # the second request reads the first one's full prompt pages from the prefix cache
+    assert len(prompt) > 16
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16 * ((len(prompt) - 1) // 16)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_n_seed_logprobs(live):
+    kw = dict(model=NAME, prompt="the cat sat", max_tokens=6, n=3, seed=7, temperature=1.0, logprobs=0,
+              extra_body={"ignore_eos": True})
+    a, b = live.client.completions.create(**kw), live.client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({tuple(c.logprobs.tokens) for c in a.choices}) == 3  # one seed per choice
+    assert a.usage.completion_tokens == 18
+    for c in a.choices:
+        assert c.finish_reason == "length" and len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) == 6
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs) and c.logprobs.text_offset[0] == 0
+    # token-id prompts, several at once: n choices per prompt, indexed prompt-major
+    ids = live.client.completions.create(model=NAME, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, n=2, seed=1,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in ids.choices] == [0, 1, 2, 3] and ids.usage.prompt_tokens == 5
+    chat = live.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, logprobs=True, top_logprobs=0, seed=3)
+    content = chat.choices[0].logprobs.content
+    assert 1 <= len(content) <= 4 and all(e.logprob <= 0 and e.top_logprobs == [] for e in content)
+
+
+def test_stop_strings_cut_the_text(live):
+    kw = dict(model=NAME, prompt="what is", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = live.client.completions.create(**kw).choices[0].text
+    assert len(full) >= 6, full
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    cut = live.client.completions.create(**kw, stop=[stop, "never appears \x01"]).choices[0]
+    assert cut.text == full[:full.find(stop)] and cut.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in live.client.completions.create(**kw, stop=stop, stream=True))
+    assert streamed == cut.text
+
+
+def test_streaming_chat_matches_the_plain_answer(live):
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "the cat"}], max_tokens=10, n=2, seed=11)
+    plain = live.client.chat.completions.create(**kw)
+    texts, finish, usage, roles = {0: "", 1: ""}, {}, None, set()
+    for chunk in live.client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        assert chunk.object == "chat.completion.chunk"
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        (c,) = chunk.choices
+        roles.add(c.delta.role)
+        texts[c.index] += c.delta.content or ""
+        if c.finish_reason:
+            finish[c.index] = c.finish_reason
+    assert "assistant" in roles and set(finish) == {0, 1}
+    assert [texts[i] for i in (0, 1)] == [c.message.content for c in plain.choices]
+    assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+    # logprobs stream with the text they belong to: one entry per kept token
+    entries = []
+    for chunk in live.client.chat.completions.create(**{**kw, "n": 1}, stream=True, logprobs=True,
+                                                     extra_body={"ignore_eos": True}):
+        if chunk.choices and chunk.choices[0].logprobs:
+            entries += chunk.choices[0].logprobs.content
+    assert len(entries) == 10 and all(e.logprob <= 0 for e in entries)
+    # the raw stream ends with [DONE]
+    with live.http.stream("POST", "/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2,
+                                                             "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_64_concurrent_requests_all_complete(live):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(client.completions.create(
+                model=NAME, prompt=f"{k} plus {k % 7}", max_tokens=1 + k % 12, seed=k,
+                extra_body={"ignore_eos": True}) for k in range(64)))
+        finally:
+            await client.close()
+
+    before = health(live)["engine"]["generated_tokens"]
+    results = asyncio.run(go())
+    assert [r.usage.completion_tokens for r in results] == [1 + k % 12 for k in range(64)]
+    assert all(r.choices[0].finish_reason == "length" for r in results)
+    h = settle(live)
+    assert h["engine"]["generated_tokens"] - before >= sum(1 + k % 12 for k in range(64))
+    assert h["engine"]["available_pages"] == h["engine"]["total_pages"]
+
+
+def test_cancelled_requests_give_their_pages_back(live):
+    total = settle(live)["engine"]["total_pages"]
+    before = health(live)["engine"]["generated_tokens"]
+    # a stream of 64 choices fills the server (capacity 64): more gets 429, closing it cancels all 64
+    body = {"model": NAME, "prompt": "the mat", "max_tokens": 100, "n": 64, "stream": True, "ignore_eos": True}
+    with live.http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        h = health(live)
+        assert h["outstanding_requests"] == 64 and h["engine"]["available_pages"] < total
+        busy = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        assert busy.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            live.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
+    h = settle(live)
+    assert h["engine"]["available_pages"] == total  # aborted requests' pages are back (or cached)
+    assert h["engine"]["generated_tokens"] - before < 64 * 100  # they did not run to the end
+    # a non-streaming client that gives up is cancelled too
+    before = health(live)["engine"]["generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        live.http.post("/v1/completions", json={**body, "stream": False}, timeout=0.2)
+    h = settle(live)
+    assert h["engine"]["available_pages"] == total
+    assert h["engine"]["generated_tokens"] - before < 64 * 100
+    ok = live.client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
+
+
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+COMP = {"model": NAME, "prompt": "hi"}
+BAD = [
+    ("malformed JSON", "/v1/chat/completions", b'{"model": ', None),
+    ("not an object", "/v1/completions", b"[1, 2]", None),
+    ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-4"}, "model"),
+    ("missing messages", "/v1/chat/completions", {"model": NAME}, "messages"),
+    ("empty messages", "/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("max_tokens past the context", "/v1/chat/completions", {**CHAT, "max_tokens": 500}, "max_tokens"),
+    ("max_completion_tokens past the context", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 500},
+     "max_completion_tokens"),
+    ("max_tokens 0", "/v1/completions", {**COMP, "max_tokens": 0}, "max_tokens"),
+    ("negative temperature", "/v1/completions", {**COMP, "temperature": -0.5}, "temperature"),
+    ("temperature not a number", "/v1/completions", {**COMP, "temperature": "hot"}, "temperature"),
+    ("top_p 0", "/v1/completions", {**COMP, "top_p": 0}, "top_p"),
+    ("top_k negative", "/v1/completions", {**COMP, "top_k": -1}, "top_k"),
+    ("min_p above 1", "/v1/completions", {**COMP, "min_p": 2}, "min_p"),
+    ("repetition_penalty 0", "/v1/completions", {**COMP, "repetition_penalty": 0}, "repetition_penalty"),
+    ("penalty infinite", "/v1/completions", {**COMP, "presence_penalty": 1e39}, "presence_penalty"),
+    ("seed negative", "/v1/completions", {**COMP, "seed": -1}, "seed"),
+    ("n 0", "/v1/completions", {**COMP, "n": 0}, "n"),
+    ("n beyond the capacity", "/v1/completions", {**COMP, "n": 65}, "n"),
+    ("out-of-vocabulary ids", "/v1/completions", {**COMP, "prompt": [1, 2, 320]}, "prompt"),
+    ("negative ids", "/v1/completions", {**COMP, "prompt": [[3], [-1]]}, "prompt"),
+    ("empty prompt", "/v1/completions", {**COMP, "prompt": ""}, "prompt"),
+    ("prompt fills the context", "/v1/completions", {**COMP, "prompt": [3] * 128}, "prompt"),
+    ("top_logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ("completion logprobs > 0", "/v1/completions", {**COMP, "logprobs": 2}, "logprobs"),
+    ("empty stop string", "/v1/completions", {**COMP, "stop": ["", "x"]}, "stop"),
+    ("logit_bias", "/v1/completions", {**COMP, "logit_bias": {"5": 10}}, "logit_bias"),
+    ("image content", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ("template refuses", "/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_400_naming_the_field(live, name, path, body, param):
+    if isinstance(body, bytes):
+        r = live.http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = live.http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param, err
+
+
+def test_bad_input_through_the_client_and_the_server_lives_on(live):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        live.client.completions.create(model=NAME, prompt="x", temperature=-1)
+    r = live.http.post("/v1/nothing", json={})
+    assert r.status_code == 404 and "error" in r.json()
+    assert settle(live)["status"] == "ok"
+
+
+def test_engine_abort_frees_pages_and_keeps_the_others(live):
+    served = live.server.served
+    engine = Engine(served.model_config, served.params, live.server.engine.config)  # same programs: compiled
+    total = engine.pool.allocator.n_available
+    keep = engine.add_request([1, 2, 3], SamplingParams(seed=1), max_new_tokens=12)
+    gone = engine.add_request(list(range(4, 30)), SamplingParams(seed=2), max_new_tokens=40)
+    queued = engine.add_request([9, 9], SamplingParams(seed=3), max_new_tokens=4)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort(gone) and engine.abort(queued)
+    assert not engine.abort(gone) and not engine.abort(12345)
+    done = engine.run()
+    assert [c.request_id for c in done] == [keep] and len(done[0].tokens) == 12
+    assert engine.pool.allocator.n_available == total
+
+
+def test_weights_admin_updates_the_served_version(live, hf_dirs):
+    url = "/v1/weights"
+    body = {"checkpoint": f"hf:{hf_dirs[1]}", "version": 3}
+    assert live.http.post(url, json=body).status_code == 401
+    assert live.http.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    bad = live.http.post(url, json={"checkpoint": "/no/such/dir"}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "checkpoint"
+    kw = dict(model=NAME, prompt="the cat", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    old = live.client.completions.create(**kw)
+    r = live.http.post(url, json=body, headers=auth)
+    assert r.status_code == 200, r.text
+    assert r.json()["policy_version"] == 3 and r.json()["object"] == "weights.update"
+    new = live.client.completions.create(**kw)
+    assert new.choices[0].model_extra["jrl"] == {"policy_version": 3}
+    assert old.choices[0].model_extra["jrl"] == {"policy_version": 0}
+    assert new.choices[0].text != old.choices[0].text  # other weights
+    assert live.client.models.list().data[0].model_extra["jrl"]["policy_version"] == 3
+    back = live.http.post(url, json={"checkpoint": f"hf:{hf_dirs[0]}", "version": 2}, headers=auth)
+    assert back.status_code == 400 and back.json()["error"]["param"] == "version"  # versions never go back
+
+
+def test_weights_endpoint_is_off_without_a_token(hf_dirs):
+    _, app = build(build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", *ENGINE_FLAGS]))
+
+    with TestClient(app) as client:
+        r = client.post("/v1/weights", json={"checkpoint": f"hf:{hf_dirs[1]}"})
+        assert r.status_code == 404
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(hf_dirs):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen([sys.executable, "-m", "jrl.serve", "--model", f"hf:{hf_dirs[0]}", "--port", str(port),
+                             "--served-model-name", NAME, "--shutdown-timeout", "60", *ENGINE_FLAGS],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.2)
+        body = {"model": NAME, "prompt": "the", "max_tokens": 40, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"  # the request in flight finished
+        chunks = [json.loads(x[6:]) for x in [first, *rest[:-1]]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_bench_serve_tiny(tmp_path, hf_dirs):
+    path = tmp_path / "rows.jsonl"
+    assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "1,4",
+                  "--requests", "8", "--prompt", "8", "--new", "4", *ENGINE_FLAGS]) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for section in ("http", "engine"):
+        mine = [r for r in rows if r["section"] == section]
+        assert [r["concurrency"] for r in mine] == [1, 4]
+        for r in mine:
+            assert r["requests"] == 8 and r["output_tokens"] == 32
+            assert all(np.isfinite(r[k]) and r[k] > 0 for k in ("requests_per_s", "output_tokens_per_s"))
+
+
+def test_a_jrl_checkpoint_serves_with_its_run_config_tokenizer_and_version(tmp_path):
+    run = tmp_path / "myrun"
+    model = {**MODEL, "vocab_size": 262}  # the byte tokenizer's vocabulary
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(json.dumps({"name": "myrun", "model": model,
+                                                 "data": {"tokenizer": "bytes", "seq_len": 64}}))
+    config = from_dict(ModelConfig, model)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(4))
+    checkpoint.save(run / "checkpoints", 5, {"params": params}, meta={"policy_version": 7})
+    served = load_served(checkpoint=str(run / "checkpoints"))
+    assert (served.name, served.version, served.tokenizer.vocab_size) == ("myrun", 7, 262)
+    assert served.model_config.vocab_size == 262
+    assert params_equal(jax.device_get(served.params), jax.device_get(params))
+    step = load_served(checkpoint=str(run / "checkpoints" / "step_5"), name="other")
+    assert (step.name, step.version) == ("other", 7)
+    with pytest.raises(ConfigError, match="--model"):
+        load_served(model=str(run))
+
+
+def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo <<END>> world")
+    s = TextStream(tok, stop=["<<END>>"], skip_ids=[tok.eos_id])
+    shown = []
+    for i in ids:
+        s.add([i])
+        shown.append(s.emit())
+    assert "".join(shown) + s.emit(final=True) == "héllo "
+    assert s.cut and "\ufffd" not in "".join(shown)
+    assert s.kept_tokens() == len(tok.encode("héllo "))
+    # the end-of-turn id ends the text; nothing after it is shown
+    s = TextStream(tok, skip_ids=[tok.eos_id])
+    s.add(tok.encode("ab") + [tok.eos_id] + tok.encode("cd"))
+    assert s.emit(final=True) == "ab" and s.stopped and not s.cut
+
+
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live, monkeypatch):
+    engine = live.server.engine
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    r = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    ok = live.client.completions.create(model=NAME, prompt="x", max_tokens=3, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 3
+    h = settle(live)
+    assert h["engine"]["engine_errors"] == 1 and h["engine"]["available_pages"] == h["engine"]["total_pages"]
