@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
 from jrl.parallel import ParallelConfig
 from jrl.rollout.config import EngineConfig, engine_config_for_workload, pow2_at_least
@@ -45,6 +46,7 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     `mesh`: serve tensor-parallel (see `Engine`)."""
     if not prompts:
         return []
+    enable_compilation_cache()  # before the seeds' program below (the Engine calls it too)
     # Checked here too: the pool is sized from the prompts and max_new_tokens before the
     # engine (which checks every field again) exists.
     for k, p in enumerate(prompts):

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
 from jrl.models.fused import fuse_projections
 from jrl.parallel import ParallelConfig
@@ -103,6 +104,7 @@ class Engine:
     def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig | None = None,
                  version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None, *,
                  tuning: TuningOverrides | None = None) -> None:
+        enable_compilation_cache()  # once per process (jrl.compile_cache)
         _check_finite(params, "Engine: refusing to serve them")
         self.model_config = model_config
         self.config = config = config or EngineConfig()
