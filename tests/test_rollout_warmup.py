@@ -116,3 +116,33 @@ def test_warmup_compiles_what_a_run_uses(params):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert engine.step_function.traces == traces  # no step program traced after the warm-up
     assert compiles == []  # and nothing else compiled either
+
+
+def pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def documented_sizing(model: ModelConfig, prompts, new: int) -> dict:
+    """docs/rollout.md, "Sizing and compiled programs": generate()'s engine for `prompts`."""
+    max_batch = min(pow2(len(prompts)), 256)
+    pages = sum(-(-(len(p) + new) // 16) for p in prompts)
+    return {"page_size": 16, "max_batch": max_batch, "max_tokens_per_step": max(max_batch, 1024),
+            "max_seq_len": min(model.max_position_embeddings, pow2(max(len(p) for p in prompts) + new)),
+            "n_pages": pow2(pages), "token_buckets": tuple(pow2(16) * 2**k for k in range(7)),
+            "batch_buckets": tuple(2**k for k in range(max_batch.bit_length()))}
+
+
+@pytest.mark.parametrize("batch", [1, 16, 256])
+@pytest.mark.parametrize("prompt,new", [(32, 32), (512, 256), (1500, 64), (100, 1948)])
+def test_generate_sizing_is_the_documented_rule(batch, prompt, new):
+    prompts = [[1] * prompt] * batch
+    config = _config_for_prompts(MODEL, prompts, new)
+    want = documented_sizing(MODEL, prompts, new)
+    got = {name: getattr(config, name) for name in want if name not in ("token_buckets", "batch_buckets")}
+    got["token_buckets"], got["batch_buckets"] = config.resolved_token_buckets, config.resolved_batch_buckets
+    assert got == want
+    # every prompt runs at once and none can run out of pages
+    assert config.n_pages * config.page_size >= batch * (prompt + new) and config.max_batch >= min(batch, 256)
