@@ -6,7 +6,8 @@
 Each call builds a fresh engine (sized by `engine_config_for_workload`, with a KV pool of
 exactly the prompts' pages, rounded up to a power of two), but the jitted step programs
 are cached per model config and engine geometry, so calls with the same shapes do not
-compile again.
+compile again, and JAX's persistent compilation cache (`jrl.compile_cache`, on by
+default) lets a later process read them back instead of compiling.
 """
 
 from __future__ import annotations
