@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -114,6 +115,16 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
         logger.debug("persistent compilation cache: off")
         return None
     if not jax.config.jax_enable_compilation_cache:  # JAX_ENABLE_COMPILATION_CACHE=false
+        _decided = ("off", None)
+        return None
+    try:  # JAX would warn at its first read and cache nothing; say why once, here
+        Path(target).mkdir(parents=True, exist_ok=True)
+        writable = os.access(target, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        warnings.warn(f"persistent compilation cache off: cannot write to {target} (set {ENV} to a "
+                      f"writable directory, or to 'off')", stacklevel=2)
         _decided = ("off", None)
         return None
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ \

@@ -111,3 +111,10 @@ def test_default_dir_resolution():
     assert default_cache_dir({"HOME": "/h", "XDG_CACHE_HOME": "/x"}) == f"/x/jrl/{version}"
     assert default_cache_dir({"HOME": "/h", "JRL_COMPILATION_CACHE": "/c/d"}) == "/c/d"
     assert default_cache_dir({"HOME": "/h", "JRL_COMPILATION_CACHE": ""}) == f"/h/.cache/jrl/{version}"
+
+
+def test_an_unwritable_directory_turns_the_cache_off(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    out = run(tmp_path, JRL_COMPILATION_CACHE=str(blocked / "cache"))
+    assert out["dir"] is None and not out["writes"] and not out["hits"]
