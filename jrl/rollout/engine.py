@@ -293,6 +293,8 @@ class Engine:
         `SamplingParams()`), from its buckets and tuning: see `reachable_layouts`."""
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()]
+        if not sampling or not all(isinstance(p, SamplingParams) for p in sampling):
+            raise ValueError(f"sampling: must be a SamplingParams or a non-empty sequence of them, got {sampling!r}")
         return reachable_layouts(self.config, self.seq_limit, self.tuning, self._token_buckets,
                                  self._batch_buckets, self._col_buckets, list(sampling))
 
@@ -534,14 +536,9 @@ class Engine:
 def sampling_variants(params: Sequence[SamplingParams]) -> set[tuple[bool, str]]:
     """The (penalties, mode) of every batch whose rows sample with some of `params`
     (`sampling.batch_mode` of each non-empty subset)."""
-    kinds = {(p.uses_penalties, p.greedy, p.uses_filters) for p in params}
-    out = set()
-    for mask in range(1, 1 << len(kinds)):
-        subset = [k for j, k in enumerate(sorted(kinds)) if mask >> j & 1]
-        penalties = any(k[0] for k in subset)
-        mode = "greedy" if all(k[1] for k in subset) else "filter" if any(k[2] for k in subset) else "sample"
-        out.add((penalties, mode))
-    return out
+    # one representative per kind (at most 8 kinds: the variant depends on nothing else)
+    kinds = list({(p.uses_penalties, p.greedy, p.uses_filters): p for p in params}.values())
+    return {batch_mode([p for j, p in enumerate(kinds) if mask >> j & 1]) for mask in range(1, 1 << len(kinds))}
 
 
 def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, token_buckets: tuple[int, ...],
