@@ -52,13 +52,22 @@ print(json.dumps({"dir": jax.config.jax_compilation_cache_dir, "hits": hits, "wr
 """
 
 
-def run(tmp_path: Path, **env) -> dict:
+def start(tmp_path: Path, **env) -> subprocess.Popen:
     environ = {k: v for k, v in os.environ.items()
                if k not in ("JRL_COMPILATION_CACHE", "XDG_CACHE_HOME") and not k.startswith("JAX_")}
     environ.update(HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", **env)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=environ, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-c", SCRIPT], env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen) -> tuple[dict, str]:
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1]), stderr
+
+
+def run(tmp_path: Path, **env) -> dict:
+    return result(start(tmp_path, **env))[0]
 
 
 def entries(path: Path) -> list[str]:
@@ -118,3 +127,14 @@ def test_an_unwritable_directory_turns_the_cache_off(tmp_path):
     blocked.write_text("not a directory")
     out = run(tmp_path, JRL_COMPILATION_CACHE=str(blocked / "cache"))
     assert out["dir"] is None and not out["writes"] and not out["hits"]
+
+
+def test_processes_filling_one_directory_at_once(tmp_path):
+    # pytest-xdist workers share the default directory: JAX locks it (jrl sets a size
+    # limit, which turns the lock on), so no process reads a half-written entry.
+    procs = [start(tmp_path) for _ in range(2)]
+    outs = [result(p) for p in procs]
+    for out, stderr in outs:
+        assert "persistent compilation cache" not in stderr.lower(), stderr[-4000:]
+    assert outs[0][0]["tokens"] == outs[1][0]["tokens"]
+    assert entries(tmp_path / "home" / ".cache" / "jrl" / f"jax-{jax.__version__}")
