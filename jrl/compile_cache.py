@@ -11,7 +11,7 @@ compiles in 5-50 s, a training step in several seconds). The directory, in this 
 1. a directory configured through JAX itself (`JAX_COMPILATION_CACHE_DIR`, or
    `jax.config.update("jax_compilation_cache_dir", ...)` before the first jrl call): used
    as it is, with JAX's own settings; jrl changes nothing;
-2. the `path` argument of the first explicit call;
+2. the `path` argument of an explicit call (made before the first compile);
 3. `$JRL_COMPILATION_CACHE`; `off` (or `0`, `false`, `no`, `none`) turns the cache off;
 4. `$XDG_CACHE_HOME/jrl/jax-<jax version>` (default `~/.cache/jrl/jax-<jax version>`).
 
@@ -28,8 +28,9 @@ Why 0.1 s: measured on the CPU, reading an entry back took 3-5 ms for small prog
 about 2% of the compile time for the step programs (0.11 s for a 5.3 s compile).
 Programs that compile in under 0.1 s (eager ops, small reductions, the engine's per-leaf
 finiteness checks) are therefore not written: little to save, and one file each. Everything
-slower (every engine step, training step and jitted init) is. JAX's 1 s default would
-skip the small step programs of short runs and many sub-second GPU programs.
+slower (every engine step, training step and jitted init) is. JAX's 1 s default would leave
+every program of 0.1 to 1 s to compile again in each process, though reading it back costs
+a few percent of that.
 
 What invalidates an entry (a different key, so a compile and a new entry; stale entries
 are never served): the jax / jaxlib version (hence one directory per jax version), the
