@@ -46,6 +46,7 @@ other users can write to.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import warnings
@@ -70,11 +71,7 @@ _decided: tuple[str, str | None] | None = None
 
 def _have_filelock() -> bool:
     """JAX needs `filelock` for a size limit (and its lock); without it, no limit."""
-    try:
-        import filelock  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("filelock") is not None
 
 
 def default_cache_dir(environ: dict[str, str] | None = None) -> str | None:

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
@@ -306,8 +307,6 @@ class Engine:
         or read from the persistent compilation cache, `jrl.compile_cache`) cost little.
         Not compiled: the zeroing of the pages of a request whose logits turned non-finite
         (a small program, on first use). Returns the number of layouts."""
-        from tqdm.auto import tqdm
-
         layouts = self.step_layouts(sampling)
         k, v = self.kv.buffers()
         for layout in tqdm(layouts, desc="engine warmup", unit="program", disable=not progress):
