@@ -6,7 +6,8 @@
 Each call builds a fresh engine (sized by `engine_config_for_workload`, with a KV pool of
 exactly the prompts' pages, rounded up to a power of two), but the jitted step programs
 are cached per model config and engine geometry, so calls with the same shapes do not
-compile again.
+compile again, and JAX's persistent compilation cache (`jrl.compile_cache`, on by
+default) lets a later process read them back instead of compiling.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
 from jrl.parallel import ParallelConfig
 from jrl.rollout.config import EngineConfig, engine_config_for_workload, pow2_at_least
@@ -45,6 +47,7 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     `mesh`: serve tensor-parallel (see `Engine`)."""
     if not prompts:
         return []
+    enable_compilation_cache()  # before the seeds' program below (the Engine calls it too)
     # Checked here too: the pool is sized from the prompts and max_new_tokens before the
     # engine (which checks every field again) exists.
     for k, p in enumerate(prompts):

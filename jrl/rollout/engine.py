@@ -41,7 +41,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
+from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
 from jrl.models.fused import fuse_projections
 from jrl.parallel import ParallelConfig
@@ -52,7 +54,7 @@ from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_columns
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
 from jrl.rollout.sharding import EngineSharding, SourceParams, engine_sharding
-from jrl.rollout.tuning import TuningOverrides, batch_buckets, resolve_tuning
+from jrl.rollout.tuning import Tuning, TuningOverrides, batch_buckets, resolve_tuning
 
 
 _MAX_INTERNED = 4096  # distinct sampling params kept by Engine._interned
@@ -103,6 +105,7 @@ class Engine:
     def __init__(self, model_config: ModelConfig, params: dict, config: EngineConfig | None = None,
                  version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None, *,
                  tuning: TuningOverrides | None = None) -> None:
+        enable_compilation_cache()  # once per process (jrl.compile_cache)
         _check_finite(params, "Engine: refusing to serve them")
         self.model_config = model_config
         self.config = config = config or EngineConfig()
@@ -301,6 +304,35 @@ class Engine:
                     others.append(c)
         self._finished = others + self._finished
         return [by_id[i] for i in ids]
+
+    # ------------------------------------------------------------------ warm-up
+    def step_layouts(self, sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[StepLayout]:
+        """Every step layout (one compiled program each) this engine can dispatch for
+        requests sampled with `sampling` (the params a run will use; None: the default
+        `SamplingParams()`), from its buckets and tuning: see `reachable_layouts`."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()]
+        if not sampling or not all(isinstance(p, SamplingParams) for p in sampling):
+            raise ValueError(f"sampling: must be a SamplingParams or a non-empty sequence of them, got {sampling!r}")
+        return reachable_layouts(self.config, self.seq_limit, self.tuning, self._token_buckets,
+                                 self._batch_buckets, self._col_buckets, list(sampling))
+
+    def warmup(self, sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               progress: bool = True) -> int:
+        """Compiles every step program a run with `sampling` can use (`step_layouts`)
+        ahead of time, so that generating compiles nothing later; a tqdm bar on stderr
+        counts them (`progress=False`: none). Programs compiled already (by this process,
+        or read from the persistent compilation cache, `jrl.compile_cache`) cost little.
+        Not compiled: the zeroing of the pages of a request whose logits turned non-finite
+        (a small program, on first use). Returns the number of layouts."""
+        layouts = self.step_layouts(sampling)
+        k, v = self.kv.buffers()
+        for layout in tqdm(layouts, desc="engine warmup", unit="program", disable=not progress):
+            ints = np.zeros(layout.int_packing.size, np.int32)
+            floats = np.zeros(layout.float_packing.size, np.float32)
+            self.step_function.program(layout).lower(self.params, k, v, self._prev_tokens, ints, floats,
+                                                     layout=layout).compile()
+        return len(layouts)
 
     # ------------------------------------------------------------------ device side
     def _dispatch(self, batch: ScheduledBatch) -> _InFlight:
@@ -516,6 +548,78 @@ class Engine:
         finally:
             self._admit = "all"
         return drained
+
+
+def sampling_variants(params: Sequence[SamplingParams]) -> set[tuple[bool, str]]:
+    """The (penalties, mode) of every batch whose rows sample with some of `params`
+    (`sampling.batch_mode` of each non-empty subset)."""
+    # one representative per kind (at most 8 kinds: the variant depends on nothing else)
+    kinds = list({(p.uses_penalties, p.greedy, p.uses_filters): p for p in params}.values())
+    return {batch_mode([p for j, p in enumerate(kinds) if mask >> j & 1]) for mask in range(1, 1 << len(kinds))}
+
+
+def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, token_buckets: tuple[int, ...],
+                      row_buckets: tuple[int, ...], col_buckets: tuple[int, ...],
+                      sampling: Sequence[SamplingParams]) -> list[StepLayout]:
+    """The step layouts the scheduler and `Engine._pack` can produce with these buckets
+    for requests sampled with `sampling`, each once: decode first, then prefill, small
+    before large.
+
+    * Decode (every row one query token): n rows in [1, max_batch], padded to at least
+      `tuning.min_decode_rows`; any page-table width up to the longest request's pages
+      (min(seq_limit / page_size, n_pages)), as long as n - 1 other rows fit the pool.
+    * Multi-step decode (`tuning.decode_steps_per_call` > 1): the same for n up to
+      `multi_step_max_rows`, variants without penalties only.
+    * Prefill (some row computes several tokens): n rows and t > n tokens with t up to
+      `max_tokens_per_step` and n_pages * page_size, where t fits in n rows of at most
+      the width's pages (t <= n * width * page_size) and the widest row leaves a page each
+      for the n - 1 others.
+    Sampling variants: those of `sampling` (`sampling_variants`); prefill layouts also the
+    all-greedy one, since rows that do not sample (a prompt's chunks before its last) are
+    packed as greedy rows. Not included: a decode layout in which no row samples (only
+    one-token prompt chunks that are not the last, which needs a budget or pool with room
+    for one token); such a step compiles when it happens."""
+    ps, n_pages, max_batch = config.page_size, config.n_pages, config.max_batch
+    widest = min(-(-seq_limit // ps), n_pages)  # pages of the longest request
+    prev = lambda b, buckets: max([x for x in buckets if x < b], default=0)  # noqa: E731
+    widths = [w for w in col_buckets if prev(w, col_buckets) < widest]
+    variants = sorted(sampling_variants(sampling))
+    prefill_variants = sorted(set(variants) | {(False, "greedy")})
+    multi_variants = [v for v in variants if not v[0]]
+
+    def layout(decode, t, r, w, penalties, mode, steps=1):
+        return StepLayout(decode=decode, n_tokens=t, n_rows=r, n_page_cols=w,
+                          window=config.penalty_window - 1 if penalties else 0, penalties=penalties, mode=mode,
+                          int_align=INT_ALIGN_UNROLLED if tuning.unroll_layers and decode else 1, steps=steps)
+
+    def decode_rows(limit):
+        """(padded rows, fewest real rows padded to them) for 1..limit real rows."""
+        out = {}
+        for n in range(1, min(limit, max_batch) + 1):
+            out.setdefault(bucket(max(n, tuning.min_decode_rows), row_buckets), n)
+        return sorted(out.items())
+
+    out = []
+    for r, n in decode_rows(max_batch):
+        for w in widths:
+            if n - 1 + prev(w, col_buckets) + 1 <= n_pages:
+                out += [layout(True, r, r, w, *v) for v in variants]
+    if tuning.decode_steps_per_call > 1 and multi_variants:
+        for r, n in decode_rows(tuning.multi_step_max_rows):
+            for w in widths:
+                if n - 1 + prev(w, col_buckets) + 1 <= n_pages:
+                    out += [layout(True, r, r, w, *v, steps=tuning.decode_steps_per_call) for v in multi_variants]
+    max_tokens = min(config.max_tokens_per_step, n_pages * ps)
+    for t in token_buckets:
+        for r in row_buckets:
+            for w in widths:
+                w_lo, w_hi = prev(w, col_buckets) + 1, min(w, widest)
+                if any(max(prev(t, token_buckets) + 1, n + 1)
+                       <= min(t, max_tokens, n * min(min(w_hi, n_pages - n + 1) * ps, seq_limit))
+                       and min(w_hi, n_pages - n + 1) >= w_lo
+                       for n in range(prev(r, row_buckets) + 1, min(r, max_batch) + 1)):
+                    out += [layout(False, t, r, w, *v) for v in prefill_variants]
+    return out
 
 
 def check_token_ids(field: str, values, vocab: int) -> np.ndarray:

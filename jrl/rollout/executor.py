@@ -151,6 +151,13 @@ class StepFunction:
     # the jitted functions `fn` calls: "default", and "cublas" when large decode steps
     # compile with CUBLAS_GEMM_OPTIONS
     programs: dict = dataclasses.field(default_factory=dict)
+    cublas_decode_rows: int = 0  # decode layouts of at least this many rows run "cublas" (0: never)
+
+    def program(self, layout: StepLayout):
+        """The jitted function `fn` calls for `layout` (`.lower(..., layout=layout).compile()`
+        compiles ahead of time the program a later call then finds in JAX's caches)."""
+        many = self.cublas_decode_rows > 0 and layout.decode and layout.n_rows >= self.cublas_decode_rows
+        return self.programs["cublas" if many else "default"]
 
 
 # XLA options for decode programs of many rows (Tuning.cublas_decode_rows): cuBLAS
@@ -273,11 +280,11 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
     if cublas_decode_rows <= 0:
         holder.fn = default
         return holder
-    cublas = holder.programs["cublas"] = jit(compiler_options=CUBLAS_GEMM_OPTIONS)
+    holder.programs["cublas"] = jit(compiler_options=CUBLAS_GEMM_OPTIONS)
+    holder.cublas_decode_rows = cublas_decode_rows
 
     def dispatch(params, k_buf, v_buf, prev_tokens, ints, floats, layout: StepLayout):
-        many = layout.decode and layout.n_rows >= cublas_decode_rows
-        return (cublas if many else default)(params, k_buf, v_buf, prev_tokens, ints, floats, layout=layout)
+        return holder.program(layout)(params, k_buf, v_buf, prev_tokens, ints, floats, layout=layout)
 
     holder.fn = dispatch
     return holder

@@ -40,6 +40,7 @@ import yaml
 from jax.sharding import Mesh
 
 from jrl import checkpoint
+from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
 from jrl.metrics_log import MetricsLog
@@ -111,6 +112,7 @@ class Trainer:
                  tokenizer: Any = None, mesh: Mesh | None = None):
         self.config = config
         initialize_distributed(config.parallel or ParallelConfig())  # no-op unless multi-process
+        enable_compilation_cache()  # once per process (jrl.compile_cache)
         self.run_dir = Path(output_dir or config.run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.strategy = get_strategy(config.strategy.name)

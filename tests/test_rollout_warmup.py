@@ -1,0 +1,148 @@
+"""Engine.warmup: the step layouts it compiles cover every layout a run dispatches
+(checked on the host with a stand-in step for many workloads, sampling mixes, tight
+pools and the GPU tuning), and after a real warmup generating compiles nothing."""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+from jrl.config import ModelConfig
+from jrl.models import init_params
+from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, TuningOverrides
+from jrl.rollout.api import _config_for_prompts
+from jrl.rollout.engine import sampling_variants
+from jrl.rollout.executor import StepFunction
+
+MODEL = ModelConfig(max_position_embeddings=2048)  # tiny float32 GQA model
+# The GPU defaults that shape layouts (jrl.rollout.tuning.BACKEND_DEFAULTS["gpu"]), on CPU.
+GPU_LIKE = TuningOverrides(decode_steps_per_call=4, multi_step_max_rows=128, min_decode_rows=2,
+                           unroll_layers=True)
+SAMPLE = SamplingParams(temperature=1.0)
+FILTER = SamplingParams(temperature=0.8, top_p=0.9)
+PENALTY = SamplingParams(temperature=1.0, repetition_penalty=1.2)
+
+init = jax.jit(init_params, static_argnums=0)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init(MODEL, jax.random.key(0))
+
+
+def dispatched_layouts(engine: Engine, prompts, sampling, max_new_tokens: int) -> collections.Counter:
+    """Runs `prompts` through the engine's scheduler and packing with a stand-in step (no
+    device work: every sample is token 0) and counts the layouts it dispatches."""
+    used = collections.Counter()
+
+    def step(params, k, v, prev, ints, floats, layout):
+        used[layout] += 1
+        rows = engine.max_rows
+        return prev, np.zeros((layout.steps, 3, rows) if layout.steps > 1 else (3, rows), np.float32), k, v
+
+    engine.step_function = StepFunction(fn=step)  # this engine only (the cached one is untouched)
+    engine.generate(prompts, sampling, max_new_tokens=max_new_tokens)
+    return used
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, MODEL.vocab_size, int(n)).tolist() for n in lengths]
+
+
+WORKLOADS = [  # (batch, longest prompt, new tokens, lengths vary)
+    (1, 32, 32, False), (1, 700, 40, False), (16, 100, 24, True), (16, 300, 16, False),
+    (256, 24, 12, True), (64, 200, 8, False),
+]
+
+
+@pytest.mark.parametrize("tuning", [None, GPU_LIKE], ids=["cpu", "gpu-like"])
+@pytest.mark.parametrize("batch,longest,new,vary", WORKLOADS)
+def test_generate_configs_dispatch_only_warmed_layouts(params, tuning, batch, longest, new, vary):
+    rng = np.random.default_rng(batch + longest)
+    lengths = rng.integers(max(1, longest // 4), longest + 1, batch) if vary else [longest] * batch
+    prompts = prompts_of(lengths)
+    engine = Engine(MODEL, params, _config_for_prompts(MODEL, prompts, new), tuning=tuning)
+    warmed = set(engine.step_layouts(SAMPLE))
+    used = dispatched_layouts(engine, prompts, SAMPLE, new)
+    assert set(used) <= warmed, sorted(set(used) - warmed, key=str)
+
+
+@pytest.mark.parametrize("tuning", [None, GPU_LIKE], ids=["cpu", "gpu-like"])
+def test_mixed_sampling_chunked_prefill_and_preemption(params, tuning):
+    # A pool too small for everyone (preemption, re-prefill), a budget below the prompts
+    # (chunked prefill, rows that do not sample), four sampling kinds in one run.
+    config = EngineConfig(page_size=8, n_pages=24, max_batch=8, max_tokens_per_step=48, max_seq_len=128)
+    prompts = prompts_of([5, 60, 17, 90, 1, 33, 8, 70, 44, 2], seed=3)
+    kinds = [GREEDY, SAMPLE, FILTER, PENALTY]
+    sampling = [kinds[i % 4] for i in range(len(prompts))]
+    engine = Engine(MODEL, params, config, tuning=tuning)
+    warmed = set(engine.step_layouts(kinds))
+    used = dispatched_layouts(engine, prompts, sampling, 30)
+    assert engine.scheduler.stats.preemptions > 0
+    assert set(used) <= warmed, sorted(set(used) - warmed, key=str)
+
+
+def test_sampling_variants():
+    assert sampling_variants([SAMPLE]) == {(False, "sample")}
+    assert sampling_variants([GREEDY]) == {(False, "greedy")}
+    assert sampling_variants([GREEDY, FILTER]) == {(False, "greedy"), (False, "filter")}
+    assert sampling_variants([SAMPLE, PENALTY]) == {(False, "sample"), (True, "sample")}
+    assert sampling_variants([GREEDY, PENALTY]) == {(False, "greedy"), (True, "sample")}
+
+
+def test_warmup_compiles_what_a_run_uses(params):
+    # Small buckets so the real compiles stay few: rows 1/2/4, tokens 16/32, one width.
+    config = EngineConfig(page_size=8, n_pages=32, max_batch=4, max_tokens_per_step=32, max_seq_len=64,
+                          token_buckets=(16, 32))
+    engine = Engine(MODEL, params, config)
+    # Greedy: one sampling variant for decode and prefill alike (9 programs, 15 sampling).
+    n = engine.warmup(GREEDY, progress=False)
+    assert n == len(engine.step_layouts(GREEDY)) == len(set(engine.step_layouts(GREEDY))) == 9
+    traces = engine.step_function.traces
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for lengths, new in (([3, 20, 7], 12), ([40], 5), ([1, 2, 9, 30, 4, 11], 9)):
+            outs = engine.generate(prompts_of(lengths, seed=len(lengths)), GREEDY, max_new_tokens=new)
+            assert [len(o.tokens) for o in outs] == [new] * len(lengths)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert engine.step_function.traces == traces  # no step program traced after the warm-up
+    assert compiles == []  # and nothing else compiled either
+
+
+def pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def documented_sizing(model: ModelConfig, prompts, new: int) -> dict:
+    """docs/rollout.md, "Sizing and compiled programs": generate()'s engine for `prompts`."""
+    max_batch = min(pow2(len(prompts)), 256)
+    pages = sum(-(-(len(p) + new) // 16) for p in prompts)
+    return {"page_size": 16, "max_batch": max_batch, "max_tokens_per_step": max(max_batch, 1024),
+            "max_seq_len": min(model.max_position_embeddings, pow2(max(len(p) for p in prompts) + new)),
+            "n_pages": pow2(pages), "token_buckets": tuple(pow2(16) * 2**k for k in range(7)),
+            "batch_buckets": tuple(2**k for k in range(max_batch.bit_length()))}
+
+
+@pytest.mark.parametrize("batch", [1, 16, 256])
+@pytest.mark.parametrize("prompt,new", [(32, 32), (512, 256), (1500, 64), (100, 1948)])
+def test_generate_sizing_is_the_documented_rule(batch, prompt, new):
+    prompts = [[1] * prompt] * batch
+    config = _config_for_prompts(MODEL, prompts, new)
+    want = documented_sizing(MODEL, prompts, new)
+    got = {name: getattr(config, name) for name in want if name not in ("token_buckets", "batch_buckets")}
+    got["token_buckets"], got["batch_buckets"] = config.resolved_token_buckets, config.resolved_batch_buckets
+    assert got == want
+    # every prompt runs at once and none can run out of pages
+    assert config.n_pages * config.page_size >= batch * (prompt + new) and config.max_batch >= min(batch, 256)
