@@ -87,7 +87,10 @@ def test_on_by_default_and_a_second_process_reads_the_step_programs(tmp_path):
     assert second["hits"].get("jit_step") == first["writes"]["jit_step"], second  # every one read back
     assert "jit_step" not in second["writes"], second  # none compiled again
     assert second["tokens"] == first["tokens"]
-    assert entries(default) == written
+    # no step program written again (small helper programs may cross the 0.1 s threshold
+    # on a loaded machine in one process and not the other)
+    steps = lambda names: [n for n in names if n.startswith("jit_step-")]
+    assert steps(entries(default)) == steps(written)
 
 
 def test_env_directory_and_off_switch(tmp_path):

@@ -42,8 +42,10 @@ def assert_same_completions(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x.tokens, y.tokens, err_msg=f"request {x.request_id}")
-        np.testing.assert_array_equal(x.logprobs, y.logprobs)
-        np.testing.assert_array_equal(x.model_logprobs, y.model_logprobs)
+        # One program runs the steps back to back, the other one step: XLA may fuse (and so
+        # round) the log-softmax differently, by an ulp; tokens and versions are exact.
+        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=2e-6)
+        np.testing.assert_allclose(x.model_logprobs, y.model_logprobs, rtol=0, atol=2e-6)
         np.testing.assert_array_equal(x.versions, y.versions)
         assert x.finish_reason == y.finish_reason
 
