@@ -443,3 +443,115 @@ def test_slow_environments_never_stall_decoding(engine, tok, im_end):
     # some environment calls were still running while the engine took steps for others
     assert r.env_calls_while_decoding > 0
     assert sum(ep.env_s for ep in eps) > 0
+
+
+# ----------------------------------------------------------------------------- episodes in the RL loop
+
+
+class Parity(Scripted):
+    """`turns` turns; the final reward is 1 when the last turn's text has an even length
+    (variance for an untrained model). Takes the `tools` registry when tools are set."""
+
+    def __init__(self, turns: int = 2, tools=None) -> None:
+        super().__init__(turns=turns)
+        if tools is not None:
+            self.tools = tools.schemas
+
+    def reset(self, example):
+        return [{"role": "user", "content": _prompt_of(example)}]
+
+    def step(self, message):
+        msgs, _, done, info = super().step(message)
+        return msgs, float(done and len(message["content"]) % 2 == 0), done, info
+
+
+def _prompt_of(example):
+    p = example["prompt"]
+    return p if isinstance(p, str) else p[-1]["content"]
+
+
+def test_tool_environment_through_the_sampler(engine, tok, im_end):
+    """`tools:` alone: a ToolEnvironment per episode, tools rendered into the prompt, the
+    final answer scored by the task's rewards."""
+    from jrl.data.tasks import Problem
+    from jrl.rl.episode_source import EpisodeSampler
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    options = RLOptions.from_config({"tools": ["test_rl_episodes:add"], "max_new_tokens": 6, "max_turns": 2,
+                                     "rewards": [{"fn": "exact_match"}]})
+    fmt = PromptFormat(tok)
+    sampler = EpisodeSampler(options, fmt, options.reward_model(), 512)
+    problems = [Problem(prompt="what is 2 plus 3?", answer=str(i), where=f"p{i}") for i in range(3)]
+    groups = sampler.run(engine, problems, 2, 1.0, np.arange(6, dtype=np.uint64))
+    assert [len(g) for g in groups] == [2, 2, 2]
+    for g in groups:
+        for ep in g:
+            check_token_exact(ep, tok)
+            prompt = tok.decode(ep.tokens[:ep.prompt_len])
+            assert '"name": "add"' in prompt and prompt.endswith("what is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")
+            assert ep.turns >= 1 and ep.reward in (0.0, 1.0)
+    metrics = EpisodeSampler.metrics([ep for g in groups for ep in g])
+    assert set(metrics) >= {"turns_mean", "tool_calls_mean", "tool_error_rate", "truncated_frac", "env_s"}
+
+
+def test_episode_options_are_validated():
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError, match="strategy.options.env: module 'test_rl_episodes' has no class 'Nope'"):
+        RLOptions.from_config({"env": "test_rl_episodes:Nope"})
+    with pytest.raises(ConfigError, match=r"strategy.options.tools\[0\]: must be 'module:function'"):
+        RLOptions.from_config({"tools": ["add"]})
+    with pytest.raises(ConfigError, match="strategy.options.max_turns: must be an integer >= 1"):
+        RLOptions.from_config({"env": "test_rl_episodes:Parity", "max_turns": 0})
+    with pytest.raises(ConfigError, match="strategy.options.tool_parser: unknown tool-call parser"):
+        RLOptions.from_config({"tools": ["test_rl_episodes:add"], "tool_parser": "xml"})
+    options = RLOptions.from_config({"env": "test_rl_episodes:Parity", "env_kwargs": {"turns": 3}})
+    assert options.episodes and options.tools == ()
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, tok, model):
+    from jrl.hf import save_pretrained
+    from jrl.metrics_log import read_metrics
+    from jrl.rl import build_learner
+    from jrl.config import TrainConfig
+    root = tmp_path_factory.mktemp("grpo_episodes")
+    hf_dir = write_chat_tokenizer(root / "hf", template=CHATML_TOOLS)
+    config, params = model
+    save_pretrained(config, params, str(hf_dir), model_type="qwen2")
+    records = [{"prompt": [{"role": "user", "content": f"{a}+{b}?"}], "answer": str(a + b)}
+               for a in range(6) for b in range(5)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_config = from_dict(TrainConfig, {
+        "name": "grpo_episodes", "seed": 0, "steps": 2, "init_from": f"hf:{hf_dir}",
+        "model": {**MODEL, "max_position_embeddings": 128},
+        "data": {"tokenizer": str(hf_dir), "seq_len": 96, "batch_size": 8},
+        "strategy": {"name": "grpo", "options": {
+            "task": {"name": "jsonl", "train": str(root / "train.jsonl"), "n_heldout": 4, "n_validation": 2},
+            "env": "test_rl_episodes:Parity", "env_kwargs": {"turns": 2}, "max_turns": 3,
+            "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "engine": {"page_size": 4}}},
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "schedule": {"kind": "constant"},
+        "checkpoint": {"interval": 0},
+        "eval": {"every": 0, "at_end": True, "samples": 2},
+        "logging": {"progress": False, "plot": False},
+    })
+    learner = build_learner(run_config, output_dir=root / "run")
+    learner.fit(overwrite=True)
+    return learner, read_metrics(root / "run" / "metrics.jsonl")
+
+
+def test_grpo_trains_on_episodes(grpo_run):
+    learner, rows = grpo_run
+    train = [r for r in rows if "loss" in r]
+    assert [r["policy_version"] for r in train] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in train)
+    first = [r for r in rows if "rl_step" in r][0]
+    for key in ("turns_mean", "tool_calls_mean", "tool_error_rate", "truncated_frac", "env_s", "reward_mean",
+                "episode_len_mean", "prefix_cached_tokens", "logp_diff_max"):
+        assert key in first, key
+    assert 1.0 <= first["turns_mean"] <= 3.0
+    # the trainer's forward on the episode rows reproduces every sampled token's engine log-prob
+    assert first["logp_diff_max"] <= 1e-5
+    assert first["prefix_cached_tokens"] > 0
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert evals and all(0.0 <= r["eval_accuracy_sampled"] <= 1.0 for r in evals)
