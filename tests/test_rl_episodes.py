@@ -434,9 +434,9 @@ def test_resolve_environment():
 
 
 def test_slow_environments_never_stall_decoding(engine, tok, im_end):
-    envs = [Scripted(turns=3, delay=0.02 * (i % 5)) for i in range(32)]
+    envs = [Scripted(turns=3, delay=0.02 * (i % 5)) for i in range(16)]
     r, eps = run(engine, tok, im_end, envs, seed=8)
-    assert len(eps) == 32
+    assert len(eps) == 16
     for ep in eps:
         check_token_exact(ep, tok)
         assert ep.done and (ep.truncated or (ep.turns == 3 and ep.reward == 3.0))
@@ -537,11 +537,11 @@ def grpo_run(tmp_path_factory, tok, model):
     })
     learner = build_learner(run_config, output_dir=root / "run")
     learner.fit(overwrite=True)
-    return learner, read_metrics(root / "run" / "metrics.jsonl")
+    return learner, read_metrics(root / "run" / "metrics.jsonl"), root, hf_dir
 
 
 def test_grpo_trains_on_episodes(grpo_run):
-    learner, rows = grpo_run
+    learner, rows, _, _ = grpo_run
     train = [r for r in rows if "loss" in r]
     assert [r["policy_version"] for r in train] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in train)
@@ -555,3 +555,16 @@ def test_grpo_trains_on_episodes(grpo_run):
     assert first["prefix_cached_tokens"] > 0
     evals = [r for r in rows if "eval_accuracy" in r]
     assert evals and all(0.0 <= r["eval_accuracy_sampled"] <= 1.0 for r in evals)
+
+
+def test_jrl_eval_runs_episodes(grpo_run, tmp_path):
+    from jrl.cli import main as jrl
+    _, _, root, hf_dir = grpo_run
+    out = tmp_path / "eval.json"
+    assert jrl(["eval", "--config", str(root / "run" / "config.yaml"), "--checkpoint", f"hf:{hf_dir}",
+                "--samples", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["n"], report["k"]) == (4, 2)
+    assert 0.0 <= report["pass@1"] <= report["pass@2"] <= 1.0
+    rows = [json.loads(line) for line in out.with_name("eval.problems.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(len(r["completions"]) == len(r["rewards"]) == 2 for r in rows)

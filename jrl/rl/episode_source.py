@@ -20,7 +20,7 @@ from jrl.config import ConfigError
 from jrl.data.tasks import Problem
 from jrl.rl.batch import build_episode_rows
 from jrl.rl.environments import Episode, EpisodeLimits, EpisodeRunner, ToolEnvironment, resolve_environment
-from jrl.rl.evaluation import pass_at_k
+from jrl.rl.evaluation import ProblemResult, pass_at_k
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.rewards import RewardModel
@@ -119,9 +119,10 @@ class EpisodeSampler:
         }
 
     def evaluate(self, engine: Any, problems: Sequence[Problem], samples: int, temperature: float,
-                 seed: int) -> dict[str, float]:
-        """Greedy and `samples` sampled episodes of each problem: the summary keys of
-        `jrl.rl.evaluation.evaluate_problems`."""
+                 seed: int) -> tuple[dict[str, float], list[ProblemResult]]:
+        """Greedy and `samples` sampled episodes of each problem: the summary and results
+        of `jrl.rl.evaluation.evaluate_problems` (a result's completions are the episodes'
+        last assistant turns, its response tokens the tokens they sampled)."""
         n = len(problems)
         greedy = [g[0] for g in self.run(engine, problems, 1, 0.0, np.zeros(n, np.uint64))]
         seeds = np.random.default_rng([seed, 29]).integers(0, 2**32, size=n * samples, dtype=np.uint64)
@@ -133,4 +134,15 @@ class EpisodeSampler:
                    f"pass@{samples}": float(np.mean([pass_at_k(samples, int(c.sum()), samples) for c in ok])),
                    "reward_mean": float(np.mean([ep.reward for ep in flat])),
                    "response_tokens_mean": float(np.mean([ep.n_sampled for ep in flat]))}
-        return summary
+        results = [ProblemResult(where=p.where, answer=p.answer, greedy_correct=bool(self.correct([greedy[i]])[0]),
+                                 greedy_completion=_last_turn(greedy[i]), correct=[bool(x) for x in ok[i]],
+                                 rewards=[float(ep.reward) for ep in groups[i]],
+                                 response_tokens=[ep.n_sampled for ep in groups[i]],
+                                 completions=[_last_turn(ep) for ep in groups[i]])
+                   for i, p in enumerate(problems)]
+        return summary, results
+
+
+def _last_turn(ep: Episode) -> str:
+    turns = [m["content"] for m in ep.messages if m.get("role") == "assistant"]
+    return turns[-1] if turns else ""

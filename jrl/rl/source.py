@@ -375,7 +375,7 @@ class RolloutSource:
         # or a resumed run (which does not repeat the evaluation) would differ.
         self.engine.drop_prefix_cache()
         if self.episodes is not None:
-            summary = self.episodes.evaluate(self.engine, self.eval_problems, k, o.temperature, self.seed)
+            summary, _ = self.episodes.evaluate(self.engine, self.eval_problems, k, o.temperature, self.seed)
         else:
             summary, _ = evaluate_problems(self.engine, self.format, self.eval_problems, self.rewards,
                                            prompts=self.prompt_ids(self.eval_problems),
