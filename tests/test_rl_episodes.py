@@ -286,6 +286,7 @@ def check_token_exact(ep, tok):
             assert np.array_equal(c.prompt, tokens[:start])  # the engine continued from exactly these ids
             assert np.array_equal(tokens[start:end], c.tokens)
             assert np.array_equal(arrays["logprobs"][start:end], c.logprobs)
+            assert np.array_equal(arrays["model_logprobs"][start:end], c.model_logprobs)
             assert np.array_equal(arrays["versions"][start:end], c.versions)
             assert (arrays["mask"][start:end] == 1).all()
             turn += 1
@@ -403,6 +404,7 @@ def test_max_tool_calls_truncates(engine, tok, im_end):
 def test_an_environment_that_raises_stops_the_run_naming_the_episode(engine, tok, im_end):
     with pytest.raises(EnvironmentFailure, match="Raising.step raised ValueError: broken environment"):
         run(engine, tok, im_end, [Raising() for _ in range(2)])
+    assert not engine.scheduler.has_work  # the episodes' requests were finished, not left behind
 
 
 def test_templates_that_rewrite_earlier_turns_are_refused(tok):
@@ -528,7 +530,8 @@ def grpo_run(tmp_path_factory, tok, model):
         "strategy": {"name": "grpo", "options": {
             "task": {"name": "jsonl", "train": str(root / "train.jsonl"), "n_heldout": 4, "n_validation": 2},
             "env": "test_rl_episodes:Parity", "env_kwargs": {"turns": 2}, "max_turns": 3,
-            "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "engine": {"page_size": 4}}},
+            "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "dynamic_sampling_rounds": 2,
+            "engine": {"page_size": 4}}},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
         "schedule": {"kind": "constant"},
         "checkpoint": {"interval": 0},
@@ -550,6 +553,7 @@ def test_grpo_trains_on_episodes(grpo_run):
                 "episode_len_mean", "prefix_cached_tokens", "logp_diff_max"):
         assert key in first, key
     assert 1.0 <= first["turns_mean"] <= 3.0
+    assert all(r["groups_trained"] >= 1 for r in rows if "rl_step" in r)  # episodes with reward signal trained
     # the trainer's forward on the episode rows reproduces every sampled token's engine log-prob
     assert first["logp_diff_max"] <= 1e-5
     assert first["prefix_cached_tokens"] > 0

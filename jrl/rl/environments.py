@@ -223,13 +223,15 @@ class EpisodeLimits:
 @dataclasses.dataclass
 class Episode:
     """One episode's conversation and token sequence, with per-token loss mask (1: sampled),
-    behaviour log-probs and policy versions (0 and -1 where not sampled)."""
+    behaviour log-probs (those the engine sampled with), the model's log-probs
+    (`Completion.model_logprobs`) and policy versions (0, 0 and -1 where not sampled)."""
 
     example: dict
     messages: list[Message] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    model_logprobs: list[float] = dataclasses.field(default_factory=list)  # untempered, untruncated model's
     versions: list[int] = dataclasses.field(default_factory=list)
     prompt_len: int = 0
     pieces: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # (sampled|inserted, start, end)
@@ -255,14 +257,16 @@ class Episode:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"tokens": np.asarray(self.tokens, np.int32), "mask": np.asarray(self.mask, np.float32),
-                "logprobs": np.asarray(self.logprobs, np.float32), "versions": np.asarray(self.versions, np.int64)}
+                "logprobs": np.asarray(self.logprobs, np.float32),
+                "model_logprobs": np.asarray(self.model_logprobs, np.float32), "versions": np.asarray(self.versions, np.int64)}
 
-    def _append(self, ids: Sequence[int], kind: str, logprobs=None, versions=None) -> None:
+    def _append(self, ids: Sequence[int], kind: str, logprobs=None, versions=None, model_logprobs=None) -> None:
         start = len(self.tokens)
         self.tokens += [int(t) for t in ids]
         sampled = kind == "sampled"
         self.mask += [int(sampled)] * len(ids)
         self.logprobs += [float(x) for x in logprobs] if sampled else [0.0] * len(ids)
+        self.model_logprobs += [float(x) for x in model_logprobs] if sampled else [0.0] * len(ids)
         self.versions += [int(v) for v in versions] if sampled else [-1] * len(ids)
         if kind != "prompt":
             self.pieces.append((kind, start, len(self.tokens)))
@@ -325,35 +329,44 @@ class EpisodeRunner:
                 fn = lv.env.reset if kind == "reset" else lv.env.step
                 pending[pool.submit(timed, fn, *args)] = (lv, kind, time.perf_counter(), engine.stats.steps)
 
-            for lv in live:
-                submit(lv, "reset", lv.episode.example)
-            while pending or by_rid:
-                for fut in [f for f in pending if f.done()]:
-                    lv, kind, _, steps_at_start = pending.pop(fut)
-                    if engine.stats.steps > steps_at_start:
-                        self.env_calls_while_decoding += 1
-                    try:
-                        out, seconds = fut.result()
-                    except Exception as e:
-                        raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} raised "
-                                                f"{type(e).__name__}: {e} (on {lv.where})") from e
-                    lv.episode.env_s += seconds
-                    rid = self._after_env(lv, kind, out)
-                    if rid is not None:
-                        by_rid[rid] = lv
-                if engine.has_work:
+            try:
+                for lv in live:
+                    submit(lv, "reset", lv.episode.example)
+                while pending or by_rid:
+                    for fut in [f for f in pending if f.done()]:
+                        lv, kind, _, steps_at_start = pending.pop(fut)
+                        if engine.stats.steps > steps_at_start:
+                            self.env_calls_while_decoding += 1
+                        try:
+                            out, seconds = fut.result()
+                        except Exception as e:
+                            raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} raised "
+                                                     f"{type(e).__name__}: {e} (on {lv.where})") from e
+                        lv.episode.env_s += seconds
+                        rid = self._after_env(lv, kind, out)
+                        if rid is not None:
+                            by_rid[rid] = lv
+                    if engine.has_work:
+                        for c in engine.step():
+                            lv = by_rid.pop(c.request_id, None)
+                            if lv is None:
+                                others.append(c)
+                                continue
+                            msg = self._after_turn(lv, c)
+                            if msg is not None:
+                                submit(lv, "step", msg)
+                    elif pending:
+                        concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
+            except BaseException:
+                # the run stops: let this call's requests finish so the engine is left as found
+                while by_rid and engine.has_work:
                     for c in engine.step():
-                        lv = by_rid.pop(c.request_id, None)
-                        if lv is None:
+                        if by_rid.pop(c.request_id, None) is None:
                             others.append(c)
-                            continue
-                        msg = self._after_turn(lv, c)
-                        if msg is not None:
-                            submit(lv, "step", msg)
-                elif pending:
-                    concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
-        if others:
-            engine._finished = others + engine._finished
+                raise
+            finally:
+                if others:  # requests someone else queued: theirs to collect from step()/flush()
+                    engine._finished = others + engine._finished
         return [lv.episode for lv in live]
 
     # the two halves of a turn ------------------------------------------------
@@ -427,7 +440,7 @@ class EpisodeRunner:
         ep = lv.episode
         ep.completions.append(c)
         ep.turns += 1
-        ep._append(c.tokens, "sampled", c.logprobs, c.versions)
+        ep._append(c.tokens, "sampled", c.logprobs, c.versions, c.model_logprobs)
         ids = [int(t) for t in c.tokens]
         if c.finish_reason == "eos":
             ids = ids[:-1]
