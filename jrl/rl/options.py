@@ -14,8 +14,11 @@ from typing import Any, Literal
 
 from jrl.config import ConfigError, check, from_dict
 from jrl.rl.advantages import ESTIMATORS
+from jrl.rl.environments import resolve_environment
 from jrl.rl.rewards import RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig
+from jrl.rl.tool_calls import get_parser
+from jrl.rl.tools import resolve_tool
 from jrl.train.strategies.grpo import GRPOLossConfig
 
 PREFIX = "strategy.options."
@@ -111,9 +114,6 @@ class RLOptions:
 
     def _check_episodes(self) -> None:
         """Episode options; imports the environment, tools and parser now (errors before any run)."""
-        from jrl.rl.environments import resolve_environment
-        from jrl.rl.tool_calls import get_parser
-        from jrl.rl.tools import resolve_tool
         for name, lo in (("max_turns", 1), ("max_tool_calls", 0), ("env_workers", 1)):
             _check(_is_int(getattr(self, name), lo), name, f"must be an integer >= {lo}, got {getattr(self, name)!r}")
         if self.max_total_tokens is not None:
