@@ -16,12 +16,21 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML that also renders `tools=` (a system turn listing their JSON schemas) and
+# `<tool_call>` instructions, Qwen-style; `tool` messages are ChatML turns like any other.
+CHATML_TOOLS = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ 'Call a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n' }}"
+    "{% endif %}" + CHATML
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["the cat sat on the mat", "what is 2 plus 3? 5", "user assistant system", "0123456789 +-=?"] * 20
 
 
-def write_chat_tokenizer(path: Path, vocab_size: int = 300) -> Path:
-    """Writes tokenizer.json + tokenizer_config.json (with the ChatML template) into `path`."""
+def write_chat_tokenizer(path: Path, vocab_size: int = 300, template: str = CHATML) -> Path:
+    """Writes tokenizer.json + tokenizer_config.json (with the ChatML template, or
+    `template`) into `path`."""
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
@@ -31,5 +40,5 @@ def write_chat_tokenizer(path: Path, vocab_size: int = 300) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     raw.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}))
+        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "chat_template": template}))
     return path

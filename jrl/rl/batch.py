@@ -40,6 +40,41 @@ def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
             "loss_mask": loss_mask, "behaviour_logp": blogp}
 
 
+def build_episode_rows(sequences: Sequence[np.ndarray], token_masks: Sequence[np.ndarray],
+                       token_logp: Sequence[np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Trainer rows for whole episodes (`jrl.rl.environments`): each sequence with a
+    per-token mask (1: sampled by the model, 0: prompt, environment or tool tokens) and the
+    engine's log-prob of every masked token. Same target convention as `build_rows`:
+    `loss_mask[t] = token_mask[t + 1]`, so the loss trains exactly the sampled tokens, and
+    `build_rows(p, r, lp)` equals this with mask 0 on `p` and 1 on `r`."""
+    n = len(sequences)
+    tokens = np.full((n, seq_len), pad_id, np.int32)
+    targets = np.full((n, seq_len), pad_id, np.int32)
+    positions = np.zeros((n, seq_len), np.int32)
+    segment_ids = np.zeros((n, seq_len), np.int32)
+    loss_mask = np.zeros((n, seq_len), np.float32)
+    blogp = np.zeros((n, seq_len), np.float32)
+    for i, (seq, m, lp) in enumerate(zip(sequences, token_masks, token_logp)):
+        seq = np.asarray(seq, np.int32)
+        m, lp = np.asarray(m, np.float32), np.asarray(lp, np.float32)
+        length = len(seq)
+        if length > seq_len:
+            raise ValueError(f"data.seq_len: {seq_len} is shorter than an episode of {length} tokens; raise "
+                             f"data.seq_len or lower max_total_tokens")
+        if not len(m) == len(lp) == length:
+            raise ValueError(f"episode {i}: {length} tokens, {len(m)} mask values, {len(lp)} log-probs")
+        if length and m[0]:
+            raise ValueError(f"episode {i}: its first token is marked sampled (nothing predicts it)")
+        tokens[i, :length] = seq
+        targets[i, :length - 1] = seq[1:]
+        positions[i, :length] = np.arange(length)
+        segment_ids[i, :length] = 1
+        loss_mask[i, :length - 1] = m[1:]
+        blogp[i, :length - 1] = lp[1:] * m[1:]
+    return {"tokens": tokens, "targets": targets, "positions": positions, "segment_ids": segment_ids,
+            "loss_mask": loss_mask, "behaviour_logp": blogp}
+
+
 def stale_groups(sample_versions: np.ndarray, group_size: int, trainer_version: int,
                  max_lag: int) -> np.ndarray:
     """[n_groups] bool: groups holding a sample generated more than `max_lag` versions

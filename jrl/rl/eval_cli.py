@@ -33,6 +33,7 @@ import yaml
 from jrl.checkpoint import CheckpointCorruptError, latest_step
 from jrl.config import ConfigError, TrainConfig, load_train_config
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
+from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import ProblemResult, evaluate_problems
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
@@ -122,22 +123,27 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     tokenizer = load_run_tokenizer(config)
     fmt = PromptFormat(tokenizer, chat_template=options.task.chat_template, system_prompt=options.task.system_prompt,
                        stop=options.task.stop)
-    prompts = [fmt.encode(p) for p in problems]
     limit = config.data.seq_len - options.max_new_tokens
     if limit < 1:
         raise ConfigError(f"data.seq_len: must exceed strategy.options.max_new_tokens ({options.max_new_tokens}), "
                           f"got {config.data.seq_len}")
-    check_prompt_lengths(problems, prompts, limit, f"task split {split}")
+    episodes = EpisodeSampler(options, fmt, options.reward_model(), config.data.seq_len) if options.episodes else None
+    if episodes is None:  # episodes' prompts are their environments' (the runner checks their length)
+        prompts = [fmt.encode(p) for p in problems]
+        check_prompt_lengths(problems, prompts, limit, f"task split {split}")
 
     mesh = run_mesh(config.parallel)
     params = load_initial_params(config, mesh)
     engine_config = engine_config_for(options, config.data.seq_len, len(problems) * samples, seed)
     engine, _ = serve_weights(None, params, checkpoint.policy_version or 0, config.model, engine_config,
                               engine_mesh(mesh, options.engine_tensor_parallel))
-    summary, results = evaluate_problems(engine, fmt, problems, options.reward_model(), prompts=prompts,
-                                         max_new_tokens=options.max_new_tokens, samples=samples,
-                                         temperature=temperature, seed=seed,
-                                         success_threshold=options.success_threshold)
+    if episodes is not None:
+        summary, results = episodes.evaluate(engine, problems, samples, temperature, seed)
+    else:
+        summary, results = evaluate_problems(engine, fmt, problems, options.reward_model(), prompts=prompts,
+                                             max_new_tokens=options.max_new_tokens, samples=samples,
+                                             temperature=temperature, seed=seed,
+                                             success_threshold=options.success_threshold)
     report = {"checkpoint": checkpoint.init_from, "step": checkpoint.step, "policy_version": checkpoint.policy_version,
               "split": split, "n": len(problems), "k": samples, "temperature": temperature,
               "max_new_tokens": options.max_new_tokens, "seed": seed,

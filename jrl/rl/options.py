@@ -15,8 +15,11 @@ from typing import Any, Literal
 from jrl.config import ConfigError, check, from_dict
 from jrl.rl.advantages import ESTIMATORS
 from jrl.rl.demonstrations import WarmStartConfig
+from jrl.rl.environments import resolve_environment
 from jrl.rl.rewards import RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig
+from jrl.rl.tool_calls import get_parser
+from jrl.rl.tools import resolve_tool
 from jrl.train.strategies.grpo import GRPOLossConfig
 
 PREFIX = "strategy.options."
@@ -73,6 +76,18 @@ class RLOptions:
     eval_problems: int = 0  # 0: every held-out problem of the task
     # SFT on demonstrations before GRPO (jrl.rl.warm_start); None: start from init_from
     warm_start: WarmStartConfig | None = None
+    # multi-turn episodes (docs/rl.md, "Multi-turn environments and tools"): an environment
+    # class (`module:Class`, built with env_kwargs) and/or tools (`module:function`) make
+    # every sample an episode; max_new_tokens is then per turn
+    env: str | None = None
+    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tools: tuple[str, ...] = ()
+    tool_parser: str = "hermes"
+    tool_timeout_s: float = 10.0
+    max_turns: int = 4
+    max_tool_calls: int = 8
+    max_total_tokens: int | None = None  # null: data.seq_len
+    env_workers: int = 16
     # the objective (strategy options of `grpo`), built by from_config
     loss: GRPOLossConfig = GRPOLossConfig()
 
@@ -98,6 +113,29 @@ class RLOptions:
                "engine_tensor_parallel", f"must be -1 (the trainer's parallel.tensor) or a positive "
                f"integer, got {tp!r}")
         self.reward_model()  # resolves every fn now: errors before any run
+        self._check_episodes()
+
+    def _check_episodes(self) -> None:
+        """Episode options; imports the environment, tools and parser now (errors before any run)."""
+        for name, lo in (("max_turns", 1), ("max_tool_calls", 0), ("env_workers", 1)):
+            _check(_is_int(getattr(self, name), lo), name, f"must be an integer >= {lo}, got {getattr(self, name)!r}")
+        if self.max_total_tokens is not None:
+            _check(_is_int(self.max_total_tokens, 2), "max_total_tokens",
+                   f"must be an integer >= 2 or null (data.seq_len), got {self.max_total_tokens!r}")
+        _check(isinstance(self.tool_timeout_s, (int, float)) and not isinstance(self.tool_timeout_s, bool)
+               and self.tool_timeout_s > 0, "tool_timeout_s", f"must be > 0 seconds, got {self.tool_timeout_s!r}")
+        _check(isinstance(self.env_kwargs, dict), "env_kwargs", f"must be a mapping, got {self.env_kwargs!r}")
+        _check(not self.env_kwargs or self.env is not None, "env_kwargs", "needs an env")
+        if self.env is not None:
+            resolve_environment(self.env, PREFIX + "env")
+        for i, name in enumerate(self.tools):
+            resolve_tool(name, f"{PREFIX}tools[{i}]")
+        get_parser(self.tool_parser, PREFIX + "tool_parser")
+
+    @property
+    def episodes(self) -> bool:
+        """Whether samples are multi-turn episodes (an env or tools is configured)."""
+        return self.env is not None or bool(self.tools)
 
     @classmethod
     def from_config(cls, options: dict[str, Any] | None) -> RLOptions:

@@ -53,6 +53,7 @@ from jrl.data.tasks import Problem
 from jrl.rl.advantages import compute_advantages
 from jrl.rl.batch import Rollout, build_rows, stale_groups
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
+from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems, solved
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
@@ -71,6 +72,7 @@ class _Group:
     rewards: np.ndarray
     terms: dict[str, np.ndarray]
     correct: np.ndarray
+    episodes: list | None = None  # multi-turn: the group's episodes (completions is then empty)
 
 
 class RolloutSource:
@@ -91,6 +93,8 @@ class RolloutSource:
         self.tokenizer = tokenizer
         self.format = PromptFormat(tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
                                    stop=o.task.stop)
+        # multi-turn episodes (jrl.rl.episode_source) when an env or tools are configured
+        self.episodes = EpisodeSampler(o, self.format, self.rewards, seq_len) if o.episodes else None
         self.eval_problems = self.task.heldout[:o.eval_problems or None]
         self.eval_samples = eval_samples
         self._prompt_ids: dict[str, np.ndarray] = {}
@@ -101,6 +105,8 @@ class RolloutSource:
         splits = {"heldout": self.task.heldout, "validation": self.task.validation,
                   "train": getattr(self.task, "train", [])}  # generated tasks draw train problems lazily
         for name, problems in splits.items():
+            if self.episodes is not None:
+                break  # an episode's prompt is its environment's (the runner checks its length)
             check_prompt_lengths(problems, self.prompt_ids(problems), limit, f"task split {name}")
         self.batch_size = batch_size
         if o.rollout_size % self.batch_size:
@@ -180,6 +186,15 @@ class RolloutSource:
 
     def _groups(self, problems: list[Problem], rng: np.random.Generator) -> list[_Group]:
         o = self.options
+        if self.episodes is not None:
+            seeds = rng.integers(0, 2**32, size=len(problems) * o.group_size, dtype=np.uint64)
+            groups = []
+            for problem, eps in zip(problems, self.episodes.run(self.engine, problems, o.group_size,
+                                                                o.temperature, seeds)):
+                rewards = np.array([ep.reward for ep in eps], np.float32)
+                groups.append(_Group(problem, np.zeros(0, np.int32), [], rewards, {"episode": rewards},
+                                     self.episodes.correct(eps), eps))
+            return groups
         prompts = self.prompt_ids(problems)
         sampled = self._sample(prompts, rng, o.temperature, o.group_size)
         groups = []
@@ -215,8 +230,12 @@ class RolloutSource:
         gen_s = time.perf_counter() - t0
 
         comps = [c for g in groups for c in g.completions]
-        rows = build_rows([g.prompt for g in groups for _ in g.completions], [c.tokens for c in comps],
-                          [c.logprobs for c in comps], self.seq_len, self.tokenizer.pad_id)
+        if self.episodes is not None:
+            episodes = [ep for g in groups for ep in g.episodes]
+            rows = self.episodes.rows(episodes, self.seq_len, self.tokenizer.pad_id)
+        else:
+            rows = build_rows([g.prompt for g in groups for _ in g.completions], [c.tokens for c in comps],
+                              [c.logprobs for c in comps], self.seq_len, self.tokenizer.pad_id)
         rewards = np.concatenate([g.rewards for g in groups])
         adv, _ = compute_advantages(rewards, o.group_size, estimator=o.advantage,
                                     scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
@@ -239,18 +258,21 @@ class RolloutSource:
             rows["ref_logp"] = np.zeros_like(mask)
         recompute_s = time.perf_counter() - t1
 
-        versions = np.array([int(c.versions.min()) for c in comps], np.int64)
-        mixed = sum(int(c.versions.min() != c.versions.max()) for c in comps)
+        if self.episodes is not None:
+            versions, mixed = self.episodes.sample_versions(episodes)
+        else:
+            versions = np.array([int(c.versions.min()) for c in comps], np.int64)
+            mixed = sum(int(c.versions.min() != c.versions.max()) for c in comps)
         # reward / accuracy / length statistics of everything sampled, not only the trained groups
         all_rewards = np.concatenate([g.rewards for g in drawn])
-        lengths = np.array([len(c.tokens) for g in drawn for c in g.completions], np.float32)
+        lengths = np.array([len(c.tokens) for g in drawn for c in g.completions] or [0], np.float32)
         metrics = {
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()),
             "accuracy": float(np.concatenate([g.correct for g in drawn]).mean()),
             "response_len_mean": float(lengths.mean()),
             "response_len_max": float(lengths.max()),
-            "truncated_frac": float(np.mean([c.finish_reason == "length" for g in drawn for c in g.completions])),
+            "truncated_frac": float(np.mean([c.finish_reason == "length" for g in drawn for c in g.completions] or [0.0])),
             "groups_drawn": float(len(drawn)),
             "groups_zero_variance": float(zero_variance),
             "groups_kept": float(n_kept),
@@ -262,7 +284,9 @@ class RolloutSource:
             "generate_s": gen_s,
             "recompute_s": recompute_s,
         }
-        if len(self.rewards.names) > 1:
+        if self.episodes is not None:  # lengths, truncation and cache hits of episodes; turns, tools, env time
+            metrics.update(self.episodes.metrics([ep for g in drawn for ep in g.episodes]))
+        elif len(self.rewards.names) > 1:
             for name in self.rewards.names:
                 metrics[f"reward_{name}"] = float(np.concatenate([g.terms[name] for g in drawn]).mean())
         return Rollout(rows, versions, group_kept, metrics)
@@ -350,10 +374,13 @@ class RolloutSource:
         # log-probs) must not depend on whether an evaluation ran before it at its version,
         # or a resumed run (which does not repeat the evaluation) would differ.
         self.engine.drop_prefix_cache()
-        summary, _ = evaluate_problems(self.engine, self.format, self.eval_problems, self.rewards,
-                                       prompts=self.prompt_ids(self.eval_problems), max_new_tokens=o.max_new_tokens,
-                                       samples=k, temperature=o.temperature, seed=self.seed,
-                                       success_threshold=o.success_threshold)
+        if self.episodes is not None:
+            summary, _ = self.episodes.evaluate(self.engine, self.eval_problems, k, o.temperature, self.seed)
+        else:
+            summary, _ = evaluate_problems(self.engine, self.format, self.eval_problems, self.rewards,
+                                           prompts=self.prompt_ids(self.eval_problems),
+                                           max_new_tokens=o.max_new_tokens, samples=k, temperature=o.temperature,
+                                           seed=self.seed, success_threshold=o.success_threshold)
         self.engine.drop_prefix_cache()
         row = {"step": int(state.step), "policy_version": version, "eval_accuracy": summary["greedy_accuracy"],
                "eval_accuracy_sampled": summary["pass@1"], "eval_reward_sampled": summary["reward_mean"],

@@ -1,0 +1,458 @@
+"""Multi-turn environments and token-exact episodes through the rollout engine.
+
+An environment is a class, one instance per episode (`strategy.options.env:
+my_pkg.envs:Calculator`, constructed with `env_kwargs`):
+
+    reset(example: dict) -> list[message]              # the opening conversation
+    step(assistant_message: dict) -> (new_messages, reward, done, info)
+
+Messages are chat dicts (`{"role": ..., "content": ...}`). `step` gets the model's turn as
+`{"role": "assistant", "content": text}` (the decoded turn without its stop token) and
+answers with the messages that follow it (tool results, a user's reply, ...), a reward
+(summed over the episode), whether the episode is over, and an info dict (keys the runner
+reads: `tool_calls`, `tool_errors`, `truncated`; any others are kept). Either method may be
+`async def`. An environment may list `tools` (JSON schemas), which the chat template
+renders into every prompt (`tools=`). A single-turn task is an environment whose first
+`step` returns `done=True` with the task's reward.
+
+`ToolEnvironment` is the built-in one: the example's prompt, tools from a `ToolRegistry`,
+each assistant turn's calls (parsed by a `ToolCallParser`) executed and answered with `tool`
+messages; a turn without calls is the final answer, scored by the task's reward.
+
+**Token exactness.** `EpisodeRunner` drives the engine itself. An episode's sequence is the
+first prompt's ids, then per turn the ids the engine sampled (kept as sampled, never
+decoded and re-encoded) and the ids of what the environment answered. Those inserted ids
+are the chat template's text *after* the model's stop token: render the conversation
+through the assistant turn (`add_generation_prompt=False`) and with the new messages (and
+the generation prompt); the first must be a prefix of the second (checked: a template that
+rewrites earlier turns once later ones follow cannot be continued token-exactly, and is
+refused with an error), and the difference, preceded by whatever the template writes
+after the stop token to close the assistant turn (ChatML's newline after `<|im_end|>`), is
+encoded alone and appended. Nothing earlier is ever re-encoded, so the trained sequence is
+the concatenation of sampled and inserted ids by construction; `tests/test_rl_episodes.py`
+checks it against the engine's completions. Per token the episode records the loss mask
+(1 sampled, 0 prompt / inserted), the engine's log-prob and the policy version (-1 where
+not sampled). Each turn's request is the whole sequence so far, so the prefix cache (whole
+pages, same weight version) serves the earlier turns and only the new tokens are prefilled
+(`Episode.cached_tokens`).
+
+**Concurrency.** Environment calls (`reset`, `step`) run in a thread pool; while they run,
+the runner keeps stepping the engine for the other episodes, and it never blocks on an
+environment while the engine has work.
+
+**Limits** (`EpisodeLimits`): `max_turns` assistant turns, `max_total_tokens` in the
+sequence, `max_new_tokens` per turn, `max_tool_calls` per episode. An episode stopped by
+one is `truncated` (`truncation` names which). A turn cut by a token limit still goes to
+the environment (which scores it as it would any turn), and the episode ends after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import importlib
+import inspect
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from jrl.config import ConfigError
+from jrl.rl.tool_calls import HermesParser, ToolCallParser
+from jrl.rl.tools import ToolRegistry
+from jrl.rollout.request import Completion
+from jrl.rollout.sampling import SamplingParams
+
+Message = dict[str, Any]
+_MARK = "\x00jrl-assistant-turn\x00"
+
+
+class Environment(Protocol):
+    def reset(self, example: dict) -> list[Message]: ...
+
+    def step(self, assistant_message: Message) -> tuple[list[Message], float, bool, dict]: ...
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment raised (or returned something malformed): names the example."""
+
+
+def resolve_environment(name: str, field: str = "env") -> type:
+    """The environment class of `module:Class` (ConfigError naming `field`)."""
+    if not isinstance(name, str) or ":" not in name:
+        raise ConfigError(f"{field}: must be 'module:Class', got {name!r}")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
+    cls = getattr(module, attr, None)
+    if cls is None or not callable(cls):
+        raise ConfigError(f"{field}: module {module_name!r} has no class {attr!r}")
+    for method in ("reset", "step"):
+        if not callable(getattr(cls, method, None)):
+            raise ConfigError(f"{field}: {name!r} has no {method}() method")
+    return cls
+
+
+def _call(fn: Callable, *args: Any) -> Any:
+    """Calls an environment method; an `async def` one is run to completion here."""
+    out = fn(*args)
+    if inspect.isawaitable(out):
+        async def wait():
+            return await out
+        out = asyncio.run(wait())
+    return out
+
+
+# ----------------------------------------------------------------------------- the tool environment
+
+
+class ToolEnvironment:
+    """One example's prompt, answered turn by turn: tool calls are executed and answered
+    with `tool` messages, a turn without calls is the final answer, scored by
+    `score(example, final_text) -> float` (the task's rewards). Malformed calls, unknown
+    tools, exceptions and timeouts are `tool` messages saying what went wrong. More than
+    `max_tool_calls` calls in the episode end it, truncated, with reward 0."""
+
+    def __init__(self, tools: ToolRegistry, score: Callable[[dict, str], float], *,
+                 parser: ToolCallParser | None = None, max_tool_calls: int = 8,
+                 system_prompt: str | None = None, prompt_key: str = "prompt") -> None:
+        self.registry = tools
+        self.score = score
+        self.parser = parser or HermesParser()
+        self.max_tool_calls = max_tool_calls
+        self.system_prompt = system_prompt
+        self.prompt_key = prompt_key
+        self.tools = tools.schemas
+        self.example: dict = {}
+        self.calls_made = 0
+
+    def reset(self, example: dict) -> list[Message]:
+        self.example, self.calls_made = example, 0
+        prompt = example[self.prompt_key]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if self.system_prompt is not None:
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return messages
+
+    def step(self, assistant_message: Message) -> tuple[list[Message], float, bool, dict]:
+        parsed = self.parser.parse(assistant_message["content"])
+        if not parsed.has_calls:
+            return [], float(self.score(self.example, parsed.content)), True, {"final": True}
+        n = len(parsed.calls) + len(parsed.errors)
+        if self.calls_made + n > self.max_tool_calls:
+            return [], 0.0, True, {"truncated": "max_tool_calls", "tool_calls": 0}
+        self.calls_made += n
+        results = {r.call_id: r for r in self.registry.execute(parsed.calls)}
+        for e in parsed.errors:
+            results[e.id] = None
+        messages, errors = [], len(parsed.errors)
+        for call in sorted([*parsed.calls, *parsed.errors], key=lambda c: int(c.id.rpartition("_")[2])):
+            r = results.get(call.id)
+            if r is None:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": f"error: {call.message}"})
+            else:
+                errors += r.error
+                messages.append(r.message())
+        return messages, 0.0, False, {"tool_calls": n, "tool_errors": errors}
+
+
+# ----------------------------------------------------------------------------- token pieces
+
+
+class ChatPieces:
+    """Token ids of a conversation's pieces through one tokenizer's chat template
+    (see the module docstring, "Token exactness")."""
+
+    def __init__(self, tokenizer: Any, template_kwargs: dict | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("data.tokenizer: multi-turn episodes render messages with a chat template, and the "
+                              "tokenizer has none")
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+
+    def render(self, messages: Sequence[Message], generation_prompt: bool, tools: list | None) -> str:
+        kwargs = dict(self.template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, **kwargs)
+
+    def prompt(self, messages: Sequence[Message], tools: list | None = None) -> list[int]:
+        """The opening prompt's ids (the template's generation prompt included)."""
+        return list(self.tokenizer.encode(self.render(messages, True, tools)))
+
+    def continuation(self, history: Sequence[Message], assistant: Message, new: Sequence[Message],
+                     stop_token: int | None, tools: list | None = None, *, generation_prompt: bool = True) -> list[int]:
+        """Ids to append after an assistant turn that ended with `stop_token` (None: no stop
+        token was sampled) so that the sequence continues as the template renders
+        `history + [assistant] + new` (plus the generation prompt)."""
+        before = self.render([*history, assistant], False, tools)
+        after = self.render([*history, assistant, *new], generation_prompt, tools)
+        if not after.startswith(before):
+            raise ConfigError("chat template: rendering later messages changes how earlier turns render, so an "
+                              "episode cannot be continued from the sampled tokens (token-exact); use a template "
+                              "that renders each message independently of the ones after it")
+        probe = self.render([*history, {"role": "assistant", "content": _MARK}], False, tools)
+        closing = probe.rsplit(_MARK, 1)[1] if _MARK in probe else ""
+        if stop_token is not None:
+            stop_text = self.tokenizer.decode([stop_token])
+            if closing.startswith(stop_text):
+                closing = closing[len(stop_text):]
+        return list(self.tokenizer.encode(closing + after[len(before):]))
+
+
+# ----------------------------------------------------------------------------- episodes
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    max_total_tokens: int = 256
+    max_new_tokens: int = 64  # per turn
+    max_tool_calls: int = 8
+
+    def __post_init__(self) -> None:
+        for k in ("max_turns", "max_total_tokens", "max_new_tokens", "max_tool_calls"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k == "max_tool_calls" else 1):
+                raise ConfigError(f"{k}: must be an integer >= {0 if k == 'max_tool_calls' else 1}, got {v!r}")
+
+
+@dataclasses.dataclass
+class Episode:
+    """One episode's conversation and token sequence, with per-token loss mask (1: sampled),
+    behaviour log-probs (those the engine sampled with), the model's log-probs
+    (`Completion.model_logprobs`) and policy versions (0, 0 and -1 where not sampled)."""
+
+    example: dict
+    messages: list[Message] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    model_logprobs: list[float] = dataclasses.field(default_factory=list)  # untempered, untruncated model's
+    versions: list[int] = dataclasses.field(default_factory=list)
+    prompt_len: int = 0
+    pieces: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # (sampled|inserted, start, end)
+    completions: list[Completion] = dataclasses.field(default_factory=list)  # one per turn
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    done: bool = False
+    truncated: bool = False
+    truncation: str | None = None  # max_turns | max_total_tokens | max_new_tokens | max_tool_calls | engine_error
+    env_s: float = 0.0
+    info: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """Prompt tokens each turn's request got from the prefix cache."""
+        return [c.cached_tokens for c in self.completions]
+
+    @property
+    def n_sampled(self) -> int:
+        return int(sum(self.mask))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"tokens": np.asarray(self.tokens, np.int32), "mask": np.asarray(self.mask, np.float32),
+                "logprobs": np.asarray(self.logprobs, np.float32),
+                "model_logprobs": np.asarray(self.model_logprobs, np.float32), "versions": np.asarray(self.versions, np.int64)}
+
+    def _append(self, ids: Sequence[int], kind: str, logprobs=None, versions=None, model_logprobs=None) -> None:
+        start = len(self.tokens)
+        self.tokens += [int(t) for t in ids]
+        sampled = kind == "sampled"
+        self.mask += [int(sampled)] * len(ids)
+        self.logprobs += [float(x) for x in logprobs] if sampled else [0.0] * len(ids)
+        self.model_logprobs += [float(x) for x in model_logprobs] if sampled else [0.0] * len(ids)
+        self.versions += [int(v) for v in versions] if sampled else [-1] * len(ids)
+        if kind != "prompt":
+            self.pieces.append((kind, start, len(self.tokens)))
+
+
+@dataclasses.dataclass
+class _Live:
+    episode: Episode
+    env: Any
+    sampling: SamplingParams
+    tools: list | None = None
+    where: str = ""
+    cut: str | None = None  # the last turn hit a token limit: the episode ends after its step
+
+
+class EpisodeRunner:
+    """Runs episodes through `engine` (see the module docstring). `eos_ids` /
+    `stop_sequences`: where a turn ends (the template's end-of-turn token among them);
+    `workers`: threads running environment calls."""
+
+    def __init__(self, engine: Any, tokenizer: Any, limits: EpisodeLimits, *, eos_ids: Sequence[int],
+                 stop_sequences: Sequence[Sequence[int]] = (), workers: int = 16,
+                 template_kwargs: dict | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.eos_ids = [int(t) for t in eos_ids]
+        self.stop_sequences = [list(s) for s in stop_sequences]
+        self.pieces = ChatPieces(tokenizer, template_kwargs)
+        self.workers = workers
+        self.env_calls_while_decoding = 0  # environment calls during which the engine stepped
+
+    @staticmethod
+    def _turn_sampling(sampling: SamplingParams, turn: int) -> SamplingParams:
+        if sampling.seed is None or turn == 0:
+            return sampling
+        return dataclasses.replace(sampling, seed=(int(sampling.seed) + turn * 0x9E3779B1) % 2**32)
+
+    def run(self, envs: Sequence[Any], examples: Sequence[dict], sampling: Sequence[SamplingParams],
+            wheres: Sequence[str] | None = None) -> list[Episode]:
+        """Runs one episode per (environment instance, example, sampling params); returns
+        them in order. Raises `EnvironmentFailure` when an environment raises."""
+        if not len(envs) == len(examples) == len(sampling):
+            raise ValueError(f"envs/examples/sampling: lengths differ ({len(envs)}, {len(examples)}, {len(sampling)})")
+        wheres = list(wheres) if wheres is not None else [f"episode {i}" for i in range(len(envs))]
+        live = [_Live(Episode(example=dict(ex)), env, s, getattr(env, "tools", None) or None, w)
+                for env, ex, s, w in zip(envs, examples, sampling, wheres)]
+        engine, limits = self.engine, self.limits
+        pending: dict[concurrent.futures.Future, tuple[_Live, str, float, int]] = {}
+        by_rid: dict[int, _Live] = {}
+        others: list[Completion] = []
+
+        def timed(fn, *args):
+            t0 = time.perf_counter()
+            out = _call(fn, *args)
+            return out, time.perf_counter() - t0
+
+        with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jrl-env") as pool:
+            def submit(lv: _Live, kind: str, *args) -> None:
+                fn = lv.env.reset if kind == "reset" else lv.env.step
+                pending[pool.submit(timed, fn, *args)] = (lv, kind, time.perf_counter(), engine.stats.steps)
+
+            try:
+                for lv in live:
+                    submit(lv, "reset", lv.episode.example)
+                while pending or by_rid:
+                    for fut in [f for f in pending if f.done()]:
+                        lv, kind, _, steps_at_start = pending.pop(fut)
+                        if engine.stats.steps > steps_at_start:
+                            self.env_calls_while_decoding += 1
+                        try:
+                            out, seconds = fut.result()
+                        except Exception as e:
+                            raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} raised "
+                                                     f"{type(e).__name__}: {e} (on {lv.where})") from e
+                        lv.episode.env_s += seconds
+                        rid = self._after_env(lv, kind, out)
+                        if rid is not None:
+                            by_rid[rid] = lv
+                    if engine.has_work:
+                        for c in engine.step():
+                            lv = by_rid.pop(c.request_id, None)
+                            if lv is None:
+                                others.append(c)
+                                continue
+                            msg = self._after_turn(lv, c)
+                            if msg is not None:
+                                submit(lv, "step", msg)
+                    elif pending:
+                        concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
+            except BaseException:
+                # the run stops: let this call's requests finish so the engine is left as found
+                while by_rid and engine.has_work:
+                    for c in engine.step():
+                        if by_rid.pop(c.request_id, None) is None:
+                            others.append(c)
+                raise
+            finally:
+                if others:  # requests someone else queued: theirs to collect from step()/flush()
+                    engine._finished = others + engine._finished
+        return [lv.episode for lv in live]
+
+    # the two halves of a turn ------------------------------------------------
+    def _request(self, lv: _Live) -> int | None:
+        """Queues the episode's next turn, or ends it when a limit leaves no room."""
+        ep, limits = lv.episode, self.limits
+        if ep.turns >= limits.max_turns:
+            return self._end(ep, "max_turns")
+        room = limits.max_total_tokens - len(ep.tokens)
+        if room < 1:
+            return self._end(ep, "max_total_tokens")
+        return self.engine.add_request(np.asarray(ep.tokens, np.int32), self._turn_sampling(lv.sampling, ep.turns),
+                                       max_new_tokens=min(limits.max_new_tokens, room), eos_ids=self.eos_ids,
+                                       stop_sequences=self.stop_sequences)
+
+    @staticmethod
+    def _end(ep: Episode, truncation: str | None) -> None:
+        ep.done = True
+        if truncation is not None:
+            ep.truncated, ep.truncation = True, truncation
+        return None
+
+    def _after_env(self, lv: _Live, kind: str, out: Any) -> int | None:
+        ep = lv.episode
+        if kind == "reset":
+            if not isinstance(out, list) or not out:
+                raise EnvironmentFailure(f"environment {type(lv.env).__name__}.reset: must return a non-empty list of "
+                                        f"messages, got {out!r} (on {lv.where})")
+            ep.messages = [dict(m) for m in out]
+            ids = self.pieces.prompt(ep.messages, lv.tools)
+            if len(ids) >= self.limits.max_total_tokens:
+                raise ConfigError(f"{lv.where}: the opening prompt is {len(ids)} tokens, leaving no room for a turn "
+                                  f"within max_total_tokens = {self.limits.max_total_tokens}")
+            ep._append(ids, "prompt")
+            ep.prompt_len = len(ids)
+            return self._request(lv)
+        try:
+            new, reward, done, info = out
+        except (TypeError, ValueError):
+            raise EnvironmentFailure(f"environment {type(lv.env).__name__}.step: must return (messages, reward, done, "
+                                    f"info), got {out!r} (on {lv.where})") from None
+        info = dict(info or {})
+        ep.info.append(info)
+        ep.reward += float(reward)
+        ep.tool_calls += int(info.get("tool_calls", 0))
+        ep.tool_errors += int(info.get("tool_errors", 0))
+        if lv.cut is not None:
+            ep.messages += [dict(m) for m in new or []]
+            return self._end(ep, lv.cut)
+        if info.get("truncated"):
+            return self._end(ep, str(info["truncated"]) if isinstance(info["truncated"], str) else "environment")
+        if ep.tool_calls > self.limits.max_tool_calls:
+            return self._end(ep, "max_tool_calls")
+        assistant, last = ep.messages[-1], ep.completions[-1]
+        history = ep.messages[:-1]
+        new = [dict(m) for m in new or []]
+        if done:
+            ep.messages += new
+            return self._end(ep, None)
+        stop = int(last.tokens[-1]) if last.finish_reason == "eos" else None
+        ids = self.pieces.continuation(history, assistant, new, stop, lv.tools)
+        ep.messages += new
+        if len(ids) + len(ep.tokens) >= self.limits.max_total_tokens:
+            return self._end(ep, "max_total_tokens")  # the answer does not fit (nothing is inserted)
+        ep._append(ids, "inserted")
+        return self._request(lv)
+
+    def _after_turn(self, lv: _Live, c: Completion) -> Message | None:
+        """Records a finished turn; returns the assistant message for the environment, or
+        None when the episode ends here."""
+        ep = lv.episode
+        ep.completions.append(c)
+        ep.turns += 1
+        ep._append(c.tokens, "sampled", c.logprobs, c.versions, c.model_logprobs)
+        ids = [int(t) for t in c.tokens]
+        if c.finish_reason == "eos":
+            ids = ids[:-1]
+        elif c.finish_reason == "stop":
+            for seq in self.stop_sequences:
+                if ids[-len(seq):] == seq:
+                    ids = ids[:-len(seq)]
+                    break
+        message = {"role": "assistant", "content": self.tokenizer.decode(ids)}
+        ep.messages.append(message)
+        if c.finish_reason == "error":
+            return self._end(ep, "engine_error")
+        if c.finish_reason == "length":  # the environment still sees (and scores) the cut turn
+            lv.cut = "max_new_tokens" if len(c.tokens) >= self.limits.max_new_tokens else "max_total_tokens"
+        return message

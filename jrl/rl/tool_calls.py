@@ -1,0 +1,159 @@
+"""Tool calls in model output: a small, pluggable parser API.
+
+A parser turns the text of one assistant turn into the prose around the calls, the calls,
+and the calls it could not read:
+
+    parser = get_parser("hermes")                       # or "my_pkg.parsers:MyParser"
+    parsed = parser.parse('Let me add. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    parsed.content        # 'Let me add.'
+    parsed.calls          # [ToolCall(name='add', arguments={'a': 1}, id='call_0')]
+    parsed.errors         # [] (malformed calls land here, never raise)
+    content, calls = parsed.content, parsed.calls
+
+`parse` never raises on model output: malformed JSON, a call without a string `name`, or
+`arguments` that are not an object become `ToolCallError`s, which a tool environment
+answers with an error message to the model. Call ids (`call_<k>`, in order of appearance,
+errors included) let the answering `tool` messages name the call they answer.
+
+Built-in formats (`PARSERS`): `hermes`, the Hermes / Qwen 2.5+ format
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one JSON object per block, any
+number of blocks). Any class with the `ToolCallParser` methods can be named
+`module:Class` instead (constructed without arguments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+from typing import Any, Protocol, runtime_checkable
+
+from jrl.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One well-formed call: the tool's name and its keyword arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = "call_0"
+
+    def to_openai(self) -> dict[str, Any]:
+        """The call as an OpenAI chat `tool_calls` entry (arguments as a JSON string)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallError:
+    """A call the parser found but could not read: its raw text and why."""
+
+    text: str
+    message: str
+    id: str = "call_0"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedMessage:
+    """An assistant turn split into its prose (`content`, calls removed, stripped), its
+    calls and its malformed calls, both in order of appearance."""
+
+    content: str
+    calls: list[ToolCall]
+    errors: list[ToolCallError]
+
+    @property
+    def has_calls(self) -> bool:
+        """Whether the turn asked for any tool (well-formed or not)."""
+        return bool(self.calls or self.errors)
+
+
+@runtime_checkable
+class ToolCallParser(Protocol):
+    """Finds tool calls in an assistant turn's text. Must not raise on any input."""
+
+    def parse(self, text: str) -> ParsedMessage: ...
+
+
+def read_call(body: str, call_id: str) -> ToolCall | ToolCallError:
+    """A call from its JSON text `{"name": str, "arguments": {...}}` (`arguments` may
+    also be a JSON string holding an object, or absent for no arguments)."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ToolCallError(body, f"malformed tool call: invalid JSON ({e.msg} at char {e.pos})", call_id)
+    if not isinstance(obj, dict):
+        return ToolCallError(body, f"malformed tool call: expected a JSON object, got {type(obj).__name__}", call_id)
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCallError(body, "malformed tool call: needs a string 'name'", call_id)
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            return ToolCallError(body, f"malformed tool call {name!r}: 'arguments' is a string that is not JSON "
+                                       f"({e.msg})", call_id)
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return ToolCallError(body, f"malformed tool call {name!r}: 'arguments' must be an object, got "
+                                   f"{type(args).__name__}", call_id)
+    return ToolCall(name, args, call_id)
+
+
+class HermesParser:
+    """`<tool_call>{json}</tool_call>` blocks (Hermes, Qwen 2.5 / 3). A block left open at
+    the end of the text (the turn was cut off) is a malformed call."""
+
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+
+    def __init__(self) -> None:
+        self._block = re.compile(re.escape(self.open_tag) + r"(.*?)(" + re.escape(self.close_tag) + r"|$)", re.S)
+
+    def parse(self, text: str) -> ParsedMessage:
+        calls: list[ToolCall] = []
+        errors: list[ToolCallError] = []
+        prose: list[str] = []
+        pos = 0
+        for k, m in enumerate(self._block.finditer(text)):
+            prose.append(text[pos:m.start()])
+            pos = m.end()
+            call_id = f"call_{k}"
+            if not m.group(2):
+                errors.append(ToolCallError(m.group(0), f"malformed tool call: {self.open_tag} without "
+                                                        f"{self.close_tag}", call_id))
+                continue
+            parsed = read_call(m.group(1).strip(), call_id)
+            (calls if isinstance(parsed, ToolCall) else errors).append(parsed)
+        prose.append(text[pos:])
+        return ParsedMessage("".join(prose).strip(), calls, errors)
+
+
+PARSERS: dict[str, type] = {"hermes": HermesParser}
+
+
+def get_parser(name: str | ToolCallParser, field: str = "tool_parser") -> ToolCallParser:
+    """A parser by built-in name (`PARSERS`) or `module:Class`; a parser instance is
+    returned as is. Errors (ConfigError) name `field`."""
+    if not isinstance(name, str):
+        if isinstance(name, ToolCallParser):
+            return name
+        raise ConfigError(f"{field}: must be a parser name {sorted(PARSERS)} or 'module:Class', got {name!r}")
+    if ":" not in name:
+        if name not in PARSERS:
+            raise ConfigError(f"{field}: unknown tool-call parser {name!r}; built-ins are {sorted(PARSERS)}, "
+                              f"or give 'module:Class'")
+        return PARSERS[name]()
+    module_name, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{field}: cannot import {name!r} ({e})") from e
+    parser = cls()
+    if not isinstance(parser, ToolCallParser):
+        raise ConfigError(f"{field}: {name!r} has no parse(text) method")
+    return parser

@@ -1,0 +1,272 @@
+"""Tools an RL episode's model may call: plain Python functions with JSON-schema signatures.
+
+    tools: [my_pkg.tools:calc, my_pkg.tools:lookup]      # strategy.options.tools
+
+Each entry is imported (`module:function`). Its schema, the OpenAI / Hugging Face
+`{"type": "function", "function": {name, description, parameters}}` form that chat
+templates render through `tools=`, is derived from the function:
+
+* `name`: the function's name; `description`: the docstring's first paragraph;
+* `parameters`: one property per parameter, typed from its annotation (`int` -> integer,
+  `float` -> number, `str`, `bool`, `list[X]` -> array, `dict` -> object, `Literal[...]`
+  -> enum, `X | None` -> X and optional); described by the docstring's `Args:` lines
+  (`name: text` or `name (type): text`); required unless it has a default.
+
+`@tool(name=..., description=..., parameters=...)` overrides any of the three (a
+`parameters` schema given explicitly is used as is).
+
+`ToolRegistry.execute(calls)` runs calls in its thread pool, each with a timeout, and turns
+every failure into a `ToolResult` with `error=True` whose `content` tells the model what
+went wrong: an unknown tool, arguments that do not fit the schema (missing, unexpected or
+of the wrong JSON type), an exception (its type and message) or a timeout. Nothing a tool
+does stops the run. A timed-out call keeps its worker thread until it returns (Python
+cannot kill a thread); `workers` bounds how many run at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import importlib
+import inspect
+import json
+import re
+import time
+import types
+import typing
+from typing import Any, Callable, Literal, Sequence
+
+from jrl.config import ConfigError
+from jrl.rl.tool_calls import ToolCall
+
+_TOOL_ATTR = "__jrl_tool__"
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", tuple: "array",
+               dict: "object"}
+
+
+def tool(fn: Callable | None = None, *, name: str | None = None, description: str | None = None,
+         parameters: dict | None = None):
+    """Marks `fn` as a tool, overriding the name, description or parameters schema that
+    would be derived from it. Usable as `@tool` or `@tool(name=...)`."""
+    def mark(f: Callable) -> Callable:
+        setattr(f, _TOOL_ATTR, {"name": name, "description": description, "parameters": parameters})
+        return f
+    return mark(fn) if fn is not None else mark
+
+
+def _json_type(annotation: Any) -> tuple[dict, bool]:
+    """(schema, optional) of a parameter annotation."""
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return {}, False
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        schema, _ = _json_type(rest[0]) if len(rest) == 1 else ({}, False)
+        return schema, len(rest) < len(args)
+    if origin is Literal:
+        return {"enum": list(args)}, False
+    if origin in (list, tuple, Sequence) or annotation in (list, tuple):
+        schema = {"type": "array"}
+        if args and args[0] is not Ellipsis:
+            schema["items"] = _json_type(args[0])[0]
+        return schema, False
+    if origin is dict or annotation is dict:
+        return {"type": "object"}, False
+    if annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES[annotation]}, False
+    return {}, False
+
+
+def _docstring(fn: Callable) -> tuple[str, dict[str, str]]:
+    """The first paragraph, and the `Args:` section's parameter descriptions."""
+    doc = inspect.getdoc(fn) or ""
+    first = doc.split("\n\n", 1)[0].strip()
+    if first.lower().startswith(("args:", "arguments:", "parameters:")):
+        first = ""
+    params: dict[str, str] = {}
+    m = re.search(r"^(?:Args|Arguments|Parameters):\s*\n(.*?)(?:\n\s*\n|\Z)", doc, re.S | re.M)
+    if m:
+        current = None
+        for line in m.group(1).splitlines():
+            hit = re.match(r"\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)", line)
+            if hit:
+                current = hit.group(1)
+                params[current] = hit.group(2).strip()
+            elif current and line.strip():
+                params[current] += " " + line.strip()
+    return " ".join(first.split()), params
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """A callable and the JSON schema the model sees."""
+
+    name: str
+    fn: Callable[..., Any]
+    description: str
+    parameters: dict[str, Any]
+
+    @classmethod
+    def from_function(cls, fn: Callable) -> Tool:
+        """The tool of `fn`: schema derived from its signature and docstring, overridden by
+        `@tool(...)`."""
+        given = getattr(fn, _TOOL_ATTR, {})
+        description, arg_docs = _docstring(fn)
+        if given.get("parameters") is not None:
+            parameters = given["parameters"]
+        else:
+            props: dict[str, dict] = {}
+            required: list[str] = []
+            hints = typing.get_type_hints(fn) if not isinstance(fn, functools.partial) else {}
+            for p in inspect.signature(fn).parameters.values():
+                if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                    continue
+                schema, optional = _json_type(hints.get(p.name, p.annotation))
+                if p.name in arg_docs:
+                    schema = {**schema, "description": arg_docs[p.name]}
+                props[p.name] = schema
+                if p.default is p.empty and not optional:
+                    required.append(p.name)
+            parameters = {"type": "object", "properties": props, "required": required}
+        return cls(name=given.get("name") or fn.__name__, fn=fn,
+                   description=given.get("description") or description, parameters=parameters)
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """`{"type": "function", "function": {name, description, parameters}}`."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+    def check_arguments(self, arguments: dict[str, Any]) -> str | None:
+        """Why `arguments` do not fit the schema (missing, unexpected, wrong JSON type), or None."""
+        props = self.parameters.get("properties", {})
+        missing = [k for k in self.parameters.get("required", []) if k not in arguments]
+        if missing:
+            return f"missing required argument(s) {missing}"
+        extra = sorted(set(arguments) - set(props))
+        if extra and self.parameters.get("additionalProperties", False) is False:
+            return f"unexpected argument(s) {extra}; {self.name} takes {sorted(props)}"
+        for k, v in arguments.items():
+            want = props.get(k, {}).get("type")
+            if want and not _is_json_type(v, want):
+                return f"argument {k!r} must be of type {want}, got {json.dumps(v)[:80]}"
+            enum = props.get(k, {}).get("enum")
+            if enum is not None and v not in enum:
+                return f"argument {k!r} must be one of {enum}, got {v!r}"
+        return None
+
+
+def _is_json_type(v: Any, want: str) -> bool:
+    if want == "integer":
+        return isinstance(v, int) and not isinstance(v, bool)
+    if want == "number":
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return {"string": str, "boolean": bool, "array": list, "object": dict, "null": type(None)}.get(
+        want, object).__instancecheck__(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """What a call produced, as the content of the `tool` message that answers it."""
+
+    call_id: str
+    name: str
+    content: str
+    error: bool = False
+    seconds: float = 0.0
+
+    def message(self) -> dict[str, Any]:
+        """The `tool` chat message answering the call."""
+        return {"role": "tool", "name": self.name, "tool_call_id": self.call_id, "content": self.content}
+
+
+def resolve_tool(name: str, field: str = "tools") -> Tool:
+    """The tool of `module:function` (ConfigError naming `field` when it cannot be found)."""
+    if not isinstance(name, str) or ":" not in name:
+        raise ConfigError(f"{field}: must be 'module:function', got {name!r}")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ConfigError(f"{field}: module {module_name!r} has no function {attr!r}")
+    try:
+        return Tool.from_function(fn)
+    except (TypeError, ValueError, NameError) as e:
+        raise ConfigError(f"{field}: cannot derive the schema of {name!r} ({e}); give it with @tool(parameters=...)")
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class ToolRegistry:
+    """Tools by name, executed in a thread pool with a per-call timeout (seconds)."""
+
+    def __init__(self, tools: Sequence[Tool | Callable], *, timeout_s: float = 10.0, workers: int = 8) -> None:
+        self.tools: dict[str, Tool] = {}
+        for t in tools:
+            t = t if isinstance(t, Tool) else Tool.from_function(t)
+            if t.name in self.tools:
+                raise ConfigError(f"tools: two tools are named {t.name!r}")
+            self.tools[t.name] = t
+        if not timeout_s > 0:
+            raise ConfigError(f"tool_timeout_s: must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="jrl-tool")
+
+    @classmethod
+    def from_names(cls, names: Sequence[str], field: str = "tools", **kwargs: Any) -> ToolRegistry:
+        return cls([resolve_tool(n, f"{field}[{i}]") for i, n in enumerate(names)], **kwargs)
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools' schemas, for the chat template's `tools=`."""
+        return [t.schema for t in self.tools.values()]
+
+    def _run(self, t: Tool, call: ToolCall) -> Any:
+        return t.fn(**call.arguments)
+
+    def execute(self, calls: Sequence[ToolCall], timeout_s: float | None = None) -> list[ToolResult]:
+        """Runs `calls` concurrently; one result per call, in order. Never raises for what
+        a tool or its caller did wrong."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        started: list[tuple[ToolCall, Any]] = []
+        t0 = time.perf_counter()
+        for call in calls:
+            t = self.tools.get(call.name)
+            if t is None:
+                started.append((call, f"error: unknown tool {call.name!r}; available tools: {sorted(self.tools)}"))
+                continue
+            problem = t.check_arguments(call.arguments)
+            if problem is not None:
+                started.append((call, f"error: bad arguments for {call.name}: {problem}"))
+                continue
+            started.append((call, self._pool.submit(self._run, t, call)))
+        results = []
+        deadline = time.perf_counter() + timeout  # calls run concurrently: one shared window
+        for call, fut in started:
+            if isinstance(fut, str):
+                results.append(ToolResult(call.id, call.name, fut, error=True))
+                continue
+            try:
+                value = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
+                results.append(ToolResult(call.id, call.name, _render(value), seconds=time.perf_counter() - t0))
+            except concurrent.futures.TimeoutError:
+                results.append(ToolResult(call.id, call.name, f"error: {call.name} timed out after {timeout:g} s",
+                                          error=True, seconds=timeout))
+            except Exception as e:  # the tool raised: the model is told, the run goes on
+                results.append(ToolResult(call.id, call.name, f"error: {call.name} raised {type(e).__name__}: {e}",
+                                          error=True, seconds=time.perf_counter() - t0))
+        return results
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,574 @@
+"""Multi-turn, tool-using episodes (jrl.rl.environments, tools, tool_calls): the tool-call
+parser, the tool registry's schemas and failure paths, token-exact episodes through the
+real engine (sampled + inserted tokens, masks, log-probs, versions, prefix-cache hits
+across turns), limits and truncation, concurrency with a slow environment, and a short
+GRPO run on episodes through `build_learner`.
+
+The model is a tiny qwen2-shaped one with random weights, edited so that `<|im_end|>`
+comes next with probability ~0.3 at every position (turns end early and at different
+lengths); the tokenizer is the in-test ChatML BPE with a template that renders tools."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Literal
+
+import jax
+import numpy as np
+import pytest
+
+from chat_fixtures import CHATML_TOOLS, write_chat_tokenizer
+from jrl.config import ConfigError, ModelConfig, from_dict
+from jrl.rl.batch import build_episode_rows, build_rows
+from jrl.rl.environments import (ChatPieces, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment,
+                                 resolve_environment)
+from jrl.rl.tool_calls import HermesParser, ToolCall, get_parser
+from jrl.rl.tools import Tool, ToolRegistry, resolve_tool, tool
+from jrl.rollout import Engine, SamplingParams, engine_config_for_workload
+from jrl.tokenizer import load_tokenizer
+from test_rl_hf import end_of_turn_prone_params
+
+MODEL = {"vocab_size": 320, "hidden_size": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16,
+         "intermediate_size": 64, "max_position_embeddings": 512, "qkv_bias": True, "rope_theta": 1000000.0}
+PAGE = 4
+
+
+# ----------------------------------------------------------------------------- tools used by the tests
+
+
+def add(a: int, b: int) -> int:
+    """Adds two integers.
+
+    Args:
+        a: the first addend
+        b: the second addend
+    """
+    return a + b
+
+
+def fails(x: str) -> str:
+    """Always raises."""
+    raise KeyError(x)
+
+
+def sleepy(seconds: float = 5.0) -> str:
+    """Sleeps."""
+    time.sleep(seconds)
+    return "awake"
+
+
+@tool(name="lookup", description="Looks a word up.", parameters={
+    "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]})
+def _lookup_impl(word):
+    return {"word": word, "length": len(word)}
+
+
+def kinds(mode: Literal["a", "b"], items: list[int], note: str | None = None, flag: bool = False) -> str:
+    return mode
+
+
+# ----------------------------------------------------------------------------- environments used by the tests
+
+
+class Scripted:
+    """Answers every turn with a tool message; done after `turns` turns with reward
+    `turns`; `delay` seconds per step (a slow environment)."""
+
+    def __init__(self, turns: int = 3, delay: float = 0.0, calls_per_turn: int = 0, role: str = "tool") -> None:
+        self.turns, self.delay, self.calls, self.role = turns, delay, calls_per_turn, role
+        self.n = 0
+
+    def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, message):
+        assert message["role"] == "assistant" and isinstance(message["content"], str)
+        if self.delay:
+            time.sleep(self.delay)
+        self.n += 1
+        if self.n >= self.turns:
+            return [], float(self.turns), True, {"tool_calls": self.calls}
+        return [{"role": self.role, "content": str(self.n)}], 0.0, False, {"tool_calls": self.calls}
+
+
+class AsyncScripted(Scripted):
+    async def reset(self, example):
+        return Scripted.reset(self, example)
+
+    async def step(self, message):
+        return Scripted.step(self, message)
+
+
+class Raising(Scripted):
+    def step(self, message):
+        raise ValueError("broken environment")
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer(str(write_chat_tokenizer(tmp_path_factory.mktemp("tok"), template=CHATML_TOOLS)))
+
+
+@pytest.fixture(scope="module")
+def im_end(tok):
+    return tok.encode("<|im_end|>")[0]
+
+
+@pytest.fixture(scope="module")
+def model(im_end):
+    config = from_dict(ModelConfig, MODEL)
+    return config, end_of_turn_prone_params(config, im_end)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    config, params = model
+    return Engine(config, params, engine_config_for_workload(512, 64, page_size=PAGE, seed=0))
+
+
+def runner(engine, tok, im_end, **limits):
+    return EpisodeRunner(engine, tok, EpisodeLimits(**{"max_turns": 4, "max_total_tokens": 400,
+                                                       "max_new_tokens": 12, **limits}),
+                         eos_ids=[tok.eos_id, im_end])
+
+
+def run(engine, tok, im_end, envs, temperature=1.0, seed=0, **limits):
+    r = runner(engine, tok, im_end, **limits)
+    examples = [{"prompt": f"what is {i} plus 3?"} for i in range(len(envs))]
+    sampling = [SamplingParams(temperature=temperature, seed=seed * 1000 + i) for i in range(len(envs))]
+    return r, r.run(envs, examples, sampling)
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+def test_hermes_parser_splits_prose_calls_and_errors():
+    p = get_parser("hermes")
+    parsed = p.parse('I will add. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call> and '
+                     '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>')
+    assert parsed.content == "I will add.  and"
+    assert parsed.calls == [ToolCall("add", {"a": 1, "b": 2}, "call_0"), ToolCall("add", {"a": 3, "b": 4}, "call_1")]
+    assert parsed.errors == [] and parsed.has_calls
+    assert parsed.calls[0].to_openai() == {"id": "call_0", "type": "function",
+                                           "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    plain = p.parse("  the answer is 5 ")
+    assert (plain.content, plain.calls, plain.errors, plain.has_calls) == ("the answer is 5", [], [], False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("<tool_call>{not json}</tool_call>", "invalid JSON"),
+    ('<tool_call>["add"]</tool_call>', "expected a JSON object"),
+    ('<tool_call>{"arguments": {}}</tool_call>', "needs a string 'name'"),
+    ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', "'arguments' must be an object"),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}', "without </tool_call>"),
+])
+def test_hermes_parser_reports_malformed_calls_without_raising(text, message):
+    parsed = HermesParser().parse("x " + text)
+    assert parsed.calls == [] and len(parsed.errors) == 1 and parsed.has_calls
+    assert message in parsed.errors[0].message
+    assert parsed.content == "x"
+
+
+def test_parser_by_module_name_and_unknown_names():
+    assert isinstance(get_parser("jrl.rl.tool_calls:HermesParser"), HermesParser)
+    with pytest.raises(ConfigError, match="tool_parser: unknown tool-call parser 'nope'"):
+        get_parser("nope")
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+def test_tool_schemas_from_hints_docstrings_and_the_decorator():
+    schema = Tool.from_function(add).schema
+    assert schema == {"type": "function", "function": {
+        "name": "add", "description": "Adds two integers.",
+        "parameters": {"type": "object", "required": ["a", "b"], "properties": {
+            "a": {"type": "integer", "description": "the first addend"},
+            "b": {"type": "integer", "description": "the second addend"}}}}}
+    params = Tool.from_function(kinds).parameters
+    assert params["properties"] == {"mode": {"enum": ["a", "b"]}, "items": {"type": "array", "items": {"type": "integer"}},
+                                    "note": {"type": "string"}, "flag": {"type": "boolean"}}
+    assert params["required"] == ["mode", "items"]
+    lookup = resolve_tool("test_rl_episodes:_lookup_impl")
+    assert (lookup.name, lookup.description) == ("lookup", "Looks a word up.")
+    with pytest.raises(ConfigError, match=r"tools\[0\]: module 'test_rl_episodes' has no function 'nope'"):
+        ToolRegistry.from_names(["test_rl_episodes:nope"])
+    with pytest.raises(ConfigError, match="must be 'module:function'"):
+        resolve_tool("add")
+
+
+def test_tool_failures_become_error_results_never_exceptions():
+    reg = ToolRegistry([add, fails, sleepy, _lookup_impl], timeout_s=0.2)
+    out = reg.execute([ToolCall("add", {"a": 2, "b": 3}, "c0"), ToolCall("lookup", {"word": "cat"}, "c1"),
+                       ToolCall("nope", {}, "c2"), ToolCall("add", {"a": 2}, "c3"),
+                       ToolCall("add", {"a": "2", "b": 3}, "c4"), ToolCall("add", {"a": 1, "b": 2, "c": 3}, "c5"),
+                       ToolCall("fails", {"x": "k"}, "c6"), ToolCall("sleepy", {}, "c7")])
+    assert [r.call_id for r in out] == [f"c{i}" for i in range(8)]
+    assert [r.error for r in out] == [False, False] + [True] * 6
+    assert out[0].content == "5" and json.loads(out[1].content) == {"word": "cat", "length": 3}
+    for r, text in zip(out[2:], ["unknown tool 'nope'", "missing required argument(s) ['a', 'b']"[:25],
+                                  "argument 'a' must be of type integer", "unexpected argument(s) ['c']",
+                                  "fails raised KeyError: 'k'", "sleepy timed out after 0.2 s"]):
+        assert r.content.startswith("error: ") and text in r.content, (r.content, text)
+    assert out[0].message() == {"role": "tool", "name": "add", "tool_call_id": "c0", "content": "5"}
+
+
+# ----------------------------------------------------------------------------- the tool environment
+
+
+def make_tool_env(max_tool_calls=3, timeout_s=0.2):
+    reg = ToolRegistry([add, fails, sleepy], timeout_s=timeout_s)
+    return ToolEnvironment(reg, score=lambda example, text: float(text == example["answer"]),
+                           max_tool_calls=max_tool_calls, system_prompt="be brief")
+
+
+def call(name, **args):
+    return "<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>"
+
+
+def test_tool_environment_answers_calls_and_scores_the_final_answer():
+    env = make_tool_env()
+    assert env.reset({"prompt": "2+3?", "answer": "5"}) == [{"role": "system", "content": "be brief"},
+                                                             {"role": "user", "content": "2+3?"}]
+    assert [t["function"]["name"] for t in env.tools] == ["add", "fails", "sleepy"]
+    msgs, reward, done, info = env.step({"role": "assistant", "content": "adding " + call("add", a=2, b=3)})
+    assert msgs == [{"role": "tool", "name": "add", "tool_call_id": "call_0", "content": "5"}]
+    assert (reward, done, info) == (0.0, False, {"tool_calls": 1, "tool_errors": 0})
+    assert env.step({"role": "assistant", "content": "5"}) == ([], 1.0, True, {"final": True})
+    env.reset({"prompt": "2+3?", "answer": "5"})
+    assert env.step({"role": "assistant", "content": "6"})[1:3] == (0.0, True)
+
+
+def test_tool_environment_turns_every_failure_into_a_tool_message():
+    env = make_tool_env(max_tool_calls=10)
+    env.reset({"prompt": "p", "answer": "5"})
+    text = (call("nope") + "<tool_call>{oops</tool_call>" + call("fails", x="k") + call("sleepy")
+            + call("add", a="x", b=1))
+    msgs, reward, done, info = env.step({"role": "assistant", "content": text})
+    assert (reward, done, info) == (0.0, False, {"tool_calls": 5, "tool_errors": 5})
+    assert [m["tool_call_id"] for m in msgs] == [f"call_{i}" for i in range(5)]
+    assert all(m["role"] == "tool" and m["content"].startswith("error: ") for m in msgs)
+    for m, text in zip(msgs, ["unknown tool", "invalid JSON", "raised KeyError", "timed out", "must be of type"]):
+        assert text in m["content"]
+
+
+def test_tool_environment_stops_at_max_tool_calls():
+    env = make_tool_env(max_tool_calls=2)
+    env.reset({"prompt": "p", "answer": "5"})
+    assert env.step({"role": "assistant", "content": call("add", a=1, b=1)})[2] is False
+    msgs, reward, done, info = env.step({"role": "assistant", "content": call("add", a=1, b=1) * 2})
+    assert (msgs, reward, done, info["truncated"]) == ([], 0.0, True, "max_tool_calls")
+
+
+# ----------------------------------------------------------------------------- token-exact episodes
+
+
+def check_token_exact(ep, tok):
+    """The trained sequence is the prompt, then sampled and inserted pieces alternating;
+    each sampled piece is the engine's completion (tokens, log-probs, versions) of a request
+    whose prompt was exactly the sequence before it."""
+    arrays = ep.arrays()
+    tokens = arrays["tokens"]
+    assert ep.pieces[0][0] == "sampled" and ep.pieces[0][1] == ep.prompt_len
+    rebuilt = list(tokens[:ep.prompt_len])
+    turn = 0
+    for k, (kind, start, end) in enumerate(ep.pieces):
+        assert start == len(rebuilt)
+        assert kind == ("sampled" if k % 2 == 0 else "inserted")
+        if kind == "sampled":
+            c = ep.completions[turn]
+            assert np.array_equal(c.prompt, tokens[:start])  # the engine continued from exactly these ids
+            assert np.array_equal(tokens[start:end], c.tokens)
+            assert np.array_equal(arrays["logprobs"][start:end], c.logprobs)
+            assert np.array_equal(arrays["model_logprobs"][start:end], c.model_logprobs)
+            assert np.array_equal(arrays["versions"][start:end], c.versions)
+            assert (arrays["mask"][start:end] == 1).all()
+            turn += 1
+        else:
+            assert (arrays["mask"][start:end] == 0).all() and (arrays["versions"][start:end] == -1).all()
+            assert (arrays["logprobs"][start:end] == 0).all()
+        rebuilt += list(tokens[start:end])
+    assert rebuilt == list(tokens) and turn == len(ep.completions) == ep.turns
+    assert (arrays["mask"][:ep.prompt_len] == 0).all()
+    assert arrays["mask"].sum() == sum(len(c.tokens) for c in ep.completions)
+
+
+@pytest.fixture(scope="module")
+def three_turns(engine, tok, im_end):
+    engine.drop_prefix_cache()
+    return run(engine, tok, im_end, [Scripted(turns=3) for _ in range(8)])[1]
+
+
+def test_episodes_are_token_exact(three_turns, tok):
+    for ep in three_turns:
+        check_token_exact(ep, tok)
+    finished = [ep for ep in three_turns if not ep.truncated]
+    assert finished, "every episode was cut by a token limit"
+    for ep in finished:
+        assert ep.turns == 3 and ep.reward == 3.0 and [m["role"] for m in ep.messages] == \
+            ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+        assert [m["content"] for m in ep.messages if m["role"] == "tool"] == ["1", "2"]
+
+
+def test_inserted_tokens_are_the_templates_text_after_the_stop_token(three_turns, tok):
+    for ep in three_turns:
+        for k, (kind, start, end) in enumerate(ep.pieces):
+            if kind == "inserted":
+                n = k // 2 + 1
+                assert ep.tokens[start - 1] == tok.encode("<|im_end|>")[0]  # the sampled stop token
+                assert tok.decode(ep.tokens[start:end]) == f"\n<|im_start|>tool\n{n}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_rows_train_only_sampled_tokens(three_turns, tok):
+    eps = [ep.arrays() for ep in three_turns]
+    rows = build_episode_rows([e["tokens"] for e in eps], [e["mask"] for e in eps], [e["logprobs"] for e in eps],
+                              400, tok.pad_id)
+    for i, e in enumerate(eps):
+        n = len(e["tokens"])
+        assert np.array_equal(rows["tokens"][i, :n], e["tokens"])
+        assert np.array_equal(rows["loss_mask"][i, :n - 1], e["mask"][1:])  # position t predicts token t+1
+        assert np.array_equal(rows["behaviour_logp"][i, :n - 1], e["logprobs"][1:])
+        assert rows["loss_mask"][i, n - 1:].sum() == 0
+    # a single turn is the single-turn builder's row exactly
+    p, r = np.array([5, 6, 7]), np.array([8, 9])
+    single = build_rows([p], [r], [np.array([-1.0, -2.0])], 8, 0)
+    episode = build_episode_rows([np.r_[p, r]], [np.array([0, 0, 0, 1, 1])], [np.array([0, 0, 0, -1.0, -2.0])], 8, 0)
+    for k in single:
+        assert np.array_equal(single[k], episode[k]), k
+
+
+def test_later_turns_prefill_only_their_new_tokens(three_turns):
+    checked = 0
+    for ep in three_turns:
+        for prev, c in zip(ep.completions, ep.completions[1:]):
+            # the previous request's prompt and outputs (all but the last sampled token,
+            # whose KV was never computed) are cached in whole pages of its version
+            known = len(prev.prompt) + len(prev.tokens) - 1
+            assert c.cached_tokens >= known // PAGE * PAGE > 0
+            checked += 1
+    assert checked
+
+
+def test_async_environments_and_other_roles(engine, tok, im_end):
+    _, eps = run(engine, tok, im_end, [AsyncScripted(turns=2, role="user") for _ in range(4)], seed=3)
+    for ep in eps:
+        check_token_exact(ep, tok)
+        if not ep.truncated:
+            assert ep.messages[2] == {"role": "user", "content": "1"}
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_max_turns_truncates(engine, tok, im_end):
+    _, eps = run(engine, tok, im_end, [Scripted(turns=99) for _ in range(4)], max_turns=2, seed=4)
+    for ep in eps:
+        check_token_exact(ep, tok)
+        assert ep.truncated and ep.done and ep.truncation in ("max_turns", "max_new_tokens")
+        assert ep.turns <= 2
+    assert any(ep.truncation == "max_turns" and ep.turns == 2 for ep in eps)
+
+
+def test_token_limits_truncate(engine, tok, im_end):
+    _, eps = run(engine, tok, im_end, [Scripted(turns=3) for _ in range(6)], max_new_tokens=2, seed=5)
+    assert any(ep.truncation == "max_new_tokens" for ep in eps)
+    for ep in eps:
+        if ep.truncation == "max_new_tokens":
+            assert len(ep.completions[-1].tokens) == 2 and ep.completions[-1].finish_reason == "length"
+    prompt_len = len(ChatPieces(tok).prompt([{"role": "user", "content": "what is 0 plus 3?"}]))
+    _, eps = run(engine, tok, im_end, [Scripted(turns=50) for _ in range(6)], max_total_tokens=prompt_len + 20,
+                 max_turns=50, seed=6)
+    for ep in eps:
+        check_token_exact(ep, tok)
+        assert ep.truncated and len(ep.tokens) <= prompt_len + 20
+    assert any(ep.truncation == "max_total_tokens" for ep in eps)
+    with pytest.raises(ConfigError, match="opening prompt is .* tokens"):
+        run(engine, tok, im_end, [Scripted()], max_total_tokens=5)
+
+
+def test_max_tool_calls_truncates(engine, tok, im_end):
+    _, eps = run(engine, tok, im_end, [Scripted(turns=5, calls_per_turn=2) for _ in range(4)], max_tool_calls=3,
+                 seed=7)
+    for ep in eps:
+        assert ep.truncated
+        if ep.truncation == "max_tool_calls":
+            assert ep.turns == 2 and ep.tool_calls == 4
+
+
+def test_an_environment_that_raises_stops_the_run_naming_the_episode(engine, tok, im_end):
+    with pytest.raises(EnvironmentFailure, match="Raising.step raised ValueError: broken environment"):
+        run(engine, tok, im_end, [Raising() for _ in range(2)])
+    assert not engine.scheduler.has_work  # the episodes' requests were finished, not left behind
+
+
+def test_templates_that_rewrite_earlier_turns_are_refused(tok):
+    class Rewriting:
+        chat_template = "x"
+        eos_id = 0
+
+        def apply_chat_template(self, messages, add_generation_prompt=False, **kw):
+            return "|".join(m["content"] for m in messages) + str(len(messages))
+
+        def encode(self, text):
+            return [1] * len(text)
+
+        def decode(self, ids):
+            return ""
+    with pytest.raises(ConfigError, match="cannot be continued from the sampled tokens"):
+        ChatPieces(Rewriting()).continuation([{"role": "user", "content": "a"}],
+                                             {"role": "assistant", "content": "b"},
+                                             [{"role": "tool", "content": "c"}], None)
+
+
+def test_resolve_environment():
+    assert resolve_environment("test_rl_episodes:Scripted") is Scripted
+    with pytest.raises(ConfigError, match="env: module 'test_rl_episodes' has no class 'Nope'"):
+        resolve_environment("test_rl_episodes:Nope")
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def test_slow_environments_never_stall_decoding(engine, tok, im_end):
+    envs = [Scripted(turns=3, delay=0.02 * (i % 5)) for i in range(16)]
+    r, eps = run(engine, tok, im_end, envs, seed=8)
+    assert len(eps) == 16
+    for ep in eps:
+        check_token_exact(ep, tok)
+        assert ep.done and (ep.truncated or (ep.turns == 3 and ep.reward == 3.0))
+    # some environment calls were still running while the engine took steps for others
+    assert r.env_calls_while_decoding > 0
+    assert sum(ep.env_s for ep in eps) > 0
+
+
+# ----------------------------------------------------------------------------- episodes in the RL loop
+
+
+class Parity(Scripted):
+    """`turns` turns; the final reward is 1 when the last turn's text has an even length
+    (variance for an untrained model). Takes the `tools` registry when tools are set."""
+
+    def __init__(self, turns: int = 2, tools=None) -> None:
+        super().__init__(turns=turns)
+        if tools is not None:
+            self.tools = tools.schemas
+
+    def reset(self, example):
+        return [{"role": "user", "content": _prompt_of(example)}]
+
+    def step(self, message):
+        msgs, _, done, info = super().step(message)
+        return msgs, float(done and len(message["content"]) % 2 == 0), done, info
+
+
+def _prompt_of(example):
+    p = example["prompt"]
+    return p if isinstance(p, str) else p[-1]["content"]
+
+
+def test_tool_environment_through_the_sampler(engine, tok, im_end):
+    """`tools:` alone: a ToolEnvironment per episode, tools rendered into the prompt, the
+    final answer scored by the task's rewards."""
+    from jrl.data.tasks import Problem
+    from jrl.rl.episode_source import EpisodeSampler
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    options = RLOptions.from_config({"tools": ["test_rl_episodes:add"], "max_new_tokens": 6, "max_turns": 2,
+                                     "rewards": [{"fn": "exact_match"}]})
+    fmt = PromptFormat(tok)
+    sampler = EpisodeSampler(options, fmt, options.reward_model(), 512)
+    problems = [Problem(prompt="what is 2 plus 3?", answer=str(i), where=f"p{i}") for i in range(3)]
+    groups = sampler.run(engine, problems, 2, 1.0, np.arange(6, dtype=np.uint64))
+    assert [len(g) for g in groups] == [2, 2, 2]
+    for g in groups:
+        for ep in g:
+            check_token_exact(ep, tok)
+            prompt = tok.decode(ep.tokens[:ep.prompt_len])
+            assert '"name": "add"' in prompt and prompt.endswith("what is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")
+            assert ep.turns >= 1 and ep.reward in (0.0, 1.0)
+    metrics = EpisodeSampler.metrics([ep for g in groups for ep in g])
+    assert set(metrics) >= {"turns_mean", "tool_calls_mean", "tool_error_rate", "truncated_frac", "env_s"}
+
+
+def test_episode_options_are_validated():
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError, match="strategy.options.env: module 'test_rl_episodes' has no class 'Nope'"):
+        RLOptions.from_config({"env": "test_rl_episodes:Nope"})
+    with pytest.raises(ConfigError, match=r"strategy.options.tools\[0\]: must be 'module:function'"):
+        RLOptions.from_config({"tools": ["add"]})
+    with pytest.raises(ConfigError, match="strategy.options.max_turns: must be an integer >= 1"):
+        RLOptions.from_config({"env": "test_rl_episodes:Parity", "max_turns": 0})
+    with pytest.raises(ConfigError, match="strategy.options.tool_parser: unknown tool-call parser"):
+        RLOptions.from_config({"tools": ["test_rl_episodes:add"], "tool_parser": "xml"})
+    options = RLOptions.from_config({"env": "test_rl_episodes:Parity", "env_kwargs": {"turns": 3}})
+    assert options.episodes and options.tools == ()
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory, tok, model):
+    from jrl.hf import save_pretrained
+    from jrl.metrics_log import read_metrics
+    from jrl.rl import build_learner
+    from jrl.config import TrainConfig
+    root = tmp_path_factory.mktemp("grpo_episodes")
+    hf_dir = write_chat_tokenizer(root / "hf", template=CHATML_TOOLS)
+    config, params = model
+    save_pretrained(config, params, str(hf_dir), model_type="qwen2")
+    records = [{"prompt": [{"role": "user", "content": f"{a}+{b}?"}], "answer": str(a + b)}
+               for a in range(6) for b in range(5)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_config = from_dict(TrainConfig, {
+        "name": "grpo_episodes", "seed": 0, "steps": 2, "init_from": f"hf:{hf_dir}",
+        "model": {**MODEL, "max_position_embeddings": 128},
+        "data": {"tokenizer": str(hf_dir), "seq_len": 96, "batch_size": 8},
+        "strategy": {"name": "grpo", "options": {
+            "task": {"name": "jsonl", "train": str(root / "train.jsonl"), "n_heldout": 4, "n_validation": 2},
+            "env": "test_rl_episodes:Parity", "env_kwargs": {"turns": 2}, "max_turns": 3,
+            "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "dynamic_sampling_rounds": 2,
+            "engine": {"page_size": 4}}},
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
+        "schedule": {"kind": "constant"},
+        "checkpoint": {"interval": 0},
+        "eval": {"every": 0, "at_end": True, "samples": 2},
+        "logging": {"progress": False, "plot": False},
+    })
+    learner = build_learner(run_config, output_dir=root / "run")
+    learner.fit(overwrite=True)
+    return learner, read_metrics(root / "run" / "metrics.jsonl"), root, hf_dir
+
+
+def test_grpo_trains_on_episodes(grpo_run):
+    learner, rows, _, _ = grpo_run
+    train = [r for r in rows if "loss" in r]
+    assert [r["policy_version"] for r in train] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in train)
+    first = [r for r in rows if "rl_step" in r][0]
+    for key in ("turns_mean", "tool_calls_mean", "tool_error_rate", "truncated_frac", "env_s", "reward_mean",
+                "episode_len_mean", "prefix_cached_tokens", "logp_diff_max"):
+        assert key in first, key
+    assert 1.0 <= first["turns_mean"] <= 3.0
+    assert all(r["groups_trained"] >= 1 for r in rows if "rl_step" in r)  # episodes with reward signal trained
+    # the trainer's forward on the episode rows reproduces every sampled token's engine log-prob
+    assert first["logp_diff_max"] <= 1e-5
+    assert first["prefix_cached_tokens"] > 0
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert evals and all(0.0 <= r["eval_accuracy_sampled"] <= 1.0 for r in evals)
+
+
+def test_jrl_eval_runs_episodes(grpo_run, tmp_path):
+    from jrl.cli import main as jrl
+    _, _, root, hf_dir = grpo_run
+    out = tmp_path / "eval.json"
+    assert jrl(["eval", "--config", str(root / "run" / "config.yaml"), "--checkpoint", f"hf:{hf_dir}",
+                "--samples", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["n"], report["k"]) == (4, 2)
+    assert 0.0 <= report["pass@1"] <= report["pass@2"] <= 1.0
+    rows = [json.loads(line) for line in out.with_name("eval.problems.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(len(r["completions"]) == len(r["rewards"]) == 2 for r in rows)
