@@ -28,6 +28,7 @@ from jrl.bench.cli import main as bench
 from jrl.config import ConfigError, ModelConfig, from_dict
 from jrl.hf import params_equal, save_pretrained
 from jrl.models import init_params
+from jrl.serve.tools import parse_tool_calls
 from jrl.rollout import Engine, SamplingParams
 from jrl.serve.cli import ServerThread, build, build_parser
 from jrl.serve.loading import load_served
@@ -447,3 +448,16 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live, monke
     assert ok.usage.completion_tokens == 3
     h = settle(live)
     assert h["engine"]["engine_errors"] == 1 and h["engine"]["available_pages"] == h["engine"]["total_pages"]
+
+
+def test_tool_calls_in_an_answer_come_back_as_openai_tool_calls():
+    text = 'Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    content, calls = parse_tool_calls(text, [{"type": "function", "function": {"name": "add"}}])
+    assert content == "Let me add."
+    assert calls == [{"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
+
+
+def test_an_answer_with_a_malformed_tool_call_comes_back_as_written():
+    text = '<tool_call>{"name": "add", "arguments": </tool_call>'
+    assert parse_tool_calls(text, [{"type": "function", "function": {"name": "add"}}]) == (text, None)
+    assert parse_tool_calls("just prose", []) == ("just prose", None)
