@@ -39,11 +39,12 @@ MAX_ATTEMPTS = 30
 SEED = 18
 STEPS = 12
 TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu")
-# The seeded delay after a phase starts is uniform in [0, this]: the first rollout and
-# update of a process compile (about a second or more on CPU), later ones take
-# milliseconds; a save takes a few hundred ms (hashing, fsyncs).
-MAX_DELAY_S = {"rollout": 0.3, "update": 0.3, "save": 0.05}
-LATER_DELAY_S = 0.003  # after the first: a phase of milliseconds
+# The seeded delay after a phase starts is uniform in [0, this]. A process's first
+# rollout and update compile (a second or more on CPU), later ones take milliseconds; a
+# save takes a few hundred ms after its staging directory appears (Orbax write, hashing,
+# fsyncs, rename, retention), so its kills spread over all of that.
+FIRST_DELAY_S = {"rollout": 0.3, "update": 0.3, "save": 0.15}
+LATER_DELAY_S = {"rollout": 0.003, "update": 0.003, "save": 0.15}
 WAIT_S = 120.0  # for one process to reach its phase or end
 
 
@@ -225,7 +226,7 @@ def test_a_grpo_run_killed_ten_times_ends_as_the_uninterrupted_run(tmp_path):
         # which of this process's rollouts / updates / saves: the second one only while
         # enough steps are left for the remaining kills (the first one makes no progress)
         nth = rng.randint(1, 2) if STEPS - (newest or 0) > STEPS // 2 else 1
-        delay = rng.uniform(0.0, MAX_DELAY_S[target] if nth == 1 else LATER_DELAY_S)
+        delay = rng.uniform(0.0, (FIRST_DELAY_S if nth == 1 else LATER_DELAY_S)[target])
         logged = [r["step"] for r in train_rows(run)] if run.exists() else []
         if newest is not None and logged and max(logged) > newest:
             truncations += 1  # rows of steps after the resumed checkpoint: the resume must drop them
