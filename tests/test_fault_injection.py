@@ -173,6 +173,7 @@ def wait_for(proc: subprocess.Popen, ready) -> bool:
         if ready():
             return True
         if time.monotonic() > deadline:
+            kill_group(proc)
             raise AssertionError(f"process {proc.pid} reached no phase in {WAIT_S} s")
         time.sleep(0.002)
     return False
@@ -259,8 +260,8 @@ def test_a_grpo_run_killed_ten_times_ends_as_the_uninterrupted_run(tmp_path):
     assert sum(hits.values()) >= KILLS and all(hits[p] >= MIN_PER_PHASE for p in PHASES), report
     assert truncations >= 1 and stale_locks >= 1, report
 
-    if not finished:  # the last resume, left alone
-        proc = runs.start(run, killable=True, resume=True)
+    if not finished:  # the last resume, left alone (plain python -m jrl.train --resume)
+        proc = runs.start(run, killable=False, resume=True)
         assert proc.wait(timeout=600) == 0, runs.output()
 
     # each step exactly once, with the uninterrupted run's values (timings aside)
@@ -280,7 +281,8 @@ def test_a_grpo_run_killed_ten_times_ends_as_the_uninterrupted_run(tmp_path):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         a, b = np.asarray(a), np.asarray(b)
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), jax.tree_util.keystr(path)
-    # nothing half-written is visible, and no run holds the directory
+    # nothing half-written is left, and the last run released the directory
     assert not staging_dirs(run)
+    assert (run / ".jrl-run.lock").read_text() == ""
     times["last"] = time.monotonic() - started - sum(times.values())
     print(f"{len(kills)} kills, {time.monotonic() - started:.0f} s:", {k: round(v, 1) for k, v in times.items()})
