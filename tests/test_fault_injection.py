@@ -3,9 +3,9 @@ optimizer update, during a checkpoint save — and resumed with `--resume` each 
 run finishes, its metrics log has every step exactly once with the uninterrupted run's
 values, and its final state equals the uninterrupted run's bitwise.
 
-Every run is a real process (`python -m jrl.train` for the reference run; for the killed
-runs this file run as a script, which is `python -m jrl.train` plus phase markers), killed
-with SIGKILL to its whole process group: no handler, no `finally`, no flush runs.
+Every run is a real process (for the killed runs this file run as a script, which is
+`python -m jrl.train` plus phase markers), killed with SIGKILL to its whole process group:
+no handler, no `finally`, no flush runs.
 
 How the kills are placed. The killed runs append `<pid> <phase>` lines to a marker file
 when a rollout starts (`rollout`) and ends (`rollout-end`), when an optimizer step starts
@@ -16,7 +16,10 @@ appear on disk; a rollout or update: for the marker), sleeps a seeded random fra
 the phase's typical length and kills. Afterwards the marker file says where the process
 really was: the last line it wrote names the phase the kill interrupted (an `-end` line or
 none: between phases). Only kills of a live process count, and the test goes on until
-every phase has been hit `MIN_PER_PHASE` times and `KILLS` times in all.
+every phase has been hit `MIN_PER_PHASE` times and `KILLS` times in all (synchronous
+GRPO; the off-policy run, whose saves store the rollout generated ahead, 2 and 6). The
+last resume is left to finish; the reference and that last run are plain
+`python -m jrl.train`.
 """
 
 from __future__ import annotations
@@ -103,9 +106,11 @@ def first_byte_even(prompt, completion, answer):
 '''
 
 
-def config() -> dict:
+def config(off_policy: bool) -> dict:
     """tests/test_rl_loop.py's tiny GRPO run: 16 samples a rollout, 2 updates each;
-    a checkpoint every step, so every kill resumes from the step before it."""
+    a checkpoint every step, so every kill resumes from the step before it. Off-policy,
+    the next rollout is generated in the background during the updates and each
+    checkpoint holds it."""
     return {
         "name": "fault-injection", "seed": 0, "steps": STEPS,
         "model": {"vocab_size": 262, "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
@@ -114,7 +119,7 @@ def config() -> dict:
         "strategy": {"name": "grpo", "options": {
             "task": {"n_digits": 1, "n_heldout": 16, "n_validation": 0}, "prompts_per_step": 4,
             "group_size": 4, "max_new_tokens": 3, "rewards": [{"fn": "fi_rewards:first_byte_even"}],
-            "engine": {"page_size": 2}}},
+            "engine": {"page_size": 2}, "off_policy": off_policy}},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
         "schedule": {"kind": "constant"},
         "checkpoint": {"interval": 1, "keep_last": 2},
@@ -126,17 +131,17 @@ def config() -> dict:
 class Runs:
     """Starts runs of the config in `base` as their own process groups."""
 
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, off_policy: bool, jax_cache: Path):
         self.base = base
         (base / "fi_rewards.py").write_text(REWARD)
         self.config = base / "config.yaml"
-        self.config.write_text(yaml.safe_dump(config()))
+        self.config.write_text(yaml.safe_dump(config(off_policy)))
         self.markers = base / "markers.txt"
         self.env = dict(os.environ)
         self.env.update({
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(base), self.env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
             "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": str(base / "jax_cache"),  # restarts load, not compile
+            "JAX_COMPILATION_CACHE_DIR": str(jax_cache),  # restarts load programs, not compile them
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
             "JRL_FAULT_MARKERS": str(self.markers),
@@ -201,10 +206,22 @@ def final_state(run: Path):
     return state, meta
 
 
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory) -> Path:
+    """One persistent compilation cache for every process of both runs (they share most programs)."""
+    return tmp_path_factory.mktemp("jax_cache")
+
+
 @pytest.mark.slow
-def test_a_grpo_run_killed_ten_times_ends_as_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("off_policy, kills, per_phase", [(False, KILLS, MIN_PER_PHASE), (True, 6, 2)],
+                         ids=["sync", "off_policy"])
+def test_a_grpo_run_killed_again_and_again_ends_as_the_uninterrupted_run(tmp_path, jax_cache, off_policy,
+                                                                          kills, per_phase):
+    """Synchronous: KILLS kills, MIN_PER_PHASE in each phase. Off-policy (a rollout
+    generated ahead in a thread, waited for and stored by each save): fewer, to keep the
+    file within a few minutes on two CPU cores."""
     started = time.monotonic()
-    runs = Runs(tmp_path)
+    runs = Runs(tmp_path, off_policy, jax_cache)
 
     reference = tmp_path / "reference"
     proc = runs.start(reference, killable=False, resume=False)
@@ -215,11 +232,11 @@ def test_a_grpo_run_killed_ten_times_ends_as_the_uninterrupted_run(tmp_path):
     run = tmp_path / "killed"
     rng = random.Random(SEED)
     hits: collections.Counter[str] = collections.Counter()
-    kills: list[tuple[str, str, int | None]] = []  # (aimed at, interrupted, newest step at the kill)
+    placed: list[tuple[str, str, int | None]] = []  # (aimed at, interrupted, newest step at the kill)
     truncations = stale_locks = 0
     finished = False
     for attempt in range(MAX_ATTEMPTS):
-        if sum(hits.values()) >= KILLS and min(hits[p] for p in PHASES) >= MIN_PER_PHASE:
+        if sum(hits.values()) >= kills and min(hits[p] for p in PHASES) >= per_phase:
             break
         # the phase to aim at: the one hit least so far; a seeded delay inside it
         target = min(PHASES, key=lambda p: (hits[p], PHASES.index(p)))
@@ -252,12 +269,12 @@ def test_a_grpo_run_killed_ten_times_ends_as_the_uninterrupted_run(tmp_path):
         where = marks[-1] if marks and marks[-1] in PHASES else "between phases"
         if where in PHASES:
             hits[where] += 1
-        kills.append((f"{target}#{nth}", where, checkpoint.latest_step(run / "checkpoints")))
+        placed.append((f"{target}#{nth}", where, checkpoint.latest_step(run / "checkpoints")))
 
-    report = (f"kills (aimed at, interrupted, newest checkpoint after): {kills}; "
+    report = (f"kills (aimed at, interrupted, newest checkpoint after): {placed}; "
               f"{truncations} resumes had rows to drop, {stale_locks} stale locks taken over")
     print(report)
-    assert sum(hits.values()) >= KILLS and all(hits[p] >= MIN_PER_PHASE for p in PHASES), report
+    assert sum(hits.values()) >= kills and all(hits[p] >= per_phase for p in PHASES), report
     assert truncations >= 1 and stale_locks >= 1, report
 
     if not finished:  # the last resume, left alone (plain python -m jrl.train --resume)
@@ -285,4 +302,4 @@ def test_a_grpo_run_killed_ten_times_ends_as_the_uninterrupted_run(tmp_path):
     assert not staging_dirs(run)
     assert (run / ".jrl-run.lock").read_text() == ""
     times["last"] = time.monotonic() - started - sum(times.values())
-    print(f"{len(kills)} kills, {time.monotonic() - started:.0f} s:", {k: round(v, 1) for k, v in times.items()})
+    print(f"{len(placed)} kills, {time.monotonic() - started:.0f} s:", {k: round(v, 1) for k, v in times.items()})
