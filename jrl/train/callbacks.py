@@ -40,6 +40,8 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
+from jrl.plot import plot_run
+
 
 class Callback:
     def on_train_begin(self, trainer, state) -> None:
@@ -214,5 +216,4 @@ class PlotCallback(Callback):
         if not trainer.is_main_process:
             return
         trainer.metrics_log.flush_and_sync()
-        from jrl.plot import plot_run  # matplotlib: imported by runs that plot, not at start-up
         plot_run(trainer.run_dir)
