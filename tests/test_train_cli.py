@@ -92,5 +92,5 @@ def test_jrl_plot_without_metrics_exits_2(tmp_path, capsys):
 def test_jrl_dispatches_train_and_rejects_unknown_commands(capsys):
     assert cli.main(["train", "--dry-run", "steps=3"]) == 0
     assert "steps: 3" in capsys.readouterr().out
-    assert cli.main(["serve"]) == 2
-    assert "unknown command 'serve'" in capsys.readouterr().err
+    assert cli.main(["deploy"]) == 2
+    assert "unknown command 'deploy'; choose from train, plot, eval, bench, serve" in capsys.readouterr().err

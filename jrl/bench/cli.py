@@ -52,10 +52,21 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"jrl bench: unknown stage {stage!r}; choose from {', '.join(STAGES)}", file=sys.stderr)
         return 2
+    saved_flags = os.environ.get("XLA_FLAGS")
     if stage == "decode" and "--host" in rest:  # before a backend starts: see decode.py, Host
         os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
         if "JAX_PLATFORMS" not in os.environ:
             jax.config.update("jax_platforms", "cpu")
+    try:
+        return _run_stage(stage, rest)
+    finally:  # a stage run in-process (tests, notebooks) leaves no flags to later subprocesses
+        if saved_flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = saved_flags
+
+
+def _run_stage(stage: str, rest: list[str]) -> int:
     module = importlib.import_module(f"jrl.bench.{stage}")
     args = stage_parser(stage, module).parse_args(rest)
     path = args.json
