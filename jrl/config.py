@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import os
 import re
 import types
@@ -35,6 +36,25 @@ def check(ok: bool, field: str, msg: str) -> None:
 
 
 _check = check  # the name this module's validators use
+
+
+def resolve_named(name: Any, field: str, kind: str = "function") -> Any:
+    """The object a config names as `module:attr` (a reward, a tool, an environment class,
+    a parser): imported, and callable. Errors (ConfigError) name `field` and say which part
+    failed; `kind` words them ("function", "class")."""
+    if not isinstance(name, str) or name.count(":") != 1 or not all(name.partition(":")[::2]):
+        raise ConfigError(f"{field}: must be 'module:{kind}', got {name!r}")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ConfigError(f"{field}: module {module_name!r} has no {kind} {attr!r}")
+    if not callable(obj):
+        raise ConfigError(f"{field}: {name!r} is not callable")
+    return obj
 
 
 def _check_choice(value: Any, choices: Any, field: str) -> None:

@@ -54,7 +54,7 @@ def test_user_reward_is_imported_from_module_colon_function(tmp_path, monkeypatc
 @pytest.mark.parametrize("name,msg", [
     ("exact", "unknown built-in reward 'exact'"),
     ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-    ("math:no_such_fn", "module 'math' has no attribute 'no_such_fn'"),
+    ("math:no_such_fn", "module 'math' has no function 'no_such_fn'"),
     ("math:pi", "'math:pi' is not callable"),
 ])
 def test_bad_reward_names_give_clear_errors(name, msg):

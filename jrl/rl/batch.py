@@ -13,31 +13,20 @@ def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
                behaviour_logp: Sequence[np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     """Trainer rows for prompt + response pairs, in the target convention of the losses:
     position t predicts `targets[t] = tokens[t + 1]`; `loss_mask` is 1 exactly where the
-    target is a response token, and `behaviour_logp` holds the engine's log-prob of it."""
-    n = len(prompts)
-    tokens = np.full((n, seq_len), pad_id, np.int32)
-    targets = np.full((n, seq_len), pad_id, np.int32)
-    positions = np.zeros((n, seq_len), np.int32)
-    segment_ids = np.zeros((n, seq_len), np.int32)
-    loss_mask = np.zeros((n, seq_len), np.float32)
-    blogp = np.zeros((n, seq_len), np.float32)
-    for i, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logp)):
+    target is a response token, and `behaviour_logp` holds the engine's log-prob of it.
+    (A one-turn episode: `build_episode_rows` with mask 0 on the prompt, 1 on the response.)"""
+    sequences, masks, logps = [], [], []
+    for p, r, lp in zip(prompts, responses, behaviour_logp):
         p, r = np.asarray(p, np.int32), np.asarray(r, np.int32)
-        length = len(p) + len(r)
-        if length > seq_len:
+        if len(p) + len(r) > seq_len:
             raise ValueError(f"data.seq_len: {seq_len} is shorter than prompt ({len(p)}) + response "
-                             f"({len(r)}) = {length} tokens; raise data.seq_len")
+                             f"({len(r)}) = {len(p) + len(r)} tokens; raise data.seq_len")
         if len(lp) != len(r):
             raise ValueError(f"behaviour_logp: {len(lp)} log-probs for a response of {len(r)} tokens")
-        seq = np.concatenate([p, r])
-        tokens[i, :length] = seq
-        targets[i, :length - 1] = seq[1:]
-        positions[i, :length] = np.arange(length)
-        segment_ids[i, :length] = 1
-        loss_mask[i, len(p) - 1:length - 1] = 1.0
-        blogp[i, len(p) - 1:length - 1] = lp
-    return {"tokens": tokens, "targets": targets, "positions": positions, "segment_ids": segment_ids,
-            "loss_mask": loss_mask, "behaviour_logp": blogp}
+        sequences.append(np.concatenate([p, r]))
+        masks.append(np.concatenate([np.zeros(len(p), np.float32), np.ones(len(r), np.float32)]))
+        logps.append(np.concatenate([np.zeros(len(p), np.float32), np.asarray(lp, np.float32)]))
+    return build_episode_rows(sequences, masks, logps, seq_len, pad_id)
 
 
 def build_episode_rows(sequences: Sequence[np.ndarray], token_masks: Sequence[np.ndarray],
@@ -45,8 +34,7 @@ def build_episode_rows(sequences: Sequence[np.ndarray], token_masks: Sequence[np
     """Trainer rows for whole episodes (`jrl.rl.environments`): each sequence with a
     per-token mask (1: sampled by the model, 0: prompt, environment or tool tokens) and the
     engine's log-prob of every masked token. Same target convention as `build_rows`:
-    `loss_mask[t] = token_mask[t + 1]`, so the loss trains exactly the sampled tokens, and
-    `build_rows(p, r, lp)` equals this with mask 0 on `p` and 1 on `r`."""
+    `loss_mask[t] = token_mask[t + 1]`, so the loss trains exactly the sampled tokens."""
     n = len(sequences)
     tokens = np.full((n, seq_len), pad_id, np.int32)
     targets = np.full((n, seq_len), pad_id, np.int32)

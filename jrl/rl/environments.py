@@ -51,14 +51,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib
 import inspect
 import time
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from jrl.config import ConfigError
+from jrl.config import ConfigError, resolve_named
 from jrl.rl.tool_calls import HermesParser, ToolCallParser
 from jrl.rl.tools import ToolRegistry
 from jrl.rollout.request import Completion
@@ -80,16 +79,7 @@ class EnvironmentFailure(RuntimeError):
 
 def resolve_environment(name: str, field: str = "env") -> type:
     """The environment class of `module:Class` (ConfigError naming `field`)."""
-    if not isinstance(name, str) or ":" not in name:
-        raise ConfigError(f"{field}: must be 'module:Class', got {name!r}")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
-    cls = getattr(module, attr, None)
-    if cls is None or not callable(cls):
-        raise ConfigError(f"{field}: module {module_name!r} has no class {attr!r}")
+    cls = resolve_named(name, field, "class")
     for method in ("reset", "step"):
         if not callable(getattr(cls, method, None)):
             raise ConfigError(f"{field}: {name!r} has no {method}() method")

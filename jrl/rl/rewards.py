@@ -25,7 +25,6 @@ anything with a colon is imported. A reward function that raises stops the run w
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import math
 import re
@@ -33,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jrl.config import ConfigError
+from jrl.config import ConfigError, resolve_named
 from jrl.rl.math_answer import math_answer
 
 RewardFn = Callable[..., float]
@@ -98,17 +97,7 @@ def resolve_reward(name: str, field: str = "fn") -> RewardFn:
             raise ConfigError(f"{field}: unknown built-in reward {name!r}; built-ins are "
                               f"{sorted(BUILTINS)}, or give 'module:function'")
         return BUILTINS[name]
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ConfigError(f"{field}: {name!r} is not callable")
-    return fn
+    return resolve_named(name, field)
 
 
 def check_signature(fn: RewardFn, kwargs: dict[str, Any], field: str) -> None:

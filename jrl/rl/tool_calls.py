@@ -24,12 +24,11 @@ number of blocks). Any class with the `ToolCallParser` methods can be named
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import re
 from typing import Any, Protocol, runtime_checkable
 
-from jrl.config import ConfigError
+from jrl.config import ConfigError, resolve_named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +147,7 @@ def get_parser(name: str | ToolCallParser, field: str = "tool_parser") -> ToolCa
             raise ConfigError(f"{field}: unknown tool-call parser {name!r}; built-ins are {sorted(PARSERS)}, "
                               f"or give 'module:Class'")
         return PARSERS[name]()
-    module_name, _, attr = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{field}: cannot import {name!r} ({e})") from e
-    parser = cls()
+    parser = resolve_named(name, field, "class")()
     if not isinstance(parser, ToolCallParser):
         raise ConfigError(f"{field}: {name!r} has no parse(text) method")
     return parser

@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import importlib
 import inspect
 import json
 import re
@@ -37,7 +36,7 @@ import types
 import typing
 from typing import Any, Callable, Literal, Sequence
 
-from jrl.config import ConfigError
+from jrl.config import ConfigError, resolve_named
 from jrl.rl.tool_calls import ToolCall
 
 _TOOL_ATTR = "__jrl_tool__"
@@ -183,16 +182,7 @@ class ToolResult:
 
 def resolve_tool(name: str, field: str = "tools") -> Tool:
     """The tool of `module:function` (ConfigError naming `field` when it cannot be found)."""
-    if not isinstance(name, str) or ":" not in name:
-        raise ConfigError(f"{field}: must be 'module:function', got {name!r}")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        raise ConfigError(f"{field}: module {module_name!r} has no function {attr!r}")
+    fn = resolve_named(name, field)
     try:
         return Tool.from_function(fn)
     except (TypeError, ValueError, NameError) as e:
