@@ -72,10 +72,13 @@ def evaluate_problems(engine: Engine, fmt: PromptFormat, problems: Sequence[Prob
     n = len(problems)
     prompts = [np.asarray(p, np.int32) for p in prompts]
 
+    rendered_prompts = [fmt.render(p) for p in problems]  # once a problem, not once a sample
+
     def score(comps, reps):
         texts = [fmt.completion_text(c) for c in comps]
         ps = [p for p in problems for _ in range(reps)]
-        total, terms = rewards([fmt.render(p) for p in ps], texts, [p.answer for p in ps],
+        rendered = [text for text in rendered_prompts for _ in range(reps)]
+        total, terms = rewards(rendered, texts, [p.answer for p in ps],
                                examples=[p.example for p in ps], wheres=[p.where for p in ps])
         return texts, total, solved(rewards, terms, success_threshold)
 

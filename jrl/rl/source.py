@@ -165,13 +165,17 @@ class RolloutSource:
         return self._reference
 
     # ------------------------------------------------------------------ generation
-    def prompt_ids(self, problems: list[Problem]) -> list[np.ndarray]:
-        """Each problem's prompt ids, rendered and encoded once per problem."""
+    def prompt_ids(self, problems: list[Problem], remember: bool = True) -> list[np.ndarray]:
+        """Each problem's prompt ids, rendered and encoded once per problem when `remember`
+        (the splits a run returns to); without it, problems not seen before are encoded
+        and forgotten, so a generated task's endless training draws never pile up."""
         out = []
         for p in problems:
             ids = self._prompt_ids.get(p.where)
             if ids is None:
-                ids = self._prompt_ids[p.where] = self.format.encode(p)
+                ids = self.format.encode(p)
+                if remember:
+                    self._prompt_ids[p.where] = ids
             out.append(ids)
         return out
 
@@ -195,7 +199,7 @@ class RolloutSource:
                 groups.append(_Group(problem, np.zeros(0, np.int32), [], rewards, {"episode": rewards},
                                      self.episodes.correct(eps), eps))
             return groups
-        prompts = self.prompt_ids(problems)
+        prompts = self.prompt_ids(problems, remember=False)
         sampled = self._sample(prompts, rng, o.temperature, o.group_size)
         groups = []
         for problem, prompt, comps in zip(problems, prompts, sampled):
