@@ -193,6 +193,9 @@ class LoraConfig:
     rank: int = 0
     alpha: float = 16.0
     targets: tuple[LoraTarget, ...] = ("q", "v")
+    # dtype of the adapter factors (None: model.param_dtype); "float32" keeps trained
+    # adapters at full precision over a bfloat16 frozen base (no float32 copy of the base)
+    dtype: DType | None = None
 
     @property
     def scale(self) -> float:
@@ -204,6 +207,8 @@ class LoraConfig:
             _check(len(self.targets) > 0, f"{prefix}.targets", "must name at least one projection")
         for i, target in enumerate(self.targets):
             _check_choice(target, LoraTarget, f"{prefix}.targets[{i}]")
+        if self.dtype is not None:
+            _check_choice(self.dtype, DType, f"{prefix}.dtype")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,6 +54,7 @@ class Linear(nn.Module):
     lora_scale: float = 0.0
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    lora_dtype: jnp.dtype | None = None  # the adapter factors' dtype (None: param_dtype)
     init_std: float = 0.02
 
     @nn.compact
@@ -69,12 +70,13 @@ class Linear(nn.Module):
                               (self.features,), self.param_dtype)
             y = y + bias.astype(self.dtype)
         if self.lora_rank:
+            lora_dtype = self.param_dtype if self.lora_dtype is None else self.lora_dtype
             a = self.param("lora_a", nn.with_logical_partitioning(
                 nn.initializers.normal(1.0 / self.lora_rank), (self.axes[0], "lora")),
-                (in_features, self.lora_rank), self.param_dtype)
+                (in_features, self.lora_rank), lora_dtype)
             b = self.param("lora_b", nn.with_logical_partitioning(
                 nn.initializers.zeros, ("lora", self.axes[1])),
-                (self.lora_rank, self.features), self.param_dtype)
+                (self.lora_rank, self.features), lora_dtype)
             y = y + self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
         return y
 
@@ -88,7 +90,7 @@ def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
         features=features, axes=axes, use_bias=use_bias,
         lora_rank=lora.rank if enabled else 0, lora_scale=lora.scale if enabled else 0.0,
         dtype=dtype_of(config.dtype), param_dtype=dtype_of(config.param_dtype),
-        init_std=config.initializer_range, name=name,
+        lora_dtype=None if lora.dtype is None else dtype_of(lora.dtype), init_std=config.initializer_range, name=name,
     )
 
 

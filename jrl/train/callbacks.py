@@ -6,7 +6,9 @@ Hooks (all optional; each gets the trainer first):
     on_step_begin(trainer, state, batch)      before each update; batch is host numpy
     before_optimizer_step(trainer, state, grads) -> grads
                                               sees the normalised gradients of this step
-                                              (before clipping) and returns the ones to use
+                                              (before clipping) and returns the ones to use;
+                                              frozen leaves (`trainable: lora`, `freeze`) have
+                                              None in place of a gradient
     after_optimizer_step(trainer, state, metrics)
                                               the new state (state.policy_version already
                                               bumped if the update was applied) and the

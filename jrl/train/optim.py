@@ -54,6 +54,14 @@ def trainable_groups(config: OptimizerConfig, present: set[str]) -> set[str]:
     return (groups & present) - set(config.freeze)
 
 
+def trainable_mask(config: OptimizerConfig, params: Any) -> Any:
+    """A pytree like `params`: True for each leaf the optimizer updates, False for a frozen
+    one (`trainable: lora` freezes everything but the adapter factors; `freeze` names more)."""
+    labels = param_groups(params)
+    trainable = trainable_groups(config, set(jax.tree.leaves(labels)))
+    return jax.tree.map(lambda group: group in trainable, labels)
+
+
 def _scale_by_shape(consistent_rms: float | None) -> optax.GradientTransformation:
     """Muon's shape factor on `[..., in, out]` updates: `consistent_rms * sqrt(max(in, out))`
     (update RMS ~ consistent_rms, like AdamW's) or `sqrt(max(1, out / in))`."""

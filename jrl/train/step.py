@@ -16,6 +16,13 @@
 inside `attention_layout(max_segments)`, so `hidden_states` gives dense attention that
 promise (0, the default, is the segment mask and right for any batch).
 
+With a `trainable` mask (`jrl.train.optim.trainable_mask`) that freezes some leaves (LoRA:
+the whole base model), gradients are taken only for the trainable leaves (`compute_grads`
+returns them alone, None in place of each frozen leaf), the global norm and clipping see
+only them, and the frozen leaves are neither donated nor rewritten: an update hands back
+the very arrays it was given, so whoever holds them (the rollout engine serving the base)
+keeps valid buffers, and no float32 gradient or update of the base is ever materialised.
+
 `batch` fields carry a leading micro-batch axis `[M, b, ...]`; the micro-batches are
 scanned, their loss sums, weights, metric sums and gradients added up, and the sums are
 divided by the total weight once (see the strategy protocol in docs/training.md).
@@ -23,6 +30,7 @@ divided by the total weight once (see the strategy protocol in docs/training.md)
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -77,16 +85,35 @@ def _micro_keys(state: TrainState, n: int) -> jax.Array:
     return jax.random.split(jax.random.fold_in(state.rng, state.step), n)
 
 
+def trainable_part(mask: Any, tree: Any) -> Any:
+    """`tree` (params, or anything shaped like them) with None in place of each leaf that
+    `mask` freezes."""
+    return jax.tree.map(lambda m, x: x if m else None, mask, tree)
+
+
+def frozen_part(mask: Any, tree: Any) -> Any:
+    """`tree` with None in place of each leaf that `mask` trains."""
+    return jax.tree.map(lambda m, x: None if m else x, mask, tree)
+
+
+def join_parts(mask: Any, frozen: Any, trainable: Any) -> Any:
+    """The whole tree back from `frozen_part` and `trainable_part`."""
+    return jax.tree.map(lambda m, f, t: t if m else f, mask, frozen, trainable)
+
+
 def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chunk_size: int,
                 params: Any, batch: dict, reference_params: Any, keys: jax.Array,
-                policy_version: jax.Array, with_grads: bool, max_segments: int, mesh: Mesh | None):
-    """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis."""
+                policy_version: jax.Array, with_grads: bool, max_segments: int, mesh: Mesh | None,
+                frozen: Any = None, mask: Any = None):
+    """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis.
+    With `mask`, `params` is the trainable part and `frozen` the rest (grads: of `params`)."""
 
     def loss_of(p, micro, key):
         ctx = LossContext(rng=key, policy_version=policy_version, reference_params=reference_params,
                           options=options, chunk_size=chunk_size)
+        full = p if mask is None else join_parts(mask, frozen, p)
         with attention_layout(max_segments, mesh):  # read by hidden_states while this is traced
-            out = strategy.loss_fn(model_config, p, micro, ctx)
+            out = strategy.loss_fn(model_config, full, micro, ctx)
         return jnp.asarray(out.total, jnp.float32), (jnp.asarray(out.weight, jnp.float32), out.metrics)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -117,13 +144,18 @@ def _finish_metrics(total, weight, metrics) -> tuple[jax.Array, dict]:
 def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
                   optimizer: optax.GradientTransformation, schedule: Schedule, base_lr: float,
                   *, clip_norm: float, chunk_size: int = 0, shardings: StepShardings | None = None,
-                  learning_rates: Callable[[Any], dict] | None = None) -> StepFns:
+                  learning_rates: Callable[[Any], dict] | None = None, trainable: Any = None) -> StepFns:
     """Jitted update / split update / evaluation for this model, strategy and optimizer
     (placed by `shardings` when given; otherwise wherever their inputs are).
     `learning_rates(opt_state) -> {name: rate}`: the rates an update with that optimizer
     state applies, logged in its metrics (`jrl.train.optim.learning_rates`, which the
     Trainer passes). Without it the step logs `lr = base_lr * schedule(policy_version)`,
-    right only for one group at `base_lr` whose optimizer counts every applied update."""
+    right only for one group at `base_lr` whose optimizer counts every applied update.
+    `trainable`: a mask like the params (`trainable_mask`); None or all True trains every leaf."""
+    if trainable is not None and all(jax.tree.leaves(trainable)):
+        trainable = None
+    mask = trainable
+
     def logged_lr(state: TrainState) -> dict:  # state: as the update found it
         if learning_rates is not None:
             return learning_rates(state.opt_state)
@@ -131,25 +163,34 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
 
     mesh = None if shardings is None else shardings.batch.mesh
 
-    def compute_grads(state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
+    def compute_grads(frozen: Any, state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
+        """`frozen`: the frozen leaves (None without a mask); `state.params`: the rest."""
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         total, weight, metrics, grads = _accumulate(
             model_config, strategy, options, chunk_size, state.params, batch, reference_params,
             _micro_keys(state, n_micro), state.policy_version, with_grads=True, max_segments=max_segments,
-            mesh=mesh)
+            mesh=mesh, frozen=frozen, mask=mask)
         denom = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss, reduced = _finish_metrics(total, weight, metrics)
         return grads, GradInfo(loss, weight, reduced)
 
-    def apply_grads(state: TrainState, grads: Any, info: GradInfo):
+    def apply_grads(frozen: Any, state: TrainState, grads: Any, info: GradInfo):
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(info.loss) & jnp.isfinite(grad_norm)
         if clip_norm > 0:
             factor = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * factor, grads)
-        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        if mask is None:
+            updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+            new_params = optax.apply_updates(state.params, updates)
+        else:
+            # the optimizer sees whole trees (its state mirrors them); the frozen groups'
+            # updates are zero and dropped here, so XLA computes none of them
+            full_grads = join_parts(mask, jax.tree.map(jnp.zeros_like, frozen), grads)
+            updates, new_opt_state = optimizer.update(full_grads, state.opt_state,
+                                                      join_parts(mask, frozen, state.params))
+            new_params = optax.apply_updates(state.params, trainable_part(mask, updates))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         applied = finite.astype(jnp.int32)
         new_state = state.replace(
@@ -170,9 +211,9 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         }
         return new_state, metrics
 
-    def update(state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
-        grads, info = compute_grads(state, batch, reference_params, max_segments)
-        return apply_grads(state, grads, info)
+    def update(frozen: Any, state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
+        grads, info = compute_grads(frozen, state, batch, reference_params, max_segments)
+        return apply_grads(frozen, state, grads, info)
 
     def evaluate(params: Any, batch: dict, reference_params: Any, rng: jax.Array, policy_version: jax.Array,
                  max_segments: int = 0):
@@ -185,21 +226,73 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         return total, weight, metrics
 
     # max_segments is static and positional (jit takes no keyword arguments with in_shardings)
-    if shardings is None:
+    if mask is None:  # no frozen leaves: functions of the whole state, as jitted
+        whole_update, whole_grads, whole_apply = (functools.partial(f, None)
+                                                  for f in (update, compute_grads, apply_grads))
+        if shardings is None:
+            return StepFns(
+                update=jax.jit(whole_update, donate_argnums=0, static_argnums=3),
+                compute_grads=jax.jit(whole_grads, static_argnums=3),
+                apply_grads=jax.jit(whole_apply, donate_argnums=0),
+                evaluate=jax.jit(evaluate, static_argnums=5),
+            )
+        state, batch, ref, rep = shardings
         return StepFns(
-            update=jax.jit(update, donate_argnums=0, static_argnums=3),
-            compute_grads=jax.jit(compute_grads, static_argnums=3),
-            apply_grads=jax.jit(apply_grads, donate_argnums=0),
+            update=jax.jit(whole_update, in_shardings=(state, batch, ref), out_shardings=(state, rep),
+                           donate_argnums=0, static_argnums=3),
+            compute_grads=jax.jit(whole_grads, in_shardings=(state, batch, ref), out_shardings=(state.params, rep),
+                                  static_argnums=3),
+            apply_grads=jax.jit(whole_apply, in_shardings=(state, state.params, rep), out_shardings=(state, rep),
+                                donate_argnums=0),
+            evaluate=jax.jit(evaluate, in_shardings=(state.params, batch, ref, None, None), out_shardings=rep,
+                             static_argnums=5),
+        )
+    if shardings is None:
+        jitted = StepFns(
+            update=jax.jit(update, donate_argnums=1, static_argnums=4),
+            compute_grads=jax.jit(compute_grads, static_argnums=4),
+            apply_grads=jax.jit(apply_grads, donate_argnums=1),
             evaluate=jax.jit(evaluate, static_argnums=5),
         )
-    state, batch, ref, rep = shardings
-    return StepFns(
-        update=jax.jit(update, in_shardings=(state, batch, ref), out_shardings=(state, rep), donate_argnums=0,
-                       static_argnums=3),
-        compute_grads=jax.jit(compute_grads, in_shardings=(state, batch, ref), out_shardings=(state.params, rep),
-                              static_argnums=3),
-        apply_grads=jax.jit(apply_grads, in_shardings=(state, state.params, rep), out_shardings=(state, rep),
-                            donate_argnums=0),
-        evaluate=jax.jit(evaluate, in_shardings=(state.params, batch, ref, None, None), out_shardings=rep,
-                         static_argnums=5),
-    )
+    else:
+        state, batch, ref, rep = shardings
+        frozen = frozen_part(mask, state.params)
+        state = state.replace(params=trainable_part(mask, state.params))
+        jitted = StepFns(
+            update=jax.jit(update, in_shardings=(frozen, state, batch, ref), out_shardings=(state, rep),
+                           donate_argnums=1, static_argnums=4),
+            compute_grads=jax.jit(compute_grads, in_shardings=(frozen, state, batch, ref),
+                                  out_shardings=(state.params, rep), static_argnums=4),
+            apply_grads=jax.jit(apply_grads, in_shardings=(frozen, state, state.params, rep),
+                                out_shardings=(state, rep), donate_argnums=1),
+            evaluate=jax.jit(evaluate, in_shardings=(shardings.state.params, batch, ref, None, None),
+                             out_shardings=rep, static_argnums=5),
+        )
+    return _with_state(jitted, mask)
+
+
+def _with_state(fns: StepFns, mask: Any) -> StepFns:
+    """The jitted functions called with whole TrainStates: each splits off the frozen
+    leaves (handed in undonated, and put back unchanged into the new state)."""
+
+    def split(state: TrainState) -> tuple[Any, TrainState]:
+        return frozen_part(mask, state.params), state.replace(params=trainable_part(mask, state.params))
+
+    def rejoin(frozen: Any, state: TrainState) -> TrainState:
+        return state.replace(params=join_parts(mask, frozen, state.params))
+
+    def update(state, batch, reference_params, max_segments=0):
+        frozen, rest = split(state)
+        new, metrics = fns.update(frozen, rest, batch, reference_params, max_segments)
+        return rejoin(frozen, new), metrics
+
+    def compute_grads(state, batch, reference_params, max_segments=0):
+        frozen, rest = split(state)
+        return fns.compute_grads(frozen, rest, batch, reference_params, max_segments)
+
+    def apply_grads(state, grads, info):
+        frozen, rest = split(state)
+        new, metrics = fns.apply_grads(frozen, rest, grads, info)
+        return rejoin(frozen, new), metrics
+
+    return StepFns(update=update, compute_grads=compute_grads, apply_grads=apply_grads, evaluate=fns.evaluate)

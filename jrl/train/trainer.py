@@ -49,12 +49,12 @@ from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
 from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
 from jrl.train.logprobs import batch_max_segments
-from jrl.train.optim import build_optimizer, learning_rates
+from jrl.train.optim import build_optimizer, learning_rates, trainable_mask
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
 from jrl.train.schedules import make_schedule
 from jrl.train.source_state import load_source_state, pack_source_state
 from jrl.train.state import TrainState, init_sharded_train_state
-from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings
+from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings, trainable_part
 from jrl.train.strategies import get_strategy
 from jrl.train.strategies import strategy_options as parse_strategy_options
 
@@ -235,6 +235,7 @@ class Trainer:
         if self.strategy.needs_reference:
             self.reference_params = jax.tree.map(jnp.copy, params)
         self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
+        self._trainable = trainable_mask(c.optimizer, params)  # frozen leaves get no grads
         rates = learning_rates(c.optimizer, self.schedule, params)
         p_shardings = param_shardings(c.model, self.mesh)
         state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
@@ -260,7 +261,8 @@ class Trainer:
             self.train_source.load_state_dict(load_source_state(meta))
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
-                                  shardings=self._shardings, learning_rates=rates)
+                                  shardings=self._shardings, learning_rates=rates,
+                                  trainable=self._trainable)
         if self._peak_flops():
             matmul_params(c.model)  # counted once here (cached), not inside a timed step
         # Everything is checked: from here on the run writes.
@@ -411,7 +413,8 @@ class Trainer:
             grads, info = self._fns.compute_grads(state, micro, self.reference_params, layout)
             for c in self.callbacks:
                 grads = c.before_optimizer_step(self, state, grads)
-            grads = jax.device_put(grads, self._shardings.state.params)  # edited grads back in place
+            # edited grads back in place (the trainable leaves' only: frozen ones have none)
+            grads = jax.device_put(grads, trainable_part(self._trainable, self._shardings.state.params))
             new_state, metrics = self._fns.apply_grads(state, grads, info)
         else:
             new_state, metrics = self._fns.update(state, micro, self.reference_params, layout)
