@@ -2,13 +2,16 @@
 
 An adapter lives beside its kernel (`.../q_proj/{kernel, lora_a, lora_b}`); merging folds
 `scale * lora_a @ lora_b` into `kernel` and drops the factors, giving params for a model
-config without LoRA that computes the same function.
+config without LoRA that computes the same function. Merging computes only the adapted
+kernels (one batched GEMM each, in one program); every other leaf is passed on as is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 
 from jrl.config import LoraConfig, ModelConfig
@@ -24,19 +27,39 @@ def _walk(tree: dict, fn) -> dict:
     return tree
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _fold(scale: float, nodes: list) -> list:
+    """`kernel + scale * a @ b` (in float32, back in the kernel's dtype) of each (kernel, a, b)."""
+    return [(k.astype(jnp.float32) + scale * jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32),
+                                                          b.astype(jnp.float32))).astype(k.dtype)
+            for k, a, b in nodes]
+
+
 def merge_lora(config: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
-    """Returns (config without LoRA, params with every adapter folded into its kernel)."""
-    scale = config.lora.scale
+    """Returns (config without LoRA, params with every adapter folded into its kernel).
+    Leaves other than the adapted kernels are the same objects as in `params`."""
+    nodes: list = []
+    _walk(params, lambda node: nodes.append((node["kernel"], node["lora_a"], node["lora_b"])) or node)
+    merged = iter(_fold(config.lora.scale, nodes) if nodes else [])
 
     def fold(node: dict) -> dict:
-        a = node["lora_a"].astype(jnp.float32)
-        b = node["lora_b"].astype(jnp.float32)
-        delta = jnp.einsum("...ir,...ro->...io", a, b) * scale
-        merged = {k: v for k, v in node.items() if k not in LORA_KEYS}
-        merged["kernel"] = (node["kernel"].astype(jnp.float32) + delta).astype(node["kernel"].dtype)
-        return merged
+        out = {k: v for k, v in node.items() if k not in LORA_KEYS}
+        out["kernel"] = next(merged)
+        return out
 
-    return dataclasses.replace(config, lora=LoraConfig()), _walk(params, fold)
+    return base_config(config), _walk(params, fold)
+
+
+def base_config(config: ModelConfig) -> ModelConfig:
+    """`config` without LoRA (what merged params are the params of)."""
+    return dataclasses.replace(config, lora=LoraConfig())
+
+
+def without_lora(params: dict) -> dict:
+    """`params` without the adapter factors (the base model's params, same objects)."""
+    if isinstance(params, dict):
+        return {k: without_lora(v) for k, v in params.items() if k not in LORA_KEYS}
+    return params
 
 
 def lora_params(params: dict) -> dict:

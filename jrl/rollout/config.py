@@ -67,6 +67,7 @@ class EngineConfig:
     attention_impl: Literal["auto", "reference", "pallas", "interpret"] = "auto"
     overlap: bool = True
     seed: int = 0
+    lora: Literal["merge", "unmerged"] = "merge"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -89,6 +90,8 @@ class EngineConfig:
                f"must be 'paged' or 'contiguous', got {self.allocation!r}")
         check(self.on_weight_update in ("finish", "restart"), "engine.on_weight_update",
                f"must be 'finish' or 'restart', got {self.on_weight_update!r}")
+        check(self.lora in ("merge", "unmerged"), "engine.lora",
+              f"must be 'merge' or 'unmerged', got {self.lora!r}")
         check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "engine.attention_impl",
                f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
 

@@ -30,6 +30,13 @@ params: see `jrl.rollout.sharding` for what lives where.
 With `fuse_projections` (`jrl.rollout.tuning`; on by default on GPU) the engine serves a
 private copy in the fused layout (`jrl.models.fused`), built from the params it is handed at
 construction and at each `update_weights`; callers always hand over the separate layout.
+
+A model with LoRA adapters (`model_config.lora.rank > 0`) is served as base + adapters:
+`EngineConfig.lora` "merge" folds the adapters into their kernels once per version (the
+steps run the plain model, fused on GPU), "unmerged" adds the low-rank products in every
+forward. The engine keeps the base it was handed; `update_weights` then takes either the
+whole params or the adapters alone (`jrl.models.lora.lora_params`), so a LoRA run moves
+only the adapters per version (`Ack.bytes_received`).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from tqdm.auto import tqdm
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
 from jrl.models.fused import fuse_projections
+from jrl.models.lora import base_config, lora_params, merge_lora, with_lora_params
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import EngineConfig, bucket, pow2_at_least
@@ -67,6 +75,7 @@ class Ack:
     version: int
     finished_in_flight: int = 0  # requests completed under the old weights first
     restarted: int = 0  # requests aborted and re-queued under the new weights
+    bytes_received: int = 0  # bytes of the arrays handed over (adapters alone: their size)
 
 
 @dataclasses.dataclass
@@ -109,12 +118,20 @@ class Engine:
         _check_finite(params, "Engine: refusing to serve them")
         self.model_config = model_config
         self.config = config = config or EngineConfig()
-        self.sharding: EngineSharding | None = None if mesh is None else engine_sharding(model_config, mesh)
-        self.tuning = resolve_tuning(jax.default_backend(), model_config, config, tuning,
+        self._lora = bool(model_config.lora.rank)
+        self._merging = self._lora and config.lora == "merge"
+        # the model the steps run: without LoRA when the adapters are merged into the kernels
+        self.served_config = base_config(model_config) if self._merging else model_config
+        self.sharding: EngineSharding | None = None if mesh is None else engine_sharding(self.served_config, mesh)
+        # where the handed-over params (base + adapters) are held, on the mesh
+        self._holding = self.sharding if not self._merging or mesh is None else engine_sharding(model_config, mesh)
+        self.tuning = resolve_tuning(jax.default_backend(), self.served_config, config, tuning,
                                      tensor_parallel=self.sharding is not None)
         # What callers hand over (the separate layout): update_weights checks against it.
         self._source = SourceParams(params)
         self._source_structure = _structure(params)
+        self._adapter_structure = _structure(lora_params(params)) if self._lora else None
+        self._held: dict = {}
         self.params = self._served(params)
         self.version = int(version)
         self.seq_limit = config.seq_len_limit(model_config)
@@ -130,7 +147,7 @@ class Engine:
         self._batch_buckets = batch_buckets(config, self.tuning)
         self._col_buckets = config.page_col_buckets(model_config)
         self.max_rows = self._batch_buckets[-1]
-        self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
+        self.step_function = step_function(self.served_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
                                            self.tuning.unroll_layers, self.tuning.cublas_decode_rows,
                                            self.tuning.fuse_projections)
@@ -479,7 +496,8 @@ class Engine:
     # ------------------------------------------------------------------ weights
     def update_weights(self, params: dict, version: int) -> Ack:
         """Serves `params` as `version` from the next step on. Returns once no request is
-        being generated with the old weights. Raises ValueError for a version going
+        being generated with the old weights. For a LoRA model `params` may be the adapters
+        alone (`lora_params`): they are served over the base handed over before. Raises ValueError for a version going
         backwards, a version already served with other params, params whose structure,
         shapes or dtypes differ from those handed over before (the separate layout, also
         when the engine serves a fused copy), or params holding NaN or inf (the error names
@@ -493,9 +511,11 @@ class Engine:
         if version < self.version:
             raise ValueError(f"version: {version} is older than the served version {self.version}; "
                              "policy versions never go backwards")
-        _check_same_structure(self._source_structure, params)
+        adapters_only = self._lora and jax.tree.structure(params) == jax.tree.structure(self._adapter_structure)
+        _check_same_structure(self._adapter_structure if adapters_only else self._source_structure, params)
         if version == self.version:
-            if not (self._source.same(params) or _same_leaves(self.params, params)):
+            served = lora_params(self._held) if adapters_only else self.params
+            if not (self._source.same(params) or _same_leaves(served, params)):
                 raise ValueError(f"version: {version} is already served with different params; "
                                  "publish new weights under a new version")
             return Ack(version)
@@ -515,12 +535,14 @@ class Engine:
                     restarted += 1
         self._finished = earlier
         self._source = SourceParams(params)
+        received = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+        full = with_lora_params(self._held, params) if adapters_only else params
         self.params = None  # drop the old served copy before building the new one (peak memory)
-        self.params = self._served(params)
+        self.params = self._served(full)
         self.version = version
         if self.radix is not None:
             self.radix.drop_versions_except(version)
-        return Ack(version, finished_in_flight=finished, restarted=restarted)
+        return Ack(version, finished_in_flight=finished, restarted=restarted, bytes_received=received)
 
     def drop_prefix_cache(self) -> int:
         """Forgets every cached prefix, so the next requests are computed as on a new engine
@@ -531,10 +553,19 @@ class Engine:
         return self.radix.drop_versions_except(-1)  # versions are >= 0: none is kept
 
     def _served(self, params: dict) -> dict:
-        """The params as the steps read them: placed on the mesh, or fused, or as given."""
+        """The params as the steps read them: placed on the mesh, adapters merged (LoRA,
+        `EngineConfig.lora` "merge"), fused, or as given. Keeps the placed params handed
+        over (`self._held`): the base that adapter-only updates are served over."""
+        held = params if self._holding is None else self._holding.place(params)
+        if self._lora and not self._merging and self._holding is None:
+            # unmerged on one device: own copies of the (small) adapters, never the caller's
+            # buffers, which a train step may donate
+            held = with_lora_params(held, jax.tree.map(jnp.copy, lora_params(held)))
+        self._held = held if self._lora else {}  # (weights of a model without LoRA: not kept)
+        served = merge_lora(self.model_config, held)[1] if self._merging else held
         if self.sharding is not None:
-            return self.sharding.place(params)
-        return fuse_projections(self.model_config, params) if self.tuning.fuse_projections else params
+            return self.sharding.place(served)
+        return fuse_projections(self.served_config, served) if self.tuning.fuse_projections else served
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or
