@@ -12,7 +12,9 @@ import pytest
 from jrl.train.callbacks import Callback
 from test_rl_loop import run, tiny, train_rows
 
-TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu")
+# weight_sync_*: how a sync went (a resumed run builds its engine anew), not what was trained
+TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu", "weight_sync_s",
+          "weight_sync_bytes")
 
 
 class StopAfter(Callback):

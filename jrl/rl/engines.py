@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from jrl.config import ConfigError, ParallelConfig
+from jrl.models.lora import lora_params
 from jrl.parallel import make_mesh
 from jrl.rl.options import RLOptions
 from jrl.rollout import Engine, EngineConfig, engine_config_for_workload
@@ -35,11 +36,15 @@ def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sh
 
 
 def serve_weights(engine: Engine | None, params: Any, version: int, model_config: Any,
-                  engine_config: EngineConfig, mesh: jax.sharding.Mesh | None = None) -> tuple[Engine, bool]:
+                  engine_config: EngineConfig, mesh: jax.sharding.Mesh | None = None, *,
+                  adapters_only: bool = False) -> tuple[Engine, bool, int]:
     """Makes `engine` (or a new one, on `mesh` when given) serve `params` as `version`,
-    acknowledged. Returns (engine, whether it had to be rebuilt)."""
+    acknowledged. `adapters_only`: only the LoRA factors of `params` changed since the
+    engine was built (everything else is frozen), so an update hands over the adapters
+    alone. Returns (engine, whether it had to be rebuilt, bytes handed over)."""
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
     if engine is None:
-        return Engine(model_config, params, engine_config, version=version, mesh=mesh), False
+        return Engine(model_config, params, engine_config, version=version, mesh=mesh), False, nbytes(params)
     if version == engine.version:
         # One version is one set of weights, so the engine keeps what it has unless
         # those buffers were donated to an update since: then every such update was
@@ -47,9 +52,9 @@ def serve_weights(engine: Engine | None, params: Any, version: int, model_config
         # The engine never serves one version with two params objects, so it starts
         # over with these.
         if not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(engine.params)):
-            return engine, False
-        return Engine(model_config, params, engine_config, version=version, mesh=mesh), True
-    ack = engine.update_weights(params, version)
+            return engine, False, 0
+        return Engine(model_config, params, engine_config, version=version, mesh=mesh), True, nbytes(params)
+    ack = engine.update_weights(lora_params(params) if adapters_only else params, version)
     if ack.version != version:
         raise RuntimeError(f"engine acknowledged version {ack.version}, expected {version}")
-    return engine, False
+    return engine, False, ack.bytes_received

@@ -135,7 +135,7 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     mesh = run_mesh(config.parallel)
     params = load_initial_params(config, mesh)
     engine_config = engine_config_for(options, config.data.seq_len, len(problems) * samples, seed)
-    engine, _ = serve_weights(None, params, checkpoint.policy_version or 0, config.model, engine_config,
+    engine, _, _ = serve_weights(None, params, checkpoint.policy_version or 0, config.model, engine_config,
                               engine_mesh(mesh, options.engine_tensor_parallel))
     if episodes is not None:
         summary, results = episodes.evaluate(engine, problems, samples, temperature, seed)

@@ -45,7 +45,8 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
                            seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed,
                            lm_head_chunk=config.lm_head_chunk,
                            reference_params=lambda: load_initial_params(config, mesh),
-                           eval_samples=config.eval.samples)
+                           eval_samples=config.eval.samples,
+                           adapters_only=config.optimizer.trainable == "lora" and config.model.lora.rank > 0)
     callback = RLCallback(source)
     trainer = Trainer(config, callbacks=[*callbacks, callback], output_dir=output_dir, train_source=source,
                       strategy_options=options.loss, tokenizer=tokenizer, mesh=mesh)

@@ -25,6 +25,10 @@ donates its own buffers to each update). A sample whose version lags the trainer
 than `max_version_lag` at the start of its updates is dropped (its group masked out) and
 counted; a batch left empty is regenerated synchronously.
 
+LoRA (`optimizer.trainable: lora`, `adapters_only`): the base is frozen, so the engine keeps
+the base it was built with and each sync hands it the adapters alone (`weight_sync_bytes`
+per rollout: the adapters' size); off-policy, only the adapters are copied.
+
 With a `parallel` section the engine serves on its own tensor-only mesh
 (`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
 onto it. On one device it serves the trainer's own buffers (no copy).
@@ -50,6 +54,7 @@ import numpy as np
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.data.tasks import Problem
+from jrl.models.lora import lora_params, with_lora_params
 from jrl.rl.advantages import compute_advantages
 from jrl.rl.batch import Rollout, build_rows, stale_groups
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
@@ -80,10 +85,13 @@ class RolloutSource:
 
     def __init__(self, options: RLOptions, *, model_config: ModelConfig, tokenizer: Any,
                  mesh: jax.sharding.Mesh, seq_len: int, batch_size: int, seed: int, lm_head_chunk: int = 0,
-                 reference_params: Callable[[], Any] | None = None, eval_samples: int = 1) -> None:
+                 reference_params: Callable[[], Any] | None = None, eval_samples: int = 1,
+                 adapters_only: bool = False) -> None:
         """`tokenizer` and `mesh` are the trainer's; `reference_params` returns the frozen
         reference policy of the KL penalty (called once, when kl_coef > 0);
-        `eval_samples`: sampled completions per held-out problem in `evaluate`."""
+        `eval_samples`: sampled completions per held-out problem in `evaluate`;
+        `adapters_only`: the trainer updates only the LoRA factors (the base is frozen and
+        keeps its buffers), so syncs hand the engine the adapters alone."""
         self.options = o = options
         self.model_config = model_config
         self.seed = seed
@@ -117,6 +125,8 @@ class RolloutSource:
             o, self.seq_len, max(o.rollout_size, len(self.eval_problems) * eval_samples), self.seed)
         self.engine_mesh = engine_mesh(mesh, o.engine_tensor_parallel)
         self.engine: Engine | None = None
+        self.adapters_only = adapters_only
+        self.last_sync = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}  # the latest sync that moved weights
         self.engine_rebuilds = 0
         self.rl_step = 0
         self.stale_samples_dropped = 0
@@ -146,14 +156,22 @@ class RolloutSource:
     def _engine_params(self, params: Any) -> Any:
         """The trainer's params as the engine should hold them: shared (no copy) when
         generation never overlaps an update, a copy when it does (updates donate)."""
-        if self.options.off_policy:
-            return jax.tree.map(jnp.copy, params)
-        return params
+        if not self.options.off_policy:
+            return params
+        if self.adapters_only:  # the frozen base is never donated: shared
+            return with_lora_params(params, jax.tree.map(jnp.copy, lora_params(params)))
+        return jax.tree.map(jnp.copy, params)
 
     def sync_weights(self, params: Any, version: int) -> None:
-        """Makes the engine serve `params` as `version` (acknowledged)."""
-        self.engine, rebuilt = serve_weights(self.engine, params, version, self.model_config, self.engine_config,
-                                             self.engine_mesh)
+        """Makes the engine serve `params` as `version` (acknowledged); a sync that moved
+        weights is timed (until the served weights are ready) and counted in bytes."""
+        t0 = time.perf_counter()
+        self.engine, rebuilt, moved = serve_weights(self.engine, params, version, self.model_config,
+                                                    self.engine_config, self.engine_mesh,
+                                                    adapters_only=self.adapters_only)
+        if moved:
+            jax.block_until_ready(self.engine.params)
+            self.last_sync = {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": float(moved)}
         self.engine_rebuilds += int(rebuilt)
 
     def reference_params(self) -> Any:
@@ -358,6 +376,7 @@ class RolloutSource:
             "stale_samples_dropped": float(self.stale_samples_dropped),
             "stale_batches_regenerated": float(self.stale_batches_regenerated),
             "engine_version": float(self.engine.version),
+            **self.last_sync,
             "rollout_s": wait_s,
         }
         rng = np.random.default_rng([self.seed, 23, self.rl_step])

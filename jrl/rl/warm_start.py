@@ -67,8 +67,8 @@ class StopAtValidationAccuracy(Callback):
         if not problems:
             return
         config = engine_config_for(o, self.seq_len, len(problems), trainer.config.seed)
-        self.engine, _ = serve_weights(self.engine, state.params, int(state.policy_version),
-                                       trainer.config.model, config)
+        self.engine, _, _ = serve_weights(self.engine, state.params, int(state.policy_version),
+                                          trainer.config.model, config)
         fmt = PromptFormat(trainer.tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
                            stop=o.task.stop)
         summary, _ = evaluate_problems(self.engine, fmt, problems, o.reward_model(),
