@@ -122,3 +122,15 @@ def test_bad_input_names_the_choices(capsys):
     assert "choose from" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="choose from"):
         main(["decode", "--ab", "nope", "--tiny"])
+
+
+def test_grpo_lora_reports_tokens_per_second_phases_and_adapter_only_syncs(tmp_path):
+    rows = bench(tmp_path, "grpo_lora", "--steps", "2", "--lora", "4")
+    steps = section(rows, "step")
+    assert [r["step"] for r in steps] == [0, 1] and [r["ack_version"] for r in steps] == [2, 4]
+    # each version moves the adapters alone: float32, rank 4 on q k v o gate up down
+    assert all(r["sync_bytes"] == 4 * r["adapter_params"] for r in steps)
+    (mean,) = section(rows, "mean")
+    positive(mean, "generation_ms", "logprobs_ms", "update_ms", "weight_sync_ms", "total_ms", "tokens_per_s_gpu",
+             "first_step_s")
+    assert mean["tokens"] == steps[1]["tokens"] == 8 * 16 + steps[1]["generated_tokens"]

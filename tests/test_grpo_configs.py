@@ -47,3 +47,11 @@ def test_default_is_grpo_and_its_warm_start_shares_model_and_seed():
 def test_bad_grpo_options_name_the_field(options, message):
     with pytest.raises(ConfigError, match=message):
         RLOptions.from_config(options)
+
+
+def test_lora_8b_config_is_llama3_8b_with_only_the_adapters_trainable(capsys):
+    # data.tokenizer: the run's Llama 3 directory; a dry run needs none
+    assert main(["--config", str(CONFIGS / "grpo_lora_8b_gpu.yaml"), "--dry-run", "data.tokenizer=bytes"]) == 0
+    # Llama-3-8B's 8,030,261,248 parameters + rank-16 adapters on 7 projections of 32 layers
+    adapters = 32 * 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 3)
+    assert f"# parameters: {8_030_261_248 + adapters:,} ({adapters:,} trainable)" in capsys.readouterr().out

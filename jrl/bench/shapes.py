@@ -21,6 +21,10 @@ ROLLOUT_082B = ModelConfig(vocab_size=32000, hidden_size=2048, n_layers=16, n_he
 GRPO_174M = ModelConfig(vocab_size=32000, hidden_size=1024, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=128,
                         intermediate_size=2816, max_position_embeddings=1024, tie_embeddings=True,
                         param_dtype="float32", dtype="bfloat16")
+# GRPO with LoRA on one GPU: Llama-3-8B's shape (8.03B, untied, rope theta 500000), bf16 weights.
+LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                        intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0,
+                        tie_embeddings=False, param_dtype="bfloat16", dtype="bfloat16")
 # CPU smoke runs of the same code (`--tiny`).
 TINY = ModelConfig(vocab_size=512, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_position_embeddings=256, tie_embeddings=True,
