@@ -11,10 +11,10 @@ import pytest
 
 from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig
 from jrl.models import init_params
-from jrl.train.optim import build_optimizer, learning_rates, param_groups
+from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_mask
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
-from jrl.train.step import GradInfo, make_step_fns
+from jrl.train.step import GradInfo, make_step_fns, trainable_part
 from jrl.train.strategies import LossOutput, Strategy, get_strategy, metric, strategy_options
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
@@ -169,3 +169,26 @@ def test_logged_lr_of_muon_and_frozen_groups():
     assert "lr/norm" not in rates  # frozen: no rate applied
     assert rates["lr/hidden"] == pytest.approx(0.02 / 4) and rates["lr/embed"] == pytest.approx(0.5 / 4)
     assert rates["lr"] == pytest.approx(0.5 / 4)
+
+
+def test_frozen_leaves_get_no_gradient_and_the_update_keeps_their_arrays():
+    config = OptimizerConfig(lr=0.5, weight_decay=0.0, freeze=("embed", "norm"))
+    opt = build_optimizer(config, SCHEDULE, PARAMS)
+    mask = trainable_mask(config, PARAMS)
+    assert mask["embed"]["embedding"] is False and mask["layers"]["mlp"]["up_proj"]["kernel"] is True
+    masked = make_step_fns(CFG, SEQ, strategy_options(SEQ, {}), opt, SCHEDULE, 0.5, clip_norm=0.01, trainable=mask)
+    whole = make_step_fns(CFG, SEQ, strategy_options(SEQ, {}), opt, SCHEDULE, 0.5, clip_norm=0.01)
+    state = init_train_state(fresh_params(), opt, jax.random.key(0))
+    batch = split(token_batch(), 2)
+    grads, _ = masked.compute_grads(state, batch, None)
+    assert grads["embed"] == {"embedding": None} and grads["final_norm"] == {"scale": None}
+    all_grads, _ = whole.compute_grads(state, batch, None)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(trainable_part(mask, all_grads)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+    embedding, up = state.params["embed"]["embedding"], np.asarray(state.params["layers"]["mlp"]["up_proj"]["kernel"])
+    new, metrics = masked.update(state, batch, None)
+    # the norm (and so the clip) covers the trainable leaves only
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-6)
+    assert new.params["embed"]["embedding"] is embedding and not embedding.is_deleted()
+    assert np.abs(np.asarray(new.params["layers"]["mlp"]["up_proj"]["kernel"]) - up).max() > 0
+    assert int(new.policy_version) == 1

@@ -46,7 +46,8 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
                            lm_head_chunk=config.lm_head_chunk,
                            reference_params=lambda: load_initial_params(config, mesh),
                            eval_samples=config.eval.samples,
-                           adapters_only=config.optimizer.trainable == "lora" and config.model.lora.rank > 0)
+                           adapters_only=config.optimizer.trainable == "lora" and config.model.lora.rank > 0,
+                           logp_rows=config.data.batch_size // config.data.micro_batches)
     callback = RLCallback(source)
     trainer = Trainer(config, callbacks=[*callbacks, callback], output_dir=output_dir, train_source=source,
                       strategy_options=options.loss, tokenizer=tokenizer, mesh=mesh)

@@ -86,12 +86,14 @@ class RolloutSource:
     def __init__(self, options: RLOptions, *, model_config: ModelConfig, tokenizer: Any,
                  mesh: jax.sharding.Mesh, seq_len: int, batch_size: int, seed: int, lm_head_chunk: int = 0,
                  reference_params: Callable[[], Any] | None = None, eval_samples: int = 1,
-                 adapters_only: bool = False) -> None:
+                 adapters_only: bool = False, logp_rows: int = 0) -> None:
         """`tokenizer` and `mesh` are the trainer's; `reference_params` returns the frozen
         reference policy of the KL penalty (called once, when kl_coef > 0);
         `eval_samples`: sampled completions per held-out problem in `evaluate`;
         `adapters_only`: the trainer updates only the LoRA factors (the base is frozen and
-        keeps its buffers), so syncs hand the engine the adapters alone."""
+        keeps its buffers), so syncs hand the engine the adapters alone; `logp_rows`: rows
+        per log-prob recomputation call (the trainer's micro-batch; 0: the whole rollout at
+        once), which bounds its activation memory."""
         self.options = o = options
         self.model_config = model_config
         self.seed = seed
@@ -126,6 +128,7 @@ class RolloutSource:
         self.engine_mesh = engine_mesh(mesh, o.engine_tensor_parallel)
         self.engine: Engine | None = None
         self.adapters_only = adapters_only
+        self.logp_rows = logp_rows
         self.last_sync = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}  # the latest sync that moved weights
         self.engine_rebuilds = 0
         self.rl_step = 0
@@ -150,7 +153,14 @@ class RolloutSource:
                 return policy_stats(mc, params, rows, temperature, chunk)[0].logp
 
         jitted = jax.jit(logp, static_argnums=2)
-        self._logp_fn = lambda params, rows: jitted(params, rows, batch_max_segments(rows["segment_ids"]))
+        self._logp_chunk = lambda params, rows: jitted(params, rows, batch_max_segments(rows["segment_ids"]))
+
+    def _logp_fn(self, params: Any, rows: dict) -> np.ndarray:
+        """Response log-probs of `rows` under `params`, `logp_rows` rows at a time."""
+        n = len(rows["tokens"])
+        step = self.logp_rows if 0 < self.logp_rows < n and n % self.logp_rows == 0 else n
+        return np.concatenate([np.asarray(self._logp_chunk(params, {k: v[i:i + step] for k, v in rows.items()}))
+                               for i in range(0, n, step)])
 
     # ------------------------------------------------------------------ setup
     def _engine_params(self, params: Any) -> Any:
