@@ -80,8 +80,11 @@ def test_each_sync_after_the_first_hands_the_engine_only_the_adapters(lora_run):
     assert [r["engine_version"] for r in rollouts] == [0, 2, 4]
 
 
-def test_a_lora_run_resumes_exactly(tmp_path):
-    assert_resume_is_exact(lora_tiny(steps=6, epochs=2), 3, tmp_path)
+def test_an_off_policy_lora_run_resumes_exactly(tmp_path):
+    # off-policy: the engine serves a copy of the adapters over the shared frozen base; stopped
+    # after step 3 with rollout 2 pending
+    meta, _ = assert_resume_is_exact(lora_tiny(steps=6, off_policy=True), 3, tmp_path)
+    assert "pending" in meta["data"]
 
 
 # ---------------------------------------------------------------- engine: base + adapters
