@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -11,7 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from common import assert_eight_devices, jit_init_params
-from jrl.config import ModelConfig
+from jrl.config import LoraConfig, ModelConfig
+from jrl.models.lora import lora_params, with_lora_params
 from jrl.parallel import ParallelConfig, make_mesh, param_shardings, shard_params
 from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, generate
 
@@ -122,3 +124,21 @@ def test_a_mesh_with_data_or_fsdp_axes_is_rejected_by_name():
     params = jit_init_params(REPLICATED_KV)
     with pytest.raises(ValueError, match="mesh: the engine is one replica split over 'tensor' only; .*fsdp=4"):
         Engine(REPLICATED_KV, params, ENGINE, mesh=ParallelConfig(data=1, fsdp=4, tensor=2))
+
+
+@pytest.mark.parametrize("mode", ["merge", "unmerged"])
+def test_lora_engine_on_a_mesh_takes_adapters_alone_and_samples_like_one_device(mode):
+    config = dataclasses.replace(SPLIT_KV, lora=LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down")))
+    params = jit_init_params(config)
+    trained = with_lora_params(params, jax.tree.map(lambda x: x + 0.05, lora_params(params)))
+    adapters = lora_params(trained)
+    engine_config = dataclasses.replace(ENGINE, lora=mode)
+    sampling = [SamplingParams(temperature=1.0, seed=100 + i) for i in range(len(PROMPTS))]
+    single = Engine(config, trained, engine_config)
+    want = single.generate(PROMPTS, sampling, max_new_tokens=NEW_TOKENS)
+
+    engine = Engine(config, params, engine_config, mesh=tensor_mesh(2))
+    # adapters alone, from a device outside the engine's mesh: only they are re-sharded
+    ack = engine.update_weights(jax.tree.map(lambda x: jax.device_put(x, jax.devices()[7]), adapters), version=1)
+    assert ack.bytes_received == sum(x.nbytes for x in jax.tree.leaves(adapters))
+    assert_same_completions(engine.generate(PROMPTS, sampling, max_new_tokens=NEW_TOKENS), want)
