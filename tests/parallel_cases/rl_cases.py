@@ -5,11 +5,14 @@ Run by tests/test_train_parallel.py in a fresh process with 8 simulated CPU devi
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from common import assert_eight_devices
-from jrl.config import TrainConfig, from_dict
+from jrl.config import LoraConfig, TrainConfig, from_dict
+from jrl.models.lora import lora_params, without_lora
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
 from jrl.rl import build_learner
@@ -101,3 +104,24 @@ def test_tensor_parallel_engine_samples_what_the_one_device_run_samples(tmp_path
         assert r["behaviour_version"] == r["engine_version"] == r["policy_version"] - 1
         assert r["rollout_version_lag_max"] == 0
     assert engine.version == 2
+
+
+class KeepBase(Callback):
+    def on_train_begin(self, trainer, state) -> None:
+        self.base = without_lora(state.params)
+
+
+def test_lora_on_a_mesh_keeps_the_sharded_base_and_syncs_only_the_adapters(tmp_path):
+    config = grpo_config(("fsdp", 4), ("tensor", 2), engine_tensor_parallel=2)
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, lora=LoraConfig(rank=4, targets=("q", "v", "up", "down"))),
+        optimizer=dataclasses.replace(config.optimizer, trainable="lora"))
+    keep = KeepBase()
+    learner = build_learner(config, output_dir=tmp_path, callbacks=[keep])
+    learner.fit()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    params = learner.trainer.state.params
+    assert all(a is b for a, b in zip(jax.tree.leaves(without_lora(params)), jax.tree.leaves(keep.base), strict=True))
+    rollouts = [r for r in rows if "rl_step" in r]
+    assert rollouts[1]["weight_sync_bytes"] == sum(x.nbytes for x in jax.tree.leaves(lora_params(params)))
+    assert [r["engine_version"] for r in rollouts] == [0, 2] and learner.source.engine.version == 2
