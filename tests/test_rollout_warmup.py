@@ -12,7 +12,7 @@ import pytest
 from jrl.config import ModelConfig
 from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, TuningOverrides
-from jrl.rollout.api import _config_for_prompts
+from jrl.rollout.api import config_for_prompts
 from jrl.rollout.engine import sampling_variants
 from jrl.rollout.executor import StepFunction
 
@@ -69,7 +69,7 @@ def test_generate_configs_dispatch_only_warmed_layouts(params, tuning, batch, lo
     rng = np.random.default_rng(batch + longest)
     lengths = rng.integers(max(1, longest // 4), longest + 1, batch) if vary else [longest] * batch
     prompts = prompts_of(lengths)
-    engine = Engine(MODEL, params, _config_for_prompts(MODEL, prompts, new), tuning=tuning)
+    engine = Engine(MODEL, params, config_for_prompts(MODEL, prompts, new), tuning=tuning)
     warmed = set(engine.step_layouts(SAMPLE))
     used = dispatched_layouts(engine, prompts, SAMPLE, new)
     assert set(used) <= warmed, sorted(set(used) - warmed, key=str)
@@ -147,7 +147,7 @@ def documented_sizing(model: ModelConfig, prompts, new: int) -> dict:
 @pytest.mark.parametrize("prompt,new", [(32, 32), (512, 256), (1500, 64), (100, 1948)])
 def test_generate_sizing_is_the_documented_rule(batch, prompt, new):
     prompts = [[1] * prompt] * batch
-    config = _config_for_prompts(MODEL, prompts, new)
+    config = config_for_prompts(MODEL, prompts, new)
     want = documented_sizing(MODEL, prompts, new)
     got = {name: getattr(config, name) for name in want if name not in ("token_buckets", "batch_buckets")}
     got["token_buckets"], got["batch_buckets"] = config.resolved_token_buckets, config.resolved_batch_buckets
@@ -168,7 +168,7 @@ TUNED = {"max_tokens_per_step": 8192}
 @pytest.mark.parametrize("prompt", [16, 128, 512])
 def test_generate_default_runs_the_tuned_configs_steps(params, batch, prompt):
     prompts, new = prompts_of([prompt] * batch), 8
-    default = _config_for_prompts(MODEL, prompts, new, free_memory=H200_FREE)
+    default = config_for_prompts(MODEL, prompts, new, free_memory=H200_FREE)
     tuned = dataclasses.replace(default, **TUNED)
     steps = [dispatched_steps(Engine(MODEL, params, config, tuning=GPU_LIKE), prompts, SAMPLE, new)
              for config in (default, tuned)]
@@ -184,6 +184,6 @@ PROGRAMS = {1: 2, 16: 2, 64: 5, 256: 9}  # 2, 7, 10, 15 with a budget of 1024 to
 @pytest.mark.parametrize("batch", sorted(PROGRAMS))
 def test_generate_default_compiles_few_programs(params, batch):
     prompts = prompts_of([512] * batch)
-    config = _config_for_prompts(MODEL, prompts, 256, free_memory=H200_FREE)
+    config = config_for_prompts(MODEL, prompts, 256, free_memory=H200_FREE)
     used = dispatched_layouts(Engine(MODEL, params, config, tuning=GPU_LIKE), prompts, GREEDY, 256)
     assert len(used) == PROGRAMS[batch]

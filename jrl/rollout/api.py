@@ -28,13 +28,14 @@ from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 
 
-def _config_for_prompts(model_config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                        page_size: int = 16, free_memory: int | None = None) -> EngineConfig:
-    """`engine_config_for_workload` for these prompts (longest prompt + max_new_tokens,
-    rounded up to a power of two), with a pool of exactly the pages they need (every
-    request runs at once, and none can outgrow its prompt + max_new_tokens) and a token
-    budget for all their prompt tokens, bounded by `free_memory` (bytes free on the
-    device; None: the CPU's small cap)."""
+def config_for_prompts(model_config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       page_size: int = 16, free_memory: int | None = None) -> EngineConfig:
+    """The engine config `generate()` uses by default (there with `free_memory =
+    device_free_memory()`): `engine_config_for_workload` for these prompts (longest prompt
+    + max_new_tokens, rounded up to a power of two), with a pool of exactly the pages they
+    need (every request runs at once, and none can outgrow its prompt + max_new_tokens)
+    and a token budget for all their prompt tokens, bounded by `free_memory` (bytes free
+    on the device; None: the CPU's small cap)."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     pages = sum(-(-(len(p) + max_new_tokens) // page_size) for p in prompts)
     max_seq_len = min(model_config.max_position_embeddings, pow2_at_least(longest))
@@ -67,8 +68,8 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
         raise ValueError(f"sampling: must be a SamplingParams, got {type(sampling).__name__}")
     seeds = np.asarray(jax.random.bits(key, (len(prompts),), jnp.uint32))
     per_prompt = [SamplingParams(**{**sampling.__dict__, "seed": int(s)}) for s in seeds]
-    engine_config = engine_config or _config_for_prompts(config, prompts, max_new_tokens,
-                                                         free_memory=device_free_memory())
+    engine_config = engine_config or config_for_prompts(config, prompts, max_new_tokens,
+                                                        free_memory=device_free_memory())
     engine = Engine(config, params, engine_config, version=version, mesh=mesh)
     return engine.generate(prompts, per_prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                            stop_sequences=stop_sequences)
