@@ -23,7 +23,12 @@ directory, empty at first (removed afterwards unless `--cache-dir` names one to 
   max_tokens_per_step) compiled by one call, then e2e_tokens_per_s of the next, and
   vs_default (the default's e2e tokens/s over the tuned one's).
 * `transformers` (`--torch`): transformers' `generate` on the same workload
-  (`jrl.bench.torch_ref`), end-to-end tokens/s beside jrl's.
+  (`jrl.bench.torch_ref`), end-to-end tokens/s and prefill (until the first logits)
+  beside jrl's.
+
+The workers run with JAX's default memory settings (preallocation on; `jrl bench` turns
+it off for this launching process only) and the rest of this environment
+(`XLA_PYTHON_CLIENT_MEM_FRACTION` and XLA flags included).
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ from jrl.bench.log import log
 from jrl.bench.results import ROOT
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints
 from jrl.bench.timing import Budget
+
+
+# Not passed on to the workers: a directory or switch of JAX's own cache (the workers use
+# jrl's, in the directory given), and the preallocation switch `jrl bench` sets to false
+# for this process (which only launches them): a worker allocates as a fresh process does.
+WORKER_UNSET = ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE", "XLA_PYTHON_CLIENT_PREALLOCATE")
 
 
 def add_arguments(p) -> None:
@@ -63,8 +74,7 @@ def record_name(args) -> str:
 def worker(args, batch: int, cache_dir: str, second: bool) -> list[dict]:
     """Rows of one fresh `generate_worker` process using `cache_dir` as its compilation
     cache; rows printed before a crash or timeout are kept, then an error row."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_ENABLE_COMPILATION_CACHE")}
+    env = {k: v for k, v in os.environ.items() if k not in WORKER_UNSET}
     env["JRL_COMPILATION_CACHE"] = cache_dir
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
     tuned = args.tuned if isinstance(args.tuned, list) else [args.tuned]
