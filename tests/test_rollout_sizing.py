@@ -1,6 +1,6 @@
 """The token budget of the default engine sizing (`jrl.rollout.config.token_budget`,
 docs/rollout.md "Sizing of `generate()`"): every prompt of the workload in one step, up to
-a cap (8192 tokens with a device memory figure, 1024 without one, i.e. on the CPU), up to
+a cap (32768 tokens with a device memory figure, 1024 without one, i.e. on the CPU), up to
 what an eighth of the device's free memory holds of one step's activations, and never
 below max_batch."""
 
@@ -29,8 +29,8 @@ def test_moe_counts_the_experts_a_token_runs():
     (1, 512, 512),
     (1, 700, 1024),
     (16, 16 * 512, 8192),  # batch 16 of 512: one prefill step
-    (16, 16 * 1500, 8192),  # capped
-    (256, 256 * 512, 8192),
+    (16, 16 * 1500, 32768),
+    (256, 256 * 512, 32768),  # capped
     (256, 256 * 16, 4096),
     (256, 100, 256),  # every running request decodes each step
 ])
@@ -58,7 +58,7 @@ def test_cpu_reports_no_free_memory():
 
 def test_workload_sizing_uses_the_prompt_tokens_and_device_memory():
     gpu = dict(free_memory=100 * GIB, model=ROLLOUT_082B)
-    assert engine_config_for_workload(768, 256, prompt_tokens=256 * 512, **gpu).max_tokens_per_step == 8192
+    assert engine_config_for_workload(768, 256, prompt_tokens=256 * 512, **gpu).max_tokens_per_step == 32768
     assert engine_config_for_workload(768, 16, prompt_tokens=16 * 100, **gpu).max_tokens_per_step == 2048
     # without prompt_tokens: every request's whole max_seq_len
     assert engine_config_for_workload(64, 4, **gpu).max_tokens_per_step == 256

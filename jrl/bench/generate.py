@@ -2,7 +2,7 @@
 compilation cache) and the default engine config against hand-tuned ones.
 
     jrl bench generate [--batches 1,16,64,128,256] [--prompt 512] [--new 256]
-                       [--tuned '{"max_tokens_per_step": 8192}'] [--torch]
+                       [--tuned '[{"max_tokens_per_step": 8192}, ...]'] [--torch]
 
 The 0.82B rollout shape (`shapes.ROLLOUT_082B`), random bf16 weights, B random prompts of
 `--prompt` tokens, greedy with no EOS (every completion exactly `--new` tokens). Per batch
@@ -20,8 +20,9 @@ directory, empty at first (removed afterwards unless `--cache-dir` names one to 
   prefill_tokens_per_s (the same config with one new token: prefill alone).
 * `tuned` (same process): each `--tuned` config (a JSON object of EngineConfig fields
   over the default config, or a list of them: one row each, e.g. a sweep of
-  max_tokens_per_step) compiled by one call, then e2e_tokens_per_s of the next, and
-  vs_default (the default's e2e tokens/s over the tuned one's).
+  max_tokens_per_step; default: 8192, the `jrl bench decode` engine's, and 32768, the
+  fastest prefill budget measured) compiled by one call, then e2e_tokens_per_s of the
+  next, and vs_default (the default's e2e tokens/s over the tuned one's).
 * `transformers` (`--torch`): transformers' `generate` on the same workload
   (`jrl.bench.torch_ref`), end-to-end tokens/s and prefill (until the first logits)
   beside jrl's.
@@ -58,7 +59,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batches", default="1,16,64,128,256")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=256)
-    p.add_argument("--tuned", type=json.loads, default={"max_tokens_per_step": 8192},
+    p.add_argument("--tuned", type=json.loads,
+                   default=[{"max_tokens_per_step": 8192}, {"max_tokens_per_step": 32768}],
                    help="EngineConfig fields over generate()'s default config: a JSON object or a list of them")
     p.add_argument("--cache-dir", default=None,
                    help="compilation cache directory base (kept; default: a temporary one, removed)")

@@ -133,7 +133,7 @@ def pow2_at_least(n: int) -> int:
 # packed steps), at most TOKEN_BUDGET_CAP; without a device memory figure (the CPU) at most
 # CPU_TOKEN_BUDGET_CAP, so CPU programs stay small; and at most what STEP_MEMORY_FRACTION
 # of the device's free memory holds of one step's activations (`step_bytes_per_token`).
-TOKEN_BUDGET_CAP = 8192  # the best budget measured on the H200 (docs/performance.md)
+TOKEN_BUDGET_CAP = 32768  # the fastest prefill budget measured on the H200 (bench/results/prefill.jsonl)
 CPU_TOKEN_BUDGET_CAP = 1024
 STEP_MEMORY_FRACTION = 1 / 8
 MIN_TOKEN_BUDGET = 16  # the smallest token bucket
