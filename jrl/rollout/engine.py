@@ -18,11 +18,15 @@ once per call instead of once per token (on a GPU they cost about as much as a s
 batch's device step). Tokens sampled after a request stopped inside a call are discarded.
 
 Weight updates happen only between steps (`update_weights` is called from the thread that
-drives the engine). Requests in flight either finish under the old weights before the swap
-or are aborted and restarted under the new ones (`EngineConfig.on_weight_update`); either
-way every token of a completion comes from one forward under one version, recorded per
-token. Prefix-cache entries belong to the version that computed them; on update the
-entries of other versions are dropped.
+drives the engine; another thread hands weights over with `post_weights`, applied at the
+start of the driver's next `step`). The step in flight is read back first and records the
+old version, so no forward mixes versions. Requests in flight then finish under the old
+weights before the swap, are aborted and restarted under the new ones, or continue under
+the new ones with the tokens and KV they have (`EngineConfig.on_weight_update`); every
+token records the version of the forward that sampled it (`Completion.versions`).
+Prefix-cache entries belong to the version that computed them; on update the entries of
+other versions are dropped, and a continued request (whose later KV attends to older KV)
+never publishes its pages again.
 
 Given a `mesh` (or a `jrl.parallel.ParallelConfig`), the engine serves tensor-parallel
 params: see `jrl.rollout.sharding` for what lives where.
@@ -35,6 +39,7 @@ construction and at each `update_weights`; callers always hand over the separate
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 
@@ -67,6 +72,7 @@ class Ack:
     version: int
     finished_in_flight: int = 0  # requests completed under the old weights first
     restarted: int = 0  # requests aborted and re-queued under the new weights
+    continued: int = 0  # requests decoding on under the new weights with their tokens and KV
 
 
 @dataclasses.dataclass
@@ -143,6 +149,8 @@ class Engine:
         self._finished: list[Completion] = []
         self._admit = "all"
         self._sampling_params: dict[SamplingParams, SamplingParams] = {}
+        self._posted: tuple[dict, int] | None = None  # post_weights' hand-over, applied by step()
+        self._posted_lock = threading.Lock()
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
@@ -236,7 +244,8 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Completion]:
         """Plans and dispatches one step, reads back the previous one; returns the
-        requests that finished."""
+        requests that finished. Weights handed over by `post_weights` are served first."""
+        self.apply_posted_weights()
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
         launched = self._dispatch(batch) if batch is not None else None
@@ -479,7 +488,12 @@ class Engine:
     # ------------------------------------------------------------------ weights
     def update_weights(self, params: dict, version: int) -> Ack:
         """Serves `params` as `version` from the next step on. Returns once no request is
-        being generated with the old weights. Raises ValueError for a version going
+        being generated with the old weights: the step in flight is read back (its tokens
+        record the old version), then requests in flight finish first, restart, or (with
+        on_weight_update="continue") decode on under `version`, attending to the KV they
+        computed before; no forward mixes versions, and their pages are never published
+        to the prefix cache again (a newer request never reads KV of an older version).
+        Raises ValueError for a version going
         backwards, a version already served with other params, params whose structure,
         shapes or dtypes differ from those handed over before (the separate layout, also
         when the engine serves a fused copy), or params holding NaN or inf (the error names
@@ -501,12 +515,17 @@ class Engine:
             return Ack(version)
         _check_finite(params, f"update_weights: refusing version {version}; the engine keeps serving "
                               f"version {self.version}")
-        finished = restarted = 0
-        earlier = self.flush()
+        with self._posted_lock:  # a posted version this one supersedes is never applied
+            if self._posted is not None and self._posted[1] <= version:
+                self._posted = None
+        finished = restarted = continued = 0
+        earlier = self.flush()  # the step in flight ran under the old weights: recorded so
         if self.config.on_weight_update == "finish":
             drained = self._drain_started()
             finished = len(drained)
             earlier += drained
+        elif self.config.on_weight_update == "continue":
+            continued = self.scheduler.continue_running()
         else:
             restarted = len(self.scheduler.abort_running())
             for req in self.scheduler.waiting:
@@ -520,7 +539,27 @@ class Engine:
         self.version = version
         if self.radix is not None:
             self.radix.drop_versions_except(version)
-        return Ack(version, finished_in_flight=finished, restarted=restarted)
+        return Ack(version, finished_in_flight=finished, restarted=restarted, continued=continued)
+
+    def post_weights(self, params: dict, version: int) -> None:
+        """Hands `params` over as `version` from any thread: the thread that drives the
+        engine serves them (`update_weights`, with its checks and its `on_weight_update`)
+        at the start of its next `step`, or when it calls `apply_posted_weights`. A later
+        post replaces one not yet applied. With on_weight_update="continue" this is how
+        a trainer swaps weights under a generation running in another thread without
+        waiting for its longest request."""
+        with self._posted_lock:
+            self._posted = (params, int(version))
+
+    def apply_posted_weights(self) -> Ack | None:
+        """Serves the weights of the latest `post_weights` not yet applied (from the thread
+        that drives the engine); None when there are none, or when the engine already
+        serves that version or a newer one."""
+        with self._posted_lock:
+            posted, self._posted = self._posted, None
+        if posted is None or posted[1] <= self.version:  # superseded by a direct update
+            return None
+        return self.update_weights(*posted)
 
     def drop_prefix_cache(self) -> int:
         """Forgets every cached prefix, so the next requests are computed as on a new engine
