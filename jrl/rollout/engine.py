@@ -81,6 +81,7 @@ class EngineStats:
     decode_steps: int = 0  # calls in which every row decodes
     decode_device_steps: int = 0  # decode steps with tokens those calls ran (<= decode_steps_per_call each)
     generated_tokens: int = 0
+    decode_tokens: int = 0  # of generated_tokens, those sampled by decode calls (not prefill steps)
     failed_requests: int = 0  # finished with "error" (non-finite logits)
     host_s: float = 0.0  # planning + packing + dispatch (host work per call)
     wait_s: float = 0.0  # blocked reading back sampled tokens
@@ -285,18 +286,25 @@ class Engine:
         return done + self.flush()
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
+                 max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
                  stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
-        """Runs `prompts` to completion; completions in prompt order."""
+        """Runs `prompts` to completion; completions in prompt order. `sampling` and
+        `max_new_tokens`: one for all prompts, or one per prompt."""
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"sampling: {len(sampling)} entries for {len(prompts)} prompts")
+        if isinstance(max_new_tokens, (Sequence, np.ndarray)):
+            if len(max_new_tokens) != len(prompts):
+                raise ValueError(f"max_new_tokens: {len(max_new_tokens)} entries for {len(prompts)} prompts")
+            news = [int(n) if isinstance(n, np.integer) else n for n in max_new_tokens]
+        else:
+            news = [max_new_tokens] * len(prompts)
         # Every request is checked before any is queued: a bad one leaves nothing behind.
         checked = []
-        for k, (p, s) in enumerate(zip(prompts, sampling)):
+        for k, (p, s, new) in enumerate(zip(prompts, sampling, news)):
             try:
-                checked.append(self._checked_request(p, s, max_new_tokens, eos_ids, stop_sequences))
+                checked.append(self._checked_request(p, s, new, eos_ids, stop_sequences))
             except ValueError as e:
                 raise ValueError(f"prompts[{k}]: {e}") from None
         ids = [self._queue(c) for c in checked]
@@ -461,6 +469,8 @@ class Engine:
                     self.scheduler.finish(req, step.version)
                     self._finished.append(req.completion())
         self.stats.generated_tokens += recorded
+        if step.decode:
+            self.stats.decode_tokens += recorded
 
     def _fail(self, req: Request) -> None:
         """Finishes `req` with "error" (its logits turned non-finite; the token drawn from
