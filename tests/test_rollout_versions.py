@@ -11,7 +11,7 @@ import pytest
 
 from jrl.config import ModelConfig
 from jrl.models import apply, init_params
-from jrl.rollout import GREEDY, Engine, EngineConfig
+from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
 
 MODEL = ModelConfig()
 ENGINE = EngineConfig(page_size=8, n_pages=64, max_batch=8, max_tokens_per_step=32, token_buckets=(32,),
@@ -147,10 +147,11 @@ def test_restart_mode_regenerates_in_flight_requests_with_new_weights(weights):
     a.check_invariants()
 
 
-def continued_run(old, new, prompts, *, overlap=True, steps_before=3, max_new_tokens=8):
+def continued_run(old, new, prompts, *, overlap=True, steps_before=3, max_new_tokens=8, steps_per_call=1):
     """Requests started under `old`, `steps_before` steps, then an update to `new` as
     version 1 with on_weight_update="continue"; returns (ack, completions by id, ids, engine)."""
-    engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="continue", overlap=overlap))
+    engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="continue", overlap=overlap),
+                    tuning=TuningOverrides(decode_steps_per_call=steps_per_call))
     ids = [engine.add_request(p, GREEDY, max_new_tokens=max_new_tokens) for p in prompts]
     for _ in range(steps_before):
         assert engine.step() == []
@@ -171,14 +172,17 @@ def test_continue_mode_keeps_tokens_and_records_each_tokens_version(weights):
         np.testing.assert_array_equal(done[rid].tokens[:n_old], greedy_reference(old, p, n_old))
 
 
-def test_continue_mode_attributes_the_step_in_flight_to_the_old_version(weights):
-    """With overlap the step dispatched before the update is read back after it was
-    requested: its tokens still carry version 0, exactly as without overlap."""
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_continue_mode_attributes_the_step_in_flight_to_the_old_version(weights, steps_per_call):
+    """With overlap the step dispatched before the update (one decode step, or a call of
+    three) is read back after it was requested: its tokens still carry version 0, exactly
+    as without overlap."""
     old, new = weights
     prompts = prompts_of([6, 19, 11], seed=5)
-    _, overlapped, ids, _ = continued_run(old, new, prompts, overlap=True)
-    _, serial, _, _ = continued_run(old, new, prompts, overlap=False)
+    _, overlapped, ids, _ = continued_run(old, new, prompts, overlap=True, steps_per_call=steps_per_call)
+    _, serial, _, _ = continued_run(old, new, prompts, overlap=False, steps_per_call=steps_per_call)
     for rid in ids:
+        assert set(overlapped[rid].versions) == {0, 1}
         np.testing.assert_array_equal(overlapped[rid].versions, serial[rid].versions)
         np.testing.assert_array_equal(overlapped[rid].tokens, serial[rid].tokens)
 
