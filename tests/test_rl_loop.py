@@ -328,39 +328,40 @@ def test_continue_needs_the_engines_per_token_logprobs_as_anchor():
 
 def interruptible_run(tmp_path, monkeypatch, **options):
     """An off-policy run with on_weight_update: continue whose second rollout pauses after
-    two engine steps until the trainer posts its weights (so the post lands mid-generation,
-    at the same point every run); returns the trainer's batches and the metric rows."""
-    posted, current = threading.Event(), {}
-    post, step, generate = Engine.post_weights, Engine.step, source_module.RolloutSource.generate
-
-    def post_and_signal(self, params, version):
-        post(self, params, version)
-        posted.set()
+    two engine steps until the trainer has posted its weights and started the third
+    rollout (so the post lands mid-generation, at the same point every run); returns the
+    trainer's batches, the metric rows and, per engine step, the running request ids."""
+    ahead, current, running = threading.Event(), {}, []
+    step, generate = Engine.step, source_module.RolloutSource.generate
 
     def generate_and_note(self, params, version, rl_step):
-        current.update(rl_step=rl_step, steps=0)
+        if rl_step == 2:
+            ahead.set()
+        else:
+            current.update(rl_step=rl_step, steps=0)
         return generate(self, params, version, rl_step)
 
     def step_then_wait(self):
         out = step(self)
+        running.append(sorted(r.rid for r in self.scheduler.running))
         current["steps"] = current.get("steps", 0) + 1
         if current.get("rl_step") == 1 and current["steps"] == 2:
-            assert posted.wait(timeout=120)
+            assert ahead.wait(timeout=120)
         return out
 
-    monkeypatch.setattr(Engine, "post_weights", post_and_signal)
     monkeypatch.setattr(Engine, "step", step_then_wait)
     monkeypatch.setattr(source_module.RolloutSource, "generate", generate_and_note)
-    config = tiny(steps=4, off_policy=True, max_new_tokens=6, engine={"page_size": 2, "on_weight_update": "continue"},
-                  **options)
+    # max_batch 32: both rollouts' 16 requests fit at once
+    engine = {"page_size": 2, "on_weight_update": "continue", "max_batch": 32}
+    config = tiny(steps=4, off_policy=True, max_new_tokens=6, engine=engine, **options)
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, seq_len=12))
     capture = CaptureBatches()
     _, rows = run(config, tmp_path, callbacks=[capture])
-    return capture.batches, rows
+    return capture.batches, rows, running
 
 
 def test_interruptible_rollout_spans_versions_and_anchors_ratios_per_token(tmp_path, monkeypatch):
-    batches, rows = interruptible_run(tmp_path, monkeypatch)
+    batches, rows, running = interruptible_run(tmp_path, monkeypatch)
     first, second = rollout_rows(rows)
     assert first["mixed_version_samples"] == 0
     # started under version 0, continued under version 2 (posted after batch 0's two updates)
@@ -369,10 +370,12 @@ def test_interruptible_rollout_spans_versions_and_anchors_ratios_per_token(tmp_p
     for batch in batches:  # the anchor of every token is the log-prob it was sampled with
         np.testing.assert_array_equal(batch["old_logp"], batch["behaviour_logp"])
     assert all(np.isfinite(r["loss"]) for r in train_rows(rows))
+    # the third rollout started at the post: its requests (ids 32..47) ran beside the second's
+    assert any(ids[0] < 32 <= ids[-1] for ids in running if ids)
 
 
 def test_interruptible_staleness_masks_only_the_old_tokens(tmp_path, monkeypatch):
-    batches, rows = interruptible_run(tmp_path, monkeypatch, max_version_lag=1)
+    batches, rows, _ = interruptible_run(tmp_path, monkeypatch, max_version_lag=1)
     second = rollout_rows(rows)[1]
     assert second["stale_tokens_masked"] > 0  # version-0 tokens lag 2 > 1 at the start of batch 1
     mask = np.concatenate([b["loss_mask"] for b in batches[2:]])

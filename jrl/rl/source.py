@@ -29,10 +29,13 @@ Interruptible (`off_policy: true` with `engine: {on_weight_update: continue}`): 
 trainer has used up batch k while batch k+1 is still being generated, it posts its current
 weights to the engine (`Engine.post_weights`) instead of waiting for the longest sample:
 requests in flight decode on under them from the engine's next step, each token recording
-its version. The ratio anchor is then the engine's per-token log-prob (`old_logp: engine`,
-required), which is the distribution every token was actually drawn from; staleness is
-judged per token (`stale_tokens`). When the post lands depends on timing, so such runs are
-not bit-reproducible.
+its version. Rollout k+2 starts at the same moment (a second worker; the weights are
+those it would get after k+1 anyway, since no update happens in between), so the rows
+the long tail of k+1 frees take its requests (`jrl.rollout.shared.SharedEngine`; not for
+multi-turn episodes, whose runner drives the engine itself). The ratio anchor is then the
+engine's per-token log-prob (`old_logp: engine`, required), which is the distribution
+every token was actually drawn from; staleness is judged per token (`stale_tokens`). When
+the post lands depends on timing, so such runs are not bit-reproducible.
 
 With a `parallel` section the engine serves on its own tensor-only mesh
 (`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
@@ -69,6 +72,7 @@ from jrl.rl.prompts import PromptFormat
 from jrl.rl.tasks import check_prompt_lengths, make_task
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
+from jrl.rollout.shared import SharedEngine
 from jrl.train.logprobs import attention_layout, batch_max_segments
 from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
@@ -140,6 +144,8 @@ class RolloutSource:
         # interruptible: weights are posted to a running generation (docstring above)
         self.interruptible = o.off_policy and self.engine_config.on_weight_update == "continue"
         self._posted: tuple[int, Any] | None = None  # (version, the engine's copy) posted last
+        self._ahead: concurrent.futures.Future | None = None  # rollout k+2, started at the post
+        self._shared: SharedEngine | None = None  # the engine as two generations share it
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._reference_fn = reference_params
         self._reference = None
@@ -167,6 +173,8 @@ class RolloutSource:
         self.engine, rebuilt = serve_weights(self.engine, params, version, self.model_config, self.engine_config,
                                              self.engine_mesh)
         self.engine_rebuilds += int(rebuilt)
+        if self.interruptible and (self._shared is None or self._shared.engine is not self.engine):
+            self._shared = SharedEngine(self.engine)  # here, in the trainer's thread: one per engine
 
     def reference_params(self) -> Any:
         """The frozen reference policy of the KL penalty: the run's initial params."""
@@ -196,9 +204,14 @@ class RolloutSource:
         seeds = rng.integers(0, 2**32, size=len(prompts) * n_per_prompt, dtype=np.uint64)
         requests = [p for p in prompts for _ in range(n_per_prompt)]
         sampling = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
-        outs = self.engine.generate(requests, sampling, max_new_tokens=self.options.max_new_tokens,
-                                    **self.format.generate_kwargs())
+        outs = self._generator().generate(requests, sampling, max_new_tokens=self.options.max_new_tokens,
+                                          **self.format.generate_kwargs())
         return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
+
+    def _generator(self) -> Engine | SharedEngine:
+        """The engine, or (interruptible) its shared front, which two rollouts generate on
+        at once."""
+        return self._shared if self.interruptible else self.engine
 
     def _groups(self, problems: list[Problem], rng: np.random.Generator) -> list[_Group]:
         o = self.options
@@ -326,7 +339,8 @@ class RolloutSource:
 
     def _submit(self, params: Any, version: int, rl_step: int) -> concurrent.futures.Future:
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jrl-rollout")
+            workers = 2 if self.interruptible else 1  # interruptible: rollouts k+1 and k+2 overlap
+            self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jrl-rollout")
         engine_params = self._serve_for_generation(params, version)
         return self._executor.submit(self.generate, engine_params, version, rl_step)
 
@@ -348,6 +362,9 @@ class RolloutSource:
             self._pending = self._submit(state.params, version, self.rl_step)
         elif self.interruptible and not self._pending.done():
             self._post(state.params, version)
+            if self._posted is not None and self._posted[0] == version and self.episodes is None:
+                # the next rollout starts now, beside this one's tail, under the posted weights
+                self._ahead = self._executor.submit(self.generate, self._posted[1], version, self.rl_step + 1)
         rollout = self._pending.result()
         self._pending = None
         newest = newest_versions(rollout.rows["token_version"], rollout.rows["loss_mask"])
@@ -357,10 +374,16 @@ class RolloutSource:
             rollout.group_kept &= ~stale
         if not rollout.group_kept.any() and stale.any():
             self.stale_batches_regenerated += 1
-            engine_params = self._serve_for_generation(state.params, version)
+            if self._ahead is not None:  # the engine serves the posted weights, shared with the next rollout
+                engine_params = self._posted[1]
+            else:
+                engine_params = self._serve_for_generation(state.params, version)
             rollout = self.generate(engine_params, version, self.rl_step)
         # the next batch is generated with the weights of now, while these rows train
-        self._pending = self._submit(state.params, version, self.rl_step + 1)
+        if self._ahead is not None:  # started at the post, under the weights of now
+            self._pending, self._ahead, self._posted = self._ahead, None, None
+        else:
+            self._pending = self._submit(state.params, version, self.rl_step + 1)
         return rollout
 
     def next_batch(self, state: Any) -> dict[str, np.ndarray]:

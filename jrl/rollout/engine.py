@@ -285,11 +285,13 @@ class Engine:
             done += self.step()
         return done + self.flush()
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
-                 stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
-        """Runs `prompts` to completion; completions in prompt order. `sampling` and
-        `max_new_tokens`: one for all prompts, or one per prompt."""
+    def add_requests(self, prompts: Sequence[Sequence[int]],
+                     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                     max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
+                     stop_sequences: Sequence[Sequence[int]] = ()) -> list[int]:
+        """Queues `prompts` (`sampling` and `max_new_tokens`: one for all, or one per
+        prompt); returns their ids. Every request is checked before any is queued, so a bad
+        one leaves nothing behind (the error names `prompts[k]`)."""
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
@@ -300,14 +302,20 @@ class Engine:
             news = [int(n) if isinstance(n, np.integer) else n for n in max_new_tokens]
         else:
             news = [max_new_tokens] * len(prompts)
-        # Every request is checked before any is queued: a bad one leaves nothing behind.
         checked = []
         for k, (p, s, new) in enumerate(zip(prompts, sampling, news)):
             try:
                 checked.append(self._checked_request(p, s, new, eos_ids, stop_sequences))
             except ValueError as e:
                 raise ValueError(f"prompts[{k}]: {e}") from None
-        ids = [self._queue(c) for c in checked]
+        return [self._queue(c) for c in checked]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
+                 stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
+        """Runs `prompts` to completion (`add_requests`, then steps); completions in prompt
+        order. Completions of other queued requests are kept for `step()`/`flush()`."""
+        ids = self.add_requests(prompts, sampling, max_new_tokens, eos_ids, stop_sequences)
         wanted = set(ids)
         by_id: dict[int, Completion] = {}
         others: list[Completion] = []  # requests queued by add_request: kept for step()/flush()
