@@ -511,8 +511,8 @@ class Engine:
         on_weight_update="continue") decode on under `version`, attending to the KV they
         computed before; no forward mixes versions, and their pages are never published
         to the prefix cache again (a newer request never reads KV of an older version).
-        Raises ValueError for a version going
-        backwards, a version already served with other params, params whose structure,
+        Raises ValueError for a version going backwards, a version already served with
+        other params, params whose structure,
         shapes or dtypes differ from those handed over before (the separate layout, also
         when the engine serves a fused copy), or params holding NaN or inf (the error names
         the first such leaf); after a refusal the engine still serves the old version. With a mesh, params in the engine's layout
