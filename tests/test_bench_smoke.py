@@ -5,9 +5,11 @@ values are finite and positive, never wall-clock thresholds."""
 import json
 import math
 
+import numpy as np
 import pytest
 
 from jrl.bench import STAGES, UNAVAILABLE
+from jrl.bench.grpo import response_lengths
 from jrl.bench.cli import main
 from jrl.bench.results import COMMON_KEYS
 
@@ -126,6 +128,31 @@ def test_grpo_times_every_phase(tmp_path):
     positive(mean, "generation_ms", "reward_ms", "batch_ms", "logprobs_ms", "optimizer_ms", "weight_sync_ms",
              "total_ms")
     assert section(rows, "step")[-1]["ack_version"] == 4  # two optimizer steps a GRPO step
+    assert mean["wait_ms"] == mean["post_ms"] == 0.0  # nothing overlaps in sync mode
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "interruptible"])
+def test_grpo_overlapped_modes_time_the_trainers_wait_and_long_tail_idle(tmp_path, mode):
+    rows = bench(tmp_path, "grpo", "--steps", "3", "--mode", mode, "--lengths", "longtail")
+    steps = section(rows, "step")
+    assert [r["step"] for r in steps] == [0, 1, 2] and {r["mode"] for r in steps} == {mode}
+    (mean,) = section(rows, "mean")
+    positive(mean, "generation_ms", "wait_ms", "logprobs_ms", "optimizer_ms", "weight_sync_ms", "total_ms")
+    # rollout k+1 was started by the weights of the start of step k: two optimizer steps behind
+    assert steps[0]["token_lag_mean"] == 0 and all(0 < r["token_lag_mean"] <= 2 for r in steps[1:])
+    for r in steps:  # lognormal lengths capped at --new (8): a long tail leaves decode rows empty
+        assert r["response_len_max"] <= 8 and r["response_len_mean"] < 8
+        assert 0 < r["engine_idle_frac"] < 1
+        assert r["ack_version"] == 2 * r["step"]  # the engine serves the trainer's weights of the step's start
+    if mode == "overlapped":
+        assert all(r["mixed_version_samples"] == 0 and r["post_ms"] == 0 for r in steps)
+
+
+def test_grpo_longtail_lengths_are_fixed_per_step_and_capped():
+    a, b = response_lengths("longtail", 256, 256, 3), response_lengths("longtail", 256, 256, 3)
+    np.testing.assert_array_equal(a, b)
+    assert a.min() >= 1 and a.max() == 256 and np.median(a) < 128  # capped, most far below the cap
+    assert (response_lengths("fixed", 4, 8, 0) == 8).all()
 
 
 def test_train_reports_throughput_and_mfu(tmp_path):

@@ -15,7 +15,7 @@ STAGES = {
     "decode": "engine decode throughput; --step-only, --ab (variants), --host, --gemms, --trace-dir",
     "prefill": "engine prefill throughput: prompt tokens/s against the compute floor",
     "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
-    "grpo": "one synchronous GRPO step, phase by phase (generation .. weight sync)",
+    "grpo": "one GRPO step (sync, overlapped or interruptible), phase by phase (generation .. weight sync)",
     "bandwidth": "device ceilings the floors use: HBM stream rates, the bf16 matmul rate",
     "generate": "first generate() call of a fresh process (cold / warm cache), default vs tuned config",
     "serve": "jrl serve under load: requests/s, output tok/s over HTTP vs the in-process engine",

@@ -48,8 +48,10 @@ class EngineConfig:
     admission. prefix_cache: share full pages of identical prefixes (radix tree, per
     weight version). penalty_window: how many trailing tokens (prompt + output) the
     repetition/frequency/presence penalties see. on_weight_update: what `update_weights`
-    does with requests in flight: "finish" them with the old weights first, or "restart"
-    them (abort, discard their tokens, re-queue) under the new weights. attention_impl:
+    does with requests in flight: "finish" them with the old weights first, "restart"
+    them (abort, discard their tokens, re-queue) under the new weights, or "continue"
+    them: they keep their tokens and KV and decode on under the new weights (each token
+    records the version that sampled it; see `Engine.update_weights`). attention_impl:
     `pallas_kernels` implementation. overlap: schedule step n+1 while step n runs and read
     sampled tokens one step late. seed: derives the sampling seed of requests without one.
     """
@@ -65,7 +67,7 @@ class EngineConfig:
     allocation: Literal["paged", "contiguous"] = "paged"
     prefix_cache: bool = True
     penalty_window: int = 64
-    on_weight_update: Literal["finish", "restart"] = "finish"
+    on_weight_update: Literal["finish", "restart", "continue"] = "finish"
     attention_impl: Literal["auto", "reference", "pallas", "interpret"] = "auto"
     overlap: bool = True
     seed: int = 0
@@ -89,8 +91,8 @@ class EngineConfig:
                 check(b[-1] >= top, f"engine.{name}", f"largest bucket must be >= {top}, got {b[-1]}")
         check(self.allocation in ("paged", "contiguous"), "engine.allocation",
                f"must be 'paged' or 'contiguous', got {self.allocation!r}")
-        check(self.on_weight_update in ("finish", "restart"), "engine.on_weight_update",
-               f"must be 'finish' or 'restart', got {self.on_weight_update!r}")
+        check(self.on_weight_update in ("finish", "restart", "continue"), "engine.on_weight_update",
+               f"must be 'finish', 'restart' or 'continue', got {self.on_weight_update!r}")
         check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "engine.attention_impl",
                f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
 
