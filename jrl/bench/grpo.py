@@ -3,14 +3,15 @@ overlapped or interruptible.
 
     jrl bench grpo [--mode sync|overlapped|interruptible] [--lengths fixed|longtail]
                    [--shape 174m|0.82b] [--prompts 32] [--group 8] [--prompt-len 128] [--new 128]
-                   [--minibatches 2] [--steps 3]
+                   [--minibatches 2] [--micro-batch 0] [--steps 3]
 
 One RL step, each phase timed to its last device result: generation (`prompts x group`
 samples, temperature 1, through the engine), reward (a host function of each completion's
 tokens), batch (host assembly of the `grpo` rows: tokens, targets, masks, group
 advantages, behaviour log-probs), logprobs (the old policy's log-probabilities recomputed
 under the params that started the rollout), optimizer (`--minibatches` updates of the real
-train step with the `grpo` strategy, state donated) and weight_sync (the engine serving the
+train step with the `grpo` strategy, state donated; `--micro-batch` rows per forward, gradients
+accumulated) and weight_sync (the engine serving the
 trainer's params of now, until they are ready; `ack_version` is the version it then
 serves; `bytes_copied` counts served leaves that are not the trainer's arrays: the fused
 q/k/v and gate/up copy of the GPU default, or the whole copy an overlapping engine needs
@@ -85,6 +86,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--minibatches", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="rows per forward: gradient accumulation within a minibatch, and the chunk of the "
+                        "log-prob recompute (0: a whole minibatch at once)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=1e9, help="no step starts after this (two always run)")
 
@@ -175,10 +179,15 @@ def run(args, results) -> int:
     if args.tiny:
         cfg, args.prompts, args.group, args.prompt_len, args.new = tiny_like(cfg), 4, 4, 16, 8
     n, seq = args.prompts * args.group, args.prompt_len + args.new
+    per = n // args.minibatches
+    micro_rows = args.micro_batch or per
+    if n % args.minibatches or per % micro_rows:
+        raise SystemExit(f"bench grpo: --minibatches {args.minibatches} must divide the {n} rollouts and "
+                         f"--micro-batch {micro_rows} the {per} rows of a minibatch")
     params = init(cfg)
     shape = dict(mode=args.mode, lengths=args.lengths, shape=args.shape, params=count_params(params), rollouts=n,
                  prompts=args.prompts, group=args.group, prompt_len=args.prompt_len, new=args.new,
-                 minibatches=args.minibatches)
+                 minibatches=args.minibatches, micro_batch=micro_rows)
     strategy = get_strategy("grpo")
     opt_cfg = OptimizerConfig(lr=1e-6, weight_decay=0.0)
     schedule = make_schedule(ScheduleConfig(), 1000)
@@ -189,9 +198,14 @@ def run(args, results) -> int:
     del params
 
     @jax.jit
-    def recompute(params, batch):
+    def recompute_rows(params, batch):
         hidden, _ = hidden_states(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
         return target_stats(cfg, params, hidden, batch["targets"]).logp * batch["loss_mask"]
+
+    def recompute(params, batch):  # micro_rows at a time: the logits of all rows at once may not fit
+        keys = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
+        return jnp.concatenate([recompute_rows(params, {k: batch[k][i:i + micro_rows] for k in keys})
+                                for i in range(0, n, micro_rows)])
 
     # an overlapping engine holds a copy: every update donates the trainer's buffers
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
@@ -262,9 +276,9 @@ def run(args, results) -> int:
         batch["old_logp"] = batch["behaviour_logp"] if args.mode == "interruptible" else recomputed
         t["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        per = n // args.minibatches
-        for j in range(args.minibatches):
-            micro = {k: v[j * per:(j + 1) * per][None] for k, v in batch.items()}  # [1, n/m, S]
+        for j in range(args.minibatches):  # [micro-batches, rows, S]
+            micro = {k: v[j * per:(j + 1) * per].reshape(per // micro_rows, micro_rows, *v.shape[1:])
+                     for k, v in batch.items()}
             state, metrics = fns.update(state, micro, None)
         jax.block_until_ready(metrics["loss"])
         t["optimizer"] = time.perf_counter() - t0
