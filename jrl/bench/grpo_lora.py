@@ -2,7 +2,7 @@
 
     jrl bench grpo_lora [--shape llama8b|174m] [--lora 16] [--engine-lora merge|unmerged]
                         [--prompts 32] [--group 8] [--prompt-len 256] [--new 1024]
-                        [--lengths longtail|fixed] [--minibatches 2] [--micro-rows 8]
+                        [--lengths longtail|fixed] [--minibatches 2] [--micro-batch 8]
                         [--remat full] [--lm-head-chunk 4096] [--steps 3] [--budget-s 240]
 
 The synchronous RL step of `jrl.rl.source` with `optimizer.trainable: lora`: a bf16 base
@@ -13,8 +13,8 @@ in every forward) to which each version moves only the adapters. Phases, each ti
 last device result: generation (`prompts x group` samples at temperature 1; `--lengths
 longtail`: each request's max_new_tokens lognormal with median `--new`/4 and sigma 1,
 capped at `--new`, no EOS), reward and batch (host), logprobs (the old policy's
-log-probabilities recomputed, `--micro-rows` rows at a time), update (`--minibatches`
-optimizer steps of the real `grpo` train step, `--micro-rows` rows per micro-batch) and
+log-probabilities recomputed, `--micro-batch` rows at a time), update (`--minibatches`
+optimizer steps of the real `grpo` train step, `--micro-batch` rows per micro-batch) and
 weight_sync (`engine.update_weights` with the adapters; `sync_bytes`: what it received).
 
 `tokens_per_s_gpu`: all tokens of a step (prompts + generated) over its wall time, the
@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.bench.grpo import reward_of, rollout_batch
+from jrl.bench.grpo import response_lengths, reward_of, rollout_batch
 from jrl.bench.shapes import GRPO_174M, LLAMA3_8B, init, tiny_like
 from jrl.bench.timing import Budget
 from jrl.config import LoraConfig, OptimizerConfig, ScheduleConfig
 from jrl.models.lora import lora_params
 from jrl.models.transformer import count_params
-from jrl.rollout.config import EngineConfig
+from jrl.rollout.config import TOKEN_BUDGET_CAP, EngineConfig
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import SamplingParams
 from jrl.train.optim import build_optimizer, trainable_mask
@@ -65,7 +65,7 @@ def add_arguments(p) -> None:
     p.add_argument("--new", type=int, default=1024)
     p.add_argument("--lengths", choices=("longtail", "fixed"), default="longtail")
     p.add_argument("--minibatches", type=int, default=2)
-    p.add_argument("--micro-rows", type=int, default=8, help="rows per micro-batch (update and recompute)")
+    p.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch (update and recompute)")
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default="full")
     p.add_argument("--lm-head-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3)
@@ -74,15 +74,6 @@ def add_arguments(p) -> None:
 
 def record_name(args) -> str:
     return "grpo_lora"
-
-
-def response_lengths(kind: str, n: int, new: int, step: int) -> np.ndarray:
-    """Each request's max_new_tokens: `new` ("fixed"), or ("longtail") lognormal with
-    median new/4 and sigma 1 from a seed fixed per step, rounded, in [1, new]."""
-    if kind == "fixed":
-        return np.full(n, new, np.int64)
-    rng = np.random.default_rng([0, 29, step])
-    return np.clip(np.rint(rng.lognormal(np.log(new / 4), 1.0, n)), 1, new).astype(np.int64)
 
 
 def peak_gib() -> float:
@@ -95,19 +86,19 @@ def run(args, results) -> int:
     base = SHAPES[args.shape]
     if args.tiny:
         base = tiny_like(base)
-        args.prompts, args.group, args.prompt_len, args.new, args.micro_rows, args.lm_head_chunk = 2, 4, 16, 8, 2, 64
+        args.prompts, args.group, args.prompt_len, args.new, args.micro_batch, args.lm_head_chunk = 2, 4, 16, 8, 2, 64
     cfg = dataclasses.replace(base, remat=args.remat, lora=LoraConfig(rank=args.lora, alpha=2.0 * args.lora,
                                                                       targets=TARGETS, dtype="float32"))
     n, seq = args.prompts * args.group, args.prompt_len + args.new
     per = n // args.minibatches
-    if per * args.minibatches != n or per % args.micro_rows or n % args.micro_rows:
-        raise SystemExit(f"--micro-rows {args.micro_rows} must divide a minibatch ({per} rows of {n})")
+    if per * args.minibatches != n or per % args.micro_batch or n % args.micro_batch:
+        raise SystemExit(f"--micro-batch {args.micro_batch} must divide a minibatch ({per} rows of {n})")
     params = init(cfg)
     adapter_params = count_params(lora_params(params))
     shape = dict(shape=args.shape, params=count_params(params), adapter_params=adapter_params, lora_rank=args.lora,
                  engine_lora=args.engine_lora, rollouts=n, prompts=args.prompts, group=args.group,
                  prompt_len=args.prompt_len, new=args.new, lengths=args.lengths, minibatches=args.minibatches,
-                 micro_rows=args.micro_rows, remat=args.remat)
+                 micro_batch=args.micro_batch, remat=args.remat)
     opt_cfg = OptimizerConfig(lr=1e-5, weight_decay=0.0, trainable="lora")
     schedule = make_schedule(ScheduleConfig(), 1000)
     optimizer = build_optimizer(opt_cfg, schedule, params)
@@ -123,7 +114,8 @@ def run(args, results) -> int:
 
     page, rows = 16, min(n, 256)
     engine = Engine(cfg, state.params, EngineConfig(
-        page_size=page, n_pages=n * -(-seq // page) + 8, max_batch=rows, max_tokens_per_step=max(rows, 8192),
+        page_size=page, n_pages=n * -(-seq // page) + 8, max_batch=rows,
+        max_tokens_per_step=max(rows, min(TOKEN_BUDGET_CAP, n * args.prompt_len)),
         max_seq_len=seq, prefix_cache=True, lora=args.engine_lora,
         batch_buckets=(rows,)), version=0)  # one row bucket: the long tail compiles no more programs
     rng = np.random.default_rng(0)
@@ -136,10 +128,8 @@ def run(args, results) -> int:
         targets = rng.integers(0, 2, args.prompts)
         lengths = response_lengths(args.lengths, n, args.new, step)
         t_step = t0 = time.perf_counter()
-        ids = [engine.add_request(prompts[i // args.group], SamplingParams(temperature=1.0),
-                                  max_new_tokens=int(lengths[i])) for i in range(n)]
-        by_id = {c.request_id: c for c in engine.run()}
-        completions = [by_id[i] for i in ids]
+        completions = engine.generate([p for p in prompts for _ in range(args.group)],
+                                      SamplingParams(temperature=1.0), max_new_tokens=lengths)
         t["generation"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         rewards = np.array([reward_of(c.tokens, targets[i // args.group]) for i, c in enumerate(completions)],
@@ -152,12 +142,12 @@ def run(args, results) -> int:
         t0 = time.perf_counter()
         model_rows = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
         batch["old_logp"] = jax.block_until_ready(jnp.concatenate([
-            recompute(state.params, {k: batch[k][i:i + args.micro_rows] for k in model_rows})
-            for i in range(0, n, args.micro_rows)]))
+            recompute(state.params, {k: batch[k][i:i + args.micro_batch] for k in model_rows})
+            for i in range(0, n, args.micro_batch)]))
         t["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         for j in range(args.minibatches):
-            micro = {k: v[j * per:(j + 1) * per].reshape(per // args.micro_rows, args.micro_rows, *v.shape[1:])
+            micro = {k: v[j * per:(j + 1) * per].reshape(per // args.micro_batch, args.micro_batch, *v.shape[1:])
                      for k, v in batch.items()}
             state, metrics = fns.update(state, micro, None)
         jax.block_until_ready(metrics["loss"])
