@@ -135,3 +135,15 @@ def test_engine_refuses_adapters_of_another_shape():
     with pytest.raises(ValueError, match=r"params\['layers'\]\['attn'\]\['k_proj'\]\['lora_a'\]"):
         engine.update_weights(wrong, version=1)
     assert engine.version == 0
+
+
+def test_adapters_posted_from_another_thread_are_served_at_the_next_step():
+    # interruptible runs post the adapters alone (RolloutSource._post)
+    params = models.init_params(MODEL, jax.random.key(0))
+    engine = Engine(MODEL, params, ENGINE)
+    adapters = trained_adapters(params, 3)
+    engine.post_weights(adapters, version=1)
+    assert engine.version == 0
+    ack = engine.apply_posted_weights()
+    assert ack.version == engine.version == 1
+    assert ack.bytes_received == sum(x.nbytes for x in jax.tree.leaves(adapters))
