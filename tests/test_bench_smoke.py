@@ -53,7 +53,7 @@ def test_decode_engine_counts_multi_step_calls_and_the_replayed_kv(tmp_path):
     rows = bench(tmp_path, "decode", "--batches", "2", "--tuning", json.dumps({"decode_steps_per_call": 3}))
     (r,) = section(rows, "engine")
     # 8 new tokens: the first from the prefill step, 7 from decode calls of up to 3 steps
-    assert r["batch"] == 2 and r["steps_per_call"] == 3
+    assert r["batch"] == 2 and r["steps_per_call"] == 3 and r["weight_dtype"] == "bfloat16"
     assert r["completions"] == 2 and r["lengths"] == [8]
     assert (r["decode_steps"], r["decode_calls"]) == (7, 3)
     # the replayed call is decode call 1 (8 // 2 // 3): positions 24, 25, 26 read 25..27 keys
@@ -109,12 +109,38 @@ def test_grpo_times_every_phase(tmp_path):
 
 
 def test_train_reports_throughput_and_mfu(tmp_path):
-    rows = bench(tmp_path, "train", "--variants", "causal", "--torch")  # --check: compiles 6 more programs
-    (r,) = section(rows, "jrl")
+    rows = bench(tmp_path, "train", "--variants", "causal", "--torch",  # --check: compiles 6 more programs
+                 "--matmul-dtypes", "bfloat16,float8")
+    r, fp8 = section(rows, "jrl")
     assert r["variant"] == "causal" and r["mesh"] == "1" and r["batch"] == 2 and r["seq"] == 64
+    assert (r["matmul_dtype"], fp8["matmul_dtype"]) == ("bfloat16", "float8")
     positive(r, "tokens_per_s", "mfu_pct", "step_ms", "compile_s")
+    positive(fp8, "tokens_per_s", "speedup_vs_bf16")
+    assert "speedup_vs_bf16" not in r
     (torch_row,) = section(rows, "transformers")  # measured, or skipped without torch
     assert "tokens_per_s" in torch_row or "skipped" in torch_row or "error" in torch_row
+
+
+def test_train_loss_steps_trains_each_matmul_dtype_on_the_same_data(tmp_path):
+    rows = bench(tmp_path, "train", "--variants", "causal", "--loss-steps", "3")
+    bf16, fp8 = section(rows, "loss")
+    assert (bf16["matmul_dtype"], fp8["matmul_dtype"]) == ("bfloat16", "float8")
+    assert bf16["steps"] == fp8["steps"] == 3 and bf16["all_finite"] and fp8["all_finite"]
+    assert bf16["loss_first"] == pytest.approx(fp8["loss_first"], rel=0.01)  # same weights, same first batch
+    assert bf16["rel_diff_pct"] == 0 and math.isfinite(fp8["rel_diff_pct"])
+    assert not section(rows, "jrl")
+
+
+def test_decode_drift_compares_fp8_weights_with_bf16_against_the_trainer(tmp_path):
+    rows = bench(tmp_path, "decode", "--drift", "--drift-prompts", "2", "--engine",
+                 json.dumps({"weight_dtype": "float8_e4m3fn"}))
+    bf16, fp8 = section(rows, "drift")
+    assert (bf16["precision"], fp8["precision"]) == ("bfloat16", "weight_dtype=float8_e4m3fn")
+    assert bf16["greedy_prefix_agree_pct"] == 100  # the reference agrees with itself
+    for r in (bf16, fp8):
+        assert 0 <= r["mean_abs"] <= r["p99_abs"] <= r["max_abs"] < 0.5
+        assert 0 <= r["greedy_identical_pct"] <= r["greedy_prefix_agree_pct"] <= 100
+    assert fp8["mean_abs"] > 0  # the quantized weights are not the trainer's
 
 
 def test_bad_input_names_the_choices(capsys):

@@ -6,6 +6,7 @@ program side by side, the engine's host time, the projection GEMMs of a decode l
     jrl bench decode --ab base,queries_as_rows [--batches 256] [--contexts 640,648] [--pages random]
     jrl bench decode --host [--batches 1,16,64,256] [--profile] [--digest]      (CPU, tiny model)
     jrl bench decode --gemms [--rows 1,64,128,256]
+    jrl bench decode --drift [--engine '{"weight_dtype": "float8_e4m3fn"}'] [--drift-prompts 32] [--new 64]
 
 The model is the 0.82B rollout shape (`shapes.ROLLOUT_082B`: vocab 32000, hidden 2048, 16
 layers, 16 q / 8 kv heads of 128, SwiGLU 5632, tied) with random bf16 weights.
@@ -48,6 +49,14 @@ fused weights, under XLA's default GEMM code generation and the engine's cuBLAS 
 with the elementwise glue of a layer between them (no attention, no norms); us a layer
 against its floor: weight bytes at the copy rate or FLOPs at the bf16 matmul rate measured
 here (`--matmul-tflops` to give one), the larger.
+
+Drift (`--drift`; section `drift`): engine log-probs against the trainer's on the tokens
+the engine sampled, and greedy agreement, for bf16 and for the `--engine` precision
+overrides in the same run (`jrl.bench.drift`); `--drift-prompts` prompts of `--prompt`
+tokens, `--new` tokens each.
+
+Engine rows name the served weight dtype (`weight_dtype`: bfloat16, or float8_e4m3fn with
+`--engine '{"weight_dtype": "float8_e4m3fn"}'`); their floor counts the served bytes.
 """
 
 from __future__ import annotations
@@ -69,7 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.bench import floors, torch_ref
+from jrl.bench import drift, floors, torch_ref
 from jrl.bench.decode_program import PAGE_ORDERS, Case, default_decode_program, replay, synthetic_batch
 from jrl.bench.log import log
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
@@ -85,7 +94,7 @@ from jrl.rollout.tuning import TuningOverrides
 from pallas_kernels import dispatch, reference
 from pallas_kernels.tuning import DecodeTuning
 
-MODES = ("step_only", "ab", "host", "gemms")
+MODES = ("step_only", "ab", "host", "gemms", "drift")
 
 
 def add_arguments(p) -> None:
@@ -95,6 +104,7 @@ def add_arguments(p) -> None:
                       f"comma list of {','.join(VARIANTS)}")
     mode.add_argument("--host", action="store_true", help="the engine's host time per decode step (CPU)")
     mode.add_argument("--gemms", action="store_true", help="the projection GEMMs of a decode layer")
+    mode.add_argument("--drift", action="store_true", help="engine log-probs vs the trainer's, bf16 and --engine")
     p.add_argument("--batches", default=None,
                    help="batch sizes (default: engine 1,16,64,128,256; --ab 256; --host 1,16,64,256)")
     p.add_argument("--prompt", type=int, default=512)
@@ -117,6 +127,8 @@ def add_arguments(p) -> None:
     g.add_argument("--pages", default="per_request", help=f"page orders, of {','.join(PAGE_ORDERS)}")
     g.add_argument("--rounds", type=int, default=7)
     g.add_argument("--per-round", type=int, default=20)
+    g = p.add_argument_group("--drift")
+    g.add_argument("--drift-prompts", type=int, default=32)
     g = p.add_argument_group("--host")
     g.add_argument("--repeat", type=int, default=3, help="timed runs per batch (best median kept)")
     g.add_argument("--profile", action="store_true", help="cProfile of the timed run at --profile-batch")
@@ -158,6 +170,8 @@ def run(args, results) -> int:
         return run_ab(args, results, cfg, params, bandwidth)
     if mode == "step_only":
         return run_step_only(args, results, cfg, params, bandwidth)
+    if mode == "drift":
+        return run_drift(args, results, cfg, params)
     return run_engine(args, results, cfg, params, bandwidth)
 
 
@@ -294,7 +308,7 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
     # prefilled in an earlier chunk started decoding earlier, so mid-run the batch's
     # lengths spread over up to a chunk's worth of steps (not all at prompt + new / 2).
     kv_tokens = int(layout.int_packing.views(ints)["kv_lens"].sum()) / layout.steps
-    floor_s = floors.decode_step_floor_s(floors.tree_bytes(params), kv_tokens, cfg, bandwidth)
+    floor_s = floors.decode_step_floor_s(floors.tree_bytes(engine.params), kv_tokens, cfg, bandwidth)
     steps = max(1, stats.decode_device_steps)
     return {
         "batch": batch, "decode_tokens_per_s": batch / step_s, "e2e_tokens_per_s": batch * new / run["total_s"],
@@ -341,7 +355,8 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
                 econf = dataclasses.replace(econf, attention_impl="reference")
                 del engine
                 engine = Engine(cfg, params, econf, tuning=tuning)
-        results.row("engine", attention_impl=econf.attention_impl, **row, **common)
+        results.row("engine", attention_impl=econf.attention_impl, weight_dtype=econf.weight_dtype or "bfloat16",
+                    **row, **common)
     del params, engine
     if args.torch:
         for r in torch_ref.run("generate", ROLLOUT_082B, [
@@ -349,7 +364,8 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
                 str(args.prompt), "--new", str(args.new), "--budget-s", str(max(30.0, args.torch_timeout_s - 45))],
                 args.torch_timeout_s):
             results.row("transformers", framework="transformers", prompt=args.prompt, new=args.new, **r)
-    results.table([("batch", "batch"), ("steps_per_call", "steps/call"), ("decode_tokens_per_s", "decode tok/s"),
+    results.table([("batch", "batch"), ("weight_dtype", "weights"), ("steps_per_call", "steps/call"),
+                   ("decode_tokens_per_s", "decode tok/s"),
                    ("e2e_tokens_per_s", "e2e tok/s"), ("prefill_s", "prefill s"), ("step_ms", "step ms"),
                    ("device_step_ms", "device ms"), ("floor_ms", "floor ms"), ("step_over_floor", "x floor"),
                    ("host_gap_pct", "gap %"), ("host_ms_per_decode_step", "host ms"), ("gc_ms", "gc ms")],
@@ -357,6 +373,19 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
     results.table([("batch", "batch"), ("compiled", "compiled"), ("decode_tokens_per_s", "decode tok/s"),
                    ("tokens_per_s", "e2e tok/s"), ("step_ms", "step ms")], "transformers", "transformers generate")
     return 1 if failed == len(batches) else 0
+
+
+# ----------------------------------------------------------------------------- drift
+
+def run_drift(args, results, cfg, params) -> int:
+    n = args.drift_prompts
+    drift.run(results, cfg, params, lambda overrides: engine_config(n, args.prompt, args.new, args.page_size, overrides),
+              args.engine, TuningOverrides(**args.tuning), n, args.prompt, args.new)
+    results.table([("precision", "precision"), ("mean_abs", "mean |d|"), ("p99_abs", "p99 |d|"), ("max_abs", "max |d|"),
+                   ("bitwise_equal_pct", "bitwise %"), ("greedy_prefix_agree_pct", "greedy agree %"),
+                   ("greedy_identical_pct", "identical %")], "drift",
+                  f"engine vs trainer log-probs, {n} prompts of {args.prompt}, {args.new} sampled tokens")
+    return 0
 
 
 # ----------------------------------------------------------------------------- step only
