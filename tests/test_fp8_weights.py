@@ -13,6 +13,7 @@ from jrl.models.fp8 import E4M3, quantize_columns
 from jrl.models.fused import fuse_projections
 from jrl.models.quantized import quantize_projections
 from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
+from jrl.rollout.tuning import resolve_tuning
 
 BF16 = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", hidden_size=128, intermediate_size=256, n_heads=4,
                    n_kv_heads=2, head_dim=32, vocab_size=256)
@@ -128,3 +129,11 @@ def test_weight_dtype_is_validated():
         EngineConfig(**dict(ENGINE, weight_dtype="float8"))
     with pytest.raises(ConfigError, match="engine.weight_dtype: 'float8_e4m3fn' weights are served on one device"):
         Engine(BF16, init(BF16, jax.random.key(0)), EngineConfig(**FP8), mesh=ParallelConfig(data=1, fsdp=1, tensor=1))
+
+
+def test_fp8_weights_keep_large_decode_steps_on_gemms_that_convert_as_they_load():
+    # cuBLAS reads bf16 operands: a cuBLAS decode program would write a bf16 copy of the
+    # e4m3 kernels every step, so with fp8 weights the cuBLAS threshold defaults to never.
+    assert resolve_tuning("gpu", BF16, EngineConfig(**ENGINE)).cublas_decode_rows > 0
+    assert resolve_tuning("gpu", BF16, EngineConfig(**FP8)).cublas_decode_rows == 0
+    assert resolve_tuning("gpu", BF16, EngineConfig(**FP8), TuningOverrides(cublas_decode_rows=64)).cublas_decode_rows == 64
