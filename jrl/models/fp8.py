@@ -5,10 +5,14 @@ Training (`ModelConfig.matmul_dtype: float8`): `fp8_matmul(x, w)` scales each op
 its own amax (per tensor, computed from the values being multiplied: "current" scaling,
 no amax history to carry in the train state), quantizes the forward operands to e4m3 and
 the incoming gradient to e5m2 (wider range, fewer mantissa bits: gradients span more
-decades), and runs each of the three GEMMs (forward, input gradient, weight gradient) as
-`dot_general` on float8 operands with a bf16/float32 result, scaled back by the product of
-the two scales. XLA lowers such dots to cuBLASLt fp8 GEMMs on Hopper. The scales are
-treated as constants by differentiation (straight-through), as in every fp8 recipe.
+decades), and runs each of the three GEMMs (forward, input gradient, weight gradient) on
+the fp8 values. Each GEMM is written as XLA's scaled fp8 pattern, `dot(convert(a_f8) *
+a_scale, convert(b_f8) * b_scale)`, which XLA's GEMM rewriter turns into one cuBLASLt fp8
+GEMM on Hopper with the two scales as its operands (no dequantized copy, no separate
+rescaling pass; a plain dot of fp8 operands followed by a multiply would leave that
+multiply as an extra pass over the output). Scales are powers of two, so the bf16
+dequantized values are the fp8 values exactly (and the CPU result is the fp8 product).
+The scales are constants to differentiation (straight-through), as in every fp8 recipe.
 
 Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q, scale)` reads the
 e4m3 kernel `q [in, out]` (converted to the activations' dtype next to the dot, which XLA
@@ -28,11 +32,13 @@ E5M2 = jnp.float8_e5m2
 
 
 def quantize_tensor(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """`(q, scale)` with `x ~= q * scale`: one float32 scale mapping the tensor's amax to
-    `dtype`'s largest finite value (values saturate there; an all-zero tensor gets scale 1)."""
+    """`(q, scale)` with `x ~= q * scale`: one float32 power-of-two scale, the smallest
+    that maps the tensor's amax within `dtype`'s largest finite value (an all-zero
+    tensor gets scale 1). Power of two: exact in any float dtype, so rescaling adds no
+    rounding of its own."""
     top = float(jnp.finfo(dtype).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    scale = jnp.where(amax > 0, amax / top, 1.0)
+    scale = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(amax / top))), 1.0)
     q = jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
     return q, scale
 
@@ -55,16 +61,19 @@ def scaled_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     return (y * scale).astype(x.dtype)
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], out_dtype) -> jax.Array:
-    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                               preferred_element_type=out_dtype)
+def _scaled_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, contract: tuple[int, int],
+                dtype) -> jax.Array:
+    """`(a * a_scale) . (b * b_scale)` contracting the given axes, fp8 operands `a`, `b`
+    dequantized to `dtype` in XLA's scaled-fp8-GEMM form; result in `dtype`."""
+    return jax.lax.dot_general(a.astype(dtype) * a_scale.astype(dtype), b.astype(dtype) * b_scale.astype(dtype),
+                               (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=dtype)
 
 
 def fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x [..., in] @ w [in, out]` with both operands in e4m3 (per-tensor current scaling),
-    returned in `x`'s dtype; gradients: e5m2 cotangent against the e4m3 operands, the
-    input gradient in `x`'s dtype, the weight gradient in `w`'s (float32 master weights
-    get a float32 gradient)."""
+    returned in `x`'s dtype; gradients: e5m2 cotangent against the e4m3 operands, both
+    GEMMs in `x`'s dtype with float32 accumulation, the weight gradient then cast to `w`'s
+    dtype (float32 master weights get a float32 gradient)."""
     return _fp8_matmul(jnp.dtype(w.dtype), x, w)
 
 
@@ -76,9 +85,9 @@ def _fp8_matmul(w_dtype, x, w):
 def _fp8_forward(x, w):
     xq, sx = quantize_tensor(x.reshape(-1, x.shape[-1]), E4M3)
     wq, sw = quantize_tensor(w, E4M3)
-    y = _dot(xq, wq, (1, 0), jnp.float32) * (sx * sw)
+    y = _scaled_dot(xq, sx, wq, sw, (1, 0), x.dtype)
     # The residuals are the quantized operands: one byte per value.
-    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1]), (xq, sx, wq, sw)
+    return y.reshape(*x.shape[:-1], w.shape[-1]), (xq, sx, wq, sw)
 
 
 def _fp8_fwd(w_dtype, x, w):
@@ -88,9 +97,9 @@ def _fp8_fwd(w_dtype, x, w):
 def _fp8_bwd(w_dtype, residuals, g):
     xq, sx, wq, sw = residuals
     gq, sg = quantize_tensor(g.reshape(-1, g.shape[-1]), E5M2)
-    dx = _dot(gq, wq, (1, 1), jnp.float32) * (sg * sw)  # [N, out] x [in, out] -> [N, in]
-    dw = _dot(xq, gq, (0, 0), jnp.float32) * (sx * sg)  # [N, in] x [N, out] -> [in, out]
-    return dx.astype(g.dtype).reshape(*g.shape[:-1], wq.shape[0]), dw.astype(w_dtype)
+    dx = _scaled_dot(gq, sg, wq, sw, (1, 1), g.dtype)  # [N, out] x [in, out] -> [N, in]
+    dw = _scaled_dot(xq, sx, gq, sg, (0, 0), g.dtype)  # [N, in] x [N, out] -> [in, out]
+    return dx.reshape(*g.shape[:-1], wq.shape[0]), dw.astype(w_dtype)
 
 
 _fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
