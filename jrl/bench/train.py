@@ -21,7 +21,8 @@ trace of each variant's steps by kernel class.
 `--model JSON` overrides fields of the model (e.g. `{"matmul_dtype": "float8"}`);
 `--matmul-dtypes bfloat16,float8` runs every variant once per projection matmul dtype
 (`ModelConfig.matmul_dtype`; bfloat16 is the default None) and gives float8 rows
-`speedup_vs_bf16` against the same variant and mesh. `--loss-steps N` (section `loss`)
+`speedup_vs_bf16` against the same variant and mesh; `fp8_gemms` counts the cuBLASLt fp8
+GEMMs in the compiled step (0 on CPU; on Hopper, nonzero when XLA took the fp8 path). `--loss-steps N` (section `loss`)
 instead trains N steps of the first variant on one device per matmul dtype (default
 bfloat16,float8), every run from the same initial weights on the same batches: a token
 stream with learnable structure (`markov_batch`: each token is followed by one of 4
@@ -200,6 +201,7 @@ def run_variant(v: Variant, base: ModelConfig, params, args, mesh_spec: str) -> 
     compiled = fns.update.lower(state, batch, None, v.max_segments).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    fp8_gemms = compiled.as_text().count("__cublas$lt$matmul$f8")  # XLA's fp8 GEMMs in the step (GPU)
     xla_bytes = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
                                           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
     for _ in range(args.warmup):
@@ -228,7 +230,7 @@ def run_variant(v: Variant, base: ModelConfig, params, args, mesh_spec: str) -> 
             "remat": v.remat, "lm_head_chunk": v.chunk,
             "scan_layers": v.scan_layers, "mu_dtype": v.mu_dtype or "float32", "max_segments": v.max_segments,
             "docs_per_row": v.docs_per_row, "batch": rows, "seq": args.seq, "step_ms": 1e3 * dt,
-            "tokens_per_s": tps, "mfu_pct": 100 * mfu, "compile_s": compile_s,
+            "tokens_per_s": tps, "fp8_gemms": fp8_gemms, "mfu_pct": 100 * mfu, "compile_s": compile_s,
             "xla_memory_gib": None if xla_bytes is None else xla_bytes / 2**30,
             "device_peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2**30, "loss_first": first_loss,
             "loss_last": loss, **({"trace": trace} if trace else {})}
