@@ -79,7 +79,7 @@ def test_decode_host_and_gemms(tmp_path):
     assert r["completions"] == 2 and len(r["token_hash"]) == 8
     gemms = section(bench(tmp_path, "decode", "--gemms", "--rows", "2", "--bandwidth", "1e10", "--matmul-tflops", "0.1"),
                     "gemms")
-    assert {r["weights"] for r in gemms} == {"separate", "fused"}
+    assert {r["weights"] for r in gemms} == {"separate", "fused", "fused_fp8"}
     for r in gemms:
         positive(r, "us_per_layer", "floor_us", "tflops", "matmul_tflops")
 

@@ -45,7 +45,8 @@ dispatch + readback), wait; medians over the steady decode steps, best of `--rep
 and logprobs.
 
 GEMMs (`--gemms`; section `gemms`): the projection GEMMs of every layer with separate and
-fused weights, under XLA's default GEMM code generation and the engine's cuBLAS options,
+fused weights, and fused weights in e4m3 with column scales (`fused_fp8`, what
+`weight_dtype: float8_e4m3fn` serves), under XLA's default GEMM code generation and the engine's cuBLAS options,
 with the elementwise glue of a layer between them (no attention, no norms); us a layer
 against its floor: weight bytes at the copy rate or FLOPs at the bf16 matmul rate measured
 here (`--matmul-tflops` to give one), the larger.
@@ -84,6 +85,7 @@ from jrl.bench.log import log
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
 from jrl.bench.timing import Budget, timeit
 from jrl.bench.trace import start_session, trace_calls, trace_summary
+from jrl.models.fp8 import quantize_columns, scaled_matmul
 from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
@@ -639,13 +641,15 @@ def run_host(args, results) -> int:
 
 # ----------------------------------------------------------------------------- GEMMs
 
-def layer_weights(cfg, key, fused: bool) -> dict:
+def layer_weights(cfg, key, fused: bool, fp8: bool = False) -> dict:
+    """Stacked bf16 kernels per projection; `fp8`: each as `(e4m3 kernel, column scales)`."""
     h, q, kv, f = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes = {"o": (q, h), "down": (f, h)}
     shapes |= {"qkv": (h, q + 2 * kv), "gate_up": (h, 2 * f)} if fused else \
         {"q": (h, q), "k": (h, kv), "v": (h, kv), "gate": (h, f), "up": (h, f)}
     keys = jax.random.split(key, len(shapes))
-    return {n: 0.02 * jax.random.normal(k, (cfg.n_layers, *s), jnp.bfloat16) for (n, s), k in zip(shapes.items(), keys)}
+    w = {n: 0.02 * jax.random.normal(k, (cfg.n_layers, *s), jnp.bfloat16) for (n, s), k in zip(shapes.items(), keys)}
+    return {n: jax.jit(quantize_columns)(x) for n, x in w.items()} if fp8 else w
 
 
 def layers_program(cfg, fused: bool):
@@ -655,20 +659,26 @@ def layers_program(cfg, fused: bool):
     rep = q_dim // kv_dim
 
     def run_layers(x, w):
+        def mm(x, name, layer):  # bf16 kernel, or (e4m3 kernel, column scales) as the model reads it
+            kernel = w[name]
+            if isinstance(kernel, tuple):
+                return scaled_matmul(x, kernel[0][layer], kernel[1][layer])
+            return x @ kernel[layer]
+
         for layer in range(cfg.n_layers):
             if fused:
-                qkv = x @ w["qkv"][layer]
+                qkv = mm(x, "qkv", layer)
                 q, k, v = qkv[:, :q_dim], qkv[:, q_dim:q_dim + kv_dim], qkv[:, q_dim + kv_dim:]
             else:
-                q, k, v = x @ w["q"][layer], x @ w["k"][layer], x @ w["v"][layer]
+                q, k, v = mm(x, "q", layer), mm(x, "k", layer), mm(x, "v", layer)
             attn = q + jnp.tile(k + v, (1, rep))  # stands in for attention: reads q, k and v
-            x = x + attn @ w["o"][layer]
+            x = x + mm(attn, "o", layer)
             if fused:
-                gu = x @ w["gate_up"][layer]
+                gu = mm(x, "gate_up", layer)
                 g, u = gu[:, :f], gu[:, f:]
             else:
-                g, u = x @ w["gate"][layer], x @ w["up"][layer]
-            x = x + (jax.nn.silu(g) * u) @ w["down"][layer]
+                g, u = mm(x, "gate", layer), mm(x, "up", layer)
+            x = x + mm(jax.nn.silu(g) * u, "down", layer)
         return x
 
     return run_layers
@@ -682,12 +692,13 @@ def run_gemms(args, results) -> int:
     log(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
     options = {"default": None, "cublas": executor.CUBLAS_GEMM_OPTIONS}
     rows = csv_ints("1,8" if args.tiny and args.rows == "1,64,128,256" else args.rows)
-    for fused in (False, True):
-        w = layer_weights(cfg, jax.random.key(0), fused)
+    for label, fused, fp8 in (("separate", False, False), ("fused", True, False), ("fused_fp8", True, True)):
+        w = layer_weights(cfg, jax.random.key(0), fused, fp8)
         w_bytes = floors.tree_bytes(w) / cfg.n_layers
+        params_per_layer = sum((k[0] if isinstance(k, tuple) else k).size for k in w.values()) / cfg.n_layers
         for m in rows:
             x = 0.02 * jax.random.normal(jax.random.key(m), (m, cfg.hidden_size), jnp.bfloat16)
-            flops = 2 * m * w_bytes / 2
+            flops = 2 * m * params_per_layer
             floor_s = floors.gemm_floor_s(w_bytes, flops, bandwidth, matmul)
             for opt_name, opts in options.items():
                 if opts and jax.default_backend() != "gpu":
@@ -695,7 +706,7 @@ def run_gemms(args, results) -> int:
                 fn = jax.jit(layers_program(cfg, fused), compiler_options=opts) if opts else \
                     jax.jit(layers_program(cfg, fused))
                 t = timeit(fn, x, w, iters=20, reps=7) / cfg.n_layers
-                results.row("gemms", weights="fused" if fused else "separate", rows=m, options=opt_name,
+                results.row("gemms", weights=label, rows=m, options=opt_name,
                             us_per_layer=1e6 * t, weight_tb_per_s=w_bytes / t / 1e12, tflops=flops / t / 1e12,
                             floor_us=1e6 * floor_s, copy_bandwidth_tb_s=bandwidth / 1e12,
                             matmul_tflops=matmul / 1e12)
