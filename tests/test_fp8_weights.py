@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jrl.config import ConfigError, ModelConfig, ParallelConfig
-from jrl.models import apply, init_params
+from jrl.models import apply, dense_attention, forward, init_params
 from jrl.models.fp8 import E4M3, quantize_columns
 from jrl.models.fused import fuse_projections
 from jrl.models.quantized import quantize_projections
@@ -85,6 +85,24 @@ def test_quantized_model_log_probs_are_close_to_bf16(weights):
     # output, here (logits of std ~2.3) about 0.08 mean and 0.24 max |delta| in nats.
     assert 0 < delta.mean() < 0.15 and delta.max() < 0.5
     assert (fp8.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+
+
+def test_quantized_fused_layout_computes_what_the_quantized_separate_layout_does():
+    # Column scales do not depend on which columns share a kernel: fusing then quantizing
+    # gives the same e4m3 values and scales, so the same model (float32 compute here).
+    config = ModelConfig(qkv_bias=True)
+    params = init(config, jax.random.key(3))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, (2, 10)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(10), tokens.shape)
+
+    def hidden(p, fused):
+        return forward(config, p, tokens, positions, dense_attention(jnp.ones_like(tokens)),
+                       fused_projections=fused).hidden
+
+    separate = hidden(quantize_projections(params), False)
+    fused = hidden(quantize_projections(fuse_projections(config, params)), True)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(separate), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(separate), np.asarray(hidden(params, False)), rtol=1e-3, atol=1e-3)
 
 
 def test_fp8_engine_generates_close_to_the_bf16_engine(weights):
