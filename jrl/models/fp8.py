@@ -15,9 +15,10 @@ dequantized values are the fp8 values exactly (and the CPU result is the fp8 pro
 The scales are constants to differentiation (straight-through), as in every fp8 recipe.
 
 Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q, scale)` reads the
-e4m3 kernel `q [in, out]` (converted to the activations' dtype next to the dot, which XLA
-fuses into its Triton GEMM so the weights cross HBM as fp8) and multiplies the product by
-the per-column scale; `quantize_columns` builds `(q, scale)` from a kernel.
+e4m3 kernel `q [in, out]` (converted to the activations' dtype next to the dot, a convert
+XLA's Triton GEMM fusions can take in, so the weights cross HBM as fp8; `jrl bench decode
+--gemms` measures it) and multiplies the product by the per-column scale;
+`quantize_columns` builds `(q, scale)` from a kernel.
 """
 
 from __future__ import annotations
