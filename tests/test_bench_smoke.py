@@ -140,6 +140,17 @@ def test_train_loss_steps_trains_each_matmul_dtype_on_the_same_data(tmp_path):
     assert not section(rows, "jrl")
 
 
+def test_decode_vs_bf16_runs_a_bf16_engine_then_the_fp8_weights_one(tmp_path):
+    rows = bench(tmp_path, "decode", "--batches", "1", "--vs-bf16", "--engine",
+                 json.dumps({"weight_dtype": "float8_e4m3fn"}))
+    bf16, fp8 = section(rows, "engine")
+    assert (bf16["precision"], bf16["weight_dtype"], bf16["engine"]) == ("bfloat16", "bfloat16", {})
+    assert (fp8["precision"], fp8["weight_dtype"]) == ("weight_dtype=float8_e4m3fn", "float8_e4m3fn")
+    positive(fp8, "decode_tokens_per_s", "speedup_vs_bf16")
+    assert fp8["floor_ms"] < bf16["floor_ms"]  # the served projection kernels are half the bytes
+    assert "speedup_vs_bf16" not in bf16
+
+
 def test_decode_drift_compares_fp8_weights_with_bf16_against_the_trainer(tmp_path):
     rows = bench(tmp_path, "decode", "--drift", "--drift-prompts", "2", "--engine",
                  json.dumps({"weight_dtype": "float8_e4m3fn"}))

@@ -58,6 +58,8 @@ tokens, `--new` tokens each.
 
 Engine rows name the served weight dtype (`weight_dtype`: bfloat16, or float8_e4m3fn with
 `--engine '{"weight_dtype": "float8_e4m3fn"}'`); their floor counts the served bytes.
+`--vs-bf16` runs every batch size on a bf16 engine first (the `--engine` overrides without
+`weight_dtype`/`kv_dtype`), then with the overrides, giving those rows `speedup_vs_bf16`.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def add_arguments(p) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--engine", type=json.loads, default={},
                    help='EngineConfig fields over the defaults, e.g. \'{"prefix_cache": true, "overlap": false}\'')
+    p.add_argument("--vs-bf16", action="store_true", help="engine mode: a bf16 engine first, then the --engine "
+                   "precision overrides (weight_dtype, kv_dtype), rows with speedup_vs_bf16")
     p.add_argument("--tuning", type=json.loads, default={},
                    help='TuningOverrides fields over the backend defaults, e.g. \'{"decode_steps_per_call": 1}\'')
     p.add_argument("--budget-s", type=float, default=1e9, help="skip batch sizes once this much time is spent")
@@ -334,32 +338,43 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
 def run_engine(args, results, cfg, params, bandwidth: float) -> int:
     budget = Budget(args.budget_s)
     batches = csv_ints(args.batches or "1,16,64,128,256")
-    econf = engine_config(max(batches), args.prompt, args.new, args.page_size, args.engine)
     tuning = TuningOverrides(**args.tuning)
-    engine = Engine(cfg, params, econf, tuning=tuning)
     common = dict(prompt=args.prompt, new=args.new, params=count_params(params),
-                  copy_bandwidth_tb_s=bandwidth / 1e12, engine=args.engine, tuning=args.tuning,
+                  copy_bandwidth_tb_s=bandwidth / 1e12, tuning=args.tuning,
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
+    # --vs-bf16: the bf16 engine first, then the --engine precision overrides, same run
+    settings = drift.settings(args.engine) if args.vs_bf16 else [(None, args.engine)]
+    bf16_tps: dict[int, float] = {}
     failed = 0
-    for b in batches:
-        if budget.spent():
-            results.row("engine", batch=b, skipped="time budget", **common)
-            continue
-        try:
-            row = engine_batch(engine, params, b, args.prompt, args.new, bandwidth, args.replay_steps, args.trace_dir)
-        except Exception:  # noqa: BLE001 - record, keep the other sizes
-            log(traceback.format_exc())
-            row = {"batch": b, "error": traceback.format_exc()[-1500:]}
-            failed += 1
-            if econf.attention_impl == "auto" and failed == 1 and b == batches[0]:
-                # The first size failed: carry on with the pure-jnp attention so the other
-                # numbers still come (labelled), instead of failing every size.
-                econf = dataclasses.replace(econf, attention_impl="reference")
-                del engine
-                engine = Engine(cfg, params, econf, tuning=tuning)
-        results.row("engine", attention_impl=econf.attention_impl, weight_dtype=econf.weight_dtype or "bfloat16",
-                    **row, **common)
-    del params, engine
+    for label, overrides in settings:
+        econf = engine_config(max(batches), args.prompt, args.new, args.page_size, overrides)
+        engine = Engine(cfg, params, econf, tuning=tuning)
+        tagged = dict(common, engine=overrides, **({"precision": label} if label else {}))
+        for b in batches:
+            if budget.spent():
+                results.row("engine", batch=b, skipped="time budget", **tagged)
+                continue
+            try:
+                row = engine_batch(engine, params, b, args.prompt, args.new, bandwidth, args.replay_steps,
+                                   args.trace_dir)
+            except Exception:  # noqa: BLE001 - record, keep the other sizes
+                log(traceback.format_exc())
+                row = {"batch": b, "error": traceback.format_exc()[-1500:]}
+                failed += 1
+                if econf.attention_impl == "auto" and failed == 1 and b == batches[0]:
+                    # The first size failed: carry on with the pure-jnp attention so the other
+                    # numbers still come (labelled), instead of failing every size.
+                    econf = dataclasses.replace(econf, attention_impl="reference")
+                    del engine
+                    engine = Engine(cfg, params, econf, tuning=tuning)
+            if label == "bfloat16" and "decode_tokens_per_s" in row:
+                bf16_tps[b] = row["decode_tokens_per_s"]
+            elif label and b in bf16_tps and "decode_tokens_per_s" in row:
+                row["speedup_vs_bf16"] = row["decode_tokens_per_s"] / bf16_tps[b]
+            results.row("engine", attention_impl=econf.attention_impl, weight_dtype=econf.weight_dtype or "bfloat16",
+                        **row, **tagged)
+        del engine
+    del params
     if args.torch:
         for r in torch_ref.run("generate", ROLLOUT_082B, [
                 "--batches", args.torch_batches, "--compiled-batches", args.torch_compiled, "--prompt",
@@ -367,14 +382,14 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
                 args.torch_timeout_s):
             results.row("transformers", framework="transformers", prompt=args.prompt, new=args.new, **r)
     results.table([("batch", "batch"), ("weight_dtype", "weights"), ("steps_per_call", "steps/call"),
-                   ("decode_tokens_per_s", "decode tok/s"),
+                   ("decode_tokens_per_s", "decode tok/s"), ("speedup_vs_bf16", "x bf16"),
                    ("e2e_tokens_per_s", "e2e tok/s"), ("prefill_s", "prefill s"), ("step_ms", "step ms"),
                    ("device_step_ms", "device ms"), ("floor_ms", "floor ms"), ("step_over_floor", "x floor"),
                    ("host_gap_pct", "gap %"), ("host_ms_per_decode_step", "host ms"), ("gc_ms", "gc ms")],
                   "engine", f"engine decode, prompt {args.prompt}, new {args.new} greedy")
     results.table([("batch", "batch"), ("compiled", "compiled"), ("decode_tokens_per_s", "decode tok/s"),
                    ("tokens_per_s", "e2e tok/s"), ("step_ms", "step ms")], "transformers", "transformers generate")
-    return 1 if failed == len(batches) else 0
+    return 1 if failed == len(batches) * len(settings) else 0
 
 
 # ----------------------------------------------------------------------------- drift
