@@ -54,6 +54,10 @@ class EngineConfig:
     records the version that sampled it; see `Engine.update_weights`). attention_impl:
     `pallas_kernels` implementation. overlap: schedule step n+1 while step n runs and read
     sampled tokens one step late. seed: derives the sampling seed of requests without one.
+    weight_dtype: None serves the weights in the dtype handed over; "float8_e4m3fn" serves
+    the projection kernels in e4m3 with per-output-channel float32 scales, rebuilt from the
+    handed-over weights at construction and each `update_weights` (`jrl.models.quantized`;
+    embedding and LM head stay as handed over; one device only, no mesh).
     """
 
     page_size: int = 16
@@ -71,6 +75,7 @@ class EngineConfig:
     attention_impl: Literal["auto", "reference", "pallas", "interpret"] = "auto"
     overlap: bool = True
     seed: int = 0
+    weight_dtype: Literal["float8_e4m3fn"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -95,6 +100,8 @@ class EngineConfig:
                f"must be 'finish', 'restart' or 'continue', got {self.on_weight_update!r}")
         check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "engine.attention_impl",
                f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
+        check(self.weight_dtype in (None, "float8_e4m3fn"), "engine.weight_dtype",
+              f"must be None (the weights as handed over) or 'float8_e4m3fn', got {self.weight_dtype!r}")
 
     @property
     def n_slots(self) -> int:

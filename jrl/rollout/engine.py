@@ -34,6 +34,8 @@ params: see `jrl.rollout.sharding` for what lives where.
 With `fuse_projections` (`jrl.rollout.tuning`; on by default on GPU) the engine serves a
 private copy in the fused layout (`jrl.models.fused`), built from the params it is handed at
 construction and at each `update_weights`; callers always hand over the separate layout.
+With `EngineConfig.weight_dtype="float8_e4m3fn"` that private copy (fused or not) has its
+projection kernels in e4m3 with per-column scales (`jrl.models.quantized`), rebuilt likewise.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jrl.compile_cache import enable_compilation_cache
-from jrl.config import ModelConfig
+from jrl.config import ModelConfig, check
 from jrl.models.fused import fuse_projections
+from jrl.models.quantized import quantize_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import EngineConfig, bucket, pow2_at_least
@@ -116,6 +119,8 @@ class Engine:
         _check_finite(params, "Engine: refusing to serve them")
         self.model_config = model_config
         self.config = config = config or EngineConfig()
+        check(mesh is None or config.weight_dtype is None, "engine.weight_dtype",
+              f"{config.weight_dtype!r} weights are served on one device; leave it None with a mesh")
         self.sharding: EngineSharding | None = None if mesh is None else engine_sharding(model_config, mesh)
         self.tuning = resolve_tuning(jax.default_backend(), model_config, config, tuning,
                                      tensor_parallel=self.sharding is not None)
@@ -518,7 +523,8 @@ class Engine:
         the first such leaf); after a refusal the engine still serves the old version. With a mesh, params in the engine's layout
         are used by reference; others are re-sharded (copied) onto it first. With
         `tuning.fuse_projections`, the fused copy is rebuilt (one concatenation of the q/k/v and
-        gate/up weights; the previous copy is released first)."""
+        gate/up weights; the previous copy is released first); with `weight_dtype`
+        float8_e4m3fn, so is the quantized copy."""
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise ValueError(f"version: must be an integer, got {version!r}")
         version = int(version)
@@ -588,10 +594,13 @@ class Engine:
         return self.radix.drop_versions_except(-1)  # versions are >= 0: none is kept
 
     def _served(self, params: dict) -> dict:
-        """The params as the steps read them: placed on the mesh, or fused, or as given."""
+        """The params as the steps read them: placed on the mesh, or fused and/or quantized
+        to fp8, or as given."""
         if self.sharding is not None:
             return self.sharding.place(params)
-        return fuse_projections(self.model_config, params) if self.tuning.fuse_projections else params
+        if self.tuning.fuse_projections:
+            params = fuse_projections(self.model_config, params)
+        return quantize_projections(params) if self.config.weight_dtype == "float8_e4m3fn" else params
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or
