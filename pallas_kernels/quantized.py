@@ -64,15 +64,9 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return n_layers, hkv, n_slots
 
 
-def zeros(shape: tuple[int, ...], device=None) -> QuantizedKV:
-    """An empty fp8 buffer of `shape` (`device`: a sharding of the 4D data; the scales get
-    the same split over heads)."""
-    scale_device = device
-    if device is not None and hasattr(device, "spec"):
-        spec = tuple(device.spec) + (None,) * (4 - len(device.spec))
-        scale_device = jax.sharding.NamedSharding(device.mesh, jax.sharding.PartitionSpec(spec[0], spec[2], spec[1]))
-    return QuantizedKV(jnp.zeros(shape, FP8, device=device),
-                       jnp.ones(scale_shape(shape), jnp.float32, device=scale_device))
+def zeros(shape: tuple[int, ...]) -> QuantizedKV:
+    """An empty fp8 buffer of `shape` `[L, S, Hkv, D]` (scales 1)."""
+    return QuantizedKV(jnp.zeros(shape, FP8), jnp.ones(scale_shape(shape), jnp.float32))
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Literal
 
 from jrl.config import ModelConfig, check, from_dict
+from pallas_kernels.quantized import KV_DTYPES
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -50,6 +51,9 @@ class EngineConfig:
     them (abort, discard their tokens, re-queue) under the new weights. attention_impl:
     `pallas_kernels` implementation. overlap: schedule step n+1 while step n runs and read
     sampled tokens one step late. seed: derives the sampling seed of requests without one.
+    kv_dtype: storage of the KV cache: None (the model's dtype) or "float8_e4m3fn" (fp8
+    with a float32 scale per token and KV head: half the bytes of bf16; the Mosaic GPU
+    kernels read it when page_size is a multiple of 32, see docs/kernels.md).
     """
 
     page_size: int = 16
@@ -67,6 +71,7 @@ class EngineConfig:
     attention_impl: Literal["auto", "reference", "pallas", "interpret"] = "auto"
     overlap: bool = True
     seed: int = 0
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -91,6 +96,8 @@ class EngineConfig:
                f"must be 'finish' or 'restart', got {self.on_weight_update!r}")
         check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "engine.attention_impl",
                f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
+        check(self.kv_dtype is None or self.kv_dtype in KV_DTYPES, "engine.kv_dtype",
+              f"must be null (the model's dtype) or one of {'/'.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
     @property
     def n_slots(self) -> int:
