@@ -294,7 +294,8 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
     # prefilled in an earlier chunk started decoding earlier, so mid-run the batch's
     # lengths spread over up to a chunk's worth of steps (not all at prompt + new / 2).
     kv_tokens = int(layout.int_packing.views(ints)["kv_lens"].sum()) / layout.steps
-    floor_s = floors.decode_step_floor_s(floors.tree_bytes(params), kv_tokens, cfg, bandwidth)
+    floor_s = floors.decode_step_floor_s(floors.tree_bytes(params), kv_tokens, cfg, bandwidth,
+                                         engine.config.kv_dtype)
     steps = max(1, stats.decode_device_steps)
     return {
         "batch": batch, "decode_tokens_per_s": batch / step_s, "e2e_tokens_per_s": batch * new / run["total_s"],
@@ -323,6 +324,7 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
     engine = Engine(cfg, params, econf, tuning=tuning)
     common = dict(prompt=args.prompt, new=args.new, params=count_params(params),
                   copy_bandwidth_tb_s=bandwidth / 1e12, engine=args.engine, tuning=args.tuning,
+                  kv_dtype=econf.kv_dtype or cfg.dtype,
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
     failed = 0
     for b in batches:
