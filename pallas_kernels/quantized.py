@@ -78,6 +78,12 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x / scale[..., None]).astype(FP8), scale
 
 
+def from_array(buf: jax.Array) -> QuantizedKV:
+    """A whole `[L, S, Hkv, D]` buffer quantized (tests and benchmarks build fp8 caches so)."""
+    data, scale = quantize(buf)
+    return QuantizedKV(data, jnp.moveaxis(scale, 2, 1))
+
+
 def dequantize(data: jax.Array, scale: jax.Array) -> jax.Array:
     """float32 `data * scale` (scale broadcast over the last axis of data)."""
     return data.astype(jnp.float32) * scale[..., None]

@@ -37,13 +37,8 @@ def fp8_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2):
     shape = (n_layers, n_pages * ps, hkv, d)
     kb = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     vb = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-
-    def to_fp8(buf):
-        data, scale = quantized.quantize(buf)
-        return QuantizedKV(data, jnp.moveaxis(scale, 2, 1))
-
     pt = jnp.asarray(rng.permutation(n_pages)[: n_req * pages].reshape(n_req, pages), jnp.int32)
-    return (kb, vb), (to_fp8(kb), to_fp8(vb)), pt
+    return (kb, vb), (quantized.from_array(kb), quantized.from_array(vb)), pt
 
 
 def test_write_kv_quantizes_rows_and_reads_them_back_within_e4m3_rounding():
@@ -172,21 +167,22 @@ MODEL = ModelConfig(dtype="bfloat16", hidden_size=128, n_heads=4, n_kv_heads=2, 
 def test_fp8_engine_generates_with_logprobs_close_to_the_bf16_engine():
     params = jax.jit(init_params, static_argnums=0)(MODEL, jax.random.key(0))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (5, 17, 30)]
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (5, 9, 17, 23, 30, 41)]
 
     def run(kv_dtype):
-        engine = Engine(MODEL, params, EngineConfig(page_size=32, n_pages=16, max_batch=4, max_tokens_per_step=128,
+        engine = Engine(MODEL, params, EngineConfig(page_size=32, n_pages=16, max_batch=8, max_tokens_per_step=128,
                                                     max_seq_len=96, kv_dtype=kv_dtype))
-        return engine, engine.generate(prompts, GREEDY, max_new_tokens=16)
+        return engine, engine.generate(prompts, GREEDY, max_new_tokens=8)
 
     engine, fp8 = run("float8_e4m3fn")
     assert isinstance(engine.kv.k, QuantizedKV) and engine.kv.k.data.dtype == jnp.float8_e4m3fn
     _, base = run(None)
     diffs = []
     for a, b in zip(base, fp8):
-        assert len(b.tokens) == 16 and np.isfinite(b.model_logprobs).all()
+        assert len(b.tokens) == 8 and np.isfinite(b.model_logprobs).all()
         same = np.cumprod(a.tokens == b.tokens).astype(bool)  # up to the first differing token
         diffs.append(np.abs(a.model_logprobs - b.model_logprobs)[same])
     d = np.concatenate(diffs)
-    assert d.size >= 8  # the greedy paths agree for a while
-    assert d.mean() < 0.05 and d.max() < 0.3
+    # Measured: 30 of 48 tokens before the first disagreement, mean |d| 0.040, max 0.160.
+    assert d.size >= 20
+    assert d.mean() < 0.08 and d.max() < 0.3

@@ -43,6 +43,16 @@ dispatch + readback), wait; medians over the steady decode steps, best of `--rep
 `--profile`: cProfile top list at `--profile-batch`; `--digest`: checksums of the tokens
 and logprobs.
 
+KV drift (`--kv-drift`; section `kv_drift`): what a quantized KV cache changes. Two
+engines (`--engine` settings; one with the model's KV dtype, one with `--drift-kv-dtype`)
+generate `--drift-new` tokens for each of `--drift-prompts` random prompts of `--prompt`
+tokens, sampled at temperature 1 with one seed per prompt (the same Gumbel noise in both,
+so the paths part only where the changed logits flip a draw). Over the tokens before a
+prompt's first differing token: mean / p99 / max |model logprob difference|; `agreement`:
+the share of all tokens that come before the first difference; `identical`: prompts whose
+whole completion is the same. Random weights by default (`--drift-init hf:<dir>`: a
+checkpoint's, whose peaked distributions are the realistic case).
+
 GEMMs (`--gemms`; section `gemms`): the projection GEMMs of every layer with separate and
 fused weights, under XLA's default GEMM code generation and the engine's cuBLAS options,
 with the elementwise glue of a layer between them (no attention, no norms); us a layer
@@ -80,12 +90,13 @@ from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
-from jrl.rollout.sampling import GREEDY
+from jrl.rollout.sampling import GREEDY, SamplingParams
+from jrl.serve.loading import load_served
 from jrl.rollout.tuning import TuningOverrides
 from pallas_kernels import dispatch, reference
 from pallas_kernels.tuning import DecodeTuning
 
-MODES = ("step_only", "ab", "host", "gemms")
+MODES = ("step_only", "ab", "host", "gemms", "kv_drift")
 
 
 def add_arguments(p) -> None:
@@ -95,6 +106,13 @@ def add_arguments(p) -> None:
                       f"comma list of {','.join(VARIANTS)}")
     mode.add_argument("--host", action="store_true", help="the engine's host time per decode step (CPU)")
     mode.add_argument("--gemms", action="store_true", help="the projection GEMMs of a decode layer")
+    mode.add_argument("--kv-drift", action="store_true",
+                      help="logprob drift and sample agreement of a quantized KV cache against the model's dtype")
+    g = p.add_argument_group("--kv-drift")
+    g.add_argument("--drift-kv-dtype", default="float8_e4m3fn", help="the EngineConfig.kv_dtype compared")
+    g.add_argument("--drift-prompts", type=int, default=32)
+    g.add_argument("--drift-new", type=int, default=64)
+    g.add_argument("--drift-init", default=None, help="hf:<dir> weights (default: random)")
     p.add_argument("--batches", default=None,
                    help="batch sizes (default: engine 1,16,64,128,256; --ab 256; --host 1,16,64,256)")
     p.add_argument("--prompt", type=int, default=512)
@@ -158,6 +176,8 @@ def run(args, results) -> int:
         return run_ab(args, results, cfg, params, bandwidth)
     if mode == "step_only":
         return run_step_only(args, results, cfg, params, bandwidth)
+    if mode == "kv_drift":
+        return run_kv_drift(args, results, cfg, params)
     return run_engine(args, results, cfg, params, bandwidth)
 
 
@@ -359,6 +379,50 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
     results.table([("batch", "batch"), ("compiled", "compiled"), ("decode_tokens_per_s", "decode tok/s"),
                    ("tokens_per_s", "e2e tok/s"), ("step_ms", "step ms")], "transformers", "transformers generate")
     return 1 if failed == len(batches) else 0
+
+
+# ----------------------------------------------------------------------------- kv drift
+
+def kv_drift(base: list, other: list) -> dict:
+    """Completions of the same seeded requests under two engines -> the drift of `other`'s
+    model logprobs over each request's tokens before its first differing token."""
+    diffs, before, total, identical = [], 0, 0, 0
+    for a, b in zip(base, other):
+        n = min(len(a.tokens), len(b.tokens))
+        same = np.cumprod(a.tokens[:n] == b.tokens[:n]).astype(bool)
+        diffs.append(np.abs(a.model_logprobs[:n] - b.model_logprobs[:n])[same])
+        before += int(same.sum())
+        total += len(a.tokens)
+        identical += int(same.all() and len(a.tokens) == len(b.tokens))
+    d = np.concatenate(diffs) if diffs else np.zeros(0)
+    stats = dict(mean_abs=float(d.mean()), p99_abs=float(np.quantile(d, 0.99)), max_abs=float(d.max())) if d.size else {}
+    return dict(tokens_compared=int(d.size), agreement=before / max(total, 1), identical=identical, **stats)
+
+
+def run_kv_drift(args, results, cfg, params) -> int:
+    if args.drift_init:
+        served = load_served(args.drift_init)
+        cfg, params = served.model_config, served.params
+    n, new = (min(args.drift_prompts, 2), min(args.drift_new, 8)) if args.tiny else (args.drift_prompts, args.drift_new)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (n, args.prompt), dtype=np.int32)
+    sampling = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
+    runs = {}
+    for kv_dtype in (None, args.drift_kv_dtype):
+        econf = engine_config(n, args.prompt, new, args.page_size, {**args.engine, "kv_dtype": kv_dtype})
+        engine = Engine(cfg, params, econf, tuning=TuningOverrides(**args.tuning))
+        for p, s in zip(prompts, sampling):
+            engine.add_request(p, s, max_new_tokens=new)
+        done = engine.run()
+        runs[kv_dtype] = sorted(done, key=lambda c: c.request_id)
+        del engine
+    row = kv_drift(runs[None], runs[args.drift_kv_dtype])
+    results.row("kv_drift", kv_dtype=args.drift_kv_dtype, base_kv_dtype=cfg.dtype, prompts=n, prompt=args.prompt,
+                new=new, page_size=args.page_size, weights=args.drift_init or "random", engine=args.engine, **row)
+    results.table([("kv_dtype", "kv dtype"), ("tokens_compared", "tokens"), ("mean_abs", "mean |d|"),
+                   ("p99_abs", "p99 |d|"), ("max_abs", "max |d|"), ("agreement", "agreement"),
+                   ("identical", "identical")], "kv_drift", f"model logprob drift vs {cfg.dtype} KV")
+    return 0 if row["tokens_compared"] else 1
 
 
 # ----------------------------------------------------------------------------- step only
