@@ -64,9 +64,24 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return n_layers, hkv, n_slots
 
 
-def zeros(shape: tuple[int, ...]) -> QuantizedKV:
-    """An empty fp8 buffer of `shape` `[L, S, Hkv, D]` (scales 1)."""
-    return QuantizedKV(jnp.zeros(shape, FP8), jnp.ones(scale_shape(shape), jnp.float32))
+def scale_sharding(data_sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+    """The scales' sharding for data laid out by `data_sharding` (`[L, S, Hkv, D]` ->
+    `[L, Hkv, S]`: a split over kv heads stays one)."""
+    spec = tuple(data_sharding.spec) + (None,) * (4 - len(data_sharding.spec))
+    return jax.sharding.NamedSharding(data_sharding.mesh, jax.sharding.PartitionSpec(spec[0], spec[2], spec[1]))
+
+
+def shardings(data_sharding: jax.sharding.NamedSharding) -> QuantizedKV:
+    """A `QuantizedKV` of the data's and the scales' shardings (a jit `out_shardings` leaf)."""
+    return QuantizedKV(data_sharding, scale_sharding(data_sharding))
+
+
+def zeros(shape: tuple[int, ...], sharding: jax.sharding.NamedSharding | None = None) -> QuantizedKV:
+    """An empty fp8 buffer of `shape` `[L, S, Hkv, D]` (scales 1), laid out by `sharding`
+    (of the data; None: the default device)."""
+    return QuantizedKV(jnp.zeros(shape, FP8, device=sharding),
+                       jnp.ones(scale_shape(shape), jnp.float32,
+                                device=None if sharding is None else scale_sharding(sharding)))
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:

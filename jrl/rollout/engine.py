@@ -125,9 +125,6 @@ class Engine:
         self.req_to_token = ReqToTokenPool(config.max_batch, config.max_pages_per_request(model_config), ps)
         self.cache = TaskCacheManager(self.pool, self.req_to_token, self.radix)
         self.scheduler = Scheduler(config, self.cache, self.tuning.multi_step_max_rows)
-        if config.kv_dtype is not None and self.sharding is not None:
-            raise ValueError("engine.kv_dtype: fp8 KV buffers run on one device; tensor-parallel "
-                             "engines keep the model's dtype (leave kv_dtype null)")
         self.kv = KVStorage(model_config, config.n_slots, config.kv_dtype,
                             sharding=None if self.sharding is None else self.sharding.kv)
         self._token_buckets = config.resolved_token_buckets
@@ -137,7 +134,7 @@ class Engine:
         self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
                                            self.tuning.unroll_layers, self.tuning.cublas_decode_rows,
-                                           self.tuning.fuse_projections)
+                                           self.tuning.fuse_projections, config.kv_dtype)
         self._zero_slots = jax.jit(_zero_slots, donate_argnums=(0, 1), out_shardings=(
             self.kv.k.sharding, None if self.kv.v is None else self.kv.v.sharding))
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,

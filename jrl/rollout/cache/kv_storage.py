@@ -35,11 +35,9 @@ class KVStorage:
                  sharding: NamedSharding | None = None) -> None:
         k_shape, v_shape = kv_shapes(config, n_slots)
         if dtype in KV_DTYPES:
-            if sharding is not None:
-                raise ValueError("KVStorage: fp8 buffers are not split over devices (no sharding)")
             self.dtype = jnp.dtype(dtype)
-            self.k: jax.Array | QuantizedKV = quantized.zeros(k_shape)
-            self.v = None if v_shape is None else quantized.zeros(v_shape)
+            self.k: jax.Array | QuantizedKV = quantized.zeros(k_shape, sharding)
+            self.v = None if v_shape is None else quantized.zeros(v_shape, sharding)
             return
         self.dtype = dtype_of(dtype or config.dtype)
         self.k = jnp.zeros(k_shape, self.dtype, device=sharding)
