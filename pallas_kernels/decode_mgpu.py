@@ -269,11 +269,11 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     acc_shape = (d, rows) if keys_as_rows else (rows, d)
 
     def attend(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile):
-        """`k_tile(i)` / `v_tile(i, n_valid)` wait for block i and give the tile the tensor
-        cores read (V with its rows `>= n_valid` zeroed); `k_done` / `v_done` release it."""
         """Online softmax over the item's key blocks -> (O or O^T, m, l) per query. With
         keys as rows the sums of P are kept per element, so that they are reduced across
-        the warps once at the end rather than once a block."""
+        the warps once at the end rather than once a block. `k_tile(i)` / `v_tile(i,
+        n_valid)` wait for block i and give the tile the tensor cores read (V with its rows
+        `>= n_valid` zeroed); `k_done` / `v_done` release its ring slot."""
         m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
                                 plgpu.Layout.WGMMA.reduce(key_axis))
         l_i = (plgpu.layout_cast(jnp.full(score_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)

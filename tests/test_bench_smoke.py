@@ -114,6 +114,14 @@ def test_decode_engine_rows_name_an_fp8_kv_dtype(tmp_path):
     positive(r, "decode_tokens_per_s", "floor_ms")
 
 
+def test_decode_step_only_replays_the_program_on_fp8_kv(tmp_path):
+    rows = bench(tmp_path, "decode", "--step-only", "--batches", "2", "--page-size", "32",
+                 "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
+    (r,) = section(rows, "step_only")
+    assert r["kv_dtype"] == "float8_e4m3fn" and r["page_size"] == 32
+    positive(r, "device_step_ms", "floor_ms", "tokens_per_s")
+
+
 def test_decode_kv_drift_compares_fp8_with_the_model_dtype(tmp_path):
     rows = bench(tmp_path, "decode", "--kv-drift", "--page-size", "32")
     (r,) = section(rows, "kv_drift")

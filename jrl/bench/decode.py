@@ -23,7 +23,8 @@ measured in the same process) and the host's own ms per step. `--torch`: transfo
 the replayed call kernel by kernel and 20 calls of the engine's own loop, summarised.
 
 Step only (`--step-only`; section `step_only`): the engine's decode program under the
-backend's default tuning on a synthetic batch (every request at prompt + new/2, random KV).
+backend's default tuning on a synthetic batch (every request at prompt + new/2, random KV;
+quantized when `--engine` names a `kv_dtype`).
 
 A/B (`--ab V1,V2,...`; section `ab`): the engine's decode program compiled with one
 function swapped while it traces, on the synthetic batch; all variants compile first, then
@@ -430,6 +431,7 @@ def run_kv_drift(args, results, cfg, params) -> int:
 def run_step_only(args, results, cfg, params, bandwidth: float) -> int:
     budget = Budget(args.budget_s)
     context = args.prompt + args.new // 2
+    kv_dtype = args.engine.get("kv_dtype")
     for b in csv_ints(args.batches or "1,16,64,128,256"):
         if budget.spent():
             results.row("step_only", batch=b, skipped="time budget")
@@ -437,10 +439,12 @@ def run_step_only(args, results, cfg, params, bandwidth: float) -> int:
         try:
             fn, fused, unroll = default_decode_program(cfg, args.page_size, b)
             p = fuse_projections(cfg, params) if fused else params
-            case = Case(fn, p, *synthetic_batch(cfg, b, context, args.page_size, seed=b, aligned=unroll))
+            case = Case(fn, p, *synthetic_batch(cfg, b, context, args.page_size, seed=b, aligned=unroll,
+                                                kv_dtype=kv_dtype))
             step_s, first_s = replay(case, args.replay_steps)
-            floor_s = floors.decode_step_floor_s(floors.tree_bytes(p), b * context, cfg, bandwidth)
-            results.row("step_only", batch=b, context=context, device_step_ms=1e3 * step_s, floor_ms=1e3 * floor_s,
+            floor_s = floors.decode_step_floor_s(floors.tree_bytes(p), b * context, cfg, bandwidth, kv_dtype)
+            results.row("step_only", batch=b, context=context, kv_dtype=kv_dtype or cfg.dtype,
+                        page_size=args.page_size, device_step_ms=1e3 * step_s, floor_ms=1e3 * floor_s,
                         step_over_floor=step_s / floor_s, tokens_per_s=b / step_s, first_call_s=first_s,
                         xla_flags=os.environ.get("XLA_FLAGS", ""))
         except Exception:  # noqa: BLE001 - record, keep the other sizes
