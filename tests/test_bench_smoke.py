@@ -89,6 +89,26 @@ def test_prefill_reports_tokens_per_second_against_the_compute_floor(tmp_path):
     positive(r, "prefill_tokens_per_s", "tflops", "floor_ms", "flops_per_token")
 
 
+def test_generate_times_the_first_call_cold_and_warm_and_compares_configs(tmp_path):
+    # Two fresh processes on one cache directory: the second reads the first's programs.
+    rows = bench(tmp_path, "generate", "--batches", "2", "--cache-dir", str(tmp_path / "cache"))
+    cold, warm = section(rows, "first_call")
+    assert (cold["cache"], warm["cache"]) == ("cold", "warm") and cold["batch"] == warm["batch"] == 2
+    assert cold["programs_from_cache"] == 0 and cold["programs_compiled"] > 0
+    assert warm["programs_from_cache"] > 0 and warm["cache_dir"] == cold["cache_dir"]
+    assert cold["max_tokens_per_step"] == 64  # 2 x 24 prompt tokens, rounded up
+    for r in (cold, warm):
+        positive(r, "first_call_s", "process_s", "init_s")
+    (default,) = section(rows, "default")
+    positive(default, "e2e_tokens_per_s", "prefill_s", "prefill_tokens_per_s")
+    tuned = section(rows, "tuned")
+    assert [r["max_tokens_per_step"] for r in tuned] == [8192, 32768]
+    for r in tuned:
+        assert r["tuned"] == {"max_tokens_per_step": r["max_tokens_per_step"]}
+        assert r["programs_compiled"] == 0  # the same step programs as the default config's
+        positive(r, "e2e_tokens_per_s", "vs_default")
+
+
 def test_kernels_check_and_decode_in_interpret_mode(tmp_path):
     rows = bench(tmp_path, "kernels", "--check", "--decode", "--check-kinds", "decode")
     (check,) = section(rows, "check")

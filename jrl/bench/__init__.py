@@ -4,7 +4,8 @@ Stages (one module each) share the helpers of this package: `timing` (device-syn
 timers, medians), `floors` (the bytes and FLOPs a step must move, the device ceilings they
 are divided by), `results` (the JSON row writer and the table printed last), `torch_ref`
 (the transformers / PyTorch comparison, `torch_worker` run in a subprocess), `shapes` (the
-benchmark models), `decode_program` (the engine's decode program on a synthetic batch) and
+benchmark models), `decode_program` (the engine's decode program on a synthetic batch), `generate_worker`
+(one fresh process of the `generate` stage) and
 `trace` (profiler summaries). Only the `jrl` console script (jrl/cli.py) imports it.
 """
 
@@ -16,6 +17,7 @@ STAGES = {
     "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
     "grpo": "one synchronous GRPO step, phase by phase (generation .. weight sync)",
     "bandwidth": "device ceilings the floors use: HBM stream rates, the bf16 matmul rate",
+    "generate": "first generate() call of a fresh process (cold / warm cache), default vs tuned config",
     "serve": "jrl serve under load: requests/s, output tok/s over HTTP vs the in-process engine",
 }
 UNAVAILABLE: dict[str, str] = {}
