@@ -122,6 +122,37 @@ def test_kernels_check_and_decode_in_interpret_mode(tmp_path):
     assert "stock_tb_per_s" in dec or "stock_error" in dec  # the stock kernel is GPU only
 
 
+def test_kernels_check_runs_on_fp8_buffers(tmp_path):
+    rows = bench(tmp_path, "kernels", "--check", "--kv-dtype", "float8_e4m3fn", "--check-kinds", "decode")
+    (check,) = section(rows, "check")
+    assert check["kv_dtype"] == "float8_e4m3fn" and check["page_size"] == 32
+    assert check["ok"] and check["nans"] == 0 and check["rel_err"] < 1e-2
+
+
+def test_decode_engine_rows_name_an_fp8_kv_dtype(tmp_path):
+    rows = bench(tmp_path, "decode", "--batches", "2", "--page-size", "32",
+                 "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
+    (r,) = section(rows, "engine")
+    assert r["kv_dtype"] == "float8_e4m3fn" and r["completions"] == 2
+    positive(r, "decode_tokens_per_s", "floor_ms")
+
+
+def test_decode_step_only_replays_the_program_on_fp8_kv(tmp_path):
+    rows = bench(tmp_path, "decode", "--step-only", "--batches", "2", "--page-size", "32",
+                 "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
+    (r,) = section(rows, "step_only")
+    assert r["kv_dtype"] == "float8_e4m3fn" and r["page_size"] == 32
+    positive(r, "device_step_ms", "floor_ms", "tokens_per_s")
+
+
+def test_decode_kv_drift_compares_fp8_with_the_model_dtype(tmp_path):
+    rows = bench(tmp_path, "decode", "--kv-drift", "--page-size", "32")
+    (r,) = section(rows, "kv_drift")
+    assert r["kv_dtype"] == "float8_e4m3fn" and r["prompts"] == 2 and r["new"] == 8
+    assert 0 < r["tokens_compared"] <= 16 and 0 < r["agreement"] <= 1
+    assert 0 <= r["mean_abs"] <= r["p99_abs"] <= r["max_abs"] < 1
+
+
 def test_grpo_times_every_phase(tmp_path):
     rows = bench(tmp_path, "grpo", "--steps", "2")
     assert [r["step"] for r in section(rows, "step")] == [0, 1]

@@ -24,7 +24,8 @@ measured in the same process) and the host's own ms per step. `--torch`: transfo
 the replayed call kernel by kernel and 20 calls of the engine's own loop, summarised.
 
 Step only (`--step-only`; section `step_only`): the engine's decode program under the
-backend's default tuning on a synthetic batch (every request at prompt + new/2, random KV).
+backend's default tuning on a synthetic batch (every request at prompt + new/2, random KV;
+quantized when `--engine` names a `kv_dtype`).
 
 A/B (`--ab V1,V2,...`; section `ab`): the engine's decode program compiled with one
 function swapped while it traces, on the synthetic batch; all variants compile first, then
@@ -43,6 +44,16 @@ schedule, pack, call (the jitted call), dispatch, readback (minus the wait), hos
 dispatch + readback), wait; medians over the steady decode steps, best of `--repeat` runs.
 `--profile`: cProfile top list at `--profile-batch`; `--digest`: checksums of the tokens
 and logprobs.
+
+KV drift (`--kv-drift`; section `kv_drift`): what a quantized KV cache changes. Two
+engines (`--engine` settings; one with the model's KV dtype, one with `--drift-kv-dtype`)
+generate `--drift-new` tokens for each of `--drift-prompts` random prompts of `--prompt`
+tokens, sampled at temperature 1 with one seed per prompt (the same Gumbel noise in both,
+so the paths part only where the changed logits flip a draw). Over the tokens before a
+prompt's first differing token: mean / p99 / max |model logprob difference|; `agreement`:
+the share of all tokens that come before the first difference; `identical`: prompts whose
+whole completion is the same. Random weights by default (`--drift-init hf:<dir>`: a
+checkpoint's, whose peaked distributions are the realistic case).
 
 GEMMs (`--gemms`; section `gemms`): the projection GEMMs of every layer with separate and
 fused weights, and fused weights in e4m3 with column scales (`fused_fp8`, what
@@ -93,12 +104,13 @@ from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
-from jrl.rollout.sampling import GREEDY
+from jrl.rollout.sampling import GREEDY, SamplingParams
+from jrl.serve.loading import load_served
 from jrl.rollout.tuning import TuningOverrides
 from pallas_kernels import dispatch, reference
 from pallas_kernels.tuning import DecodeTuning
 
-MODES = ("step_only", "ab", "host", "gemms", "drift")
+MODES = ("step_only", "ab", "host", "gemms", "drift", "kv_drift")
 
 
 def add_arguments(p) -> None:
@@ -109,6 +121,13 @@ def add_arguments(p) -> None:
     mode.add_argument("--host", action="store_true", help="the engine's host time per decode step (CPU)")
     mode.add_argument("--gemms", action="store_true", help="the projection GEMMs of a decode layer")
     mode.add_argument("--drift", action="store_true", help="engine log-probs vs the trainer's, bf16 and --engine")
+    mode.add_argument("--kv-drift", action="store_true",
+                      help="logprob drift and sample agreement of a quantized KV cache against the model's dtype")
+    g = p.add_argument_group("--kv-drift")
+    g.add_argument("--drift-kv-dtype", default="float8_e4m3fn", help="the EngineConfig.kv_dtype compared")
+    g.add_argument("--drift-prompts", type=int, default=32)
+    g.add_argument("--drift-new", type=int, default=64)
+    g.add_argument("--drift-init", default=None, help="hf:<dir> weights (default: random)")
     p.add_argument("--batches", default=None,
                    help="batch sizes (default: engine 1,16,64,128,256; --ab 256; --host 1,16,64,256)")
     p.add_argument("--prompt", type=int, default=512)
@@ -178,6 +197,8 @@ def run(args, results) -> int:
         return run_step_only(args, results, cfg, params, bandwidth)
     if mode == "drift":
         return run_drift(args, results, cfg, params)
+    if mode == "kv_drift":
+        return run_kv_drift(args, results, cfg, params)
     return run_engine(args, results, cfg, params, bandwidth)
 
 
@@ -314,7 +335,8 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
     # prefilled in an earlier chunk started decoding earlier, so mid-run the batch's
     # lengths spread over up to a chunk's worth of steps (not all at prompt + new / 2).
     kv_tokens = int(layout.int_packing.views(ints)["kv_lens"].sum()) / layout.steps
-    floor_s = floors.decode_step_floor_s(floors.tree_bytes(engine.params), kv_tokens, cfg, bandwidth)
+    floor_s = floors.decode_step_floor_s(floors.tree_bytes(engine.params), kv_tokens, cfg, bandwidth,
+                                         engine.config.kv_dtype)
     steps = max(1, stats.decode_device_steps)
     return {
         "batch": batch, "decode_tokens_per_s": batch / step_s, "e2e_tokens_per_s": batch * new / run["total_s"],
@@ -372,7 +394,7 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
             elif label and b in bf16_tps and "decode_tokens_per_s" in row:
                 row["speedup_vs_bf16"] = row["decode_tokens_per_s"] / bf16_tps[b]
             results.row("engine", attention_impl=econf.attention_impl, weight_dtype=econf.weight_dtype or "bfloat16",
-                        **row, **tagged)
+                        kv_dtype=econf.kv_dtype or cfg.dtype, **row, **tagged)
         del engine
     del params
     if args.torch:
@@ -405,11 +427,56 @@ def run_drift(args, results, cfg, params) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- kv drift
+
+def kv_drift(base: list, other: list) -> dict:
+    """Completions of the same seeded requests under two engines -> the drift of `other`'s
+    model logprobs over each request's tokens before its first differing token."""
+    diffs, before, total, identical = [], 0, 0, 0
+    for a, b in zip(base, other):
+        n = min(len(a.tokens), len(b.tokens))
+        same = np.cumprod(a.tokens[:n] == b.tokens[:n]).astype(bool)
+        diffs.append(np.abs(a.model_logprobs[:n] - b.model_logprobs[:n])[same])
+        before += int(same.sum())
+        total += len(a.tokens)
+        identical += int(same.all() and len(a.tokens) == len(b.tokens))
+    d = np.concatenate(diffs) if diffs else np.zeros(0)
+    stats = dict(mean_abs=float(d.mean()), p99_abs=float(np.quantile(d, 0.99)), max_abs=float(d.max())) if d.size else {}
+    return dict(tokens_compared=int(d.size), agreement=before / max(total, 1), identical=identical, **stats)
+
+
+def run_kv_drift(args, results, cfg, params) -> int:
+    if args.drift_init:
+        served = load_served(args.drift_init)
+        cfg, params = served.model_config, served.params
+    n, new = (min(args.drift_prompts, 2), min(args.drift_new, 8)) if args.tiny else (args.drift_prompts, args.drift_new)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (n, args.prompt), dtype=np.int32)
+    sampling = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
+    runs = {}
+    for kv_dtype in (None, args.drift_kv_dtype):
+        econf = engine_config(n, args.prompt, new, args.page_size, {**args.engine, "kv_dtype": kv_dtype})
+        engine = Engine(cfg, params, econf, tuning=TuningOverrides(**args.tuning))
+        for p, s in zip(prompts, sampling):
+            engine.add_request(p, s, max_new_tokens=new)
+        done = engine.run()
+        runs[kv_dtype] = sorted(done, key=lambda c: c.request_id)
+        del engine
+    row = kv_drift(runs[None], runs[args.drift_kv_dtype])
+    results.row("kv_drift", kv_dtype=args.drift_kv_dtype, base_kv_dtype=cfg.dtype, prompts=n, prompt=args.prompt,
+                new=new, page_size=args.page_size, weights=args.drift_init or "random", engine=args.engine, **row)
+    results.table([("kv_dtype", "kv dtype"), ("tokens_compared", "tokens"), ("mean_abs", "mean |d|"),
+                   ("p99_abs", "p99 |d|"), ("max_abs", "max |d|"), ("agreement", "agreement"),
+                   ("identical", "identical")], "kv_drift", f"model logprob drift vs {cfg.dtype} KV")
+    return 0 if row["tokens_compared"] else 1
+
+
 # ----------------------------------------------------------------------------- step only
 
 def run_step_only(args, results, cfg, params, bandwidth: float) -> int:
     budget = Budget(args.budget_s)
     context = args.prompt + args.new // 2
+    kv_dtype = args.engine.get("kv_dtype")
     for b in csv_ints(args.batches or "1,16,64,128,256"):
         if budget.spent():
             results.row("step_only", batch=b, skipped="time budget")
@@ -417,10 +484,12 @@ def run_step_only(args, results, cfg, params, bandwidth: float) -> int:
         try:
             fn, fused, unroll = default_decode_program(cfg, args.page_size, b)
             p = fuse_projections(cfg, params) if fused else params
-            case = Case(fn, p, *synthetic_batch(cfg, b, context, args.page_size, seed=b, aligned=unroll))
+            case = Case(fn, p, *synthetic_batch(cfg, b, context, args.page_size, seed=b, aligned=unroll,
+                                                kv_dtype=kv_dtype))
             step_s, first_s = replay(case, args.replay_steps)
-            floor_s = floors.decode_step_floor_s(floors.tree_bytes(p), b * context, cfg, bandwidth)
-            results.row("step_only", batch=b, context=context, device_step_ms=1e3 * step_s, floor_ms=1e3 * floor_s,
+            floor_s = floors.decode_step_floor_s(floors.tree_bytes(p), b * context, cfg, bandwidth, kv_dtype)
+            results.row("step_only", batch=b, context=context, kv_dtype=kv_dtype or cfg.dtype,
+                        page_size=args.page_size, device_step_ms=1e3 * step_s, floor_ms=1e3 * floor_s,
                         step_over_floor=step_s / floor_s, tokens_per_s=b / step_s, first_call_s=first_s,
                         xla_flags=os.environ.get("XLA_FLAGS", ""))
         except Exception:  # noqa: BLE001 - record, keep the other sizes

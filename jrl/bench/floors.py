@@ -16,13 +16,19 @@ import jax
 import jax.numpy as jnp
 
 from jrl.bench.timing import timeit
+from pallas_kernels.quantized import KV_DTYPES
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, datasheet: the MFU denominator
 
 
-def kv_bytes_per_token(cfg, itemsize: int = 2) -> int:
-    """K and V bytes one token of context holds across all layers (bf16 cache)."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
+def kv_bytes_per_token(cfg, kv_dtype: str | None = None) -> int:
+    """K and V bytes one token of context holds across all layers, in the engine's KV
+    dtype (None: the model's dtype; fp8: one byte a channel plus a float32 scale a head)."""
+    if kv_dtype in KV_DTYPES:
+        per_head = cfg.head_dim + 4
+    else:
+        per_head = cfg.head_dim * jnp.dtype(kv_dtype or cfg.dtype).itemsize
+    return 2 * cfg.n_layers * cfg.n_kv_heads * per_head
 
 
 def tree_bytes(tree) -> int:
@@ -35,10 +41,11 @@ def read_once_s(n_bytes: float, bandwidth: float) -> float:
     return n_bytes / bandwidth
 
 
-def decode_step_floor_s(param_bytes: int, kv_tokens: float, cfg, bandwidth: float) -> float:
+def decode_step_floor_s(param_bytes: int, kv_tokens: float, cfg, bandwidth: float,
+                        kv_dtype: str | None = None) -> float:
     """A decode step reads every weight once and the KV of `kv_tokens` tokens of context
-    (summed over its requests)."""
-    return read_once_s(param_bytes + kv_tokens * kv_bytes_per_token(cfg), bandwidth)
+    (summed over its requests), stored in `kv_dtype` (see `kv_bytes_per_token`)."""
+    return read_once_s(param_bytes + kv_tokens * kv_bytes_per_token(cfg, kv_dtype), bandwidth)
 
 
 def gemm_floor_s(weight_bytes: float, flops: float, bandwidth: float, matmul_flops: float) -> float:

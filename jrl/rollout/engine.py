@@ -63,6 +63,7 @@ from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_colum
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
 from jrl.rollout.sharding import EngineSharding, SourceParams, engine_sharding
 from jrl.rollout.tuning import Tuning, TuningOverrides, batch_buckets, resolve_tuning
+from pallas_kernels.quantized import clear_slots
 
 
 _MAX_INTERNED = 4096  # distinct sampling params kept by Engine._interned
@@ -136,7 +137,7 @@ class Engine:
         self.req_to_token = ReqToTokenPool(config.max_batch, config.max_pages_per_request(model_config), ps)
         self.cache = TaskCacheManager(self.pool, self.req_to_token, self.radix)
         self.scheduler = Scheduler(config, self.cache, self.tuning.multi_step_max_rows)
-        self.kv = KVStorage(model_config, config.n_slots,
+        self.kv = KVStorage(model_config, config.n_slots, config.kv_dtype,
                             sharding=None if self.sharding is None else self.sharding.kv)
         self._token_buckets = config.resolved_token_buckets
         self._batch_buckets = batch_buckets(config, self.tuning)
@@ -145,7 +146,7 @@ class Engine:
         self.step_function = step_function(model_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
                                            self.tuning.unroll_layers, self.tuning.cublas_decode_rows,
-                                           self.tuning.fuse_projections)
+                                           self.tuning.fuse_projections, config.kv_dtype)
         self._zero_slots = jax.jit(_zero_slots, donate_argnums=(0, 1), out_shardings=(
             self.kv.k.sharding, None if self.kv.v is None else self.kv.v.sharding))
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
@@ -709,10 +710,10 @@ def check_token_ids(field: str, values, vocab: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def _zero_slots(k: jax.Array, v: jax.Array | None, slots: jax.Array):
-    """The KV buffers with `slots` zeroed in every layer (slots past the end: dropped)."""
-    k = k.at[:, slots].set(0, mode="drop")
-    return k, None if v is None else v.at[:, slots].set(0, mode="drop")
+def _zero_slots(k, v, slots: jax.Array):
+    """The KV buffers (plain or fp8) with `slots` zeroed in every layer (slots past the
+    end: dropped)."""
+    return clear_slots(k, slots), None if v is None else clear_slots(v, slots)
 
 
 @jax.jit

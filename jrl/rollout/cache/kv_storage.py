@@ -5,7 +5,9 @@ channels (the normalised latent, then the rope'd key part) and no separate value
 (`v is None`; values are the latent's first `kv_lora_rank` channels). The buffers are
 donated to every jitted step and replaced by its outputs, so they are updated in place.
 Given a `sharding` (tensor parallelism: split over kv heads, or replicated) the buffers are
-created already laid out, each device allocating only its part.
+created already laid out, each device allocating only its part. With `dtype`
+"float8_e4m3fn" each buffer is a `pallas_kernels.quantized.QuantizedKV` (fp8 data and a
+float32 scale per token and head), which the KV write and the attention kernels read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from jax.sharding import NamedSharding
 
 from jrl.config import ModelConfig
 from jrl.models.layers import dtype_of
+from pallas_kernels import quantized
+from pallas_kernels.quantized import KV_DTYPES, QuantizedKV
 
 
 def kv_shapes(config: ModelConfig, n_slots: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -29,10 +33,15 @@ def kv_shapes(config: ModelConfig, n_slots: int) -> tuple[tuple[int, ...], tuple
 class KVStorage:
     def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None,
                  sharding: NamedSharding | None = None) -> None:
-        self.dtype = dtype_of(dtype or config.dtype)
         k_shape, v_shape = kv_shapes(config, n_slots)
-        self.k: jax.Array = jnp.zeros(k_shape, self.dtype, device=sharding)
-        self.v: jax.Array | None = None if v_shape is None else jnp.zeros(v_shape, self.dtype, device=sharding)
+        if dtype in KV_DTYPES:
+            self.dtype = jnp.dtype(dtype)
+            self.k: jax.Array | QuantizedKV = quantized.zeros(k_shape, sharding)
+            self.v = None if v_shape is None else quantized.zeros(v_shape, sharding)
+            return
+        self.dtype = dtype_of(dtype or config.dtype)
+        self.k = jnp.zeros(k_shape, self.dtype, device=sharding)
+        self.v = None if v_shape is None else jnp.zeros(v_shape, self.dtype, device=sharding)
 
     @property
     def n_slots(self) -> int:
