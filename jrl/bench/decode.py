@@ -123,7 +123,7 @@ def add_arguments(p) -> None:
     mode.add_argument("--drift", action="store_true", help="engine log-probs vs the trainer's, bf16 and --engine")
     mode.add_argument("--kv-drift", action="store_true",
                       help="logprob drift and sample agreement of a quantized KV cache against the model's dtype")
-    g = p.add_argument_group("--kv-drift")
+    g = p.add_argument_group("--drift / --kv-drift")
     g.add_argument("--drift-kv-dtype", default="float8_e4m3fn", help="the EngineConfig.kv_dtype compared")
     g.add_argument("--drift-prompts", type=int, default=32)
     g.add_argument("--drift-new", type=int, default=64)
@@ -152,8 +152,6 @@ def add_arguments(p) -> None:
     g.add_argument("--pages", default="per_request", help=f"page orders, of {','.join(PAGE_ORDERS)}")
     g.add_argument("--rounds", type=int, default=7)
     g.add_argument("--per-round", type=int, default=20)
-    g = p.add_argument_group("--drift")
-    g.add_argument("--drift-prompts", type=int, default=32)
     g = p.add_argument_group("--host")
     g.add_argument("--repeat", type=int, default=3, help="timed runs per batch (best median kept)")
     g.add_argument("--profile", action="store_true", help="cProfile of the timed run at --profile-batch")
