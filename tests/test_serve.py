@@ -34,6 +34,7 @@ from jrl.serve.cli import (KV_MEMORY_FRACTION, ServerThread, build, build_parser
                            kv_bytes_per_page)
 from jrl.serve.loading import load_served
 from jrl.serve.text import TextStream
+from jrl.serve.worker import DoneEvent, TokenEvent
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,6 +239,20 @@ def test_idle_connections_outlive_the_clients_keep_alive():
     client_expiry = httpx.Limits().keepalive_expiry
     assert build_parser().parse_args([]).timeout_keep_alive > client_expiry
     assert ServerThread(None, None).uv.config.timeout_keep_alive > client_expiry
+
+
+def test_a_plain_answer_gets_its_tokens_once_with_its_completion(live):
+    async def events(stream_tokens):
+        handle = live.server.worker.submit(np.array([5, 6, 7], np.int32), SamplingParams(seed=1), 12, [],
+                                           stream_tokens=stream_tokens)
+        return [e async for e in handle]
+
+    plain = asyncio.run(events(False))
+    assert [type(e) for e in plain] == [TokenEvent, DoneEvent]
+    assert plain[0].tokens == plain[1].completion.tokens.tolist() and len(plain[0].tokens) == 12
+    streamed = asyncio.run(events(True))  # the same seed: the same tokens, step by step
+    pieces = [e.tokens for e in streamed if isinstance(e, TokenEvent)]
+    assert len(pieces) > 1 and sum(pieces, []) == plain[0].tokens
 
 
 def test_cancelled_requests_give_their_pages_back(live):
