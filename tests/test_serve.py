@@ -233,12 +233,15 @@ def test_256_concurrent_requests_all_complete_over_reused_connections(hf_dirs):
             assert all(r.choices[0].finish_reason == "length" for r in results)
 
 
-def test_idle_connections_outlive_the_clients_keep_alive():
+def test_idle_connections_outlive_the_clients_keep_alive(hf_dirs):
     # httpx (the openai client's transport) drops a connection idle for 5 s; a server that
     # closed it first would reset a request sent on it (httpx.ReadError under load)
     client_expiry = httpx.Limits().keepalive_expiry
     assert build_parser().parse_args([]).timeout_keep_alive > client_expiry
     assert ServerThread(None, None).uv.config.timeout_keep_alive > client_expiry
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    with pytest.raises(ConfigError, match=r"^--timeout-keep-alive: must be > 0 seconds, got 0.0"):
+        engine_config(served, build_parser().parse_args(["--timeout-keep-alive", "0"]))
 
 
 def test_a_plain_answer_gets_its_tokens_once_with_its_completion(live):

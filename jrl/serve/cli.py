@@ -113,6 +113,8 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         raise ConfigError(f"--max-batch: must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue: must be >= 0, got {args.max_queue}")
+    if not args.timeout_keep_alive > 0:
+        raise ConfigError(f"--timeout-keep-alive: must be > 0 seconds, got {args.timeout_keep_alive}")
     if extra.get("on_weight_update", "finish") != "finish":
         raise ConfigError("--engine: on_weight_update must be 'finish' for serving (tokens already streamed "
                           "are never taken back)")
