@@ -448,7 +448,8 @@ def test_bench_serve_tiny(tmp_path, hf_dirs):
             assert r["requests"] == 8 and r["output_tokens"] == 32
             assert r["compiled_while_timed"] == 0  # the warm-up compiled every program the rounds use
             assert all(np.isfinite(r[k]) and r[k] > 0 for k in ("requests_per_s", "output_tokens_per_s"))
-    assert all(r["worker_step_s"] > 0 and r["worker_host_s"] > 0 for r in rows if r["section"] == "http")
+    assert all(r["worker_step_s"] > 0 and r["worker_host_s"] > 0 and r["http_cpu_s"] > 0
+               for r in rows if r["section"] == "http")
 
 
 def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):

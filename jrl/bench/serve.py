@@ -23,8 +23,9 @@ and before each timed round an untimed one (`concurrency` requests) warms the re
 output_tokens, wall_s, requests_per_s, output_tokens_per_s, compiled_while_timed (step
 programs compiled inside the timed round: > 0 means the round paid for a compilation) and
 (http) latency_p50_s / latency_p99_s, worker_step_s (the engine thread's time in
-`engine.step`) and worker_host_s (its time in the server's own work around the steps:
-commands, token hand-off). `--max-seq-len` defaults to prompt + new rounded up to a page,
+`engine.step`), worker_host_s (its time in the server's own work around the steps:
+commands, token hand-off) and http_cpu_s (CPU seconds of the event loop's thread: HTTP,
+JSON, detokenization; close to wall_s means the event loop, not the engine, set the pace). `--max-seq-len` defaults to prompt + new rounded up to a page,
 so the default KV pool holds every running request and nothing more. `--tiny` pads every
 step to `--max-batch` rows and 16 or max(128, max-batch) tokens unless `--engine` says
 otherwise. The load generator shares the machine with the server: on a small CPU box it
@@ -117,9 +118,10 @@ def run(args, results) -> int:
         for c in levels:
             client.round(thread.url, served.name, plans[c][:c], c, new)  # untimed
             traces = engine.step_function.traces
-            before = dict(server.worker.snapshot)
+            before, cpu = dict(server.worker.snapshot), thread.cpu_s()
             wall, lat, tokens = client.round(thread.url, served.name, plans[c], c, new)
             after = _settled(server.worker)
+            cpu = thread.cpu_s() - cpu
             n = len(plans[c])
             results.row("http", concurrency=c, requests=n, output_tokens=tokens, wall_s=wall,
                         compiled_while_timed=engine.step_function.traces - traces,
@@ -127,6 +129,7 @@ def run(args, results) -> int:
                         latency_p50_s=float(np.percentile(lat, 50)), latency_p99_s=float(np.percentile(lat, 99)),
                         worker_step_s=after["step_s"] - before["step_s"],
                         worker_host_s=after["host_s"] - before["host_s"], steps=after["steps"] - before["steps"],
+                        http_cpu_s=cpu,
                         prompt=prompt_len, new=new, max_batch=max_batch)
     for c in levels:
         _engine_load(engine, plans[c][:c], c, new)  # untimed, as above
@@ -140,7 +143,8 @@ def run(args, results) -> int:
     columns = [("concurrency", "concurrency"), ("requests", "requests"), ("requests_per_s", "req/s"),
                ("output_tokens_per_s", "out tok/s"), ("compiled_while_timed", "compiled"),
                ("latency_p50_s", "p50 s"), ("latency_p99_s", "p99 s")]
-    results.table(columns + [("steps", "steps"), ("worker_step_s", "step s"), ("worker_host_s", "host s")], "http",
+    results.table(columns + [("steps", "steps"), ("worker_step_s", "step s"), ("worker_host_s", "host s"),
+                             ("http_cpu_s", "http cpu s")], "http",
                   title=f"over HTTP ({served.name}, prompt {prompt_len}, {new} new tokens)")
     results.table(columns[:5] + [("steps", "steps"), ("step_s", "step s")], "engine",
                   title="the same requests through the in-process Engine")

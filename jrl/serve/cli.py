@@ -250,6 +250,11 @@ class ServerThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def cpu_s(self) -> float:
+        """CPU seconds the HTTP thread (the event loop: parsing, JSON, detokenization) has
+        used: near the wall time of a busy period means the event loop was saturated."""
+        return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+
     def __exit__(self, *exc) -> None:
         self.uv.should_exit = True
         self._thread.join(60)
