@@ -6,11 +6,12 @@ workload driven through the in-process Engine.
 
 The server (`jrl.serve`, the same app and engine thread as `jrl serve`) runs in a thread of
 this process on 127.0.0.1; the load generator (`serve_client`) is an async httpx client in
-a process of its own keeping `concurrency` requests in flight until `--requests` (default max(2 x concurrency,
-32)) have completed. Each request is a /v1/completions call with a random token-id prompt
-of `--prompt` tokens, `--new` new tokens (`ignore_eos`, so every request generates exactly
-that many), temperature 1 and its own seed. Without a model, random weights of the 0.82B
-rollout shape (`shapes.ROLLOUT_082B`; `--tiny`: `shapes.TINY`) with the byte tokenizer.
+a process of its own keeping `concurrency` requests in flight until `--requests` (default
+max(2 x concurrency, 32)) have completed. Each request is a /v1/completions call with a
+random token-id prompt of `--prompt` tokens, `--new` new tokens (`ignore_eos`, so every
+request generates exactly that many), temperature 1 and its own seed. Without a model,
+random weights of the 0.82B rollout shape (`shapes.ROLLOUT_082B`; `--tiny`: `shapes.TINY`)
+with the byte tokenizer.
 
 Then the server is stopped and its engine runs the same prompts directly (`add_request` /
 `step`, again `concurrency` in flight): the difference is the cost of HTTP, JSON,
@@ -21,15 +22,16 @@ Before anything is timed the engine compiles every step program of these request
 and before each timed round an untimed one (`concurrency` requests) warms the rest
 (connections, host caches). Rows: section `http` / `engine`, with concurrency, requests,
 output_tokens, wall_s, requests_per_s, output_tokens_per_s, compiled_while_timed (step
-programs compiled inside the timed round: > 0 means the round paid for a compilation) and
-(http) latency_p50_s / latency_p99_s, worker_step_s (the engine thread's time in
-`engine.step`), worker_host_s (its time in the server's own work around the steps:
-commands, token hand-off) and http_cpu_s (CPU seconds of the event loop's thread: HTTP,
-JSON, detokenization; close to wall_s means the event loop, not the engine, set the pace). `--max-seq-len` defaults to prompt + new rounded up to a page,
-so the default KV pool holds every running request and nothing more. `--tiny` pads every
-step to `--max-batch` rows and 16 or max(128, max-batch) tokens unless `--engine` says
-otherwise. The load generator shares the machine with the server: on a small CPU box it
-takes a share of the cores the server would otherwise get.
+programs compiled inside the timed round: > 0 means the round paid for a compilation),
+steps (engine steps in the round) and step_s / worker_step_s (seconds in `engine.step`);
+(http) latency_p50_s / latency_p99_s, worker_host_s (the engine thread's time in the
+server's own work around the steps: commands, token hand-off) and http_cpu_s (CPU seconds
+of the event loop's thread: HTTP, JSON, detokenization; close to wall_s means the event
+loop, not the engine, set the pace). `--max-seq-len` defaults to prompt + new rounded up
+to a page, so the default KV pool holds every running request and nothing more. `--tiny`
+pads every step to `--max-batch` rows and 16 or max(128, max-batch) tokens unless
+`--engine` says otherwise. The load generator shares the machine with the server: on a
+small CPU box it takes a share of the cores the server would otherwise get.
 """
 
 from __future__ import annotations
