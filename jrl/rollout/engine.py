@@ -41,9 +41,11 @@ projection kernels in e4m3 with per-column scales (`jrl.models.quantized`), rebu
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +69,7 @@ from pallas_kernels.quantized import clear_slots
 
 
 _MAX_INTERNED = 4096  # distinct sampling params kept by Engine._interned
+WARMUP_THREADS = 8  # programs `Engine.warmup` compiles at once (at most the CPU count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,20 +352,30 @@ class Engine:
                                  self._batch_buckets, self._col_buckets, list(sampling))
 
     def warmup(self, sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               progress: bool = True) -> int:
+               progress: bool = True, threads: int | None = None) -> int:
         """Compiles every step program a run with `sampling` can use (`step_layouts`)
         ahead of time, so that generating compiles nothing later; a tqdm bar on stderr
         counts them (`progress=False`: none). Programs compiled already (by this process,
         or read from the persistent compilation cache, `jrl.compile_cache`) cost little.
+        `threads` programs compile at once (default: WARMUP_THREADS, at most the CPU
+        count): XLA compiles one program on about one core, and a server's few hundred
+        layouts would otherwise take many minutes.
         Not compiled: the zeroing of the pages of a request whose logits turned non-finite
         (a small program, on first use). Returns the number of layouts."""
         layouts = self.step_layouts(sampling)
         k, v = self.kv.buffers()
-        for layout in tqdm(layouts, desc="engine warmup", unit="program", disable=not progress):
+
+        def compile_one(layout: StepLayout) -> None:
             ints = np.zeros(layout.int_packing.size, np.int32)
             floats = np.zeros(layout.float_packing.size, np.float32)
             self.step_function.program(layout).lower(self.params, k, v, self._prev_tokens, ints, floats,
                                                      layout=layout).compile()
+
+        workers = threads or min(WARMUP_THREADS, os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers, thread_name_prefix="jrl-warmup") as pool, \
+                tqdm(total=len(layouts), desc="engine warmup", unit="program", disable=not progress) as bar:
+            for _ in pool.map(compile_one, layouts):
+                bar.update()
         return len(layouts)
 
     # ------------------------------------------------------------------ device side
