@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.bench import floors
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig
+from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from pallas_kernels import dispatch, quantized, reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
@@ -156,8 +156,8 @@ def test_engine_config_names_an_unknown_kv_dtype():
 
 def test_kv_bytes_per_token_counts_fp8_bytes_and_scales():
     cfg = ModelConfig(n_layers=2, n_kv_heads=2, head_dim=16, dtype="bfloat16")
-    assert floors.kv_bytes_per_token(cfg) == 2 * 2 * 2 * 16 * 2
-    assert floors.kv_bytes_per_token(cfg, "float8_e4m3fn") == 2 * 2 * 2 * (16 + 4)
+    assert kv_bytes_per_token(cfg) == 2 * 2 * 2 * 16 * 2
+    assert kv_bytes_per_token(cfg, "float8_e4m3fn") == 2 * 2 * 2 * (16 + 4)
 
 
 # bf16 models, peaked enough (initializer_range 0.1) that greedy paths are not ties.

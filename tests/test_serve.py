@@ -30,8 +30,8 @@ from jrl.hf import params_equal, save_pretrained
 from jrl.models import init_params
 from jrl.serve.tools import parse_tool_calls
 from jrl.rollout import Engine, SamplingParams
-from jrl.serve.cli import (KV_MEMORY_FRACTION, ServerThread, build, build_parser, engine_config,
-                           kv_bytes_per_page)
+from jrl.rollout.cache.kv_storage import kv_bytes_per_token
+from jrl.serve.cli import KV_MEMORY_FRACTION, ServerThread, build, build_parser, engine_config
 from jrl.serve.loading import load_served
 from jrl.serve.text import TextStream
 from jrl.serve.worker import DoneEvent, TokenEvent
@@ -454,7 +454,7 @@ def test_bench_serve_tiny(tmp_path, hf_dirs):
 
 def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
-    per_page = kv_bytes_per_page(served.model_config, 16)
+    per_page = 16 * kv_bytes_per_token(served.model_config)
     assert per_page == 2 * 2 * 16 * 1 * 16 * 4  # keys and values x 2 layers x 16 tokens x 1 head x 16 dims, f32
     args = build_parser().parse_args(["--max-batch", "16", "--max-seq-len", "128"])
     assert engine_config(served, args).n_pages == 256  # no memory figure (the CPU): 16 x 8 pages + 8, pow2
@@ -467,7 +467,7 @@ def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):
 
 def test_a_kv_pool_that_cannot_fit_is_a_startup_error_naming_the_flag(hf_dirs):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
-    free = int(100 * kv_bytes_per_page(served.model_config, 16) / KV_MEMORY_FRACTION) + 1
+    free = int(100 * 16 * kv_bytes_per_token(served.model_config) / KV_MEMORY_FRACTION) + 1
     chosen = build_parser().parse_args(["--max-batch", "16", "--max-seq-len", "128", "--n-pages", "256"])
     with pytest.raises(ConfigError, match=r"^--n-pages: 256 KV pages .* hold 100 pages"):
         engine_config(served, chosen, free)

@@ -16,19 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jrl.bench.timing import timeit
-from pallas_kernels.quantized import KV_DTYPES
+from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, datasheet: the MFU denominator
-
-
-def kv_bytes_per_token(cfg, kv_dtype: str | None = None) -> int:
-    """K and V bytes one token of context holds across all layers, in the engine's KV
-    dtype (None: the model's dtype; fp8: one byte a channel plus a float32 scale a head)."""
-    if kv_dtype in KV_DTYPES:
-        per_head = cfg.head_dim + 4
-    else:
-        per_head = cfg.head_dim * jnp.dtype(kv_dtype or cfg.dtype).itemsize
-    return 2 * cfg.n_layers * cfg.n_kv_heads * per_head
 
 
 def tree_bytes(tree) -> int:

@@ -45,7 +45,8 @@ from jrl.bench.serve_client import LoadClient
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
 from jrl.rollout import Engine, SamplingParams
 from jrl.serve.app import Server, create_app
-from jrl.serve.cli import ServerThread, build_parser, device_free_memory, engine_config
+from jrl.rollout.config import device_free_memory
+from jrl.serve.cli import ServerThread, build_parser, engine_config
 from jrl.serve.loading import Served, load_served
 from jrl.tokenizer import ByteTokenizer
 

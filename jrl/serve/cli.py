@@ -20,23 +20,20 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import signal
 import sys
 import threading
 import time
 from typing import Any
 
-import jax
-import numpy as np
 import uvicorn
 import yaml
 
 from jrl.checkpoint import CheckpointCorruptError
 from jrl.config import ConfigError, ModelConfig
-from jrl.models.layers import dtype_of
 from jrl.rollout import Engine, EngineConfig, SamplingParams, engine_config_for_workload
-from jrl.rollout.cache import kv_shapes
+from jrl.rollout.cache.kv_storage import kv_bytes_per_token
+from jrl.rollout.config import device_free_memory
 from jrl.serve.app import Server, create_app
 from jrl.serve.loading import Served, load_served
 
@@ -128,21 +125,6 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
     return fit_pool(config, served.model_config, free_memory, chosen="n_pages" in overrides)
 
 
-def device_free_memory() -> int | None:
-    """Bytes the first device's allocator can still hand out (its `memory_stats()`); None
-    where the backend reports none (the CPU)."""
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
-
-
-def kv_bytes_per_page(model: ModelConfig, page_size: int) -> int:
-    """Device bytes of one KV page (every layer's keys and values of `page_size` tokens)."""
-    k, v = kv_shapes(model, page_size)
-    return (math.prod(k) + (0 if v is None else math.prod(v))) * np.dtype(dtype_of(model.dtype)).itemsize
-
-
 def fit_pool(config: EngineConfig, model: ModelConfig, free_memory: int | None, *, chosen: bool) -> EngineConfig:
     """`config` with a KV pool that fits KV_MEMORY_FRACTION of `free_memory` (None: as it
     is). A pool the user `chosen` (--n-pages) that does not fit is an error naming
@@ -150,7 +132,7 @@ def fit_pool(config: EngineConfig, model: ModelConfig, free_memory: int | None, 
     not even one request of max_seq_len fits (an error naming --max-seq-len)."""
     if free_memory is None:
         return config
-    per_page = kv_bytes_per_page(model, config.page_size)
+    per_page = kv_bytes_per_token(model, config.kv_dtype) * config.page_size
     budget = int(free_memory * KV_MEMORY_FRACTION)
     if config.n_pages * per_page <= budget:
         return config

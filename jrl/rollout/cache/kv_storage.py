@@ -30,6 +30,20 @@ def kv_shapes(config: ModelConfig, n_slots: int) -> tuple[tuple[int, ...], tuple
     return shape, shape
 
 
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str | None = None) -> int:
+    """Device bytes one token of context holds in every layer's K and V buffers (MLA: its
+    latent row), stored in `kv_dtype` (None: the model's dtype; fp8: a byte a channel
+    plus a float32 scale a head)."""
+    total = 0
+    for shape in kv_shapes(config, 1):
+        if shape is None:
+            continue
+        layers, _, heads, channels = shape
+        per_head = channels + 4 if kv_dtype in KV_DTYPES else channels * jnp.dtype(dtype_of(kv_dtype or config.dtype)).itemsize
+        total += layers * heads * per_head
+    return total
+
+
 class KVStorage:
     def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None,
                  sharding: NamedSharding | None = None) -> None:
