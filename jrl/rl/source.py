@@ -56,7 +56,9 @@ from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems, solved
 from jrl.rl.options import RLOptions
+from jrl.rl.placement import Placement
 from jrl.rl.prompts import PromptFormat
+from jrl.rl.replicas import ReplicaPool
 from jrl.rl.tasks import check_prompt_lengths, make_task
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
@@ -80,10 +82,12 @@ class RolloutSource:
 
     def __init__(self, options: RLOptions, *, model_config: ModelConfig, tokenizer: Any,
                  mesh: jax.sharding.Mesh, seq_len: int, batch_size: int, seed: int, lm_head_chunk: int = 0,
-                 reference_params: Callable[[], Any] | None = None, eval_samples: int = 1) -> None:
+                 reference_params: Callable[[], Any] | None = None, eval_samples: int = 1,
+                 placement: Placement | None = None) -> None:
         """`tokenizer` and `mesh` are the trainer's; `reference_params` returns the frozen
         reference policy of the KL penalty (called once, when kl_coef > 0);
-        `eval_samples`: sampled completions per held-out problem in `evaluate`."""
+        `eval_samples`: sampled completions per held-out problem in `evaluate`;
+        `placement` (jrl.rl.placement): engine replicas instead of the one engine."""
         self.options = o = options
         self.model_config = model_config
         self.seed = seed
@@ -117,6 +121,7 @@ class RolloutSource:
             o, self.seq_len, max(o.rollout_size, len(self.eval_problems) * eval_samples), self.seed)
         self.engine_mesh = engine_mesh(mesh, o.engine_tensor_parallel)
         self.engine: Engine | None = None
+        self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config)
         self.engine_rebuilds = 0
         self.rl_step = 0
         self.stale_samples_dropped = 0
@@ -139,7 +144,8 @@ class RolloutSource:
             with attention_layout(max_segments, mesh):
                 return policy_stats(mc, params, rows, temperature, chunk)[0].logp
 
-        jitted = jax.jit(logp, static_argnums=2)
+        # replicated out: every process reads the whole result (the mesh may span processes)
+        jitted = jax.jit(logp, static_argnums=2, out_shardings=jax.NamedSharding(mesh, jax.P()))
         self._logp_fn = lambda params, rows: jitted(params, rows, batch_max_segments(rows["segment_ids"]))
 
     # ------------------------------------------------------------------ setup
@@ -152,6 +158,10 @@ class RolloutSource:
 
     def sync_weights(self, params: Any, version: int) -> None:
         """Makes the engine serve `params` as `version` (acknowledged)."""
+        if self.replicas is not None:  # every replica, each acknowledging
+            self.engine_rebuilds += self.replicas.sync(params, version)
+            self.engine = self.replicas.engine
+            return
         self.engine, rebuilt = serve_weights(self.engine, params, version, self.model_config, self.engine_config,
                                              self.engine_mesh)
         self.engine_rebuilds += int(rebuilt)
@@ -184,6 +194,10 @@ class RolloutSource:
         seeds = rng.integers(0, 2**32, size=len(prompts) * n_per_prompt, dtype=np.uint64)
         requests = [p for p in prompts for _ in range(n_per_prompt)]
         sampling = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
+        if self.replicas is not None:  # groups spread over the replicas, gathered to every process
+            outs = self.replicas.generate(prompts, n_per_prompt, sampling, self.options.max_new_tokens,
+                                          **self.format.generate_kwargs())
+            return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
         outs = self.engine.generate(requests, sampling, max_new_tokens=self.options.max_new_tokens,
                                     **self.format.generate_kwargs())
         return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
@@ -290,6 +304,8 @@ class RolloutSource:
         }
         if self.episodes is not None:  # lengths, truncation and cache hits of episodes; turns, tools, env time
             metrics.update(self.episodes.metrics([ep for g in drawn for ep in g.episodes]))
+        if self.replicas is not None:
+            metrics.update(self.replicas.metrics())
         elif len(self.rewards.names) > 1:
             for name in self.rewards.names:
                 metrics[f"reward_{name}"] = float(np.concatenate([g.terms[name] for g in drawn]).mean())

@@ -23,11 +23,12 @@ def first_byte_even(prompt, completion, answer):
     return 1.0 if data and data[0] % 2 == 0 else 0.0
 
 
-def grpo_config(*parallel: tuple[str, int], engine_tensor_parallel: int = 1) -> TrainConfig:
-    """Two rollouts of 4 prompts x 4 samples, 2 updates each (the bundled addition task)."""
+def grpo_config(*parallel: tuple[str, int], engine_tensor_parallel: int = 1, **extra_options) -> TrainConfig:
+    """Two rollouts of 4 prompts x 4 samples, 2 updates each (the bundled addition task);
+    `extra_options` are added to strategy.options."""
     options = {"task": {"n_digits": 1, "n_heldout": 16, "n_validation": 0}, "prompts_per_step": 4,
                "group_size": 4, "max_new_tokens": 3, "rewards": [{"fn": "rl_cases:first_byte_even"}],
-               "engine": {"page_size": 2}, "engine_tensor_parallel": engine_tensor_parallel}
+               "engine": {"page_size": 2}, "engine_tensor_parallel": engine_tensor_parallel, **extra_options}
     config = {
         "name": "tiny", "seed": 0, "steps": 4,
         # 2 kv heads: tensor=2 splits the engine's KV buffers and attention by head
