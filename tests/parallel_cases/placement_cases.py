@@ -13,15 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from common import assert_eight_devices
-from rl_cases import grpo_config, run
+from common import SPLIT, assert_eight_devices, grpo_config, run
 from jrl.metrics_log import read_metrics
 from jrl.rl import build_learner
 from jrl.rl.replicas import ReplicaError
 
 assert_eight_devices()
-
-SPLIT = {"mode": "split", "trainer": {"fsdp": 4}, "engines": {"replicas": 2, "tensor_parallel": 1}}
 
 
 def split_config(**overrides):
