@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from common import SPLIT, assert_eight_devices, grpo_config, run
+from jrl.config import ConfigError
 from jrl.metrics_log import read_metrics
 from jrl.rl import build_learner
+from jrl.rl.placement import EnginePlacement, PlacementConfig, TrainerPlacement, assign_devices
 from jrl.rl.replicas import ReplicaError
 
 assert_eight_devices()
@@ -150,3 +152,24 @@ def test_a_hung_replica_fails_the_step_after_its_timeout(tmp_path):
             learner.fit()
     finally:
         release.set()  # lets the hung thread go
+
+
+def test_colocated_replicas_share_the_trainers_devices():
+    p = assign_devices(PlacementConfig(engines=EnginePlacement(replicas=2, tensor_parallel=2)))
+    assert p.trainer_mesh.size == 8
+    assert [[d.id for d in s.devices] for s in p.replicas] == [[0, 1], [2, 3]]
+    assert all(dict(p.replica_mesh(s).shape) == {"data": 1, "fsdp": 1, "tensor": 2} for s in p.replicas)
+
+
+def test_a_split_trainer_of_minus_one_takes_the_devices_the_engines_leave():
+    p = assign_devices(PlacementConfig(mode="split", engines=EnginePlacement(replicas=2)))
+    assert dict(p.trainer_mesh.shape) == {"data": 1, "fsdp": 6, "tensor": 1}
+    assert [[d.id for d in s.devices] for s in p.replicas] == [[6], [7]]
+
+
+def test_a_split_trainer_that_does_not_fit_beside_the_engines_is_refused():
+    with pytest.raises(ConfigError, match=r"strategy.options.placement.trainer: data\*fsdp\*tensor = 8 devices "
+                                          r"must be spread evenly over 1 process\(es\) and fit beside the engines "
+                                          r"\(6 free per process\)"):
+        assign_devices(PlacementConfig(trainer=TrainerPlacement(fsdp=8), mode="split",
+                                       engines=EnginePlacement(replicas=2)))
