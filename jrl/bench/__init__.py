@@ -15,6 +15,7 @@ STAGES = {
     "prefill": "engine prefill throughput: prompt tokens/s against the compute floor",
     "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
     "grpo": "one synchronous GRPO step, phase by phase (generation .. weight sync)",
+    "placement": "GRPO step and weight-sync time per GB: colocated vs split engines (--layouts, --replicas)",
     "bandwidth": "device ceilings the floors use: HBM stream rates, the bf16 matmul rate",
     "serve": "jrl serve under load: requests/s, output tok/s over HTTP vs the in-process engine",
 }
