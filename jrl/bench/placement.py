@@ -2,13 +2,13 @@
 "RL placement"), through the real learner (`jrl.rl.build_learner`).
 
     jrl bench placement [--layouts "colocated;split"] [--replicas 1] [--prompts 32] [--group 8]
-                        [--new 64] [--steps 3]
+                        [--new 64] [--steps 4]
 
 Each layout is one GRPO run over every device of this process: `colocated` (the trainer's
 fsdp mesh over all devices, one engine replica on the first) and `split` (`--replicas`
 one-device replicas on the last devices, the trainer's fsdp mesh over the rest). One row a
-layout (section `layout`): the mean GRPO step (a rollout and its updates, from the start of
-one rollout's first update to the next's) over the steps after the first (which compiles),
+layout (section `layout`): the mean GRPO step (two updates and the next rollout, from the
+start of one rollout's first update to the next's), leaving out the first span (compiles),
 and the rollout metrics' generation and weight-sync times, GB synced and seconds per GB.
 Model: `shapes.GRPO_174M` with the byte tokenizer's 262-token vocabulary (the run samples
 text the reward decodes), on the addition task (exact-match reward, zero-variance groups
@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--steps", type=int, default=3, help="GRPO steps (rollouts) per layout")
+    p.add_argument("--steps", type=int, default=4, help="GRPO steps (rollouts) per layout")
 
 
 def record_name(args) -> str:
@@ -82,15 +82,11 @@ class StepClock(Callback):
     def on_step_begin(self, trainer, state, batch) -> None:
         self.starts.append(time.perf_counter())
 
-    def on_train_end(self, trainer, state) -> None:
-        jax.block_until_ready(state.params)
-        self.starts.append(time.perf_counter())
-
 
 def run(args, results) -> int:
     model = dataclasses.replace(GRPO_174M, vocab_size=BYTE_VOCAB)
     if args.tiny:
-        model, args.prompts, args.group, args.new, args.steps = tiny_like(model, vocab_size=BYTE_VOCAB), 2, 4, 4, 2
+        model, args.prompts, args.group, args.new, args.steps = tiny_like(model, vocab_size=BYTE_VOCAB), 2, 4, 4, 3
     for layout in [x.strip() for x in args.layouts.split(";") if x.strip()]:
         config = grpo_config(model, layout, args.replicas, args.prompts, args.group, args.new, args.steps)
         clock = StepClock()
@@ -98,8 +94,10 @@ def run(args, results) -> int:
             learner = build_learner(config, output_dir=Path(out), callbacks=[clock])
             learner.fit()
             rollouts = [r for r in read_metrics(Path(out) / "metrics.jsonl") if "rl_step" in r][1:]
-        # a GRPO step: from one rollout's first update (which waits for the rollout) to the next's
-        steps = [b - a for a, b in zip(clock.starts[0::2], clock.starts[2::2])][1:]
+        # a GRPO step: from one rollout's first update to the next's (the batch of an update is
+        # ready when it starts, so each span holds two updates and the next rollout)
+        firsts = clock.starts[0::2]
+        steps = [b - a for a, b in zip(firsts, firsts[1:])][1:]
         mean = lambda key: statistics.mean(r.get(key, 0.0) for r in rollouts) if rollouts else 0.0
         pool = learner.source.replicas
         results.row("layout", layout=layout, devices=jax.device_count(), trainer_devices=learner.trainer.mesh.size,
