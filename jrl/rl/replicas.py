@@ -19,6 +19,7 @@ each replica copies from a local trainer device.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 import typing
@@ -86,14 +87,19 @@ def _in_threads(slots: Sequence[ReplicaSlot], work: Callable[[ReplicaSlot], Any]
     return [f.result() for f in futures]
 
 
+@functools.cache
+def _replicate(mesh: jax.sharding.Mesh) -> Callable[[Any], Any]:
+    """The jitted all-gather of a pytree onto every device of `mesh` (one per mesh)."""
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
 def _local_copy(params: Any, mesh: jax.sharding.Mesh) -> Any:
     """Params this process can address whole: as they are when they already are, else
     replicated over `mesh` by one all-gather and taken from a local device."""
     leaves = jax.tree.leaves(params)
     if all(getattr(x, "is_fully_addressable", True) for x in leaves):
         return params
-    replicated = jax.jit(lambda p: p, out_shardings=NamedSharding(mesh, PartitionSpec()))(params)
-    return jax.tree.map(lambda x: x.addressable_shards[0].data, replicated)
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, _replicate(mesh)(params))
 
 
 class ReplicaPool:

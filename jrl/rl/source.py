@@ -27,7 +27,9 @@ counted; a batch left empty is regenerated synchronously.
 
 With a `parallel` section the engine serves on its own tensor-only mesh
 (`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
-onto it. On one device it serves the trainer's own buffers (no copy).
+onto it. On one device it serves the trainer's own buffers (no copy). With a `placement`
+(jrl.rl.placement) a `jrl.rl.replicas.ReplicaPool` serves instead: every replica
+acknowledges each sync, groups are routed by load and gathered to every process.
 
 Resuming is exact: `state_dict()` holds the rollout batch in progress (rows, minibatch
 plan, position) and, off-policy, the rollout generated ahead, so a resumed run trains on
