@@ -9,7 +9,8 @@ fsdp mesh over all devices, one engine replica on the first) and `split` (`--rep
 one-device replicas on the last devices, the trainer's fsdp mesh over the rest). One row a
 layout (section `layout`): the mean GRPO step (two updates and the next rollout, from the
 start of one rollout's first update to the next's), leaving out the first span (compiles),
-and the rollout metrics' generation and weight-sync times, GB synced and seconds per GB.
+and the rollout metrics' generation time (sampling and rewards) with the sampled tokens per
+second it gives, weight-sync time, GB synced and seconds per GB.
 Model: `shapes.GRPO_174M` with the byte tokenizer's 262-token vocabulary (the run samples
 text the reward decodes), on the addition task (exact-match reward, zero-variance groups
 kept so every row trains).
@@ -104,10 +105,13 @@ def run(args, results) -> int:
                     replicas=len(pool.placement.replicas), prompts=args.prompts, group=args.group, new=args.new,
                     grpo_step_ms=1e3 * statistics.mean(steps) if steps else None, mean_over=len(steps),
                     generate_ms=1e3 * mean("generate_s"), rollout_ms=1e3 * mean("rollout_s"),
+                    rollout_tokens_per_s=(args.prompts * args.group * mean("response_len_mean") / mean("generate_s")
+                                          if mean("generate_s") else None),
                     weight_sync_ms=1e3 * mean("weight_sync_s"), weight_sync_gb=mean("weight_sync_gb"),
                     weight_sync_s_per_gb=mean("weight_sync_s_per_gb") or None)
     results.table([("layout", "layout"), ("trainer_devices", "trainer devs"), ("replicas", "replicas"),
                    ("grpo_step_ms", "GRPO step ms"), ("generate_ms", "generate ms"),
+                   ("rollout_tokens_per_s", "rollout tok/s"),
                    ("weight_sync_ms", "sync ms"), ("weight_sync_gb", "sync GB"),
                    ("weight_sync_s_per_gb", "sync s/GB")], "layout",
                   f"GRPO under each placement: {args.prompts} x {args.group} samples of {args.new} tokens")
