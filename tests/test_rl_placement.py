@@ -5,6 +5,7 @@ placement_cases.py) and over two jax.distributed processes of 4 devices each."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -115,7 +116,7 @@ def test_split_placement_on_eight_simulated_devices(tmp_path):
     run_cases("placement_cases.py", tmp_path)
 
 
-def test_two_processes_with_a_split_placement_train_like_one_device(tmp_path):
+def test_two_processes_with_a_split_placement_train_like_one_device_and_fail_together(tmp_path):
     worker = str(CASES / "placement_worker.py")
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
@@ -143,6 +144,10 @@ def test_two_processes_with_a_split_placement_train_like_one_device(tmp_path):
     assert all(r["engine_replicas"] == 2 and r["replica_groups_max"] == 2 for r in rollouts(main))
     np.testing.assert_allclose([r["loss"] for r in steps(main)], [r["loss"] for r in steps(ref)],
                                rtol=1e-5, atol=1e-6)
+    # a replica crashing on process 1 fails the step on both processes, each naming it
+    replica = r"engine replica 1 \(process 1, devices \[\d+\]\): generation failed"
+    assert re.fullmatch(replica + r": RuntimeError: device lost", reports[1]["crash_error"])
+    assert re.fullmatch(replica + r" on process 1 \(its error says why\)", reports[0]["crash_error"])
     # the update, to float tolerance (see placement_cases.py), and alike on both processes
     want = np.load(tmp_path / "one" / "params-0.npz")
     for p in (0, 1):

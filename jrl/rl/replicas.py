@@ -40,7 +40,12 @@ FINISH_REASONS: tuple[str, ...] = typing.get_args(FinishReason)
 
 
 class ReplicaError(RuntimeError):
-    """An engine replica failed, hung past its timeout or did not acknowledge the weights."""
+    """An engine replica failed, hung past its timeout or did not acknowledge the weights;
+    `replica` is its global index."""
+
+    def __init__(self, message: str, replica: int) -> None:
+        super().__init__(message)
+        self.replica = replica
 
 
 def route(group_tokens: Sequence[int], group_requests: Sequence[int],
@@ -80,10 +85,11 @@ def _in_threads(slots: Sequence[ReplicaSlot], work: Callable[[ReplicaSlot], Any]
     for slot, future in zip(slots, futures):
         if not future.done():
             raise ReplicaError(f"{slot.describe()}: {what} did not finish within "
-                               f"strategy.options.placement.engines.timeout_s = {timeout_s:g} s")
+                               f"strategy.options.placement.engines.timeout_s = {timeout_s:g} s", slot.index)
         error = future.exception()
         if error is not None:
-            raise ReplicaError(f"{slot.describe()}: {what} failed: {type(error).__name__}: {error}") from error
+            raise ReplicaError(f"{slot.describe()}: {what} failed: {type(error).__name__}: {error}",
+                               slot.index) from error
     return [f.result() for f in futures]
 
 
@@ -131,6 +137,26 @@ class ReplicaPool:
         if self.fault_hook is not None:
             self.fault_hook(slot.index, phase)
 
+    def _on_every_replica(self, work: Callable[[ReplicaSlot], Any], what: str) -> list[Any]:
+        """`work` on each local replica (`_in_threads`). With several processes, a replica
+        that fails on one process fails every process, each naming it (one all-gather of
+        the failed replica's index), instead of leaving the others waiting in the next
+        collective."""
+        try:
+            results, error = _in_threads(self.slots, work, what, self.timeout_s), None
+        except ReplicaError as e:
+            results, error = None, e
+        if jax.process_count() > 1:
+            flag = np.array([-1 if error is None else error.replica], np.int32)
+            failed = [r for r in np.asarray(multihost_utils.process_allgather(flag)).reshape(-1).tolist() if r >= 0]
+            if error is None and failed:
+                slot = self.placement.replicas[failed[0]]
+                raise ReplicaError(f"{slot.describe()}: {what} failed on process {slot.process} (its error says "
+                                   "why)", slot.index)
+        if error is not None:
+            raise error
+        return results
+
     # ------------------------------------------------------------------ weights
     def sync(self, params: Any, version: int) -> int:
         """Serves `params` as `version` on every local replica and records each one's
@@ -146,7 +172,7 @@ class ReplicaPool:
             jax.block_until_ready(engine.params)
             return engine, rebuilt, engine.version
 
-        results = _in_threads(self.slots, one, f"weight sync of version {version}", self.timeout_s)
+        results = self._on_every_replica(one, f"weight sync of version {version}")
         for k, (engine, _, acked) in enumerate(results):
             self.engines[k] = engine
             self.acks[k] = acked
@@ -168,7 +194,7 @@ class ReplicaPool:
             if acked != self.version:
                 got = "nothing" if acked == -1 else f"version {acked}"
                 raise ReplicaError(f"{slot.describe()}: acknowledged {got}, expected version {self.version}; "
-                                   "a replica generates only after acknowledging the current weights")
+                                   "a replica generates only after acknowledging the current weights", slot.index)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[np.ndarray], n_per_prompt: int, sampling: Sequence[SamplingParams],
@@ -193,7 +219,7 @@ class ReplicaPool:
                 max_new_tokens=max_new_tokens, **kwargs)
             return list(zip(requests, outs))
 
-        results = _in_threads(self.slots, one, "generation", self.timeout_s)
+        results = self._on_every_replica(one, "generation")
         local = sorted((pair for result in results for pair in result), key=lambda pair: pair[0])
         if jax.process_count() == 1:
             return [c for _, c in local]
@@ -232,7 +258,8 @@ class ReplicaPool:
                 finish_reason=FINISH_REASONS[reason], cached_tokens=cached, n_preemptions=preemptions)
         missing = [i for i, c in enumerate(out) if c is None]
         if missing:
-            raise ReplicaError(f"requests {missing[:8]}: no completion came back from any process")
+            raise ReplicaError(f"{self.placement.replicas[where[missing[0] // n_per_prompt]].describe()}: "
+                               f"requests {missing[:8]} came back from no process", where[missing[0] // n_per_prompt])
         return out
 
     def metrics(self) -> dict[str, float]:
