@@ -306,11 +306,11 @@ class RolloutSource:
         }
         if self.episodes is not None:  # lengths, truncation and cache hits of episodes; turns, tools, env time
             metrics.update(self.episodes.metrics([ep for g in drawn for ep in g.episodes]))
-        if self.replicas is not None:
-            metrics.update(self.replicas.metrics())
         elif len(self.rewards.names) > 1:
             for name in self.rewards.names:
                 metrics[f"reward_{name}"] = float(np.concatenate([g.terms[name] for g in drawn]).mean())
+        if self.replicas is not None:
+            metrics.update(self.replicas.metrics())
         return Rollout(rows, versions, group_kept, metrics)
 
     @staticmethod
