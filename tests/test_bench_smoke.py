@@ -5,9 +5,11 @@ values are finite and positive, never wall-clock thresholds."""
 import json
 import math
 
+import numpy as np
 import pytest
 
 from jrl.bench import STAGES, UNAVAILABLE
+from jrl.bench.grpo import response_lengths
 from jrl.bench.cli import main
 from jrl.bench.results import COMMON_KEYS
 
@@ -89,6 +91,26 @@ def test_prefill_reports_tokens_per_second_against_the_compute_floor(tmp_path):
     positive(r, "prefill_tokens_per_s", "tflops", "floor_ms", "flops_per_token")
 
 
+def test_generate_times_the_first_call_cold_and_warm_and_compares_configs(tmp_path):
+    # Two fresh processes on one cache directory: the second reads the first's programs.
+    rows = bench(tmp_path, "generate", "--batches", "2", "--cache-dir", str(tmp_path / "cache"))
+    cold, warm = section(rows, "first_call")
+    assert (cold["cache"], warm["cache"]) == ("cold", "warm") and cold["batch"] == warm["batch"] == 2
+    assert cold["programs_from_cache"] == 0 and cold["programs_compiled"] > 0
+    assert warm["programs_from_cache"] > 0 and warm["cache_dir"] == cold["cache_dir"]
+    assert cold["max_tokens_per_step"] == 64  # 2 x 24 prompt tokens, rounded up
+    for r in (cold, warm):
+        positive(r, "first_call_s", "process_s", "init_s")
+    (default,) = section(rows, "default")
+    positive(default, "e2e_tokens_per_s", "prefill_s", "prefill_tokens_per_s")
+    tuned = section(rows, "tuned")
+    assert [r["max_tokens_per_step"] for r in tuned] == [8192, 32768]
+    for r in tuned:
+        assert r["tuned"] == {"max_tokens_per_step": r["max_tokens_per_step"]}
+        assert r["programs_compiled"] == 0  # the same step programs as the default config's
+        positive(r, "e2e_tokens_per_s", "vs_default")
+
+
 def test_kernels_check_and_decode_in_interpret_mode(tmp_path):
     rows = bench(tmp_path, "kernels", "--check", "--decode", "--check-kinds", "decode")
     (check,) = section(rows, "check")
@@ -106,6 +128,31 @@ def test_grpo_times_every_phase(tmp_path):
     positive(mean, "generation_ms", "reward_ms", "batch_ms", "logprobs_ms", "optimizer_ms", "weight_sync_ms",
              "total_ms")
     assert section(rows, "step")[-1]["ack_version"] == 4  # two optimizer steps a GRPO step
+    assert mean["wait_ms"] == mean["post_ms"] == 0.0  # nothing overlaps in sync mode
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "interruptible"])
+def test_grpo_overlapped_modes_time_the_trainers_wait_and_long_tail_idle(tmp_path, mode):
+    rows = bench(tmp_path, "grpo", "--steps", "3", "--mode", mode, "--lengths", "longtail")
+    steps = section(rows, "step")
+    assert [r["step"] for r in steps] == [0, 1, 2] and {r["mode"] for r in steps} == {mode}
+    (mean,) = section(rows, "mean")
+    positive(mean, "generation_ms", "wait_ms", "logprobs_ms", "optimizer_ms", "weight_sync_ms", "total_ms")
+    # rollout k+1 was started by the weights of the start of step k: two optimizer steps behind
+    assert steps[0]["token_lag_mean"] == 0 and all(0 < r["token_lag_mean"] <= 2 for r in steps[1:])
+    for r in steps:  # lognormal lengths capped at --new (8): a long tail leaves decode rows empty
+        assert r["response_len_max"] <= 8 and r["response_len_mean"] < 8
+        assert 0 < r["engine_idle_frac"] < 1
+        assert r["ack_version"] == 2 * r["step"]  # the engine serves the trainer's weights of the step's start
+    if mode == "overlapped":
+        assert all(r["mixed_version_samples"] == 0 and r["post_ms"] == 0 for r in steps)
+
+
+def test_grpo_longtail_lengths_are_fixed_per_step_and_capped():
+    a, b = response_lengths("longtail", 256, 256, 3), response_lengths("longtail", 256, 256, 3)
+    np.testing.assert_array_equal(a, b)
+    assert a.min() >= 1 and a.max() == 256 and np.median(a) < 128  # capped, most far below the cap
+    assert (response_lengths("fixed", 4, 8, 0) == 8).all()
 
 
 def test_placement_times_a_grpo_step_per_layout(tmp_path):

@@ -2,6 +2,7 @@
 versions, weight sync, staleness, resume, skipped updates, engine/trainer log-probs."""
 
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -10,9 +11,11 @@ import pytest
 from jrl.config import ConfigError, TrainConfig, from_dict
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
-from jrl.rl.batch import build_rows, stale_groups
+from jrl.rl.batch import build_rows, newest_versions, stale_groups, stale_tokens
 import jrl.rl.source as source_module
 from jrl.rl import build_learner
+from jrl.rl.options import RLOptions
+from jrl.rollout import Engine
 from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
 
@@ -297,3 +300,86 @@ def test_sequence_ratio_trains_end_to_end(tmp_path):
     for r in rollout_rows(rows):  # each rollout's first update: sequence ratios 1, nothing clipped
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
         assert r["clip_frac"] == 0.0
+
+
+# ------------------------------------------------------------------ interruptible generation
+
+
+def test_build_rows_records_each_targets_version_and_stale_tokens_are_per_token():
+    rows = build_rows([np.array([5, 6, 7]), np.array([5, 6])], [np.array([8, 9, 4]), np.array([3])],
+                      [np.array([-0.5, -0.25, -1.0]), np.array([-2.0])], seq_len=7, pad_id=0,
+                      token_versions=[np.array([3, 3, 5]), np.array([5])])
+    np.testing.assert_array_equal(rows["token_version"], [[-1, -1, 3, 3, 5, -1, -1],
+                                                          [-1, 5, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(newest_versions(rows["token_version"], rows["loss_mask"]), [5, 5])
+    stale = stale_tokens(rows["token_version"], rows["loss_mask"], trainer_version=6, max_lag=2)
+    np.testing.assert_array_equal(stale[0], [0, 0, 1, 1, 0, 0, 0])  # lag 3 > 2; the version-5 token stays
+    assert not stale[1].any()
+    with pytest.raises(ValueError, match="token_versions: 1 versions for a response of 3 tokens"):
+        build_rows([np.array([5])], [np.array([8, 9, 4])], [np.zeros(3)], 7, 0, token_versions=[np.array([1])])
+
+
+def test_continue_needs_the_engines_per_token_logprobs_as_anchor():
+    with pytest.raises(ConfigError, match="strategy.options.old_logp: must be 'engine' with "
+                                          "engine.on_weight_update: continue"):
+        RLOptions.from_config({"off_policy": True, "old_logp": "recomputed",
+                               "engine": {"on_weight_update": "continue"}})
+
+
+def interruptible_run(tmp_path, monkeypatch, **options):
+    """An off-policy run with on_weight_update: continue whose second rollout pauses after
+    two engine steps until the trainer has posted its weights and started the third
+    rollout (so the post lands mid-generation, at the same point every run); returns the
+    trainer's batches, the metric rows and, per engine step, the running request ids."""
+    ahead, current, running = threading.Event(), {}, []
+    step, generate = Engine.step, source_module.RolloutSource.generate
+
+    def generate_and_note(self, params, version, rl_step):
+        if rl_step == 2:
+            ahead.set()
+        else:
+            current.update(rl_step=rl_step, steps=0)
+        return generate(self, params, version, rl_step)
+
+    def step_then_wait(self):
+        out = step(self)
+        running.append(sorted(r.rid for r in self.scheduler.running))
+        current["steps"] = current.get("steps", 0) + 1
+        if current.get("rl_step") == 1 and current["steps"] == 2:
+            assert ahead.wait(timeout=120)
+        return out
+
+    monkeypatch.setattr(Engine, "step", step_then_wait)
+    monkeypatch.setattr(source_module.RolloutSource, "generate", generate_and_note)
+    # max_batch 32: both rollouts' 16 requests fit at once
+    engine = {"page_size": 2, "on_weight_update": "continue", "max_batch": 32}
+    config = tiny(steps=4, off_policy=True, max_new_tokens=6, engine=engine, **options)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, seq_len=12))
+    capture = CaptureBatches()
+    _, rows = run(config, tmp_path, callbacks=[capture])
+    return capture.batches, rows, running
+
+
+def test_interruptible_rollout_spans_versions_and_anchors_ratios_per_token(tmp_path, monkeypatch):
+    batches, rows, running = interruptible_run(tmp_path, monkeypatch)
+    first, second = rollout_rows(rows)
+    assert first["mixed_version_samples"] == 0
+    # started under version 0, continued under version 2 (posted after batch 0's two updates)
+    assert second["behaviour_version"] == 0 and second["mixed_version_samples"] > 0
+    assert second["stale_tokens_masked"] == 0  # lag <= 2 = one rollout's updates
+    for batch in batches:  # the anchor of every token is the log-prob it was sampled with
+        np.testing.assert_array_equal(batch["old_logp"], batch["behaviour_logp"])
+    assert all(np.isfinite(r["loss"]) for r in train_rows(rows))
+    # the third rollout started at the post: its requests (ids 32..47) ran beside the second's
+    assert any(ids[0] < 32 <= ids[-1] for ids in running if ids)
+
+
+def test_interruptible_staleness_masks_only_the_old_tokens(tmp_path, monkeypatch):
+    batches, rows, _ = interruptible_run(tmp_path, monkeypatch, max_version_lag=1)
+    second = rollout_rows(rows)[1]
+    assert second["stale_tokens_masked"] > 0  # version-0 tokens lag 2 > 1 at the start of batch 1
+    mask = np.concatenate([b["loss_mask"] for b in batches[2:]])
+    versions = np.concatenate([b["behaviour_version"] for b in batches[2:]])
+    assert mask.sum() > 0  # the version-2 tokens of samples that reached them are trained
+    assert second["groups_trained"] > 0
+    assert set(versions.tolist()) == {0}  # each row's oldest token: version 0

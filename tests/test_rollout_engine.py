@@ -334,6 +334,18 @@ def test_mla_and_moe_models_greedy_match_full_forward(config):
     assert_no_pages_held(engine)
 
 
+def test_generate_takes_one_max_new_tokens_per_prompt(params):
+    engine = Engine(MODEL, params, ENGINE)
+    prompts = prompts_of([5, 9, 6], seed=16)
+    out = engine.generate(prompts, GREEDY, max_new_tokens=[3, 1, 7])
+    assert [len(c.tokens) for c in out] == [3, 1, 7]
+    assert all(c.finish_reason == "length" for c in out)
+    with pytest.raises(ValueError, match="max_new_tokens: 2 entries for 3 prompts"):
+        engine.generate(prompts, GREEDY, max_new_tokens=[3, 1])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: max_new_tokens: must be an integer >= 1, got 0"):
+        engine.generate(prompts, GREEDY, max_new_tokens=np.array([3, 0, 2]))
+
+
 def test_generate_leaves_other_queued_requests_to_step(params):
     engine = Engine(MODEL, params, ENGINE)
     queued = engine.add_request(prompts_of([7], seed=14)[0], GREEDY, max_new_tokens=20)

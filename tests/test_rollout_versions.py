@@ -11,7 +11,7 @@ import pytest
 
 from jrl.config import ModelConfig
 from jrl.models import apply, init_params
-from jrl.rollout import GREEDY, Engine, EngineConfig
+from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
 
 MODEL = ModelConfig()
 ENGINE = EngineConfig(page_size=8, n_pages=64, max_batch=8, max_tokens_per_step=32, token_buckets=(32,),
@@ -145,3 +145,88 @@ def test_restart_mode_regenerates_in_flight_requests_with_new_weights(weights):
     a = engine.pool.allocator
     assert a.n_referenced == 0
     a.check_invariants()
+
+
+def continued_run(old, new, prompts, *, overlap=True, steps_before=3, max_new_tokens=8, steps_per_call=1):
+    """Requests started under `old`, `steps_before` steps, then an update to `new` as
+    version 1 with on_weight_update="continue"; returns (ack, completions by id, ids, engine)."""
+    engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="continue", overlap=overlap),
+                    tuning=TuningOverrides(decode_steps_per_call=steps_per_call))
+    ids = [engine.add_request(p, GREEDY, max_new_tokens=max_new_tokens) for p in prompts]
+    for _ in range(steps_before):
+        assert engine.step() == []
+    ack = engine.update_weights(new, 1)
+    return ack, {c.request_id: c for c in engine.run()}, ids, engine
+
+
+def test_continue_mode_keeps_tokens_and_records_each_tokens_version(weights):
+    old, new = weights
+    prompts = prompts_of([6, 19, 11], seed=5)
+    ack, done, ids, _ = continued_run(old, new, prompts)
+    assert (ack.continued, ack.restarted, ack.finished_in_flight) == (3, 0, 0)
+    for rid, p in zip(ids, prompts):
+        v = list(done[rid].versions)
+        n_old = v.count(0)
+        assert 0 < n_old < 8 and v == [0] * n_old + [1] * (8 - n_old)  # one switch, never back
+        # the tokens sampled before the update are the old weights' own continuation
+        np.testing.assert_array_equal(done[rid].tokens[:n_old], greedy_reference(old, p, n_old))
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_continue_mode_attributes_the_step_in_flight_to_the_old_version(weights, steps_per_call):
+    """With overlap the step dispatched before the update (one decode step, or a call of
+    three) is read back after it was requested: its tokens still carry version 0, exactly
+    as without overlap."""
+    old, new = weights
+    prompts = prompts_of([6, 19, 11], seed=5)
+    _, overlapped, ids, _ = continued_run(old, new, prompts, overlap=True, steps_per_call=steps_per_call)
+    _, serial, _, _ = continued_run(old, new, prompts, overlap=False, steps_per_call=steps_per_call)
+    for rid in ids:
+        assert set(overlapped[rid].versions) == {0, 1}
+        np.testing.assert_array_equal(overlapped[rid].versions, serial[rid].versions)
+        np.testing.assert_array_equal(overlapped[rid].tokens, serial[rid].tokens)
+
+
+def test_continue_mode_with_equal_weights_changes_no_token(weights):
+    """Continuing under a new version whose weights equal the old ones is invisible: the
+    tokens and KV kept across the update are exactly those an uninterrupted run uses."""
+    old, _ = weights
+    prompts = prompts_of([6, 19, 11], seed=6)
+    same = jax.tree.map(jnp.copy, old)
+    _, done, ids, _ = continued_run(old, same, prompts)
+    for rid, p in zip(ids, prompts):
+        np.testing.assert_array_equal(done[rid].tokens, greedy_reference(old, p, 8))
+        assert set(done[rid].versions) == {0, 1}
+
+
+def test_continued_requests_never_publish_kv_to_the_newer_version(weights):
+    old, new = weights
+    prompts = prompts_of([30, 30], seed=7)
+    _, done, ids, engine = continued_run(old, new, prompts, max_new_tokens=20)
+    assert all(set(done[rid].versions) == {0, 1} for rid in ids)
+    assert engine.radix.n_cached_pages == 0  # version 0 dropped at the update; nothing mixed added
+    again = engine.generate([prompts[0]], GREEDY, max_new_tokens=5)[0]
+    assert again.cached_tokens == 0 and list(again.versions) == [1] * 5
+    np.testing.assert_array_equal(again.tokens, greedy_reference(new, prompts[0], 5))
+    assert engine.radix.versions == [1]  # a request of one version publishes as before
+    engine.pool.allocator.check_invariants()
+    assert engine.pool.allocator.n_referenced == 0
+
+
+def test_posted_weights_are_served_at_the_next_step(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="continue"))
+    rid = engine.add_request(prompts_of([6], seed=8)[0], GREEDY, max_new_tokens=8)
+    engine.step()
+    engine.post_weights(new, 1)
+    assert engine.version == 0  # nothing happens until the driving thread steps
+    done = engine.run()
+    assert engine.version == 1 and engine.params is new
+    assert done[0].request_id == rid and list(done[0].versions)[:1] == [0] and done[0].versions[-1] == 1
+    engine.post_weights(old, 1)  # not newer than what is served: dropped when applied
+    assert engine.apply_posted_weights() is None and engine.params is new
+
+
+def test_engine_config_names_the_continue_mode_in_errors():
+    with pytest.raises(Exception, match="engine.on_weight_update: must be 'finish', 'restart' or 'continue'"):
+        EngineConfig(on_weight_update="drain")

@@ -3,6 +3,7 @@
 pools and the GPU tuning), and after a real warmup generating compiles nothing."""
 
 import collections
+import dataclasses
 
 import jax
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from jrl.config import ModelConfig
 from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, TuningOverrides
-from jrl.rollout.api import _config_for_prompts
+from jrl.rollout.api import config_for_prompts
 from jrl.rollout.engine import sampling_variants
 from jrl.rollout.executor import StepFunction
 
@@ -31,19 +32,24 @@ def params():
     return init(MODEL, jax.random.key(0))
 
 
-def dispatched_layouts(engine: Engine, prompts, sampling, max_new_tokens: int) -> collections.Counter:
+def dispatched_steps(engine: Engine, prompts, sampling, max_new_tokens: int) -> list:
     """Runs `prompts` through the engine's scheduler and packing with a stand-in step (no
-    device work: every sample is token 0) and counts the layouts it dispatches."""
-    used = collections.Counter()
+    device work: every sample is token 0) and lists the layouts it dispatches, in order."""
+    used = []
 
     def step(params, k, v, prev, ints, floats, layout):
-        used[layout] += 1
+        used.append(layout)
         rows = engine.max_rows
         return prev, np.zeros((layout.steps, 3, rows) if layout.steps > 1 else (3, rows), np.float32), k, v
 
     engine.step_function = StepFunction(fn=step)  # this engine only (the cached one is untouched)
     engine.generate(prompts, sampling, max_new_tokens=max_new_tokens)
     return used
+
+
+def dispatched_layouts(engine: Engine, prompts, sampling, max_new_tokens: int) -> collections.Counter:
+    """How often each layout is dispatched (`dispatched_steps`)."""
+    return collections.Counter(dispatched_steps(engine, prompts, sampling, max_new_tokens))
 
 
 def prompts_of(lengths, seed=0):
@@ -63,7 +69,7 @@ def test_generate_configs_dispatch_only_warmed_layouts(params, tuning, batch, lo
     rng = np.random.default_rng(batch + longest)
     lengths = rng.integers(max(1, longest // 4), longest + 1, batch) if vary else [longest] * batch
     prompts = prompts_of(lengths)
-    engine = Engine(MODEL, params, _config_for_prompts(MODEL, prompts, new), tuning=tuning)
+    engine = Engine(MODEL, params, config_for_prompts(MODEL, prompts, new), tuning=tuning)
     warmed = set(engine.step_layouts(SAMPLE))
     used = dispatched_layouts(engine, prompts, SAMPLE, new)
     assert set(used) <= warmed, sorted(set(used) - warmed, key=str)
@@ -126,12 +132,14 @@ def pow2(n: int) -> int:
 
 
 def documented_sizing(model: ModelConfig, prompts, new: int) -> dict:
-    """docs/rollout.md, "Sizing and compiled programs": generate()'s engine for `prompts`."""
+    """docs/rollout.md, "Sizing of `generate()`": generate()'s engine for `prompts` on the
+    CPU (no device memory figure: the budget is capped at 1024)."""
     max_batch = min(pow2(len(prompts)), 256)
     pages = sum(-(-(len(p) + new) // 16) for p in prompts)
-    return {"page_size": 16, "max_batch": max_batch, "max_tokens_per_step": max(max_batch, 1024),
+    budget = max(max_batch, min(pow2(max(16, sum(len(p) for p in prompts))), 1024))
+    return {"page_size": 16, "max_batch": max_batch, "max_tokens_per_step": budget,
             "max_seq_len": min(model.max_position_embeddings, pow2(max(len(p) for p in prompts) + new)),
-            "n_pages": pow2(pages), "token_buckets": tuple(pow2(16) * 2**k for k in range(7)),
+            "n_pages": pow2(pages), "token_buckets": tuple(16 * 2**k for k in range((budget // 16).bit_length())),
             "batch_buckets": tuple(2**k for k in range(max_batch.bit_length()))}
 
 
@@ -139,10 +147,44 @@ def documented_sizing(model: ModelConfig, prompts, new: int) -> dict:
 @pytest.mark.parametrize("prompt,new", [(32, 32), (512, 256), (1500, 64), (100, 1948)])
 def test_generate_sizing_is_the_documented_rule(batch, prompt, new):
     prompts = [[1] * prompt] * batch
-    config = _config_for_prompts(MODEL, prompts, new)
+    config = config_for_prompts(MODEL, prompts, new)
     want = documented_sizing(MODEL, prompts, new)
     got = {name: getattr(config, name) for name in want if name not in ("token_buckets", "batch_buckets")}
     got["token_buckets"], got["batch_buckets"] = config.resolved_token_buckets, config.resolved_batch_buckets
     assert got == want
     # every prompt runs at once and none can run out of pages
     assert config.n_pages * config.page_size >= batch * (prompt + new) and config.max_batch >= min(batch, 256)
+
+
+# Free device memory of an H200 under JAX's default 75% preallocation, a few GB in use.
+H200_FREE = 100 * 2**30
+# The best hand-tuned engine setting measured on the H200 for these workloads: a token
+# budget of 32768 (prefill of 256 x 512 prompt tokens in 358 ms, against 381 ms at 8192
+# and 666 ms at 1024; bench/results/prefill.jsonl). The default sizing must dispatch
+# exactly the step programs this tuned engine dispatches.
+TUNED = {"max_tokens_per_step": 32768}
+
+
+@pytest.mark.parametrize("batch", [1, 16, 256])
+@pytest.mark.parametrize("prompt", [16, 128, 512])
+def test_generate_default_runs_the_tuned_configs_steps(params, batch, prompt):
+    prompts, new = prompts_of([prompt] * batch), 8
+    default = config_for_prompts(MODEL, prompts, new, free_memory=H200_FREE)
+    tuned = dataclasses.replace(default, **TUNED)
+    steps = [dispatched_steps(Engine(MODEL, params, config, tuning=GPU_LIKE), prompts, SAMPLE, new)
+             for config in (default, tuned)]
+    assert steps[0] == steps[1]  # the same step programs, in the same order
+
+
+# Distinct step programs (= compiles in a fresh process) of one generate() call with the
+# GPU default sizing and tuning, 512-token prompts, 256 new tokens, greedy; in brackets
+# with the earlier fixed budget of 1024 tokens (docs/rollout.md has the table).
+PROGRAMS = {1: 2, 16: 2, 64: 2, 256: 6}  # 2, 7, 10, 15 with a budget of 1024 tokens
+
+
+@pytest.mark.parametrize("batch", sorted(PROGRAMS))
+def test_generate_default_compiles_few_programs(params, batch):
+    prompts = prompts_of([512] * batch)
+    config = config_for_prompts(MODEL, prompts, 256, free_memory=H200_FREE)
+    used = dispatched_layouts(Engine(MODEL, params, config, tuning=GPU_LIKE), prompts, GREEDY, 256)
+    assert len(used) == PROGRAMS[batch]

@@ -4,7 +4,8 @@ Stages (one module each) share the helpers of this package: `timing` (device-syn
 timers, medians), `floors` (the bytes and FLOPs a step must move, the device ceilings they
 are divided by), `results` (the JSON row writer and the table printed last), `torch_ref`
 (the transformers / PyTorch comparison, `torch_worker` run in a subprocess), `shapes` (the
-benchmark models), `decode_program` (the engine's decode program on a synthetic batch) and
+benchmark models), `decode_program` (the engine's decode program on a synthetic batch), `generate_worker`
+(one fresh process of the `generate` stage) and
 `trace` (profiler summaries). Only the `jrl` console script (jrl/cli.py) imports it.
 """
 
@@ -14,9 +15,10 @@ STAGES = {
     "decode": "engine decode throughput; --step-only, --ab (variants), --host, --gemms, --trace-dir",
     "prefill": "engine prefill throughput: prompt tokens/s against the compute floor",
     "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
-    "grpo": "one synchronous GRPO step, phase by phase (generation .. weight sync)",
+    "grpo": "one GRPO step (sync, overlapped or interruptible), phase by phase (generation .. weight sync)",
     "placement": "GRPO step and weight-sync time per GB: colocated vs split engines (--layouts, --replicas)",
     "bandwidth": "device ceilings the floors use: HBM stream rates, the bf16 matmul rate",
+    "generate": "first generate() call of a fresh process (cold / warm cache), default vs tuned config",
     "serve": "jrl serve under load: requests/s, output tok/s over HTTP vs the in-process engine",
 }
 UNAVAILABLE: dict[str, str] = {}

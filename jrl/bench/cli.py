@@ -18,6 +18,7 @@ import jax
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.results import Results, record_path
 
+PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 USAGE = "usage: jrl bench {" + ",".join(STAGES) + "} [flags]   (jrl bench STAGE --help: its flags)"
 
 
@@ -52,18 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in STAGES:
         print(f"jrl bench: unknown stage {stage!r}; choose from {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    saved_flags = os.environ.get("XLA_FLAGS")
+    saved = {name: os.environ.get(name) for name in ("XLA_FLAGS", PREALLOCATE)}
     if stage == "decode" and "--host" in rest:  # before a backend starts: see decode.py, Host
         os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
         if "JAX_PLATFORMS" not in os.environ:
             jax.config.update("jax_platforms", "cpu")
+    if stage == "generate":  # this process only launches the measured ones: it preallocates no device memory
+        os.environ[PREALLOCATE] = "false"
     try:
         return _run_stage(stage, rest)
     finally:  # a stage run in-process (tests, notebooks) leaves no flags to later subprocesses
-        if saved_flags is None:
-            os.environ.pop("XLA_FLAGS", None)
-        else:
-            os.environ["XLA_FLAGS"] = saved_flags
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _run_stage(stage: str, rest: list[str]) -> int:

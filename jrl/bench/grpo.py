@@ -1,21 +1,50 @@
-"""Where the time of one synchronous GRPO step goes, trainer and engine on one device.
+"""Where the time of one GRPO step goes, trainer and engine on one device, synchronous,
+overlapped or interruptible.
 
-    jrl bench grpo [--prompts 32] [--group 8] [--prompt-len 128] [--new 128] [--minibatches 2] [--steps 3]
+    jrl bench grpo [--mode sync|overlapped|interruptible] [--lengths fixed|longtail]
+                   [--shape 174m|0.82b] [--prompts 32] [--group 8] [--prompt-len 128] [--new 128]
+                   [--minibatches 2] [--steps 3]
 
-One RL step, in the order the loop runs it, each phase timed to its last device result:
-generation (`prompts x group` samples, temperature 1, exactly `--new` tokens, through the
-engine serving the trainer's params), reward (a host function of each completion's
+One RL step, each phase timed to its last device result: generation (`prompts x group`
+samples, temperature 1, through the engine), reward (a host function of each completion's
 tokens), batch (host assembly of the `grpo` rows: tokens, targets, masks, group
-advantages, behaviour log-probs), logprobs (the old policy's log-probabilities
-recomputed), optimizer (`--minibatches` updates of the real train step with the `grpo`
-strategy, state donated) and weight_sync (`engine.update_weights`, until the served params
-are ready; `bytes_copied` counts served leaves that are not the trainer's arrays, e.g. the
-fused q/k/v and gate/up copy of the GPU default). Model: `shapes.GRPO_174M`. One row a
-step (section `step`; the first compiles), then the mean of the later ones (section `mean`).
+advantages, behaviour log-probs), logprobs (the old policy's log-probabilities recomputed
+under the params that started the rollout), optimizer (`--minibatches` updates of the real
+train step with the `grpo` strategy, state donated) and weight_sync (the engine serving the
+trainer's params of now, until they are ready; `ack_version` is the version it then
+serves; `bytes_copied` counts served leaves that are not the trainer's arrays: the fused
+q/k/v and gate/up copy of the GPU default, or the whole copy an overlapping engine needs
+because updates donate the trainer's buffers).
+
+Modes (the RL loop's, `jrl.rl.source`):
+
+* sync: generate, then train on it; the engine serves the trainer's own buffers.
+* overlapped (`off_policy: true`): rollout k+1 is generated in a worker thread, by a copy of
+  the weights of the start of step k, while the trainer works on rollout k. `wait` is the
+  trainer blocked on the rollout; `generation` runs beside the other phases (not summed).
+* interruptible (`off_policy: true`, `engine.on_weight_update: continue`): as overlapped,
+  and when the trainer is done with rollout k while k+1 is still being generated it posts
+  its weights (`post`: the copy), the requests in flight decode on under them, and rollout
+  k+2 starts at once beside k+1's tail (`jrl.rollout.shared.SharedEngine`), so the rows the
+  tail frees take its requests; the ratio anchor is the engine's per-token log-prob
+  (`old_logp: engine`). `weight_sync` is then nothing: the engine serves the posted weights.
+
+`--lengths longtail`: each request's max_new_tokens is drawn from a lognormal (median
+`--new`/4, sigma 1, seed fixed per step, the same in every mode), rounded and capped at
+`--new` (no EOS: random weights never stop early otherwise). `engine_idle_frac` is the
+share of decode row-steps the engine left empty while a rollout was generated: 1 - decode
+tokens / (rows x decode steps), with rows = min(requests, max_batch), counting the tokens of
+any rollout sharing the engine meanwhile (interruptible); the long tail's cost.
+
+Model: `--shape 174m` (`shapes.GRPO_174M`) or `0.82b` (`shapes.ROLLOUT_082B` with float32
+master weights). One row a step (section `step`; the first compiles), then the mean of the
+later ones (section `mean`). `total_ms` is the step's wall time in the trainer's thread.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import statistics
 import time
 
@@ -23,14 +52,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.bench.shapes import GRPO_174M, init, tiny_like
+from jrl.bench.shapes import GRPO_174M, ROLLOUT_082B, init, tiny_like
 from jrl.bench.timing import Budget
 from jrl.config import OptimizerConfig, ScheduleConfig
 from jrl.models.transformer import count_params
 from jrl.rl.advantages import group_advantages
 from jrl.rollout.config import EngineConfig
-from jrl.rollout.engine import Engine
+from jrl.rollout.engine import Engine, EngineStats
 from jrl.rollout.sampling import SamplingParams
+from jrl.rollout.shared import SharedEngine
 from jrl.train.logprobs import hidden_states, target_stats
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
@@ -40,9 +70,16 @@ from jrl.train.strategies import get_strategy
 from jrl.train.strategies.grpo import GRPOLossConfig
 
 PHASES = ("generation", "reward", "batch", "logprobs", "optimizer", "weight_sync")
+OVERLAP_PHASES = ("wait", "post")  # the trainer blocked on a rollout; copying weights to post
+MODES = ("sync", "overlapped", "interruptible")
+SHAPES = {"174m": GRPO_174M, "0.82b": dataclasses.replace(ROLLOUT_082B, param_dtype="float32")}
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--mode", choices=MODES, default="sync")
+    p.add_argument("--lengths", choices=("fixed", "longtail"), default="fixed",
+                   help="fixed: every sample --new tokens; longtail: lognormal lengths capped at --new")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="174m")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -59,6 +96,52 @@ def record_name(args) -> str:
 def reward_of(tokens: np.ndarray, parity: int) -> float:
     """A host reward: the share of completion tokens with the prompt's parity."""
     return float(np.mean(tokens % 2 == parity))
+
+
+def response_lengths(kind: str, n: int, new: int, step: int) -> np.ndarray:
+    """Each request's max_new_tokens: `new` for all ("fixed"), or ("longtail") lognormal
+    with median new/4 and sigma 1 from a seed fixed per step, rounded, in [1, new]."""
+    if kind == "fixed":
+        return np.full(n, new, np.int64)
+    rng = np.random.default_rng([0, 29, step])
+    return np.clip(np.rint(rng.lognormal(np.log(new / 4), 1.0, n)), 1, new).astype(np.int64)
+
+
+def idle_fraction(before: EngineStats, after: EngineStats, rows: int) -> float:
+    """Share of the decode row-steps between two snapshots of the engine's stats that
+    sampled nothing (`rows`: the requests the engine could run at once)."""
+    steps = after.decode_device_steps - before.decode_device_steps
+    tokens = after.decode_tokens - before.decode_tokens
+    return 1.0 - tokens / (rows * steps) if steps else 0.0
+
+
+@dataclasses.dataclass
+class Generated:
+    """One rollout: its prompts, reward targets and completions, and how the engine ran."""
+
+    prompts: np.ndarray
+    targets: np.ndarray
+    completions: list
+    seconds: float
+    idle_frac: float
+    params: dict  # the params that started it (the recomputation's)
+
+
+def generate(engine: Engine | SharedEngine, params: dict, step: int, args, vocab: int) -> Generated:
+    """Rollout `step` (prompts drawn from a seed fixed per step, so every mode sees the
+    same ones), generated by `engine` (or its shared front), serving `params` when it starts."""
+    rng = np.random.default_rng([0, step])
+    prompts = rng.integers(0, vocab, (args.prompts, args.prompt_len), dtype=np.int32)
+    targets = rng.integers(0, 2, args.prompts)
+    n = args.prompts * args.group
+    stats = engine.engine.stats if isinstance(engine, SharedEngine) else engine.stats
+    before = dataclasses.replace(stats)
+    t0 = time.perf_counter()
+    completions = engine.generate([p for p in prompts for _ in range(args.group)], SamplingParams(temperature=1.0),
+                                  max_new_tokens=response_lengths(args.lengths, n, args.new, step))
+    seconds = time.perf_counter() - t0
+    rows = min(n, (engine.engine if isinstance(engine, SharedEngine) else engine).config.max_batch)
+    return Generated(prompts, targets, completions, seconds, idle_fraction(before, stats, rows), params)
 
 
 def rollout_batch(prompts: np.ndarray, completions, rewards: np.ndarray, group: int, seq: int) -> dict:
@@ -88,13 +171,14 @@ def rollout_batch(prompts: np.ndarray, completions, rewards: np.ndarray, group: 
 
 def run(args, results) -> int:
     budget = Budget(args.budget_s)
-    cfg = GRPO_174M
+    cfg = SHAPES[args.shape]
     if args.tiny:
-        cfg, args.prompts, args.group, args.prompt_len, args.new = tiny_like(GRPO_174M), 4, 4, 16, 8
+        cfg, args.prompts, args.group, args.prompt_len, args.new = tiny_like(cfg), 4, 4, 16, 8
     n, seq = args.prompts * args.group, args.prompt_len + args.new
     params = init(cfg)
-    shape = dict(params=count_params(params), rollouts=n, prompts=args.prompts, group=args.group,
-                 prompt_len=args.prompt_len, new=args.new, minibatches=args.minibatches)
+    shape = dict(mode=args.mode, lengths=args.lengths, shape=args.shape, params=count_params(params), rollouts=n,
+                 prompts=args.prompts, group=args.group, prompt_len=args.prompt_len, new=args.new,
+                 minibatches=args.minibatches)
     strategy = get_strategy("grpo")
     opt_cfg = OptimizerConfig(lr=1e-6, weight_decay=0.0)
     schedule = make_schedule(ScheduleConfig(), 1000)
@@ -109,32 +193,73 @@ def run(args, results) -> int:
         hidden, _ = hidden_states(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
         return target_stats(cfg, params, hidden, batch["targets"]).logp * batch["loss_mask"]
 
-    page = 16
-    engine = Engine(cfg, state.params, EngineConfig(
-        page_size=page, n_pages=n * -(-seq // page) + 8, max_batch=min(n, 256),
-        max_tokens_per_step=max(min(n, 256), 8192), max_seq_len=seq, prefix_cache=True), version=0)
-    rng = np.random.default_rng(0)
+    # an overlapping engine holds a copy: every update donates the trainer's buffers
+    copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
+    overlap = args.mode != "sync"
+    page, rows = 16, min(n, 256)
+    # --tiny: one token and one row bucket, so a long tail of shrinking batches compiles little
+    buckets = dict(token_buckets=(n * args.prompt_len,), batch_buckets=(rows,)) if args.tiny else {}
+    served = copy(state.params) if overlap else state.params  # what the engine serves, trainer layout
+    engine = Engine(cfg, served, EngineConfig(
+        page_size=page, n_pages=n * -(-seq // page) + 8, max_batch=rows,
+        max_tokens_per_step=n * args.prompt_len if args.tiny else max(rows, 8192), max_seq_len=seq,
+        prefix_cache=True, on_weight_update="continue" if args.mode == "interruptible" else "finish",
+        **buckets), version=0)
+    interruptible = args.mode == "interruptible"
+    front = SharedEngine(engine) if interruptible else engine  # interruptible: two rollouts share it
+    worker = concurrent.futures.ThreadPoolExecutor(2 if interruptible else 1, thread_name_prefix="bench-rollout") \
+        if overlap else None
+    pending = worker.submit(generate, front, served, 0, args, cfg.vocab_size) if overlap else None
+    served_version = 0
     steps = []
     for step in range(args.steps):
         if step > 1 and budget.spent():
             break
-        t = {}
-        prompts = rng.integers(0, cfg.vocab_size, (args.prompts, args.prompt_len), dtype=np.int32)
-        targets = rng.integers(0, 2, args.prompts)
+        t = dict.fromkeys((*PHASES, *OVERLAP_PHASES), 0.0)
+        version = int(state.policy_version)
+        t_step = time.perf_counter()
+        if not overlap:
+            gen = generate(engine, state.params, step, args, cfg.vocab_size)
+            t["generation"] = gen.seconds
+        else:
+            ahead = None
+            if interruptible and engine.version < version and not pending.done():
+                t0 = time.perf_counter()
+                served = jax.block_until_ready(copy(state.params))
+                engine.post_weights(served, version)  # requests in flight decode on under these
+                served_version = version  # acknowledged in the worker, at the engine's next step
+                if step + 1 < args.steps:  # and the next rollout starts beside their tail
+                    ahead = worker.submit(generate, front, served, step + 1, args, cfg.vocab_size)
+                t["post"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            gen = pending.result()
+            t["wait"] = time.perf_counter() - t0
+            t["generation"] = gen.seconds  # ran beside the trainer: not on its critical path
+            if ahead is not None:
+                pending = ahead  # the engine serves the posted weights already (or at its next step)
+            else:
+                t0 = time.perf_counter()
+                engine.apply_posted_weights()  # a post the finished generation never reached
+                if engine.version < version:
+                    served = copy(state.params)
+                    engine.update_weights(served, version)
+                served_version = engine.version
+                jax.block_until_ready(engine.params)
+                t["weight_sync"] = time.perf_counter() - t0
+                if step + 1 < args.steps:
+                    pending = worker.submit(generate, front, served, step + 1, args, cfg.vocab_size)
         t0 = time.perf_counter()
-        completions = engine.generate([p for p in prompts for _ in range(args.group)],
-                                      SamplingParams(temperature=1.0), max_new_tokens=args.new)
-        t["generation"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        rewards = np.array([reward_of(c.tokens, targets[i // args.group]) for i, c in enumerate(completions)],
+        rewards = np.array([reward_of(c.tokens, gen.targets[i // args.group]) for i, c in enumerate(gen.completions)],
                            np.float32)
         t["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         batch = jax.block_until_ready({k: jnp.asarray(v) for k, v in
-                                       rollout_batch(prompts, completions, rewards, args.group, seq).items()})
+                                       rollout_batch(gen.prompts, gen.completions, rewards, args.group, seq).items()})
         t["batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        batch["old_logp"] = jax.block_until_ready(recompute(state.params, batch))
+        recomputed = jax.block_until_ready(recompute(gen.params, batch))
+        # interruptible: tokens of several versions; the anchor is each one's engine log-prob
+        batch["old_logp"] = batch["behaviour_logp"] if args.mode == "interruptible" else recomputed
         t["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         per = n // args.minibatches
@@ -143,24 +268,38 @@ def run(args, results) -> int:
             state, metrics = fns.update(state, micro, None)
         jax.block_until_ready(metrics["loss"])
         t["optimizer"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ack = engine.update_weights(state.params, int(state.policy_version))
-        jax.block_until_ready(engine.params)  # a fused copy is built on the device: wait for it
-        t["weight_sync"] = time.perf_counter() - t0
-        trainer_leaves = {id(x) for x in jax.tree.leaves(state.params)}
-        copied = sum(x.nbytes for x in jax.tree.leaves(engine.params) if id(x) not in trainer_leaves)
-        row = {f"{p}_ms": 1e3 * t[p] for p in PHASES}
-        steps.append(results.row("step", step=step, **row, total_ms=1e3 * sum(t.values()), ack_version=ack.version,
-                                 bytes_copied=copied, loss=float(metrics["loss"]),
-                                 reward_mean=float(rewards.mean()),
-                                 generated_tokens=int(sum(len(c.tokens) for c in completions)), **shape))
+        if not overlap:
+            t0 = time.perf_counter()
+            acked = engine.update_weights(state.params, int(state.policy_version)).version
+            jax.block_until_ready(engine.params)  # a fused copy is built on the device: wait for it
+            t["weight_sync"] = time.perf_counter() - t0
+        total = time.perf_counter() - t_step
+        if overlap:  # the engine may be mid-update in the worker: count the copy it was handed
+            copied, acked = sum(x.nbytes for x in jax.tree.leaves(served)), served_version
+        else:
+            trainer_leaves = {id(x) for x in jax.tree.leaves(state.params)}
+            copied = sum(x.nbytes for x in jax.tree.leaves(engine.params) if id(x) not in trainer_leaves)
+        versions = [c.versions for c in gen.completions]
+        lengths = np.array([len(c.tokens) for c in gen.completions])
+        row = {f"{p}_ms": 1e3 * t[p] for p in (*PHASES, *OVERLAP_PHASES)}
+        steps.append(results.row(
+            "step", step=step, **row, total_ms=1e3 * total, ack_version=acked, bytes_copied=copied,
+            loss=float(metrics["loss"]), reward_mean=float(rewards.mean()), generated_tokens=int(lengths.sum()),
+            response_len_mean=float(lengths.mean()), response_len_max=int(lengths.max()),
+            engine_idle_frac=gen.idle_frac, mixed_version_samples=sum(int(v.min() != v.max()) for v in versions),
+            token_lag_mean=float(version - np.concatenate(versions).mean()), **shape))
+    if worker is not None:
+        worker.shutdown(wait=True)
     timed = steps[1:] or steps
-    mean = {k: statistics.mean(r[k] for r in timed) for k in (*(f"{p}_ms" for p in PHASES), "total_ms")}
+    keys = (*(f"{p}_ms" for p in (*PHASES, *OVERLAP_PHASES)), "total_ms", "engine_idle_frac")
+    mean = {k: statistics.mean(r[k] for r in timed) for k in keys}
     results.row("mean", mean_over=f"{len(timed)} step(s) after the first", **mean,
-                **{f"{p}_pct": 100 * mean[f"{p}_ms"] / mean["total_ms"] for p in PHASES},
+                **{f"{p}_pct": 100 * mean[f"{p}_ms"] / mean["total_ms"] for p in (*PHASES, *OVERLAP_PHASES)},
                 bytes_copied=timed[-1]["bytes_copied"], **shape)
-    results.table([("step", "step"), *((f"{p}_ms", p) for p in PHASES), ("total_ms", "total ms")], "step",
-                  f"GRPO step: {n} rollouts ({args.prompts} x {args.group}), {args.prompt_len}+{args.new} tokens, "
-                  f"{args.minibatches} optimizer steps; ms")
-    results.table([("mean_over", "mean of"), *((f"{p}_ms", p) for p in PHASES), ("total_ms", "total ms")], "mean")
+    columns = [*((f"{p}_ms", p) for p in (*PHASES, *OVERLAP_PHASES)), ("total_ms", "total ms"),
+               ("engine_idle_frac", "idle")]
+    results.table([("step", "step"), *columns], "step",
+                  f"GRPO step ({args.mode}, {args.lengths} lengths): {n} rollouts ({args.prompts} x {args.group}), "
+                  f"{args.prompt_len}+{args.new} tokens, {args.minibatches} optimizer steps; ms")
+    results.table([("mean_over", "mean of"), *columns], "mean")
     return 0

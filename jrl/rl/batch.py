@@ -10,13 +10,16 @@ import numpy as np
 
 
 def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
-               behaviour_logp: Sequence[np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+               behaviour_logp: Sequence[np.ndarray], seq_len: int, pad_id: int,
+               token_versions: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Trainer rows for prompt + response pairs, in the target convention of the losses:
     position t predicts `targets[t] = tokens[t + 1]`; `loss_mask` is 1 exactly where the
     target is a response token, and `behaviour_logp` holds the engine's log-prob of it.
+    With `token_versions` (each response token's policy version, `Completion.versions`),
+    also `token_version`: the version that sampled the target, -1 off the response.
     (A one-turn episode: `build_episode_rows` with mask 0 on the prompt, 1 on the response.)"""
-    sequences, masks, logps = [], [], []
-    for p, r, lp in zip(prompts, responses, behaviour_logp):
+    sequences, masks, logps, versions = [], [], [], []
+    for k, (p, r, lp) in enumerate(zip(prompts, responses, behaviour_logp)):
         p, r = np.asarray(p, np.int32), np.asarray(r, np.int32)
         if len(p) + len(r) > seq_len:
             raise ValueError(f"data.seq_len: {seq_len} is shorter than prompt ({len(p)}) + response "
@@ -26,15 +29,24 @@ def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
         sequences.append(np.concatenate([p, r]))
         masks.append(np.concatenate([np.zeros(len(p), np.float32), np.ones(len(r), np.float32)]))
         logps.append(np.concatenate([np.zeros(len(p), np.float32), np.asarray(lp, np.float32)]))
-    return build_episode_rows(sequences, masks, logps, seq_len, pad_id)
+        if token_versions is not None:
+            v = np.asarray(token_versions[k], np.int64)
+            if len(v) != len(r):
+                raise ValueError(f"token_versions: {len(v)} versions for a response of {len(r)} tokens")
+            versions.append(np.concatenate([np.full(len(p), -1, np.int64), v]))
+    return build_episode_rows(sequences, masks, logps, seq_len, pad_id,
+                              versions if token_versions is not None else None)
 
 
 def build_episode_rows(sequences: Sequence[np.ndarray], token_masks: Sequence[np.ndarray],
-                       token_logp: Sequence[np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+                       token_logp: Sequence[np.ndarray], seq_len: int, pad_id: int,
+                       token_versions: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Trainer rows for whole episodes (`jrl.rl.environments`): each sequence with a
     per-token mask (1: sampled by the model, 0: prompt, environment or tool tokens) and the
     engine's log-prob of every masked token. Same target convention as `build_rows`:
-    `loss_mask[t] = token_mask[t + 1]`, so the loss trains exactly the sampled tokens."""
+    `loss_mask[t] = token_mask[t + 1]`, so the loss trains exactly the sampled tokens.
+    With `token_versions` (per token, any value where the mask is 0), also `token_version`:
+    the policy version that sampled `targets[t]`, -1 where the loss mask is 0."""
     n = len(sequences)
     tokens = np.full((n, seq_len), pad_id, np.int32)
     targets = np.full((n, seq_len), pad_id, np.int32)
@@ -42,6 +54,7 @@ def build_episode_rows(sequences: Sequence[np.ndarray], token_masks: Sequence[np
     segment_ids = np.zeros((n, seq_len), np.int32)
     loss_mask = np.zeros((n, seq_len), np.float32)
     blogp = np.zeros((n, seq_len), np.float32)
+    tversion = np.full((n, seq_len), -1, np.int32)
     for i, (seq, m, lp) in enumerate(zip(sequences, token_masks, token_logp)):
         seq = np.asarray(seq, np.int32)
         m, lp = np.asarray(m, np.float32), np.asarray(lp, np.float32)
@@ -59,16 +72,38 @@ def build_episode_rows(sequences: Sequence[np.ndarray], token_masks: Sequence[np
         segment_ids[i, :length] = 1
         loss_mask[i, :length - 1] = m[1:]
         blogp[i, :length - 1] = lp[1:] * m[1:]
-    return {"tokens": tokens, "targets": targets, "positions": positions, "segment_ids": segment_ids,
+        if token_versions is not None:
+            v = np.asarray(token_versions[i], np.int64)
+            if len(v) != length:
+                raise ValueError(f"episode {i}: {length} tokens, {len(v)} versions")
+            tversion[i, :length - 1] = np.where(m[1:] > 0, v[1:], -1)
+    rows = {"tokens": tokens, "targets": targets, "positions": positions, "segment_ids": segment_ids,
             "loss_mask": loss_mask, "behaviour_logp": blogp}
+    if token_versions is not None:
+        rows["token_version"] = tversion
+    return rows
 
 
 def stale_groups(sample_versions: np.ndarray, group_size: int, trainer_version: int,
                  max_lag: int) -> np.ndarray:
-    """[n_groups] bool: groups holding a sample generated more than `max_lag` versions
-    before `trainer_version` (a sample's version is the oldest of its tokens')."""
+    """[n_groups] bool: groups holding a sample whose version (the RL loop passes each
+    sample's newest token version, see `stale_tokens`) is more than `max_lag` versions
+    before `trainer_version`."""
     lag = trainer_version - np.asarray(sample_versions).reshape(-1, group_size)
     return (lag > max_lag).any(axis=1)
+
+
+def stale_tokens(token_version: np.ndarray, loss_mask: np.ndarray, trainer_version: int,
+                 max_lag: int) -> np.ndarray:
+    """[rows, seq] bool: trained tokens (loss mask > 0) sampled more than `max_lag`
+    versions before `trainer_version`. A sample whose tokens span versions (interruptible
+    generation) loses only its stale tokens; one left with none is stale as a whole."""
+    return (np.asarray(loss_mask) > 0) & (trainer_version - np.asarray(token_version) > max_lag)
+
+
+def newest_versions(token_version: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """[rows] the newest version among each row's trained tokens (-1 for a row without)."""
+    return np.where(np.asarray(loss_mask) > 0, token_version, -1).max(axis=1)
 
 
 @dataclasses.dataclass

@@ -89,7 +89,8 @@ class EpisodeSampler:
     def rows(episodes: Sequence[Episode], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
         arrays = [ep.arrays() for ep in episodes]
         return build_episode_rows([a["tokens"] for a in arrays], [a["mask"] for a in arrays],
-                                  [a["logprobs"] for a in arrays], seq_len, pad_id)
+                                  [a["logprobs"] for a in arrays], seq_len, pad_id,
+                                  [a["versions"] for a in arrays])
 
     @staticmethod
     def sample_versions(episodes: Sequence[Episode]) -> tuple[np.ndarray, int]:

@@ -112,6 +112,9 @@ class RLOptions:
             _check(_is_int(self.max_version_lag, 0), "max_version_lag",
                    f"must be an integer >= 0 or null, got {self.max_version_lag!r}")
         _check(isinstance(self.engine, dict), "engine", f"must be a mapping, got {self.engine!r}")
+        _check(self.engine.get("on_weight_update") != "continue" or self.old_logp == "engine", "old_logp",
+               "must be 'engine' with engine.on_weight_update: continue (a sample's tokens may come from "
+               "several versions; the engine's per-token log-probs are the distribution each was drawn from)")
         tp = self.engine_tensor_parallel
         _check(isinstance(tp, int) and not isinstance(tp, bool) and (tp == -1 or tp >= 1),
                "engine_tensor_parallel", f"must be -1 (the trainer's parallel.tensor) or a positive "
@@ -121,6 +124,9 @@ class RLOptions:
                    "strategy.options.placement.engines.tensor_parallel instead")
             _check(not self.episodes, "placement", "multi-turn episodes (env / tools) run on one engine; "
                    "leave placement out")
+            _check(self.engine.get("on_weight_update") != "continue", "placement",
+                   "interruptible generation (engine.on_weight_update: continue) posts weights to one "
+                   "engine; leave placement out")
         self.reward_model()  # resolves every fn now: errors before any run
         self._check_episodes()
 

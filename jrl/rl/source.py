@@ -25,6 +25,18 @@ donates its own buffers to each update). A sample whose version lags the trainer
 than `max_version_lag` at the start of its updates is dropped (its group masked out) and
 counted; a batch left empty is regenerated synchronously.
 
+Interruptible (`off_policy: true` with `engine: {on_weight_update: continue}`): when the
+trainer has used up batch k while batch k+1 is still being generated, it posts its current
+weights to the engine (`Engine.post_weights`) instead of waiting for the longest sample:
+requests in flight decode on under them from the engine's next step, each token recording
+its version. Rollout k+2 starts at the same moment (a second worker; the weights are
+those it would get after k+1 anyway, since no update happens in between), so the rows
+the long tail of k+1 frees take its requests (`jrl.rollout.shared.SharedEngine`; not for
+multi-turn episodes, whose runner drives the engine itself). The ratio anchor is then the
+engine's per-token log-prob (`old_logp: engine`, required), which is the distribution
+every token was actually drawn from; staleness is judged per token (`stale_tokens`). When
+the post lands depends on timing, so such runs are not bit-reproducible.
+
 With a `parallel` section the engine serves on its own tensor-only mesh
 (`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
 onto it. On one device it serves the trainer's own buffers (no copy). With a `placement`
@@ -53,7 +65,7 @@ import numpy as np
 from jrl.config import ConfigError, ModelConfig
 from jrl.data.tasks import Problem
 from jrl.rl.advantages import compute_advantages
-from jrl.rl.batch import Rollout, build_rows, stale_groups
+from jrl.rl.batch import Rollout, build_rows, newest_versions, stale_groups, stale_tokens
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems, solved
@@ -64,6 +76,7 @@ from jrl.rl.replicas import ReplicaPool
 from jrl.rl.tasks import check_prompt_lengths, make_task
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
+from jrl.rollout.shared import SharedEngine
 from jrl.train.logprobs import attention_layout, batch_max_segments
 from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
@@ -135,6 +148,11 @@ class RolloutSource:
         self._batches = np.zeros((0, batch_size), np.int64)
         self._next = 0
         self._pending: concurrent.futures.Future | None = None
+        # interruptible: weights are posted to a running generation (docstring above)
+        self.interruptible = o.off_policy and self.engine_config.on_weight_update == "continue"
+        self._posted: tuple[int, Any] | None = None  # (version, the engine's copy) posted last
+        self._ahead: concurrent.futures.Future | None = None  # rollout k+2, started at the post
+        self._shared: SharedEngine | None = None  # the engine as two generations share it
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._reference_fn = reference_params
         self._reference = None
@@ -167,6 +185,8 @@ class RolloutSource:
         self.engine, rebuilt = serve_weights(self.engine, params, version, self.model_config, self.engine_config,
                                              self.engine_mesh)
         self.engine_rebuilds += int(rebuilt)
+        if self.interruptible and (self._shared is None or self._shared.engine is not self.engine):
+            self._shared = SharedEngine(self.engine)  # here, in the trainer's thread: one per engine
 
     def reference_params(self) -> Any:
         """The frozen reference policy of the KL penalty: the run's initial params."""
@@ -200,9 +220,14 @@ class RolloutSource:
             outs = self.replicas.generate(prompts, n_per_prompt, sampling, self.options.max_new_tokens,
                                           **self.format.generate_kwargs())
             return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
-        outs = self.engine.generate(requests, sampling, max_new_tokens=self.options.max_new_tokens,
-                                    **self.format.generate_kwargs())
+        outs = self._generator().generate(requests, sampling, max_new_tokens=self.options.max_new_tokens,
+                                          **self.format.generate_kwargs())
         return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
+
+    def _generator(self) -> Engine | SharedEngine:
+        """The engine, or (interruptible) its shared front, which two rollouts generate on
+        at once."""
+        return self._shared if self.interruptible else self.engine
 
     def _groups(self, problems: list[Problem], rng: np.random.Generator) -> list[_Group]:
         o = self.options
@@ -255,7 +280,8 @@ class RolloutSource:
             rows = self.episodes.rows(episodes, self.seq_len, self.tokenizer.pad_id)
         else:
             rows = build_rows([g.prompt for g in groups for _ in g.completions], [c.tokens for c in comps],
-                              [c.logprobs for c in comps], self.seq_len, self.tokenizer.pad_id)
+                              [c.logprobs for c in comps], self.seq_len, self.tokenizer.pad_id,
+                              [c.versions for c in comps])
         rewards = np.concatenate([g.rewards for g in groups])
         adv, _ = compute_advantages(rewards, o.group_size, estimator=o.advantage,
                                     scale_by_std=o.scale_adv_by_std, eps=o.adv_eps)
@@ -265,7 +291,8 @@ class RolloutSource:
         t1 = time.perf_counter()
         mask = rows["loss_mask"]
         trainer_logp = np.asarray(self._logp_fn(params, self._model_inputs(rows)))
-        diff = np.abs(trainer_logp - rows["behaviour_logp"]) * mask
+        # `params` are `version`'s: tokens a later version sampled (interruptible) are not compared
+        diff = np.abs(trainer_logp - rows["behaviour_logp"]) * mask * (rows["token_version"] == version)
         rows["old_logp"] = trainer_logp * mask if o.old_logp == "recomputed" else rows["behaviour_logp"].copy()
         if o.tis_cap > 0:
             # the loss's own tested helper (min(exp(old - behaviour), cap)), not a copy of it
@@ -318,12 +345,30 @@ class RolloutSource:
         return {k: rows[k] for k in ("tokens", "targets", "positions", "segment_ids")}
 
     # ------------------------------------------------------------------ batches
+    def _serve_for_generation(self, params: Any, version: int) -> Any:
+        """Makes the idle engine serve `params` as `version` (the copy posted for it already,
+        if any); returns the params it serves, in the trainer's layout."""
+        posted, self._posted = self._posted, None
+        if self.engine is not None:
+            self.engine.apply_posted_weights()  # a post the finished generation did not reach
+        engine_params = posted[1] if posted is not None and posted[0] == version else self._engine_params(params)
+        self.sync_weights(engine_params, version)
+        return engine_params
+
     def _submit(self, params: Any, version: int, rl_step: int) -> concurrent.futures.Future:
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jrl-rollout")
-        engine_params = self._engine_params(params)
-        self.sync_weights(engine_params, version)
+            workers = 2 if self.interruptible else 1  # interruptible: rollouts k+1 and k+2 overlap
+            self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jrl-rollout")
+        engine_params = self._serve_for_generation(params, version)
         return self._executor.submit(self.generate, engine_params, version, rl_step)
+
+    def _post(self, params: Any, version: int) -> None:
+        """Hands the trainer's weights of now to the generation running in the worker: its
+        requests in flight decode on under them (interruptible generation)."""
+        if self.engine.version < version:
+            copy = self._engine_params(params)
+            self._posted = (version, copy)
+            self.engine.post_weights(copy, version)
 
     def _next_rollout(self, state: Any) -> Rollout:
         version = int(state.policy_version)
@@ -333,19 +378,30 @@ class RolloutSource:
             return self.generate(state.params, version, self.rl_step)
         if self._pending is None:
             self._pending = self._submit(state.params, version, self.rl_step)
+        elif self.interruptible and not self._pending.done():
+            self._post(state.params, version)
+            if self._posted is not None and self._posted[0] == version and self.episodes is None:
+                # the next rollout starts now, beside this one's tail, under the posted weights
+                self._ahead = self._executor.submit(self.generate, self._posted[1], version, self.rl_step + 1)
         rollout = self._pending.result()
         self._pending = None
-        stale = stale_groups(rollout.sample_versions, o.group_size, version, self.max_version_lag)
+        newest = newest_versions(rollout.rows["token_version"], rollout.rows["loss_mask"])
+        stale = stale_groups(newest, o.group_size, version, self.max_version_lag)
         if stale.any():
             self.stale_samples_dropped += int(stale.sum()) * o.group_size
             rollout.group_kept &= ~stale
         if not rollout.group_kept.any() and stale.any():
             self.stale_batches_regenerated += 1
-            engine_params = self._engine_params(state.params)
-            self.sync_weights(engine_params, version)
+            if self._ahead is not None:  # the engine serves the posted weights, shared with the next rollout
+                engine_params = self._posted[1]
+            else:
+                engine_params = self._serve_for_generation(state.params, version)
             rollout = self.generate(engine_params, version, self.rl_step)
         # the next batch is generated with the weights of now, while these rows train
-        self._pending = self._submit(state.params, version, self.rl_step + 1)
+        if self._ahead is not None:  # started at the post, under the weights of now
+            self._pending, self._ahead, self._posted = self._ahead, None, None
+        else:
+            self._pending = self._submit(state.params, version, self.rl_step + 1)
         return rollout
 
     def next_batch(self, state: Any) -> dict[str, np.ndarray]:
@@ -364,7 +420,10 @@ class RolloutSource:
         version = int(state.policy_version)
         rows = rollout.rows
         kept_rows = np.repeat(rollout.group_kept, o.group_size)
-        rows["loss_mask"] = rows["loss_mask"] * kept_rows[:, None]
+        # tokens of kept samples that lag too far (a sample spanning versions) are not trained
+        stale = stale_tokens(rows.pop("token_version"), rows["loss_mask"], version, self.max_version_lag)
+        stale &= kept_rows[:, None]
+        rows["loss_mask"] = rows["loss_mask"] * kept_rows[:, None] * ~stale
         rows["behaviour_version"] = rollout.sample_versions.astype(np.int32)
         lag = version - rollout.sample_versions
         self.pending_metrics = {
@@ -375,6 +434,7 @@ class RolloutSource:
             "rollout_version_lag_max": float(lag.max()),
             "stale_samples_dropped": float(self.stale_samples_dropped),
             "stale_batches_regenerated": float(self.stale_batches_regenerated),
+            "stale_tokens_masked": float(stale.sum()),
             "engine_version": float(self.engine.version),
             "rollout_s": wait_s,
         }
@@ -467,9 +527,12 @@ class RolloutSource:
         if ahead is not None and self.options.off_policy:
             # generated by the weights of the current batch's start, which the engine no
             # longer needs: _next_rollout syncs the trainer's weights before generating again
+            rows = {k: np.array(v) for k, v in ahead["rows"].items()}
+            if "token_version" not in rows:  # saved by a jrl without per-token versions: one a sample
+                rows["token_version"] = np.where(rows["loss_mask"] > 0,
+                                                 np.array(ahead["sample_versions"])[:, None], -1).astype(np.int32)
             self._pending = concurrent.futures.Future()
-            self._pending.set_result(Rollout({k: np.array(v) for k, v in ahead["rows"].items()},
-                                             np.array(ahead["sample_versions"]), np.array(ahead["group_kept"]),
+            self._pending.set_result(Rollout(rows, np.array(ahead["sample_versions"]), np.array(ahead["group_kept"]),
                                              dict(ahead["metrics"])))
 
 

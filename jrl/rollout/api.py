@@ -4,7 +4,8 @@
                            sampling=SamplingParams(temperature=1.0), max_new_tokens=32)
 
 Each call builds a fresh engine (sized by `engine_config_for_workload`, with a KV pool of
-exactly the prompts' pages, rounded up to a power of two), but the jitted step programs
+exactly the prompts' pages, rounded up to a power of two, and a token budget that prefills
+all the prompts in as few steps as the device's free memory and the cap allow), but the jitted step programs
 are cached per model config and engine geometry, so calls with the same shapes do not
 compile again, and JAX's persistent compilation cache (`jrl.compile_cache`, on by
 default) lets a later process read them back instead of compiling.
@@ -21,21 +22,26 @@ import numpy as np
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
 from jrl.parallel import ParallelConfig
-from jrl.rollout.config import EngineConfig, engine_config_for_workload, pow2_at_least
+from jrl.rollout.config import EngineConfig, device_free_memory, engine_config_for_workload, pow2_at_least
 from jrl.rollout.engine import Engine, check_token_ids
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 
 
-def _config_for_prompts(model_config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                        page_size: int = 16) -> EngineConfig:
-    """`engine_config_for_workload` for these prompts (longest prompt + max_new_tokens,
-    rounded up to a power of two), with a pool of exactly the pages they need: every
-    request runs at once, and none can outgrow its prompt + max_new_tokens."""
+def config_for_prompts(model_config: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       page_size: int = 16, free_memory: int | None = None) -> EngineConfig:
+    """The engine config `generate()` uses by default (there with `free_memory =
+    device_free_memory()`): `engine_config_for_workload` for these prompts (longest prompt
+    + max_new_tokens, rounded up to a power of two), with a pool of exactly the pages they
+    need (every request runs at once, and none can outgrow its prompt + max_new_tokens)
+    and a token budget for all their prompt tokens, bounded by `free_memory` (bytes free
+    on the device; None: the CPU's small cap)."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     pages = sum(-(-(len(p) + max_new_tokens) // page_size) for p in prompts)
     max_seq_len = min(model_config.max_position_embeddings, pow2_at_least(longest))
-    return engine_config_for_workload(max_seq_len, len(prompts), page_size=page_size, n_pages=pow2_at_least(pages))
+    return engine_config_for_workload(max_seq_len, len(prompts), page_size=page_size, n_pages=pow2_at_least(pages),
+                                      prompt_tokens=sum(len(p) for p in prompts), free_memory=free_memory,
+                                      model=model_config)
 
 
 def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]], key: jax.Array,
@@ -62,7 +68,8 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
         raise ValueError(f"sampling: must be a SamplingParams, got {type(sampling).__name__}")
     seeds = np.asarray(jax.random.bits(key, (len(prompts),), jnp.uint32))
     per_prompt = [SamplingParams(**{**sampling.__dict__, "seed": int(s)}) for s in seeds]
-    engine_config = engine_config or _config_for_prompts(config, prompts, max_new_tokens)
+    engine_config = engine_config or config_for_prompts(config, prompts, max_new_tokens,
+                                                        free_memory=device_free_memory())
     engine = Engine(config, params, engine_config, version=version, mesh=mesh)
     return engine.generate(prompts, per_prompt, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                            stop_sequences=stop_sequences)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+import jax
+
 from jrl.config import ModelConfig, check, from_dict
 
 
@@ -46,8 +48,10 @@ class EngineConfig:
     admission. prefix_cache: share full pages of identical prefixes (radix tree, per
     weight version). penalty_window: how many trailing tokens (prompt + output) the
     repetition/frequency/presence penalties see. on_weight_update: what `update_weights`
-    does with requests in flight: "finish" them with the old weights first, or "restart"
-    them (abort, discard their tokens, re-queue) under the new weights. attention_impl:
+    does with requests in flight: "finish" them with the old weights first, "restart"
+    them (abort, discard their tokens, re-queue) under the new weights, or "continue"
+    them: they keep their tokens and KV and decode on under the new weights (each token
+    records the version that sampled it; see `Engine.update_weights`). attention_impl:
     `pallas_kernels` implementation. overlap: schedule step n+1 while step n runs and read
     sampled tokens one step late. seed: derives the sampling seed of requests without one.
     """
@@ -63,7 +67,7 @@ class EngineConfig:
     allocation: Literal["paged", "contiguous"] = "paged"
     prefix_cache: bool = True
     penalty_window: int = 64
-    on_weight_update: Literal["finish", "restart"] = "finish"
+    on_weight_update: Literal["finish", "restart", "continue"] = "finish"
     attention_impl: Literal["auto", "reference", "pallas", "interpret"] = "auto"
     overlap: bool = True
     seed: int = 0
@@ -87,8 +91,8 @@ class EngineConfig:
                 check(b[-1] >= top, f"engine.{name}", f"largest bucket must be >= {top}, got {b[-1]}")
         check(self.allocation in ("paged", "contiguous"), "engine.allocation",
                f"must be 'paged' or 'contiguous', got {self.allocation!r}")
-        check(self.on_weight_update in ("finish", "restart"), "engine.on_weight_update",
-               f"must be 'finish' or 'restart', got {self.on_weight_update!r}")
+        check(self.on_weight_update in ("finish", "restart", "continue"), "engine.on_weight_update",
+               f"must be 'finish', 'restart' or 'continue', got {self.on_weight_update!r}")
         check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "engine.attention_impl",
                f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
 
@@ -126,12 +130,72 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+# The token budget of one step (`max_tokens_per_step`), docs/rollout.md "Sizing":
+# enough for every prompt of the workload at once (a big batch prefills in few large
+# packed steps), at most TOKEN_BUDGET_CAP; without a device memory figure (the CPU) at most
+# CPU_TOKEN_BUDGET_CAP, so CPU programs stay small; and at most what STEP_MEMORY_FRACTION
+# of the device's free memory holds of one step's activations (`step_bytes_per_token`).
+TOKEN_BUDGET_CAP = 32768  # the fastest prefill budget measured on the H200 (bench/results/prefill.jsonl)
+CPU_TOKEN_BUDGET_CAP = 1024
+STEP_MEMORY_FRACTION = 1 / 8
+MIN_TOKEN_BUDGET = 16  # the smallest token bucket
+
+
+def pow2_at_most(n: int) -> int:
+    """The largest power of two <= n (1 for n <= 1)."""
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
+def step_bytes_per_token(model: ModelConfig) -> int:
+    """Upper estimate of the device memory one token of a step's forward holds at once (one
+    layer's activations, float32 worst case): residual, norm and attention output (3 x
+    hidden), q / k / v, and the MLP's gate, up and product (3 x its width). The logits are
+    per request row, not per token, so they do not count here."""
+    mlp = model.intermediate_size
+    if model.is_moe:
+        shared = model.shared_expert_intermediate_size or model.n_shared_experts * model.moe_intermediate_size
+        mlp = max(mlp, model.n_experts_per_tok * model.moe_intermediate_size + shared)
+    qkv = (model.n_heads + 2 * model.n_kv_heads) * model.qk_head_dim
+    return 4 * (3 * model.hidden_size + qkv + 3 * mlp)
+
+
+def token_budget(max_batch: int, prompt_tokens: int, free_memory: int | None = None,
+                 bytes_per_token: int | None = None) -> int:
+    """`max_tokens_per_step` for a workload of `prompt_tokens` prompt tokens in all (every
+    request's prompt, summed) run `max_batch` at a time: those tokens rounded up to a
+    power of two (so the whole workload prefills in one step), capped at TOKEN_BUDGET_CAP,
+    or CPU_TOKEN_BUDGET_CAP when `free_memory` (bytes free on the device) is None, and at
+    the largest power of two whose `bytes_per_token` fit STEP_MEMORY_FRACTION of
+    `free_memory`; never below max_batch (every running request decodes each step)."""
+    want = pow2_at_least(max(prompt_tokens, MIN_TOKEN_BUDGET))
+    if free_memory is None:
+        cap = CPU_TOKEN_BUDGET_CAP
+    else:
+        if not bytes_per_token or bytes_per_token < 1:
+            raise ValueError(f"bytes_per_token: must be a positive integer with free_memory, got {bytes_per_token!r}")
+        cap = min(TOKEN_BUDGET_CAP, pow2_at_most(int(free_memory * STEP_MEMORY_FRACTION) // bytes_per_token))
+    return max(max_batch, min(want, cap))
+
+
+def device_free_memory(device: jax.Device | None = None) -> int | None:
+    """Bytes the allocator of `device` (default: the first) can still hand out, from its
+    `memory_stats()`; None where the backend reports none (the CPU)."""
+    stats = (device or jax.devices()[0]).memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+
+
 def engine_config_for_workload(max_seq_len: int, n_requests: int, *, page_size: int = 16, seed: int = 0,
-                               **overrides: Any) -> EngineConfig:
+                               prompt_tokens: int | None = None, free_memory: int | None = None,
+                               model: ModelConfig | None = None, **overrides: Any) -> EngineConfig:
     """The one sizing rule: settings for up to `n_requests` requests at once, each of up to
     `max_seq_len` tokens (prompt + new). `max_batch` is `n_requests` rounded up to a power
     of two (at most 256); the pool lets every running request reach `max_seq_len` (plus 8
-    spare pages, rounded up to a power of two); the token budget is max(max_batch, 1024).
+    spare pages, rounded up to a power of two); the token budget is `token_budget` of
+    `prompt_tokens` (the workload's prompt tokens in all; None: max_batch x max_seq_len)
+    and `free_memory` (bytes free on the device, `device_free_memory()`; None: the CPU's
+    small cap), which needs `model` for the bytes a token of a step holds.
     `overrides`: EngineConfig fields the user set (YAML data included); they win over the
     derived sizes and are coerced and checked like any config (errors name `engine.<field>`).
     """
@@ -141,9 +205,18 @@ def engine_config_for_workload(max_seq_len: int, n_requests: int, *, page_size: 
           "engine.max_seq_len", f"must be a positive integer, got {max_seq_len!r}")
     check(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1,
           "engine.page_size", f"must be a positive integer, got {page_size!r}")
+    if prompt_tokens is not None and not (isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool)
+                                          and prompt_tokens >= 1):
+        raise ValueError(f"prompt_tokens: must be an integer >= 1, got {prompt_tokens!r}")
+    if free_memory is not None and model is None:
+        raise ValueError("model: needed with free_memory (the bytes one token of a step holds)")
     max_batch = min(pow2_at_least(n_requests), 256)
     pages_per_request = -(-max_seq_len // page_size)
+    batch = overrides.get("max_batch", max_batch)
+    budget = token_budget(batch if isinstance(batch, int) else max_batch,
+                          max_batch * max_seq_len if prompt_tokens is None else prompt_tokens, free_memory,
+                          None if model is None else step_bytes_per_token(model))
     derived = {"page_size": page_size, "max_batch": max_batch,
                "n_pages": pow2_at_least(max_batch * pages_per_request + 8),
-               "max_tokens_per_step": max(max_batch, 1024), "max_seq_len": max_seq_len, "seed": seed}
+               "max_tokens_per_step": budget, "max_seq_len": max_seq_len, "seed": seed}
     return from_dict(EngineConfig, {**derived, **overrides}, prefix="engine.")

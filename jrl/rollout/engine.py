@@ -18,11 +18,15 @@ once per call instead of once per token (on a GPU they cost about as much as a s
 batch's device step). Tokens sampled after a request stopped inside a call are discarded.
 
 Weight updates happen only between steps (`update_weights` is called from the thread that
-drives the engine). Requests in flight either finish under the old weights before the swap
-or are aborted and restarted under the new ones (`EngineConfig.on_weight_update`); either
-way every token of a completion comes from one forward under one version, recorded per
-token. Prefix-cache entries belong to the version that computed them; on update the
-entries of other versions are dropped.
+drives the engine; another thread hands weights over with `post_weights`, applied at the
+start of the driver's next `step`). The step in flight is read back first and records the
+old version, so no forward mixes versions. Requests in flight then finish under the old
+weights before the swap, are aborted and restarted under the new ones, or continue under
+the new ones with the tokens and KV they have (`EngineConfig.on_weight_update`); every
+token records the version of the forward that sampled it (`Completion.versions`).
+Prefix-cache entries belong to the version that computed them; on update the entries of
+other versions are dropped, and a continued request (whose later KV attends to older KV)
+never publishes its pages again.
 
 Given a `mesh` (or a `jrl.parallel.ParallelConfig`), the engine serves tensor-parallel
 params: see `jrl.rollout.sharding` for what lives where.
@@ -35,6 +39,7 @@ construction and at each `update_weights`; callers always hand over the separate
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 
@@ -67,6 +72,7 @@ class Ack:
     version: int
     finished_in_flight: int = 0  # requests completed under the old weights first
     restarted: int = 0  # requests aborted and re-queued under the new weights
+    continued: int = 0  # requests decoding on under the new weights with their tokens and KV
 
 
 @dataclasses.dataclass
@@ -75,6 +81,7 @@ class EngineStats:
     decode_steps: int = 0  # calls in which every row decodes
     decode_device_steps: int = 0  # decode steps with tokens those calls ran (<= decode_steps_per_call each)
     generated_tokens: int = 0
+    decode_tokens: int = 0  # of generated_tokens, those sampled by decode calls (not prefill steps)
     failed_requests: int = 0  # finished with "error" (non-finite logits)
     host_s: float = 0.0  # planning + packing + dispatch (host work per call)
     wait_s: float = 0.0  # blocked reading back sampled tokens
@@ -143,6 +150,8 @@ class Engine:
         self._finished: list[Completion] = []
         self._admit = "all"
         self._sampling_params: dict[SamplingParams, SamplingParams] = {}
+        self._posted: tuple[dict, int] | None = None  # post_weights' hand-over, applied by step()
+        self._posted_lock = threading.Lock()
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
@@ -236,7 +245,8 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[Completion]:
         """Plans and dispatches one step, reads back the previous one; returns the
-        requests that finished."""
+        requests that finished. Weights handed over by `post_weights` are served first."""
+        self.apply_posted_weights()
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
         launched = self._dispatch(batch) if batch is not None else None
@@ -275,22 +285,37 @@ class Engine:
             done += self.step()
         return done + self.flush()
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
-                 stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
-        """Runs `prompts` to completion; completions in prompt order."""
+    def add_requests(self, prompts: Sequence[Sequence[int]],
+                     sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                     max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
+                     stop_sequences: Sequence[Sequence[int]] = ()) -> list[int]:
+        """Queues `prompts` (`sampling` and `max_new_tokens`: one for all, or one per
+        prompt); returns their ids. Every request is checked before any is queued, so a bad
+        one leaves nothing behind (the error names `prompts[k]`)."""
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
             raise ValueError(f"sampling: {len(sampling)} entries for {len(prompts)} prompts")
-        # Every request is checked before any is queued: a bad one leaves nothing behind.
+        if isinstance(max_new_tokens, (Sequence, np.ndarray)):
+            if len(max_new_tokens) != len(prompts):
+                raise ValueError(f"max_new_tokens: {len(max_new_tokens)} entries for {len(prompts)} prompts")
+            news = [int(n) if isinstance(n, np.integer) else n for n in max_new_tokens]
+        else:
+            news = [max_new_tokens] * len(prompts)
         checked = []
-        for k, (p, s) in enumerate(zip(prompts, sampling)):
+        for k, (p, s, new) in enumerate(zip(prompts, sampling, news)):
             try:
-                checked.append(self._checked_request(p, s, max_new_tokens, eos_ids, stop_sequences))
+                checked.append(self._checked_request(p, s, new, eos_ids, stop_sequences))
             except ValueError as e:
                 raise ValueError(f"prompts[{k}]: {e}") from None
-        ids = [self._queue(c) for c in checked]
+        return [self._queue(c) for c in checked]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
+                 stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
+        """Runs `prompts` to completion (`add_requests`, then steps); completions in prompt
+        order. Completions of other queued requests are kept for `step()`/`flush()`."""
+        ids = self.add_requests(prompts, sampling, max_new_tokens, eos_ids, stop_sequences)
         wanted = set(ids)
         by_id: dict[int, Completion] = {}
         others: list[Completion] = []  # requests queued by add_request: kept for step()/flush()
@@ -452,6 +477,8 @@ class Engine:
                     self.scheduler.finish(req, step.version)
                     self._finished.append(req.completion())
         self.stats.generated_tokens += recorded
+        if step.decode:
+            self.stats.decode_tokens += recorded
 
     def _fail(self, req: Request) -> None:
         """Finishes `req` with "error" (its logits turned non-finite; the token drawn from
@@ -479,8 +506,13 @@ class Engine:
     # ------------------------------------------------------------------ weights
     def update_weights(self, params: dict, version: int) -> Ack:
         """Serves `params` as `version` from the next step on. Returns once no request is
-        being generated with the old weights. Raises ValueError for a version going
-        backwards, a version already served with other params, params whose structure,
+        being generated with the old weights: the step in flight is read back (its tokens
+        record the old version), then requests in flight finish first, restart, or (with
+        on_weight_update="continue") decode on under `version`, attending to the KV they
+        computed before; no forward mixes versions, and their pages are never published
+        to the prefix cache again (a newer request never reads KV of an older version).
+        Raises ValueError for a version going backwards, a version already served with
+        other params, params whose structure,
         shapes or dtypes differ from those handed over before (the separate layout, also
         when the engine serves a fused copy), or params holding NaN or inf (the error names
         the first such leaf); after a refusal the engine still serves the old version. With a mesh, params in the engine's layout
@@ -501,12 +533,17 @@ class Engine:
             return Ack(version)
         _check_finite(params, f"update_weights: refusing version {version}; the engine keeps serving "
                               f"version {self.version}")
-        finished = restarted = 0
-        earlier = self.flush()
+        with self._posted_lock:  # a posted version this one supersedes is never applied
+            if self._posted is not None and self._posted[1] <= version:
+                self._posted = None
+        finished = restarted = continued = 0
+        earlier = self.flush()  # the step in flight ran under the old weights: recorded so
         if self.config.on_weight_update == "finish":
             drained = self._drain_started()
             finished = len(drained)
             earlier += drained
+        elif self.config.on_weight_update == "continue":
+            continued = self.scheduler.continue_running()
         else:
             restarted = len(self.scheduler.abort_running())
             for req in self.scheduler.waiting:
@@ -520,7 +557,27 @@ class Engine:
         self.version = version
         if self.radix is not None:
             self.radix.drop_versions_except(version)
-        return Ack(version, finished_in_flight=finished, restarted=restarted)
+        return Ack(version, finished_in_flight=finished, restarted=restarted, continued=continued)
+
+    def post_weights(self, params: dict, version: int) -> None:
+        """Hands `params` over as `version` from any thread: the thread that drives the
+        engine serves them (`update_weights`, with its checks and its `on_weight_update`)
+        at the start of its next `step`, or when it calls `apply_posted_weights`. A later
+        post replaces one not yet applied. With on_weight_update="continue" this is how
+        a trainer swaps weights under a generation running in another thread without
+        waiting for its longest request."""
+        with self._posted_lock:
+            self._posted = (params, int(version))
+
+    def apply_posted_weights(self) -> Ack | None:
+        """Serves the weights of the latest `post_weights` not yet applied (from the thread
+        that drives the engine); None when there are none, or when the engine already
+        serves that version or a newer one."""
+        with self._posted_lock:
+            posted, self._posted = self._posted, None
+        if posted is None or posted[1] <= self.version:  # superseded by a direct update
+            return None
+        return self.update_weights(*posted)
 
     def drop_prefix_cache(self) -> int:
         """Forgets every cached prefix, so the next requests are computed as on a new engine

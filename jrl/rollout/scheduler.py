@@ -320,6 +320,15 @@ class Scheduler:
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
 
+    def continue_running(self) -> int:
+        """Running requests keep their pages across a weight update: what they compute from
+        now on attends to KV of the old version, so none of their pages is published to the
+        prefix cache again (`TaskCache.publish`). Returns how many there are."""
+        for req in self.running:
+            if req.task is not None:
+                req.task.publish = False
+        return len(self.running)
+
     def abort_running(self) -> list[Request]:
         """Aborts every running request (their outputs are discarded) and re-queues them
         at the front in admission order; their pages are not published."""

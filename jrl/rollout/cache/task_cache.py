@@ -36,6 +36,10 @@ class TaskCache:
     kv_len: int = 0  # positions whose KV is written (or written by a step already dispatched)
     n_cached_tokens: int = 0  # prefix-cache hit of the latest admission
     n_published: int = 0  # leading pages already offered to the prefix cache
+    # False once positions of this task are computed under a newer weight version than
+    # earlier ones (`Engine.update_weights` with on_weight_update="continue"): its pages
+    # then hold KV no single version computes, and are never offered to the prefix cache
+    publish: bool = True
 
 
 @dataclasses.dataclass
@@ -93,8 +97,8 @@ class TaskCacheManager:
 
     def record_hashes(self, task: TaskCache, tokens: Sequence[int], version: int) -> None:
         """Publishes the task's full pages whose KV is scheduled and whose tokens are known
-        (positions < min(kv_len, len(tokens)))."""
-        if self.radix is None:
+        (positions < min(kv_len, len(tokens))); nothing for a task that spans versions."""
+        if self.radix is None or not task.publish:
             return
         n_full = min(min(task.kv_len, len(tokens)) // self.page_size, len(task.pages))
         if n_full > task.n_published:
