@@ -66,6 +66,12 @@ def test_engine_tensor_parallel_beside_a_placement_is_refused():
         RLOptions.from_config({"placement": {}, "engine_tensor_parallel": 2})
 
 
+def test_interruptible_generation_beside_a_placement_is_refused():
+    with pytest.raises(ConfigError, match=r"strategy.options.placement: interruptible generation "
+                                          r"\(engine.on_weight_update: continue\) posts weights to one engine"):
+        RLOptions.from_config({"placement": {}, "off_policy": True, "engine": {"on_weight_update": "continue"}})
+
+
 def test_trainer_axes_in_the_parallel_section_beside_a_placement_are_refused():
     config = from_dict(TrainConfig, {"strategy": {"name": "grpo", "options": {"placement": {}}},
                                      "parallel": {"fsdp": 2}})
