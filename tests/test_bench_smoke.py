@@ -187,6 +187,14 @@ def test_grpo_longtail_lengths_are_fixed_per_step_and_capped():
     assert (response_lengths("fixed", 4, 8, 0) == 8).all()
 
 
+def test_placement_times_a_grpo_step_per_layout(tmp_path):
+    rows = bench(tmp_path, "placement", "--layouts", "colocated")  # split needs a second device
+    (r,) = section(rows, "layout")
+    assert (r["layout"], r["trainer_devices"], r["replicas"], r["mean_over"]) == ("colocated", 1, 1, 1)
+    positive(r, "grpo_step_ms", "generate_ms", "rollout_tokens_per_s", "weight_sync_ms")
+    assert r["weight_sync_gb"] == 0 and r["weight_sync_s_per_gb"] is None  # one device: served in place
+
+
 def test_train_reports_throughput_and_mfu(tmp_path):
     rows = bench(tmp_path, "train", "--variants", "causal", "--torch")  # --check: compiles 6 more programs
     (r,) = section(rows, "jrl")
