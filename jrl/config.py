@@ -152,6 +152,7 @@ RopeType = Literal["default", "linear", "dynamic", "ntk", "llama3", "yarn"]
 AttentionType = Literal["gqa", "mla"]
 DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+MatmulDtype = Literal["float8"]
 LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
 
 
@@ -256,6 +257,10 @@ class ModelConfig:
     # program takes longer to compile (docs/performance-tuning.md).
     scan_layers: bool = True
     initializer_range: float = 0.02
+    # None: projections multiply in `dtype`. "float8": the transformer blocks' projections
+    # (attention q/k/v/o, MLP gate/up/down, MLA's projections, shared experts; not routers,
+    # MoE experts or the LM head) multiply in fp8 with current scaling (docs/model.md).
+    matmul_dtype: MatmulDtype | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -322,6 +327,10 @@ class ModelConfig:
             _check(self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
                    f"must be >= 0, got {self.router_aux_loss_coef}")
         _check(self.n_experts >= 0, "n_experts", "must be >= 0")
+        if self.matmul_dtype is not None:
+            _check_choice(self.matmul_dtype, MatmulDtype, "matmul_dtype")
+            _check(self.dtype == "bfloat16", "matmul_dtype",
+                   f"float8 needs dtype: bfloat16 (the activations between the fp8 products), got dtype {self.dtype!r}")
         self.rope_scaling.validate()
         self.lora.validate()
 

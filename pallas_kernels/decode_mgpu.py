@@ -19,6 +19,12 @@ run QK^T and PV on the tensor cores with an online softmax in the log2 domain. W
 than one split, each split writes its normalized partial output and its log-sum-exp and
 a small XLA epilogue merges them with weights `exp2(lse_s - max lse)`, which stays finite
 for every input (empty splits carry lse = -inf and weight 0).
+
+fp8 buffers (`pallas_kernels.quantized.QuantizedKV`) take the same path with half the
+bytes a tile: the memory warpgroup also copies each page's per-token scales (one small
+TMA copy per page and buffer, on the tile's barrier), and the compute warpgroup
+dequantizes each fp8 tile into one bf16 staging tile of its own (`dequantize_tile`)
+before the tensor cores read it; the math after that is the bf16 path's.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import DecodeTuning
 
@@ -77,6 +84,51 @@ def zero_rows_from(tile, n_valid):
         plgpu.commit_smem()
 
 
+def dequantize_tile(src, scale, dst, n_valid=None):
+    """`dst[r] = src[r] * scale[r]` for an fp8 K/V tile `src [block_kv, d]` in shared memory,
+    its per-row float32 scales `scale [block_kv]` and a staging tile `dst` of the compute
+    dtype, 64 rows at a time (a 128-row tile in registers as float32 would crowd out the
+    accumulator). With `n_valid` the rows `>= n_valid` are zeroed by the same select
+    `zero_rows_from` makes (stale slots, their scales included, never reach P·V). The fence
+    makes the stores visible to the tensor cores."""
+    for r0 in range(0, src.shape[0], ROWS):
+        x = src.at[pl.ds(r0, ROWS)][...].astype(jnp.float32)
+        s = plgpu.load(scale.at[pl.ds(r0, ROWS)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+        x = x * lax.broadcast_in_dim(s, x.shape, [0])
+        if n_valid is not None:
+            rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+            x = jnp.where(rows < n_valid - r0, x, jnp.zeros_like(x))
+        dst.at[pl.ds(r0, ROWS)][...] = x.astype(dst.dtype)
+    plgpu.commit_smem()
+
+
+def smem_tiling(d: int, dtype) -> tuple:
+    """Shared-memory transforms of a `[rows, d]` tile the tensor cores or the TMA use: rows of
+    up to 128 bytes swizzled (128 bytes: bf16 at D = 64 or 128, fp8 at D = 128; 64 bytes:
+    fp8 at D = 64)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, d * itemsize)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def compute_dtype(q_dtype, kv_dtype, quantized: bool):
+    """The dtype the kernels compute in: the buffers' (bf16/f16), or for fp8 buffers the
+    queries' when that is bf16/f16 and bf16 otherwise."""
+    if not quantized:
+        return kv_dtype
+    return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
+
+
+def split_buffers(kernel: str, k_buf, v_buf):
+    """(k data, v data, [k scale, v scale]) of plain or fp8 buffers; both must be the same kind."""
+    quantized = isinstance(k_buf, QuantizedKV)
+    if quantized != isinstance(v_buf, QuantizedKV):
+        raise ValueError(f"{kernel}: k_buf and v_buf must both be fp8 (QuantizedKV) or both plain")
+    if quantized:
+        return k_buf.data, v_buf.data, [k_buf.scale, v_buf.scale]
+    return k_buf, v_buf, []
+
+
 def num_sms() -> int:
     """Multiprocessors of the default device (132 on an H100/H200 SXM; also off-GPU)."""
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
@@ -113,16 +165,21 @@ def default_keys_as_rows(group: int, heads_per_cta: int | None = None) -> bool:
 
 def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsize: int,
                        with_lse: bool, q_rows: int = ROWS, ctas_per_sm: int = 1,
-                       keys_as_rows: bool = False) -> int:
+                       keys_as_rows: bool = False, quantized: bool = False) -> int:
     """Deepest K/V ring (2..4 slots per compute warpgroup) that fits in shared memory.
     At D=128, bf16, two heads a CTA that is 3 slots without KV splits (the q tile and the
     output staging share their memory to make room for the third) and 2 with them (the
     log-sum-exp staging no longer fits). Keys as rows (`q_rows` 8 or 16, one head a CTA,
-    two CTAs an SM) leaves room for 3 either way."""
+    two CTAs an SM) leaves room for 3 either way. fp8 buffers (`quantized`; `itemsize` is
+    then the compute dtype's) halve the ring's tiles, add their scales and one staging
+    tile per compute warpgroup: 4 slots in both orientations at D=128."""
     fixed = q_rows * head_dim * itemsize + (q_rows * 4 if with_lse else 0)  # q tile / output + lse
     if keys_as_rows:
         fixed += q_rows * block_kv * itemsize  # the staged P^T
     per_stage = 2 * block_kv * head_dim * itemsize  # one K and one V tile
+    if quantized:
+        fixed += block_kv * head_dim * itemsize  # the dequantized tile
+        per_stage = 2 * block_kv * (head_dim + 4)  # fp8 K and V tiles and their scales
     limit = min(SMEM_LIMIT, SMEM_PER_SM // ctas_per_sm - 1024)
     room = (limit - SMEM_OVERHEAD) // heads_per_cta - fixed
     return int(max(2, min(4, room // per_stage)))
@@ -146,7 +203,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     default keys are the rows when the q tile needs at most 16 columns (`query_columns`)
     and no `heads_per_cta` above 1 is asked for. Keys as rows runs one KV head a CTA (its
     softmax reduces across warps through a scratch buffer that two compute warpgroups
-    would share) and two CTAs an SM by default.
+    would share) and two CTAs an SM by default. fp8 buffers (`QuantizedKV`, both or
+    neither) are dequantized in shared memory (module docstring); the output is then in
+    the compute dtype (`compute_dtype`) before the cast to q's.
     """
     t = tuning or DecodeTuning()
     block_kv, num_stages, num_splits, heads_per_cta = t.block_kv, t.num_stages, t.num_splits, t.heads_per_cta
@@ -155,7 +214,10 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     b, hq, d = q.shape
     hkv = k_buf.shape[2]
     g = hq // hkv
-    dtype = k_buf.dtype
+    k_data, v_data, scales = split_buffers("decode_mgpu", k_buf, v_buf)
+    quant = bool(scales)
+    kv_dtype = k_data.dtype
+    dtype = compute_dtype(q.dtype, kv_dtype, quant)
     if keys_as_rows is None:
         keys_as_rows = default_keys_as_rows(g, heads_per_cta)
     if keys_as_rows and (heads_per_cta or 1) != 1:
@@ -170,7 +232,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     n_groups = hkv // hpc
     splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv)
     stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize,
-                                              splits > 1, rows, per_sm, keys_as_rows)
+                                              splits > 1, rows, per_sm, keys_as_rows, quant)
     sub = min(page_size, block_kv)  # rows per TMA copy
     copies = block_kv // sub
     scale = float(sm_scale) * LOG2E
@@ -209,7 +271,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     def attend(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile):
         """Online softmax over the item's key blocks -> (O or O^T, m, l) per query. With
         keys as rows the sums of P are kept per element, so that they are reduced across
-        the warps once at the end rather than once a block."""
+        the warps once at the end rather than once a block. `k_tile(i)` / `v_tile(i,
+        n_valid)` wait for block i and give the tile the tensor cores read (V with its rows
+        `>= n_valid` zeroed); `k_done` / `v_done` release its ring slot."""
         m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
                                 plgpu.Layout.WGMMA.reduce(key_axis))
         l_i = (plgpu.layout_cast(jnp.full(score_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -243,15 +307,13 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 p_tile.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(dtype),
                                                                   plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
-                v_smem = v_tile(i)
-                zero_rows_from(v_smem, n_valid)  # masked keys: not even 0 * stale NaN in PV
+                v_smem = v_tile(i, n_valid)  # masked keys: not even 0 * stale NaN in PV
                 acc = wgmma_accumulate(acc, v_smem.transpose((1, 0)), p_tile.transpose((1, 0)),
                                        interpret)
             else:
                 l_i = l_i * alpha + p.sum(axis=key_axis)
                 p16 = p.astype(dtype)
-                v_smem = v_tile(i)
-                zero_rows_from(v_smem, n_valid)  # masked keys: not even 0 * stale NaN in PV
+                v_smem = v_tile(i, n_valid)  # masked keys: not even 0 * stale NaN in PV
                 acc = wgmma_accumulate(acc, p16, v_smem, interpret)
             v_done(i)
             return acc, m_new, l_i
@@ -259,11 +321,14 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
         return acc, m_i, l_i.sum(axis=key_axis) if keys_as_rows else l_i
 
-    def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *rest):
+    def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, *rest):
+        ks_ref, vs_ref, *rest = rest if quant else (None, None, *rest)
+        o_ref, *rest = rest
         lse_ref = rest[0] if splits > 1 else None
         q_or_o, k_smem, v_smem, *rest = rest[1:] if splits > 1 else rest
         p_smem = rest.pop(0) if keys_as_rows else None
         lse_smem = rest.pop(0) if splits > 1 else None
+        ks_smem, vs_smem, stage = (rest.pop(0), rest.pop(0), rest.pop(0)) if quant else (None,) * 3
         q_bar, k_bar, v_bar, k_free, v_free = rest
         q_smem, o_smem = q_or_o  # one memory: an item's q tile, then its output
         cta = lax.axis_index("cta")
@@ -294,11 +359,20 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
                 def k_tile(i):
                     plgpu.barrier_wait(k_bar.at[ring(i)])
-                    return k_smem.at[ring(i)]
+                    if not quant:
+                        return k_smem.at[ring(i)]
+                    dequantize_tile(k_smem.at[ring(i)], ks_smem.at[ring(i)], stage.at[wg])
+                    return stage.at[wg]
 
-                def v_tile(i):
+                def v_tile(i, n_valid):
+                    # The staging tile is free: this block's QK^T has completed (its
+                    # scores were read), and so has the last block's PV.
                     plgpu.barrier_wait(v_bar.at[ring(i)])
-                    return v_smem.at[ring(i)]
+                    if not quant:
+                        zero_rows_from(v_smem.at[ring(i)], n_valid)
+                        return v_smem.at[ring(i)]
+                    dequantize_tile(v_smem.at[ring(i)], vs_smem.at[ring(i)], stage.at[wg], n_valid)
+                    return stage.at[wg]
 
                 acc, m_i, l_i = attend(q_tile, k_tile, v_tile,
                                        lambda i: plgpu.barrier_arrive(k_free.at[ring(i)]),
@@ -340,10 +414,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                         t0 = start + i * block_kv + j * sub
                         page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)), last_page)]
                         rows_.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
-                    for buf_ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free),
-                                                     (v_ref, v_smem, v_bar, v_free)):
+                    for buf_ref, smem, s_ref, s_smem, bar, free in (
+                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free),
+                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free)):
                         for w in range(hpc):
                             ring = w * stages + slot
+                            head = group * hpc + w
 
                             @pl.when(gstep + i >= stages)
                             def _wait_free():
@@ -351,8 +427,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
                             for j, row in enumerate(rows_):
                                 plgpu.copy_gmem_to_smem(
-                                    buf_ref.at[lyr, pl.ds(row, sub), group * hpc + w],
+                                    buf_ref.at[lyr, pl.ds(row, sub), head],
                                     smem.at[ring, pl.ds(j * sub, sub)], bar.at[ring])
+                                if quant:  # the page's scales: a contiguous run of this head's
+                                    plgpu.copy_gmem_to_smem(
+                                        s_ref.at[lyr, head, pl.ds(row, sub)],
+                                        s_smem.at[ring, pl.ds(j * sub, sub)], bar.at[ring])
 
                 lax.fori_loop(0, n_steps, fetch, None)
                 return gstep + n_steps
@@ -369,20 +449,24 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
             lax.fori_loop(jnp.maximum(total, stages), total + stages, retire, None)
 
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tiled = smem_tiling(d, dtype)
+    kv_tiled = smem_tiling(d, kv_dtype)
     rings = hpc * stages
+    arrivals = copies * (2 if quant else 1)  # a page's rows (and its scales) per tile
     scratch = [
         # The q tiles and the output staging alias: an item's last QK^T has read q before
         # its output is written, and the next q load waits until that output is stored.
         plgpu.RefUnion(plgpu.SMEM((hpc, rows, d), dtype, transforms=tiled),
                        plgpu.SMEM((hpc, rows, d), dtype)),
-        plgpu.SMEM((rings, block_kv, d), dtype, transforms=tiled),
-        plgpu.SMEM((rings, block_kv, d), dtype, transforms=tiled),
+        plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled),
+        plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled),
         *([plgpu.SMEM((hpc, rows, block_kv), dtype, transforms=tiled)] if keys_as_rows else []),
         *([plgpu.SMEM((hpc, rows), jnp.float32)] if splits > 1 else []),
+        *([plgpu.SMEM((rings, block_kv), jnp.float32), plgpu.SMEM((rings, block_kv), jnp.float32),
+           plgpu.SMEM((hpc, block_kv, d), dtype, transforms=tiled)] if quant else []),
         plgpu.Barrier(num_barriers=hpc),
-        plgpu.Barrier(num_arrivals=copies, num_barriers=rings),
-        plgpu.Barrier(num_arrivals=copies, num_barriers=rings),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=rings),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=rings),
         plgpu.Barrier(num_arrivals=1, num_barriers=rings),
         plgpu.Barrier(num_arrivals=1, num_barriers=rings),
     ]
@@ -400,7 +484,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(layer_arr, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_rows, k_buf, v_buf)
+    )(layer_arr, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_rows, k_data, v_data,
+      *scales)
 
     o_part = outs[0].reshape(splits, b, hq, d)
     if splits == 1:

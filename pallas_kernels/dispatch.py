@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from pallas_kernels import reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
+from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -37,12 +38,17 @@ def on_hopper() -> bool:
 
 
 def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> bool:
-    """Shapes and dtypes the Mosaic GPU kernels handle."""
+    """Shapes and dtypes the Mosaic GPU kernels handle: bf16/f16 buffers, or fp8 ones
+    (`QuantizedKV`, K and V both) with pages of a multiple of 32 tokens (a page's float32
+    scales are one TMA copy, which moves a multiple of 128 bytes)."""
     hq, d = q.shape[-2], q.shape[-1]
     _, n_slots, hkv, dk = k_buf.shape
+    quantized = isinstance(k_buf, QuantizedKV)
+    dtype_ok = (isinstance(v_buf, QuantizedKV) and page_size % 32 == 0 if quantized
+                else k_buf.dtype in (jnp.bfloat16, jnp.float16))
     return (v_buf is not None and v_buf.shape == k_buf.shape and (v_head_dim in (None, d))
             and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 57
-            and k_buf.dtype in (jnp.bfloat16, jnp.float16) and v_buf.dtype == k_buf.dtype
+            and dtype_ok and v_buf.dtype == k_buf.dtype
             and page_size % 8 == 0 and n_slots % 8 == 0)
 
 
@@ -52,8 +58,9 @@ def _resolve(impl: Impl, supported: bool, op: str) -> str:
     if impl == "auto":
         return "pallas" if supported and on_hopper() else "reference"
     if impl in ("pallas", "interpret") and not supported:
-        raise ValueError(f"{op}: impl={impl!r} needs bf16/f16 K/V buffers with head_dim 64 or "
-                         f"128, page_size and n_slots multiples of 8 and v_buf given")
+        raise ValueError(f"{op}: impl={impl!r} needs bf16/f16 K/V buffers (or fp8 ones with "
+                         f"page_size a multiple of 32) with head_dim 64 or 128, page_size and "
+                         f"n_slots multiples of 8 and v_buf given")
     return impl
 
 

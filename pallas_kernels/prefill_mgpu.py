@@ -16,7 +16,9 @@ limit and masking only the blocks that cross it (bottom-right: row i sees keys
 `< kv_len - q_len + i + 1`). With `pingpong` the two warpgroups take turns on the
 tensor cores (one's softmax runs while the other's matmuls do). Each warpgroup stores
 exactly its request's rows (a ladder of 64/32/.../1-row TMA stores from an untiled
-staging buffer), straight into the packed output.
+staging buffer), straight into the packed output. fp8 buffers (`QuantizedKV`) stream
+their tiles and per-token scales the same way; each compute warpgroup dequantizes a tile
+into its own bf16 staging tile before its matmul (`decode_mgpu.dequantize_tile`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_mgpu import num_sms, wgmma_accumulate, zero_rows_from
+from pallas_kernels.decode_mgpu import (compute_dtype, dequantize_tile, num_sms, smem_tiling,
+                                        split_buffers, wgmma_accumulate, zero_rows_from)
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import PrefillTuning
 
@@ -44,7 +47,8 @@ def _cdiv(a, b):
 
 
 def default_blocks(head_dim: int) -> tuple[int, int]:
-    """(block_kv, num_stages) that fit shared memory: 160 KB at D=128, 112 KB at D=64."""
+    """(block_kv, num_stages) that fit shared memory: 160 KB at D=128, 112 KB at D=64 (fp8
+    buffers, with their staging tiles: 194 KB and 115 KB)."""
     return (128, 2) if head_dim > 64 else (128, 3)
 
 
@@ -90,7 +94,10 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
     t_rows, hq, d = q.shape
     hkv = k_buf.shape[2]
     g = hq // hkv
-    dtype = k_buf.dtype
+    k_data, v_data, scales = split_buffers("prefill_mgpu", k_buf, v_buf)
+    quant = bool(scales)
+    kv_dtype = k_data.dtype
+    dtype = compute_dtype(q.dtype, kv_dtype, quant)
     sub = min(page_size, block_kv)
     copies = block_kv // sub
     scale = float(sm_scale) * LOG2E
@@ -127,8 +134,11 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
         return dict(qh=qh, req=req, valid=valid, q_start=q_start, q_len=q_len, kv_len=kv_len,
                     row0=row0, has_keys=has_keys, n_steps=n_steps)
 
-    def body(layer_ref, cu_ref, lens_ref, pt_ref, treq_ref, trow_ref, q_ref, k_ref, v_ref, o_ref,
-             q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn):
+    def body(layer_ref, cu_ref, lens_ref, pt_ref, treq_ref, trow_ref, q_ref, k_ref, v_ref, *rest):
+        ks_ref, vs_ref, *rest = rest if quant else (None, None, *rest)
+        o_ref, q_smem, o_smem, k_smem, v_smem, *rest = rest
+        ks_smem, vs_smem, stage, *rest = rest if quant else (None, None, None, *rest)
+        q_bar, k_bar, v_bar, k_free, v_free, turn = rest
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
         lyr = layer_ref[0]
@@ -174,9 +184,13 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                     acc, m_i, l_i = carry
                     slot = lax.rem(gstep + i, jnp.int32(stages))
                     plgpu.barrier_wait(k_bar.at[slot])
+                    k_tile = k_smem.at[slot]
+                    if quant:  # the last block's PV has completed: the staging tile is free
+                        dequantize_tile(k_tile, ks_smem.at[slot], stage.at[wg])
+                        k_tile = stage.at[wg]
 
                     def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(acc_ref, q_tile, k_tile.transpose((1, 0)))
                         rendezvous()
                         return acc_ref[...]
 
@@ -197,15 +211,20 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                     if pingpong:
                         plgpu.barrier_arrive(turn)
                     plgpu.barrier_wait(v_bar.at[slot])
-                    if masked:
+                    v_tile = v_smem.at[slot]
+                    n_valid = it_["kv_len"] - i * block_kv if masked else None
+                    if quant:  # this block's QK^T has completed: the staging tile is free
+                        dequantize_tile(v_tile, vs_smem.at[slot], stage.at[wg], n_valid)
+                        v_tile = stage.at[wg]
+                    elif masked:
                         # Keys past kv_len (stale slots of reused pages, or the last page
                         # read again) leave PV by a select, not by 0 * value. Both
                         # warpgroups may zero the same shared slot: they store the same
                         # bits (the same rows kept, the same rows zeroed).
-                        zero_rows_from(v_smem.at[slot], it_["kv_len"] - i * block_kv)
+                        zero_rows_from(v_tile, n_valid)
                     if pingpong:
                         plgpu.barrier_wait(turn)
-                    acc = wgmma_accumulate(acc, p16, v_smem.at[slot], interpret)
+                    acc = wgmma_accumulate(acc, p16, v_tile, interpret)
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l_i
 
@@ -275,8 +294,9 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                         page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)),
                                                        last_page)]
                         rows.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
-                    for buf_ref, smem, bar, free in ((k_ref, k_smem, k_bar, k_free),
-                                                     (v_ref, v_smem, v_bar, v_free)):
+                    for buf_ref, smem, s_ref, s_smem, bar, free in (
+                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free),
+                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free)):
                         @pl.when(gstep + i >= stages)
                         def _wait_free():
                             plgpu.barrier_wait(free.at[slot])
@@ -285,6 +305,10 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                             plgpu.copy_gmem_to_smem(buf_ref.at[lyr, pl.ds(row, sub), kvh],
                                                     smem.at[slot, pl.ds(j * sub, sub)],
                                                     bar.at[slot])
+                            if quant:  # the page's scales: a contiguous run of this head's
+                                plgpu.copy_gmem_to_smem(s_ref.at[lyr, kvh, pl.ds(row, sub)],
+                                                        s_smem.at[slot, pl.ds(j * sub, sub)],
+                                                        bar.at[slot])
 
                 lax.fori_loop(0, it_["n_steps"], fetch, None)
                 return gstep + it_["n_steps"]
@@ -300,15 +324,19 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
 
             lax.fori_loop(jnp.maximum(total, stages), total + stages, retire, None)
 
-    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tiled = smem_tiling(d, dtype)
+    kv_tiled = smem_tiling(d, kv_dtype)
+    arrivals = copies * (2 if quant else 1)  # a page's rows (and its scales) per tile
     scratch = [
         plgpu.SMEM((2, BLOCK_Q, d), dtype, transforms=tiled),
         plgpu.SMEM((2, BLOCK_Q, d), dtype),
-        plgpu.SMEM((stages, block_kv, d), dtype, transforms=tiled),
-        plgpu.SMEM((stages, block_kv, d), dtype, transforms=tiled),
+        plgpu.SMEM((stages, block_kv, d), kv_dtype, transforms=kv_tiled),
+        plgpu.SMEM((stages, block_kv, d), kv_dtype, transforms=kv_tiled),
+        *([plgpu.SMEM((stages, block_kv), jnp.float32), plgpu.SMEM((stages, block_kv), jnp.float32),
+           plgpu.SMEM((2, block_kv, d), dtype, transforms=tiled)] if quant else []),
         plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
@@ -324,5 +352,5 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(layer_arr, cu, kv, page_table.astype(jnp.int32), tile_req, tile_row0, q_in, k_buf,
-      v_buf).astype(q.dtype)
+    )(layer_arr, cu, kv, page_table.astype(jnp.int32), tile_req, tile_row0, q_in, k_data,
+      v_data, *scales).astype(q.dtype)

@@ -13,6 +13,9 @@ Masked keys contribute exactly nothing, whatever their slots hold: a key a row m
 request's pages) is removed with a select on its score (-inf) *and* on its value (0).
 Multiplying a zero probability by the value is not enough: `0 * NaN` is NaN, and pages
 are reused, so a slot past `kv_len` can hold anything an earlier owner left there.
+
+Buffers may be fp8 (`pallas_kernels.quantized.QuantizedKV`): they are read dequantized
+to float32 (data * per-token, per-head scale) and written quantized.
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import quantized
+from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.scatter_rows import scatter_rows
 
 
-def _gather_kv(buf: jax.Array, layer: jax.Array, page_table: jax.Array, page_size: int) -> jax.Array:
-    """`[B, max_pages * page_size, H, D]` keys of each request, read as `buf[layer, slots]`."""
+def _gather_kv(buf: jax.Array | QuantizedKV, layer: jax.Array, page_table: jax.Array,
+               page_size: int) -> jax.Array:
+    """`[B, max_pages * page_size, H, D]` keys of each request, read as `buf[layer, slots]`
+    (float32 when the buffer is fp8)."""
     offsets = jnp.arange(page_size, dtype=jnp.int32)
     slots = (page_table[:, :, None] * page_size + offsets[None, None, :]).reshape(page_table.shape[0], -1)
+    if isinstance(buf, QuantizedKV):
+        return quantized.gather(buf, layer, slots)
     return buf[layer, slots]
 
 
@@ -55,8 +64,8 @@ def ragged_decode(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer
     """One query token per request: `q [B, Hq, D]` -> `[B, Hq, Dv]`."""
     b, hq, _ = q.shape
     hkv = k_buf.shape[2]
-    # Gathered in the storage dtype (half the bytes of float32); the einsums multiply
-    # exactly and accumulate in float32.
+    # Gathered in the storage dtype (half the bytes of float32; fp8 buffers come back
+    # dequantized to float32); the einsums multiply exactly and accumulate in float32.
     k = _gather_kv(k_buf, layer, page_table, page_size)  # [B, L, Hkv, D]
     v = _values(k, v_buf, layer, page_table, page_size, v_head_dim).astype(jnp.float32)
     qg = q.reshape(b, hkv, hq // hkv, -1)
@@ -95,7 +104,10 @@ def write_kv(k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array, slots:
              k: jax.Array, v: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
     """Writes `k/v [T, Hkv, D]` at `buf[layer, slots[T]]` in place (buffers are donated by
     the caller), K and V in one scatter. In-range slots must be distinct; slots `< 0` or
-    `>= n_slots` are padding rows and are dropped."""
+    `>= n_slots` are padding rows and are dropped. fp8 buffers are written quantized
+    (`quantized.write`)."""
+    if isinstance(k_buf, QuantizedKV):
+        return quantized.write(k_buf, v_buf, layer, slots, k, v)
     if v_buf is None:
         (k_buf,) = scatter_rows((k_buf,), layer, slots, (k,))
         return k_buf, None

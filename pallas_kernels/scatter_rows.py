@@ -27,15 +27,21 @@ _scatter_rows_p.multiple_results = True
 
 
 def scatter_rows(bufs: tuple[jax.Array, ...], layer: jax.Array, slots: jax.Array,
-                 updates: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+                 updates: tuple[jax.Array, ...], slot_axis: int = 1) -> tuple[jax.Array, ...]:
     """`bufs[i] [n_layers, n_slots, *row]` with `updates[i] [T, *row]` written at
-    `[layer, slots[T]]`; returns the new buffers (in place when the caller donates them)."""
+    `[layer, slots[T]]`; returns the new buffers (in place when the caller donates them).
+    `slot_axis`: the buffers' slot dimension (2 for fp8 scales `[n_layers, Hkv, n_slots]`,
+    whose rows `[Hkv]` are then written at `[layer, :, slots[T]]`)."""
     if len(bufs) != len(updates) or not bufs:
         raise ValueError(f"scatter_rows: needs one update per buffer, got {len(bufs)} buffers "
                          f"and {len(updates)} updates")
-    n_slots = bufs[0].shape[1]
+    if not 1 <= slot_axis < bufs[0].ndim:
+        raise ValueError(f"scatter_rows: slot_axis {slot_axis} is not a dimension after the layer "
+                         f"of a {bufs[0].ndim}-d buffer")
+    n_slots = bufs[0].shape[slot_axis]
     for buf, upd in zip(bufs, updates):
-        if buf.shape[1] != n_slots or buf.shape[2:] != upd.shape[1:] or upd.shape[0] != slots.shape[0]:
+        row = buf.shape[1:slot_axis] + buf.shape[slot_axis + 1:]
+        if buf.shape[slot_axis] != n_slots or row != upd.shape[1:] or upd.shape[0] != slots.shape[0]:
             raise ValueError(f"scatter_rows: buffer {buf.shape} and update {upd.shape} do not match "
                              f"{slots.shape[0]} slots of {n_slots}")
     slots = slots.astype(jnp.int32)
@@ -43,30 +49,30 @@ def scatter_rows(bufs: tuple[jax.Array, ...], layer: jax.Array, slots: jax.Array
     slots = jnp.where((slots >= 0) & (slots < n_slots), slots, n_slots + rows)  # distinct, dropped
     index = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), slots.shape), slots], axis=1)
     updates = tuple(u.astype(b.dtype) for b, u in zip(bufs, updates))
-    return tuple(_scatter_rows_p.bind(*bufs, index, *updates, n=len(bufs)))
+    return tuple(_scatter_rows_p.bind(*bufs, index, *updates, n=len(bufs), slot_axis=slot_axis))
 
 
 @_scatter_rows_p.def_abstract_eval
-def _abstract_eval(*avals, n: int):
+def _abstract_eval(*avals, n: int, slot_axis: int):
     return list(avals[:n])  # each buffer keeps its shape, dtype and sharding
 
 
-def _impl(*args, n: int):
-    return jax.jit(functools.partial(_scatter_rows_p.bind, n=n))(*args)
+def _impl(*args, n: int, slot_axis: int):
+    return jax.jit(functools.partial(_scatter_rows_p.bind, n=n, slot_axis=slot_axis))(*args)
 
 
 _scatter_rows_p.def_impl(_impl)
 
 
-def _lower(ctx, *args, n: int):
+def _lower(ctx, *args, n: int, slot_axis: int):
     bufs, index, updates = args[:n], args[n], args[n + 1:]
     row_rank = len(ctx.avals_in[0].shape) - 2
     dnums = hlo.ScatterDimensionNumbers.get(
         update_window_dims=list(range(1, 1 + row_rank)),
-        inserted_window_dims=[0, 1],
+        inserted_window_dims=[0, slot_axis],
         input_batching_dims=[],
         scatter_indices_batching_dims=[],
-        scattered_dims_to_operand_dims=[0, 1],
+        scattered_dims_to_operand_dims=[0, slot_axis],
         index_vector_dim=1,
     )
     results = [mlir.aval_to_ir_type(ctx.module_context, aval) for aval in ctx.avals_out]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pallas_kernels.quantized import QuantizedKV
+
 
 def check_paged_shapes(kernel: str, q, k_buf, v_buf, page_size: int, block_kv: int,
                        max_group: int | None = None) -> None:
@@ -24,3 +26,6 @@ def check_paged_shapes(kernel: str, q, k_buf, v_buf, page_size: int, block_kv: i
     if sub % 8 or block_kv % sub or page_size % sub or block_kv % 64:
         raise ValueError(f"{kernel}: page_size ({page_size}) must be a multiple of 8 and "
                          f"block_kv ({block_kv}) a multiple of 64 dividing or divided by it")
+    if isinstance(k_buf, QuantizedKV) and sub % 32:
+        # A page's float32 scales are one TMA copy, which must move a multiple of 128 bytes.
+        raise ValueError(f"{kernel}: fp8 buffers need page_size ({page_size}) to be a multiple of 32")

@@ -10,6 +10,7 @@ import pytest
 
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.grpo import response_lengths
+from jrl.bench.train import add_scaling
 from jrl.bench.cli import main
 from jrl.bench.results import COMMON_KEYS
 
@@ -55,7 +56,7 @@ def test_decode_engine_counts_multi_step_calls_and_the_replayed_kv(tmp_path):
     rows = bench(tmp_path, "decode", "--batches", "2", "--tuning", json.dumps({"decode_steps_per_call": 3}))
     (r,) = section(rows, "engine")
     # 8 new tokens: the first from the prefill step, 7 from decode calls of up to 3 steps
-    assert r["batch"] == 2 and r["steps_per_call"] == 3
+    assert r["batch"] == 2 and r["steps_per_call"] == 3 and r["weight_dtype"] == "bfloat16"
     assert r["completions"] == 2 and r["lengths"] == [8]
     assert (r["decode_steps"], r["decode_calls"]) == (7, 3)
     # the replayed call is decode call 1 (8 // 2 // 3): positions 24, 25, 26 read 25..27 keys
@@ -80,7 +81,7 @@ def test_decode_host_and_gemms(tmp_path):
     assert r["completions"] == 2 and len(r["token_hash"]) == 8
     gemms = section(bench(tmp_path, "decode", "--gemms", "--rows", "2", "--bandwidth", "1e10", "--matmul-tflops", "0.1"),
                     "gemms")
-    assert {r["weights"] for r in gemms} == {"separate", "fused"}
+    assert {r["weights"] for r in gemms} == {"separate", "fused", "fused_fp8"}
     for r in gemms:
         positive(r, "us_per_layer", "floor_us", "tflops", "matmul_tflops")
 
@@ -121,6 +122,37 @@ def test_kernels_check_and_decode_in_interpret_mode(tmp_path):
     assert "stock_tb_per_s" in dec or "stock_error" in dec  # the stock kernel is GPU only
 
 
+def test_kernels_check_runs_on_fp8_buffers(tmp_path):
+    rows = bench(tmp_path, "kernels", "--check", "--kv-dtype", "float8_e4m3fn", "--check-kinds", "decode")
+    (check,) = section(rows, "check")
+    assert check["kv_dtype"] == "float8_e4m3fn" and check["page_size"] == 32
+    assert check["ok"] and check["nans"] == 0 and check["rel_err"] < 1e-2
+
+
+def test_decode_engine_rows_name_an_fp8_kv_dtype(tmp_path):
+    rows = bench(tmp_path, "decode", "--batches", "2", "--page-size", "32",
+                 "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
+    (r,) = section(rows, "engine")
+    assert r["kv_dtype"] == "float8_e4m3fn" and r["completions"] == 2
+    positive(r, "decode_tokens_per_s", "floor_ms")
+
+
+def test_decode_step_only_replays_the_program_on_fp8_kv(tmp_path):
+    rows = bench(tmp_path, "decode", "--step-only", "--batches", "2", "--page-size", "32",
+                 "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
+    (r,) = section(rows, "step_only")
+    assert r["kv_dtype"] == "float8_e4m3fn" and r["page_size"] == 32
+    positive(r, "device_step_ms", "floor_ms", "tokens_per_s")
+
+
+def test_decode_kv_drift_compares_fp8_with_the_model_dtype(tmp_path):
+    rows = bench(tmp_path, "decode", "--kv-drift", "--page-size", "32")
+    (r,) = section(rows, "kv_drift")
+    assert r["kv_dtype"] == "float8_e4m3fn" and r["prompts"] == 2 and r["new"] == 8
+    assert 0 < r["tokens_compared"] <= 16 and 0 < r["agreement"] <= 1
+    assert 0 <= r["mean_abs"] <= r["p99_abs"] <= r["max_abs"] < 1
+
+
 def test_grpo_times_every_phase(tmp_path):
     rows = bench(tmp_path, "grpo", "--steps", "2")
     assert [r["step"] for r in section(rows, "step")] == [0, 1]
@@ -155,13 +187,66 @@ def test_grpo_longtail_lengths_are_fixed_per_step_and_capped():
     assert (response_lengths("fixed", 4, 8, 0) == 8).all()
 
 
+def test_placement_times_a_grpo_step_per_layout(tmp_path):
+    rows = bench(tmp_path, "placement", "--layouts", "colocated")  # split needs a second device
+    (r,) = section(rows, "layout")
+    assert (r["layout"], r["trainer_devices"], r["replicas"], r["mean_over"]) == ("colocated", 1, 1, 1)
+    positive(r, "grpo_step_ms", "generate_ms", "rollout_tokens_per_s", "weight_sync_ms")
+    assert r["weight_sync_gb"] == 0 and r["weight_sync_s_per_gb"] is None  # one device: served in place
+
+
 def test_train_reports_throughput_and_mfu(tmp_path):
     rows = bench(tmp_path, "train", "--variants", "causal", "--torch")  # --check: compiles 6 more programs
     (r,) = section(rows, "jrl")
     assert r["variant"] == "causal" and r["mesh"] == "1" and r["batch"] == 2 and r["seq"] == 64
+    assert r["matmul_dtype"] == "bfloat16" and r["fp8_gemms"] == 0 and "speedup_vs_bf16" not in r
     positive(r, "tokens_per_s", "mfu_pct", "step_ms", "compile_s")
     (torch_row,) = section(rows, "transformers")  # measured, or skipped without torch
     assert "tokens_per_s" in torch_row or "skipped" in torch_row or "error" in torch_row
+
+
+def test_train_rows_compare_each_matmul_dtype_with_bf16_of_the_same_variant_and_mesh():
+    rows = [dict(variant="causal", matmul_dtype="bfloat16", mesh="1", devices=1, tokens_per_s=100.0),
+            dict(variant="causal", matmul_dtype="float8", mesh="1", devices=1, tokens_per_s=150.0),
+            dict(variant="causal", matmul_dtype="float8", mesh="data=2", devices=2, tokens_per_s=240.0),
+            dict(variant="mask", matmul_dtype="float8", mesh="1", devices=1, tokens_per_s=90.0)]
+    add_scaling(rows)
+    assert "speedup_vs_bf16" not in rows[0] and rows[1]["speedup_vs_bf16"] == 1.5
+    assert rows[2]["scaling_pct"] == 80 and "speedup_vs_bf16" not in rows[2]  # no bf16 row on that mesh
+    assert "speedup_vs_bf16" not in rows[3]
+
+
+def test_train_loss_steps_trains_each_matmul_dtype_on_the_same_data(tmp_path):
+    rows = bench(tmp_path, "train", "--variants", "causal", "--loss-steps", "3")
+    bf16, fp8 = section(rows, "loss")
+    assert (bf16["matmul_dtype"], fp8["matmul_dtype"]) == ("bfloat16", "float8")
+    assert bf16["steps"] == fp8["steps"] == 3 and bf16["all_finite"] and fp8["all_finite"]
+    assert bf16["loss_first"] == pytest.approx(fp8["loss_first"], rel=0.01)  # same weights, same first batch
+    assert bf16["rel_diff_pct"] == 0 and math.isfinite(fp8["rel_diff_pct"])
+    assert not section(rows, "jrl")
+
+
+def test_decode_vs_bf16_runs_a_bf16_engine_then_the_fp8_weights_one(tmp_path):
+    rows = bench(tmp_path, "decode", "--batches", "1", "--vs-bf16", "--engine",
+                 json.dumps({"weight_dtype": "float8_e4m3fn"}))
+    bf16, fp8 = section(rows, "engine")
+    assert (bf16["precision"], bf16["weight_dtype"], bf16["engine"]) == ("bfloat16", "bfloat16", {})
+    assert (fp8["precision"], fp8["weight_dtype"]) == ("weight_dtype=float8_e4m3fn", "float8_e4m3fn")
+    positive(fp8, "decode_tokens_per_s", "speedup_vs_bf16")
+    assert fp8["floor_ms"] < bf16["floor_ms"]  # the served projection kernels are half the bytes
+    assert "speedup_vs_bf16" not in bf16
+
+
+def test_decode_drift_compares_fp8_weights_with_bf16_against_the_trainer(tmp_path):
+    rows = bench(tmp_path, "decode", "--drift", "--drift-prompts", "2", "--engine",
+                 json.dumps({"weight_dtype": "float8_e4m3fn"}))
+    bf16, fp8 = section(rows, "drift")
+    assert (bf16["precision"], fp8["precision"]) == ("bfloat16", "weight_dtype=float8_e4m3fn")
+    assert bf16["greedy_prefix_agree_pct"] == 100  # the reference agrees with itself
+    for r in (bf16, fp8):
+        assert 0 <= r["mean_abs"] <= r["p99_abs"] <= r["max_abs"] < 0.5
+        assert 0 <= r["greedy_identical_pct"] <= r["greedy_prefix_agree_pct"] <= 100
+    assert fp8["mean_abs"] > 0  # the quantized weights are not the trainer's
 
 
 def test_bad_input_names_the_choices(capsys):

@@ -30,9 +30,11 @@ from jrl.hf import params_equal, save_pretrained
 from jrl.models import init_params
 from jrl.serve.tools import parse_tool_calls
 from jrl.rollout import Engine, SamplingParams
-from jrl.serve.cli import ServerThread, build, build_parser
+from jrl.rollout.cache.kv_storage import kv_bytes_per_token
+from jrl.serve.cli import KV_MEMORY_FRACTION, ServerThread, build, build_parser, engine_config
 from jrl.serve.loading import load_served
 from jrl.serve.text import TextStream
+from jrl.serve.worker import DoneEvent, TokenEvent
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,6 +206,56 @@ def test_64_concurrent_requests_all_complete(live):
     h = settle(live)
     assert h["engine"]["generated_tokens"] - before >= sum(1 + k % 12 for k in range(64))
     assert h["engine"]["available_pages"] == h["engine"]["total_pages"]
+
+
+def test_256_concurrent_requests_all_complete_over_reused_connections(hf_dirs):
+    # capacity 16 + 240 = 256: every request is admitted; the second wave reuses the first's
+    # connections (which must still be open when the client sends on them)
+    args = build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME,
+                                      *ENGINE_FLAGS, "--max-queue", "240"])
+    server, app = build(args)
+
+    async def go(url):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            waves = []
+            for wave in range(2):
+                waves.append(await asyncio.gather(*(client.completions.create(
+                    model=NAME, prompt=[k % 300, 7], max_tokens=1 + k % 4, seed=k,
+                    extra_body={"ignore_eos": True}) for k in range(256))))
+            return waves
+        finally:
+            await client.close()
+
+    with ServerThread(server, app) as thread:
+        for results in asyncio.run(go(thread.url)):
+            assert [r.usage.completion_tokens for r in results] == [1 + k % 4 for k in range(256)]
+            assert all(r.choices[0].finish_reason == "length" for r in results)
+
+
+def test_idle_connections_outlive_the_clients_keep_alive(hf_dirs):
+    # httpx (the openai client's transport) drops a connection idle for 5 s; a server that
+    # closed it first would reset a request sent on it (httpx.ReadError under load)
+    client_expiry = httpx.Limits().keepalive_expiry
+    assert build_parser().parse_args([]).timeout_keep_alive > client_expiry
+    assert ServerThread(None, None).uv.config.timeout_keep_alive > client_expiry
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    with pytest.raises(ConfigError, match=r"^--timeout-keep-alive: must be > 0 seconds, got 0.0"):
+        engine_config(served, build_parser().parse_args(["--timeout-keep-alive", "0"]))
+
+
+def test_a_plain_answer_gets_its_tokens_once_with_its_completion(live):
+    async def events(stream_tokens):
+        handle = live.server.worker.submit(np.array([5, 6, 7], np.int32), SamplingParams(seed=1), 12, [],
+                                           stream_tokens=stream_tokens)
+        return [e async for e in handle]
+
+    plain = asyncio.run(events(False))
+    assert [type(e) for e in plain] == [TokenEvent, DoneEvent]
+    assert plain[0].tokens == plain[1].completion.tokens.tolist() and len(plain[0].tokens) == 12
+    streamed = asyncio.run(events(True))  # the same seed: the same tokens, step by step
+    pieces = [e.tokens for e in streamed if isinstance(e, TokenEvent)]
+    assert len(pieces) > 1 and sum(pieces, []) == plain[0].tokens
 
 
 def test_cancelled_requests_give_their_pages_back(live):
@@ -387,12 +439,41 @@ def test_bench_serve_tiny(tmp_path, hf_dirs):
     assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "1,4",
                   "--requests", "8", "--prompt", "8", "--new", "4", *ENGINE_FLAGS]) == 0
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    (warm,) = [r for r in rows if r["section"] == "warmup"]
+    assert warm["programs"] > 0 and warm["max_seq_len"] == 128
     for section in ("http", "engine"):
         mine = [r for r in rows if r["section"] == section]
         assert [r["concurrency"] for r in mine] == [1, 4]
         for r in mine:
             assert r["requests"] == 8 and r["output_tokens"] == 32
+            assert r["compiled_while_timed"] == 0  # the warm-up compiled every program the rounds use
             assert all(np.isfinite(r[k]) and r[k] > 0 for k in ("requests_per_s", "output_tokens_per_s"))
+    assert all(r["worker_step_s"] > 0 and r["worker_host_s"] > 0 and r["http_cpu_s"] > 0
+               for r in rows if r["section"] == "http")
+
+
+def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    per_page = 16 * kv_bytes_per_token(served.model_config)
+    assert per_page == 2 * 2 * 16 * 1 * 16 * 4  # keys and values x 2 layers x 16 tokens x 1 head x 16 dims, f32
+    args = build_parser().parse_args(["--max-batch", "16", "--max-seq-len", "128"])
+    assert engine_config(served, args).n_pages == 256  # no memory figure (the CPU): 16 x 8 pages + 8, pow2
+    free = int(100 * per_page / KV_MEMORY_FRACTION) + 1  # room for 100 pages
+    with caplog.at_level("WARNING", logger="jrl.serve"):
+        assert engine_config(served, args, free).n_pages == 100
+    assert "KV pool capped at 100 pages" in caplog.text and "--n-pages or --max-seq-len" in caplog.text
+    assert engine_config(served, args, 10 * free).n_pages == 256  # fits: as sized
+
+
+def test_a_kv_pool_that_cannot_fit_is_a_startup_error_naming_the_flag(hf_dirs):
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    free = int(100 * 16 * kv_bytes_per_token(served.model_config) / KV_MEMORY_FRACTION) + 1
+    chosen = build_parser().parse_args(["--max-batch", "16", "--max-seq-len", "128", "--n-pages", "256"])
+    with pytest.raises(ConfigError, match=r"^--n-pages: 256 KV pages .* hold 100 pages"):
+        engine_config(served, chosen, free)
+    default = build_parser().parse_args(["--max-batch", "16", "--max-seq-len", "128"])
+    with pytest.raises(ConfigError, match=r"^--max-seq-len: one request of 128 tokens needs 8 KV pages"):
+        engine_config(served, default, free // 20)  # 5 pages
 
 
 def test_a_jrl_checkpoint_serves_with_its_run_config_tokenizer_and_version(tmp_path):

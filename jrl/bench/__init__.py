@@ -17,6 +17,7 @@ STAGES = {
     "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
     "grpo": "one GRPO step (sync, overlapped or interruptible), phase by phase (generation .. weight sync)",
     "grpo_lora": "GRPO with LoRA at the 8B shape on one GPU: tokens/s/GPU, phases, memory, compile",
+    "placement": "GRPO step and weight-sync time per GB: colocated vs split engines (--layouts, --replicas)",
     "bandwidth": "device ceilings the floors use: HBM stream rates, the bf16 matmul rate",
     "generate": "first generate() call of a fresh process (cold / warm cache), default vs tuned config",
     "serve": "jrl serve under load: requests/s, output tok/s over HTTP vs the in-process engine",

@@ -6,6 +6,7 @@ program side by side, the engine's host time, the projection GEMMs of a decode l
     jrl bench decode --ab base,queries_as_rows [--batches 256] [--contexts 640,648] [--pages random]
     jrl bench decode --host [--batches 1,16,64,256] [--profile] [--digest]      (CPU, tiny model)
     jrl bench decode --gemms [--rows 1,64,128,256]
+    jrl bench decode --drift [--engine '{"weight_dtype": "float8_e4m3fn"}'] [--drift-prompts 32] [--new 64]
 
 The model is the 0.82B rollout shape (`shapes.ROLLOUT_082B`: vocab 32000, hidden 2048, 16
 layers, 16 q / 8 kv heads of 128, SwiGLU 5632, tied) with random bf16 weights.
@@ -23,7 +24,8 @@ measured in the same process) and the host's own ms per step. `--torch`: transfo
 the replayed call kernel by kernel and 20 calls of the engine's own loop, summarised.
 
 Step only (`--step-only`; section `step_only`): the engine's decode program under the
-backend's default tuning on a synthetic batch (every request at prompt + new/2, random KV).
+backend's default tuning on a synthetic batch (every request at prompt + new/2, random KV;
+quantized when `--engine` names a `kv_dtype`).
 
 A/B (`--ab V1,V2,...`; section `ab`): the engine's decode program compiled with one
 function swapped while it traces, on the synthetic batch; all variants compile first, then
@@ -43,11 +45,32 @@ dispatch + readback), wait; medians over the steady decode steps, best of `--rep
 `--profile`: cProfile top list at `--profile-batch`; `--digest`: checksums of the tokens
 and logprobs.
 
+KV drift (`--kv-drift`; section `kv_drift`): what a quantized KV cache changes. Two
+engines (`--engine` settings; one with the model's KV dtype, one with `--drift-kv-dtype`)
+generate `--drift-new` tokens for each of `--drift-prompts` random prompts of `--prompt`
+tokens, sampled at temperature 1 with one seed per prompt (the same Gumbel noise in both,
+so the paths part only where the changed logits flip a draw). Over the tokens before a
+prompt's first differing token: mean / p99 / max |model logprob difference|; `agreement`:
+the share of all tokens that come before the first difference; `identical`: prompts whose
+whole completion is the same. Random weights by default (`--drift-init hf:<dir>`: a
+checkpoint's, whose peaked distributions are the realistic case).
+
 GEMMs (`--gemms`; section `gemms`): the projection GEMMs of every layer with separate and
-fused weights, under XLA's default GEMM code generation and the engine's cuBLAS options,
+fused weights, and fused weights in e4m3 with column scales (`fused_fp8`, what
+`weight_dtype: float8_e4m3fn` serves), under XLA's default GEMM code generation and the engine's cuBLAS options,
 with the elementwise glue of a layer between them (no attention, no norms); us a layer
 against its floor: weight bytes at the copy rate or FLOPs at the bf16 matmul rate measured
 here (`--matmul-tflops` to give one), the larger.
+
+Drift (`--drift`; section `drift`): engine log-probs against the trainer's on the tokens
+the engine sampled, and greedy agreement, for bf16 and for the `--engine` precision
+overrides in the same run (`jrl.bench.drift`); `--drift-prompts` prompts of `--prompt`
+tokens, `--new` tokens each.
+
+Engine rows name the served weight dtype (`weight_dtype`: bfloat16, or float8_e4m3fn with
+`--engine '{"weight_dtype": "float8_e4m3fn"}'`); their floor counts the served bytes.
+`--vs-bf16` runs every batch size on a bf16 engine first (the `--engine` overrides without
+`weight_dtype`/`kv_dtype`), then with the overrides, giving those rows `speedup_vs_bf16`.
 """
 
 from __future__ import annotations
@@ -69,23 +92,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.bench import floors, torch_ref
+from jrl.bench import drift, floors, torch_ref
 from jrl.bench.decode_program import PAGE_ORDERS, Case, default_decode_program, replay, synthetic_batch
 from jrl.bench.log import log
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
 from jrl.bench.timing import Budget, timeit
 from jrl.bench.trace import start_session, trace_calls, trace_summary
+from jrl.models.fp8 import quantize_columns, scaled_matmul
 from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
-from jrl.rollout.sampling import GREEDY
+from jrl.rollout.sampling import GREEDY, SamplingParams
+from jrl.serve.loading import load_served
 from jrl.rollout.tuning import TuningOverrides
 from pallas_kernels import dispatch, reference
 from pallas_kernels.tuning import DecodeTuning
 
-MODES = ("step_only", "ab", "host", "gemms")
+MODES = ("step_only", "ab", "host", "gemms", "drift", "kv_drift")
 
 
 def add_arguments(p) -> None:
@@ -95,6 +120,14 @@ def add_arguments(p) -> None:
                       f"comma list of {','.join(VARIANTS)}")
     mode.add_argument("--host", action="store_true", help="the engine's host time per decode step (CPU)")
     mode.add_argument("--gemms", action="store_true", help="the projection GEMMs of a decode layer")
+    mode.add_argument("--drift", action="store_true", help="engine log-probs vs the trainer's, bf16 and --engine")
+    mode.add_argument("--kv-drift", action="store_true",
+                      help="logprob drift and sample agreement of a quantized KV cache against the model's dtype")
+    g = p.add_argument_group("--drift / --kv-drift")
+    g.add_argument("--drift-kv-dtype", default="float8_e4m3fn", help="the EngineConfig.kv_dtype compared")
+    g.add_argument("--drift-prompts", type=int, default=32)
+    g.add_argument("--drift-new", type=int, default=64)
+    g.add_argument("--drift-init", default=None, help="hf:<dir> weights (default: random)")
     p.add_argument("--batches", default=None,
                    help="batch sizes (default: engine 1,16,64,128,256; --ab 256; --host 1,16,64,256)")
     p.add_argument("--prompt", type=int, default=512)
@@ -102,6 +135,8 @@ def add_arguments(p) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--engine", type=json.loads, default={},
                    help='EngineConfig fields over the defaults, e.g. \'{"prefix_cache": true, "overlap": false}\'')
+    p.add_argument("--vs-bf16", action="store_true", help="engine mode: a bf16 engine first, then the --engine "
+                   "precision overrides (weight_dtype, kv_dtype), rows with speedup_vs_bf16")
     p.add_argument("--tuning", type=json.loads, default={},
                    help='TuningOverrides fields over the backend defaults, e.g. \'{"decode_steps_per_call": 1}\'')
     p.add_argument("--budget-s", type=float, default=1e9, help="skip batch sizes once this much time is spent")
@@ -158,6 +193,10 @@ def run(args, results) -> int:
         return run_ab(args, results, cfg, params, bandwidth)
     if mode == "step_only":
         return run_step_only(args, results, cfg, params, bandwidth)
+    if mode == "drift":
+        return run_drift(args, results, cfg, params)
+    if mode == "kv_drift":
+        return run_kv_drift(args, results, cfg, params)
     return run_engine(args, results, cfg, params, bandwidth)
 
 
@@ -294,7 +333,8 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
     # prefilled in an earlier chunk started decoding earlier, so mid-run the batch's
     # lengths spread over up to a chunk's worth of steps (not all at prompt + new / 2).
     kv_tokens = int(layout.int_packing.views(ints)["kv_lens"].sum()) / layout.steps
-    floor_s = floors.decode_step_floor_s(floors.tree_bytes(params), kv_tokens, cfg, bandwidth)
+    floor_s = floors.decode_step_floor_s(floors.tree_bytes(engine.params), kv_tokens, cfg, bandwidth,
+                                         engine.config.kv_dtype)
     steps = max(1, stats.decode_device_steps)
     return {
         "batch": batch, "decode_tokens_per_s": batch / step_s, "e2e_tokens_per_s": batch * new / run["total_s"],
@@ -318,45 +358,115 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
 def run_engine(args, results, cfg, params, bandwidth: float) -> int:
     budget = Budget(args.budget_s)
     batches = csv_ints(args.batches or "1,16,64,128,256")
-    econf = engine_config(max(batches), args.prompt, args.new, args.page_size, args.engine)
     tuning = TuningOverrides(**args.tuning)
-    engine = Engine(cfg, params, econf, tuning=tuning)
     common = dict(prompt=args.prompt, new=args.new, params=count_params(params),
-                  copy_bandwidth_tb_s=bandwidth / 1e12, engine=args.engine, tuning=args.tuning,
+                  copy_bandwidth_tb_s=bandwidth / 1e12, tuning=args.tuning,
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
+    # --vs-bf16: the bf16 engine first, then the --engine precision overrides, same run
+    settings = drift.settings(args.engine) if args.vs_bf16 else [(None, args.engine)]
+    bf16_tps: dict[int, float] = {}
     failed = 0
-    for b in batches:
-        if budget.spent():
-            results.row("engine", batch=b, skipped="time budget", **common)
-            continue
-        try:
-            row = engine_batch(engine, params, b, args.prompt, args.new, bandwidth, args.replay_steps, args.trace_dir)
-        except Exception:  # noqa: BLE001 - record, keep the other sizes
-            log(traceback.format_exc())
-            row = {"batch": b, "error": traceback.format_exc()[-1500:]}
-            failed += 1
-            if econf.attention_impl == "auto" and failed == 1 and b == batches[0]:
-                # The first size failed: carry on with the pure-jnp attention so the other
-                # numbers still come (labelled), instead of failing every size.
-                econf = dataclasses.replace(econf, attention_impl="reference")
-                del engine
-                engine = Engine(cfg, params, econf, tuning=tuning)
-        results.row("engine", attention_impl=econf.attention_impl, **row, **common)
-    del params, engine
+    for label, overrides in settings:
+        econf = engine_config(max(batches), args.prompt, args.new, args.page_size, overrides)
+        engine = Engine(cfg, params, econf, tuning=tuning)
+        tagged = dict(common, engine=overrides, **({"precision": label} if label else {}))
+        for b in batches:
+            if budget.spent():
+                results.row("engine", batch=b, skipped="time budget", **tagged)
+                continue
+            try:
+                row = engine_batch(engine, params, b, args.prompt, args.new, bandwidth, args.replay_steps,
+                                   args.trace_dir)
+            except Exception:  # noqa: BLE001 - record, keep the other sizes
+                log(traceback.format_exc())
+                row = {"batch": b, "error": traceback.format_exc()[-1500:]}
+                failed += 1
+                if econf.attention_impl == "auto" and failed == 1 and b == batches[0]:
+                    # The first size failed: carry on with the pure-jnp attention so the other
+                    # numbers still come (labelled), instead of failing every size.
+                    econf = dataclasses.replace(econf, attention_impl="reference")
+                    del engine
+                    engine = Engine(cfg, params, econf, tuning=tuning)
+            if label == "bfloat16" and "decode_tokens_per_s" in row:
+                bf16_tps[b] = row["decode_tokens_per_s"]
+            elif label and b in bf16_tps and "decode_tokens_per_s" in row:
+                row["speedup_vs_bf16"] = row["decode_tokens_per_s"] / bf16_tps[b]
+            results.row("engine", attention_impl=econf.attention_impl, weight_dtype=econf.weight_dtype or "bfloat16",
+                        kv_dtype=econf.kv_dtype or cfg.dtype, **row, **tagged)
+        del engine
+    del params
     if args.torch:
         for r in torch_ref.run("generate", ROLLOUT_082B, [
                 "--batches", args.torch_batches, "--compiled-batches", args.torch_compiled, "--prompt",
                 str(args.prompt), "--new", str(args.new), "--budget-s", str(max(30.0, args.torch_timeout_s - 45))],
                 args.torch_timeout_s):
             results.row("transformers", framework="transformers", prompt=args.prompt, new=args.new, **r)
-    results.table([("batch", "batch"), ("steps_per_call", "steps/call"), ("decode_tokens_per_s", "decode tok/s"),
+    results.table([("batch", "batch"), ("weight_dtype", "weights"), ("steps_per_call", "steps/call"),
+                   ("decode_tokens_per_s", "decode tok/s"), ("speedup_vs_bf16", "x bf16"),
                    ("e2e_tokens_per_s", "e2e tok/s"), ("prefill_s", "prefill s"), ("step_ms", "step ms"),
                    ("device_step_ms", "device ms"), ("floor_ms", "floor ms"), ("step_over_floor", "x floor"),
                    ("host_gap_pct", "gap %"), ("host_ms_per_decode_step", "host ms"), ("gc_ms", "gc ms")],
                   "engine", f"engine decode, prompt {args.prompt}, new {args.new} greedy")
     results.table([("batch", "batch"), ("compiled", "compiled"), ("decode_tokens_per_s", "decode tok/s"),
                    ("tokens_per_s", "e2e tok/s"), ("step_ms", "step ms")], "transformers", "transformers generate")
-    return 1 if failed == len(batches) else 0
+    return 1 if failed == len(batches) * len(settings) else 0
+
+
+# ----------------------------------------------------------------------------- drift
+
+def run_drift(args, results, cfg, params) -> int:
+    n = args.drift_prompts
+    drift.run(results, cfg, params, lambda overrides: engine_config(n, args.prompt, args.new, args.page_size, overrides),
+              args.engine, TuningOverrides(**args.tuning), n, args.prompt, args.new)
+    results.table([("precision", "precision"), ("mean_abs", "mean |d|"), ("p99_abs", "p99 |d|"), ("max_abs", "max |d|"),
+                   ("bitwise_equal_pct", "bitwise %"), ("greedy_prefix_agree_pct", "greedy agree %"),
+                   ("greedy_identical_pct", "identical %")], "drift",
+                  f"engine vs trainer log-probs, {n} prompts of {args.prompt}, {args.new} sampled tokens")
+    return 0
+
+
+# ----------------------------------------------------------------------------- kv drift
+
+def kv_drift(base: list, other: list) -> dict:
+    """Completions of the same seeded requests under two engines -> the drift of `other`'s
+    model logprobs over each request's tokens before its first differing token."""
+    diffs, before, total, identical = [], 0, 0, 0
+    for a, b in zip(base, other):
+        n = min(len(a.tokens), len(b.tokens))
+        same = np.cumprod(a.tokens[:n] == b.tokens[:n]).astype(bool)
+        diffs.append(np.abs(a.model_logprobs[:n] - b.model_logprobs[:n])[same])
+        before += int(same.sum())
+        total += len(a.tokens)
+        identical += int(same.all() and len(a.tokens) == len(b.tokens))
+    d = np.concatenate(diffs) if diffs else np.zeros(0)
+    stats = dict(mean_abs=float(d.mean()), p99_abs=float(np.quantile(d, 0.99)), max_abs=float(d.max())) if d.size else {}
+    return dict(tokens_compared=int(d.size), agreement=before / max(total, 1), identical=identical, **stats)
+
+
+def run_kv_drift(args, results, cfg, params) -> int:
+    if args.drift_init:
+        served = load_served(args.drift_init)
+        cfg, params = served.model_config, served.params
+    n, new = (min(args.drift_prompts, 2), min(args.drift_new, 8)) if args.tiny else (args.drift_prompts, args.drift_new)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (n, args.prompt), dtype=np.int32)
+    sampling = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
+    runs = {}
+    for kv_dtype in (None, args.drift_kv_dtype):
+        econf = engine_config(n, args.prompt, new, args.page_size, {**args.engine, "kv_dtype": kv_dtype})
+        engine = Engine(cfg, params, econf, tuning=TuningOverrides(**args.tuning))
+        for p, s in zip(prompts, sampling):
+            engine.add_request(p, s, max_new_tokens=new)
+        done = engine.run()
+        runs[kv_dtype] = sorted(done, key=lambda c: c.request_id)
+        del engine
+    row = kv_drift(runs[None], runs[args.drift_kv_dtype])
+    results.row("kv_drift", kv_dtype=args.drift_kv_dtype, base_kv_dtype=cfg.dtype, prompts=n, prompt=args.prompt,
+                new=new, page_size=args.page_size, weights=args.drift_init or "random", engine=args.engine, **row)
+    results.table([("kv_dtype", "kv dtype"), ("tokens_compared", "tokens"), ("mean_abs", "mean |d|"),
+                   ("p99_abs", "p99 |d|"), ("max_abs", "max |d|"), ("agreement", "agreement"),
+                   ("identical", "identical")], "kv_drift", f"model logprob drift vs {cfg.dtype} KV")
+    return 0 if row["tokens_compared"] else 1
 
 
 # ----------------------------------------------------------------------------- step only
@@ -364,6 +474,7 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
 def run_step_only(args, results, cfg, params, bandwidth: float) -> int:
     budget = Budget(args.budget_s)
     context = args.prompt + args.new // 2
+    kv_dtype = args.engine.get("kv_dtype")
     for b in csv_ints(args.batches or "1,16,64,128,256"):
         if budget.spent():
             results.row("step_only", batch=b, skipped="time budget")
@@ -371,10 +482,12 @@ def run_step_only(args, results, cfg, params, bandwidth: float) -> int:
         try:
             fn, fused, unroll = default_decode_program(cfg, args.page_size, b)
             p = fuse_projections(cfg, params) if fused else params
-            case = Case(fn, p, *synthetic_batch(cfg, b, context, args.page_size, seed=b, aligned=unroll))
+            case = Case(fn, p, *synthetic_batch(cfg, b, context, args.page_size, seed=b, aligned=unroll,
+                                                kv_dtype=kv_dtype))
             step_s, first_s = replay(case, args.replay_steps)
-            floor_s = floors.decode_step_floor_s(floors.tree_bytes(p), b * context, cfg, bandwidth)
-            results.row("step_only", batch=b, context=context, device_step_ms=1e3 * step_s, floor_ms=1e3 * floor_s,
+            floor_s = floors.decode_step_floor_s(floors.tree_bytes(p), b * context, cfg, bandwidth, kv_dtype)
+            results.row("step_only", batch=b, context=context, kv_dtype=kv_dtype or cfg.dtype,
+                        page_size=args.page_size, device_step_ms=1e3 * step_s, floor_ms=1e3 * floor_s,
                         step_over_floor=step_s / floor_s, tokens_per_s=b / step_s, first_call_s=first_s,
                         xla_flags=os.environ.get("XLA_FLAGS", ""))
         except Exception:  # noqa: BLE001 - record, keep the other sizes
@@ -610,13 +723,15 @@ def run_host(args, results) -> int:
 
 # ----------------------------------------------------------------------------- GEMMs
 
-def layer_weights(cfg, key, fused: bool) -> dict:
+def layer_weights(cfg, key, fused: bool, fp8: bool = False) -> dict:
+    """Stacked bf16 kernels per projection; `fp8`: each as `(e4m3 kernel, column scales)`."""
     h, q, kv, f = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes = {"o": (q, h), "down": (f, h)}
     shapes |= {"qkv": (h, q + 2 * kv), "gate_up": (h, 2 * f)} if fused else \
         {"q": (h, q), "k": (h, kv), "v": (h, kv), "gate": (h, f), "up": (h, f)}
     keys = jax.random.split(key, len(shapes))
-    return {n: 0.02 * jax.random.normal(k, (cfg.n_layers, *s), jnp.bfloat16) for (n, s), k in zip(shapes.items(), keys)}
+    w = {n: 0.02 * jax.random.normal(k, (cfg.n_layers, *s), jnp.bfloat16) for (n, s), k in zip(shapes.items(), keys)}
+    return {n: jax.jit(quantize_columns)(x) for n, x in w.items()} if fp8 else w
 
 
 def layers_program(cfg, fused: bool):
@@ -626,20 +741,26 @@ def layers_program(cfg, fused: bool):
     rep = q_dim // kv_dim
 
     def run_layers(x, w):
+        def mm(x, name, layer):  # bf16 kernel, or (e4m3 kernel, column scales) as the model reads it
+            kernel = w[name]
+            if isinstance(kernel, tuple):
+                return scaled_matmul(x, kernel[0][layer], kernel[1][layer])
+            return x @ kernel[layer]
+
         for layer in range(cfg.n_layers):
             if fused:
-                qkv = x @ w["qkv"][layer]
+                qkv = mm(x, "qkv", layer)
                 q, k, v = qkv[:, :q_dim], qkv[:, q_dim:q_dim + kv_dim], qkv[:, q_dim + kv_dim:]
             else:
-                q, k, v = x @ w["q"][layer], x @ w["k"][layer], x @ w["v"][layer]
+                q, k, v = mm(x, "q", layer), mm(x, "k", layer), mm(x, "v", layer)
             attn = q + jnp.tile(k + v, (1, rep))  # stands in for attention: reads q, k and v
-            x = x + attn @ w["o"][layer]
+            x = x + mm(attn, "o", layer)
             if fused:
-                gu = x @ w["gate_up"][layer]
+                gu = mm(x, "gate_up", layer)
                 g, u = gu[:, :f], gu[:, f:]
             else:
-                g, u = x @ w["gate"][layer], x @ w["up"][layer]
-            x = x + (jax.nn.silu(g) * u) @ w["down"][layer]
+                g, u = mm(x, "gate", layer), mm(x, "up", layer)
+            x = x + mm(jax.nn.silu(g) * u, "down", layer)
         return x
 
     return run_layers
@@ -653,12 +774,13 @@ def run_gemms(args, results) -> int:
     log(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
     options = {"default": None, "cublas": executor.CUBLAS_GEMM_OPTIONS}
     rows = csv_ints("1,8" if args.tiny and args.rows == "1,64,128,256" else args.rows)
-    for fused in (False, True):
-        w = layer_weights(cfg, jax.random.key(0), fused)
+    for label, fused, fp8 in (("separate", False, False), ("fused", True, False), ("fused_fp8", True, True)):
+        w = layer_weights(cfg, jax.random.key(0), fused, fp8)
         w_bytes = floors.tree_bytes(w) / cfg.n_layers
+        params_per_layer = sum((k[0] if isinstance(k, tuple) else k).size for k in w.values()) / cfg.n_layers
         for m in rows:
             x = 0.02 * jax.random.normal(jax.random.key(m), (m, cfg.hidden_size), jnp.bfloat16)
-            flops = 2 * m * w_bytes / 2
+            flops = 2 * m * params_per_layer
             floor_s = floors.gemm_floor_s(w_bytes, flops, bandwidth, matmul)
             for opt_name, opts in options.items():
                 if opts and jax.default_backend() != "gpu":
@@ -666,7 +788,7 @@ def run_gemms(args, results) -> int:
                 fn = jax.jit(layers_program(cfg, fused), compiler_options=opts) if opts else \
                     jax.jit(layers_program(cfg, fused))
                 t = timeit(fn, x, w, iters=20, reps=7) / cfg.n_layers
-                results.row("gemms", weights="fused" if fused else "separate", rows=m, options=opt_name,
+                results.row("gemms", weights=label, rows=m, options=opt_name,
                             us_per_layer=1e6 * t, weight_tb_per_s=w_bytes / t / 1e12, tflops=flops / t / 1e12,
                             floor_us=1e6 * floor_s, copy_bandwidth_tb_s=bandwidth / 1e12,
                             matmul_tflops=matmul / 1e12)

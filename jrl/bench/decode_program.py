@@ -12,6 +12,7 @@ import numpy as np
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, step_function
 from jrl.rollout.tuning import resolve_tuning
+from pallas_kernels import quantized
 
 PAGE_ORDERS = ("per_request", "engine", "random")
 
@@ -28,14 +29,15 @@ def default_decode_program(cfg, page_size: int, max_rows: int, cached: bool = Tr
 
 
 def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, aligned: bool = False,
-                    steps: int = 1, pages: str = "per_request", prompt: int = 512):
+                    steps: int = 1, pages: str = "per_request", prompt: int = 512, kv_dtype: str | None = None):
     """A decode batch as the engine builds it: `batch` requests at `context` tokens, random
     KV, greedy (the same inputs for every variant at one batch size); `steps` > 1: a
     multi-step call whose step j computes position `context - 1 + j`. `pages`:
     "per_request" gives each request consecutive page ids; "engine" what the engine's
     lowest-id-first allocator gives a batch that prefilled `prompt` tokens together and then
     decoded (each prompt consecutive, the decode pages interleaved); "random" a random
-    permutation. Returns (layout, ints, floats, k, v, prev_tokens)."""
+    permutation. `kv_dtype`: the KV buffers' storage (None: bf16; "float8_e4m3fn": the
+    random KV quantized). Returns (layout, ints, floats, k, v, prev_tokens)."""
     if pages not in PAGE_ORDERS:
         raise ValueError(f"pages: must be one of {PAGE_ORDERS}, got {pages!r}")
     per_req = -(-(context + steps - 1) // page_size)
@@ -72,6 +74,8 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, al
     kk, kv = jax.random.split(jax.random.key(seed))
     k = jax.random.normal(kk, shape, jnp.bfloat16)
     v = jax.random.normal(kv, shape, jnp.bfloat16)
+    if kv_dtype is not None:
+        k, v = jax.jit(quantized.from_array)(k), jax.jit(quantized.from_array)(v)
     return layout, ints, floats, k, v, jnp.zeros(batch, jnp.int32)
 
 

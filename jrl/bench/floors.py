@@ -16,13 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jrl.bench.timing import timeit
+from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, datasheet: the MFU denominator
-
-
-def kv_bytes_per_token(cfg, itemsize: int = 2) -> int:
-    """K and V bytes one token of context holds across all layers (bf16 cache)."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
 def tree_bytes(tree) -> int:
@@ -35,10 +31,11 @@ def read_once_s(n_bytes: float, bandwidth: float) -> float:
     return n_bytes / bandwidth
 
 
-def decode_step_floor_s(param_bytes: int, kv_tokens: float, cfg, bandwidth: float) -> float:
+def decode_step_floor_s(param_bytes: int, kv_tokens: float, cfg, bandwidth: float,
+                        kv_dtype: str | None = None) -> float:
     """A decode step reads every weight once and the KV of `kv_tokens` tokens of context
-    (summed over its requests)."""
-    return read_once_s(param_bytes + kv_tokens * kv_bytes_per_token(cfg), bandwidth)
+    (summed over its requests), stored in `kv_dtype` (see `kv_bytes_per_token`)."""
+    return read_once_s(param_bytes + kv_tokens * kv_bytes_per_token(cfg, kv_dtype), bandwidth)
 
 
 def gemm_floor_s(weight_bytes: float, flops: float, bandwidth: float, matmul_flops: float) -> float:

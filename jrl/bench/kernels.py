@@ -33,9 +33,10 @@ import numpy as np
 
 from jrl.bench.log import log
 from jrl.bench.timing import timeit
-from pallas_kernels import dispatch, reference
+from pallas_kernels import dispatch, quantized, reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
+from pallas_kernels.quantized import KV_DTYPES
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 try:  # JAX's stock Pallas paged attention (Triton lowering): the decode section's "stock" column
@@ -71,6 +72,9 @@ def add_arguments(p) -> None:
     for name in SECTIONS:
         p.add_argument(f"--{name}", action="store_true", help=f"run the {name} section")
     p.add_argument("--interpret", action="store_true", help="jrl's kernels in Mosaic GPU interpret mode (CPU)")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
+                   help="--check on fp8 K/V buffers against the reference on the same buffers "
+                        "(cases with pages of 32 or more only)")
     p.add_argument("--check-kinds", nargs="+", default=[*DECODE_CHECKS, "prefill", "prefill-persistent"],
                    help="which kernel settings --check runs")
     p.add_argument("--decode-variants", type=json.loads, default=[],
@@ -126,34 +130,47 @@ def variant_name(base: str, var: dict) -> str:
 def check(args, results) -> None:
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
-    cases = [(8, 2, 64, 16)] if args.tiny else CHECK_CASES
+    fp8 = args.kv_dtype is not None
+    cases = [(8, 2, 64, 32 if fp8 else 16)] if args.tiny else CHECK_CASES
+
+    def buffers(k1):  # bf16, or fp8 with their float32 view for the reference
+        kb, vb = paged_cache(k1, 2, n_pages, ps, hkv, d)
+        if fp8:
+            kb, vb = quantized.from_array(kb), quantized.from_array(vb)
+            return kb, vb, kb, vb
+        return kb, vb, kb.astype(jnp.float32), vb.astype(jnp.float32)
+
     b_dec, ctx_dec = (4, 40) if args.tiny else (13, 1000)
     q_lens = np.array([1, 9, 20, 0]) if args.tiny else np.array([1, 77, 300, 129, 64, 0])
     prefix = np.array([0, 5, 3, 0]) if args.tiny else np.array([0, 5, 200, 0, 31, 0])
     for kind in args.check_kinds:
         for hq, hkv, d, ps in cases:
             key, k1, k2, k3 = jax.random.split(key, 4)
-            case = dict(kind=kind, hq=hq, hkv=hkv, d=d, page_size=ps)
+            case = dict(kind=kind, hq=hq, hkv=hkv, d=d, page_size=ps, kv_dtype=args.kv_dtype or "bfloat16")
+            if fp8 and ps % 32:
+                results.row("check", **case, skipped="fp8 buffers need pages of 32", ok=True)
+                continue
             try:
                 if kind in DECODE_CHECKS:
                     lens = rng.integers(1, ctx_dec + 1, size=b_dec)
                     lens[0], lens[1], lens[2] = 1, ctx_dec, 0  # length 1, the longest, a padded row
                     pages = -(-ctx_dec // ps)
-                    kb, vb = paged_cache(k1, 2, b_dec * pages + 5, ps, hkv, d)
+                    n_pages = b_dec * pages + 5
+                    kb, vb, kr, vr = buffers(k1)
                     pt = random_page_table(k2, b_dec, pages, b_dec * pages + 5)
                     q = jax.random.normal(k3, (b_dec, hq, d), jnp.bfloat16)
                     lens = jnp.asarray(lens, jnp.int32)
                     out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=d ** -0.5,
                                              tuning=DecodeTuning(**DECODE_CHECKS[kind]), interpret=args.interpret)
-                    ref = reference.ragged_decode(q.astype(jnp.float32), kb.astype(jnp.float32),
-                                                  vb.astype(jnp.float32), jnp.int32(1), lens, pt,
+                    ref = reference.ragged_decode(q.astype(jnp.float32), kr, vr, jnp.int32(1), lens, pt,
                                                   page_size=ps, sm_scale=d ** -0.5)
                 else:
                     kv_lens = q_lens + prefix
                     b, max_ctx = len(q_lens), int(kv_lens.max())
                     t_rows = int(q_lens.sum()) + 24  # padded bucket rows at the end
                     pages = -(-max_ctx // ps)
-                    kb, vb = paged_cache(k1, 2, b * pages + 5, ps, hkv, d)
+                    n_pages = b * pages + 5
+                    kb, vb, kr, vr = buffers(k1)
                     pt = random_page_table(k2, b, pages, b * pages + 5)
                     q = jax.random.normal(k3, (t_rows, hq, d), jnp.bfloat16)
                     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
@@ -161,8 +178,7 @@ def check(args, results) -> None:
                     out = paged_prefill_mgpu(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps, sm_scale=d ** -0.5,
                                              tuning=PrefillTuning(persistent=kind == "prefill-persistent"),
                                              interpret=args.interpret)
-                    ref = reference.paged_prefill(q.astype(jnp.float32), kb.astype(jnp.float32),
-                                                  vb.astype(jnp.float32), jnp.int32(1), cu, lens, pt,
+                    ref = reference.paged_prefill(q.astype(jnp.float32), kr, vr, jnp.int32(1), cu, lens, pt,
                                                   page_size=ps, sm_scale=d ** -0.5)
                 err = rel_err(out, ref)
                 nans = int(np.isnan(np.asarray(out, np.float32)).sum())

@@ -5,36 +5,47 @@ workload driven through the in-process Engine.
                     [--model hf:<dir> | --checkpoint <dir>] [--max-batch 64 ...]
 
 The server (`jrl.serve`, the same app and engine thread as `jrl serve`) runs in a thread of
-this process on 127.0.0.1; the load generator is an async httpx client in the main thread
-keeping `concurrency` requests in flight until `--requests` (default max(2 x concurrency,
-32)) have completed. Each request is a /v1/completions call with a random token-id prompt
-of `--prompt` tokens, `--new` new tokens (`ignore_eos`, so every request generates exactly
-that many), temperature 1 and its own seed. Without a model, random weights of the 0.82B
-rollout shape (`shapes.ROLLOUT_082B`; `--tiny`: `shapes.TINY`) with the byte tokenizer.
+this process on 127.0.0.1; the load generator (`serve_client`) is an async httpx client in
+a process of its own keeping `concurrency` requests in flight until `--requests` (default
+max(2 x concurrency, 32)) have completed. Each request is a /v1/completions call with a
+random token-id prompt of `--prompt` tokens, `--new` new tokens (`ignore_eos`, so every
+request generates exactly that many), temperature 1 and its own seed. Without a model,
+random weights of the 0.82B rollout shape (`shapes.ROLLOUT_082B`; `--tiny`: `shapes.TINY`)
+with the byte tokenizer.
 
 Then the server is stopped and its engine runs the same prompts directly (`add_request` /
 `step`, again `concurrency` in flight): the difference is the cost of HTTP, JSON,
-detokenization and the thread hand-off. Before each timed round an untimed one (2 x
-concurrency requests) compiles the step programs its batch sizes need. Rows: section `http` / `engine`, with
-concurrency, requests, output_tokens, wall_s, requests_per_s, output_tokens_per_s,
-compiled_while_timed (step programs still compiled inside the timed round: > 0 means the
-round paid for a compilation) and (http) latency_p50_s / latency_p99_s. `--tiny` pads
-every step to `--max-batch` rows and 16 or 128 tokens unless `--engine` says otherwise. The load generator shares the process (and the GIL) with the
-server: on a small CPU box it takes a share of the host time the engine would otherwise get.
+detokenization and the thread hand-off.
+
+Before anything is timed the engine compiles every step program of these requests
+(`Engine.warmup`, as `jrl serve` does before it listens; row `warmup`: programs, seconds),
+and before each timed round an untimed one (`concurrency` requests) warms the rest
+(connections, host caches). Rows: section `http` / `engine`, with concurrency, requests,
+output_tokens, wall_s, requests_per_s, output_tokens_per_s, compiled_while_timed (step
+programs compiled inside the timed round: > 0 means the round paid for a compilation),
+steps (engine steps in the round) and step_s / worker_step_s (seconds in `engine.step`);
+(http) latency_p50_s / latency_p99_s, worker_host_s (the engine thread's time in the
+server's own work around the steps: commands, token hand-off) and http_cpu_s (CPU seconds
+of the event loop's thread: HTTP, JSON, detokenization; close to wall_s means the event
+loop, not the engine, set the pace). `--max-seq-len` defaults to prompt + new rounded up
+to a page, so the default KV pool holds every running request and nothing more. `--tiny`
+pads every step to `--max-batch` rows and 16 or max(128, max-batch) tokens unless
+`--engine` says otherwise. The load generator shares the machine with the server: on a
+small CPU box it takes a share of the cores the server would otherwise get.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
-import httpx
 import numpy as np
 
+from jrl.bench.serve_client import LoadClient
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
 from jrl.rollout import Engine, SamplingParams
 from jrl.serve.app import Server, create_app
+from jrl.rollout.config import device_free_memory
 from jrl.serve.cli import ServerThread, build_parser, engine_config
 from jrl.serve.loading import Served, load_served
 from jrl.tokenizer import ByteTokenizer
@@ -52,7 +63,8 @@ def add_arguments(p) -> None:
     p.add_argument("--config", help="the checkpoint's run config")
     p.add_argument("--max-batch", type=int, default=None, help="engine rows (default 64; --tiny 16)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None, help="engine max_seq_len (default: prompt + new "
+                   "rounded up to a page)")
     p.add_argument("--n-pages", type=int, default=None)
     p.add_argument("--max-tokens-per-step", type=int, default=None)
     p.add_argument("--max-queue", type=int, default=256)
@@ -77,92 +89,97 @@ def run(args, results) -> int:
     new = args.new or (8 if tiny else 128)
     max_batch = args.max_batch or (16 if tiny else 64)
     engine_json = args.engine
-    if tiny and engine_json == "{}":  # few step shapes: the untimed rounds compile them all on a CPU
-        engine_json = json.dumps({"batch_buckets": [max_batch], "token_buckets": [16, 128], "max_tokens_per_step": 128})
+    if tiny and engine_json == "{}":  # few step shapes: quick to compile on a CPU
+        budget = max(128, max_batch)
+        engine_json = json.dumps({"batch_buckets": [max_batch], "token_buckets": [16, budget],
+                                  "max_tokens_per_step": budget})
+    max_seq_len = args.max_seq_len or -(-(prompt_len + new) // args.page_size) * args.page_size
     serve_argv = ["--max-batch", str(max_batch), "--page-size", str(args.page_size), "--max-queue",
-                  str(args.max_queue), "--engine", engine_json]
-    for flag, value in (("--max-seq-len", args.max_seq_len), ("--n-pages", args.n_pages),
+                  str(args.max_queue), "--engine", engine_json, "--max-seq-len", str(max_seq_len)]
+    for flag, value in (("--n-pages", args.n_pages),
                         ("--max-tokens-per-step", args.max_tokens_per_step)):
         if value is not None:
             serve_argv += [flag, str(value)]
     serve_args = build_parser().parse_args(serve_argv)
     served = _served(args, serve_args)
-    engine = Engine(served.model_config, served.params, engine_config(served, serve_args), version=served.version)
+    config = engine_config(served, serve_args, device_free_memory())
+    engine = Engine(served.model_config, served.params, config, version=served.version)
     server = Server(served, engine, max_queue=args.max_queue)
+    t0 = time.perf_counter()
+    programs = engine.warmup(SamplingParams(temperature=1.0))
+    results.row("warmup", programs=programs, seconds=time.perf_counter() - t0, max_batch=max_batch,
+                max_seq_len=max_seq_len, n_pages=config.n_pages)
     vocab = min(served.model_config.vocab_size, served.tokenizer.vocab_size)
     rng = np.random.default_rng(0)
 
     def workload(c: int) -> list[list[int]]:
-        n = args.requests or (8 if tiny else max(2 * c, 32))
+        n = args.requests or (max(8, c) if tiny else max(2 * c, 32))
         return rng.integers(0, vocab, (n, prompt_len)).tolist()
 
     plans = {c: workload(c) for c in levels}
-    with ServerThread(server, create_app(server)) as thread:
+    with ServerThread(server, create_app(server)) as thread, LoadClient() as client:
         for c in levels:
-            # untimed: compiles the step programs this concurrency's batch sizes need
-            asyncio.run(_http_load(thread.url, served.name, plans[c][:2 * c], c, new))
+            client.round(thread.url, served.name, plans[c][:c], c, new)  # untimed
             traces = engine.step_function.traces
-            wall, lat, tokens = asyncio.run(_http_load(thread.url, served.name, plans[c], c, new))
+            before, cpu = dict(server.worker.snapshot), thread.cpu_s()
+            wall, lat, tokens = client.round(thread.url, served.name, plans[c], c, new)
+            after = _settled(server.worker)
+            cpu = thread.cpu_s() - cpu
             n = len(plans[c])
             results.row("http", concurrency=c, requests=n, output_tokens=tokens, wall_s=wall,
                         compiled_while_timed=engine.step_function.traces - traces,
                         requests_per_s=n / wall, output_tokens_per_s=tokens / wall,
                         latency_p50_s=float(np.percentile(lat, 50)), latency_p99_s=float(np.percentile(lat, 99)),
+                        worker_step_s=after["step_s"] - before["step_s"],
+                        worker_host_s=after["host_s"] - before["host_s"], steps=after["steps"] - before["steps"],
+                        http_cpu_s=cpu,
                         prompt=prompt_len, new=new, max_batch=max_batch)
     for c in levels:
-        _engine_load(engine, plans[c][:2 * c], c, new)  # untimed, as above
-        traces = engine.step_function.traces
-        wall, tokens = _engine_load(engine, plans[c], c, new)
+        _engine_load(engine, plans[c][:c], c, new)  # untimed, as above
+        traces, steps = engine.step_function.traces, engine.stats.steps
+        wall, tokens, step_s = _engine_load(engine, plans[c], c, new)
         n = len(plans[c])
-        results.row("engine", concurrency=c, requests=n, output_tokens=tokens, wall_s=wall,
+        results.row("engine", concurrency=c, requests=n, output_tokens=tokens, wall_s=wall, step_s=step_s,
+                    steps=engine.stats.steps - steps,
                     compiled_while_timed=engine.step_function.traces - traces, requests_per_s=n / wall,
                     output_tokens_per_s=tokens / wall, prompt=prompt_len, new=new, max_batch=max_batch)
     columns = [("concurrency", "concurrency"), ("requests", "requests"), ("requests_per_s", "req/s"),
                ("output_tokens_per_s", "out tok/s"), ("compiled_while_timed", "compiled"),
                ("latency_p50_s", "p50 s"), ("latency_p99_s", "p99 s")]
-    results.table(columns, "http", title=f"over HTTP ({served.name}, prompt {prompt_len}, {new} new tokens)")
-    results.table(columns[:5], "engine", title="the same requests through the in-process Engine")
+    results.table(columns + [("steps", "steps"), ("worker_step_s", "step s"), ("worker_host_s", "host s"),
+                             ("http_cpu_s", "http cpu s")], "http",
+                  title=f"over HTTP ({served.name}, prompt {prompt_len}, {new} new tokens)")
+    results.table(columns[:5] + [("steps", "steps"), ("step_s", "step s")], "engine",
+                  title="the same requests through the in-process Engine")
     return 0
 
 
-async def _http_load(url: str, model: str, prompts: list[list[int]], concurrency: int,
-                     new: int) -> tuple[float, list[float], int]:
-    queue = list(enumerate(prompts))
-    latencies: list[float] = []
-    tokens = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
-        async def worker() -> None:
-            nonlocal tokens
-            while queue:
-                k, prompt = queue.pop()
-                t0 = time.perf_counter()
-                r = await client.post("/v1/completions", json={
-                    "model": model, "prompt": prompt, "max_tokens": new, "temperature": 1.0, "seed": k,
-                    "ignore_eos": True})
-                if r.status_code != 200:
-                    raise RuntimeError(f"bench serve: HTTP {r.status_code}: {r.text[:500]}")
-                latencies.append(time.perf_counter() - t0)
-                tokens += json.loads(r.content)["usage"]["completion_tokens"]
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - t0, latencies, tokens
-
-
-def _engine_load(engine, prompts: list[list[int]], concurrency: int, new: int) -> tuple[float, int]:
+def _engine_load(engine, prompts: list[list[int]], concurrency: int, new: int) -> tuple[float, int, float]:
+    """(wall seconds, output tokens, seconds in engine.step) of the prompts run directly."""
     pending = list(enumerate(prompts))
     in_flight = tokens = 0
+    step_s = 0.0
     t0 = time.perf_counter()
     while pending or engine.has_work:
         while pending and in_flight < concurrency:
             k, prompt = pending.pop()
             engine.add_request(prompt, SamplingParams(temperature=1.0, seed=k), max_new_tokens=new)
             in_flight += 1
-        for c in engine.step():
+        t1 = time.perf_counter()
+        finished = engine.step()
+        step_s += time.perf_counter() - t1
+        for c in finished:
             in_flight -= 1
             tokens += len(c.tokens)
     for c in engine.flush():
         tokens += len(c.tokens)
-    return time.perf_counter() - t0, tokens
+    return time.perf_counter() - t0, tokens, step_s
+
+
+def _settled(worker, timeout: float = 30.0) -> dict:
+    """The worker's snapshot once its last step's deliveries are published (the round's
+    responses can arrive before the step's bookkeeping ends)."""
+    deadline = time.time() + timeout
+    while worker.snapshot["active_requests"] and time.time() < deadline:
+        time.sleep(0.01)
+    return dict(worker.snapshot)

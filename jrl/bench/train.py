@@ -2,6 +2,8 @@
 device or a mesh, with transformers' Llama in PyTorch beside it.
 
     jrl bench train [--variants causal_unrolled,causal] [--meshes "1;data=2;fsdp=2"] [--check] [--torch]
+    jrl bench train --variants causal --matmul-dtypes bfloat16,float8          (fp8 vs bf16 tokens/s)
+    jrl bench train --variants causal --loss-steps 200                         (fp8 vs bf16 loss)
 
 Each variant is the real update the trainer runs (`jrl.train.step.make_step_fns`: loss,
 gradients, global-norm clipping, AdamW, state donated) on random tokens, one micro-batch
@@ -15,12 +17,24 @@ same variant on one. `--check` first compares the attention jrl picks here (cuDN
 GPU) with XLA's, forward and gradients. `--torch` runs transformers' `LlamaForCausalLM`
 (SDPA, fused AdamW, autocast bf16) in a subprocess. `--trace DIR` summarises a profiler
 trace of each variant's steps by kernel class.
+
+`--model JSON` overrides fields of the model (e.g. `{"matmul_dtype": "float8"}`);
+`--matmul-dtypes bfloat16,float8` runs every variant once per projection matmul dtype
+(`ModelConfig.matmul_dtype`; bfloat16 is the default None) and gives float8 rows
+`speedup_vs_bf16` against the same variant and mesh; `fp8_gemms` counts the cuBLASLt fp8
+GEMMs in the compiled step (0 on CPU; on Hopper, nonzero when XLA took the fp8 path).
+`--loss-steps N` (section `loss`) instead trains N steps of the first variant on one device per matmul dtype (default
+bfloat16,float8), every run from the same initial weights on the same batches: a token
+stream with learnable structure (`markov_batch`: each token is followed by one of 4
+successors fixed per token), learning rate 3e-4 after 10% warmup, cosine; it reports the
+first loss, the mean of the last 10 and `rel_diff_pct` against bfloat16's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import time
 import traceback
@@ -35,7 +49,7 @@ from jrl.bench.log import log
 from jrl.bench.shapes import TRAIN_1B, init, tiny_like
 from jrl.bench.timing import Budget
 from jrl.bench.trace import trace_calls
-from jrl.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig
+from jrl.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, model_config_from_dict
 from jrl.models import dense_attention
 from jrl.models.attention import attention_implementation
 from jrl.parallel import make_mesh, param_shardings
@@ -89,6 +103,12 @@ def add_arguments(p) -> None:
     p.add_argument("--torch-timeout-s", type=float, default=75.0)
     p.add_argument("--trace", default=None, metavar="DIR", help="profiler trace of each variant, summarised")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip variants once this much time is spent")
+    p.add_argument("--model", type=json.loads, default={}, help="JSON object of ModelConfig fields to override, "
+                   'e.g. \'{"matmul_dtype": "float8"}\'')
+    p.add_argument("--matmul-dtypes", default=None, help="comma list of bfloat16,float8: run each variant with "
+                   "each projection matmul dtype (default: the model's; --loss-steps: bfloat16,float8)")
+    p.add_argument("--loss-steps", type=int, default=0, help="train this many steps per matmul dtype on the same "
+                   "data and report the losses (no timings)")
 
 
 def record_name(args) -> str:
@@ -111,6 +131,33 @@ def random_batch(cfg: ModelConfig, batch: int, seq: int, docs_per_row: int = 1, 
     return {k: jnp.asarray(v[None]) for k, v in fields.items()}  # [micro=1, B, S]
 
 
+def markov_batch(cfg: ModelConfig, batch: int, seq: int, step: int, branching: int = 4) -> dict:
+    """Batch `step` of a learnable token stream: token t is followed by one of `branching`
+    successors of t (a fixed random table), picked uniformly; the loss floor is
+    ln(branching). The same `step` gives the same batch."""
+    table = np.random.default_rng(1234).integers(0, cfg.vocab_size, (cfg.vocab_size, branching), dtype=np.int32)
+    rng = np.random.default_rng([step, 99])
+    stream = np.empty((batch, seq + 1), np.int32)
+    stream[:, 0] = rng.integers(0, cfg.vocab_size, batch)
+    picks = rng.integers(0, branching, (batch, seq))
+    for t in range(seq):
+        stream[:, t + 1] = table[stream[:, t], picks[:, t]]
+    fields = {"tokens": stream[:, :-1], "targets": stream[:, 1:], "loss_mask": np.ones((batch, seq), np.float32),
+              "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)),
+              "segment_ids": np.ones((batch, seq), np.int32)}
+    return {k: jnp.asarray(v[None]) for k, v in fields.items()}  # [micro=1, B, S]
+
+
+def matmul_label(cfg: ModelConfig) -> str:
+    return cfg.matmul_dtype or "bfloat16"
+
+
+def with_matmul_dtype(cfg: ModelConfig, label: str) -> ModelConfig:
+    if label not in ("bfloat16", "float8"):
+        raise SystemExit(f"--matmul-dtypes: unknown {label!r}; choose from bfloat16,float8")
+    return dataclasses.replace(cfg, matmul_dtype=None if label == "bfloat16" else label)
+
+
 def parse_mesh(spec: str) -> ParallelConfig:
     """`1` (one device) or `data=2`, `fsdp=2`, `data=2,tensor=1`, ... (unset axes are 1)."""
     if spec == "1":
@@ -124,15 +171,16 @@ def parse_mesh(spec: str) -> ParallelConfig:
     return ParallelConfig(**sizes)
 
 
-def run_variant(v: Variant, base: ModelConfig, params, args, mesh_spec: str) -> dict:
-    cfg = dataclasses.replace(base, remat=v.remat, scan_layers=v.scan_layers)
+def setup_variant(v: Variant, cfg: ModelConfig, params, mesh_spec: str, batch: int, lr: float = 1e-4,
+                  schedule_config: ScheduleConfig = ScheduleConfig(), steps: int = 1000):
+    """The train state (a copy of `params`, placed), the jitted step functions and their
+    shardings for variant `v` of `cfg` on `mesh_spec`, and the rows of one global batch."""
     parallel = parse_mesh(mesh_spec)
-    n_devices = parallel.data * parallel.fsdp * parallel.tensor
-    mesh = make_mesh(parallel, jax.devices()[:n_devices])
-    rows = args.batch * v.batch_scale * parallel.data * parallel.fsdp
+    mesh = make_mesh(parallel, jax.devices()[:parallel.data * parallel.fsdp * parallel.tensor])
+    rows = batch * v.batch_scale * parallel.data * parallel.fsdp
     strategy = get_strategy("seq")
-    opt_cfg = OptimizerConfig(lr=1e-4, weight_decay=0.1, mu_dtype=v.mu_dtype)
-    schedule = make_schedule(ScheduleConfig(), 1000)
+    opt_cfg = OptimizerConfig(lr=lr, weight_decay=0.1, mu_dtype=v.mu_dtype)
+    schedule = make_schedule(schedule_config, steps)
     optimizer = build_optimizer(opt_cfg, schedule, params)
     p_shardings = param_shardings(cfg, mesh)
     placed = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=p_shardings)(params)  # donated below
@@ -140,11 +188,20 @@ def run_variant(v: Variant, base: ModelConfig, params, args, mesh_spec: str) -> 
     shardings = mesh_step_shardings(mesh, state_shardings)
     fns = make_step_fns(cfg, strategy, strategy.options_cls(), optimizer, schedule, opt_cfg.lr,
                         clip_norm=1.0, chunk_size=v.chunk, shardings=shardings)
+    return state, fns, shardings, rows
+
+
+def run_variant(v: Variant, base: ModelConfig, params, args, mesh_spec: str) -> dict:
+    cfg = dataclasses.replace(base, remat=v.remat, scan_layers=v.scan_layers)
+    parallel = parse_mesh(mesh_spec)
+    n_devices = parallel.data * parallel.fsdp * parallel.tensor
+    state, fns, shardings, rows = setup_variant(v, cfg, params, mesh_spec, args.batch)
     batch = jax.device_put(random_batch(cfg, rows, args.seq, v.docs_per_row), shardings.batch)
     t0 = time.perf_counter()
     compiled = fns.update.lower(state, batch, None, v.max_segments).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    fp8_gemms = compiled.as_text().count("__cublas$lt$matmul$f8")  # XLA's fp8 GEMMs in the step (GPU)
     xla_bytes = None if mem is None else (mem.argument_size_in_bytes + mem.output_size_in_bytes
                                           + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
     for _ in range(args.warmup):
@@ -169,10 +226,11 @@ def run_variant(v: Variant, base: ModelConfig, params, args, mesh_spec: str) -> 
     stats = jax.devices()[0].memory_stats() or {}
     del state, compiled, metrics
     gc.collect()
-    return {"variant": v.name, "mesh": mesh_spec, "devices": n_devices, "remat": v.remat, "lm_head_chunk": v.chunk,
+    return {"variant": v.name, "matmul_dtype": matmul_label(cfg), "mesh": mesh_spec, "devices": n_devices,
+            "remat": v.remat, "lm_head_chunk": v.chunk,
             "scan_layers": v.scan_layers, "mu_dtype": v.mu_dtype or "float32", "max_segments": v.max_segments,
             "docs_per_row": v.docs_per_row, "batch": rows, "seq": args.seq, "step_ms": 1e3 * dt,
-            "tokens_per_s": tps, "mfu_pct": 100 * mfu, "compile_s": compile_s,
+            "tokens_per_s": tps, "fp8_gemms": fp8_gemms, "mfu_pct": 100 * mfu, "compile_s": compile_s,
             "xla_memory_gib": None if xla_bytes is None else xla_bytes / 2**30,
             "device_peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2**30, "loss_first": first_loss,
             "loss_last": loss, **({"trace": trace} if trace else {})}
@@ -206,10 +264,45 @@ def check_attention(results, tiny: bool = False) -> None:
 
 
 def add_scaling(rows: list[dict]) -> None:
-    single = {r["variant"]: r["tokens_per_s"] for r in rows if r.get("mesh") == "1" and "tokens_per_s" in r}
+    """scaling_pct: tokens/s on n devices over n x the same variant (and matmul dtype) on
+    one; speedup_vs_bf16: a float8 row's tokens/s over the bfloat16 row of its variant and mesh."""
+    tps = {(r["variant"], r["matmul_dtype"], r["mesh"]): r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
     for r in rows:
-        if "tokens_per_s" in r and r.get("devices", 1) > 1 and r["variant"] in single:
-            r["scaling_pct"] = 100 * r["tokens_per_s"] / (r["devices"] * single[r["variant"]])
+        if "tokens_per_s" not in r:
+            continue
+        single = tps.get((r["variant"], r["matmul_dtype"], "1"))
+        if r.get("devices", 1) > 1 and single:
+            r["scaling_pct"] = 100 * r["tokens_per_s"] / (r["devices"] * single)
+        bf16 = tps.get((r["variant"], "bfloat16", r["mesh"]))
+        if r["matmul_dtype"] != "bfloat16" and bf16:
+            r["speedup_vs_bf16"] = r["tokens_per_s"] / bf16
+
+
+def run_losses(args, results, base: ModelConfig, params, variant: Variant, labels: list[str]) -> None:
+    """Section `loss`: `--loss-steps` updates per matmul dtype from the same params on the
+    same `markov_batch` stream (one device)."""
+    schedule = ScheduleConfig(kind="warmup_cosine", warmup_steps=max(1, args.loss_steps // 10))
+    final = {}
+    for label in labels:
+        cfg = with_matmul_dtype(dataclasses.replace(base, remat=variant.remat, scan_layers=variant.scan_layers), label)
+        state, fns, shardings, rows = setup_variant(variant, cfg, params, "1", args.batch, lr=3e-4,
+                                                    schedule_config=schedule, steps=args.loss_steps)
+        losses, norms = [], []
+        for step in range(args.loss_steps):
+            batch = jax.device_put(markov_batch(cfg, rows, args.seq, step), shardings.batch)
+            state, metrics = fns.update(state, batch, None, variant.max_segments)
+            losses.append(metrics["loss"])
+            norms.append(metrics["grad_norm"])
+        losses, norms = np.asarray(jax.device_get(losses)), np.asarray(jax.device_get(norms))
+        final[label] = float(losses[-10:].mean())
+        del state
+        gc.collect()
+        rel = None if "bfloat16" not in final else 100 * (final[label] - final["bfloat16"]) / final["bfloat16"]
+        results.row("loss", variant=variant.name, matmul_dtype=label, steps=args.loss_steps, batch=rows,
+                    seq=args.seq, loss_first=float(losses[0]), loss_final=final[label],
+                    rel_diff_pct=rel, grad_norm_last=float(norms[-1]),
+                    all_finite=bool(np.isfinite(losses).all() and np.isfinite(norms).all()),
+                    loss_every_20=[float(x) for x in losses[::20]])
 
 
 def run(args, results) -> int:
@@ -218,9 +311,20 @@ def run(args, results) -> int:
     if args.tiny:
         base = tiny_like(TRAIN_1B, max_position_embeddings=64)
         args.batch, args.seq, args.steps, args.warmup = min(args.batch, 2), min(args.seq, 64), min(args.steps, 2), 1
+    if args.model:
+        base = model_config_from_dict({**dataclasses.asdict(base), **args.model})
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {','.join(VARIANTS)}")
+    labels = (args.matmul_dtypes or ("bfloat16,float8" if args.loss_steps else matmul_label(base))).split(",")
+    models = [with_matmul_dtype(base, label) for label in labels]
+    if args.loss_steps:
+        params = init(base)
+        run_losses(args, results, base, params, VARIANTS[names[0]], labels)
+        results.table([("matmul_dtype", "matmul"), ("steps", "steps"), ("loss_first", "first loss"),
+                       ("loss_final", "last-10 loss"), ("rel_diff_pct", "vs bf16 %"), ("all_finite", "finite")],
+                      "loss", f"{args.loss_steps} steps on the same data, {args.batch} x {args.seq} tokens")
+        return 0
     common = dict(model_params=None, flops_per_token=flops_per_token(base, args.seq),
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
     if args.check:
@@ -246,24 +350,27 @@ def run(args, results) -> int:
     common["model_params"] = sum(x.size for x in jax.tree.leaves(params))
     rows = []
     for name in names:
-        for mesh_spec in args.meshes.split(";"):
-            if budget.spent():
-                results.row("jrl", variant=name, mesh=mesh_spec, skipped="time budget")
-                continue
-            try:
-                rows.append(run_variant(VARIANTS[name], base, params, args, mesh_spec))
-                add_scaling(rows)
-                results.row("jrl", **rows[-1], **common)
-            except Exception:  # noqa: BLE001 - e.g. out of memory: record and go on
-                log(traceback.format_exc())
-                results.row("jrl", variant=name, mesh=mesh_spec, error=traceback.format_exc()[-1500:])
+        for model in models:
+            for mesh_spec in args.meshes.split(";"):
+                label = matmul_label(model)
+                if budget.spent():
+                    results.row("jrl", variant=name, matmul_dtype=label, mesh=mesh_spec, skipped="time budget")
+                    continue
+                try:
+                    rows.append(run_variant(VARIANTS[name], model, params, args, mesh_spec))
+                    add_scaling(rows)
+                    results.row("jrl", **rows[-1], **common)
+                except Exception:  # noqa: BLE001 - e.g. out of memory: record and go on
+                    log(traceback.format_exc())
+                    results.row("jrl", variant=name, matmul_dtype=label, mesh=mesh_spec,
+                                error=traceback.format_exc()[-1500:])
     del params
     if args.torch and not args.torch_first:
         torch_rows()
     results.table([("check", "check"), ("picked", "picked"), ("rel_err_out", "out"), ("rel_err_dq", "dq"),
                    ("rel_err_dk", "dk"), ("rel_err_dv", "dv")], "check", "attention vs XLA (relative error)")
-    cols = [("variant", "variant"), ("mesh", "mesh"), ("batch", "batch"), ("tokens_per_s", "tokens/s"),
-            ("mfu_pct", "MFU %"), ("scaling_pct", "scaling %"), ("step_ms", "step ms"), ("xla_memory_gib", "GiB"),
+    cols = [("variant", "variant"), ("matmul_dtype", "matmul"), ("mesh", "mesh"), ("batch", "batch"),
+            ("tokens_per_s", "tokens/s"), ("speedup_vs_bf16", "x bf16"), ("mfu_pct", "MFU %"), ("scaling_pct", "scaling %"), ("step_ms", "step ms"), ("xla_memory_gib", "GiB"),
             ("compile_s", "compile s")]
     results.table(cols, "jrl", f"train step, {args.seq} tokens a row")
     results.table([("variant", "variant"), ("batch", "batch"), ("tokens_per_s", "tokens/s"), ("mfu_pct", "MFU %"),

@@ -6,6 +6,11 @@ fused linear (`jrl.models.fused`: the inference layout with concatenated kernels
 Kernels are stored `[in, out]` with Flax logical-axis annotations so that
 `jrl.parallel` can shard them by rule; LoRA factors `lora_a [in, r]` (random) and
 `lora_b [r, out]` (zeros) make the initial adapter delta exactly zero.
+
+Two fp8 paths (`jrl.models.fp8`): with `ModelConfig.matmul_dtype: float8` a projection's
+product runs in fp8 with current scaling (training and scoring); a kernel stored as
+float8_e4m3fn with a sibling `kernel_scale [out]` (the engine's served layout,
+`jrl.models.quantized`) is read as fp8 weights with per-column scales, whatever the config.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.config import ModelConfig
+from jrl.models.fp8 import E4M3, fp8_matmul, scaled_matmul
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -45,7 +51,9 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """`x @ kernel (+ bias)`, plus `scale * x @ lora_a @ lora_b` when `lora_rank > 0`."""
+    """`x @ kernel (+ bias)`, plus `scale * x @ lora_a @ lora_b` when `lora_rank > 0`.
+    `fp8`: the product runs in fp8 with current scaling (`jrl.models.fp8.fp8_matmul`).
+    An e4m3 kernel (served layout) is multiplied with its `kernel_scale` columns."""
 
     features: int
     axes: tuple[str, str]
@@ -56,6 +64,7 @@ class Linear(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
     lora_dtype: jnp.dtype | None = None  # the adapter factors' dtype (None: param_dtype)
     init_std: float = 0.02
+    fp8: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -64,7 +73,14 @@ class Linear(nn.Module):
         kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes),
                             (in_features, self.features), self.param_dtype)
         x = x.astype(self.dtype)
-        y = jnp.dot(x, kernel.astype(self.dtype))
+        if kernel.dtype == E4M3:
+            scale = self.param("kernel_scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes[1:]),
+                               (self.features,), jnp.float32)
+            y = scaled_matmul(x, kernel, scale)
+        elif self.fp8:
+            y = fp8_matmul(x, kernel)
+        else:
+            y = jnp.dot(x, kernel.astype(self.dtype))
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
                               (self.features,), self.param_dtype)
@@ -82,15 +98,18 @@ class Linear(nn.Module):
 
 
 def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
-           lora_target: str | None = None, use_bias: bool = False) -> Linear:
-    """A projection configured from the model config (LoRA when `lora_target` is enabled)."""
+           lora_target: str | None = None, use_bias: bool = False, fp8_capable: bool = True) -> Linear:
+    """A projection configured from the model config (LoRA when `lora_target` is enabled;
+    fp8 products under `matmul_dtype: float8` unless `fp8_capable` is False: routers and
+    gates, whose few output columns decide routing and gain nothing from fp8)."""
     lora = config.lora
     enabled = bool(lora.rank) and lora_target in lora.targets
     return Linear(
         features=features, axes=axes, use_bias=use_bias,
         lora_rank=lora.rank if enabled else 0, lora_scale=lora.scale if enabled else 0.0,
         dtype=dtype_of(config.dtype), param_dtype=dtype_of(config.param_dtype),
-        lora_dtype=None if lora.dtype is None else dtype_of(lora.dtype), init_std=config.initializer_range, name=name,
+        lora_dtype=None if lora.dtype is None else dtype_of(lora.dtype),
+        init_std=config.initializer_range, fp8=fp8_capable and config.matmul_dtype == "float8", name=name,
     )
 
 

@@ -39,7 +39,7 @@ class MoE(nn.Module):
         xt = x.reshape(n, d)
         mask = token_mask.reshape(n)
 
-        logits = linear(cfg, e, ("embed", "experts"), "router")(xt).astype(jnp.float32)
+        logits = linear(cfg, e, ("embed", "experts"), "router", fp8_capable=False)(xt).astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         top_w, top_i = jax.lax.top_k(probs, k)
         if cfg.norm_topk_prob:
@@ -63,7 +63,7 @@ class MoE(nn.Module):
         if cfg.n_shared_experts or cfg.shared_expert_intermediate_size:
             shared = SwiGLU(cfg, cfg.shared_intermediate, name="shared_expert")(xt)
             if cfg.shared_expert_gate:
-                gate = linear(cfg, 1, ("embed", "unsharded"), "shared_expert_gate")(xt)
+                gate = linear(cfg, 1, ("embed", "unsharded"), "shared_expert_gate", fp8_capable=False)(xt)
                 shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt) * shared
             out = out + shared.astype(dt)
 

@@ -8,10 +8,13 @@ import dataclasses
 import os
 from typing import Iterable
 
-from jrl.config import ParallelConfig, TrainConfig
+import jax
+
+from jrl.config import ConfigError, ParallelConfig, TrainConfig
 from jrl.parallel import initialize_distributed
 from jrl.rl.callback import RLCallback
 from jrl.rl.options import RLOptions
+from jrl.rl.placement import Placement, assign_devices
 from jrl.rl.source import RolloutSource
 from jrl.train.callbacks import Callback
 from jrl.train.state import TrainState
@@ -40,15 +43,32 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
     initialize_distributed(config.parallel or ParallelConfig())  # before any device is touched
     options = RLOptions.from_config(config.strategy.options)
     tokenizer = load_run_tokenizer(config)
-    mesh = run_mesh(config.parallel)
+    placement = run_placement(config, options)
+    mesh = run_mesh(config.parallel) if placement is None else placement.trainer_mesh
     source = RolloutSource(options, model_config=config.model, tokenizer=tokenizer, mesh=mesh,
                            seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed,
                            lm_head_chunk=config.lm_head_chunk,
                            reference_params=lambda: load_initial_params(config, mesh),
-                           eval_samples=config.eval.samples,
+                           eval_samples=config.eval.samples, placement=placement,
                            adapters_only=config.optimizer.trainable == "lora" and config.model.lora.rank > 0,
                            logp_rows=config.data.batch_size // config.data.micro_batches)
     callback = RLCallback(source)
     trainer = Trainer(config, callbacks=[*callbacks, callback], output_dir=output_dir, train_source=source,
                       strategy_options=options.loss, tokenizer=tokenizer, mesh=mesh)
     return Learner(trainer, source, callback, options)
+
+
+def run_placement(config: TrainConfig, options: RLOptions) -> Placement | None:
+    """The run's devices for `strategy.options.placement` (None without one). The trainer's
+    mesh then comes from `placement.trainer`: the `parallel` section only starts
+    jax.distributed, and its mesh axes must be left at their defaults."""
+    if options.placement is None:
+        return None
+    parallel = config.parallel
+    if parallel is not None and (parallel.data, parallel.fsdp, parallel.tensor) != (1, -1, 1):
+        raise ConfigError("strategy.options.placement.trainer: sets the trainer's mesh with a placement; "
+                          "leave parallel.data / parallel.fsdp / parallel.tensor unset")
+    if jax.process_count() > 1 and options.off_policy:
+        raise ConfigError("strategy.options.off_policy: a placement over several processes generates "
+                          "synchronously (its all-gathers are part of every process's SPMD program)")
+    return assign_devices(options.placement)

@@ -16,6 +16,7 @@ from jrl.config import ConfigError, check, from_dict
 from jrl.rl.advantages import ESTIMATORS
 from jrl.rl.demonstrations import WarmStartConfig
 from jrl.rl.environments import resolve_environment
+from jrl.rl.placement import PlacementConfig
 from jrl.rl.rewards import RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig
 from jrl.rl.tool_calls import get_parser
@@ -73,6 +74,9 @@ class RLOptions:
     # devices the engine serves tensor-parallel on (a tensor-only mesh over the first of the
     # trainer's devices); -1: the trainer mesh's `parallel.tensor`
     engine_tensor_parallel: int = 1
+    # where the trainer and the engine replicas run (jrl.rl.placement; docs/parallel.md,
+    # "RL placement"); null: one engine on the first of the trainer's devices, as above
+    placement: PlacementConfig | None = None
     eval_problems: int = 0  # 0: every held-out problem of the task
     # SFT on demonstrations before GRPO (jrl.rl.warm_start); None: start from init_from
     warm_start: WarmStartConfig | None = None
@@ -115,6 +119,14 @@ class RLOptions:
         _check(isinstance(tp, int) and not isinstance(tp, bool) and (tp == -1 or tp >= 1),
                "engine_tensor_parallel", f"must be -1 (the trainer's parallel.tensor) or a positive "
                f"integer, got {tp!r}")
+        if self.placement is not None:
+            _check(tp == 1, "engine_tensor_parallel", "leave it out with a placement: set "
+                   "strategy.options.placement.engines.tensor_parallel instead")
+            _check(not self.episodes, "placement", "multi-turn episodes (env / tools) run on one engine; "
+                   "leave placement out")
+            _check(self.engine.get("on_weight_update") != "continue", "placement",
+                   "interruptible generation (engine.on_weight_update: continue) posts weights to one "
+                   "engine; leave placement out")
         self.reward_model()  # resolves every fn now: errors before any run
         self._check_episodes()
 

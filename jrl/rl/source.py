@@ -43,7 +43,9 @@ per rollout: the adapters' size); off-policy, only the adapters are copied.
 
 With a `parallel` section the engine serves on its own tensor-only mesh
 (`engine_tensor_parallel` devices, `engine_mesh`); each sync re-shards the trainer's params
-onto it. On one device it serves the trainer's own buffers (no copy).
+onto it. On one device it serves the trainer's own buffers (no copy). With a `placement`
+(jrl.rl.placement) a `jrl.rl.replicas.ReplicaPool` serves instead: every replica
+acknowledges each sync, groups are routed by load and gathered to every process.
 
 Resuming is exact: `state_dict()` holds the rollout batch in progress (rows, minibatch
 plan, position) and, off-policy, the rollout generated ahead, so a resumed run trains on
@@ -73,7 +75,9 @@ from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems, solved
 from jrl.rl.options import RLOptions
+from jrl.rl.placement import Placement
 from jrl.rl.prompts import PromptFormat
+from jrl.rl.replicas import ReplicaPool
 from jrl.rl.tasks import check_prompt_lengths, make_task
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
@@ -99,10 +103,11 @@ class RolloutSource:
     def __init__(self, options: RLOptions, *, model_config: ModelConfig, tokenizer: Any,
                  mesh: jax.sharding.Mesh, seq_len: int, batch_size: int, seed: int, lm_head_chunk: int = 0,
                  reference_params: Callable[[], Any] | None = None, eval_samples: int = 1,
-                 adapters_only: bool = False, logp_rows: int = 0) -> None:
+                 placement: Placement | None = None, adapters_only: bool = False, logp_rows: int = 0) -> None:
         """`tokenizer` and `mesh` are the trainer's; `reference_params` returns the frozen
         reference policy of the KL penalty (called once, when kl_coef > 0);
         `eval_samples`: sampled completions per held-out problem in `evaluate`;
+        `placement` (jrl.rl.placement): engine replicas instead of the one engine;
         `adapters_only`: the trainer updates only the LoRA factors (the base is frozen and
         keeps its buffers), so syncs hand the engine the adapters alone; `logp_rows`: rows
         per log-prob recomputation call (the trainer's micro-batch; 0: the whole rollout at
@@ -143,6 +148,7 @@ class RolloutSource:
         self.adapters_only = adapters_only
         self.logp_rows = logp_rows
         self.last_sync = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}  # the latest sync that moved weights
+        self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config)
         self.engine_rebuilds = 0
         self.rl_step = 0
         self.stale_samples_dropped = 0
@@ -170,7 +176,8 @@ class RolloutSource:
             with attention_layout(max_segments, mesh):
                 return policy_stats(mc, params, rows, temperature, chunk)[0].logp
 
-        jitted = jax.jit(logp, static_argnums=2)
+        # replicated out: every process reads the whole result (the mesh may span processes)
+        jitted = jax.jit(logp, static_argnums=2, out_shardings=jax.NamedSharding(mesh, jax.P()))
         self._logp_chunk = lambda params, rows: jitted(params, rows, batch_max_segments(rows["segment_ids"]))
 
     def _logp_fn(self, params: Any, rows: dict) -> np.ndarray:
@@ -193,6 +200,10 @@ class RolloutSource:
     def sync_weights(self, params: Any, version: int) -> None:
         """Makes the engine serve `params` as `version` (acknowledged); a sync that moved
         weights is timed (until the served weights are ready) and counted in bytes."""
+        if self.replicas is not None:  # every replica, each acknowledging
+            self.engine_rebuilds += self.replicas.sync(params, version)
+            self.engine = self.replicas.engine
+            return
         t0 = time.perf_counter()
         self.engine, rebuilt, moved = serve_weights(self.engine, params, version, self.model_config,
                                                     self.engine_config, self.engine_mesh,
@@ -232,6 +243,10 @@ class RolloutSource:
         seeds = rng.integers(0, 2**32, size=len(prompts) * n_per_prompt, dtype=np.uint64)
         requests = [p for p in prompts for _ in range(n_per_prompt)]
         sampling = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
+        if self.replicas is not None:  # groups spread over the replicas, gathered to every process
+            outs = self.replicas.generate(prompts, n_per_prompt, sampling, self.options.max_new_tokens,
+                                          **self.format.generate_kwargs())
+            return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
         outs = self._generator().generate(requests, sampling, max_new_tokens=self.options.max_new_tokens,
                                           **self.format.generate_kwargs())
         return [outs[i * n_per_prompt:(i + 1) * n_per_prompt] for i in range(len(prompts))]
@@ -348,6 +363,8 @@ class RolloutSource:
         elif len(self.rewards.names) > 1:
             for name in self.rewards.names:
                 metrics[f"reward_{name}"] = float(np.concatenate([g.terms[name] for g in drawn]).mean())
+        if self.replicas is not None:
+            metrics.update(self.replicas.metrics())
         return Rollout(rows, versions, group_kept, metrics)
 
     @staticmethod

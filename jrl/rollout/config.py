@@ -12,6 +12,7 @@ from typing import Any, Literal
 import jax
 
 from jrl.config import ModelConfig, check, from_dict
+from pallas_kernels.quantized import KV_DTYPES
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -54,6 +55,13 @@ class EngineConfig:
     records the version that sampled it; see `Engine.update_weights`). attention_impl:
     `pallas_kernels` implementation. overlap: schedule step n+1 while step n runs and read
     sampled tokens one step late. seed: derives the sampling seed of requests without one.
+    weight_dtype: None serves the weights in the dtype handed over; "float8_e4m3fn" serves
+    the projection kernels in e4m3 with per-output-channel float32 scales, rebuilt from the
+    handed-over weights at construction and each `update_weights` (`jrl.models.quantized`;
+    embedding and LM head stay as handed over; one device only, no mesh).
+    kv_dtype: storage of the KV cache: None (the model's dtype) or "float8_e4m3fn" (fp8
+    with a float32 scale per token and KV head: half the bytes of bf16; the Mosaic GPU
+    kernels read it when page_size is a multiple of 32, see docs/kernels.md).
     """
 
     page_size: int = 16
@@ -72,6 +80,8 @@ class EngineConfig:
     overlap: bool = True
     seed: int = 0
     lora: Literal["merge", "unmerged"] = "merge"
+    weight_dtype: Literal["float8_e4m3fn"] | None = None
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -98,6 +108,10 @@ class EngineConfig:
               f"must be 'merge' or 'unmerged', got {self.lora!r}")
         check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "engine.attention_impl",
                f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
+        check(self.weight_dtype in (None, "float8_e4m3fn"), "engine.weight_dtype",
+              f"must be None (the weights as handed over) or 'float8_e4m3fn', got {self.weight_dtype!r}")
+        check(self.kv_dtype is None or self.kv_dtype in KV_DTYPES, "engine.kv_dtype",
+              f"must be null (the model's dtype) or one of {'/'.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
     @property
     def n_slots(self) -> int:

@@ -41,14 +41,19 @@ steps run the plain model, fused on GPU), "unmerged" adds the low-rank products 
 forward. The engine keeps the base it was handed; `update_weights` then takes either the
 whole params or the adapters alone (`jrl.models.lora.lora_params`), so a LoRA run moves
 only the adapters per version (`Ack.bytes_received`).
+
+With `EngineConfig.weight_dtype="float8_e4m3fn"` that private copy (fused or not) has its
+projection kernels in e4m3 with per-column scales (`jrl.models.quantized`), rebuilt likewise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +61,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jrl.compile_cache import enable_compilation_cache
-from jrl.config import ModelConfig
+from jrl.config import ModelConfig, check
 from jrl.models.fused import fuse_projections
 from jrl.models.lora import base_config, lora_params, merge_lora, with_lora_params
+from jrl.models.quantized import quantize_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import EngineConfig, bucket, pow2_at_least
@@ -68,9 +74,11 @@ from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_colum
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
 from jrl.rollout.sharding import EngineSharding, SourceParams, engine_sharding
 from jrl.rollout.tuning import Tuning, TuningOverrides, batch_buckets, resolve_tuning
+from pallas_kernels.quantized import clear_slots
 
 
 _MAX_INTERNED = 4096  # distinct sampling params kept by Engine._interned
+WARMUP_THREADS = 8  # programs `Engine.warmup` compiles at once (at most the CPU count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +133,8 @@ class Engine:
         _check_finite(params, "Engine: refusing to serve them")
         self.model_config = model_config
         self.config = config = config or EngineConfig()
+        check(mesh is None or config.weight_dtype is None, "engine.weight_dtype",
+              f"{config.weight_dtype!r} weights are served on one device; leave it None with a mesh")
         self._lora = bool(model_config.lora.rank)
         self._merging = self._lora and config.lora == "merge"
         # the model the steps run: without LoRA when the adapters are merged into the kernels
@@ -148,7 +158,7 @@ class Engine:
         self.req_to_token = ReqToTokenPool(config.max_batch, config.max_pages_per_request(model_config), ps)
         self.cache = TaskCacheManager(self.pool, self.req_to_token, self.radix)
         self.scheduler = Scheduler(config, self.cache, self.tuning.multi_step_max_rows)
-        self.kv = KVStorage(model_config, config.n_slots,
+        self.kv = KVStorage(model_config, config.n_slots, config.kv_dtype,
                             sharding=None if self.sharding is None else self.sharding.kv)
         self._token_buckets = config.resolved_token_buckets
         self._batch_buckets = batch_buckets(config, self.tuning)
@@ -157,7 +167,7 @@ class Engine:
         self.step_function = step_function(self.served_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
                                            self.tuning.unroll_layers, self.tuning.cublas_decode_rows,
-                                           self.tuning.fuse_projections)
+                                           self.tuning.fuse_projections, config.kv_dtype)
         self._zero_slots = jax.jit(_zero_slots, donate_argnums=(0, 1), out_shardings=(
             self.kv.k.sharding, None if self.kv.v is None else self.kv.v.sharding))
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
@@ -360,20 +370,30 @@ class Engine:
                                  self._batch_buckets, self._col_buckets, list(sampling))
 
     def warmup(self, sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               progress: bool = True) -> int:
+               progress: bool = True, threads: int | None = None) -> int:
         """Compiles every step program a run with `sampling` can use (`step_layouts`)
         ahead of time, so that generating compiles nothing later; a tqdm bar on stderr
         counts them (`progress=False`: none). Programs compiled already (by this process,
         or read from the persistent compilation cache, `jrl.compile_cache`) cost little.
+        `threads` programs compile at once (default: WARMUP_THREADS, at most the CPU
+        count): XLA compiles one program on about one core, and a server's few hundred
+        layouts would otherwise take many minutes.
         Not compiled: the zeroing of the pages of a request whose logits turned non-finite
         (a small program, on first use). Returns the number of layouts."""
         layouts = self.step_layouts(sampling)
         k, v = self.kv.buffers()
-        for layout in tqdm(layouts, desc="engine warmup", unit="program", disable=not progress):
+
+        def compile_one(layout: StepLayout) -> None:
             ints = np.zeros(layout.int_packing.size, np.int32)
             floats = np.zeros(layout.float_packing.size, np.float32)
             self.step_function.program(layout).lower(self.params, k, v, self._prev_tokens, ints, floats,
                                                      layout=layout).compile()
+
+        workers = threads or min(WARMUP_THREADS, os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers, thread_name_prefix="jrl-warmup") as pool, \
+                tqdm(total=len(layouts), desc="engine warmup", unit="program", disable=not progress) as bar:
+            for _ in pool.map(compile_one, layouts):
+                bar.update()
         return len(layouts)
 
     # ------------------------------------------------------------------ device side
@@ -536,7 +556,8 @@ class Engine:
         the first such leaf); after a refusal the engine still serves the old version. With a mesh, params in the engine's layout
         are used by reference; others are re-sharded (copied) onto it first. With
         `tuning.fuse_projections`, the fused copy is rebuilt (one concatenation of the q/k/v and
-        gate/up weights; the previous copy is released first)."""
+        gate/up weights; the previous copy is released first); with `weight_dtype`
+        float8_e4m3fn, so is the quantized copy."""
         if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
             raise ValueError(f"version: must be an integer, got {version!r}")
         version = int(version)
@@ -623,7 +644,9 @@ class Engine:
         served = merge_lora(self.model_config, held)[1] if self._merging else held
         if self.sharding is not None:
             return self.sharding.place(served)
-        return fuse_projections(self.served_config, served) if self.tuning.fuse_projections else served
+        if self.tuning.fuse_projections:
+            served = fuse_projections(self.served_config, served)
+        return quantize_projections(served) if self.config.weight_dtype == "float8_e4m3fn" else served
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or
@@ -732,10 +755,10 @@ def check_token_ids(field: str, values, vocab: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def _zero_slots(k: jax.Array, v: jax.Array | None, slots: jax.Array):
-    """The KV buffers with `slots` zeroed in every layer (slots past the end: dropped)."""
-    k = k.at[:, slots].set(0, mode="drop")
-    return k, None if v is None else v.at[:, slots].set(0, mode="drop")
+def _zero_slots(k, v, slots: jax.Array):
+    """The KV buffers (plain or fp8) with `slots` zeroed in every layer (slots past the
+    end: dropped)."""
+    return clear_slots(k, slots), None if v is None else clear_slots(v, slots)
 
 
 @jax.jit

@@ -197,7 +197,8 @@ def pack_readback(tok: jax.Array, logp: jax.Array, model_logp: jax.Array, max_ro
 @functools.lru_cache(maxsize=None)
 def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
                   heads: HeadSplit | None = None, unroll_layers: bool = False,
-                  cublas_decode_rows: int = 0, fused_projections: bool = False) -> StepFunction:
+                  cublas_decode_rows: int = 0, fused_projections: bool = False,
+                  kv_dtype: str | None = None) -> StepFunction:
     """The jitted step for one model and engine geometry (cached: engines and `generate`
     calls with the same settings reuse the compiled programs). `heads`: the tensor-parallel
     attention split (None: one device). `unroll_layers`: unroll the layer loop of decode
@@ -207,7 +208,8 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
     `cublas_decode_rows` > 0: decode layouts of at least that many rows compile with
     `CUBLAS_GEMM_OPTIONS`. `fused_projections`: the
     params passed to every step (prefill and decode) are in the fused layout of
-    `jrl.models.fused.fuse_projections`."""
+    `jrl.models.fused.fuse_projections`. `kv_dtype`: the KV buffers' storage
+    (`EngineConfig.kv_dtype`; it shapes their shardings under tensor parallelism)."""
     holder = StepFunction(fn=None)
     absorb = config.attention == "mla"
     v_head_dim = config.kv_lora_rank if absorb else None
@@ -268,7 +270,7 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
 
     out_shardings = None
     if heads is not None:  # donated buffers keep their sharding from step to step
-        buf = heads.buffer_sharding
+        buf = heads.buffer_shardings(kv_dtype)
         out_shardings = (heads.replicated, heads.replicated, buf, None if absorb else buf)
     # KV buffers and the previous tokens are donated: the sampled tokens come back in the
     # previous tokens' buffer, so (like the KV) they keep one device address from call to

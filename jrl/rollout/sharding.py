@@ -6,7 +6,8 @@ The engine is one model replica spread over the mesh's `tensor` axis:
 * params: `jrl.parallel.param_shardings` (query/KV heads, MLP width and vocab split over
   `tensor`; a dimension `tensor` does not divide stays replicated);
 * KV buffers `[n_layers, n_slots, n_kv_heads, head_dim]`: split over kv heads when `tensor`
-  divides `n_kv_heads`, otherwise replicated (MLA's single latent "head" always is);
+  divides `n_kv_heads`, otherwise replicated (MLA's single latent "head" always is); fp8
+  buffers' scales `[n_layers, n_kv_heads, n_slots]` follow their data;
 * the step's packed metadata, the previous step's samples and the read-back: replicated.
 
 GSPMD partitions everything but attention from the params' shardings. The paged kernels
@@ -30,6 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.config import ModelConfig
 from jrl.parallel import MESH_AXES, ParallelConfig, make_mesh, param_shardings
+from pallas_kernels import quantized
+from pallas_kernels.quantized import QuantizedKV
 
 TENSOR = "tensor"
 
@@ -51,6 +54,11 @@ class HeadSplit:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
+
+    def buffer_shardings(self, kv_dtype: str | None):
+        """`buffer_sharding`, or for fp8 buffers (`kv_dtype` set) a `QuantizedKV` of the
+        data's and the scales' shardings."""
+        return self.buffer_sharding if kv_dtype is None else quantized.shardings(self.buffer_sharding)
 
 
 def head_split(config: ModelConfig, mesh: Mesh) -> HeadSplit:
@@ -78,6 +86,8 @@ def shard_attention(split: HeadSplit, attend: Callable, q: jax.Array, k: jax.Arr
     q_spec = heads if split.q_heads else rep
     kv_spec = heads if split.kv_heads else rep
     buf_spec = PartitionSpec(None, None, TENSOR, None) if split.kv_heads else rep
+    if isinstance(k_buf, QuantizedKV):  # fp8 data [L, S, Hkv, D] and scales [L, Hkv, S]
+        buf_spec = QuantizedKV(buf_spec, PartitionSpec(None, TENSOR, None) if split.kv_heads else rep)
 
     def opt(x, spec):  # MLA has no separate values: None matches None
         return None if x is None else spec

@@ -20,7 +20,9 @@ weight-slice copies on GPU, longer compiles); prefill steps keep the scan.
 cublas_decode_rows: decode steps padded to at least this many rows compile their GEMMs for
 cuBLAS, without XLA merging dots that share an input (which concatenates their weights
 every step); smaller steps keep XLA's Triton GEMM fusions. 0: never. Its default depends
-on the served weight layout (fused or separate projections).
+on the served weight layout (fused or separate projections) and is 0 with fp8 weights
+(`EngineConfig.weight_dtype`): a cuBLAS GEMM reads bf16, so each step would first write a
+bf16 copy of the e4m3 kernels, while a Triton GEMM fusion converts them as it loads them.
 fuse_projections: serve a private copy of the weights with q/k/v and gate/up fused into one
 kernel each (`jrl.models.fused`). Callers still hand over the separate layout; the copy is
 rebuilt at each weight update. Not applicable under tensor parallelism, with LoRA adapters
@@ -145,6 +147,8 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
         check(o.fuse_projections is not True, "tuning.fuse_projections", reason)
         fused = False
     cublas_default = d.cublas_decode_rows_fused if fused else d.cublas_decode_rows_separate
+    if engine.weight_dtype is not None:
+        cublas_default = 0  # e4m3 kernels: only XLA's own GEMM fusions read them without a bf16 copy
     multi_default = engine.max_batch if d.multi_step_max_rows is None else d.multi_step_max_rows
     return Tuning(unroll_layers=pick("unroll_layers", d.unroll_layers),
                   cublas_decode_rows=pick("cublas_decode_rows", cublas_default),

@@ -341,11 +341,14 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
         samplings = [server.sampling(body, k) for k in range(n * len(prompts))]  # validated before anything runs
         server.admit(n * len(prompts))
         choices: list[_Choice] = []
+        # tokens before the end are wanted by a stream, or to find a stop string and stop there
+        stream_tokens = bool(body.stream or stop)
         for p_idx, prompt in enumerate(prompts):
             max_new = limit[p_idx] if isinstance(limit, list) else limit
             for j in range(n):
                 k = p_idx * n + j
-                handle = server.worker.submit(prompt, samplings[k], max_new, eos_ids, on_end=server.request_ended)
+                handle = server.worker.submit(prompt, samplings[k], max_new, eos_ids, on_end=server.request_ended,
+                                              stream_tokens=stream_tokens)
                 server.outstanding += 1
                 choices.append(_Choice(server, k, p_idx, handle, stop, eos_ids))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

@@ -9,7 +9,11 @@
 
 Its loop: take the commands queued since the last step (add, abort, weight update, stop),
 run `engine.step()`, then hand every request's new tokens to its asyncio queue, all of a
-step's deliveries in one `loop.call_soon_threadsafe`. Nothing on the HTTP side ever waits
+step's deliveries in one `loop.call_soon_threadsafe`. A request submitted with
+`stream_tokens=False` (a plain answer without stop strings: nobody looks at its tokens
+before the end) gets all of them once, with its completion: one wake-up of the event loop
+per request instead of one per step, which at a few hundred requests in flight is the
+difference between the event loop keeping up with the engine or not. Nothing on the HTTP side ever waits
 for the engine; the engine never waits for a client (a slow reader's queue just grows by
 the tokens it has not read yet, bounded by its max_tokens).
 
@@ -64,8 +68,10 @@ class ErrorEvent:
 class Handle:
     """One engine request as the event loop sees it: an async iterator of events."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None] | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None] | None = None,
+                 stream_tokens: bool = True) -> None:
         self.loop = loop
+        self.stream_tokens = stream_tokens  # False: the tokens come once, with the completion
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rid: int | None = None  # the engine's id, set on the engine thread
         self.done = False  # a DoneEvent / ErrorEvent was delivered (or it was aborted)
@@ -111,15 +117,21 @@ class EngineWorker:
         self._stopping = False
         self.snapshot: dict[str, Any] = {}
         self.error_count = 0
+        # Seconds of the engine thread (in the snapshot): in engine.step, and in the rest of
+        # its loop (commands, deliveries) not counting waits for work: the server's host cost.
+        self.step_s = 0.0
+        self.host_s = 0.0
         self._publish_snapshot()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ called from the event loop
     def submit(self, prompt: np.ndarray, sampling: SamplingParams, max_new_tokens: int,
-               eos_ids: list[int], on_end: Callable[[], None] | None = None) -> Handle:
-        """Queues a request (from the event loop); `on_end` runs on the loop when it is over."""
-        handle = Handle(asyncio.get_running_loop(), on_end)
+               eos_ids: list[int], on_end: Callable[[], None] | None = None, stream_tokens: bool = True) -> Handle:
+        """Queues a request (from the event loop); `on_end` runs on the loop when it is over.
+        `stream_tokens=False`: no TokenEvent before the end (one with every token, then the
+        DoneEvent)."""
+        handle = Handle(asyncio.get_running_loop(), on_end, stream_tokens)
         self._commands.put(("add", handle, prompt, sampling, max_new_tokens, eos_ids))
         return handle
 
@@ -150,13 +162,19 @@ class EngineWorker:
         failures = 0  # in a row: an engine that fails every step is broken, not unlucky
         while True:
             try:
-                self._take_commands(block=not engine.has_work)
+                t0 = self._take_commands(block=not engine.has_work)
                 if self._stopping:
                     break
                 if engine.has_work:
+                    t1 = time.perf_counter()
                     finished = engine.step()
+                    t2 = time.perf_counter()
+                    self.step_s += t2 - t1
+                    self.host_s += t1 - t0
+                    t0 = t2
                     self._deliver(finished)
                 self._publish_snapshot()
+                self.host_s += time.perf_counter() - t0
                 failures = 0
             except Exception:  # noqa: BLE001 - the thread must survive any request
                 self.error_count += 1
@@ -169,10 +187,13 @@ class EngineWorker:
         self._fail_all("the server is shutting down", status=503)
         self._publish_snapshot()
 
-    def _take_commands(self, block: bool) -> None:
+    def _take_commands(self, block: bool) -> float:
+        """Runs the queued commands (with `block`, waits for one first); returns the
+        `perf_counter` time the wait ended."""
         commands = []
         if block:
             commands.append(self._commands.get())
+        t0 = time.perf_counter()
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -198,6 +219,7 @@ class EngineWorker:
                 self._deliver(self.engine.flush())
             elif kind == "stop":
                 self._stopping = True
+        return t0
 
     def _add(self, handle: Handle, prompt, sampling, max_new_tokens, eos_ids) -> None:
         if handle.done:  # aborted before it reached the engine
@@ -229,6 +251,8 @@ class EngineWorker:
                                                         comp.cached_tokens)))
             posts.append((active.handle, DoneEvent(comp)))
         for active in self._active.values():
+            if not active.handle.stream_tokens:
+                continue
             req = active.request
             n = len(req.outputs)
             if n > active.sent:
@@ -269,7 +293,7 @@ class EngineWorker:
             "free_pages": alloc.n_free, "available_pages": alloc.n_available, "total_pages": engine.config.n_pages,
             "steps": engine.stats.steps, "generated_tokens": engine.stats.generated_tokens,
             "cached_tokens": engine.scheduler.stats.cached_tokens, "preemptions": engine.scheduler.stats.preemptions,
-            "engine_errors": self.error_count, "time": time.time()}
+            "engine_errors": self.error_count, "step_s": self.step_s, "host_s": self.host_s, "time": time.time()}
 
 
 def _put_all(items: list) -> None:

@@ -10,67 +10,14 @@ import dataclasses
 import jax
 import numpy as np
 
-from common import assert_eight_devices
-from jrl.config import LoraConfig, TrainConfig, from_dict
-from jrl.models.lora import lora_params, without_lora
+from common import assert_eight_devices, grpo_config, run
+from jrl.config import LoraConfig
 from jrl.metrics_log import read_metrics
-from jrl.train.callbacks import Callback
+from jrl.models.lora import lora_params, without_lora
 from jrl.rl import build_learner
+from jrl.train.callbacks import Callback
 
 assert_eight_devices()
-
-
-def first_byte_even(prompt, completion, answer):
-    """A reward with variance even for a random model: 1 if the first byte is even."""
-    data = completion.encode()
-    return 1.0 if data and data[0] % 2 == 0 else 0.0
-
-
-def grpo_config(*parallel: tuple[str, int], engine_tensor_parallel: int = 1) -> TrainConfig:
-    """Two rollouts of 4 prompts x 4 samples, 2 updates each (the bundled addition task)."""
-    options = {"task": {"n_digits": 1, "n_heldout": 16, "n_validation": 0}, "prompts_per_step": 4,
-               "group_size": 4, "max_new_tokens": 3, "rewards": [{"fn": "rl_cases:first_byte_even"}],
-               "engine": {"page_size": 2}, "engine_tensor_parallel": engine_tensor_parallel}
-    config = {
-        "name": "tiny", "seed": 0, "steps": 4,
-        # 2 kv heads: tensor=2 splits the engine's KV buffers and attention by head
-        "model": {"vocab_size": 262, "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
-                  "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 32},
-        "data": {"seq_len": 8, "batch_size": 8},
-        "strategy": {"name": "grpo", "options": options},
-        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
-        "schedule": {"kind": "constant"},
-        "checkpoint": {"interval": 0},
-        "eval": {"every": 0, "at_end": False},
-        "logging": {"progress": False, "plot": False},
-    }
-    if parallel:
-        config["parallel"] = dict(parallel)
-    return from_dict(TrainConfig, config)
-
-
-class RecordSync(Callback):
-    """At each step's start: the rows trained, and whether the engine serves the very
-    buffers of the trainer's params (a sync that moved no bytes)."""
-
-    def __init__(self) -> None:
-        self.source = None  # the learner's rollout source, set by run()
-        self.tokens: list[np.ndarray] = []
-        self.shared: list[bool] = []
-
-    def on_step_begin(self, trainer, state, batch) -> None:
-        self.tokens.append(np.asarray(batch["tokens"]).copy())
-        engine = self.source.engine
-        self.shared.append(all(a is b for a, b in zip(jax.tree.leaves(engine.params),
-                                                      jax.tree.leaves(state.params))))
-
-
-def run(config: TrainConfig, out):
-    record = RecordSync()
-    learner = build_learner(config, output_dir=out, callbacks=[record])
-    record.source = learner.source
-    learner.fit()
-    return learner, record, read_metrics(out / "metrics.jsonl")
 
 
 def test_tensor_parallel_engine_samples_what_the_one_device_run_samples(tmp_path):

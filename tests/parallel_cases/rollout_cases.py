@@ -65,6 +65,17 @@ def test_kv_heads_split_engine_equals_one_device(tp):
     assert q_proj.sharding.spec == P(None, "fsdp", "tensor") and len(q_proj.sharding.device_set) == tp
 
 
+def test_fp8_kv_split_over_kv_heads_equals_the_one_device_fp8_engine():
+    params = jit_init_params(SPLIT_KV)
+    fp8 = dataclasses.replace(ENGINE, kv_dtype="float8_e4m3fn")
+    want = Engine(SPLIT_KV, params, fp8).generate(PROMPTS, GREEDY, max_new_tokens=NEW_TOKENS)
+    engine = Engine(SPLIT_KV, params, fp8, mesh=tensor_mesh(4))
+    assert_same_completions(engine.generate(PROMPTS, GREEDY, max_new_tokens=NEW_TOKENS), want)
+    k, _ = engine.kv.buffers()  # data split over kv heads, and the scales with them
+    assert k.data.sharding.spec == P(None, None, "tensor", None) and k.scale.sharding.spec == P(None, "tensor", None)
+    assert {s.data.shape for s in k.scale.addressable_shards} == {(2, 8 // 4, ENGINE.n_slots)}
+
+
 def test_kv_heads_not_divisible_replicate_the_cache_and_match_one_device():
     params, want = one_device_greedy(REPLICATED_KV)
     got = generate(params, REPLICATED_KV, PROMPTS, jax.random.key(0), sampling=GREEDY, max_new_tokens=NEW_TOKENS,

@@ -5,7 +5,9 @@ channels (the normalised latent, then the rope'd key part) and no separate value
 (`v is None`; values are the latent's first `kv_lora_rank` channels). The buffers are
 donated to every jitted step and replaced by its outputs, so they are updated in place.
 Given a `sharding` (tensor parallelism: split over kv heads, or replicated) the buffers are
-created already laid out, each device allocating only its part.
+created already laid out, each device allocating only its part. With `dtype`
+"float8_e4m3fn" each buffer is a `pallas_kernels.quantized.QuantizedKV` (fp8 data and a
+float32 scale per token and head), which the KV write and the attention kernels read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from jax.sharding import NamedSharding
 
 from jrl.config import ModelConfig
 from jrl.models.layers import dtype_of
+from pallas_kernels import quantized
+from pallas_kernels.quantized import KV_DTYPES, QuantizedKV
 
 
 def kv_shapes(config: ModelConfig, n_slots: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -26,13 +30,32 @@ def kv_shapes(config: ModelConfig, n_slots: int) -> tuple[tuple[int, ...], tuple
     return shape, shape
 
 
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str | None = None) -> int:
+    """Device bytes one token of context holds in every layer's K and V buffers (MLA: its
+    latent row), stored in `kv_dtype` (None: the model's dtype; fp8: a byte a channel
+    plus a float32 scale a head)."""
+    total = 0
+    for shape in kv_shapes(config, 1):
+        if shape is None:
+            continue
+        layers, _, heads, channels = shape
+        per_head = channels + 4 if kv_dtype in KV_DTYPES else channels * jnp.dtype(dtype_of(kv_dtype or config.dtype)).itemsize
+        total += layers * heads * per_head
+    return total
+
+
 class KVStorage:
     def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None,
                  sharding: NamedSharding | None = None) -> None:
-        self.dtype = dtype_of(dtype or config.dtype)
         k_shape, v_shape = kv_shapes(config, n_slots)
-        self.k: jax.Array = jnp.zeros(k_shape, self.dtype, device=sharding)
-        self.v: jax.Array | None = None if v_shape is None else jnp.zeros(v_shape, self.dtype, device=sharding)
+        if dtype in KV_DTYPES:
+            self.dtype = jnp.dtype(dtype)
+            self.k: jax.Array | QuantizedKV = quantized.zeros(k_shape, sharding)
+            self.v = None if v_shape is None else quantized.zeros(v_shape, sharding)
+            return
+        self.dtype = dtype_of(dtype or config.dtype)
+        self.k = jnp.zeros(k_shape, self.dtype, device=sharding)
+        self.v = None if v_shape is None else jnp.zeros(v_shape, self.dtype, device=sharding)
 
     @property
     def n_slots(self) -> int:

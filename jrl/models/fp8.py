@@ -1,0 +1,106 @@
+"""fp8 matrix products: the training matmul with current scaling, and the served-weight
+product of an e4m3 kernel with per-output-channel scales.
+
+Training (`ModelConfig.matmul_dtype: float8`): `fp8_matmul(x, w)` scales each operand by
+its own amax (per tensor, computed from the values being multiplied: "current" scaling,
+no amax history to carry in the train state), quantizes the forward operands to e4m3 and
+the incoming gradient to e5m2 (wider range, fewer mantissa bits: gradients span more
+decades), and runs each of the three GEMMs (forward, input gradient, weight gradient) on
+the fp8 values. Each GEMM is written as XLA's scaled fp8 pattern, `dot(convert(a_f8) *
+a_scale, convert(b_f8) * b_scale)`, which XLA's GEMM rewriter turns into one cuBLASLt fp8
+GEMM on Hopper with the two scales as its operands (no dequantized copy, no separate
+rescaling pass; a plain dot of fp8 operands followed by a multiply would leave that
+multiply as an extra pass over the output). Scales are powers of two, so the bf16
+dequantized values are the fp8 values exactly (and the CPU result is the fp8 product).
+The scales are constants to differentiation (straight-through), as in every fp8 recipe.
+
+Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q, scale)` reads the
+e4m3 kernel `q [in, out]` (converted to the activations' dtype next to the dot, a convert
+XLA's Triton GEMM fusions can take in, so the weights cross HBM as fp8; `jrl bench decode
+--gemms` measures it) and multiplies the product by the per-column scale;
+`quantize_columns` builds `(q, scale)` from a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+
+
+def quantize_tensor(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """`(q, scale)` with `x ~= q * scale`: one float32 power-of-two scale, the smallest
+    that maps the tensor's amax within `dtype`'s largest finite value (an all-zero
+    tensor gets scale 1). Power of two: exact in any float dtype, so rescaling adds no
+    rounding of its own."""
+    top = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(amax / top))), 1.0)
+    q = jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
+    return q, scale
+
+
+def quantize_columns(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """e4m3 `q` and float32 `scale [..., out]` with `kernel [..., in, out] ~= q * scale`:
+    one scale per output column (per leading index too, e.g. per layer), mapping the
+    column's amax to e4m3's largest value (an all-zero column gets scale 1)."""
+    top = float(jnp.finfo(E4M3).max)
+    amax = jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=-2)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    q = jnp.clip(kernel.astype(jnp.float32) / scale[..., None, :], -top, top).astype(E4M3)
+    return q, scale
+
+
+def scaled_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x [..., in] @ (q [in, out] * scale [out])` in `x`'s dtype (float32 accumulation):
+    the column scales apply to the product, so the dot reads the fp8 kernel as is."""
+    y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)
+
+
+def _scaled_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, contract: tuple[int, int],
+                dtype) -> jax.Array:
+    """`(a * a_scale) . (b * b_scale)` contracting the given axes, fp8 operands `a`, `b`
+    dequantized to `dtype` in XLA's scaled-fp8-GEMM form; result in `dtype`."""
+    return jax.lax.dot_general(a.astype(dtype) * a_scale.astype(dtype), b.astype(dtype) * b_scale.astype(dtype),
+                               (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=dtype)
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x [..., in] @ w [in, out]` with both operands in e4m3 (per-tensor current scaling),
+    returned in `x`'s dtype; gradients: e5m2 cotangent against the e4m3 operands, both
+    GEMMs in `x`'s dtype with float32 accumulation, the weight gradient then cast to `w`'s
+    dtype (float32 master weights get a float32 gradient)."""
+    return _fp8_matmul(jnp.dtype(w.dtype), x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_matmul(w_dtype, x, w):
+    return _fp8_forward(x, w)[0]
+
+
+def _fp8_forward(x, w):
+    xq, sx = quantize_tensor(x.reshape(-1, x.shape[-1]), E4M3)
+    wq, sw = quantize_tensor(w, E4M3)
+    y = _scaled_dot(xq, sx, wq, sw, (1, 0), x.dtype)
+    # The residuals are the quantized operands: one byte per value.
+    return y.reshape(*x.shape[:-1], w.shape[-1]), (xq, sx, wq, sw)
+
+
+def _fp8_fwd(w_dtype, x, w):
+    return _fp8_forward(x, w)
+
+
+def _fp8_bwd(w_dtype, residuals, g):
+    xq, sx, wq, sw = residuals
+    gq, sg = quantize_tensor(g.reshape(-1, g.shape[-1]), E5M2)
+    dx = _scaled_dot(gq, sg, wq, sw, (1, 1), g.dtype)  # [N, out] x [in, out] -> [N, in]
+    dw = _scaled_dot(xq, sx, gq, sg, (0, 0), g.dtype)  # [N, in] x [N, out] -> [in, out]
+    return dx.reshape(*g.shape[:-1], wq.shape[0]), dw.astype(w_dtype)
+
+
+_fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)

@@ -1,0 +1,57 @@
+"""fp8 served-weight layout: projection kernels in e4m3 with per-output-channel scales
+(an inference layout, built by the engine from the trainer's weights).
+
+`quantize_projections(params)` replaces, under `params["layers"]`, the `kernel` of every
+projection named in `QUANTIZED` (attention q/k/v/o and their fused `qkv_proj`, the dense
+MLP's and shared experts' gate/up/down and fused `gate_up_proj`, MLA's q/q_a/q_b/kv_a
+projections) with
+
+* `kernel`: float8_e4m3fn, same shape `[L, in, out]`;
+* `kernel_scale`: float32 `[L, out]`, with `kernel ~= q * kernel_scale` per column.
+
+The model reads such a kernel with `jrl.models.fp8.scaled_matmul` (the `Linear` layer
+recognises the e4m3 dtype), so the same forward serves both layouts. Not quantized, and
+kept in the served dtype: the embedding and LM head (one row gathered per token; the head's
+accuracy sets the log-probs), norms, biases, LoRA factors, MoE routers and experts (a
+ragged GEMM over stacked expert weights), the shared-expert gate, and MLA's `kv_b_proj`
+(the absorbed decode path reads it directly). Works on either projection layout
+(separate or `jrl.models.fused`); fuse first, so fused kernels get per-column scales
+equal to those of the parts.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jrl.models.fp8 import E4M3, quantize_columns
+
+QUANTIZED = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj",
+                       "down_proj", "gate_up_proj", "q_a_proj", "q_b_proj", "kv_a_proj"})
+
+_quantize = jax.jit(quantize_columns)
+
+
+def _walk(node: dict, where: str) -> dict:
+    out = {}
+    for name, child in node.items():
+        if not isinstance(child, dict):
+            out[name] = child
+        elif name in QUANTIZED and "kernel" in child:
+            if child["kernel"].dtype == E4M3:
+                raise ValueError(f"{where}/{name}/kernel: already float8_e4m3fn; quantize the "
+                                 "bfloat16/float32 weights once")
+            q, scale = _quantize(child["kernel"])
+            out[name] = {**child, "kernel": q, "kernel_scale": scale}
+        else:
+            out[name] = _walk(child, f"{where}/{name}")
+    return out
+
+
+def quantize_projections(params: dict) -> dict:
+    """Params with the projection kernels of `params["layers"]` in e4m3 plus float32
+    per-column `kernel_scale` leaves (see the module docstring); every other leaf is the
+    caller's own object. Raises ValueError for params without a `layers` tree or with
+    kernels already in e4m3."""
+    if not isinstance(params.get("layers"), dict):
+        raise ValueError("params/layers: missing; expected the layout of init_params(config, key)")
+    return {**params, "layers": _walk(params["layers"], "params/layers")}
