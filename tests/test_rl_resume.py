@@ -1,6 +1,7 @@
 """Exact RL resume: a run stopped in the middle of a rollout (and, off-policy, with the next
 rollout generated ahead) and resumed from its checkpoint ends with bitwise the params of
-the uninterrupted run, and logs the same rows after the resume point."""
+the uninterrupted run, and logs the same rows after the resume point; also for a run of
+multi-turn episodes."""
 
 import dataclasses
 import json
@@ -9,10 +10,12 @@ import jax
 import numpy as np
 import pytest
 
+from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
+from test_rl_episodes import episode_grpo_config
 from test_rl_loop import run, tiny, train_rows
 
-TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu")
+TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu", "env_s")
 
 
 class StopAfter(Callback):
@@ -89,3 +92,16 @@ def test_resume_after_an_evaluation_is_exact(tmp_path):
     config = tiny(steps=6, epochs=2)
     config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, every=4))
     assert_resume_is_exact(config, 4, tmp_path)
+
+
+def test_multi_turn_run_stopped_between_minibatches_resumes_exactly(tmp_path):
+    # 8 two-turn episodes a rollout (2 problems x 4), 4 rows a minibatch, 2 epochs: 4
+    # updates per rollout; stopped after step 3, one minibatch of rollout 0 is left
+    config, _ = episode_grpo_config(tmp_path / "init", steps=6, epochs=2)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=4),
+                                 eval=dataclasses.replace(config.eval, at_end=False))
+    meta, _ = assert_resume_is_exact(config, 3, tmp_path)
+    data = meta["data"]
+    assert data["rl_step"] == 1 and data["rollout"]["next"] == 3
+    rollouts = [r for r in read_metrics(tmp_path / "part" / "metrics.jsonl") if "rl_step" in r]
+    assert [r["rl_step"] for r in rollouts] == [0, 1] and all(r["turns_mean"] > 1.0 for r in rollouts)
