@@ -41,7 +41,8 @@ def test_lookup_records_and_tool_agree():
     r = records[0]
     assert r["prompt"] == r["key"] and r["answer"] == lookup_code(r["key"]) == lookup(r["key"])
     assert len(r["answer"]) == 3 and r["answer"].isdigit()
-    assert r["response"] == [{"role": "assistant", "content": f'[lookup(key="{r["key"]}")]'},
+    call = '<tool_call>{"name":"lookup","arguments":{"key":"%s"}}</tool_call>' % r["key"]
+    assert r["response"] == [{"role": "assistant", "content": call},
                              {"role": "tool", "content": r["answer"]}, {"role": "assistant", "content": r["answer"]}]
     with pytest.raises(KeyError, match="keys are 3 lowercase letters"):
         lookup("ab1")
@@ -50,14 +51,15 @@ def test_lookup_records_and_tool_agree():
 def test_tool_environment_plays_a_demonstration():
     r = load_bundled("bundled:lookup:1")[0]
     env = ToolEnvironment(ToolRegistry([lookup]), lambda example, text: float(text == example["answer"]),
-                          parser=get_parser("pythonic"))
+                          parser=get_parser("hermes"))
     assert env.reset({"prompt": r["prompt"], "answer": r["answer"]}) == [{"role": "user", "content": r["key"]}]
     msgs, reward, done, info = env.step(r["response"][0])
     assert [(m["role"], m["content"]) for m in msgs] == [("tool", r["answer"])]
     assert (reward, done, info) == (0.0, False, {"tool_calls": 1, "tool_errors": 0})
     assert env.step(r["response"][2]) == ([], 1.0, True, {"final": True})
     env.reset({"prompt": r["prompt"], "answer": r["answer"]})
-    msgs, _, done, info = env.step({"role": "assistant", "content": '[lookup(key="QZK")]'})
+    msgs, _, done, info = env.step({"role": "assistant", "content": r["response"][0]["content"].replace(
+        r["key"], "QZK")})
     assert not done and info["tool_errors"] == 1 and "no entry for 'QZK'" in msgs[0]["content"]
 
 
@@ -72,7 +74,7 @@ def test_demonstration_rows_are_the_episode_token_for_token(tmp_path):
     rows = [json.loads(line) for line in Path(demos.source).read_text().splitlines()]
     assert demos.count == len(rows) == 2 and demos.prompt_field == "prompt" and not demos.add_eos
     assert rows[0] == {"prompt": f"<bos><|user|>\n{r['key']}<eos><|assistant|>\n",
-                       "response": f'[lookup(key="{r["key"]}")]<eos>'}
+                       "response": r["response"][0]["content"] + "<eos>"}
 
     pieces = ChatPieces(tok)
     user = [{"role": "user", "content": r["key"]}]
@@ -117,5 +119,7 @@ def test_grpo_with_the_lookup_tool_raises_heldout_accuracy(tmp_path, capsys):
     assert all(r["turns_mean"] > 1.5 and r["tool_calls_mean"] > 0.5 for r in rollouts)  # episodes with a lookup
     print(f"\n[tools example] held-out accuracy {before['eval_accuracy']:.1%} -> {after['eval_accuracy']:.1%} "
           f"greedy, {before['eval_accuracy_sampled']:.1%} -> {after['eval_accuracy_sampled']:.1%} sampled")
-    assert after["eval_accuracy_sampled"] >= before["eval_accuracy_sampled"] + MARGIN
+    # seeds 0, 1, 2 (2026-12-01): +18, +24, +23 points greedy; +10, +11, +16 sampled
+    assert after["eval_accuracy"] >= before["eval_accuracy"] + 0.10
+    assert after["eval_accuracy_sampled"] >= before["eval_accuracy_sampled"] + 0.05
     assert "held-out accuracy:" in capsys.readouterr().out

@@ -15,10 +15,11 @@
   (`jrl.rl.examples:reversed_word`) reads the record's `word`.
 * `lookup`: a key of 3 lowercase letters and its code in a fixed table of 17,576
   pseudo-random 3-digit codes (`lookup_code`), with a demonstration of tool use:
-  `{"prompt": "qzk", "answer": "417", "key": "qzk", "response": [<assistant:
-  '[lookup(key="qzk")]'>, <tool: "417">, <assistant: "417">]}`, every record a
+  `{"prompt": "qzk", "answer": "417", "key": "qzk", "response": [<assistant: a
+  <tool_call> of lookup>, <tool: "417">, <assistant: "417">]}`, every record a
   different key: the task of `configs/grpo_tools_example.yaml`, whose `lookup` tool
-  (`jrl.rl.examples:lookup`) reads the same table. A model cannot know a held-out key's code; it can look it up.
+  (`jrl.rl.examples:lookup`) reads the same table. A model cannot know a held-out
+  key's code; it can look it up.
 
 Every generator is a pure function of `(n, seed)`.
 """
@@ -121,9 +122,10 @@ def lookup_code(key: str) -> str:
 
 
 def lookup_call(key: str) -> str:
-    """The assistant turn that looks `key` up, in the "pythonic" tool-call format
-    (`[lookup(key="qzk")]`, 19 bytes; the Hermes JSON form would be 66)."""
-    return f"[lookup(key={json.dumps(key)})]"
+    """The assistant turn that looks `key` up: a Hermes / Qwen `<tool_call>` block with
+    compact JSON (66 bytes)."""
+    call = json.dumps({"name": "lookup", "arguments": {"key": key}}, separators=(",", ":"))
+    return f"<tool_call>{call}</tool_call>"
 
 
 def lookup(n: int, seed: int = 0) -> list[dict]:
