@@ -141,9 +141,9 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
     response_field = config.response_field
     forbidden = {fmt.render(p, tools=tools) for p in excluded}
     end_of_turn: str | None = None  # read from the tokenizer at the first templated prompt
-    rows: list[dict] = []
+    rows: list[dict] = []  # one per single-turn demonstration, one per assistant turn of a multi-turn one
     as_is = True
-    dropped = 0
+    kept = dropped = 0
     try:
         located = list(iter_located_records(config.source, seed))
     except (FileNotFoundError, ValueError) as e:
@@ -168,6 +168,7 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
         if rendered in forbidden:
             dropped += 1
             continue
+        kept += 1
         templated = rendered != problem.prompt
         as_is = as_is and not templated and turns is None
         if templated:
@@ -186,7 +187,7 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
         raise ConfigError(f"{PREFIX}source: no demonstrations left in {config.source!r}"
                           + (f" ({dropped} are held-out or validation prompts of the task)" if dropped else ""))
     if as_is and not dropped:
-        return Demonstrations(config.source, prompt_field, response_field, add_eos=True, count=len(rows), dropped=0)
+        return Demonstrations(config.source, prompt_field, response_field, add_eos=True, count=kept, dropped=0)
     if len({r["templated"] for r in rows}) > 1:
         raise ConfigError(f"{PREFIX}source: some prompts of {config.source!r} are rendered with the chat template "
                           f"and some are not; give them one form (all text or all message lists)")
@@ -197,5 +198,5 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
         for r in rows:
             f.write(json.dumps({"prompt": r["prompt"], "response": r["response"]}, ensure_ascii=False) + "\n")
     tmp.replace(path)
-    return Demonstrations(str(path), "prompt", "response", add_eos=not rows[0]["templated"], count=len(rows),
+    return Demonstrations(str(path), "prompt", "response", add_eos=not rows[0]["templated"], count=kept,
                           dropped=dropped)
