@@ -1,7 +1,8 @@
 """Multi-turn, tool-using episodes (jrl.rl.environments, tools, tool_calls): the tool-call
 parser, the tool registry's schemas and failure paths, token-exact episodes through the
 real engine (sampled + inserted tokens, masks, log-probs, versions, prefix-cache hits
-across turns), limits and truncation, concurrency with a slow environment, and a short
+across turns), limits and truncation, a weight update between turns (per-token versions,
+under both `on_weight_update` settings), concurrency with a slow environment, and a short
 GRPO run on episodes through `build_learner`.
 
 The model is a tiny qwen2-shaped one with random weights, edited so that `<|im_end|>`

@@ -86,8 +86,9 @@ class PromptFormat:
         both need the chat template."""
         prompt = problem.prompt
         if (turns or tools) and not self._uses_template(prompt):
-            raise ConfigError(f"{problem.where}: a conversation with turns or tools is rendered with the chat template, "
-                              f"and task.chat_template is {self.chat_template!r} for this prompt (set it to true)")
+            raise ConfigError(f"{problem.where}: a conversation with turns or tools is rendered with the chat "
+                              f"template, and task.chat_template is {self.chat_template!r} for this prompt (set it "
+                              f"to true)")
         if not self._uses_template(prompt):
             if not isinstance(prompt, str):
                 raise ConfigError(f"{problem.where}: the prompt is a message list, but task.chat_template is false")
