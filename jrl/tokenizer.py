@@ -32,13 +32,18 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
 
 # A role marker per turn, each turn closed by the EOS token; generation prompts end with the
-# assistant marker, so a model trained on this format stops by emitting EOS.
+# assistant marker, so a model trained on this format stops by emitting EOS. Each message
+# renders on its own (nothing depends on later messages), so a multi-turn episode can be
+# continued token-exactly from the per-message pieces (jrl.rl.environments). A `tool`
+# message (a tool's answer) is `<|tool|>\n...`; the byte tokenizer has no special token for
+# that marker (one would change its vocabulary, and every model sized to it) and encodes it
+# as its 8 bytes. `tools=` schemas are not rendered.
 DEFAULT_CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('default chat template: unknown role ' ~ message['role'] ~ "
-    "'; allowed: system, user, assistant') }}"
+    "'; allowed: system, user, assistant, tool') }}"
     "{% endif %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}"
     "{% endfor %}"

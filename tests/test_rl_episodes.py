@@ -1,7 +1,8 @@
 """Multi-turn, tool-using episodes (jrl.rl.environments, tools, tool_calls): the tool-call
 parser, the tool registry's schemas and failure paths, token-exact episodes through the
 real engine (sampled + inserted tokens, masks, log-probs, versions, prefix-cache hits
-across turns), limits and truncation, concurrency with a slow environment, and a short
+across turns), limits and truncation, a weight update between turns (per-token versions,
+under both `on_weight_update` settings), concurrency with a slow environment, and a short
 GRPO run on episodes through `build_learner`.
 
 The model is a tiny qwen2-shaped one with random weights, edited so that `<|im_end|>`
@@ -23,12 +24,14 @@ import pytest
 from chat_fixtures import CHATML_TOOLS, write_chat_tokenizer
 from jrl.config import ConfigError, ModelConfig, from_dict
 from jrl.rl.batch import build_episode_rows, build_rows
+from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.environments import (ChatPieces, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment,
                                  resolve_environment)
 from jrl.rl.tool_calls import HermesParser, ToolCall, get_parser
 from jrl.rl.tools import Tool, ToolRegistry, resolve_tool, tool
 from jrl.rollout import Engine, SamplingParams, engine_config_for_workload
 from jrl.tokenizer import load_tokenizer
+from jrl.train.logprobs import token_logprobs
 from test_rl_hf import end_of_turn_prone_params
 
 MODEL = {"vocab_size": 320, "hidden_size": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16,
@@ -173,6 +176,27 @@ def test_hermes_parser_reports_malformed_calls_without_raising(text, message):
     assert parsed.calls == [] and len(parsed.errors) == 1 and parsed.has_calls
     assert message in parsed.errors[0].message
     assert parsed.content == "x"
+
+
+def test_pythonic_parser_reads_a_list_of_calls_and_leaves_prose_alone():
+    p = get_parser("pythonic")
+    parsed = p.parse(' [lookup(key="qzk"), add(a=1, b=-2)]\n')
+    assert parsed.calls == [ToolCall("lookup", {"key": "qzk"}, "call_0"), ToolCall("add", {"a": 1, "b": -2}, "call_1")]
+    assert (parsed.content, parsed.errors) == ("", [])
+    plain = p.parse(" 417 ")
+    assert (plain.content, plain.calls, plain.errors, plain.has_calls) == ("417", [], [], False)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[lookup(key="qzk"]', "not Python"),
+    ("[1, 2]", "expected a list of calls"),
+    ('[lookup("qzk")]', "keyword arguments only"),
+    ("[lookup(key=qzk)]", "must be Python literals"),
+])
+def test_pythonic_parser_reports_malformed_calls_without_raising(text, message):
+    parsed = get_parser("pythonic").parse(text)
+    assert parsed.calls == [] and len(parsed.errors) == 1 and parsed.has_calls
+    assert message in parsed.errors[0].message and parsed.errors[0].id == "call_0"
 
 
 def test_parser_by_module_name_and_unknown_names():
@@ -432,6 +456,71 @@ def test_resolve_environment():
         resolve_environment("test_rl_episodes:Nope")
 
 
+# ----------------------------------------------------------------------------- a weight update between turns
+
+
+class UpdateBeforeALaterTurn:
+    """The engine, publishing `params` as version 1 when the first request of a later turn
+    (a prompt longer than every opening prompt) is queued: between two turns of that
+    episode, on the runner's thread, while other episodes' first turns are in flight."""
+
+    def __init__(self, engine, params, opening_len):
+        self.engine, self.params, self.opening_len = engine, params, opening_len
+        self.ack = None
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def add_request(self, prompt, *args, **kwargs):
+        if self.ack is None and len(prompt) > self.opening_len:
+            self.ack = self.engine.update_weights(self.params, 1)
+        return self.engine.add_request(prompt, *args, **kwargs)
+
+
+@pytest.mark.parametrize("on_weight_update", ["finish", "restart"])
+def test_a_weight_update_between_turns_is_recorded_per_token(model, tok, im_end, on_weight_update):
+    config, v0 = model
+    v1 = jax.tree.map(lambda x: x * 1.25, v0)
+    engine = Engine(config, v0, engine_config_for_workload(512, 64, page_size=PAGE, seed=0,
+                                                           on_weight_update=on_weight_update))
+    opening = len(ChatPieces(tok).prompt([{"role": "user", "content": "what is 0 plus 3?"}]))
+    updating = UpdateBeforeALaterTurn(engine, v1, opening)
+    r = runner(updating, tok, im_end)
+    eps = r.run([Scripted(turns=2) for _ in range(8)], [{"prompt": f"what is {i} plus 3?"} for i in range(8)],
+                [SamplingParams(temperature=1.0, seed=100 + i) for i in range(8)])
+    ack = updating.ack
+    assert ack is not None and ack.version == 1 and engine.version == 1
+    params = {0: v0, 1: v1}
+    forward = jax.jit(lambda p, t, pos, seg: token_logprobs(config, p, t, pos, seg))
+    turn_versions = []
+    for ep in eps:
+        check_token_exact(ep, tok)
+        versions = []
+        for c in ep.completions:
+            (v,) = set(c.versions.tolist())  # a turn runs under one version
+            versions.append(v)
+            # its log-probs are those of that version's full forward over the episode so far
+            ids = np.zeros((1, 512), np.int32)
+            n = len(c.prompt) + len(c.tokens)
+            ids[0, :n] = np.r_[c.prompt, c.tokens]
+            logp = forward(params[v], ids, np.arange(512, dtype=np.int32)[None], (np.arange(512) < n)[None])
+            np.testing.assert_allclose(c.model_logprobs, np.asarray(logp)[0, len(c.prompt):n], atol=1e-5)
+        assert versions == sorted(versions)
+        turn_versions.append(versions)
+    # every later turn was queued after the update: it runs under version 1
+    assert all(v[1:] == [1] * (len(v) - 1) for v in turn_versions)
+    # the episode whose second turn triggered the update continued under the new version,
+    # and its tokens record both (the rows' behaviour version is its oldest, 0)
+    oldest, mixed = EpisodeSampler.sample_versions(eps)
+    assert [0, 1] in turn_versions and mixed == sum(v == [0, 1] for v in turn_versions) >= 1
+    assert oldest.tolist() == [v[0] for v in turn_versions]
+    first_turns_v1 = sum(v[0] == 1 for v in turn_versions)
+    if on_weight_update == "finish":  # first turns in flight finished under the old weights
+        assert first_turns_v1 == 0 and ack.finished_in_flight >= 1 and ack.restarted == 0
+    else:  # first turns in flight were regenerated under the new ones
+        assert first_turns_v1 == ack.restarted >= 1 and ack.finished_in_flight == 0
+
+
 # ----------------------------------------------------------------------------- concurrency
 
 
@@ -510,34 +599,43 @@ def test_episode_options_are_validated():
     assert options.episodes and options.tools == ()
 
 
-@pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory, tok, model):
+def episode_grpo_config(root: Path, steps: int = 2, **options):
+    """A GRPO run on two-turn `Parity` episodes of the tiny qwen2-shaped model (saved as
+    Hugging Face weights under `root/hf`, the run's init_from) on records of sums; returns
+    the config and the weights' directory."""
     from jrl.hf import save_pretrained
-    from jrl.metrics_log import read_metrics
-    from jrl.rl import build_learner
     from jrl.config import TrainConfig
-    root = tmp_path_factory.mktemp("grpo_episodes")
     hf_dir = write_chat_tokenizer(root / "hf", template=CHATML_TOOLS)
-    config, params = model
-    save_pretrained(config, params, str(hf_dir), model_type="qwen2")
+    config = from_dict(ModelConfig, MODEL)
+    im_end = load_tokenizer(str(hf_dir)).encode("<|im_end|>")[0]
+    save_pretrained(config, end_of_turn_prone_params(config, im_end), str(hf_dir), model_type="qwen2")
     records = [{"prompt": [{"role": "user", "content": f"{a}+{b}?"}], "answer": str(a + b)}
                for a in range(6) for b in range(5)]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     run_config = from_dict(TrainConfig, {
-        "name": "grpo_episodes", "seed": 0, "steps": 2, "init_from": f"hf:{hf_dir}",
+        "name": "grpo_episodes", "seed": 0, "steps": steps, "init_from": f"hf:{hf_dir}",
         "model": {**MODEL, "max_position_embeddings": 128},
         "data": {"tokenizer": str(hf_dir), "seq_len": 96, "batch_size": 8},
         "strategy": {"name": "grpo", "options": {
             "task": {"name": "jsonl", "train": str(root / "train.jsonl"), "n_heldout": 4, "n_validation": 2},
             "env": "test_rl_episodes:Parity", "env_kwargs": {"turns": 2}, "max_turns": 3,
             "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "dynamic_sampling_rounds": 2,
-            "engine": {"page_size": 4}}},
+            "engine": {"page_size": 4}, **options}},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
         "schedule": {"kind": "constant"},
         "checkpoint": {"interval": 0},
         "eval": {"every": 0, "at_end": True, "samples": 2},
         "logging": {"progress": False, "plot": False},
     })
+    return run_config, hf_dir
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    from jrl.metrics_log import read_metrics
+    from jrl.rl import build_learner
+    root = tmp_path_factory.mktemp("grpo_episodes")
+    run_config, hf_dir = episode_grpo_config(root)
     learner = build_learner(run_config, output_dir=root / "run")
     learner.fit(overwrite=True)
     return learner, read_metrics(root / "run" / "metrics.jsonl"), root, hf_dir

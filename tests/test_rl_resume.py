@@ -1,6 +1,7 @@
 """Exact RL resume: a run stopped in the middle of a rollout (and, off-policy, with the next
 rollout generated ahead) and resumed from its checkpoint ends with bitwise the params of
-the uninterrupted run, and logs the same rows after the resume point."""
+the uninterrupted run, and logs the same rows after the resume point; also for a run of
+multi-turn episodes."""
 
 import dataclasses
 import json
@@ -9,11 +10,14 @@ import jax
 import numpy as np
 import pytest
 
+from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
+from jrl.rl import build_learner
+from test_rl_episodes import episode_grpo_config
 from test_rl_loop import run, tiny, train_rows
 
 # weight_sync_*: how a sync went (a resumed run builds its engine anew), not what was trained
-TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu", "weight_sync_s",
+TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu", "env_s", "weight_sync_s",
           "weight_sync_bytes")
 
 
@@ -77,7 +81,6 @@ def test_off_policy_run_stopped_at_a_rollout_boundary_keeps_the_pending_rollout(
 
 
 def test_a_checkpoint_of_older_jrl_with_only_the_rollout_counter_still_loads(tmp_path):
-    from jrl.rl import build_learner
     learner = build_learner(tiny(steps=2), output_dir=tmp_path)
     learner.source.load_state_dict({"rl_step": 3})
     assert learner.source.rl_step == 3 and learner.source.state_dict()["rl_step"] == 3
@@ -91,3 +94,34 @@ def test_resume_after_an_evaluation_is_exact(tmp_path):
     config = tiny(steps=6, epochs=2)
     config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, every=4))
     assert_resume_is_exact(config, 4, tmp_path)
+
+
+
+def test_a_multi_turn_run_resumes_on_the_rows_it_would_have_trained(tmp_path):
+    # 8 two-turn episodes a rollout (2 problems x 4), 4 rows a minibatch, 2 epochs: 4
+    # updates per rollout; stopped after step 3, the rollout's last minibatch is left. The
+    # resumed run must train it: the episodes' rows (tool tokens masked out), not new ones.
+    config, _ = episode_grpo_config(tmp_path / "init", steps=4, epochs=2)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=4),
+                                 eval=dataclasses.replace(config.eval, at_end=False))
+    stopped = build_learner(config, output_dir=tmp_path / "run", callbacks=[StopAfter(3)])
+    stopped.fit(overwrite=True)
+    state = stopped.source.state_dict()
+    assert state["rl_step"] == 1 and state["rollout"]["next"] == 3
+    rows, plan = state["rollout"]["rows"], state["rollout"]["batches"]
+    expected = {k: v[plan[3]] for k, v in rows.items()}
+
+    resumed = build_learner(config, output_dir=tmp_path / "run")  # a fresh learner, as a new process builds
+    trained = []
+    next_batch = resumed.source.next_batch
+    resumed.source.next_batch = lambda train_state: trained.append(next_batch(train_state)) or trained[-1]
+    resumed.fit(resume=True)
+    assert int(resumed.trainer.state.step) == 4 and len(trained) == 1 and resumed.source.rl_step == 1
+    assert set(trained[0]) == set(expected)
+    for k in expected:
+        assert np.array_equal(trained[0][k], expected[k]), k
+    # they are multi-turn rows: trained tokens, then inserted (environment) ones, then trained again
+    mask = trained[0]["loss_mask"]
+    assert any(np.any(np.diff(np.flatnonzero(m)) > 1) for m in mask)
+    rollouts = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "rl_step" in r]
+    assert [r["rl_step"] for r in rollouts] == [0] and rollouts[0]["turns_mean"] > 1.0

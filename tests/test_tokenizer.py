@@ -159,8 +159,17 @@ def test_default_chat_template_generation_prompt_with_byte_tokenizer():
 
 
 def test_default_chat_template_rejects_unknown_role():
-    with pytest.raises(ChatTemplateError, match="unknown role tool; allowed: system, user, assistant"):
-        apply_chat_template([{"role": "tool", "content": "42"}])
+    with pytest.raises(ChatTemplateError, match="unknown role ipython; allowed: system, user, assistant, tool"):
+        apply_chat_template([{"role": "ipython", "content": "42"}])
+
+
+def test_default_chat_template_renders_tool_answers_with_a_byte_marker():
+    tok = ByteTokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+                                    {"role": "tool", "content": "42"}], add_generation_prompt=True)
+    assert text == "<bos><|user|>\nHi<eos><|assistant|>\nx<eos><|tool|>\n42<eos><|assistant|>\n"
+    ids = tok.encode("<|tool|>\n42<eos>")
+    assert ids == list(b"<|tool|>\n42") + [tok.eos_id] and tok.vocab_size == 262  # no new special token
 
 
 def test_messages_must_have_roles():

@@ -13,18 +13,28 @@
   `{"prompt": "ycjl>", "response": "ljcy", "answer": "ljcy", "word": "ycjl"}`, every
   record a different word: the task of `configs/grpo_jsonl_example.yaml`, whose reward
   (`jrl.rl.examples:reversed_word`) reads the record's `word`.
+* `lookup`: a key of 3 lowercase letters and its code in a fixed table of 17,576
+  pseudo-random 3-digit codes (`lookup_code`), with a demonstration of tool use:
+  `{"prompt": "qzk", "answer": "417", "key": "qzk", "response": [<assistant: a
+  <tool_call> of lookup>, <tool: "417">, <assistant: "417">]}`, every record a
+  different key: the task of `configs/grpo_tools_example.yaml`, whose `lookup` tool
+  (`jrl.rl.examples:lookup`) reads the same table. A model cannot know a held-out
+  key's code; it can look it up.
 
 Every generator is a pure function of `(n, seed)`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 
 from jrl.data.tasks import make_task, sft_records
 
 DEFAULT_SIZES = {"arithmetic": 2000, "arithmetic_pairs": 1000, "tinytext": 2000, "addition": 4000,
-                 "reverse": 4000}
+                 "reverse": 4000, "lookup": 4000}
 
 
 def _problem(rng: np.random.Generator) -> tuple[str, int]:
@@ -102,8 +112,37 @@ def reverse(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
+def lookup_code(key: str) -> str:
+    """The code of a key of 3 lowercase letters in the `lookup` table (a hash, so the
+    table needs no storage); KeyError for anything else."""
+    if not (isinstance(key, str) and len(key) == 3 and all(c in _LETTERS for c in key)):
+        raise KeyError(f"no entry for {key!r}; keys are 3 lowercase letters")
+    digest = hashlib.blake2b(key.encode(), digest_size=8, person=b"jrl-lookup").digest()
+    return f"{int.from_bytes(digest, 'big') % 1000:03d}"
+
+
+def lookup_call(key: str) -> str:
+    """The assistant turn that looks `key` up: a Hermes / Qwen `<tool_call>` block with
+    compact JSON (66 bytes)."""
+    call = json.dumps({"name": "lookup", "arguments": {"key": key}}, separators=(",", ":"))
+    return f"<tool_call>{call}</tool_call>"
+
+
+def lookup(n: int, seed: int = 0) -> list[dict]:
+    """`n` distinct 3-letter keys, each with its code and a demonstration of the lookup."""
+    rng = np.random.default_rng([seed, 16])
+    out = []
+    for i in _distinct(26 ** 3, n, rng, "lookup"):
+        key = "".join(_LETTERS[(i // 26 ** j) % 26] for j in range(3))
+        code = lookup_code(key)
+        out.append({"prompt": key, "answer": code, "key": key,
+                    "response": [{"role": "assistant", "content": lookup_call(key)},
+                                 {"role": "tool", "content": code}, {"role": "assistant", "content": code}]})
+    return out
+
+
 GENERATORS = {"arithmetic": arithmetic, "arithmetic_pairs": arithmetic_pairs, "tinytext": tinytext,
-              "addition": addition, "reverse": reverse}
+              "addition": addition, "reverse": reverse, "lookup": lookup}
 
 
 def is_bundled(source: str) -> bool:

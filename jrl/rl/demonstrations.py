@@ -14,6 +14,14 @@ where the engine stops it; a plain-text prompt's response ends with EOS (the dat
 pipeline's `add_eos`). Demonstrations whose rendered prompt is a held-out or validation
 prompt of the task are dropped (a warm start on the test set would make the before/after
 accuracy meaningless).
+
+A multi-turn demonstration (tool use) gives a list of messages as its response: the turns
+after the prompt, e.g. `[{"role": "assistant", "content": "<tool_call>...</tool_call>"},
+{"role": "tool", "content": "417"}, {"role": "assistant", "content": "417"}]`. Each
+assistant turn becomes one SFT row: the conversation before it, rendered with the chat
+template (and the run's tool schemas) as the episode's sequence reads at that turn, then
+the turn and its end-of-turn text. Only assistant turns are trained on; tool answers and
+other messages are context, as in the GRPO loss.
 """
 
 from __future__ import annotations
@@ -108,20 +116,34 @@ def _problem(record: dict, where: str, field: str) -> Problem:
     return Problem(prompt=prompt, answer="", example=record, where=where)
 
 
+def _turns(value: list, where: str, field: str) -> list[dict]:
+    """The messages of a multi-turn response, checked: dicts with a string role and content,
+    at least one assistant turn."""
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ConfigError(f"{where}: field {field!r}[{i}] must be {{role: str, content: str}}, got {m!r}")
+    if not any(m["role"] == "assistant" for m in value):
+        raise ConfigError(f"{where}: field {field!r} is a message list without an assistant turn to learn")
+    return [dict(m) for m in value]
+
+
 def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prompt_field: str,
-                           excluded: list[Problem], out_dir: Path, *, seed: int = 0) -> Demonstrations:
+                           excluded: list[Problem], out_dir: Path, *, seed: int = 0,
+                           tools: list | None = None) -> Demonstrations:
     """Reads the demonstrations, renders their prompts with `fmt` and leaves out those whose
     rendered prompt is one of `excluded` (the task's held-out and validation problems).
     When every prompt renders as it is and nothing is left out, the source is used as it
     is; otherwise the rendered demonstrations are written to `out_dir/demonstrations.jsonl`
-    (`{"prompt", "response"}` records)."""
+    (`{"prompt", "response"}` records, one per assistant turn of a multi-turn one).
+    `tools`: the run's tool schemas, rendered into every prompt (the chat template's
+    `tools=`), as the episodes render them."""
     prompt_field = config.prompt_field or task_prompt_field
     response_field = config.response_field
-    forbidden = {fmt.render(p) for p in excluded}
+    forbidden = {fmt.render(p, tools=tools) for p in excluded}
     end_of_turn: str | None = None  # read from the tokenizer at the first templated prompt
-    rows: list[dict] = []
+    rows: list[dict] = []  # one per single-turn demonstration, one per assistant turn of a multi-turn one
     as_is = True
-    dropped = 0
+    kept = dropped = 0
     try:
         located = list(iter_located_records(config.source, seed))
     except (FileNotFoundError, ValueError) as e:
@@ -132,25 +154,40 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
             raise ConfigError(f"{where}: missing field {response_field!r} ({PREFIX}response_field); the record has "
                               f"{sorted(record)}")
         response = record[response_field]
-        if isinstance(response, bool) or not isinstance(response, (str, int, float)):
-            raise ConfigError(f"{where}: field {response_field!r} must be a string or a number, got {response!r}")
-        rendered = fmt.render(problem)
+        if isinstance(response, list):
+            turns = _turns(response, where, response_field)
+            if not fmt.uses_template(problem):
+                raise ConfigError(f"{where}: a multi-turn demonstration (a message list in {response_field!r}) is "
+                                  f"rendered with the chat template; set task.chat_template: true")
+        elif isinstance(response, bool) or not isinstance(response, (str, int, float)):
+            raise ConfigError(f"{where}: field {response_field!r} must be a string, a number or a message list, "
+                              f"got {response!r}")
+        else:
+            turns = None
+        rendered = fmt.render(problem, tools=tools)
         if rendered in forbidden:
             dropped += 1
             continue
+        kept += 1
         templated = rendered != problem.prompt
-        as_is = as_is and not templated
-        response = str(response)
+        as_is = as_is and not templated and turns is None
         if templated:
             end_of_turn = end_of_turn if end_of_turn is not None else end_of_turn_text(fmt.tokenizer)
-            if not response.endswith(end_of_turn):
+        if turns is None:
+            response = str(response)
+            if templated and not response.endswith(end_of_turn):
                 response += end_of_turn
-        rows.append({"prompt": rendered, "response": response, "templated": templated})
+            rows.append({"prompt": rendered, "response": response, "templated": templated})
+            continue
+        for k, turn in enumerate(turns):
+            if turn["role"] == "assistant":
+                rows.append({"prompt": fmt.render(problem, turns=turns[:k], tools=tools),
+                             "response": turn["content"] + end_of_turn, "templated": True})
     if not rows:
         raise ConfigError(f"{PREFIX}source: no demonstrations left in {config.source!r}"
                           + (f" ({dropped} are held-out or validation prompts of the task)" if dropped else ""))
     if as_is and not dropped:
-        return Demonstrations(config.source, prompt_field, response_field, add_eos=True, count=len(rows), dropped=0)
+        return Demonstrations(config.source, prompt_field, response_field, add_eos=True, count=kept, dropped=0)
     if len({r["templated"] for r in rows}) > 1:
         raise ConfigError(f"{PREFIX}source: some prompts of {config.source!r} are rendered with the chat template "
                           f"and some are not; give them one form (all text or all message lists)")
@@ -161,5 +198,5 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
         for r in rows:
             f.write(json.dumps({"prompt": r["prompt"], "response": r["response"]}, ensure_ascii=False) + "\n")
     tmp.replace(path)
-    return Demonstrations(str(path), "prompt", "response", add_eos=not rows[0]["templated"], count=len(rows),
+    return Demonstrations(str(path), "prompt", "response", add_eos=not rows[0]["templated"], count=kept,
                           dropped=dropped)

@@ -123,9 +123,16 @@ class EpisodeSampler:
                  seed: int) -> tuple[dict[str, float], list[ProblemResult]]:
         """Greedy and `samples` sampled episodes of each problem: the summary and results
         of `jrl.rl.evaluation.evaluate_problems` (a result's completions are the episodes'
-        last assistant turns, its response tokens the tokens they sampled)."""
+        last assistant turns, its response tokens the tokens they sampled; with `samples`
+        0, greedy only, the summary's reward and length being the greedy episodes')."""
         n = len(problems)
         greedy = [g[0] for g in self.run(engine, problems, 1, 0.0, np.zeros(n, np.uint64))]
+        if samples == 0:
+            summary = {"n": float(n), "greedy_accuracy": float(self.correct(greedy).mean()),
+                       "reward_mean": float(np.mean([ep.reward for ep in greedy])),
+                       "response_tokens_mean": float(np.mean([ep.n_sampled for ep in greedy]))}
+            return summary, [ProblemResult(p.where, p.answer, bool(self.correct([greedy[i]])[0]), _last_turn(greedy[i]),
+                                           [], [], [], []) for i, p in enumerate(problems)]
         seeds = np.random.default_rng([seed, 29]).integers(0, 2**32, size=n * samples, dtype=np.uint64)
         groups = self.run(engine, problems, samples, temperature, seeds)
         ok = [self.correct(g) for g in groups]

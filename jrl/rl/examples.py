@@ -1,4 +1,8 @@
-"""Reward functions of the worked example in docs/rl.md ("Bring your own task") and of
+"""Reward functions and tools of the bundled examples in docs/rl.md.
+
+`lookup` is the tool of `configs/grpo_tools_example.yaml` (GRPO with a tool on
+`bundled:lookup`): the code of a 3-letter key in the bundled table, which the model cannot
+know for a key it never saw. The rest is the worked example of "Bring your own task",
 `configs/grpo_jsonl_example.yaml`: GRPO on `bundled:reverse`, records such as
 
     {"prompt": "ycjl>", "response": "ljcy", "answer": "ljcy", "word": "ycjl"}
@@ -10,6 +14,17 @@ the record's own `word`, which it receives because it declares a parameter named
 """
 
 from __future__ import annotations
+
+from jrl.data.bundled import lookup_code
+
+
+def lookup(key: str) -> str:
+    """Looks a key up in the code table.
+
+    Args:
+        key: three lowercase letters
+    """
+    return lookup_code(key)
 
 
 def reversed_word(prompt: str, completion: str, answer: str, example: dict) -> float:

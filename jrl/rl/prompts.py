@@ -76,9 +76,19 @@ class PromptFormat:
             return not isinstance(prompt, str)
         return bool(self.chat_template)
 
-    def render(self, problem: Problem) -> str:
-        """The prompt text the model continues."""
+    def uses_template(self, problem: Problem) -> bool:
+        """Whether `problem`'s prompt is rendered with the chat template."""
+        return self._uses_template(problem.prompt)
+
+    def render(self, problem: Problem, *, turns: Sequence[dict] = (), tools: list | None = None) -> str:
+        """The prompt text the model continues. `turns`: messages that followed the prompt
+        (a multi-turn conversation so far), `tools`: schemas for the template's `tools=`;
+        both need the chat template."""
         prompt = problem.prompt
+        if (turns or tools) and not self._uses_template(prompt):
+            raise ConfigError(f"{problem.where}: a conversation with turns or tools is rendered with the chat "
+                              f"template, and task.chat_template is {self.chat_template!r} for this prompt (set it "
+                              f"to true)")
         if not self._uses_template(prompt):
             if not isinstance(prompt, str):
                 raise ConfigError(f"{problem.where}: the prompt is a message list, but task.chat_template is false")
@@ -92,7 +102,9 @@ class PromptFormat:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         if self.system_prompt is not None:
             messages = [{"role": "system", "content": self.system_prompt}] + messages
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        messages += [dict(m) for m in turns]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **({"tools": list(tools)} if tools else {}))
 
     def encode(self, problem: Problem) -> np.ndarray:
         """int32 prompt ids (no special tokens beyond those the template writes)."""

@@ -14,7 +14,9 @@ trained on, and disjoint from the held-out test problems) reaches `target_accura
 after `max_steps`. Small transformers learn such tasks in a sudden jump whose timing
 varies with the seed and the machine's float rounding; stopping on accuracy rather than
 after a fixed step count hands GRPO a model that is right a fair part of the time
-everywhere, so there is both signal (groups with mixed rewards) and room to improve.
+everywhere, so there is both signal (groups with mixed rewards) and room to improve. A run
+of multi-turn episodes (`env` or `tools`) is checked on greedy episodes, as its GRPO
+stage evaluates, and its demonstrations are rendered with the run's tool schemas.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from jrl.config import (CheckpointConfig, ConfigError, DataConfig, ScheduleConfi
 from jrl.data.tasks import Problem
 from jrl.rl.demonstrations import Demonstrations, WarmStartConfig, prepare_demonstrations
 from jrl.rl.engines import engine_config_for, serve_weights
+from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.tasks import make_task
+from jrl.rl.tools import resolve_tool
 from jrl.train.callbacks import Callback
 from jrl.train.initial import load_run_tokenizer
 from jrl.train.trainer import Trainer
@@ -54,6 +58,7 @@ class StopAtValidationAccuracy(Callback):
         self.target, self.every = target, every
         self.problems = problems  # None: the task's validation split, read at the first check
         self.engine = None
+        self.episodes: EpisodeSampler | None = None  # multi-turn runs: built at the first check
         self.history: list[tuple[int, float]] = []
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
@@ -71,10 +76,15 @@ class StopAtValidationAccuracy(Callback):
                                           trainer.config.model, config)
         fmt = PromptFormat(trainer.tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
                            stop=o.task.stop)
-        summary, _ = evaluate_problems(self.engine, fmt, problems, o.reward_model(),
-                                       prompts=[fmt.encode(p) for p in problems], max_new_tokens=o.max_new_tokens,
-                                       samples=0, temperature=1.0, seed=trainer.config.seed,
-                                       success_threshold=o.success_threshold)
+        if o.episodes:
+            if self.episodes is None:
+                self.episodes = EpisodeSampler(o, fmt, o.reward_model(), self.seq_len)
+            summary, _ = self.episodes.evaluate(self.engine, problems, 0, 1.0, trainer.config.seed)
+        else:
+            summary, _ = evaluate_problems(self.engine, fmt, problems, o.reward_model(),
+                                           prompts=[fmt.encode(p) for p in problems], max_new_tokens=o.max_new_tokens,
+                                           samples=0, temperature=1.0, seed=trainer.config.seed,
+                                           success_threshold=o.success_threshold)
         acc = summary["greedy_accuracy"]
         self.history.append((step, acc))
         trainer.fire("on_eval", state, {"step": step, "policy_version": int(state.policy_version),
@@ -126,8 +136,9 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
                           "validation problems (give task.validation or task.n_validation >= 1)")
     fmt = PromptFormat(load_run_tokenizer(config), chat_template=options.task.chat_template,
                        system_prompt=options.task.system_prompt, stop=options.task.stop)
+    tools = [resolve_tool(name, f"strategy.options.tools[{i}]").schema for i, name in enumerate(options.tools)]
     demos = prepare_demonstrations(ws, fmt, options.task.prompt_field, task.heldout + task.validation, warm_dir,
-                                   seed=config.data.seed)
+                                   seed=config.data.seed, tools=tools or None)
     if demos.source != ws.source:
         print(f"warm start: {demos.count} demonstrations of {ws.source} rendered into {demos.source}"
               + (f" ({demos.dropped} left out: held-out or validation prompts)" if demos.dropped else ""),
