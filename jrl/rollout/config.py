@@ -25,6 +25,13 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# The smallest default token bucket. Token buckets size only prefill (mixed) steps (a
+# decode step's tokens are its rows): below about this many tokens a forward is bound by
+# reading the weights, not by compute, so padding a small prefill up to it costs little,
+# and every bucket saved is a program fewer to compile (docs/rollout.md "Step programs").
+MIN_TOKEN_BUCKET = 64
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket >= n (buckets ascending)."""
     for b in buckets:
@@ -42,7 +49,9 @@ class EngineConfig:
     the token budget of one forward (decode tokens + prefill chunks); must be >= max_batch
     so every running request can decode every step. max_seq_len: prompt + new tokens of one
     request (None: the model's max_position_embeddings). token_buckets / batch_buckets:
-    padded sizes of a step's token count / request rows (empty: powers of two).
+    padded sizes of a prefill step's token count (empty: powers of two from
+    MIN_TOKEN_BUCKET) / of a decode step's request rows (empty: powers of two; a prefill
+    step takes the smallest row bucket >= min(its token bucket, max_batch)).
     chunked_prefill: split long prompts over steps (else a prompt must fit the budget).
     allocation: "paged" grows a request page by page (preempting the youngest request when
     pages run out); "contiguous" reserves one region for prompt + max_new_tokens at
@@ -119,7 +128,8 @@ class EngineConfig:
 
     @property
     def resolved_token_buckets(self) -> tuple[int, ...]:
-        return self.token_buckets or powers_of_two(min(16, self.max_tokens_per_step), self.max_tokens_per_step)
+        return self.token_buckets or powers_of_two(min(MIN_TOKEN_BUCKET, self.max_tokens_per_step),
+                                                   self.max_tokens_per_step)
 
     @property
     def resolved_batch_buckets(self) -> tuple[int, ...]:
@@ -155,7 +165,6 @@ def pow2_at_least(n: int) -> int:
 TOKEN_BUDGET_CAP = 32768  # the fastest prefill budget measured on the H200 (bench/results/prefill.jsonl)
 CPU_TOKEN_BUDGET_CAP = 1024
 STEP_MEMORY_FRACTION = 1 / 8
-MIN_TOKEN_BUDGET = 16  # the smallest token bucket
 
 
 def pow2_at_most(n: int) -> int:
@@ -179,12 +188,12 @@ def step_bytes_per_token(model: ModelConfig) -> int:
 def token_budget(max_batch: int, prompt_tokens: int, free_memory: int | None = None,
                  bytes_per_token: int | None = None) -> int:
     """`max_tokens_per_step` for a workload of `prompt_tokens` prompt tokens in all (every
-    request's prompt, summed) run `max_batch` at a time: those tokens rounded up to a
-    power of two (so the whole workload prefills in one step), capped at TOKEN_BUDGET_CAP,
+    request's prompt, summed) run `max_batch` at a time: those tokens (at least
+    MIN_TOKEN_BUCKET) rounded up to a power of two (so the whole workload prefills in one step), capped at TOKEN_BUDGET_CAP,
     or CPU_TOKEN_BUDGET_CAP when `free_memory` (bytes free on the device) is None, and at
     the largest power of two whose `bytes_per_token` fit STEP_MEMORY_FRACTION of
     `free_memory`; never below max_batch (every running request decodes each step)."""
-    want = pow2_at_least(max(prompt_tokens, MIN_TOKEN_BUDGET))
+    want = pow2_at_least(max(prompt_tokens, MIN_TOKEN_BUCKET))
     if free_memory is None:
         cap = CPU_TOKEN_BUDGET_CAP
     else:
