@@ -25,7 +25,7 @@ def test_moe_counts_the_experts_a_token_runs():
 
 
 @pytest.mark.parametrize("max_batch,prompt_tokens,want", [
-    (1, 5, 16),  # never below the smallest bucket
+    (1, 5, 64),  # never below the smallest default token bucket
     (1, 512, 512),
     (1, 700, 1024),
     (16, 16 * 512, 8192),  # batch 16 of 512: one prefill step
@@ -38,7 +38,7 @@ def test_gpu_budget_covers_the_prompts_up_to_the_cap(max_batch, prompt_tokens, w
     assert token_budget(max_batch, prompt_tokens, 100 * GIB, 108544) == want
 
 
-@pytest.mark.parametrize("max_batch,prompt_tokens,want", [(1, 32, 32), (16, 512, 512), (16, 8192, 1024),
+@pytest.mark.parametrize("max_batch,prompt_tokens,want", [(1, 32, 64), (1, 100, 128), (16, 512, 512), (16, 8192, 1024),
                                                           (256, 131072, 1024)])
 def test_cpu_budget_is_capped_at_1024(max_batch, prompt_tokens, want):
     assert token_budget(max_batch, prompt_tokens) == want
