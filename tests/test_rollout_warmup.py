@@ -90,6 +90,16 @@ def test_mixed_sampling_chunked_prefill_and_preemption(params, tuning):
     assert set(used) <= warmed, sorted(set(used) - warmed, key=str)
 
 
+def test_prompt_chunks_that_do_not_sample_run_their_requests_variant(params):
+    # A 100-token prompt in 32-token chunks: the first three sample nothing, yet run the
+    # request's own variant, so the warmed layouts need no all-greedy prefill program.
+    config = EngineConfig(page_size=8, n_pages=32, max_batch=2, max_tokens_per_step=32, max_seq_len=128)
+    engine = Engine(MODEL, params, config)
+    used = dispatched_steps(engine, prompts_of([100]), SAMPLE, 3)
+    assert [(x.decode, x.n_tokens, x.mode) for x in used] == [(False, 32, "sample")] * 4 + [(True, 1, "sample")] * 2
+    assert {x.mode for x in engine.step_layouts(SAMPLE)} == {"sample"}
+
+
 def test_sampling_variants():
     assert sampling_variants([SAMPLE]) == {(False, "sample")}
     assert sampling_variants([GREEDY]) == {(False, "greedy")}
@@ -188,3 +198,19 @@ def test_generate_default_compiles_few_programs(params, batch):
     config = config_for_prompts(MODEL, prompts, 256, free_memory=H200_FREE)
     used = dispatched_layouts(Engine(MODEL, params, config, tuning=GPU_LIKE), prompts, GREEDY, 256)
     assert len(used) == PROGRAMS[batch]
+
+
+def test_full_width_prefill_samples_the_same_tokens(params):
+    # Prompts from 3 to 90 tokens (1 to 12 pages of 8: widths 8 and 16) and a budget that
+    # chunks the long ones: padding every prefill table to 16 columns changes no token.
+    config = EngineConfig(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=64, max_seq_len=128)
+    prompts = prompts_of([3, 90, 17, 70, 40], seed=5)
+    outs = {}
+    for full in (False, True):
+        engine = Engine(MODEL, params, config, tuning=TuningOverrides(full_width_prefill=full))
+        widths = {x.n_page_cols for x in dispatched_steps(engine, prompts, SAMPLE, 4) if not x.decode}
+        assert widths == ({16} if full else {8, 16})
+        engine = Engine(MODEL, params, config, tuning=TuningOverrides(full_width_prefill=full))
+        outs[full] = engine.generate(prompts, SAMPLE, max_new_tokens=6)
+    assert [o.tokens.tolist() for o in outs[True]] == [o.tokens.tolist() for o in outs[False]]
+    np.testing.assert_allclose([o.logprobs for o in outs[True]], [o.logprobs for o in outs[False]], atol=1e-5)
