@@ -9,12 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-from jrl.config import ModelConfig
+from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, TuningOverrides
 from jrl.rollout.api import config_for_prompts
 from jrl.rollout.engine import sampling_variants
 from jrl.rollout.executor import StepFunction
+from jrl.rollout.tuning import resolve_tuning
 
 MODEL = ModelConfig(max_position_embeddings=2048)  # tiny float32 GQA model
 # The GPU defaults that shape layouts (jrl.rollout.tuning.BACKEND_DEFAULTS["gpu"]), on CPU.
@@ -214,3 +215,11 @@ def test_full_width_prefill_samples_the_same_tokens(params):
         outs[full] = engine.generate(prompts, SAMPLE, max_new_tokens=6)
     assert [o.tokens.tolist() for o in outs[True]] == [o.tokens.tolist() for o in outs[False]]
     np.testing.assert_allclose([o.logprobs for o in outs[True]], [o.logprobs for o in outs[False]], atol=1e-5)
+
+
+def test_full_width_prefill_is_on_for_gpu_only_and_checked():
+    assert resolve_tuning("gpu", MODEL, EngineConfig()).full_width_prefill is True
+    assert resolve_tuning("cpu", MODEL, EngineConfig()).full_width_prefill is False
+    assert resolve_tuning("cpu", MODEL, EngineConfig(), TuningOverrides(full_width_prefill=True)).full_width_prefill
+    with pytest.raises(ConfigError, match="tuning.full_width_prefill"):
+        TuningOverrides(full_width_prefill="yes")
