@@ -194,8 +194,9 @@ def test_placement_times_a_grpo_step_per_layout(tmp_path):
     rows = bench(tmp_path, "placement", "--layouts", "colocated")  # split needs a second device
     (r,) = section(rows, "layout")
     assert (r["layout"], r["trainer_devices"], r["replicas"], r["mean_over"]) == ("colocated", 1, 1, 1)
-    positive(r, "grpo_step_ms", "generate_ms", "rollout_tokens_per_s", "weight_sync_ms")
-    assert r["weight_sync_gb"] == 0 and r["weight_sync_s_per_gb"] is None  # one device: served in place
+    positive(r, "grpo_step_ms", "generate_ms", "rollout_tokens_per_s")
+    # one device: the engine serves the trainer's arrays in place, so no sync moves (or times) weights
+    assert (r["weight_sync_ms"], r["weight_sync_gb"], r["weight_sync_s_per_gb"]) == (0, 0, None)
 
 
 def test_train_reports_throughput_and_mfu(tmp_path):
