@@ -67,7 +67,7 @@ from jrl.models.lora import base_config, lora_params, merge_lora, with_lora_para
 from jrl.models.quantized import quantize_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
-from jrl.rollout.config import EngineConfig, bucket, pow2_at_least
+from jrl.rollout.config import EngineConfig, bucket, check_kv_page_size, pow2_at_least
 from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, step_function
 from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import SamplingParams, batch_mode, param_columns
@@ -133,6 +133,7 @@ class Engine:
         _check_finite(params, "Engine: refusing to serve them")
         self.model_config = model_config
         self.config = config = config or EngineConfig()
+        check_kv_page_size(config, model_config, jax.default_backend())
         check(mesh is None or config.weight_dtype is None, "engine.weight_dtype",
               f"{config.weight_dtype!r} weights are served on one device; leave it None with a mesh")
         self._lora = bool(model_config.lora.rank)
