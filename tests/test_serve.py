@@ -467,6 +467,14 @@ def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):
     assert engine_config(served, args, 10 * free).n_pages == 256  # fits: as sized
 
 
+def test_an_fp8_kv_cache_gets_32_token_pages_unless_the_page_size_is_given(hf_dirs):
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    fp8 = ["--max-batch", "4", "--max-seq-len", "128", "--engine", '{"kv_dtype": "float8_e4m3fn"}']
+    assert engine_config(served, build_parser().parse_args(fp8)).page_size == 32
+    assert engine_config(served, build_parser().parse_args([*fp8, "--page-size", "64"])).page_size == 64
+    assert engine_config(served, build_parser().parse_args(fp8[:4])).page_size == 16
+
+
 def test_a_kv_pool_that_cannot_fit_is_a_startup_error_naming_the_flag(hf_dirs):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
     free = int(100 * 16 * kv_bytes_per_token(served.model_config) / KV_MEMORY_FRACTION) + 1

@@ -121,8 +121,8 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         overrides["n_pages"] = args.n_pages
     if args.max_tokens_per_step is not None:
         overrides["max_tokens_per_step"] = args.max_tokens_per_step
-    config = engine_config_for_workload(max_seq_len, args.max_batch, page_size=args.page_size, seed=args.seed,
-                                        **overrides)
+    config = engine_config_for_workload(max_seq_len, args.max_batch,
+                                        **{"page_size": args.page_size, "seed": args.seed, **overrides})
     return fit_pool(config, served.model_config, free_memory, chosen="n_pages" in overrides)
 
 
