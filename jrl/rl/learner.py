@@ -51,7 +51,8 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
                            reference_params=lambda: load_initial_params(config, mesh),
                            eval_samples=config.eval.samples, placement=placement,
                            adapters_only=config.optimizer.trainable == "lora" and config.model.lora.rank > 0,
-                           logp_rows=config.data.batch_size // config.data.micro_batches)
+                           logp_rows=config.data.batch_size // config.data.micro_batches,
+                           micro_batches=config.data.micro_batches)
     callback = RLCallback(source)
     trainer = Trainer(config, callbacks=[*callbacks, callback], output_dir=output_dir, train_source=source,
                       strategy_options=options.loss, tokenizer=tokenizer, mesh=mesh)
