@@ -118,7 +118,8 @@ class RolloutSource:
                  placement: Placement | None = None, adapters_only: bool = False, logp_rows: int = 0,
                  micro_batches: int = 1) -> None:
         """`tokenizer` and `mesh` are the trainer's; `reference_params` returns the frozen
-        reference policy of the KL penalty (called once, when kl_coef > 0);
+        reference policy of the KL penalty (called once, when kl_coef > 0), with
+        `adapters_only` its LoRA factors alone (the reference shares the trainer's base);
         `eval_samples`: sampled completions per held-out problem in `evaluate`;
         `placement` (jrl.rl.placement): engine replicas instead of the one engine;
         `adapters_only`: the trainer updates only the LoRA factors (the base is frozen and
@@ -164,7 +165,8 @@ class RolloutSource:
         self.logp_rows = logp_rows
         self.pack_multiple = micro_batches * int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
         self.last_sync = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}  # the latest sync that moved weights
-        self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config)
+        self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config,
+                                                                          adapters_only=adapters_only)
         self.engine_rebuilds = 0
         self.rl_step = 0
         self.stale_samples_dropped = 0
@@ -242,13 +244,15 @@ class RolloutSource:
         if self.interruptible and (self._shared is None or self._shared.engine is not self.engine):
             self._shared = SharedEngine(self.engine)  # here, in the trainer's thread: one per engine
 
-    def reference_params(self) -> Any:
-        """The frozen reference policy of the KL penalty: the run's initial params."""
+    def reference_params(self, params: Any) -> Any:
+        """The frozen reference policy of the KL penalty: the run's initial params. LoRA
+        (`adapters_only`): the frozen base arrays of `params` (the trainer's, never
+        rewritten) with the initial adapters, so the base is never held twice."""
         if self._reference is None:
             if self._reference_fn is None:
                 raise ValueError("reference_params: needed for kl_coef > 0, not given to the RolloutSource")
             self._reference = self._reference_fn()
-        return self._reference
+        return with_lora_params(params, self._reference) if self.adapters_only else self._reference
 
     # ------------------------------------------------------------------ generation
     def prompt_ids(self, problems: list[Problem], remember: bool = True) -> list[np.ndarray]:
@@ -354,7 +358,7 @@ class RolloutSource:
         else:
             rows["is_weight"] = mask.copy()
         if o.kl_coef > 0:
-            rows["ref_logp"] = np.asarray(self._logp_fn(self.reference_params(), self._model_inputs(rows))) * mask
+            rows["ref_logp"] = np.asarray(self._logp_fn(self.reference_params(params), self._model_inputs(rows))) * mask
         else:
             rows["ref_logp"] = np.zeros_like(mask)
         recompute_s = time.perf_counter() - t1
