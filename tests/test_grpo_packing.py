@@ -2,6 +2,7 @@
 loss, gradients and recomputed log-probs as one sample a row, on fewer tokens."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +43,12 @@ def rollout_rows(seed=0, n=8):
     return rows
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def loss_and_grads(params, rows, options):
     ctx = LossContext(rng=jax.random.key(0), policy_version=jnp.int32(3), options=options)
 
     def loss(p):
-        out = grpo_loss_fn(MODEL, p, {k: jnp.asarray(v) for k, v in rows.items()}, ctx)
+        out = grpo_loss_fn(MODEL, p, rows, ctx)
         return out.total / out.weight, out
 
     (value, out), grads = jax.value_and_grad(loss, has_aux=True)(params)
