@@ -11,6 +11,7 @@ import pytest
 
 from jrl import models
 from jrl.config import ConfigError, ModelConfig
+from jrl.data.packing import plan_rows_first_fit
 from jrl.rl.batch import build_rows, pack_rows, plan_packing, unpack_tokens
 from jrl.rl.options import RLOptions
 from jrl.train.callbacks import Callback
@@ -107,6 +108,15 @@ def test_packing_restarts_positions_separates_samples_and_spreads_per_sample_fie
     for r in range(packing.rows):
         members = [i for i in range(4) if packing.row[i] == r]
         assert len({packed["segment_ids"][r, packing.offset[i]] for i in members}) == len(members)
+
+
+def test_first_fit_decreasing_places_the_longest_first_and_keeps_document_order_in_a_row():
+    # 6 -> row 0; 5 -> row 1; 4 -> row 2; 3 -> row 1 (5 + 3 = 8); 2 -> row 0; the 1-token doc has no target
+    plan = plan_rows_first_fit(np.array([5, 3, 4, 2, 6, 1]), 8)
+    assert plan.row_ptr.tolist() == [0, 2, 4, 5]
+    assert plan.doc.tolist() == [3, 4, 0, 1, 2] and plan.length.tolist() == [2, 6, 5, 3, 4]
+    with pytest.raises(ValueError, match="seq_len=8"):
+        plan_rows_first_fit(np.array([9]), 8)
 
 
 def test_pack_rows_must_be_a_bool():

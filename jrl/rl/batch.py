@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jrl.data.packing import plan_rows
+from jrl.data.packing import plan_rows_first_fit
 
 
 def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
@@ -119,14 +119,15 @@ class Packing:
 
 
 def plan_packing(segment_ids: np.ndarray, row_multiple: int = 1) -> Packing:
-    """Greedy packing (`jrl.data.packing.plan_rows`, in sample order) of rows that each
-    hold one sample followed by padding; the packed row count is rounded up to a multiple
+    """Packing (first fit decreasing, `jrl.data.packing.plan_rows_first_fit`: the loss does
+    not depend on where a sample lies) of rows that each hold one sample followed by
+    padding; the packed row count is rounded up to a multiple
     of `row_multiple` (the trainer's micro-batches times its data-parallel devices), so a
     run compiles at most `rows / row_multiple` shapes."""
     seg = np.asarray(segment_ids)
     seq_len = seg.shape[1]
     lengths = (seg > 0).sum(axis=1)
-    plan = plan_rows(lengths, seq_len, pack=True, overflow="truncate_right")
+    plan = plan_rows_first_fit(lengths, seq_len)
     row, offset, length = (np.zeros(len(seg), np.int64) for _ in range(3))
     for r in range(len(plan)):
         at = 0
