@@ -315,3 +315,17 @@ def test_grpo_keeps_xlas_command_buffers_by_default(monkeypatch):
     monkeypatch.setattr(grpo_module, "run", lambda args, results: seen.update(flags=os.environ.get("XLA_FLAGS")))
     assert main(["grpo", "--tiny"]) == 0
     assert seen == {"flags": None}
+
+
+@pytest.mark.parametrize("stage", ["grpo", "grpo_lora"])
+def test_grpo_pack_rows_reports_the_tokens_computed_beside_the_steps_tokens(tmp_path, stage):
+    extra = ("--lora", "4") if stage == "grpo_lora" else ("--micro-batch", "4")
+    rows = bench(tmp_path, stage, "--steps", "1", "--pack-rows", *extra)
+    (step,) = section(rows, "step")
+    micro, seq = (2, 16 + 8) if stage == "grpo_lora" else (4, 16 + 8)
+    n = 8 if stage == "grpo_lora" else 16
+    assert step["pack_rows"] is True
+    assert step["tokens"] == n * 16 + step["generated_tokens"]  # the throughput's tokens: unpadded
+    # packed rows: a multiple of the micro-batch, never more than one sample a row
+    for key in ("computed_tokens", "logprobs_computed_tokens"):
+        assert step[key] % (micro * seq) == 0 and 0 < step[key] <= n * seq

@@ -13,8 +13,10 @@ import pytest
 from jrl import models
 from jrl.config import LoraConfig, ModelConfig
 from jrl.models.lora import lora_params, merge_lora, with_lora_params, without_lora
+from jrl.rl import build_learner
 from jrl.rollout import Engine, EngineConfig, SamplingParams
 from jrl.train.callbacks import Callback
+from jrl.train.strategies.grpo import policy_stats
 from test_rl_loop import rollout_rows, run, tiny, train_rows
 from test_rl_resume import assert_resume_is_exact
 
@@ -147,3 +149,35 @@ def test_adapters_posted_from_another_thread_are_served_at_the_next_step():
     ack = engine.apply_posted_weights()
     assert ack.version == engine.version == 1
     assert ack.bytes_received == sum(x.nbytes for x in jax.tree.leaves(adapters))
+
+
+# ---------------------------------------------------------------- KL reference: the shared base
+class CaptureRefLogp(Callback):
+    def __init__(self):
+        self.batches = []
+
+    def on_step_begin(self, trainer, state, batch):
+        self.batches.append({k: np.asarray(v).copy() for k, v in batch.items()})
+
+
+def test_the_kl_reference_of_a_lora_run_is_the_trainers_base_with_the_initial_adapters(tmp_path):
+    initial, batches = KeepInitial(), CaptureRefLogp()
+    config = lora_tiny(steps=4, kl_coef=0.1)
+    learner = build_learner(config, output_dir=tmp_path, callbacks=[initial, batches])
+    learner.fit(overwrite=True)
+    params = learner.trainer.state.params
+    held = learner.source._reference
+    # the source holds the initial adapters alone: no second base
+    assert sum(x.nbytes for x in jax.tree.leaves(held)) == sum(x.nbytes for x in jax.tree.leaves(lora_params(params)))
+    for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(lora_params(initial.values)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    reference = learner.source.reference_params(params)
+    for a, b in zip(jax.tree.leaves(without_lora(reference)), jax.tree.leaves(without_lora(initial.arrays)),
+                    strict=True):
+        assert a is b  # the trainer's frozen base arrays themselves
+    # every rollout's ref_logp is the initial params' log-prob of its response tokens
+    last = batches.batches[-1]
+    mask = last["loss_mask"] > 0
+    stats, _ = policy_stats(config.model, initial.values, {k: last[k] for k in
+                                                           ("tokens", "targets", "positions", "segment_ids")}, 1.0)
+    np.testing.assert_allclose(last["ref_logp"][mask], np.asarray(stats.logp)[mask], atol=1e-5)

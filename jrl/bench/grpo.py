@@ -4,6 +4,7 @@ overlapped or interruptible.
     jrl bench grpo [--mode sync|overlapped|interruptible] [--lengths fixed|longtail]
                    [--shape 174m|0.82b] [--prompts 32] [--group 8] [--prompt-len 128] [--new 128]
                    [--minibatches 2] [--micro-batch 0] [--steps 3] [--command-buffers xla|off]
+                   [--pack-rows]
 
 One RL step, each phase timed to its last device result: generation (`prompts x group`
 samples, temperature 1, through the engine), reward (a host function of each completion's
@@ -15,7 +16,12 @@ accumulated) and weight_sync (the engine serving the
 trainer's params of now, until they are ready; `ack_version` is the version it then
 serves; `bytes_copied` counts served leaves that are not the trainer's arrays: the fused
 q/k/v and gate/up copy of the GPU default, or the whole copy an overlapping engine needs
-because updates donate the trainer's buffers).
+because updates donate the trainer's buffers). `tokens`: the step's prompt + generated
+tokens; `computed_tokens` / `logprobs_computed_tokens`: the tokens the update / the recompute
+ran on, padding included (rows x seq_len). `--pack-rows` packs several samples a row
+(`strategy.options.pack_rows`, rows a multiple of the micro-batch) for both, so they
+compute fewer; a minibatch's packed row count varies with its lengths, and each new
+count compiles the update once.
 
 Modes (the RL loop's, `jrl.rl.source`):
 
@@ -67,6 +73,7 @@ from jrl.bench.timing import Budget
 from jrl.config import OptimizerConfig, ScheduleConfig
 from jrl.models.transformer import count_params
 from jrl.rl.advantages import group_advantages
+from jrl.rl.batch import Packing, pack_rows, plan_packing, unpack_tokens
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine, EngineStats
 from jrl.rollout.request import Completion
@@ -101,6 +108,9 @@ def add_arguments(p) -> None:
                    help="rows per forward: gradient accumulation within a minibatch, and the chunk of the "
                         "log-prob recompute (0: a whole minibatch at once)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--pack-rows", action="store_true",
+                   help="several samples per trainer row (strategy.options.pack_rows): the update and the "
+                        "recompute skip padding; computed_tokens counts the rows' tokens, padding included")
     p.add_argument("--command-buffers", choices=("xla", "off"), default="xla",
                    help="xla: XLA's default CUDA-graph command buffers; off: none (XLA_FLAGS "
                         f"{COMMAND_BUFFERS_OFF}, set before the backend starts)")
@@ -215,6 +225,25 @@ def rollout_batch(prompts: np.ndarray, completions, rewards: np.ndarray, group: 
     return f
 
 
+MODEL_ROWS = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
+
+
+def as_trained(rows: dict[str, np.ndarray], row_multiple: int, pack: bool) -> tuple[dict, Packing | None]:
+    """`rows` (one sample each) as the trainer computes them: unchanged, or with `pack`
+    (`--pack-rows`, `strategy.options.pack_rows`) several samples a row, the row count a
+    multiple of `row_multiple` (the micro-batch), and the plan that unpacks per-token results."""
+    if not pack:
+        return rows, None
+    packing = plan_packing(rows["segment_ids"], row_multiple)
+    return pack_rows(rows, packing, 0), packing
+
+
+def micro_batches(rows: dict[str, np.ndarray], micro_rows: int) -> dict:
+    """Rows as the train step takes them: `[micro-batches, micro_rows, ...]` device arrays."""
+    n = len(rows["tokens"])
+    return {k: jnp.asarray(v.reshape(n // micro_rows, micro_rows, *v.shape[1:])) for k, v in rows.items()}
+
+
 def run(args, results) -> int:
     budget = Budget(args.budget_s)
     cfg = SHAPES[args.shape]
@@ -246,9 +275,11 @@ def run(args, results) -> int:
         return target_stats(cfg, params, hidden, batch["targets"]).logp * batch["loss_mask"]
 
     def recompute(params, batch):  # micro_rows at a time: the logits of all rows at once may not fit
-        keys = ("tokens", "positions", "segment_ids", "targets", "loss_mask")
-        return jnp.concatenate([recompute_rows(params, {k: batch[k][i:i + micro_rows] for k in keys})
-                                for i in range(0, n, micro_rows)])
+        rows, packing = as_trained({k: batch[k] for k in MODEL_ROWS}, micro_rows, args.pack_rows)
+        logp = np.asarray(jnp.concatenate([recompute_rows(params, {k: jnp.asarray(v[i:i + micro_rows])
+                                                                   for k, v in rows.items()})
+                                           for i in range(0, len(rows["tokens"]), micro_rows)]))
+        return (logp if packing is None else unpack_tokens(logp, packing, seq)), rows["tokens"].size
 
     def train(state, gen: Generated, t: dict):
         """The trainer's part of a step on rollout `gen` (phases timed into `t`): rewards,
@@ -258,22 +289,22 @@ def run(args, results) -> int:
                            np.float32)
         t["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        batch = jax.block_until_ready({k: jnp.asarray(v) for k, v in
-                                       rollout_batch(gen.prompts, gen.completions, rewards, args.group, seq).items()})
+        batch = rollout_batch(gen.prompts, gen.completions, rewards, args.group, seq)  # host rows
         t["batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        recomputed = jax.block_until_ready(recompute(gen.params, batch))
+        recomputed, computed = recompute(gen.params, batch)
         # interruptible: tokens of several versions; the anchor is each one's engine log-prob
         batch["old_logp"] = batch["behaviour_logp"] if args.mode == "interruptible" else recomputed
         t["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        update_tokens = 0
         for j in range(args.minibatches):  # [micro-batches, rows, S]
-            micro = {k: v[j * per:(j + 1) * per].reshape(per // micro_rows, micro_rows, *v.shape[1:])
-                     for k, v in batch.items()}
-            state, metrics = fns.update(state, micro, None)
+            rows, _ = as_trained({k: v[j * per:(j + 1) * per] for k, v in batch.items()}, micro_rows, args.pack_rows)
+            update_tokens += rows["tokens"].size
+            state, metrics = fns.update(state, micro_batches(rows, micro_rows), None)
         jax.block_until_ready(metrics["loss"])
         t["optimizer"] = time.perf_counter() - t0
-        return state, metrics, rewards
+        return state, metrics, rewards, {"computed_tokens": update_tokens, "logprobs_computed_tokens": computed}
 
     # an overlapping engine holds a copy: every update donates the trainer's buffers
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
@@ -332,7 +363,7 @@ def run(args, results) -> int:
                 t["weight_sync"] = time.perf_counter() - t0
                 if step + 1 < args.steps:
                     pending = worker.submit(generate, front, served, step + 1, args, cfg.vocab_size)
-        state, metrics, rewards = train(state, gen, t)
+        state, metrics, rewards, computed = train(state, gen, t)
         if not overlap:
             t0 = time.perf_counter()
             acked = engine.update_weights(state.params, int(state.policy_version)).version
@@ -349,6 +380,7 @@ def run(args, results) -> int:
         row = {f"{p}_ms": 1e3 * t[p] for p in (*PHASES, *OVERLAP_PHASES)}
         steps.append(results.row(
             "step", step=step, **row, total_ms=1e3 * total, ack_version=acked, bytes_copied=copied,
+            tokens=n * args.prompt_len + int(lengths.sum()), **computed, pack_rows=args.pack_rows,
             loss=float(metrics["loss"]), reward_mean=float(rewards.mean()), generated_tokens=int(lengths.sum()),
             response_len_mean=float(lengths.mean()), response_len_max=int(lengths.max()),
             engine_idle_frac=gen.idle_frac, mixed_version_samples=sum(int(v.min() != v.max()) for v in versions),

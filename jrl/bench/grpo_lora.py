@@ -4,6 +4,7 @@
                         [--prompts 32] [--group 8] [--prompt-len 256] [--new 1024]
                         [--lengths longtail|fixed] [--minibatches 2] [--micro-batch 8]
                         [--remat full] [--lm-head-chunk 4096] [--steps 3] [--budget-s 240]
+                        [--pack-rows]
 
 The synchronous RL step of `jrl.rl.source` with `optimizer.trainable: lora`: a bf16 base
 that no update touches (`make_step_fns(trainable=...)`: no base gradients, no optimizer
@@ -18,7 +19,10 @@ optimizer steps of the real `grpo` train step, `--micro-batch` rows per micro-ba
 weight_sync (`engine.update_weights` with the adapters; `sync_bytes`: what it received).
 
 `tokens_per_s_gpu`: all tokens of a step (prompts + generated) over its wall time, the
-published GRPO figure's definition. `first_step_s`: step 0, compiles included.
+published GRPO figure's definition, packed or not. `computed_tokens` /
+`logprobs_computed_tokens`: the tokens the update / the recompute ran on, padding included;
+`--pack-rows` packs several samples a row for both (`strategy.options.pack_rows`; rows a
+multiple of `--micro-batch`, so a new packed row count compiles the update once more). `first_step_s`: step 0, compiles included.
 `peak_gib`: the device's peak memory so far (`memory_stats`, GPU only). `logp_diff_*`:
 |engine log-prob - recomputed log-prob| over generated tokens (what merging in bf16 costs).
 Rows: one a step (section `step`), the mean of the steps after the first (`mean`).
@@ -34,12 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.bench.grpo import response_lengths, reward_of, rollout_batch
+from jrl.bench.grpo import MODEL_ROWS, as_trained, micro_batches, response_lengths, reward_of, rollout_batch
 from jrl.bench.shapes import GRPO_174M, LLAMA3_8B, init, tiny_like
 from jrl.bench.timing import Budget
 from jrl.config import LoraConfig, OptimizerConfig, ScheduleConfig
 from jrl.models.lora import lora_params
 from jrl.models.transformer import count_params
+from jrl.rl.batch import unpack_tokens
 from jrl.rollout.config import TOKEN_BUDGET_CAP, EngineConfig
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import SamplingParams
@@ -69,6 +74,7 @@ def add_arguments(p) -> None:
     p.add_argument("--remat", choices=("none", "full", "dots", "dots_no_batch"), default="full")
     p.add_argument("--lm-head-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--pack-rows", action="store_true", help="several samples per trainer row (update and recompute)")
     p.add_argument("--budget-s", type=float, default=1e9, help="no step starts after this (two always run)")
 
 
@@ -98,7 +104,7 @@ def run(args, results) -> int:
     shape = dict(shape=args.shape, params=count_params(params), adapter_params=adapter_params, lora_rank=args.lora,
                  engine_lora=args.engine_lora, rollouts=n, prompts=args.prompts, group=args.group,
                  prompt_len=args.prompt_len, new=args.new, lengths=args.lengths, minibatches=args.minibatches,
-                 micro_batch=args.micro_batch, remat=args.remat)
+                 micro_batch=args.micro_batch, remat=args.remat, pack_rows=args.pack_rows)
     opt_cfg = OptimizerConfig(lr=1e-5, weight_decay=0.0, trainable="lora")
     schedule = make_schedule(ScheduleConfig(), 1000)
     optimizer = build_optimizer(opt_cfg, schedule, params)
@@ -136,20 +142,23 @@ def run(args, results) -> int:
                            np.float32)
         t["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        batch = jax.block_until_ready({k: jnp.asarray(v) for k, v in
-                                       rollout_batch(prompts, completions, rewards, args.group, seq).items()})
+        batch = rollout_batch(prompts, completions, rewards, args.group, seq)  # host rows
         t["batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model_rows = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
-        batch["old_logp"] = jax.block_until_ready(jnp.concatenate([
-            recompute(state.params, {k: batch[k][i:i + args.micro_batch] for k in model_rows})
-            for i in range(0, n, args.micro_batch)]))
+        rows, packing = as_trained({k: batch[k] for k in MODEL_ROWS}, args.micro_batch, args.pack_rows)
+        logp = np.asarray(jnp.concatenate([
+            recompute(state.params, {k: jnp.asarray(v[i:i + args.micro_batch]) for k, v in rows.items()})
+            for i in range(0, len(rows["tokens"]), args.micro_batch)]))
+        batch["old_logp"] = logp if packing is None else unpack_tokens(logp, packing, seq)
+        logprobs_computed = rows["tokens"].size
         t["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        computed = 0
         for j in range(args.minibatches):
-            micro = {k: v[j * per:(j + 1) * per].reshape(per // args.micro_batch, args.micro_batch, *v.shape[1:])
-                     for k, v in batch.items()}
-            state, metrics = fns.update(state, micro, None)
+            rows, _ = as_trained({k: v[j * per:(j + 1) * per] for k, v in batch.items()}, args.micro_batch,
+                                 args.pack_rows)
+            computed += rows["tokens"].size
+            state, metrics = fns.update(state, micro_batches(rows, args.micro_batch), None)
         jax.block_until_ready(metrics["loss"])
         t["update"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -163,13 +172,15 @@ def run(args, results) -> int:
         diff = np.abs(np.asarray(batch["old_logp"]) - np.asarray(batch["behaviour_logp"]))[mask]
         steps.append(results.row(
             "step", step=step, **{f"{p}_ms": 1e3 * t[p] for p in PHASES}, total_ms=1e3 * total,
-            tokens=tokens, generated_tokens=generated, tokens_per_s_gpu=tokens / total,
+            tokens=tokens, computed_tokens=computed, logprobs_computed_tokens=logprobs_computed,
+            generated_tokens=generated, tokens_per_s_gpu=tokens / total,
             decode_tokens_per_s=generated / t["generation"], response_len_mean=generated / n,
             response_len_max=int(max(len(c.tokens) for c in completions)), ack_version=ack.version,
             sync_bytes=ack.bytes_received, peak_gib=peak_gib(), logp_diff_mean=float(diff.mean()),
             logp_diff_max=float(diff.max()), loss=float(metrics["loss"]), **shape))
     timed = steps[1:] or steps
-    keys = (*(f"{p}_ms" for p in PHASES), "total_ms", "tokens", "tokens_per_s_gpu", "decode_tokens_per_s")
+    keys = (*(f"{p}_ms" for p in PHASES), "total_ms", "tokens", "computed_tokens", "logprobs_computed_tokens",
+            "tokens_per_s_gpu", "decode_tokens_per_s")
     mean = {k: statistics.mean(r[k] for r in timed) for k in keys}
     results.row("mean", mean_over=f"{len(timed)} step(s) after the first", **mean,
                 **{f"{p}_pct": 100 * mean[f"{p}_ms"] / mean["total_ms"] for p in PHASES},

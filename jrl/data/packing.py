@@ -102,6 +102,29 @@ def plan_rows(lengths: np.ndarray, seq_len: int, *, pack: bool, overflow: str) -
     return RowPlan(as64(row_ptr), as64(docs), as64(starts), as64(lens))
 
 
+def plan_rows_first_fit(lengths: np.ndarray, seq_len: int) -> RowPlan:
+    """Tighter packing of whole documents (each <= `seq_len` tokens) when their order in a
+    row does not matter: first fit decreasing, longest first (ties: document order), each
+    into the first row with room. Within a row documents keep their order; documents of
+    fewer than 2 tokens are left out. Deterministic."""
+    lengths = np.asarray(lengths, np.int64)
+    if (lengths > seq_len).any():
+        raise ValueError(f"lengths: a document of {int(lengths.max())} tokens does not fit seq_len={seq_len}")
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for d in sorted((d for d in range(len(lengths)) if lengths[d] >= 2), key=lambda d: (-lengths[d], d)):
+        r = next((r for r in range(len(rows)) if used[r] + lengths[d] <= seq_len), len(rows))
+        if r == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[r].append(d)
+        used[r] += int(lengths[d])
+    docs = [d for row in rows for d in sorted(row)]
+    row_ptr = np.cumsum([0] + [len(row) for row in rows])
+    return RowPlan(np.asarray(row_ptr, np.int64), np.asarray(docs, np.int64), np.zeros(len(docs), np.int64),
+                   lengths[np.asarray(docs, np.int64)] if docs else np.zeros(0, np.int64))
+
+
 def _empty(shape: tuple[int, ...], pad_id: int) -> dict[str, np.ndarray]:
     return {
         "tokens": np.full(shape, pad_id, np.int32),

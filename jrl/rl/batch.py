@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jrl.data.packing import plan_rows_first_fit
 
 
 def build_rows(prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
@@ -104,6 +105,70 @@ def stale_tokens(token_version: np.ndarray, loss_mask: np.ndarray, trainer_versi
 def newest_versions(token_version: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     """[rows] the newest version among each row's trained tokens (-1 for a row without)."""
     return np.where(np.asarray(loss_mask) > 0, token_version, -1).max(axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Where each sample of one-sample-per-row rows lies in packed rows: sample i is
+    `length[i]` tokens at `row[i]`, `offset[i]` (length 0: no token, left out)."""
+
+    row: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    rows: int  # packed rows, padding rows included
+
+
+def plan_packing(segment_ids: np.ndarray, row_multiple: int = 1) -> Packing:
+    """Packing (first fit decreasing, `jrl.data.packing.plan_rows_first_fit`: the loss does
+    not depend on where a sample lies) of rows that each hold one sample followed by
+    padding; the packed row count is rounded up to a multiple
+    of `row_multiple` (the trainer's micro-batches times its data-parallel devices), so a
+    run compiles at most `rows / row_multiple` shapes."""
+    seg = np.asarray(segment_ids)
+    seq_len = seg.shape[1]
+    lengths = (seg > 0).sum(axis=1)
+    plan = plan_rows_first_fit(lengths, seq_len)
+    row, offset, length = (np.zeros(len(seg), np.int64) for _ in range(3))
+    for r in range(len(plan)):
+        at = 0
+        for k in range(int(plan.row_ptr[r]), int(plan.row_ptr[r + 1])):
+            d = int(plan.doc[k])
+            row[d], offset[d], length[d] = r, at, plan.length[k]
+            at += int(plan.length[k])
+    rows = max(1, -(-len(plan) // row_multiple)) * row_multiple
+    return Packing(row, offset, length, rows)
+
+
+def pack_rows(rows: dict[str, np.ndarray], packing: Packing, pad_id: int) -> dict[str, np.ndarray]:
+    """Packed rows of one-sample-per-row `rows`: every `[N, T]` field moved into place,
+    `positions` restarting per sample, `segment_ids` 1, 2, ... per sample of a row (so
+    attention never crosses samples), and every per-sample field (`[N]`: advantages,
+    behaviour_version) repeated at each of its sample's tokens. Padding is `pad_id` in
+    `tokens` and `targets`, -1 in `token_version`, 0 elsewhere (as `build_episode_rows`)."""
+    seq_len = rows["segment_ids"].shape[1]
+    fills = {"tokens": pad_id, "targets": pad_id, "token_version": -1}
+    out = {}
+    for k, v in rows.items():
+        fill = fills.get(k, 0)
+        out[k] = np.full((packing.rows, seq_len), fill, v.dtype)
+    for r in range(packing.rows):
+        members = np.flatnonzero((packing.row == r) & (packing.length > 0))
+        for s, i in enumerate(members):
+            a, n = int(packing.offset[i]), int(packing.length[i])
+            for k, v in rows.items():
+                out[k][r, a:a + n] = v[i, :n] if v.ndim == 2 else v[i]
+            out["segment_ids"][r, a:a + n] = s + 1
+    return out
+
+
+def unpack_tokens(packed: np.ndarray, packing: Packing, seq_len: int) -> np.ndarray:
+    """Per-token values of packed rows back in the one-sample-per-row layout `[N, seq_len]`
+    (0 where a sample has no token)."""
+    out = np.zeros((len(packing.row), seq_len), np.asarray(packed).dtype)
+    for i in range(len(packing.row)):
+        a, n = int(packing.offset[i]), int(packing.length[i])
+        out[i, :n] = packed[packing.row[i], a:a + n]
+    return out
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from jrl.rl.placement import Placement, assign_devices
 from jrl.rl.source import RolloutSource
 from jrl.train.callbacks import Callback
 from jrl.train.state import TrainState
-from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
+from jrl.train.initial import load_initial_adapters, load_initial_params, load_run_tokenizer, run_mesh
 from jrl.train.trainer import Trainer
 
 
@@ -48,13 +48,16 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
     tokenizer = load_run_tokenizer(config)
     placement = run_placement(config, options)
     mesh = run_mesh(config.parallel) if placement is None else placement.trainer_mesh
+    adapters_only = config.optimizer.trainable == "lora" and config.model.lora.rank > 0
     source = RolloutSource(options, model_config=config.model, tokenizer=tokenizer, mesh=mesh,
                            seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed,
                            lm_head_chunk=config.lm_head_chunk,
-                           reference_params=lambda: load_initial_params(config, mesh),
+                           reference_params=lambda: (load_initial_adapters(config, mesh) if adapters_only
+                                                     else load_initial_params(config, mesh)),
                            eval_samples=config.eval.samples, placement=placement,
-                           adapters_only=config.optimizer.trainable == "lora" and config.model.lora.rank > 0,
-                           logp_rows=config.data.batch_size // config.data.micro_batches)
+                           adapters_only=adapters_only,
+                           logp_rows=config.data.batch_size // config.data.micro_batches,
+                           micro_batches=config.data.micro_batches)
     callback = RLCallback(source)
     trainer = Trainer(config, callbacks=[*callbacks, callback], output_dir=output_dir, train_source=source,
                       strategy_options=options.loss, tokenizer=tokenizer, mesh=mesh)

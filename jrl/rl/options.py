@@ -114,6 +114,9 @@ class RLOptions:
     # staleness
     off_policy: bool = False
     max_version_lag: int | None = None
+    # several samples per trainer row (segment ids keep them apart): the update and the
+    # log-prob recompute compute their tokens instead of every row's padding
+    pack_rows: bool = False
     # rollout engine settings (EngineConfig fields) and held-out evaluation
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     # devices the engine serves tensor-parallel on (a tensor-only mesh over the first of the
@@ -150,6 +153,7 @@ class RLOptions:
             _check(_is_int(v, lo), name, f"must be an integer >= {lo}, got {v!r}")
         _check(self.advantage in ESTIMATORS, "advantage",
                f"must be one of {list(ESTIMATORS)}, got {self.advantage!r}")
+        _check(isinstance(self.pack_rows, bool), "pack_rows", f"must be true or false, got {self.pack_rows!r}")
         _check(self.adv_eps > 0.0, "adv_eps", f"must be > 0, got {self.adv_eps}")
         _check(self.old_logp in ("engine", "recomputed"), "old_logp",
                f"must be one of ['engine', 'recomputed'], got {self.old_logp!r}")

@@ -14,6 +14,10 @@ mesh spans several processes, a process cannot address the other processes' shar
 params are then first replicated over the trainer's mesh by one jitted all-gather (still
 device to device, no host copy; it needs one full copy per trainer device for a moment) and
 each replica copies from a local trainer device.
+
+LoRA (`adapters_only`): the frozen base moves once, when a replica is built; every later
+sync moves the adapters alone (and gathers only them across processes), as the one engine
+does (`jrl.rl.engines.serve_weights`). `last_sync["weight_sync_gb"]` counts what was copied.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jrl.models.lora import lora_params, with_lora_params
 from jrl.rl.engines import serve_weights
 from jrl.rl.placement import Placement, ReplicaSlot
 from jrl.rollout import Engine, EngineConfig, SamplingParams
@@ -111,8 +116,12 @@ def _local_copy(params: Any, mesh: jax.sharding.Mesh) -> Any:
 class ReplicaPool:
     """This process's engine replicas (and the routing over all replicas of the run)."""
 
-    def __init__(self, placement: Placement, model_config: Any, engine_config: EngineConfig) -> None:
+    def __init__(self, placement: Placement, model_config: Any, engine_config: EngineConfig, *,
+                 adapters_only: bool = False) -> None:
+        """`adapters_only`: the trainer updates only the LoRA factors, so a built replica is
+        handed the adapters alone (module doc)."""
         self.placement = placement
+        self.adapters_only = adapters_only
         self.model_config = model_config
         self.engine_config = engine_config
         self.slots = placement.local_replicas
@@ -162,28 +171,34 @@ class ReplicaPool:
         """Serves `params` as `version` on every local replica and records each one's
         acknowledgement. Returns how many replicas had to be rebuilt."""
         t0 = time.perf_counter()
-        source = _local_copy(params, self.placement.trainer_mesh)
+        mesh = self.placement.trainer_mesh
+        # every local replica built and updated to a new version: the adapters are all that moves
+        adapters = self.adapters_only and all(e is not None and e.version != version for e in self.engines)
+        if adapters:
+            source = with_lora_params(params, _local_copy(lora_params(params), mesh))
+        else:
+            source = _local_copy(params, mesh)
 
-        def one(slot: ReplicaSlot) -> tuple[Engine, bool, int]:
+        def one(slot: ReplicaSlot) -> tuple[Engine, bool, int, int]:
             self._hook(slot, "sync")
             k = self.slots.index(slot)
-            engine, rebuilt, _ = serve_weights(self.engines[k], source, version, self.model_config,
-                                               self.engine_config, self.meshes[k])
+            engine, rebuilt, moved = serve_weights(self.engines[k], source, version, self.model_config,
+                                                   self.engine_config, self.meshes[k], adapters_only=adapters)
             jax.block_until_ready(engine.params)
-            return engine, rebuilt, engine.version
+            return engine, rebuilt, engine.version, moved
 
         results = self._on_every_replica(one, f"weight sync of version {version}")
-        for k, (engine, _, acked) in enumerate(results):
+        for k, (engine, _, acked, _) in enumerate(results):
             self.engines[k] = engine
             self.acks[k] = acked
         self.version = version
         seconds = time.perf_counter() - t0
-        copied = sum(mesh is not None for mesh in self.meshes)
-        gb = copied * sum(x.nbytes for x in jax.tree.leaves(params)) / 1e9
+        # a replica without a mesh of its own serves the trainer's buffers: nothing is copied
+        gb = sum(moved for (_, _, _, moved), m in zip(results, self.meshes) if m is not None) / 1e9
         self.last_sync = {"weight_sync_s": seconds, "weight_sync_gb": gb}
         if gb > 0:
             self.last_sync["weight_sync_s_per_gb"] = seconds / gb
-        return sum(rebuilt for _, rebuilt, _ in results)
+        return sum(rebuilt for _, rebuilt, _, _ in results)
 
     def check_acks(self) -> None:
         """Every replica of the run acknowledged the last synced version, or ReplicaError."""

@@ -77,11 +77,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.config import ConfigError, ModelConfig
+from jrl.config import BATCH_AXES, ConfigError, ModelConfig
 from jrl.data.tasks import Problem
 from jrl.models.lora import lora_params, with_lora_params
 from jrl.rl.advantages import compute_advantages
-from jrl.rl.batch import Rollout, build_rows, newest_versions, stale_groups, stale_tokens
+from jrl.rl.batch import (Rollout, build_rows, newest_versions, pack_rows, plan_packing, stale_groups,
+                          stale_tokens, unpack_tokens)
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems, solved
@@ -114,15 +115,19 @@ class RolloutSource:
     def __init__(self, options: RLOptions, *, model_config: ModelConfig, tokenizer: Any,
                  mesh: jax.sharding.Mesh, seq_len: int, batch_size: int, seed: int, lm_head_chunk: int = 0,
                  reference_params: Callable[[], Any] | None = None, eval_samples: int = 1,
-                 placement: Placement | None = None, adapters_only: bool = False, logp_rows: int = 0) -> None:
+                 placement: Placement | None = None, adapters_only: bool = False, logp_rows: int = 0,
+                 micro_batches: int = 1) -> None:
         """`tokenizer` and `mesh` are the trainer's; `reference_params` returns the frozen
-        reference policy of the KL penalty (called once, when kl_coef > 0);
+        reference policy of the KL penalty (called once, when kl_coef > 0), with
+        `adapters_only` its LoRA factors alone (the reference shares the trainer's base);
         `eval_samples`: sampled completions per held-out problem in `evaluate`;
         `placement` (jrl.rl.placement): engine replicas instead of the one engine;
         `adapters_only`: the trainer updates only the LoRA factors (the base is frozen and
         keeps its buffers), so syncs hand the engine the adapters alone; `logp_rows`: rows
         per log-prob recomputation call (the trainer's micro-batch; 0: the whole rollout at
-        once), which bounds its activation memory."""
+        once), which bounds its activation memory; `micro_batches`: the trainer's
+        (`pack_rows`: packed minibatches have a multiple of it times the data-parallel
+        devices as rows)."""
         self.options = o = options
         self.model_config = model_config
         self.seed = seed
@@ -158,8 +163,10 @@ class RolloutSource:
         self.engine: Engine | None = None
         self.adapters_only = adapters_only
         self.logp_rows = logp_rows
+        self.pack_multiple = micro_batches * int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
         self.last_sync = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}  # the latest sync that moved weights
-        self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config)
+        self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config,
+                                                                          adapters_only=adapters_only)
         self.engine_rebuilds = 0
         self.rl_step = 0
         self.stale_samples_dropped = 0
@@ -195,7 +202,15 @@ class RolloutSource:
         self._logp_chunk = lambda params, rows: jitted(params, rows, batch_max_segments(rows["segment_ids"]))
 
     def _logp_fn(self, params: Any, rows: dict) -> np.ndarray:
-        """Response log-probs of `rows` under `params`, `logp_rows` rows at a time."""
+        """Response log-probs of `rows` (one sample a row) under `params`, `logp_rows` rows at
+        a time; `pack_rows`: computed on the packed rows, returned in the rows' layout."""
+        if not self.options.pack_rows:
+            return self._logp_rows(params, rows)
+        packing = plan_packing(rows["segment_ids"], max(self.logp_rows, 1))
+        packed = pack_rows(rows, packing, self.tokenizer.pad_id)
+        return unpack_tokens(self._logp_rows(params, packed), packing, self.seq_len)
+
+    def _logp_rows(self, params: Any, rows: dict) -> np.ndarray:
         n = len(rows["tokens"])
         step = self.logp_rows if 0 < self.logp_rows < n and n % self.logp_rows == 0 else n
         return np.concatenate([np.asarray(self._logp_chunk(params, {k: v[i:i + step] for k, v in rows.items()}))
@@ -229,13 +244,15 @@ class RolloutSource:
         if self.interruptible and (self._shared is None or self._shared.engine is not self.engine):
             self._shared = SharedEngine(self.engine)  # here, in the trainer's thread: one per engine
 
-    def reference_params(self) -> Any:
-        """The frozen reference policy of the KL penalty: the run's initial params."""
+    def reference_params(self, params: Any) -> Any:
+        """The frozen reference policy of the KL penalty: the run's initial params. LoRA
+        (`adapters_only`): the frozen base arrays of `params` (the trainer's, never
+        rewritten) with the initial adapters, so the base is never held twice."""
         if self._reference is None:
             if self._reference_fn is None:
                 raise ValueError("reference_params: needed for kl_coef > 0, not given to the RolloutSource")
             self._reference = self._reference_fn()
-        return self._reference
+        return with_lora_params(params, self._reference) if self.adapters_only else self._reference
 
     # ------------------------------------------------------------------ generation
     def prompt_ids(self, problems: list[Problem], remember: bool = True) -> list[np.ndarray]:
@@ -341,7 +358,7 @@ class RolloutSource:
         else:
             rows["is_weight"] = mask.copy()
         if o.kl_coef > 0:
-            rows["ref_logp"] = np.asarray(self._logp_fn(self.reference_params(), self._model_inputs(rows))) * mask
+            rows["ref_logp"] = np.asarray(self._logp_fn(self.reference_params(params), self._model_inputs(rows))) * mask
         else:
             rows["ref_logp"] = np.zeros_like(mask)
         recompute_s = time.perf_counter() - t1
@@ -470,7 +487,10 @@ class RolloutSource:
         idx = self._batches[self._next]
         self._next += 1
         self._batches_served += 1
-        return {k: v[idx] for k, v in self._rows.items()}
+        batch = {k: v[idx] for k, v in self._rows.items()}
+        if self.options.pack_rows:
+            batch = pack_rows(batch, plan_packing(batch["segment_ids"], self.pack_multiple), self.tokenizer.pad_id)
+        return batch
 
     def _start_rollout(self, state: Any) -> None:
         o = self.options

@@ -16,7 +16,8 @@ from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import load_tokenizer
 from jrl.hf import load_pretrained
 from jrl.models import init_params
-from jrl.parallel import init_sharded_params, make_mesh, shard_params
+from jrl.models.lora import lora_params
+from jrl.parallel import init_sharded_params, make_mesh, param_shardings, shard_params
 
 def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
     """(checkpoint root, step or None for the latest) from a run dir, a root or a step dir."""
@@ -108,3 +109,17 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
         loaded = state["params"] if isinstance(state, dict) else state.params
     template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
     return shard_params(mc, _overlay(template, loaded, src), mesh)
+
+
+def load_initial_adapters(config: TrainConfig, mesh: Mesh) -> Any:
+    """The LoRA factors of `load_initial_params(config, mesh)`, sharded alike, without a
+    second copy of the base on the devices when they are seeded (no `init_from`, or `hf:`,
+    which holds no adapters): the jitted init returns the factors alone, so XLA drops the
+    base's init (the factors' random bits do not depend on it). From a jrl checkpoint they
+    are its own, read with the rest of it."""
+    src = config.init_from
+    if src is not None and not src.startswith("hf:"):
+        return lora_params(load_initial_params(config, mesh))
+    mc = config.model
+    init = jax.jit(lambda key: lora_params(init_params(mc, key)), out_shardings=lora_params(param_shardings(mc, mesh)))
+    return init(jax.random.key(config.seed))

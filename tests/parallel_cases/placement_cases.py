@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from common import SPLIT, assert_eight_devices, grpo_config, run
-from jrl.config import ConfigError
+from jrl.config import ConfigError, LoraConfig
 from jrl.metrics_log import read_metrics
+from jrl.models.lora import lora_params
 from jrl.rl import build_learner
 from jrl.rl.placement import EnginePlacement, PlacementConfig, TrainerPlacement, assign_devices
 from jrl.rl.replicas import ReplicaError
@@ -173,3 +174,18 @@ def test_a_split_trainer_that_does_not_fit_beside_the_engines_is_refused():
                                           r"\(6 free per process\)"):
         assign_devices(PlacementConfig(trainer=TrainerPlacement(fsdp=8), mode="split",
                                        engines=EnginePlacement(replicas=2)))
+
+
+def test_a_lora_run_syncs_each_replica_the_adapters_alone(tmp_path):
+    config = split_config()
+    model = dataclasses.replace(config.model, param_dtype="bfloat16",
+                                lora=LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "down"), dtype="float32"))
+    config = dataclasses.replace(config, model=model, optimizer=dataclasses.replace(config.optimizer, trainable="lora"))
+    learner, _, rows = run(config, tmp_path)
+    params = learner.trainer.state.params
+    full, adapters = (sum(x.nbytes for x in jax.tree.leaves(t)) for t in (params, lora_params(params)))
+    rollouts = [r for r in rows if "rl_step" in r]
+    # two replicas with their own devices: built with the whole params, then the adapters each sync
+    assert rollouts[0]["weight_sync_gb"] == 2 * full / 1e9
+    assert [r["weight_sync_gb"] for r in rollouts[1:]] == [2 * adapters / 1e9]
+    assert learner.source.replicas.acks == [2, 2]

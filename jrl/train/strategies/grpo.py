@@ -22,6 +22,10 @@ their advantages; this module only sees arrays):
 
 All arrays are `[B, T]` over the *target* positions of the sequences (the token whose
 log-probability is taken), `mask` is 1.0 on trained response tokens and 0.0 elsewhere.
+Rows hold one sample each (`advantages [B]`), or several packed back to back
+(`strategy.options.pack_rows`): then `advantages` is per token `[B, T]` and `sample_ids`
+names each token's sample, so every per-sample quantity (the `seq_mean` / `dr_grpo`
+normalisation, GSPO's ratio) is the same as for the unpacked rows.
 """
 
 from __future__ import annotations
@@ -109,6 +113,32 @@ def truncated_is_weights(old_logp: jax.Array, behaviour_logp: jax.Array, cap: fl
     return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - behaviour_logp), cap))
 
 
+class Samples(NamedTuple):
+    """Which sample each token belongs to: `ids [B, T]` in `[0, count)`, or None when
+    every row is one sample (row i is sample i)."""
+
+    ids: jax.Array | None
+    count: int
+
+    @staticmethod
+    def of(segment_ids: jax.Array, packed: bool) -> "Samples":
+        """Samples of a batch: row i for unpacked rows; (row, segment) for packed ones."""
+        if not packed:
+            return Samples(None, 0)
+        b, t = segment_ids.shape
+        return Samples(jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + segment_ids, b * (t + 1))
+
+    def sums(self, x: jax.Array) -> jax.Array:
+        """Per-sample sums of a `[B, T]` array."""
+        if self.ids is None:
+            return x.sum(axis=1)
+        return jax.ops.segment_sum(x.reshape(-1), self.ids.reshape(-1), num_segments=self.count)
+
+    def to_tokens(self, v: jax.Array) -> jax.Array:
+        """A per-sample value at every token of its sample, `[B, T]` (or `[B, 1]`)."""
+        return v[:, None] if self.ids is None else v[self.ids]
+
+
 class ObjectiveParts(NamedTuple):
     """`loss = numerator / denominator`; sums over micro-batches before dividing."""
 
@@ -119,19 +149,22 @@ class ObjectiveParts(NamedTuple):
 
 def grpo_objective(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
                    mask: jax.Array, config: GRPOLossConfig, *, ref_logp: jax.Array | None = None,
-                   is_weights: jax.Array | None = None) -> ObjectiveParts:
+                   is_weights: jax.Array | None = None, samples: Samples | None = None) -> ObjectiveParts:
     """The GRPO surrogate for one (micro-)batch. `logp` carries the gradient; `old_logp`
     (the anchor of the clipped ratio), `ref_logp` and `is_weights` are constants. With
-    `ratio: sequence` the ratio of every token of row i is GSPO's `s_i` (the row's mean
-    log-ratio over `mask`), so one micro-batch must hold whole rows (it always does)."""
+    `ratio: sequence` the ratio of every token of sample i is GSPO's `s_i` (the sample's
+    mean log-ratio over `mask`), so one micro-batch must hold whole samples (it always
+    does). `samples`: packed rows (module doc); `advantages` is then per token."""
+    samples = Samples(None, 0) if samples is None else samples
     mask = mask.astype(jnp.float32)
     old_logp = jax.lax.stop_gradient(old_logp)
-    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))[:, None]
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    adv = adv[:, None] if adv.ndim == 1 else adv
     stop = jax.lax.stop_gradient
     log_ratio = logp - old_logp
     if config.ratio == "sequence":
-        n_tokens = mask.sum(axis=1, keepdims=True)
-        seq_log_ratio = (log_ratio * mask).sum(axis=1, keepdims=True) / jnp.maximum(n_tokens, 1.0)
+        n_tokens = samples.sums(mask)
+        seq_log_ratio = samples.to_tokens(samples.sums(log_ratio * mask) / jnp.maximum(n_tokens, 1.0))
         ratio = jnp.exp(stop(seq_log_ratio)) * jnp.exp(logp - stop(logp))
     else:
         ratio = jnp.exp(log_ratio)
@@ -153,8 +186,8 @@ def grpo_objective(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
     elif ref_logp is not None:
         kl = k3_kl(logp, jax.lax.stop_gradient(ref_logp))
 
-    tokens_per_seq = mask.sum(axis=1)
-    token_sum_per_seq = (per_token * mask).sum(axis=1)
+    tokens_per_seq = samples.sums(mask)
+    token_sum_per_seq = samples.sums(per_token * mask)
     if config.aggregation == "token_mean":
         numerator = token_sum_per_seq.sum()
         denominator = tokens_per_seq.sum()
@@ -179,10 +212,11 @@ def grpo_objective(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
 
 def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
               config: GRPOLossConfig, *, ref_logp: jax.Array | None = None,
-              is_weights: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              is_weights: jax.Array | None = None,
+              samples: Samples | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The scalar GRPO loss of one whole batch and its token-mean metrics."""
     parts = grpo_objective(logp, old_logp, advantages, mask, config, ref_logp=ref_logp,
-                           is_weights=is_weights)
+                           is_weights=is_weights, samples=samples)
     loss = parts.numerator / jnp.maximum(parts.denominator, 1e-9)
     n = jnp.maximum(parts.metrics["tokens"], 1.0)
     metrics = {
@@ -212,14 +246,16 @@ def policy_stats(config: ModelConfig, params: Any, batch: dict, temperature: flo
 
 
 def grpo_loss_fn(config: ModelConfig, params: Any, batch: dict, ctx: LossContext) -> LossOutput:
-    """The `grpo` strategy's loss for one micro-batch of rollout rows (docs/rl.md)."""
+    """The `grpo` strategy's loss for one micro-batch of rollout rows (docs/rl.md); rows
+    whose `advantages` are per token are packed (several samples a row, `segment_ids`)."""
     opts: GRPOLossConfig = ctx.options
     stats, aux = policy_stats(config, params, batch, opts.temperature, ctx.chunk_size)
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
+    samples = Samples.of(jnp.asarray(batch["segment_ids"], jnp.int32), jnp.ndim(batch["advantages"]) == 2)
     parts = grpo_objective(
         stats.logp, batch["old_logp"], batch["advantages"], mask, opts,
         ref_logp=batch["ref_logp"] if opts.kl_coef > 0 else None,
-        is_weights=batch["is_weight"] if opts.tis_cap > 0 else None)
+        is_weights=batch["is_weight"] if opts.tis_cap > 0 else None, samples=samples)
     total, weight = parts.numerator, parts.denominator
     n = parts.metrics["tokens"]
     logp = jax.lax.stop_gradient(stats.logp)
@@ -229,9 +265,11 @@ def grpo_loss_fn(config: ModelConfig, params: Any, batch: dict, ctx: LossContext
         "entropy": metric(stats.entropy, mask),
         "kl_behaviour": metric(k3_kl(logp, batch["behaviour_logp"]), mask),
     }
-    trained_rows = jnp.any(mask > 0, axis=1)
+    # the mean lag over trained samples (a packed row carries its samples' versions per token)
     lag = (ctx.policy_version - batch["behaviour_version"]).astype(jnp.float32)
-    metrics["version_lag"] = metric(lag, trained_rows)
+    lag = lag if lag.ndim == 2 else lag[:, None] * jnp.ones_like(mask)
+    tokens = samples.sums(mask)
+    metrics["version_lag"] = metric(samples.sums(lag * mask) / jnp.maximum(tokens, 1.0), tokens > 0)
     if opts.kl_coef > 0:
         metrics["kl_ref"] = (parts.metrics["kl_sum"], n)
     if config.is_moe:
