@@ -3,6 +3,7 @@ versions, weight sync, staleness, resume, skipped updates, engine/trainer log-pr
 
 import dataclasses
 import threading
+import time
 
 import jax
 import numpy as np
@@ -365,6 +366,7 @@ def interruptible_run(tmp_path, monkeypatch, **options):
 
     def generate_and_note(self, params, version, rl_step):
         if rl_step == 2:
+            current["source"] = self
             ahead.set()
         else:
             current.update(rl_step=rl_step, steps=0)
@@ -376,6 +378,12 @@ def interruptible_run(tmp_path, monkeypatch, **options):
         current["steps"] = current.get("steps", 0) + 1
         if current.get("rl_step") == 1 and current["steps"] == 2:
             assert ahead.wait(timeout=120)
+            # and until the third rollout's requests are queued or already in the engine
+            deadline = time.monotonic() + 120
+            while not (current["source"]._shared._queue or any(r.rid >= 32 for r in self.scheduler.waiting)
+                       or any(ids and ids[-1] >= 32 for ids in running)):
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
         return out
 
     monkeypatch.setattr(Engine, "step", step_then_wait)

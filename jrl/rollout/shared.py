@@ -3,8 +3,11 @@
 An Engine is driven by one thread at a time. When two generations should share its rows
 (the RL loop's interruptible mode starts rollout k+2 while the long tail of rollout k+1 is
 still decoding, so the rows the tail frees take new requests), each caller queues its
-requests under one lock, and whichever caller holds the lock steps the engine for all of
-them, keeping the completions of the others until they collect them.
+requests, and whichever caller holds the step lock adds every queued request before its
+next step and steps the engine for all of them, keeping the completions of the others until
+they collect them. Queuing never waits for the step lock, so a new generation joins at the
+next step even while another thread steps back to back (a lock is not fair: a waiter could
+otherwise wait until the stepping thread's requests are all done).
 
     shared = SharedEngine(engine)
     outs = shared.generate(prompts, sampling, max_new_tokens=64)  # from any thread
@@ -20,11 +23,33 @@ from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 
 
+class _Queued:
+    """One caller's requests, waiting for the stepping thread to add them."""
+
+    def __init__(self, args: tuple) -> None:
+        self.args = args
+        self.ids: list[int] | None = None
+        self.error: BaseException | None = None
+
+
 class SharedEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held while adding to or stepping the engine
+        self._queue_lock = threading.Lock()  # held only to append to / take the queue
+        self._queue: list[_Queued] = []
         self._done: dict[int, Completion] = {}  # finished, not yet collected by their caller
+
+    def _add_queued(self) -> None:
+        """Adds every queued caller's requests (under the step lock); a refused batch is
+        handed back to its caller as its error."""
+        with self._queue_lock:
+            queued, self._queue = self._queue, []
+        for q in queued:
+            try:
+                q.ids = self.engine.add_requests(*q.args)
+            except Exception as e:  # noqa: BLE001 - the caller whose requests these are raises it
+                q.error = e
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -34,10 +59,15 @@ class SharedEngine:
         run beside those of the others (one batch, one step at a time); completions in
         prompt order."""
         engine = self.engine
-        with self._lock:
-            ids = engine.add_requests(prompts, sampling, max_new_tokens, eos_ids, stop_sequences)
+        mine = _Queued((prompts, sampling, max_new_tokens, eos_ids, stop_sequences))
+        with self._queue_lock:
+            self._queue.append(mine)
         while True:
             with self._lock:
+                self._add_queued()
+                if mine.error is not None:
+                    raise mine.error
+                ids = mine.ids
                 if all(i in self._done for i in ids):
                     return [self._done.pop(i) for i in ids]
                 if not engine.has_work:
