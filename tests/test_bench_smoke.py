@@ -4,10 +4,13 @@ values are finite and positive, never wall-clock thresholds."""
 
 import json
 import math
+import os
+import threading
 
 import numpy as np
 import pytest
 
+import jrl.bench.grpo as grpo_module
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.grpo import response_lengths
 from jrl.bench.train import add_scaling
@@ -183,8 +186,9 @@ def test_placement_times_a_grpo_step_per_layout(tmp_path):
     rows = bench(tmp_path, "placement", "--layouts", "colocated")  # split needs a second device
     (r,) = section(rows, "layout")
     assert (r["layout"], r["trainer_devices"], r["replicas"], r["mean_over"]) == ("colocated", 1, 1, 1)
-    positive(r, "grpo_step_ms", "generate_ms", "rollout_tokens_per_s", "weight_sync_ms")
-    assert r["weight_sync_gb"] == 0 and r["weight_sync_s_per_gb"] is None  # one device: served in place
+    positive(r, "grpo_step_ms", "generate_ms", "rollout_tokens_per_s")
+    # one device: the engine serves the trainer's arrays in place, so no sync moves (or times) weights
+    assert (r["weight_sync_ms"], r["weight_sync_gb"], r["weight_sync_s_per_gb"]) == (0, 0, None)
 
 
 def test_train_reports_throughput_and_mfu(tmp_path):
@@ -271,3 +275,48 @@ def test_grpo_lora_reports_tokens_per_second_phases_and_adapter_only_syncs(tmp_p
     positive(mean, "generation_ms", "logprobs_ms", "update_ms", "weight_sync_ms", "total_ms", "tokens_per_s_gpu",
              "first_step_s")
     assert mean["tokens"] == steps[1]["tokens"] == 8 * 16 + steps[1]["generated_tokens"]
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "interruptible"])
+def test_grpo_overlapped_modes_run_every_trainer_program_before_the_rollout_thread(tmp_path, monkeypatch, mode):
+    events = []
+    warm, generate = grpo_module.warm_trainer, grpo_module.generate
+
+    def warm_and_note(*args, **kwargs):
+        events.append(("warm", threading.current_thread().name))
+        return warm(*args, **kwargs)
+
+    def generate_and_note(engine, params, step, *args):
+        events.append((f"generate {step}", threading.current_thread().name))
+        return generate(engine, params, step, *args)
+
+    monkeypatch.setattr(grpo_module, "warm_trainer", warm_and_note)
+    monkeypatch.setattr(grpo_module, "generate", generate_and_note)
+    rows = bench(tmp_path, "grpo", "--steps", "2", "--mode", mode)
+    assert events[0] == ("warm", threading.current_thread().name)
+    assert [e for e, _ in events[1:3]] == ["generate 0", "generate 1"]
+    assert all(name.startswith("bench-rollout") for _, name in events[1:])
+    (warmup,) = section(rows, "warmup")
+    positive(warmup, "warmup_ms")
+    assert [r["ack_version"] for r in section(rows, "step")] == [0, 2]  # the warm-up updated a copy
+
+
+def test_grpo_sync_mode_runs_no_warm_up(tmp_path):
+    assert section(bench(tmp_path, "grpo", "--steps", "1"), "warmup") == []
+
+
+def test_grpo_command_buffers_off_reaches_xla_flags_before_the_run_and_is_undone(monkeypatch):
+    seen = {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    monkeypatch.setattr(grpo_module, "run", lambda args, results: seen.update(flags=os.environ["XLA_FLAGS"]))
+    assert main(["grpo", "--tiny", "--command-buffers", "off"]) == 0
+    assert seen["flags"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer="
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+
+
+def test_grpo_keeps_xlas_command_buffers_by_default(monkeypatch):
+    seen = {}
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(grpo_module, "run", lambda args, results: seen.update(flags=os.environ.get("XLA_FLAGS")))
+    assert main(["grpo", "--tiny"]) == 0
+    assert seen == {"flags": None}

@@ -41,7 +41,8 @@ MIN_PER_PHASE = 3
 MAX_ATTEMPTS = 30
 SEED = 18
 STEPS = 12
-TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu")
+# weight_sync_*: how a sync went (a resumed run builds its engine anew), not what was trained
+TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu", "weight_sync_s", "weight_sync_bytes")
 # The seeded delay after a phase starts is uniform in [0, this]. A process's first
 # rollout and update compile (a second or more on CPU), later ones take milliseconds; a
 # save takes a few hundred ms after its staging directory appears (Orbax write, hashing,

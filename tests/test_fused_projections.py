@@ -229,11 +229,12 @@ def test_fuse_projections_default_is_on_for_gpu_only_and_off_where_it_does_not_a
         TuningOverrides(fuse_projections="yes")
 
 
-@pytest.mark.parametrize("config,message", [(LORA, "LoRA adapters on"), (MLA_MOE, "nothing to fuse")],
-                         ids=["lora", "mla_moe"])
-def test_explicit_fusion_where_it_does_not_apply_is_a_config_error(config, message):
+@pytest.mark.parametrize("config,lora,message", [(LORA, "unmerged", "LoRA adapters on"),
+                                                 (MLA_MOE, "merge", "nothing to fuse")],
+                         ids=["unmerged_lora", "mla_moe"])
+def test_explicit_fusion_where_it_does_not_apply_is_a_config_error(config, lora, message):
     with pytest.raises(ConfigError, match=f"tuning.fuse_projections: {message}"):
-        Engine(config, init(config, jax.random.key(0)), EngineConfig(**ENGINE), tuning=FUSED)
+        Engine(config, init(config, jax.random.key(0)), EngineConfig(**ENGINE, lora=lora), tuning=FUSED)
 
 
 @pytest.fixture
@@ -244,11 +245,12 @@ def fusion_on_by_default(monkeypatch):
     monkeypatch.setitem(BACKEND_DEFAULTS, backend, dataclasses.replace(defaults, fuse_projections=True))
 
 
-def test_default_fusion_serves_lora_params_as_given(fusion_on_by_default):
-    # RL with LoRA hands the engine the trainer's params, adapters included (jrl/train/rl.py)
+def test_default_fusion_applies_to_merged_lora_and_not_to_unmerged_adapters(fusion_on_by_default):
+    # merged: the engine serves the base model's layout, which fuses; unmerged adapters
+    # sit on q and v, so their projections stay separate
     params = init(LORA, jax.random.key(0))
-    engine = Engine(LORA, params, EngineConfig(**ENGINE))
-    assert engine.tuning.fuse_projections is False and engine.params is params
+    assert Engine(LORA, params, EngineConfig(**ENGINE)).tuning.fuse_projections is True
+    assert Engine(LORA, params, EngineConfig(**ENGINE, lora="unmerged")).tuning.fuse_projections is False
     assert Engine(PLAIN, init(PLAIN, jax.random.key(0)), EngineConfig(**ENGINE)).tuning.fuse_projections is True
 
 

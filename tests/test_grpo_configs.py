@@ -7,7 +7,7 @@ import pytest
 from jrl.config import ConfigError, load_train_config
 from jrl.launch import main
 from jrl.train.defaults import default_run
-from jrl.rl.options import RLOptions
+from jrl.rl.options import FP8_TIS_CAP, RLOptions
 from jrl.rl.warm_start import warm_start_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -55,3 +55,47 @@ def test_lora_8b_config_is_llama3_8b_with_only_the_adapters_trainable(capsys):
     # Llama-3-8B's 8,030,261,248 parameters + rank-16 adapters on 7 projections of 32 layers
     adapters = 32 * 16 * ((4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 3)
     assert f"# parameters: {8_030_261_248 + adapters:,} ({adapters:,} trainable)" in capsys.readouterr().out
+
+
+FP8_ENGINES = [{"kv_dtype": "float8_e4m3fn"}, {"weight_dtype": "float8_e4m3fn"}]
+
+
+@pytest.mark.parametrize("engine", FP8_ENGINES)
+def test_fp8_rollouts_default_to_recomputed_anchor_with_tis(engine):
+    options = RLOptions.from_config({"engine": engine})
+    assert (options.old_logp, options.tis_cap, options.notes) == ("recomputed", FP8_TIS_CAP, ())
+    assert FP8_TIS_CAP == 2.0
+
+
+def test_bf16_rollouts_keep_the_engine_anchor():
+    options = RLOptions.from_config({"engine": {"page_size": 32}})
+    assert (options.old_logp, options.tis_cap) == ("engine", 0.0)
+
+
+def test_explicit_tis_cap_wins_with_fp8_rollouts():
+    options = RLOptions.from_config({"engine": FP8_ENGINES[0], "tis_cap": 5.0})
+    assert (options.old_logp, options.tis_cap, options.notes) == ("recomputed", 5.0, ())
+
+
+@pytest.mark.parametrize("written, anchor, cap, warned", [
+    ({"old_logp": "engine"}, "engine", 0.0, "strategy.options.old_logp: engine with fp8 rollouts"),
+    ({"tis_cap": 0.0}, "recomputed", 0.0, "strategy.options.tis_cap: 0 with fp8 rollouts"),
+])
+def test_explicit_settings_against_the_fp8_defaults_win_with_a_warning(written, anchor, cap, warned):
+    options = RLOptions.from_config({"engine": FP8_ENGINES[0], **written})
+    assert (options.old_logp, options.tis_cap) == (anchor, cap)
+    assert len(options.notes) == 1 and options.notes[0].startswith(warned)
+
+
+def test_interruptible_generation_with_fp8_rollouts_needs_the_engine_anchor_written():
+    engine = {**FP8_ENGINES[0], "on_weight_update": "continue"}
+    with pytest.raises(ConfigError, match=r"strategy.options.old_logp: .*strategy.options.engine.on_weight_update"):
+        RLOptions.from_config({"off_policy": True, "engine": engine})
+    options = RLOptions.from_config({"off_policy": True, "engine": engine, "old_logp": "engine"})
+    assert options.old_logp == "engine" and len(options.notes) == 1
+
+
+def test_the_fp8_rollouts_snippet_of_docs_rl_dry_runs(capsys):
+    # docs/rl.md "fp8 rollouts", as command-line overrides of the default run
+    assert main(["--dry-run", "strategy.options.engine={kv_dtype: float8_e4m3fn, weight_dtype: float8_e4m3fn}"]) == 0
+    assert "kv_dtype: float8_e4m3fn" in capsys.readouterr().out

@@ -146,6 +146,35 @@ def test_off_policy_samples_lag_one_rollout_and_overlap_training(tmp_path):
     assert all(r["logp_diff_max"] <= 1e-5 for r in rollouts)
 
 
+class CountUpdates(Callback):
+    """Counts the optimizer steps the trainer has finished."""
+
+    def __init__(self):
+        self.done = 0
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        self.done += 1
+
+
+def test_off_policy_generates_beside_the_trainer_only_after_its_first_update(tmp_path, monkeypatch):
+    # so that every program of both threads is loaded with one thread dispatching (a GPU's
+    # cuDNN graph load runs a stream capture another thread's launches can break)
+    updates, started = CountUpdates(), {}
+    generate = source_module.RolloutSource.generate
+
+    def generate_and_note(self, params, version, rl_step):
+        started[rl_step] = (threading.current_thread().name, updates.done)
+        return generate(self, params, version, rl_step)
+
+    monkeypatch.setattr(source_module.RolloutSource, "generate", generate_and_note)
+    _, rows = run(tiny(steps=6, off_policy=True), tmp_path, callbacks=[updates])
+    assert started[0][1] == 0  # the first rollout: the trainer waits for it
+    assert len(started) >= 3 and all(n >= 1 for _, n in list(started.values())[1:])
+    assert all(name.startswith("jrl-rollout") for name, _ in started.values())
+    # when a rollout starts changes, not what it holds
+    assert [r["behaviour_version"] for r in rollout_rows(rows)] == [0, 0, 2]
+
+
 def test_samples_older_than_max_version_lag_are_dropped_and_counted(tmp_path):
     _, rows = run(tiny(steps=6, off_policy=True, max_version_lag=1), tmp_path)
     rollouts = rollout_rows(rows)

@@ -4,11 +4,14 @@ a cap (32768 tokens with a device memory figure, 1024 without one, i.e. on the C
 what an eighth of the device's free memory holds of one step's activations, and never
 below max_batch. The RL loop's engines (`jrl.rl.engines.engine_config_for`) get the same rule."""
 
+import dataclasses
+
 import pytest
 
 from jrl.bench.shapes import ROLLOUT_082B
 from jrl.config import ConfigError, ModelConfig
-from jrl.rollout.config import device_free_memory, engine_config_for_workload, step_bytes_per_token, token_budget
+from jrl.rollout.config import (EngineConfig, check_kv_page_size, device_free_memory, engine_config_for_workload,
+                                step_bytes_per_token, token_budget)
 from jrl.rl import engines
 from jrl.rl.options import RLOptions
 
@@ -27,7 +30,7 @@ def test_moe_counts_the_experts_a_token_runs():
 
 
 @pytest.mark.parametrize("max_batch,prompt_tokens,want", [
-    (1, 5, 16),  # never below the smallest bucket
+    (1, 5, 64),  # never below the smallest default token bucket
     (1, 512, 512),
     (1, 700, 1024),
     (16, 16 * 512, 8192),  # batch 16 of 512: one prefill step
@@ -40,7 +43,7 @@ def test_gpu_budget_covers_the_prompts_up_to_the_cap(max_batch, prompt_tokens, w
     assert token_budget(max_batch, prompt_tokens, 100 * GIB, 108544) == want
 
 
-@pytest.mark.parametrize("max_batch,prompt_tokens,want", [(1, 32, 32), (16, 512, 512), (16, 8192, 1024),
+@pytest.mark.parametrize("max_batch,prompt_tokens,want", [(1, 32, 64), (1, 100, 128), (16, 512, 512), (16, 8192, 1024),
                                                           (256, 131072, 1024)])
 def test_cpu_budget_is_capped_at_1024(max_batch, prompt_tokens, want):
     assert token_budget(max_batch, prompt_tokens) == want
@@ -78,6 +81,42 @@ def test_workload_sizing_refuses_bad_inputs():
         engine_config_for_workload(64, 4, free_memory=GIB)
     with pytest.raises(ConfigError, match="engine.max_tokens_per_step"):
         engine_config_for_workload(64, 4, max_batch=64, max_tokens_per_step=32)
+
+
+FP8_KV = "float8_e4m3fn"
+
+
+def test_fp8_kv_gets_pages_of_32_tokens_by_default():
+    assert engine_config_for_workload(256, 8).page_size == 16
+    assert engine_config_for_workload(256, 8, kv_dtype=FP8_KV).page_size == 32
+
+
+def test_an_explicit_page_size_wins_over_the_fp8_default():
+    assert engine_config_for_workload(256, 8, page_size=64, kv_dtype=FP8_KV).page_size == 64
+    # on the CPU the reference reads any page size
+    assert engine_config_for_workload(256, 8, page_size=16, kv_dtype=FP8_KV).page_size == 16
+
+
+GQA = ModelConfig(n_heads=4, n_kv_heads=2, head_dim=64)
+
+
+def test_fp8_kv_pages_the_gpu_kernels_cannot_read_name_engine_page_size():
+    config = EngineConfig(page_size=16, kv_dtype=FP8_KV)
+    with pytest.raises(ConfigError, match="engine.page_size: must be a multiple of 32 with engine.kv_dtype"):
+        check_kv_page_size(config, GQA, "gpu")
+    with pytest.raises(ConfigError, match="engine.page_size"):  # the kernel forced, on any backend
+        check_kv_page_size(dataclasses.replace(config, attention_impl="interpret"), GQA, "cpu")
+
+
+@pytest.mark.parametrize("config, model, backend", [
+    (EngineConfig(page_size=16, kv_dtype=FP8_KV), GQA, "cpu"),  # auto: the reference
+    (EngineConfig(page_size=16, kv_dtype=FP8_KV, attention_impl="reference"), GQA, "gpu"),
+    (EngineConfig(page_size=16, kv_dtype=FP8_KV), ModelConfig(attention="mla"), "gpu"),  # MLA: the reference
+    (EngineConfig(page_size=32, kv_dtype=FP8_KV), GQA, "gpu"),
+    (EngineConfig(page_size=16), GQA, "gpu"),  # bf16 KV: pages of a multiple of 8 suit the kernels
+])
+def test_fp8_kv_pages_are_fine_where_no_kernel_reads_them_or_they_are_multiples_of_32(config, model, backend):
+    check_kv_page_size(config, model, backend)
 
 
 def test_rl_engines_are_sized_by_the_same_rule_with_the_devices_free_memory(monkeypatch):

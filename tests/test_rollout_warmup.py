@@ -9,17 +9,18 @@ import jax
 import numpy as np
 import pytest
 
-from jrl.config import ModelConfig
+from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig, SamplingParams, TuningOverrides
 from jrl.rollout.api import config_for_prompts
 from jrl.rollout.engine import sampling_variants
 from jrl.rollout.executor import StepFunction
+from jrl.rollout.tuning import resolve_tuning
 
 MODEL = ModelConfig(max_position_embeddings=2048)  # tiny float32 GQA model
 # The GPU defaults that shape layouts (jrl.rollout.tuning.BACKEND_DEFAULTS["gpu"]), on CPU.
 GPU_LIKE = TuningOverrides(decode_steps_per_call=4, multi_step_max_rows=128, min_decode_rows=2,
-                           unroll_layers=True)
+                           unroll_layers=True, full_width_prefill=True)
 SAMPLE = SamplingParams(temperature=1.0)
 FILTER = SamplingParams(temperature=0.8, top_p=0.9)
 PENALTY = SamplingParams(temperature=1.0, repetition_penalty=1.2)
@@ -90,6 +91,16 @@ def test_mixed_sampling_chunked_prefill_and_preemption(params, tuning):
     assert set(used) <= warmed, sorted(set(used) - warmed, key=str)
 
 
+def test_prompt_chunks_that_do_not_sample_run_their_requests_variant(params):
+    # A 100-token prompt in 32-token chunks: the first three sample nothing, yet run the
+    # request's own variant, so the warmed layouts need no all-greedy prefill program.
+    config = EngineConfig(page_size=8, n_pages=32, max_batch=2, max_tokens_per_step=32, max_seq_len=128)
+    engine = Engine(MODEL, params, config)
+    used = dispatched_steps(engine, prompts_of([100]), SAMPLE, 3)
+    assert [(x.decode, x.n_tokens, x.mode) for x in used] == [(False, 32, "sample")] * 4 + [(True, 1, "sample")] * 2
+    assert {x.mode for x in engine.step_layouts(SAMPLE)} == {"sample"}
+
+
 def test_sampling_variants():
     assert sampling_variants([SAMPLE]) == {(False, "sample")}
     assert sampling_variants([GREEDY]) == {(False, "greedy")}
@@ -103,9 +114,9 @@ def test_warmup_compiles_what_a_run_uses(params):
     config = EngineConfig(page_size=8, n_pages=32, max_batch=4, max_tokens_per_step=32, max_seq_len=64,
                           token_buckets=(16, 32))
     engine = Engine(MODEL, params, config)
-    # Greedy: one sampling variant for decode and prefill alike (9 programs, 15 sampling).
+    # Decode with 1, 2 and 4 rows, prefill of 16 and 32 tokens (4 rows each): 5 programs.
     n = engine.warmup(GREEDY, progress=False)
-    assert n == len(engine.step_layouts(GREEDY)) == len(set(engine.step_layouts(GREEDY))) == 9
+    assert n == len(engine.step_layouts(GREEDY)) == len(set(engine.step_layouts(GREEDY))) == 5
     traces = engine.step_function.traces
     compiles = []
 
@@ -136,10 +147,10 @@ def documented_sizing(model: ModelConfig, prompts, new: int) -> dict:
     CPU (no device memory figure: the budget is capped at 1024)."""
     max_batch = min(pow2(len(prompts)), 256)
     pages = sum(-(-(len(p) + new) // 16) for p in prompts)
-    budget = max(max_batch, min(pow2(max(16, sum(len(p) for p in prompts))), 1024))
+    budget = max(max_batch, min(pow2(max(64, sum(len(p) for p in prompts))), 1024))
     return {"page_size": 16, "max_batch": max_batch, "max_tokens_per_step": budget,
             "max_seq_len": min(model.max_position_embeddings, pow2(max(len(p) for p in prompts) + new)),
-            "n_pages": pow2(pages), "token_buckets": tuple(16 * 2**k for k in range((budget // 16).bit_length())),
+            "n_pages": pow2(pages), "token_buckets": tuple(64 * 2**k for k in range((budget // 64).bit_length())),
             "batch_buckets": tuple(2**k for k in range(max_batch.bit_length()))}
 
 
@@ -179,7 +190,7 @@ def test_generate_default_runs_the_tuned_configs_steps(params, batch, prompt):
 # Distinct step programs (= compiles in a fresh process) of one generate() call with the
 # GPU default sizing and tuning, 512-token prompts, 256 new tokens, greedy; in brackets
 # with the earlier fixed budget of 1024 tokens (docs/rollout.md has the table).
-PROGRAMS = {1: 2, 16: 2, 64: 2, 256: 6}  # 2, 7, 10, 15 with a budget of 1024 tokens
+PROGRAMS = {1: 2, 16: 2, 64: 2, 256: 4}  # 2, 7, 10, 15 with a budget of 1024 tokens
 
 
 @pytest.mark.parametrize("batch", sorted(PROGRAMS))
@@ -188,3 +199,27 @@ def test_generate_default_compiles_few_programs(params, batch):
     config = config_for_prompts(MODEL, prompts, 256, free_memory=H200_FREE)
     used = dispatched_layouts(Engine(MODEL, params, config, tuning=GPU_LIKE), prompts, GREEDY, 256)
     assert len(used) == PROGRAMS[batch]
+
+
+def test_full_width_prefill_samples_the_same_tokens(params):
+    # Prompts from 3 to 90 tokens (1 to 12 pages of 8: widths 8 and 16) and a budget that
+    # chunks the long ones: padding every prefill table to 16 columns changes no token.
+    config = EngineConfig(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=64, max_seq_len=128)
+    prompts = prompts_of([3, 90, 17, 70, 40], seed=5)
+    outs = {}
+    for full in (False, True):
+        engine = Engine(MODEL, params, config, tuning=TuningOverrides(full_width_prefill=full))
+        widths = {x.n_page_cols for x in dispatched_steps(engine, prompts, SAMPLE, 4) if not x.decode}
+        assert widths == ({16} if full else {8, 16})
+        engine = Engine(MODEL, params, config, tuning=TuningOverrides(full_width_prefill=full))
+        outs[full] = engine.generate(prompts, SAMPLE, max_new_tokens=6)
+    assert [o.tokens.tolist() for o in outs[True]] == [o.tokens.tolist() for o in outs[False]]
+    np.testing.assert_allclose([o.logprobs for o in outs[True]], [o.logprobs for o in outs[False]], atol=1e-5)
+
+
+def test_full_width_prefill_is_on_for_gpu_only_and_checked():
+    assert resolve_tuning("gpu", MODEL, EngineConfig()).full_width_prefill is True
+    assert resolve_tuning("cpu", MODEL, EngineConfig()).full_width_prefill is False
+    assert resolve_tuning("cpu", MODEL, EngineConfig(), TuningOverrides(full_width_prefill=True)).full_width_prefill
+    with pytest.raises(ConfigError, match="tuning.full_width_prefill"):
+        TuningOverrides(full_width_prefill="yes")

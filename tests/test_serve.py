@@ -6,6 +6,7 @@ stop strings, seeds, 64 concurrent requests, cancellation returning pages, every
 --tiny`. Nothing asserts on wall-clock time."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -29,8 +30,9 @@ from jrl.config import ConfigError, ModelConfig, from_dict
 from jrl.hf import params_equal, save_pretrained
 from jrl.models import init_params
 from jrl.serve.tools import parse_tool_calls
-from jrl.rollout import Engine, SamplingParams
+from jrl.rollout import Engine, SamplingParams, TuningOverrides
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
+from jrl.rollout.tuning import resolve_tuning
 from jrl.serve.cli import KV_MEMORY_FRACTION, ServerThread, build, build_parser, engine_config
 from jrl.serve.loading import load_served
 from jrl.serve.text import TextStream
@@ -465,6 +467,14 @@ def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):
     assert engine_config(served, args, 10 * free).n_pages == 256  # fits: as sized
 
 
+def test_an_fp8_kv_cache_gets_32_token_pages_unless_the_page_size_is_given(hf_dirs):
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    fp8 = ["--max-batch", "4", "--max-seq-len", "128", "--engine", '{"kv_dtype": "float8_e4m3fn"}']
+    assert engine_config(served, build_parser().parse_args(fp8)).page_size == 32
+    assert engine_config(served, build_parser().parse_args([*fp8, "--page-size", "64"])).page_size == 64
+    assert engine_config(served, build_parser().parse_args(fp8[:4])).page_size == 16
+
+
 def test_a_kv_pool_that_cannot_fit_is_a_startup_error_naming_the_flag(hf_dirs):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
     free = int(100 * 16 * kv_bytes_per_token(served.model_config) / KV_MEMORY_FRACTION) + 1
@@ -542,3 +552,23 @@ def test_an_answer_with_a_malformed_tool_call_comes_back_as_written():
     text = '<tool_call>{"name": "add", "arguments": </tool_call>'
     assert parse_tool_calls(text, [{"type": "function", "function": {"name": "add"}}]) == (text, None)
     assert parse_tool_calls("just prose", []) == ("just prose", None)
+
+
+# Step programs a `jrl serve --max-batch 256` warmup compiles with the GPU tuning
+# (docs/serve.md): decode 8 row buckets (2..256) x widths + 4-step decode 7 row buckets
+# (2..128) x widths, and one prefill program per token bucket (64..1024), all sampled.
+SERVE_PROGRAMS = {256: 16 + 14 + 5, 512: 24 + 21 + 5}  # widths 8/16, then 8/16/32
+
+
+@pytest.mark.parametrize("seq_len", sorted(SERVE_PROGRAMS))
+def test_warmup_program_count_of_a_256_request_server(hf_dirs, seq_len):
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    served = dataclasses.replace(served, model_config=dataclasses.replace(served.model_config,
+                                                                          max_position_embeddings=seq_len))
+    config = engine_config(served, build_parser().parse_args(["--max-batch", "256", "--max-seq-len", str(seq_len)]))
+    gpu = TuningOverrides(**dataclasses.asdict(resolve_tuning("gpu", served.model_config, config)))
+    engine = Engine(served.model_config, served.params, config, tuning=gpu)
+    layouts = engine.step_layouts(SamplingParams())
+    assert len(layouts) == len(set(layouts)) == SERVE_PROGRAMS[seq_len]
+    prefill = [(x.n_tokens, x.n_rows) for x in layouts if not x.decode]
+    assert prefill == [(64, 64), (128, 128), (256, 256), (512, 256), (1024, 256)]

@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_stage(stage: str, rest: list[str]) -> int:
     module = importlib.import_module(f"jrl.bench.{stage}")
     args = stage_parser(stage, module).parse_args(rest)
+    if hasattr(module, "environment"):  # before the stage starts JAX's backend; main() restores it
+        os.environ.update(module.environment(args))
     path = args.json
     if args.record:
         path = record_path(module.record_name(args))

@@ -2,7 +2,9 @@
 `drift`), against the trainer and against the bf16 engine.
 
     jrl bench decode --drift [--engine '{"kv_dtype": "float8_e4m3fn"}'] [--drift-prompts 32]
-                     [--drift-new 64] [--drift-init hf:<dir>] [--prompt 512] [--page-size 32]
+                     [--drift-new 64] [--drift-init hf:<dir>] [--prompt 512] [--page-size 16]
+
+(fp8 KV on a GPU needs `--page-size 32`: the kernels read fp8 pages of 32 tokens or more.)
 
 One row per engine setting: bf16 (the `--engine` overrides without a precision field), then
 the overrides as given when they set `weight_dtype` and/or `kv_dtype`. Each engine samples

@@ -3,7 +3,7 @@ overlapped or interruptible.
 
     jrl bench grpo [--mode sync|overlapped|interruptible] [--lengths fixed|longtail]
                    [--shape 174m|0.82b] [--prompts 32] [--group 8] [--prompt-len 128] [--new 128]
-                   [--minibatches 2] [--micro-batch 0] [--steps 3]
+                   [--minibatches 2] [--micro-batch 0] [--steps 3] [--command-buffers xla|off]
 
 One RL step, each phase timed to its last device result: generation (`prompts x group`
 samples, temperature 1, through the engine), reward (a host function of each completion's
@@ -30,6 +30,14 @@ Modes (the RL loop's, `jrl.rl.source`):
   tail frees take its requests; the ratio anchor is the engine's per-token log-prob
   (`old_logp: engine`). `weight_sync` is then nothing: the engine serves the posted weights.
 
+Overlapped and interruptible runs first run the trainer's part of a step once on a zero
+rollout of the real shapes (`warm_trainer`; section `warmup`, `warmup_ms`), so that every
+program of the trainer's thread is compiled, loaded and run before the rollout thread
+starts: on the GPU, loading a program that uses cuDNN runs a CUDA stream capture another
+thread's launches can break. The engine's programs (no cuDNN) load in the rollout thread
+while the trainer waits for rollout 0. `--command-buffers off` runs with XLA's CUDA-graph
+command buffers (stream captures of their own) turned off, to compare.
+
 `--lengths longtail`: each request's max_new_tokens is drawn from a lognormal (median
 `--new`/4, sigma 1, seed fixed per step, the same in every mode), rounded and capped at
 `--new` (no EOS: random weights never stop early otherwise). `engine_idle_frac` is the
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 import statistics
 import time
 
@@ -60,6 +69,7 @@ from jrl.models.transformer import count_params
 from jrl.rl.advantages import group_advantages
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine, EngineStats
+from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 from jrl.rollout.shared import SharedEngine
 from jrl.train.logprobs import hidden_states, target_stats
@@ -73,6 +83,7 @@ from jrl.train.strategies.grpo import GRPOLossConfig
 PHASES = ("generation", "reward", "batch", "logprobs", "optimizer", "weight_sync")
 OVERLAP_PHASES = ("wait", "post")  # the trainer blocked on a rollout; copying weights to post
 MODES = ("sync", "overlapped", "interruptible")
+COMMAND_BUFFERS_OFF = "--xla_gpu_enable_command_buffer="  # an empty list of command types: none
 SHAPES = {"174m": GRPO_174M, "0.82b": dataclasses.replace(ROLLOUT_082B, param_dtype="float32")}
 
 
@@ -90,7 +101,19 @@ def add_arguments(p) -> None:
                    help="rows per forward: gradient accumulation within a minibatch, and the chunk of the "
                         "log-prob recompute (0: a whole minibatch at once)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--command-buffers", choices=("xla", "off"), default="xla",
+                   help="xla: XLA's default CUDA-graph command buffers; off: none (XLA_FLAGS "
+                        f"{COMMAND_BUFFERS_OFF}, set before the backend starts)")
     p.add_argument("--budget-s", type=float, default=1e9, help="no step starts after this (two always run)")
+
+
+def environment(args) -> dict[str, str]:
+    """The environment the stage needs before JAX starts its backend (`jrl bench` sets it
+    then): `--command-buffers off` appends XLA's flag that turns CUDA-graph command
+    buffers (stream captures of a program's kernels) off to XLA_FLAGS."""
+    if args.command_buffers == "xla":
+        return {}
+    return {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFERS_OFF}".strip()}
 
 
 def record_name(args) -> str:
@@ -148,6 +171,25 @@ def generate(engine: Engine | SharedEngine, params: dict, step: int, args, vocab
     return Generated(prompts, targets, completions, seconds, idle_fraction(before, stats, rows), params)
 
 
+def warm_trainer(train, state, params: dict, args) -> float:
+    """Runs the trainer's part of a step once (`train`, on a copy of `state`: updates
+    donate it) on a rollout of the real shapes whose completions are all zeros, so every
+    program the trainer's thread uses is compiled, loaded and run before a rollout thread
+    dispatches beside it. On a GPU, loading a program that uses cuDNN (the trainer's
+    attention) runs a CUDA stream capture (cuDNN frontend's warm-up of a deserialized
+    graph) that another thread's launches can break: the overlapped step failed that way.
+    Returns the seconds it took."""
+    t0 = time.perf_counter()
+    n = args.prompts * args.group
+    zeros = Completion(request_id=0, prompt=np.zeros(args.prompt_len, np.int32), tokens=np.zeros(args.new, np.int32),
+                       logprobs=np.zeros(args.new, np.float32), model_logprobs=np.zeros(args.new, np.float32),
+                       versions=np.zeros(args.new, np.int64), finish_reason="length", cached_tokens=0, n_preemptions=0)
+    rollout = Generated(np.zeros((args.prompts, args.prompt_len), np.int32), np.zeros(args.prompts, np.int64),
+                        [zeros] * n, 0.0, 0.0, params)
+    train(jax.tree.map(jnp.copy, state), rollout, {})
+    return time.perf_counter() - t0
+
+
 def rollout_batch(prompts: np.ndarray, completions, rewards: np.ndarray, group: int, seq: int) -> dict:
     """The `grpo` rows: prompt + completion per row, targets shifted by one, loss on the
     completion's targets, behaviour log-probs from the engine, group advantages."""
@@ -187,7 +229,8 @@ def run(args, results) -> int:
     params = init(cfg)
     shape = dict(mode=args.mode, lengths=args.lengths, shape=args.shape, params=count_params(params), rollouts=n,
                  prompts=args.prompts, group=args.group, prompt_len=args.prompt_len, new=args.new,
-                 minibatches=args.minibatches, micro_batch=micro_rows)
+                 minibatches=args.minibatches, micro_batch=micro_rows, command_buffers=args.command_buffers,
+                 xla_flags=os.environ.get("XLA_FLAGS", ""))
     strategy = get_strategy("grpo")
     opt_cfg = OptimizerConfig(lr=1e-6, weight_decay=0.0)
     schedule = make_schedule(ScheduleConfig(), 1000)
@@ -207,6 +250,31 @@ def run(args, results) -> int:
         return jnp.concatenate([recompute_rows(params, {k: batch[k][i:i + micro_rows] for k in keys})
                                 for i in range(0, n, micro_rows)])
 
+    def train(state, gen: Generated, t: dict):
+        """The trainer's part of a step on rollout `gen` (phases timed into `t`): rewards,
+        batch, log-prob recompute, `--minibatches` updates of `state` (donated)."""
+        t0 = time.perf_counter()
+        rewards = np.array([reward_of(c.tokens, gen.targets[i // args.group]) for i, c in enumerate(gen.completions)],
+                           np.float32)
+        t["reward"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        batch = jax.block_until_ready({k: jnp.asarray(v) for k, v in
+                                       rollout_batch(gen.prompts, gen.completions, rewards, args.group, seq).items()})
+        t["batch"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        recomputed = jax.block_until_ready(recompute(gen.params, batch))
+        # interruptible: tokens of several versions; the anchor is each one's engine log-prob
+        batch["old_logp"] = batch["behaviour_logp"] if args.mode == "interruptible" else recomputed
+        t["logprobs"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for j in range(args.minibatches):  # [micro-batches, rows, S]
+            micro = {k: v[j * per:(j + 1) * per].reshape(per // micro_rows, micro_rows, *v.shape[1:])
+                     for k, v in batch.items()}
+            state, metrics = fns.update(state, micro, None)
+        jax.block_until_ready(metrics["loss"])
+        t["optimizer"] = time.perf_counter() - t0
+        return state, metrics, rewards
+
     # an overlapping engine holds a copy: every update donates the trainer's buffers
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
     overlap = args.mode != "sync"
@@ -221,6 +289,8 @@ def run(args, results) -> int:
         **buckets), version=0)
     interruptible = args.mode == "interruptible"
     front = SharedEngine(engine) if interruptible else engine  # interruptible: two rollouts share it
+    if overlap:  # before a second thread dispatches: see warm_trainer
+        results.row("warmup", warmup_ms=1e3 * warm_trainer(train, state, served, args), **shape)
     worker = concurrent.futures.ThreadPoolExecutor(2 if interruptible else 1, thread_name_prefix="bench-rollout") \
         if overlap else None
     pending = worker.submit(generate, front, served, 0, args, cfg.vocab_size) if overlap else None
@@ -262,26 +332,7 @@ def run(args, results) -> int:
                 t["weight_sync"] = time.perf_counter() - t0
                 if step + 1 < args.steps:
                     pending = worker.submit(generate, front, served, step + 1, args, cfg.vocab_size)
-        t0 = time.perf_counter()
-        rewards = np.array([reward_of(c.tokens, gen.targets[i // args.group]) for i, c in enumerate(gen.completions)],
-                           np.float32)
-        t["reward"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        batch = jax.block_until_ready({k: jnp.asarray(v) for k, v in
-                                       rollout_batch(gen.prompts, gen.completions, rewards, args.group, seq).items()})
-        t["batch"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        recomputed = jax.block_until_ready(recompute(gen.params, batch))
-        # interruptible: tokens of several versions; the anchor is each one's engine log-prob
-        batch["old_logp"] = batch["behaviour_logp"] if args.mode == "interruptible" else recomputed
-        t["logprobs"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for j in range(args.minibatches):  # [micro-batches, rows, S]
-            micro = {k: v[j * per:(j + 1) * per].reshape(per // micro_rows, micro_rows, *v.shape[1:])
-                     for k, v in batch.items()}
-            state, metrics = fns.update(state, micro, None)
-        jax.block_until_ready(metrics["loss"])
-        t["optimizer"] = time.perf_counter() - t0
+        state, metrics, rewards = train(state, gen, t)
         if not overlap:
             t0 = time.perf_counter()
             acked = engine.update_weights(state.params, int(state.policy_version)).version

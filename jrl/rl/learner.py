@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Iterable
 
 import jax
@@ -42,6 +43,8 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
     metrics logger writes it)."""
     initialize_distributed(config.parallel or ParallelConfig())  # before any device is touched
     options = RLOptions.from_config(config.strategy.options)
+    for note in options.notes:  # settings the user wrote that the defaults would not have chosen
+        warnings.warn(note, stacklevel=2)
     tokenizer = load_run_tokenizer(config)
     placement = run_placement(config, options)
     mesh = run_mesh(config.parallel) if placement is None else placement.trainer_mesh

@@ -5,6 +5,11 @@ Users write every key under `strategy.options` (docs/rl.md). `RLOptions.from_con
 splits that mapping: the objective's keys (`jrl.train.strategies.grpo.GRPOLossConfig`)
 become `RLOptions.loss`, handed to the trainer as its strategy options; the others are
 the loop's. An unknown key is refused with the names of both sets.
+
+Rollouts from an fp8 engine (`engine.kv_dtype` or `engine.weight_dtype` fp8) sample from
+log-probs further from the trainer's than bf16 ones, so their defaults differ
+(`fp8_rollout_defaults`): the ratio is anchored on the trainer's recomputed log-probs with
+truncated importance sampling, unless the user wrote those keys.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from jrl.rl.rewards import RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig
 from jrl.rl.tool_calls import get_parser
 from jrl.rl.tools import resolve_tool
+from jrl.rollout.config import KV_DTYPES
 from jrl.train.strategies.grpo import GRPOLossConfig
 
 PREFIX = "strategy.options."
@@ -38,6 +44,45 @@ def _is_int(v: Any, lo: int) -> bool:
 # from max_new_tokens; temperature belongs to both: it is how the engine samples and so
 # the distribution the loss scores).
 LOSS_KEYS = tuple(f.name for f in dataclasses.fields(GRPOLossConfig) if f.name != "max_response_len")
+
+
+# The truncated importance weight cap of fp8 rollouts by default (docs/rl.md "fp8 rollouts").
+FP8_TIS_CAP = 2.0
+FP8_WEIGHT_DTYPES = ("float8_e4m3fn",)  # EngineConfig.weight_dtype values that quantize
+
+
+def fp8_rollouts(engine: Any) -> bool:
+    """Whether `strategy.options.engine` makes the engine sample in fp8 (KV cache or weights)."""
+    return isinstance(engine, dict) and (engine.get("kv_dtype") in KV_DTYPES
+                                         or engine.get("weight_dtype") in FP8_WEIGHT_DTYPES)
+
+
+def fp8_rollout_defaults(options: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """`options` (plain `strategy.options`) with the defaults of fp8 rollouts filled in:
+    `old_logp: recomputed` and `tis_cap: FP8_TIS_CAP` where the user left them out, and
+    warnings for the keys the user wrote that give up that correction. Interruptible
+    generation (`engine.on_weight_update: continue`) anchors on the engine's log-probs
+    only, so with fp8 rollouts it needs `old_logp: engine` written out."""
+    if not fp8_rollouts(options.get("engine")):
+        return options, ()
+    out, notes = dict(options), []
+    if "old_logp" not in out:
+        _check(options["engine"].get("on_weight_update") != "continue", "old_logp",
+               "fp8 rollouts (engine.kv_dtype / engine.weight_dtype) default to old_logp: recomputed with "
+               "tis_cap, which strategy.options.engine.on_weight_update: continue refuses; write old_logp: "
+               "engine to anchor on the fp8 engine's log-probs uncorrected, or drop on_weight_update: continue")
+        out["old_logp"] = "recomputed"
+    elif out["old_logp"] == "engine":
+        notes.append(f"{PREFIX}old_logp: engine with fp8 rollouts anchors the ratio on the fp8 engine's "
+                     f"log-probs, which drift from the trainer's; the fp8 default is old_logp: recomputed "
+                     f"with tis_cap: {FP8_TIS_CAP:g}")
+    if out["old_logp"] == "recomputed":
+        if "tis_cap" not in out:
+            out["tis_cap"] = FP8_TIS_CAP
+        elif out["tis_cap"] == 0:
+            notes.append(f"{PREFIX}tis_cap: 0 with fp8 rollouts leaves the engine/trainer mismatch "
+                         f"uncorrected; the fp8 default is tis_cap: {FP8_TIS_CAP:g}")
+    return out, tuple(notes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,6 +139,9 @@ class RLOptions:
     env_workers: int = 16
     # the objective (strategy options of `grpo`), built by from_config
     loss: GRPOLossConfig = GRPOLossConfig()
+    # warnings from resolving the options (`fp8_rollout_defaults`), logged by the learner;
+    # set by from_config, not a user key
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, lo in (("prompts_per_step", 1), ("group_size", 2), ("max_new_tokens", 1),
@@ -156,7 +204,7 @@ class RLOptions:
     def from_config(cls, options: dict[str, Any] | None) -> RLOptions:
         """Validated options from the plain `strategy.options` mapping of a grpo run."""
         options = dict(options or {})
-        loop_keys = {f.name for f in dataclasses.fields(cls) if f.name != "loss"}
+        loop_keys = {f.name for f in dataclasses.fields(cls) if f.name not in ("loss", "notes")}
         unknown = sorted(set(options) - loop_keys - set(LOSS_KEYS))
         if unknown:
             raise ConfigError(f"unknown key(s) {', '.join(PREFIX + k for k in unknown)}; allowed: "
@@ -166,10 +214,11 @@ class RLOptions:
         _check(not (options.get("advantage") == "rloo" and options.get("scale_adv_by_std") is True),
                "scale_adv_by_std", "applies to advantage: grpo only; advantage: rloo is never scaled "
                "by the group std (leave scale_adv_by_std out, or use advantage: grpo)")
+        options, notes = fp8_rollout_defaults(options)
         loss_part = {k: options.pop(k) for k in LOSS_KEYS if k in options}
         loss_part["max_response_len"] = options.get("max_new_tokens", cls.max_new_tokens)
         loss = from_dict(GRPOLossConfig, loss_part, prefix=PREFIX)
-        return from_dict(cls, {**options, "loss": loss}, prefix=PREFIX)
+        return from_dict(cls, {**options, "loss": loss, "notes": notes}, prefix=PREFIX)
 
     @property
     def temperature(self) -> float:

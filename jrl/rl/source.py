@@ -25,6 +25,16 @@ donates its own buffers to each update). A sample whose version lags the trainer
 than `max_version_lag` at the start of its updates is dropped (its group masked out) and
 counted; a batch left empty is regenerated synchronously.
 
+Off-policy, the background thread starts generating a rollout only once the trainer's
+first update has run to completion (`_trainer_warm`; the first rollout is generated while
+the trainer waits for it): every program of both threads (the trainer's update with its
+cuDNN attention, the log-prob recompute, the engine's steps) has then been compiled,
+loaded and run once with one thread dispatching. On a GPU, loading a program that uses
+cuDNN runs a CUDA stream capture (cuDNN frontend's warm-up of a deserialized graph), which
+another thread's launches can invalidate (docs/rl.md, "Overlapped generation on a GPU").
+Only when a rollout starts changes, not what it holds: it is generated with the same
+weights and seeds.
+
 Interruptible (`off_policy: true` with `engine: {on_weight_update: continue}`): when the
 trainer has used up batch k while batch k+1 is still being generated, it posts its current
 weights to the engine (`Engine.post_weights`) instead of waiting for the longest sample:
@@ -59,6 +69,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 import time
 from typing import Any, Callable
 
@@ -167,6 +178,9 @@ class RolloutSource:
         self._ahead: concurrent.futures.Future | None = None  # rollout k+2, started at the post
         self._shared: SharedEngine | None = None  # the engine as two generations share it
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # off-policy: set once the trainer's first update has finished (docstring above)
+        self._trainer_warm = threading.Event()
+        self._batches_served = 0
         self._reference_fn = reference_params
         self._reference = None
         temperature, chunk, mc = o.temperature, lm_head_chunk, model_config
@@ -383,12 +397,28 @@ class RolloutSource:
         self.sync_weights(engine_params, version)
         return engine_params
 
-    def _submit(self, params: Any, version: int, rl_step: int) -> concurrent.futures.Future:
+    def _submit(self, params: Any, version: int, rl_step: int, beside_trainer: bool) -> concurrent.futures.Future:
+        """Generates rollout `rl_step` in the worker; `beside_trainer`: while the trainer
+        runs, so not before its first update has finished."""
         if self._executor is None:
             workers = 2 if self.interruptible else 1  # interruptible: rollouts k+1 and k+2 overlap
             self._executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jrl-rollout")
         engine_params = self._serve_for_generation(params, version)
-        return self._executor.submit(self.generate, engine_params, version, rl_step)
+        if not beside_trainer:
+            return self._executor.submit(self.generate, engine_params, version, rl_step)
+        return self._executor.submit(self._generate_when_trainer_warm, engine_params, version, rl_step)
+
+    def _generate_when_trainer_warm(self, params: Any, version: int, rl_step: int) -> Rollout:
+        """`generate`, once the trainer's first update has finished (module docstring)."""
+        self._trainer_warm.wait()
+        return self.generate(params, version, rl_step)
+
+    def _note_trainer_warm(self, state: Any) -> None:
+        """Called before each batch: after the first one, the trainer's first update has
+        been dispatched; once it has finished, background generation may start."""
+        if self.options.off_policy and self._batches_served and not self._trainer_warm.is_set():
+            jax.block_until_ready(state.params)
+            self._trainer_warm.set()
 
     def _post(self, params: Any, version: int) -> None:
         """Hands the trainer's weights of now to the generation running in the worker: its
@@ -404,13 +434,14 @@ class RolloutSource:
         if not o.off_policy:
             self.sync_weights(state.params, version)
             return self.generate(state.params, version, self.rl_step)
-        if self._pending is None:
-            self._pending = self._submit(state.params, version, self.rl_step)
+        if self._pending is None:  # waited for at once: nothing runs beside it
+            self._pending = self._submit(state.params, version, self.rl_step, beside_trainer=False)
         elif self.interruptible and not self._pending.done():
             self._post(state.params, version)
             if self._posted is not None and self._posted[0] == version and self.episodes is None:
                 # the next rollout starts now, beside this one's tail, under the posted weights
-                self._ahead = self._executor.submit(self.generate, self._posted[1], version, self.rl_step + 1)
+                self._ahead = self._executor.submit(self._generate_when_trainer_warm, self._posted[1], version,
+                                                   self.rl_step + 1)
         rollout = self._pending.result()
         self._pending = None
         newest = newest_versions(rollout.rows["token_version"], rollout.rows["loss_mask"])
@@ -429,15 +460,17 @@ class RolloutSource:
         if self._ahead is not None:  # started at the post, under the weights of now
             self._pending, self._ahead, self._posted = self._ahead, None, None
         else:
-            self._pending = self._submit(state.params, version, self.rl_step + 1)
+            self._pending = self._submit(state.params, version, self.rl_step + 1, beside_trainer=True)
         return rollout
 
     def next_batch(self, state: Any) -> dict[str, np.ndarray]:
         """The rows of the next update of `state` (a TrainState: params and policy version)."""
+        self._note_trainer_warm(state)
         if self._next >= len(self._batches):
             self._start_rollout(state)
         idx = self._batches[self._next]
         self._next += 1
+        self._batches_served += 1
         return {k: v[idx] for k, v in self._rows.items()}
 
     def _start_rollout(self, state: Any) -> None:
@@ -504,12 +537,14 @@ class RolloutSource:
     def _wait_pending(self) -> None:
         """Lets an overlapping generation finish (the engine is single-threaded)."""
         if self._pending is not None:
+            self._trainer_warm.set()  # the trainer waits for it: nothing runs beside it
             self._pending.exception()
 
     def close(self) -> None:
         """Waits for an overlapping generation and stops its thread. A finished one is
         kept: the final checkpoint (taken after this, at the end of a run) holds it."""
         self._wait_pending()
+        self._trainer_warm.set()  # no rollout is left waiting for it
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -517,7 +552,10 @@ class RolloutSource:
     def _pending_rollout(self) -> Rollout | None:
         """The off-policy rollout generated ahead (waiting for it), None if there is none
         or its generation failed."""
-        if self._pending is None or self._pending.exception() is not None:
+        if self._pending is None:
+            return None
+        self._trainer_warm.set()  # the trainer waits for it: nothing runs beside it
+        if self._pending.exception() is not None:
             return None
         return self._pending.result()
 

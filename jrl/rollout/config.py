@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import jax
 
-from jrl.config import ModelConfig, check, from_dict
+from jrl.config import ConfigError, ModelConfig, check, from_dict
 from pallas_kernels.quantized import KV_DTYPES
 
 
@@ -23,6 +23,20 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
         b *= 2
     out.append(hi)
     return tuple(out)
+
+
+# The smallest default token bucket. Token buckets size only prefill (mixed) steps (a
+# decode step's tokens are its rows): below about this many tokens a forward is bound by
+# reading the weights, not by compute, so padding a small prefill up to it costs little,
+# and every bucket saved is a program fewer to compile (docs/rollout.md "Step programs").
+MIN_TOKEN_BUCKET = 64
+
+
+# Tokens per KV page: the default, and the default with an fp8 KV cache (a page's float32
+# scales are one TMA copy of a multiple of 128 bytes, so the Mosaic GPU kernels read fp8
+# buffers only with pages of a multiple of 32 tokens; docs/kernels.md "fp8 KV buffers").
+DEFAULT_PAGE_SIZE = 16
+FP8_KV_PAGE_SIZE = 32
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -42,7 +56,9 @@ class EngineConfig:
     the token budget of one forward (decode tokens + prefill chunks); must be >= max_batch
     so every running request can decode every step. max_seq_len: prompt + new tokens of one
     request (None: the model's max_position_embeddings). token_buckets / batch_buckets:
-    padded sizes of a step's token count / request rows (empty: powers of two).
+    padded sizes of a prefill step's token count (empty: powers of two from
+    MIN_TOKEN_BUCKET) / of a decode step's request rows (empty: powers of two; a prefill
+    step takes the smallest row bucket >= min(its token bucket, max_batch)).
     chunked_prefill: split long prompts over steps (else a prompt must fit the budget).
     allocation: "paged" grows a request page by page (preempting the youngest request when
     pages run out); "contiguous" reserves one region for prompt + max_new_tokens at
@@ -64,7 +80,7 @@ class EngineConfig:
     kernels read it when page_size is a multiple of 32, see docs/kernels.md).
     """
 
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     n_pages: int = 256
     max_batch: int = 32
     max_tokens_per_step: int = 512
@@ -119,7 +135,8 @@ class EngineConfig:
 
     @property
     def resolved_token_buckets(self) -> tuple[int, ...]:
-        return self.token_buckets or powers_of_two(min(16, self.max_tokens_per_step), self.max_tokens_per_step)
+        return self.token_buckets or powers_of_two(min(MIN_TOKEN_BUCKET, self.max_tokens_per_step),
+                                                   self.max_tokens_per_step)
 
     @property
     def resolved_batch_buckets(self) -> tuple[int, ...]:
@@ -142,6 +159,22 @@ class EngineConfig:
         return powers_of_two(min(8, top), top)
 
 
+def check_kv_page_size(config: EngineConfig, model: ModelConfig, backend: str) -> None:
+    """Refuses an fp8 KV cache whose pages the attention kernels cannot read where they
+    would run: `attention_impl` "pallas"/"interpret" anywhere, "auto" on a GPU `backend`
+    (elsewhere "auto" takes the reference, which reads any page size). MLA caches always
+    take the reference, so any page size serves them."""
+    kernel = config.attention_impl in ("pallas", "interpret") or (config.attention_impl == "auto"
+                                                                   and backend == "gpu")
+    if config.kv_dtype is None or model.attention == "mla" or not kernel:
+        return
+    if config.page_size % FP8_KV_PAGE_SIZE:
+        raise ConfigError(f"engine.page_size: must be a multiple of {FP8_KV_PAGE_SIZE} with engine.kv_dtype: "
+                          f"{config.kv_dtype} (the attention kernels read fp8 pages of 32 tokens or more; "
+                          f"leave page_size out to get {FP8_KV_PAGE_SIZE}, or set attention_impl: reference "
+                          f"for the slow path), got {config.page_size}")
+
+
 def pow2_at_least(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
@@ -155,7 +188,6 @@ def pow2_at_least(n: int) -> int:
 TOKEN_BUDGET_CAP = 32768  # the fastest prefill budget measured on the H200 (bench/results/prefill.jsonl)
 CPU_TOKEN_BUDGET_CAP = 1024
 STEP_MEMORY_FRACTION = 1 / 8
-MIN_TOKEN_BUDGET = 16  # the smallest token bucket
 
 
 def pow2_at_most(n: int) -> int:
@@ -179,12 +211,12 @@ def step_bytes_per_token(model: ModelConfig) -> int:
 def token_budget(max_batch: int, prompt_tokens: int, free_memory: int | None = None,
                  bytes_per_token: int | None = None) -> int:
     """`max_tokens_per_step` for a workload of `prompt_tokens` prompt tokens in all (every
-    request's prompt, summed) run `max_batch` at a time: those tokens rounded up to a
-    power of two (so the whole workload prefills in one step), capped at TOKEN_BUDGET_CAP,
+    request's prompt, summed) run `max_batch` at a time: those tokens (at least
+    MIN_TOKEN_BUCKET) rounded up to a power of two (so the whole workload prefills in one step), capped at TOKEN_BUDGET_CAP,
     or CPU_TOKEN_BUDGET_CAP when `free_memory` (bytes free on the device) is None, and at
     the largest power of two whose `bytes_per_token` fit STEP_MEMORY_FRACTION of
     `free_memory`; never below max_batch (every running request decodes each step)."""
-    want = pow2_at_least(max(prompt_tokens, MIN_TOKEN_BUDGET))
+    want = pow2_at_least(max(prompt_tokens, MIN_TOKEN_BUCKET))
     if free_memory is None:
         cap = CPU_TOKEN_BUDGET_CAP
     else:
@@ -203,7 +235,7 @@ def device_free_memory(device: jax.Device | None = None) -> int | None:
     return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
 
 
-def engine_config_for_workload(max_seq_len: int, n_requests: int, *, page_size: int = 16, seed: int = 0,
+def engine_config_for_workload(max_seq_len: int, n_requests: int, *, page_size: int | None = None, seed: int = 0,
                                prompt_tokens: int | None = None, free_memory: int | None = None,
                                model: ModelConfig | None = None, **overrides: Any) -> EngineConfig:
     """The one sizing rule: settings for up to `n_requests` requests at once, each of up to
@@ -212,7 +244,9 @@ def engine_config_for_workload(max_seq_len: int, n_requests: int, *, page_size: 
     spare pages, rounded up to a power of two); the token budget is `token_budget` of
     `prompt_tokens` (the workload's prompt tokens in all; None: max_batch x max_seq_len)
     and `free_memory` (bytes free on the device, `device_free_memory()`; None: the CPU's
-    small cap), which needs `model` for the bytes a token of a step holds.
+    small cap), which needs `model` for the bytes a token of a step holds. `page_size`
+    None: FP8_KV_PAGE_SIZE with an fp8 `kv_dtype` among the overrides (the kernels read
+    fp8 pages only in multiples of 32 tokens), else DEFAULT_PAGE_SIZE.
     `overrides`: EngineConfig fields the user set (YAML data included); they win over the
     derived sizes and are coerced and checked like any config (errors name `engine.<field>`).
     """
@@ -220,6 +254,8 @@ def engine_config_for_workload(max_seq_len: int, n_requests: int, *, page_size: 
         raise ValueError(f"n_requests: must be an integer >= 1, got {n_requests!r}")
     check(isinstance(max_seq_len, int) and not isinstance(max_seq_len, bool) and max_seq_len >= 1,
           "engine.max_seq_len", f"must be a positive integer, got {max_seq_len!r}")
+    if page_size is None:
+        page_size = FP8_KV_PAGE_SIZE if overrides.get("kv_dtype") in KV_DTYPES else DEFAULT_PAGE_SIZE
     check(isinstance(page_size, int) and not isinstance(page_size, bool) and page_size >= 1,
           "engine.page_size", f"must be a positive integer, got {page_size!r}")
     if prompt_tokens is not None and not (isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool)

@@ -67,10 +67,10 @@ from jrl.models.lora import base_config, lora_params, merge_lora, with_lora_para
 from jrl.models.quantized import quantize_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
-from jrl.rollout.config import EngineConfig, bucket, pow2_at_least
+from jrl.rollout.config import EngineConfig, bucket, check_kv_page_size, pow2_at_least
 from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, step_function
 from jrl.rollout.request import Completion, Request
-from jrl.rollout.sampling import GREEDY, SamplingParams, batch_mode, param_columns
+from jrl.rollout.sampling import SamplingParams, batch_mode, param_columns
 from jrl.rollout.scheduler import ScheduledBatch, Scheduler
 from jrl.rollout.sharding import EngineSharding, SourceParams, engine_sharding
 from jrl.rollout.tuning import Tuning, TuningOverrides, batch_buckets, resolve_tuning
@@ -133,6 +133,7 @@ class Engine:
         _check_finite(params, "Engine: refusing to serve them")
         self.model_config = model_config
         self.config = config = config or EngineConfig()
+        check_kv_page_size(config, model_config, jax.default_backend())
         check(mesh is None or config.weight_dtype is None, "engine.weight_dtype",
               f"{config.weight_dtype!r} weights are served on one device; leave it None with a mesh")
         self._lora = bool(model_config.lora.rank)
@@ -163,6 +164,7 @@ class Engine:
         self._token_buckets = config.resolved_token_buckets
         self._batch_buckets = batch_buckets(config, self.tuning)
         self._col_buckets = config.page_col_buckets(model_config)
+        self._widest = widest_table(config, self.seq_limit)
         self.max_rows = self._batch_buckets[-1]
         self.step_function = step_function(self.served_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
@@ -427,11 +429,15 @@ class Engine:
         reqs, n = batch.reqs, len(batch)
         total, decode = batch.n_tokens, batch.decode
         every_row_samples = all(batch.sample)
+        # Rows that do not sample (a prompt's chunks before its last) keep their request's
+        # params: the step's sampling variant is then one the requests' params reach
+        # (`sampling_variants`), and its output for them is never read.
         sampling = [r.sampling for r in reqs]
-        if not every_row_samples:
-            sampling = [p if s else GREEDY for p, s in zip(sampling, batch.sample)]
-        n_rows = bucket(max(n, self.tuning.min_decode_rows) if decode else n, self._batch_buckets)
-        n_tokens = n_rows if decode else bucket(total, self._token_buckets)
+        if decode:
+            n_rows = n_tokens = bucket(max(n, self.tuning.min_decode_rows), self._batch_buckets)
+        else:
+            n_tokens = bucket(total, self._token_buckets)
+            n_rows = prefill_rows(n_tokens, self.config.max_batch, self._batch_buckets)
         if batch.step_counts is None:
             bound = self.cache.bind(batch.rows, batch.q_starts, batch.q_lens)
         else:
@@ -440,7 +446,9 @@ class Engine:
         penalties, mode = batch_mode(sampling)
         window = self.config.penalty_window - 1 if penalties else 0
         layout = StepLayout(decode=decode, n_tokens=n_tokens, n_rows=n_rows,
-                            n_page_cols=bucket(width, self._col_buckets), window=window, penalties=penalties,
+                            n_page_cols=page_cols(width, decode, self._col_buckets, self._widest,
+                                                  self.tuning.full_width_prefill),
+                            window=window, penalties=penalties,
                             mode=mode, int_align=INT_ALIGN_UNROLLED if self.tuning.unroll_layers and decode else 1,
                             steps=batch.steps)
 
@@ -670,6 +678,26 @@ def sampling_variants(params: Sequence[SamplingParams]) -> set[tuple[bool, str]]
     return {batch_mode([p for j, p in enumerate(kinds) if mask >> j & 1]) for mask in range(1, 1 << len(kinds))}
 
 
+def widest_table(config: EngineConfig, seq_limit: int) -> int:
+    """Page-table columns of the longest request: its pages, at most the pool's."""
+    return min(-(-seq_limit // config.page_size), config.n_pages)
+
+
+def prefill_rows(n_tokens: int, max_batch: int, row_buckets: tuple[int, ...]) -> int:
+    """Rows of a prefill step padded to `n_tokens` (its token bucket): the row bucket of
+    min(n_tokens, max_batch), which holds every row such a step can have (at most
+    n_tokens - 1: some row computes several tokens), so each token bucket is one program.
+    Padding rows cost a row of LM head and sampling each, little beside the tokens."""
+    return bucket(min(n_tokens, max_batch), row_buckets)
+
+
+def page_cols(width: int, decode: bool, col_buckets: tuple[int, ...], widest: int, full_width_prefill: bool) -> int:
+    """Page-table columns of a step whose rows hold at most `width` pages: its column
+    bucket, or for a prefill step with `full_width_prefill` (`Tuning`) the bucket of the
+    `widest` table (one program per token bucket, not one per width)."""
+    return bucket(widest if full_width_prefill and not decode else width, col_buckets)
+
+
 def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, token_buckets: tuple[int, ...],
                       row_buckets: tuple[int, ...], col_buckets: tuple[int, ...],
                       sampling: Sequence[SamplingParams]) -> list[StepLayout]:
@@ -682,21 +710,18 @@ def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, toke
       (min(seq_limit / page_size, n_pages)), as long as n - 1 other rows fit the pool.
     * Multi-step decode (`tuning.decode_steps_per_call` > 1): the same for n up to
       `multi_step_max_rows`, variants without penalties only.
-    * Prefill (some row computes several tokens): n rows and t > n tokens with t up to
-      `max_tokens_per_step` and n_pages * page_size, where t fits in n rows of at most
-      the width's pages (t <= n * width * page_size) and the widest row leaves a page each
-      for the n - 1 others.
-    Sampling variants: those of `sampling` (`sampling_variants`); prefill layouts also the
-    all-greedy one, since rows that do not sample (a prompt's chunks before its last) are
-    packed as greedy rows. Not included: a decode layout in which no row samples (only
-    one-token prompt chunks that are not the last, which needs a budget or pool with room
-    for one token); such a step compiles when it happens."""
+    * Prefill (some row computes several tokens): each token bucket t that a step of n
+      rows can fill (t > n, t up to `max_tokens_per_step` and n_pages * page_size, t fits
+      in n rows of at most the width's pages: t <= n * width * page_size, and the widest
+      row leaves a page each for the n - 1 others), with `prefill_rows(t)` rows; per
+      reachable column bucket, or only the widest with `tuning.full_width_prefill`.
+    Sampling variants: those of `sampling` (`sampling_variants`), for every kind of step
+    (rows that do not sample keep their request's params, see `Engine._pack`)."""
     ps, n_pages, max_batch = config.page_size, config.n_pages, config.max_batch
-    widest = min(-(-seq_limit // ps), n_pages)  # pages of the longest request
+    widest = widest_table(config, seq_limit)
     prev = lambda b, buckets: max([x for x in buckets if x < b], default=0)  # noqa: E731
     widths = [w for w in col_buckets if prev(w, col_buckets) < widest]
     variants = sorted(sampling_variants(sampling))
-    prefill_variants = sorted(set(variants) | {(False, "greedy")})
     multi_variants = [v for v in variants if not v[0]]
 
     def layout(decode, t, r, w, penalties, mode, steps=1):
@@ -721,16 +746,17 @@ def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, toke
             for w in widths:
                 if n - 1 + prev(w, col_buckets) + 1 <= n_pages:
                     out += [layout(True, r, r, w, *v, steps=tuning.decode_steps_per_call) for v in multi_variants]
+    # prefill: (fewest pages of the widest row, padded width) of each program's tables
+    spans = [(1, widths[-1])] if tuning.full_width_prefill else [(prev(w, col_buckets) + 1, w) for w in widths]
     max_tokens = min(config.max_tokens_per_step, n_pages * ps)
     for t in token_buckets:
-        for r in row_buckets:
-            for w in widths:
-                w_lo, w_hi = prev(w, col_buckets) + 1, min(w, widest)
-                if any(max(prev(t, token_buckets) + 1, n + 1)
-                       <= min(t, max_tokens, n * min(min(w_hi, n_pages - n + 1) * ps, seq_limit))
-                       and min(w_hi, n_pages - n + 1) >= w_lo
-                       for n in range(prev(r, row_buckets) + 1, min(r, max_batch) + 1)):
-                    out += [layout(False, t, r, w, *v) for v in prefill_variants]
+        for w_lo, w in spans:
+            w_hi = min(w, widest)
+            if any(max(prev(t, token_buckets) + 1, n + 1)
+                   <= min(t, max_tokens, n * min(min(w_hi, n_pages - n + 1) * ps, seq_limit))
+                   and min(w_hi, n_pages - n + 1) >= w_lo
+                   for n in range(1, min(t, max_batch) + 1)):
+                out += [layout(False, t, prefill_rows(t, max_batch, row_buckets), w, *v) for v in variants]
     return out
 
 

@@ -36,6 +36,11 @@ multi_step_max_rows: multi-step calls only while at most this many requests deco
 (FALLBACK: the engine's max_batch).
 min_decode_rows: decode steps are padded to at least this many request rows, adding a row
 bucket of that size when every bucket is smaller.
+full_width_prefill: prefill (mixed) steps pad their page table to the widest column bucket
+instead of the smallest that holds their rows (one program per token bucket, not one per
+width). On GPU the prefill kernel's work follows each row's KV length, not the table's
+width; the reference attention (CPU) gathers the whole table, so there a wider table
+costs time.
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ class TuningOverrides:
     decode_steps_per_call: int | None = None
     multi_step_max_rows: int | None = None
     min_decode_rows: int | None = None
+    full_width_prefill: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("unroll_layers", "fuse_projections"):
+        for name in ("unroll_layers", "fuse_projections", "full_width_prefill"):
             v = getattr(self, name)
             check(v in (None, True, False), f"tuning.{name}",
                   f"must be True, False or None (backend default), got {v!r}")
@@ -89,6 +95,7 @@ class BackendDefaults:
     decode_steps_per_call: int
     multi_step_max_rows: int | None
     min_decode_rows: int
+    full_width_prefill: bool
 
 
 # GPU (measured on an H200, docs/performance.md):
@@ -101,16 +108,17 @@ class BackendDefaults:
 #   anyway and ran slightly faster with one step a call.
 # - min_decode_rows: XLA turns one-row projections into multiply + reduce kernels instead
 #   of GEMMs, so a two-row step is faster than a one-row one.
+# - full_width_prefill: the Mosaic GPU prefill kernel skips the table's unused columns.
 BACKEND_DEFAULTS: dict[str, BackendDefaults] = {
     "gpu": BackendDefaults(unroll_layers=True, fuse_projections=True, cublas_decode_rows_separate=128,
                            cublas_decode_rows_fused=64, decode_steps_per_call=4, multi_step_max_rows=128,
-                           min_decode_rows=2),
+                           min_decode_rows=2, full_width_prefill=True),
 }
 # Elsewhere (CPU): nothing measured, nothing to save (no weight-slice copies, no GPU code
 # generation choices), and a fused copy would cost a copy of those weights per update.
 FALLBACK = BackendDefaults(unroll_layers=False, fuse_projections=False, cublas_decode_rows_separate=0,
                            cublas_decode_rows_fused=0, decode_steps_per_call=1, multi_step_max_rows=None,
-                           min_decode_rows=1)
+                           min_decode_rows=1, full_width_prefill=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +131,7 @@ class Tuning:
     decode_steps_per_call: int
     multi_step_max_rows: int
     min_decode_rows: int
+    full_width_prefill: bool
 
 
 def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
@@ -155,7 +164,8 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
                   fuse_projections=fused,
                   decode_steps_per_call=pick("decode_steps_per_call", d.decode_steps_per_call),
                   multi_step_max_rows=pick("multi_step_max_rows", multi_default),
-                  min_decode_rows=pick("min_decode_rows", d.min_decode_rows))
+                  min_decode_rows=pick("min_decode_rows", d.min_decode_rows),
+                  full_width_prefill=pick("full_width_prefill", d.full_width_prefill))
 
 
 def batch_buckets(engine: EngineConfig, tuning: Tuning) -> tuple[int, ...]:

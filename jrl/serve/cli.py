@@ -77,7 +77,8 @@ def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
     net.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-batch", type=int, default=64, help="requests decoding at once (default 64)")
-    eng.add_argument("--page-size", type=int, default=16)
+    eng.add_argument("--page-size", type=int, default=None,
+                     help="tokens per KV page (default 16; 32 with an fp8 kv_dtype in --engine)")
     eng.add_argument("--max-seq-len", type=int,
                      help="prompt + completion tokens of one request (default: the model's, at most 4096)")
     eng.add_argument("--n-pages", type=int, help="KV pages (default: every running request can reach max-seq-len, "
@@ -119,8 +120,8 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         overrides["n_pages"] = args.n_pages
     if args.max_tokens_per_step is not None:
         overrides["max_tokens_per_step"] = args.max_tokens_per_step
-    config = engine_config_for_workload(max_seq_len, args.max_batch, page_size=args.page_size, seed=args.seed,
-                                        **overrides)
+    config = engine_config_for_workload(max_seq_len, args.max_batch,
+                                        **{"page_size": args.page_size, "seed": args.seed, **overrides})
     return fit_pool(config, served.model_config, free_memory, chosen="n_pages" in overrides)
 
 
