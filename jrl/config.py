@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import os
 import re
+import sys
 import types
 import typing
 from typing import Any, Literal, TypeVar
@@ -23,6 +24,24 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names the field."""
+
+
+# What reading a config file, overrides or a command line raises for bad input.
+CONFIG_ERRORS = (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError)
+
+
+def cli_exit(error: BaseException, *, failed: tuple[type[BaseException], ...] = (),
+             config_errors: tuple[type[BaseException], ...] = CONFIG_ERRORS) -> int:
+    """Report `error` to the user of a command-line program (jrl train, eval, serve) on one
+    stderr line and return its exit status: 1 when `error` is one of `failed` (the run
+    itself failed: "error: ..."), else 2 (bad input: "config error: ..." for one of
+    `config_errors`, "error: ..." otherwise)."""
+    if isinstance(error, failed):
+        label, status = "error", 1
+    else:
+        label, status = ("config error" if isinstance(error, config_errors) else "error"), 2
+    print(f"{label}: {error}", file=sys.stderr)
+    return status
 
 
 # ----------------------------------------------------------------------------- helpers

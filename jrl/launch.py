@@ -15,12 +15,12 @@ a failed run (including a run directory another run holds, and no resumable chec
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 import yaml
 
-from jrl.config import ConfigError, ParallelConfig, TrainConfig, load_train_config, to_dict
+from jrl.config import (CONFIG_ERRORS, ConfigError, ParallelConfig, TrainConfig, cli_exit, load_train_config,
+                        to_dict)
 from jrl.hf import HFFormatError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
@@ -36,6 +36,8 @@ from jrl.train.initial import load_run_tokenizer
 from jrl.train.trainer import ResumeError, Trainer, check_data_format
 
 RL_STRATEGIES = ("grpo",)
+# Errors of a run that started from a valid config (exit status 1).
+RUN_FAILURES = (RewardError, RunLockedError, ResumeError)
 
 
 def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
@@ -109,9 +111,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     try:
         config = resolve_config(args)
         start_distributed(config)
-    except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except CONFIG_ERRORS as e:
+        return cli_exit(e)
     if args.dry_run:
         dry_run(config, args.output_dir)
         return 0
@@ -124,12 +125,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
                 return 0
         trainer = make_trainer(config, output_dir=args.output_dir)
         state = trainer.fit(resume=args.resume, overwrite=overwrite, resume_from=args.resume_from)
-    except (ConfigError, FileExistsError, HFFormatError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (RewardError, RunLockedError, ResumeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (ConfigError, FileExistsError, HFFormatError, *RUN_FAILURES) as e:
+        return cli_exit(e, failed=RUN_FAILURES, config_errors=())
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"finished at step {int(state.step)}, policy version {int(state.policy_version)}{reason}; "
           f"run directory: {trainer.run_dir}")

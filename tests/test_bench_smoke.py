@@ -148,14 +148,6 @@ def test_decode_step_only_replays_the_program_on_fp8_kv(tmp_path):
     positive(r, "device_step_ms", "floor_ms", "tokens_per_s")
 
 
-def test_decode_kv_drift_compares_fp8_with_the_model_dtype(tmp_path):
-    rows = bench(tmp_path, "decode", "--kv-drift", "--page-size", "32")
-    (r,) = section(rows, "kv_drift")
-    assert r["kv_dtype"] == "float8_e4m3fn" and r["prompts"] == 2 and r["new"] == 8
-    assert 0 < r["tokens_compared"] <= 16 and 0 < r["agreement"] <= 1
-    assert 0 <= r["mean_abs"] <= r["p99_abs"] <= r["max_abs"] < 1
-
-
 def test_grpo_times_every_phase(tmp_path):
     rows = bench(tmp_path, "grpo", "--steps", "2")
     assert [r["step"] for r in section(rows, "step")] == [0, 1]
@@ -241,16 +233,29 @@ def test_decode_vs_bf16_runs_a_bf16_engine_then_the_fp8_weights_one(tmp_path):
     assert "speedup_vs_bf16" not in bf16
 
 
-def test_decode_drift_compares_fp8_weights_with_bf16_against_the_trainer(tmp_path):
-    rows = bench(tmp_path, "decode", "--drift", "--drift-prompts", "2", "--engine",
-                 json.dumps({"weight_dtype": "float8_e4m3fn"}))
+def test_decode_drift_compares_fp8_weights_with_the_trainer_and_the_bf16_engine(tmp_path):
+    rows = bench(tmp_path, "decode", "--drift", "--engine", json.dumps({"weight_dtype": "float8_e4m3fn"}))
     bf16, fp8 = section(rows, "drift")
     assert (bf16["precision"], fp8["precision"]) == ("bfloat16", "weight_dtype=float8_e4m3fn")
-    assert bf16["greedy_prefix_agree_pct"] == 100  # the reference agrees with itself
+    assert (fp8["prompts"], fp8["new"]) == (2, 8)  # --tiny's sizes
+    # the bf16 engine against itself: every sample and greedy token agrees, no drift
+    assert bf16["vs_bf16_max_abs"] == 0 and bf16["vs_bf16_tokens_compared"] == 16
+    assert bf16["sample_identical_pct"] == bf16["greedy_identical_pct"] == 100
     for r in (bf16, fp8):
-        assert 0 <= r["mean_abs"] <= r["p99_abs"] <= r["max_abs"] < 0.5
+        assert 0 <= r["vs_trainer_mean_abs"] <= r["vs_trainer_p99_abs"] <= r["vs_trainer_max_abs"] < 0.5
         assert 0 <= r["greedy_identical_pct"] <= r["greedy_prefix_agree_pct"] <= 100
-    assert fp8["mean_abs"] > 0  # the quantized weights are not the trainer's
+    assert fp8["vs_trainer_mean_abs"] > 0  # the quantized weights are not the trainer's
+    assert 0 < fp8["vs_bf16_tokens_compared"] <= 16
+
+
+def test_decode_drift_compares_fp8_kv_with_the_trainer_and_the_bf16_engine(tmp_path):
+    rows = bench(tmp_path, "decode", "--drift", "--page-size", "32",
+                 "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
+    bf16, fp8 = section(rows, "drift")
+    assert fp8["precision"] == "kv_dtype=float8_e4m3fn" and fp8["page_size"] == 32
+    assert 0 < fp8["vs_bf16_tokens_compared"] <= 16 and 0 < fp8["sample_prefix_agree_pct"] <= 100
+    assert 0 <= fp8["vs_bf16_mean_abs"] <= fp8["vs_bf16_p99_abs"] <= fp8["vs_bf16_max_abs"] < 1
+    assert 0 <= fp8["vs_trainer_mean_abs"] <= fp8["vs_trainer_max_abs"] < 1
 
 
 def test_bad_input_names_the_choices(capsys):

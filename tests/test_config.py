@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from jrl.config import ConfigError, LoraConfig, ModelConfig, RopeScaling, from_dict, model_config_from_dict, to_dict
+from jrl.config import (ConfigError, LoraConfig, ModelConfig, RopeScaling, cli_exit, from_dict, model_config_from_dict,
+                        to_dict)
 
 
 def test_defaults_are_a_valid_small_gqa_model():
@@ -139,3 +140,13 @@ def test_valid_variants_construct():
     ModelConfig(attention="mla", n_heads=3)  # n_kv_heads / head_dim are GQA-only fields
     ModelConfig(n_experts=4, n_experts_per_tok=4, n_shared_experts=1, shared_expert_gate=True)
     ModelConfig(rope_scaling=RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=128))
+
+
+def test_cli_exit_reports_bad_input_as_2_and_failed_runs_as_1_on_one_line(capsys):
+    assert cli_exit(ConfigError("data.seq_len: must be >= 2, got 1")) == 2
+    assert capsys.readouterr().err == "config error: data.seq_len: must be >= 2, got 1\n"
+    # past reading the config (jrl train's run phase): plain "error", still 2
+    assert cli_exit(ConfigError("--resume: no checkpoint"), config_errors=()) == 2
+    assert capsys.readouterr().err == "error: --resume: no checkpoint\n"
+    assert cli_exit(RuntimeError("run locked"), failed=(RuntimeError,)) == 1
+    assert capsys.readouterr().err == "error: run locked\n"

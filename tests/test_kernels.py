@@ -18,28 +18,13 @@ from pallas_kernels.decode_mgpu import (default_keys_as_rows, default_num_stages
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
 from pallas_kernels.scatter_rows import scatter_rows
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
+from kernel_inputs import paged_inputs, rel_err
 
 TOL = 1e-2  # bf16 inputs and bf16 probabilities in PV: observed 1e-3..3e-3
 
 
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-
-
 def f32(x):
     return x.astype(jnp.float32)
-
-
-def paged_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2):
-    """bf16 K/V buffers with shuffled page tables (plus spare pages nobody owns)."""
-    pages = -(-max_ctx // ps)
-    n_pages = n_req * pages + 3
-    shape = (n_layers, n_pages * ps, hkv, d)
-    kb = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    vb = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-    pt = jnp.asarray(rng.permutation(n_pages)[: n_req * pages].reshape(n_req, pages), jnp.int32)
-    return kb, vb, pt
 
 
 @pytest.mark.parametrize("keys_as_rows", [False, True], ids=["queries_as_rows", "keys_as_rows"])

@@ -20,24 +20,15 @@ from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
+from kernel_inputs import paged_inputs, rel_err
 
 TOL = 1e-2  # kernel vs the reference on the same fp8 buffers (bf16 tiles and probabilities)
 FP8_TOL = 5e-2  # fp8 buffers vs the float32 originals: e4m3 keeps 3 mantissa bits
 
 
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-
-
 def fp8_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2):
     """float32 K/V buffers, their fp8 form, and shuffled page tables (spare pages unowned)."""
-    pages = -(-max_ctx // ps)
-    n_pages = n_req * pages + 3
-    shape = (n_layers, n_pages * ps, hkv, d)
-    kb = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    vb = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    pt = jnp.asarray(rng.permutation(n_pages)[: n_req * pages].reshape(n_req, pages), jnp.int32)
+    kb, vb, pt = paged_inputs(rng, n_req, max_ctx, hkv, d, ps, jnp.float32, n_layers)
     return (kb, vb), (quantized.from_array(kb), quantized.from_array(vb)), pt
 
 

@@ -9,39 +9,21 @@ import jax
 import numpy as np
 import pytest
 
-from jrl.config import ConfigError, TrainConfig, from_dict
+from jrl.config import ConfigError, TrainConfig
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
 from jrl.rl.batch import build_rows, newest_versions, stale_groups, stale_tokens
 import jrl.rl.source as source_module
+from parallel_cases.common import grpo_config
 from jrl.rl import build_learner
 from jrl.rl.options import RLOptions
 from jrl.rollout import Engine
 from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 
 
-def first_byte_even(prompt, completion, answer):
-    """A reward with variance even for a random model: 1 if the first byte is even."""
-    data = completion.encode()
-    return 1.0 if data and data[0] % 2 == 0 else 0.0
-
-
 def tiny(steps=6, **options) -> TrainConfig:
-    opts = {"task": {"n_digits": 1, "n_heldout": 16, "n_validation": 0}, "prompts_per_step": 4, "group_size": 4,
-            "max_new_tokens": 3, "rewards": [{"fn": "test_rl_loop:first_byte_even"}],
-            "engine": {"page_size": 2}, **options}
-    return from_dict(TrainConfig, {
-        "name": "tiny", "seed": 0, "steps": steps,
-        "model": {"vocab_size": 262, "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
-                  "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 32},
-        "data": {"seq_len": 8, "batch_size": 8},  # 16 samples per rollout -> 2 updates each
-        "strategy": {"name": "grpo", "options": opts},
-        "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
-        "schedule": {"kind": "constant"},
-        "checkpoint": {"interval": 0},
-        "eval": {"every": 0, "at_end": False},
-        "logging": {"progress": False, "plot": False},
-    })
+    """The shared tiny GRPO run (1 KV head), rewarding an even first byte."""
+    return grpo_config(steps=steps, n_kv_heads=1, reward="parallel_cases.common:first_byte_even", **options)
 
 
 def run(config, out, callbacks=(), resume=False):

@@ -29,23 +29,11 @@ from pallas_kernels import dispatch, reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
+from kernel_inputs import paged_inputs
 from test_rollout_engine import MODEL, init, prompts_of
 
 
 # ---------------------------------------------------------------------------- attention masking
-
-def paged_inputs(rng, n_req, max_ctx, hkv, d, ps, dtype=jnp.bfloat16, n_layers=2):
-    """Random K/V buffers with shuffled page tables, every request owning pages for
-    `max_ctx` keys (a short request's later columns are pages it does not use), plus spare
-    pages nobody owns."""
-    pages = -(-max_ctx // ps)
-    n_pages = n_req * pages + 3
-    shape = (n_layers, n_pages * ps, hkv, d)
-    kb = jnp.asarray(rng.standard_normal(shape), dtype)
-    vb = jnp.asarray(rng.standard_normal(shape), dtype)
-    pt = jnp.asarray(rng.permutation(n_pages)[: n_req * pages].reshape(n_req, pages), jnp.int32)
-    return kb, vb, pt
-
 
 def poison_unused(buf, page_table, kv_lens, page_size):
     """`buf` with NaN in every slot that is not one of some request's first `kv_len` keys:

@@ -2,7 +2,7 @@
 docs/rollout.md "Sizing of `generate()`"): every prompt of the workload in one step, up to
 a cap (32768 tokens with a device memory figure, 1024 without one, i.e. on the CPU), up to
 what an eighth of the device's free memory holds of one step's activations, and never
-below max_batch."""
+below max_batch. The RL loop's engines (`jrl.rl.engines.engine_config_for`) get the same rule."""
 
 import dataclasses
 
@@ -12,6 +12,8 @@ from jrl.bench.shapes import ROLLOUT_082B
 from jrl.config import ConfigError, ModelConfig
 from jrl.rollout.config import (EngineConfig, check_kv_page_size, device_free_memory, engine_config_for_workload,
                                 step_bytes_per_token, token_budget)
+from jrl.rl import engines
+from jrl.rl.options import RLOptions
 
 GIB = 2**30
 
@@ -115,3 +117,19 @@ def test_fp8_kv_pages_the_gpu_kernels_cannot_read_name_engine_page_size():
 ])
 def test_fp8_kv_pages_are_fine_where_no_kernel_reads_them_or_they_are_multiples_of_32(config, model, backend):
     check_kv_page_size(config, model, backend)
+
+
+def test_rl_engines_are_sized_by_the_same_rule_with_the_devices_free_memory(monkeypatch):
+    monkeypatch.setattr(engines, "device_free_memory", lambda: 100 * GIB)  # as an H200 reports it
+    gpu = engines.engine_config_for(RLOptions(), 768, 256, 0, ROLLOUT_082B, prompt_tokens=256 * 512)
+    assert gpu.max_tokens_per_step == 32768 and gpu.max_batch == 256
+    # prompt tokens unknown: every request's whole seq_len (256 x 768), capped
+    assert engines.engine_config_for(RLOptions(), 768, 256, 0, ROLLOUT_082B).max_tokens_per_step == 32768
+    # strategy.options.engine wins
+    tuned = RLOptions(engine={"max_tokens_per_step": 4096})
+    assert engines.engine_config_for(tuned, 768, 256, 0, ROLLOUT_082B).max_tokens_per_step == 4096
+
+
+def test_rl_engines_on_the_cpu_keep_the_cpu_cap():
+    assert engines.engine_config_for(RLOptions(), 768, 256, 0, ROLLOUT_082B).max_tokens_per_step == 1024
+    assert engines.engine_config_for(RLOptions(), 8, 16, 0, ROLLOUT_082B).max_tokens_per_step == 128

@@ -12,7 +12,7 @@ benchmark models), `decode_program` (the engine's decode program on a synthetic 
 # name -> one line for `jrl bench --help`; UNAVAILABLE: listed, with why it cannot run.
 STAGES = {
     "train": "trainer step throughput: tokens/s, MFU, memory, meshes; --torch: transformers beside it",
-    "decode": "engine decode throughput; --step-only, --ab (variants), --host, --gemms, --trace-dir",
+    "decode": "engine decode throughput; --step-only, --ab (variants), --host, --gemms, --drift, --trace-dir",
     "prefill": "engine prefill throughput: prompt tokens/s against the compute floor",
     "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
     "grpo": "one GRPO step (sync, overlapped or interruptible), phase by phase (generation .. weight sync)",

@@ -6,7 +6,7 @@ program side by side, the engine's host time, the projection GEMMs of a decode l
     jrl bench decode --ab base,queries_as_rows [--batches 256] [--contexts 640,648] [--pages random]
     jrl bench decode --host [--batches 1,16,64,256] [--profile] [--digest]      (CPU, tiny model)
     jrl bench decode --gemms [--rows 1,64,128,256]
-    jrl bench decode --drift [--engine '{"weight_dtype": "float8_e4m3fn"}'] [--drift-prompts 32] [--new 64]
+    jrl bench decode --drift [--engine '{"kv_dtype": "float8_e4m3fn"}'] [--drift-prompts 32] [--drift-new 64]
 
 The model is the 0.82B rollout shape (`shapes.ROLLOUT_082B`: vocab 32000, hidden 2048, 16
 layers, 16 q / 8 kv heads of 128, SwiGLU 5632, tied) with random bf16 weights.
@@ -45,16 +45,6 @@ dispatch + readback), wait; medians over the steady decode steps, best of `--rep
 `--profile`: cProfile top list at `--profile-batch`; `--digest`: checksums of the tokens
 and logprobs.
 
-KV drift (`--kv-drift`; section `kv_drift`): what a quantized KV cache changes. Two
-engines (`--engine` settings; one with the model's KV dtype, one with `--drift-kv-dtype`)
-generate `--drift-new` tokens for each of `--drift-prompts` random prompts of `--prompt`
-tokens, sampled at temperature 1 with one seed per prompt (the same Gumbel noise in both,
-so the paths part only where the changed logits flip a draw). Over the tokens before a
-prompt's first differing token: mean / p99 / max |model logprob difference|; `agreement`:
-the share of all tokens that come before the first difference; `identical`: prompts whose
-whole completion is the same. Random weights by default (`--drift-init hf:<dir>`: a
-checkpoint's, whose peaked distributions are the realistic case).
-
 GEMMs (`--gemms`; section `gemms`): the projection GEMMs of every layer with separate and
 fused weights, and fused weights in e4m3 with column scales (`fused_fp8`, what
 `weight_dtype: float8_e4m3fn` serves), under XLA's default GEMM code generation and the engine's cuBLAS options,
@@ -62,10 +52,10 @@ with the elementwise glue of a layer between them (no attention, no norms); us a
 against its floor: weight bytes at the copy rate or FLOPs at the bf16 matmul rate measured
 here (`--matmul-tflops` to give one), the larger.
 
-Drift (`--drift`; section `drift`): engine log-probs against the trainer's on the tokens
-the engine sampled, and greedy agreement, for bf16 and for the `--engine` precision
-overrides in the same run (`jrl.bench.drift`); `--drift-prompts` prompts of `--prompt`
-tokens, `--new` tokens each.
+Drift (`--drift`; section `drift`): for bf16 and each `--engine` precision setting
+(`kv_dtype`, `weight_dtype`), seeded samples' log-probs against the trainer's and against
+the bf16 engine's, sample and greedy agreement; `--drift-prompts` prompts of `--prompt`
+tokens, `--drift-new` tokens each (`jrl.bench.drift` has the rows).
 
 Engine rows name the served weight dtype (`weight_dtype`: bfloat16, or float8_e4m3fn with
 `--engine '{"weight_dtype": "float8_e4m3fn"}'`); their floor counts the served bytes.
@@ -95,7 +85,7 @@ import numpy as np
 from jrl.bench import drift, floors, torch_ref
 from jrl.bench.decode_program import PAGE_ORDERS, Case, default_decode_program, replay, synthetic_batch
 from jrl.bench.log import log
-from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
+from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init, rollout_shape
 from jrl.bench.timing import Budget, timeit
 from jrl.bench.trace import start_session, trace_calls, trace_summary
 from jrl.models.fp8 import quantize_columns, scaled_matmul
@@ -104,13 +94,12 @@ from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
-from jrl.rollout.sampling import GREEDY, SamplingParams
-from jrl.serve.loading import load_served
+from jrl.rollout.sampling import GREEDY
 from jrl.rollout.tuning import TuningOverrides
 from pallas_kernels import dispatch, reference
 from pallas_kernels.tuning import DecodeTuning
 
-MODES = ("step_only", "ab", "host", "gemms", "drift", "kv_drift")
+MODES = ("step_only", "ab", "host", "gemms", "drift")
 
 
 def add_arguments(p) -> None:
@@ -120,14 +109,9 @@ def add_arguments(p) -> None:
                       f"comma list of {','.join(VARIANTS)}")
     mode.add_argument("--host", action="store_true", help="the engine's host time per decode step (CPU)")
     mode.add_argument("--gemms", action="store_true", help="the projection GEMMs of a decode layer")
-    mode.add_argument("--drift", action="store_true", help="engine log-probs vs the trainer's, bf16 and --engine")
-    mode.add_argument("--kv-drift", action="store_true",
-                      help="logprob drift and sample agreement of a quantized KV cache against the model's dtype")
-    g = p.add_argument_group("--drift / --kv-drift")
-    g.add_argument("--drift-kv-dtype", default="float8_e4m3fn", help="the EngineConfig.kv_dtype compared")
-    g.add_argument("--drift-prompts", type=int, default=32)
-    g.add_argument("--drift-new", type=int, default=64)
-    g.add_argument("--drift-init", default=None, help="hf:<dir> weights (default: random)")
+    mode.add_argument("--drift", action="store_true",
+                      help="log-prob drift of bf16 and the --engine precision vs the trainer and the bf16 engine")
+    drift.add_arguments(p)
     p.add_argument("--batches", default=None,
                    help="batch sizes (default: engine 1,16,64,128,256; --ab 256; --host 1,16,64,256)")
     p.add_argument("--prompt", type=int, default=512)
@@ -183,9 +167,9 @@ def run(args, results) -> int:
         return run_host(args, results)
     if mode == "gemms":
         return run_gemms(args, results)
-    cfg = TINY if args.tiny else ROLLOUT_082B
-    if args.tiny:
-        args.prompt, args.new = min(args.prompt, 24), min(args.new, 8)
+    cfg = rollout_shape(args, prompt=24, new=8)
+    if mode == "drift":
+        return drift.run(args, results, cfg, engine_config)
     params = init(cfg)
     bandwidth = floors.copy_bandwidth(1 << 24 if args.tiny else 4 << 30)
     log(f"params {count_params(params) / 1e9:.3f}B, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
@@ -193,10 +177,6 @@ def run(args, results) -> int:
         return run_ab(args, results, cfg, params, bandwidth)
     if mode == "step_only":
         return run_step_only(args, results, cfg, params, bandwidth)
-    if mode == "drift":
-        return run_drift(args, results, cfg, params)
-    if mode == "kv_drift":
-        return run_kv_drift(args, results, cfg, params)
     return run_engine(args, results, cfg, params, bandwidth)
 
 
@@ -410,63 +390,6 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
     results.table([("batch", "batch"), ("compiled", "compiled"), ("decode_tokens_per_s", "decode tok/s"),
                    ("tokens_per_s", "e2e tok/s"), ("step_ms", "step ms")], "transformers", "transformers generate")
     return 1 if failed == len(batches) * len(settings) else 0
-
-
-# ----------------------------------------------------------------------------- drift
-
-def run_drift(args, results, cfg, params) -> int:
-    n = args.drift_prompts
-    drift.run(results, cfg, params, lambda overrides: engine_config(n, args.prompt, args.new, args.page_size, overrides),
-              args.engine, TuningOverrides(**args.tuning), n, args.prompt, args.new)
-    results.table([("precision", "precision"), ("mean_abs", "mean |d|"), ("p99_abs", "p99 |d|"), ("max_abs", "max |d|"),
-                   ("bitwise_equal_pct", "bitwise %"), ("greedy_prefix_agree_pct", "greedy agree %"),
-                   ("greedy_identical_pct", "identical %")], "drift",
-                  f"engine vs trainer log-probs, {n} prompts of {args.prompt}, {args.new} sampled tokens")
-    return 0
-
-
-# ----------------------------------------------------------------------------- kv drift
-
-def kv_drift(base: list, other: list) -> dict:
-    """Completions of the same seeded requests under two engines -> the drift of `other`'s
-    model logprobs over each request's tokens before its first differing token."""
-    diffs, before, total, identical = [], 0, 0, 0
-    for a, b in zip(base, other):
-        n = min(len(a.tokens), len(b.tokens))
-        same = np.cumprod(a.tokens[:n] == b.tokens[:n]).astype(bool)
-        diffs.append(np.abs(a.model_logprobs[:n] - b.model_logprobs[:n])[same])
-        before += int(same.sum())
-        total += len(a.tokens)
-        identical += int(same.all() and len(a.tokens) == len(b.tokens))
-    d = np.concatenate(diffs) if diffs else np.zeros(0)
-    stats = dict(mean_abs=float(d.mean()), p99_abs=float(np.quantile(d, 0.99)), max_abs=float(d.max())) if d.size else {}
-    return dict(tokens_compared=int(d.size), agreement=before / max(total, 1), identical=identical, **stats)
-
-
-def run_kv_drift(args, results, cfg, params) -> int:
-    if args.drift_init:
-        served = load_served(args.drift_init)
-        cfg, params = served.model_config, served.params
-    n, new = (min(args.drift_prompts, 2), min(args.drift_new, 8)) if args.tiny else (args.drift_prompts, args.drift_new)
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, cfg.vocab_size, (n, args.prompt), dtype=np.int32)
-    sampling = [SamplingParams(temperature=1.0, seed=i) for i in range(n)]
-    runs = {}
-    for kv_dtype in (None, args.drift_kv_dtype):
-        econf = engine_config(n, args.prompt, new, args.page_size, {**args.engine, "kv_dtype": kv_dtype})
-        engine = Engine(cfg, params, econf, tuning=TuningOverrides(**args.tuning))
-        for p, s in zip(prompts, sampling):
-            engine.add_request(p, s, max_new_tokens=new)
-        done = engine.run()
-        runs[kv_dtype] = sorted(done, key=lambda c: c.request_id)
-        del engine
-    row = kv_drift(runs[None], runs[args.drift_kv_dtype])
-    results.row("kv_drift", kv_dtype=args.drift_kv_dtype, base_kv_dtype=cfg.dtype, prompts=n, prompt=args.prompt,
-                new=new, page_size=args.page_size, weights=args.drift_init or "random", engine=args.engine, **row)
-    results.table([("kv_dtype", "kv dtype"), ("tokens_compared", "tokens"), ("mean_abs", "mean |d|"),
-                   ("p99_abs", "p99 |d|"), ("max_abs", "max |d|"), ("agreement", "agreement"),
-                   ("identical", "identical")], "kv_drift", f"model logprob drift vs {cfg.dtype} KV")
-    return 0 if row["tokens_compared"] else 1
 
 
 # ----------------------------------------------------------------------------- step only
@@ -767,7 +690,7 @@ def layers_program(cfg, fused: bool):
 
 
 def run_gemms(args, results) -> int:
-    cfg = TINY if args.tiny else ROLLOUT_082B
+    cfg = rollout_shape(args)
     bandwidth = args.bandwidth or floors.copy_bandwidth(1 << 24 if args.tiny else 4 << 30)
     matmul = 1e12 * args.matmul_tflops if args.matmul_tflops else floors.matmul_ceiling((256,) if args.tiny else
                                                                                          (4096, 8192))

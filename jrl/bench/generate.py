@@ -45,7 +45,7 @@ import time
 from jrl.bench import torch_ref
 from jrl.bench.log import log
 from jrl.bench.results import ROOT
-from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints
+from jrl.bench.shapes import csv_ints, rollout_shape
 from jrl.bench.timing import Budget
 
 
@@ -98,9 +98,7 @@ def worker(args, batch: int, cache_dir: str, second: bool) -> list[dict]:
 
 def run(args, results) -> int:
     budget = Budget(args.budget_s)
-    cfg = TINY if args.tiny else ROLLOUT_082B
-    if args.tiny:
-        args.prompt, args.new = min(args.prompt, 24), min(args.new, 6)
+    cfg = rollout_shape(args, prompt=24, new=6)
     batches = csv_ints(args.batches)
     common = {"prompt": args.prompt, "new": args.new}
     failed = 0

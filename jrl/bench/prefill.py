@@ -22,7 +22,7 @@ import numpy as np
 
 from jrl.bench import floors
 from jrl.bench.log import log
-from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
+from jrl.bench.shapes import csv_ints, init, rollout_shape
 from jrl.bench.timing import Budget
 from jrl.rollout.config import EngineConfig
 from jrl.rollout.engine import Engine
@@ -60,9 +60,7 @@ def prefill_once(engine: Engine, prompts: np.ndarray) -> tuple[float, int, list]
 
 def run(args, results) -> int:
     budget = Budget(args.budget_s)
-    cfg = TINY if args.tiny else ROLLOUT_082B
-    if args.tiny:
-        args.prompt, args.max_tokens_per_step = min(args.prompt, 48), min(args.max_tokens_per_step, 64)
+    cfg = rollout_shape(args, prompt=48, max_tokens_per_step=64)
     batches = csv_ints(args.batches)
     matmul = 1e12 * args.matmul_tflops if args.matmul_tflops else \
         floors.matmul_ceiling((256,) if args.tiny else (4096, 8192))

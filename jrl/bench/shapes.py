@@ -37,6 +37,16 @@ def tiny_like(cfg: ModelConfig, **changes) -> ModelConfig:
                                tie_embeddings=cfg.tie_embeddings, **changes)
 
 
+def rollout_shape(args, **tiny_caps: int) -> ModelConfig:
+    """The rollout model of a bench run: ROLLOUT_082B, or TINY under `--tiny` with each
+    argument named in `tiny_caps` capped (e.g. prompt=24) so the smoke run stays CPU-sized."""
+    if not args.tiny:
+        return ROLLOUT_082B
+    for name, cap in tiny_caps.items():
+        setattr(args, name, min(getattr(args, name), cap))
+    return TINY
+
+
 def init(cfg: ModelConfig, seed: int = 0):
     """Random params of `cfg` (jitted init: no host copy of the weights)."""
     return jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(seed))

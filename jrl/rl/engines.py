@@ -7,17 +7,24 @@ from typing import Any
 
 import jax
 
-from jrl.config import ConfigError, ParallelConfig
+from jrl.config import ConfigError, ModelConfig, ParallelConfig
 from jrl.models.lora import lora_params
 from jrl.parallel import make_mesh
 from jrl.rl.options import RLOptions
 from jrl.rollout import Engine, EngineConfig, engine_config_for_workload
+from jrl.rollout.config import device_free_memory
 
 
-def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: int) -> EngineConfig:
+def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: int, model: ModelConfig,
+                      prompt_tokens: int | None = None) -> EngineConfig:
     """Engine settings sized for `n_requests` concurrent requests of up to `seq_len`
-    tokens (the rollout engine's one sizing rule), overridden by `strategy.options.engine`."""
-    return engine_config_for_workload(seq_len, n_requests, **{"seed": seed, **options.engine})
+    tokens by the rollout engine's one sizing rule, as `generate()` sizes its engine: the
+    token budget from `prompt_tokens` (the workload's prompt tokens in all, where known;
+    None: n_requests x seq_len) and the device's free memory (None on the CPU: its small
+    cap); overridden by `strategy.options.engine`."""
+    return engine_config_for_workload(seq_len, n_requests, prompt_tokens=prompt_tokens,
+                                      free_memory=device_free_memory(), model=model,
+                                      **{"seed": seed, **options.engine})
 
 
 def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sharding.Mesh | None:

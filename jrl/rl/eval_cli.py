@@ -28,10 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from jrl.checkpoint import CheckpointCorruptError, latest_step
-from jrl.config import ConfigError, TrainConfig, load_train_config
+from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, load_train_config
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import ProblemResult, evaluate_problems
@@ -134,7 +132,9 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
 
     mesh = run_mesh(config.parallel)
     params = load_initial_params(config, mesh)
-    engine_config = engine_config_for(options, config.data.seq_len, len(problems) * samples, seed)
+    prompt_tokens = None if episodes is not None else sum(len(p) for p in prompts) * samples
+    engine_config = engine_config_for(options, config.data.seq_len, len(problems) * samples, seed, config.model,
+                                      prompt_tokens)
     engine, _, _ = serve_weights(None, params, checkpoint.policy_version or 0, config.model, engine_config,
                               engine_mesh(mesh, options.engine_tensor_parallel))
     if episodes is not None:
@@ -209,15 +209,8 @@ def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
         samples = config.eval.samples if args.samples is None else args.samples
         report, results = run_eval(config, options, checkpoint, split=args.split, samples=samples,
                                    temperature=args.temperature, seed=args.seed, max_problems=args.max_problems)
-    except RewardError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except CheckpointCorruptError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except (*CONFIG_ERRORS, CheckpointCorruptError) as e:
+        return cli_exit(e, failed=(RewardError,))
     if args.json:
         rows = write_report(report, results, args.json)
         print(f"wrote {args.json} and {rows}")

@@ -157,8 +157,9 @@ class RolloutSource:
             raise ConfigError(f"data.batch_size: must divide the rollout batch (strategy.options."
                               f"prompts_per_step * group_size = {o.rollout_size}), got {self.batch_size}")
         self.max_version_lag = o.resolved_max_version_lag(self.batch_size)
+        # prompts are drawn each step, so the budget assumes prompts of up to seq_len
         self.engine_config = engine_config_for(
-            o, self.seq_len, max(o.rollout_size, len(self.eval_problems) * eval_samples), self.seed)
+            o, self.seq_len, max(o.rollout_size, len(self.eval_problems) * eval_samples), self.seed, model_config)
         self.engine_mesh = engine_mesh(mesh, o.engine_tensor_parallel)
         self.engine: Engine | None = None
         self.adapters_only = adapters_only

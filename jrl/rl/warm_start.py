@@ -71,18 +71,20 @@ class StopAtValidationAccuracy(Callback):
         problems = self.problems
         if not problems:
             return
-        config = engine_config_for(o, self.seq_len, len(problems), trainer.config.seed)
-        self.engine, _, _ = serve_weights(self.engine, state.params, int(state.policy_version),
-                                          trainer.config.model, config)
         fmt = PromptFormat(trainer.tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
                            stop=o.task.stop)
+        prompts = None if o.episodes else [fmt.encode(p) for p in problems]
+        config = engine_config_for(o, self.seq_len, len(problems), trainer.config.seed, trainer.config.model,
+                                   None if prompts is None else sum(len(p) for p in prompts))
+        self.engine, _, _ = serve_weights(self.engine, state.params, int(state.policy_version),
+                                          trainer.config.model, config)
         if o.episodes:
             if self.episodes is None:
                 self.episodes = EpisodeSampler(o, fmt, o.reward_model(), self.seq_len)
             summary, _ = self.episodes.evaluate(self.engine, problems, 0, 1.0, trainer.config.seed)
         else:
             summary, _ = evaluate_problems(self.engine, fmt, problems, o.reward_model(),
-                                           prompts=[fmt.encode(p) for p in problems], max_new_tokens=o.max_new_tokens,
+                                           prompts=prompts, max_new_tokens=o.max_new_tokens,
                                            samples=0, temperature=1.0, seed=trainer.config.seed,
                                            success_threshold=o.success_threshold)
         acc = summary["greedy_accuracy"]

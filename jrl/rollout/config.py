@@ -227,9 +227,10 @@ def token_budget(max_batch: int, prompt_tokens: int, free_memory: int | None = N
 
 
 def device_free_memory(device: jax.Device | None = None) -> int | None:
-    """Bytes the allocator of `device` (default: the first) can still hand out, from its
-    `memory_stats()`; None where the backend reports none (the CPU)."""
-    stats = (device or jax.devices()[0]).memory_stats()
+    """Bytes the allocator of `device` (default: this process's first; another process's
+    devices cannot be asked) can still hand out, from its `memory_stats()`; None where the
+    backend reports none (the CPU)."""
+    stats = (device or jax.local_devices()[0]).memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
     return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))

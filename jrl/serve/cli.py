@@ -27,10 +27,9 @@ import time
 from typing import Any
 
 import uvicorn
-import yaml
 
 from jrl.checkpoint import CheckpointCorruptError
-from jrl.config import ConfigError, ModelConfig
+from jrl.config import CONFIG_ERRORS, ConfigError, ModelConfig, cli_exit
 from jrl.rollout import Engine, EngineConfig, SamplingParams, engine_config_for_workload
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from jrl.rollout.config import device_free_memory
@@ -180,12 +179,8 @@ def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         server, app = build(args)
-    except CheckpointCorruptError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ConfigError, FileNotFoundError, ValueError, yaml.YAMLError) as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except (*CONFIG_ERRORS, CheckpointCorruptError) as e:
+        return cli_exit(e)
     if args.warmup:
         warmup(server.engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

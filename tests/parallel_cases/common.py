@@ -101,18 +101,21 @@ def first_byte_even(prompt, completion, answer):
     return 1.0 if data and data[0] % 2 == 0 else 0.0
 
 
-def grpo_config(*parallel: tuple[str, int], engine_tensor_parallel: int = 1, **extra_options) -> TrainConfig:
-    """Two rollouts of 4 prompts x 4 samples, 2 updates each (the bundled addition task);
-    `extra_options` are added to strategy.options."""
+def grpo_config(*parallel: tuple[str, int], steps: int = 4, n_kv_heads: int = 2,
+                reward: str = "common:first_byte_even", **extra_options) -> TrainConfig:
+    """A tiny GRPO run on the bundled addition task: rollouts of 4 prompts x 4 samples, 2
+    updates each; `reward` names the reward fn by its importable module, `parallel` gives
+    mesh axes and `extra_options` are added to strategy.options. Shared by the 8-device
+    cases (2 KV heads: tensor=2 splits the engine's KV buffers and attention by head) and
+    the in-process RL tests (tests/test_rl_loop.py)."""
     options = {"task": {"n_digits": 1, "n_heldout": 16, "n_validation": 0}, "prompts_per_step": 4,
-               "group_size": 4, "max_new_tokens": 3, "rewards": [{"fn": "common:first_byte_even"}],
-               "engine": {"page_size": 2}, "engine_tensor_parallel": engine_tensor_parallel, **extra_options}
+               "group_size": 4, "max_new_tokens": 3, "rewards": [{"fn": reward}],
+               "engine": {"page_size": 2}, **extra_options}
     config = {
-        "name": "tiny", "seed": 0, "steps": 4,
-        # 2 kv heads: tensor=2 splits the engine's KV buffers and attention by head
-        "model": {"vocab_size": 262, "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2,
+        "name": "tiny", "seed": 0, "steps": steps,
+        "model": {"vocab_size": 262, "hidden_size": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": n_kv_heads,
                   "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 32},
-        "data": {"seq_len": 8, "batch_size": 8},
+        "data": {"seq_len": 8, "batch_size": 8},  # 16 samples per rollout -> 2 updates each
         "strategy": {"name": "grpo", "options": options},
         "optimizer": {"lr": 3e-3, "weight_decay": 0.0},
         "schedule": {"kind": "constant"},
