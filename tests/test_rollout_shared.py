@@ -4,6 +4,7 @@ import threading
 
 import jax
 import numpy as np
+import pytest
 
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.shared import SharedEngine
@@ -34,3 +35,48 @@ def test_concurrent_generations_equal_their_runs_alone():
         for a, b in zip(got, want):  # each request's samples depend on its seed, not its batch
             np.testing.assert_array_equal(a.tokens, b.tokens)
     assert not shared.engine.has_work
+
+
+def test_a_generation_queued_while_another_thread_steps_joins_at_its_next_step():
+    """Queuing never waits for the step lock: the stepping thread adds the newcomer's
+    requests before its next step, so they decode beside its own long ones."""
+    params = init(MODEL, jax.random.key(0))
+    shared = SharedEngine(Engine(MODEL, params, ENGINE))
+    engine, step = shared.engine, Engine.step
+    running: list[set[int]] = []
+    late: dict = {}
+
+    def step_and_start_late_caller():
+        out = step(engine)
+        running.append({r.rid for r in engine.scheduler.running})
+        if len(running) == 2:  # the first caller holds the step lock: start the second now
+            thread = threading.Thread(target=lambda: late.update(
+                out=shared.generate(prompts_of([5], seed=3), SamplingParams(temperature=1.0, seed=9),
+                                    max_new_tokens=4)))
+            thread.start()
+            late["thread"] = thread
+            queued = threading.Event()
+            for _ in range(2000):  # its requests queue while this thread holds the step lock
+                if getattr(shared, "_queue", None):
+                    queued.set()
+                    break
+                queued.wait(0.005)
+            assert queued.is_set(), "the second caller waited for the step lock to queue its requests"
+        return out
+
+    engine.step = step_and_start_late_caller
+    first = shared.generate(prompts_of([6], seed=1), SamplingParams(temperature=1.0, seed=1), max_new_tokens=24)
+    late["thread"].join(timeout=120)
+    (own,), (newcomer,) = first, late["out"]
+    assert len(own.tokens) == 24 and len(newcomer.tokens) == 4
+    # added before the very next step, beside the first caller's request
+    assert {own.request_id, newcomer.request_id} <= running[2]
+
+
+def test_a_refused_request_is_its_callers_error_and_the_others_run_on():
+    params = init(MODEL, jax.random.key(0))
+    shared = SharedEngine(Engine(MODEL, params, ENGINE))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        shared.generate(prompts_of([5], seed=3), SamplingParams(), max_new_tokens=0)
+    (out,) = shared.generate(prompts_of([5], seed=3), SamplingParams(temperature=1.0, seed=2), max_new_tokens=3)
+    assert len(out.tokens) == 3 and not shared.engine.has_work
