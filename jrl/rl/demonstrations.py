@@ -35,6 +35,7 @@ from jrl.config import ConfigError
 from jrl.data.records import iter_located_records
 from jrl.data.tasks import Problem
 from jrl.rl.prompts import PromptFormat, end_of_turn_text
+from jrl.rl.tasks import check_messages, record_prompt
 
 PREFIX = "strategy.options.warm_start."
 
@@ -103,28 +104,17 @@ class Demonstrations:
 
 
 def _problem(record: dict, where: str, field: str) -> Problem:
-    if field not in record:
-        raise ConfigError(f"{where}: missing field {field!r} ({PREFIX}prompt_field); the record has {sorted(record)}")
-    prompt = record[field]
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                 and isinstance(m.get("content"), str) for m in prompt):
-            raise ConfigError(f"{where}: field {field!r} must be a non-empty list of {{role: str, content: str}}")
-        prompt = tuple(dict(m) for m in prompt)
-    elif not isinstance(prompt, str) or not prompt:
-        raise ConfigError(f"{where}: field {field!r} must be a non-empty string or a chat message list, got {prompt!r}")
-    return Problem(prompt=prompt, answer="", example=record, where=where)
+    return Problem(prompt=record_prompt(record, field, where, f"{PREFIX}prompt_field"), answer="", example=record,
+                   where=where)
 
 
 def _turns(value: list, where: str, field: str) -> list[dict]:
     """The messages of a multi-turn response, checked: dicts with a string role and content,
     at least one assistant turn."""
-    for i, m in enumerate(value):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ConfigError(f"{where}: field {field!r}[{i}] must be {{role: str, content: str}}, got {m!r}")
-    if not any(m["role"] == "assistant" for m in value):
+    turns = check_messages(value, where, field)
+    if not any(m["role"] == "assistant" for m in turns):
         raise ConfigError(f"{where}: field {field!r} is a message list without an assistant turn to learn")
-    return [dict(m) for m in value]
+    return list(turns)
 
 
 def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prompt_field: str,

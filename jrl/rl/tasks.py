@@ -78,13 +78,27 @@ class Task(Protocol):
     def sample_train(self, rng: np.random.Generator, n: int) -> list[Problem]: ...
 
 
-def _messages(value: Any, where: str, field: str) -> tuple[dict, ...]:
+def check_messages(value: Any, where: str, field: str) -> tuple[dict, ...]:
+    """A chat message list of a record, checked: dicts with a string role and content."""
     if not value:
         raise ConfigError(f"{where}: field {field!r} is an empty message list")
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ConfigError(f"{where}: field {field!r}[{i}] must be {{role: str, content: str}}, got {m!r}")
     return tuple(dict(m) for m in value)
+
+
+def record_prompt(record: dict, field: str, where: str, option: str) -> str | tuple[dict, ...]:
+    """A record's prompt: a non-empty string or a chat message list; errors name the
+    record (`where`), the field and the config `option` that chose it."""
+    if field not in record:
+        raise ConfigError(f"{where}: missing field {field!r} ({option}); the record has {sorted(record)}")
+    prompt = record[field]
+    if isinstance(prompt, list):
+        return check_messages(prompt, where, field)
+    if not isinstance(prompt, str) or not prompt:
+        raise ConfigError(f"{where}: field {field!r} must be a non-empty string or a chat message list, got {prompt!r}")
+    return prompt
 
 
 def read_problems(source: str, prompt_field: str, answer_field: str | None, *, seed: int = 0) -> list[Problem]:
@@ -96,15 +110,7 @@ def read_problems(source: str, prompt_field: str, answer_field: str | None, *, s
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e).replace("data.source: ", "task: ")) from None
     for where, record in records:
-        if prompt_field not in record:
-            raise ConfigError(f"{where}: missing field {prompt_field!r} (task.prompt_field); the record has "
-                              f"{sorted(record)}")
-        prompt = record[prompt_field]
-        if isinstance(prompt, list):
-            prompt = _messages(prompt, where, prompt_field)
-        elif not isinstance(prompt, str) or not prompt:
-            raise ConfigError(f"{where}: field {prompt_field!r} must be a non-empty string or a chat message "
-                              f"list, got {prompt!r}")
+        prompt = record_prompt(record, prompt_field, where, "task.prompt_field")
         answer = ""
         if answer_field is not None:
             if answer_field not in record:
