@@ -60,20 +60,26 @@ def writer_main(root: str, use_async: bool) -> None:
     saver = ckpt.AsyncCheckpointer(root, keep_last=KEEP_LAST) if use_async else None
     pending = None
     jax.random.key(0)  # start the backend before announcing
-    print(f"started {os.getpid()}", flush=True)
+    say(f"started {os.getpid()}")
     while True:
         schedule = [(step, 0)] if step % 2 else [(step, 0), (step, 1)]
         for s, v in schedule:
             state = content(s, v)
             if saver is None:
                 ckpt.save(root, s, state, keep_last=KEEP_LAST)
-                print(f"saved {s} {v}", flush=True)
+                say(f"saved {s} {v}")
             else:
                 saver.save(s, state)  # returns once the previous save is published
                 if pending is not None:
-                    print(f"saved {pending[0]} {pending[1]}", flush=True)
+                    say(f"saved {pending[0]} {pending[1]}")
                 pending = (s, v)
         step += 1
+
+
+def say(line: str) -> None:
+    """One whole line in one write (atomic on a pipe): a writer killed mid-`print` could
+    otherwise leave half a line for the zygote's next report to run into."""
+    os.write(1, (line + "\n").encode())
 
 
 def zygote_main(root: str) -> None:
