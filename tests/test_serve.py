@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 from chat_fixtures import write_chat_tokenizer
 from jrl import checkpoint
 from jrl.bench.cli import main as bench
+from jrl.bench.serve_client import split_load
 from jrl.config import ConfigError, ModelConfig, from_dict
 from jrl.hf import params_equal, save_pretrained
 from jrl.models import init_params
@@ -439,7 +440,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(hf_dirs):
 def test_bench_serve_tiny(tmp_path, hf_dirs):
     path = tmp_path / "rows.jsonl"
     assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "1,4",
-                  "--requests", "8", "--prompt", "8", "--new", "4", *ENGINE_FLAGS]) == 0
+                  "--requests", "8", "--prompt", "8", "--new", "4", "--clients", "2", *ENGINE_FLAGS]) == 0
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     (warm,) = [r for r in rows if r["section"] == "warmup"]
     assert warm["programs"] > 0 and warm["max_seq_len"] == 128
@@ -452,6 +453,16 @@ def test_bench_serve_tiny(tmp_path, hf_dirs):
             assert all(np.isfinite(r[k]) and r[k] > 0 for k in ("requests_per_s", "output_tokens_per_s"))
     assert all(r["worker_step_s"] > 0 and r["worker_host_s"] > 0 and r["http_cpu_s"] > 0
                for r in rows if r["section"] == "http")
+    assert [r["clients"] for r in rows if r["section"] == "http"] == [1, 2]
+
+
+def test_the_load_is_dealt_over_client_processes_without_loss():
+    prompts = [[k] for k in range(10)]
+    shares = split_load(prompts, concurrency=7, processes=3)
+    assert [in_flight for _, in_flight in shares] == [3, 2, 2]
+    assert sorted(k for share, _ in shares for k, _ in share) == list(range(10))
+    assert [p for share, _ in shares for k, p in share if k == 4] == [[4]]
+    assert [in_flight for _, in_flight in split_load(prompts, concurrency=1, processes=3)] == [1]
 
 
 def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):

@@ -5,9 +5,10 @@ workload driven through the in-process Engine.
                     [--model hf:<dir> | --checkpoint <dir>] [--max-batch 64 ...]
 
 The server (`jrl.serve`, the same app and engine thread as `jrl serve`) runs in a thread of
-this process on 127.0.0.1; the load generator (`serve_client`) is an async httpx client in
-a process of its own keeping `concurrency` requests in flight until `--requests` (default
-max(2 x concurrency, 32)) have completed. Each request is a /v1/completions call with a
+this process on 127.0.0.1; the load generator (`serve_client`) is async httpx clients in
+`--clients` processes of their own (default one per 32 requests in flight, at most 8)
+keeping `concurrency` requests in flight until `--requests` (default max(2 x concurrency,
+32)) have completed. Each request is a /v1/completions call with a
 random token-id prompt of `--prompt` tokens, `--new` new tokens (`ignore_eos`, so every
 request generates exactly that many), temperature 1 and its own seed. Without a model,
 random weights of the 0.82B rollout shape (`shapes.ROLLOUT_082B`; `--tiny`: `shapes.TINY`)
@@ -68,6 +69,8 @@ def add_arguments(p) -> None:
     p.add_argument("--n-pages", type=int, default=None)
     p.add_argument("--max-tokens-per-step", type=int, default=None)
     p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--clients", type=int, default=None, help="load-generator processes (default: one per 32 "
+                   "requests in flight at the highest concurrency, at most 8)")
     p.add_argument("--engine", default="{}", help="other EngineConfig fields as JSON")
 
 
@@ -117,7 +120,8 @@ def run(args, results) -> int:
         return rng.integers(0, vocab, (n, prompt_len)).tolist()
 
     plans = {c: workload(c) for c in levels}
-    with ServerThread(server, create_app(server)) as thread, LoadClient() as client:
+    clients = args.clients or min(8, -(-max(levels) // 32))
+    with ServerThread(server, create_app(server)) as thread, LoadClient(clients) as client:
         for c in levels:
             client.round(thread.url, served.name, plans[c][:c], c, new)  # untimed
             traces = engine.step_function.traces
@@ -132,7 +136,7 @@ def run(args, results) -> int:
                         latency_p50_s=float(np.percentile(lat, 50)), latency_p99_s=float(np.percentile(lat, 99)),
                         worker_step_s=after["step_s"] - before["step_s"],
                         worker_host_s=after["host_s"] - before["host_s"], steps=after["steps"] - before["steps"],
-                        http_cpu_s=cpu,
+                        http_cpu_s=cpu, clients=min(clients, c),
                         prompt=prompt_len, new=new, max_batch=max_batch)
     for c in levels:
         _engine_load(engine, plans[c][:c], c, new)  # untimed, as above

@@ -1,15 +1,19 @@
-"""The load generator of `jrl bench serve`, run in a process of its own.
+"""The load generator of `jrl bench serve`, run in processes of its own.
 
-    with LoadClient() as client:
+    with LoadClient(processes=8) as client:
         wall_s, latencies, output_tokens = client.round(url, model, prompts, concurrency, new)
 
-Each round keeps `concurrency` /v1/completions requests in flight (an async httpx client,
-one connection per request in flight, reused) until every prompt is answered. A separate
-process, as real clients are: in the server's own process the generator's Python work
-(JSON, HTTP parsing) would take the GIL from the server's event loop and engine thread
-and measure a contention no deployment has. The process is spawned, not forked (the
-server process holds a device and threads), and this module imports neither jax nor jrl's
-engine, so the client never touches the accelerator.
+Each round keeps `concurrency` /v1/completions requests in flight (async httpx clients, one
+connection per request in flight, reused) until every prompt is answered. The requests in
+flight are spread over `processes` client processes (each keeps its share in flight over
+its share of the prompts): one Python process with a few hundred connections is itself the
+bottleneck (on the H200 host one httpx process held 256 requests in flight at a sixth of
+the engine's pace), as a single real client would be. Separate processes, as real clients
+are: in the server's own process the generator's Python work (JSON, HTTP parsing) would
+take the GIL from the server's event loop and engine thread and measure a contention no
+deployment has. The processes are spawned, not forked (the server process holds a device
+and threads), and this module imports neither jax nor jrl's engine, so the clients never
+touch the accelerator.
 """
 
 from __future__ import annotations
@@ -23,9 +27,24 @@ from concurrent.futures import ProcessPoolExecutor
 import httpx
 
 
+def split_load(prompts: list, concurrency: int, processes: int) -> list[tuple[list[tuple[int, list[int]]], int]]:
+    """(indexed prompts, requests in flight) per client process: the prompts dealt round
+    robin, the concurrency split as evenly as it goes; processes that would keep nothing in
+    flight get no share."""
+    n = max(1, min(processes, concurrency, len(prompts)))
+    shares = []
+    for p in range(n):
+        in_flight = concurrency // n + (1 if p < concurrency % n else 0)
+        shares.append(([(k, prompts[k]) for k in range(p, len(prompts), n)], in_flight))
+    return shares
+
+
 class LoadClient:
+    def __init__(self, processes: int = 1) -> None:
+        self.processes = processes
+
     def __enter__(self) -> LoadClient:
-        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -33,19 +52,28 @@ class LoadClient:
 
     def round(self, url: str, model: str, prompts: list[list[int]], concurrency: int,
               new: int) -> tuple[float, list[float], int]:
-        """(wall seconds, per-request latencies, output tokens) of one round (in the client
-        process); raises RuntimeError naming the request for a failed one."""
-        return self._pool.submit(run_round, url, model, prompts, concurrency, new).result()
+        """(wall seconds, per-request latencies, output tokens) of one round over the client
+        processes; raises RuntimeError naming the request for a failed one."""
+        t0 = time.perf_counter()
+        futures = [self._pool.submit(run_round, url, model, share, in_flight, new)
+                   for share, in_flight in split_load(prompts, concurrency, self.processes)]
+        latencies: list[float] = []
+        tokens = 0
+        for future in futures:
+            lat, tok = future.result()
+            latencies += lat
+            tokens += tok
+        return time.perf_counter() - t0, latencies, tokens
 
 
-def run_round(url: str, model: str, prompts: list[list[int]], concurrency: int,
-              new: int) -> tuple[float, list[float], int]:
+def run_round(url: str, model: str, prompts: list[tuple[int, list[int]]], concurrency: int,
+              new: int) -> tuple[list[float], int]:
     return asyncio.run(_load(url, model, prompts, concurrency, new))
 
 
-async def _load(url: str, model: str, prompts: list[list[int]], concurrency: int,
-                new: int) -> tuple[float, list[float], int]:
-    queue = list(enumerate(prompts))
+async def _load(url: str, model: str, prompts: list[tuple[int, list[int]]], concurrency: int,
+                new: int) -> tuple[list[float], int]:
+    queue = list(prompts)
     latencies: list[float] = []
     tokens = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -68,6 +96,5 @@ async def _load(url: str, model: str, prompts: list[list[int]], concurrency: int
                 latencies.append(time.perf_counter() - t0)
                 tokens += json.loads(r.content)["usage"]["completion_tokens"]
 
-        t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - t0, latencies, tokens
+        return latencies, tokens
