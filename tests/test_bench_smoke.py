@@ -156,6 +156,8 @@ def test_grpo_times_every_phase(tmp_path):
              "total_ms")
     assert section(rows, "step")[-1]["ack_version"] == 4  # two optimizer steps a GRPO step
     assert mean["wait_ms"] == mean["post_ms"] == 0.0  # nothing overlaps in sync mode
+    first, second = section(rows, "step")
+    assert first["compiled_in_generation"] > 0 and second["compiled_in_generation"] == 0  # --tiny: one shape
 
 
 @pytest.mark.parametrize("mode", ["overlapped", "interruptible"])

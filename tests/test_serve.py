@@ -440,20 +440,22 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(hf_dirs):
 def test_bench_serve_tiny(tmp_path, hf_dirs):
     path = tmp_path / "rows.jsonl"
     assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "1,4",
-                  "--requests", "8", "--prompt", "8", "--new", "4", "--clients", "2", *ENGINE_FLAGS]) == 0
+                  "--requests", "8", "--prompt", "8", "--new", "4", "--clients", "2",
+                  "--switch-interval-ms", "5,0.2", *ENGINE_FLAGS]) == 0
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     (warm,) = [r for r in rows if r["section"] == "warmup"]
     assert warm["programs"] > 0 and warm["max_seq_len"] == 128
     for section in ("http", "engine"):
         mine = [r for r in rows if r["section"] == section]
-        assert [r["concurrency"] for r in mine] == [1, 4]
+        assert [r["concurrency"] for r in mine] == ([1, 1, 4, 4] if section == "http" else [1, 4])
         for r in mine:
             assert r["requests"] == 8 and r["output_tokens"] == 32
             assert r["compiled_while_timed"] == 0  # the warm-up compiled every program the rounds use
             assert all(np.isfinite(r[k]) and r[k] > 0 for k in ("requests_per_s", "output_tokens_per_s"))
     assert all(r["worker_step_s"] > 0 and r["worker_host_s"] > 0 and r["http_cpu_s"] > 0
                for r in rows if r["section"] == "http")
-    assert [r["clients"] for r in rows if r["section"] == "http"] == [1, 2]
+    assert [(r["clients"], r["switch_interval_ms"]) for r in rows if r["section"] == "http"] == [
+        (1, 5.0), (1, 0.2), (2, 5.0), (2, 0.2)]
 
 
 def test_the_load_is_dealt_over_client_processes_without_loss():

@@ -52,8 +52,9 @@ tokens / (rows x decode steps), with rows = min(requests, max_batch), counting t
 any rollout sharing the engine meanwhile (interruptible); the long tail's cost.
 
 Model: `--shape 174m` (`shapes.GRPO_174M`) or `0.82b` (`shapes.ROLLOUT_082B` with float32
-master weights). One row a step (section `step`; the first compiles), then the mean of the
-later ones (section `mean`). `total_ms` is the step's wall time in the trainer's thread.
+master weights). One row a step (section `step`; the first compiles; `compiled_in_generation`
+counts the engine's step programs compiled during the step's rollout: a long tail reaches
+new small-batch programs for a few steps), then the mean of the later ones (section `mean`). `total_ms` is the step's wall time in the trainer's thread.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class Generated:
     completions: list
     seconds: float
     idle_frac: float
+    compiled: int  # step programs the engine compiled while generating it
     params: dict  # the params that started it (the recomputation's)
 
 
@@ -173,12 +175,15 @@ def generate(engine: Engine | SharedEngine, params: dict, step: int, args, vocab
     n = args.prompts * args.group
     stats = engine.engine.stats if isinstance(engine, SharedEngine) else engine.stats
     before = dataclasses.replace(stats)
+    step_function = (engine.engine if isinstance(engine, SharedEngine) else engine).step_function
+    traces = step_function.traces
     t0 = time.perf_counter()
     completions = engine.generate([p for p in prompts for _ in range(args.group)], SamplingParams(temperature=1.0),
                                   max_new_tokens=response_lengths(args.lengths, n, args.new, step))
     seconds = time.perf_counter() - t0
     rows = min(n, (engine.engine if isinstance(engine, SharedEngine) else engine).config.max_batch)
-    return Generated(prompts, targets, completions, seconds, idle_fraction(before, stats, rows), params)
+    return Generated(prompts, targets, completions, seconds, idle_fraction(before, stats, rows),
+                     step_function.traces - traces, params)
 
 
 def warm_trainer(train, state, params: dict, args) -> float:
@@ -383,7 +388,8 @@ def run(args, results) -> int:
             tokens=n * args.prompt_len + int(lengths.sum()), **computed, pack_rows=args.pack_rows,
             loss=float(metrics["loss"]), reward_mean=float(rewards.mean()), generated_tokens=int(lengths.sum()),
             response_len_mean=float(lengths.mean()), response_len_max=int(lengths.max()),
-            engine_idle_frac=gen.idle_frac, mixed_version_samples=sum(int(v.min() != v.max()) for v in versions),
+            engine_idle_frac=gen.idle_frac, compiled_in_generation=gen.compiled,
+            mixed_version_samples=sum(int(v.min() != v.max()) for v in versions),
             token_lag_mean=float(version - np.concatenate(versions).mean()), **shape))
     if worker is not None:
         worker.shutdown(wait=True)

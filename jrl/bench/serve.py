@@ -49,6 +49,7 @@ from jrl.serve.app import Server, create_app
 from jrl.rollout.config import device_free_memory
 from jrl.serve.cli import ServerThread, build_parser, engine_config
 from jrl.serve.loading import Served, load_served
+from jrl.serve.worker import SWITCH_INTERVAL_S, gil_handoff
 from jrl.tokenizer import ByteTokenizer
 
 
@@ -71,6 +72,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-queue", type=int, default=256)
     p.add_argument("--clients", type=int, default=None, help="load-generator processes (default: one per 32 "
                    "requests in flight at the highest concurrency, at most 8)")
+    p.add_argument("--switch-interval-ms", default=None, help="the server process's GIL switch interval(s) "
+                   f"in ms, comma-separated: each HTTP round runs under each (default {SWITCH_INTERVAL_S * 1e3:g}, "
+                   "the server's; Python's own is 5)")
     p.add_argument("--engine", default="{}", help="other EngineConfig fields as JSON")
 
 
@@ -121,13 +125,15 @@ def run(args, results) -> int:
 
     plans = {c: workload(c) for c in levels}
     clients = args.clients or min(8, -(-max(levels) // 32))
+    intervals = [float(x) for x in (args.switch_interval_ms or f"{SWITCH_INTERVAL_S * 1e3:g}").split(",")]
     with ServerThread(server, create_app(server)) as thread, LoadClient(clients) as client:
-        for c in levels:
+        for c, interval in ((c, i) for c in levels for i in intervals):
             client.round(thread.url, served.name, plans[c][:c], c, new)  # untimed
             traces = engine.step_function.traces
             before, cpu = dict(server.worker.snapshot), thread.cpu_s()
-            wall, lat, tokens = client.round(thread.url, served.name, plans[c], c, new)
-            after = _settled(server.worker)
+            with gil_handoff(interval / 1e3):
+                wall, lat, tokens = client.round(thread.url, served.name, plans[c], c, new)
+                after = _settled(server.worker)
             cpu = thread.cpu_s() - cpu
             n = len(plans[c])
             results.row("http", concurrency=c, requests=n, output_tokens=tokens, wall_s=wall,
@@ -136,7 +142,7 @@ def run(args, results) -> int:
                         latency_p50_s=float(np.percentile(lat, 50)), latency_p99_s=float(np.percentile(lat, 99)),
                         worker_step_s=after["step_s"] - before["step_s"],
                         worker_host_s=after["host_s"] - before["host_s"], steps=after["steps"] - before["steps"],
-                        http_cpu_s=cpu, clients=min(clients, c),
+                        http_cpu_s=cpu, clients=min(clients, c), switch_interval_ms=interval,
                         prompt=prompt_len, new=new, max_batch=max_batch)
     for c in levels:
         _engine_load(engine, plans[c][:c], c, new)  # untimed, as above
@@ -150,7 +156,7 @@ def run(args, results) -> int:
     columns = [("concurrency", "concurrency"), ("requests", "requests"), ("requests_per_s", "req/s"),
                ("output_tokens_per_s", "out tok/s"), ("compiled_while_timed", "compiled"),
                ("latency_p50_s", "p50 s"), ("latency_p99_s", "p99 s")]
-    results.table(columns + [("steps", "steps"), ("worker_step_s", "step s"), ("worker_host_s", "host s"),
+    results.table(columns + [("switch_interval_ms", "switch ms"), ("steps", "steps"), ("worker_step_s", "step s"), ("worker_host_s", "host s"),
                              ("http_cpu_s", "http cpu s")], "http",
                   title=f"over HTTP ({served.name}, prompt {prompt_len}, {new} new tokens)")
     results.table(columns[:5] + [("steps", "steps"), ("step_s", "step s")], "engine",

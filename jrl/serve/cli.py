@@ -35,6 +35,7 @@ from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from jrl.rollout.config import device_free_memory
 from jrl.serve.app import Server, create_app
 from jrl.serve.loading import Served, load_served
+from jrl.serve.worker import SWITCH_INTERVAL_S, gil_handoff
 
 log = logging.getLogger("jrl.serve")
 
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
         signal.signal(sig, lambda *_: None)
     print(f"jrl serve: {server.served.name} (policy version {server.engine.version}) on "
           f"http://{args.host}:{args.port}/v1", flush=True)
-    uv.run()
+    with gil_handoff():
+        uv.run()
     print("jrl serve: stopped", flush=True)
     return 0
 
@@ -203,8 +205,9 @@ class ServerThread:
     serve`): `with ServerThread(server, app) as s: s.url`."""
 
     def __init__(self, server, app, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 10.0,
-                 timeout_keep_alive: float = KEEP_ALIVE_S) -> None:
+                 timeout_keep_alive: float = KEEP_ALIVE_S, switch_interval_s: float = SWITCH_INTERVAL_S) -> None:
         self.server = server
+        self._handoff = gil_handoff(switch_interval_s)
         self.uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                                 timeout_graceful_shutdown=shutdown_timeout,
                                                 timeout_keep_alive=timeout_keep_alive))
@@ -215,10 +218,12 @@ class ServerThread:
         asyncio.run(self.uv.serve())
 
     def __enter__(self) -> ServerThread:
+        self._handoff.__enter__()
         self._thread.start()
         deadline = time.time() + 120
         while not self.uv.started:
             if not self._thread.is_alive() or time.time() > deadline:
+                self._handoff.__exit__(None, None, None)
                 raise RuntimeError("jrl serve: the server thread did not start")
             time.sleep(0.02)
         self.port = self.uv.servers[0].sockets[0].getsockname()[1]
@@ -236,6 +241,7 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.uv.should_exit = True
         self._thread.join(60)
+        self._handoff.__exit__(*exc)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -42,6 +44,24 @@ from jrl.rollout import Ack, Completion, Engine, SamplingParams
 log = logging.getLogger("jrl.serve")
 
 _MAX_FAILURES = 3  # engine steps failing in a row before the worker gives up
+
+# How often (seconds) a thread holding the GIL hands it over in a serving process. The
+# engine thread needs it briefly every step (scheduling, dispatch, read-back); at Python's
+# default of 5 ms it can wait most of an interval behind the event loop's JSON and HTTP
+# work, once or more a step, while the device idles.
+SWITCH_INTERVAL_S = 2e-4
+
+
+@contextlib.contextmanager
+def gil_handoff(interval_s: float = SWITCH_INTERVAL_S):
+    """Runs its body with the process's GIL switch interval at `interval_s` (restored after):
+    the engine thread is not kept waiting behind a busy event loop."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(interval_s)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 @dataclasses.dataclass
