@@ -200,7 +200,7 @@ def warm_trainer(train, state, params: dict, args) -> float:
                        logprobs=np.zeros(args.new, np.float32), model_logprobs=np.zeros(args.new, np.float32),
                        versions=np.zeros(args.new, np.int64), finish_reason="length", cached_tokens=0, n_preemptions=0)
     rollout = Generated(np.zeros((args.prompts, args.prompt_len), np.int32), np.zeros(args.prompts, np.int64),
-                        [zeros] * n, 0.0, 0.0, params)
+                        [zeros] * n, 0.0, 0.0, 0, params)
     train(jax.tree.map(jnp.copy, state), rollout, {})
     return time.perf_counter() - t0
 
