@@ -52,10 +52,13 @@ class PrefillTuning:
     (None: what fits shared memory for the head width). pingpong: the two compute
     warpgroups take turns on the tensor cores. persistent: one CTA per SM walks the
     (tile, head) items (else one CTA an item). num_ctas: the persistent grid's size
-    (None: one CTA per SM)."""
+    (None: one CTA per SM). fp8_tiles: how fp8 K/V tiles reach the tensor cores
+    (`prefill_mgpu.PREFILL_FP8_TILES`): "stage" dequantizes them, "fold" casts them and
+    puts the scales on the scores and probabilities (as `DecodeTuning.fp8_tiles`)."""
 
     block_kv: int | None = None
     num_stages: int | None = None
     pingpong: bool = True
     persistent: bool = True
     num_ctas: int | None = None
+    fp8_tiles: str = "stage"

@@ -115,7 +115,8 @@ def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits
     np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)  # kv_len 0 -> zeros
 
 
-def test_prefill_kernel_reads_fp8_buffers_like_the_reference():
+@pytest.mark.parametrize("fp8_tiles", ["stage", "fold"])
+def test_prefill_kernel_reads_fp8_buffers_like_the_reference(fp8_tiles):
     rng = np.random.default_rng(8)
     q_lens, prefix = np.array([1, 40, 0]), np.array([0, 37, 0])  # a prefix hit, a padded request
     kv_lens = q_lens + prefix
@@ -124,8 +125,9 @@ def test_prefill_kernel_reads_fp8_buffers_like_the_reference():
     q = jnp.asarray(rng.standard_normal((t_rows, 2, 64)), jnp.bfloat16)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     args = (jnp.int32(1), cu, jnp.asarray(kv_lens, jnp.int32), pt)
-    out = paged_prefill_mgpu(q, kq, vq, *args, page_size=32, sm_scale=0.125,
-                             tuning=PrefillTuning(persistent=False), interpret=True)
+    poisoned = (poison_unowned(kq, kv_lens, pt, 32), poison_unowned(vq, kv_lens, pt, 32))
+    out = paged_prefill_mgpu(q, *poisoned, *args, page_size=32, sm_scale=0.125,
+                             tuning=PrefillTuning(persistent=False, fp8_tiles=fp8_tiles), interpret=True)
     ref = reference.paged_prefill(q.astype(jnp.float32), kq, vq, *args, page_size=32, sm_scale=0.125)
     exact = reference.paged_prefill(q.astype(jnp.float32), kb, vb, *args, page_size=32, sm_scale=0.125)
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -134,7 +136,7 @@ def test_prefill_kernel_reads_fp8_buffers_like_the_reference():
     np.testing.assert_array_equal(np.asarray(out[int(q_lens.sum()):], np.float32), 0.0)  # padding rows
 
 
-@pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill",
+@pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill", "prefill_fold",
                                     *(f"decode_{name}" for name in list(DECODE_FP8_CASES)[2:])])
 def test_fp8_kernels_lower_for_hopper(kernel):
     """The whole Mosaic GPU lowering (layouts, fp8 loads and casts, TMA shapes, barriers) runs
@@ -142,10 +144,11 @@ def test_fp8_kernels_lower_for_hopper(kernel):
     rng = np.random.default_rng(9)
     _, (kq, vq), pt = fp8_inputs(rng, 4, 96, 2, 128, 32)
     lens = jnp.asarray([1, 96, 40, 0], jnp.int32)
-    if kernel == "prefill":
+    if kernel.startswith("prefill"):
         q = jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16)
         cu = jnp.asarray([0, 1, 33, 64, 64], jnp.int32)
-        fn = functools.partial(paged_prefill_mgpu, page_size=32, sm_scale=0.1)
+        fn = functools.partial(paged_prefill_mgpu, page_size=32, sm_scale=0.1,
+                               tuning=PrefillTuning(fp8_tiles="fold" if kernel == "prefill_fold" else "stage"))
         lowered = jax.jit(fn).trace(q, kq, vq, jnp.int32(0), cu, lens, pt)
     else:
         q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
@@ -170,6 +173,16 @@ def test_decode_kernel_names_a_bad_fp8_option(tuning, match):
     with pytest.raises(ValueError, match=match):
         ragged_decode_mgpu(q, kq, vq, 0, jnp.asarray([20], jnp.int32), pt, page_size=32, sm_scale=1.0,
                            tuning=tuning, interpret=True)
+
+
+def test_prefill_kernel_names_a_bad_fp8_option():
+    rng = np.random.default_rng(12)
+    _, (kq, vq), pt = fp8_inputs(rng, 1, 32, 1, 64, 32)
+    q = jnp.asarray(rng.standard_normal((8, 2, 64)), jnp.bfloat16)
+    cu, lens = jnp.asarray([0, 8], jnp.int32), jnp.asarray([8], jnp.int32)
+    with pytest.raises(ValueError, match="prefill_mgpu: tuning.fp8_tiles must be one of stage/fold"):
+        paged_prefill_mgpu(q, kq, vq, 0, cu, lens, pt, page_size=32, sm_scale=1.0,
+                           tuning=PrefillTuning(fp8_tiles="fold_k_regs"), interpret=True)
 
 
 def test_fp8_kernels_need_pages_of_32_tokens():

@@ -15,7 +15,8 @@
 
 --prefill  causal paged prefill at D=128 and 64: TFLOP/s (causal FLOPs halved) of jrl's
            kernel and of cuDNN (`jax.nn.dot_product_attention`) on the same K/V gathered
-           dense (gather not timed); `--prefill-variants` adds kernel settings
+           dense (gather not timed); `--prefill-variants` adds kernel settings; with
+           `--kv-dtype` jrl's kernel reads fp8 buffers (cuDNN and `jrl_bf16` the bf16 K/V)
 --write    one decode step (write_kv + ragged_decode) at a fixed context while the KV
            buffer grows, with and without donated buffers: a donated step must not grow
 
@@ -72,6 +73,7 @@ PREFILL_SHAPES = [[d, n, s, ps] for d in (128, 64) for n, s in ((8, 2048), (1, 1
 TINY_DECODE_SHAPES = [[8, 2, 64, 16, 2, 40]]
 TINY_FP8_DECODE_SHAPES = [[8, 2, 64, 32, 2, 40]]
 TINY_PREFILL_SHAPES = [[64, 2, 32, 16]]
+TINY_FP8_PREFILL_SHAPES = [[64, 1, 32, 32]]
 
 
 def add_arguments(p) -> None:
@@ -274,7 +276,13 @@ def decode(args, results) -> None:
 
 def prefill(args, results) -> None:
     hq, hkv = (8, 2) if args.tiny else (32, 8)
-    for d, n_req, s, ps in args.prefill_shapes or (TINY_PREFILL_SHAPES if args.tiny else PREFILL_SHAPES):
+    fp8 = args.kv_dtype is not None
+    tiny_shapes = TINY_FP8_PREFILL_SHAPES if fp8 else TINY_PREFILL_SHAPES
+    for d, n_req, s, ps in args.prefill_shapes or (tiny_shapes if args.tiny else PREFILL_SHAPES):
+        if fp8 and ps % 32:
+            results.row("prefill", d=d, prompts=n_req, seq=s, page_size=ps, kv_dtype=args.kv_dtype,
+                        skipped="fp8 buffers need pages of 32")
+            continue
         scale = d ** -0.5
         k1, k2, k3 = jax.random.split(jax.random.key(d + s + ps), 3)
         t_rows, pages = n_req * s, -(-s // ps)
@@ -285,7 +293,7 @@ def prefill(args, results) -> None:
         cu = jnp.arange(n_req + 1, dtype=jnp.int32) * s
         lens = jnp.full((n_req,), s, jnp.int32)
         flops = n_req * 4 * s * s * hq * d / 2
-        row = dict(hq=hq, hkv=hkv, d=d, prompts=n_req, seq=s, page_size=ps)
+        row = dict(hq=hq, hkv=hkv, d=d, prompts=n_req, seq=s, page_size=ps, kv_dtype=args.kv_dtype or "bfloat16")
         # cuDNN on the same K/V, gathered into a dense batch outside the timing
         slots = (pt[:, :, None] * ps + jnp.arange(ps)[None, None]).reshape(n_req, pages * ps)[:, :s]
         kd, vd = kb[0][slots], vb[0][slots]
@@ -298,6 +306,14 @@ def prefill(args, results) -> None:
             row["cudnn_tflops"] = flops / _time(f, qd, kd, vd) / 1e12
         except Exception as e:  # noqa: BLE001
             row["cudnn_error"] = _error(e)
+        if fp8:  # jrl's kernel on the same K/V in bf16, then the buffers quantized
+            try:
+                f = jax.jit(functools.partial(paged_prefill_mgpu, page_size=ps, sm_scale=scale,
+                                              interpret=args.interpret))
+                row["jrl_bf16_tflops"] = flops / _time(f, q, kb, vb, jnp.int32(0), cu, lens, pt) / 1e12
+            except Exception as e:  # noqa: BLE001
+                row["jrl_bf16_error"] = _error(e)
+            kb, vb = quantized.from_array(kb), quantized.from_array(vb)
         for i, var in enumerate([dict()] + [dict(v) for v in args.prefill_variants]):
             if var.get("only_d", d) != d:
                 continue
@@ -310,6 +326,8 @@ def prefill(args, results) -> None:
                 if dense_out is not None:
                     row[name + "_rel_err_vs_cudnn"] = rel_err(out, dense_out)
                 row[name + "_tflops"] = flops / _time(f, q, kb, vb, jnp.int32(0), cu, lens, pt) / 1e12
+                if "jrl_bf16_tflops" in row:
+                    row[name + "_vs_bf16"] = row[name + "_tflops"] / row["jrl_bf16_tflops"]
             except Exception as e:  # noqa: BLE001
                 row[name + "_error"] = _error(e)
         if "cudnn_tflops" in row and "jrl_tflops" in row:
