@@ -16,7 +16,7 @@ from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from pallas_kernels import dispatch, quantized, reference
-from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.decode_mgpu import default_num_stages, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
@@ -173,6 +173,16 @@ def test_decode_kernel_names_a_bad_fp8_option(tuning, match):
     with pytest.raises(ValueError, match=match):
         ragged_decode_mgpu(q, kq, vq, 0, jnp.asarray([20], jnp.int32), pt, page_size=32, sm_scale=1.0,
                            tuning=tuning, interpret=True)
+
+
+def test_fp8_decode_ring_depth_counts_the_staging_tiles():
+    # D=128, fp8 tiles of 64 keys: keys as rows (8 columns, two CTAs an SM) keeps 4 slots with
+    # "fold"'s two staging tiles; two heads a CTA with queries as rows lose one to them
+    keys_as_rows = dict(with_lse=True, q_rows=8, ctas_per_sm=2, keys_as_rows=True, quantized=True)
+    assert default_num_stages(1, 64, 128, 2, **keys_as_rows, staging_tiles=1) == 4
+    assert default_num_stages(1, 64, 128, 2, **keys_as_rows, staging_tiles=2) == 4
+    assert default_num_stages(2, 64, 128, 2, with_lse=True, quantized=True, staging_tiles=1) == 4
+    assert default_num_stages(2, 64, 128, 2, with_lse=True, quantized=True, staging_tiles=2) == 3
 
 
 def test_prefill_kernel_names_a_bad_fp8_option():
