@@ -140,13 +140,15 @@ def fp8_to(x, dtype):
     return x.astype(jnp.float32).astype(dtype)
 
 
-def cast_tile(src, dst):
+def cast_tile(src, dst, fence: bool = True):
     """`dst = src` for an fp8 K/V tile `src [block_kv, d]` in shared memory and a staging tile
     of the compute dtype, 64 rows at a time; no scales (they are folded into the scores and
-    the probabilities). The fence makes the stores visible to the tensor cores."""
+    the probabilities). The fence makes the stores visible to the tensor cores; without
+    it (`fence=False`) the caller's next fence must come before they read the tile."""
     for r0 in range(0, src.shape[0], ROWS):
         dst.at[pl.ds(r0, ROWS)][...] = fp8_to(src.at[pl.ds(r0, ROWS)][...], dst.dtype)
-    plgpu.commit_smem()
+    if fence:
+        plgpu.commit_smem()
 
 
 def key_scales(scale, key_axis: int):
@@ -378,7 +380,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             if keys_as_rows:
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
                 # The last block's PV has completed (its accumulator was read), so P^T's
-                # staging is free; the fence makes the stores visible to the tensor cores.
+                # staging is free; the fence makes the stores visible to the tensor cores
+                # (V's staging stores too: with fp8 "fold" `v_tile` leaves them to it).
                 p_tile.transpose((1, 0))[...] = plgpu.layout_cast(pv.astype(dtype),
                                                                   plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
@@ -460,7 +463,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                     if not fold:
                         dequantize_tile(src, vs_smem.at[ring(i)], v_stage, n_valid)
                         return v_stage, None
-                    cast_tile(src, v_stage)
+                    # With keys as rows, P^T's fence in `attend` also fences these stores.
+                    cast_tile(src, v_stage, fence=not keys_as_rows)
                     zero_rows_from(v_stage, n_valid)
                     return v_stage, key_scales(vs_smem.at[ring(i)], key_axis)
 
