@@ -39,8 +39,8 @@ tensor-core tile rows); keys_as_rows_1cta (keys as rows, one CTA an SM). With a 
 in `--engine` the KV is quantized for every variant but bf16_kv (the same batch in bf16: the
 baseline of the fp8 speedup), and fp8_stage, fp8_fold, fp8_fold_k_regs, fp8_fold_f16,
 fp8_fold_k_regs_f16 pick the decode kernel's fp8 tile path (`DecodeTuning.fp8_tiles`; f16:
-`fp8_compute="float16"`; base is the kernel's default). XLA flags apply to the whole process: run again under another
-XLA_FLAGS to compare flags.
+`fp8_compute="float16"`; base is the kernel's default). XLA flags apply to the whole
+process: run again under another XLA_FLAGS to compare flags.
 
 Host (`--host`; section `host`): the engine's own Python per decode step, a tiny float32
 model on the CPU (XLA single-threaded, so the device work leaves the Python thread a core):
