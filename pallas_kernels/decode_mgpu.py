@@ -22,9 +22,18 @@ for every input (empty splits carry lse = -inf and weight 0).
 
 fp8 buffers (`pallas_kernels.quantized.QuantizedKV`) take the same path with half the
 bytes a tile: the memory warpgroup also copies each page's per-token scales (one small
-TMA copy per page and buffer, on the tile's barrier), and the compute warpgroup
-dequantizes each fp8 tile into one bf16 staging tile of its own (`dequantize_tile`)
-before the tensor cores read it; the math after that is the bf16 path's.
+TMA copy per page and buffer, on the tile's barrier). The compute warpgroup turns each
+fp8 tile into one the tensor cores read in the compute dtype in one of three ways
+(`DecodeTuning.fp8_tiles`):
+
+* "stage": dequantize (`dequantize_tile`: fp8 -> float32, times the row's scale, cast)
+  into one staging tile shared by K and V; the math after that is the bf16 path's.
+* "fold": the scales stay out of the tiles, since a scale per key factors out of both
+  matmuls: S = (Q K8^T) * k_scale[key] (on the score tile, before the max) and
+  O = (P * v_scale[key]) V8 (on the probabilities, before their cast; the softmax sum
+  takes P unscaled). K8 and V8 are only cast (`cast_tile`), each into its own staging tile.
+* "fold_k_regs": "fold" with K cast in registers and fed to S^T = K Q^T as the wgmma's
+  register operand (keys as rows only): no staging store or fence for K.
 """
 
 from __future__ import annotations
@@ -44,6 +53,26 @@ from pallas_kernels.tuning import DecodeTuning
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in it
+
+
+FP8_TILES = ("stage", "fold", "fold_k_regs")  # DecodeTuning.fp8_tiles
+FP8_COMPUTE = ("bfloat16", "float16")  # DecodeTuning.fp8_compute
+STAGING_TILES = {"stage": 1, "fold": 2, "fold_k_regs": 1}  # per compute warpgroup
+
+
+def wgmma_product(a, b, shape, interpret: bool):
+    """`a @ b` into a fresh float32 accumulator of `shape` (the score tile). `a` is a
+    shared-memory ref or a register array (fp8 K cast in registers), `b` a shared-memory
+    ref; interpret mode computes a register operand's product with `jnp.dot` (see
+    `wgmma_accumulate`)."""
+    if interpret and isinstance(a, jax.Array):
+        return jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
 def wgmma_accumulate(acc, a, b, interpret: bool):
@@ -102,6 +131,32 @@ def dequantize_tile(src, scale, dst, n_valid=None):
     plgpu.commit_smem()
 
 
+def fp8_to(x, dtype):
+    """fp8 values (registers) in `dtype`, exactly: to f16 one conversion a pair; to bf16
+    through float32 (jax 0.11.2's Mosaic GPU converts fp8 to bf16 directly only with
+    ptxas 9.2 or newer, and raises otherwise)."""
+    if jnp.dtype(dtype) == jnp.float16:
+        return x.astype(dtype)
+    return x.astype(jnp.float32).astype(dtype)
+
+
+def cast_tile(src, dst, fence: bool = True):
+    """`dst = src` for an fp8 K/V tile `src [block_kv, d]` in shared memory and a staging tile
+    of the compute dtype, 64 rows at a time; no scales (they are folded into the scores and
+    the probabilities). The fence makes the stores visible to the tensor cores; without
+    it (`fence=False`) the caller's next fence must come before they read the tile."""
+    for r0 in range(0, src.shape[0], ROWS):
+        dst.at[pl.ds(r0, ROWS)][...] = fp8_to(src.at[pl.ds(r0, ROWS)][...], dst.dtype)
+    if fence:
+        plgpu.commit_smem()
+
+
+def key_scales(scale, key_axis: int):
+    """A tile's per-key float32 scales `scale [block_kv]` (shared memory) as a vector along
+    the key axis of a score tile (`key_axis` 0: keys as rows), ready to broadcast onto it."""
+    return plgpu.load(scale, layout=plgpu.Layout.WGMMA.reduce(1 - key_axis), optimized=False)
+
+
 def smem_tiling(d: int, dtype) -> tuple:
     """Shared-memory transforms of a `[rows, d]` tile the tensor cores or the TMA use: rows of
     up to 128 bytes swizzled (128 bytes: bf16 at D = 64 or 128, fp8 at D = 128; 64 bytes:
@@ -111,11 +166,13 @@ def smem_tiling(d: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def compute_dtype(q_dtype, kv_dtype, quantized: bool):
-    """The dtype the kernels compute in: the buffers' (bf16/f16), or for fp8 buffers the
-    queries' when that is bf16/f16 and bf16 otherwise."""
+def compute_dtype(q_dtype, kv_dtype, quantized: bool, fp8_compute: str | None = None):
+    """The dtype the kernels compute in: the buffers' (bf16/f16), or for fp8 buffers
+    `fp8_compute` when given, else the queries' when that is bf16/f16 and bf16 otherwise."""
     if not quantized:
         return kv_dtype
+    if fp8_compute is not None:
+        return jnp.dtype(fp8_compute)
     return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
 
 
@@ -165,20 +222,22 @@ def default_keys_as_rows(group: int, heads_per_cta: int | None = None) -> bool:
 
 def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsize: int,
                        with_lse: bool, q_rows: int = ROWS, ctas_per_sm: int = 1,
-                       keys_as_rows: bool = False, quantized: bool = False) -> int:
+                       keys_as_rows: bool = False, quantized: bool = False,
+                       staging_tiles: int = 1) -> int:
     """Deepest K/V ring (2..4 slots per compute warpgroup) that fits in shared memory.
     At D=128, bf16, two heads a CTA that is 3 slots without KV splits (the q tile and the
     output staging share their memory to make room for the third) and 2 with them (the
     log-sum-exp staging no longer fits). Keys as rows (`q_rows` 8 or 16, one head a CTA,
     two CTAs an SM) leaves room for 3 either way. fp8 buffers (`quantized`; `itemsize` is
-    then the compute dtype's) halve the ring's tiles, add their scales and one staging
-    tile per compute warpgroup: 4 slots in both orientations at D=128."""
+    then the compute dtype's) halve the ring's tiles, add their scales and
+    `staging_tiles` staging tiles per compute warpgroup: 4 slots in both orientations at
+    D=128."""
     fixed = q_rows * head_dim * itemsize + (q_rows * 4 if with_lse else 0)  # q tile / output + lse
     if keys_as_rows:
         fixed += q_rows * block_kv * itemsize  # the staged P^T
     per_stage = 2 * block_kv * head_dim * itemsize  # one K and one V tile
     if quantized:
-        fixed += block_kv * head_dim * itemsize  # the dequantized tile
+        fixed += staging_tiles * block_kv * head_dim * itemsize  # the cast/dequantized tiles
         per_stage = 2 * block_kv * (head_dim + 4)  # fp8 K and V tiles and their scales
     limit = min(SMEM_LIMIT, SMEM_PER_SM // ctas_per_sm - 1024)
     room = (limit - SMEM_OVERHEAD) // heads_per_cta - fixed
@@ -204,8 +263,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     and no `heads_per_cta` above 1 is asked for. Keys as rows runs one KV head a CTA (its
     softmax reduces across warps through a scratch buffer that two compute warpgroups
     would share) and two CTAs an SM by default. fp8 buffers (`QuantizedKV`, both or
-    neither) are dequantized in shared memory (module docstring); the output is then in
-    the compute dtype (`compute_dtype`) before the cast to q's.
+    neither) reach the tensor cores as `fp8_tiles` says (module docstring); the output is
+    then in the compute dtype (`compute_dtype`) before the cast to q's.
     """
     t = tuning or DecodeTuning()
     block_kv, num_stages, num_splits, heads_per_cta = t.block_kv, t.num_stages, t.num_splits, t.heads_per_cta
@@ -217,9 +276,21 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     k_data, v_data, scales = split_buffers("decode_mgpu", k_buf, v_buf)
     quant = bool(scales)
     kv_dtype = k_data.dtype
-    dtype = compute_dtype(q.dtype, kv_dtype, quant)
+    if t.fp8_tiles not in FP8_TILES:
+        raise ValueError(f"decode_mgpu: tuning.fp8_tiles must be one of {'/'.join(FP8_TILES)}, "
+                         f"got {t.fp8_tiles!r}")
+    if t.fp8_compute not in (None, *FP8_COMPUTE):
+        raise ValueError(f"decode_mgpu: tuning.fp8_compute must be None or one of "
+                         f"{'/'.join(FP8_COMPUTE)}, got {t.fp8_compute!r}")
+    dtype = compute_dtype(q.dtype, kv_dtype, quant, t.fp8_compute)
+    fold = quant and t.fp8_tiles != "stage"
+    k_regs = quant and t.fp8_tiles == "fold_k_regs"
+    n_staging = STAGING_TILES[t.fp8_tiles] if quant else 0
     if keys_as_rows is None:
         keys_as_rows = default_keys_as_rows(g, heads_per_cta)
+    if k_regs and not keys_as_rows:
+        raise ValueError("decode_mgpu: tuning.fp8_tiles='fold_k_regs' needs keys as rows (K is "
+                         "then the matmul's first operand, the one registers may hold)")
     if keys_as_rows and (heads_per_cta or 1) != 1:
         raise ValueError(f"decode_mgpu: keys_as_rows runs one KV head a CTA, got "
                          f"heads_per_cta={heads_per_cta}")
@@ -232,7 +303,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     n_groups = hkv // hpc
     splits = num_splits or default_num_splits(b * n_groups, max_ctx, block_kv)
     stages = num_stages or default_num_stages(hpc, block_kv, d, jnp.dtype(dtype).itemsize,
-                                              splits > 1, rows, per_sm, keys_as_rows, quant)
+                                              splits > 1, rows, per_sm, keys_as_rows, quant,
+                                              n_staging)
     sub = min(page_size, block_kv)  # rows per TMA copy
     copies = block_kv // sub
     scale = float(sm_scale) * LOG2E
@@ -273,7 +345,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         keys as rows the sums of P are kept per element, so that they are reduced across
         the warps once at the end rather than once a block. `k_tile(i)` / `v_tile(i,
         n_valid)` wait for block i and give the tile the tensor cores read (V with its rows
-        `>= n_valid` zeroed); `k_done` / `v_done` release its ring slot."""
+        `>= n_valid` zeroed), each with its per-key scales folded out of the tile (None:
+        none); `k_done` / `v_done` release its ring slot."""
         m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
                                 plgpu.Layout.WGMMA.reduce(key_axis))
         l_i = (plgpu.layout_cast(jnp.full(score_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -283,38 +356,40 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
         def step(i, carry):
             acc, m_i, l_i = carry
-            k_smem = k_tile(i)
-            a, b = ((k_smem, q_tile.transpose((1, 0))) if keys_as_rows
-                    else (q_tile, k_smem.transpose((1, 0))))
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, a, b)
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC(score_shape, jnp.float32))
+            k_op, k_scale = k_tile(i)
+            a, b = ((k_op, q_tile.transpose((1, 0))) if keys_as_rows
+                    else (q_tile, k_op.transpose((1, 0))))
+            s = wgmma_product(a, b, score_shape, interpret)
             k_done(i)
             n_valid = n_keys - i * block_kv  # keys of this block the item owns
             pos = plgpu.broadcasted_iota(jnp.int32, score_shape, key_axis, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(pos < n_valid, s * scale, -jnp.inf)
+            if k_scale is not None:  # a stale key's scale is selected away with its score
+                s = s * lax.broadcast_in_dim(k_scale * scale, score_shape, [key_axis])
+            else:
+                s = s * scale
+            s = jnp.where(pos < n_valid, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=key_axis))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, score_shape, [q_axis]))
             acc = acc * lax.broadcast_in_dim(alpha, acc_shape, [q_axis])
+            v_op, v_scale = v_tile(i, n_valid)  # masked keys: not even 0 * stale NaN in PV
+            pv = p  # the probabilities PV takes: times V's scales when they are folded
+            if v_scale is not None:  # 0 * a stale key's (maybe NaN) scale must stay 0
+                pv = jnp.where(pos < n_valid, p * lax.broadcast_in_dim(v_scale, score_shape, [key_axis]),
+                               jnp.zeros_like(p))
             if keys_as_rows:
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
                 # The last block's PV has completed (its accumulator was read), so P^T's
-                # staging is free; the fence makes the stores visible to the tensor cores.
-                p_tile.transpose((1, 0))[...] = plgpu.layout_cast(p.astype(dtype),
+                # staging is free; the fence makes the stores visible to the tensor cores
+                # (V's staging stores too: with fp8 "fold" `v_tile` leaves them to it).
+                p_tile.transpose((1, 0))[...] = plgpu.layout_cast(pv.astype(dtype),
                                                                   plgpu.Layout.WGMMA_TRANSPOSED)
                 plgpu.commit_smem()
-                v_smem = v_tile(i, n_valid)  # masked keys: not even 0 * stale NaN in PV
-                acc = wgmma_accumulate(acc, v_smem.transpose((1, 0)), p_tile.transpose((1, 0)),
+                acc = wgmma_accumulate(acc, v_op.transpose((1, 0)), p_tile.transpose((1, 0)),
                                        interpret)
             else:
                 l_i = l_i * alpha + p.sum(axis=key_axis)
-                p16 = p.astype(dtype)
-                v_smem = v_tile(i, n_valid)  # masked keys: not even 0 * stale NaN in PV
-                acc = wgmma_accumulate(acc, p16, v_smem, interpret)
+                acc = wgmma_accumulate(acc, pv.astype(dtype), v_op, interpret)
             v_done(i)
             return acc, m_new, l_i
 
@@ -357,22 +432,41 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 def ring(i):
                     return wg * stages + lax.rem(gstep + i, jnp.int32(stages))
 
+                # fp8: the staging tiles of K and V (one and the same with "stage").
+                k_stage = stage.at[wg * n_staging] if quant else None
+                v_stage = stage.at[wg * n_staging + n_staging - 1] if quant else None
+
                 def k_tile(i):
+                    # K's staging tile is free: the last block's QK^T has completed (its
+                    # scores were read), and with one shared tile, so has its PV.
                     plgpu.barrier_wait(k_bar.at[ring(i)])
+                    src = k_smem.at[ring(i)]
                     if not quant:
-                        return k_smem.at[ring(i)]
-                    dequantize_tile(k_smem.at[ring(i)], ks_smem.at[ring(i)], stage.at[wg])
-                    return stage.at[wg]
+                        return src, None
+                    if not fold:
+                        dequantize_tile(src, ks_smem.at[ring(i)], k_stage)
+                        return k_stage, None
+                    k_scale = key_scales(ks_smem.at[ring(i)], key_axis)
+                    if k_regs:
+                        return fp8_to(src[...], dtype), k_scale
+                    cast_tile(src, k_stage)
+                    return k_stage, k_scale
 
                 def v_tile(i, n_valid):
-                    # The staging tile is free: this block's QK^T has completed (its
+                    # V's staging tile is free: this block's QK^T has completed (its
                     # scores were read), and so has the last block's PV.
                     plgpu.barrier_wait(v_bar.at[ring(i)])
+                    src = v_smem.at[ring(i)]
                     if not quant:
-                        zero_rows_from(v_smem.at[ring(i)], n_valid)
-                        return v_smem.at[ring(i)]
-                    dequantize_tile(v_smem.at[ring(i)], vs_smem.at[ring(i)], stage.at[wg], n_valid)
-                    return stage.at[wg]
+                        zero_rows_from(src, n_valid)
+                        return src, None
+                    if not fold:
+                        dequantize_tile(src, vs_smem.at[ring(i)], v_stage, n_valid)
+                        return v_stage, None
+                    # With keys as rows, P^T's fence in `attend` also fences these stores.
+                    cast_tile(src, v_stage, fence=not keys_as_rows)
+                    zero_rows_from(v_stage, n_valid)
+                    return v_stage, key_scales(vs_smem.at[ring(i)], key_axis)
 
                 acc, m_i, l_i = attend(q_tile, k_tile, v_tile,
                                        lambda i: plgpu.barrier_arrive(k_free.at[ring(i)]),
@@ -463,7 +557,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         *([plgpu.SMEM((hpc, rows, block_kv), dtype, transforms=tiled)] if keys_as_rows else []),
         *([plgpu.SMEM((hpc, rows), jnp.float32)] if splits > 1 else []),
         *([plgpu.SMEM((rings, block_kv), jnp.float32), plgpu.SMEM((rings, block_kv), jnp.float32),
-           plgpu.SMEM((hpc, block_kv, d), dtype, transforms=tiled)] if quant else []),
+           plgpu.SMEM((hpc * n_staging, block_kv, d), dtype, transforms=tiled)] if quant else []),
         plgpu.Barrier(num_barriers=hpc),
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=rings),
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=rings),

@@ -17,8 +17,11 @@ limit and masking only the blocks that cross it (bottom-right: row i sees keys
 tensor cores (one's softmax runs while the other's matmuls do). Each warpgroup stores
 exactly its request's rows (a ladder of 64/32/.../1-row TMA stores from an untiled
 staging buffer), straight into the packed output. fp8 buffers (`QuantizedKV`) stream
-their tiles and per-token scales the same way; each compute warpgroup dequantizes a tile
-into its own bf16 staging tile before its matmul (`decode_mgpu.dequantize_tile`).
+their tiles and per-token scales the same way; each compute warpgroup turns a tile into
+its own staging tile of the compute dtype before its matmul, as `PrefillTuning.fp8_tiles`
+says: "stage" dequantizes (`decode_mgpu.dequantize_tile`), "fold" only casts
+(`decode_mgpu.cast_tile`) and multiplies K's scales onto the scores and V's onto the
+probabilities (decode_mgpu's module docstring has the algebra).
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_mgpu import (compute_dtype, dequantize_tile, num_sms, smem_tiling,
-                                        split_buffers, wgmma_accumulate, zero_rows_from)
+from pallas_kernels.decode_mgpu import (cast_tile, compute_dtype, dequantize_tile, key_scales, num_sms,
+                                        smem_tiling, split_buffers, wgmma_accumulate, zero_rows_from)
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import PrefillTuning
 
 LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # query rows per compute warpgroup
 TILE = 2 * BLOCK_Q  # query rows per CTA
+PREFILL_FP8_TILES = ("stage", "fold")  # PrefillTuning.fp8_tiles
 
 
 def _cdiv(a, b):
@@ -97,6 +101,10 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
     k_data, v_data, scales = split_buffers("prefill_mgpu", k_buf, v_buf)
     quant = bool(scales)
     kv_dtype = k_data.dtype
+    if t.fp8_tiles not in PREFILL_FP8_TILES:
+        raise ValueError(f"prefill_mgpu: tuning.fp8_tiles must be one of {'/'.join(PREFILL_FP8_TILES)}, "
+                         f"got {t.fp8_tiles!r}")
+    fold = quant and t.fp8_tiles == "fold"
     dtype = compute_dtype(q.dtype, kv_dtype, quant)
     sub = min(page_size, block_kv)
     copies = block_kv // sub
@@ -185,7 +193,12 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                     slot = lax.rem(gstep + i, jnp.int32(stages))
                     plgpu.barrier_wait(k_bar.at[slot])
                     k_tile = k_smem.at[slot]
-                    if quant:  # the last block's PV has completed: the staging tile is free
+                    k_scale = v_scale = None  # per-key scales folded out of the tiles
+                    if fold:  # the last block's PV has completed: the staging tile is free
+                        k_scale = key_scales(ks_smem.at[slot], 1)
+                        cast_tile(k_tile, stage.at[wg])
+                        k_tile = stage.at[wg]
+                    elif quant:
                         dequantize_tile(k_tile, ks_smem.at[slot], stage.at[wg])
                         k_tile = stage.at[wg]
 
@@ -196,6 +209,8 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
 
                     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
+                    if k_scale is not None:  # before the mask: a stale key's scale is selected away
+                        s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
                     if masked:
                         rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
                                                       layout=plgpu.Layout.WGMMA)
@@ -207,13 +222,25 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                     p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     l_i = l_i * alpha + p.sum(axis=1)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    p16 = p.astype(dtype)
+                    if not fold:
+                        p16 = p.astype(dtype)
                     if pingpong:
                         plgpu.barrier_arrive(turn)
                     plgpu.barrier_wait(v_bar.at[slot])
                     v_tile = v_smem.at[slot]
                     n_valid = it_["kv_len"] - i * block_kv if masked else None
-                    if quant:  # this block's QK^T has completed: the staging tile is free
+                    if fold:  # this block's QK^T has completed: the staging tile is free
+                        v_scale = lax.broadcast_in_dim(key_scales(vs_smem.at[slot], 1), p.shape, [1])
+                        pv = p * v_scale
+                        if masked:  # 0 * a stale key's (maybe NaN) scale must stay 0
+                            cols = plgpu.broadcasted_iota(jnp.int32, p.shape, 1, layout=plgpu.Layout.WGMMA)
+                            pv = jnp.where(cols < n_valid, pv, jnp.zeros_like(pv))
+                        p16 = pv.astype(dtype)
+                        cast_tile(v_tile, stage.at[wg])
+                        v_tile = stage.at[wg]
+                        if masked:
+                            zero_rows_from(v_tile, n_valid)
+                    elif quant:
                         dequantize_tile(v_tile, vs_smem.at[slot], stage.at[wg], n_valid)
                         v_tile = stage.at[wg]
                     elif masked:

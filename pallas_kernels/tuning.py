@@ -6,7 +6,9 @@ benchmarks and tests that compare alternatives pass their own explicitly:
 
     ragged_decode_mgpu(..., tuning=DecodeTuning(keys_as_rows=False, num_ctas=7))
 
-Nothing here changes what a kernel computes, only how its work is laid out on the GPU.
+Nothing here changes what a kernel computes, only how its work is laid out on the GPU (on
+fp8 buffers `DecodeTuning.fp8_tiles` and `fp8_compute` also move where the per-token scales
+round, within fp8's own error).
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ class DecodeTuning:
     pair up, 1 with keys as rows). persistent: a fixed grid of CTAs walks the work items
     (else one CTA an item). num_ctas: that grid's size (None: `ctas_per_sm` per SM).
     keys_as_rows: tile orientation (None: keys as rows for narrow query tiles).
-    ctas_per_sm: persistent CTAs an SM (None: 2 with keys as rows, else 1)."""
+    ctas_per_sm: persistent CTAs an SM (None: 2 with keys as rows, else 1).
+    fp8_tiles: how fp8 K/V tiles reach the tensor cores (`decode_mgpu.FP8_TILES`): "stage"
+    dequantizes each tile (times its per-token scales) into one staging tile shared by K
+    and V; "fold" leaves the scales out of the tiles (K's on the scores, V's on the
+    probabilities) and casts K and V into a staging tile each; "fold_k_regs" is "fold"
+    with K cast in registers as the first matmul operand (keys as rows only).
+    fp8_compute: the dtype fp8 tiles are cast to (None: q's if bf16/f16, else bf16;
+    "float16" makes the cast one instruction a pair, exact, with f16's range for q)."""
 
     block_kv: int = 64
     num_stages: int | None = None
@@ -33,6 +42,8 @@ class DecodeTuning:
     num_ctas: int | None = None
     keys_as_rows: bool | None = None
     ctas_per_sm: int | None = None
+    fp8_tiles: str = "stage"
+    fp8_compute: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +52,13 @@ class PrefillTuning:
     (None: what fits shared memory for the head width). pingpong: the two compute
     warpgroups take turns on the tensor cores. persistent: one CTA per SM walks the
     (tile, head) items (else one CTA an item). num_ctas: the persistent grid's size
-    (None: one CTA per SM)."""
+    (None: one CTA per SM). fp8_tiles: how fp8 K/V tiles reach the tensor cores
+    (`prefill_mgpu.PREFILL_FP8_TILES`): "stage" dequantizes them, "fold" casts them and
+    puts the scales on the scores and probabilities (as `DecodeTuning.fp8_tiles`)."""
 
     block_kv: int | None = None
     num_stages: int | None = None
     pingpong: bool = True
     persistent: bool = True
     num_ctas: int | None = None
+    fp8_tiles: str = "stage"

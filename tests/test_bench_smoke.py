@@ -78,6 +78,17 @@ def test_decode_ab_times_every_variant_against_the_first(tmp_path):
         positive(r, "ms", "floor_ms", "over_floor")
 
 
+def test_decode_ab_compares_fp8_kv_variants_with_the_bf16_kv_batch(tmp_path):
+    rows = bench(tmp_path, "decode", "--ab", "base,bf16_kv,fp8_fold_k_regs", "--batches", "2", "--page-size", "32",
+                 "--rounds", "1", "--per-round", "1", "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
+    ab = section(rows, "ab")
+    assert [(r["variant"], r["kv_dtype"]) for r in ab] == [
+        ("base", "float8_e4m3fn"), ("bf16_kv", "bfloat16"), ("fp8_fold_k_regs", "float8_e4m3fn")]
+    assert ab[0]["floor_ms"] < ab[1]["floor_ms"]  # half the KV bytes
+    for r in ab:
+        positive(r, "ms", "floor_ms", "over_floor")
+
+
 def test_decode_host_and_gemms(tmp_path):
     (r,) = section(bench(tmp_path, "decode", "--host", "--batches", "2", "--repeat", "1", "--digest"), "host")
     positive(r, "schedule_ms", "pack_ms", "call_ms", "dispatch_ms", "host_ms", "decode_steps")
@@ -130,6 +141,16 @@ def test_kernels_check_runs_on_fp8_buffers(tmp_path):
     (check,) = section(rows, "check")
     assert check["kv_dtype"] == "float8_e4m3fn" and check["page_size"] == 32
     assert check["ok"] and check["nans"] == 0 and check["rel_err"] < 1e-2
+
+
+def test_kernels_decode_times_fp8_tile_paths_against_the_bf16_kernel(tmp_path):
+    rows = bench(tmp_path, "kernels", "--decode", "--kv-dtype", "float8_e4m3fn",
+                 "--decode-variants", json.dumps([{"fp8_tiles": "fold_k_regs"}]))
+    (dec,) = section(rows, "decode")
+    assert dec["kv_dtype"] == "float8_e4m3fn" and dec["page_size"] == 32
+    positive(dec, "jrl_bf16_tb_per_s", "jrl_tb_per_s", "jrl_vs_bf16", "jrl_fp8_tiles_fold_k_regs_vs_bf16")
+    assert dec["jrl_rel_err"] < 1e-2 and dec["jrl_fp8_tiles_fold_k_regs_rel_err"] < 1e-2
+    assert "stock_tb_per_s" not in dec  # the stock kernel reads bf16 pages only
 
 
 def test_decode_engine_rows_name_an_fp8_kv_dtype(tmp_path):

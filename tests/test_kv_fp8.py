@@ -16,7 +16,7 @@ from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from pallas_kernels import dispatch, quantized, reference
-from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.decode_mgpu import default_num_stages, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
@@ -71,15 +71,41 @@ def test_clear_slots_zeroes_rows_and_resets_their_scales():
     assert np.isnan(np.asarray(out.data[:, 4], np.float32)).all()
 
 
-@pytest.mark.parametrize("keys_as_rows,splits", [(True, 1), (False, 2)], ids=["keys_as_rows", "queries_as_rows"])
-def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits):
+# (keys_as_rows, splits, fp8_tiles, fp8_compute): every way an fp8 tile reaches the matmuls
+DECODE_FP8_CASES = {
+    "keys_as_rows": (True, 1, "stage", None),
+    "queries_as_rows": (False, 2, "stage", None),
+    "keys_as_rows-fold": (True, 2, "fold", None),
+    "queries_as_rows-fold-f16": (False, 1, "fold", "float16"),
+    "keys_as_rows-fold_k_regs": (True, 1, "fold_k_regs", None),
+}
+
+
+def poison_unowned(buf: QuantizedKV, lens, pt, ps) -> QuantizedKV:
+    """`buf` with NaN data and scales in every slot that is not one of a request's first
+    `lens[b]` keys (stale slots of its own pages, spare pages): the kernels must keep them
+    out of the scores and out of P·V."""
+    owned = np.zeros(buf.shape[1], bool)
+    for b, n in enumerate(np.asarray(lens)):
+        keys = np.arange(int(n))
+        owned[np.asarray(pt)[b, keys // ps] * ps + keys % ps] = True
+    return QuantizedKV(jnp.where(owned[None, :, None, None], buf.data, jnp.nan).astype(buf.data.dtype),
+                       jnp.where(owned[None, None, :], buf.scale, jnp.nan))
+
+
+@pytest.mark.parametrize("keys_as_rows,splits,fp8_tiles,fp8_compute", DECODE_FP8_CASES.values(),
+                         ids=DECODE_FP8_CASES.keys())
+def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits, fp8_tiles, fp8_compute):
     rng = np.random.default_rng(7)
     lens = np.array([1, 45, 0, 70])
     (kb, vb), (kq, vq), pt = fp8_inputs(rng, len(lens), int(lens.max()), 2, 64, 32)
     q = jnp.asarray(rng.standard_normal((len(lens), 4, 64)), jnp.bfloat16)
     lens = jnp.asarray(lens, jnp.int32)
-    out = ragged_decode_mgpu(q, kq, vq, jnp.int32(1), lens, pt, page_size=32, sm_scale=0.125,
-                             tuning=DecodeTuning(num_splits=splits, keys_as_rows=keys_as_rows), interpret=True)
+    tuning = DecodeTuning(num_splits=splits, keys_as_rows=keys_as_rows, fp8_tiles=fp8_tiles,
+                          fp8_compute=fp8_compute)
+    out = ragged_decode_mgpu(q, poison_unowned(kq, lens, pt, 32), poison_unowned(vq, lens, pt, 32),
+                             jnp.int32(1), lens, pt, page_size=32, sm_scale=0.125, tuning=tuning,
+                             interpret=True)
     args = (jnp.int32(1), lens, pt)
     ref = reference.ragged_decode(q.astype(jnp.float32), kq, vq, *args, page_size=32, sm_scale=0.125)
     exact = reference.ragged_decode(q.astype(jnp.float32), kb, vb, *args, page_size=32, sm_scale=0.125)
@@ -89,7 +115,8 @@ def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits
     np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)  # kv_len 0 -> zeros
 
 
-def test_prefill_kernel_reads_fp8_buffers_like_the_reference():
+@pytest.mark.parametrize("fp8_tiles", ["stage", "fold"])
+def test_prefill_kernel_reads_fp8_buffers_like_the_reference(fp8_tiles):
     rng = np.random.default_rng(8)
     q_lens, prefix = np.array([1, 40, 0]), np.array([0, 37, 0])  # a prefix hit, a padded request
     kv_lens = q_lens + prefix
@@ -98,8 +125,9 @@ def test_prefill_kernel_reads_fp8_buffers_like_the_reference():
     q = jnp.asarray(rng.standard_normal((t_rows, 2, 64)), jnp.bfloat16)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     args = (jnp.int32(1), cu, jnp.asarray(kv_lens, jnp.int32), pt)
-    out = paged_prefill_mgpu(q, kq, vq, *args, page_size=32, sm_scale=0.125,
-                             tuning=PrefillTuning(persistent=False), interpret=True)
+    poisoned = (poison_unowned(kq, kv_lens, pt, 32), poison_unowned(vq, kv_lens, pt, 32))
+    out = paged_prefill_mgpu(q, *poisoned, *args, page_size=32, sm_scale=0.125,
+                             tuning=PrefillTuning(persistent=False, fp8_tiles=fp8_tiles), interpret=True)
     ref = reference.paged_prefill(q.astype(jnp.float32), kq, vq, *args, page_size=32, sm_scale=0.125)
     exact = reference.paged_prefill(q.astype(jnp.float32), kb, vb, *args, page_size=32, sm_scale=0.125)
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -108,24 +136,63 @@ def test_prefill_kernel_reads_fp8_buffers_like_the_reference():
     np.testing.assert_array_equal(np.asarray(out[int(q_lens.sum()):], np.float32), 0.0)  # padding rows
 
 
-@pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill", "prefill_fold",
+                                    *(f"decode_{name}" for name in list(DECODE_FP8_CASES)[2:])])
 def test_fp8_kernels_lower_for_hopper(kernel):
     """The whole Mosaic GPU lowering (layouts, fp8 loads and casts, TMA shapes, barriers) runs
     for the cuda platform on CPU; only ptxas is left for the GPU."""
     rng = np.random.default_rng(9)
     _, (kq, vq), pt = fp8_inputs(rng, 4, 96, 2, 128, 32)
     lens = jnp.asarray([1, 96, 40, 0], jnp.int32)
-    if kernel == "prefill":
+    if kernel.startswith("prefill"):
         q = jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16)
         cu = jnp.asarray([0, 1, 33, 64, 64], jnp.int32)
-        fn = functools.partial(paged_prefill_mgpu, page_size=32, sm_scale=0.1)
+        fn = functools.partial(paged_prefill_mgpu, page_size=32, sm_scale=0.1,
+                               tuning=PrefillTuning(fp8_tiles="fold" if kernel == "prefill_fold" else "stage"))
         lowered = jax.jit(fn).trace(q, kq, vq, jnp.int32(0), cu, lens, pt)
     else:
         q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+        keys_as_rows, _, fp8_tiles, fp8_compute = DECODE_FP8_CASES.get(
+            kernel.removeprefix("decode_"), (kernel == "decode_keys_as_rows", 1, "stage", None))
         fn = functools.partial(ragged_decode_mgpu, page_size=32, sm_scale=0.1,
-                               tuning=DecodeTuning(keys_as_rows=kernel == "decode_keys_as_rows"))
+                               tuning=DecodeTuning(keys_as_rows=keys_as_rows, fp8_tiles=fp8_tiles,
+                                                   fp8_compute=fp8_compute))
         lowered = jax.jit(fn).trace(q, kq, vq, jnp.int32(0), lens, pt)
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("tuning,match", [
+    (DecodeTuning(fp8_tiles="scaled"), "tuning.fp8_tiles must be one of stage/fold/fold_k_regs"),
+    (DecodeTuning(fp8_compute="float32"), "tuning.fp8_compute must be None or one of"),
+    (DecodeTuning(fp8_tiles="fold_k_regs", keys_as_rows=False), "fold_k_regs' needs keys as rows"),
+])
+def test_decode_kernel_names_a_bad_fp8_option(tuning, match):
+    rng = np.random.default_rng(11)
+    _, (kq, vq), pt = fp8_inputs(rng, 1, 32, 1, 64, 32)
+    q = jnp.asarray(rng.standard_normal((1, 2, 64)), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        ragged_decode_mgpu(q, kq, vq, 0, jnp.asarray([20], jnp.int32), pt, page_size=32, sm_scale=1.0,
+                           tuning=tuning, interpret=True)
+
+
+def test_fp8_decode_ring_depth_counts_the_staging_tiles():
+    # D=128, fp8 tiles of 64 keys: keys as rows (8 columns, two CTAs an SM) keeps 4 slots with
+    # "fold"'s two staging tiles; two heads a CTA with queries as rows lose one to them
+    keys_as_rows = dict(with_lse=True, q_rows=8, ctas_per_sm=2, keys_as_rows=True, quantized=True)
+    assert default_num_stages(1, 64, 128, 2, **keys_as_rows, staging_tiles=1) == 4
+    assert default_num_stages(1, 64, 128, 2, **keys_as_rows, staging_tiles=2) == 4
+    assert default_num_stages(2, 64, 128, 2, with_lse=True, quantized=True, staging_tiles=1) == 4
+    assert default_num_stages(2, 64, 128, 2, with_lse=True, quantized=True, staging_tiles=2) == 3
+
+
+def test_prefill_kernel_names_a_bad_fp8_option():
+    rng = np.random.default_rng(12)
+    _, (kq, vq), pt = fp8_inputs(rng, 1, 32, 1, 64, 32)
+    q = jnp.asarray(rng.standard_normal((8, 2, 64)), jnp.bfloat16)
+    cu, lens = jnp.asarray([0, 8], jnp.int32), jnp.asarray([8], jnp.int32)
+    with pytest.raises(ValueError, match="prefill_mgpu: tuning.fp8_tiles must be one of stage/fold"):
+        paged_prefill_mgpu(q, kq, vq, 0, cu, lens, pt, page_size=32, sm_scale=1.0,
+                           tuning=PrefillTuning(fp8_tiles="fold_k_regs"), interpret=True)
 
 
 def test_fp8_kernels_need_pages_of_32_tokens():

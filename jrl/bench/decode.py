@@ -35,8 +35,12 @@ two_unique (K and V written by two `.at[].set` scatters, without / with unique i
 lse_logprob (the model logprob as logit - logsumexp instead of a gather from the
 log-softmax); dev_metadata (metadata uploaded once before timing instead of every call);
 stages2 (decode kernel with 2 K/V ring slots a warpgroup); queries_as_rows (queries as the
-tensor-core tile rows); keys_as_rows_1cta (keys as rows, one CTA an SM). XLA flags apply to
-the whole process: run again under another XLA_FLAGS to compare flags.
+tensor-core tile rows); keys_as_rows_1cta (keys as rows, one CTA an SM). With a `kv_dtype`
+in `--engine` the KV is quantized for every variant but bf16_kv (the same batch in bf16: the
+baseline of the fp8 speedup), and fp8_stage, fp8_fold, fp8_fold_k_regs, fp8_fold_f16,
+fp8_fold_k_regs_f16 pick the decode kernel's fp8 tile path (`DecodeTuning.fp8_tiles`; f16:
+`fp8_compute="float16"`; base is the kernel's default). XLA flags apply to the whole
+process: run again under another XLA_FLAGS to compare flags.
 
 Host (`--host`; section `host`): the engine's own Python per decode step, a tiny float32
 model on the CPU (XLA single-threaded, so the device work leaves the Python thread a core):
@@ -92,7 +96,7 @@ from jrl.models.fp8 import quantize_columns, scaled_matmul
 from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
-from jrl.rollout.config import EngineConfig
+from jrl.rollout.config import FP8_KV_PAGE_SIZE, EngineConfig
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import GREEDY
 from jrl.rollout.tuning import TuningOverrides
@@ -465,24 +469,38 @@ VARIANTS = {
     "stages2": lambda: decode_tuning(num_stages=2),
     "queries_as_rows": lambda: decode_tuning(keys_as_rows=False),
     "keys_as_rows_1cta": lambda: decode_tuning(keys_as_rows=True, ctas_per_sm=1),
+    "bf16_kv": contextlib.nullcontext,
+    "fp8_stage": lambda: decode_tuning(fp8_tiles="stage"),
+    "fp8_fold": lambda: decode_tuning(fp8_tiles="fold"),
+    "fp8_fold_k_regs": lambda: decode_tuning(fp8_tiles="fold_k_regs"),
+    "fp8_fold_f16": lambda: decode_tuning(fp8_tiles="fold", fp8_compute="float16"),
+    "fp8_fold_k_regs_f16": lambda: decode_tuning(fp8_tiles="fold_k_regs", fp8_compute="float16"),
 }
 
 
 def run_ab(args, results, cfg, params, bandwidth: float) -> int:
     variants, orders = args.ab.split(","), args.pages.split(",")
+    if args.engine.get("kv_dtype") and args.page_size % FP8_KV_PAGE_SIZE:
+        raise SystemExit(f"--ab with kv_dtype {args.engine['kv_dtype']}: --page-size must be a multiple of "
+                         f"{FP8_KV_PAGE_SIZE} (else the attention falls back to the reference)")
     contexts = csv_ints(args.contexts or str(args.prompt + args.new // 2))
     # (label, variant, page order, context); the first is the baseline of the deltas
     cases = [(v + (f"@{o}" if len(orders) > 1 else "") + (f"@{c}" if len(contexts) > 1 else ""), v, o, c)
              for v in variants for o in orders for c in contexts]
     param_bytes = floors.tree_bytes(params)
     fused_params = None
+
+    def kv_dtype_of(variant):  # the --engine KV storage, except for the bf16 baseline
+        return None if variant == "bf16_kv" else args.engine.get("kv_dtype")
+
     for batch in csv_ints(args.batches or "256"):
         built = {}
         for name, variant, order, context in cases:
             with VARIANTS[variant]():
                 fn, fused, unroll = default_decode_program(cfg, args.page_size, batch, cached=False)
                 layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, args.page_size, seed=batch,
-                                                                   aligned=unroll, pages=order)
+                                                                   aligned=unroll, pages=order,
+                                                                   kv_dtype=kv_dtype_of(variant))
                 if variant == "dev_metadata":
                     ints, floats = jax.device_put(ints), jax.device_put(floats)
                 if fused and fused_params is None:
@@ -495,9 +513,11 @@ def run_ab(args, results, cfg, params, bandwidth: float) -> int:
                 times[name].append(case.run(args.per_round))
         base_ms = 1e3 * statistics.median(times[cases[0][0]])
         for name, variant, order, context in cases:
-            floor_s = floors.decode_step_floor_s(param_bytes, batch * context, cfg, bandwidth)
+            kv_dtype = kv_dtype_of(variant)
+            floor_s = floors.decode_step_floor_s(param_bytes, batch * context, cfg, bandwidth, kv_dtype)
             ms = 1e3 * statistics.median(times[name])
-            row = dict(batch=batch, context=context, variant=name, pages=order, ms=ms, ms_min=1e3 * min(times[name]),
+            row = dict(batch=batch, context=context, variant=name, pages=order, kv_dtype=kv_dtype or cfg.dtype,
+                       ms=ms, ms_min=1e3 * min(times[name]),
                        ms_max=1e3 * max(times[name]), floor_ms=1e3 * floor_s, over_floor=ms / (1e3 * floor_s),
                        delta_ms=ms - base_ms, first_call_s=built[name][1], rounds=args.rounds,
                        per_round=args.per_round, copy_bandwidth_tb_s=bandwidth / 1e12,
@@ -508,7 +528,8 @@ def run_ab(args, results, cfg, params, bandwidth: float) -> int:
                 row.update(kernels_per_step=traced["kernels_per_step"], gpu_busy_ms=traced["gpu_busy_ms"])
             results.row("ab", **row)
         del built
-    results.table([("batch", "batch"), ("context", "ctx"), ("variant", "variant"), ("ms", "ms"), ("ms_min", "min"),
+    results.table([("batch", "batch"), ("context", "ctx"), ("variant", "variant"), ("kv_dtype", "KV"),
+                   ("ms", "ms"), ("ms_min", "min"),
                    ("ms_max", "max"), ("delta_ms", "delta"), ("over_floor", "x floor"),
                    ("kernels_per_step", "kernels"), ("gpu_busy_ms", "busy ms")], "ab",
                   "decode program variants (medians of interleaved rounds, ms a call)")

@@ -7,10 +7,16 @@
 --decode   ragged decode (`--decode-shapes`; default D=128 Hq=32 Hkv=8 at pages 16 and 64):
            K/V-read TB/s of jrl's Mosaic GPU kernel, JAX's stock Pallas paged_attention
            (Triton lowering, 128-token blocks, its own page layout) and the XLA gather +
-           einsum reference (`--decode-variants` adds kernel settings as columns)
+           einsum reference (`--decode-variants` adds kernel settings as columns); with
+           `--kv-dtype` on fp8 buffers (pages of 32 or more), TB/s of fp8 bytes and scales,
+           plus jrl's kernel on the same K/V in bf16 (`jrl_bf16`) and each variant's
+           speedup over it (`*_vs_bf16`), e.g. the fp8 tile paths of the decode kernel:
+           --decode --kv-dtype float8_e4m3fn --decode-variants '[{"fp8_tiles": "fold"}]'
+
 --prefill  causal paged prefill at D=128 and 64: TFLOP/s (causal FLOPs halved) of jrl's
            kernel and of cuDNN (`jax.nn.dot_product_attention`) on the same K/V gathered
-           dense (gather not timed); `--prefill-variants` adds kernel settings
+           dense (gather not timed); `--prefill-variants` adds kernel settings; with
+           `--kv-dtype` jrl's kernel reads fp8 buffers (cuDNN and `jrl_bf16` the bf16 K/V)
 --write    one decode step (write_kv + ragged_decode) at a fixed context while the KV
            buffer grows, with and without donated buffers: a donated step must not grow
 
@@ -65,7 +71,9 @@ DECODE_SHAPES = [[32, 8, 128, ps, b, ctx] for ps in (16, 64)
                  for b, ctx in ((64, 2048), (256, 2048), (32, 8192), (128, 8192))]
 PREFILL_SHAPES = [[d, n, s, ps] for d in (128, 64) for n, s in ((8, 2048), (1, 16384)) for ps in (16, 64)]
 TINY_DECODE_SHAPES = [[8, 2, 64, 16, 2, 40]]
+TINY_FP8_DECODE_SHAPES = [[8, 2, 64, 32, 2, 40]]
 TINY_PREFILL_SHAPES = [[64, 2, 32, 16]]
+TINY_FP8_PREFILL_SHAPES = [[64, 1, 32, 32]]
 
 
 def add_arguments(p) -> None:
@@ -73,8 +81,8 @@ def add_arguments(p) -> None:
         p.add_argument(f"--{name}", action="store_true", help=f"run the {name} section")
     p.add_argument("--interpret", action="store_true", help="jrl's kernels in Mosaic GPU interpret mode (CPU)")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
-                   help="--check on fp8 K/V buffers against the reference on the same buffers "
-                        "(cases with pages of 32 or more only)")
+                   help="--check and --decode on fp8 K/V buffers (against the reference on the same "
+                        "buffers; cases with pages of 32 or more only)")
     p.add_argument("--check-kinds", nargs="+", default=[*DECODE_CHECKS, "prefill", "prefill-persistent"],
                    help="which kernel settings --check runs")
     p.add_argument("--decode-variants", type=json.loads, default=[],
@@ -190,10 +198,17 @@ def check(args, results) -> None:
 # ----------------------------------------------------------------------------- decode
 
 def decode(args, results) -> None:
-    shapes = args.decode_shapes or (TINY_DECODE_SHAPES if args.tiny else DECODE_SHAPES)
+    fp8 = args.kv_dtype is not None
+    tiny_shapes = TINY_FP8_DECODE_SHAPES if fp8 else TINY_DECODE_SHAPES
+    shapes = args.decode_shapes or (tiny_shapes if args.tiny else DECODE_SHAPES)
     variants = [dict()] + [dict(v) for v in args.decode_variants]
     for hq, hkv, d, ps, b, ctx in shapes:
         scale = d ** -0.5
+        row = dict(hq=hq, hkv=hkv, d=d, page_size=ps, batch=b, ctx=ctx, pages=args.decode_pages,
+                   kv_dtype=args.kv_dtype or "bfloat16")
+        if fp8 and ps % 32:
+            results.row("decode", **row, skipped="fp8 buffers need pages of 32")
+            continue
         k1, k2, k3 = jax.random.split(jax.random.key(b * ctx + ps), 3)
         pages = -(-ctx // ps)  # a partial last page when ctx is not a page multiple
         n_pages = b * pages
@@ -202,8 +217,20 @@ def decode(args, results) -> None:
             jnp.arange(n_pages, dtype=jnp.int32).reshape(b, pages)
         q = jax.random.normal(k3, (b, hq, d), jnp.bfloat16)
         lens = jnp.full((b,), ctx, jnp.int32)
-        kv_bytes = 2 * b * ctx * hkv * d * 2
-        row = dict(hq=hq, hkv=hkv, d=d, page_size=ps, batch=b, ctx=ctx, pages=args.decode_pages, kv_gb=kv_bytes / 1e9)
+        bf16_bytes = 2 * b * ctx * hkv * d * 2
+        kv_bytes = 2 * b * ctx * hkv * (d + 4) if fp8 else bf16_bytes  # fp8 rows and their float32 scales
+        row["kv_gb"] = kv_bytes / 1e9
+        bf16_s = None
+        if fp8:  # the baseline: the same K/V in bf16 through the default kernel
+            try:
+                f = jax.jit(functools.partial(ragged_decode_mgpu, page_size=ps, sm_scale=scale,
+                                              interpret=args.interpret))
+                bf16_s = _time(f, q, kb, vb, jnp.int32(0), lens, pt)
+                row["jrl_bf16_tb_per_s"] = bf16_bytes / bf16_s / 1e12
+                row["jrl_bf16_us"] = bf16_s * 1e6
+            except Exception as e:  # noqa: BLE001
+                row["jrl_bf16_error"] = _error(e)
+            kb, vb = quantized.from_array(kb), quantized.from_array(vb)
         ref_out = None
         try:
             f = jax.jit(functools.partial(reference.ragged_decode, page_size=ps, sm_scale=scale))
@@ -219,9 +246,16 @@ def decode(args, results) -> None:
                 out = f(q, kb, vb, jnp.int32(0), lens, pt)
                 if ref_out is not None:
                     row[name + "_rel_err"] = rel_err(out, ref_out)
-                row[name + "_tb_per_s"] = kv_bytes / _time(f, q, kb, vb, jnp.int32(0), lens, pt) / 1e12
+                t = _time(f, q, kb, vb, jnp.int32(0), lens, pt)
+                row[name + "_tb_per_s"] = kv_bytes / t / 1e12
+                row[name + "_us"] = t * 1e6
+                if bf16_s is not None:
+                    row[name + "_vs_bf16"] = bf16_s / t
             except Exception as e:  # noqa: BLE001
                 row[name + "_error"] = _error(e)
+        if fp8:  # the stock op reads bf16 pages only
+            results.row("decode", metric="TB/s of K/V read", **row)
+            continue
         try:  # the stock op wants [Hkv, n_pages, page_size, D] pages, no sm_scale (q scaled instead)
             kp = kb[0].reshape(n_pages, ps, hkv, d).transpose(2, 0, 1, 3)
             vp = vb[0].reshape(n_pages, ps, hkv, d).transpose(2, 0, 1, 3)
@@ -242,7 +276,13 @@ def decode(args, results) -> None:
 
 def prefill(args, results) -> None:
     hq, hkv = (8, 2) if args.tiny else (32, 8)
-    for d, n_req, s, ps in args.prefill_shapes or (TINY_PREFILL_SHAPES if args.tiny else PREFILL_SHAPES):
+    fp8 = args.kv_dtype is not None
+    tiny_shapes = TINY_FP8_PREFILL_SHAPES if fp8 else TINY_PREFILL_SHAPES
+    for d, n_req, s, ps in args.prefill_shapes or (tiny_shapes if args.tiny else PREFILL_SHAPES):
+        if fp8 and ps % 32:
+            results.row("prefill", d=d, prompts=n_req, seq=s, page_size=ps, kv_dtype=args.kv_dtype,
+                        skipped="fp8 buffers need pages of 32")
+            continue
         scale = d ** -0.5
         k1, k2, k3 = jax.random.split(jax.random.key(d + s + ps), 3)
         t_rows, pages = n_req * s, -(-s // ps)
@@ -253,7 +293,7 @@ def prefill(args, results) -> None:
         cu = jnp.arange(n_req + 1, dtype=jnp.int32) * s
         lens = jnp.full((n_req,), s, jnp.int32)
         flops = n_req * 4 * s * s * hq * d / 2
-        row = dict(hq=hq, hkv=hkv, d=d, prompts=n_req, seq=s, page_size=ps)
+        row = dict(hq=hq, hkv=hkv, d=d, prompts=n_req, seq=s, page_size=ps, kv_dtype=args.kv_dtype or "bfloat16")
         # cuDNN on the same K/V, gathered into a dense batch outside the timing
         slots = (pt[:, :, None] * ps + jnp.arange(ps)[None, None]).reshape(n_req, pages * ps)[:, :s]
         kd, vd = kb[0][slots], vb[0][slots]
@@ -266,6 +306,14 @@ def prefill(args, results) -> None:
             row["cudnn_tflops"] = flops / _time(f, qd, kd, vd) / 1e12
         except Exception as e:  # noqa: BLE001
             row["cudnn_error"] = _error(e)
+        if fp8:  # jrl's kernel on the same K/V in bf16, then the buffers quantized
+            try:
+                f = jax.jit(functools.partial(paged_prefill_mgpu, page_size=ps, sm_scale=scale,
+                                              interpret=args.interpret))
+                row["jrl_bf16_tflops"] = flops / _time(f, q, kb, vb, jnp.int32(0), cu, lens, pt) / 1e12
+            except Exception as e:  # noqa: BLE001
+                row["jrl_bf16_error"] = _error(e)
+            kb, vb = quantized.from_array(kb), quantized.from_array(vb)
         for i, var in enumerate([dict()] + [dict(v) for v in args.prefill_variants]):
             if var.get("only_d", d) != d:
                 continue
@@ -278,6 +326,8 @@ def prefill(args, results) -> None:
                 if dense_out is not None:
                     row[name + "_rel_err_vs_cudnn"] = rel_err(out, dense_out)
                 row[name + "_tflops"] = flops / _time(f, q, kb, vb, jnp.int32(0), cu, lens, pt) / 1e12
+                if "jrl_bf16_tflops" in row:
+                    row[name + "_vs_bf16"] = row[name + "_tflops"] / row["jrl_bf16_tflops"]
             except Exception as e:  # noqa: BLE001
                 row[name + "_error"] = _error(e)
         if "cudnn_tflops" in row and "jrl_tflops" in row:
@@ -334,7 +384,8 @@ def run(args, results) -> int:
     results.table([("kind", "check"), ("hq", "Hq"), ("hkv", "Hkv"), ("d", "D"), ("page_size", "page"),
                    ("rel_err", "rel err"), ("nans", "NaNs"), ("ok", "ok")], "check", "correctness vs float32")
     results.table([("hq", "Hq"), ("hkv", "Hkv"), ("d", "D"), ("page_size", "page"), ("batch", "B"), ("ctx", "ctx"),
-                   ("xla_tb_per_s", "xla"), ("stock_tb_per_s", "stock"), ("jrl_tb_per_s", "jrl")], "decode",
+                   ("kv_dtype", "KV"), ("xla_tb_per_s", "xla"), ("stock_tb_per_s", "stock"),
+                   ("jrl_tb_per_s", "jrl"), ("jrl_bf16_tb_per_s", "jrl bf16"), ("jrl_vs_bf16", "x bf16")], "decode",
                   "ragged decode, TB/s of K/V read")
     results.table([("d", "D"), ("prompts", "prompts"), ("seq", "len"), ("page_size", "page"),
                    ("cudnn_tflops", "cuDNN"), ("jrl_tflops", "jrl"), ("jrl_vs_cudnn", "jrl/cuDNN")], "prefill",
