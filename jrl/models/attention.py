@@ -253,8 +253,8 @@ class GQAttention(nn.Module):
         v = v.reshape(b, s, cfg.n_kv_heads, hd)
         if cfg.qk_norm:
             pd = dtype_of(cfg.param_dtype)
-            q = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", cfg.exact_rows, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", cfg.exact_rows, name="k_norm")(k)
         cos, sin = rope  # per token, [B, S, head_dim / 2]
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin)
