@@ -32,24 +32,28 @@ def dtype_of(name: str) -> jnp.dtype:
     return DTYPES[name]
 
 
-def map_rows(fn, rows: int, *xs: jax.Array) -> jax.Array:
-    """`fn` applied to the token rows of `xs` (arrays sharing their leading axes, e.g.
-    `[B, S, ...]`), `rows` rows at a time: the leading axes are flattened, padded to a
-    multiple of `rows` (zeros) and `lax.map` runs `fn` on each `[rows, ...]` tile, so every
-    row goes through the same compiled computation whatever the batch holds (XLA picks
-    reduction and GEMM strategies by shape; a row's bits would otherwise depend on how
-    many rows share the op). `rows == 0`: `fn(*xs)` directly. `fn` maps `[rows, ...]`
-    inputs to one `[rows, ...]` output."""
+def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Array:
+    """`fn` applied to the token rows of `xs` (arrays sharing their `lead` leading axes,
+    default all but the last of the first array's, e.g. `[B, S]`), `rows` rows at a time:
+    the leading axes are flattened, padded to a multiple of `rows` (zeros) and `lax.map`
+    runs `fn` on each `[rows, ...]` tile, so every row goes through the same compiled
+    computation whatever the batch holds (XLA picks reduction and GEMM strategies by
+    shape; a row's bits would otherwise depend on how many rows share the op). An
+    optimization barrier on each tile's inputs and output keeps XLA from fusing the
+    tile's ops with their neighbours, which differ from program to program (the engine's
+    step, the trainer's forward), so the tile compiles alike in every program. `rows ==
+    0`: `fn(*xs)` directly. `fn` maps `[rows, ...]` inputs to one `[rows, ...]` output."""
     if rows <= 0:
         return fn(*xs)
-    lead = xs[0].shape[:-1] if xs[0].ndim > 1 else xs[0].shape
-    n = int(np.prod(lead))
-    flat = [x.reshape(n, *x.shape[len(lead):]) for x in xs]
+    n_lead = xs[0].ndim - 1 if lead is None else lead
+    shape = xs[0].shape[:n_lead]
+    n = int(np.prod(shape))
+    flat = [x.reshape(n, *x.shape[n_lead:]) for x in xs]
     pad = -n % rows
     tiles = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, rows, *x.shape[1:]) for x in flat]
-    out = jax.lax.map(lambda t: fn(*t), tuple(tiles))
+    out = jax.lax.map(lambda t: jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t))), tuple(tiles))
     out = out.reshape(-1, *out.shape[2:])[:n]
-    return out.reshape(*lead, *out.shape[1:])
+    return out.reshape(*shape, *out.shape[1:])
 
 
 class RMSNorm(nn.Module):
