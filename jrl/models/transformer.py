@@ -130,7 +130,7 @@ class Transformer(nn.Module):
         The product runs in the compute dtype with float32 accumulation and output (for a
         bf16 model: bf16 tensor-core GEMM, no float32 copy of the `[hidden, vocab]`
         matrix per call); a float32 model computes it in float32. Its gradients run in
-        the compute dtype too (`head_product`)."""
+        the compute dtype too (`head_product`). Under `exact_rows`, on row tiles."""
         dt = dtype_of(self.config.dtype)
         w = self.embed.embedding.T if self.config.tie_embeddings else self.lm_head
         w = w.astype(dt)
