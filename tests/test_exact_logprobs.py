@@ -86,7 +86,8 @@ def _paged(rng, n_slots, hkv, d, dtype):
             jnp.asarray(rng.normal(size=(1, n_slots, hkv, d)), dtype))
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
+# the jnp path and the kernel in interpret mode; on a Hopper GPU the compiled kernel too
+@pytest.mark.parametrize("impl", ["reference", "interpret"] + (["pallas"] if dispatch.on_hopper() else []))
 def test_exact_prefill_row_is_the_same_in_a_decode_step_and_in_a_prefill(impl):
     # The last query of a 70-token prefill (packed with another request, a wide page
     # table) and the same query alone as a one-token decode row agree bitwise.
