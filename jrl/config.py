@@ -231,6 +231,11 @@ class LoraConfig:
             _check_choice(self.dtype, DType, f"{prefix}.dtype")
 
 
+# Token rows of a tile under exact log-probs (`ModelConfig.exact_rows`) when the engine or
+# the RL option turns them on without a size of the model's own.
+DEFAULT_EXACT_ROWS = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. Defaults describe a tiny model for CPU tests."""
@@ -280,6 +285,12 @@ class ModelConfig:
     # (attention q/k/v/o, MLP gate/up/down, MLA's projections, shared experts; not routers,
     # MoE experts or the LM head) multiply in fp8 with current scaling (docs/model.md).
     matmul_dtype: MatmulDtype | None = None
+    # 0: off. N > 0: batch-invariant numerics (docs/rl.md "Exact log-probs"): every
+    # row-wise op (norms, projections, LM head, log-softmax) runs on fixed tiles of N
+    # token rows and attention through the paged prefill kernel's arithmetic, so a token's
+    # result does not depend on which other tokens share its batch. The engine sets it
+    # with `exact_logprobs`; the trainer with the RL option of that name.
+    exact_rows: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -350,6 +361,14 @@ class ModelConfig:
             _check_choice(self.matmul_dtype, MatmulDtype, "matmul_dtype")
             _check(self.dtype == "bfloat16", "matmul_dtype",
                    f"float8 needs dtype: bfloat16 (the activations between the fp8 products), got dtype {self.dtype!r}")
+        _check(isinstance(self.exact_rows, int) and not isinstance(self.exact_rows, bool)
+               and self.exact_rows >= 0 and self.exact_rows % 8 == 0, "exact_rows",
+               f"must be 0 (off) or a positive multiple of 8, got {self.exact_rows!r}")
+        _check(not self.exact_rows or (self.matmul_dtype is None and self.attention == "gqa"
+                                       and not self.is_moe), "exact_rows",
+               "needs GQA attention (MLA has no exact attention path), a dense MLP (MoE experts see "
+               "batch-dependent token groups) and matmul_dtype unset (fp8 products scale by the "
+               "batch's own maximum)")
         self.rope_scaling.validate()
         self.lora.validate()
 

@@ -112,3 +112,61 @@ def write_kv(k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array, slots:
         (k_buf,) = scatter_rows((k_buf,), layer, slots, (k,))
         return k_buf, None
     return scatter_rows((k_buf, v_buf), layer, slots, (k, v))
+
+
+def paged_prefill_blocked(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, layer: jax.Array,
+                          cu_q_lens: jax.Array, kv_lens: jax.Array, page_table: jax.Array, *,
+                          page_size: int, sm_scale: float, block_kv: int, block_q: int) -> jax.Array:
+    """`paged_prefill` computed the way the prefill kernel walks keys, with results that do
+    not depend on the batch: query rows in tiles of `block_q` (`lax.map`), each row an
+    online softmax over its request's keys in blocks of `block_kv` from key 0. A block
+    past a row's causal end changes nothing bitwise (its scores are -inf: the running
+    max stays, the rescale factor is exactly 1, the probabilities exactly 0), so a row's
+    bits depend only on its own keys, not on the page-table width, the other requests or
+    the row's place in the packed batch. bf16/f16/float32 buffers (no fp8, no MLA form);
+    the batch-invariant path of `dispatch.exact_prefill` off Hopper."""
+    t, hq, d = q.shape
+    hkv = k_buf.shape[2]
+    n_req = kv_lens.shape[0]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    req = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    is_real = req < n_req
+    req_c = jnp.minimum(req, n_req - 1)
+    q_len = cu_q_lens[req_c + 1] - cu_q_lens[req_c]
+    kv_len = kv_lens[req_c]
+    limit = jnp.where(is_real & (kv_len > 0), kv_len - q_len + rows - cu_q_lens[req_c] + 1, 0)  # keys < limit
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+    slots = (page_table[:, :, None] * page_size + offsets[None, None, :]).reshape(n_req, -1)
+    n_blocks = -(-slots.shape[1] // block_kv)
+    slots = jnp.pad(slots, ((0, 0), (0, n_blocks * block_kv - slots.shape[1])))
+    pad = -t % block_q
+    qg = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).astype(jnp.float32).reshape(-1, block_q, hkv, hq // hkv, d)
+    req_t = jnp.pad(req_c, (0, pad)).reshape(-1, block_q)
+    limit_t = jnp.pad(limit, (0, pad)).reshape(-1, block_q)
+
+    def tile(xs):
+        q_t, r_t, lim = xs  # [block_q, Hkv, G, D], [block_q], [block_q]
+
+        def step(carry, j):
+            m, l, acc = carry
+            blk = jax.lax.dynamic_slice_in_dim(slots[r_t], j * block_kv, block_kv, axis=1)  # [bq, bk]
+            valid = (j * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :] < lim[:, None]
+            k = k_buf[layer, blk].astype(jnp.float32)  # [bq, bk, Hkv, D]
+            v = jnp.where(valid[:, :, None, None], v_buf[layer, blk].astype(jnp.float32), 0.0)
+            s = jnp.einsum("rhgd,rkhd->rhgk", q_t, k) * sm_scale
+            s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.exp(m - m_safe)
+            p = jnp.exp(s - m_safe[..., None])
+            l = l * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + jnp.einsum("rhgk,rkhd->rhgd", p, v)
+            return (m_new, l, acc), None
+
+        shape = q_t.shape[:-1]
+        init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(q_t.shape, jnp.float32))
+        (_, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n_blocks, dtype=jnp.int32))
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+    out = jax.lax.map(tile, (qg, req_t, limit_t))
+    return out.reshape(-1, hq, d)[:t].astype(q.dtype)

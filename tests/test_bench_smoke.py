@@ -357,3 +357,18 @@ def test_grpo_pack_rows_reports_the_tokens_computed_beside_the_steps_tokens(tmp_
     # packed rows: a multiple of the micro-batch, never more than one sample a row
     for key in ("computed_tokens", "logprobs_computed_tokens"):
         assert step[key] % (micro * seq) == 0 and 0 < step[key] <= n * seq
+
+
+def test_decode_drift_of_an_exact_engine_is_bitwise_the_trainers(tmp_path):
+    rows = bench(tmp_path, "decode", "--drift", "--engine", json.dumps({"exact_logprobs": True}))
+    default, exact = section(rows, "drift")
+    assert (default["precision"], exact["precision"]) == ("bfloat16", "exact_logprobs=True")
+    assert exact["vs_trainer_bitwise_equal_pct"] == 100 and exact["vs_trainer_max_abs"] == 0
+    assert default["vs_trainer_bitwise_equal_pct"] < 100  # the default engine's bf16 rounds its own way
+
+
+def test_decode_vs_bf16_runs_the_default_engine_then_the_exact_one(tmp_path):
+    rows = bench(tmp_path, "decode", "--batches", "1", "--vs-bf16", "--engine", json.dumps({"exact_logprobs": True}))
+    default, exact = section(rows, "engine")
+    assert exact["precision"] == "exact_logprobs=True" and "speedup_vs_bf16" not in default
+    positive(exact, "decode_tokens_per_s", "speedup_vs_bf16")

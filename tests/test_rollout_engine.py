@@ -265,7 +265,7 @@ def test_engine_config_holds_the_user_settings_and_no_tuning():
     assert {f.name for f in dataclasses.fields(EngineConfig)} == {
         "page_size", "n_pages", "max_batch", "max_tokens_per_step", "max_seq_len", "token_buckets",
         "batch_buckets", "chunked_prefill", "allocation", "prefix_cache", "penalty_window", "on_weight_update",
-        "attention_impl", "overlap", "seed", "weight_dtype", "kv_dtype", "lora"}
+        "attention_impl", "overlap", "seed", "weight_dtype", "kv_dtype", "lora", "exact_logprobs"}
 
 
 def test_tuning_overrides_reach_the_engine(params):

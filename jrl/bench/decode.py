@@ -64,7 +64,8 @@ tokens, `--drift-new` tokens each (`jrl.bench.drift` has the rows).
 Engine rows name the served weight dtype (`weight_dtype`: bfloat16, or float8_e4m3fn with
 `--engine '{"weight_dtype": "float8_e4m3fn"}'`); their floor counts the served bytes.
 `--vs-bf16` runs every batch size on a bf16 engine first (the `--engine` overrides without
-`weight_dtype`/`kv_dtype`), then with the overrides, giving those rows `speedup_vs_bf16`.
+`weight_dtype`/`kv_dtype`/`exact_logprobs`), then with the overrides, giving those rows
+`speedup_vs_bf16` (e.g. `--engine '{"exact_logprobs": true}'`: exact vs default tok/s).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", type=json.loads, default={},
                    help='EngineConfig fields over the defaults, e.g. \'{"prefix_cache": true, "overlap": false}\'')
     p.add_argument("--vs-bf16", action="store_true", help="engine mode: a bf16 engine first, then the --engine "
-                   "precision overrides (weight_dtype, kv_dtype), rows with speedup_vs_bf16")
+                   "precision overrides (weight_dtype, kv_dtype, exact_logprobs), rows with speedup_vs_bf16")
     p.add_argument("--tuning", type=json.loads, default={},
                    help='TuningOverrides fields over the backend defaults, e.g. \'{"decode_steps_per_call": 1}\'')
     p.add_argument("--budget-s", type=float, default=1e9, help="skip batch sizes once this much time is spent")

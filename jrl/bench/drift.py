@@ -3,11 +3,14 @@
 
     jrl bench decode --drift [--engine '{"kv_dtype": "float8_e4m3fn"}'] [--drift-prompts 32]
                      [--drift-new 64] [--drift-init hf:<dir>] [--prompt 512] [--page-size 16]
+    jrl bench decode --drift --engine '{"exact_logprobs": true}'
 
 (fp8 KV on a GPU needs `--page-size 32`: the kernels read fp8 pages of 32 tokens or more.)
 
 One row per engine setting: bf16 (the `--engine` overrides without a precision field), then
-the overrides as given when they set `weight_dtype` and/or `kv_dtype`. Each engine samples
+the overrides as given when they set `weight_dtype`, `kv_dtype` and/or `exact_logprobs`
+(an exact engine is compared with the trainer's exact log-prob pass, `exact_model_config`;
+its `vs_trainer_bitwise_equal_pct` should be 100). Each engine samples
 `--drift-new` tokens for each of `--drift-prompts` random prompts of `--prompt` tokens at
 temperature 1, one seed per prompt (the same Gumbel noise in every engine, so the paths
 part only where changed logits flip a draw), and decodes the same prompts greedily.
@@ -37,15 +40,15 @@ import numpy as np
 
 from jrl.bench.shapes import init
 from jrl.config import ModelConfig
-from jrl.rollout.config import EngineConfig
+from jrl.rollout.config import EngineConfig, exact_model_config
 from jrl.rollout.engine import Engine
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import GREEDY, SamplingParams
 from jrl.rollout.tuning import TuningOverrides
 from jrl.serve.loading import load_served
-from jrl.train.logprobs import token_logprobs
+from jrl.train.logprobs import attention_layout, token_logprobs
 
-PRECISION_FIELDS = ("weight_dtype", "kv_dtype")  # engine settings that change the arithmetic
+PRECISION_FIELDS = ("weight_dtype", "kv_dtype", "exact_logprobs")  # engine settings that change the arithmetic
 
 
 def add_arguments(p) -> None:
@@ -68,8 +71,11 @@ def settings(overrides: dict) -> list[tuple[str, dict]]:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _trainer_logprobs(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """The trainer's log-prob pass; under `cfg.exact_rows` (an exact_logprobs engine) its
+    exact numerics, whose attention takes the rows' layout (one document a row)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return token_logprobs(cfg, params, tokens, positions, jnp.ones_like(tokens), chunk_size=1024)
+    with attention_layout(1 if cfg.exact_rows else 0):
+        return token_logprobs(cfg, params, tokens, positions, jnp.ones_like(tokens), chunk_size=1024)
 
 
 def abs_stats(delta: np.ndarray, prefix: str) -> dict[str, float]:
@@ -82,7 +88,8 @@ def abs_stats(delta: np.ndarray, prefix: str) -> dict[str, float]:
 
 
 def vs_trainer(cfg: ModelConfig, params: dict, prompts: np.ndarray, sampled: list[Completion]) -> dict:
-    """The engine's sampled log-probs against the trainer's on the same tokens."""
+    """The engine's sampled log-probs against the trainer's on the same tokens (`cfg`: the
+    trainer's model config; `exact_model_config` of the model for an exact engine)."""
     engine_lp = np.concatenate([c.logprobs for c in sampled])
     trainer_lp = []
     for p, c in zip(prompts, sampled):  # one sequence at a time: completions may differ in length
@@ -151,7 +158,8 @@ def run(args, results, cfg: ModelConfig, engine_config: Callable[..., EngineConf
         base = base or (sampled, greedy)
         results.row("drift", precision=label, engine=overrides, prompts=n, prompt=prompt, new=new,
                     page_size=args.page_size, weights=args.drift_init or "random",
-                    **vs_trainer(cfg, params, prompts, sampled), **vs_base(sampled, base[0]),
+                    **vs_trainer(exact_model_config(cfg) if overrides.get("exact_logprobs") else cfg, params,
+                                 prompts, sampled), **vs_base(sampled, base[0]),
                     **prefix_agreement(greedy, base[1], "greedy"))
     results.table([("precision", "precision"), ("vs_trainer_mean_abs", "trainer mean |d|"),
                    ("vs_trainer_p99_abs", "trainer p99 |d|"), ("vs_trainer_max_abs", "trainer max |d|"),
@@ -159,4 +167,6 @@ def run(args, results, cfg: ModelConfig, engine_config: Callable[..., EngineConf
                    ("vs_bf16_max_abs", "bf16 max |d|"), ("sample_prefix_agree_pct", "sample agree %"),
                    ("greedy_prefix_agree_pct", "greedy agree %"), ("greedy_identical_pct", "greedy identical %")],
                   "drift", f"engine log-prob drift, {n} prompts of {prompt}, {new} tokens each")
+    results.table([("precision", "precision"), ("vs_trainer_bitwise_equal_pct", "trainer bitwise %")], "drift",
+                  "tokens whose engine log-prob is bitwise the trainer's")
     return 0

@@ -32,12 +32,37 @@ def dtype_of(name: str) -> jnp.dtype:
     return DTYPES[name]
 
 
+def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Array:
+    """`fn` applied to the token rows of `xs` (arrays sharing their `lead` leading axes,
+    default all but the last of the first array's, e.g. `[B, S]`), `rows` rows at a time:
+    the leading axes are flattened, padded to a multiple of `rows` (zeros) and `lax.map`
+    runs `fn` on each `[rows, ...]` tile, so every row goes through the same compiled
+    computation whatever the batch holds (XLA picks reduction and GEMM strategies by
+    shape; a row's bits would otherwise depend on how many rows share the op). An
+    optimization barrier on each tile's inputs and output keeps XLA from fusing the
+    tile's ops with their neighbours, which differ from program to program (the engine's
+    step, the trainer's forward), so the tile compiles alike in every program. `rows ==
+    0`: `fn(*xs)` directly. `fn` maps `[rows, ...]` inputs to one `[rows, ...]` output."""
+    if rows <= 0:
+        return fn(*xs)
+    n_lead = xs[0].ndim - 1 if lead is None else lead
+    shape = xs[0].shape[:n_lead]
+    n = int(np.prod(shape))
+    flat = [x.reshape(n, *x.shape[n_lead:]) for x in xs]
+    pad = -n % rows
+    tiles = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, rows, *x.shape[1:]) for x in flat]
+    out = jax.lax.map(lambda t: jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t))), tuple(tiles))
+    out = out.reshape(-1, *out.shape[2:])[:n]
+    return out.reshape(*shape, *out.shape[1:])
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last axis, computed in float32."""
 
     eps: float
     param_dtype: jnp.dtype = jnp.float32
     axis_name: str = "norm"
+    rows: int = 0  # > 0: computed on tiles of this many rows (`map_rows`; ModelConfig.exact_rows)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -45,9 +70,13 @@ class RMSNorm(nn.Module):
             "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
             (x.shape[-1],), self.param_dtype,
         )
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * scale.astype(jnp.float32)).astype(x.dtype)
+
+        def norm(x):
+            xf = x.astype(jnp.float32)
+            xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+            return (xf * scale.astype(jnp.float32)).astype(x.dtype)
+
+        return map_rows(norm, self.rows, x)
 
 
 class Linear(nn.Module):
@@ -65,6 +94,7 @@ class Linear(nn.Module):
     lora_dtype: jnp.dtype | None = None  # the adapter factors' dtype (None: param_dtype)
     init_std: float = 0.02
     fp8: bool = False
+    rows: int = 0  # > 0: computed on tiles of this many rows (`map_rows`; ModelConfig.exact_rows)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -76,15 +106,15 @@ class Linear(nn.Module):
         if kernel.dtype == E4M3:
             scale = self.param("kernel_scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes[1:]),
                                (self.features,), jnp.float32)
-            y = scaled_matmul(x, kernel, scale)
+            product = lambda x: scaled_matmul(x, kernel, scale)
         elif self.fp8:
-            y = fp8_matmul(x, kernel)
+            product = lambda x: fp8_matmul(x, kernel)
         else:
-            y = jnp.dot(x, kernel.astype(self.dtype))
+            product = lambda x: jnp.dot(x, kernel.astype(self.dtype))
+        bias = a = b = None
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
                               (self.features,), self.param_dtype)
-            y = y + bias.astype(self.dtype)
         if self.lora_rank:
             lora_dtype = self.param_dtype if self.lora_dtype is None else self.lora_dtype
             a = self.param("lora_a", nn.with_logical_partitioning(
@@ -93,8 +123,16 @@ class Linear(nn.Module):
             b = self.param("lora_b", nn.with_logical_partitioning(
                 nn.initializers.zeros, ("lora", self.axes[1])),
                 (self.lora_rank, self.features), lora_dtype)
-            y = y + self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
-        return y
+
+        def apply(x):
+            y = product(x)
+            if bias is not None:
+                y = y + bias.astype(self.dtype)
+            if a is not None:
+                y = y + self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
+            return y
+
+        return map_rows(apply, self.rows, x)
 
 
 def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
@@ -109,7 +147,8 @@ def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
         lora_rank=lora.rank if enabled else 0, lora_scale=lora.scale if enabled else 0.0,
         dtype=dtype_of(config.dtype), param_dtype=dtype_of(config.param_dtype),
         lora_dtype=None if lora.dtype is None else dtype_of(lora.dtype),
-        init_std=config.initializer_range, fp8=fp8_capable and config.matmul_dtype == "float8", name=name,
+        init_std=config.initializer_range, fp8=fp8_capable and config.matmul_dtype == "float8",
+        rows=config.exact_rows, name=name,
     )
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from jrl.config import ModelConfig
 from jrl.models.attention import GQAttention, MLAttention, dense_attention
 from jrl.models.fused import unfusable_reason
-from jrl.models.layers import RMSNorm, SwiGLU, dtype_of
+from jrl.models.layers import RMSNorm, SwiGLU, dtype_of, map_rows
 from jrl.models.moe import MoE, router_summary
 from jrl.models.rope import rope_cos_sin
 
@@ -55,10 +55,10 @@ class Block(nn.Module):
         pd = dtype_of(cfg.param_dtype)
         fused = self.fused_projections
         attn = MLAttention(cfg, name="attn") if cfg.attention == "mla" else GQAttention(cfg, fused, name="attn")
-        h = RMSNorm(cfg.rms_norm_eps, pd, "embed", name="input_norm")(x)
+        h = RMSNorm(cfg.rms_norm_eps, pd, "embed", cfg.exact_rows, name="input_norm")(x)
         h, cache = attn(h, positions, rope, backend, layer, cache)
         x = x + h.astype(x.dtype)
-        h = RMSNorm(cfg.rms_norm_eps, pd, "embed", name="post_attn_norm")(x)
+        h = RMSNorm(cfg.rms_norm_eps, pd, "embed", cfg.exact_rows, name="post_attn_norm")(x)
         if cfg.is_moe:
             h, aux = MoE(cfg, name="moe")(h, token_mask)
         else:
@@ -99,7 +99,7 @@ class Transformer(nn.Module):
             unroll=cfg.n_layers if self.unroll_layers or not cfg.scan_layers else 1,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, fused_projections=self.fused_projections)
-        self.final_norm = RMSNorm(cfg.rms_norm_eps, pd, "embed")
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, pd, "embed", cfg.exact_rows)
         if not cfg.tie_embeddings:
             self.lm_head = self.param(
                 "lm_head", nn.with_logical_partitioning(
@@ -130,10 +130,11 @@ class Transformer(nn.Module):
         The product runs in the compute dtype with float32 accumulation and output (for a
         bf16 model: bf16 tensor-core GEMM, no float32 copy of the `[hidden, vocab]`
         matrix per call); a float32 model computes it in float32. Its gradients run in
-        the compute dtype too (`head_product`)."""
+        the compute dtype too (`head_product`). Under `exact_rows`, on row tiles."""
         dt = dtype_of(self.config.dtype)
         w = self.embed.embedding.T if self.config.tie_embeddings else self.lm_head
-        return head_product(hidden.astype(dt), w.astype(dt))
+        w = w.astype(dt)
+        return map_rows(lambda h: head_product(h.astype(dt), w), self.config.exact_rows, hidden)
 
 
 @jax.custom_vjp

@@ -117,6 +117,9 @@ class RLOptions:
     # several samples per trainer row (segment ids keep them apart): the update and the
     # log-prob recompute compute their tokens instead of every row's padding
     pack_rows: bool = False
+    # the engine's log-probs bitwise equal to the trainer's (docs/rl.md "Exact log-probs"):
+    # engine.exact_logprobs and the trainer's model on `exact_rows`; the recompute is skipped
+    exact_logprobs: bool = False
     # rollout engine settings (EngineConfig fields) and held-out evaluation
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     # devices the engine serves tensor-parallel on (a tensor-only mesh over the first of the
@@ -155,6 +158,7 @@ class RLOptions:
                f"must be one of {list(ESTIMATORS)}, got {self.advantage!r}")
         _check(isinstance(self.pack_rows, bool), "pack_rows", f"must be true or false, got {self.pack_rows!r}")
         _check(self.adv_eps > 0.0, "adv_eps", f"must be > 0, got {self.adv_eps}")
+        self._check_exact()
         _check(self.old_logp in ("engine", "recomputed"), "old_logp",
                f"must be one of ['engine', 'recomputed'], got {self.old_logp!r}")
         _check(self.loss.tis_cap == 0.0 or self.old_logp == "recomputed", "tis_cap",
@@ -181,6 +185,25 @@ class RLOptions:
                    "engine; leave placement out")
         self.reward_model()  # resolves every fn now: errors before any run
         self._check_episodes()
+
+    def _check_exact(self) -> None:
+        """`exact_logprobs` settings: where the engine cannot match the trainer bitwise, or
+        the anchor would not be the engine's log-probs, a ConfigError naming the field."""
+        _check(isinstance(self.exact_logprobs, bool), "exact_logprobs",
+               f"must be true or false, got {self.exact_logprobs!r}")
+        if not self.exact_logprobs:
+            return
+        _check(not fp8_rollouts(self.engine), "exact_logprobs",
+               "cannot be exact with fp8 rollouts (engine.kv_dtype / engine.weight_dtype): the trainer "
+               "computes in the model's dtype")
+        _check(self.engine.get("exact_logprobs", True) is True, "engine.exact_logprobs",
+               "must be left out (or true) with exact_logprobs: true")
+        _check(self.temperature == 1.0, "temperature",
+               f"must be 1 with exact_logprobs (the engine's exact log-probs are those of the "
+               f"temperature-1 distribution), got {self.temperature}")
+        _check(self.old_logp == "engine", "old_logp",
+               "must be 'engine' with exact_logprobs (the engine's log-probs are the trainer's: "
+               "nothing to recompute)")
 
     def _check_episodes(self) -> None:
         """Episode options; imports the environment, tools and parser now (errors before any run)."""
@@ -218,6 +241,11 @@ class RLOptions:
         _check(not (options.get("advantage") == "rloo" and options.get("scale_adv_by_std") is True),
                "scale_adv_by_std", "applies to advantage: grpo only; advantage: rloo is never scaled "
                "by the group std (leave scale_adv_by_std out, or use advantage: grpo)")
+        if options.get("exact_logprobs") is True:  # the engine half of the switch
+            _check(fp8_rollouts(options.get("engine")) is False, "exact_logprobs",
+                   "cannot be exact with fp8 rollouts (engine.kv_dtype / engine.weight_dtype): the "
+                   "trainer computes in the model's dtype")
+            options["engine"] = {"exact_logprobs": True, **(options.get("engine") or {})}
         options, notes = fp8_rollout_defaults(options)
         loss_part = {k: options.pop(k) for k in LOSS_KEYS if k in options}
         loss_part["max_response_len"] = options.get("max_new_tokens", cls.max_new_tokens)

@@ -4,7 +4,8 @@ One packed forward holds T query tokens of R requests (B=1, S=T). For every laye
 backend writes the step's keys/values at `out_cache_loc` (padding rows have slot -1 and
 are dropped), then attends through the page table with `pallas_kernels`: `paged_prefill`
 (ragged queries, causal bottom-right per request) or, when every request has exactly one
-query token, `ragged_decode`. Because the write precedes the read in every layer, a
+query token, `ragged_decode`; with `exact` every step takes `exact_prefill` (batch-invariant
+rows, docs/rl.md "Exact log-probs"). Because the write precedes the read in every layer, a
 request may attend to pages another request of the same step is writing (a prefix shared
 inside one batch is computed once). MLA runs in the absorbed form against the latent
 cache (`v_buf is None`, values = the latent's first `kv_lora_rank` channels). With `heads`
@@ -38,6 +39,9 @@ class PagedAttention(flax.struct.PyTreeNode):
     impl: str = flax.struct.field(pytree_node=False, default="auto")
     # Tensor parallelism: run the write and the kernel per device on its own heads.
     heads: HeadSplit | None = flax.struct.field(pytree_node=False, default=None)
+    # Exact log-probs: every step (decode too) attends through `exact_prefill`, whose rows
+    # do not depend on the batch (the arithmetic the trainer's `ExactAttention` shares).
+    exact: bool = flax.struct.field(pytree_node=False, default=False)
 
     def attend(self, q, k, v, *, layer, cache, scale):
         if q.shape[0] != 1:
@@ -58,7 +62,10 @@ class PagedAttention(flax.struct.PyTreeNode):
         device's heads under `shard_attention`)."""
         k_buf, v_buf = kernels.write_kv(k_buf, v_buf, layer, out_cache_loc, k, v)
         kwargs = dict(page_size=self.page_size, sm_scale=scale, v_head_dim=self.v_head_dim, impl=self.impl)
-        if self.decode:
+        if self.exact:
+            out = kernels.exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
+                                        page_size=self.page_size, sm_scale=scale, impl=self.impl)
+        elif self.decode:
             out = kernels.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, **kwargs)
         else:
             out = kernels.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, **kwargs)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import jax
 
-from jrl.config import ConfigError, ModelConfig, check, from_dict
+from jrl.config import DEFAULT_EXACT_ROWS, ConfigError, ModelConfig, check, from_dict
 from pallas_kernels.quantized import KV_DTYPES
 
 
@@ -78,6 +78,11 @@ class EngineConfig:
     kv_dtype: storage of the KV cache: None (the model's dtype) or "float8_e4m3fn" (fp8
     with a float32 scale per token and KV head: half the bytes of bf16; the Mosaic GPU
     kernels read it when page_size is a multiple of 32, see docs/kernels.md).
+    exact_logprobs: every sampled token's model log-prob is bitwise what the trainer's
+    log-prob pass computes for it under `exact_model_config` (batch-invariant numerics:
+    row tiles of `ModelConfig.exact_rows`, attention through `exact_prefill` in every step,
+    unfused projections; docs/rl.md "Exact log-probs"). Needs the model's dtype for
+    weights and KV, GQA attention, a dense MLP, and `lora: unmerged` with adapters.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -98,6 +103,7 @@ class EngineConfig:
     lora: Literal["merge", "unmerged"] = "merge"
     weight_dtype: Literal["float8_e4m3fn"] | None = None
     kv_dtype: str | None = None
+    exact_logprobs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_size", "n_pages", "max_batch", "max_tokens_per_step", "penalty_window"):
@@ -128,6 +134,11 @@ class EngineConfig:
               f"must be None (the weights as handed over) or 'float8_e4m3fn', got {self.weight_dtype!r}")
         check(self.kv_dtype is None or self.kv_dtype in KV_DTYPES, "engine.kv_dtype",
               f"must be null (the model's dtype) or one of {'/'.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        check(isinstance(self.exact_logprobs, bool), "engine.exact_logprobs",
+              f"must be true or false, got {self.exact_logprobs!r}")
+        check(not self.exact_logprobs or (self.kv_dtype is None and self.weight_dtype is None),
+              "engine.exact_logprobs", "needs the model's own dtype for weights and KV (leave kv_dtype and "
+              "weight_dtype out): the trainer computes in it")
 
     @property
     def n_slots(self) -> int:
@@ -157,6 +168,25 @@ class EngineConfig:
         (fewer programs for short sequences) up to the per-request maximum."""
         top = self.max_pages_per_request(model)
         return powers_of_two(min(8, top), top)
+
+
+def exact_model_config(model: ModelConfig) -> ModelConfig:
+    """`model` with batch-invariant numerics on (`exact_rows`, DEFAULT_EXACT_ROWS unless it
+    sets its own): what an `exact_logprobs` engine runs and what the trainer's log-prob
+    pass must run to match it bitwise."""
+    return model if model.exact_rows else dataclasses.replace(model, exact_rows=DEFAULT_EXACT_ROWS)
+
+
+def check_exact(config: EngineConfig, model: ModelConfig) -> None:
+    """Refuses `exact_logprobs` where the engine cannot match the trainer bitwise."""
+    if not config.exact_logprobs:
+        return
+    check(model.attention == "gqa" and not model.is_moe and model.matmul_dtype is None, "engine.exact_logprobs",
+          "needs GQA attention and a dense MLP without fp8 products (MLA's absorbed attention and MoE "
+          "routing have no batch-invariant path)")
+    check(not model.lora.rank or config.lora == "unmerged", "engine.lora",
+          "must be 'unmerged' with exact_logprobs: a merged kernel rounds differently from the trainer's "
+          "base + adapter product")
 
 
 def check_kv_page_size(config: EngineConfig, model: ModelConfig, backend: str) -> None:

@@ -67,7 +67,8 @@ from jrl.models.lora import base_config, lora_params, merge_lora, with_lora_para
 from jrl.models.quantized import quantize_projections
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
-from jrl.rollout.config import EngineConfig, bucket, check_kv_page_size, pow2_at_least
+from jrl.rollout.config import (EngineConfig, bucket, check_exact, check_kv_page_size, exact_model_config,
+                                pow2_at_least)
 from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, step_function
 from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import SamplingParams, batch_mode, param_columns
@@ -131,8 +132,10 @@ class Engine:
                  tuning: TuningOverrides | None = None) -> None:
         enable_compilation_cache()  # once per process (jrl.compile_cache)
         _check_finite(params, "Engine: refusing to serve them")
-        self.model_config = model_config
         self.config = config = config or EngineConfig()
+        check_exact(config, model_config)
+        # exact log-probs: the model runs batch-invariant numerics (as the trainer must)
+        self.model_config = model_config = exact_model_config(model_config) if config.exact_logprobs else model_config
         check_kv_page_size(config, model_config, jax.default_backend())
         check(mesh is None or config.weight_dtype is None, "engine.weight_dtype",
               f"{config.weight_dtype!r} weights are served on one device; leave it None with a mesh")
@@ -169,7 +172,7 @@ class Engine:
         self.step_function = step_function(self.served_config, ps, self.max_rows, config.attention_impl,
                                            None if self.sharding is None else self.sharding.heads,
                                            self.tuning.unroll_layers, self.tuning.cublas_decode_rows,
-                                           self.tuning.fuse_projections, config.kv_dtype)
+                                           self.tuning.fuse_projections, config.kv_dtype, config.exact_logprobs)
         self._zero_slots = jax.jit(_zero_slots, donate_argnums=(0, 1), out_shardings=(
             self.kv.k.sharding, None if self.kv.v is None else self.kv.v.sharding))
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,

@@ -32,6 +32,7 @@ import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.models import forward, lm_logits
+from jrl.models.exact import target_logprob
 from jrl.rollout.backend import PagedAttention
 from jrl.rollout.sampling import FLOAT_COLUMNS, SamplingArrays, sample
 from jrl.rollout.sharding import HeadSplit
@@ -198,7 +199,7 @@ def pack_readback(tok: jax.Array, logp: jax.Array, model_logp: jax.Array, max_ro
 def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
                   heads: HeadSplit | None = None, unroll_layers: bool = False,
                   cublas_decode_rows: int = 0, fused_projections: bool = False,
-                  kv_dtype: str | None = None) -> StepFunction:
+                  kv_dtype: str | None = None, exact: bool = False) -> StepFunction:
     """The jitted step for one model and engine geometry (cached: engines and `generate`
     calls with the same settings reuse the compiled programs). `heads`: the tensor-parallel
     attention split (None: one device). `unroll_layers`: unroll the layer loop of decode
@@ -209,7 +210,11 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
     `CUBLAS_GEMM_OPTIONS`. `fused_projections`: the
     params passed to every step (prefill and decode) are in the fused layout of
     `jrl.models.fused.fuse_projections`. `kv_dtype`: the KV buffers' storage
-    (`EngineConfig.kv_dtype`; it shapes their shardings under tensor parallelism)."""
+    (`EngineConfig.kv_dtype`; it shapes their shardings under tensor parallelism).
+    `exact` (`EngineConfig.exact_logprobs`; `config` then has `exact_rows`): every step
+    attends through `exact_prefill`, and the model log-prob of each sampled token (and
+    its sampling log-prob where the row samples the plain temperature-1 distribution)
+    is `jrl.models.exact.target_logprob`, the trainer's exact formula."""
     holder = StepFunction(fn=None)
     absorb = config.attention == "mla"
     v_head_dim = config.kv_lora_rank if absorb else None
@@ -221,14 +226,20 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
         backend = PagedAttention(cu_q_lens=cu, kv_lens=i["kv_lens"], page_table=i["page_table"],
                                  out_cache_loc=i["out_cache_loc"], page_size=page_size,
                                  decode=layout.decode, absorb_mla=absorb, v_head_dim=v_head_dim, impl=impl,
-                                 heads=heads)
+                                 heads=heads, exact=exact)
         out = forward(config, params, tokens[None], i["positions"][None], backend,
                       cache=(k_buf, v_buf), token_mask=real[None], unroll_layers=unroll_layers and layout.decode,
                       fused_projections=fused_projections)
         k_buf, v_buf = out.cache
         last = jnp.maximum(cu[1:] - 1, 0)  # final query row of each request
         logits = lm_logits(config, params, out.hidden[0, last])  # [R, V]
-        return (*sample_rows(logits, tokens[last], i, f, layout), k_buf, v_buf)
+        tok, logp, model_logp = sample_rows(logits, tokens[last], i, f, layout)
+        if exact:
+            model_logp = target_logprob(logits, tok, config.exact_rows)
+            plain = ((f["temperature"] == 1.0) & (i["top_k"] <= 0) & (f["top_p"] >= 1.0) & (f["min_p"] <= 0.0)
+                     & (not layout.penalties))
+            logp = jnp.where(plain, model_logp, logp)
+        return tok, logp, model_logp, k_buf, v_buf
 
     def decode_steps(params, k_buf, v_buf, tokens, i, f, layout: StepLayout):
         """`layout.steps` decode steps in one program: step j reads row j of the per-step

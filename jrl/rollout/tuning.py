@@ -139,7 +139,7 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
     """The tuning of an engine serving `model` with `engine` on `backend` ("gpu", "cpu",
     ...): each field of `overrides` that is set, else the backend's default. Fusion is off
     where it does not apply (`tensor_parallel`: the sharding rules split the separate
-    kernels by heads; `jrl.models.fused.unfusable_reason`); forcing it on there raises a
+    kernels by heads; `jrl.models.fused.unfusable_reason`; `exact_logprobs`); forcing it on there raises a
     ConfigError naming `tuning.fuse_projections`."""
     o = overrides or TuningOverrides()
     d = BACKEND_DEFAULTS.get(backend, FALLBACK)
@@ -149,6 +149,8 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
         return default if value is None else value
 
     reason = "not supported with tensor parallelism (the engine has a mesh)" if tensor_parallel else None
+    if engine.exact_logprobs:
+        reason = "not with engine.exact_logprobs (the trainer runs the separate GEMMs, which round differently)"
     reason = reason or unfusable_reason(model)
     if reason is None:
         fused = pick("fuse_projections", d.fuse_projections)
@@ -158,6 +160,11 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
     cublas_default = d.cublas_decode_rows_fused if fused else d.cublas_decode_rows_separate
     if engine.weight_dtype is not None:
         cublas_default = 0  # e4m3 kernels: only XLA's own GEMM fusions read them without a bf16 copy
+    if engine.exact_logprobs:
+        # other compiler options pick other GEMM algorithms than the trainer's program
+        check(not o.cublas_decode_rows, "tuning.cublas_decode_rows",
+              "must be 0 with engine.exact_logprobs (its XLA options change the GEMMs' rounding)")
+        cublas_default = 0
     multi_default = engine.max_batch if d.multi_step_max_rows is None else d.multi_step_max_rows
     return Tuning(unroll_layers=pick("unroll_layers", d.unroll_layers),
                   cublas_decode_rows=pick("cublas_decode_rows", cublas_default),

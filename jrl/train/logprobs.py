@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from jrl.config import ModelConfig
 from jrl.models import dense_attention, forward, lm_logits
+from jrl.models.exact import exact_attention, target_logprob
 
 _MAX_SEGMENTS = contextvars.ContextVar("jrl_attention_max_segments", default=0)
 _MESH = contextvars.ContextVar("jrl_attention_mesh", default=None)
@@ -98,24 +99,31 @@ class TargetStats(NamedTuple):
     entropy: jax.Array  # entropy of the distribution
 
 
-def _stats_from_logits(logits: jax.Array, targets: jax.Array) -> TargetStats:
+def _stats_from_logits(logits: jax.Array, targets: jax.Array, exact_rows: int = 0) -> TargetStats:
+    """`exact_rows` > 0: log p(target) by `target_logprob` on tiles of that many rows
+    (the engine's exact formula, bitwise), the other statistics as usual."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     probs = jnp.exp(logits - lse[..., None])
     entropy = lse - jnp.sum(probs * logits, axis=-1)
-    return TargetStats(target_logit - lse, jnp.mean(logits, axis=-1) - lse, entropy)
+    logp = target_logprob(logits, targets, exact_rows) if exact_rows else target_logit - lse
+    return TargetStats(logp, jnp.mean(logits, axis=-1) - lse, entropy)
 
 
 def target_stats(config: ModelConfig, params: dict, hidden: jax.Array, targets: jax.Array,
                  *, chunk_size: int = 0) -> TargetStats:
     """Statistics of `softmax(lm_head(hidden))` at `targets` (`hidden [B, S, D]`, `targets [B, S]`).
 
-    `chunk_size == 0` computes all logits at once; otherwise chunk by chunk (see module doc).
+    `chunk_size == 0` computes all logits at once; otherwise chunk by chunk (see module doc),
+    chunks rounded up to a multiple of `config.exact_rows` when that is set.
     """
     targets = jnp.asarray(targets, jnp.int32)
+    rows = config.exact_rows
     if chunk_size <= 0:
-        return _stats_from_logits(lm_logits(config, params, hidden), targets)
+        return _stats_from_logits(lm_logits(config, params, hidden), targets, rows)
+    if rows:
+        chunk_size = -(-chunk_size // rows) * rows
     b, s, d = hidden.shape
     n = b * s
     n_chunks = -(-n // chunk_size)
@@ -126,7 +134,7 @@ def target_stats(config: ModelConfig, params: dict, hidden: jax.Array, targets: 
     @jax.checkpoint
     def one_chunk(xs):
         h_c, t_c = xs
-        return _stats_from_logits(lm_logits(config, params, h_c), t_c)
+        return _stats_from_logits(lm_logits(config, params, h_c), t_c, rows)
 
     stats = jax.lax.map(one_chunk, (h, t))
     return TargetStats(*(x.reshape(n_chunks * chunk_size)[:n].reshape(b, s) for x in stats))
@@ -135,7 +143,8 @@ def target_stats(config: ModelConfig, params: dict, hidden: jax.Array, targets: 
 def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
                   segment_ids: jax.Array, *, max_segments: int | None = None) -> tuple[jax.Array, dict]:
     """Final hidden states `[B, S, D]` and the model's aux dict (MoE losses) for a dense
-    causal batch in which tokens attend only within their own segment.
+    causal batch in which tokens attend only within their own segment. With
+    `config.exact_rows` attention is `jrl.models.exact.ExactAttention` (needs a layout >= 1).
 
     `max_segments`: the rows' layout promise (see the module doc and
     `batch_max_segments`); None takes the enclosing `attention_layout` (0 outside one)."""
@@ -143,7 +152,10 @@ def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, position
     positions = jnp.asarray(positions, jnp.int32)
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
     layout = _MAX_SEGMENTS.get() if max_segments is None else _check_max_segments(max_segments)
-    backend = dense_attention(segment_ids, max_segments=layout, mesh=_MESH.get())
+    if config.exact_rows:
+        backend = exact_attention(segment_ids, layout)
+    else:
+        backend = dense_attention(segment_ids, max_segments=layout, mesh=_MESH.get())
     out = forward(config, params, tokens, positions, backend,
                   token_mask=segment_ids > 0)
     return out.hidden, out.aux

@@ -1,0 +1,170 @@
+"""Exact log-probs (docs/rl.md "Exact log-probs"): with `EngineConfig.exact_logprobs` the
+engine's per-token log-probs are bitwise the trainer's log-prob pass on the same tokens,
+whatever the batch each token was sampled in; the GRPO loop then skips its recompute."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jrl.config import ConfigError, ModelConfig, model_config_from_dict
+from jrl.models import forward, init_params
+from jrl.models.attention import dense_attention
+from jrl.models.exact import exact_attention
+from jrl.rl.options import RLOptions
+from jrl.rollout.config import EngineConfig, check_exact, exact_model_config
+from jrl.rollout.engine import Engine
+from jrl.rollout.sampling import SamplingParams
+from jrl.train.logprobs import attention_layout, token_logprobs
+from pallas_kernels import dispatch
+
+import jrl.rl.source as source_module
+from test_rl_loop import run, tiny, train_rows
+
+# Mixed prompt lengths and per-request budgets: requests join and finish at different
+# steps, so the rows sharing a step (and the page-table width) keep changing.
+PROMPT_LENS = (3, 17, 40, 9, 25, 60)
+NEW_TOKENS = (16, 5, 12, 16, 3, 9)
+SEQ = 128
+
+
+def _generate(dtype: str, exact: bool):
+    cfg = ModelConfig(dtype=dtype, param_dtype=dtype)
+    params = init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in PROMPT_LENS]
+    engine = Engine(cfg, params, EngineConfig(n_pages=64, max_batch=4, max_tokens_per_step=64, max_seq_len=SEQ,
+                                              exact_logprobs=exact))
+    # 6 requests on 4 rows: two wait, join mid-run and are prefilled beside decoding rows
+    comps = engine.generate(prompts, [SamplingParams(seed=i) for i in range(len(prompts))],
+                            max_new_tokens=list(NEW_TOKENS))
+    return cfg, params, prompts, comps
+
+
+def _trainer_logprobs(cfg, params, prompts, comps):
+    """The trainer's log-prob pass on all the sequences at once (one padded batch)."""
+    tokens = np.zeros((len(prompts), SEQ), np.int32)
+    segs = np.zeros((len(prompts), SEQ), np.int32)
+    for k, (p, c) in enumerate(zip(prompts, comps)):
+        seq = np.concatenate([p, c.tokens])
+        tokens[k, :len(seq)], segs[k, :len(seq)] = seq, 1
+
+    @jax.jit
+    def score(tokens, segs):
+        with attention_layout(1):  # one document a row, then padding
+            pos = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape)
+            return token_logprobs(cfg, params, tokens, pos, segs)
+
+    out = np.asarray(score(tokens, segs))
+    return [out[k, len(p):len(p) + len(c.tokens)] for k, (p, c) in enumerate(zip(prompts, comps))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_engine_log_probs_equal_the_trainers_bitwise(dtype):
+    cfg, params, prompts, comps = _generate(dtype, exact=True)
+    assert [len(c.tokens) for c in comps] == list(NEW_TOKENS)
+    trainer = _trainer_logprobs(exact_model_config(cfg), params, prompts, comps)
+    for c, t in zip(comps, trainer):
+        np.testing.assert_array_equal(c.model_logprobs, t)
+        np.testing.assert_array_equal(c.logprobs, t)  # temperature 1, no filter: the same distribution
+
+
+def test_default_engine_log_probs_are_not_bitwise_in_bfloat16():
+    # What the exact mode buys: without it the decode kernel, the dense trainer attention
+    # and batch-sized reductions round differently (close, not equal).
+    cfg, params, prompts, comps = _generate("bfloat16", exact=False)
+    engine = np.concatenate([c.model_logprobs for c in comps])
+    trainer = np.concatenate(_trainer_logprobs(cfg, params, prompts, comps))
+    np.testing.assert_allclose(engine, trainer, atol=0.05)
+    assert np.mean(engine == trainer) < 0.5
+
+
+def _paged(rng, n_slots, hkv, d, dtype):
+    return (jnp.asarray(rng.normal(size=(1, n_slots, hkv, d)), dtype),
+            jnp.asarray(rng.normal(size=(1, n_slots, hkv, d)), dtype))
+
+
+# the jnp path and the kernel in interpret mode; on a Hopper GPU the compiled kernel too
+@pytest.mark.parametrize("impl", ["reference", "interpret"] + (["pallas"] if dispatch.on_hopper() else []))
+def test_exact_prefill_row_is_the_same_in_a_decode_step_and_in_a_prefill(impl):
+    # The last query of a 70-token prefill (packed with another request, a wide page
+    # table) and the same query alone as a one-token decode row agree bitwise.
+    rng = np.random.default_rng(1)
+    hq, hkv, d, ps = 4, 2, 64, 16
+    k_buf, v_buf = _paged(rng, 512, hkv, d, jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(100, hq, d)), jnp.bfloat16)
+    table = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
+    kw = dict(page_size=ps, sm_scale=0.125, impl=impl)
+    batch = dispatch.exact_prefill(q, k_buf, v_buf, 0, jnp.array([0, 30, 100]), jnp.array([30, 70]), table, **kw)
+    alone = dispatch.exact_prefill(jnp.pad(q[99:100], ((0, 7), (0, 0), (0, 0))), k_buf, v_buf, 0,
+                                   jnp.array([0, 1]), jnp.array([70]), table[1:, :8], **kw)
+    np.testing.assert_array_equal(np.asarray(batch[99], np.float32), np.asarray(alone[0], np.float32))
+
+
+def test_exact_attention_matches_dense_attention_and_takes_its_gradient():
+    rng = np.random.default_rng(2)
+    b, s, hq, hkv, d = 2, 24, 4, 2, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(b, s, h, d)), jnp.float32) for h in (hq, hkv, hkv))
+    seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 9 + [0] * 5], b, axis=0), jnp.int32)  # packed: 3 runs
+    exact = lambda q, k, v: exact_attention(seg, 4).attend(q, k, v, layer=0, cache=None, scale=0.25)[0]
+    dense = lambda q, k, v: dense_attention(seg, max_segments=4).attend(q, k, v, layer=0, cache=None,
+                                                                        scale=0.25)[0]
+    np.testing.assert_allclose(exact(q, k, v), dense(q, k, v), atol=1e-5)
+    loss = lambda f: lambda *x: jnp.sum(jnp.sin(f(*x)))
+    for g_exact, g_dense in zip(jax.grad(loss(exact), (0, 1, 2))(q, k, v), jax.grad(loss(dense), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g_exact, g_dense, atol=1e-5)
+
+
+def test_exact_rows_runs_the_same_model():
+    cfg = ModelConfig(n_layers=1)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 20)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(20), tokens.shape)
+    plain = forward(cfg, params, tokens, pos, dense_attention(jnp.ones_like(tokens), max_segments=1)).hidden
+    exact = forward(exact_model_config(cfg), params, tokens, pos, exact_attention(jnp.ones_like(tokens), 1)).hidden
+    np.testing.assert_allclose(exact, plain, atol=1e-5)
+
+
+@pytest.mark.parametrize("field, value", [("kv_dtype", "float8_e4m3fn"), ("weight_dtype", "float8_e4m3fn")])
+def test_an_fp8_engine_cannot_be_exact(field, value):
+    with pytest.raises(ConfigError, match="engine.exact_logprobs"):
+        EngineConfig(exact_logprobs=True, **{field: value})
+
+
+@pytest.mark.parametrize("model, field", [
+    ({"attention": "mla"}, "engine.exact_logprobs"),
+    ({"n_experts": 4}, "engine.exact_logprobs"),
+    ({"lora": {"rank": 2}}, "engine.lora"),
+])
+def test_a_model_the_engine_cannot_serve_exactly_is_refused_naming_the_field(model, field):
+    # what Engine.__init__ checks first
+    with pytest.raises(ConfigError, match=field):
+        check_exact(EngineConfig(exact_logprobs=True), model_config_from_dict(model))
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"temperature": 0.7}, "strategy.options.temperature"),
+    ({"old_logp": "recomputed"}, "strategy.options.old_logp"),
+    ({"engine": {"kv_dtype": "float8_e4m3fn"}}, "strategy.options.exact_logprobs"),
+    ({"engine": {"exact_logprobs": False}}, "strategy.options.engine.exact_logprobs"),
+])
+def test_rl_options_that_cannot_be_exact_are_refused_naming_the_field(options, field):
+    with pytest.raises(ConfigError, match=field):
+        RLOptions.from_config({"exact_logprobs": True, **options})
+
+
+def test_exact_grpo_run_skips_the_recompute_and_starts_at_ratio_one(tmp_path, monkeypatch):
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("the log-prob recompute ran under exact_logprobs")
+
+    monkeypatch.setattr(source_module.RolloutSource, "_logp_fn", no_recompute)
+    config = tiny(steps=2, exact_logprobs=True)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16",
+                                                                   param_dtype="bfloat16"))
+    trainer, rows = run(config, tmp_path)
+    assert trainer.config.model.exact_rows > 0
+    first = train_rows(rows)[0]
+    assert first["ratio_mean"] == 1.0  # exactly: the loss's forward reproduces every behaviour log-prob
+    assert first["clip_frac"] == 0.0
