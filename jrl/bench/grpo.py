@@ -54,7 +54,9 @@ any rollout sharing the engine meanwhile (interruptible); the long tail's cost.
 Model: `--shape 174m` (`shapes.GRPO_174M`) or `0.82b` (`shapes.ROLLOUT_082B` with float32
 master weights). One row a step (section `step`; the first compiles; `compiled_in_generation`
 counts the engine's step programs compiled during the step's rollout: a long tail reaches
-new small-batch programs for a few steps), then the mean of the later ones (section `mean`). `total_ms` is the step's wall time in the trainer's thread.
+new small-batch programs for a few steps), then the mean of the later ones that compiled
+nothing (section `mean`; of all the later ones when each compiled). `total_ms` is the
+step's wall time in the trainer's thread.
 """
 
 from __future__ import annotations
@@ -393,10 +395,14 @@ def run(args, results) -> int:
             token_lag_mean=float(version - np.concatenate(versions).mean()), **shape))
     if worker is not None:
         worker.shutdown(wait=True)
-    timed = steps[1:] or steps
+    # the steady state: steps after the first whose rollout compiled nothing (a long tail
+    # meets new small-batch programs for a few steps), else every step after the first
+    steady = [r for r in steps[1:] if r["compiled_in_generation"] == 0]
+    timed = steady or steps[1:] or steps
     keys = (*(f"{p}_ms" for p in (*PHASES, *OVERLAP_PHASES)), "total_ms", "engine_idle_frac")
     mean = {k: statistics.mean(r[k] for r in timed) for k in keys}
-    results.row("mean", mean_over=f"{len(timed)} step(s) after the first", **mean,
+    over = "without compiles" if steady else "(compiles included)"
+    results.row("mean", mean_over=f"{len(timed)} step(s) after the first {over}", **mean,
                 **{f"{p}_pct": 100 * mean[f"{p}_ms"] / mean["total_ms"] for p in (*PHASES, *OVERLAP_PHASES)},
                 bytes_copied=timed[-1]["bytes_copied"], **shape)
     columns = [*((f"{p}_ms", p) for p in (*PHASES, *OVERLAP_PHASES)), ("total_ms", "total ms"),
