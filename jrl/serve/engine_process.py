@@ -236,7 +236,10 @@ def _child_main(args: argparse.Namespace, load: Callable[[], Served] | None, con
 
     def send(message: tuple) -> None:
         with lock:
-            conn.send(message)
+            try:
+                conn.send(message)
+            except OSError:  # the server process is gone: the command reader stops the loop
+                pass
 
     loop = EngineLoop(engine, lambda events, snapshot: send(("events", events, snapshot)))
     send(("ready", dataclasses.replace(served, params=None), engine.config, engine.seq_limit, loop.snapshot(),
