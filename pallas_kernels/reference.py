@@ -74,6 +74,19 @@ def ragged_decode(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer
     return _attend_visible(s, valid, v).reshape(b, hq, -1).astype(q.dtype)
 
 
+def _row_requests(cu_q_lens: jax.Array, kv_lens: jax.Array, t: int):
+    """For each of `t` packed query rows: (its request, clamped to a real one; whether the
+    row is a real one rather than padding past cu_q_lens[-1]; the request's kv length; the
+    causal limit: keys < limit are visible, bottom-right within the request)."""
+    n_req = kv_lens.shape[0]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    req = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
+    req_c = jnp.minimum(req, n_req - 1)
+    q_len = cu_q_lens[req_c + 1] - cu_q_lens[req_c]
+    kv_len = kv_lens[req_c]
+    return req_c, req < n_req, kv_len, kv_len - q_len + rows - cu_q_lens[req_c] + 1
+
+
 def paged_prefill(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer: jax.Array,
                   cu_q_lens: jax.Array, kv_lens: jax.Array, page_table: jax.Array, *,
                   page_size: int, sm_scale: float, v_head_dim: int | None = None) -> jax.Array:
@@ -81,16 +94,7 @@ def paged_prefill(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array | None, layer
     -> `[T, Hq, Dv]`, causal bottom-right within each request."""
     t, hq, _ = q.shape
     hkv = k_buf.shape[2]
-    n_req = kv_lens.shape[0]
-    rows = jnp.arange(t, dtype=jnp.int32)
-    # Request of each row; rows past cu_q_lens[-1] get n_req (padding).
-    req = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
-    is_real = req < n_req
-    req_c = jnp.minimum(req, n_req - 1)
-    q_len = cu_q_lens[req_c + 1] - cu_q_lens[req_c]
-    kv_len = kv_lens[req_c]
-    row_in_req = rows - cu_q_lens[req_c]
-    limit = kv_len - q_len + row_in_req + 1  # keys < limit are visible
+    req_c, is_real, kv_len, limit = _row_requests(cu_q_lens, kv_lens, t)
     k = _gather_kv(k_buf, layer, page_table, page_size).astype(jnp.float32)[req_c]  # [T, L, Hkv, D]
     v = _values(k, None, layer, page_table, page_size, v_head_dim) if v_buf is None else \
         _gather_kv(v_buf, layer, page_table, page_size).astype(jnp.float32)[req_c]
@@ -128,13 +132,8 @@ def paged_prefill_blocked(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, laye
     t, hq, d = q.shape
     hkv = k_buf.shape[2]
     n_req = kv_lens.shape[0]
-    rows = jnp.arange(t, dtype=jnp.int32)
-    req = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
-    is_real = req < n_req
-    req_c = jnp.minimum(req, n_req - 1)
-    q_len = cu_q_lens[req_c + 1] - cu_q_lens[req_c]
-    kv_len = kv_lens[req_c]
-    limit = jnp.where(is_real & (kv_len > 0), kv_len - q_len + rows - cu_q_lens[req_c] + 1, 0)  # keys < limit
+    req_c, is_real, kv_len, limit = _row_requests(cu_q_lens, kv_lens, t)
+    limit = jnp.where(is_real & (kv_len > 0), limit, 0)
     offsets = jnp.arange(page_size, dtype=jnp.int32)
     slots = (page_table[:, :, None] * page_size + offsets[None, None, :]).reshape(n_req, -1)
     n_blocks = -(-slots.shape[1] // block_kv)

@@ -140,7 +140,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, name="jrl-serve-http", daemon=True)
 
     def _run(self) -> None:
-        asyncio.run(self.uv.serve())
+        self.uv.run()  # the event loop and HTTP parser `jrl serve` runs (uvloop, httptools when installed)
 
     def __enter__(self) -> ServerThread:
         self._handoff.__enter__()
