@@ -17,7 +17,6 @@ line, config, checkpoint or engine setting.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 import sys
