@@ -6,6 +6,7 @@ stop strings, seeds, 64 concurrent requests, cancellation returning pages, every
 --tiny`. Nothing asserts on wall-clock time."""
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -454,15 +455,18 @@ def test_a_start_up_error_in_the_engine_process_exits_2_naming_the_flag(hf_dirs,
 
 def test_a_killed_engine_process_fails_its_requests_with_503_and_health_says_so(hf_dirs):
     for live in serve(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME, "--no-warmup", *ENGINE_FLAGS]):
-        body = {"model": NAME, "prompt": "the", "max_tokens": 100, "stream": True, "ignore_eos": True}
-        with live.http.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
-            os.kill(live.server.engine.pid, signal.SIGKILL)
-            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-        error = rest[-1]["error"]
-        assert error["type"] == "server_error" and error["message"].startswith(
-            "the engine process exited (exit code -9)")
+        pid = live.server.engine.pid
+        os.kill(pid, signal.SIGSTOP)  # the request below stays in flight until the engine dies
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(live.http.post, "/v1/completions", json={"model": NAME, "prompt": "the",
+                                                                           "max_tokens": 20})
+            while health(live)["outstanding_requests"] == 0:
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            r = pending.result(timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert r.json()["error"]["message"] == ("the engine process exited (exit code -9); this server cannot "
+                                                "generate any more: restart it")
         h = live.http.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "unavailable"
         r = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
