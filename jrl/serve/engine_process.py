@@ -14,8 +14,8 @@ The child (multiprocessing "spawn": the server's process never initialises the
 accelerator) loads the model, sizes and builds the engine and compiles its programs
 (`loading.load_engine`) before it reports ready, or reports the start-up error, which the
 parent raises as it is (a bad flag exits 2 as before). Then it runs the loop on its main
-thread; a second thread reads the parent's commands off the pipe into the loop's queue,
-and loads the checkpoints of weight updates itself, so weights never cross the pipe.
+thread; a second thread reads the parent's commands off the pipe into the loop's queue
+(a third loads the checkpoint of a weight update: weights never cross the pipe).
 Parent -> child: ("add", id, prompt, sampling, max_new_tokens, eos_ids, stream_tokens),
 ("abort", id), ("update", uid, checkpoint, version), ("call", uid, fn, args), ("stop",).
 Child -> parent: ("events", [(id, event)], snapshot) once per loop turn, ("reply", uid,
@@ -76,12 +76,12 @@ class EngineProcess:
             if message[0] == "failed":
                 raise message[1]
             raise RuntimeError(f"jrl serve: the engine process failed while starting:\n{message[1]}")
-        _, self.served, self.config, self.seq_limit, self.snapshot, self.warmup = message
-        self.served: Served  # its params stay in the child (None here)
-        self.config: EngineConfig
-        self.seq_limit: int
-        self.snapshot: dict[str, Any]
-        self.warmup: tuple[int, float]  # (programs, seconds) of the child's warm-up
+        _, served, config, seq_limit, snapshot, warm = message
+        self.served: Served = served  # its params stay in the child (None here)
+        self.config: EngineConfig = config
+        self.seq_limit: int = seq_limit
+        self.snapshot: dict[str, Any] = snapshot  # the engine loop's latest (/health)
+        self.warmup: tuple[int, float] = warm  # (programs, seconds) of the child's warm-up
         self._handles: dict[int, Handle] = {}
         self._replies: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
@@ -118,7 +118,8 @@ class EngineProcess:
         handle = Handle(asyncio.get_running_loop(), on_end, stream_tokens)
         handle.key = next(self._ids)
         self._handles[handle.key] = handle
-        if self._gone:
+        if self._gone:  # (checked after the insert: a reader that ended before it did not fail it)
+            self._handles.pop(handle.key, None)
             deliver([(handle, self._gone_event())])
         else:
             self._send(("add", handle.key, prompt, sampling, max_new_tokens, eos_ids, stream_tokens))
@@ -170,8 +171,7 @@ class EngineProcess:
     def _future(self, uid: int) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._replies[uid] = future
-        if self._gone:
-            self._replies.pop(uid)
+        if self._gone and self._replies.pop(uid, None) is not None:  # else the reader failed it already
             future.set_exception(RuntimeError(self._gone_event().message))
         return future
 
@@ -257,8 +257,7 @@ def _send_failure(conn, error: BaseException) -> None:
 
 
 def _read_commands(conn, loop: EngineLoop, served: Served, send: Callable[[tuple], None]) -> None:
-    """The child's reader thread: the parent's commands into the loop's queue (a weight
-    update's checkpoint loaded here first, beside the running engine)."""
+    """The child's reader thread: the parent's commands into the loop's queue."""
     while True:
         try:
             message = conn.recv()
@@ -266,15 +265,9 @@ def _read_commands(conn, loop: EngineLoop, served: Served, send: Callable[[tuple
             loop.commands.put(("stop",))
             return
         kind = message[0]
-        if kind == "update":
-            _, uid, checkpoint, version = message
-            try:
-                params, recorded, source = load_checkpoint(checkpoint, served)
-            except WeightsRefused as e:
-                send(("reply", uid, e))
-                continue
-            loop.commands.put(("update", params, recorded if version is None else version,
-                               _replier(send, uid, source)))
+        if kind == "update":  # loaded on a thread of its own: requests keep coming meanwhile
+            threading.Thread(target=_load_weights, args=(message, loop, served, send), name="jrl-weights-load",
+                             daemon=True).start()
         elif kind == "call":
             _, uid, fn, args = message
             loop.commands.put(("call", fn, args, _replier(send, uid)))
@@ -282,6 +275,17 @@ def _read_commands(conn, loop: EngineLoop, served: Served, send: Callable[[tuple
             loop.commands.put(message)
             if kind == "stop":
                 return
+
+
+def _load_weights(message: tuple, loop: EngineLoop, served: Served, send: Callable[[tuple], None]) -> None:
+    """Loads an update's checkpoint, then queues it to the loop (or sends the refusal)."""
+    _, uid, checkpoint, version = message
+    try:
+        params, recorded, source = load_checkpoint(checkpoint, served)
+    except WeightsRefused as e:
+        send(("reply", uid, e))
+        return
+    loop.commands.put(("update", params, recorded if version is None else version, _replier(send, uid, source)))
 
 
 def _replier(send: Callable[[tuple], None], uid: int, source: str | None = None) -> Callable[[Any], None]:
