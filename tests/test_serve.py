@@ -509,6 +509,19 @@ def test_bench_serve_tiny(tmp_path, hf_dirs):
                for r in rows if r["section"] == "http")
     assert [(r["clients"], r["switch_interval_ms"]) for r in rows if r["section"] == "http"] == [
         (1, 5.0), (1, 0.2), (2, 5.0), (2, 0.2)]
+    assert all(r["engine_process"] for r in rows)  # as `jrl serve` runs it
+
+
+def test_bench_serve_tiny_with_the_engine_on_a_thread(tmp_path, hf_dirs):
+    path = tmp_path / "rows.jsonl"
+    assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "2",
+                  "--requests", "4", "--prompt", "8", "--new", "4", "--clients", "1", "--engine-in-process",
+                  *ENGINE_FLAGS]) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["section"] for r in rows] == ["warmup", "http", "engine"]
+    assert all(r["engine_process"] is False for r in rows)
+    assert rows[0]["programs"] > 0 and [r["output_tokens"] for r in rows[1:]] == [16, 16]
+    assert rows[1]["worker_step_s"] > 0 and rows[2]["steps"] > 0
 
 
 def test_the_load_is_dealt_over_client_processes_without_loss():

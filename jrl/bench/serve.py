@@ -18,7 +18,8 @@ with the byte tokenizer.
 Then, the HTTP side idle, the engine process runs the same prompts on its engine directly
 (`engine_round` through `EngineProcess.call`: `add_request` / `step`, again `concurrency`
 in flight): the difference is the cost of HTTP, JSON, detokenization and the hand-off
-between the processes.
+between the processes. `--engine-in-process` measures the engine on a thread of the
+server's process instead (`jrl serve --engine-in-process`; rows' `engine_process` false).
 
 Before anything is timed the engine compiles every step program of these requests
 (`Engine.warmup`, as `jrl serve` does before it listens; row `warmup`: programs, seconds),
@@ -79,6 +80,8 @@ def add_arguments(p) -> None:
                    f"in ms, comma-separated: each HTTP round runs under each (default {SWITCH_INTERVAL_S * 1e3:g}, "
                    "the server's; Python's own is 5)")
     p.add_argument("--engine", default="{}", help="other EngineConfig fields as JSON")
+    p.add_argument("--engine-in-process", action="store_true", help="the engine on a thread of the server's "
+                   "process, as `jrl serve --engine-in-process` (default: a process of its own, as `jrl serve`)")
 
 
 def record_name(args) -> str:
@@ -110,13 +113,16 @@ def run(args, results) -> int:
                         ("--model", args.model), ("--checkpoint", args.checkpoint), ("--config", args.config)):
         if value is not None:
             serve_argv += [flag, str(value)]
+    if args.engine_in_process:
+        serve_argv.append("--engine-in-process")
     serve_args = build_parser().parse_args(serve_argv)
-    # as `jrl serve` runs: the engine (loaded, sized, warmed up) in a process of its own
+    # as `jrl serve` runs: the engine (loaded, sized, warmed up) in a process of its own, unless
+    # --engine-in-process
     server, app = build(serve_args, None if args.model or args.checkpoint else functools.partial(random_served, tiny))
-    engine = server.engine
-    programs, seconds = engine.warmup
+    programs, seconds = server.warmup
+    process = not args.engine_in_process
     results.row("warmup", programs=programs, seconds=seconds, max_batch=max_batch, max_seq_len=max_seq_len,
-                n_pages=engine.config.n_pages)
+                n_pages=server.engine.config.n_pages, engine_process=process)
     served = server.served
     vocab = min(served.model_config.vocab_size, served.tokenizer.vocab_size)
     rng = np.random.default_rng(0)
@@ -129,12 +135,13 @@ def run(args, results) -> int:
     clients = args.clients or min(8, -(-max(levels) // 32))
     intervals = [float(x) for x in (args.switch_interval_ms or f"{SWITCH_INTERVAL_S * 1e3:g}").split(",")]
     with ServerThread(server, app) as thread, LoadClient(clients) as client:
+        worker = server.worker  # the EngineProcess, or the EngineWorker thread the app started
         for c, interval in ((c, i) for c in levels for i in intervals):
             client.round(thread.url, served.name, plans[c][:c], c, new)  # untimed
-            before, cpu = _settled(engine), thread.cpu_s()
+            before, cpu = _settled(worker), thread.cpu_s()
             with gil_handoff(interval / 1e3):
                 wall, lat, tokens = client.round(thread.url, served.name, plans[c], c, new)
-                after = _settled(engine)
+                after = _settled(worker)
             cpu = thread.cpu_s() - cpu
             n = len(plans[c])
             results.row("http", concurrency=c, requests=n, output_tokens=tokens, wall_s=wall,
@@ -144,15 +151,15 @@ def run(args, results) -> int:
                         worker_step_s=after["step_s"] - before["step_s"],
                         worker_host_s=after["host_s"] - before["host_s"], steps=after["steps"] - before["steps"],
                         http_cpu_s=cpu, clients=min(clients, c), switch_interval_ms=interval,
-                        prompt=prompt_len, new=new, max_batch=max_batch)
-        for c in levels:  # the HTTP side idle: the engine process runs the rounds itself
-            engine.call(engine_round, plans[c][:c], c, new)  # untimed, as above
-            r = engine.call(engine_round, plans[c], c, new)
+                        prompt=prompt_len, new=new, max_batch=max_batch, engine_process=process)
+        for c in levels:  # the HTTP side idle: the engine loop runs the rounds itself
+            worker.call(engine_round, plans[c][:c], c, new)  # untimed, as above
+            r = worker.call(engine_round, plans[c], c, new)
             n = len(plans[c])
             results.row("engine", concurrency=c, requests=n, output_tokens=r["tokens"], wall_s=r["wall_s"],
                         step_s=r["step_s"], steps=r["steps"], compiled_while_timed=r["compiled"],
                         requests_per_s=n / r["wall_s"], output_tokens_per_s=r["tokens"] / r["wall_s"],
-                        prompt=prompt_len, new=new, max_batch=max_batch)
+                        prompt=prompt_len, new=new, max_batch=max_batch, engine_process=process)
     columns = [("concurrency", "concurrency"), ("requests", "requests"), ("requests_per_s", "req/s"),
                ("output_tokens_per_s", "out tok/s"), ("compiled_while_timed", "compiled"),
                ("latency_p50_s", "p50 s"), ("latency_p99_s", "p99 s")]
@@ -160,12 +167,13 @@ def run(args, results) -> int:
                              ("http_cpu_s", "http cpu s")], "http",
                   title=f"over HTTP ({served.name}, prompt {prompt_len}, {new} new tokens)")
     results.table(columns[:5] + [("steps", "steps"), ("step_s", "step s")], "engine",
-                  title="the same requests through the Engine in its process, without HTTP")
+                  title="the same requests through the Engine directly, without HTTP")
     return 0
 
 
 def engine_round(engine, prompts: list[list[int]], concurrency: int, new: int) -> dict:
-    """The prompts run on `engine` directly (in the engine process, `EngineProcess.call`):
+    """The prompts run on `engine` directly, where it runs (`EngineProcess.call`,
+    `EngineWorker.call`):
     wall_s, tokens (output), step_s (in engine.step), steps, compiled (programs)."""
     traces, steps = engine.step_function.traces, engine.stats.steps
     pending = list(enumerate(prompts))
@@ -189,10 +197,10 @@ def engine_round(engine, prompts: list[list[int]], concurrency: int, new: int) -
             "steps": engine.stats.steps - steps, "compiled": engine.step_function.traces - traces}
 
 
-def _settled(engine, timeout: float = 30.0) -> dict:
+def _settled(worker, timeout: float = 30.0) -> dict:
     """The engine's snapshot once its last step's deliveries are published (the round's
     responses can arrive before the step's bookkeeping ends)."""
     deadline = time.time() + timeout
-    while engine.snapshot["active_requests"] and time.time() < deadline:
+    while worker.snapshot["active_requests"] and time.time() < deadline:
         time.sleep(0.01)
-    return dict(engine.snapshot)
+    return dict(worker.snapshot)

@@ -48,8 +48,9 @@ class Server:
     `version`."""
 
     def __init__(self, served: Served, engine: Any, *, max_queue: int = 256, admin_token: str | None = None,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1, warmup: tuple[int, float] = (0, 0.0)) -> None:
         self.served, self.engine = served, engine
+        self.warmup = warmup  # (programs, seconds) the engine's warm-up took before the server listened
         self.tokenizer = served.tokenizer
         self.eos_ids = end_of_turn_ids(served.tokenizer)
         self.capacity = engine.config.max_batch + max_queue  # engine requests admitted at once

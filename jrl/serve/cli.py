@@ -93,11 +93,11 @@ def build(args: argparse.Namespace, load: Callable[[], Served] | None = None):
     (unless --no-warmup) in a process of its own (or here, with --engine-in-process);
     raises ConfigError & co. for bad ones. `load`: see `loading.load_engine`."""
     if args.engine_in_process:
-        served, engine, _ = load_engine(args, load)
+        served, engine, warm = load_engine(args, load)
     else:
         engine = EngineProcess(args, load)
-        served = engine.served
-    server = Server(served, engine, max_queue=args.max_queue, admin_token=args.admin_token)
+        served, warm = engine.served, engine.warmup
+    server = Server(served, engine, max_queue=args.max_queue, admin_token=args.admin_token, warmup=warm)
     return server, create_app(server, shutdown_timeout=args.shutdown_timeout)
 
 

@@ -399,6 +399,13 @@ class EngineWorker:
         params, recorded, source = await asyncio.to_thread(load_checkpoint, checkpoint, self.served)
         return await self.update_weights(params, recorded if version is None else version), source
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(engine, *args)` run on the engine thread between steps (the benchmark's
+        engine rounds); blocks until it returns."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._loop.commands.put(("call", fn, args, future_reply(future)))
+        return future.result()
+
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts every request left and ends the thread (waits up to `timeout` s)."""
         self._loop.commands.put(("stop",))
