@@ -46,6 +46,7 @@ from jrl.serve.loading import Served, load_update
 log = logging.getLogger("jrl.serve")
 
 _MAX_FAILURES = 3  # engine steps failing in a row before the worker gives up
+SNAPSHOT_INTERVAL_S = 0.05  # the longest a busy engine loop goes without a snapshot (/health)
 
 # How often (seconds) a thread holding the GIL hands it over in a serving process. The
 # engine thread needs it briefly every step (scheduling, dispatch, read-back); at Python's
@@ -173,7 +174,8 @@ class EngineLoop:
     ("add", key, prompt, sampling, max_new_tokens, eos_ids, stream_tokens), ("abort", key),
     ("update", params, version | None, reply), ("call", fn, args, reply): `fn(engine, *args)`
     between steps, ("stop",). `reply` gets the result or the exception. Each loop turn ends
-    with one `emit(events, snapshot)`: [(key, event)] and the state /health shows."""
+    with one `emit(events, snapshot)` ([(key, event)] and the state /health shows) when it
+    has events, the engine went idle, or the last one is SNAPSHOT_INTERVAL_S old."""
 
     def __init__(self, engine: Engine, emit: Callable[[list, dict], None]) -> None:
         if engine.config.on_weight_update != "finish":
@@ -186,6 +188,7 @@ class EngineLoop:
         self._active: dict[int, _Active] = {}  # by engine request id
         self._rids: dict[Any, int] = {}  # engine request id by key
         self._events: list = []  # [(key, event)] of this loop turn
+        self._emitted = 0.0  # perf_counter of the last emit
         self._stopping = False
         self.error_count = 0
         # Seconds of the engine loop (in the snapshot): in engine.step, and in the rest of
@@ -236,8 +239,14 @@ class EngineLoop:
                 "step_s": self.step_s, "host_s": self.host_s, "time": time.time()}
 
     def _flush(self) -> None:
-        events, self._events = self._events, []
-        self._emit(events, self.snapshot())
+        """Emits the turn's events with a snapshot; a turn without events only when the
+        engine goes idle or the last snapshot is SNAPSHOT_INTERVAL_S old (each emit wakes
+        the HTTP side: through a pipe, tens of microseconds a message)."""
+        now = time.perf_counter()
+        if self._events or not self.engine.has_work or now - self._emitted >= SNAPSHOT_INTERVAL_S:
+            events, self._events = self._events, []
+            self._emitted = now
+            self._emit(events, self.snapshot())
 
     def _take_commands(self, block: bool) -> float:
         """Runs the queued commands (with `block`, waits for one first); returns the
