@@ -142,7 +142,7 @@ class EngineProcess:
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(engine, *args)` run in the child between steps (`fn` and its result
-        picklable: the benchmark's in-process rounds); blocks until it returns."""
+        picklable: the benchmark's engine rounds); blocks until it returns."""
         uid = next(self._ids)
         future = self._future(uid)
         self._send(("call", uid, fn, args))
@@ -209,7 +209,9 @@ class EngineProcess:
         handles, self._handles = list(self._handles.values()), {}
         deliver([(h, event) for h in handles])
         for uid in list(self._replies):
-            self._replies.pop(uid).set_exception(RuntimeError(event.message))
+            future = self._replies.pop(uid, None)
+            if future is not None:
+                future.set_exception(RuntimeError(event.message))
         self._conn.close()
 
     def _gone_event(self) -> ErrorEvent:
