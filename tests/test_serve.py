@@ -6,6 +6,7 @@ stop strings, seeds, 64 concurrent requests, cancellation returning pages, every
 --tiny`. Nothing asserts on wall-clock time."""
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -34,8 +35,8 @@ from jrl.serve.tools import parse_tool_calls
 from jrl.rollout import Engine, SamplingParams, TuningOverrides
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from jrl.rollout.tuning import resolve_tuning
-from jrl.serve.cli import KV_MEMORY_FRACTION, ServerThread, build, build_parser, engine_config
-from jrl.serve.loading import load_served
+from jrl.serve.cli import ServerThread, build, build_parser, main
+from jrl.serve.loading import KV_MEMORY_FRACTION, engine_config, load_served
 from jrl.serve.text import TextStream
 from jrl.serve.worker import DoneEvent, TokenEvent
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
@@ -66,16 +67,28 @@ def hf_dirs(tmp_path_factory):
     return dirs
 
 
-@pytest.fixture(scope="module")
-def live(hf_dirs):
-    args = build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME,
-                                      "--admin-token", TOKEN, *ENGINE_FLAGS])
-    server, app = build(args)
+def serve(argv: list[str]):
+    """A live server (ServerThread) with an openai client and an httpx client."""
+    server, app = build(build_parser().parse_args(argv))
     with ServerThread(server, app) as thread:
         thread.client = openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0)
         thread.http = httpx.Client(base_url=thread.url, timeout=120)
         yield thread
         thread.http.close()
+
+
+@pytest.fixture(scope="module")
+def live(hf_dirs):
+    """The server as `jrl serve` runs it: the engine in a process of its own."""
+    yield from serve(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME, "--admin-token", TOKEN,
+                      *ENGINE_FLAGS])
+
+
+@pytest.fixture(scope="module")
+def live_in_thread(hf_dirs):
+    """The engine on a thread of this process (tests that reach into it); capacity 16 + 240."""
+    yield from serve(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME, "--engine-in-process",
+                      *ENGINE_FLAGS, "--max-queue", "240"])
 
 
 def health(live) -> dict:
@@ -211,13 +224,9 @@ def test_64_concurrent_requests_all_complete(live):
     assert h["engine"]["available_pages"] == h["engine"]["total_pages"]
 
 
-def test_256_concurrent_requests_all_complete_over_reused_connections(hf_dirs):
+def test_256_concurrent_requests_all_complete_over_reused_connections(live_in_thread):
     # capacity 16 + 240 = 256: every request is admitted; the second wave reuses the first's
     # connections (which must still be open when the client sends on them)
-    args = build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME,
-                                      *ENGINE_FLAGS, "--max-queue", "240"])
-    server, app = build(args)
-
     async def go(url):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
         try:
@@ -230,10 +239,9 @@ def test_256_concurrent_requests_all_complete_over_reused_connections(hf_dirs):
         finally:
             await client.close()
 
-    with ServerThread(server, app) as thread:
-        for results in asyncio.run(go(thread.url)):
-            assert [r.usage.completion_tokens for r in results] == [1 + k % 4 for k in range(256)]
-            assert all(r.choices[0].finish_reason == "length" for r in results)
+    for results in asyncio.run(go(live_in_thread.url)):
+        assert [r.usage.completion_tokens for r in results] == [1 + k % 4 for k in range(256)]
+        assert all(r.choices[0].finish_reason == "length" for r in results)
 
 
 def test_idle_connections_outlive_the_clients_keep_alive(hf_dirs):
@@ -349,9 +357,9 @@ def test_bad_input_through_the_client_and_the_server_lives_on(live):
     assert settle(live)["status"] == "ok"
 
 
-def test_engine_abort_frees_pages_and_keeps_the_others(live):
-    served = live.server.served
-    engine = Engine(served.model_config, served.params, live.server.engine.config)  # same programs: compiled
+def test_engine_abort_frees_pages_and_keeps_the_others(live_in_thread):
+    served = live_in_thread.server.served
+    engine = Engine(served.model_config, served.params, live_in_thread.server.engine.config)  # same programs: compiled
     total = engine.pool.allocator.n_available
     keep = engine.add_request([1, 2, 3], SamplingParams(seed=1), max_new_tokens=12)
     gone = engine.add_request(list(range(4, 30)), SamplingParams(seed=2), max_new_tokens=40)
@@ -388,7 +396,8 @@ def test_weights_admin_updates_the_served_version(live, hf_dirs):
 
 
 def test_weights_endpoint_is_off_without_a_token(hf_dirs):
-    _, app = build(build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", *ENGINE_FLAGS]))
+    _, app = build(build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--engine-in-process", "--no-warmup",
+                                              *ENGINE_FLAGS]))
 
     with TestClient(app) as client:
         r = client.post("/v1/weights", json={"checkpoint": f"hf:{hf_dirs[1]}"})
@@ -437,6 +446,50 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(hf_dirs):
             proc.wait()
 
 
+def test_a_start_up_error_in_the_engine_process_exits_2_naming_the_flag(hf_dirs, capsys):
+    # the engine process loads and sizes the engine; its error is the server's, before it listens
+    assert main(["--model", f"hf:{hf_dirs[0]}", "--max-seq-len", "4096", "--no-warmup"]) == 2
+    assert capsys.readouterr().err == ("config error: --max-seq-len: must be <= the model's "
+                                       "max_position_embeddings (128), got 4096\n")
+
+
+def test_a_killed_engine_process_fails_its_requests_with_503_and_health_says_so(hf_dirs):
+    for live in serve(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME, "--no-warmup", *ENGINE_FLAGS]):
+        pid = live.server.engine.pid
+        os.kill(pid, signal.SIGSTOP)  # the request below stays in flight until the engine dies
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(live.http.post, "/v1/completions", json={"model": NAME, "prompt": "the",
+                                                                           "max_tokens": 20})
+            while health(live)["outstanding_requests"] == 0:
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            r = pending.result(timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert r.json()["error"]["message"] == ("the engine process exited (exit code -9); this server cannot "
+                                                "generate any more: restart it")
+        h = live.http.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "unavailable"
+        r = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the engine is not running"
+
+
+def test_the_server_process_never_initialises_a_jax_backend(hf_dirs):
+    # the engine process owns the accelerator; the HTTP process only tokenizes and serves
+    code = f"""
+import httpx, jax._src.xla_bridge as xla_bridge
+from jrl.serve.cli import ServerThread, build, build_parser
+server, app = build(build_parser().parse_args({["--model", f"hf:{hf_dirs[0]}", "--no-warmup", *ENGINE_FLAGS]!r}))
+with ServerThread(server, app) as thread:
+    r = httpx.post(thread.url + "/v1/completions", timeout=120,
+                   json={{"model": server.served.name, "prompt": "hi", "max_tokens": 3, "ignore_eos": True}})
+    print(r.json()["usage"]["completion_tokens"], server.served.params, sorted(xla_bridge._backends))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "3 None []"
+
+
 def test_bench_serve_tiny(tmp_path, hf_dirs):
     path = tmp_path / "rows.jsonl"
     assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "1,4",
@@ -456,6 +509,19 @@ def test_bench_serve_tiny(tmp_path, hf_dirs):
                for r in rows if r["section"] == "http")
     assert [(r["clients"], r["switch_interval_ms"]) for r in rows if r["section"] == "http"] == [
         (1, 5.0), (1, 0.2), (2, 5.0), (2, 0.2)]
+    assert all(r["engine_process"] for r in rows)  # as `jrl serve` runs it
+
+
+def test_bench_serve_tiny_with_the_engine_on_a_thread(tmp_path, hf_dirs):
+    path = tmp_path / "rows.jsonl"
+    assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "2",
+                  "--requests", "4", "--prompt", "8", "--new", "4", "--clients", "1", "--engine-in-process",
+                  *ENGINE_FLAGS]) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["section"] for r in rows] == ["warmup", "http", "engine"]
+    assert all(r["engine_process"] is False for r in rows)
+    assert rows[0]["programs"] > 0 and [r["output_tokens"] for r in rows[1:]] == [16, 16]
+    assert rows[1]["worker_step_s"] > 0 and rows[2]["steps"] > 0
 
 
 def test_the_load_is_dealt_over_client_processes_without_loss():
@@ -535,7 +601,8 @@ def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():
     assert s.emit(final=True) == "ab" and s.stopped and not s.cut
 
 
-def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live, monkeypatch):
+def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live_in_thread, monkeypatch):
+    live = live_in_thread
     engine = live.server.engine
     real_step, calls = engine.step, []
 

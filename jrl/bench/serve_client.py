@@ -10,9 +10,9 @@ its share of the prompts): one Python process with a few hundred connections is 
 bottleneck (on the H200 host one httpx process held 256 requests in flight at a sixth of
 the engine's pace), as a single real client would be. Separate processes, as real clients
 are: in the server's own process the generator's Python work (JSON, HTTP parsing) would
-take the GIL from the server's event loop and engine thread and measure a contention no
-deployment has. The processes are spawned, not forked (the server process holds a device
-and threads), and this module imports neither jax nor jrl's engine, so the clients never
+take the GIL from the server's event loop and measure a contention no deployment has.
+The processes are spawned, not forked (the benchmark's process holds threads), and this
+module imports neither jax nor jrl's engine, so the clients never
 touch the accelerator.
 """
 

@@ -1,7 +1,8 @@
-"""The HTTP side: a FastAPI app over one `EngineWorker` (see docs/serve.md).
+"""The HTTP side: a FastAPI app over one engine loop (see docs/serve.md), in a process of
+its own (`EngineProcess`, what `jrl serve` runs) or on a thread of this one (`EngineWorker`).
 
 Every handler runs on the event loop and never blocks it: a request is validated and
-tokenized here, queued to the engine thread as one engine request per choice, and its
+tokenized here, queued to the engine loop as one engine request per choice, and its
 tokens come back through asyncio queues. Errors are OpenAI error objects naming the field.
 """
 
@@ -25,12 +26,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jrl.rl.prompts import end_of_turn_ids
 from jrl.rollout import Engine, SamplingParams
-from jrl.serve.loading import Served, load_update
+from jrl.serve.loading import Served
 from jrl.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, WeightsRequest,
                                 error_body, _Common)
 from jrl.serve.text import TextStream, decode
 from jrl.serve.tools import parse_tool_calls
-from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent
+from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent, WeightsRefused
 from jrl.tokenizer import ChatTemplateError
 
 log = logging.getLogger("jrl.serve")
@@ -41,25 +42,28 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty
 
 
 class Server:
-    """State shared by the handlers: the served model, the engine thread, the admission
-    count behind the 429s."""
+    """State shared by the handlers: the served model, the engine loop, the admission
+    count behind the 429s. `engine`: an Engine (driven by an EngineWorker thread started
+    with the app) or an already running EngineProcess; both have `config`, `seq_limit` and
+    `version`."""
 
-    def __init__(self, served: Served, engine: Engine, *, max_queue: int = 256, admin_token: str | None = None,
-                 retry_after_s: int = 1) -> None:
+    def __init__(self, served: Served, engine: Any, *, max_queue: int = 256, admin_token: str | None = None,
+                 retry_after_s: int = 1, warmup: tuple[int, float] = (0, 0.0)) -> None:
         self.served, self.engine = served, engine
+        self.warmup = warmup  # (programs, seconds) the engine's warm-up took before the server listened
         self.tokenizer = served.tokenizer
         self.eos_ids = end_of_turn_ids(served.tokenizer)
         self.capacity = engine.config.max_batch + max_queue  # engine requests admitted at once
         self.admin_token = admin_token
         self.retry_after_s = retry_after_s
         self.outstanding = 0  # engine requests submitted and not yet finished (event loop only)
-        self.worker: EngineWorker | None = None
+        self.worker: Any = None  # EngineWorker | EngineProcess
         self.weights_lock = asyncio.Lock()
         self.created = int(time.time())
 
     def start(self) -> None:
         if self.worker is None:
-            self.worker = EngineWorker(self.engine)
+            self.worker = EngineWorker(self.engine, self.served) if isinstance(self.engine, Engine) else self.engine
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.worker is not None:
@@ -94,7 +98,7 @@ class Server:
         elif prompt_len + limit > seq_limit:
             raise ServeError(f"{field}: prompt ({prompt_len} tokens) + {field} ({limit}) = {prompt_len + limit} "
                              f"exceeds the context of {seq_limit} tokens (max_seq_len)", param=field)
-        pages = self.engine.pool.pages_for(prompt_len + limit)
+        pages = -(-(prompt_len + limit) // self.engine.config.page_size)
         if pages > self.engine.config.n_pages:
             raise ServeError(f"{field}: prompt + {field} = {prompt_len + limit} tokens need {pages} KV pages, the "
                              f"pool has {self.engine.config.n_pages}", param=field)
@@ -103,9 +107,12 @@ class Server:
     def request_ended(self) -> None:
         self.outstanding -= 1
 
-    def admit(self, n: int) -> None:
+    def check_running(self) -> None:
         if self.worker is None or not self.worker.alive:
             raise ServeError("the engine is not running", status=503, type="server_error")
+
+    def admit(self, n: int) -> None:
+        self.check_running()
         if self.outstanding + n > self.capacity:
             raise ServeError(f"server busy: {self.outstanding} requests in flight, at most {self.capacity} "
                              f"(max_batch + max_queue); retry later", status=429, type="rate_limit_error",
@@ -466,18 +473,13 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
         if not hmac.compare_digest(token.encode(), server.admin_token.encode()):
             raise ServeError("invalid admin token (Authorization: Bearer <token>)", status=401,
                              type="authentication_error")
+        server.check_running()
         async with server.weights_lock:
-            try:
-                params, recorded, source = await asyncio.to_thread(load_update, body.checkpoint, server.served)
-            except Exception as e:  # noqa: BLE001 - a bad path or checkpoint is the request's fault
-                raise ServeError(f"checkpoint: {e}", param="checkpoint") from None
-            version = body.version if body.version is not None else (
-                recorded if recorded is not None else server.engine.version + 1)
             t0 = time.perf_counter()
             try:
-                ack = await server.worker.update_weights(params, version)
-            except ValueError as e:
-                raise ServeError(str(e), param="version" if str(e).startswith("version") else "checkpoint") from None
+                ack, source = await server.worker.load_weights(body.checkpoint, body.version)
+            except WeightsRefused as e:
+                raise ServeError(str(e), param=e.param) from None
             server.served.source = source
             return {"object": "weights.update", "policy_version": ack.version, "checkpoint": source,
                     "finished_in_flight": ack.finished_in_flight, "restarted": ack.restarted,

@@ -3,10 +3,11 @@
     jrl serve --model hf:/models/qwen2-0.5b --port 8000
     jrl serve --checkpoint runs/grpo/checkpoints [--config runs/grpo/config.yaml] --admin-token $T
 
-Before it listens, the server compiles every step program its engine can dispatch for
-default-sampled requests (`Engine.warmup`; `--no-warmup` skips it and programs compile on
-first use, stalling the requests of that step), and sizes the KV pool to the device's free
-memory when the default pool would not fit (`fit_pool`).
+The engine runs in a process of its own (`engine_process`; `--engine-in-process`: on a
+thread of the server's). Before the server listens, the engine compiles every step program
+it can dispatch for default-sampled requests (`Engine.warmup`; `--no-warmup` skips it and
+programs compile on first use, stalling the requests of that step), and sizes the KV pool
+to the device's free memory when the default pool would not fit (`fit_pool`).
 
 Exit status: 0 after a clean shutdown (SIGTERM or Ctrl-C: stop accepting, let requests in
 flight finish for up to --shutdown-timeout seconds, cancel the rest), 2 for a bad command
@@ -16,32 +17,24 @@ line, config, checkpoint or engine setting.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
-import json
 import logging
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
 
 import uvicorn
 
 from jrl.checkpoint import CheckpointCorruptError
-from jrl.config import CONFIG_ERRORS, ConfigError, ModelConfig, cli_exit
-from jrl.rollout import Engine, EngineConfig, SamplingParams, engine_config_for_workload
-from jrl.rollout.cache.kv_storage import kv_bytes_per_token
-from jrl.rollout.config import device_free_memory
+from jrl.config import CONFIG_ERRORS, cli_exit
 from jrl.serve.app import Server, create_app
-from jrl.serve.loading import Served, load_served
+from jrl.serve.engine_process import EngineProcess
+from jrl.serve.loading import KV_MEMORY_FRACTION, Served, load_engine
 from jrl.serve.worker import SWITCH_INTERVAL_S, gil_handoff
 
 log = logging.getLogger("jrl.serve")
 
-# The share of the device's free memory (after the weights) the KV pool may take when
-# --n-pages is not given: the rest holds a step's activations, logits and the programs.
-KV_MEMORY_FRACTION = 0.8
 # Seconds an idle keep-alive connection stays open. Longer than the 5 s of httpx (the
 # openai client's transport): a client must drop an idle connection before the server
 # does, or a request it sends on it as the server closes it fails with a reset connection.
@@ -75,6 +68,9 @@ def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
     net.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                      help="compile every step program before listening (default; --no-warmup: compile on first "
                           "use, which stalls the requests of that step)")
+    net.add_argument("--engine-in-process", action="store_true",
+                     help="run the engine on a thread of the server's process instead of a process of its own "
+                          "(tests that reach into the engine; the engine then shares the GIL with the HTTP side)")
     net.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-batch", type=int, default=64, help="requests decoding at once (default 64)")
@@ -92,87 +88,17 @@ def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
     return p
 
 
-def engine_config(served: Served, args: argparse.Namespace, free_memory: int | None = None) -> EngineConfig:
-    """The engine's settings from the command line (the engine's one sizing rule, then the
-    explicit flags), its KV pool fitted to `free_memory` (bytes free on the device; None:
-    unknown, as on the CPU) by `fit_pool`."""
-    try:
-        extra = json.loads(args.engine)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--engine: not valid JSON ({e})") from None
-    if not isinstance(extra, dict):
-        raise ConfigError(f"--engine: must be a JSON object of EngineConfig fields, got {args.engine!r}")
-    max_pos = served.model_config.max_position_embeddings
-    max_seq_len = args.max_seq_len or min(max_pos, 4096)
-    if max_seq_len > max_pos:
-        raise ConfigError(f"--max-seq-len: must be <= the model's max_position_embeddings ({max_pos}), "
-                          f"got {max_seq_len}")
-    if args.max_batch < 1:
-        raise ConfigError(f"--max-batch: must be >= 1, got {args.max_batch}")
-    if args.max_queue < 0:
-        raise ConfigError(f"--max-queue: must be >= 0, got {args.max_queue}")
-    if not args.timeout_keep_alive > 0:
-        raise ConfigError(f"--timeout-keep-alive: must be > 0 seconds, got {args.timeout_keep_alive}")
-    if extra.get("on_weight_update", "finish") != "finish":
-        raise ConfigError("--engine: on_weight_update must be 'finish' for serving (tokens already streamed "
-                          "are never taken back)")
-    overrides: dict[str, Any] = {"max_batch": args.max_batch, "on_weight_update": "finish", **extra}
-    if args.n_pages is not None:
-        overrides["n_pages"] = args.n_pages
-    if args.max_tokens_per_step is not None:
-        overrides["max_tokens_per_step"] = args.max_tokens_per_step
-    config = engine_config_for_workload(max_seq_len, args.max_batch,
-                                        **{"page_size": args.page_size, "seed": args.seed, **overrides})
-    return fit_pool(config, served.model_config, free_memory, chosen="n_pages" in overrides)
-
-
-def fit_pool(config: EngineConfig, model: ModelConfig, free_memory: int | None, *, chosen: bool) -> EngineConfig:
-    """`config` with a KV pool that fits KV_MEMORY_FRACTION of `free_memory` (None: as it
-    is). A pool the user `chosen` (--n-pages) that does not fit is an error naming
-    --n-pages; the default one is shrunk to what fits, with a log line saying so, unless
-    not even one request of max_seq_len fits (an error naming --max-seq-len)."""
-    if free_memory is None:
-        return config
-    per_page = kv_bytes_per_token(model, config.kv_dtype) * config.page_size
-    budget = int(free_memory * KV_MEMORY_FRACTION)
-    if config.n_pages * per_page <= budget:
-        return config
-    fits = budget // per_page
-    gib = 2.0**30
-    where = (f"{KV_MEMORY_FRACTION:.0%} of the device's {free_memory / gib:.1f} GiB free hold {fits} pages of "
-             f"{per_page / 2**20:.2f} MiB")
-    if chosen:
-        raise ConfigError(f"--n-pages: {config.n_pages} KV pages take {config.n_pages * per_page / gib:.1f} GiB; "
-                          f"{where}: lower --n-pages (or --max-seq-len / --max-batch)")
-    one = config.max_pages_per_request(model)
-    if fits < one:
-        raise ConfigError(f"--max-seq-len: one request of {config.seq_len_limit(model)} tokens needs {one} KV pages; "
-                          f"{where}: lower --max-seq-len")
-    log.warning("KV pool capped at %d pages (%.1f GiB) instead of %d: %s; %d requests of max_seq_len %d fit at "
-                "once (more wait for pages). Set --n-pages or --max-seq-len to choose.", fits, fits * per_page / gib,
-                config.n_pages, where, fits // one, config.seq_len_limit(model))
-    return dataclasses.replace(config, n_pages=fits)
-
-
-def build(args: argparse.Namespace):
-    """(Server, FastAPI app) for parsed arguments; raises ConfigError & co. for bad ones."""
-    served = load_served(args.model, args.checkpoint, args.config, args.tokenizer, args.dtype,
-                         args.served_model_name, args.overrides)
-    config = engine_config(served, args, device_free_memory())  # measured with the weights in place
-    engine = Engine(served.model_config, served.params, config, version=served.version)
-    server = Server(served, engine, max_queue=args.max_queue, admin_token=args.admin_token)
+def build(args: argparse.Namespace, load: Callable[[], Served] | None = None):
+    """(Server, FastAPI app) for parsed arguments, the engine loaded, sized and warmed up
+    (unless --no-warmup) in a process of its own (or here, with --engine-in-process);
+    raises ConfigError & co. for bad ones. `load`: see `loading.load_engine`."""
+    if args.engine_in_process:
+        served, engine, warm = load_engine(args, load)
+    else:
+        engine = EngineProcess(args, load)
+        served, warm = engine.served, engine.warmup
+    server = Server(served, engine, max_queue=args.max_queue, admin_token=args.admin_token, warmup=warm)
     return server, create_app(server, shutdown_timeout=args.shutdown_timeout)
-
-
-def warmup(engine: Engine) -> int:
-    """Compiles the step programs of default-sampled requests (what clients send without
-    sampling fields: temperature 1), printing how many and how long; returns the count.
-    Other sampling variants (greedy, top-p / top-k, penalties) compile on first use."""
-    t0 = time.perf_counter()
-    n = engine.warmup(SamplingParams())
-    print(f"jrl serve: {n} step programs compiled or read from the compilation cache in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    return n
 
 
 def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
@@ -182,8 +108,6 @@ def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
         server, app = build(args)
     except (*CONFIG_ERRORS, CheckpointCorruptError) as e:
         return cli_exit(e)
-    if args.warmup:
-        warmup(server.engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive,
                             lifespan="on")

@@ -7,11 +7,22 @@ Hugging Face directory or a jrl checkpoint (the same resolution `jrl eval` uses)
   `config.yaml` (or `--config`): the run's model config and tokenizer (`data.tokenizer`);
   the step's recorded policy version.
 * `--model hf:<dir> --config run.yaml`: the run's model config and tokenizer over HF weights.
+
+And the engine that serves it (`load_engine`): its settings from the command line
+(`engine_config`), its KV pool fitted to the device's free memory (`fit_pool`), its step
+programs compiled before the server listens (`warmup`). Runs where the engine runs: in the
+engine process of `jrl serve` (`engine_process`), or in the server's own with
+`--engine-in-process`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +31,19 @@ import numpy as np
 
 from jrl.config import ConfigError, ModelConfig, TrainConfig, load_train_config
 from jrl.hf import load_pretrained
+from jrl.rollout import Engine, EngineConfig, SamplingParams, engine_config_for_workload
+from jrl.rollout.cache.kv_storage import kv_bytes_per_token
+from jrl.rollout.config import device_free_memory
 from jrl.rl.eval_cli import Checkpoint, resolve_checkpoint
 from jrl.tokenizer import HFTokenizer, load_tokenizer
 from jrl.train.trainer import load_initial_params, load_run_tokenizer, run_mesh
 
+log = logging.getLogger("jrl.serve")
 
+
+# The share of the device's free memory (after the weights) the KV pool may take when
+# --n-pages is not given: the rest holds a step's activations, logits and the programs.
+KV_MEMORY_FRACTION = 0.8
 @dataclasses.dataclass
 class Served:
     """A model ready to serve."""
@@ -121,3 +140,92 @@ def describe(served: Served) -> dict[str, Any]:
             "max_position_embeddings": served.model_config.max_position_embeddings,
             "params": int(sum(np.size(x) for x in jax.tree.leaves(served.params)))}
 
+
+def engine_config(served: Served, args: argparse.Namespace, free_memory: int | None = None) -> EngineConfig:
+    """The engine's settings from the command line (the engine's one sizing rule, then the
+    explicit flags), its KV pool fitted to `free_memory` (bytes free on the device; None:
+    unknown, as on the CPU) by `fit_pool`."""
+    try:
+        extra = json.loads(args.engine)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--engine: not valid JSON ({e})") from None
+    if not isinstance(extra, dict):
+        raise ConfigError(f"--engine: must be a JSON object of EngineConfig fields, got {args.engine!r}")
+    max_pos = served.model_config.max_position_embeddings
+    max_seq_len = args.max_seq_len or min(max_pos, 4096)
+    if max_seq_len > max_pos:
+        raise ConfigError(f"--max-seq-len: must be <= the model's max_position_embeddings ({max_pos}), "
+                          f"got {max_seq_len}")
+    if args.max_batch < 1:
+        raise ConfigError(f"--max-batch: must be >= 1, got {args.max_batch}")
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue: must be >= 0, got {args.max_queue}")
+    if not args.timeout_keep_alive > 0:
+        raise ConfigError(f"--timeout-keep-alive: must be > 0 seconds, got {args.timeout_keep_alive}")
+    if extra.get("on_weight_update", "finish") != "finish":
+        raise ConfigError("--engine: on_weight_update must be 'finish' for serving (tokens already streamed "
+                          "are never taken back)")
+    overrides: dict[str, Any] = {"max_batch": args.max_batch, "on_weight_update": "finish", **extra}
+    if args.n_pages is not None:
+        overrides["n_pages"] = args.n_pages
+    if args.max_tokens_per_step is not None:
+        overrides["max_tokens_per_step"] = args.max_tokens_per_step
+    config = engine_config_for_workload(max_seq_len, args.max_batch,
+                                        **{"page_size": args.page_size, "seed": args.seed, **overrides})
+    return fit_pool(config, served.model_config, free_memory, chosen="n_pages" in overrides)
+
+
+def fit_pool(config: EngineConfig, model: ModelConfig, free_memory: int | None, *, chosen: bool) -> EngineConfig:
+    """`config` with a KV pool that fits KV_MEMORY_FRACTION of `free_memory` (None: as it
+    is). A pool the user `chosen` (--n-pages) that does not fit is an error naming
+    --n-pages; the default one is shrunk to what fits, with a log line saying so, unless
+    not even one request of max_seq_len fits (an error naming --max-seq-len)."""
+    if free_memory is None:
+        return config
+    per_page = kv_bytes_per_token(model, config.kv_dtype) * config.page_size
+    budget = int(free_memory * KV_MEMORY_FRACTION)
+    if config.n_pages * per_page <= budget:
+        return config
+    fits = budget // per_page
+    gib = 2.0**30
+    where = (f"{KV_MEMORY_FRACTION:.0%} of the device's {free_memory / gib:.1f} GiB free hold {fits} pages of "
+             f"{per_page / 2**20:.2f} MiB")
+    if chosen:
+        raise ConfigError(f"--n-pages: {config.n_pages} KV pages take {config.n_pages * per_page / gib:.1f} GiB; "
+                          f"{where}: lower --n-pages (or --max-seq-len / --max-batch)")
+    one = config.max_pages_per_request(model)
+    if fits < one:
+        raise ConfigError(f"--max-seq-len: one request of {config.seq_len_limit(model)} tokens needs {one} KV pages; "
+                          f"{where}: lower --max-seq-len")
+    log.warning("KV pool capped at %d pages (%.1f GiB) instead of %d: %s; %d requests of max_seq_len %d fit at "
+                "once (more wait for pages). Set --n-pages or --max-seq-len to choose.", fits, fits * per_page / gib,
+                config.n_pages, where, fits // one, config.seq_len_limit(model))
+    return dataclasses.replace(config, n_pages=fits)
+
+
+def warmup(engine: Engine) -> tuple[int, float]:
+    """Compiles the step programs of default-sampled requests (what clients send without
+    sampling fields: temperature 1), printing how many and how long; returns both.
+    Other sampling variants (greedy, top-p / top-k, penalties) compile on first use."""
+    t0 = time.perf_counter()
+    n = engine.warmup(SamplingParams())
+    seconds = time.perf_counter() - t0
+    print(f"jrl serve: {n} step programs compiled or read from the compilation cache in {seconds:.1f} s", flush=True)
+    return n, seconds
+
+
+def served_from_args(args: argparse.Namespace) -> Served:
+    """What the `jrl serve` command line asks to serve."""
+    return load_served(args.model, args.checkpoint, args.config, args.tokenizer, args.dtype,
+                       args.served_model_name, args.overrides)
+
+
+def load_engine(args: argparse.Namespace, load: Callable[[], Served] | None = None
+                ) -> tuple[Served, Engine, tuple[int, float]]:
+    """(served, engine, (programs, seconds) of the warm-up: (0, 0.0) with --no-warmup) for
+    parsed `jrl serve` arguments; `load` replaces `served_from_args` (the benchmark's random
+    weights). Raises ConfigError & co. naming the flag."""
+    served = load() if load is not None else served_from_args(args)
+    config = engine_config(served, args, device_free_memory())  # measured with the weights in place
+    engine = Engine(served.model_config, served.params, config, version=served.version)
+    return served, engine, warmup(engine) if args.warmup else (0, 0.0)
