@@ -143,6 +143,19 @@ def test_kernels_check_runs_on_fp8_buffers(tmp_path):
     assert check["ok"] and check["nans"] == 0 and check["rel_err"] < 1e-2
 
 
+def test_kernels_check_takes_a_tile_path_that_is_not_the_default(tmp_path):
+    rows = bench(tmp_path, "kernels", "--check", "--kv-dtype", "float8_e4m3fn", "--check-kinds", "decode",
+                 "--check-decode-tuning", json.dumps({"fp8_tiles": "fold"}))
+    (check,) = section(rows, "check")
+    assert check["tuning"] == {"fp8_tiles": "fold"}
+    assert check["ok"] and check["nans"] == 0 and check["rel_err"] < 1e-2
+    (tmp_path / "bad").mkdir()
+    rows = bench(tmp_path / "bad", "kernels", "--check", "--kv-dtype", "float8_e4m3fn", "--check-kinds", "decode",
+                 "--check-decode-tuning", json.dumps({"fp8_tiles": "no_such_path"}), rc=1)
+    (bad,) = section(rows, "check")
+    assert not bad["ok"] and "fp8_tiles" in bad["error"]
+
+
 def test_kernels_decode_times_fp8_tile_paths_against_the_bf16_kernel(tmp_path):
     rows = bench(tmp_path, "kernels", "--decode", "--kv-dtype", "float8_e4m3fn",
                  "--decode-variants", json.dumps([{"fp8_tiles": "fold_k_regs"}]))

@@ -85,6 +85,11 @@ def add_arguments(p) -> None:
                         "buffers; cases with pages of 32 or more only)")
     p.add_argument("--check-kinds", nargs="+", default=[*DECODE_CHECKS, "prefill", "prefill-persistent"],
                    help="which kernel settings --check runs")
+    p.add_argument("--check-decode-tuning", type=json.loads, default={},
+                   help='DecodeTuning fields added to every decode kind of --check, e.g. the fp8 tile path '
+                        'before it is the default: \'{"fp8_tiles": "fold_k_regs"}\'')
+    p.add_argument("--check-prefill-tuning", type=json.loads, default={},
+                   help='PrefillTuning fields added to every prefill kind of --check, e.g. \'{"fp8_tiles": "fold"}\'')
     p.add_argument("--decode-variants", type=json.loads, default=[],
                    help='extra decode kernel settings (DecodeTuning fields), e.g. \'[{"num_splits": 2}]\'')
     p.add_argument("--decode-shapes", type=json.loads, default=None,
@@ -154,7 +159,9 @@ def check(args, results) -> None:
     for kind in args.check_kinds:
         for hq, hkv, d, ps in cases:
             key, k1, k2, k3 = jax.random.split(key, 4)
-            case = dict(kind=kind, hq=hq, hkv=hkv, d=d, page_size=ps, kv_dtype=args.kv_dtype or "bfloat16")
+            extra = args.check_decode_tuning if kind in DECODE_CHECKS else args.check_prefill_tuning
+            case = dict(kind=kind, hq=hq, hkv=hkv, d=d, page_size=ps, kv_dtype=args.kv_dtype or "bfloat16",
+                        tuning=extra)
             if fp8 and ps % 32:
                 results.row("check", **case, skipped="fp8 buffers need pages of 32", ok=True)
                 continue
@@ -169,7 +176,7 @@ def check(args, results) -> None:
                     q = jax.random.normal(k3, (b_dec, hq, d), jnp.bfloat16)
                     lens = jnp.asarray(lens, jnp.int32)
                     out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=d ** -0.5,
-                                             tuning=DecodeTuning(**DECODE_CHECKS[kind]), interpret=args.interpret)
+                                             tuning=DecodeTuning(**DECODE_CHECKS[kind], **extra), interpret=args.interpret)
                     ref = reference.ragged_decode(q.astype(jnp.float32), kr, vr, jnp.int32(1), lens, pt,
                                                   page_size=ps, sm_scale=d ** -0.5)
                 else:
@@ -184,7 +191,7 @@ def check(args, results) -> None:
                     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
                     lens = jnp.asarray(kv_lens, jnp.int32)
                     out = paged_prefill_mgpu(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps, sm_scale=d ** -0.5,
-                                             tuning=PrefillTuning(persistent=kind == "prefill-persistent"),
+                                             tuning=PrefillTuning(persistent=kind == "prefill-persistent", **extra),
                                              interpret=args.interpret)
                     ref = reference.paged_prefill(q.astype(jnp.float32), kr, vr, jnp.int32(1), cu, lens, pt,
                                                   page_size=ps, sm_scale=d ** -0.5)
