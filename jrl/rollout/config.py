@@ -160,8 +160,12 @@ class EngineConfig:
               f"{limit} exceeds the model's max_position_embeddings ({model.max_position_embeddings})")
         return limit
 
+    def pages_for(self, n_tokens: int) -> int:
+        """KV pages that hold `n_tokens` tokens."""
+        return -(-n_tokens // self.page_size)
+
     def max_pages_per_request(self, model: ModelConfig) -> int:
-        return -(-self.seq_len_limit(model) // self.page_size)
+        return self.pages_for(self.seq_len_limit(model))
 
     def page_col_buckets(self, model: ModelConfig) -> tuple[int, ...]:
         """Padded widths of the page table (pages per request row): powers of two from 8

@@ -98,7 +98,7 @@ class Server:
         elif prompt_len + limit > seq_limit:
             raise ServeError(f"{field}: prompt ({prompt_len} tokens) + {field} ({limit}) = {prompt_len + limit} "
                              f"exceeds the context of {seq_limit} tokens (max_seq_len)", param=field)
-        pages = -(-(prompt_len + limit) // self.engine.config.page_size)
+        pages = self.engine.config.pages_for(prompt_len + limit)
         if pages > self.engine.config.n_pages:
             raise ServeError(f"{field}: prompt + {field} = {prompt_len + limit} tokens need {pages} KV pages, the "
                              f"pool has {self.engine.config.n_pages}", param=field)
