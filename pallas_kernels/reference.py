@@ -151,7 +151,7 @@ def paged_prefill_blocked(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, laye
 
         def step(carry, j):
             m, l, acc = carry
-            blk = jax.lax.dynamic_slice_in_dim(slots[r_t], j * block_kv, block_kv, axis=1)  # [bq, bk]
+            blk = jax.lax.dynamic_slice_in_dim(slots, j * block_kv, block_kv, axis=1)[r_t]  # [bq, bk]
             valid = (j * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :] < lim[:, None]
             k = k_buf[layer, blk].astype(jnp.float32)  # [bq, bk, Hkv, D]
             v = jnp.where(valid[:, :, None, None], v_buf[layer, blk].astype(jnp.float32), 0.0)
