@@ -28,12 +28,17 @@ from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.scatter_rows import scatter_rows
 
 
+def _page_slots(page_table: jax.Array, page_size: int) -> jax.Array:
+    """`[B, max_pages * page_size]` buffer slots of each request's page-table entries."""
+    offsets = jnp.arange(page_size, dtype=jnp.int32)
+    return (page_table[:, :, None] * page_size + offsets[None, None, :]).reshape(page_table.shape[0], -1)
+
+
 def _gather_kv(buf: jax.Array | QuantizedKV, layer: jax.Array, page_table: jax.Array,
                page_size: int) -> jax.Array:
     """`[B, max_pages * page_size, H, D]` keys of each request, read as `buf[layer, slots]`
     (float32 when the buffer is fp8)."""
-    offsets = jnp.arange(page_size, dtype=jnp.int32)
-    slots = (page_table[:, :, None] * page_size + offsets[None, None, :]).reshape(page_table.shape[0], -1)
+    slots = _page_slots(page_table, page_size)
     if isinstance(buf, QuantizedKV):
         return quantized.gather(buf, layer, slots)
     return buf[layer, slots]
@@ -131,11 +136,9 @@ def paged_prefill_blocked(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, laye
     the batch-invariant path of `dispatch.exact_prefill` off Hopper."""
     t, hq, d = q.shape
     hkv = k_buf.shape[2]
-    n_req = kv_lens.shape[0]
     req_c, is_real, kv_len, limit = _row_requests(cu_q_lens, kv_lens, t)
     limit = jnp.where(is_real & (kv_len > 0), limit, 0)
-    offsets = jnp.arange(page_size, dtype=jnp.int32)
-    slots = (page_table[:, :, None] * page_size + offsets[None, None, :]).reshape(n_req, -1)
+    slots = _page_slots(page_table, page_size)
     n_blocks = -(-slots.shape[1] // block_kv)
     slots = jnp.pad(slots, ((0, 0), (0, n_blocks * block_kv - slots.shape[1])))
     pad = -t % block_q
@@ -148,7 +151,7 @@ def paged_prefill_blocked(q: jax.Array, k_buf: jax.Array, v_buf: jax.Array, laye
 
         def step(carry, j):
             m, l, acc = carry
-            blk = jax.lax.dynamic_slice_in_dim(slots[r_t], j * block_kv, block_kv, axis=1)  # [bq, bk]
+            blk = jax.lax.dynamic_slice_in_dim(slots, j * block_kv, block_kv, axis=1)[r_t]  # [bq, bk]
             valid = (j * block_kv + jnp.arange(block_kv, dtype=jnp.int32))[None, :] < lim[:, None]
             k = k_buf[layer, blk].astype(jnp.float32)  # [bq, bk, Hkv, D]
             v = jnp.where(valid[:, :, None, None], v_buf[layer, blk].astype(jnp.float32), 0.0)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import jax
 
-from jrl.config import DEFAULT_EXACT_ROWS, ConfigError, ModelConfig, check, from_dict
+from jrl.config import DEFAULT_EXACT_ROWS, ModelConfig, check, from_dict
 from pallas_kernels.quantized import KV_DTYPES
 
 
@@ -202,11 +202,10 @@ def check_kv_page_size(config: EngineConfig, model: ModelConfig, backend: str) -
                                                                    and backend == "gpu")
     if config.kv_dtype is None or model.attention == "mla" or not kernel:
         return
-    if config.page_size % FP8_KV_PAGE_SIZE:
-        raise ConfigError(f"engine.page_size: must be a multiple of {FP8_KV_PAGE_SIZE} with engine.kv_dtype: "
-                          f"{config.kv_dtype} (the attention kernels read fp8 pages of 32 tokens or more; "
-                          f"leave page_size out to get {FP8_KV_PAGE_SIZE}, or set attention_impl: reference "
-                          f"for the slow path), got {config.page_size}")
+    check(config.page_size % FP8_KV_PAGE_SIZE == 0, "engine.page_size",
+          f"must be a multiple of {FP8_KV_PAGE_SIZE} with engine.kv_dtype: {config.kv_dtype} (the attention "
+          f"kernels read fp8 pages of 32 tokens or more; leave page_size out to get {FP8_KV_PAGE_SIZE}, or "
+          f"set attention_impl: reference for the slow path), got {config.page_size}")
 
 
 def pow2_at_least(n: int) -> int:

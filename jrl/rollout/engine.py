@@ -431,7 +431,6 @@ class Engine:
         that need a penalty window."""
         reqs, n = batch.reqs, len(batch)
         total, decode = batch.n_tokens, batch.decode
-        every_row_samples = all(batch.sample)
         # Rows that do not sample (a prompt's chunks before its last) keep their request's
         # params: the step's sampling variant is then one the requests' params reach
         # (`sampling_variants`), and its output for them is never read.
