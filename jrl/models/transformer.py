@@ -133,8 +133,9 @@ class Transformer(nn.Module):
         the compute dtype too (`head_product`). Under `exact_rows`, on row tiles."""
         dt = dtype_of(self.config.dtype)
         w = self.embed.embedding.T if self.config.tie_embeddings else self.lm_head
-        w = w.astype(dt)
-        return map_rows(lambda h: head_product(h.astype(dt), w), self.config.exact_rows, hidden)
+        # cast inside the tile: under exact_rows the tiles' weight gradients then add up in
+        # the weight's float32, not in the compute dtype (the cast's values are the same)
+        return map_rows(lambda h: head_product(h.astype(dt), w.astype(dt)), self.config.exact_rows, hidden)
 
 
 @jax.custom_vjp
