@@ -175,15 +175,15 @@ def generate(engine: Engine | SharedEngine, params: dict, step: int, args, vocab
     prompts = rng.integers(0, vocab, (args.prompts, args.prompt_len), dtype=np.int32)
     targets = rng.integers(0, 2, args.prompts)
     n = args.prompts * args.group
-    stats = engine.engine.stats if isinstance(engine, SharedEngine) else engine.stats
+    inner = engine.engine if isinstance(engine, SharedEngine) else engine
+    stats, step_function = inner.stats, inner.step_function
     before = dataclasses.replace(stats)
-    step_function = (engine.engine if isinstance(engine, SharedEngine) else engine).step_function
     traces = step_function.traces
     t0 = time.perf_counter()
     completions = engine.generate([p for p in prompts for _ in range(args.group)], SamplingParams(temperature=1.0),
                                   max_new_tokens=response_lengths(args.lengths, n, args.new, step))
     seconds = time.perf_counter() - t0
-    rows = min(n, (engine.engine if isinstance(engine, SharedEngine) else engine).config.max_batch)
+    rows = min(n, inner.config.max_batch)
     return Generated(prompts, targets, completions, seconds, idle_fraction(before, stats, rows),
                      step_function.traces - traces, params)
 
