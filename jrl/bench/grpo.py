@@ -66,6 +66,7 @@ import dataclasses
 import os
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -175,15 +176,15 @@ def generate(engine: Engine | SharedEngine, params: dict, step: int, args, vocab
     prompts = rng.integers(0, vocab, (args.prompts, args.prompt_len), dtype=np.int32)
     targets = rng.integers(0, 2, args.prompts)
     n = args.prompts * args.group
-    stats = engine.engine.stats if isinstance(engine, SharedEngine) else engine.stats
+    inner = engine.engine if isinstance(engine, SharedEngine) else engine
+    stats, step_function = inner.stats, inner.step_function
     before = dataclasses.replace(stats)
-    step_function = (engine.engine if isinstance(engine, SharedEngine) else engine).step_function
     traces = step_function.traces
     t0 = time.perf_counter()
     completions = engine.generate([p for p in prompts for _ in range(args.group)], SamplingParams(temperature=1.0),
                                   max_new_tokens=response_lengths(args.lengths, n, args.new, step))
     seconds = time.perf_counter() - t0
-    rows = min(n, (engine.engine if isinstance(engine, SharedEngine) else engine).config.max_batch)
+    rows = min(n, inner.config.max_batch)
     return Generated(prompts, targets, completions, seconds, idle_fraction(before, stats, rows),
                      step_function.traces - traces, params)
 
@@ -251,6 +252,35 @@ def micro_batches(rows: dict[str, np.ndarray], micro_rows: int) -> dict:
     return {k: jnp.asarray(v.reshape(n // micro_rows, micro_rows, *v.shape[1:])) for k, v in rows.items()}
 
 
+def recompute_logprobs(fn, params: dict, batch: dict[str, np.ndarray], micro_rows: int,
+                       pack: bool) -> tuple[np.ndarray, int]:
+    """Per-token log-probs of `batch`'s samples (host rows, one sample each) by the jitted
+    `fn(params, rows)`, `micro_rows` rows at a time (the logits of all rows at once may not
+    fit), computed on the rows as the trainer computes them (`as_trained`) and returned in
+    `batch`'s layout; and the tokens computed (rows x seq_len, padding included)."""
+    rows, packing = as_trained({k: batch[k] for k in MODEL_ROWS}, micro_rows, pack)
+    logp = np.asarray(jnp.concatenate([fn(params, {k: jnp.asarray(v[i:i + micro_rows]) for k, v in rows.items()})
+                                       for i in range(0, len(rows["tokens"]), micro_rows)]))
+    if packing is not None:
+        logp = unpack_tokens(logp, packing, batch["tokens"].shape[1])
+    return logp, rows["tokens"].size
+
+
+def update_minibatches(update, state, batch: dict[str, np.ndarray], minibatches: int, micro_rows: int,
+                       pack: bool) -> tuple[Any, dict, int]:
+    """`minibatches` updates of `state` (donated) by `update` (`make_step_fns(...).update`),
+    each on its share of `batch`'s rows as the trainer computes them (`as_trained`), waited
+    for: the state, the last update's metrics and the tokens computed."""
+    per = len(batch["tokens"]) // minibatches
+    computed = 0
+    for j in range(minibatches):  # [micro-batches, rows, S]
+        rows, _ = as_trained({k: v[j * per:(j + 1) * per] for k, v in batch.items()}, micro_rows, pack)
+        computed += rows["tokens"].size
+        state, metrics = update(state, micro_batches(rows, micro_rows), None)
+    jax.block_until_ready(metrics["loss"])
+    return state, metrics, computed
+
+
 def run(args, results) -> int:
     budget = Budget(args.budget_s)
     cfg = SHAPES[args.shape]
@@ -281,13 +311,6 @@ def run(args, results) -> int:
         hidden, _ = hidden_states(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
         return target_stats(cfg, params, hidden, batch["targets"]).logp * batch["loss_mask"]
 
-    def recompute(params, batch):  # micro_rows at a time: the logits of all rows at once may not fit
-        rows, packing = as_trained({k: batch[k] for k in MODEL_ROWS}, micro_rows, args.pack_rows)
-        logp = np.asarray(jnp.concatenate([recompute_rows(params, {k: jnp.asarray(v[i:i + micro_rows])
-                                                                   for k, v in rows.items()})
-                                           for i in range(0, len(rows["tokens"]), micro_rows)]))
-        return (logp if packing is None else unpack_tokens(logp, packing, seq)), rows["tokens"].size
-
     def train(state, gen: Generated, t: dict):
         """The trainer's part of a step on rollout `gen` (phases timed into `t`): rewards,
         batch, log-prob recompute, `--minibatches` updates of `state` (donated)."""
@@ -299,17 +322,13 @@ def run(args, results) -> int:
         batch = rollout_batch(gen.prompts, gen.completions, rewards, args.group, seq)  # host rows
         t["batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        recomputed, computed = recompute(gen.params, batch)
+        recomputed, computed = recompute_logprobs(recompute_rows, gen.params, batch, micro_rows, args.pack_rows)
         # interruptible: tokens of several versions; the anchor is each one's engine log-prob
         batch["old_logp"] = batch["behaviour_logp"] if args.mode == "interruptible" else recomputed
         t["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        update_tokens = 0
-        for j in range(args.minibatches):  # [micro-batches, rows, S]
-            rows, _ = as_trained({k: v[j * per:(j + 1) * per] for k, v in batch.items()}, micro_rows, args.pack_rows)
-            update_tokens += rows["tokens"].size
-            state, metrics = fns.update(state, micro_batches(rows, micro_rows), None)
-        jax.block_until_ready(metrics["loss"])
+        state, metrics, update_tokens = update_minibatches(fns.update, state, batch, args.minibatches, micro_rows,
+                                                           args.pack_rows)
         t["optimizer"] = time.perf_counter() - t0
         return state, metrics, rewards, {"computed_tokens": update_tokens, "logprobs_computed_tokens": computed}
 

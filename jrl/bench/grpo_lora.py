@@ -35,16 +35,14 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jrl.bench.grpo import MODEL_ROWS, as_trained, micro_batches, response_lengths, reward_of, rollout_batch
+from jrl.bench.grpo import recompute_logprobs, response_lengths, reward_of, rollout_batch, update_minibatches
 from jrl.bench.shapes import GRPO_174M, LLAMA3_8B, init, tiny_like
 from jrl.bench.timing import Budget
 from jrl.config import LoraConfig, OptimizerConfig, ScheduleConfig
 from jrl.models.lora import lora_params
 from jrl.models.transformer import count_params
-from jrl.rl.batch import unpack_tokens
 from jrl.rollout.config import TOKEN_BUDGET_CAP, EngineConfig
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import SamplingParams
@@ -145,21 +143,12 @@ def run(args, results) -> int:
         batch = rollout_batch(prompts, completions, rewards, args.group, seq)  # host rows
         t["batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        rows, packing = as_trained({k: batch[k] for k in MODEL_ROWS}, args.micro_batch, args.pack_rows)
-        logp = np.asarray(jnp.concatenate([
-            recompute(state.params, {k: jnp.asarray(v[i:i + args.micro_batch]) for k, v in rows.items()})
-            for i in range(0, len(rows["tokens"]), args.micro_batch)]))
-        batch["old_logp"] = logp if packing is None else unpack_tokens(logp, packing, seq)
-        logprobs_computed = rows["tokens"].size
+        batch["old_logp"], logprobs_computed = recompute_logprobs(recompute, state.params, batch, args.micro_batch,
+                                                                  args.pack_rows)
         t["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        computed = 0
-        for j in range(args.minibatches):
-            rows, _ = as_trained({k: v[j * per:(j + 1) * per] for k, v in batch.items()}, args.micro_batch,
-                                 args.pack_rows)
-            computed += rows["tokens"].size
-            state, metrics = fns.update(state, micro_batches(rows, args.micro_batch), None)
-        jax.block_until_ready(metrics["loss"])
+        state, metrics, computed = update_minibatches(fns.update, state, batch, args.minibatches, args.micro_batch,
+                                                      args.pack_rows)
         t["update"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         ack = engine.update_weights(lora_params(state.params), int(state.policy_version))

@@ -147,17 +147,14 @@ def pack_rows(rows: dict[str, np.ndarray], packing: Packing, pad_id: int) -> dic
     `tokens` and `targets`, -1 in `token_version`, 0 elsewhere (as `build_episode_rows`)."""
     seq_len = rows["segment_ids"].shape[1]
     fills = {"tokens": pad_id, "targets": pad_id, "token_version": -1}
-    out = {}
-    for k, v in rows.items():
-        fill = fills.get(k, 0)
-        out[k] = np.full((packing.rows, seq_len), fill, v.dtype)
-    for r in range(packing.rows):
-        members = np.flatnonzero((packing.row == r) & (packing.length > 0))
-        for s, i in enumerate(members):
-            a, n = int(packing.offset[i]), int(packing.length[i])
-            for k, v in rows.items():
-                out[k][r, a:a + n] = v[i, :n] if v.ndim == 2 else v[i]
-            out["segment_ids"][r, a:a + n] = s + 1
+    out = {k: np.full((packing.rows, seq_len), fills.get(k, 0), v.dtype) for k, v in rows.items()}
+    placed = np.zeros(packing.rows, np.int64)  # samples written into each packed row so far
+    for i in np.flatnonzero(packing.length > 0):  # in sample order: a row's segment ids follow it
+        r, a, n = int(packing.row[i]), int(packing.offset[i]), int(packing.length[i])
+        for k, v in rows.items():
+            out[k][r, a:a + n] = v[i, :n] if v.ndim == 2 else v[i]
+        placed[r] += 1
+        out["segment_ids"][r, a:a + n] = placed[r]
     return out
 
 

@@ -127,22 +127,23 @@ class EpisodeSampler:
         0, greedy only, the summary's reward and length being the greedy episodes')."""
         n = len(problems)
         greedy = [g[0] for g in self.run(engine, problems, 1, 0.0, np.zeros(n, np.uint64))]
+        greedy_ok = self.correct(greedy)
         if samples == 0:
-            summary = {"n": float(n), "greedy_accuracy": float(self.correct(greedy).mean()),
+            summary = {"n": float(n), "greedy_accuracy": float(greedy_ok.mean()),
                        "reward_mean": float(np.mean([ep.reward for ep in greedy])),
                        "response_tokens_mean": float(np.mean([ep.n_sampled for ep in greedy]))}
-            return summary, [ProblemResult(p.where, p.answer, bool(self.correct([greedy[i]])[0]), _last_turn(greedy[i]),
+            return summary, [ProblemResult(p.where, p.answer, bool(greedy_ok[i]), _last_turn(greedy[i]),
                                            [], [], [], []) for i, p in enumerate(problems)]
         seeds = np.random.default_rng([seed, 29]).integers(0, 2**32, size=n * samples, dtype=np.uint64)
         groups = self.run(engine, problems, samples, temperature, seeds)
         ok = [self.correct(g) for g in groups]
         flat = [ep for g in groups for ep in g]
-        summary = {"n": float(n), "greedy_accuracy": float(self.correct(greedy).mean()),
+        summary = {"n": float(n), "greedy_accuracy": float(greedy_ok.mean()),
                    "pass@1": float(np.mean([pass_at_k(samples, int(c.sum()), 1) for c in ok])),
                    f"pass@{samples}": float(np.mean([pass_at_k(samples, int(c.sum()), samples) for c in ok])),
                    "reward_mean": float(np.mean([ep.reward for ep in flat])),
                    "response_tokens_mean": float(np.mean([ep.n_sampled for ep in flat]))}
-        results = [ProblemResult(where=p.where, answer=p.answer, greedy_correct=bool(self.correct([greedy[i]])[0]),
+        results = [ProblemResult(where=p.where, answer=p.answer, greedy_correct=bool(greedy_ok[i]),
                                  greedy_completion=_last_turn(greedy[i]), correct=[bool(x) for x in ok[i]],
                                  rewards=[float(ep.reward) for ep in groups[i]],
                                  response_tokens=[ep.n_sampled for ep in groups[i]],

@@ -57,6 +57,14 @@ def fp8_rollouts(engine: Any) -> bool:
                                          or engine.get("weight_dtype") in FP8_WEIGHT_DTYPES)
 
 
+def _check_exact_not_fp8(engine: Any) -> None:
+    """`exact_logprobs` with fp8 rollouts: a ConfigError (checked where the options are read,
+    before the fp8 defaults apply, and again on the built options)."""
+    _check(not fp8_rollouts(engine), "exact_logprobs",
+           "cannot be exact with fp8 rollouts (engine.kv_dtype / engine.weight_dtype): the trainer "
+           "computes in the model's dtype")
+
+
 def fp8_rollout_defaults(options: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     """`options` (plain `strategy.options`) with the defaults of fp8 rollouts filled in:
     `old_logp: recomputed` and `tis_cap: FP8_TIS_CAP` where the user left them out, and
@@ -193,9 +201,7 @@ class RLOptions:
                f"must be true or false, got {self.exact_logprobs!r}")
         if not self.exact_logprobs:
             return
-        _check(not fp8_rollouts(self.engine), "exact_logprobs",
-               "cannot be exact with fp8 rollouts (engine.kv_dtype / engine.weight_dtype): the trainer "
-               "computes in the model's dtype")
+        _check_exact_not_fp8(self.engine)
         _check(self.engine.get("exact_logprobs", True) is True, "engine.exact_logprobs",
                "must be left out (or true) with exact_logprobs: true")
         _check(self.temperature == 1.0, "temperature",
@@ -242,9 +248,7 @@ class RLOptions:
                "scale_adv_by_std", "applies to advantage: grpo only; advantage: rloo is never scaled "
                "by the group std (leave scale_adv_by_std out, or use advantage: grpo)")
         if options.get("exact_logprobs") is True:  # the engine half of the switch
-            _check(fp8_rollouts(options.get("engine")) is False, "exact_logprobs",
-                   "cannot be exact with fp8 rollouts (engine.kv_dtype / engine.weight_dtype): the "
-                   "trainer computes in the model's dtype")
+            _check_exact_not_fp8(options.get("engine"))
             options["engine"] = {"exact_logprobs": True, **(options.get("engine") or {})}
         options, notes = fp8_rollout_defaults(options)
         loss_part = {k: options.pop(k) for k in LOSS_KEYS if k in options}
