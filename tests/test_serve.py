@@ -512,6 +512,24 @@ def test_bench_serve_tiny(tmp_path, hf_dirs):
     assert all(r["engine_process"] for r in rows)  # as `jrl serve` runs it
 
 
+def test_bench_serve_leaves_the_accelerator_to_the_engine_process(tmp_path, hf_dirs):
+    # a backend in the bench's own process would be a second device context beside the engine's
+    path = tmp_path / "rows.jsonl"
+    argv = ["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "2",
+            "--requests", "4", "--prompt", "8", "--new", "4", "--clients", "1", *ENGINE_FLAGS]
+    code = f"""
+import jax._src.xla_bridge as xla_bridge
+from jrl.bench.cli import main
+print(main({argv!r}), sorted(xla_bridge._backends))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "0 []"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["device"] for r in rows} == {f"cpu ({jax.devices()[0].device_kind})"}  # named by the engine's process
+
+
 def test_bench_serve_tiny_with_the_engine_on_a_thread(tmp_path, hf_dirs):
     path = tmp_path / "rows.jsonl"
     assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "2",

@@ -60,7 +60,9 @@ class Results:
     def __init__(self, stage: str, argv: list[str], path: str | None = None):
         self.stage, self.path = stage, path
         self.rows: list[dict] = []
-        self.common = {"device": device_name(), "command": "jrl bench " + shlex.join([stage, *argv]),
+        # device: named at the first row, unless the stage names it first (`jrl bench serve`:
+        # its engine's process names it, so this one never starts the accelerator's backend)
+        self.common = {"device": None, "command": "jrl bench " + shlex.join([stage, *argv]),
                        "commit": git_commit(), "jax_version": jax.__version__, "stage": stage}
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -68,6 +70,8 @@ class Results:
     def row(self, section: str, **fields) -> dict:
         """Records one row (common keys first), appends it to the JSON file, returns it."""
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        if self.common["device"] is None:
+            self.common["device"] = device_name()
         row = _jsonable({"date": now, **self.common, "section": section, **fields})
         self.rows.append(row)
         if self.path:

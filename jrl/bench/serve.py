@@ -48,6 +48,7 @@ import time
 
 import numpy as np
 
+from jrl.bench.results import device_name
 from jrl.bench.serve_client import LoadClient
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init
 from jrl.rollout import SamplingParams
@@ -121,6 +122,9 @@ def run(args, results) -> int:
     server, app = build(serve_args, None if args.model or args.checkpoint else functools.partial(random_served, tiny))
     programs, seconds = server.warmup
     process = not args.engine_in_process
+    # the rows name the engine's device, asked of the engine's process: this one never starts
+    # an accelerator backend (a second CUDA context here would take device memory and time)
+    results.common["device"] = server.engine.call(engine_device) if process else engine_device(server.engine)
     results.row("warmup", programs=programs, seconds=seconds, max_batch=max_batch, max_seq_len=max_seq_len,
                 n_pages=server.engine.config.n_pages, engine_process=process)
     served = server.served
@@ -169,6 +173,11 @@ def run(args, results) -> int:
     results.table(columns[:5] + [("steps", "steps"), ("step_s", "step s")], "engine",
                   title="the same requests through the Engine directly, without HTTP")
     return 0
+
+
+def engine_device(engine) -> str:
+    """The device name rows carry, where the engine runs."""
+    return device_name()
 
 
 def engine_round(engine, prompts: list[list[int]], concurrency: int, new: int) -> dict:
