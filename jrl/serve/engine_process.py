@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import faulthandler
 import itertools
 import logging
 import multiprocessing
@@ -51,6 +52,8 @@ from jrl.serve.worker import (DoneEvent, EngineLoop, ErrorEvent, Handle, Weights
                               load_checkpoint)
 
 log = logging.getLogger("jrl.serve")
+
+STALLED_EXIT_S = 10.0  # after its loop ends, the child prints its threads' stacks if still running
 
 
 class EngineProcess:
@@ -249,6 +252,9 @@ def _child_main(args: argparse.Namespace, load: Callable[[], Served] | None, con
     threading.Thread(target=_read_commands, args=(conn, loop, served, send), name="jrl-engine-commands",
                      daemon=True).start()
     loop.run()
+    # an exit that stalls (a thread or a device teardown that does not end) shows where, in
+    # this process's stderr, before the parent's stop timeout kills it
+    faulthandler.dump_traceback_later(STALLED_EXIT_S, exit=False)
 
 
 def _send_failure(conn, error: BaseException) -> None:
