@@ -26,7 +26,8 @@ class DecodeTuning:
     (else one CTA an item). num_ctas: that grid's size (None: `ctas_per_sm` per SM).
     keys_as_rows: tile orientation (None: keys as rows for narrow query tiles).
     ctas_per_sm: persistent CTAs an SM (None: 2 with keys as rows, else 1).
-    fp8_tiles: how fp8 K/V tiles reach the tensor cores (`decode_mgpu.FP8_TILES`): "stage"
+    fp8_tiles: how fp8 K/V tiles reach the tensor cores (`decode_mgpu.FP8_TILES`; None:
+    `decode_mgpu.default_fp8_tiles`, "fold_k_regs" with keys as rows, else "stage"): "stage"
     dequantizes each tile (times its per-token scales) into one staging tile shared by K
     and V; "fold" leaves the scales out of the tiles (K's on the scores, V's on the
     probabilities) and casts K and V into a staging tile each; "fold_k_regs" is "fold"
@@ -42,7 +43,7 @@ class DecodeTuning:
     num_ctas: int | None = None
     keys_as_rows: bool | None = None
     ctas_per_sm: int | None = None
-    fp8_tiles: str = "stage"
+    fp8_tiles: str | None = None
     fp8_compute: str | None = None
 
 

@@ -16,7 +16,7 @@ from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from pallas_kernels import dispatch, quantized, reference
-from pallas_kernels.decode_mgpu import default_num_stages, ragged_decode_mgpu
+from pallas_kernels.decode_mgpu import default_fp8_tiles, default_num_stages, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
@@ -78,6 +78,7 @@ DECODE_FP8_CASES = {
     "keys_as_rows-fold": (True, 2, "fold", None),
     "queries_as_rows-fold-f16": (False, 1, "fold", "float16"),
     "keys_as_rows-fold_k_regs": (True, 1, "fold_k_regs", None),
+    "default-tiles": (None, 1, None, None),  # default_fp8_tiles: fold_k_regs with keys as rows
 }
 
 
@@ -161,8 +162,12 @@ def test_fp8_kernels_lower_for_hopper(kernel):
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_fp8_tiles_default_to_k_in_registers_only_where_keys_are_rows():
+    assert [default_fp8_tiles(rows) for rows in (True, False)] == ["fold_k_regs", "stage"]
+
+
 @pytest.mark.parametrize("tuning,match", [
-    (DecodeTuning(fp8_tiles="scaled"), "tuning.fp8_tiles must be one of stage/fold/fold_k_regs"),
+    (DecodeTuning(fp8_tiles="scaled"), "tuning.fp8_tiles must be None or one of stage/fold/fold_k_regs"),
     (DecodeTuning(fp8_compute="float32"), "tuning.fp8_compute must be None or one of"),
     (DecodeTuning(fp8_tiles="fold_k_regs", keys_as_rows=False), "fold_k_regs' needs keys as rows"),
 ])
