@@ -194,6 +194,14 @@ def test_grpo_times_every_phase(tmp_path):
     assert first["compiled_in_generation"] > 0 and second["compiled_in_generation"] == 0  # --tiny: one shape
 
 
+def test_grpo_engine_warmup_leaves_no_compile_to_the_measured_rollouts(tmp_path):
+    rows = bench(tmp_path, "grpo", "--steps", "2", "--mode", "interruptible", "--lengths", "longtail",
+                 "--engine-warmup")
+    (warm,) = section(rows, "engine_warmup")
+    assert warm["programs"] > 0 and warm["seconds"] > 0
+    assert [r["compiled_in_generation"] for r in section(rows, "step")] == [0, 0]
+
+
 @pytest.mark.parametrize("mode", ["overlapped", "interruptible"])
 def test_grpo_overlapped_modes_time_the_trainers_wait_and_long_tail_idle(tmp_path, mode):
     rows = bench(tmp_path, "grpo", "--steps", "3", "--mode", mode, "--lengths", "longtail")

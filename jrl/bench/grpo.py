@@ -55,8 +55,10 @@ Model: `--shape 174m` (`shapes.GRPO_174M`) or `0.82b` (`shapes.ROLLOUT_082B` wit
 master weights). One row a step (section `step`; the first compiles; `compiled_in_generation`
 counts the engine's step programs compiled during the step's rollout: a long tail reaches
 new small-batch programs for a few steps), then the mean of the later ones that compiled
-nothing (section `mean`; of all the later ones when each compiled). `total_ms` is the
-step's wall time in the trainer's thread.
+nothing (section `mean`; of all the later ones when each compiled). `--engine-warmup`
+compiles every engine program first (`Engine.warmup`; row `engine_warmup`: programs,
+seconds), so every step's `compiled_in_generation` is 0. `total_ms` is the step's wall time
+in the trainer's thread.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ from jrl.train.step import make_step_fns
 from jrl.train.strategies import get_strategy
 from jrl.train.strategies.grpo import GRPOLossConfig
 
+ROLLOUT_SAMPLING = SamplingParams(temperature=1.0)  # every rollout's requests
 PHASES = ("generation", "reward", "batch", "logprobs", "optimizer", "weight_sync")
 OVERLAP_PHASES = ("wait", "post")  # the trainer blocked on a rollout; copying weights to post
 MODES = ("sync", "overlapped", "interruptible")
@@ -119,6 +122,9 @@ def add_arguments(p) -> None:
                    help="xla: XLA's default CUDA-graph command buffers; off: none (XLA_FLAGS "
                         f"{COMMAND_BUFFERS_OFF}, set before the backend starts)")
     p.add_argument("--budget-s", type=float, default=1e9, help="no step starts after this (two always run)")
+    p.add_argument("--engine-warmup", action="store_true",
+                   help="compile every engine step program the rollouts can use before step 0 (Engine.warmup; "
+                        "row `engine_warmup`), so no measured rollout pays a compile")
 
 
 def environment(args) -> dict[str, str]:
@@ -181,7 +187,7 @@ def generate(engine: Engine | SharedEngine, params: dict, step: int, args, vocab
     before = dataclasses.replace(stats)
     traces = step_function.traces
     t0 = time.perf_counter()
-    completions = engine.generate([p for p in prompts for _ in range(args.group)], SamplingParams(temperature=1.0),
+    completions = engine.generate([p for p in prompts for _ in range(args.group)], ROLLOUT_SAMPLING,
                                   max_new_tokens=response_lengths(args.lengths, n, args.new, step))
     seconds = time.perf_counter() - t0
     rows = min(n, inner.config.max_batch)
@@ -346,6 +352,10 @@ def run(args, results) -> int:
         **buckets), version=0)
     interruptible = args.mode == "interruptible"
     front = SharedEngine(engine) if interruptible else engine  # interruptible: two rollouts share it
+    if args.engine_warmup:
+        t0 = time.perf_counter()
+        programs = engine.warmup(ROLLOUT_SAMPLING, progress=not args.tiny)
+        results.row("engine_warmup", programs=programs, seconds=time.perf_counter() - t0, **shape)
     if overlap:  # before a second thread dispatches: see warm_trainer
         results.row("warmup", warmup_ms=1e3 * warm_trainer(train, state, served, args), **shape)
     worker = concurrent.futures.ThreadPoolExecutor(2 if interruptible else 1, thread_name_prefix="bench-rollout") \
