@@ -21,7 +21,7 @@ from jrl.train.logprobs import attention_layout, token_logprobs
 from pallas_kernels import dispatch
 
 import jrl.rl.source as source_module
-from test_rl_loop import run, tiny, train_rows
+from test_rl_loop import rollout_rows, run, tiny, train_rows
 
 # Mixed prompt lengths and per-request budgets: requests join and finish at different
 # steps, so the rows sharing a step (and the page-table width) keep changing.
@@ -160,7 +160,7 @@ def test_exact_grpo_run_skips_the_recompute_and_starts_at_ratio_one(tmp_path, mo
         raise AssertionError("the log-prob recompute ran under exact_logprobs")
 
     monkeypatch.setattr(source_module.RolloutSource, "_logp_fn", no_recompute)
-    config = tiny(steps=2, exact_logprobs=True)
+    config = tiny(steps=2, exact_logprobs=True, exact_check_every=0)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16",
                                                                    param_dtype="bfloat16"))
     trainer, rows = run(config, tmp_path)
@@ -168,3 +168,38 @@ def test_exact_grpo_run_skips_the_recompute_and_starts_at_ratio_one(tmp_path, mo
     first = train_rows(rows)[0]
     assert first["ratio_mean"] == 1.0  # exactly: the loss's forward reproduces every behaviour log-prob
     assert first["clip_frac"] == 0.0
+
+
+def bf16_exact_run(steps: int, **options):
+    config = tiny(steps=steps, exact_logprobs=True, **options)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16",
+                                                                 param_dtype="bfloat16"))
+
+
+def test_exact_grpo_run_checks_its_guarantee_on_the_first_rollout_and_every_nth(tmp_path):
+    _, rows = run(bf16_exact_run(5, exact_check_every=2), tmp_path)  # 3 rollouts of 2 updates
+    checked = {r["rl_step"]: r.get("exact_bitwise_pct") for r in rollout_rows(rows)}
+    assert checked == {0: 100.0, 1: None, 2: 100.0}  # recomputed at rollouts 0 and 2: bitwise, as on any CPU
+
+
+def test_an_exact_run_whose_device_breaks_the_guarantee_says_so(tmp_path, monkeypatch, caplog):
+    recompute = source_module.RolloutSource._logp_fn
+
+    def off_by_one_ulp(self, params, rows):  # a device whose trainer pass rounds differently
+        logp = np.asarray(recompute(self, params, rows), np.float32)
+        return np.nextafter(logp, np.float32(0))
+
+    monkeypatch.setattr(source_module.RolloutSource, "_logp_fn", off_by_one_ulp)
+    with caplog.at_level("WARNING", logger="jrl.rl.source"):
+        _, rows = run(bf16_exact_run(1), tmp_path)
+    (rollout,) = rollout_rows(rows)
+    assert rollout["exact_bitwise_pct"] == 0.0 and rollout["logp_diff_max"] > 0
+    assert "this device breaks the guarantee" in caplog.text and "exact_logprobs: false" in caplog.text
+    first = train_rows(rows)[0]
+    assert first["ratio_mean"] == 1.0  # the anchor stays the engine's log-prob: only the check saw the difference
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_exact_check_every_must_be_a_count(value):
+    with pytest.raises(ConfigError, match="strategy.options.exact_check_every"):
+        RLOptions.from_config({"exact_logprobs": True, "exact_check_every": value})

@@ -128,6 +128,10 @@ class RLOptions:
     # the engine's log-probs bitwise equal to the trainer's (docs/rl.md "Exact log-probs"):
     # engine.exact_logprobs and the trainer's model on `exact_rows`; the recompute is skipped
     exact_logprobs: bool = False
+    # with exact_logprobs: every this many rollouts (the first included) the trainer still
+    # recomputes the log-probs and reports the share bitwise equal (`exact_bitwise_pct`),
+    # warning when it is not 100 (the device breaks the guarantee); 0: never
+    exact_check_every: int = 20
     # rollout engine settings (EngineConfig fields) and held-out evaluation
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     # devices the engine serves tensor-parallel on (a tensor-only mesh over the first of the
@@ -199,6 +203,9 @@ class RLOptions:
         the anchor would not be the engine's log-probs, a ConfigError naming the field."""
         _check(isinstance(self.exact_logprobs, bool), "exact_logprobs",
                f"must be true or false, got {self.exact_logprobs!r}")
+        _check(isinstance(self.exact_check_every, int) and not isinstance(self.exact_check_every, bool)
+               and self.exact_check_every >= 0, "exact_check_every",
+               f"must be an integer >= 0 (0: never), got {self.exact_check_every!r}")
         if not self.exact_logprobs:
             return
         _check_exact_not_fp8(self.engine)

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any, Callable
@@ -97,6 +98,8 @@ from jrl.rollout.request import Completion
 from jrl.rollout.shared import SharedEngine
 from jrl.train.logprobs import attention_layout, batch_max_segments
 from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -350,18 +353,21 @@ class RolloutSource:
 
         t1 = time.perf_counter()
         mask = rows["loss_mask"]
-        if o.exact_logprobs:
-            # the engine's log-probs are the trainer's forward, bitwise (docs/rl.md "Exact
-            # log-probs"): the recompute is skipped and the difference is 0 by construction
+        # the engine's log-probs are the trainer's forward, bitwise, under exact_logprobs
+        # (docs/rl.md "Exact log-probs"): the recompute is skipped but for a periodic check
+        check = o.exact_logprobs and o.exact_check_every > 0 and rl_step % o.exact_check_every == 0
+        if o.exact_logprobs and not check:
             trainer_logp = rows["behaviour_logp"]
         else:
             trainer_logp = np.asarray(self._logp_fn(params, self._model_inputs(rows)))
         # `params` are `version`'s: tokens a later version sampled (interruptible) are not compared
-        diff = np.abs(trainer_logp - rows["behaviour_logp"]) * mask * (rows["token_version"] == version)
-        rows["old_logp"] = trainer_logp * mask if o.old_logp == "recomputed" else rows["behaviour_logp"].copy()
+        compared = (mask > 0) & (rows["token_version"] == version)
+        diff = np.abs(trainer_logp - rows["behaviour_logp"]) * compared
+        anchor = rows["behaviour_logp"] if o.exact_logprobs else trainer_logp  # exact: the engine's, always
+        rows["old_logp"] = anchor * mask if o.old_logp == "recomputed" else rows["behaviour_logp"].copy()
         if o.tis_cap > 0:
             # the loss's own tested helper (min(exp(old - behaviour), cap)), not a copy of it
-            rows["is_weight"] = np.asarray(truncated_is_weights(trainer_logp, rows["behaviour_logp"], o.tis_cap)) * mask
+            rows["is_weight"] = np.asarray(truncated_is_weights(anchor, rows["behaviour_logp"], o.tis_cap)) * mask
         else:
             rows["is_weight"] = mask.copy()
         if o.kl_coef > 0:
@@ -396,6 +402,9 @@ class RolloutSource:
             "generate_s": gen_s,
             "recompute_s": recompute_s,
         }
+        if check:
+            metrics["exact_bitwise_pct"] = self._exact_check(trainer_logp, rows["behaviour_logp"], compared,
+                                                             rl_step, float(diff.max()))
         if self.episodes is not None:  # lengths, truncation and cache hits of episodes; turns, tools, env time
             metrics.update(self.episodes.metrics([ep for g in drawn for ep in g.episodes]))
         elif len(self.rewards.names) > 1:
@@ -404,6 +413,23 @@ class RolloutSource:
         if self.replicas is not None:
             metrics.update(self.replicas.metrics())
         return Rollout(rows, versions, group_kept, metrics)
+
+    @staticmethod
+    def _exact_check(trainer_logp: np.ndarray, behaviour_logp: np.ndarray, compared: np.ndarray, rl_step: int,
+                     max_diff: float) -> float:
+        """The share (%) of the compared tokens whose engine log-prob is bitwise the
+        trainer's recomputed one; below 100 a warning: the ratio's anchor is then off by
+        up to `max_diff` on this device, and `exact_logprobs: false` recomputes it."""
+        n = int(compared.sum())
+        bits = lambda x: np.asarray(x, np.float32).view(np.uint32)
+        equal = int((bits(trainer_logp) == bits(behaviour_logp))[compared].sum())
+        pct = 100.0 * equal / max(n, 1)
+        if equal < n:
+            log.warning("exact_logprobs: at rollout %d only %.2f%% of %d tokens have an engine log-prob bitwise "
+                        "equal to the trainer's (max |diff| %.3g): this device breaks the guarantee, and the "
+                        "ratio's anchor is off by that much; strategy.options.exact_logprobs: false recomputes "
+                        "it (docs/rl.md, 'Exact log-probs')", rl_step, pct, n, max_diff)
+        return pct
 
     @staticmethod
     def _model_inputs(rows: dict) -> dict:
