@@ -3,6 +3,11 @@ engine's per-token log-probs are bitwise the trainer's log-prob pass on the same
 whatever the batch each token was sampled in; the GRPO loop then skips its recompute."""
 
 import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -203,3 +208,31 @@ def test_an_exact_run_whose_device_breaks_the_guarantee_says_so(tmp_path, monkey
 def test_exact_check_every_must_be_a_count(value):
     with pytest.raises(ConfigError, match="strategy.options.exact_check_every"):
         RLOptions.from_config({"exact_logprobs": True, "exact_check_every": value})
+
+
+SIBLINGS = """
+import flax.linen as nn, jax, jax.numpy as jnp
+from jrl.models.layers import Linear
+
+class QKV(nn.Module):  # three projections of one input, as the attention's q/k/v
+    @nn.compact
+    def __call__(self, x):
+        return [Linear(n, ("embed", "heads"), dtype=jnp.bfloat16, rows=64, name=name)(x)
+                for n, name in ((256, "q_proj"), (128, "k_proj"), (128, "v_proj"))]
+
+model, x = QKV(), jnp.ones((32, 256), jnp.bfloat16)  # 32 rows: one tile, lax.map's loop removed
+params = model.init(jax.random.key(0), x)
+jax.jit(lambda p, x: model.apply(p, x)).lower(params, x).compile()
+"""
+
+
+def test_sibling_projections_keep_an_input_of_their_own_through_xla_cse(tmp_path):
+    # after XLA's CSE each sibling GEMM must still read its own value: one shared input would
+    # let a GPU's DotMerger fuse q/k/v into one wider GEMM in single-tile programs only
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=cse"}
+    out = subprocess.run([sys.executable, "-c", SIBLINGS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (after_cse, *_) = sorted(tmp_path.glob("*jit__lambda*after_cse.before*"))
+    lhs = re.findall(r" dot\((%[\w.#]+), ", after_cse.read_text())
+    assert len(lhs) == 3 and len(set(lhs)) == 3, lhs

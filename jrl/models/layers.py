@@ -15,6 +15,7 @@ float8_e4m3fn with a sibling `kernel_scale [out]` (the engine's served layout,
 
 from __future__ import annotations
 
+import zlib
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -32,7 +33,7 @@ def dtype_of(name: str) -> jnp.dtype:
     return DTYPES[name]
 
 
-def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Array:
+def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None, key: str = "") -> jax.Array:
     """`fn` applied to the token rows of `xs` (arrays sharing their `lead` leading axes,
     default all but the last of the first array's, e.g. `[B, S]`), `rows` rows at a time:
     the leading axes are flattened, padded to a multiple of `rows` (zeros) and `lax.map`
@@ -41,8 +42,12 @@ def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Arra
     shape; a row's bits would otherwise depend on how many rows share the op). An
     optimization barrier on each tile's inputs and output keeps XLA from fusing the
     tile's ops with their neighbours, which differ from program to program (the engine's
-    step, the trainer's forward), so the tile compiles alike in every program. `rows ==
-    0`: `fn(*xs)` directly. `fn` maps `[rows, ...]` inputs to one `[rows, ...]` output."""
+    step, the trainer's forward), so the tile compiles alike in every program. `key` (a
+    projection's name) keeps the input barriers of sibling calls on the same input apart
+    (q/k/v, gate/up): XLA's CSE would merge them, and a GPU's DotMerger would then fuse the
+    siblings' GEMMs into one wider GEMM, which rounds differently, in the programs where a
+    single tile removes lax.map's loop and in no other. `rows == 0`: `fn(*xs)` directly.
+    `fn` maps `[rows, ...]` inputs to one `[rows, ...]` output."""
     if rows <= 0:
         return fn(*xs)
     n_lead = xs[0].ndim - 1 if lead is None else lead
@@ -51,7 +56,16 @@ def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Arra
     flat = [x.reshape(n, *x.shape[n_lead:]) for x in xs]
     pad = -n % rows
     tiles = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, rows, *x.shape[1:]) for x in flat]
-    out = jax.lax.map(lambda t: jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t))), tuple(tiles))
+    salt = np.uint32(zlib.crc32(key.encode()) | 1)  # each sibling's own constant, never 0
+
+    def tile(t):
+        inputs, s = jax.lax.optimization_barrier((t, salt))
+        if key:  # the inputs pass through a select on the salt (never taken; XLA cannot tell): a
+            # value of this call's own, where CSE would otherwise hand siblings one shared input
+            inputs = tuple(jnp.where(s == 0, jnp.zeros_like(x), x) for x in inputs)
+        return jax.lax.optimization_barrier(fn(*inputs))
+
+    out = jax.lax.map(tile, tuple(tiles))
     out = out.reshape(-1, *out.shape[2:])[:n]
     return out.reshape(*shape, *out.shape[1:])
 
@@ -132,7 +146,7 @@ class Linear(nn.Module):
                 y = y + self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
             return y
 
-        return map_rows(apply, self.rows, x)
+        return map_rows(apply, self.rows, x, key=self.name or "")
 
 
 def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
