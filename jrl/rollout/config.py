@@ -71,8 +71,9 @@ class EngineConfig:
     them: they keep their tokens and KV and decode on under the new weights (each token
     records the version that sampled it; see `Engine.update_weights`). attention_impl:
     `pallas_kernels` implementation (with exact_logprobs also the model's
-    `exact_attention_impl`, which the trainer must run: `exact_model_config`). overlap: schedule step n+1 while step n runs and read
-    sampled tokens one step late. seed: derives the sampling seed of requests without one.
+    `exact_attention_impl`, which the trainer must run: `exact_model_config`). overlap:
+    schedule step n+1 while step n runs and read sampled tokens one step late. seed:
+    derives the sampling seed of requests without one.
     weight_dtype: None serves the weights in the dtype handed over; "float8_e4m3fn" serves
     the projection kernels in e4m3 with per-output-channel float32 scales, rebuilt from the
     handed-over weights at construction and each `update_weights` (`jrl.models.quantized`;
@@ -176,7 +177,7 @@ class EngineConfig:
         return powers_of_two(min(8, top), top)
 
 
-def exact_model_config(model: ModelConfig, attention_impl: str = "auto") -> ModelConfig:
+def exact_model_config(model: ModelConfig, attention_impl: AttentionImpl = "auto") -> ModelConfig:
     """`model` with batch-invariant numerics on (`exact_rows`, DEFAULT_EXACT_ROWS unless it
     sets its own) and its attention computed by `attention_impl`, the engine's
     `EngineConfig.attention_impl`: what an `exact_logprobs` engine runs and what the
