@@ -172,6 +172,10 @@ AttentionType = Literal["gqa", "mla"]
 DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 MatmulDtype = Literal["float8"]
+# `pallas_kernels.dispatch` implementations of paged attention: "auto" (the Mosaic GPU
+# kernel on a Hopper GPU where it supports the shapes, the jnp reference elsewhere),
+# "reference", "pallas" (the kernel, forced) or "interpret" (the kernel in interpret mode).
+AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
 LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
 
 
@@ -291,6 +295,10 @@ class ModelConfig:
     # result does not depend on which other tokens share its batch. The engine sets it
     # with `exact_logprobs`; the trainer with the RL option of that name.
     exact_rows: int = 0
+    # With exact_rows: the implementation that computes its attention (`exact_prefill`'s
+    # `impl`). The kernel and the reference round differently, so the trainer must run the
+    # engine's: `exact_model_config` sets it to `engine.attention_impl` on both sides.
+    exact_attention_impl: AttentionImpl = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -369,6 +377,7 @@ class ModelConfig:
                "needs GQA attention (MLA has no exact attention path), a dense MLP (MoE experts see "
                "batch-dependent token groups) and matmul_dtype unset (fp8 products scale by the "
                "batch's own maximum)")
+        _check_choice(self.exact_attention_impl, AttentionImpl, "exact_attention_impl")
         self.rope_scaling.validate()
         self.lora.validate()
 

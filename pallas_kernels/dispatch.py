@@ -28,6 +28,8 @@ from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 Impl = Literal["auto", "reference", "pallas", "interpret"]
 IMPLS = ("auto", "reference", "pallas", "interpret")
+# The kernels read pages (and buffers) of a multiple of this many tokens (`kernel_supports`).
+PAGE_MULTIPLE = 8
 
 
 @functools.cache
@@ -50,7 +52,7 @@ def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> 
     return (v_buf is not None and v_buf.shape == k_buf.shape and (v_head_dim in (None, d))
             and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 57
             and dtype_ok and v_buf.dtype == k_buf.dtype
-            and page_size % 8 == 0 and n_slots % 8 == 0)
+            and page_size % PAGE_MULTIPLE == 0 and n_slots % PAGE_MULTIPLE == 0)
 
 
 def _resolve(impl: Impl, supported: bool, op: str) -> str:

@@ -18,6 +18,7 @@ from jrl.config import ConfigError, ModelConfig, model_config_from_dict
 from jrl.models import forward, init_params
 from jrl.models.attention import dense_attention
 from jrl.models.exact import exact_attention
+from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions
 from jrl.rollout.config import EngineConfig, check_exact, exact_model_config
 from jrl.rollout.engine import Engine
@@ -35,16 +36,17 @@ NEW_TOKENS = (16, 5, 12, 16, 3, 9)
 SEQ = 128
 
 
-def _generate(dtype: str, exact: bool):
-    cfg = ModelConfig(dtype=dtype, param_dtype=dtype)
+def _generate(dtype: str, exact: bool, cfg: ModelConfig | None = None, prompt_lens=PROMPT_LENS,
+              new_tokens=NEW_TOKENS, **engine):
+    cfg = cfg or ModelConfig(dtype=dtype, param_dtype=dtype)
     params = init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in PROMPT_LENS]
+    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in prompt_lens]
     engine = Engine(cfg, params, EngineConfig(n_pages=64, max_batch=4, max_tokens_per_step=64, max_seq_len=SEQ,
-                                              exact_logprobs=exact))
+                                              exact_logprobs=exact, **engine))
     # 6 requests on 4 rows: two wait, join mid-run and are prefilled beside decoding rows
     comps = engine.generate(prompts, [SamplingParams(seed=i) for i in range(len(prompts))],
-                            max_new_tokens=list(NEW_TOKENS))
+                            max_new_tokens=list(new_tokens))
     return cfg, params, prompts, comps
 
 
@@ -74,6 +76,26 @@ def test_exact_engine_log_probs_equal_the_trainers_bitwise(dtype):
     for c, t in zip(comps, trainer):
         np.testing.assert_array_equal(c.model_logprobs, t)
         np.testing.assert_array_equal(c.logprobs, t)  # temperature 1, no filter: the same distribution
+
+
+def test_an_engine_forced_to_the_reference_still_matches_the_trainer_bitwise(monkeypatch):
+    # engine.attention_impl drives both sides: the trainer's exact attention runs what the
+    # engine runs (on a GPU "auto" would pick the kernel there, which rounds differently)
+    calls = []
+
+    def recording(*args, impl, **kwargs):
+        calls.append(impl)
+        return exact_prefill(*args, impl=impl, **kwargs)
+
+    exact_prefill = dispatch.exact_prefill
+    monkeypatch.setattr(dispatch, "exact_prefill", recording)
+    cfg, params, prompts, comps = _generate("bfloat16", True, prompt_lens=(3, 20, 9), new_tokens=(6, 2, 4),
+                                            attention_impl="reference")
+    engine_calls = len(calls)
+    trainer = _trainer_logprobs(exact_model_config(cfg, "reference"), params, prompts, comps)
+    assert engine_calls > 0 and len(calls) > engine_calls and set(calls) == {"reference"}
+    for c, t in zip(comps, trainer):
+        np.testing.assert_array_equal(c.model_logprobs, t)
 
 
 def test_default_engine_log_probs_are_not_bitwise_in_bfloat16():
@@ -146,7 +168,7 @@ def test_an_fp8_engine_cannot_be_exact(field, value):
 def test_a_model_the_engine_cannot_serve_exactly_is_refused_naming_the_field(model, field):
     # what Engine.__init__ checks first
     with pytest.raises(ConfigError, match=field):
-        check_exact(EngineConfig(exact_logprobs=True), model_config_from_dict(model))
+        check_exact(EngineConfig(exact_logprobs=True), model_config_from_dict(model), "cpu")
 
 
 @pytest.mark.parametrize("options, field", [
@@ -160,16 +182,54 @@ def test_rl_options_that_cannot_be_exact_are_refused_naming_the_field(options, f
         RLOptions.from_config({"exact_logprobs": True, **options})
 
 
+@pytest.mark.parametrize("engine, backend", [
+    ({"page_size": 4}, "gpu"),  # "auto" would run the reference in the engine, the kernel in the trainer
+    ({"page_size": 4, "attention_impl": "interpret"}, "cpu"),
+    ({"page_size": 4, "attention_impl": "pallas"}, "gpu"),
+])
+def test_engine_pages_the_exact_kernel_cannot_read_are_refused(engine, backend):
+    with pytest.raises(ConfigError, match="engine.page_size"):
+        check_exact(EngineConfig(exact_logprobs=True, **engine), ModelConfig(), backend)
+
+
+@pytest.mark.parametrize("engine, backend", [({"page_size": 4}, "cpu"),  # "auto": the reference on both sides
+                                             ({"page_size": 4, "attention_impl": "reference"}, "gpu")])
+def test_engine_pages_that_keep_both_sides_on_the_reference_are_accepted(engine, backend):
+    check_exact(EngineConfig(exact_logprobs=True, **engine), ModelConfig(), backend)
+
+
+def test_exact_model_config_carries_the_engines_attention_impl():
+    assert exact_model_config(ModelConfig()).exact_attention_impl == "auto"
+    assert exact_model_config(ModelConfig(), "reference").exact_attention_impl == "reference"
+    own = ModelConfig(exact_rows=32, exact_attention_impl="reference")
+    assert exact_model_config(own, "reference") == own
+
+
+def test_a_model_already_exact_with_another_attention_impl_is_refused():
+    with pytest.raises(ConfigError, match="engine.attention_impl: is 'reference'.*model.exact_attention_impl"):
+        exact_model_config(ModelConfig(exact_rows=64), "reference")
+
+
+def test_an_exact_grpo_run_whose_model_and_engine_attention_differ_is_refused(tmp_path):
+    config = tiny(steps=1, exact_logprobs=True, engine={"page_size": 2, "attention_impl": "reference"})
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, exact_rows=64))
+    with pytest.raises(ConfigError, match="engine.attention_impl"):
+        build_learner(config, output_dir=tmp_path)
+
+
 def test_exact_grpo_run_skips_the_recompute_and_starts_at_ratio_one(tmp_path, monkeypatch):
     def no_recompute(*args, **kwargs):
         raise AssertionError("the log-prob recompute ran under exact_logprobs")
 
     monkeypatch.setattr(source_module.RolloutSource, "_logp_fn", no_recompute)
-    config = tiny(steps=2, exact_logprobs=True, exact_check_every=0)
+    # a forced engine.attention_impl reaches the trainer's exact attention too
+    config = tiny(steps=2, exact_logprobs=True, exact_check_every=0,
+                  engine={"page_size": 2, "attention_impl": "reference"})
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16",
                                                                    param_dtype="bfloat16"))
     trainer, rows = run(config, tmp_path)
     assert trainer.config.model.exact_rows > 0
+    assert trainer.config.model.exact_attention_impl == "reference"
     first = train_rows(rows)[0]
     assert first["ratio_mean"] == 1.0  # exactly: the loss's forward reproduces every behaviour log-prob
     assert first["clip_frac"] == 0.0

@@ -17,7 +17,7 @@ from jrl.rl.callback import RLCallback
 from jrl.rl.options import RLOptions
 from jrl.rl.placement import Placement, assign_devices
 from jrl.rl.source import RolloutSource
-from jrl.rollout.config import exact_model_config
+from jrl.rollout.config import EngineConfig, exact_model_config
 from jrl.train.callbacks import Callback
 from jrl.train.state import TrainState
 from jrl.train.initial import load_initial_adapters, load_initial_params, load_run_tokenizer, run_mesh
@@ -47,7 +47,8 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
     for note in options.notes:  # settings the user wrote that the defaults would not have chosen
         warnings.warn(note, stacklevel=2)
     if options.exact_logprobs:  # the trainer's half: its forward on the engine's exact numerics
-        config = dataclasses.replace(config, model=exact_model_config(config.model))
+        impl = options.engine.get("attention_impl", EngineConfig.attention_impl)  # the engine's
+        config = dataclasses.replace(config, model=exact_model_config(config.model, impl))
     tokenizer = load_run_tokenizer(config)
     placement = run_placement(config, options)
     mesh = run_mesh(config.parallel) if placement is None else placement.trainer_mesh

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 import jax
 
-from jrl.config import DEFAULT_EXACT_ROWS, ModelConfig, check, from_dict
+from jrl.config import DEFAULT_EXACT_ROWS, AttentionImpl, ModelConfig, check, from_dict
+from pallas_kernels.dispatch import IMPLS, PAGE_MULTIPLE
 from pallas_kernels.quantized import KV_DTYPES
 
 
@@ -69,8 +70,10 @@ class EngineConfig:
     them (abort, discard their tokens, re-queue) under the new weights, or "continue"
     them: they keep their tokens and KV and decode on under the new weights (each token
     records the version that sampled it; see `Engine.update_weights`). attention_impl:
-    `pallas_kernels` implementation. overlap: schedule step n+1 while step n runs and read
-    sampled tokens one step late. seed: derives the sampling seed of requests without one.
+    `pallas_kernels` implementation (with exact_logprobs also the model's
+    `exact_attention_impl`, which the trainer must run: `exact_model_config`). overlap:
+    schedule step n+1 while step n runs and read sampled tokens one step late. seed:
+    derives the sampling seed of requests without one.
     weight_dtype: None serves the weights in the dtype handed over; "float8_e4m3fn" serves
     the projection kernels in e4m3 with per-output-channel float32 scales, rebuilt from the
     handed-over weights at construction and each `update_weights` (`jrl.models.quantized`;
@@ -97,7 +100,7 @@ class EngineConfig:
     prefix_cache: bool = True
     penalty_window: int = 64
     on_weight_update: Literal["finish", "restart", "continue"] = "finish"
-    attention_impl: Literal["auto", "reference", "pallas", "interpret"] = "auto"
+    attention_impl: AttentionImpl = "auto"
     overlap: bool = True
     seed: int = 0
     lora: Literal["merge", "unmerged"] = "merge"
@@ -128,8 +131,8 @@ class EngineConfig:
                f"must be 'finish', 'restart' or 'continue', got {self.on_weight_update!r}")
         check(self.lora in ("merge", "unmerged"), "engine.lora",
               f"must be 'merge' or 'unmerged', got {self.lora!r}")
-        check(self.attention_impl in ("auto", "reference", "pallas", "interpret"), "engine.attention_impl",
-               f"must be one of auto/reference/pallas/interpret, got {self.attention_impl!r}")
+        check(self.attention_impl in IMPLS, "engine.attention_impl",
+               f"must be one of {'/'.join(IMPLS)}, got {self.attention_impl!r}")
         check(self.weight_dtype in (None, "float8_e4m3fn"), "engine.weight_dtype",
               f"must be None (the weights as handed over) or 'float8_e4m3fn', got {self.weight_dtype!r}")
         check(self.kv_dtype is None or self.kv_dtype in KV_DTYPES, "engine.kv_dtype",
@@ -174,17 +177,36 @@ class EngineConfig:
         return powers_of_two(min(8, top), top)
 
 
-def exact_model_config(model: ModelConfig) -> ModelConfig:
+def exact_model_config(model: ModelConfig, attention_impl: AttentionImpl = "auto") -> ModelConfig:
     """`model` with batch-invariant numerics on (`exact_rows`, DEFAULT_EXACT_ROWS unless it
-    sets its own): what an `exact_logprobs` engine runs and what the trainer's log-prob
-    pass must run to match it bitwise."""
-    return model if model.exact_rows else dataclasses.replace(model, exact_rows=DEFAULT_EXACT_ROWS)
+    sets its own) and its attention computed by `attention_impl`, the engine's
+    `EngineConfig.attention_impl`: what an `exact_logprobs` engine runs and what the
+    trainer's log-prob pass must run to match it bitwise (the kernel and the reference
+    each give a token the same bits in any batch, but not each other's). A model already
+    on exact numerics with another implementation is refused: its sides would differ."""
+    check(attention_impl in IMPLS, "engine.attention_impl",
+          f"must be one of {'/'.join(IMPLS)}, got {attention_impl!r}")
+    check(not model.exact_rows or model.exact_attention_impl == attention_impl, "engine.attention_impl",
+          f"is {attention_impl!r}, but the model's exact attention runs {model.exact_attention_impl!r} "
+          f"(model.exact_attention_impl): the engine and the trainer must compute attention alike; set "
+          f"model.exact_attention_impl to the same value, or leave model.exact_rows out")
+    return dataclasses.replace(model, exact_rows=model.exact_rows or DEFAULT_EXACT_ROWS,
+                               exact_attention_impl=attention_impl)
 
 
-def check_exact(config: EngineConfig, model: ModelConfig) -> None:
-    """Refuses `exact_logprobs` where the engine cannot match the trainer bitwise."""
+def check_exact(config: EngineConfig, model: ModelConfig, backend: str) -> None:
+    """Refuses `exact_logprobs` where the engine cannot match the trainer bitwise. On a GPU
+    `backend` "auto" attention takes the kernel only for pages it reads, while the
+    trainer's exact attention (its own pages of 16) takes it whenever it is there: the
+    engine's pages must then be readable too, as they must for a forced kernel anywhere."""
     if not config.exact_logprobs:
         return
+    kernel = config.attention_impl in ("pallas", "interpret") or (config.attention_impl == "auto"
+                                                                   and backend == "gpu")
+    check(not kernel or config.page_size % PAGE_MULTIPLE == 0, "engine.page_size",
+          f"must be a multiple of {PAGE_MULTIPLE} with exact_logprobs where the attention kernel runs (it reads "
+          f"no other pages, and the trainer's exact attention must run what the engine runs; attention_impl: "
+          f"reference reads any), got {config.page_size}")
     check(model.attention == "gqa" and not model.is_moe and model.matmul_dtype is None, "engine.exact_logprobs",
           "needs GQA attention and a dense MLP without fp8 products (MLA's absorbed attention and MoE "
           "routing have no batch-invariant path)")

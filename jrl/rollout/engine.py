@@ -133,9 +133,11 @@ class Engine:
         enable_compilation_cache()  # once per process (jrl.compile_cache)
         _check_finite(params, "Engine: refusing to serve them")
         self.config = config = config or EngineConfig()
-        check_exact(config, model_config)
-        # exact log-probs: the model runs batch-invariant numerics (as the trainer must)
-        self.model_config = model_config = exact_model_config(model_config) if config.exact_logprobs else model_config
+        check_exact(config, model_config, jax.default_backend())
+        # exact log-probs: the model runs batch-invariant numerics (as the trainer must),
+        # its attention by this engine's implementation
+        self.model_config = model_config = (exact_model_config(model_config, config.attention_impl)
+                                            if config.exact_logprobs else model_config)
         check_kv_page_size(config, model_config, jax.default_backend())
         check(mesh is None or config.weight_dtype is None, "engine.weight_dtype",
               f"{config.weight_dtype!r} weights are served on one device; leave it None with a mesh")

@@ -144,7 +144,8 @@ def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, position
                   segment_ids: jax.Array, *, max_segments: int | None = None) -> tuple[jax.Array, dict]:
     """Final hidden states `[B, S, D]` and the model's aux dict (MoE losses) for a dense
     causal batch in which tokens attend only within their own segment. With
-    `config.exact_rows` attention is `jrl.models.exact.ExactAttention` (needs a layout >= 1).
+    `config.exact_rows` attention is `jrl.models.exact.ExactAttention` (needs a layout >= 1)
+    by `config.exact_attention_impl`.
 
     `max_segments`: the rows' layout promise (see the module doc and
     `batch_max_segments`); None takes the enclosing `attention_layout` (0 outside one)."""
@@ -153,7 +154,7 @@ def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, position
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
     layout = _MAX_SEGMENTS.get() if max_segments is None else _check_max_segments(max_segments)
     if config.exact_rows:
-        backend = exact_attention(segment_ids, layout)
+        backend = exact_attention(segment_ids, layout, config.exact_attention_impl)
     else:
         backend = dense_attention(segment_ids, max_segments=layout, mesh=_MESH.get())
     out = forward(config, params, tokens, positions, backend,
