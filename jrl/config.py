@@ -176,6 +176,11 @@ MatmulDtype = Literal["float8"]
 # kernel on a Hopper GPU where it supports the shapes, the jnp reference elsewhere),
 # "reference", "pallas" (the kernel, forced) or "interpret" (the kernel in interpret mode).
 AttentionImpl = Literal["auto", "reference", "pallas", "interpret"]
+# Why the model cannot run the kernels under Pallas's interpreter (engine.attention_impl,
+# model.exact_attention_impl): the interpreter's ordered callbacks break flax's layer scan.
+INTERPRET_IN_MODEL = ("cannot be 'interpret' inside the model: Pallas's interpreter adds ordered callbacks that "
+                      "flax's layer scan refuses; use 'reference' on a CPU (the kernels' jnp twins), or call "
+                      "the kernels with interpret=True directly (pallas_kernels)")
 LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
 
 
@@ -378,6 +383,7 @@ class ModelConfig:
                "batch-dependent token groups) and matmul_dtype unset (fp8 products scale by the "
                "batch's own maximum)")
         _check_choice(self.exact_attention_impl, AttentionImpl, "exact_attention_impl")
+        _check(self.exact_attention_impl != "interpret", "exact_attention_impl", INTERPRET_IN_MODEL)
         self.rope_scaling.validate()
         self.lora.validate()
 

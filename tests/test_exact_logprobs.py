@@ -184,7 +184,7 @@ def test_rl_options_that_cannot_be_exact_are_refused_naming_the_field(options, f
 
 @pytest.mark.parametrize("engine, backend", [
     ({"page_size": 4}, "gpu"),  # "auto" would run the reference in the engine, the kernel in the trainer
-    ({"page_size": 4, "attention_impl": "interpret"}, "cpu"),
+    ({"page_size": 4, "attention_impl": "pallas"}, "cpu"),
     ({"page_size": 4, "attention_impl": "pallas"}, "gpu"),
 ])
 def test_engine_pages_the_exact_kernel_cannot_read_are_refused(engine, backend):
@@ -196,6 +196,14 @@ def test_engine_pages_the_exact_kernel_cannot_read_are_refused(engine, backend):
                                              ({"page_size": 4, "attention_impl": "reference"}, "gpu")])
 def test_engine_pages_that_keep_both_sides_on_the_reference_are_accepted(engine, backend):
     check_exact(EngineConfig(exact_logprobs=True, **engine), ModelConfig(), backend)
+
+
+def test_the_kernels_interpreter_is_refused_inside_the_model_naming_the_field():
+    # its ordered callbacks break the layer scan: a clear error, not a trace from flax
+    with pytest.raises(ConfigError, match="engine.attention_impl: cannot be 'interpret' inside the model"):
+        EngineConfig(attention_impl="interpret")
+    with pytest.raises(ConfigError, match="exact_attention_impl: cannot be 'interpret'"):
+        ModelConfig(exact_rows=64, exact_attention_impl="interpret")
 
 
 def test_exact_model_config_carries_the_engines_attention_impl():

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import jax
 
-from jrl.config import DEFAULT_EXACT_ROWS, AttentionImpl, ModelConfig, check, from_dict
+from jrl.config import DEFAULT_EXACT_ROWS, INTERPRET_IN_MODEL, AttentionImpl, ModelConfig, check, from_dict
 from pallas_kernels.dispatch import IMPLS, PAGE_MULTIPLE
 from pallas_kernels.quantized import KV_DTYPES
 
@@ -133,6 +133,7 @@ class EngineConfig:
               f"must be 'merge' or 'unmerged', got {self.lora!r}")
         check(self.attention_impl in IMPLS, "engine.attention_impl",
                f"must be one of {'/'.join(IMPLS)}, got {self.attention_impl!r}")
+        check(self.attention_impl != "interpret", "engine.attention_impl", INTERPRET_IN_MODEL)
         check(self.weight_dtype in (None, "float8_e4m3fn"), "engine.weight_dtype",
               f"must be None (the weights as handed over) or 'float8_e4m3fn', got {self.weight_dtype!r}")
         check(self.kv_dtype is None or self.kv_dtype in KV_DTYPES, "engine.kv_dtype",
