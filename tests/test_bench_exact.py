@@ -1,0 +1,69 @@
+"""`jrl bench exact`: every batch-invariance check runs on the CPU, where the exact numerics
+are bitwise whatever program a row is computed in, and a row that does differ is caught."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jrl.bench.exact as exact
+from jrl.bench.cli import main
+from test_bench_smoke import bench, section
+
+
+def test_every_check_is_bitwise_on_the_cpu(tmp_path):
+    rows = section(bench(tmp_path, "exact", "--layers", "1"), "exact")
+    assert {r["check"] for r in rows} == set(exact.CHECKS)
+    assert {r["contexts"] for r in rows if r["check"] == "qkv"} == {
+        "among vs alone", "among_shifted vs alone", "separate vs alone"}
+    assert {r["contexts"] for r in rows if r["check"] == "attention"} == {
+        "prefill vs decode_steps", "trainer vs decode_steps"}
+    for r in rows:
+        assert r["ok"] and r["bitwise_equal_pct"] == 100 and r["max_abs_diff"] == 0 and r["rows"] > 0, r
+
+
+def test_compare_reports_rows_that_differ_in_one_bit():
+    a = np.zeros((4, 3), np.float32)
+    b = a.copy()
+    b[1, 2] = 0.5
+    b[3, 0] = -0.0  # equal in value, not in bits
+    assert exact.compare(a, b) == {"rows": 4, "bitwise_equal_pct": 50.0, "element_equal_pct": pytest.approx(250 / 3),
+                                   "max_abs_diff": 0.5, "ok": False}
+    assert exact.compare(a, a)["ok"]
+
+
+def test_a_context_whose_rows_depend_on_the_batch_is_not_ok():
+    rng = np.random.default_rng(0)
+    chosen, filler = (jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),), (jnp.asarray(rng.normal(size=(64, 4))),)
+    sizes = exact.TINY_SIZES._replace(rows=8, among=64)
+    for fn, ok in ((lambda p, x: x * 2, True), (lambda p, x: x - jnp.mean(x, axis=0), False)):
+        (_, a), *others = exact.run_contexts(exact.row_contexts(fn, sizes, 16), None, chosen, filler)
+        assert [exact.compare(a, b)["ok"] for _, b in others] == [ok, ok]
+
+
+def test_flag_sets_run_one_process_each_with_the_flags_appended(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(cmd, env, stdout):
+        seen.append((env["XLA_FLAGS"], cmd[cmd.index("--checks") + 1]))
+        path = cmd[cmd.index("--json") + 1]
+        with open(path, "w") as f:
+            f.write(json.dumps({"device": "fake", "stage": "exact", "section": "exact", "check": "rmsnorm",
+                                "contexts": "among vs alone", "ok": True}) + "\n")
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setenv("XLA_FLAGS", "--base")
+    monkeypatch.setenv("JRL_BENCH_COMMIT", "abc")  # (no `git rev-parse` through the fake)
+    monkeypatch.setattr(exact.subprocess, "run", fake_run)
+    path = tmp_path / "rows.jsonl"
+    assert main(["exact", "--checks", "rmsnorm", "--xla-flags-sets", " ; --a=1 --b", "--json", str(path)]) == 0
+    assert seen == [("--base", "rmsnorm"), ("--base --a=1 --b", "rmsnorm")]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["xla_flags"], r["device"], r["ok"]) for r in rows] == [("", "fake", True), ("--a=1 --b", "fake", True)]
+
+
+def test_unknown_checks_are_refused_naming_the_choices():
+    with pytest.raises(SystemExit, match="--checks: unknown \\['lm'\\]; choose from linear,qkv"):
+        main(["exact", "--tiny", "--checks", "linear,lm"])
