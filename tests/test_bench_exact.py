@@ -39,7 +39,8 @@ def test_a_context_whose_rows_depend_on_the_batch_is_not_ok():
     chosen, filler = (jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),), (jnp.asarray(rng.normal(size=(64, 4))),)
     sizes = exact.TINY_SIZES._replace(rows=8, among=64)
     for fn, ok in ((lambda p, x: x * 2, True), (lambda p, x: x - jnp.mean(x, axis=0), False)):
-        (_, a), *others = exact.run_contexts(exact.row_contexts(fn, sizes, 16), None, chosen, filler)
+        contexts = exact.row_contexts(fn, sizes, 16)
+        (_, a), *others = exact.run_contexts(contexts, None, chosen, filler, exact.Programs("test", None))
         assert [exact.compare(a, b)["ok"] for _, b in others] == [ok, ok]
 
 
@@ -67,3 +68,11 @@ def test_flag_sets_run_one_process_each_with_the_flags_appended(tmp_path, monkey
 def test_unknown_checks_are_refused_naming_the_choices():
     with pytest.raises(SystemExit, match="--checks: unknown \\['lm'\\]; choose from linear,qkv"):
         main(["exact", "--tiny", "--checks", "linear,lm"])
+
+
+def test_hlo_dir_writes_each_program_and_counts_the_tile_loop(tmp_path):
+    rows = section(bench(tmp_path, "exact", "--checks", "linear", "--hlo-dir", str(tmp_path / "hlo")), "exact")
+    assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [
+        "linear.alone.hlo.txt", "linear.among.hlo.txt", "linear.among_shifted.hlo.txt"]
+    for r in rows:  # one tile: XLA drops lax.map's loop; many tiles: one loop
+        assert r["hlo_a"].startswith("while=0 dot=1 ") and r["hlo_b"].startswith("while=1 dot=1 "), r

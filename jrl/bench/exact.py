@@ -3,7 +3,7 @@ exact`; docs/rl.md "Exact log-probs"): which op gives a row different bits in th
 engine's programs and the trainer's.
 
     jrl bench exact [--checks linear,qkv,...] [--rows 64] [--layers N] [--impl auto]
-                    [--xla-flags-sets ';--xla_gpu_enable_triton_gemm=false']
+                    [--xla-flags-sets ';--xla_gpu_enable_triton_gemm=false'] [--hlo-dir DIR]
 
 Every check computes the same input rows in several contexts, each its own jitted program
 (as the engine's step and the trainer's forward are), and compares each context's rows
@@ -32,10 +32,14 @@ real modules (`jrl.models`) with layer 0's weights:
              sampled tokens, against the trainer (`jrl.bench.drift`): the end-to-end share
 
 On the CPU every check is bitwise. The first failing check in the order above points at
-the component; `--layers` bisects the model by depth. XLA flags are read when the backend
+the component; `--layers` bisects the model by depth; `--impl` applies to the attention
+check only (the model's attention resolves "auto"); `--rows 0` runs the plain numerics
+(no tiles; the engine check still runs tiles) as a control. XLA flags are read when the backend
 starts: `--xla-flags-sets 'A;B'` reruns the checks in one subprocess per set (appended to
-XLA_FLAGS; rows carry `xla_flags`, '' = none added). Exit status 1 when a check is not
-bitwise.
+XLA_FLAGS; rows carry `xla_flags`, '' = none added). `--hlo-dir DIR` writes each
+context's optimized HLO (`<check>.<context>.hlo.txt`, to diff) and puts a summary on the
+rows (`hlo_a`, `hlo_b`: while loops, dots, cuBLAS calls, Triton GEMMs, fusions). Exit
+status 1 when a check is not bitwise.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -103,6 +108,8 @@ def add_arguments(p) -> None:
                    help="exact_prefill implementation of the attention check (auto: the kernel on Hopper)")
     p.add_argument("--xla-flags-sets", default=None, metavar="'A;B;...'",
                    help="run the checks once per set of XLA flags, each in its own process")
+    p.add_argument("--hlo-dir", default=None, help="write each context's optimized HLO here; rows then "
+                   "carry hlo_a / hlo_b (loops, dots, cuBLAS calls, Triton GEMMs, fusions)")
 
 
 def record_name(args) -> str:
@@ -148,14 +155,58 @@ class Context(NamedTuple):
     offset: int = 0
 
 
-def run_contexts(contexts: list[Context], params, chosen: tuple, filler: tuple) -> list[tuple[str, np.ndarray]]:
+def hlo_summary(text: str) -> str:
+    """What decides a compiled program's rounding, counted in its optimized HLO: while loops
+    (lax.map's tile loop, gone when one tile is left), dots, cuBLAS calls, Triton GEMM
+    fusions, all fusions."""
+    counts = {"while": text.count("condition="), "dot": len(re.findall(r"\sdot\(", text)),
+              "cublas": text.count('custom_call_target="__cublas'), "triton_gemm": text.count("__triton_gemm"),
+              "fusion": len(re.findall(r"\sfusion\(", text))}
+    return " ".join(f"{k}={v}" for k, v in counts.items())
+
+
+def lower(fn: Callable, *args):
+    """`fn.lower(*args)` of a jitted function (or a partial of one); None for others."""
+    if isinstance(fn, functools.partial):
+        return lower(fn.func, *fn.args, *args)
+    return fn.lower(*args) if hasattr(fn, "lower") else None
+
+
+class Programs:
+    """Calls the contexts' programs. With `hlo_dir`, each jitted one is compiled ahead of
+    time first (once a `key`), its optimized HLO written to `hlo_dir/<check>.<key>.hlo.txt`
+    and summarised (`hlo_summary`) in `summaries` for the rows."""
+
+    def __init__(self, check: str, hlo_dir: str | None):
+        self.check, self.hlo_dir = check, hlo_dir
+        self.compiled: dict[str, Callable] = {}
+        self.summaries: dict[str, str] = {}
+
+    def __call__(self, key: str, fn: Callable, *args):
+        if self.hlo_dir is None:
+            return fn(*args)
+        if key not in self.compiled:
+            lowered = lower(fn, *args)
+            if lowered is None:  # a context of several programs (`qkv` separate)
+                return fn(*args)
+            exe = lowered.compile()
+            text = exe.as_text()
+            os.makedirs(self.hlo_dir, exist_ok=True)
+            with open(os.path.join(self.hlo_dir, f"{self.check}.{key}.hlo.txt"), "w") as f:
+                f.write(text)
+            self.summaries[key], self.compiled[key] = hlo_summary(text), exe
+        return self.compiled[key](*args)
+
+
+def run_contexts(contexts: list[Context], params, chosen: tuple, filler: tuple,
+                 programs: Programs) -> list[tuple[str, np.ndarray]]:
     """(context name, its output rows for `chosen`): each context's inputs are `filler`
     (arrays of at least `total` rows) with `chosen` written at its offset."""
     k = chosen[0].shape[0]
     outs = []
     for c in contexts:
         inputs = tuple(jnp.asarray(f[:c.total]).at[c.offset:c.offset + k].set(x) for x, f in zip(chosen, filler))
-        outs.append((c.name, np.asarray(c.fn(params, *inputs))[c.offset:c.offset + k]))
+        outs.append((c.name, np.asarray(programs(c.name, c.fn, params, *inputs))[c.offset:c.offset + k]))
     return outs
 
 
@@ -199,7 +250,7 @@ def module_fn(module: nn.Module) -> Callable:
     return lambda p, x: module.apply({"params": p}, x[None])[0]
 
 
-def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng) -> list[tuple]:
+def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, programs: Programs) -> list[tuple]:
     """(context a, context b, comparison) of a row-wise check (`linear` .. `logprob`)."""
     rows, d, n = cfg.exact_rows, cfg.hidden_size, sizes.among
     dt = dtype_of(cfg.dtype)
@@ -247,7 +298,7 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng) -> 
         chosen, filler = (x[:sizes.rows], targets[:sizes.rows]), (filler[0], targets)
     else:
         raise ValueError(f"check_rows: not a row-wise check: {name!r}")
-    outs = run_contexts(contexts, p, chosen, filler)
+    outs = run_contexts(contexts, p, chosen, filler, programs)
     return [(outs[0][0], b, compare(outs[0][1], out)) for b, out in outs[1:]]
 
 
@@ -255,7 +306,7 @@ def pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng) -> list[tuple]:
+def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Programs) -> list[tuple]:
     """`exact_prefill` on the last `sizes.tail` tokens of each request: decode steps (the
     reference context), one packed prefill, the trainer's `exact_attend`."""
     hq, hkv, d, ps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, PAGE_SIZE
@@ -286,12 +337,13 @@ def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng) -> list[tupl
         kv_lens = np.zeros(n_rows, np.int32)
         kv_lens[:r] = pos + 1
         q_step = jnp.zeros((n_rows, hq, d), dt).at[:r].set(q[starts + pos])
-        decode.append(np.asarray(attend(q_step, k_buf, v_buf, cu, kv_lens, step_table))[:r])
+        decode.append(np.asarray(programs("decode_steps", attend, q_step, k_buf, v_buf, cu, kv_lens,
+                                          step_table))[:r])
     decode = np.stack(decode, axis=1)  # [R, tail, Hq, D]
 
     padded = jnp.zeros((pow2(t), hq, d), dt).at[:t].set(q)  # a prefill: all requests packed
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    out = np.asarray(attend(padded, k_buf, v_buf, cu, lens.astype(np.int32), table))
+    out = np.asarray(programs("prefill", attend, padded, k_buf, v_buf, cu, lens.astype(np.int32), table))
     prefill = np.stack([out[s + n - tail:s + n] for s, n in zip(starts, lens)])
 
     s_max = -(-int(lens.max()) // 64) * 64  # the trainer: one request a row, padded
@@ -301,7 +353,7 @@ def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng) -> list[tupl
     row_q = np.where(valid, starts[:, None] + np.arange(s_max)[None], 0)
     qd = jnp.where(valid[..., None, None], q[row_q], 0)
     trainer = jax.jit(lambda q, k, v, seg: exact_attend(q, k, v, seg, 1, scale, impl))
-    out = np.asarray(trainer(qd, kd, vd, jnp.asarray(valid, jnp.int32)))
+    out = np.asarray(programs("trainer", trainer, qd, kd, vd, jnp.asarray(valid, jnp.int32)))
     dense = np.stack([out[i, n - tail:n] for i, n in enumerate(lens)])
     flat = lambda x: x.reshape(r * tail, hq * d)
     return [("decode_steps", name, compare(flat(decode), flat(x)))
@@ -318,19 +370,20 @@ def score(cfg: ModelConfig, params: dict, tokens: jax.Array, segment_ids: jax.Ar
         return token_logprobs(cfg, params, tokens, positions, segment_ids, chunk_size=1024)
 
 
-def check_model(cfg: ModelConfig, params: dict, n_layers: int, sizes: Sizes, rng) -> list[tuple]:
+def check_model(cfg: ModelConfig, params: dict, n_layers: int, sizes: Sizes, rng,
+                programs: Programs) -> list[tuple]:
     """The trainer's log-probs of `sizes.seqs` sequences through the first `n_layers`
     layers: alone, among more sequences, padded longer."""
     cfg = dataclasses.replace(cfg, n_layers=n_layers)
     params = first_layers(params, n_layers)
     s, pad = sizes.prompt + sizes.new, ((0, 0), (0, sizes.seq_pad))
     fn = functools.partial(score, cfg)
-    padded = lambda p, tokens, segment_ids: fn(p, jnp.pad(tokens, pad), jnp.pad(segment_ids, pad))[:, :s]
+    padded = jax.jit(lambda p, tokens, segment_ids: fn(p, jnp.pad(tokens, pad), jnp.pad(segment_ids, pad))[:, :s])
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (sizes.seqs_among, s)), jnp.int32)
     filler = (jnp.asarray(rng.integers(0, cfg.vocab_size, tokens.shape), jnp.int32), jnp.ones_like(tokens))
     contexts = [Context("alone", fn, sizes.seqs), Context("among", fn, sizes.seqs_among, 1),
                 Context("padded", padded, sizes.seqs)]
-    outs = run_contexts(contexts, params, (tokens[:sizes.seqs], filler[1][:sizes.seqs]), filler)
+    outs = run_contexts(contexts, params, (tokens[:sizes.seqs], filler[1][:sizes.seqs]), filler, programs)
     flat = lambda x: x.reshape(-1)  # one row a token
     return [(outs[0][0], b, compare(flat(outs[0][1]), flat(out))) for b, out in outs[1:]]
 
@@ -363,23 +416,25 @@ def run_checks(args, results, checks: list[str]) -> None:
         rng = np.random.default_rng(CHECKS.index(name))
         common = dict(check=name, exact_rows=cfg.exact_rows, hidden=cfg.hidden_size,
                       xla_flags_env=os.environ.get("XLA_FLAGS", ""))
+        programs = Programs(name, args.hlo_dir)
         try:
             if name == "attention":
-                pairs = check_attention(cfg, sizes, args.impl, rng)
+                pairs = check_attention(cfg, sizes, args.impl, rng, programs)
                 common["impl"] = args.impl
             elif name in ("layer", "model"):
                 common["layers"] = 1 if name == "layer" else n_layers
-                pairs = check_model(cfg, params, common["layers"], sizes, rng)
+                pairs = check_model(cfg, params, common["layers"], sizes, rng, programs)
             elif name == "engine":
                 common["layers"] = n_layers
                 pairs = check_engine(cfg, params, n_layers, sizes, rng)
             else:
-                pairs = check_rows(name, cfg, params, sizes, rng)
+                pairs = check_rows(name, cfg, params, sizes, rng, programs)
         except Exception:  # noqa: BLE001 - one check's failure (a kernel that does not compile) is its row
             results.row("exact", **common, ok=False, error=traceback.format_exc()[-2000:])
             continue
         for a, b, stats in pairs:
-            results.row("exact", **common, contexts=f"{b} vs {a}", **stats)
+            hlo = {f"hlo_{k}": programs.summaries[c] for k, c in (("a", a), ("b", b)) if c in programs.summaries}
+            results.row("exact", **common, contexts=f"{b} vs {a}", **stats, **hlo)
 
 
 def run_flag_sets(args, results, checks: list[str]) -> None:
@@ -420,4 +475,7 @@ def run(args, results) -> int:
     if args.xla_flags_sets is not None:
         columns.append(("xla_flags", "xla flags"))
     results.table(columns, "exact", "rows computed in different programs, compared bitwise")
+    if any("hlo_a" in r or "hlo_b" in r for r in results.rows):
+        results.table([("check", "check"), ("contexts", "contexts"), ("hlo_a", "first context's program"),
+                       ("hlo_b", "the other's")], "exact", "the compiled programs (--hlo-dir)")
     return 0 if all(r.get("ok") for r in results.rows) else 1
