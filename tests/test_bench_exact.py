@@ -19,7 +19,7 @@ def test_every_check_is_bitwise_on_the_cpu(tmp_path):
     assert {r["contexts"] for r in rows if r["check"] == "qkv"} == {
         "among vs alone", "among_shifted vs alone", "separate vs alone"}
     assert {r["contexts"] for r in rows if r["check"] == "attention"} == {
-        "prefill vs decode_steps", "trainer vs decode_steps"}
+        "decode_single vs decode_steps", "prefill vs decode_steps", "trainer vs decode_steps"}
     for r in rows:
         assert r["ok"] and r["bitwise_equal_pct"] == 100 and r["max_abs_diff"] == 0 and r["rows"] > 0, r
 

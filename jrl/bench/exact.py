@@ -22,8 +22,9 @@ real modules (`jrl.models`) with layer 0's weights:
   logprob    LM head + `target_logprob` as the engine computes it (alone, among) and the
              trainer's chunked `target_stats` (among, shifted)
   attention  `exact_prefill` (`--impl`): the last 64 tokens of 4 requests of 512-600
-             tokens as 1-query decode steps (engine-like page tables, padded rows), as
-             rows of one packed prefill, and as the trainer's `exact_attend` on a dense
+             tokens as 1-query decode steps of all 4 (engine-like page tables, padded
+             rows), as decode steps of each request alone (the same program), as rows
+             of one packed prefill, and as the trainer's `exact_attend` on a dense
              padded batch
   layer      the trainer's exact `token_logprobs` through 1 layer: 32 sequences of 576
              alone vs among 48 and vs padded to 640 tokens
@@ -294,7 +295,8 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, pro
 
         targets = jnp.asarray(rng.integers(0, cfg.vocab_size, n), jnp.int32)
         p, (alone, among, _) = params, row_contexts(engine, sizes, rows)
-        contexts = [alone, among, *(c._replace(name="trainer_" + c.name) for c in row_contexts(trainer, sizes, rows)[1:])]
+        trainers = [c._replace(name="trainer_" + c.name) for c in row_contexts(trainer, sizes, rows)[1:]]
+        contexts = [alone, among, *trainers]
         chosen, filler = (x[:sizes.rows], targets[:sizes.rows]), (filler[0], targets)
     else:
         raise ValueError(f"check_rows: not a row-wise check: {name!r}")
@@ -327,19 +329,27 @@ def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Pr
         q, k, v, 0, cu, kv_lens, table, page_size=ps, sm_scale=scale, impl=impl))
 
     n_rows = max(8, pow2(r))  # a decode step: one query a request, padding rows as the engine's
-    cu = np.full(n_rows + 1, r, np.int32)
-    cu[:r + 1] = np.arange(r + 1)
-    step_table = np.zeros((n_rows, width), np.int32)
-    step_table[:r] = table
-    decode = []
-    for j in range(tail):
-        pos = lens - tail + j
-        kv_lens = np.zeros(n_rows, np.int32)
-        kv_lens[:r] = pos + 1
-        q_step = jnp.zeros((n_rows, hq, d), dt).at[:r].set(q[starts + pos])
-        decode.append(np.asarray(programs("decode_steps", attend, q_step, k_buf, v_buf, cu, kv_lens,
-                                          step_table))[:r])
-    decode = np.stack(decode, axis=1)  # [R, tail, Hq, D]
+
+    def decode(groups: list[list[int]]) -> np.ndarray:
+        """[R, tail, Hq, D]: each group of requests decoded together, one step a token."""
+        out = np.zeros((r, tail, hq, d), q.dtype)
+        for group in groups:
+            g = len(group)
+            cu = np.full(n_rows + 1, g, np.int32)
+            cu[:g + 1] = np.arange(g + 1)
+            step_table = np.zeros((n_rows, width), np.int32)
+            step_table[:g] = table[group]
+            for j in range(tail):
+                pos = lens[group] - tail + j
+                kv_lens = np.zeros(n_rows, np.int32)
+                kv_lens[:g] = pos + 1
+                q_step = jnp.zeros((n_rows, hq, d), dt).at[:g].set(q[starts[group] + pos])
+                out[group, j] = np.asarray(programs("decode_steps", attend, q_step, k_buf, v_buf, cu, kv_lens,
+                                                    step_table))[:g]
+        return out
+
+    batched = decode([list(range(r))])
+    single = decode([[i] for i in range(r)])  # the same program, each request alone in its steps
 
     padded = jnp.zeros((pow2(t), hq, d), dt).at[:t].set(q)  # a prefill: all requests packed
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -356,8 +366,8 @@ def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Pr
     out = np.asarray(programs("trainer", trainer, qd, kd, vd, jnp.asarray(valid, jnp.int32)))
     dense = np.stack([out[i, n - tail:n] for i, n in enumerate(lens)])
     flat = lambda x: x.reshape(r * tail, hq * d)
-    return [("decode_steps", name, compare(flat(decode), flat(x)))
-            for name, x in (("prefill", prefill), ("trainer", dense))]
+    return [("decode_steps", name, compare(flat(batched), flat(x)))
+            for name, x in (("decode_single", single), ("prefill", prefill), ("trainer", dense))]
 
 
 @functools.partial(jax.jit, static_argnums=0)
