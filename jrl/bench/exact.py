@@ -108,7 +108,8 @@ def add_arguments(p) -> None:
     p.add_argument("--impl", default="auto", choices=dispatch.IMPLS,
                    help="exact_prefill implementation of the attention check (auto: the kernel on Hopper)")
     p.add_argument("--xla-flags-sets", default=None, metavar="'A;B;...'",
-                   help="run the checks once per set of XLA flags, each in its own process")
+                   help="run the checks once per set of XLA flags, each in its own process (write "
+                   "--xla-flags-sets=... when the first set starts with '-')")
     p.add_argument("--hlo-dir", default=None, help="write each context's optimized HLO here; rows then "
                    "carry hlo_a / hlo_b (loops, dots, cuBLAS calls, Triton GEMMs, fusions)")
 
@@ -449,18 +450,20 @@ def run_checks(args, results, checks: list[str]) -> None:
 
 def run_flag_sets(args, results, checks: list[str]) -> None:
     """The checks once per set of `--xla-flags-sets`, each in a subprocess whose XLA_FLAGS
-    has the set appended; its rows are recorded here with `xla_flags`. This process never
-    starts a backend (the subprocesses own the device)."""
+    has the set appended (its HLO under `--hlo-dir`/flags<i>); its rows are recorded here
+    with `xla_flags`. This process never starts a backend (the subprocesses own the
+    device)."""
     base = os.environ.get("XLA_FLAGS", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
     argv = ["exact", "--checks", ",".join(checks), "--rows", str(args.rows), "--impl", args.impl,
             *(["--layers", str(args.layers)] if args.layers else []), *(["--tiny"] if args.tiny else [])]
-    for flags in (f.strip() for f in args.xla_flags_sets.split(";")):
-        log(f"XLA flags set: {flags!r}")
+    for i, flags in enumerate(f.strip() for f in args.xla_flags_sets.split(";")):
+        log(f"XLA flags set {i}: {flags!r}")
+        hlo = ["--hlo-dir", os.path.join(args.hlo_dir, f"flags{i}")] if args.hlo_dir else []
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "rows.jsonl")
             # its progress goes to this stderr as it comes; its table (stdout) is dropped
-            out = subprocess.run([sys.executable, "-m", "jrl.bench", *argv, "--json", path],
+            out = subprocess.run([sys.executable, "-m", "jrl.bench", *argv, *hlo, "--json", path],
                                  env={**env, "XLA_FLAGS": f"{base} {flags}".strip()}, stdout=subprocess.DEVNULL)
             rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
         for row in rows:
@@ -482,10 +485,9 @@ def run(args, results) -> int:
         run_checks(args, results, checks)
     columns = [("check", "check"), ("contexts", "contexts"), ("rows", "rows"), ("bitwise_equal_pct", "bitwise %"),
                ("element_equal_pct", "elements %"), ("max_abs_diff", "max |d|"), ("ok", "ok")]
-    if args.xla_flags_sets is not None:
-        columns.append(("xla_flags", "xla flags"))
-    results.table(columns, "exact", "rows computed in different programs, compared bitwise")
+    flags = [("xla_flags", "xla flags")] if args.xla_flags_sets is not None else []
+    results.table(columns + flags, "exact", "rows computed in different programs, compared bitwise")
     if any("hlo_a" in r or "hlo_b" in r for r in results.rows):
         results.table([("check", "check"), ("contexts", "contexts"), ("hlo_a", "first context's program"),
-                       ("hlo_b", "the other's")], "exact", "the compiled programs (--hlo-dir)")
+                       ("hlo_b", "the other's"), *flags], "exact", "the compiled programs (--hlo-dir)")
     return 0 if all(r.get("ok") for r in results.rows) else 1
