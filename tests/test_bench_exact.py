@@ -76,3 +76,14 @@ def test_hlo_dir_writes_each_program_and_counts_the_tile_loop(tmp_path):
         "linear.alone.hlo.txt", "linear.among.hlo.txt", "linear.among_shifted.hlo.txt"]
     for r in rows:  # one tile: XLA drops lax.map's loop; many tiles: one loop
         assert r["hlo_a"].startswith("while=0 dot=1 ") and r["hlo_b"].startswith("while=1 dot=1 "), r
+
+
+def test_the_engine_check_runs_one_engine_per_tuning(tmp_path):
+    tuning = {"unroll_layers": True, "decode_steps_per_call": 4}  # the GPU's program structure, on the CPU
+    rows = bench(tmp_path, "exact", "--checks", "engine", "--layers", "1", "--engine-tunings", "{};" + json.dumps(tuning))
+    assert [(r["tuning"], r["ok"]) for r in section(rows, "exact")] == [({}, True), (tuning, True)]
+
+
+def test_bad_engine_tunings_are_refused_naming_the_option():
+    with pytest.raises(SystemExit, match="--engine-tunings: .*'unrol'"):
+        main(["exact", "--tiny", "--checks", "engine", "--engine-tunings", '{"unrol": true}'])

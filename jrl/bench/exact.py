@@ -30,7 +30,9 @@ real modules (`jrl.models`) with layer 0's weights:
              alone vs among 48 and vs padded to 640 tokens
   model      the same through `--layers` layers (default all)
   engine     an exact_logprobs engine truncated to `--layers`, 32 prompts of 512, 64
-             sampled tokens, against the trainer (`jrl.bench.drift`): the end-to-end share
+             sampled tokens, against the trainer (`jrl.bench.drift`): the end-to-end share;
+             one engine per `--engine-tunings` entry (the GPU's defaults unroll the layers
+             and run 4 decode steps a call, the CPU's neither)
 
 On the CPU every check is bitwise. The first failing check in the order above points at
 the component; `--layers` bisects the model by depth; `--impl` applies to the attention
@@ -110,6 +112,9 @@ def add_arguments(p) -> None:
     p.add_argument("--xla-flags-sets", default=None, metavar="'A;B;...'",
                    help="run the checks once per set of XLA flags, each in its own process (write "
                    "--xla-flags-sets=... when the first set starts with '-')")
+    p.add_argument("--engine-tunings", default="{}", metavar="'JSON;JSON'",
+                   help="engine check: one engine per TuningOverrides object, e.g. "
+                   "'{};{\"unroll_layers\": false, \"decode_steps_per_call\": 1}' ({}: the backend's defaults)")
     p.add_argument("--hlo-dir", default=None, help="write each context's optimized HLO here; rows then "
                    "carry hlo_a / hlo_b (loops, dots, cuBLAS calls, Triton GEMMs, fusions)")
 
@@ -399,24 +404,44 @@ def check_model(cfg: ModelConfig, params: dict, n_layers: int, sizes: Sizes, rng
     return [(outs[0][0], b, compare(flat(outs[0][1]), flat(out))) for b, out in outs[1:]]
 
 
-def check_engine(cfg: ModelConfig, params: dict, n_layers: int, sizes: Sizes, rng) -> list[tuple]:
+def check_engine(cfg: ModelConfig, params: dict, n_layers: int, sizes: Sizes, rng,
+                 tunings: list[dict]) -> list[tuple]:
     """An exact_logprobs engine (the first `n_layers` layers) against the trainer's pass
-    (both on `exact_model_config`: tiles even under `--rows 0`)."""
+    (both on `exact_model_config`: tiles even under `--rows 0`), once per engine tuning
+    (`TuningOverrides` fields; {}: the backend's defaults, e.g. unrolled layers and
+    several decode steps a call on a GPU, neither on the CPU)."""
     cfg = exact_model_config(dataclasses.replace(cfg, n_layers=n_layers))
     params = first_layers(params, n_layers)
     n, prompt, new = sizes.seqs, sizes.prompt, sizes.new
     prompts = rng.integers(0, cfg.vocab_size, (n, prompt), dtype=np.int32)
     config = engine_config(n, prompt, new, PAGE_SIZE, {"exact_logprobs": True})
-    sampled, _ = drift.measure(cfg, params, config, TuningOverrides(), prompts, new)
-    stats = drift.vs_trainer(cfg, params, prompts, sampled)
-    pct = stats["vs_trainer_bitwise_equal_pct"]
-    return [("engine", "trainer", {"rows": sum(len(c.tokens) for c in sampled), "bitwise_equal_pct": pct,
-                                   "element_equal_pct": pct, "max_abs_diff": stats.get("vs_trainer_max_abs", 0.0),
-                                   "ok": pct == 100})]
+    out = []
+    for tuning in tunings:
+        sampled, _ = drift.measure(cfg, params, config, TuningOverrides(**tuning), prompts, new)
+        stats = drift.vs_trainer(cfg, params, prompts, sampled)
+        pct = stats["vs_trainer_bitwise_equal_pct"]
+        out.append(("engine" + (f" {json.dumps(tuning)}" if tuning else ""), "trainer",
+                    {"rows": sum(len(c.tokens) for c in sampled), "bitwise_equal_pct": pct, "element_equal_pct": pct,
+                     "max_abs_diff": stats.get("vs_trainer_max_abs", 0.0), "ok": pct == 100, "tuning": tuning}))
+    return out
+
+
+def engine_tunings(text: str) -> list[dict]:
+    """`--engine-tunings`: JSON objects of `TuningOverrides` fields, ';'-separated."""
+    try:
+        tunings = [json.loads(t) for t in text.split(";") if t.strip()]
+        for t in tunings:
+            if not isinstance(t, dict):
+                raise ValueError(f"each entry must be a JSON object, got {t!r}")
+            TuningOverrides(**t)  # an unknown field or a bad value fails here
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--engine-tunings: {e}") from None
+    return tunings or [{}]
 
 
 def run_checks(args, results, checks: list[str]) -> None:
     cfg = model_config(args)
+    tunings = engine_tunings(args.engine_tunings)
     sizes = TINY_SIZES if args.tiny else SIZES
     n_layers = args.layers or cfg.n_layers
     if not 1 <= n_layers <= cfg.n_layers:
@@ -437,7 +462,7 @@ def run_checks(args, results, checks: list[str]) -> None:
                 pairs = check_model(cfg, params, common["layers"], sizes, rng, programs)
             elif name == "engine":
                 common["layers"] = n_layers
-                pairs = check_engine(cfg, params, n_layers, sizes, rng)
+                pairs = check_engine(cfg, params, n_layers, sizes, rng, tunings)
             else:
                 pairs = check_rows(name, cfg, params, sizes, rng, programs)
         except Exception:  # noqa: BLE001 - one check's failure (a kernel that does not compile) is its row
@@ -456,6 +481,7 @@ def run_flag_sets(args, results, checks: list[str]) -> None:
     base = os.environ.get("XLA_FLAGS", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
     argv = ["exact", "--checks", ",".join(checks), "--rows", str(args.rows), "--impl", args.impl,
+            "--engine-tunings", args.engine_tunings,
             *(["--layers", str(args.layers)] if args.layers else []), *(["--tiny"] if args.tiny else [])]
     for i, flags in enumerate(f.strip() for f in args.xla_flags_sets.split(";")):
         log(f"XLA flags set {i}: {flags!r}")
@@ -479,6 +505,7 @@ def run(args, results) -> int:
     checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     if unknown := [c for c in checks if c not in CHECKS]:
         raise SystemExit(f"--checks: unknown {unknown}; choose from {','.join(CHECKS)}")
+    engine_tunings(args.engine_tunings)  # refused before anything runs
     if args.xla_flags_sets is not None:
         run_flag_sets(args, results, checks)
     else:
