@@ -80,7 +80,8 @@ def test_hlo_dir_writes_each_program_and_counts_the_tile_loop(tmp_path):
 
 def test_the_engine_check_runs_one_engine_per_tuning(tmp_path):
     tuning = {"unroll_layers": True, "decode_steps_per_call": 4}  # the GPU's program structure, on the CPU
-    rows = bench(tmp_path, "exact", "--checks", "engine", "--layers", "1", "--engine-tunings", "{};" + json.dumps(tuning))
+    rows = bench(tmp_path, "exact", "--checks", "engine", "--layers", "1",
+                 "--engine-tunings", "{};" + json.dumps(tuning))
     assert [(r["tuning"], r["ok"]) for r in section(rows, "exact")] == [({}, True), (tuning, True)]
 
 
