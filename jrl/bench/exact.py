@@ -3,7 +3,8 @@ exact`; docs/rl.md "Exact log-probs"): which op gives a row different bits in th
 engine's programs and the trainer's.
 
     jrl bench exact [--checks linear,qkv,...] [--rows 64] [--layers N] [--impl auto]
-                    [--xla-flags-sets ';--xla_gpu_enable_triton_gemm=false'] [--hlo-dir DIR]
+                    [--engine-tunings '{};{"unroll_layers": false}'] [--hlo-dir DIR]
+                    [--xla-flags-sets ';--xla_disable_hlo_passes=dot-merger;--xla_gpu_enable_triton_gemm=false']
 
 Every check computes the same input rows in several contexts, each its own jitted program
 (as the engine's step and the trainer's forward are), and compares each context's rows
