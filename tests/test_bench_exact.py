@@ -65,9 +65,14 @@ def test_flag_sets_run_one_process_each_with_the_flags_appended(tmp_path, monkey
     assert [(r["xla_flags"], r["device"], r["ok"]) for r in rows] == [("", "fake", True), ("--a=1 --b", "fake", True)]
 
 
-def test_unknown_checks_are_refused_naming_the_choices():
-    with pytest.raises(SystemExit, match="--checks: unknown \\['lm'\\]; choose from linear,qkv"):
-        main(["exact", "--tiny", "--checks", "linear,lm"])
+@pytest.mark.parametrize("option, value, error", [
+    ("--checks", "linear,lm", "--checks: unknown \\['lm'\\]; choose from linear,qkv"),
+    ("--layers", "3", "--layers: must be 1..2, got 3"),
+    ("--rows", "12", "--rows: must be 0 or a positive multiple of 8, got 12"),
+])
+def test_bad_options_are_refused_naming_the_option(option, value, error):
+    with pytest.raises(SystemExit, match=error):
+        main(["exact", "--tiny", option, value])
 
 
 def test_hlo_dir_writes_each_program_and_counts_the_tile_loop(tmp_path):

@@ -445,8 +445,6 @@ def run_checks(args, results, checks: list[str]) -> None:
     tunings = engine_tunings(args.engine_tunings)
     sizes = TINY_SIZES if args.tiny else SIZES
     n_layers = args.layers or cfg.n_layers
-    if not 1 <= n_layers <= cfg.n_layers:
-        raise SystemExit(f"--layers: must be 1..{cfg.n_layers}, got {n_layers}")
     params = init(cfg)
     for name in checks:
         log(f"check {name}")
@@ -506,7 +504,10 @@ def run(args, results) -> int:
     checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     if unknown := [c for c in checks if c not in CHECKS]:
         raise SystemExit(f"--checks: unknown {unknown}; choose from {','.join(CHECKS)}")
-    engine_tunings(args.engine_tunings)  # refused before anything runs
+    engine_tunings(args.engine_tunings)  # bad options are refused before anything runs
+    n_layers = model_config(args).n_layers
+    if args.layers is not None and not 1 <= args.layers <= n_layers:
+        raise SystemExit(f"--layers: must be 1..{n_layers}, got {args.layers}")
     if args.xla_flags_sets is not None:
         run_flag_sets(args, results, checks)
     else:
