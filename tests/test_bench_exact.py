@@ -3,7 +3,6 @@ are bitwise whatever program a row is computed in, and a row that does differ is
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
