@@ -14,6 +14,7 @@ STAGES = {
     "train": "trainer step throughput: tokens/s, MFU, memory, meshes; --torch: transformers beside it",
     "decode": "engine decode throughput; --step-only, --ab (variants), --host, --gemms, --drift, --trace-dir",
     "prefill": "engine prefill throughput: prompt tokens/s against the compute floor",
+    "exact": "batch invariance of the exact log-prob numerics, op by op (linear .. attention, model, engine)",
     "kernels": "Pallas decode / prefill kernels vs stock Pallas, cuDNN, XLA; --check, --write",
     "grpo": "one GRPO step (sync, overlapped or interruptible), phase by phase (generation .. weight sync)",
     "grpo_lora": "GRPO with LoRA at the 8B shape on one GPU: tokens/s/GPU, phases, memory, compile",

@@ -232,6 +232,14 @@ def dense_attention(segment_ids: jax.Array, implementation: str | None = None,
                           max_segments=max_segments, mesh=mesh)
 
 
+def qkv_projections(cfg: ModelConfig) -> tuple[Projection, Projection, Projection]:
+    """GQA attention's q, k and v projections of one input (`projections` runs them)."""
+    hd = cfg.head_dim
+    return (Projection("q_proj", cfg.n_heads * hd, ("embed", "q_heads"), "q"),
+            Projection("k_proj", cfg.n_kv_heads * hd, ("embed", "kv_heads"), "k"),
+            Projection("v_proj", cfg.n_kv_heads * hd, ("embed", "kv_heads"), "v"))
+
+
 class GQAttention(nn.Module):
     """Grouped-query attention (MHA when n_kv_heads == n_heads, MQA when 1). `fused`: q, k
     and v come from one `qkv_proj` kernel (`jrl.models.fused`)."""
@@ -244,10 +252,7 @@ class GQAttention(nn.Module):
         cfg = self.config
         b, s, _ = x.shape
         hd = cfg.head_dim
-        q, k, v = projections(cfg, x, (Projection("q_proj", cfg.n_heads * hd, ("embed", "q_heads"), "q"),
-                                       Projection("k_proj", cfg.n_kv_heads * hd, ("embed", "kv_heads"), "k"),
-                                       Projection("v_proj", cfg.n_kv_heads * hd, ("embed", "kv_heads"), "v")),
-                              "qkv_proj" if self.fused else None, cfg.qkv_bias)
+        q, k, v = projections(cfg, x, qkv_projections(cfg), "qkv_proj" if self.fused else None, cfg.qkv_bias)
         q = q.reshape(b, s, cfg.n_heads, hd)
         k = k.reshape(b, s, cfg.n_kv_heads, hd)
         v = v.reshape(b, s, cfg.n_kv_heads, hd)
