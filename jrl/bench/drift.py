@@ -153,13 +153,14 @@ def run(args, results, cfg: ModelConfig, engine_config: Callable[..., EngineConf
     tuning = TuningOverrides(**args.tuning)
     base = None
     for label, overrides in settings(args.engine):
-        sampled, greedy = measure(cfg, params, engine_config(n, prompt, new, args.page_size, overrides), tuning,
-                                  prompts, new)
+        config = engine_config(n, prompt, new, args.page_size, overrides)
+        sampled, greedy = measure(cfg, params, config, tuning, prompts, new)
         base = base or (sampled, greedy)
+        # an exact engine against the trainer's exact pass on the engine's attention implementation
+        trainer_cfg = exact_model_config(cfg, config.attention_impl) if config.exact_logprobs else cfg
         results.row("drift", precision=label, engine=overrides, prompts=n, prompt=prompt, new=new,
                     page_size=args.page_size, weights=args.drift_init or "random",
-                    **vs_trainer(exact_model_config(cfg) if overrides.get("exact_logprobs") else cfg, params,
-                                 prompts, sampled), **vs_base(sampled, base[0]),
+                    **vs_trainer(trainer_cfg, params, prompts, sampled), **vs_base(sampled, base[0]),
                     **prefix_agreement(greedy, base[1], "greedy"))
     results.table([("precision", "precision"), ("vs_trainer_mean_abs", "trainer mean |d|"),
                    ("vs_trainer_p99_abs", "trainer p99 |d|"), ("vs_trainer_max_abs", "trainer max |d|"),

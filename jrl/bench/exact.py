@@ -411,11 +411,11 @@ def check_engine(cfg: ModelConfig, params: dict, n_layers: int, sizes: Sizes, rn
     (both on `exact_model_config`: tiles even under `--rows 0`), once per engine tuning
     (`TuningOverrides` fields; {}: the backend's defaults, e.g. unrolled layers and
     several decode steps a call on a GPU, neither on the CPU)."""
-    cfg = exact_model_config(dataclasses.replace(cfg, n_layers=n_layers))
-    params = first_layers(params, n_layers)
     n, prompt, new = sizes.seqs, sizes.prompt, sizes.new
-    prompts = rng.integers(0, cfg.vocab_size, (n, prompt), dtype=np.int32)
     config = engine_config(n, prompt, new, PAGE_SIZE, {"exact_logprobs": True})
+    cfg = exact_model_config(dataclasses.replace(cfg, n_layers=n_layers), config.attention_impl)
+    params = first_layers(params, n_layers)
+    prompts = rng.integers(0, cfg.vocab_size, (n, prompt), dtype=np.int32)
     out = []
     for tuning in tunings:
         sampled, _ = drift.measure(cfg, params, config, TuningOverrides(**tuning), prompts, new)
