@@ -105,7 +105,7 @@ def test_fp8_kv_pages_the_gpu_kernels_cannot_read_name_engine_page_size():
     with pytest.raises(ConfigError, match="engine.page_size: must be a multiple of 32 with engine.kv_dtype"):
         check_kv_page_size(config, GQA, "gpu")
     with pytest.raises(ConfigError, match="engine.page_size"):  # the kernel forced, on any backend
-        check_kv_page_size(dataclasses.replace(config, attention_impl="interpret"), GQA, "cpu")
+        check_kv_page_size(dataclasses.replace(config, attention_impl="pallas"), GQA, "cpu")
 
 
 @pytest.mark.parametrize("config, model, backend", [
