@@ -237,18 +237,22 @@ def test_a_grpo_run_killed_again_and_again_ends_as_the_uninterrupted_run(tmp_pat
     truncations = stale_locks = 0
     finished = False
     for attempt in range(MAX_ATTEMPTS):
-        if sum(hits.values()) >= kills and min(hits[p] for p in PHASES) >= per_phase:
-            break
-        # the phase to aim at: the one hit least so far; a seeded delay inside it
-        target = min(PHASES, key=lambda p: (hits[p], PHASES.index(p)))
         newest = checkpoint.latest_step(run / "checkpoints") if run.exists() else None
-        # which of this process's rollouts / updates / saves: the second one only while
-        # enough steps are left for the remaining kills (the first one makes no progress)
-        nth = rng.randint(1, 2) if STEPS - (newest or 0) > STEPS // 2 else 1
-        delay = rng.uniform(0.0, (FIRST_DELAY_S if nth == 1 else LATER_DELAY_S)[target])
         logged = [r["step"] for r in train_rows(run)] if run.exists() else []
         if newest is not None and logged and max(logged) > newest:
             truncations += 1  # rows of steps after the resumed checkpoint: the resume must drop them
+        placed_all = sum(hits.values()) >= kills and min(hits[p] for p in PHASES) >= per_phase
+        if placed_all and truncations:
+            break
+        # the phase to aim at: the one hit least so far, with a seeded delay inside it; once
+        # every phase has its kills but no resume has had rows to drop yet (where the kills
+        # landed depends on the machine's load), one more kill right as a save starts: its
+        # step's row is logged, its checkpoint not yet published
+        target = "save" if placed_all else min(PHASES, key=lambda p: (hits[p], PHASES.index(p)))
+        # which of this process's rollouts / updates / saves: the second one only while
+        # enough steps are left for the remaining kills (the first one makes no progress)
+        nth = rng.randint(1, 2) if STEPS - (newest or 0) > STEPS // 2 and not placed_all else 1
+        delay = 0.0 if placed_all else rng.uniform(0.0, (FIRST_DELAY_S if nth == 1 else LATER_DELAY_S)[target])
         proc = runs.start(run, killable=True, resume=attempt > 0)
         pid = proc.pid
         if target == "save":  # the nth save's staging directory is on disk
