@@ -67,6 +67,11 @@ class Results:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
+    def name_device(self, name: str) -> None:
+        """Sets the rows' `device` before the first row (a stage whose accelerator is held
+        by another process names it from there; else the first row asks this process's JAX)."""
+        self.common["device"] = name
+
     def row(self, section: str, **fields) -> dict:
         """Records one row (common keys first), appends it to the JSON file, returns it."""
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

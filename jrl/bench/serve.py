@@ -124,7 +124,7 @@ def run(args, results) -> int:
     process = not args.engine_in_process
     # the rows name the engine's device, asked of the engine's process: this one never starts
     # an accelerator backend (a second CUDA context here would take device memory and time)
-    results.common["device"] = server.engine.call(engine_device) if process else engine_device(server.engine)
+    results.name_device(server.engine.call(engine_device) if process else engine_device(server.engine))
     results.row("warmup", programs=programs, seconds=seconds, max_batch=max_batch, max_seq_len=max_seq_len,
                 n_pages=server.engine.config.n_pages, engine_process=process)
     served = server.served
