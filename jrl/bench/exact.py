@@ -76,7 +76,7 @@ from jrl.models.attention import qkv_projections
 from jrl.models.exact import exact_attend, target_logprob
 from jrl.models.layers import RMSNorm, SwiGLU, dtype_of, linear, map_rows, projections
 from jrl.models.rope import rope_cos_sin, rotate
-from jrl.rollout.config import exact_model_config
+from jrl.rollout.config import exact_model_config, pow2_at_least
 from jrl.rollout.tuning import TuningOverrides
 from jrl.train.logprobs import attention_layout, target_stats, token_logprobs
 from pallas_kernels import dispatch
@@ -311,10 +311,6 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, pro
     return [(outs[0][0], b, compare(outs[0][1], out)) for b, out in outs[1:]]
 
 
-def pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Programs) -> list[tuple]:
     """`exact_prefill` on the last `sizes.tail` tokens of each request: decode steps (the
     reference context), one packed prefill, the trainer's `exact_attend`."""
@@ -324,7 +320,7 @@ def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Pr
     r, t, tail, scale = len(lens), int(lens.sum()), sizes.tail, float(cfg.head_dim) ** -0.5
     pages = -(-lens // ps)
     ids = rng.permutation(int(pages.sum()) + 8)  # pages of a used pool, in no order
-    width = pow2(int(pages.max()))  # the engine's page-table width bucket
+    width = pow2_at_least(int(pages.max()))  # the engine's page-table width bucket
     table = np.zeros((r, width), np.int32)
     for i, start in enumerate(np.concatenate([[0], np.cumsum(pages)[:-1]])):
         table[i, :pages[i]] = ids[start:start + pages[i]]
@@ -335,7 +331,7 @@ def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Pr
     attend = jax.jit(lambda q, k, v, cu, kv_lens, table: dispatch.exact_prefill(
         q, k, v, 0, cu, kv_lens, table, page_size=ps, sm_scale=scale, impl=impl))
 
-    n_rows = max(8, pow2(r))  # a decode step: one query a request, padding rows as the engine's
+    n_rows = max(8, pow2_at_least(r))  # a decode step: one query a request, padding rows as the engine's
 
     def decode(groups: list[list[int]]) -> np.ndarray:
         """[R, tail, Hq, D]: each group of requests decoded together, one step a token."""
@@ -358,7 +354,7 @@ def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Pr
     batched = decode([list(range(r))])
     single = decode([[i] for i in range(r)])  # the same program, each request alone in its steps
 
-    padded = jnp.zeros((pow2(t), hq, d), dt).at[:t].set(q)  # a prefill: all requests packed
+    padded = jnp.zeros((pow2_at_least(t), hq, d), dt).at[:t].set(q)  # a prefill: all requests packed
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     out = np.asarray(programs("prefill", attend, padded, k_buf, v_buf, cu, lens.astype(np.int32), table))
     prefill = np.stack([out[s + n - tail:s + n] for s, n in zip(starts, lens)])
@@ -492,10 +488,12 @@ def run_flag_sets(args, results, checks: list[str]) -> None:
                                  env={**env, "XLA_FLAGS": f"{base} {flags}".strip()}, stdout=subprocess.DEVNULL)
             rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
         for row in rows:
-            results.common["device"] = results.common["device"] or row["device"]
+            if results.common["device"] is None:
+                results.name_device(row["device"])  # the subprocess's device
             results.row("exact", xla_flags=flags, **{k: v for k, v in row.items() if k not in COMMON_KEYS})
         if out.returncode not in (0, 1) or not rows:
-            results.common["device"] = results.common["device"] or "unknown"
+            if results.common["device"] is None:
+                results.name_device("unknown")
             results.row("exact", check="all", xla_flags=flags, ok=False,
                         error=f"exit status {out.returncode} (its stderr above)")
 

@@ -421,8 +421,7 @@ class RolloutSource:
         trainer's recomputed one; below 100 a warning: the ratio's anchor is then off by
         up to `max_diff` on this device, and `exact_logprobs: false` recomputes it."""
         n = int(compared.sum())
-        bits = lambda x: np.asarray(x, np.float32).view(np.uint32)
-        equal = int((bits(trainer_logp) == bits(behaviour_logp))[compared].sum())
+        equal = int((trainer_logp == behaviour_logp)[compared].sum())
         pct = 100.0 * equal / max(n, 1)
         if equal < n:
             log.warning("exact_logprobs: at rollout %d only %.2f%% of %d tokens have an engine log-prob bitwise "

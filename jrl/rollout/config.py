@@ -195,6 +195,12 @@ def exact_model_config(model: ModelConfig, attention_impl: AttentionImpl = "auto
                                exact_attention_impl=attention_impl)
 
 
+def kernel_runs(config: EngineConfig, backend: str) -> bool:
+    """Whether the engine's attention takes the Pallas kernels on `backend`: forced
+    ("pallas"), or "auto" on a GPU; elsewhere the reference."""
+    return config.attention_impl == "pallas" or (config.attention_impl == "auto" and backend == "gpu")
+
+
 def check_exact(config: EngineConfig, model: ModelConfig, backend: str) -> None:
     """Refuses `exact_logprobs` where the engine cannot match the trainer bitwise. On a GPU
     `backend` "auto" attention takes the kernel only for pages it reads, while the
@@ -202,9 +208,7 @@ def check_exact(config: EngineConfig, model: ModelConfig, backend: str) -> None:
     engine's pages must then be readable too, as they must for a forced kernel anywhere."""
     if not config.exact_logprobs:
         return
-    kernel = config.attention_impl in ("pallas", "interpret") or (config.attention_impl == "auto"
-                                                                   and backend == "gpu")
-    check(not kernel or config.page_size % PAGE_MULTIPLE == 0, "engine.page_size",
+    check(not kernel_runs(config, backend) or config.page_size % PAGE_MULTIPLE == 0, "engine.page_size",
           f"must be a multiple of {PAGE_MULTIPLE} with exact_logprobs where the attention kernel runs (it reads "
           f"no other pages, and the trainer's exact attention must run what the engine runs; attention_impl: "
           f"reference reads any), got {config.page_size}")
@@ -218,12 +222,9 @@ def check_exact(config: EngineConfig, model: ModelConfig, backend: str) -> None:
 
 def check_kv_page_size(config: EngineConfig, model: ModelConfig, backend: str) -> None:
     """Refuses an fp8 KV cache whose pages the attention kernels cannot read where they
-    would run: `attention_impl` "pallas"/"interpret" anywhere, "auto" on a GPU `backend`
-    (elsewhere "auto" takes the reference, which reads any page size). MLA caches always
+    would run (`kernel_runs`; the reference reads any page size). MLA caches always
     take the reference, so any page size serves them."""
-    kernel = config.attention_impl in ("pallas", "interpret") or (config.attention_impl == "auto"
-                                                                   and backend == "gpu")
-    if config.kv_dtype is None or model.attention == "mla" or not kernel:
+    if config.kv_dtype is None or model.attention == "mla" or not kernel_runs(config, backend):
         return
     check(config.page_size % FP8_KV_PAGE_SIZE == 0, "engine.page_size",
           f"must be a multiple of {FP8_KV_PAGE_SIZE} with engine.kv_dtype: {config.kv_dtype} (the attention "
