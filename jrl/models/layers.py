@@ -59,11 +59,12 @@ def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None, key: str = 
     salt = np.uint32(zlib.crc32(key.encode()) | 1)  # each sibling's own constant, never 0
 
     def tile(t):
+        if not key:
+            return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t)))
+        # the inputs pass through a select on the salt (never taken; XLA cannot tell): a value
+        # of this call's own, where CSE would otherwise hand siblings one shared input
         inputs, s = jax.lax.optimization_barrier((t, salt))
-        if key:  # the inputs pass through a select on the salt (never taken; XLA cannot tell): a
-            # value of this call's own, where CSE would otherwise hand siblings one shared input
-            inputs = tuple(jnp.where(s == 0, jnp.zeros_like(x), x) for x in inputs)
-        return jax.lax.optimization_barrier(fn(*inputs))
+        return jax.lax.optimization_barrier(fn(*(jnp.where(s == 0, jnp.zeros_like(x), x) for x in inputs)))
 
     out = jax.lax.map(tile, tuple(tiles))
     out = out.reshape(-1, *out.shape[2:])[:n]
