@@ -94,3 +94,14 @@ def test_jrl_dispatches_train_and_rejects_unknown_commands(capsys):
     assert "steps: 3" in capsys.readouterr().out
     assert cli.main(["deploy"]) == 2
     assert "unknown command 'deploy'; choose from train, plot, eval, bench, serve" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_jrl_command_prints_its_help(command, capsys):
+    # argparse %-formats help strings: a bare "80%" in one made `jrl serve --help` crash
+    try:
+        status = cli.main([command, "--help"])
+    except SystemExit as exit_:  # argparse exits; `jrl bench` prints its own help and returns
+        status = exit_.code
+    assert status == 0
+    assert f"usage: jrl {command}" in capsys.readouterr().out

@@ -63,3 +63,11 @@ def test_shape_mismatch_names_the_parameter(tmp_path):
     with pytest.raises(ConfigError, match=r"init_from: embed/embedding in .* has shape \(262, 16\), the model "
                                           r"config wants \(262, 24\)"):
         start(tmp_path / "b", *TINY, "model.hidden_size=24", f"init_from={tmp_path / 'ck'}")
+
+
+def test_a_run_without_checkpoints_is_a_config_error_naming_it(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for where, why in ((tmp_path / "empty", "no checkpoints"), (tmp_path / "nowhere", "no checkpoints"),
+                       (tmp_path / "empty" / "step_3", "no checkpoint for step 3")):
+        with pytest.raises(ConfigError, match=rf"^init_from: '{where}': {why}"):
+            start(tmp_path / "b", *TINY, f"init_from={where}")

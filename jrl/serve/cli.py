@@ -78,8 +78,9 @@ def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
                      help="tokens per KV page (default 16; 32 with an fp8 kv_dtype in --engine)")
     eng.add_argument("--max-seq-len", type=int,
                      help="prompt + completion tokens of one request (default: the model's, at most 4096)")
+    # "%%": argparse %-formats help texts
     eng.add_argument("--n-pages", type=int, help="KV pages (default: every running request can reach max-seq-len, "
-                     f"at most what {KV_MEMORY_FRACTION:.0%} of the device's free memory holds)")
+                     f"at most what {KV_MEMORY_FRACTION:.0%}% of the device's free memory holds)")
     eng.add_argument("--max-tokens-per-step", type=int, help="token budget of one forward")
     eng.add_argument("--engine", default="{}", help="any other EngineConfig fields as JSON, e.g. "
                      "'{\"prefix_cache\": false}'")

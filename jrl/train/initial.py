@@ -105,7 +105,10 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
         _check_same_architecture(mc, hf_config, src)
     else:
         root, step = _resolve_checkpoint(src)
-        state, _ = checkpoint.load(root, step)
+        try:
+            state, _ = checkpoint.load(root, step)
+        except FileNotFoundError as e:  # no such run, no checkpoint in it, or no such step
+            raise ConfigError(f"init_from: {src!r}: {e}") from e
         loaded = state["params"] if isinstance(state, dict) else state.params
     template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
     return shard_params(mc, _overlay(template, loaded, src), mesh)
