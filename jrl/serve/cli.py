@@ -79,7 +79,7 @@ def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
     eng.add_argument("--max-seq-len", type=int,
                      help="prompt + completion tokens of one request (default: the model's, at most 4096)")
     eng.add_argument("--n-pages", type=int, help="KV pages (default: every running request can reach max-seq-len, "
-                     f"at most what {KV_MEMORY_FRACTION:.0%} of the device's free memory holds)")
+                     f"at most what {KV_MEMORY_FRACTION:.0%}% of the device's free memory holds)")  # argparse reads % as a format: %%
     eng.add_argument("--max-tokens-per-step", type=int, help="token budget of one forward")
     eng.add_argument("--engine", default="{}", help="any other EngineConfig fields as JSON, e.g. "
                      "'{\"prefix_cache\": false}'")
