@@ -107,7 +107,7 @@ def dry_run(config, output_dir: str | None) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> int:
-    args = build_parser(prog).parse_args(argv)
+    args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     try:
         config = resolve_config(args)
         start_distributed(config)

@@ -2,12 +2,15 @@
 
 from pathlib import Path
 
+import dataclasses
+
 import pytest
+import yaml
 
 from jrl.config import ConfigError, load_train_config
 from jrl.launch import main
 from jrl.train.defaults import default_run
-from jrl.rl.options import FP8_TIS_CAP, RLOptions
+from jrl.rl.options import FP8_TIS_CAP, LOSS_KEYS, RLOptions
 from jrl.rl.warm_start import warm_start_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -24,6 +27,16 @@ def test_grpo_config_starts_from_the_warm_start_config_run():
     warm = load_train_config(str(CONFIGS / "grpo_warm_start.yaml"))
     assert grpo.init_from == f"{warm.run_dir}/checkpoints"
     assert grpo.model == warm.model
+
+
+def test_grpo_addition_lists_every_single_turn_option():
+    """docs/rl.md promises that configs/grpo_addition.yaml lists every option of a
+    single-turn run; the multi-turn ones (env, tools and their limits) are left out."""
+    multi_turn = {"env", "env_kwargs", "tools", "tool_parser", "tool_timeout_s", "max_turns",
+                  "max_tool_calls", "max_total_tokens", "env_workers"}
+    options = {f.name for f in dataclasses.fields(RLOptions)} - {"loss", "notes"} - multi_turn
+    raw = yaml.safe_load((CONFIGS / "grpo_addition.yaml").read_text())
+    assert sorted(options | set(LOSS_KEYS)) == sorted(raw["strategy"]["options"])
 
 
 def test_default_is_grpo_and_its_warm_start_shares_model_and_seed():

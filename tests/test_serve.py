@@ -244,6 +244,13 @@ def test_256_concurrent_requests_all_complete_over_reused_connections(live_in_th
         assert all(r.choices[0].finish_reason == "length" for r in results)
 
 
+def test_help_lists_the_flags():
+    """`jrl serve --help` prints every flag (a bare % in a help string once crashed it)."""
+    text = " ".join(build_parser().format_help().split())
+    assert f"at most what {KV_MEMORY_FRACTION:.0%} of the device's free memory" in text
+    assert "--admin-token" in text and "--max-seq-len" in text
+
+
 def test_idle_connections_outlive_the_clients_keep_alive(hf_dirs):
     # httpx (the openai client's transport) drops a connection idle for 5 s; a server that
     # closed it first would reset a request sent on it (httpx.ReadError under load)

@@ -57,6 +57,14 @@ def test_dry_run_prints_resolved_config_and_parameter_count(capsys):
     assert f"# parameters: {n:,} ({n:,} trainable)" in out
 
 
+def test_overrides_may_sit_on_both_sides_of_a_flag(capsys):
+    """`python -m jrl.train steps=7 --dry-run seed=3`: argparse's plain parse_args stopped
+    collecting overrides at the first flag and refused the rest as unrecognized."""
+    assert main(["model.hidden_size=32", "--dry-run", "steps=7"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert (config["model"]["hidden_size"], config["steps"]) == (32, 7)
+
+
 def test_config_file_gives_the_run_name_and_takes_overrides(tmp_path, capsys):
     path = tmp_path / "my_run.yaml"
     path.write_text("steps: 5\noptimizer: {lr: 1e-3}\n")

@@ -202,7 +202,7 @@ def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
-    args = build_parser(prog).parse_args(argv)
+    args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     try:
         checkpoint = resolve_checkpoint(args.checkpoint)
         config, options = load_config(args.config, args.overrides, checkpoint)

@@ -195,7 +195,9 @@ class ReplicaPool:
         seconds = time.perf_counter() - t0
         # a replica without a mesh of its own serves the trainer's buffers: nothing is copied
         gb = sum(moved for (_, _, _, moved), m in zip(results, self.meshes) if m is not None) / 1e9
-        self.last_sync = {"weight_sync_s": seconds, "weight_sync_gb": gb}
+        # timed only when it copied weights (as one engine's sync): replicas serving the
+        # trainer's own buffers take no copy, so there is no sync time to report
+        self.last_sync = {"weight_sync_s": seconds if gb > 0 else 0.0, "weight_sync_gb": gb}
         if gb > 0:
             self.last_sync["weight_sync_s_per_gb"] = seconds / gb
         return sum(rebuilt for _, rebuilt, _, _ in results)

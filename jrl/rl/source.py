@@ -169,9 +169,11 @@ class RolloutSource:
         self.adapters_only = adapters_only
         self.logp_rows = logp_rows
         self.pack_multiple = micro_batches * int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-        self.last_sync = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0}  # the latest sync that moved weights
         self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config,
                                                                           adapters_only=adapters_only)
+        # the latest sync that moved weights; with a placement the pool's metrics report it
+        # (`weight_sync_s`, `weight_sync_gb`), which zeros from here must not overwrite
+        self.last_sync = {"weight_sync_s": 0.0, "weight_sync_bytes": 0.0} if placement is None else {}
         self.engine_rebuilds = 0
         self.rl_step = 0
         self.stale_samples_dropped = 0

@@ -103,7 +103,7 @@ def build(args: argparse.Namespace, load: Callable[[], Served] | None = None):
 
 
 def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
-    args = build_parser(prog).parse_args(argv)
+    args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         server, app = build(args)

@@ -90,6 +90,9 @@ def test_each_replica_acknowledges_each_version_and_groups_are_spread(split):
         assert r["engine_replicas"] == 2
         assert (r["replica_groups_max"], r["replica_groups_min"]) == (2, 2)  # 4 groups over 2 replicas
         assert r["weight_sync_gb"] > 0 and r["weight_sync_s_per_gb"] > 0
+        # the pool's sync time, not the one-engine path's zero (which once overwrote it)
+        assert r["weight_sync_s"] == pytest.approx(r["weight_sync_s_per_gb"] * r["weight_sync_gb"])
+        assert "weight_sync_bytes" not in r
 
 
 def test_a_replica_without_the_current_acknowledgement_refuses_to_generate(split):
