@@ -132,7 +132,15 @@ def _numpy_dtype(name: str) -> np.dtype:
 
 def _rope_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> tuple[float, RopeScaling]:
     """(rope_theta, RopeScaling) from `rope_parameters` (transformers 5) or the legacy
-    `rope_theta` + `rope_scaling` keys, following transformers' defaults."""
+    `rope_theta` + `rope_scaling` keys, following transformers' defaults. A config with
+    both must mean the same by each: neither is dropped silently."""
+    if hf.get("rope_parameters") and hf.get("rope_scaling"):
+        current = _rope_from_hf({k: v for k, v in hf.items() if k != "rope_scaling"}, model_type, where)
+        legacy = _rope_from_hf({k: v for k, v in hf.items() if k != "rope_parameters"}, model_type, where)
+        if current != legacy:
+            raise HFFormatError(f"{where}: rope_parameters {hf['rope_parameters']} and rope_scaling "
+                                f"{hf['rope_scaling']} disagree; keep the one the checkpoint was trained with")
+        return current
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 10000.0)))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"

@@ -183,6 +183,16 @@ def test_published_llama31_config_maps_to_the_expected_model_config():
         param_dtype="bfloat16", dtype="bfloat16")
 
 
+def test_rope_parameters_and_rope_scaling_together_must_agree():
+    new = fixture_config("llama")
+    rope = dict(new["rope_parameters"])
+    both = {**new, "rope_theta": rope.pop("rope_theta"), "rope_scaling": {"type": rope.pop("rope_type"), **rope}}
+    assert hf.config_from_hf(both) == hf.config_from_hf(new)
+    both["rope_scaling"] = {**both["rope_scaling"], "factor": 2.0}
+    with pytest.raises(hf.HFFormatError, match="rope_parameters .* and rope_scaling .* disagree"):
+        hf.config_from_hf(both)
+
+
 def test_published_mistral_config_needs_the_context_capped_at_its_window():
     with pytest.raises(hf.HFFormatError, match="window 4096 < max length 32768 is not supported; pass max_position_embeddings<=4096"):
         hf.config_from_hf(MISTRAL_7B_V01_CONFIG)
