@@ -12,8 +12,9 @@ They cost 4 / D of the fp8 bytes (3% at D = 128).
 
 The KV write quantizes (`write`), the references dequantize in float32 (`gather`), the
 Mosaic GPU kernels load the fp8 tiles and scales and dequantize in shared memory.
-Non-finite inputs stay non-finite (a NaN row gets a NaN scale), so a request whose keys
-blow up still fails visibly, and the kernels' selects keep stale slots out as before.
+Non-finite inputs stay non-finite (a NaN stays in the fp8 data, an inf makes the row's
+scale inf), so a request whose keys blow up still fails visibly, and the kernels' selects
+keep stale slots out as before.
 """
 
 from __future__ import annotations
