@@ -462,11 +462,14 @@ def test_resolve_environment():
 class UpdateBeforeALaterTurn:
     """The engine, publishing `params` as version 1 when the first request of a later turn
     (a prompt longer than every opening prompt) is queued: between two turns of that
-    episode, on the runner's thread, while other episodes' first turns are in flight."""
+    episode, on the runner's thread, while other episodes' first turns are in flight.
+    Records which requests were queued after the update (`queued_after`): environments
+    reset on the runner's thread pool, so a slow reset can queue a first turn late."""
 
     def __init__(self, engine, params, opening_len):
         self.engine, self.params, self.opening_len = engine, params, opening_len
         self.ack = None
+        self.queued_after: set[int] = set()
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -474,7 +477,10 @@ class UpdateBeforeALaterTurn:
     def add_request(self, prompt, *args, **kwargs):
         if self.ack is None and len(prompt) > self.opening_len:
             self.ack = self.engine.update_weights(self.params, 1)
-        return self.engine.add_request(prompt, *args, **kwargs)
+        rid = self.engine.add_request(prompt, *args, **kwargs)
+        if self.ack is not None:
+            self.queued_after.add(rid)
+        return rid
 
 
 @pytest.mark.parametrize("on_weight_update", ["finish", "restart"])
@@ -507,18 +513,22 @@ def test_a_weight_update_between_turns_is_recorded_per_token(model, tok, im_end,
             np.testing.assert_allclose(c.model_logprobs, np.asarray(logp)[0, len(c.prompt):n], atol=1e-5)
         assert versions == sorted(versions)
         turn_versions.append(versions)
-    # every later turn was queued after the update: it runs under version 1
+    # every later turn was queued after the update (the first one triggered it)
     assert all(v[1:] == [1] * (len(v) - 1) for v in turn_versions)
     # the episode whose second turn triggered the update continued under the new version,
     # and its tokens record both (the rows' behaviour version is its oldest, 0)
     oldest, mixed = EpisodeSampler.sample_versions(eps)
     assert [0, 1] in turn_versions and mixed == sum(v == [0, 1] for v in turn_versions) >= 1
     assert oldest.tolist() == [v[0] for v in turn_versions]
-    first_turns_v1 = sum(v[0] == 1 for v in turn_versions)
-    if on_weight_update == "finish":  # first turns in flight finished under the old weights
-        assert first_turns_v1 == 0 and ack.finished_in_flight >= 1 and ack.restarted == 0
-    else:  # first turns in flight were regenerated under the new ones
-        assert first_turns_v1 == ack.restarted >= 1 and ack.finished_in_flight == 0
+    # a turn queued before the update: finished under the old weights ("finish"), or, if it
+    # was in flight, regenerated under the new ones ("restart")
+    before = [int(c.versions[0]) for ep in eps for c in ep.completions if c.request_id not in updating.queued_after]
+    assert all(int(c.versions[0]) == 1 for ep in eps for c in ep.completions
+               if c.request_id in updating.queued_after)
+    if on_weight_update == "finish":
+        assert before.count(1) == 0 and ack.finished_in_flight >= 1 and ack.restarted == 0
+    else:
+        assert before.count(1) == ack.restarted >= 1 and ack.finished_in_flight == 0
 
 
 # ----------------------------------------------------------------------------- concurrency
