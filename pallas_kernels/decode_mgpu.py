@@ -251,10 +251,10 @@ def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsiz
     return int(max(2, min(4, room // per_stage)))
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "tuning", "interpret"))
+@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "tuning", "interpret", "causal_group"))
 def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int,
                        sm_scale: float, tuning: DecodeTuning | None = None,
-                       interpret: bool = False) -> jax.Array:
+                       interpret: bool = False, first_limits=None, causal_group: int = 0) -> jax.Array:
     """`q [B, Hq, D]` against each request's `kv_lens[b]` keys -> `[B, Hq, D]` (q's dtype).
 
     Launch options come in `tuning` (`pallas_kernels.tuning.DecodeTuning`; None: all
@@ -272,11 +272,18 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     would share) and two CTAs an SM by default. fp8 buffers (`QuantizedKV`, both or
     neither) reach the tensor cores as `fp8_tiles` says (module docstring); the output is
     then in the compute dtype (`compute_dtype`) before the cast to q's.
+
+    Causal query tiles (`causal_group` G > 0, with `first_limits [B]`; `exact_mgpu`): each
+    request b is a tile of queries at consecutive positions, a KV head's `Hq // Hkv`
+    columns holding G queries a position, and column c sees only the keys `< first_limits[b]
+    + c // G` (of its `kv_lens[b]`). Keys as rows, one KV split and plain buffers only.
     """
     t = tuning or DecodeTuning()
     block_kv, num_stages, num_splits, heads_per_cta = t.block_kv, t.num_stages, t.num_splits, t.heads_per_cta
     persistent, num_ctas, keys_as_rows, ctas_per_sm = t.persistent, t.num_ctas, t.keys_as_rows, t.ctas_per_sm
-    check_paged_shapes("decode_mgpu", q, k_buf, v_buf, page_size, block_kv, max_group=ROWS - 7)
+    causal = causal_group > 0
+    check_paged_shapes("decode_mgpu", q, k_buf, v_buf, page_size, block_kv,
+                       max_group=None if causal else ROWS - 7)
     b, hq, d = q.shape
     hkv = k_buf.shape[2]
     g = hq // hkv
@@ -305,6 +312,10 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     hpc = 1 if keys_as_rows else heads_per_cta or (2 if hkv % 2 == 0 else 1)
     if hkv % hpc:
         raise ValueError(f"decode_mgpu: heads_per_cta ({hpc}) must divide n_kv_heads ({hkv})")
+    if causal and not (keys_as_rows and num_splits == 1 and not quant and (hq // hkv) % causal_group == 0
+                       and (hq // hkv) % 8 == 0 and first_limits is not None):
+        raise ValueError("decode_mgpu: causal query tiles need keys as rows, num_splits=1, plain "
+                         "buffers, first_limits and a multiple of 8 columns holding whole positions")
     per_sm = ctas_per_sm or (2 if keys_as_rows else 1)
     rows = query_columns(g) if keys_as_rows else ROWS  # q tile rows (keys as rows: columns)
     max_ctx = page_table.shape[1] * page_size
@@ -348,13 +359,15 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     score_shape = (block_kv, rows) if keys_as_rows else (rows, block_kv)
     acc_shape = (d, rows) if keys_as_rows else (rows, d)
 
-    def attend(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile):
+    def attend(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile, first_limit=None):
         """Online softmax over the item's key blocks -> (O or O^T, m, l) per query. With
         keys as rows the sums of P are kept per element, so that they are reduced across
         the warps once at the end rather than once a block. `k_tile(i)` / `v_tile(i,
         n_valid)` wait for block i and give the tile the tensor cores read (V with its rows
         `>= n_valid` zeroed), each with its per-key scales folded out of the tile (None:
-        none); `k_done` / `v_done` release its ring slot."""
+        none); `k_done` / `v_done` release its ring slot. With `first_limit` (causal query
+        tiles) column c also masks the keys `>= first_limit + c // causal_group`; a block
+        past a column's end leaves it as it was, bitwise (probabilities 0, rescale 1)."""
         m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
                                 plgpu.Layout.WGMMA.reduce(key_axis))
         l_i = (plgpu.layout_cast(jnp.full(score_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -376,6 +389,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             else:
                 s = s * scale
             s = jnp.where(pos < n_valid, s, -jnp.inf)
+            if first_limit is not None:  # key < first_limit + col // G  <=>  (key - first_limit + 1) * G <= col
+                col = plgpu.broadcasted_iota(jnp.int32, score_shape, q_axis, layout=plgpu.Layout.WGMMA)
+                s = jnp.where((pos + (i * block_kv + 1 - first_limit)) * causal_group <= col, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=key_axis))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, score_shape, [q_axis]))
@@ -404,7 +420,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
         return acc, m_i, l_i.sum(axis=key_axis) if keys_as_rows else l_i
 
-    def body(layer_ref, lens_ref, pt_ref, q_ref, k_ref, v_ref, *rest):
+    def body(layer_ref, lens_ref, pt_ref, *rest):
+        lim_ref, q_ref, k_ref, v_ref, *rest = rest if causal else (None, *rest)
         ks_ref, vs_ref, *rest = rest if quant else (None, None, *rest)
         o_ref, *rest = rest
         lse_ref = rest[0] if splits > 1 else None
@@ -480,7 +497,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                        lambda i: plgpu.barrier_arrive(k_free.at[ring(i)]),
                                        lambda i: plgpu.barrier_arrive(v_free.at[ring(i)]),
                                        end - start, n_steps,
-                                       p_smem.at[wg] if keys_as_rows else None)
+                                       p_smem.at[wg] if keys_as_rows else None,
+                                       lim_ref[req] if causal else None)
                 empty = l_i == 0.0
                 l_safe = jnp.where(empty, 1.0, l_i)
                 out = (acc / lax.broadcast_in_dim(l_safe, acc_shape, [q_axis])).astype(dtype)
@@ -586,8 +604,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(layer_arr, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_rows, k_data, v_data,
-      *scales)
+    )(layer_arr, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+      *([jnp.asarray(first_limits, jnp.int32)] if causal else []), q_rows, k_data, v_data, *scales)
 
     o_part = outs[0].reshape(splits, b, hq, d)
     if splits == 1:

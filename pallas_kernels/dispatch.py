@@ -13,7 +13,6 @@ them call the kernels with their own `pallas_kernels.tuning` objects.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Literal
 
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.exact_mgpu import exact_attention_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
@@ -105,15 +105,10 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
                               interpret=which == "interpret")
 
 
-# The exact path's pinned launch options: both sides of an exact comparison (the engine's
-# steps, the trainer's forward) must walk keys in the same blocks.
-EXACT_BLOCK_KV = 128  # keys per block (the prefill kernel's own default at head_dim 64 and 128)
-EXACT_BLOCK_Q = 64  # query rows per tile of the jnp path (a kernel warpgroup's rows)
-
-
-def exact_tuning(which: str) -> PrefillTuning:
-    """`prefill_tuning(which)` with the key block pinned to EXACT_BLOCK_KV."""
-    return dataclasses.replace(prefill_tuning(which), block_kv=EXACT_BLOCK_KV)
+# The jnp path's pinned blocks: both sides of an exact comparison (the engine's steps, the
+# trainer's forward) must walk keys in the same blocks.
+EXACT_BLOCK_KV = 128  # keys per block
+EXACT_BLOCK_Q = 64  # query rows per tile
 
 
 def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
@@ -123,8 +118,10 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     how many queries its request has (a decode step and a prefill of the same tokens
     agree). The prefill kernel with pinned blocks where it runs (`impl` resolved as for
     `paged_prefill`), else `reference.paged_prefill_blocked`, which walks keys the same
-    way in jnp. The two are each invariant, not equal to each other: both sides of a
-    comparison must resolve `impl` alike. Plain (bf16/f16/float32) buffers only."""
+    way in jnp. The kernel is `exact_mgpu.exact_attention_mgpu`: the decode kernel's
+    keys-as-rows tiles with a causal end per query column. The two are each invariant, not
+    equal to each other: both sides of a comparison must resolve `impl` alike. Plain
+    (bf16/f16/float32) buffers only."""
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, None), "exact_prefill")
@@ -132,9 +129,9 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
         return reference.paged_prefill_blocked(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                                page_size=page_size, sm_scale=sm_scale,
                                                block_kv=EXACT_BLOCK_KV, block_q=EXACT_BLOCK_Q)
-    return paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
-                              page_size=page_size, sm_scale=float(sm_scale), tuning=exact_tuning(which),
-                              interpret=which == "interpret")
+    return exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
+                                page_size=page_size, sm_scale=float(sm_scale),
+                                interpret=which == "interpret")
 
 
 def write_kv(k_buf, v_buf, layer, slots, k, v):

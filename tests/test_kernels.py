@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels import dispatch, reference
 from pallas_kernels.decode_mgpu import (default_keys_as_rows, default_num_stages, query_columns,
                                         ragged_decode_mgpu)
+from pallas_kernels.exact_mgpu import exact_attention_mgpu, tile_positions
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
 from pallas_kernels.scatter_rows import scatter_rows
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
@@ -92,6 +93,59 @@ def test_persistent_prefill_walks_several_items_per_cta():
                                   page_size=ps, sm_scale=0.1)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("hq,hkv,d,ps", [
+    (4, 2, 64, 16),  # group 2: 4 positions a tile at the narrowest
+    (6, 2, 128, 32),  # group 3: 8 positions (24 columns)
+    (2, 2, 64, 16),  # group 1
+])
+@pytest.mark.parametrize("impl", ["interpret"] + (["pallas"] if dispatch.on_hopper() else []))
+def test_exact_attention_matches_float32_reference_whatever_its_tile_width(hq, hkv, d, ps, impl):
+    # Requests with one query (decode rows), prefill chunks after a cached prefix and a
+    # padded bucket: the kernel is causal attention, and the positions a tile holds change
+    # its work layout, not the result. Bitwise on the GPU, where each tensor-core output
+    # element is computed on its own; the interpreter's float32 dots on the CPU may round
+    # a product differently for another tile width (1 element in 29k seen).
+    rng = np.random.default_rng(hq * 10 + d)
+    q_lens = np.array([1, 37, 0, 70, 1])
+    kv_lens = np.array([50, 37, 0, 90, 9])
+    kb, vb, pt = paged_inputs(rng, len(q_lens), int(kv_lens.max()), hkv, d, ps)
+    q = jnp.asarray(rng.standard_normal((int(q_lens.sum()) + 5, hq, d)), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    narrow = tile_positions(hq // hkv, 1, 1)
+    outs = [np.asarray(exact_attention_mgpu(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps,
+                                            sm_scale=d ** -0.5, positions=p, interpret=impl == "interpret"),
+                       np.float32)
+            for p in (narrow, 2 * narrow, 8 * narrow)]
+    ref = reference.paged_prefill(f32(q), f32(kb), f32(vb), jnp.int32(1), cu, lens, pt,
+                                  page_size=ps, sm_scale=d ** -0.5)
+    assert np.isfinite(outs[0]).all()
+    assert rel_err(outs[0][:-5], ref[:-5]) < TOL
+    np.testing.assert_array_equal(outs[0][-5:], 0.0)  # padding rows
+    for other in outs[1:]:
+        if impl == "pallas":
+            np.testing.assert_array_equal(other, outs[0])
+        else:
+            np.testing.assert_allclose(other, outs[0], rtol=1e-2, atol=1e-3)
+
+
+def test_exact_tiles_hold_few_positions_for_decode_rows_and_many_for_prefills():
+    assert tile_positions(2, queries=256, requests=256) == 4  # 8 columns: the decode kernel's tile
+    assert tile_positions(3, queries=256, requests=256) == 8  # 24 columns
+    assert tile_positions(2, queries=4096, requests=8) == 32  # 64 columns
+    assert tile_positions(8, queries=4096, requests=8) == 8
+
+
+def test_causal_query_tiles_refuse_kv_splits():
+    rng = np.random.default_rng(3)
+    kb, vb, pt = paged_inputs(rng, 1, 32, 1, 64, 16)
+    q = jnp.asarray(rng.standard_normal((1, 8, 64)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="causal query tiles need keys as rows, num_splits=1"):
+        ragged_decode_mgpu(q, kb, vb, 0, jnp.asarray([20], jnp.int32), pt, page_size=16, sm_scale=1.0,
+                           tuning=DecodeTuning(num_splits=2, keys_as_rows=True), interpret=True,
+                           first_limits=jnp.asarray([20], jnp.int32), causal_group=1)
 
 
 def test_decode_ring_depth_fills_shared_memory_without_splits():

@@ -122,6 +122,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--model", type=json.loads, default={}, help="JSON object of ModelConfig fields to override, "
+                   'e.g. \'{"exact_rows": 128}\' (with exact_logprobs: the row tile)')
     p.add_argument("--engine", type=json.loads, default={},
                    help='EngineConfig fields over the defaults, e.g. \'{"prefix_cache": true, "overlap": false}\'')
     p.add_argument("--vs-bf16", action="store_true", help="engine mode: a bf16 engine first, then the --engine "

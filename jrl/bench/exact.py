@@ -2,7 +2,7 @@
 exact`; docs/rl.md "Exact log-probs"): which op gives a row different bits in the
 engine's programs and the trainer's.
 
-    jrl bench exact [--checks linear,qkv,...] [--rows 64] [--layers N] [--impl auto]
+    jrl bench exact [--checks linear,qkv,...] [--rows 256] [--layers N] [--impl auto]
                     [--engine-tunings '{};{"unroll_layers": false}'] [--hlo-dir DIR]
                     [--xla-flags-sets ';--xla_disable_hlo_passes=dot-merger;--xla_gpu_enable_triton_gemm=false']
 
@@ -70,7 +70,7 @@ from jrl.bench.decode import engine_config
 from jrl.bench.log import log
 from jrl.bench.results import COMMON_KEYS, ROOT
 from jrl.bench.shapes import ROLLOUT_082B, init, tiny_like
-from jrl.config import ModelConfig
+from jrl.config import DEFAULT_EXACT_ROWS, ModelConfig
 from jrl.models import lm_logits
 from jrl.models.attention import qkv_projections
 from jrl.models.exact import exact_attend, target_logprob
@@ -99,13 +99,13 @@ class Sizes(NamedTuple):
 
 
 SIZES = Sizes(32, 4096, (512, 541, 577, 600), 64, 32, 48, 512, 64, 64)
-TINY_SIZES = Sizes(8, 256, (24, 29, 33, 40), 8, 3, 5, 24, 8, 16)
+TINY_SIZES = Sizes(8, 1024, (24, 29, 33, 40), 8, 3, 5, 24, 8, 16)
 PAGE_SIZE = 16  # the engine's default
 
 
 def add_arguments(p) -> None:
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {','.join(CHECKS)}")
-    p.add_argument("--rows", type=int, default=64,
+    p.add_argument("--rows", type=int, default=DEFAULT_EXACT_ROWS,
                    help="ModelConfig.exact_rows: token rows per tile (0: the plain numerics, a control)")
     p.add_argument("--layers", type=int, default=None, help="layers of the model and engine checks (default all)")
     p.add_argument("--impl", default="auto", choices=dispatch.IMPLS,

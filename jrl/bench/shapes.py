@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-from jrl.config import ModelConfig
+from jrl.config import ModelConfig, model_config_from_dict
 from jrl.models import init_params
 
 # Training: the 1B shape (0.886B parameters, untied), float32 master weights, bf16 compute.
@@ -37,14 +37,21 @@ def tiny_like(cfg: ModelConfig, **changes) -> ModelConfig:
                                tie_embeddings=cfg.tie_embeddings, **changes)
 
 
+def with_overrides(cfg: ModelConfig, overrides: dict) -> ModelConfig:
+    """`cfg` with the ModelConfig fields of a bench's `--model` JSON object (validated)."""
+    return model_config_from_dict({**dataclasses.asdict(cfg), **overrides}) if overrides else cfg
+
+
 def rollout_shape(args, **tiny_caps: int) -> ModelConfig:
     """The rollout model of a bench run: ROLLOUT_082B, or TINY under `--tiny` with each
-    argument named in `tiny_caps` capped (e.g. prompt=24) so the smoke run stays CPU-sized."""
-    if not args.tiny:
-        return ROLLOUT_082B
-    for name, cap in tiny_caps.items():
-        setattr(args, name, min(getattr(args, name), cap))
-    return TINY
+    argument named in `tiny_caps` capped (e.g. prompt=24) so the smoke run stays CPU-sized;
+    then the `--model` overrides, when the stage takes them."""
+    cfg = ROLLOUT_082B
+    if args.tiny:
+        for name, cap in tiny_caps.items():
+            setattr(args, name, min(getattr(args, name), cap))
+        cfg = TINY
+    return with_overrides(cfg, getattr(args, "model", {}))
 
 
 def init(cfg: ModelConfig, seed: int = 0):

@@ -46,10 +46,10 @@ import numpy as np
 from jrl.bench import torch_ref
 from jrl.bench.floors import PEAK_BF16_FLOPS
 from jrl.bench.log import log
-from jrl.bench.shapes import TRAIN_1B, init, tiny_like
+from jrl.bench.shapes import TRAIN_1B, init, tiny_like, with_overrides
 from jrl.bench.timing import Budget
 from jrl.bench.trace import trace_calls
-from jrl.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig, model_config_from_dict
+from jrl.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig
 from jrl.models import dense_attention
 from jrl.models.attention import attention_implementation
 from jrl.parallel import make_mesh, param_shardings
@@ -311,8 +311,7 @@ def run(args, results) -> int:
     if args.tiny:
         base = tiny_like(TRAIN_1B, max_position_embeddings=64)
         args.batch, args.seq, args.steps, args.warmup = min(args.batch, 2), min(args.seq, 64), min(args.steps, 2), 1
-    if args.model:
-        base = model_config_from_dict({**dataclasses.asdict(base), **args.model})
+    base = with_overrides(base, args.model)
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         raise SystemExit(f"--variants: unknown {unknown}; choose from {','.join(VARIANTS)}")
