@@ -194,6 +194,15 @@ def test_grpo_times_every_phase(tmp_path):
     assert first["compiled_in_generation"] > 0 and second["compiled_in_generation"] == 0  # --tiny: one shape
 
 
+@pytest.mark.parametrize("mode", ["sync", "overlapped"])
+def test_grpo_exact_logprobs_checks_the_first_rollout_bitwise_then_skips_the_recompute(tmp_path, mode):
+    rows = bench(tmp_path, "grpo", "--steps", "3", "--mode", mode, "--exact-logprobs")
+    steps = section(rows, "step")
+    assert steps[0]["exact_bitwise_pct"] == 100.0 and steps[0]["logprobs_computed_tokens"] > 0
+    assert all("exact_bitwise_pct" not in r and r["logprobs_computed_tokens"] == 0 for r in steps[1:])
+    assert all(r["exact_logprobs"] and np.isfinite(r["loss"]) for r in steps)
+
+
 def test_grpo_engine_warmup_leaves_no_compile_to_the_measured_rollouts(tmp_path):
     rows = bench(tmp_path, "grpo", "--steps", "2", "--mode", "interruptible", "--lengths", "longtail",
                  "--engine-warmup")

@@ -4,7 +4,7 @@ overlapped or interruptible.
     jrl bench grpo [--mode sync|overlapped|interruptible] [--lengths fixed|longtail]
                    [--shape 174m|0.82b] [--prompts 32] [--group 8] [--prompt-len 128] [--new 128]
                    [--minibatches 2] [--micro-batch 0] [--steps 3] [--command-buffers xla|off]
-                   [--pack-rows]
+                   [--pack-rows] [--exact-logprobs]
 
 One RL step, each phase timed to its last device result: generation (`prompts x group`
 samples, temperature 1, through the engine), reward (a host function of each completion's
@@ -21,7 +21,10 @@ tokens; `computed_tokens` / `logprobs_computed_tokens`: the tokens the update / 
 ran on, padding included (rows x seq_len). `--pack-rows` packs several samples a row
 (`strategy.options.pack_rows`, rows a multiple of the micro-batch) for both, so they
 compute fewer; a minibatch's packed row count varies with its lengths, and each new
-count compiles the update once.
+count compiles the update once. `--exact-logprobs` puts the engine and the trainer on exact
+numerics (`strategy.options.exact_logprobs`, docs/rl.md): the engine's log-probs anchor the
+ratio, so the recompute runs on step 0 only, where the row reports `exact_bitwise_pct`
+(the share of completion tokens whose engine log-prob is the trainer's, bitwise).
 
 Modes (the RL loop's, `jrl.rl.source`):
 
@@ -65,6 +68,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -80,12 +84,12 @@ from jrl.config import OptimizerConfig, ScheduleConfig
 from jrl.models.transformer import count_params
 from jrl.rl.advantages import group_advantages
 from jrl.rl.batch import Packing, pack_rows, plan_packing, unpack_tokens
-from jrl.rollout.config import EngineConfig
+from jrl.rollout.config import EngineConfig, exact_model_config
 from jrl.rollout.engine import Engine, EngineStats
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 from jrl.rollout.shared import SharedEngine
-from jrl.train.logprobs import hidden_states, target_stats
+from jrl.train.logprobs import batch_max_segments, hidden_states, target_stats
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
@@ -122,6 +126,9 @@ def add_arguments(p) -> None:
                    help="xla: XLA's default CUDA-graph command buffers; off: none (XLA_FLAGS "
                         f"{COMMAND_BUFFERS_OFF}, set before the backend starts)")
     p.add_argument("--budget-s", type=float, default=1e9, help="no step starts after this (two always run)")
+    p.add_argument("--exact-logprobs", action="store_true",
+                   help="engine and trainer on exact numerics: no recompute after step 0, which reports "
+                        "exact_bitwise_pct")
     p.add_argument("--engine-warmup", action="store_true",
                    help="compile every engine step program the rollouts can use before step 0 (Engine.warmup; "
                         "row `engine_warmup`), so no measured rollout pays a compile")
@@ -259,21 +266,28 @@ def micro_batches(rows: dict[str, np.ndarray], micro_rows: int) -> dict:
 
 
 def recompute_logprobs(fn, params: dict, batch: dict[str, np.ndarray], micro_rows: int,
-                       pack: bool) -> tuple[np.ndarray, int]:
+                       pack: bool, exact: bool = False) -> tuple[np.ndarray, int]:
     """Per-token log-probs of `batch`'s samples (host rows, one sample each) by the jitted
-    `fn(params, rows)`, `micro_rows` rows at a time (the logits of all rows at once may not
-    fit), computed on the rows as the trainer computes them (`as_trained`) and returned in
-    `batch`'s layout; and the tokens computed (rows x seq_len, padding included)."""
+    `fn(params, rows, layout)`, `micro_rows` rows at a time (the logits of all rows at once
+    may not fit), computed on the rows as the trainer computes them (`as_trained`) and
+    returned in `batch`'s layout; and the tokens computed (rows x seq_len, padding included)."""
     rows, packing = as_trained({k: batch[k] for k in MODEL_ROWS}, micro_rows, pack)
-    logp = np.asarray(jnp.concatenate([fn(params, {k: jnp.asarray(v[i:i + micro_rows]) for k, v in rows.items()})
-                                       for i in range(0, len(rows["tokens"]), micro_rows)]))
+    chunks = [{k: v[i:i + micro_rows] for k, v in rows.items()} for i in range(0, len(rows["tokens"]), micro_rows)]
+    logp = np.asarray(jnp.concatenate([fn(params, {k: jnp.asarray(v) for k, v in c.items()}, layout_of(c, exact))
+                                       for c in chunks]))
     if packing is not None:
         logp = unpack_tokens(logp, packing, batch["tokens"].shape[1])
     return logp, rows["tokens"].size
 
 
+def layout_of(rows: dict[str, np.ndarray], exact: bool) -> int:
+    """The attention layout the trainer's programs take for `rows`: the rows' own
+    (`batch_max_segments`) on exact numerics, whose attention needs it; else 0 (dense)."""
+    return batch_max_segments(rows["segment_ids"]) if exact else 0
+
+
 def update_minibatches(update, state, batch: dict[str, np.ndarray], minibatches: int, micro_rows: int,
-                       pack: bool) -> tuple[Any, dict, int]:
+                       pack: bool, exact: bool = False) -> tuple[Any, dict, int]:
     """`minibatches` updates of `state` (donated) by `update` (`make_step_fns(...).update`),
     each on its share of `batch`'s rows as the trainer computes them (`as_trained`), waited
     for: the state, the last update's metrics and the tokens computed."""
@@ -282,7 +296,7 @@ def update_minibatches(update, state, batch: dict[str, np.ndarray], minibatches:
     for j in range(minibatches):  # [micro-batches, rows, S]
         rows, _ = as_trained({k: v[j * per:(j + 1) * per] for k, v in batch.items()}, micro_rows, pack)
         computed += rows["tokens"].size
-        state, metrics = update(state, micro_batches(rows, micro_rows), None)
+        state, metrics = update(state, micro_batches(rows, micro_rows), None, layout_of(rows, exact))
     jax.block_until_ready(metrics["loss"])
     return state, metrics, computed
 
@@ -299,7 +313,7 @@ def run(args, results) -> int:
         raise SystemExit(f"bench grpo: --minibatches {args.minibatches} must divide the {n} rollouts and "
                          f"--micro-batch {micro_rows} the {per} rows of a minibatch")
     params = init(cfg)
-    shape = dict(mode=args.mode, lengths=args.lengths, shape=args.shape, params=count_params(params), rollouts=n,
+    shape = dict(mode=args.mode, exact_logprobs=args.exact_logprobs, lengths=args.lengths, shape=args.shape, params=count_params(params), rollouts=n,
                  prompts=args.prompts, group=args.group, prompt_len=args.prompt_len, new=args.new,
                  minibatches=args.minibatches, micro_batch=micro_rows, command_buffers=args.command_buffers,
                  xla_flags=os.environ.get("XLA_FLAGS", ""))
@@ -307,19 +321,25 @@ def run(args, results) -> int:
     opt_cfg = OptimizerConfig(lr=1e-6, weight_decay=0.0)
     schedule = make_schedule(ScheduleConfig(), 1000)
     optimizer = build_optimizer(opt_cfg, schedule, params)
+    if args.exact_logprobs:  # the trainer's half of exact log-probs: the engine's numerics
+        cfg = exact_model_config(cfg, EngineConfig.attention_impl)
     fns = make_step_fns(cfg, strategy, GRPOLossConfig(max_response_len=args.new), optimizer, schedule, opt_cfg.lr,
                         clip_norm=1.0)
     state = init_train_state(params, optimizer, jax.random.key(1))
     del params
 
-    @jax.jit
-    def recompute_rows(params, batch):
-        hidden, _ = hidden_states(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+    @functools.partial(jax.jit, static_argnums=2)
+    def recompute_rows(params, batch, max_segments):
+        hidden, _ = hidden_states(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"],
+                                  max_segments=max_segments)
         return target_stats(cfg, params, hidden, batch["targets"]).logp * batch["loss_mask"]
+
+    checked = []  # --exact-logprobs: the recompute ran once
 
     def train(state, gen: Generated, t: dict):
         """The trainer's part of a step on rollout `gen` (phases timed into `t`): rewards,
-        batch, log-prob recompute, `--minibatches` updates of `state` (donated)."""
+        batch, log-prob recompute (with --exact-logprobs only once), `--minibatches` updates
+        of `state` (donated)."""
         t0 = time.perf_counter()
         rewards = np.array([reward_of(c.tokens, gen.targets[i // args.group]) for i, c in enumerate(gen.completions)],
                            np.float32)
@@ -328,15 +348,24 @@ def run(args, results) -> int:
         batch = rollout_batch(gen.prompts, gen.completions, rewards, args.group, seq)  # host rows
         t["batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        recomputed, computed = recompute_logprobs(recompute_rows, gen.params, batch, micro_rows, args.pack_rows)
-        # interruptible: tokens of several versions; the anchor is each one's engine log-prob
-        batch["old_logp"] = batch["behaviour_logp"] if args.mode == "interruptible" else recomputed
+        extra, computed = {}, 0
+        if not (args.exact_logprobs and checked):
+            recomputed, computed = recompute_logprobs(recompute_rows, gen.params, batch, micro_rows, args.pack_rows,
+                                                      args.exact_logprobs)
+            if args.exact_logprobs:
+                checked.append(True)
+                mask = batch["loss_mask"] > 0
+                extra["exact_bitwise_pct"] = 100.0 * float(np.mean(recomputed[mask] == batch["behaviour_logp"][mask]))
+        # interruptible or exact: the anchor is each token's engine log-prob
+        anchored = args.mode == "interruptible" or args.exact_logprobs
+        batch["old_logp"] = batch["behaviour_logp"] if anchored else recomputed
         t["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         state, metrics, update_tokens = update_minibatches(fns.update, state, batch, args.minibatches, micro_rows,
-                                                           args.pack_rows)
+                                                           args.pack_rows, args.exact_logprobs)
         t["optimizer"] = time.perf_counter() - t0
-        return state, metrics, rewards, {"computed_tokens": update_tokens, "logprobs_computed_tokens": computed}
+        return state, metrics, rewards, {"computed_tokens": update_tokens, "logprobs_computed_tokens": computed,
+                                         **extra}
 
     # an overlapping engine holds a copy: every update donates the trainer's buffers
     copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
@@ -349,7 +378,7 @@ def run(args, results) -> int:
         page_size=page, n_pages=n * -(-seq // page) + 8, max_batch=rows,
         max_tokens_per_step=n * args.prompt_len if args.tiny else max(rows, 8192), max_seq_len=seq,
         prefix_cache=True, on_weight_update="continue" if args.mode == "interruptible" else "finish",
-        **buckets), version=0)
+        exact_logprobs=args.exact_logprobs, **buckets), version=0)
     interruptible = args.mode == "interruptible"
     front = SharedEngine(engine) if interruptible else engine  # interruptible: two rollouts share it
     if args.engine_warmup:
@@ -358,6 +387,7 @@ def run(args, results) -> int:
         results.row("engine_warmup", programs=programs, seconds=time.perf_counter() - t0, **shape)
     if overlap:  # before a second thread dispatches: see warm_trainer
         results.row("warmup", warmup_ms=1e3 * warm_trainer(train, state, served, args), **shape)
+        checked.clear()  # the zero rollout compiled the recompute; step 0 still checks
     worker = concurrent.futures.ThreadPoolExecutor(2 if interruptible else 1, thread_name_prefix="bench-rollout") \
         if overlap else None
     pending = worker.submit(generate, front, served, 0, args, cfg.vocab_size) if overlap else None

@@ -31,6 +31,7 @@ Rows: one a step (section `step`), the mean of the steps after the first (`mean`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -112,8 +113,9 @@ def run(args, results) -> int:
     state = init_train_state(params, optimizer, jax.random.key(1))
     del params
 
-    @jax.jit
-    def recompute(params, rows):
+    @functools.partial(jax.jit, static_argnums=2)
+    def recompute(params, rows, max_segments):  # dense attention: the layout is 0 (recompute_logprobs)
+        del max_segments
         return policy_stats(cfg, params, rows, 1.0, args.lm_head_chunk)[0].logp * rows["loss_mask"]
 
     page, rows = 16, min(n, 256)
