@@ -92,3 +92,11 @@ def test_the_engine_check_runs_one_engine_per_tuning(tmp_path):
 def test_bad_engine_tunings_are_refused_naming_the_option():
     with pytest.raises(SystemExit, match="--engine-tunings: .*'unrol'"):
         main(["exact", "--tiny", "--checks", "engine", "--engine-tunings", '{"unrol": true}'])
+
+
+def test_the_gemm_check_times_the_kernel_beside_the_tile_loop_and_a_plain_gemm(tmp_path):
+    rows = bench(tmp_path, "exact", "--checks", "gemm")
+    assert [r["ok"] for r in section(rows, "exact")] == [True, True]
+    (speed,) = section(rows, "gemm_speed")
+    assert (speed["m"], speed["k"], speed["n"]) == (1024, 64, 128)
+    assert speed["kernel_ms"] > 0 and speed["tile_loop_ms"] > 0 and speed["plain_ms"] > 0

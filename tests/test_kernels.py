@@ -7,6 +7,8 @@ forgot to write fails the finiteness check (poisoned outputs).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from pallas_kernels import dispatch, reference
 from pallas_kernels.decode_mgpu import (default_keys_as_rows, default_num_stages, query_columns,
                                         ragged_decode_mgpu)
 from pallas_kernels.exact_mgpu import exact_attention_mgpu, tile_positions
+from pallas_kernels.gemm_mgpu import fixed_tile_matmul
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
 from pallas_kernels.scatter_rows import scatter_rows
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
@@ -146,6 +149,41 @@ def test_causal_query_tiles_refuse_kv_splits():
         ragged_decode_mgpu(q, kb, vb, 0, jnp.asarray([20], jnp.int32), pt, page_size=16, sm_scale=1.0,
                            tuning=DecodeTuning(num_splits=2, keys_as_rows=True), interpret=True,
                            first_limits=jnp.asarray([20], jnp.int32), causal_group=1)
+
+
+def test_fixed_tile_gemm_matches_a_float32_dot_and_computes_a_row_alike_for_every_m():
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.standard_normal((192, 256)) * 0.07, jnp.bfloat16)  # 3 K blocks, 2 N tiles
+    x = jnp.asarray(rng.standard_normal((130, 192)), jnp.bfloat16)  # 3 M tiles, the last padded
+    out = fixed_tile_matmul(x, w, num_stages=2, interpret=True)
+    assert out.shape == (130, 256) and out.dtype == jnp.bfloat16
+    assert rel_err(out, f32(x) @ f32(w)) < TOL
+    for rows in (slice(0, 1), slice(61, 70)):  # one row alone; rows across a tile boundary
+        alone = fixed_tile_matmul(x[rows], w, interpret=True)
+        np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(out[rows], np.float32))
+
+
+@pytest.mark.parametrize("x,w,match", [
+    ((8, 100), (100, 128), "K \\(100\\) must be a multiple of 64"),
+    ((8, 64), (64, 96), "N \\(96\\) of 128"),
+    ((8, 64), (128, 128), "needs x \\[M, K\\] and w \\[K, N\\]"),
+])
+def test_fixed_tile_gemm_names_shapes_it_cannot_tile(x, w, match):
+    with pytest.raises(ValueError, match=match):
+        fixed_tile_matmul(jnp.zeros(x, jnp.bfloat16), jnp.zeros(w, jnp.bfloat16), interpret=True)
+
+
+def test_exact_kernels_lower_for_hopper():
+    """The fixed-tile GEMM and the causal tiles of the exact attention run the whole Mosaic
+    GPU lowering for the cuda platform on the CPU (TMA shapes, layouts, barriers); only
+    ptxas is left for the GPU."""
+    x, w = jax.ShapeDtypeStruct((70, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 5632), jnp.bfloat16)
+    assert "mosaic_gpu" in jax.jit(fixed_tile_matmul).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    q, kv = jax.ShapeDtypeStruct((300, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
+    cu, lens = jnp.asarray([0, 1, 2, 300], jnp.int32), jnp.asarray([50, 9, 298], jnp.int32)
+    fn = functools.partial(exact_attention_mgpu, page_size=16, sm_scale=0.1)
+    lowered = jax.jit(fn).trace(q, kv, kv, jnp.int32(0), cu, lens, jnp.zeros((3, 64), jnp.int32))
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_decode_ring_depth_fills_shared_memory_without_splits():
