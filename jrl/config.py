@@ -298,8 +298,8 @@ class ModelConfig:
     matmul_dtype: MatmulDtype | None = None
     # 0: off. N > 0: batch-invariant numerics (docs/rl.md "Exact log-probs"): every
     # row-wise op (norms, projections, LM head, log-softmax) runs on fixed tiles of N
-    # token rows and attention through the paged prefill kernel's arithmetic, so a token's
-    # result does not depend on which other tokens share its batch. The engine sets it
+    # token rows and attention through one batch-invariant kernel (`exact_prefill`), so a
+    # token's result does not depend on which other tokens share its batch. The engine sets it
     # with `exact_logprobs`; the trainer with the RL option of that name.
     exact_rows: int = 0
     # With exact_rows: the implementation that computes its attention (`exact_prefill`'s

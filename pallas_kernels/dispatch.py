@@ -116,12 +116,12 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     """Batch-invariant packed ragged causal attention: a query row's result depends only
     on its own query and keys, bitwise, not on the other rows, the page-table width or
     how many queries its request has (a decode step and a prefill of the same tokens
-    agree). The prefill kernel with pinned blocks where it runs (`impl` resolved as for
-    `paged_prefill`), else `reference.paged_prefill_blocked`, which walks keys the same
-    way in jnp. The kernel is `exact_mgpu.exact_attention_mgpu`: the decode kernel's
-    keys-as-rows tiles with a causal end per query column. The two are each invariant, not
-    equal to each other: both sides of a comparison must resolve `impl` alike. Plain
-    (bf16/f16/float32) buffers only."""
+    agree). Where the kernels run (`impl` resolved as for `paged_prefill`) that is
+    `exact_mgpu.exact_attention_mgpu`, the decode kernel's keys-as-rows tiles with a causal
+    end per query column and pinned key blocks; elsewhere `reference.paged_prefill_blocked`,
+    which walks pinned key blocks in jnp. The two are each invariant, not equal to each
+    other: both sides of a comparison must resolve `impl` alike. Plain (bf16/f16/float32)
+    buffers only."""
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, None), "exact_prefill")
