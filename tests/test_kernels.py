@@ -121,7 +121,7 @@ def test_exact_attention_matches_float32_reference_whatever_its_tile_width(hq, h
     outs = [np.asarray(exact_attention_mgpu(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps,
                                             sm_scale=d ** -0.5, positions=p, interpret=impl == "interpret"),
                        np.float32)
-            for p in (narrow, 2 * narrow, 8 * narrow)]
+            for p in (narrow, 8 * narrow)]
     ref = reference.paged_prefill(f32(q), f32(kb), f32(vb), jnp.int32(1), cu, lens, pt,
                                   page_size=ps, sm_scale=d ** -0.5)
     assert np.isfinite(outs[0]).all()
