@@ -172,6 +172,10 @@ AttentionType = Literal["gqa", "mla"]
 DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 MatmulDtype = Literal["float8"]
+# How exact numerics (ModelConfig.exact_rows) run a projection's GEMM: "tiles" (cuBLAS on
+# each tile of rows, in a loop) or "kernel" (pallas_kernels.gemm_mgpu's fixed-tile GEMM on
+# all rows at once, where it runs: a Hopper GPU, bf16/f16, in % 64, out % 128).
+ExactGemm = Literal["tiles", "kernel"]
 # `pallas_kernels.dispatch` implementations of paged attention: "auto" (the Mosaic GPU
 # kernel on a Hopper GPU where it supports the shapes, the jnp reference elsewhere),
 # "reference", "pallas" (the kernel, forced) or "interpret" (the kernel in interpret mode).
@@ -306,6 +310,10 @@ class ModelConfig:
     # `impl`). The kernel and the reference round differently, so the trainer must run the
     # engine's: `exact_model_config` sets it to `engine.attention_impl` on both sides.
     exact_attention_impl: AttentionImpl = "auto"
+    # With exact_rows: how the projections' GEMMs run (`ExactGemm`). "kernel" is one GEMM
+    # call for any number of rows where "tiles" loops; it rounds differently from "tiles",
+    # so the engine and the trainer must share the setting (they share the model config).
+    exact_gemm: ExactGemm = "tiles"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -385,6 +393,7 @@ class ModelConfig:
                "batch-dependent token groups) and matmul_dtype unset (fp8 products scale by the "
                "batch's own maximum)")
         _check_choice(self.exact_attention_impl, AttentionImpl, "exact_attention_impl")
+        _check_choice(self.exact_gemm, ExactGemm, "exact_gemm")
         _check(self.exact_attention_impl != "interpret", "exact_attention_impl", INTERPRET_IN_MODEL)
         self.rope_scaling.validate()
         self.lora.validate()

@@ -19,7 +19,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import reference
+from pallas_kernels import gemm_mgpu, reference
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
 from pallas_kernels.exact_mgpu import exact_attention_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
@@ -132,6 +132,33 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     return exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                 page_size=page_size, sm_scale=float(sm_scale),
                                 interpret=which == "interpret")
+
+
+def exact_matmul_runs(dtype, k: int, n: int) -> bool:
+    """Whether `exact_matmul` of `[M, k]` rows of `dtype` by a `[k, n]` weight runs the
+    fixed-tile GEMM kernel here: a Hopper GPU and the kernel's shapes (`gemm_mgpu`)."""
+    return (on_hopper() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and k % gemm_mgpu.TILE_K == 0 and n % gemm_mgpu.TILE_N == 0)
+
+
+@jax.custom_vjp
+def exact_matmul(x, w):
+    """`x [M, K] @ w [K, N]` by `gemm_mgpu.fixed_tile_matmul` (a row's bits independent of
+    M; the interpreter off a GPU), differentiable: the backward pass is the ordinary
+    product's gradient (only the forward must be exact)."""
+    return gemm_mgpu.fixed_tile_matmul(x, w, interpret=jax.default_backend() != "gpu")
+
+
+def _exact_matmul_fwd(x, w):
+    return exact_matmul(x, w), (x, w)
+
+
+def _exact_matmul_bwd(residuals, g):
+    x, w = residuals
+    return (jnp.dot(g, w.T).astype(x.dtype), jnp.dot(x.T, g).astype(w.dtype))
+
+
+exact_matmul.defvjp(_exact_matmul_fwd, _exact_matmul_bwd)
 
 
 def write_kv(k_buf, v_buf, layer, slots, k, v):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +19,7 @@ from jrl.config import ConfigError, ModelConfig, model_config_from_dict
 from jrl.models import forward, init_params
 from jrl.models.attention import dense_attention
 from jrl.models.exact import exact_attention
+from jrl.models.layers import Linear
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions
 from jrl.rollout.config import EngineConfig, check_exact, exact_model_config
@@ -128,6 +130,44 @@ def test_exact_prefill_row_is_the_same_in_a_decode_step_and_in_a_prefill(impl):
     alone = dispatch.exact_prefill(jnp.pad(q[99:100], ((0, 7), (0, 0), (0, 0))), k_buf, v_buf, 0,
                                    jnp.array([0, 1]), jnp.array([70]), table[1:, :8], **kw)
     np.testing.assert_array_equal(np.asarray(batch[99], np.float32), np.asarray(alone[0], np.float32))
+
+
+def _linear(gemm: str, rows: int = 64) -> Linear:
+    return Linear(features=128, axes=("embed", "mlp"), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rows=rows,
+                  gemm=gemm)
+
+
+def test_exact_gemm_kernel_runs_one_fixed_tile_gemm_over_all_rows_and_takes_the_plain_gradient(monkeypatch):
+    # Where the kernel runs (a Hopper GPU; the interpreter here), a projection is one
+    # fixed-tile GEMM of every row, no tile loop: a sequence's rows have the same bits
+    # alone as among others, and the backward pass is the ordinary product's.
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: True)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 70, 64)), jnp.bfloat16)
+    layer = _linear("kernel")
+    params = nn.unbox(layer.init(jax.random.key(0), x))
+    y = layer.apply(params, x)
+    kernel = params["params"]["kernel"]
+    want = dispatch.gemm_mgpu.fixed_tile_matmul(x.reshape(-1, 64), kernel, interpret=True).reshape(3, 70, 128)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(layer.apply(params, x[1:2]), np.float32), np.asarray(y[1:2], np.float32))
+    grad = jax.grad(lambda p: jnp.sum(layer.apply(p, x).astype(jnp.float32) ** 2))(params)["params"]["kernel"]
+    plain = jax.grad(lambda k: jnp.sum(jnp.dot(x, k).astype(jnp.float32) ** 2))(kernel)
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(plain, np.float32), rtol=1e-6)
+
+
+def test_exact_gemm_kernel_keeps_the_tiles_where_the_kernel_cannot_run():
+    # Off Hopper (this CPU) "kernel" computes what "tiles" does, bitwise, so an engine and a
+    # trainer on one device always agree.
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 40, 64)), jnp.bfloat16)
+    params = nn.unbox(_linear("tiles").init(jax.random.key(0), x))
+    np.testing.assert_array_equal(np.asarray(_linear("kernel").apply(params, x), np.float32),
+                                  np.asarray(_linear("tiles").apply(params, x), np.float32))
+
+
+def test_exact_gemm_must_be_tiles_or_kernel():
+    with pytest.raises(ConfigError, match="exact_gemm"):
+        ModelConfig(exact_rows=64, exact_gemm="cublas")
 
 
 def test_exact_attention_matches_dense_attention_and_takes_its_gradient():

@@ -74,7 +74,7 @@ from jrl.bench import drift
 from jrl.bench.decode import engine_config
 from jrl.bench.log import log
 from jrl.bench.results import COMMON_KEYS, ROOT
-from jrl.bench.shapes import ROLLOUT_082B, init, tiny_like
+from jrl.bench.shapes import ROLLOUT_082B, init, tiny_like, with_overrides
 from jrl.bench.timing import timeit
 from jrl.config import DEFAULT_EXACT_ROWS, ModelConfig
 from jrl.models import lm_logits
@@ -114,6 +114,8 @@ def add_arguments(p) -> None:
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {','.join(CHECKS)}")
     p.add_argument("--rows", type=int, default=DEFAULT_EXACT_ROWS,
                    help="ModelConfig.exact_rows: token rows per tile (0: the plain numerics, a control)")
+    p.add_argument("--model", type=json.loads, default={}, help="JSON object of ModelConfig fields to override, "
+                   'e.g. \'{"exact_gemm": "kernel"}\'')
     p.add_argument("--layers", type=int, default=None, help="layers of the model and engine checks (default all)")
     p.add_argument("--impl", default="auto", choices=dispatch.IMPLS,
                    help="exact_prefill implementation of the attention check (auto: the kernel on Hopper)")
@@ -133,11 +135,11 @@ def record_name(args) -> str:
 
 def model_config(args) -> ModelConfig:
     """The 0.82B rollout shape (`--tiny`: TINY with heads of 64, which the kernels take)
-    with `exact_rows = --rows`."""
+    with `exact_rows = --rows` and the `--model` overrides."""
     cfg = tiny_like(ROLLOUT_082B, head_dim=64) if args.tiny else ROLLOUT_082B
     if args.rows < 0 or args.rows % 8:
         raise SystemExit(f"--rows: must be 0 or a positive multiple of 8, got {args.rows}")
-    return dataclasses.replace(cfg, exact_rows=args.rows)
+    return with_overrides(dataclasses.replace(cfg, exact_rows=args.rows), args.model)
 
 
 def bits(x) -> np.ndarray:
@@ -332,7 +334,8 @@ def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> dict:
     plain = jax.jit(jnp.dot)
     ms = {name: 1e3 * timeit(fn, x, w, iters=1 if sizes is TINY_SIZES else 20, reps=1 if sizes is TINY_SIZES else 3)
           for name, fn in (("kernel_ms", kernel), ("tile_loop_ms", tiles), ("plain_ms", plain))}
-    return dict(m=sizes.among, k=d, n=w.shape[1], **ms, tflops_kernel=2 * x.shape[0] * d * w.shape[1] / ms["kernel_ms"] / 1e9)
+    flops = 2 * x.shape[0] * d * w.shape[1]
+    return dict(m=sizes.among, k=d, n=w.shape[1], **ms, tflops_kernel=flops / ms["kernel_ms"] / 1e9)
 
 
 def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Programs) -> list[tuple]:
@@ -469,7 +472,7 @@ def run_checks(args, results, checks: list[str]) -> None:
     for name in checks:
         log(f"check {name}")
         rng = np.random.default_rng(CHECKS.index(name))
-        common = dict(check=name, exact_rows=cfg.exact_rows, hidden=cfg.hidden_size,
+        common = dict(check=name, exact_rows=cfg.exact_rows, exact_gemm=cfg.exact_gemm, hidden=cfg.hidden_size,
                       xla_flags_env=os.environ.get("XLA_FLAGS", ""))
         programs = Programs(name, args.hlo_dir)
         try:
@@ -501,8 +504,8 @@ def run_flag_sets(args, results, checks: list[str]) -> None:
     device)."""
     base = os.environ.get("XLA_FLAGS", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    argv = ["exact", "--checks", ",".join(checks), "--rows", str(args.rows), "--impl", args.impl,
-            "--engine-tunings", args.engine_tunings,
+    argv = ["exact", "--checks", ",".join(checks), "--rows", str(args.rows), "--model", json.dumps(args.model),
+            "--impl", args.impl, "--engine-tunings", args.engine_tunings,
             *(["--layers", str(args.layers)] if args.layers else []), *(["--tiny"] if args.tiny else [])]
     for i, flags in enumerate(f.strip() for f in args.xla_flags_sets.split(";")):
         log(f"XLA flags set {i}: {flags!r}")

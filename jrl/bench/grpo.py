@@ -313,8 +313,9 @@ def run(args, results) -> int:
         raise SystemExit(f"bench grpo: --minibatches {args.minibatches} must divide the {n} rollouts and "
                          f"--micro-batch {micro_rows} the {per} rows of a minibatch")
     params = init(cfg)
-    shape = dict(mode=args.mode, exact_logprobs=args.exact_logprobs, lengths=args.lengths, shape=args.shape, params=count_params(params), rollouts=n,
-                 prompts=args.prompts, group=args.group, prompt_len=args.prompt_len, new=args.new,
+    shape = dict(mode=args.mode, exact_logprobs=args.exact_logprobs, lengths=args.lengths, shape=args.shape,
+                 params=count_params(params), rollouts=n, prompts=args.prompts, group=args.group,
+                 prompt_len=args.prompt_len, new=args.new,
                  minibatches=args.minibatches, micro_batch=micro_rows, command_buffers=args.command_buffers,
                  xla_flags=os.environ.get("XLA_FLAGS", ""))
     strategy = get_strategy("grpo")

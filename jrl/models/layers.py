@@ -25,6 +25,7 @@ import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.models.fp8 import E4M3, fp8_matmul, scaled_matmul
+from pallas_kernels import dispatch as kernels
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -97,7 +98,9 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """`x @ kernel (+ bias)`, plus `scale * x @ lora_a @ lora_b` when `lora_rank > 0`.
     `fp8`: the product runs in fp8 with current scaling (`jrl.models.fp8.fp8_matmul`).
-    An e4m3 kernel (served layout) is multiplied with its `kernel_scale` columns."""
+    An e4m3 kernel (served layout) is multiplied with its `kernel_scale` columns. With
+    `rows` and `gemm="kernel"` a plain product (no LoRA, no fp8) is one fixed-tile GEMM of
+    all rows where that kernel runs (`pallas_kernels.dispatch.exact_matmul`), not tiles."""
 
     features: int
     axes: tuple[str, str]
@@ -110,6 +113,7 @@ class Linear(nn.Module):
     init_std: float = 0.02
     fp8: bool = False
     rows: int = 0  # > 0: computed on tiles of this many rows (`map_rows`; ModelConfig.exact_rows)
+    gemm: str = "tiles"  # with rows: "kernel" runs the fixed-tile GEMM where it can (ModelConfig.exact_gemm)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -147,6 +151,13 @@ class Linear(nn.Module):
                 y = y + self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
             return y
 
+        if (self.rows and self.gemm == "kernel" and a is None and kernel.dtype != E4M3 and not self.fp8
+                and kernels.exact_matmul_runs(self.dtype, in_features, self.features)):
+            # one fixed-tile GEMM over all rows: a row's bits do not depend on how many there are
+            y = kernels.exact_matmul(x.reshape(-1, in_features), kernel.astype(self.dtype))
+            if bias is not None:
+                y = y + bias.astype(self.dtype)
+            return y.reshape(*x.shape[:-1], self.features)
         return map_rows(apply, self.rows, x, key=self.name or "")
 
 
@@ -163,7 +174,7 @@ def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
         dtype=dtype_of(config.dtype), param_dtype=dtype_of(config.param_dtype),
         lora_dtype=None if lora.dtype is None else dtype_of(lora.dtype),
         init_std=config.initializer_range, fp8=fp8_capable and config.matmul_dtype == "float8",
-        rows=config.exact_rows, name=name,
+        rows=config.exact_rows, gemm=config.exact_gemm, name=name,
     )
 
 
