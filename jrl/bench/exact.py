@@ -2,7 +2,7 @@
 exact`; docs/rl.md "Exact log-probs"): which op gives a row different bits in the
 engine's programs and the trainer's.
 
-    jrl bench exact [--checks linear,qkv,...] [--rows 256] [--layers N] [--impl auto]
+    jrl bench exact [--checks linear,qkv,...] [--rows 256] [--model JSON] [--layers N] [--impl auto]
                     [--engine-tunings '{};{"unroll_layers": false}'] [--hlo-dir DIR]
                     [--xla-flags-sets ';--xla_disable_hlo_passes=dot-merger;--xla_gpu_enable_triton_gemm=false']
 
@@ -34,16 +34,17 @@ real modules (`jrl.models`) with layer 0's weights:
              sampled tokens, against the trainer (`jrl.bench.drift`): the end-to-end share;
              one engine per `--engine-tunings` entry (the GPU's defaults unroll the layers
              and run 4 decode steps a call, the CPU's neither)
-  gemm       the fixed-tile GEMM kernel (`pallas_kernels.gemm_mgpu`, not yet used by the
-             model; interpret mode off Hopper) on all rows at once, a hidden x hidden
-             weight: 32 rows alone vs among 4096, aligned and shifted; plus a row
+  gemm       the fixed-tile GEMM kernel (`pallas_kernels.gemm_mgpu`, the model's under
+             `exact_gemm: kernel`; interpret mode off Hopper) on all rows at once, a hidden
+             x hidden weight: 32 rows alone vs among 4096, aligned and shifted; plus a row
              `gemm_speed` timing it on the 4096 rows beside the `--rows` tile loop of
-             cuBLAS GEMMs the model runs today and one plain GEMM
+             cuBLAS GEMMs (`exact_gemm: tiles`) and one plain GEMM
 
 On the CPU every check is bitwise. The first failing check in the order above points at
 the component; `--layers` bisects the model by depth; `--impl` applies to the attention
 check only (the model's attention resolves "auto"); `--rows 0` runs the plain numerics
-(no tiles; the engine check still runs tiles) as a control. XLA flags are read when the backend
+(no tiles; the engine check still runs tiles) as a control; `--model JSON` overrides
+ModelConfig fields (`'{"exact_gemm": "kernel"}'`). XLA flags are read when the backend
 starts: `--xla-flags-sets 'A;B'` reruns the checks in one subprocess per set (appended to
 XLA_FLAGS; rows carry `xla_flags`, '' = none added). `--hlo-dir DIR` writes each
 context's optimized HLO (`<check>.<context>.hlo.txt`, to diff) and puts a summary on the
@@ -326,7 +327,7 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, pro
 
 def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> dict:
     """ms of `sizes.among` rows through a hidden x hidden GEMM: the fixed-tile kernel, the
-    `exact_rows` tile loop (what the model runs now) and one plain GEMM."""
+    `exact_rows` tile loop (`exact_gemm: tiles`) and one plain GEMM."""
     d, dt, rows = cfg.hidden_size, dtype_of(cfg.dtype), cfg.exact_rows or 64
     x, w = normal(rng, (sizes.among, d), dt), normal(rng, (d, max(TILE_N, d)), dt) * d ** -0.5
     kernel = jax.jit(functools.partial(fixed_tile_matmul, interpret=not dispatch.on_hopper()))
