@@ -20,7 +20,6 @@ per tile of `positions` positions.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -47,8 +46,7 @@ def tile_positions(group: int, queries: int, requests: int) -> int:
 def exact_tuning(interpret: bool) -> DecodeTuning:
     """The decode kernel's launch options for causal tiles: keys as rows, one split, the
     pinned block; interpret mode runs one CTA an item."""
-    return dataclasses.replace(DecodeTuning(block_kv=BLOCK_KV, num_splits=1, keys_as_rows=True),
-                               persistent=not interpret)
+    return DecodeTuning(block_kv=BLOCK_KV, num_splits=1, keys_as_rows=True, persistent=not interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "positions", "interpret"))

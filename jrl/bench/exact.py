@@ -34,8 +34,8 @@ real modules (`jrl.models`) with layer 0's weights:
              sampled tokens, against the trainer (`jrl.bench.drift`): the end-to-end share;
              one engine per `--engine-tunings` entry (the GPU's defaults unroll the layers
              and run 4 decode steps a call, the CPU's neither)
-  gemm       the fixed-tile GEMM kernel (`pallas_kernels.gemm_mgpu`, the model's under
-             `exact_gemm: kernel`; interpret mode off Hopper) on all rows at once, a hidden
+  gemm       the fixed-tile GEMM kernel (`dispatch.exact_matmul`, the model's under
+             `exact_gemm: kernel`; interpret mode off a GPU) on all rows at once, a hidden
              x hidden weight: 32 rows alone vs among 4096, aligned and shifted; plus a row
              `gemm_speed` timing it on the 4096 rows beside the `--rows` tile loop of
              cuBLAS GEMMs (`exact_gemm: tiles`) and one plain GEMM
@@ -87,7 +87,7 @@ from jrl.rollout.config import exact_model_config, pow2_at_least
 from jrl.rollout.tuning import TuningOverrides
 from jrl.train.logprobs import attention_layout, target_stats, token_logprobs
 from pallas_kernels import dispatch
-from pallas_kernels.gemm_mgpu import TILE_M, TILE_N, fixed_tile_matmul
+from pallas_kernels.gemm_mgpu import TILE_M, TILE_N
 
 CHECKS = ("linear", "qkv", "mlp", "rmsnorm", "rope", "logprob", "attention", "layer", "model", "engine", "gemm")
 
@@ -316,9 +316,8 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, pro
         contexts = [alone, among, *trainers]
         chosen, filler = (x[:sizes.rows], targets[:sizes.rows]), (filler[0], targets)
     elif name == "gemm":  # the fixed-tile GEMM kernel on all rows at once (no tile loop)
-        gemm = functools.partial(fixed_tile_matmul, interpret=not dispatch.on_hopper())
         p = normal(rng, (d, max(TILE_N, d)), dt) * d ** -0.5
-        contexts = row_contexts(lambda w, x: gemm(x, w), sizes, TILE_M)
+        contexts = row_contexts(lambda w, x: dispatch.exact_matmul(x, w), sizes, TILE_M)
     else:
         raise ValueError(f"check_rows: not a row-wise check: {name!r}")
     outs = run_contexts(contexts, p, chosen, filler, programs)
@@ -330,7 +329,7 @@ def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> dict:
     `exact_rows` tile loop (`exact_gemm: tiles`) and one plain GEMM."""
     d, dt, rows = cfg.hidden_size, dtype_of(cfg.dtype), cfg.exact_rows or 64
     x, w = normal(rng, (sizes.among, d), dt), normal(rng, (d, max(TILE_N, d)), dt) * d ** -0.5
-    kernel = jax.jit(functools.partial(fixed_tile_matmul, interpret=not dispatch.on_hopper()))
+    kernel = jax.jit(dispatch.exact_matmul)
     tiles = jax.jit(lambda x, w: map_rows(lambda t: jnp.dot(t, w), rows, x))
     plain = jax.jit(jnp.dot)
     ms = {name: 1e3 * timeit(fn, x, w, iters=1 if sizes is TINY_SIZES else 20, reps=1 if sizes is TINY_SIZES else 3)

@@ -335,12 +335,10 @@ def run(args, results) -> int:
                                   max_segments=max_segments)
         return target_stats(cfg, params, hidden, batch["targets"]).logp * batch["loss_mask"]
 
-    checked = []  # --exact-logprobs: the recompute ran once
-
-    def train(state, gen: Generated, t: dict):
+    def train(state, gen: Generated, t: dict, recompute: bool = True):
         """The trainer's part of a step on rollout `gen` (phases timed into `t`): rewards,
-        batch, log-prob recompute (with --exact-logprobs only once), `--minibatches` updates
-        of `state` (donated)."""
+        batch, log-prob recompute (unless not `recompute`; with --exact-logprobs it is a
+        check), `--minibatches` updates of `state` (donated)."""
         t0 = time.perf_counter()
         rewards = np.array([reward_of(c.tokens, gen.targets[i // args.group]) for i, c in enumerate(gen.completions)],
                            np.float32)
@@ -350,11 +348,10 @@ def run(args, results) -> int:
         t["batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         extra, computed = {}, 0
-        if not (args.exact_logprobs and checked):
+        if recompute:
             recomputed, computed = recompute_logprobs(recompute_rows, gen.params, batch, micro_rows, args.pack_rows,
                                                       args.exact_logprobs)
             if args.exact_logprobs:
-                checked.append(True)
                 mask = batch["loss_mask"] > 0
                 extra["exact_bitwise_pct"] = 100.0 * float(np.mean(recomputed[mask] == batch["behaviour_logp"][mask]))
         # interruptible or exact: the anchor is each token's engine log-prob
@@ -388,7 +385,6 @@ def run(args, results) -> int:
         results.row("engine_warmup", programs=programs, seconds=time.perf_counter() - t0, **shape)
     if overlap:  # before a second thread dispatches: see warm_trainer
         results.row("warmup", warmup_ms=1e3 * warm_trainer(train, state, served, args), **shape)
-        checked.clear()  # the zero rollout compiled the recompute; step 0 still checks
     worker = concurrent.futures.ThreadPoolExecutor(2 if interruptible else 1, thread_name_prefix="bench-rollout") \
         if overlap else None
     pending = worker.submit(generate, front, served, 0, args, cfg.vocab_size) if overlap else None
@@ -430,7 +426,8 @@ def run(args, results) -> int:
                 t["weight_sync"] = time.perf_counter() - t0
                 if step + 1 < args.steps:
                     pending = worker.submit(generate, front, served, step + 1, args, cfg.vocab_size)
-        state, metrics, rewards, computed = train(state, gen, t)
+        # --exact-logprobs: the engine's log-probs are the anchor; step 0 checks them
+        state, metrics, rewards, computed = train(state, gen, t, recompute=not args.exact_logprobs or step == 0)
         if not overlap:
             t0 = time.perf_counter()
             acked = engine.update_weights(state.params, int(state.policy_version)).version
