@@ -463,19 +463,22 @@ class UpdateBeforeALaterTurn:
     """The engine, publishing `params` as version 1 when the first request of a later turn
     (a prompt longer than every opening prompt) is queued: between two turns of that
     episode, on the runner's thread, while other episodes' first turns are in flight.
-    Records which requests were queued after the update (`queued_after`): environments
-    reset on the runner's thread pool, so a slow reset can queue a first turn late."""
+    Records which requests were queued after the update (`queued_after`) and which were
+    queued but not started when it came (`unstarted`): environments reset on the runner's
+    thread pool, so under load a first turn can be queued late, or wait in the queue."""
 
     def __init__(self, engine, params, opening_len):
         self.engine, self.params, self.opening_len = engine, params, opening_len
         self.ack = None
         self.queued_after: set[int] = set()
+        self.unstarted: set[int] = set()
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def add_request(self, prompt, *args, **kwargs):
         if self.ack is None and len(prompt) > self.opening_len:
+            self.unstarted = {r.rid for r in self.engine.scheduler.waiting if not r.outputs}
             self.ack = self.engine.update_weights(self.params, 1)
         rid = self.engine.add_request(prompt, *args, **kwargs)
         if self.ack is not None:
@@ -520,11 +523,12 @@ def test_a_weight_update_between_turns_is_recorded_per_token(model, tok, im_end,
     oldest, mixed = EpisodeSampler.sample_versions(eps)
     assert [0, 1] in turn_versions and mixed == sum(v == [0, 1] for v in turn_versions) >= 1
     assert oldest.tolist() == [v[0] for v in turn_versions]
-    # a turn queued before the update: finished under the old weights ("finish"), or, if it
-    # was in flight, regenerated under the new ones ("restart")
-    before = [int(c.versions[0]) for ep in eps for c in ep.completions if c.request_id not in updating.queued_after]
-    assert all(int(c.versions[0]) == 1 for ep in eps for c in ep.completions
-               if c.request_id in updating.queued_after)
+    # a turn started before the update: finished under the old weights ("finish"), or, if it
+    # was in flight, regenerated under the new ones ("restart"); one queued after it, or
+    # still waiting to start when it came, runs under the new ones
+    new = updating.queued_after | updating.unstarted
+    before = [int(c.versions[0]) for ep in eps for c in ep.completions if c.request_id not in new]
+    assert all(int(c.versions[0]) == 1 for ep in eps for c in ep.completions if c.request_id in new)
     if on_weight_update == "finish":
         assert before.count(1) == 0 and ack.finished_in_flight >= 1 and ack.restarted == 0
     else:
