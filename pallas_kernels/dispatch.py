@@ -138,7 +138,7 @@ def exact_matmul_runs(dtype, k: int, n: int) -> bool:
     """Whether `exact_matmul` of `[M, k]` rows of `dtype` by a `[k, n]` weight runs the
     fixed-tile GEMM kernel here: a Hopper GPU and the kernel's shapes (`gemm_mgpu`)."""
     return (on_hopper() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-            and k % gemm_mgpu.TILE_K == 0 and n % gemm_mgpu.TILE_N == 0)
+            and k % gemm_mgpu.TILE_K == 0 and n % gemm_mgpu.N_MULTIPLE == 0)
 
 
 @jax.custom_vjp

@@ -1,16 +1,22 @@
 """A GEMM whose rows do not depend on how many there are, on Hopper through Mosaic GPU.
 
-`x [M, K] @ w [K, N]` in one fixed tiling whatever M is: output tiles of TILE_M x TILE_N,
-each accumulated in float32 over K in blocks of TILE_K, in order, on the tensor cores, with
-no split of K across CTAs. A row's bits then depend on that row of `x` and on `w` alone,
-not on M (cuBLAS picks its kernel, tile and split-K by shape). This is what exact log-probs
-need from every projection (docs/rl.md, "Exact log-probs"), in one call for any number of
-rows where a loop of fixed-size cuBLAS GEMMs costs a launch and a copy per tile.
+`x [M, K] @ w [K, N]` with every output element accumulated in float32 over K in blocks of
+TILE_K, in order, by 64-row `wgmma`s on the tensor cores, with no split of K across CTAs. A
+row's bits then depend on that row of `x` and on `w` alone, not on M (cuBLAS picks its
+kernel, tile and split-K by shape). This is what exact log-probs need from every projection
+(docs/rl.md, "Exact log-probs"), in one call for any number of rows where a loop of
+fixed-size cuBLAS GEMMs costs a launch and a copy per tile.
+
+The output tile (`tile_m` x `tile_n`) sets only how work is spread over CTAs, not the bits
+(a wgmma's sum over its K block does not depend on its N width, and 64-row groups are
+independent; `jrl bench exact --checks gemm` checks this on the GPU), so `tile_shape`
+picks it from M: big tiles for many rows, where shared-memory traffic bounds the kernel,
+small ones for few, where the CTA count does.
 
 One CTA an output tile: a memory warpgroup streams the x and w blocks of the tile's K walk
-with TMA into a ring of `num_stages` shared-memory slots, a compute warpgroup accumulates
-`wgmma` products into its registers and stores the tile, cast to x's dtype. The wrapper pads
-M to a multiple of TILE_M (zeros) and slices the padding off.
+with TMA into a ring of `num_stages` shared-memory slots, `tile_m / 64` compute warpgroups
+accumulate `wgmma` products of their 64 rows into registers and store the tile, cast to x's
+dtype. The wrapper pads M to a multiple of `tile_m` (zeros) and slices the padding off.
 """
 
 from __future__ import annotations
@@ -25,61 +31,81 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.decode_mgpu import smem_tiling, wgmma_accumulate
 
-TILE_M = 64  # rows of an output tile: one warpgroup's wgmma rows
-TILE_N = 128
+WGMMA_M = 64  # rows of one compute warpgroup's wgmma
 TILE_K = 64  # a block of the K walk: 128 bytes of bf16, one swizzled row
+TILE_NS = (64, 128, 256)  # output tile widths the kernel builds
+N_MULTIPLE = min(TILE_NS)
 
 
 def check_gemm_shapes(x, w) -> None:
     """Raises ValueError unless `x [M, K]` and `w [K, N]` are bf16/f16 of one dtype with K a
-    multiple of TILE_K and N of TILE_N."""
+    multiple of TILE_K and N of N_MULTIPLE."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"gemm_mgpu: needs x [M, K] and w [K, N], got {x.shape} and {w.shape}")
     if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"gemm_mgpu: x and w must both be bfloat16 or float16, got {x.dtype} and {w.dtype}")
     k, n = w.shape
-    if k % TILE_K or n % TILE_N:
-        raise ValueError(f"gemm_mgpu: K ({k}) must be a multiple of {TILE_K} and N ({n}) of {TILE_N}")
+    if k % TILE_K or n % N_MULTIPLE:
+        raise ValueError(f"gemm_mgpu: K ({k}) must be a multiple of {TILE_K} and N ({n}) of {N_MULTIPLE}")
 
 
-@functools.partial(jax.jit, static_argnames=("num_stages", "interpret"))
-def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, num_stages: int = 4, interpret: bool = False) -> jax.Array:
+def tile_shape(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
+    """(tile_m, tile_n) for `[m, K] @ [K, n]`: the largest tile (least shared-memory traffic
+    per FLOP) that still gives at least half the SMs a CTA, else the one with the most CTAs
+    (on the H200 at M = 256: 128 x 256 for 88 CTAs beat 128 x 128 for 176)."""
+    shapes = [(tm, tn) for tm in (2 * WGMMA_M, WGMMA_M) for tn in reversed(TILE_NS) if n % tn == 0]
+    ctas = {s: -(-max(m, 1) // s[0]) * (n // s[1]) for s in shapes}
+    filled = [s for s in shapes if 2 * ctas[s] >= num_sms]
+    return max(filled, key=lambda s: s[0] * s[1]) if filled else max(shapes, key=lambda s: (ctas[s], -s[0], s[1]))
+
+
+@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "num_stages", "interpret"))
+def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, tile_n: int | None = None,
+                      num_stages: int = 4, interpret: bool = False) -> jax.Array:
     """`x [M, K] @ w [K, N]` -> `[M, N]` in x's dtype, float32 accumulation, each row computed
-    alike for every M (module docstring)."""
+    alike for every M and every tile (module docstring); the tile defaults to `tile_shape`'s."""
     check_gemm_shapes(x, w)
     m, k = x.shape
     n = w.shape[1]
+    auto_m, auto_n = tile_shape(m, n)
+    tile_m, tile_n = tile_m or auto_m, tile_n or auto_n
+    if tile_m % WGMMA_M or tile_m > 2 * WGMMA_M or tile_n not in TILE_NS or n % tile_n:
+        raise ValueError(f"gemm_mgpu: tile {tile_m}x{tile_n} is not one of 64/128 x {TILE_NS} dividing N ({n})")
     dtype = x.dtype
-    m_pad = -(-max(m, 1) // TILE_M) * TILE_M
+    m_pad = -(-max(m, 1) // tile_m) * tile_m
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-    m_tiles, n_tiles, k_steps = m_pad // TILE_M, n // TILE_N, k // TILE_K
-    stages = max(1, min(num_stages, k_steps))
+    m_tiles, n_tiles, k_steps = m_pad // tile_m, n // tile_n, k // TILE_K
+    compute_wgs = tile_m // WGMMA_M
+    # The ring: as many slots as fit beside the output tile in shared memory (227 KiB).
+    slot_bytes = (tile_m + tile_n) * TILE_K * dtype.itemsize
+    fit = (227 * 1024 - tile_m * tile_n * dtype.itemsize) // slot_bytes
+    stages = max(1, min(num_stages, k_steps, fit))
     tiled = smem_tiling(TILE_K, dtype)
-    w_tiled = smem_tiling(TILE_N, dtype)
+    w_tiled = smem_tiling(tile_n, dtype)
 
     def body(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, full, free):
         tile = lax.axis_index("cta")
-        m0 = lax.div(tile, jnp.int32(n_tiles)) * TILE_M
-        n0 = lax.rem(tile, jnp.int32(n_tiles)) * TILE_N
+        m0 = lax.div(tile, jnp.int32(n_tiles)) * tile_m
+        n0 = lax.rem(tile, jnp.int32(n_tiles)) * tile_n
         wg = lax.axis_index("wg")
 
-        @pl.when(wg == 0)
+        @pl.when(wg < compute_wgs)
         def _compute():
             def step(i, acc):
                 slot = lax.rem(i, jnp.int32(stages))
                 plgpu.barrier_wait(full.at[slot])
-                acc = wgmma_accumulate(acc, x_smem.at[slot], w_smem.at[slot], interpret)
+                acc = wgmma_accumulate(acc, x_smem.at[slot, wg], w_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
                 return acc
 
-            acc = plgpu.layout_cast(jnp.full((TILE_M, TILE_N), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            acc = plgpu.layout_cast(jnp.full((WGMMA_M, tile_n), 0.0, jnp.float32), plgpu.Layout.WGMMA)
             acc = lax.fori_loop(0, k_steps, step, acc)
-            o_smem[...] = acc.astype(dtype)
+            o_smem[wg] = acc.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(m0, TILE_M), pl.ds(n0, TILE_N)])
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(m0 + wg * WGMMA_M, WGMMA_M), pl.ds(n0, tile_n)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 1)
+        @pl.when(wg == compute_wgs)
         def _memory():
             def fetch(i, _):
                 slot = lax.rem(i, jnp.int32(stages))
@@ -89,9 +115,10 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, num_stages: int = 4, interp
                     plgpu.barrier_wait(free.at[slot])
 
                 k0 = i * TILE_K
-                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, TILE_M), pl.ds(k0, TILE_K)], x_smem.at[slot],
-                                        full.at[slot])
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, TILE_K), pl.ds(n0, TILE_N)], w_smem.at[slot],
+                for g in range(compute_wgs):  # one 64-row block per compute warpgroup
+                    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0 + g * WGMMA_M, WGMMA_M), pl.ds(k0, TILE_K)],
+                                            x_smem.at[slot, g], full.at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, TILE_K), pl.ds(n0, tile_n)], w_smem.at[slot],
                                         full.at[slot])
 
             lax.fori_loop(0, k_steps, fetch, None)
@@ -105,15 +132,15 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, num_stages: int = 4, interp
         body,
         out_type=jax.ShapeDtypeStruct((m_pad, n), dtype),
         scratch_types=[
-            plgpu.SMEM((stages, TILE_M, TILE_K), dtype, transforms=tiled),
-            plgpu.SMEM((stages, TILE_K, TILE_N), dtype, transforms=w_tiled),
-            plgpu.SMEM((TILE_M, TILE_N), dtype),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            plgpu.SMEM((stages, compute_wgs, WGMMA_M, TILE_K), dtype, transforms=tiled),
+            plgpu.SMEM((stages, TILE_K, tile_n), dtype, transforms=w_tiled),
+            plgpu.SMEM((compute_wgs, WGMMA_M, tile_n), dtype),
+            plgpu.Barrier(num_arrivals=compute_wgs + 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),
         ],
         grid=(m_tiles * n_tiles,),
         grid_names=("cta",),
-        num_threads=2,
+        num_threads=compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -13,10 +13,13 @@ import pytest
 
 from jrl.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
 from jrl.models import Transformer, dense_attention, forward, init_params
-from jrl.models.fused import fuse_projections, unfuse_projections
+from jrl.models.attention import qkv_projections
+from jrl.models.layers import projections
+from jrl.models.fused import fuse_projections, fusion_keeps_exact_bits, unfuse_projections
 from jrl.models.lora import merge_lora
 from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
 from jrl.rollout.tuning import BACKEND_DEFAULTS, FALLBACK, resolve_tuning
+from pallas_kernels import dispatch
 
 BIAS_NORM_TIED = ModelConfig(qkv_bias=True, qk_norm=True, tie_embeddings=True)
 PLAIN = ModelConfig()
@@ -260,3 +263,46 @@ def test_fusion_under_tensor_parallelism_is_off_by_default_and_an_error_when_ask
     assert Engine(PLAIN, params, EngineConfig(**ENGINE), mesh=mesh).tuning.fuse_projections is False
     with pytest.raises(ConfigError, match="tuning.fuse_projections: not supported with tensor parallelism"):
         Engine(PLAIN, params, EngineConfig(**ENGINE), mesh=mesh, tuning=FUSED)
+
+
+EXACT_KERNEL = ModelConfig(vocab_size=256, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16,
+                           intermediate_size=128, param_dtype="bfloat16", dtype="bfloat16", exact_rows=64)
+
+
+class QKV(nn.Module):
+    """q, k and v of one input through `projections`, separate or fused."""
+
+    config: ModelConfig
+    fused: bool
+
+    @nn.compact
+    def __call__(self, x):
+        return projections(self.config, x, qkv_projections(self.config), "qkv_proj" if self.fused else None)
+
+
+def test_under_the_exact_gemm_kernel_the_fused_layout_computes_the_separate_bits(monkeypatch):
+    # The fixed-tile GEMM's output columns do not depend on N, so an exact engine may fuse
+    # q/k/v and gate/up and still match the trainer's separate GEMMs bitwise.
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: True)  # the kernel runs (interpreted here)
+    assert fusion_keeps_exact_bits(EXACT_KERNEL)
+    x = jax.random.normal(jax.random.key(3), (2, 70, 64), jnp.bfloat16)
+    separate = nn.unbox(QKV(EXACT_KERNEL, False).init(jax.random.key(1), x))
+    fused = {"params": {"qkv_proj": {"kernel": jnp.concatenate(
+        [separate["params"][p]["kernel"] for p in ("q_proj", "k_proj", "v_proj")], axis=-1)}}}
+    want = QKV(EXACT_KERNEL, False).apply(separate, x)
+    got = QKV(EXACT_KERNEL, True).apply(fused, x)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_an_exact_engine_fuses_only_when_asked_and_only_where_the_kernel_keeps_the_bits(monkeypatch):
+    exact = EngineConfig(exact_logprobs=True)
+    tiles = dataclasses.replace(EXACT_KERNEL, exact_gemm="tiles")
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: True)
+    assert not resolve_tuning("gpu", EXACT_KERNEL, exact).fuse_projections  # opt-in until measured
+    assert resolve_tuning("gpu", EXACT_KERNEL, exact, FUSED).fuse_projections
+    with pytest.raises(ConfigError, match="tuning.fuse_projections.*fixed-tile GEMM"):
+        resolve_tuning("gpu", tiles, exact, FUSED)
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: False)  # no kernel: the tiles, which round by N
+    with pytest.raises(ConfigError, match="tuning.fuse_projections"):
+        resolve_tuning("gpu", EXACT_KERNEL, exact, FUSED)

@@ -18,7 +18,7 @@ from pallas_kernels import dispatch, reference
 from pallas_kernels.decode_mgpu import (default_keys_as_rows, default_num_stages, query_columns,
                                         ragged_decode_mgpu)
 from pallas_kernels.exact_mgpu import exact_attention_mgpu, tile_positions
-from pallas_kernels.gemm_mgpu import fixed_tile_matmul
+from pallas_kernels.gemm_mgpu import fixed_tile_matmul, tile_shape
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
 from pallas_kernels.scatter_rows import scatter_rows
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
@@ -163,9 +163,38 @@ def test_fixed_tile_gemm_matches_a_float32_dot_and_computes_a_row_alike_for_ever
         np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(out[rows], np.float32))
 
 
+@pytest.mark.parametrize("tile", [(64, 64), (64, 256), (128, 128), (128, 256)])
+def test_fixed_tile_gemm_computes_the_same_bits_in_every_output_tile(tile):
+    # The tile only spreads the work over CTAs (two compute warpgroups at 128 rows), so
+    # `tile_shape` may pick it from M.
+    rng = np.random.default_rng(12)
+    w = jnp.asarray(rng.standard_normal((128, 256)) * 0.07, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((150, 128)), jnp.bfloat16)
+    want = fixed_tile_matmul(x, w, tile_m=64, tile_n=128, interpret=True)
+    got = fixed_tile_matmul(x, w, tile_m=tile[0], tile_n=tile[1], interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("m,n,tile", [
+    (4096, 2048, (128, 256)),  # prefill / trainer rows: the biggest tile
+    (256, 11264, (128, 256)),  # a decode batch's MLP: 88 CTAs of the biggest tile (half the SMs at least)
+    (256, 2048, (64, 64)),  # a decode batch's o projection: 128 CTAs need the smallest
+    (1, 2048, (64, 64)),  # one row: the most CTAs, one 64-row block
+    (1, 64, (64, 64)),
+])
+def test_fixed_tile_gemm_picks_the_largest_tile_that_keeps_half_the_sms_busy(m, n, tile):
+    assert tile_shape(m, n) == tile
+
+
+def test_fixed_tile_gemm_refuses_a_tile_it_does_not_build():
+    with pytest.raises(ValueError, match="tile 192x128"):
+        fixed_tile_matmul(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16), tile_m=192, tile_n=128,
+                          interpret=True)
+
+
 @pytest.mark.parametrize("x,w,match", [
     ((8, 100), (100, 128), "K \\(100\\) must be a multiple of 64"),
-    ((8, 64), (64, 96), "N \\(96\\) of 128"),
+    ((8, 64), (64, 96), "N \\(96\\) of 64"),
     ((8, 64), (128, 128), "needs x \\[M, K\\] and w \\[K, N\\]"),
 ])
 def test_fixed_tile_gemm_names_shapes_it_cannot_tile(x, w, match):
@@ -178,7 +207,9 @@ def test_exact_kernels_lower_for_hopper():
     GPU lowering for the cuda platform on the CPU (TMA shapes, layouts, barriers); only
     ptxas is left for the GPU."""
     x, w = jax.ShapeDtypeStruct((70, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 5632), jnp.bfloat16)
-    assert "mosaic_gpu" in jax.jit(fixed_tile_matmul).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    for tile_m in (64, 128):  # one and two compute warpgroups
+        gemm = functools.partial(fixed_tile_matmul, tile_m=tile_m, tile_n=256)
+        assert "mosaic_gpu" in jax.jit(gemm).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     q, kv = jax.ShapeDtypeStruct((300, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
     cu, lens = jnp.asarray([0, 1, 2, 300], jnp.int32), jnp.asarray([50, 9, 298], jnp.int32)
     fn = functools.partial(exact_attention_mgpu, page_size=16, sm_scale=0.1)

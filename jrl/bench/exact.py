@@ -36,8 +36,9 @@ real modules (`jrl.models`) with layer 0's weights:
              and run 4 decode steps a call, the CPU's neither)
   gemm       the fixed-tile GEMM kernel (`dispatch.exact_matmul`, the model's under
              `exact_gemm: kernel`; interpret mode off a GPU) on all rows at once, a hidden
-             x hidden weight: 32 rows alone vs among 4096, aligned and shifted; plus a row
-             `gemm_speed` timing it on the 4096 rows beside the `--rows` tile loop of
+             x hidden weight: 32 rows alone vs among 4096, aligned and shifted (each
+             context in its own tile shape); plus `gemm_speed` rows timing it for each
+             projection shape at 1, 256 and 4096 rows beside the `--rows` tile loop of
              cuBLAS GEMMs (`exact_gemm: tiles`) and one plain GEMM
 
 On the CPU every check is bitwise. The first failing check in the order above points at
@@ -87,7 +88,7 @@ from jrl.rollout.config import exact_model_config, pow2_at_least
 from jrl.rollout.tuning import TuningOverrides
 from jrl.train.logprobs import attention_layout, target_stats, token_logprobs
 from pallas_kernels import dispatch
-from pallas_kernels.gemm_mgpu import TILE_M, TILE_N
+from pallas_kernels.gemm_mgpu import N_MULTIPLE, TILE_K, WGMMA_M, tile_shape
 
 CHECKS = ("linear", "qkv", "mlp", "rmsnorm", "rope", "logprob", "attention", "layer", "model", "engine", "gemm")
 
@@ -316,26 +317,46 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, pro
         contexts = [alone, among, *trainers]
         chosen, filler = (x[:sizes.rows], targets[:sizes.rows]), (filler[0], targets)
     elif name == "gemm":  # the fixed-tile GEMM kernel on all rows at once (no tile loop)
-        p = normal(rng, (d, max(TILE_N, d)), dt) * d ** -0.5
-        contexts = row_contexts(lambda w, x: dispatch.exact_matmul(x, w), sizes, TILE_M)
+        p = normal(rng, (d, max(N_MULTIPLE, d)), dt) * d ** -0.5
+        contexts = row_contexts(lambda w, x: dispatch.exact_matmul(x, w), sizes, WGMMA_M)
     else:
         raise ValueError(f"check_rows: not a row-wise check: {name!r}")
     outs = run_contexts(contexts, p, chosen, filler, programs)
     return [(outs[0][0], b, compare(outs[0][1], out)) for b, out in outs[1:]]
 
 
-def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> dict:
-    """ms of `sizes.among` rows through a hidden x hidden GEMM: the fixed-tile kernel, the
-    `exact_rows` tile loop (`exact_gemm: tiles`) and one plain GEMM."""
-    d, dt, rows = cfg.hidden_size, dtype_of(cfg.dtype), cfg.exact_rows or 64
-    x, w = normal(rng, (sizes.among, d), dt), normal(rng, (d, max(TILE_N, d)), dt) * d ** -0.5
-    kernel = jax.jit(dispatch.exact_matmul)
-    tiles = jax.jit(lambda x, w: map_rows(lambda t: jnp.dot(t, w), rows, x))
-    plain = jax.jit(jnp.dot)
-    ms = {name: 1e3 * timeit(fn, x, w, iters=1 if sizes is TINY_SIZES else 20, reps=1 if sizes is TINY_SIZES else 3)
-          for name, fn in (("kernel_ms", kernel), ("tile_loop_ms", tiles), ("plain_ms", plain))}
-    flops = 2 * x.shape[0] * d * w.shape[1]
-    return dict(m=sizes.among, k=d, n=w.shape[1], **ms, tflops_kernel=flops / ms["kernel_ms"] / 1e9)
+def gemm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(K, N) of each projection of a layer (q, k/v, o, gate/up, down)."""
+    h, q, kv = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {"q": (h, q), "k/v": (h, kv), "o": (q, h), "gate/up": (h, cfg.intermediate_size),
+            "down": (cfg.intermediate_size, h)}
+
+
+def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> list[dict]:
+    """us per GEMM of each projection shape the kernel takes, at 1, 256 and `sizes.among`
+    rows (1 and `sizes.rows` when tiny): the fixed-tile kernel (`dispatch.exact_matmul`, its
+    tile picked by `gemm_mgpu.tile_shape`), the `exact_rows` tile loop (`exact_gemm:
+    tiles`) and one plain GEMM. Each is timed as `calls` products of different rows in one
+    program, so launch time does not count."""
+    tiny = sizes is TINY_SIZES
+    dt, rows, calls = dtype_of(cfg.dtype), cfg.exact_rows or 64, 2 if tiny else 20
+    impls = {"kernel_us": dispatch.exact_matmul, "plain_us": jnp.dot,
+             "tile_loop_us": lambda x, w: map_rows(lambda t: jnp.dot(t, w), rows, x)}
+    out = []
+    for name, (k, n) in gemm_shapes(cfg).items():
+        if k % TILE_K or n % N_MULTIPLE:
+            continue
+        w = normal(rng, (k, n), dt) * k ** -0.5
+        for m in (1, sizes.rows) if tiny else (1, 256, sizes.among):
+            xs = normal(rng, (calls, m, k), dt)
+            us = {}
+            for key, fn in impls.items():
+                many = jax.jit(lambda xs, w, fn=fn: [fn(xs[i], w) for i in range(calls)])
+                us[key] = 1e6 * timeit(many, xs, w, iters=1, reps=1 if tiny else 5) / calls
+            out.append(dict(gemm=name, m=m, k=k, n=n, tile=list(tile_shape(m, n)), **us,
+                            tflops_kernel=2 * m * k * n / us["kernel_us"] / 1e6,
+                            kernel_vs_plain=us["plain_us"] / us["kernel_us"]))
+    return out
 
 
 def check_attention(cfg: ModelConfig, sizes: Sizes, impl: str, rng, programs: Programs) -> list[tuple]:
@@ -494,7 +515,8 @@ def run_checks(args, results, checks: list[str]) -> None:
             hlo = {f"hlo_{k}": programs.summaries[c] for k, c in (("a", a), ("b", b)) if c in programs.summaries}
             results.row("exact", **common, contexts=f"{b} vs {a}", **stats, **hlo)
         if name == "gemm":
-            results.row("gemm_speed", **common, **gemm_speed(cfg, sizes, rng))
+            for row in gemm_speed(cfg, sizes, rng):
+                results.row("gemm_speed", **common, **row)
 
 
 def run_flag_sets(args, results, checks: list[str]) -> None:
