@@ -310,10 +310,11 @@ class ModelConfig:
     # `impl`). The kernel and the reference round differently, so the trainer must run the
     # engine's: `exact_model_config` sets it to `engine.attention_impl` on both sides.
     exact_attention_impl: AttentionImpl = "auto"
-    # With exact_rows: how the projections' GEMMs run (`ExactGemm`). "kernel" is one GEMM
-    # call for any number of rows where "tiles" loops; it rounds differently from "tiles",
-    # so the engine and the trainer must share the setting (they share the model config).
-    exact_gemm: ExactGemm = "tiles"
+    # With exact_rows: how the projections' GEMMs run (`ExactGemm`). "kernel": one
+    # fixed-tile GEMM call for any number of rows on a Hopper GPU (the tiles elsewhere);
+    # "tiles": cuBLAS on each tile of rows, in a loop. They round differently, so the engine
+    # and the trainer must share the setting (they share the model config).
+    exact_gemm: ExactGemm = "kernel"
 
     def __post_init__(self) -> None:
         self.validate()

@@ -113,7 +113,7 @@ class Linear(nn.Module):
     init_std: float = 0.02
     fp8: bool = False
     rows: int = 0  # > 0: computed on tiles of this many rows (`map_rows`; ModelConfig.exact_rows)
-    gemm: str = "tiles"  # with rows: "kernel" runs the fixed-tile GEMM where it can (ModelConfig.exact_gemm)
+    gemm: str = "kernel"  # with rows: "kernel" runs the fixed-tile GEMM where it can, "tiles" never (ModelConfig.exact_gemm)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
