@@ -26,6 +26,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jrl.config import ModelConfig
+from jrl.models.layers import dtype_of
+from pallas_kernels import dispatch as kernels
 
 # (fused name, the separate projections it replaces in output-column order, their LoRA targets)
 QKV = ("qkv_proj", ("q_proj", "k_proj", "v_proj"), ("q", "k", "v"))
@@ -60,6 +62,19 @@ def unfusable_reason(config: ModelConfig) -> str | None:
         return ("nothing to fuse: MLA attention and MoE experts keep their separate layout "
                 "(fusion covers GQA q/k/v and the dense SwiGLU gate/up)")
     return None
+
+
+def fusion_keeps_exact_bits(config: ModelConfig) -> bool:
+    """Whether the fused layout computes the separate one's bits under exact numerics
+    (`exact_rows`): only where every fused and separate projection runs the fixed-tile
+    GEMM (`exact_gemm: kernel` on a Hopper GPU), whose output columns do not depend on N
+    or the tile (`pallas_kernels.gemm_mgpu`). cuBLAS and XLA pick other algorithms for
+    a wider weight, so the tiles elsewhere round differently."""
+    if config.exact_gemm != "kernel" or unfusable_reason(config) is not None:
+        return False
+    dtype = dtype_of(config.dtype)
+    widths = [w for _, group in _groups(config) for w in (*_widths(config, group), sum(_widths(config, group)))]
+    return all(kernels.exact_matmul_runs(dtype, config.hidden_size, w) for w in widths)
 
 
 def _check_fusable(config: ModelConfig) -> None:

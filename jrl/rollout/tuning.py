@@ -26,8 +26,10 @@ bf16 copy of the e4m3 kernels, while a Triton GEMM fusion converts them as it lo
 fuse_projections: serve a private copy of the weights with q/k/v and gate/up fused into one
 kernel each (`jrl.models.fused`). Callers still hand over the separate layout; the copy is
 rebuilt at each weight update. Not applicable under tensor parallelism, with LoRA adapters
-on q/k/v/gate/up, or for a model with nothing to fuse (MLA + MoE): a default then resolves
-to off, an explicit True is an error.
+on q/k/v/gate/up, for a model with nothing to fuse (MLA + MoE), or with `exact_logprobs`
+unless the fixed-tile GEMM runs every projection (`jrl.models.fused.fusion_keeps_exact_bits`;
+there it is opt-in until measured): a default then resolves to off, an explicit True is an
+error.
 decode_steps_per_call: decode steps one device call runs when every running request is
 past its prefill, nobody waiting could be admitted and none samples with penalties (the
 host plans, uploads and reads back once per call, not once per token; tokens are those of
@@ -48,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 
 from jrl.config import ModelConfig, check
-from jrl.models.fused import unfusable_reason
+from jrl.models.fused import fusion_keeps_exact_bits, unfusable_reason
 from jrl.rollout.config import EngineConfig
 
 
@@ -139,8 +141,9 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
     """The tuning of an engine serving `model` with `engine` on `backend` ("gpu", "cpu",
     ...): each field of `overrides` that is set, else the backend's default. Fusion is off
     where it does not apply (`tensor_parallel`: the sharding rules split the separate
-    kernels by heads; `jrl.models.fused.unfusable_reason`; `exact_logprobs`); forcing it on there raises a
-    ConfigError naming `tuning.fuse_projections`."""
+    kernels by heads; `jrl.models.fused.unfusable_reason`; `exact_logprobs` unless
+    `fusion_keeps_exact_bits`); forcing it on there raises a ConfigError naming
+    `tuning.fuse_projections`."""
     o = overrides or TuningOverrides()
     d = BACKEND_DEFAULTS.get(backend, FALLBACK)
 
@@ -149,11 +152,12 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
         return default if value is None else value
 
     reason = "not supported with tensor parallelism (the engine has a mesh)" if tensor_parallel else None
-    if engine.exact_logprobs:
-        reason = "not with engine.exact_logprobs (the trainer runs the separate GEMMs, which round differently)"
+    if engine.exact_logprobs and not fusion_keeps_exact_bits(model):
+        reason = ("not with engine.exact_logprobs unless every projection runs the fixed-tile GEMM "
+                  "(model.exact_gemm 'kernel' on a Hopper GPU): the trainer's separate GEMMs round differently")
     reason = reason or unfusable_reason(model)
-    if reason is None:
-        fused = pick("fuse_projections", d.fuse_projections)
+    if reason is None:  # under exact_logprobs opt-in until measured on the GPU
+        fused = pick("fuse_projections", d.fuse_projections and not engine.exact_logprobs)
     else:
         check(o.fuse_projections is not True, "tuning.fuse_projections", reason)
         fused = False
