@@ -49,7 +49,7 @@ def check_gemm_shapes(x, w) -> None:
         raise ValueError(f"gemm_mgpu: K ({k}) must be a multiple of {TILE_K} and N ({n}) of {N_MULTIPLE}")
 
 
-def tile_shape(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:
+def tile_shape(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:  # 132: the H100 SXM / H200
     """(tile_m, tile_n) for `[m, K] @ [K, n]`: the largest tile (least shared-memory traffic
     per FLOP) that still gives at least half the SMs a CTA, else the one with the most CTAs
     (on the H200 at M = 256: 128 x 256 for 88 CTAs beat 128 x 128 for 176)."""
