@@ -87,7 +87,7 @@ from jrl.models.rope import rope_cos_sin, rotate
 from jrl.rollout.config import exact_model_config, pow2_at_least
 from jrl.rollout.tuning import TuningOverrides
 from jrl.train.logprobs import attention_layout, target_stats, token_logprobs
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, gemm_mgpu
 from pallas_kernels.gemm_mgpu import N_MULTIPLE, TILE_K, WGMMA_M, tile_shape
 
 CHECKS = ("linear", "qkv", "mlp", "rmsnorm", "rope", "logprob", "attention", "layer", "model", "engine", "gemm")
@@ -336,11 +336,13 @@ def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> list[dict]:
     """us per GEMM of each projection shape the kernel takes, at 1, 256 and `sizes.among`
     rows (1 and `sizes.rows` when tiny): the fixed-tile kernel (`dispatch.exact_matmul`, its
     tile picked by `gemm_mgpu.tile_shape`), the `exact_rows` tile loop (`exact_gemm:
-    tiles`) and one plain GEMM. Each is timed as `calls` products of different rows in one
-    program, so launch time does not count."""
+    tiles`) and one plain GEMM, plus the kernel with as deep a TMA ring as shared memory
+    holds (`kernel_deep_us`; the ring changes no bits). Each is timed as `calls` products
+    of different rows in one program, so launch time does not count."""
     tiny = sizes is TINY_SIZES
     dt, rows, calls = dtype_of(cfg.dtype), cfg.exact_rows or 64, 2 if tiny else 20
-    impls = {"kernel_us": dispatch.exact_matmul, "plain_us": jnp.dot,
+    deep = functools.partial(gemm_mgpu.fixed_tile_matmul, num_stages=64, interpret=jax.default_backend() != "gpu")
+    impls = {"kernel_us": dispatch.exact_matmul, "kernel_deep_us": deep, "plain_us": jnp.dot,
              "tile_loop_us": lambda x, w: map_rows(lambda t: jnp.dot(t, w), rows, x)}
     out = []
     for name, (k, n) in gemm_shapes(cfg).items():
