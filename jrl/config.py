@@ -174,7 +174,7 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 MatmulDtype = Literal["float8"]
 # How exact numerics (ModelConfig.exact_rows) run a projection's GEMM: "tiles" (cuBLAS on
 # each tile of rows, in a loop) or "kernel" (pallas_kernels.gemm_mgpu's fixed-tile GEMM on
-# all rows at once, where it runs: a Hopper GPU, bf16/f16, in % 64, out % 128).
+# all rows at once, where it runs: a Hopper GPU, bf16/f16, in % 64, out % 64).
 ExactGemm = Literal["tiles", "kernel"]
 # `pallas_kernels.dispatch` implementations of paged attention: "auto" (the Mosaic GPU
 # kernel on a Hopper GPU where it supports the shapes, the jnp reference elsewhere),

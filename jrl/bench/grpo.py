@@ -84,6 +84,7 @@ from jrl.config import OptimizerConfig, ScheduleConfig
 from jrl.models.transformer import count_params
 from jrl.rl.advantages import group_advantages
 from jrl.rl.batch import Packing, pack_rows, plan_packing, unpack_tokens
+from jrl.rl.source import bitwise_equal_pct
 from jrl.rollout.config import EngineConfig, exact_model_config
 from jrl.rollout.engine import Engine, EngineStats
 from jrl.rollout.request import Completion
@@ -352,8 +353,8 @@ def run(args, results) -> int:
             recomputed, computed = recompute_logprobs(recompute_rows, gen.params, batch, micro_rows, args.pack_rows,
                                                       args.exact_logprobs)
             if args.exact_logprobs:
-                mask = batch["loss_mask"] > 0
-                extra["exact_bitwise_pct"] = 100.0 * float(np.mean(recomputed[mask] == batch["behaviour_logp"][mask]))
+                extra["exact_bitwise_pct"] = bitwise_equal_pct(recomputed, batch["behaviour_logp"],
+                                                               batch["loss_mask"] > 0)
         # interruptible or exact: the anchor is each token's engine log-prob
         anchored = args.mode == "interruptible" or args.exact_logprobs
         batch["old_logp"] = batch["behaviour_logp"] if anchored else recomputed

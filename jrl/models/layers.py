@@ -122,7 +122,14 @@ class Linear(nn.Module):
         kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes),
                             (in_features, self.features), self.param_dtype)
         x = x.astype(self.dtype)
-        if kernel.dtype == E4M3:
+        # exact numerics with the fixed-tile GEMM: one call over all rows, no row tiles (a
+        # row's bits do not depend on how many there are)
+        one_gemm = (self.rows and self.gemm == "kernel" and not self.lora_rank and kernel.dtype != E4M3
+                    and not self.fp8 and kernels.exact_matmul_runs(self.dtype, in_features, self.features))
+        if one_gemm:
+            product = lambda x: kernels.exact_matmul(x.reshape(-1, in_features), kernel.astype(self.dtype)).reshape(
+                *x.shape[:-1], self.features)
+        elif kernel.dtype == E4M3:
             scale = self.param("kernel_scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes[1:]),
                                (self.features,), jnp.float32)
             product = lambda x: scaled_matmul(x, kernel, scale)
@@ -151,14 +158,7 @@ class Linear(nn.Module):
                 y = y + self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
             return y
 
-        if (self.rows and self.gemm == "kernel" and a is None and kernel.dtype != E4M3 and not self.fp8
-                and kernels.exact_matmul_runs(self.dtype, in_features, self.features)):
-            # one fixed-tile GEMM over all rows: a row's bits do not depend on how many there are
-            y = kernels.exact_matmul(x.reshape(-1, in_features), kernel.astype(self.dtype))
-            if bias is not None:
-                y = y + bias.astype(self.dtype)
-            return y.reshape(*x.shape[:-1], self.features)
-        return map_rows(apply, self.rows, x, key=self.name or "")
+        return apply(x) if one_gemm else map_rows(apply, self.rows, x, key=self.name or "")
 
 
 def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,

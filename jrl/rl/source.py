@@ -102,6 +102,12 @@ from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
 log = logging.getLogger(__name__)
 
 
+def bitwise_equal_pct(trainer_logp: np.ndarray, behaviour_logp: np.ndarray, compared: np.ndarray) -> float:
+    """The share (%) of the `compared` tokens whose engine (behaviour) log-prob is bitwise
+    the trainer's: what `exact_logprobs` promises is 100."""
+    return 100.0 * int((trainer_logp == behaviour_logp)[compared].sum()) / max(int(compared.sum()), 1)
+
+
 @dataclasses.dataclass
 class _Group:
     problem: Problem
@@ -423,9 +429,8 @@ class RolloutSource:
         trainer's recomputed one; below 100 a warning: the ratio's anchor is then off by
         up to `max_diff` on this device, and `exact_logprobs: false` recomputes it."""
         n = int(compared.sum())
-        equal = int((trainer_logp == behaviour_logp)[compared].sum())
-        pct = 100.0 * equal / max(n, 1)
-        if equal < n:
+        pct = bitwise_equal_pct(trainer_logp, behaviour_logp, compared)
+        if n and pct < 100.0:
             log.warning("exact_logprobs: at rollout %d only %.2f%% of %d tokens have an engine log-prob bitwise "
                         "equal to the trainer's (max |diff| %.3g): this device breaks the guarantee, and the "
                         "ratio's anchor is off by that much; strategy.options.exact_logprobs: false recomputes "
