@@ -295,12 +295,13 @@ def test_under_the_exact_gemm_kernel_the_fused_layout_computes_the_separate_bits
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
-def test_an_exact_engine_fuses_only_when_asked_and_only_where_the_kernel_keeps_the_bits(monkeypatch):
+def test_an_exact_engine_fuses_by_default_only_where_the_kernel_keeps_the_bits(monkeypatch):
     exact = EngineConfig(exact_logprobs=True)
     tiles = dataclasses.replace(EXACT_KERNEL, exact_gemm="tiles")
     monkeypatch.setattr(dispatch, "on_hopper", lambda: True)
-    assert not resolve_tuning("gpu", EXACT_KERNEL, exact).fuse_projections  # opt-in until measured
-    assert resolve_tuning("gpu", EXACT_KERNEL, exact, FUSED).fuse_projections
+    assert resolve_tuning("gpu", EXACT_KERNEL, exact).fuse_projections
+    assert not resolve_tuning("gpu", EXACT_KERNEL, exact, TuningOverrides(fuse_projections=False)).fuse_projections
+    assert not resolve_tuning("gpu", tiles, exact).fuse_projections
     with pytest.raises(ConfigError, match="tuning.fuse_projections.*fixed-tile GEMM"):
         resolve_tuning("gpu", tiles, exact, FUSED)
     monkeypatch.setattr(dispatch, "on_hopper", lambda: False)  # no kernel: the tiles, which round by N

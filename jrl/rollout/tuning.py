@@ -28,8 +28,8 @@ kernel each (`jrl.models.fused`). Callers still hand over the separate layout; t
 rebuilt at each weight update. Not applicable under tensor parallelism, with LoRA adapters
 on q/k/v/gate/up, for a model with nothing to fuse (MLA + MoE), or with `exact_logprobs`
 unless the fixed-tile GEMM runs every projection (`jrl.models.fused.fusion_keeps_exact_bits`;
-there it is opt-in until measured): a default then resolves to off, an explicit True is an
-error.
+there fusion is on by default, bitwise on the H200): a default then resolves to off, an
+explicit True is an error.
 decode_steps_per_call: decode steps one device call runs when every running request is
 past its prefill, nobody waiting could be admitted and none samples with penalties (the
 host plans, uploads and reads back once per call, not once per token; tokens are those of
@@ -156,8 +156,8 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
         reason = ("not with engine.exact_logprobs unless every projection runs the fixed-tile GEMM "
                   "(model.exact_gemm 'kernel' on a Hopper GPU): the trainer's separate GEMMs round differently")
     reason = reason or unfusable_reason(model)
-    if reason is None:  # under exact_logprobs opt-in until measured on the GPU
-        fused = pick("fuse_projections", d.fuse_projections and not engine.exact_logprobs)
+    if reason is None:
+        fused = pick("fuse_projections", d.fuse_projections)
     else:
         check(o.fuse_projections is not True, "tuning.fuse_projections", reason)
         fused = False
