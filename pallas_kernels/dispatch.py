@@ -112,7 +112,7 @@ EXACT_BLOCK_Q = 64  # query rows per tile
 
 
 def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
-                  sm_scale: float, impl: Impl = "auto") -> jax.Array:
+                  sm_scale: float, impl: Impl = "auto", one_query_each: bool = False) -> jax.Array:
     """Batch-invariant packed ragged causal attention: a query row's result depends only
     on its own query and keys, bitwise, not on the other rows, the page-table width or
     how many queries its request has (a decode step and a prefill of the same tokens
@@ -121,7 +121,8 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     end per query column and pinned key blocks; elsewhere `reference.paged_prefill_blocked`,
     which walks pinned key blocks in jnp. The two are each invariant, not equal to each
     other: both sides of a comparison must resolve `impl` alike. Plain (bf16/f16/float32)
-    buffers only."""
+    buffers only. `one_query_each`: a decode step's layout (row r is request r's one query
+    or padding), a cheaper packing of the same kernel tiles."""
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, None), "exact_prefill")
@@ -130,7 +131,7 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
                                                page_size=page_size, sm_scale=sm_scale,
                                                block_kv=EXACT_BLOCK_KV, block_q=EXACT_BLOCK_Q)
     return exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
-                                page_size=page_size, sm_scale=float(sm_scale),
+                                page_size=page_size, sm_scale=float(sm_scale), one_query_each=one_query_each,
                                 interpret=which == "interpret")
 
 

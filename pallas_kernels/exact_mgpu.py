@@ -49,14 +49,16 @@ def exact_tuning(interpret: bool) -> DecodeTuning:
     return DecodeTuning(block_kv=BLOCK_KV, num_splits=1, keys_as_rows=True, persistent=not interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "positions", "interpret"))
+@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "positions", "one_query_each", "interpret"))
 def exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
-                         sm_scale: float, positions: int | None = None,
+                         sm_scale: float, positions: int | None = None, one_query_each: bool = False,
                          interpret: bool = False) -> jax.Array:
     """Packed ragged causal attention, `q [T, Hq, D]` (request b owns rows `cu_q_lens[b]:
     cu_q_lens[b+1]`, its last query at key `kv_lens[b] - 1`) -> `[T, Hq, D]`, zeros past
     `cu_q_lens[-1]`. `positions` per tile (None: `tile_positions`) changes the work layout,
-    not the result."""
+    not the result. `one_query_each`: a decode step's layout (T = R, row r request r's one
+    query or padding), which skips the gathers that place queries in tiles, with the
+    same tiles and so the same bits."""
     n_rows, hq, d = q.shape
     n_req = kv_lens.shape[0]
     hkv = k_buf.shape[2]
@@ -65,32 +67,46 @@ def exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
     if (p * group) % 8:
         raise ValueError(f"exact_mgpu: positions ({p}) times the query heads per KV head ({group}) "
                          f"must be a multiple of 8")
+    if one_query_each and n_rows != n_req:
+        raise ValueError(f"exact_mgpu: one_query_each needs a row per request, got {n_rows} rows for {n_req}")
     cu = cu_q_lens.astype(jnp.int32)
     kv = kv_lens.astype(jnp.int32)
     q_lens = cu[1:] - cu[:-1]
-    # Every tile holds at least one query, and a request leaves at most p - 1 positions empty.
-    n_tiles = max(1, min(n_rows, (n_rows + n_req * (p - 1)) // p))
-    per_req = (q_lens + p - 1) // p
-    ends = jnp.cumsum(per_req)
-    first_tile = ends - per_req
-    t = jnp.arange(n_tiles, dtype=jnp.int32)
-    req = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
-    used = req < n_req
-    r = jnp.minimum(req, n_req - 1)
-    j0 = (t - first_tile[r]) * p  # the tile's first position, in request coordinates
-    first_limit = kv[r] - q_lens[r] + j0 + 1  # keys its first position sees
-    tile_keys = jnp.where(used, jnp.clip(jnp.minimum(kv[r], first_limit + p - 1), 0), 0)
+    if one_query_each:  # tile r: request r's query at position 0, zeros after
+        tables = page_table
+        used = q_lens > 0
+        first_limit = kv
+        tile_keys = jnp.where(used, jnp.clip(kv, 0), 0)
+        q_tiles = jnp.pad(q.reshape(n_req, hkv, 1, group, d), ((0, 0), (0, 0), (0, p - 1), (0, 0), (0, 0)))
+        n_tiles = n_req
+    else:
+        # Every tile holds at least one query, and a request leaves at most p - 1 positions empty.
+        n_tiles = max(1, min(n_rows, (n_rows + n_req * (p - 1)) // p))
+        per_req = (q_lens + p - 1) // p
+        ends = jnp.cumsum(per_req)
+        first_tile = ends - per_req
+        t = jnp.arange(n_tiles, dtype=jnp.int32)
+        req = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+        used = req < n_req
+        r = jnp.minimum(req, n_req - 1)
+        tables = page_table[r]
+        j0 = (t - first_tile[r]) * p  # the tile's first position, in request coordinates
+        first_limit = kv[r] - q_lens[r] + j0 + 1  # keys its first position sees
+        tile_keys = jnp.where(used, jnp.clip(jnp.minimum(kv[r], first_limit + p - 1), 0), 0)
 
-    pos = j0[:, None] + jnp.arange(p, dtype=jnp.int32)[None]  # [tiles, p]
-    valid = used[:, None] & (pos < q_lens[r][:, None])
-    src = jnp.where(valid, cu[r][:, None] + pos, 0)
-    q_tiles = jnp.where(valid[..., None, None], q[src], jnp.zeros((), q.dtype))  # [tiles, p, Hq, D]
-    q_tiles = q_tiles.reshape(n_tiles, p, hkv, group, d).transpose(0, 2, 1, 3, 4)
+        pos = j0[:, None] + jnp.arange(p, dtype=jnp.int32)[None]  # [tiles, p]
+        valid = used[:, None] & (pos < q_lens[r][:, None])
+        src = jnp.where(valid, cu[r][:, None] + pos, 0)
+        q_tiles = jnp.where(valid[..., None, None], q[src], jnp.zeros((), q.dtype))  # [tiles, p, Hq, D]
+        q_tiles = q_tiles.reshape(n_tiles, p, hkv, group, d).transpose(0, 2, 1, 3, 4)
     out = ragged_decode_mgpu(q_tiles.reshape(n_tiles, hkv * p * group, d), k_buf, v_buf, layer,
-                             tile_keys, page_table[r], page_size=page_size, sm_scale=sm_scale,
+                             tile_keys, tables, page_size=page_size, sm_scale=sm_scale,
                              tuning=exact_tuning(interpret), interpret=interpret,
                              first_limits=first_limit, causal_group=group)
-    out = out.reshape(n_tiles, hkv, p, group, d).transpose(0, 2, 1, 3, 4).reshape(n_tiles * p, hq, d)
+    out = out.reshape(n_tiles, hkv, p, group, d)
+    if one_query_each:
+        return jnp.where(used[:, None, None], out[:, :, 0].reshape(n_rows, hq, d), jnp.zeros((), out.dtype))
+    out = out.transpose(0, 2, 1, 3, 4).reshape(n_tiles * p, hq, d)
 
     row = jnp.arange(n_rows, dtype=jnp.int32)
     row_req = jnp.minimum(jnp.searchsorted(cu[1:], row, side="right"), n_req - 1)

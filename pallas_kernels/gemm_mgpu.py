@@ -7,11 +7,12 @@ kernel, tile and split-K by shape). This is what exact log-probs need from every
 (docs/rl.md, "Exact log-probs"), in one call for any number of rows where a loop of
 fixed-size cuBLAS GEMMs costs a launch and a copy per tile.
 
-The output tile (`tile_m` x `tile_n`) sets only how work is spread over CTAs, not the bits
-(a wgmma's sum over its K block does not depend on its N width, and 64-row groups are
-independent; `jrl bench exact --checks gemm` checks this on the GPU), so `tile_shape`
-picks it from M: big tiles for many rows, where shared-memory traffic bounds the kernel,
-small ones for few, where the CTA count does.
+The output tile (`tile_m` x `tile_n`) and the K a ring slot holds (`tile_k`) set only how
+work is spread over CTAs and barriers, not the bits (a wgmma's sum over its K block does not
+depend on its N width, a slot of 128 runs the same chain of k16 steps as two of 64, and
+64-row groups are independent; `jrl bench exact --checks gemm` checks this on the GPU), so
+`tile_shape` and `tile_depth` pick them from M: big tiles for many rows, where
+shared-memory traffic bounds the kernel, small ones for few, where the CTA count does.
 
 One CTA an output tile: a memory warpgroup streams the x and w blocks of the tile's K walk
 with TMA into a ring of `num_stages` shared-memory slots, `tile_m / 64` compute warpgroups
@@ -59,25 +60,38 @@ def tile_shape(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:  # 132: t
     return max(filled, key=lambda s: s[0] * s[1]) if filled else max(shapes, key=lambda s: (ctas[s], -s[0], s[1]))
 
 
-@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "num_stages", "interpret"))
+def tile_depth(m: int, k: int) -> int:
+    """K elements a ring slot holds for `m` rows: two 64-wide blocks when one row tile
+    streams the weights (fewer barrier round trips a CTA; decode at batch 1 on the H200:
+    1.89 -> 1.66 ms a step), one otherwise (at 256 rows two blocks were slower)."""
+    return 2 * TILE_K if m <= WGMMA_M and k % (2 * TILE_K) == 0 else TILE_K
+
+
+@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "tile_k", "num_stages", "interpret"))
 def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, tile_n: int | None = None,
-                      num_stages: int = 4, interpret: bool = False) -> jax.Array:
+                      tile_k: int | None = None, num_stages: int = 4, interpret: bool = False) -> jax.Array:
     """`x [M, K] @ w [K, N]` -> `[M, N]` in x's dtype, float32 accumulation, each row computed
-    alike for every M and every tile (module docstring); the tile defaults to `tile_shape`'s."""
+    alike for every M, tile and slot depth `tile_k` (module docstring); these default to
+    `tile_shape`'s and `tile_depth`'s."""
     check_gemm_shapes(x, w)
     m, k = x.shape
     n = w.shape[1]
     auto_m, auto_n = tile_shape(m, n)
+    # Interpret mode keeps one block a slot: its float32 dot of a wider block rounds
+    # differently, where the tensor cores chain the same k16 steps whatever the slot holds.
+    tile_k = tile_k or (TILE_K if interpret else tile_depth(m, k))
     tile_m, tile_n = tile_m or auto_m, tile_n or auto_n
     if tile_m % WGMMA_M or tile_m > 2 * WGMMA_M or tile_n not in TILE_NS or n % tile_n:
         raise ValueError(f"gemm_mgpu: tile {tile_m}x{tile_n} is not one of 64/128 x {TILE_NS} dividing N ({n})")
+    if tile_k % TILE_K or k % tile_k:
+        raise ValueError(f"gemm_mgpu: tile_k ({tile_k}) must be a multiple of {TILE_K} dividing K ({k})")
     dtype = x.dtype
     m_pad = -(-max(m, 1) // tile_m) * tile_m
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-    m_tiles, n_tiles, k_steps = m_pad // tile_m, n // tile_n, k // TILE_K
+    m_tiles, n_tiles, k_steps = m_pad // tile_m, n // tile_n, k // tile_k
     compute_wgs = tile_m // WGMMA_M
     # The ring: as many slots as fit beside the output tile in shared memory (227 KiB).
-    slot_bytes = (tile_m + tile_n) * TILE_K * dtype.itemsize
+    slot_bytes = (tile_m + tile_n) * tile_k * dtype.itemsize
     fit = (227 * 1024 - tile_m * tile_n * dtype.itemsize) // slot_bytes
     stages = max(1, min(num_stages, k_steps, fit))
     tiled = smem_tiling(TILE_K, dtype)
@@ -114,11 +128,11 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
                 def _wait_free():
                     plgpu.barrier_wait(free.at[slot])
 
-                k0 = i * TILE_K
+                k0 = i * tile_k
                 for g in range(compute_wgs):  # one 64-row block per compute warpgroup
-                    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0 + g * WGMMA_M, WGMMA_M), pl.ds(k0, TILE_K)],
+                    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0 + g * WGMMA_M, WGMMA_M), pl.ds(k0, tile_k)],
                                             x_smem.at[slot, g], full.at[slot])
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, TILE_K), pl.ds(n0, tile_n)], w_smem.at[slot],
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, tile_k), pl.ds(n0, tile_n)], w_smem.at[slot],
                                         full.at[slot])
 
             lax.fori_loop(0, k_steps, fetch, None)
@@ -132,8 +146,8 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
         body,
         out_type=jax.ShapeDtypeStruct((m_pad, n), dtype),
         scratch_types=[
-            plgpu.SMEM((stages, compute_wgs, WGMMA_M, TILE_K), dtype, transforms=tiled),
-            plgpu.SMEM((stages, TILE_K, tile_n), dtype, transforms=w_tiled),
+            plgpu.SMEM((stages, compute_wgs, WGMMA_M, tile_k), dtype, transforms=tiled),
+            plgpu.SMEM((stages, tile_k, tile_n), dtype, transforms=w_tiled),
             plgpu.SMEM((compute_wgs, WGMMA_M, tile_n), dtype),
             plgpu.Barrier(num_arrivals=compute_wgs + 1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),

@@ -18,7 +18,7 @@ from pallas_kernels import dispatch, reference
 from pallas_kernels.decode_mgpu import (default_keys_as_rows, default_num_stages, query_columns,
                                         ragged_decode_mgpu)
 from pallas_kernels.exact_mgpu import exact_attention_mgpu, tile_positions
-from pallas_kernels.gemm_mgpu import fixed_tile_matmul, tile_shape
+from pallas_kernels.gemm_mgpu import fixed_tile_matmul, tile_depth, tile_shape
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
 from pallas_kernels.scatter_rows import scatter_rows
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
@@ -134,6 +134,27 @@ def test_exact_attention_matches_float32_reference_whatever_its_tile_width(hq, h
             np.testing.assert_allclose(other, outs[0], rtol=1e-2, atol=1e-3)
 
 
+def test_exact_attention_packs_a_decode_step_without_gathers_to_the_same_bits():
+    # The engine's decode layout: row r is request r's one query, padding rows at the end.
+    rng = np.random.default_rng(5)
+    hq, hkv, d, ps = 4, 2, 64, 16
+    kv_lens = np.array([50, 1, 33, 17, 0, 0])
+    q_lens = (kv_lens > 0).astype(np.int32)
+    kb, vb, pt = paged_inputs(rng, len(kv_lens), int(kv_lens.max()), hkv, d, ps)
+    q = jnp.asarray(rng.standard_normal((len(kv_lens), hq, d)), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    packed, gathered = (np.asarray(exact_attention_mgpu(q, kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps,
+                                                        sm_scale=0.125, one_query_each=each, interpret=True),
+                                   np.float32)
+                        for each in (True, False))
+    np.testing.assert_array_equal(packed, gathered)
+    np.testing.assert_array_equal(packed[4:], 0.0)
+    with pytest.raises(ValueError, match="one_query_each needs a row per request, got 7 rows for 6"):
+        exact_attention_mgpu(jnp.concatenate([q, q[:1]]), kb, vb, jnp.int32(1), cu, lens, pt, page_size=ps,
+                             sm_scale=0.125, one_query_each=True, interpret=True)
+
+
 def test_exact_tiles_hold_few_positions_for_decode_rows_and_many_for_prefills():
     assert tile_positions(2, queries=256, requests=256) == 4  # 8 columns: the decode kernel's tile
     assert tile_positions(3, queries=256, requests=256) == 8  # 24 columns
@@ -186,6 +207,22 @@ def test_fixed_tile_gemm_picks_the_largest_tile_that_keeps_half_the_sms_busy(m, 
     assert tile_shape(m, n) == tile
 
 
+def test_fixed_tile_gemm_streams_two_k_blocks_a_slot_only_for_one_row_tile():
+    assert tile_depth(1, 2048) == tile_depth(64, 5632) == 128
+    assert tile_depth(65, 2048) == tile_depth(256, 2048) == 64
+    assert tile_depth(1, 192) == 64  # K not a multiple of 128
+
+
+def test_fixed_tile_gemm_with_two_k_blocks_a_slot_matches_a_float32_dot():
+    rng = np.random.default_rng(13)
+    w = jnp.asarray(rng.standard_normal((256, 128)) * 0.07, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((9, 256)), jnp.bfloat16)
+    out = fixed_tile_matmul(x, w, tile_k=128, interpret=True)
+    assert rel_err(out, f32(x) @ f32(w)) < TOL
+    with pytest.raises(ValueError, match="tile_k \\(96\\) must be a multiple of 64 dividing K \\(256\\)"):
+        fixed_tile_matmul(x, w, tile_k=96, interpret=True)
+
+
 def test_fixed_tile_gemm_refuses_a_tile_it_does_not_build():
     with pytest.raises(ValueError, match="tile 192x128"):
         fixed_tile_matmul(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16), tile_m=192, tile_n=128,
@@ -207,13 +244,18 @@ def test_exact_kernels_lower_for_hopper():
     GPU lowering for the cuda platform on the CPU (TMA shapes, layouts, barriers); only
     ptxas is left for the GPU."""
     x, w = jax.ShapeDtypeStruct((70, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 5632), jnp.bfloat16)
-    for tile_m in (64, 128):  # one and two compute warpgroups
-        gemm = functools.partial(fixed_tile_matmul, tile_m=tile_m, tile_n=256)
+    for tile_m, tile_k in ((64, 128), (128, 64)):  # one and two compute warpgroups; one and two K blocks a slot
+        gemm = functools.partial(fixed_tile_matmul, tile_m=tile_m, tile_n=256, tile_k=tile_k)
         assert "mosaic_gpu" in jax.jit(gemm).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     q, kv = jax.ShapeDtypeStruct((300, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
     cu, lens = jnp.asarray([0, 1, 2, 300], jnp.int32), jnp.asarray([50, 9, 298], jnp.int32)
     fn = functools.partial(exact_attention_mgpu, page_size=16, sm_scale=0.1)
     lowered = jax.jit(fn).trace(q, kv, kv, jnp.int32(0), cu, lens, jnp.zeros((3, 64), jnp.int32))
+    assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+    decode = functools.partial(exact_attention_mgpu, page_size=16, sm_scale=0.1, one_query_each=True)
+    one_each = jnp.asarray([0, 1, 2, 3], jnp.int32)
+    step_q = jax.ShapeDtypeStruct((3, 16, 128), jnp.bfloat16)
+    lowered = jax.jit(decode).trace(step_q, kv, kv, jnp.int32(0), one_each, lens, jnp.zeros((3, 64), jnp.int32))
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 

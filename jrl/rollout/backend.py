@@ -64,7 +64,8 @@ class PagedAttention(flax.struct.PyTreeNode):
         kwargs = dict(page_size=self.page_size, sm_scale=scale, v_head_dim=self.v_head_dim, impl=self.impl)
         if self.exact:
             out = kernels.exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
-                                        page_size=self.page_size, sm_scale=scale, impl=self.impl)
+                                        page_size=self.page_size, sm_scale=scale, impl=self.impl,
+                                        one_query_each=self.decode)
         elif self.decode:
             out = kernels.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, **kwargs)
         else:
