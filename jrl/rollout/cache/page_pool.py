@@ -44,6 +44,7 @@ class Allocator:
         self.ref = np.zeros(n_pages, np.int32)
         self.cached = np.zeros(n_pages, np.bool_)
         self.is_free = np.ones(n_pages, np.bool_)
+        self._n_free = n_pages  # is_free's count, kept with it (the scheduler asks every step)
         self._free_heap = list(range(n_pages))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.on_evict = on_evict
@@ -54,7 +55,7 @@ class Allocator:
     # ---------------------------------------------------------------- counts
     @property
     def n_free(self) -> int:
-        return int(self.is_free.sum())
+        return self._n_free
 
     @property
     def n_evictable(self) -> int:
@@ -82,6 +83,7 @@ class Allocator:
             if self.is_free[p]:  # the heap may hold stale entries of pages taken by a region
                 self.is_free[p] = False
                 pages.append(p)
+        self._n_free -= n
         self.ref[np.asarray(pages, np.int64)] = 1
         return pages
 
@@ -103,6 +105,7 @@ class Allocator:
         idx = np.asarray(pages, np.int64)
         assert self.is_free[idx].all(), "allocator: taking a page that is not free"
         self.is_free[idx] = False
+        self._n_free -= idx.size
         self.ref[idx] = 1
 
     # ---------------------------------------------------------------- sharing
@@ -162,6 +165,7 @@ class Allocator:
                 self.dirty[dirty] = False
                 self.pending_scrub.extend(dirty.tolist())
             self.is_free[idle] = True
+            self._n_free += idle.size
             self._free_heap = np.flatnonzero(self.is_free).tolist()  # sorted, so a heap; no stale entries
 
     def mark_dirty(self, pages: Iterable[int]) -> None:
@@ -190,6 +194,7 @@ class Allocator:
             self.dirty[p] = False
             self.pending_scrub.append(p)
         self.is_free[p] = True
+        self._n_free += 1
         heapq.heappush(self._free_heap, p)
 
     # ---------------------------------------------------------------- checks
@@ -203,6 +208,7 @@ class Allocator:
         assert not (evictable & (referenced | self.is_free)).any(), "LRU holds a held or free page"
         assert (evictable == (self.cached & ~referenced)).all(), "cached unreferenced page not in LRU"
         assert (referenced | evictable | self.is_free).all(), "page in no state (leaked)"
+        assert self._n_free == int(self.is_free.sum()), "free count out of step with the free set"
 
 
 def _first_run(mask: np.ndarray, n: int) -> int | None:
