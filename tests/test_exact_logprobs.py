@@ -19,7 +19,7 @@ from jrl.config import ConfigError, ModelConfig, model_config_from_dict
 from jrl.models import forward, init_params
 from jrl.models.attention import dense_attention
 from jrl.models.exact import exact_attention
-from jrl.models.layers import Linear
+from jrl.models.layers import Linear, RMSNorm
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions
 from jrl.rollout.config import EngineConfig, check_exact, exact_model_config
@@ -194,6 +194,26 @@ def test_exact_rows_runs_the_same_model():
     np.testing.assert_allclose(exact, plain, atol=1e-5)
 
 
+def _loops(jaxpr) -> int:
+    """Row loops (scans and while loops) in a jaxpr, nested ones included."""
+    return len(re.findall(r"\b(?:scan|while)\[", str(jaxpr)))
+
+
+def test_row_tiles_take_the_untiled_gradient_with_no_row_loop_in_the_backward_pass():
+    # Only the values need tiles of exact_rows: the backward pass of a tiled norm is the
+    # ordinary batched gradient (scale's included), so training adds no loop for it.
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 10, 16)), jnp.float32)
+    norm = lambda rows: RMSNorm(1e-6, rows=rows)
+    params = nn.unbox(norm(0).init(jax.random.key(0), x))
+    params = jax.tree.map(lambda p: p * 1.5, params)
+    loss = lambda rows: lambda p, x: jnp.sum(jnp.sin(norm(rows).apply(p, x)))
+    tiled, plain = jax.grad(loss(8), (0, 1))(params, x), jax.grad(loss(0), (0, 1))(params, x)
+    for g_tiled, g_plain in zip(jax.tree.leaves(tiled), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(g_tiled, g_plain, rtol=1e-6, atol=1e-6)
+    assert _loops(jax.make_jaxpr(lambda p, x: norm(8).apply(p, x))(params, x).jaxpr) == 1
+    assert _loops(jax.make_jaxpr(jax.grad(loss(8), (0, 1)))(params, x).jaxpr) == 1  # the forward's only
+
+
 @pytest.mark.parametrize("field, value", [("kv_dtype", "float8_e4m3fn"), ("weight_dtype", "float8_e4m3fn")])
 def test_an_fp8_engine_cannot_be_exact(field, value):
     with pytest.raises(ConfigError, match="engine.exact_logprobs"):
@@ -320,7 +340,7 @@ def test_exact_check_every_must_be_a_count(value):
 
 SIBLINGS = """
 import flax.linen as nn, jax, jax.numpy as jnp
-from jrl.models.layers import Linear
+from jrl.models.layers import Linear, RMSNorm
 
 class QKV(nn.Module):  # three projections of one input, as the attention's q/k/v
     @nn.compact

@@ -15,6 +15,7 @@ float8_e4m3fn with a sibling `kernel_scale [out]` (the engine's served layout,
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import NamedTuple
 
@@ -48,28 +49,57 @@ def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None, key: str = 
     (q/k/v, gate/up): XLA's CSE would merge them, and a GPU's DotMerger would then fuse the
     siblings' GEMMs into one wider GEMM, which rounds differently, in the programs where a
     single tile removes lax.map's loop and in no other. `rows == 0`: `fn(*xs)` directly.
-    `fn` maps `[rows, ...]` inputs to one `[rows, ...]` output."""
+    `fn` maps `[rows, ...]` inputs to one `[rows, ...]` output.
+
+    Only the values need the tiles: the gradient is `fn`'s own over all rows at once
+    (`custom_vjp`), so a backward pass runs no row loop and keeps no per-tile residuals."""
     if rows <= 0:
         return fn(*xs)
     n_lead = xs[0].ndim - 1 if lead is None else lead
     shape = xs[0].shape[:n_lead]
     n = int(np.prod(shape))
-    flat = [x.reshape(n, *x.shape[n_lead:]) for x in xs]
     pad = -n % rows
-    tiles = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, rows, *x.shape[1:]) for x in flat]
+    tiles = [jnp.pad(x.reshape(n, *x.shape[n_lead:]), [(0, pad)] + [(0, 0)] * (x.ndim - n_lead))
+             .reshape(-1, rows, *x.shape[n_lead:]) for x in xs]
+    # the parameters `fn` closes over (a norm's scale, a head's weights) become inputs, so
+    # the custom gradient reaches them
+    converted, consts = jax.closure_convert(fn, *(jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in tiles))
+    out = _row_tiles(converted, key, len(tiles), *tiles, *consts)
+    out = out.reshape(-1, *out.shape[2:])[:n]
+    return out.reshape(*shape, *out.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _row_tiles(fn, key: str, n_tiled: int, *args: jax.Array) -> jax.Array:
+    """`fn` on each tile of the first `n_tiled` arguments (`[tiles, rows, ...]`, one
+    `lax.map` step a tile, behind optimization barriers; see `map_rows`), the rest passed
+    whole to every tile; the outputs stacked `[tiles, rows, ...]`."""
+    tiles, consts = args[:n_tiled], args[n_tiled:]
     salt = np.uint32(zlib.crc32(key.encode()) | 1)  # each sibling's own constant, never 0
 
     def tile(t):
         if not key:
-            return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t)))
+            return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t), *consts))
         # the inputs pass through a select on the salt (never taken; XLA cannot tell): a value
         # of this call's own, where CSE would otherwise hand siblings one shared input
         inputs, s = jax.lax.optimization_barrier((t, salt))
-        return jax.lax.optimization_barrier(fn(*(jnp.where(s == 0, jnp.zeros_like(x), x) for x in inputs)))
+        return jax.lax.optimization_barrier(fn(*(jnp.where(s == 0, jnp.zeros_like(x), x) for x in inputs), *consts))
 
-    out = jax.lax.map(tile, tuple(tiles))
-    out = out.reshape(-1, *out.shape[2:])[:n]
-    return out.reshape(*shape, *out.shape[1:])
+    return jax.lax.map(tile, tuple(tiles))
+
+
+def _row_tiles_fwd(fn, key, n_tiled, *args):
+    return _row_tiles(fn, key, n_tiled, *args), args
+
+
+def _row_tiles_bwd(fn, key, n_tiled, args, g):
+    """The ordinary gradient of `fn` over all tiles at once (a batched computation, no loop)."""
+    del key
+    every_tile = jax.vmap(fn, in_axes=(0,) * n_tiled + (None,) * (len(args) - n_tiled))
+    return jax.vjp(every_tile, *args)[1](g)
+
+
+_row_tiles.defvjp(_row_tiles_fwd, _row_tiles_bwd)
 
 
 class RMSNorm(nn.Module):
