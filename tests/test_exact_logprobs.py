@@ -19,7 +19,8 @@ from jrl.config import ConfigError, ModelConfig, model_config_from_dict
 from jrl.models import forward, init_params
 from jrl.models.attention import dense_attention
 from jrl.models.exact import exact_attention
-from jrl.models.layers import Linear, RMSNorm
+from jrl.models.layers import Linear, rowwise
+from jrl.models.rope import rotate
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions
 from jrl.rollout.config import EngineConfig, check_exact, exact_model_config
@@ -200,18 +201,35 @@ def _loops(jaxpr) -> int:
 
 
 def test_row_tiles_take_the_untiled_gradient_with_no_row_loop_in_the_backward_pass():
-    # Only the values need tiles of exact_rows: the backward pass of a tiled norm is the
-    # ordinary batched gradient (scale's included), so training adds no loop for it.
-    x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 10, 16)), jnp.float32)
-    norm = lambda rows: RMSNorm(1e-6, rows=rows)
-    params = nn.unbox(norm(0).init(jax.random.key(0), x))
-    params = jax.tree.map(lambda p: p * 1.5, params)
-    loss = lambda rows: lambda p, x: jnp.sum(jnp.sin(norm(rows).apply(p, x)))
+    # Only the values need tiles of exact_rows: the backward pass of a tiled projection is
+    # the ordinary batched gradient (the kernel's included), so training adds no loop for it.
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 10, 64)), jnp.float32)
+    layer = lambda rows: Linear(features=32, axes=("embed", "mlp"), rows=rows, gemm="tiles")
+    params = nn.unbox(layer(0).init(jax.random.key(0), x))
+    loss = lambda rows: lambda p, x: jnp.sum(jnp.sin(layer(rows).apply(p, x)))
     tiled, plain = jax.grad(loss(8), (0, 1))(params, x), jax.grad(loss(0), (0, 1))(params, x)
     for g_tiled, g_plain in zip(jax.tree.leaves(tiled), jax.tree.leaves(plain)):
-        np.testing.assert_allclose(g_tiled, g_plain, rtol=1e-6, atol=1e-6)
-    assert _loops(jax.make_jaxpr(lambda p, x: norm(8).apply(p, x))(params, x).jaxpr) == 1
+        np.testing.assert_allclose(g_tiled, g_plain, rtol=1e-5, atol=1e-6)
+    assert _loops(jax.make_jaxpr(lambda p, x: layer(8).apply(p, x))(params, x).jaxpr) == 1
     assert _loops(jax.make_jaxpr(jax.grad(loss(8), (0, 1)))(params, x).jaxpr) == 1  # the forward's only
+
+
+def test_the_rotation_runs_once_over_all_rows_under_exact_rows():
+    # The rotation has no reduction: under exact_rows it runs behind barriers on all rows
+    # at once, with no tile loop, and a row gets the same bits among 8 rows as among 70
+    # (not those of the rotation fused with other ops: FMA contraction differs).
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.normal(size=(1, 70, 4, 16)), jnp.float32)
+    angles = jnp.asarray(rng.uniform(0, 6, size=(1, 70, 8)), jnp.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    exact = jax.jit(lambda q, c, s: rowwise(rotate, 64, q, c, s, lead=2))
+    np.testing.assert_allclose(exact(q, cos, sin), rotate(q, cos, sin), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(exact(q[:, :8], cos[:, :8], sin[:, :8]), exact(q, cos, sin)[:, :8])
+    jaxpr = str(jax.make_jaxpr(exact)(q, cos, sin))
+    assert _loops(jaxpr) == 0 and jaxpr.count("optimization_barrier") == 2
+    grad = jax.grad(lambda q: jnp.sum(jnp.sin(exact(q, cos, sin))))(q)
+    np.testing.assert_allclose(grad, jax.grad(lambda q: jnp.sum(jnp.sin(rotate(q, cos, sin))))(q), rtol=1e-6,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("field, value", [("kv_dtype", "float8_e4m3fn"), ("weight_dtype", "float8_e4m3fn")])
@@ -340,7 +358,8 @@ def test_exact_check_every_must_be_a_count(value):
 
 SIBLINGS = """
 import flax.linen as nn, jax, jax.numpy as jnp
-from jrl.models.layers import Linear, RMSNorm
+from jrl.models.layers import Linear, rowwise
+from jrl.models.rope import rotate
 
 class QKV(nn.Module):  # three projections of one input, as the attention's q/k/v
     @nn.compact

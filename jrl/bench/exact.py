@@ -22,6 +22,8 @@ real modules (`jrl.models`) with layer 0's weights:
   mlp        the SwiGLU MLP; `rmsnorm` the input norm; `rope` the rotation of the queries
   logprob    LM head + `target_logprob` as the engine computes it (alone, among) and the
              trainer's chunked `target_stats` (among, shifted)
+             (these three also sit among 33, 257, 1000 and 12288 rows: the rotation
+             runs on all rows at once, `rowwise`, the norm and log-softmax on tiles)
   attention  `exact_prefill` (`--impl`): the last 64 tokens of 4 requests of 512-600
              tokens as 1-query decode steps of all 4 (engine-like page tables, padded
              rows), as decode steps of each request alone (the same program), as rows
@@ -82,7 +84,7 @@ from jrl.config import DEFAULT_EXACT_ROWS, ModelConfig
 from jrl.models import lm_logits
 from jrl.models.attention import qkv_projections
 from jrl.models.exact import exact_attend, target_logprob
-from jrl.models.layers import RMSNorm, SwiGLU, dtype_of, linear, map_rows, projections
+from jrl.models.layers import RMSNorm, SwiGLU, dtype_of, linear, map_rows, projections, rowwise
 from jrl.models.rope import rope_cos_sin, rotate
 from jrl.rollout.config import exact_model_config, pow2_at_least
 from jrl.rollout.tuning import TuningOverrides
@@ -105,10 +107,12 @@ class Sizes(NamedTuple):
     prompt: int  # layer/model/engine: prompt tokens
     new: int  # ... and the tokens after it (sampled, for the engine)
     seq_pad: int  # layer/model: extra padding of the padded context
+    row_local: tuple[int, ...]  # rmsnorm/rope/logprob: more row counts they sit among
 
 
-SIZES = Sizes(32, 4096, (512, 541, 577, 600), 64, 32, 48, 512, 64, 64)
-TINY_SIZES = Sizes(8, 1024, (24, 29, 33, 40), 8, 3, 5, 24, 8, 16)
+# row_local: odd, just past a tile, a trainer micro-batch of 16 x 768 tokens
+SIZES = Sizes(32, 4096, (512, 541, 577, 600), 64, 32, 48, 512, 64, 64, (33, 257, 1000, 12288))
+TINY_SIZES = Sizes(8, 1024, (24, 29, 33, 40), 8, 3, 5, 24, 8, 16, (9, 65, 1500))
 PAGE_SIZE = 16  # the engine's default
 
 
@@ -229,14 +233,15 @@ def run_contexts(contexts: list[Context], params, chosen: tuple, filler: tuple,
     return outs
 
 
-def row_contexts(fn: Callable, sizes: Sizes, rows: int) -> list[Context]:
+def row_contexts(fn: Callable, sizes: Sizes, rows: int, more: tuple[int, ...] = ()) -> list[Context]:
     """`fn` alone on the compared rows (one tile), then among `sizes.among` rows at a
-    tile-aligned offset and at one shifted by 5/8 of a tile (the rows straddle tiles);
-    each context a fresh jit of `fn`."""
+    tile-aligned offset and at one shifted by 5/8 of a tile (the rows straddle tiles),
+    then among each of `more` rows (mid-way); each context a fresh jit of `fn`."""
     tile = rows or 64  # (rows 0, no tiles: the offsets of 64-row tiles all the same)
     aligned = (sizes.among // 2) // tile * tile
     return [Context("alone", jax.jit(fn), sizes.rows), Context("among", jax.jit(fn), sizes.among, aligned),
-            Context("among_shifted", jax.jit(fn), sizes.among, aligned + 5 * tile // 8)]
+            Context("among_shifted", jax.jit(fn), sizes.among, aligned + 5 * tile // 8),
+            *(Context(f"among_{n}", jax.jit(fn), n, (n - sizes.rows) // 2) for n in more)]
 
 
 def normal(rng: np.random.Generator, shape, dtype) -> jax.Array:
@@ -271,8 +276,9 @@ def module_fn(module: nn.Module) -> Callable:
 
 def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, programs: Programs) -> list[tuple]:
     """(context a, context b, comparison) of a row-wise check (`linear` .. `logprob`)."""
-    rows, d, n = cfg.exact_rows, cfg.hidden_size, sizes.among
+    rows, d, n = cfg.exact_rows, cfg.hidden_size, max(sizes.among, *sizes.row_local)
     dt = dtype_of(cfg.dtype)
+    more = sizes.row_local
     x = normal(rng, (n, d), dt)
     chosen, filler = (x[:sizes.rows],), (normal(rng, (n, d), dt),)
     layer = layer0(params)
@@ -293,15 +299,15 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, pro
     elif name == "rmsnorm":
         p = layer["input_norm"]
         norm = RMSNorm(cfg.rms_norm_eps, dtype_of(cfg.param_dtype), "embed", rows)
-        contexts = row_contexts(module_fn(norm), sizes, rows)
+        contexts = row_contexts(module_fn(norm), sizes, rows, more)
     elif name == "rope":
         def fn(p, q, positions):  # the attention's rotation of the queries
             cos, sin = rope_cos_sin(cfg, positions[None])
-            return map_rows(rotate, rows, q[None], cos, sin, lead=2)[0]
+            return rowwise(rotate, rows, q[None], cos, sin, lead=2)[0]
 
         q = normal(rng, (n, cfg.n_heads, cfg.head_dim), dt)
         positions = jnp.asarray(rng.integers(0, cfg.max_position_embeddings, n), jnp.int32)
-        p, contexts = None, row_contexts(fn, sizes, rows)
+        p, contexts = None, row_contexts(fn, sizes, rows, more)
         chosen = (q[:sizes.rows], sizes.prompt + jnp.arange(sizes.rows, dtype=jnp.int32))
         filler = (normal(rng, q.shape, dt), positions)
     elif name == "logprob":
@@ -312,9 +318,9 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, pro
             return target_stats(cfg, p, hidden[None], targets[None], chunk_size=1024).logp[0]
 
         targets = jnp.asarray(rng.integers(0, cfg.vocab_size, n), jnp.int32)
-        p, (alone, among, _) = params, row_contexts(engine, sizes, rows)
+        p, (alone, among, _, *more_rows) = params, row_contexts(engine, sizes, rows, more)
         trainers = [c._replace(name="trainer_" + c.name) for c in row_contexts(trainer, sizes, rows)[1:]]
-        contexts = [alone, among, *trainers]
+        contexts = [alone, among, *more_rows, *trainers]
         chosen, filler = (x[:sizes.rows], targets[:sizes.rows]), (filler[0], targets)
     elif name == "gemm":  # the fixed-tile GEMM kernel on all rows at once (no tile loop)
         p = normal(rng, (d, max(N_MULTIPLE, d)), dt) * d ** -0.5

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.config import BATCH_AXES, ModelConfig
-from jrl.models.layers import Projection, RMSNorm, dtype_of, linear, map_rows, projections
+from jrl.models.layers import Projection, RMSNorm, dtype_of, linear, projections, rowwise
 from jrl.models.rope import rotate
 
 
@@ -261,9 +261,9 @@ class GQAttention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", cfg.exact_rows, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, pd, "head_dim", cfg.exact_rows, name="k_norm")(k)
         cos, sin = rope  # per token, [B, S, head_dim / 2]
-        # (on row tiles under exact_rows: its multiply-adds then compile alike everywhere)
-        q = map_rows(rotate, cfg.exact_rows, q, cos, sin, lead=2)
-        k = map_rows(rotate, cfg.exact_rows, k, cos, sin, lead=2)
+        # (between barriers under exact_rows: its multiply-adds then compile alike everywhere)
+        q = rowwise(rotate, cfg.exact_rows, q, cos, sin, lead=2)
+        k = rowwise(rotate, cfg.exact_rows, k, cos, sin, lead=2)
         out, cache = backend.attend(q, k, v, layer=layer, cache=cache, scale=1.0 / math.sqrt(hd))
         out = out.reshape(b, s, cfg.n_heads * hd)
         return linear(cfg, cfg.hidden_size, ("q_heads", "embed"), "o_proj", "o")(out), cache

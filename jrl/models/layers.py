@@ -69,6 +69,26 @@ def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None, key: str = 
     return out.reshape(*shape, *out.shape[1:])
 
 
+def rowwise(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Array:
+    """`fn` on the token rows of `xs` (leading axes as `map_rows`') for an `fn` whose every
+    output element is a fixed expression of its own row's inputs, with no reduction (the
+    rotation): its arithmetic cannot depend on how many rows there are, so under exact
+    numerics (`rows > 0`) it runs once over all rows, flattened, between optimization
+    barriers (its fusion then compiles alike in every program), with no tile loop.
+    Reductions need `map_rows`' tiles even along a row's own axis: XLA's reduction
+    strategy, and with it the order of a row's sum, depends on the row count (on the CPU a
+    norm's mean over 64 values has other bits among 65 rows than among 8). `rows == 0`:
+    `fn(*xs)` directly."""
+    if rows <= 0:
+        return fn(*xs)
+    n_lead = xs[0].ndim - 1 if lead is None else lead
+    shape = xs[0].shape[:n_lead]
+    n = int(np.prod(shape))
+    flat = [x.reshape(n, *x.shape[n_lead:]) for x in xs]
+    out = jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(flat)))
+    return out.reshape(*shape, *out.shape[1:])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _row_tiles(fn, key: str, n_tiled: int, *args: jax.Array) -> jax.Array:
     """`fn` on each tile of the first `n_tiled` arguments (`[tiles, rows, ...]`, one
