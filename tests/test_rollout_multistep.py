@@ -203,7 +203,7 @@ def test_multi_step_and_row_padding_defaults_and_errors_name_the_field():
     assert tuned("gpu").decode_steps_per_call == 4
     assert tuned("cpu").decode_steps_per_call == 1
     assert tuned("gpu", decode_steps_per_call=2).decode_steps_per_call == 2
-    assert tuned("gpu").multi_step_max_rows == 128
+    assert tuned("gpu", EngineConfig(max_batch=256)).multi_step_max_rows == 256
     assert tuned("cpu", EngineConfig(max_batch=8)).multi_step_max_rows == 8
     assert tuned("gpu").min_decode_rows == 2
     assert tuned("cpu").min_decode_rows == 1

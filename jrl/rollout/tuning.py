@@ -105,15 +105,15 @@ class BackendDefaults:
 # - fuse_projections: one q/k/v and one gate/up GEMM a layer are faster than five small ones.
 # - cublas_decode_rows: cuBLAS on unmerged dots beats XLA's Triton fusions only for large
 #   decode steps, from fewer rows with fused weights than with separate ones.
-# - decode_steps_per_call / multi_step_max_rows: a small batch's host work per call is as
-#   long as its device step, so several steps a call hide it; large batches hide the host
-#   anyway and ran slightly faster with one step a call.
+# - decode_steps_per_call / multi_step_max_rows: a step's host work (~1 ms at batch 1,
+#   ~3 ms at 256) is as long as a small batch's device step, and at 256 rows it still left
+#   the GPU idle a quarter of the time, so every batch size runs several steps a call.
 # - min_decode_rows: XLA turns one-row projections into multiply + reduce kernels instead
 #   of GEMMs, so a two-row step is faster than a one-row one.
 # - full_width_prefill: the Mosaic GPU prefill kernel skips the table's unused columns.
 BACKEND_DEFAULTS: dict[str, BackendDefaults] = {
     "gpu": BackendDefaults(unroll_layers=True, fuse_projections=True, cublas_decode_rows_separate=128,
-                           cublas_decode_rows_fused=64, decode_steps_per_call=4, multi_step_max_rows=128,
+                           cublas_decode_rows_fused=64, decode_steps_per_call=4, multi_step_max_rows=None,
                            min_decode_rows=2, full_width_prefill=True),
 }
 # Elsewhere (CPU): nothing measured, nothing to save (no weight-slice copies, no GPU code
