@@ -358,8 +358,7 @@ def test_exact_check_every_must_be_a_count(value):
 
 SIBLINGS = """
 import flax.linen as nn, jax, jax.numpy as jnp
-from jrl.models.layers import Linear, rowwise
-from jrl.models.rope import rotate
+from jrl.models.layers import Linear
 
 class QKV(nn.Module):  # three projections of one input, as the attention's q/k/v
     @nn.compact
