@@ -660,9 +660,9 @@ def test_an_answer_with_a_malformed_tool_call_comes_back_as_written():
 
 
 # Step programs a `jrl serve --max-batch 256` warmup compiles with the GPU tuning
-# (docs/serve.md): decode 8 row buckets (2..256) x widths + 4-step decode 7 row buckets
-# (2..128) x widths, and one prefill program per token bucket (64..1024), all sampled.
-SERVE_PROGRAMS = {256: 16 + 14 + 5, 512: 24 + 21 + 5}  # widths 8/16, then 8/16/32
+# (docs/serve.md): decode 8 row buckets (2..256) x widths, the same again for 4-step
+# decode, and one prefill program per token bucket (64..1024), all sampled.
+SERVE_PROGRAMS = {256: 16 + 16 + 5, 512: 24 + 24 + 5}  # widths 8/16, then 8/16/32
 
 
 @pytest.mark.parametrize("seq_len", sorted(SERVE_PROGRAMS))
