@@ -194,6 +194,16 @@ def test_grpo_times_every_phase(tmp_path):
     assert first["compiled_in_generation"] > 0 and second["compiled_in_generation"] == 0  # --tiny: one shape
 
 
+def test_grpo_trace_profiles_one_more_step_left_out_of_the_mean(tmp_path):
+    rows = bench(tmp_path, "grpo", "--steps", "2", "--trace", str(tmp_path / "trace"))
+    steps = section(rows, "step")
+    assert [(r["step"], r["traced"]) for r in steps] == [(0, False), (1, False), (2, True)]
+    (mean,) = section(rows, "mean")
+    assert mean["mean_over"].startswith("1 step(s)") and mean["total_ms"] == steps[1]["total_ms"]
+    summary = json.loads((tmp_path / "trace" / "trace_grpo_sync.json").read_text())
+    assert summary["n_steps"] == 1 and "kernels_per_step" in steps[2]
+
+
 @pytest.mark.parametrize("mode", ["sync", "overlapped"])
 def test_grpo_exact_logprobs_checks_the_first_rollout_bitwise_then_skips_the_recompute(tmp_path, mode):
     rows = bench(tmp_path, "grpo", "--steps", "3", "--mode", mode, "--exact-logprobs")

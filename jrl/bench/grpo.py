@@ -4,7 +4,7 @@ overlapped or interruptible.
     jrl bench grpo [--mode sync|overlapped|interruptible] [--lengths fixed|longtail]
                    [--shape 174m|0.82b] [--prompts 32] [--group 8] [--prompt-len 128] [--new 128]
                    [--minibatches 2] [--micro-batch 0] [--steps 3] [--command-buffers xla|off]
-                   [--pack-rows] [--exact-logprobs]
+                   [--pack-rows] [--exact-logprobs] [--trace DIR]
 
 One RL step, each phase timed to its last device result: generation (`prompts x group`
 samples, temperature 1, through the engine), reward (a host function of each completion's
@@ -25,6 +25,9 @@ count compiles the update once. `--exact-logprobs` puts the engine and the train
 numerics (`strategy.options.exact_logprobs`, docs/rl.md): the engine's log-probs anchor the
 ratio, so the recompute runs on step 0 only, where the row reports `exact_bitwise_pct`
 (the share of completion tokens whose engine log-prob is the trainer's, bitwise).
+`--trace DIR` runs one more step under the profiler (row `traced`, left out of the mean)
+and writes its GPU kernels by class, top kernels and idle gaps to
+`DIR/trace_grpo_<mode>.json` (`jrl.bench.trace`), the headline fields on its row.
 
 Modes (the RL loop's, `jrl.rl.source`):
 
@@ -80,6 +83,7 @@ import numpy as np
 
 from jrl.bench.shapes import GRPO_174M, ROLLOUT_082B, init, tiny_like
 from jrl.bench.timing import Budget
+from jrl.bench.trace import start_session, write_summary
 from jrl.config import OptimizerConfig, ScheduleConfig
 from jrl.models.transformer import count_params
 from jrl.rl.advantages import group_advantages
@@ -133,6 +137,8 @@ def add_arguments(p) -> None:
     p.add_argument("--engine-warmup", action="store_true",
                    help="compile every engine step program the rollouts can use before step 0 (Engine.warmup; "
                         "row `engine_warmup`), so no measured rollout pays a compile")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="profile one more step (left out of the mean); its summary to DIR/trace_grpo_<mode>.json")
 
 
 def environment(args) -> dict[str, str]:
@@ -391,9 +397,11 @@ def run(args, results) -> int:
     pending = worker.submit(generate, front, served, 0, args, cfg.vocab_size) if overlap else None
     served_version = 0
     steps = []
-    for step in range(args.steps):
+    for step in range(args.steps + bool(args.trace)):
         if step > 1 and budget.spent():
             break
+        traced = bool(args.trace) and step == args.steps
+        session = start_session(python_tracer=False) if traced else None
         t = dict.fromkeys((*PHASES, *OVERLAP_PHASES), 0.0)
         version = int(state.policy_version)
         t_step = time.perf_counter()
@@ -440,6 +448,7 @@ def run(args, results) -> int:
         else:
             trainer_leaves = {id(x) for x in jax.tree.leaves(state.params)}
             copied = sum(x.nbytes for x in jax.tree.leaves(engine.params) if id(x) not in trainer_leaves)
+        trace = write_summary(args.trace, f"grpo_{args.mode}", session.stop(), 1) if traced else {}
         versions = [c.versions for c in gen.completions]
         lengths = np.array([len(c.tokens) for c in gen.completions])
         row = {f"{p}_ms": 1e3 * t[p] for p in (*PHASES, *OVERLAP_PHASES)}
@@ -450,13 +459,14 @@ def run(args, results) -> int:
             response_len_mean=float(lengths.mean()), response_len_max=int(lengths.max()),
             engine_idle_frac=gen.idle_frac, compiled_in_generation=gen.compiled,
             mixed_version_samples=sum(int(v.min() != v.max()) for v in versions),
-            token_lag_mean=float(version - np.concatenate(versions).mean()), **shape))
+            token_lag_mean=float(version - np.concatenate(versions).mean()), traced=traced, **trace, **shape))
     if worker is not None:
         worker.shutdown(wait=True)
     # the steady state: steps after the first whose rollout compiled nothing (a long tail
     # meets new small-batch programs for a few steps), else every step after the first
-    steady = [r for r in steps[1:] if r["compiled_in_generation"] == 0]
-    timed = steady or steps[1:] or steps
+    measured = [r for r in steps if not r["traced"]]
+    steady = [r for r in measured[1:] if r["compiled_in_generation"] == 0]
+    timed = steady or measured[1:] or measured
     keys = (*(f"{p}_ms" for p in (*PHASES, *OVERLAP_PHASES)), "total_ms", "engine_idle_frac")
     mean = {k: statistics.mean(r[k] for r in timed) for k in keys}
     over = "without compiles" if steady else "(compiles included)"

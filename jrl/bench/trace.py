@@ -98,7 +98,13 @@ def trace_calls(out_dir: str, name: str, call: Callable[[], object], n_calls: in
     for _ in range(n_calls):
         out = call()
     jax.block_until_ready(out)
-    summary = trace_summary(session.stop(), n_calls * steps_per_call)
+    return write_summary(out_dir, name, session.stop(), n_calls * steps_per_call)
+
+
+def write_summary(out_dir: str, name: str, xspace: bytes, n_steps: int) -> dict:
+    """`trace_summary` of `n_steps` steps written to `out_dir/trace_<name>.json`; returns its
+    headline fields (kernels_per_step, gpu_busy_ms, gpu_span_ms, by_class_us_per_step)."""
+    summary = trace_summary(xspace, n_steps)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"trace_{name}.json"), "w") as f:
         json.dump(summary, f, indent=1)
