@@ -194,14 +194,17 @@ def test_grpo_times_every_phase(tmp_path):
     assert first["compiled_in_generation"] > 0 and second["compiled_in_generation"] == 0  # --tiny: one shape
 
 
-def test_grpo_trace_profiles_one_more_step_left_out_of_the_mean(tmp_path):
-    rows = bench(tmp_path, "grpo", "--steps", "2", "--trace", str(tmp_path / "trace"))
+@pytest.mark.parametrize("mode", ["sync", "overlapped"])
+def test_grpo_trace_profiles_one_more_step_left_out_of_the_mean(tmp_path, mode):
+    rows = bench(tmp_path, "grpo", "--steps", "2", "--mode", mode, "--trace", str(tmp_path / "trace"))
     steps = section(rows, "step")
     assert [(r["step"], r["traced"]) for r in steps] == [(0, False), (1, False), (2, True)]
     (mean,) = section(rows, "mean")
     assert mean["mean_over"].startswith("1 step(s)") and mean["total_ms"] == steps[1]["total_ms"]
-    summary = json.loads((tmp_path / "trace" / "trace_grpo_sync.json").read_text())
+    summary = json.loads((tmp_path / "trace" / f"trace_grpo_{mode}.json").read_text())
     assert summary["n_steps"] == 1 and "kernels_per_step" in steps[2]
+    # the profiled step trains on a rollout of its own, as lagged as the step before's
+    assert steps[2]["token_lag_mean"] == steps[1]["token_lag_mean"]
 
 
 @pytest.mark.parametrize("mode", ["sync", "overlapped"])

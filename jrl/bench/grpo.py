@@ -397,7 +397,8 @@ def run(args, results) -> int:
     pending = worker.submit(generate, front, served, 0, args, cfg.vocab_size) if overlap else None
     served_version = 0
     steps = []
-    for step in range(args.steps + bool(args.trace)):
+    n_steps = args.steps + bool(args.trace)  # --trace: one more, profiled
+    for step in range(n_steps):
         if step > 1 and budget.spent():
             break
         traced = bool(args.trace) and step == args.steps
@@ -415,7 +416,7 @@ def run(args, results) -> int:
                 served = jax.block_until_ready(copy(state.params))
                 engine.post_weights(served, version)  # requests in flight decode on under these
                 served_version = version  # acknowledged in the worker, at the engine's next step
-                if step + 1 < args.steps:  # and the next rollout starts beside their tail
+                if step + 1 < n_steps:  # and the next rollout starts beside their tail
                     ahead = worker.submit(generate, front, served, step + 1, args, cfg.vocab_size)
                 t["post"] = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -433,7 +434,7 @@ def run(args, results) -> int:
                 served_version = engine.version
                 jax.block_until_ready(engine.params)
                 t["weight_sync"] = time.perf_counter() - t0
-                if step + 1 < args.steps:
+                if step + 1 < n_steps:
                     pending = worker.submit(generate, front, served, step + 1, args, cfg.vocab_size)
         # --exact-logprobs: the engine's log-probs are the anchor; step 0 checks them
         state, metrics, rewards, computed = train(state, gen, t, recompute=not args.exact_logprobs or step == 0)
