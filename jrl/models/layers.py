@@ -55,18 +55,24 @@ def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None, key: str = 
     (`custom_vjp`), so a backward pass runs no row loop and keeps no per-tile residuals."""
     if rows <= 0:
         return fn(*xs)
-    n_lead = xs[0].ndim - 1 if lead is None else lead
-    shape = xs[0].shape[:n_lead]
-    n = int(np.prod(shape))
-    pad = -n % rows
-    tiles = [jnp.pad(x.reshape(n, *x.shape[n_lead:]), [(0, pad)] + [(0, 0)] * (x.ndim - n_lead))
-             .reshape(-1, rows, *x.shape[n_lead:]) for x in xs]
+    shape, flat = _token_rows(xs, lead)
+    n = flat[0].shape[0]
+    tiles = [jnp.pad(x, [(0, -n % rows)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, rows, *x.shape[1:]) for x in flat]
     # the parameters `fn` closes over (a norm's scale, a head's weights) become inputs, so
     # the custom gradient reaches them
     converted, consts = jax.closure_convert(fn, *(jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for t in tiles))
     out = _row_tiles(converted, key, len(tiles), *tiles, *consts)
     out = out.reshape(-1, *out.shape[2:])[:n]
     return out.reshape(*shape, *out.shape[1:])
+
+
+def _token_rows(xs, lead: int | None) -> tuple[tuple[int, ...], list[jax.Array]]:
+    """The leading `lead` axes of `xs` (default all but the first array's last) and each
+    array with them flattened into one row axis `[n, ...]`."""
+    n_lead = xs[0].ndim - 1 if lead is None else lead
+    shape = xs[0].shape[:n_lead]
+    n = int(np.prod(shape))
+    return shape, [x.reshape(n, *x.shape[n_lead:]) for x in xs]
 
 
 def rowwise(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Array:
@@ -81,10 +87,7 @@ def rowwise(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Array
     over 64 values among 65). `rows == 0`: `fn(*xs)` directly."""
     if rows <= 0:
         return fn(*xs)
-    n_lead = xs[0].ndim - 1 if lead is None else lead
-    shape = xs[0].shape[:n_lead]
-    n = int(np.prod(shape))
-    flat = [x.reshape(n, *x.shape[n_lead:]) for x in xs]
+    shape, flat = _token_rows(xs, lead)
     out = jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(flat)))
     return out.reshape(*shape, *out.shape[1:])
 
