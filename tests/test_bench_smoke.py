@@ -13,7 +13,8 @@ import pytest
 import jrl.bench.grpo as grpo_module
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.grpo import response_lengths
-from jrl.bench.train import add_scaling
+from jrl.bench.train import add_scaling, markov_batch
+from jrl.bench.shapes import TRAIN_1B
 from jrl.bench.cli import main
 from jrl.bench.results import COMMON_KEYS
 
@@ -286,6 +287,19 @@ def test_train_loss_steps_trains_each_matmul_dtype_on_the_same_data(tmp_path):
     assert bf16["loss_first"] == pytest.approx(fp8["loss_first"], rel=0.01)  # same weights, same first batch
     assert bf16["rel_diff_pct"] == 0 and math.isfinite(fp8["rel_diff_pct"])
     assert not section(rows, "jrl")
+
+
+def test_markov_batch_stays_on_its_states_and_each_token_has_four_successors():
+    tokens = [np.asarray(markov_batch(TRAIN_1B, 8, 256, step, states=64)["tokens"][0]) for step in range(4)]
+    stream = np.concatenate(tokens)
+    assert stream.min() >= 0 and stream.max() < 64
+    successors = {}
+    for row in stream:
+        for a, b in zip(row[:-1], row[1:]):
+            successors.setdefault(int(a), set()).add(int(b))
+    assert max(len(s) for s in successors.values()) <= 4 and len(successors) > 32
+    again = np.asarray(markov_batch(TRAIN_1B, 8, 256, 2, states=64)["tokens"][0])
+    assert (again == tokens[2]).all()
 
 
 def test_decode_vs_bf16_runs_a_bf16_engine_then_the_fp8_weights_one(tmp_path):
