@@ -11,8 +11,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 from jrl.metrics_log import read_metrics
 
 PANELS = (
@@ -45,7 +43,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     panels = [(t, [s for s in series if s[1]]) for t, series in panels]
     panels = [(t, series) for t, series in panels if series]
     out = Path(out) if out is not None else run_dir / "metrics.png"
-    # a Figure of its own (no pyplot): the caller's matplotlib backend is left alone
+    # a Figure of its own (no pyplot): the caller's matplotlib backend is left alone;
+    # imported here, as it takes a second: most processes that import jrl never plot
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(8, 2.4 * max(len(panels), 1)))
     axes = fig.subplots(max(len(panels), 1), 1, sharex=True, squeeze=False)
     for ax, (title, series) in zip(axes[:, 0], panels):

@@ -8,7 +8,8 @@ tests), "reference" the pure-jnp version. The MLA form (`v_buf=None`) always tak
 reference. `write_kv` is one XLA scatter for K and V whatever runs the attention: in
 place on donated buffers. The kernels' launch options are resolved here
 (`prefill_tuning`, `decode_tuning`), not taken from callers; benchmarks that compare
-them call the kernels with their own `pallas_kernels.tuning` objects.
+them call the kernels with their own `pallas_kernels.tuning` objects. The kernel modules
+(and with them Mosaic GPU, half a second to import) load when a kernel first runs.
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import gemm_mgpu, reference
-from pallas_kernels.decode_mgpu import ragged_decode_mgpu
-from pallas_kernels.exact_mgpu import exact_attention_mgpu
-from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
+from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
@@ -87,6 +85,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
         return reference.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
+    from pallas_kernels.prefill_mgpu import paged_prefill_mgpu  # Mosaic GPU loads on first use
     return paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                               page_size=page_size, sm_scale=float(sm_scale), tuning=prefill_tuning(which),
                               interpret=which == "interpret")
@@ -100,6 +99,7 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
         return reference.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
+    from pallas_kernels.decode_mgpu import ragged_decode_mgpu
     return ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, page_size=page_size,
                               sm_scale=float(sm_scale), tuning=decode_tuning(which),
                               interpret=which == "interpret")
@@ -130,6 +130,7 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
         return reference.paged_prefill_blocked(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                                page_size=page_size, sm_scale=sm_scale,
                                                block_kv=EXACT_BLOCK_KV, block_q=EXACT_BLOCK_Q)
+    from pallas_kernels.exact_mgpu import exact_attention_mgpu
     return exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                 page_size=page_size, sm_scale=float(sm_scale), one_query_each=one_query_each,
                                 interpret=which == "interpret")
@@ -138,8 +139,10 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
 def exact_matmul_runs(dtype, k: int, n: int) -> bool:
     """Whether `exact_matmul` of `[M, k]` rows of `dtype` by a `[k, n]` weight runs the
     fixed-tile GEMM kernel here: a Hopper GPU and the kernel's shapes (`gemm_mgpu`)."""
-    return (on_hopper() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-            and k % gemm_mgpu.TILE_K == 0 and n % gemm_mgpu.N_MULTIPLE == 0)
+    if not (on_hopper() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)):
+        return False
+    from pallas_kernels import gemm_mgpu
+    return k % gemm_mgpu.TILE_K == 0 and n % gemm_mgpu.N_MULTIPLE == 0
 
 
 @jax.custom_vjp
@@ -147,6 +150,7 @@ def exact_matmul(x, w):
     """`x [M, K] @ w [K, N]` by `gemm_mgpu.fixed_tile_matmul` (a row's bits independent of
     M; the interpreter off a GPU), differentiable: the backward pass is the ordinary
     product's gradient (only the forward must be exact)."""
+    from pallas_kernels import gemm_mgpu
     return gemm_mgpu.fixed_tile_matmul(x, w, interpret=jax.default_backend() != "gpu")
 
 

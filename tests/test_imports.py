@@ -3,6 +3,8 @@ another that (directly or not) imports it back, and imports sit at module level 
 for optional, backend-specific ones."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +23,15 @@ FORBIDDEN = {
     "jrl.rl": ("jrl.launch",),
     "pallas_kernels": ("jrl.",),
 }
-# In-function imports allowed, with why: a GPU-only backend that CPU machines may lack.
+# In-function imports allowed, with why: a GPU-only backend that CPU machines may lack;
+# modules slow to import that most processes never use (matplotlib, 1 s: only plotting;
+# the Mosaic GPU kernels, 0.5 s: only where a kernel runs), which every `python -m
+# jrl.train` and every test subprocess would otherwise pay at start.
 LAZY_OK = {
     ("jrl.models.attention", "jax._src.cudnn.fused_attention_stablehlo"),
+    ("jrl.plot", "matplotlib.figure"),
+    *(("pallas_kernels.dispatch", f"pallas_kernels.{kernel}")
+      for kernel in ("decode_mgpu", "exact_mgpu", "gemm_mgpu", "prefill_mgpu")),
 }
 
 
@@ -107,3 +115,12 @@ def test_the_trainer_never_reaches_into_rl():
     """The GRPO loop is handed to the trainer (jrl.rl.build_learner), never looked up by it."""
     assert not any(m.startswith("jrl.rl") for name, imports in GRAPH.items() if name.startswith("jrl.train")
                    and not _is_entry_point(name) for m, _ in imports)
+
+
+def test_starting_a_run_loads_neither_matplotlib_nor_the_kernels():
+    """`python -m jrl.train`'s imports leave the slow optional modules (LAZY_OK) unloaded."""
+    code = ("import sys, jrl.launch; print(sorted(m for m in sys.modules if m.startswith('matplotlib') "
+            "or m.startswith('pallas_kernels.') and m.endswith('_mgpu')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
