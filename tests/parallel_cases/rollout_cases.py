@@ -50,7 +50,7 @@ def assert_same_completions(got, want, logprob_tol=1e-5):
         assert g.finish_reason == w.finish_reason
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("tp", [2, 8])  # tensor = 4: the fp8 and replicated-KV cases below
 def test_kv_heads_split_engine_equals_one_device(tp):
     params, want = one_device_greedy(SPLIT_KV)
     engine = Engine(SPLIT_KV, params, ENGINE, mesh=tensor_mesh(tp))
