@@ -13,9 +13,9 @@ import pytest
 import jrl.bench.grpo as grpo_module
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.grpo import response_lengths
-from jrl.bench.train import add_scaling, markov_batch
-from jrl.bench.shapes import TRAIN_1B
 from jrl.bench.cli import main
+from jrl.bench.shapes import TRAIN_1B
+from jrl.bench.train import add_scaling, markov_batch
 from jrl.bench.results import COMMON_KEYS
 
 

@@ -1,6 +1,7 @@
 """The package's import structure: layers import downwards only, no module imports
 another that (directly or not) imports it back, and imports sit at module level except
-for optional, backend-specific ones."""
+for optional, backend-specific or slow ones (`LAZY_OK`), which starting a run leaves
+unloaded."""
 
 import ast
 import subprocess

@@ -23,11 +23,12 @@ trace of each variant's steps by kernel class.
 (`ModelConfig.matmul_dtype`; bfloat16 is the default None) and gives float8 rows
 `speedup_vs_bf16` against the same variant and mesh; `fp8_gemms` counts the cuBLASLt fp8
 GEMMs in the compiled step (0 on CPU; on Hopper, nonzero when XLA took the fp8 path).
-`--loss-steps N` (section `loss`) instead trains N steps of the first variant on one device per matmul dtype (default
-bfloat16,float8), every run from the same initial weights on the same batches: a token
-stream with learnable structure (`markov_batch`: over 1,024 token ids, each followed by
-one of 4 successors fixed per token; loss floor ln 4 = 1.39), learning rate 3e-4 after 10% warmup, cosine; it reports the
-first loss, the mean of the last 10 and `rel_diff_pct` against bfloat16's.
+`--loss-steps N` (section `loss`) instead trains N steps of the first variant on one
+device per matmul dtype (default bfloat16,float8), every run from the same initial weights
+on the same batches: a token stream with learnable structure (`markov_batch`: over 1,024
+token ids, each followed by one of 4 successors fixed per token; loss floor ln 4 = 1.39),
+learning rate 3e-4 after 10% warmup, cosine; it reports the first loss, the mean of the
+last 10 and `rel_diff_pct` against bfloat16's.
 """
 
 from __future__ import annotations
