@@ -5,8 +5,9 @@ half its time (2 cores, jax.monitoring's `backend_compile_duration`). LLVM at
 optimization level 2 instead of XLA's default 3 compiles them faster while the programs
 still run at about the same speed: five compile-heavy end-to-end files took 182 s instead
 of 221 s on 2 cores (level 1: 184 s; level 0 compiled faster still but ran the learning
-tests 2-3x slower and changed what the default run learns). Set here, before any test imports jax, and inherited by the subprocesses the
-tests start; an `--xla_backend_optimization_level` already in `XLA_FLAGS` wins.
+tests 2-3x slower and changed what the default run learns). Set here, before any test
+imports jax, and inherited by the subprocesses the tests start; an
+`--xla_backend_optimization_level` already in `XLA_FLAGS` wins.
 """
 
 import os
