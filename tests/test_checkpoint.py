@@ -655,7 +655,8 @@ SHARDED_RESTORE = textwrap.dedent(
 
 
 def test_sharded_state_restores_onto_another_mesh(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     result = subprocess.run(
         [sys.executable, "-c", SHARDED_RESTORE, str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=120,
