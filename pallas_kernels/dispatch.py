@@ -166,6 +166,23 @@ def _exact_matmul_bwd(residuals, g):
 exact_matmul.defvjp(_exact_matmul_fwd, _exact_matmul_bwd)
 
 
+def stream_matmul_runs(x_dtype, rows: int, n: int, k: int) -> bool:
+    """Whether `stream_matmul` of `rows` rows of `x_dtype` by an e4m3 `[n, k]` weight runs
+    the streaming kernel here: a Hopper GPU, bf16 activations and the kernel's shapes
+    (`stream_gemm_mgpu`: at most 64 rows, where reading the weights is the cost)."""
+    if not (on_hopper() and jnp.dtype(x_dtype) == jnp.bfloat16):
+        return False
+    from pallas_kernels import stream_gemm_mgpu as sg
+    return 0 < rows <= sg.MAX_ROWS and n % sg.WGMMA_M == 0 and k % sg.CHUNK_K == 0
+
+
+def stream_matmul(x, w_t, scale):
+    """`x [M, K] @ (w_t [N, K]^T * scale)` by `stream_gemm_mgpu.stream_matmul` (the
+    interpreter off a GPU)."""
+    from pallas_kernels import stream_gemm_mgpu
+    return stream_gemm_mgpu.stream_matmul(x, w_t, scale, interpret=jax.default_backend() != "gpu")
+
+
 def write_kv(k_buf, v_buf, layer, slots, k, v):
     """Scatters the step's new K/V into their slots (see `reference.write_kv`): the same
     XLA scatter whichever attention implementation runs."""

@@ -1,5 +1,5 @@
 """fp8 served weights (jrl.models.quantized, EngineConfig.weight_dtype): projection kernels
-in e4m3 with per-column scales give a model close to the bf16 one, and the engine builds
+in e4m3 (stored transposed) with per-output scales give a model close to the bf16 one, and the engine builds
 and rebuilds that copy from the bf16 weights it is handed."""
 
 import jax
@@ -58,19 +58,21 @@ def test_column_quantization_keeps_every_weight_within_e4m3_rounding():
     assert np.all(np.abs(back - k)[normal] <= 2.0 ** -4 * np.abs(k)[normal])
 
 
-def test_quantized_layout_is_e4m3_projections_with_column_scales_and_the_rest_unchanged(weights):
+def test_quantized_layout_is_transposed_e4m3_projections_with_output_scales_and_the_rest_unchanged(weights):
     params, _ = weights
     served = quantize_projections(params)
     attn, mlp = served["layers"]["attn"], served["layers"]["mlp"]
-    for module in (attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp["gate_proj"],
-                   mlp["up_proj"], mlp["down_proj"]):
-        assert module["kernel"].dtype == E4M3
-        assert module["kernel_scale"].shape == (BF16.n_layers, module["kernel"].shape[-1])
+    for group, name in [("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "o_proj"),
+                        ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")]:
+        module, (layers, d_in, d_out) = served["layers"][group][name], params["layers"][group][name]["kernel"].shape
+        assert set(module) == {"kernel_t", "kernel_scale"}
+        assert module["kernel_t"].dtype == E4M3 and module["kernel_t"].shape == (layers, d_out, d_in)
+        assert module["kernel_scale"].shape == (layers, d_out)
     assert served["lm_head"] is params["lm_head"] and served["embed"] is params["embed"]
     assert served["layers"]["input_norm"]["scale"] is params["layers"]["input_norm"]["scale"]
     fused = quantize_projections(fuse_projections(BF16, params))
-    assert fused["layers"]["attn"]["qkv_proj"]["kernel"].dtype == E4M3
-    with pytest.raises(ValueError, match=r"params/layers/attn/k_proj/kernel: already float8_e4m3fn"):
+    assert fused["layers"]["attn"]["qkv_proj"]["kernel_t"].dtype == E4M3
+    with pytest.raises(ValueError, match=r"params/layers/attn/k_proj: already has an e4m3 kernel_t"):
         quantize_projections(served)
 
 
@@ -109,7 +111,7 @@ def test_fp8_engine_generates_close_to_the_bf16_engine(weights):
     params, _ = weights
     ref = Engine(BF16, params, EngineConfig(**ENGINE), tuning=SEPARATE).generate(prompts(), GREEDY, max_new_tokens=8)
     fp8_engine = Engine(BF16, params, EngineConfig(**FP8), tuning=SEPARATE)
-    assert fp8_engine.params["layers"]["mlp"]["down_proj"]["kernel"].dtype == E4M3
+    assert fp8_engine.params["layers"]["mlp"]["down_proj"]["kernel_t"].dtype == E4M3
     out = fp8_engine.generate(prompts(), GREEDY, max_new_tokens=8)
     agree, deltas = 0, []
     for a, b in zip(ref, out):
@@ -131,7 +133,8 @@ def test_fp8_engine_rebuilds_the_quantized_copy_at_each_update(weights):
     assert ack.version == 1 and engine.version == 1
     served = engine.params["layers"]["attn"]["o_proj"]
     q, scale = quantize_columns(new["layers"]["attn"]["o_proj"]["kernel"])
-    np.testing.assert_array_equal(np.asarray(served["kernel"], np.float32), np.asarray(q, np.float32))
+    np.testing.assert_array_equal(np.asarray(served["kernel_t"], np.float32),
+                                  np.swapaxes(np.asarray(q, np.float32), -1, -2))
     np.testing.assert_array_equal(np.asarray(served["kernel_scale"]), np.asarray(scale))
     after = engine.generate(prompts(), GREEDY, max_new_tokens=6)
     fresh = Engine(BF16, new, EngineConfig(**FP8), tuning=SEPARATE).generate(prompts(), GREEDY, max_new_tokens=6)

@@ -93,7 +93,8 @@ from jrl.bench.log import log
 from jrl.bench.shapes import ROLLOUT_082B, TINY, csv_ints, init, rollout_shape
 from jrl.bench.timing import Budget, timeit
 from jrl.bench.trace import start_session, trace_calls, trace_summary
-from jrl.models.fp8 import quantize_columns, scaled_matmul
+from jrl.models.fp8 import scaled_matmul
+from jrl.models.quantized import quantize_kernel
 from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
@@ -671,14 +672,15 @@ def run_host(args, results) -> int:
 # ----------------------------------------------------------------------------- GEMMs
 
 def layer_weights(cfg, key, fused: bool, fp8: bool = False) -> dict:
-    """Stacked bf16 kernels per projection; `fp8`: each as `(e4m3 kernel, column scales)`."""
+    """Stacked bf16 kernels per projection; `fp8`: each in the served layout, `(e4m3
+    kernel_t, output scales)`."""
     h, q, kv, f = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
     shapes = {"o": (q, h), "down": (f, h)}
     shapes |= {"qkv": (h, q + 2 * kv), "gate_up": (h, 2 * f)} if fused else \
         {"q": (h, q), "k": (h, kv), "v": (h, kv), "gate": (h, f), "up": (h, f)}
     keys = jax.random.split(key, len(shapes))
     w = {n: 0.02 * jax.random.normal(k, (cfg.n_layers, *s), jnp.bfloat16) for (n, s), k in zip(shapes.items(), keys)}
-    return {n: jax.jit(quantize_columns)(x) for n, x in w.items()} if fp8 else w
+    return {n: quantize_kernel(x) for n, x in w.items()} if fp8 else w
 
 
 def layers_program(cfg, fused: bool):
@@ -688,7 +690,7 @@ def layers_program(cfg, fused: bool):
     rep = q_dim // kv_dim
 
     def run_layers(x, w):
-        def mm(x, name, layer):  # bf16 kernel, or (e4m3 kernel, column scales) as the model reads it
+        def mm(x, name, layer):  # bf16 kernel, or (e4m3 kernel_t, output scales) as the model reads it
             kernel = w[name]
             if isinstance(kernel, tuple):
                 return scaled_matmul(x, kernel[0][layer], kernel[1][layer])

@@ -14,19 +14,23 @@ matched ran as a bf16 GEMM there (no fp8 call, 0.94x). Scales are powers of two,
 result is the fp8 product exactly up to float32 accumulation, on the CPU too.
 The scales are constants to differentiation (straight-through), as in every fp8 recipe.
 
-Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q, scale)` reads the
-e4m3 kernel `q [in, out]` (converted to the activations' dtype next to the dot, a convert
-XLA's Triton GEMM fusions can take in, so the weights cross HBM as fp8; `jrl bench decode
---gemms` measures it) and multiplies the product by the per-column scale;
-`quantize_columns` builds `(q, scale)` from a kernel.
+Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q_t, scale)` reads
+the e4m3 kernel, stored transposed `q_t [out, in]`, and multiplies the product by the
+per-output-feature scale. Up to 64 bf16 rows on a Hopper GPU (decode) that is one
+`pallas_kernels.stream_gemm_mgpu` kernel, which reads the e4m3 bytes as they are; elsewhere
+XLA converts the kernel to the activations' dtype for its dot. `quantize_columns` builds
+`(q, scale)` from a `[in, out]` kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import dispatch as kernels
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -55,10 +59,16 @@ def quantize_columns(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def scaled_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """`x [..., in] @ (q [in, out] * scale [out])` in `x`'s dtype (float32 accumulation):
-    the column scales apply to the product, so the dot reads the fp8 kernel as is."""
-    y = jnp.dot(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+def scaled_matmul(x: jax.Array, q_t: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x [..., in] @ (q_t [out, in]^T * scale [out])` in `x`'s dtype (float32
+    accumulation): the scales apply to the product, so the dot reads the fp8 kernel as is
+    (the streaming kernel where `dispatch.stream_matmul_runs`, XLA's dot otherwise)."""
+    n, k = q_t.shape
+    rows = math.prod(x.shape[:-1])
+    if kernels.stream_matmul_runs(x.dtype, rows, n, k):
+        return kernels.stream_matmul(x.reshape(rows, k), q_t, scale).reshape(*x.shape[:-1], n)
+    y = jax.lax.dot_general(x, q_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
 
 

@@ -8,9 +8,10 @@ Kernels are stored `[in, out]` with Flax logical-axis annotations so that
 `lora_b [r, out]` (zeros) make the initial adapter delta exactly zero.
 
 Two fp8 paths (`jrl.models.fp8`): with `ModelConfig.matmul_dtype: float8` a projection's
-product runs in fp8 with current scaling (training and scoring); a kernel stored as
-float8_e4m3fn with a sibling `kernel_scale [out]` (the engine's served layout,
-`jrl.models.quantized`) is read as fp8 weights with per-column scales, whatever the config.
+product runs in fp8 with current scaling (training and scoring); a projection whose params
+hold `kernel_t [out, in]` in float8_e4m3fn and `kernel_scale [out]` instead of `kernel` (the
+engine's served layout, `jrl.models.quantized`) is read as fp8 weights with per-output
+scales, whatever the config.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """`x @ kernel (+ bias)`, plus `scale * x @ lora_a @ lora_b` when `lora_rank > 0`.
     `fp8`: the product runs in fp8 with current scaling (`jrl.models.fp8.fp8_matmul`).
-    An e4m3 kernel (served layout) is multiplied with its `kernel_scale` columns. With
+    Served fp8 params (`kernel_t`, `kernel_scale`: `jrl.models.quantized`) take the place
+    of `kernel`, read by `jrl.models.fp8.scaled_matmul`. With
     `rows` and `gemm="kernel"` a plain product (no LoRA, no fp8) is one fixed-tile GEMM of
     all rows where that kernel runs (`pallas_kernels.dispatch.exact_matmul`), not tiles."""
 
@@ -172,20 +174,25 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         in_features = x.shape[-1]
         init = nn.initializers.normal(self.init_std)
-        kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes),
-                            (in_features, self.features), self.param_dtype)
+        served_fp8 = self.has_variable("params", "kernel_t")
+        if served_fp8:
+            kernel_t = self.param("kernel_t", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[::-1]),
+                                  (self.features, in_features), E4M3)
+            scale = self.param("kernel_scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes[1:]),
+                               (self.features,), jnp.float32)
+        else:
+            kernel = self.param("kernel", nn.with_logical_partitioning(init, self.axes),
+                                (in_features, self.features), self.param_dtype)
         x = x.astype(self.dtype)
         # exact numerics with the fixed-tile GEMM: one call over all rows, no row tiles (a
         # row's bits do not depend on how many there are)
-        one_gemm = (self.rows and self.gemm == "kernel" and not self.lora_rank and kernel.dtype != E4M3
+        one_gemm = (self.rows and self.gemm == "kernel" and not self.lora_rank and not served_fp8
                     and not self.fp8 and kernels.exact_matmul_runs(self.dtype, in_features, self.features))
         if one_gemm:
             product = lambda x: kernels.exact_matmul(x.reshape(-1, in_features), kernel.astype(self.dtype)).reshape(
                 *x.shape[:-1], self.features)
-        elif kernel.dtype == E4M3:
-            scale = self.param("kernel_scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes[1:]),
-                               (self.features,), jnp.float32)
-            product = lambda x: scaled_matmul(x, kernel, scale)
+        elif served_fp8:
+            product = lambda x: scaled_matmul(x, kernel_t, scale)
         elif self.fp8:
             product = lambda x: fp8_matmul(x, kernel)
         else:
