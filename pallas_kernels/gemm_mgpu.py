@@ -67,6 +67,29 @@ def tile_depth(m: int, k: int) -> int:
     return 2 * TILE_K if m <= WGMMA_M and k % (2 * TILE_K) == 0 else TILE_K
 
 
+def fill_ring(n_steps: int, stages: int, free, copy_step) -> None:
+    """A memory warpgroup's walk over a ring of `stages` shared-memory slots: step i's
+    copies (`copy_step(i, slot)`) go to slot `i % stages` once the compute side has released
+    the slot's previous use (`free`, one barrier a slot); then the last releases are
+    observed, so every barrier phase is waited on before the kernel ends."""
+
+    def fetch(i, _):
+        slot = lax.rem(i, jnp.int32(stages))
+
+        @pl.when(i >= stages)
+        def _wait_free():
+            plgpu.barrier_wait(free.at[slot])
+
+        copy_step(i, slot)
+
+    lax.fori_loop(0, n_steps, fetch, None)
+
+    def retire(i, _):
+        plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(stages))])
+
+    lax.fori_loop(max(n_steps, stages), n_steps + stages, retire, None)
+
+
 @functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "tile_k", "num_stages", "interpret"))
 def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, tile_n: int | None = None,
                       tile_k: int | None = None, num_stages: int = 4, interpret: bool = False) -> jax.Array:
@@ -121,13 +144,7 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
 
         @pl.when(wg == compute_wgs)
         def _memory():
-            def fetch(i, _):
-                slot = lax.rem(i, jnp.int32(stages))
-
-                @pl.when(i >= stages)
-                def _wait_free():
-                    plgpu.barrier_wait(free.at[slot])
-
+            def copy_step(i, slot):
                 k0 = i * tile_k
                 for g in range(compute_wgs):  # one 64-row block per compute warpgroup
                     plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0 + g * WGMMA_M, WGMMA_M), pl.ds(k0, tile_k)],
@@ -135,12 +152,7 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
                 plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k0, tile_k), pl.ds(n0, tile_n)], w_smem.at[slot],
                                         full.at[slot])
 
-            lax.fori_loop(0, k_steps, fetch, None)
-
-            def retire(i, _):  # observe the last releases, so every barrier phase is waited on
-                plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(stages))])
-
-            lax.fori_loop(jnp.maximum(k_steps, stages), k_steps + stages, retire, None)
+            fill_ring(k_steps, stages, free, copy_step)
 
     out = plgpu.kernel(
         body,

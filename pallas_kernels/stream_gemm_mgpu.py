@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.decode_mgpu import fp8_to, smem_tiling, wgmma_accumulate
+from pallas_kernels.gemm_mgpu import fill_ring
 
 WGMMA_M = 64  # output features of one CTA
 ROW_MULTIPLE = 8  # wgmma's narrowest N: the activation rows are padded to a multiple of it
@@ -133,24 +134,13 @@ def stream_matmul(x: jax.Array, w_t: jax.Array, scale: jax.Array, *, splits: int
 
         @pl.when(wg == 1)
         def _memory():
-            def fetch(i, _):
-                slot = lax.rem(i, jnp.int32(stages))
-
-                @pl.when(i >= stages)
-                def _wait_free():
-                    plgpu.barrier_wait(free.at[slot])
-
+            def copy_step(i, slot):
                 k0 = k_base + i * tile_k
                 plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, WGMMA_M), pl.ds(k0, tile_k)], w_smem.at[slot],
                                         full.at[slot])
                 plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k0, tile_k)], x_smem.at[slot], full.at[slot])
 
-            lax.fori_loop(0, k_steps, fetch, None)
-
-            def retire(i, _):  # observe the last releases, so every barrier phase is waited on
-                plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(stages))])
-
-            lax.fori_loop(jnp.maximum(k_steps, stages), k_steps + stages, retire, None)
+            fill_ring(k_steps, stages, free, copy_step)
 
     partial = plgpu.kernel(
         body,
