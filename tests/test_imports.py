@@ -32,7 +32,7 @@ LAZY_OK = {
     ("jrl.models.attention", "jax._src.cudnn.fused_attention_stablehlo"),
     ("jrl.plot", "matplotlib.figure"),
     *(("pallas_kernels.dispatch", f"pallas_kernels.{kernel}")
-      for kernel in ("decode_mgpu", "exact_mgpu", "gemm_mgpu", "prefill_mgpu")),
+      for kernel in ("decode_mgpu", "exact_mgpu", "gemm_mgpu", "prefill_mgpu", "stream_gemm_mgpu")),
 }
 
 
