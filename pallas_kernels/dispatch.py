@@ -166,14 +166,21 @@ def _exact_matmul_bwd(residuals, g):
 exact_matmul.defvjp(_exact_matmul_fwd, _exact_matmul_bwd)
 
 
+# The most rows `stream_matmul` takes: the kernel handles 64, but in the engine's decode
+# step on the H200 it won only at few rows (batch 1: 1,078 tokens/s against 930 for XLA's
+# widened dot); at 16 and 64 the launches of its extra kernels outside XLA's CUDA graphs
+# made the host the limit (docs/performance.md, fp8 served weights).
+STREAM_ROWS = 8
+
+
 def stream_matmul_runs(x_dtype, rows: int, n: int, k: int) -> bool:
     """Whether `stream_matmul` of `rows` rows of `x_dtype` by an e4m3 `[n, k]` weight runs
-    the streaming kernel here: a Hopper GPU, bf16 activations and the kernel's shapes
-    (`stream_gemm_mgpu`: at most 64 rows, where reading the weights is the cost)."""
+    the streaming kernel here: a Hopper GPU, bf16 activations, at most STREAM_ROWS rows and
+    the kernel's shapes (`stream_gemm_mgpu`)."""
     if not (on_hopper() and jnp.dtype(x_dtype) == jnp.bfloat16):
         return False
     from pallas_kernels import stream_gemm_mgpu as sg
-    return 0 < rows <= sg.MAX_ROWS and n % sg.WGMMA_M == 0 and k % sg.CHUNK_K == 0
+    return 0 < rows <= STREAM_ROWS and n % sg.WGMMA_M == 0 and k % sg.CHUNK_K == 0
 
 
 def stream_matmul(x, w_t, scale):

@@ -65,11 +65,12 @@ def test_served_fp8_projection_takes_the_kernel_for_few_rows_where_it_runs(monke
     real = dispatch.stream_matmul
     monkeypatch.setattr(dispatch, "on_hopper", lambda: True)  # the kernel then runs interpreted
     monkeypatch.setattr(dispatch, "stream_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
-    x, q_t, scale = operands(24, 256, 128, seed=1)
-    few = scaled_matmul(x.reshape(2, 12, 256), q_t, scale)
-    assert calls == [(24, 256)] and few.shape == (2, 12, 128)
-    np.testing.assert_allclose(np.asarray(few, np.float32).reshape(24, 128), reference(x, q_t, scale),
+    rows = dispatch.STREAM_ROWS
+    x, q_t, scale = operands(rows, 256, 128, seed=1)
+    few = scaled_matmul(x.reshape(2, rows // 2, 256), q_t, scale)
+    assert calls == [(rows, 256)] and few.shape == (2, rows // 2, 128)
+    np.testing.assert_allclose(np.asarray(few, np.float32).reshape(rows, 128), reference(x, q_t, scale),
                                rtol=2.0 ** -8, atol=1e-3)
-    many, _, _ = operands(65, 256, 128, seed=2)
-    scaled_matmul(many, q_t, scale)  # past 64 rows: XLA's dot
-    assert calls == [(24, 256)]
+    more, _, _ = operands(rows + 1, 256, 128, seed=2)
+    scaled_matmul(more, q_t, scale)  # past STREAM_ROWS: XLA's dot
+    assert calls == [(rows, 256)]
