@@ -167,9 +167,9 @@ exact_matmul.defvjp(_exact_matmul_fwd, _exact_matmul_bwd)
 
 
 # The most rows `stream_matmul` takes: the kernel handles 64, but in the engine's decode
-# step on the H200 it won only at few rows (batch 1: 1,078 tokens/s against 930 for XLA's
-# widened dot); at 16 and 64 the launches of its extra kernels outside XLA's CUDA graphs
-# made the host the limit (docs/performance.md, fp8 served weights).
+# step on the H200 it paid only at few rows (batch 1 and 8: device step 0.92 against 1.06
+# and 0.95 against 1.11 ms for XLA's widened dot); at 16 and 64 launching its extra kernels
+# outside XLA's CUDA graphs made the host the limit (docs/performance.md, "fp8").
 STREAM_ROWS = 8
 
 

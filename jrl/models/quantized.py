@@ -30,6 +30,7 @@ from jrl.models.fp8 import E4M3, quantize_columns
 QUANTIZED = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj",
                        "down_proj", "gate_up_proj", "q_a_proj", "q_b_proj", "kv_a_proj"})
 
+
 @jax.jit
 def quantize_kernel(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(kernel_t, kernel_scale)` of the served layout for a `[..., in, out]` kernel."""
