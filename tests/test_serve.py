@@ -291,8 +291,14 @@ def test_cancelled_requests_give_their_pages_back(live):
         busy = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
         assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
         assert busy.json()["error"]["type"] == "rate_limit_error"
-        with pytest.raises(openai.RateLimitError):
-            live.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
+    # the official client reads that 429 as a RateLimitError. Replayed byte for byte: the 64 choices free
+    # capacity as they finish, so a second live request would race them.
+    replay = httpx.MockTransport(lambda request: httpx.Response(busy.status_code, headers=busy.headers,
+                                                                content=busy.content))
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0,
+                           http_client=httpx.Client(transport=replay))
+    with pytest.raises(openai.RateLimitError, match="server busy"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
     h = settle(live)
     assert h["engine"]["available_pages"] == total  # aborted requests' pages are back (or cached)
     assert h["engine"]["generated_tokens"] - before < 64 * 100  # they did not run to the end
