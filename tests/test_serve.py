@@ -286,13 +286,18 @@ def test_cancelled_requests_give_their_pages_back(live):
         lines = r.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
-        h = health(live)
+        # the engine process paused, so no choice finishes (and frees capacity) while the server is probed
+        engine_pid = live.server.worker.pid
+        os.kill(engine_pid, signal.SIGSTOP)
+        try:
+            h = health(live)
+            busy = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
         assert h["outstanding_requests"] == 64 and h["engine"]["available_pages"] < total
-        busy = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
         assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
         assert busy.json()["error"]["type"] == "rate_limit_error"
-    # the official client reads that 429 as a RateLimitError. Replayed byte for byte: the 64 choices free
-    # capacity as they finish, so a second live request would race them.
+    # the official client reads that 429 as a RateLimitError (replayed byte for byte)
     replay = httpx.MockTransport(lambda request: httpx.Response(busy.status_code, headers=busy.headers,
                                                                 content=busy.content))
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0,
