@@ -729,7 +729,8 @@ def yaml_load(text: str) -> Any:
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML: 3 -> int, x -> str, [1, 2] -> list)."""
     if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        hint = " (a run config file goes to --config)" if item.endswith((".yaml", ".yml", ".json")) else ""
+        raise ConfigError(f"override {item!r}: expected dotted.key=value{hint}")
     key, raw = item.split("=", 1)
     path = key.strip().split(".")
     if not all(p.isidentifier() for p in path):

@@ -399,6 +399,7 @@ def test_weights_admin_updates_the_served_version(live, hf_dirs):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     bad = live.http.post(url, json={"checkpoint": "/no/such/dir"}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "checkpoint"
+    assert bad.json()["error"]["message"].startswith("checkpoint: /no/such/dir does not exist")
     kw = dict(model=NAME, prompt="the cat", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     old = live.client.completions.create(**kw)
     r = live.http.post(url, json=body, headers=auth)
@@ -618,6 +619,10 @@ def test_a_jrl_checkpoint_serves_with_its_run_config_tokenizer_and_version(tmp_p
     assert (step.name, step.version) == ("other", 7)
     with pytest.raises(ConfigError, match="--model"):
         load_served(model=str(run))
+    with pytest.raises(ConfigError, match=r"^--model: \S+nothing does not exist \(hf:<dir> names"):
+        load_served(model=f"hf:{tmp_path / 'nothing'}")
+    with pytest.raises(ConfigError, match=r"^--checkpoint: \S+nothing does not exist \(give a run directory"):
+        load_served(checkpoint=str(tmp_path / "nothing"))
 
 
 def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():

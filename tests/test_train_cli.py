@@ -26,8 +26,10 @@ def test_override_values_are_parsed_as_yaml():
 
 def test_overrides_create_nested_sections_and_reject_malformed_items():
     assert apply_overrides({}, ["model.hidden_size=32"]) == {"model": {"hidden_size": 32}}
-    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+    with pytest.raises(ConfigError, match="expected dotted.key=value$"):
         apply_overrides({}, ["steps"])
+    with pytest.raises(ConfigError, match=r"expected dotted.key=value \(a run config file goes to --config\)"):
+        apply_overrides({}, ["configs/sft_arithmetic.yaml"])  # `python -m jrl.train run.yaml`
     with pytest.raises(ConfigError, match="steps is not a section"):
         apply_overrides({"steps": 3}, ["steps.x=1"])
 

@@ -53,19 +53,19 @@ class Checkpoint:
     run_dir: Path | None = None  # the jrl run directory holding it, when there is one
 
 
-def resolve_checkpoint(spec: str) -> Checkpoint:
-    """The checkpoint named by `--checkpoint`; ConfigError naming the path when it is missing."""
+def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
+    """The checkpoint named by `flag`; ConfigError naming the flag and the path when it is
+    missing."""
     if spec.startswith("hf:"):
         path = Path(spec[3:])
         if not path.is_dir():
-            raise ConfigError(f"--checkpoint: {path} does not exist (hf:<dir> names a Hugging Face checkpoint "
-                              f"directory)")
+            raise ConfigError(f"{flag}: {path} does not exist (hf:<dir> names a Hugging Face checkpoint directory)")
         if not (path / "config.json").is_file():
-            raise ConfigError(f"--checkpoint: {path} has no config.json (not a Hugging Face checkpoint)")
+            raise ConfigError(f"{flag}: {path} has no config.json (not a Hugging Face checkpoint)")
         return Checkpoint(spec)
     path = Path(spec)
     if not path.exists():
-        raise ConfigError(f"--checkpoint: {path} does not exist (give a run directory, its checkpoints/ "
+        raise ConfigError(f"{flag}: {path} does not exist (give a run directory, its checkpoints/ "
                           f"directory, a step_<N> directory or hf:<dir>)")
     if path.name.startswith("step_") and path.name[5:].isdigit():
         step_dir = path
@@ -73,7 +73,7 @@ def resolve_checkpoint(spec: str) -> Checkpoint:
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         step = latest_step(root)
         if step is None:
-            raise ConfigError(f"--checkpoint: no checkpoints (step_<N> directories) in {root}")
+            raise ConfigError(f"{flag}: no checkpoints (step_<N> directories) in {root}")
         step_dir = root / f"step_{step}"
     meta: dict[str, Any] = {}
     if (step_dir / "meta.json").is_file():

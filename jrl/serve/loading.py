@@ -72,7 +72,7 @@ def load_served(model: str | None = None, checkpoint: str | None = None, config:
     if model is not None and not model.startswith("hf:"):
         raise ConfigError(f"--model: must be hf:<dir> (a Hugging Face directory), got {model!r}; "
                           "jrl checkpoints go to --checkpoint")
-    ckpt = resolve_checkpoint(spec)
+    ckpt = resolve_checkpoint(spec, "--model" if model is not None else "--checkpoint")
     if model is not None and config is None:
         hf_dir = model[3:]
         mc, params = load_pretrained(hf_dir, dtype=dtype or default_dtype())
@@ -115,7 +115,7 @@ def load_update(spec: str, served: Served) -> tuple[Any, int | None, str]:
     """Params for `POST /v1/weights` (same architecture as `served`), the policy version
     the checkpoint records (None for HF directories), and a description. Raises
     ConfigError / ValueError naming the problem."""
-    ckpt = resolve_checkpoint(spec)
+    ckpt = resolve_checkpoint(spec, "checkpoint")
     mc = served.model_config
     if ckpt.init_from.startswith("hf:") and served.train_config is None:
         new_mc, params = load_pretrained(ckpt.init_from[3:], dtype=mc.param_dtype,

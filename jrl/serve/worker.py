@@ -104,7 +104,8 @@ def load_checkpoint(checkpoint: str, served: Served) -> tuple[Any, int | None, s
     try:
         return load_update(checkpoint, served)
     except Exception as e:  # noqa: BLE001 - a bad path or checkpoint is the request's fault
-        raise WeightsRefused(f"checkpoint: {e}", "checkpoint") from None
+        message = str(e) if str(e).startswith("checkpoint: ") else f"checkpoint: {e}"
+        raise WeightsRefused(message, "checkpoint") from None
 
 
 class Handle:
