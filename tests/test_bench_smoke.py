@@ -118,7 +118,8 @@ def test_generate_times_the_first_call_cold_and_warm_and_compares_configs(tmp_pa
     for r in (cold, warm):
         positive(r, "first_call_s", "process_s", "init_s")
     (default,) = section(rows, "default")
-    positive(default, "e2e_tokens_per_s", "prefill_s", "prefill_tokens_per_s")
+    positive(default, "e2e_tokens_per_s", "prefill_s", "prefill_tokens_per_s", "engine_build_s", "engine_generate_s")
+    assert len(default["e2e_s_runs"]) == 3 and default["e2e_s"] == sorted(default["e2e_s_runs"])[1]
     tuned = section(rows, "tuned")
     assert [r["max_tokens_per_step"] for r in tuned] == [8192, 32768]
     for r in tuned:

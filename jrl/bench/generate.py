@@ -15,9 +15,12 @@ directory, empty at first (removed afterwards unless `--cache-dir` names one to 
   weights init, the call), programs_compiled / programs_from_cache (compile requests of
   the process during the call, and those the persistent cache answered), the default
   config's max_tokens_per_step.
-* `default` (the warm process, in-process calls after the first): e2e_tokens_per_s
-  (B x new over the whole call, prefill and engine construction included), prefill_s and
-  prefill_tokens_per_s (the same config with one new token: prefill alone).
+* `default` (the warm process, in-process calls after the first; medians of three):
+  e2e_tokens_per_s (B x new over the whole call, prefill and engine construction
+  included; e2e_s_runs the three calls), prefill_s and prefill_tokens_per_s (the same
+  config with one new token: prefill alone), engine_build_s and engine_generate_s (the
+  call's two parts timed apart: `Engine(...)` with its weights laid out and KV pool
+  allocated, then that engine's `generate`; the rest of e2e_s is generate()'s own work).
 * `tuned` (same process): each `--tuned` config (a JSON object of EngineConfig fields
   over the default config, or a list of them: one row each, e.g. a sweep of
   max_tokens_per_step; default: 8192, the `jrl bench decode` engine's, and 32768, the
@@ -138,7 +141,8 @@ def run(args, results) -> int:
                    ("programs_from_cache", "from cache"), ("max_tokens_per_step", "budget")],
                   "first_call", "first generate() call of a fresh process")
     results.table([("batch", "batch"), ("e2e_tokens_per_s", "e2e tok/s"), ("prefill_s", "prefill s"),
-                   ("prefill_tokens_per_s", "prefill tok/s"), ("max_tokens_per_step", "budget")],
+                   ("prefill_tokens_per_s", "prefill tok/s"), ("engine_build_s", "build s"),
+                   ("engine_generate_s", "engine s"), ("max_tokens_per_step", "budget")],
                   "default", "generate(), default config, second call")
     results.table([("batch", "batch"), ("e2e_tokens_per_s", "e2e tok/s"), ("vs_default", "default / tuned"),
                    ("max_tokens_per_step", "budget"), ("programs_compiled", "compiled"), ("tuned", "tuned")],

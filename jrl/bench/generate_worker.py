@@ -1,8 +1,9 @@
 """One fresh process of `jrl bench generate`: a new user's first `jrl.rollout.generate(...)`
 call, timed from before the call to its return and from the parent's launch of this
 process (`--launched`, a `time.time()`) to that return; with `--second`, then in the same
-process the later calls: the default config again (end to end, prefill included), its
-prefill alone, and each `--tuned` config. Prints one JSON object a line, one per
+process the later calls: the default config again (end to end, prefill included; the
+median of REPEATS calls), its prefill alone, the same call in its two parts (building the
+engine, the engine's generate), and each `--tuned` config. Prints one JSON object a line, one per
 measurement. Started by `jrl.bench.generate` with the compilation cache directory in
 `$JRL_COMPILATION_CACHE`:
 
@@ -21,9 +22,12 @@ import numpy as np
 from jrl.bench.shapes import ROLLOUT_082B, TINY, init
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import from_dict
-from jrl.rollout import GREEDY, EngineConfig, generate
+from jrl.rollout import GREEDY, Engine, EngineConfig, generate
 from jrl.rollout.api import config_for_prompts
 from jrl.rollout.config import device_free_memory
+
+
+REPEATS = 3  # in-process calls a timing of the default config takes the median of
 
 
 class Compiles:
@@ -66,6 +70,20 @@ def timed_generate(params, cfg, prompts, new: int, engine_config: EngineConfig |
     return seconds
 
 
+def timed_engine(params, cfg, prompts, new: int, engine_config: EngineConfig) -> tuple[float, float]:
+    """Seconds of the two parts of a `generate` call: building its `Engine` (weights
+    checked and laid out, KV pool allocated) and that engine's `generate`."""
+    t0 = time.perf_counter()
+    engine = Engine(cfg, params, engine_config)
+    jax.block_until_ready((engine.params, engine.kv.buffers()))
+    t1 = time.perf_counter()
+    outs = engine.generate(prompts, GREEDY, max_new_tokens=new)
+    t2 = time.perf_counter()
+    if sorted({len(o.tokens) for o in outs}) != [new]:
+        raise RuntimeError(f"expected completions of {new} tokens")
+    return t1 - t0, t2 - t1
+
+
 def engine_fields(config: EngineConfig) -> dict:
     return {"max_tokens_per_step": config.max_tokens_per_step, "max_batch": config.max_batch,
             "n_pages": config.n_pages, "max_seq_len": config.max_seq_len}
@@ -98,12 +116,19 @@ def main() -> None:
     if not args.second:
         return
     tokens = args.batch * args.new
-    e2e_s = timed_generate(params, cfg, prompts, args.new)
+    e2e_runs = [timed_generate(params, cfg, prompts, args.new) for _ in range(REPEATS)]
+    e2e_s = float(np.median(e2e_runs))
     timed_generate(params, cfg, prompts, 1, engine_config=default)  # compiles what prefill alone needs
-    prefill_s = timed_generate(params, cfg, prompts, 1, engine_config=default)
+    prefill_s = float(np.median([timed_generate(params, cfg, prompts, 1, engine_config=default)
+                                 for _ in range(REPEATS)]))
+    # where a call's time goes: building its engine, then the engine's generate (medians)
+    build_s, run_s = np.median([timed_engine(params, cfg, prompts, args.new, default) for _ in range(REPEATS)],
+                               axis=0)
     print(json.dumps({"section": "default", "batch": args.batch, "e2e_tokens_per_s": tokens / e2e_s,
-                      "e2e_s": e2e_s, "prefill_s": prefill_s,
-                      "prefill_tokens_per_s": args.batch * args.prompt / prefill_s, **engine_fields(default)}),
+                      "e2e_s": e2e_s, "e2e_s_runs": e2e_runs, "prefill_s": prefill_s,
+                      "prefill_tokens_per_s": args.batch * args.prompt / prefill_s,
+                      "engine_build_s": float(build_s), "engine_generate_s": float(run_s),
+                      **engine_fields(default)}),
           flush=True)
     for overrides in args.tuned:
         tuned = from_dict(EngineConfig, {**vars(default), **overrides}, prefix="engine.")
