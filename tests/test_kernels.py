@@ -259,6 +259,31 @@ def test_exact_kernels_lower_for_hopper():
     assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+
+@pytest.mark.parametrize("kernel,hq,hkv,d,tuning", [
+    ("decode", 16, 8, 128, DecodeTuning()),  # the 0.82B shape: keys as rows, 2 CTAs an SM
+    ("decode", 16, 8, 128, DecodeTuning(keys_as_rows=False)),  # two KV heads a CTA
+    ("decode", 32, 4, 64, DecodeTuning(num_splits=3, persistent=False)),  # group 8, splits, a CTA an item
+    ("prefill", 16, 8, 128, PrefillTuning()),  # ping-pong warpgroups, persistent
+    ("prefill", 8, 2, 64, PrefillTuning(pingpong=False, persistent=False)),
+], ids=["decode_keys_as_rows", "decode_queries_as_rows", "decode_splits", "prefill_128", "prefill_64_plain"])
+def test_attention_kernels_lower_for_hopper(kernel, hq, hkv, d, tuning):
+    """The bf16 decode and prefill kernels run the whole Mosaic GPU lowering for the cuda
+    platform on the CPU (TMA shapes, layouts, barriers, shared-memory budget), which the
+    interpreter skips; only ptxas is left for the GPU."""
+    kv = jax.ShapeDtypeStruct((2, 4096, hkv, d), jnp.bfloat16)
+    lens = jnp.asarray([1, 300, 77, 0], jnp.int32)
+    table = jnp.zeros((4, 32), jnp.int32)
+    if kernel == "decode":
+        fn = functools.partial(ragged_decode_mgpu, page_size=16, sm_scale=0.1, tuning=tuning)
+        traced = jax.jit(fn).trace(jax.ShapeDtypeStruct((4, hq, d), jnp.bfloat16), kv, kv, jnp.int32(1), lens, table)
+    else:
+        cu = jnp.asarray([0, 1, 201, 260, 260], jnp.int32)
+        fn = functools.partial(paged_prefill_mgpu, page_size=16, sm_scale=0.1, tuning=tuning)
+        traced = jax.jit(fn).trace(jax.ShapeDtypeStruct((272, hq, d), jnp.bfloat16), kv, kv, jnp.int32(1), cu,
+                                   lens, table)
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
 def test_decode_ring_depth_fills_shared_memory_without_splits():
     # D=128 bf16, two heads a CTA: 3 K/V slots each, 2 once the log-sum-exp staging is needed
     assert default_num_stages(2, 64, 128, 2, with_lse=False) == 3
