@@ -1,7 +1,8 @@
 """`jrl serve`: a live server on 127.0.0.1 (a random free port) over a tiny random qwen2
 model saved as a Hugging Face directory with a ChatML tokenizer, driven with the official
 `openai` client (and httpx for raw bodies): chat, completions, streaming, n > 1, logprobs,
-stop strings, seeds, 64 concurrent requests, cancellation returning pages, every bad input's
+stop strings, seeds, 64 concurrent requests, cancellation returning pages, a random mix of
+requests and cancellations, every bad input's
 400 / 429, the admin weights endpoint, SIGTERM shutdown (a subprocess), `jrl bench serve
 --tiny`. Nothing asserts on wall-clock time."""
 
@@ -693,3 +694,65 @@ def test_warmup_program_count_of_a_256_request_server(hf_dirs, seq_len):
     assert len(layouts) == len(set(layouts)) == SERVE_PROGRAMS[seq_len]
     prefill = [(x.n_tokens, x.n_rows) for x in layouts if not x.decode]
     assert prefill == [(64, 64), (128, 128), (256, 256), (512, 256), (1024, 256)]
+
+
+def test_a_random_mix_of_requests_and_cancellations_leaves_the_server_clean(live):
+    """32 concurrent clients at once, each a random request: chat or completion, streamed or
+    not, n of 1 or 2 (64 choices at most: the server's capacity), stop strings, logprobs,
+    greedy or sampled; a third of the streams are closed after their
+    first chunk. Every finished answer is well-formed and repeats its seed's answer from a
+    quiet server; afterwards nothing is outstanding and every page is back."""
+    rng = np.random.default_rng(5)
+
+    def body(k):
+        chat = bool(rng.integers(2))
+        b = {"model": NAME, "max_tokens": int(rng.integers(1, 20)), "n": int(rng.integers(1, 3)),
+             "seed": k, "temperature": float(rng.choice([0.0, 0.8])), "stream": bool(rng.integers(2)),
+             "stop": [" the"] if rng.random() < 0.3 else None}
+        if chat:
+            b["messages"] = [{"role": "user", "content": f"tell {k}"}]
+            b["logprobs"] = bool(rng.integers(2))
+        else:
+            b["prompt"] = f"count {k} and"
+        return ("/v1/chat/completions" if chat else "/v1/completions"), b, bool(b["stream"] and rng.random() < 0.33)
+
+    requests = [body(k) for k in range(32)]
+
+    def text_of(choice):
+        return choice["message"]["content"] if "message" in choice else choice["text"]
+
+    async def one(client, path, b, cancel):
+        if not b["stream"]:
+            r = await client.post(path, json=b)
+            assert r.status_code == 200, r.text
+            return {c["index"]: (text_of(c), c["finish_reason"]) for c in r.json()["choices"]}
+        texts, reasons = {}, {}
+        async with client.stream("POST", path, json=b) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if cancel:
+                    return None  # leaving the block closes the connection mid-stream
+                for c in json.loads(line[6:])["choices"]:
+                    delta = c.get("delta", {}).get("content") if "delta" in c else c.get("text")
+                    texts[c["index"]] = texts.get(c["index"], "") + (delta or "")
+                    if c.get("finish_reason"):
+                        reasons[c["index"]] = c["finish_reason"]
+        return {i: (texts.get(i, ""), reasons.get(i)) for i in range(b["n"])}
+
+    async def go(pairs):
+        async with httpx.AsyncClient(base_url=live.url, timeout=300) as client:
+            return await asyncio.gather(*(one(client, p, b, cancel) for p, b, cancel in pairs))
+
+    total = settle(live)["engine"]["total_pages"]
+    together = asyncio.run(go(requests))
+    h = settle(live)
+    assert h["outstanding_requests"] == 0 and h["engine"]["available_pages"] == total
+    alone = asyncio.run(go([(p, {**b, "stream": False}, False) for p, b, _ in requests]))
+    for (path, b, cancel), got, quiet in zip(requests, together, alone):
+        if cancel:
+            assert got is None
+            continue
+        assert sorted(got) == list(range(b["n"])) and all(r in ("stop", "length") for _, r in got.values())
+        assert got == quiet, (path, b)  # a seed's answer does not depend on what else runs
