@@ -2,9 +2,8 @@
 model saved as a Hugging Face directory with a ChatML tokenizer, driven with the official
 `openai` client (and httpx for raw bodies): chat, completions, streaming, n > 1, logprobs,
 stop strings, seeds, 64 concurrent requests, cancellation returning pages, a random mix of
-requests and cancellations, every bad input's
-400 / 429, the admin weights endpoint, SIGTERM shutdown (a subprocess), `jrl bench serve
---tiny`. Nothing asserts on wall-clock time."""
+requests and cancellations, every bad input's 400 / 429, the admin weights endpoint, SIGTERM
+shutdown (a subprocess), `jrl bench serve --tiny`. Nothing asserts on wall-clock time."""
 
 import asyncio
 import concurrent.futures
