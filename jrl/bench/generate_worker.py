@@ -3,9 +3,9 @@ call, timed from before the call to its return and from the parent's launch of t
 process (`--launched`, a `time.time()`) to that return; with `--second`, then in the same
 process the later calls: the default config again (end to end, prefill included; the
 median of REPEATS calls), its prefill alone, the same call in its two parts (building the
-engine, the engine's generate), and each `--tuned` config. Prints one JSON object a line, one per
-measurement. Started by `jrl.bench.generate` with the compilation cache directory in
-`$JRL_COMPILATION_CACHE`:
+engine, the engine's generate), and each `--tuned` config. Prints one JSON object a line,
+one per measurement. Started by `jrl.bench.generate` with the compilation cache directory
+in `$JRL_COMPILATION_CACHE`:
 
     python -m jrl.bench.generate_worker --batch 256 --prompt 512 --new 256 --launched T [--second]
 """
