@@ -6,6 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def lowers_for_hopper(traced) -> bool:
+    """Whether a traced kernel call (`jax.jit(f).trace(...)`) runs the whole Mosaic GPU
+    lowering for the cuda platform on this CPU (TMA shapes, layouts, barriers, the
+    shared-memory budget; only ptxas is left for the GPU) into a Mosaic GPU call."""
+    return "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 def rel_err(out, ref) -> float:
     """Relative L2 error of `out` against `ref`, both read as float32."""
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)

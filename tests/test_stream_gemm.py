@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jrl.models.fp8 import quantize_columns, scaled_matmul
+from kernel_inputs import lowers_for_hopper
 from pallas_kernels import dispatch
 from pallas_kernels.stream_gemm_mgpu import default_splits, stream_matmul
 
@@ -46,16 +47,15 @@ def test_default_splits_put_a_cta_on_every_sm_with_the_fewest_splits():
     assert default_splits(n=64, k_steps=3) == 3  # never more than one slot a CTA
 
 
-
 @pytest.mark.parametrize("rows,splits,tile_k", [(2, None, None), (61, 2, 128)])
 def test_stream_matmul_lowers_for_hopper(rows, splits, tile_k):
-    """The whole Mosaic GPU lowering for the cuda platform runs on the CPU (TMA shapes,
-    the transposed activation view, the register-operand layouts); only ptxas is left."""
+    # what the interpreter skips: the transposed activation view, the register-operand layouts
     x = jax.ShapeDtypeStruct((rows, 2048), jnp.bfloat16)
     w_t = jax.ShapeDtypeStruct((2560, 2048), jnp.float8_e4m3fn)
     scale = jax.ShapeDtypeStruct((2560,), jnp.float32)
     gemm = jax.jit(lambda x, w_t, scale: stream_matmul(x, w_t, scale, splits=splits, tile_k=tile_k))
-    assert "mosaic_gpu" in gemm.trace(x, w_t, scale).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowers_for_hopper(gemm.trace(x, w_t, scale))
+
 
 @pytest.mark.parametrize("x_shape,w_shape,dtypes,match", [
     ((65, 128), (64, 128), (jnp.bfloat16, jnp.float8_e4m3fn), r"needs 1..64 rows \(got 65\)"),
