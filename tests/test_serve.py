@@ -300,10 +300,10 @@ def test_cancelled_requests_give_their_pages_back(live):
     # the official client reads that 429 as a RateLimitError (replayed byte for byte)
     replay = httpx.MockTransport(lambda request: httpx.Response(busy.status_code, headers=busy.headers,
                                                                 content=busy.content))
-    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0,
-                           http_client=httpx.Client(transport=replay))
-    with pytest.raises(openai.RateLimitError, match="server busy"):
-        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
+    with httpx.Client(transport=replay) as http:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, http_client=http)
+        with pytest.raises(openai.RateLimitError, match="server busy"):
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
     h = settle(live)
     assert h["engine"]["available_pages"] == total  # aborted requests' pages are back (or cached)
     assert h["engine"]["generated_tokens"] - before < 64 * 100  # they did not run to the end
