@@ -166,11 +166,13 @@ def _exact_matmul_bwd(residuals, g):
 exact_matmul.defvjp(_exact_matmul_fwd, _exact_matmul_bwd)
 
 
-# The most rows `stream_matmul` takes: the kernel handles 64, but in the engine's decode
-# step on the H200 it paid only at few rows (batch 1 and 8: device step 0.92 against 1.06
-# and 0.95 against 1.11 ms for XLA's widened dot); at 16 and 64 launching its extra kernels
-# outside XLA's CUDA graphs made the host the limit (docs/performance.md, "fp8").
-STREAM_ROWS = 8
+# The most rows `stream_matmul` takes in the model (0: none; the kernel handles 64). Off:
+# in the engine on the H200 its end-to-end speed swung with the host, which launches each
+# of its kernels outside XLA's CUDA graphs. At batch 1 (steps padded to 2 rows) it ran
+# 1,006-1,087 tokens/s in one process against 919-929 for XLA's widened dot, and 422 in
+# another (the host at 2.1 ms a step); at 8 rows it fell from 4.9k to 2.2k round by round
+# against a steady 6.8k; at 16 and 64 the host bounded the step (docs/performance.md, "fp8").
+STREAM_ROWS = 0
 
 
 def stream_matmul_runs(x_dtype, rows: int, n: int, k: int) -> bool:

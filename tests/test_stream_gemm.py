@@ -71,12 +71,19 @@ def test_unsupported_operands_are_named(x_shape, w_shape, dtypes, match):
         stream_matmul(x, w_t, jnp.ones((w_shape[0],), jnp.float32), interpret=True)
 
 
-def test_served_fp8_projection_takes_the_kernel_for_few_rows_where_it_runs(monkeypatch):
+def test_served_fp8_projection_takes_xla_dot_by_default_even_on_hopper(monkeypatch):
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: True)
+    assert dispatch.STREAM_ROWS == 0
+    assert not dispatch.stream_matmul_runs(jnp.bfloat16, 1, 256, 256)
+
+
+def test_served_fp8_projection_takes_the_kernel_up_to_stream_rows_when_switched_on(monkeypatch):
     calls = []
     real = dispatch.stream_matmul
     monkeypatch.setattr(dispatch, "on_hopper", lambda: True)  # the kernel then runs interpreted
     monkeypatch.setattr(dispatch, "stream_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
-    rows = dispatch.STREAM_ROWS
+    rows = 2
+    monkeypatch.setattr(dispatch, "STREAM_ROWS", rows)
     x, q_t, scale = operands(rows, 256, 128, seed=1)
     few = scaled_matmul(x.reshape(2, rows // 2, 256), q_t, scale)
     assert calls == [(rows, 256)] and few.shape == (2, rows // 2, 128)
