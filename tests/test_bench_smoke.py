@@ -17,6 +17,7 @@ from jrl.bench.cli import main
 from jrl.bench.shapes import TRAIN_1B
 from jrl.bench.train import add_scaling, markov_batch
 from jrl.bench.results import COMMON_KEYS
+from pallas_kernels import dispatch
 
 
 def bench(tmp_path, *args: str, rc: int = 0) -> list[dict]:
@@ -57,10 +58,12 @@ def test_bandwidth_measures_streams_and_the_matmul_ceiling(tmp_path):
 
 
 def test_decode_engine_counts_multi_step_calls_and_the_replayed_kv(tmp_path):
-    rows = bench(tmp_path, "decode", "--batches", "2", "--tuning", json.dumps({"decode_steps_per_call": 3}))
+    rows = bench(tmp_path, "decode", "--batches", "2", "--tuning", json.dumps({"decode_steps_per_call": 3}),
+                 "--stream-rows", "2")
     (r,) = section(rows, "engine")
     # 8 new tokens: the first from the prefill step, 7 from decode calls of up to 3 steps
     assert r["batch"] == 2 and r["steps_per_call"] == 3 and r["weight_dtype"] == "bfloat16"
+    assert r["stream_rows"] == 2 and dispatch.STREAM_ROWS == 0  # the run's value, put back after it
     assert r["completions"] == 2 and r["lengths"] == [8]
     assert (r["decode_steps"], r["decode_calls"]) == (7, 3)
     # the replayed call is decode call 1 (8 // 2 // 3): positions 24, 25, 26 read 25..27 keys

@@ -22,6 +22,8 @@ step), floor_ms (the weights + the KV the replayed call's requests read, at the 
 measured in the same process) and the host's own ms per step. `--torch`: transformers'
 `generate` on the same shape in a subprocess (`transformers` section). `--trace-dir DIR`:
 the replayed call kernel by kernel and 20 calls of the engine's own loop, summarised.
+`--stream-rows N` (fp8 weights): decode steps of up to N rows take the streaming e4m3 GEMM
+(`pallas_kernels.dispatch.STREAM_ROWS`, off by default) for this run; rows record it.
 
 Step only (`--step-only`; section `step_only`): the engine's decode program under the
 backend's default tuning on a synthetic batch (every request at prompt + new/2, random KV;
@@ -131,6 +133,9 @@ def add_arguments(p) -> None:
                    "precision overrides (weight_dtype, kv_dtype, exact_logprobs), rows with speedup_vs_bf16")
     p.add_argument("--tuning", type=json.loads, default={},
                    help='TuningOverrides fields over the backend defaults, e.g. \'{"decode_steps_per_call": 1}\'')
+    p.add_argument("--stream-rows", type=int, default=None,
+                   help="engine mode, fp8 weights: decode steps of up to this many rows run the streaming e4m3 "
+                        "GEMM (pallas_kernels.dispatch.STREAM_ROWS for this run; default: its value, 0: off)")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip batch sizes once this much time is spent")
     p.add_argument("--replay-steps", type=int, default=50, help="back-to-back replays of the captured call")
     p.add_argument("--trace-dir", default=None, help="profiler traces (summarised JSON) into this directory")
@@ -344,11 +349,20 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
 
 
 def run_engine(args, results, cfg, params, bandwidth: float) -> int:
+    """Engine mode, with `--stream-rows` (if given) as `dispatch.STREAM_ROWS` while it runs."""
+    stream_rows = dispatch.STREAM_ROWS if args.stream_rows is None else args.stream_rows
+    if stream_rows < 0:
+        raise SystemExit(f"--stream-rows: must be >= 0 (0: off), got {stream_rows}")
+    with patched(dispatch, "STREAM_ROWS", stream_rows):
+        return _run_engines(args, results, cfg, params, bandwidth, stream_rows)
+
+
+def _run_engines(args, results, cfg, params, bandwidth: float, stream_rows: int) -> int:
     budget = Budget(args.budget_s)
     batches = csv_ints(args.batches or "1,16,64,128,256")
     tuning = TuningOverrides(**args.tuning)
     common = dict(prompt=args.prompt, new=args.new, params=count_params(params),
-                  copy_bandwidth_tb_s=bandwidth / 1e12, tuning=args.tuning,
+                  copy_bandwidth_tb_s=bandwidth / 1e12, tuning=args.tuning, stream_rows=stream_rows,
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
     # --vs-bf16: the bf16 engine first, then the --engine precision overrides, same run
     settings = drift.settings(args.engine) if args.vs_bf16 else [(None, args.engine)]
