@@ -349,6 +349,13 @@ def test_bad_input_names_the_choices(capsys):
         main(["decode", "--ab", "nope", "--tiny"])
 
 
+def test_stream_rows_outside_engine_mode_or_negative_is_refused():
+    with pytest.raises(SystemExit, match="--stream-rows: .* engine mode only, got 2 in step_only mode"):
+        main(["decode", "--step-only", "--stream-rows", "2", "--tiny"])
+    with pytest.raises(SystemExit, match="--stream-rows: an integer >= 0"):
+        main(["decode", "--stream-rows", "-1", "--tiny"])
+
+
 def test_grpo_lora_reports_tokens_per_second_phases_and_adapter_only_syncs(tmp_path):
     rows = bench(tmp_path, "grpo_lora", "--steps", "2", "--lora", "4")
     steps = section(rows, "step")

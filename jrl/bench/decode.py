@@ -176,6 +176,9 @@ def run(args, results) -> int:
         raise SystemExit(f"--ab: unknown {unknown}; choose from {','.join(VARIANTS)}")
     if mode == "ab" and (bad := [o for o in args.pages.split(",") if o not in PAGE_ORDERS]):
         raise SystemExit(f"--pages: unknown {bad}; choose from {','.join(PAGE_ORDERS)}")
+    if args.stream_rows is not None and (mode != "engine" or args.stream_rows < 0):
+        raise SystemExit(f"--stream-rows: an integer >= 0 (0: off) in engine mode only, got {args.stream_rows} "
+                         f"in {mode} mode")
     if mode == "host":
         return run_host(args, results)
     if mode == "gemms":
@@ -351,8 +354,6 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
 def run_engine(args, results, cfg, params, bandwidth: float) -> int:
     """Engine mode, with `--stream-rows` (if given) as `dispatch.STREAM_ROWS` while it runs."""
     stream_rows = dispatch.STREAM_ROWS if args.stream_rows is None else args.stream_rows
-    if stream_rows < 0:
-        raise SystemExit(f"--stream-rows: must be >= 0 (0: off), got {stream_rows}")
     with patched(dispatch, "STREAM_ROWS", stream_rows):
         return _run_engines(args, results, cfg, params, bandwidth, stream_rows)
 
