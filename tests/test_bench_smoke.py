@@ -58,12 +58,13 @@ def test_bandwidth_measures_streams_and_the_matmul_ceiling(tmp_path):
 
 
 def test_decode_engine_counts_multi_step_calls_and_the_replayed_kv(tmp_path):
+    default_stream_rows = dispatch.STREAM_ROWS
     rows = bench(tmp_path, "decode", "--batches", "2", "--tuning", json.dumps({"decode_steps_per_call": 3}),
                  "--stream-rows", "2")
     (r,) = section(rows, "engine")
     # 8 new tokens: the first from the prefill step, 7 from decode calls of up to 3 steps
     assert r["batch"] == 2 and r["steps_per_call"] == 3 and r["weight_dtype"] == "bfloat16"
-    assert r["stream_rows"] == 2 and dispatch.STREAM_ROWS == 0  # the run's value, put back after it
+    assert r["stream_rows"] == 2 and dispatch.STREAM_ROWS == default_stream_rows  # put back after the run
     assert r["completions"] == 2 and r["lengths"] == [8]
     assert (r["decode_steps"], r["decode_calls"]) == (7, 3)
     # the replayed call is decode call 1 (8 // 2 // 3): positions 24, 25, 26 read 25..27 keys

@@ -18,8 +18,8 @@ Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q_t, sca
 the e4m3 kernel, stored transposed `q_t [out, in]`, and multiplies the product by the
 per-output-feature scale. XLA converts the kernel to the activations' dtype for its dot.
 Up to `dispatch.STREAM_ROWS` bf16 rows on a Hopper GPU (0 by default: off) it is one
-`pallas_kernels.stream_gemm_mgpu` kernel instead, which reads the e4m3 bytes as they are. `quantize_columns` builds
-`(q, scale)` from a `[in, out]` kernel.
+`pallas_kernels.stream_gemm_mgpu` kernel instead, which reads the e4m3 bytes as they are.
+`quantize_columns` builds `(q, scale)` from a `[in, out]` kernel.
 """
 
 from __future__ import annotations
