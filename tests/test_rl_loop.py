@@ -340,11 +340,12 @@ def test_continue_needs_the_engines_per_token_logprobs_as_anchor():
 
 def interruptible_run(tmp_path, monkeypatch, **options):
     """An off-policy run with on_weight_update: continue whose second rollout pauses after
-    two engine steps until the trainer has posted its weights and started the third
-    rollout (so the post lands mid-generation, at the same point every run); returns the
-    trainer's batches, the metric rows and, per engine step, the running request ids."""
-    ahead, current, running = threading.Event(), {}, []
-    step, generate = Engine.step, source_module.RolloutSource.generate
+    two engine steps; the trainer posts its weights only then, and the rollout goes on once
+    the third rollout has started (so the post lands mid-generation, at the same step every
+    run, however the threads are scheduled); returns the trainer's batches, the metric rows
+    and, per engine step, the running request ids."""
+    paused, ahead, current, running = threading.Event(), threading.Event(), {}, []
+    step, generate, post = Engine.step, source_module.RolloutSource.generate, source_module.RolloutSource._post
 
     def generate_and_note(self, params, version, rl_step):
         if rl_step == 2:
@@ -354,13 +355,18 @@ def interruptible_run(tmp_path, monkeypatch, **options):
             current.update(rl_step=rl_step, steps=0, engine=self.engine)
         return generate(self, params, version, rl_step)
 
+    def post_at_the_pause(self, params, version):
+        assert paused.wait(timeout=120)  # else a fast trainer posts before the second step
+        return post(self, params, version)
+
     def step_then_wait(self):
         out = step(self)
         if self is not current.get("engine"):
-            return out  # another engine of this process (e.g. a thread an earlier test left)
+            return out  # only the run's own engine is counted
         running.append(sorted(r.rid for r in self.scheduler.running))
         current["steps"] = current.get("steps", 0) + 1
         if current.get("rl_step") == 1 and current["steps"] == 2:
+            paused.set()
             assert ahead.wait(timeout=120)
             # and until the third rollout's requests are queued or already in the engine
             deadline = time.monotonic() + 120
@@ -370,6 +376,7 @@ def interruptible_run(tmp_path, monkeypatch, **options):
                 time.sleep(0.001)
         return out
 
+    monkeypatch.setattr(source_module.RolloutSource, "_post", post_at_the_pause)
     monkeypatch.setattr(Engine, "step", step_then_wait)
     monkeypatch.setattr(source_module.RolloutSource, "generate", generate_and_note)
     # max_batch 32: both rollouts' 16 requests fit at once
