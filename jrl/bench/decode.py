@@ -193,7 +193,8 @@ def run(args, results) -> int:
         return run_ab(args, results, cfg, params, bandwidth)
     if mode == "step_only":
         return run_step_only(args, results, cfg, params, bandwidth)
-    return run_engine(args, results, cfg, params, bandwidth)
+    with patched(dispatch, "STREAM_ROWS", dispatch.STREAM_ROWS if args.stream_rows is None else args.stream_rows):
+        return run_engine(args, results, cfg, params, bandwidth)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -352,18 +353,12 @@ def engine_batch(engine: Engine, params, batch: int, prompt: int, new: int, band
 
 
 def run_engine(args, results, cfg, params, bandwidth: float) -> int:
-    """Engine mode, with `--stream-rows` (if given) as `dispatch.STREAM_ROWS` while it runs."""
-    stream_rows = dispatch.STREAM_ROWS if args.stream_rows is None else args.stream_rows
-    with patched(dispatch, "STREAM_ROWS", stream_rows):
-        return _run_engines(args, results, cfg, params, bandwidth, stream_rows)
-
-
-def _run_engines(args, results, cfg, params, bandwidth: float, stream_rows: int) -> int:
     budget = Budget(args.budget_s)
     batches = csv_ints(args.batches or "1,16,64,128,256")
     tuning = TuningOverrides(**args.tuning)
     common = dict(prompt=args.prompt, new=args.new, params=count_params(params),
-                  copy_bandwidth_tb_s=bandwidth / 1e12, tuning=args.tuning, stream_rows=stream_rows,
+                  copy_bandwidth_tb_s=bandwidth / 1e12, tuning=args.tuning,
+                  stream_rows=dispatch.STREAM_ROWS,
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
     # --vs-bf16: the bf16 engine first, then the --engine precision overrides, same run
     settings = drift.settings(args.engine) if args.vs_bf16 else [(None, args.engine)]
