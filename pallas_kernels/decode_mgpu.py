@@ -34,6 +34,13 @@ fp8 tile into one the tensor cores read in the compute dtype in one of three way
   takes P unscaled). K8 and V8 are only cast (`cast_tile`), each into its own staging tile.
 * "fold_k_regs": "fold" with K cast in registers and fed to S^T = K Q^T as the wgmma's
   register operand (keys as rows only): no staging store or fence for K.
+* "mma" (keys as rows; slot-minor values, `QuantizedKV.slot_minor`): K as in
+  "fold_k_regs", and O^T = V^T P^T on fp8 tensor cores straight from the loaded pages,
+  with no cast of V at all. A slot-minor page of one head is `[D, keys]` with the keys
+  contiguous, the K-major operand fp8 matmuls need. V's per-key scales go on the
+  probabilities, which are rescaled per query so that their largest is 448 and stored as
+  e4m3 (P^T, a `[columns, block_kv]` tile); each block's product is scaled back as it is
+  added to the accumulator.
 """
 
 from __future__ import annotations
@@ -55,7 +62,11 @@ LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in it
 
 
-FP8_TILES = ("stage", "fold", "fold_k_regs")  # DecodeTuning.fp8_tiles
+FP8_TILES = ("stage", "fold", "fold_k_regs", "mma")  # DecodeTuning.fp8_tiles
+# fp8 caches of models whose decode puts keys on the tile rows store their values
+# slot-minor, for "mma" (`dispatch.fp8_values_slot_minor`).
+FP8_MMA_DEFAULT = True
+FP8_MAX = 448.0  # largest finite float8_e4m3fn: "mma" scales each query's probabilities to it
 
 
 def default_fp8_tiles(keys_as_rows: bool) -> str:
@@ -64,19 +75,21 @@ def default_fp8_tiles(keys_as_rows: bool) -> str:
     else "stage" (the only path checked on the GPU with queries as rows)."""
     return "fold_k_regs" if keys_as_rows else "stage"
 FP8_COMPUTE = ("bfloat16", "float16")  # DecodeTuning.fp8_compute
-STAGING_TILES = {"stage": 1, "fold": 2, "fold_k_regs": 1}  # per compute warpgroup
+STAGING_TILES = {"stage": 1, "fold": 2, "fold_k_regs": 1, "mma": 0}  # per compute warpgroup
 
 
 def wgmma_product(a, b, shape, interpret: bool):
-    """`a @ b` into a fresh float32 accumulator of `shape` (the score tile). `a` is a
-    shared-memory ref or a register array (fp8 K cast in registers), `b` a shared-memory
-    ref; interpret mode computes a register operand's product with `jnp.dot` (see
-    `wgmma_accumulate`)."""
+    """`a @ b` into a fresh float32 accumulator of `shape` (the score tile), or for tuples
+    the sum of `a[j] @ b[j]` (a slot-minor V tile's pages). `a` is a shared-memory ref or
+    a register array (fp8 K cast in registers), `b` a shared-memory ref; interpret mode
+    computes a register operand's product with `jnp.dot` (see `wgmma_accumulate`)."""
     if interpret and isinstance(a, jax.Array):
         return jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+    pairs = tuple(zip(a, b)) if isinstance(a, tuple) else ((a, b),)
 
     def product(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
+        for a_j, b_j in pairs:
+            plgpu.wgmma(acc_ref, a_j, b_j)
         return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
@@ -117,6 +130,25 @@ def zero_rows_from(tile, n_valid):
         v = tile[...]
         rows = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
         tile[...] = jnp.where(rows < n_valid, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+
+
+def zero_cols_from(tile, n_valid):
+    """`zero_rows_from` for a slot-minor fp8 V tile, its pages `[copies, d, sub]` (keys as
+    columns): a page holding keys `>= n_valid` has them zeroed."""
+    copies, _, sub = tile.shape
+    for j in range(copies):
+        page = tile.at[j]
+
+        @pl.when(n_valid < (j + 1) * sub)
+        def _zero():
+            bits = lax.bitcast_convert_type(plgpu.load(page, layout=plgpu.Layout.WGMMA_8BIT), jnp.int8)
+            cols = plgpu.broadcasted_iota(jnp.int32, bits.shape, 1, layout=plgpu.Layout.WGMMA_8BIT)
+            keep = jnp.where(cols < n_valid - j * sub, jnp.int32(-1), jnp.int32(0)).astype(jnp.int8)
+            page[...] = lax.bitcast_convert_type(bits & keep, page.dtype)  # 8-bit: bitwise ops only
+
+    @pl.when(n_valid < copies * sub)
+    def _fence():
         plgpu.commit_smem()
 
 
@@ -299,12 +331,21 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     dtype = compute_dtype(q.dtype, kv_dtype, quant, t.fp8_compute)
     if keys_as_rows is None:
         keys_as_rows = default_keys_as_rows(g, heads_per_cta)
-    tiles = t.fp8_tiles or default_fp8_tiles(keys_as_rows)
+    if quant and k_buf.slot_minor:
+        raise ValueError("decode_mgpu: fp8 keys must be stored slot-major (only values may be "
+                         "slot-minor, for fp8_tiles='mma')")
+    v_minor = quant and v_buf.slot_minor
+    tiles = t.fp8_tiles or ("mma" if v_minor else default_fp8_tiles(keys_as_rows))
+    mma = quant and tiles == "mma"
+    if mma != v_minor:
+        raise ValueError(f"decode_mgpu: fp8_tiles='mma' reads slot-minor fp8 values, and only it "
+                         f"does; got fp8_tiles={tiles!r} with slot-{'minor' if v_minor else 'major'} "
+                         f"values")
     fold = quant and tiles != "stage"
-    k_regs = quant and tiles == "fold_k_regs"
+    k_regs = quant and tiles in ("fold_k_regs", "mma")
     n_staging = STAGING_TILES[tiles] if quant else 0
     if k_regs and not keys_as_rows:
-        raise ValueError("decode_mgpu: tuning.fp8_tiles='fold_k_regs' needs keys as rows (K is "
+        raise ValueError(f"decode_mgpu: tuning.fp8_tiles={tiles!r} needs keys as rows (K is "
                          "then the matmul's first operand, the one registers may hold)")
     if keys_as_rows and (heads_per_cta or 1) != 1:
         raise ValueError(f"decode_mgpu: keys_as_rows runs one KV head a CTA, got "
@@ -401,7 +442,20 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             if v_scale is not None:  # 0 * a stale key's (maybe NaN) scale must stay 0
                 pv = jnp.where(pos < n_valid, p * lax.broadcast_in_dim(v_scale, score_shape, [key_axis]),
                                jnp.zeros_like(p))
-            if keys_as_rows:
+            if mma:  # fp8 P^T, each query's largest probability at 448; V^T is the page
+                l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
+                top = pv.max(axis=key_axis)
+                top = jnp.where(top > 0, top, 1.0)
+                p8 = pv * lax.broadcast_in_dim(FP8_MAX / top, score_shape, [q_axis])
+                p_tile.transpose((1, 0))[...] = plgpu.layout_cast(
+                    p8.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED).astype(p_tile.dtype)
+                plgpu.commit_smem()
+                pages = range(v_op.shape[0])  # V^T as its pages' tiles [copies, d, sub]
+                pv_t = wgmma_product(tuple(v_op.at[j] for j in pages),
+                                     tuple(p_tile.at[:, pl.ds(j * sub, sub)].transpose((1, 0))
+                                           for j in pages), acc_shape, interpret)
+                acc = acc + pv_t * lax.broadcast_in_dim(top / FP8_MAX, acc_shape, [q_axis])
+            elif keys_as_rows:
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
                 # The last block's PV has completed (its accumulator was read), so P^T's
                 # staging is free; the fence makes the stores visible to the tensor cores
@@ -428,7 +482,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         q_or_o, k_smem, v_smem, *rest = rest[1:] if splits > 1 else rest
         p_smem = rest.pop(0) if keys_as_rows else None
         lse_smem = rest.pop(0) if splits > 1 else None
-        ks_smem, vs_smem, stage = (rest.pop(0), rest.pop(0), rest.pop(0)) if quant else (None,) * 3
+        ks_smem, vs_smem = (rest.pop(0), rest.pop(0)) if quant else (None, None)
+        stage = rest.pop(0) if n_staging else None
         q_bar, k_bar, v_bar, k_free, v_free = rest
         q_smem, o_smem = q_or_o  # one memory: an item's q tile, then its output
         cta = lax.axis_index("cta")
@@ -458,8 +513,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                     return wg * stages + lax.rem(gstep + i, jnp.int32(stages))
 
                 # fp8: the staging tiles of K and V (one and the same with "stage").
-                k_stage = stage.at[wg * n_staging] if quant else None
-                v_stage = stage.at[wg * n_staging + n_staging - 1] if quant else None
+                k_stage = stage.at[wg * n_staging] if n_staging else None
+                v_stage = stage.at[wg * n_staging + n_staging - 1] if n_staging else None
 
                 def k_tile(i):
                     # K's staging tile is free: the last block's QK^T has completed (its
@@ -485,6 +540,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                     if not quant:
                         zero_rows_from(src, n_valid)
                         return src, None
+                    if mma:  # the slot-minor page is P·V's operand as loaded
+                        zero_cols_from(src, n_valid)
+                        return src, key_scales(vs_smem.at[ring(i)], key_axis)
                     if not fold:
                         dequantize_tile(src, vs_smem.at[ring(i)], v_stage, n_valid)
                         return v_stage, None
@@ -534,9 +592,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                         t0 = start + i * block_kv + j * sub
                         page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)), last_page)]
                         rows_.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
-                    for buf_ref, smem, s_ref, s_smem, bar, free in (
-                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free),
-                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free)):
+                    for buf_ref, smem, s_ref, s_smem, bar, free, minor in (
+                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free, False),
+                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free, v_minor)):
                         for w in range(hpc):
                             ring = w * stages + slot
                             head = group * hpc + w
@@ -546,9 +604,13 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                 plgpu.barrier_wait(free.at[ring])
 
                             for j, row in enumerate(rows_):
-                                plgpu.copy_gmem_to_smem(
-                                    buf_ref.at[lyr, pl.ds(row, sub), head],
-                                    smem.at[ring, pl.ds(j * sub, sub)], bar.at[ring])
+                                if minor:  # the page's D rows of `sub` contiguous keys
+                                    src_ = buf_ref.at[lyr, head, :, pl.ds(row, sub)]
+                                    dst_ = smem.at[ring, j]
+                                else:
+                                    src_ = buf_ref.at[lyr, pl.ds(row, sub), head]
+                                    dst_ = smem.at[ring, pl.ds(j * sub, sub)]
+                                plgpu.copy_gmem_to_smem(src_, dst_, bar.at[ring])
                                 if quant:  # the page's scales: a contiguous run of this head's
                                     plgpu.copy_gmem_to_smem(
                                         s_ref.at[lyr, head, pl.ds(row, sub)],
@@ -571,6 +633,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
     tiled = smem_tiling(d, dtype)
     kv_tiled = smem_tiling(d, kv_dtype)
+    # "mma": V^T pages and P^T share one swizzle (a wgmma's operands must), at most a
+    # page's keys wide so that each page's TMA copy fills whole tiles.
+    minor_tiled = smem_tiling(min(128, sub), kv_dtype)
     rings = hpc * stages
     arrivals = copies * (2 if quant else 1)  # a page's rows (and its scales) per tile
     scratch = [
@@ -579,11 +644,14 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         plgpu.RefUnion(plgpu.SMEM((hpc, rows, d), dtype, transforms=tiled),
                        plgpu.SMEM((hpc, rows, d), dtype)),
         plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled),
-        plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled),
-        *([plgpu.SMEM((hpc, rows, block_kv), dtype, transforms=tiled)] if keys_as_rows else []),
+        (plgpu.SMEM((rings, copies, d, sub), kv_dtype, transforms=minor_tiled) if v_minor else
+         plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled)),
+        *([plgpu.SMEM((hpc, rows, block_kv), kv_dtype if mma else dtype,
+                      transforms=minor_tiled if mma else tiled)] if keys_as_rows else []),
         *([plgpu.SMEM((hpc, rows), jnp.float32)] if splits > 1 else []),
-        *([plgpu.SMEM((rings, block_kv), jnp.float32), plgpu.SMEM((rings, block_kv), jnp.float32),
-           plgpu.SMEM((hpc * n_staging, block_kv, d), dtype, transforms=tiled)] if quant else []),
+        *([plgpu.SMEM((rings, block_kv), jnp.float32), plgpu.SMEM((rings, block_kv), jnp.float32)]
+          if quant else []),
+        *([plgpu.SMEM((hpc * n_staging, block_kv, d), dtype, transforms=tiled)] if n_staging else []),
         plgpu.Barrier(num_barriers=hpc),
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=rings),
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=rings),

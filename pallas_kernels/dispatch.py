@@ -72,6 +72,14 @@ def prefill_tuning(which: str) -> PrefillTuning:
     return PrefillTuning(persistent=which != "interpret")
 
 
+def fp8_values_slot_minor(n_q_heads: int, n_kv_heads: int) -> bool:
+    """Whether an fp8 cache stores its values slot-minor for a model with these heads: where
+    the decode kernel puts keys on the tile rows, whose fp8 path then multiplies P·V on fp8
+    tensor cores from such pages (`decode_mgpu`, "mma")."""
+    from pallas_kernels.decode_mgpu import FP8_MMA_DEFAULT, default_keys_as_rows
+    return FP8_MMA_DEFAULT and default_keys_as_rows(n_q_heads // max(n_kv_heads, 1))
+
+
 def decode_tuning(which: str) -> DecodeTuning:
     """The decode kernel's launch options for `which`: its own defaults in both modes."""
     return DecodeTuning()

@@ -10,6 +10,12 @@ contiguous run (one small TMA copy beside the page's fp8 rows in the kernels; a
 `[.., n_slots, Hkv]` layout would put them `Hkv` floats apart, which a TMA cannot gather).
 They cost 4 / D of the fp8 bytes (3% at D = 128).
 
+A buffer may keep its data slot-minor (`slot_minor`, values only): `[n_layers, Hkv, D,
+n_slots]`, so that a page of one head is D runs of contiguous keys. The tensor cores take
+fp8 operands only with the contracted axis contiguous, and P·V contracts over keys: the
+decode kernel's fp8 path "mma" multiplies such pages as they are loaded
+(`decode_mgpu`). `shape` stays the logical `[n_layers, n_slots, Hkv, D]` either way.
+
 The KV write quantizes (`write`), the references dequantize in float32 (`gather`), the
 Mosaic GPU kernels load the fp8 tiles and scales and dequantize in shared memory.
 Non-finite inputs stay non-finite (a NaN stays in the fp8 data, an inf makes the row's
@@ -20,6 +26,7 @@ keep stale slots out as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,18 +38,25 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_DTYPES = ("float8_e4m3fn",)  # the quantized storage dtypes (EngineConfig.kv_dtype)
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"],
+                   meta_fields=["slot_minor"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedKV:
-    """An fp8 KV buffer: `data [L, S, Hkv, D]` float8_e4m3fn, `scale [L, Hkv, S]` float32.
-    A pytree (jit, donation and `out_shardings` see both arrays); `shape` and `dtype` are
-    the data's, so shape checks written for plain buffers hold unchanged."""
+    """An fp8 KV buffer: `data [L, S, Hkv, D]` (`slot_minor`: `[L, Hkv, D, S]`)
+    float8_e4m3fn, `scale [L, Hkv, S]` float32. A pytree (jit, donation and
+    `out_shardings` see both arrays; the layout is static); `shape` is the logical
+    `[L, S, Hkv, D]` and `dtype` the data's, so shape checks written for plain buffers
+    hold unchanged."""
 
     data: jax.Array
     scale: jax.Array
+    slot_minor: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.slot_minor:
+            n_layers, hkv, d, n_slots = self.data.shape
+            return n_layers, n_slots, hkv, d
         return self.data.shape
 
     @property
@@ -56,7 +70,13 @@ class QuantizedKV:
     @property
     def sharding(self):
         """The pair's shardings as a `QuantizedKV` (usable as a jit `out_shardings` leaf)."""
-        return QuantizedKV(self.data.sharding, self.scale.sharding)
+        return QuantizedKV(self.data.sharding, self.scale.sharding, self.slot_minor)
+
+
+def data_shape(shape: tuple[int, ...], slot_minor: bool) -> tuple[int, ...]:
+    """The data's shape for a buffer of logical shape `[L, S, Hkv, D]`."""
+    n_layers, n_slots, hkv, d = shape
+    return (n_layers, hkv, d, n_slots) if slot_minor else tuple(shape)
 
 
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -65,24 +85,31 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return n_layers, hkv, n_slots
 
 
-def scale_sharding(data_sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
-    """The scales' sharding for data laid out by `data_sharding` (`[L, S, Hkv, D]` ->
-    `[L, Hkv, S]`: a split over kv heads stays one)."""
-    spec = tuple(data_sharding.spec) + (None,) * (4 - len(data_sharding.spec))
-    return jax.sharding.NamedSharding(data_sharding.mesh, jax.sharding.PartitionSpec(spec[0], spec[2], spec[1]))
+def specs(spec: jax.sharding.PartitionSpec, slot_minor: bool = False) -> QuantizedKV:
+    """The data's and the scales' partition specs (a `QuantizedKV` of them) for a buffer
+    whose logical `[L, S, Hkv, D]` layout is partitioned by `spec` (a split over kv heads
+    stays one in both)."""
+    layers, slots, heads, chans = tuple(spec) + (None,) * (4 - len(spec))
+    data = (layers, heads, chans, slots) if slot_minor else (layers, slots, heads, chans)
+    P = jax.sharding.PartitionSpec
+    return QuantizedKV(P(*data), P(layers, heads, slots), slot_minor)
 
 
-def shardings(data_sharding: jax.sharding.NamedSharding) -> QuantizedKV:
-    """A `QuantizedKV` of the data's and the scales' shardings (a jit `out_shardings` leaf)."""
-    return QuantizedKV(data_sharding, scale_sharding(data_sharding))
+def shardings(sharding: jax.sharding.NamedSharding, slot_minor: bool = False) -> QuantizedKV:
+    """A `QuantizedKV` of the data's and the scales' shardings (a jit `out_shardings` leaf)
+    for a buffer whose logical layout `sharding` partitions."""
+    spec = specs(sharding.spec, slot_minor)
+    return QuantizedKV(jax.sharding.NamedSharding(sharding.mesh, spec.data),
+                       jax.sharding.NamedSharding(sharding.mesh, spec.scale), slot_minor)
 
 
-def zeros(shape: tuple[int, ...], sharding: jax.sharding.NamedSharding | None = None) -> QuantizedKV:
-    """An empty fp8 buffer of `shape` `[L, S, Hkv, D]` (scales 1), laid out by `sharding`
-    (of the data; None: the default device)."""
-    return QuantizedKV(jnp.zeros(shape, FP8, device=sharding),
-                       jnp.ones(scale_shape(shape), jnp.float32,
-                                device=None if sharding is None else scale_sharding(sharding)))
+def zeros(shape: tuple[int, ...], sharding: jax.sharding.NamedSharding | None = None,
+          slot_minor: bool = False) -> QuantizedKV:
+    """An empty fp8 buffer of logical shape `[L, S, Hkv, D]` (scales 1), laid out by
+    `sharding` (of the logical buffer; None: the default device)."""
+    parts = shardings(sharding, slot_minor) if sharding is not None else QuantizedKV(None, None)
+    return QuantizedKV(jnp.zeros(data_shape(shape, slot_minor), FP8, device=parts.data),
+                       jnp.ones(scale_shape(shape), jnp.float32, device=parts.scale), slot_minor)
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -94,10 +121,12 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x / scale[..., None]).astype(FP8), scale
 
 
-def from_array(buf: jax.Array) -> QuantizedKV:
+def from_array(buf: jax.Array, slot_minor: bool = False) -> QuantizedKV:
     """A whole `[L, S, Hkv, D]` buffer quantized (tests and benchmarks build fp8 caches so)."""
     data, scale = quantize(buf)
-    return QuantizedKV(data, jnp.moveaxis(scale, 2, 1))
+    if slot_minor:
+        data = jnp.transpose(data, (0, 2, 3, 1))
+    return QuantizedKV(data, jnp.moveaxis(scale, 2, 1), slot_minor)
 
 
 def dequantize(data: jax.Array, scale: jax.Array) -> jax.Array:
@@ -108,30 +137,45 @@ def dequantize(data: jax.Array, scale: jax.Array) -> jax.Array:
 def gather(buf: QuantizedKV, layer: jax.Array, slots: jax.Array) -> jax.Array:
     """float32 `buf[layer, slots]`: `[*slots.shape, Hkv, D]` dequantized."""
     scale = jnp.moveaxis(buf.scale[layer][:, slots], 0, -1)  # [*slots.shape, Hkv]
-    return dequantize(buf.data[layer, slots], scale)
+    if buf.slot_minor:  # [Hkv, D, *slots.shape] -> [*slots.shape, Hkv, D]
+        data = jnp.moveaxis(buf.data[layer][:, :, slots], (0, 1), (-2, -1))
+    else:
+        data = buf.data[layer, slots]
+    return dequantize(data, scale)
 
 
 def write(k_buf: QuantizedKV, v_buf: QuantizedKV | None, layer: jax.Array, slots: jax.Array,
           k: jax.Array, v: jax.Array | None) -> tuple[QuantizedKV, QuantizedKV | None]:
     """`reference.write_kv` for fp8 buffers: quantizes `k/v [T, Hkv, D]` per (token, head)
     and writes data and scales at `[layer, slots]`: one scatter for the fp8 rows of K and V,
-    one for their scales (the two have different shapes, so they cannot share one)."""
+    one for their scales (the two have different shapes, so they cannot share one); a
+    slot-minor buffer's rows take a scatter of their own."""
     k_data, k_scale = quantize(k)
     if v_buf is None:
-        (data,) = scatter_rows((k_buf.data,), layer, slots, (k_data,))
+        (data,) = scatter_rows((k_buf.data,), layer, slots, (k_data,), slot_axis=_slot_axis(k_buf))
         (scale,) = scatter_rows((k_buf.scale,), layer, slots, (k_scale,), slot_axis=2)
-        return QuantizedKV(data, scale), None
+        return QuantizedKV(data, scale, k_buf.slot_minor), None
     v_data, v_scale = quantize(v)
-    k_new, v_new = scatter_rows((k_buf.data, v_buf.data), layer, slots, (k_data, v_data))
+    if k_buf.slot_minor == v_buf.slot_minor:
+        k_new, v_new = scatter_rows((k_buf.data, v_buf.data), layer, slots, (k_data, v_data),
+                                    slot_axis=_slot_axis(k_buf))
+    else:
+        (k_new,) = scatter_rows((k_buf.data,), layer, slots, (k_data,), slot_axis=_slot_axis(k_buf))
+        (v_new,) = scatter_rows((v_buf.data,), layer, slots, (v_data,), slot_axis=_slot_axis(v_buf))
     ks_new, vs_new = scatter_rows((k_buf.scale, v_buf.scale), layer, slots, (k_scale, v_scale),
                                   slot_axis=2)
-    return QuantizedKV(k_new, ks_new), QuantizedKV(v_new, vs_new)
+    return QuantizedKV(k_new, ks_new, k_buf.slot_minor), QuantizedKV(v_new, vs_new, v_buf.slot_minor)
+
+
+def _slot_axis(buf: QuantizedKV) -> int:
+    """The data's slot dimension (its rows `[Hkv, D]` are the rest after the layer)."""
+    return 3 if buf.slot_minor else 1
 
 
 def clear_slots(buf, slots: jax.Array):
     """`buf` (plain or quantized) with `slots` zeroed in every layer (slots past the end:
     dropped); a quantized buffer's scales go back to 1, so nothing non-finite is left."""
     if isinstance(buf, QuantizedKV):
-        return QuantizedKV(buf.data.at[:, slots].set(0, mode="drop"),
-                           buf.scale.at[:, :, slots].set(1.0, mode="drop"))
+        data = (buf.data.at[:, :, :, slots] if buf.slot_minor else buf.data.at[:, slots]).set(0, mode="drop")
+        return QuantizedKV(data, buf.scale.at[:, :, slots].set(1.0, mode="drop"), buf.slot_minor)
     return buf.at[:, slots].set(0, mode="drop")

@@ -40,8 +40,9 @@ stages2 (decode kernel with 2 K/V ring slots a warpgroup); queries_as_rows (quer
 tensor-core tile rows); keys_as_rows_1cta (keys as rows, one CTA an SM). With a `kv_dtype`
 in `--engine` the KV is quantized for every variant but bf16_kv (the same batch in bf16: the
 baseline of the fp8 speedup), and fp8_stage, fp8_fold, fp8_fold_k_regs, fp8_fold_f16,
-fp8_fold_k_regs_f16 pick the decode kernel's fp8 tile path (`DecodeTuning.fp8_tiles`; f16:
-`fp8_compute="float16"`; base is the kernel's default). XLA flags apply to the whole
+fp8_fold_k_regs_f16, fp8_mma, fp8_mma_f16 pick the decode kernel's fp8 tile path
+(`DecodeTuning.fp8_tiles`; f16: `fp8_compute="float16"`; the mma ones store the values
+slot-minor, the others slot-major; base is the engine's default). XLA flags apply to the whole
 process: run again under another XLA_FLAGS to compare flags.
 
 Host (`--host`; section `host`): the engine's own Python per decode step, a tiny float32
@@ -101,6 +102,7 @@ from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
 from jrl.rollout.config import FP8_KV_PAGE_SIZE, EngineConfig
+from jrl.rollout.cache.kv_storage import values_slot_minor
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import GREEDY
 from jrl.rollout.tuning import TuningOverrides
@@ -489,6 +491,8 @@ VARIANTS = {
     "fp8_fold_k_regs": lambda: decode_tuning(fp8_tiles="fold_k_regs"),
     "fp8_fold_f16": lambda: decode_tuning(fp8_tiles="fold", fp8_compute="float16"),
     "fp8_fold_k_regs_f16": lambda: decode_tuning(fp8_tiles="fold_k_regs", fp8_compute="float16"),
+    "fp8_mma": lambda: decode_tuning(fp8_tiles="mma"),
+    "fp8_mma_f16": lambda: decode_tuning(fp8_tiles="mma", fp8_compute="float16"),
 }
 
 
@@ -507,6 +511,11 @@ def run_ab(args, results, cfg, params, bandwidth: float) -> int:
     def kv_dtype_of(variant):  # the --engine KV storage, except for the bf16 baseline
         return None if variant == "bf16_kv" else args.engine.get("kv_dtype")
 
+    def values_slot_minor_of(variant):  # the fp8 tile paths name theirs, the rest the engine's
+        if variant.startswith("fp8_"):
+            return variant.startswith("fp8_mma")
+        return values_slot_minor(cfg, kv_dtype_of(variant))
+
     for batch in csv_ints(args.batches or "256"):
         built = {}
         for name, variant, order, context in cases:
@@ -514,7 +523,8 @@ def run_ab(args, results, cfg, params, bandwidth: float) -> int:
                 fn, fused, unroll = default_decode_program(cfg, args.page_size, batch, cached=False)
                 layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, args.page_size, seed=batch,
                                                                    aligned=unroll, pages=order,
-                                                                   kv_dtype=kv_dtype_of(variant))
+                                                                   kv_dtype=kv_dtype_of(variant),
+                                                                   v_slot_minor=values_slot_minor_of(variant))
                 if variant == "dev_metadata":
                     ints, floats = jax.device_put(ints), jax.device_put(floats)
                 if fused and fused_params is None:

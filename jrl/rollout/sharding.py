@@ -55,10 +55,10 @@ class HeadSplit:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def buffer_shardings(self, kv_dtype: str | None):
+    def buffer_shardings(self, kv_dtype: str | None, slot_minor: bool = False):
         """`buffer_sharding`, or for fp8 buffers (`kv_dtype` set) a `QuantizedKV` of the
-        data's and the scales' shardings."""
-        return self.buffer_sharding if kv_dtype is None else quantized.shardings(self.buffer_sharding)
+        data's and the scales' shardings (`slot_minor`: the data's layout)."""
+        return self.buffer_sharding if kv_dtype is None else quantized.shardings(self.buffer_sharding, slot_minor)
 
 
 def head_split(config: ModelConfig, mesh: Mesh) -> HeadSplit:
@@ -86,14 +86,15 @@ def shard_attention(split: HeadSplit, attend: Callable, q: jax.Array, k: jax.Arr
     q_spec = heads if split.q_heads else rep
     kv_spec = heads if split.kv_heads else rep
     buf_spec = PartitionSpec(None, None, TENSOR, None) if split.kv_heads else rep
-    if isinstance(k_buf, QuantizedKV):  # fp8 data [L, S, Hkv, D] and scales [L, Hkv, S]
-        buf_spec = QuantizedKV(buf_spec, PartitionSpec(None, TENSOR, None) if split.kv_heads else rep)
 
-    def opt(x, spec):  # MLA has no separate values: None matches None
-        return None if x is None else spec
+    def spec_of(buf):  # MLA has no separate values: None matches None
+        if isinstance(buf, QuantizedKV):  # fp8 data and scales, each in its own layout
+            return quantized.specs(buf_spec, buf.slot_minor)
+        return None if buf is None else buf_spec
 
-    in_specs = (q_spec, kv_spec, opt(v, kv_spec), buf_spec, opt(v_buf, buf_spec), rep) + (rep,) * len(metadata)
-    out_specs = (q_spec, buf_spec, opt(v_buf, buf_spec))
+    in_specs = (q_spec, kv_spec, None if v is None else kv_spec, spec_of(k_buf), spec_of(v_buf), rep)
+    in_specs += (rep,) * len(metadata)
+    out_specs = (q_spec, spec_of(k_buf), spec_of(v_buf))
     run = jax.shard_map(attend, mesh=split.mesh, in_specs=in_specs, out_specs=out_specs)
     return run(q, k, v, k_buf, v_buf, layer, *metadata)
 

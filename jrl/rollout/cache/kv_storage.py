@@ -7,7 +7,9 @@ donated to every jitted step and replaced by its outputs, so they are updated in
 Given a `sharding` (tensor parallelism: split over kv heads, or replicated) the buffers are
 created already laid out, each device allocating only its part. With `dtype`
 "float8_e4m3fn" each buffer is a `pallas_kernels.quantized.QuantizedKV` (fp8 data and a
-float32 scale per token and head), which the KV write and the attention kernels read.
+float32 scale per token and head), which the KV write and the attention kernels read;
+the values' data is then slot-minor where the decode kernel takes them so
+(`values_slot_minor`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from jax.sharding import NamedSharding
 from jrl.config import ModelConfig
 from jrl.models.layers import dtype_of
 from pallas_kernels import quantized
+from pallas_kernels.dispatch import fp8_values_slot_minor
 from pallas_kernels.quantized import KV_DTYPES, QuantizedKV
 
 
@@ -44,6 +47,14 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str | None = None) -> int:
     return total
 
 
+def values_slot_minor(config: ModelConfig, kv_dtype: str | None) -> bool:
+    """Whether fp8 values are stored slot-minor (`QuantizedKV.slot_minor`): where the decode
+    kernel multiplies them on fp8 tensor cores (`dispatch.fp8_values_slot_minor`)."""
+    if kv_dtype not in KV_DTYPES or config.attention == "mla":
+        return False
+    return fp8_values_slot_minor(config.n_heads, config.n_kv_heads)
+
+
 class KVStorage:
     def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None,
                  sharding: NamedSharding | None = None) -> None:
@@ -51,7 +62,8 @@ class KVStorage:
         if dtype in KV_DTYPES:
             self.dtype = jnp.dtype(dtype)
             self.k: jax.Array | QuantizedKV = quantized.zeros(k_shape, sharding)
-            self.v = None if v_shape is None else quantized.zeros(v_shape, sharding)
+            self.v = None if v_shape is None else quantized.zeros(
+                v_shape, sharding, slot_minor=values_slot_minor(config, dtype))
             return
         self.dtype = dtype_of(dtype or config.dtype)
         self.k = jnp.zeros(k_shape, self.dtype, device=sharding)
