@@ -22,9 +22,8 @@ for every input (empty splits carry lse = -inf and weight 0).
 
 fp8 buffers (`pallas_kernels.quantized.QuantizedKV`) take the same path with half the
 bytes a tile: the memory warpgroup also copies each page's per-token scales (one small
-TMA copy per page and buffer, on the tile's barrier). The compute warpgroup turns each
-fp8 tile into one the tensor cores read in the compute dtype in one of three ways
-(`DecodeTuning.fp8_tiles`):
+TMA copy per page and buffer, on the tile's barrier). The compute warpgroup hands each
+fp8 tile to the tensor cores in one of these ways (`DecodeTuning.fp8_tiles`):
 
 * "stage": dequantize (`dequantize_tile`: fp8 -> float32, times the row's scale, cast)
   into one staging tile shared by K and V; the math after that is the bf16 path's.
@@ -41,6 +40,9 @@ fp8 tile into one the tensor cores read in the compute dtype in one of three way
   probabilities, which are rescaled per query so that their largest is 448 and stored as
   e4m3 (P^T, a `[columns, block_kv]` tile); each block's product is scaled back as it is
   added to the accumulator.
+* "mma_q8": "mma" with S^T = K Q^T on fp8 tensor cores too: the queries are quantized to
+  e4m3 with one scale a request (`quantize_queries`; e4m3 is floating point, so heads of
+  different magnitude keep their relative precision), and K is used as loaded.
 """
 
 from __future__ import annotations
@@ -62,9 +64,10 @@ LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in it
 
 
-FP8_TILES = ("stage", "fold", "fold_k_regs", "mma")  # DecodeTuning.fp8_tiles
+FP8_TILES = ("stage", "fold", "fold_k_regs", "mma", "mma_q8")  # DecodeTuning.fp8_tiles
 # fp8 caches of models whose decode puts keys on the tile rows store their values
-# slot-minor, for "mma" (`dispatch.fp8_values_slot_minor`).
+# slot-minor, for "mma" (`dispatch.fp8_values_slot_minor`): 0.85x the decode step of
+# "fold_k_regs" on slot-major values at batch 256 on the H200 (docs/performance.md, fp8).
 FP8_MMA_DEFAULT = True
 FP8_MAX = 448.0  # largest finite float8_e4m3fn: "mma" scales each query's probabilities to it
 
@@ -75,7 +78,7 @@ def default_fp8_tiles(keys_as_rows: bool) -> str:
     else "stage" (the only path checked on the GPU with queries as rows)."""
     return "fold_k_regs" if keys_as_rows else "stage"
 FP8_COMPUTE = ("bfloat16", "float16")  # DecodeTuning.fp8_compute
-STAGING_TILES = {"stage": 1, "fold": 2, "fold_k_regs": 1, "mma": 0}  # per compute warpgroup
+STAGING_TILES = {"stage": 1, "fold": 2, "fold_k_regs": 1, "mma": 0, "mma_q8": 0}  # per compute warpgroup
 
 
 def wgmma_product(a, b, shape, interpret: bool):
@@ -168,6 +171,43 @@ def dequantize_tile(src, scale, dst, n_valid=None):
             x = jnp.where(rows < n_valid - r0, x, jnp.zeros_like(x))
         dst.at[pl.ds(r0, ROWS)][...] = x.astype(dst.dtype)
     plgpu.commit_smem()
+
+
+def stage_minor_pages(src, dst, scale=None, n_valid=None):
+    """`dst [block_kv, d]` (the compute dtype) = the slot-minor fp8 V pages `src [copies, d,
+    sub]` turned back to keys as rows, times the per-key float32 `scale [block_kv]` when
+    given (None: only cast, the scales folded elsewhere); with `n_valid` the keys `>=
+    n_valid` are zeroed (`zero_rows_from`). For the kernels whose P·V stays in 16 bits on
+    an fp8 cache that stores its values slot-minor (the prefill kernel). The fence makes
+    the stores visible to the tensor cores."""
+    copies, d, sub = src.shape
+    for j in range(copies):
+        for r0 in range(0, d, ROWS):
+            x = src.at[j, pl.ds(r0, ROWS)][...].astype(jnp.float32)  # [channels, keys]
+            if scale is not None:
+                s = plgpu.load(scale.at[pl.ds(j * sub, sub)], layout=plgpu.Layout.WGMMA.reduce(0),
+                               optimized=False)
+                x = x * lax.broadcast_in_dim(s, x.shape, [1])
+            if n_valid is not None:
+                keys = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
+                x = jnp.where(keys < n_valid - j * sub, x, jnp.zeros_like(x))
+            dst.at[pl.ds(j * sub, sub), pl.ds(r0, ROWS)].transpose((1, 0))[...] = plgpu.layout_cast(
+                x.astype(dst.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()
+
+
+def minor_tiling(sub: int, dtype) -> tuple:
+    """Shared-memory transforms of slot-minor pages `[d, sub]`: rows of `sub` fp8 keys,
+    swizzled by up to 128 bytes (a page's TMA copy then fills whole tiles)."""
+    return smem_tiling(min(128, sub), dtype)
+
+
+def quantize_queries(q):
+    """`q [B, Hq, D]` -> (e4m3 `[B, Hq, D]`, float32 `[B]`): one scale a request, its
+    largest |q| at 448 (1 for all-zero queries)."""
+    amax = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(1, 2))
+    q_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (q.astype(jnp.float32) / q_scale[:, None, None]).astype(jnp.float8_e4m3fn), q_scale
 
 
 def fp8_to(x, dtype):
@@ -336,11 +376,14 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                          "slot-minor, for fp8_tiles='mma')")
     v_minor = quant and v_buf.slot_minor
     tiles = t.fp8_tiles or ("mma" if v_minor else default_fp8_tiles(keys_as_rows))
-    mma = quant and tiles == "mma"
+    mma = quant and tiles in ("mma", "mma_q8")
+    q8 = quant and tiles == "mma_q8"
     if mma != v_minor:
-        raise ValueError(f"decode_mgpu: fp8_tiles='mma' reads slot-minor fp8 values, and only it "
-                         f"does; got fp8_tiles={tiles!r} with slot-{'minor' if v_minor else 'major'} "
-                         f"values")
+        raise ValueError(f"decode_mgpu: fp8_tiles 'mma'/'mma_q8' read slot-minor fp8 values, and "
+                         f"only they do; got fp8_tiles={tiles!r} with slot-"
+                         f"{'minor' if v_minor else 'major'} values")
+    if q8 and not keys_as_rows:
+        raise ValueError("decode_mgpu: tuning.fp8_tiles='mma_q8' needs keys as rows")
     fold = quant and tiles != "stage"
     k_regs = quant and tiles in ("fold_k_regs", "mma")
     n_staging = STAGING_TILES[tiles] if quant else 0
@@ -374,7 +417,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     # A head group's q tile starts at the multiple of 8 rows at or below its first row.
     # Past the last row the GPU's TMA zero-fills the tile; the interpreter raises instead,
     # so there q gets real padding rows (on the GPU only up to a multiple of 8).
-    q_rows = q.astype(dtype).reshape(b * hq, d)
+    q_scales = []
+    if q8:
+        q_e4m3, q_scale = quantize_queries(q)
+        q_rows, q_scales = q_e4m3.reshape(b * hq, d), [q_scale]
+    else:
+        q_rows = q.astype(dtype).reshape(b * hq, d)
     pad = rows + -(b * hq) % 8 if interpret else -(b * hq) % 8
     if pad:
         q_rows = jnp.pad(q_rows, ((0, pad), (0, 0)))
@@ -400,7 +448,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     score_shape = (block_kv, rows) if keys_as_rows else (rows, block_kv)
     acc_shape = (d, rows) if keys_as_rows else (rows, d)
 
-    def attend(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile, first_limit=None):
+    def attend(q_tile, k_tile, v_tile, k_done, v_done, n_keys, n_steps, p_tile, first_limit=None,
+               score_scale=scale):
         """Online softmax over the item's key blocks -> (O or O^T, m, l) per query. With
         keys as rows the sums of P are kept per element, so that they are reduced across
         the warps once at the end rather than once a block. `k_tile(i)` / `v_tile(i,
@@ -408,7 +457,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         `>= n_valid` zeroed), each with its per-key scales folded out of the tile (None:
         none); `k_done` / `v_done` release its ring slot. With `first_limit` (causal query
         tiles) column c also masks the keys `>= first_limit + c // causal_group`; a block
-        past a column's end leaves it as it was, bitwise (probabilities 0, rescale 1)."""
+        past a column's end leaves it as it was, bitwise (probabilities 0, rescale 1).
+        `score_scale`: what the scores are multiplied by (with "mma_q8" it carries the
+        request's query scale)."""
         m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
                                 plgpu.Layout.WGMMA.reduce(key_axis))
         l_i = (plgpu.layout_cast(jnp.full(score_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -426,9 +477,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             n_valid = n_keys - i * block_kv  # keys of this block the item owns
             pos = plgpu.broadcasted_iota(jnp.int32, score_shape, key_axis, layout=plgpu.Layout.WGMMA)
             if k_scale is not None:  # a stale key's scale is selected away with its score
-                s = s * lax.broadcast_in_dim(k_scale * scale, score_shape, [key_axis])
+                s = s * lax.broadcast_in_dim(k_scale * score_scale, score_shape, [key_axis])
             else:
-                s = s * scale
+                s = s * score_scale
             s = jnp.where(pos < n_valid, s, -jnp.inf)
             if first_limit is not None:  # key < first_limit + col // G  <=>  (key - first_limit + 1) * G <= col
                 col = plgpu.broadcasted_iota(jnp.int32, score_shape, q_axis, layout=plgpu.Layout.WGMMA)
@@ -475,7 +526,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         return acc, m_i, l_i.sum(axis=key_axis) if keys_as_rows else l_i
 
     def body(layer_ref, lens_ref, pt_ref, *rest):
-        lim_ref, q_ref, k_ref, v_ref, *rest = rest if causal else (None, *rest)
+        lim_ref, *rest = rest if causal else (None, *rest)
+        qs_ref, q_ref, k_ref, v_ref, *rest = rest if q8 else (None, *rest)
         ks_ref, vs_ref, *rest = rest if quant else (None, None, *rest)
         o_ref, *rest = rest
         lse_ref = rest[0] if splits > 1 else None
@@ -529,6 +581,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                     k_scale = key_scales(ks_smem.at[ring(i)], key_axis)
                     if k_regs:
                         return fp8_to(src[...], dtype), k_scale
+                    if q8:  # both operands of QK^T are e4m3 as loaded
+                        return src, k_scale
                     cast_tile(src, k_stage)
                     return k_stage, k_scale
 
@@ -556,7 +610,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                        lambda i: plgpu.barrier_arrive(v_free.at[ring(i)]),
                                        end - start, n_steps,
                                        p_smem.at[wg] if keys_as_rows else None,
-                                       lim_ref[req] if causal else None)
+                                       lim_ref[req] if causal else None,
+                                       scale * qs_ref[req] if q8 else scale)
                 empty = l_i == 0.0
                 l_safe = jnp.where(empty, 1.0, l_i)
                 out = (acc / lax.broadcast_in_dim(l_safe, acc_shape, [q_axis])).astype(dtype)
@@ -633,15 +688,13 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
     tiled = smem_tiling(d, dtype)
     kv_tiled = smem_tiling(d, kv_dtype)
-    # "mma": V^T pages and P^T share one swizzle (a wgmma's operands must), at most a
-    # page's keys wide so that each page's TMA copy fills whole tiles.
-    minor_tiled = smem_tiling(min(128, sub), kv_dtype)
+    minor_tiled = minor_tiling(sub, kv_dtype)  # "mma": P^T takes V^T's swizzle (wgmma's rule)
     rings = hpc * stages
     arrivals = copies * (2 if quant else 1)  # a page's rows (and its scales) per tile
     scratch = [
         # The q tiles and the output staging alias: an item's last QK^T has read q before
         # its output is written, and the next q load waits until that output is stored.
-        plgpu.RefUnion(plgpu.SMEM((hpc, rows, d), dtype, transforms=tiled),
+        plgpu.RefUnion(plgpu.SMEM((hpc, rows, d), q_rows.dtype, transforms=smem_tiling(d, q_rows.dtype)),
                        plgpu.SMEM((hpc, rows, d), dtype)),
         plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled),
         (plgpu.SMEM((rings, copies, d, sub), kv_dtype, transforms=minor_tiled) if v_minor else
@@ -673,7 +726,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(layer_arr, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-      *([jnp.asarray(first_limits, jnp.int32)] if causal else []), q_rows, k_data, v_data, *scales)
+      *([jnp.asarray(first_limits, jnp.int32)] if causal else []), *q_scales, q_rows, k_data, v_data,
+      *scales)
 
     o_part = outs[0].reshape(splits, b, hq, d)
     if splits == 1:

@@ -35,8 +35,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode_mgpu import (cast_tile, compute_dtype, dequantize_tile, key_scales, num_sms,
-                                        smem_tiling, split_buffers, wgmma_accumulate, zero_rows_from)
+from pallas_kernels.decode_mgpu import (cast_tile, compute_dtype, dequantize_tile, key_scales, minor_tiling,
+                                        num_sms, smem_tiling, split_buffers, stage_minor_pages,
+                                        wgmma_accumulate, zero_rows_from)
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import PrefillTuning
 
@@ -105,6 +106,9 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
         raise ValueError(f"prefill_mgpu: tuning.fp8_tiles must be one of {'/'.join(PREFILL_FP8_TILES)}, "
                          f"got {t.fp8_tiles!r}")
     fold = quant and t.fp8_tiles == "fold"
+    if quant and k_buf.slot_minor:
+        raise ValueError("prefill_mgpu: fp8 keys must be stored slot-major (only values may be slot-minor)")
+    v_minor = quant and v_buf.slot_minor  # staged back to keys as rows (`stage_minor_pages`)
     dtype = compute_dtype(q.dtype, kv_dtype, quant)
     sub = min(page_size, block_kv)
     copies = block_kv // sub
@@ -236,10 +240,16 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                             cols = plgpu.broadcasted_iota(jnp.int32, p.shape, 1, layout=plgpu.Layout.WGMMA)
                             pv = jnp.where(cols < n_valid, pv, jnp.zeros_like(pv))
                         p16 = pv.astype(dtype)
-                        cast_tile(v_tile, stage.at[wg])
+                        if v_minor:
+                            stage_minor_pages(v_tile, stage.at[wg], None, n_valid)
+                        else:
+                            cast_tile(v_tile, stage.at[wg])
+                            if masked:
+                                zero_rows_from(stage.at[wg], n_valid)
                         v_tile = stage.at[wg]
-                        if masked:
-                            zero_rows_from(v_tile, n_valid)
+                    elif v_minor:
+                        stage_minor_pages(v_tile, stage.at[wg], vs_smem.at[slot], n_valid)
+                        v_tile = stage.at[wg]
                     elif quant:
                         dequantize_tile(v_tile, vs_smem.at[slot], stage.at[wg], n_valid)
                         v_tile = stage.at[wg]
@@ -321,17 +331,19 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                         page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)),
                                                        last_page)]
                         rows.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
-                    for buf_ref, smem, s_ref, s_smem, bar, free in (
-                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free),
-                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free)):
+                    for buf_ref, smem, s_ref, s_smem, bar, free, minor in (
+                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free, False),
+                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free, v_minor)):
                         @pl.when(gstep + i >= stages)
                         def _wait_free():
                             plgpu.barrier_wait(free.at[slot])
 
                         for j, row in enumerate(rows):
-                            plgpu.copy_gmem_to_smem(buf_ref.at[lyr, pl.ds(row, sub), kvh],
-                                                    smem.at[slot, pl.ds(j * sub, sub)],
-                                                    bar.at[slot])
+                            if minor:  # the page's D rows of `sub` contiguous keys
+                                src, dst = buf_ref.at[lyr, kvh, :, pl.ds(row, sub)], smem.at[slot, j]
+                            else:
+                                src, dst = buf_ref.at[lyr, pl.ds(row, sub), kvh], smem.at[slot, pl.ds(j * sub, sub)]
+                            plgpu.copy_gmem_to_smem(src, dst, bar.at[slot])
                             if quant:  # the page's scales: a contiguous run of this head's
                                 plgpu.copy_gmem_to_smem(s_ref.at[lyr, kvh, pl.ds(row, sub)],
                                                         s_smem.at[slot, pl.ds(j * sub, sub)],
@@ -358,7 +370,8 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
         plgpu.SMEM((2, BLOCK_Q, d), dtype, transforms=tiled),
         plgpu.SMEM((2, BLOCK_Q, d), dtype),
         plgpu.SMEM((stages, block_kv, d), kv_dtype, transforms=kv_tiled),
-        plgpu.SMEM((stages, block_kv, d), kv_dtype, transforms=kv_tiled),
+        (plgpu.SMEM((stages, copies, d, sub), kv_dtype, transforms=minor_tiling(sub, kv_dtype)) if v_minor
+         else plgpu.SMEM((stages, block_kv, d), kv_dtype, transforms=kv_tiled)),
         *([plgpu.SMEM((stages, block_kv), jnp.float32), plgpu.SMEM((stages, block_kv), jnp.float32),
            plgpu.SMEM((2, block_kv, d), dtype, transforms=tiled)] if quant else []),
         plgpu.Barrier(num_barriers=2),
