@@ -168,7 +168,8 @@ def test_kernels_decode_times_fp8_tile_paths_against_the_bf16_kernel(tmp_path):
     (dec,) = section(rows, "decode")
     assert dec["kv_dtype"] == "float8_e4m3fn" and dec["page_size"] == 32
     positive(dec, "jrl_bf16_tb_per_s", "jrl_tb_per_s", "jrl_vs_bf16", "jrl_fp8_tiles_fold_k_regs_vs_bf16")
-    assert dec["jrl_rel_err"] < 1e-2 and dec["jrl_fp8_tiles_fold_k_regs_rel_err"] < 1e-2
+    # the default reads slot-minor values through "mma": e4m3 probabilities (3 mantissa bits)
+    assert dec["jrl_rel_err"] < 3e-2 and dec["jrl_fp8_tiles_fold_k_regs_rel_err"] < 1e-2
     assert "stock_tb_per_s" not in dec  # the stock kernel reads bf16 pages only
 
 

@@ -14,7 +14,7 @@ import pytest
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig
-from jrl.rollout.cache.kv_storage import kv_bytes_per_token
+from jrl.rollout.cache.kv_storage import KVStorage, kv_bytes_per_token, values_slot_minor
 from pallas_kernels import dispatch, quantized, reference
 from pallas_kernels.decode_mgpu import default_fp8_tiles, default_num_stages, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
@@ -23,13 +23,15 @@ from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 from kernel_inputs import lowers_for_hopper, paged_inputs, rel_err
 
 TOL = 1e-2  # kernel vs the reference on the same fp8 buffers (bf16 tiles and probabilities)
+MMA_TOL = 3e-2  # the same with "mma"/"mma_q8": P (and q) rounded to e4m3, 3 mantissa bits
 FP8_TOL = 5e-2  # fp8 buffers vs the float32 originals: e4m3 keeps 3 mantissa bits
 
 
-def fp8_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2):
-    """float32 K/V buffers, their fp8 form, and shuffled page tables (spare pages unowned)."""
+def fp8_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2, v_slot_minor=False):
+    """float32 K/V buffers, their fp8 form (the values slot-minor if asked), and shuffled
+    page tables (spare pages unowned)."""
     kb, vb, pt = paged_inputs(rng, n_req, max_ctx, hkv, d, ps, jnp.float32, n_layers)
-    return (kb, vb), (quantized.from_array(kb), quantized.from_array(vb)), pt
+    return (kb, vb), (quantized.from_array(kb), quantized.from_array(vb, v_slot_minor)), pt
 
 
 def test_write_kv_quantizes_rows_and_reads_them_back_within_e4m3_rounding():
@@ -55,30 +57,59 @@ def test_write_kv_quantizes_rows_and_reads_them_back_within_e4m3_rounding():
     np.testing.assert_array_equal(np.asarray(k2.scale[1][:, untouched]), 1.0)
 
 
-def test_write_kv_scatters_the_fp8_rows_and_the_scales_once_each():
-    kb = quantized.zeros((2, 64, 2, 16))
+@pytest.mark.parametrize("v_slot_minor,scatters", [(False, 2), (True, 3)])
+def test_write_kv_scatters_the_fp8_rows_and_the_scales_once_each(v_slot_minor, scatters):
+    """K and V rows share one scatter when they share a layout; slot-minor values take their own."""
+    kb, vb = quantized.zeros((2, 64, 2, 16)), quantized.zeros((2, 64, 2, 16), slot_minor=v_slot_minor)
     new = jnp.ones((4, 2, 16), jnp.bfloat16)
     slots = jnp.asarray([3, -1, 7, 9], jnp.int32)
-    text = jax.jit(dispatch.write_kv).lower(kb, kb, jnp.int32(0), slots, new, new).as_text()
-    assert text.count("\"stablehlo.scatter\"(") == 2
+    text = jax.jit(dispatch.write_kv).lower(kb, vb, jnp.int32(0), slots, new, new).as_text()
+    assert text.count("\"stablehlo.scatter\"(") == scatters
 
 
-def test_clear_slots_zeroes_rows_and_resets_their_scales():
-    buf = QuantizedKV(jnp.full((2, 16, 1, 8), jnp.nan, jnp.float8_e4m3fn), jnp.full((2, 1, 16), jnp.nan))
+@pytest.mark.parametrize("slot_minor", [False, True])
+def test_clear_slots_zeroes_rows_and_resets_their_scales(slot_minor):
+    shape = quantized.data_shape((2, 16, 1, 8), slot_minor)
+    buf = QuantizedKV(jnp.full(shape, jnp.nan, jnp.float8_e4m3fn), jnp.full((2, 1, 16), jnp.nan), slot_minor)
     out = quantized.clear_slots(buf, jnp.asarray([2, 3, 16]))  # 16: past the end, dropped
-    assert not np.asarray(out.data[:, 2:4], np.float32).any()
+    data = np.asarray(out.data, np.float32)
+    data = np.moveaxis(data, 3, 1) if slot_minor else data  # [L, S, Hkv, D]
+    assert out.slot_minor == slot_minor and not data[:, 2:4].any()
     np.testing.assert_array_equal(np.asarray(out.scale[:, :, 2:4]), 1.0)
-    assert np.isnan(np.asarray(out.data[:, 4], np.float32)).all()
+    assert np.isnan(data[:, 4]).all()
 
 
-# (keys_as_rows, splits, fp8_tiles, fp8_compute): every way an fp8 tile reaches the matmuls
+def test_slot_minor_values_hold_what_slot_major_values_hold():
+    """The same writes into both layouts read back the same; the slot-minor data is the
+    slot-major data with the slots moved last."""
+    rng = np.random.default_rng(1)
+    v = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
+    slots = jnp.asarray([9, -1, 40], jnp.int32)
+    k = quantized.zeros((2, 64, 2, 16))
+    _, major = dispatch.write_kv(k, quantized.zeros((2, 64, 2, 16)), jnp.int32(1), slots, v, v)
+    _, minor = dispatch.write_kv(k, quantized.zeros((2, 64, 2, 16), slot_minor=True), jnp.int32(1), slots, v, v)
+    assert minor.slot_minor and minor.data.shape == (2, 2, 16, 64) and minor.shape == major.shape
+    np.testing.assert_array_equal(np.asarray(minor.data, np.float32),
+                                  np.asarray(major.data, np.float32).transpose(0, 2, 3, 1))
+    np.testing.assert_array_equal(np.asarray(minor.scale), np.asarray(major.scale))
+    read = jnp.asarray([[9, 40], [0, 63]])
+    np.testing.assert_array_equal(np.asarray(quantized.gather(minor, jnp.int32(1), read)),
+                                  np.asarray(quantized.gather(major, jnp.int32(1), read)))
+
+
+# (keys_as_rows, splits, fp8_tiles, fp8_compute, values slot-minor): every way an fp8 tile
+# reaches the matmuls
 DECODE_FP8_CASES = {
-    "keys_as_rows": (True, 1, "stage", None),
-    "queries_as_rows": (False, 2, "stage", None),
-    "keys_as_rows-fold": (True, 2, "fold", None),
-    "queries_as_rows-fold-f16": (False, 1, "fold", "float16"),
-    "keys_as_rows-fold_k_regs": (True, 1, "fold_k_regs", None),
-    "default-tiles": (None, 1, None, None),  # default_fp8_tiles: fold_k_regs with keys as rows
+    "keys_as_rows": (True, 1, "stage", None, False),
+    "queries_as_rows": (False, 2, "stage", None, False),
+    "keys_as_rows-fold": (True, 2, "fold", None, False),
+    "queries_as_rows-fold-f16": (False, 1, "fold", "float16", False),
+    "keys_as_rows-fold_k_regs": (True, 1, "fold_k_regs", None, False),
+    "default-tiles": (None, 1, None, None, False),  # default_fp8_tiles: fold_k_regs with keys as rows
+    "mma": (True, 1, "mma", None, True),
+    "mma-splits": (True, 3, "mma", "float16", True),
+    "mma_q8": (True, 2, "mma_q8", None, True),
+    "default-tiles-slot-minor": (None, 1, None, None, True),  # slot-minor values: "mma"
 }
 
 
@@ -90,16 +121,18 @@ def poison_unowned(buf: QuantizedKV, lens, pt, ps) -> QuantizedKV:
     for b, n in enumerate(np.asarray(lens)):
         keys = np.arange(int(n))
         owned[np.asarray(pt)[b, keys // ps] * ps + keys % ps] = True
-    return QuantizedKV(jnp.where(owned[None, :, None, None], buf.data, jnp.nan).astype(buf.data.dtype),
-                       jnp.where(owned[None, None, :], buf.scale, jnp.nan))
+    data_owned = owned[None, None, None, :] if buf.slot_minor else owned[None, :, None, None]
+    return QuantizedKV(jnp.where(data_owned, buf.data, jnp.nan).astype(buf.data.dtype),
+                       jnp.where(owned[None, None, :], buf.scale, jnp.nan), buf.slot_minor)
 
 
-@pytest.mark.parametrize("keys_as_rows,splits,fp8_tiles,fp8_compute", DECODE_FP8_CASES.values(),
+@pytest.mark.parametrize("keys_as_rows,splits,fp8_tiles,fp8_compute,v_slot_minor", DECODE_FP8_CASES.values(),
                          ids=DECODE_FP8_CASES.keys())
-def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits, fp8_tiles, fp8_compute):
+def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits, fp8_tiles, fp8_compute,
+                                                            v_slot_minor):
     rng = np.random.default_rng(7)
     lens = np.array([1, 45, 0, 70])
-    (kb, vb), (kq, vq), pt = fp8_inputs(rng, len(lens), int(lens.max()), 2, 64, 32)
+    (kb, vb), (kq, vq), pt = fp8_inputs(rng, len(lens), int(lens.max()), 2, 64, 32, v_slot_minor=v_slot_minor)
     q = jnp.asarray(rng.standard_normal((len(lens), 4, 64)), jnp.bfloat16)
     lens = jnp.asarray(lens, jnp.int32)
     tuning = DecodeTuning(num_splits=splits, keys_as_rows=keys_as_rows, fp8_tiles=fp8_tiles,
@@ -111,17 +144,18 @@ def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits
     ref = reference.ragged_decode(q.astype(jnp.float32), kq, vq, *args, page_size=32, sm_scale=0.125)
     exact = reference.ragged_decode(q.astype(jnp.float32), kb, vb, *args, page_size=32, sm_scale=0.125)
     assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
-    assert rel_err(out, ref) < TOL
+    assert rel_err(out, ref) < (MMA_TOL if v_slot_minor else TOL)
     assert rel_err(ref, exact) < FP8_TOL
     np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)  # kv_len 0 -> zeros
 
 
+@pytest.mark.parametrize("v_slot_minor", [False, True], ids=["slot-major", "slot-minor"])
 @pytest.mark.parametrize("fp8_tiles", ["stage", "fold"])
-def test_prefill_kernel_reads_fp8_buffers_like_the_reference(fp8_tiles):
+def test_prefill_kernel_reads_fp8_buffers_like_the_reference(fp8_tiles, v_slot_minor):
     rng = np.random.default_rng(8)
     q_lens, prefix = np.array([1, 40, 0]), np.array([0, 37, 0])  # a prefix hit, a padded request
     kv_lens = q_lens + prefix
-    (kb, vb), (kq, vq), pt = fp8_inputs(rng, 3, int(kv_lens.max()), 1, 64, 32)
+    (kb, vb), (kq, vq), pt = fp8_inputs(rng, 3, int(kv_lens.max()), 1, 64, 32, v_slot_minor=v_slot_minor)
     t_rows = int(q_lens.sum()) + 5
     q = jnp.asarray(rng.standard_normal((t_rows, 2, 64)), jnp.bfloat16)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
@@ -138,23 +172,25 @@ def test_prefill_kernel_reads_fp8_buffers_like_the_reference(fp8_tiles):
 
 
 @pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill", "prefill_fold",
+                                    "prefill_slot_minor", "prefill_fold_slot_minor",
                                     *(f"decode_{name}" for name in list(DECODE_FP8_CASES)[2:])])
 def test_fp8_kernels_lower_for_hopper(kernel):
     """The whole Mosaic GPU lowering (layouts, fp8 loads and casts, TMA shapes, barriers) runs
     for the cuda platform on CPU; only ptxas is left for the GPU."""
     rng = np.random.default_rng(9)
-    _, (kq, vq), pt = fp8_inputs(rng, 4, 96, 2, 128, 32)
+    keys_as_rows, _, fp8_tiles, fp8_compute, v_slot_minor = DECODE_FP8_CASES.get(
+        kernel.removeprefix("decode_"), (kernel == "decode_keys_as_rows", 1, "stage", None, False))
+    v_slot_minor = v_slot_minor or kernel.endswith("slot_minor")
+    _, (kq, vq), pt = fp8_inputs(rng, 4, 96, 2, 128, 32, v_slot_minor=v_slot_minor)
     lens = jnp.asarray([1, 96, 40, 0], jnp.int32)
     if kernel.startswith("prefill"):
         q = jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16)
         cu = jnp.asarray([0, 1, 33, 64, 64], jnp.int32)
         fn = functools.partial(paged_prefill_mgpu, page_size=32, sm_scale=0.1,
-                               tuning=PrefillTuning(fp8_tiles="fold" if kernel == "prefill_fold" else "stage"))
+                               tuning=PrefillTuning(fp8_tiles="fold" if "fold" in kernel else "stage"))
         lowered = jax.jit(fn).trace(q, kq, vq, jnp.int32(0), cu, lens, pt)
     else:
         q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
-        keys_as_rows, _, fp8_tiles, fp8_compute = DECODE_FP8_CASES.get(
-            kernel.removeprefix("decode_"), (kernel == "decode_keys_as_rows", 1, "stage", None))
         fn = functools.partial(ragged_decode_mgpu, page_size=32, sm_scale=0.1,
                                tuning=DecodeTuning(keys_as_rows=keys_as_rows, fp8_tiles=fp8_tiles,
                                                    fp8_compute=fp8_compute))
@@ -166,14 +202,17 @@ def test_fp8_tiles_default_to_k_in_registers_only_where_keys_are_rows():
     assert [default_fp8_tiles(rows) for rows in (True, False)] == ["fold_k_regs", "stage"]
 
 
-@pytest.mark.parametrize("tuning,match", [
-    (DecodeTuning(fp8_tiles="scaled"), "tuning.fp8_tiles must be None or one of stage/fold/fold_k_regs"),
-    (DecodeTuning(fp8_compute="float32"), "tuning.fp8_compute must be None or one of"),
-    (DecodeTuning(fp8_tiles="fold_k_regs", keys_as_rows=False), "fold_k_regs' needs keys as rows"),
+@pytest.mark.parametrize("tuning,v_slot_minor,match", [
+    (DecodeTuning(fp8_tiles="scaled"), False, "tuning.fp8_tiles must be None or one of stage/fold/fold_k_regs/mma"),
+    (DecodeTuning(fp8_compute="float32"), False, "tuning.fp8_compute must be None or one of"),
+    (DecodeTuning(fp8_tiles="fold_k_regs", keys_as_rows=False), False, "fold_k_regs' needs keys as rows"),
+    (DecodeTuning(fp8_tiles="mma"), False, "'mma'/'mma_q8' read slot-minor fp8 values.*slot-major values"),
+    (DecodeTuning(fp8_tiles="fold_k_regs"), True, "'mma'/'mma_q8' read slot-minor fp8 values.*slot-minor values"),
+    (DecodeTuning(fp8_tiles="mma", keys_as_rows=False), True, "'mma' needs keys as rows"),
 ])
-def test_decode_kernel_names_a_bad_fp8_option(tuning, match):
+def test_decode_kernel_names_a_bad_fp8_option(tuning, v_slot_minor, match):
     rng = np.random.default_rng(11)
-    _, (kq, vq), pt = fp8_inputs(rng, 1, 32, 1, 64, 32)
+    _, (kq, vq), pt = fp8_inputs(rng, 1, 32, 1, 64, 32, v_slot_minor=v_slot_minor)
     q = jnp.asarray(rng.standard_normal((1, 2, 64)), jnp.bfloat16)
     with pytest.raises(ValueError, match=match):
         ragged_decode_mgpu(q, kq, vq, 0, jnp.asarray([20], jnp.int32), pt, page_size=32, sm_scale=1.0,
@@ -215,6 +254,15 @@ def test_fp8_kernels_need_pages_of_32_tokens():
 def test_engine_config_names_an_unknown_kv_dtype():
     with pytest.raises(ConfigError, match="engine.kv_dtype"):
         EngineConfig(kv_dtype="int8")
+
+
+def test_fp8_cache_stores_values_slot_minor_where_decode_puts_keys_on_the_tile_rows():
+    gqa = KVStorage(ModelConfig(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16), 64, "float8_e4m3fn")
+    assert not gqa.k.slot_minor and gqa.v.slot_minor
+    assert gqa.v.data.shape == (2, 2, 16, 64) and gqa.v.shape == gqa.k.shape == (2, 64, 2, 16)
+    wide = KVStorage(ModelConfig(n_layers=2, n_heads=32, n_kv_heads=1, head_dim=16), 64, "float8_e4m3fn")
+    assert not wide.v.slot_minor  # 32 queries a kv head: queries are the tile rows
+    assert not values_slot_minor(ModelConfig(n_heads=4, n_kv_heads=2), None)  # bf16 cache
 
 
 def test_kv_bytes_per_token_counts_fp8_bytes_and_scales():
