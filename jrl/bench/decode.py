@@ -42,7 +42,8 @@ in `--engine` the KV is quantized for every variant but bf16_kv (the same batch 
 baseline of the fp8 speedup), and fp8_stage, fp8_fold, fp8_fold_k_regs, fp8_fold_f16,
 fp8_fold_k_regs_f16, fp8_mma, fp8_mma_f16, fp8_mma_q8 pick the decode kernel's fp8 tile path
 (`DecodeTuning.fp8_tiles`; f16: `fp8_compute="float16"`; the mma ones store the values
-slot-minor, the others slot-major; base is the engine's default). XLA flags apply to the whole
+slot-minor, the others slot-major; base is the engine's default); fp8_mma_b128 and
+fp8_mma_q8_b128 take 128-key blocks, fp8_mma_3cta three CTAs an SM. XLA flags apply to the whole
 process: run again under another XLA_FLAGS to compare flags.
 
 Host (`--host`; section `host`): the engine's own Python per decode step, a tiny float32
