@@ -17,7 +17,8 @@ decode kernel's fp8 path "mma" multiplies such pages as they are loaded
 (`decode_mgpu`). `shape` stays the logical `[n_layers, n_slots, Hkv, D]` either way.
 
 The KV write quantizes (`write`), the references dequantize in float32 (`gather`), the
-Mosaic GPU kernels load the fp8 tiles and scales and dequantize in shared memory.
+Mosaic GPU kernels load the fp8 tiles and scales and dequantize them in shared memory or
+fold the scales around fp8 tensor-core matmuls.
 Non-finite inputs stay non-finite (a NaN stays in the fp8 data, an inf makes the row's
 scale inf), so a request whose keys blow up still fails visibly, and the kernels' selects
 keep stale slots out as before.
