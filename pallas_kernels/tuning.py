@@ -27,11 +27,13 @@ class DecodeTuning:
     keys_as_rows: tile orientation (None: keys as rows for narrow query tiles).
     ctas_per_sm: persistent CTAs an SM (None: 2 with keys as rows, else 1).
     fp8_tiles: how fp8 K/V tiles reach the tensor cores (`decode_mgpu.FP8_TILES`; None:
-    `decode_mgpu.default_fp8_tiles`, "fold_k_regs" with keys as rows, else "stage"): "stage"
-    dequantizes each tile (times its per-token scales) into one staging tile shared by K
-    and V; "fold" leaves the scales out of the tiles (K's on the scores, V's on the
-    probabilities) and casts K and V into a staging tile each; "fold_k_regs" is "fold"
-    with K cast in registers as the first matmul operand (keys as rows only).
+    "mma" on slot-minor values, else `decode_mgpu.default_fp8_tiles`, "fold_k_regs" with
+    keys as rows, else "stage"): "stage" dequantizes each tile (times its per-token scales)
+    into one staging tile shared by K and V; "fold" leaves the scales out of the tiles (K's
+    on the scores, V's on the probabilities) and casts K and V into a staging tile each;
+    "fold_k_regs" is "fold" with K cast in registers as the first matmul operand (keys as
+    rows only); "mma" is "fold_k_regs" with P·V on fp8 tensor cores, for slot-minor values
+    only (`QuantizedKV.slot_minor`); "mma_q8" also quantizes q for an fp8 QK^T.
     fp8_compute: the dtype fp8 tiles are cast to (None: q's if bf16/f16, else bf16;
     "float16" makes the cast one instruction a pair, exact, with f16's range for q)."""
 
