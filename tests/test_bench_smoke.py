@@ -84,11 +84,12 @@ def test_decode_ab_times_every_variant_against_the_first(tmp_path):
 
 
 def test_decode_ab_compares_fp8_kv_variants_with_the_bf16_kv_batch(tmp_path):
-    rows = bench(tmp_path, "decode", "--ab", "base,bf16_kv,fp8_fold_k_regs", "--batches", "2", "--page-size", "32",
-                 "--rounds", "1", "--per-round", "1", "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
+    rows = bench(tmp_path, "decode", "--ab", "base,bf16_kv,fp8_fold_k_regs,fp8_mma", "--batches", "2", "--page-size",
+                 "32", "--rounds", "1", "--per-round", "1", "--engine", json.dumps({"kv_dtype": "float8_e4m3fn"}))
     ab = section(rows, "ab")
     assert [(r["variant"], r["kv_dtype"]) for r in ab] == [
-        ("base", "float8_e4m3fn"), ("bf16_kv", "bfloat16"), ("fp8_fold_k_regs", "float8_e4m3fn")]
+        ("base", "float8_e4m3fn"), ("bf16_kv", "bfloat16"), ("fp8_fold_k_regs", "float8_e4m3fn"),
+        ("fp8_mma", "float8_e4m3fn")]
     assert ab[0]["floor_ms"] < ab[1]["floor_ms"]  # half the KV bytes
     for r in ab:
         positive(r, "ms", "floor_ms", "over_floor")
