@@ -86,8 +86,9 @@ def add_arguments(p) -> None:
     p.add_argument("--check-kinds", nargs="+", default=[*DECODE_CHECKS, "prefill", "prefill-persistent"],
                    help="which kernel settings --check runs")
     p.add_argument("--check-decode-tuning", type=json.loads, default={},
-                   help='DecodeTuning fields added to every decode kind of --check, e.g. the fp8 tile path '
-                        'before it is the default: \'{"fp8_tiles": "fold_k_regs"}\'')
+                   help='DecodeTuning fields added to every decode kind of --check, e.g. a tile path that '
+                        'is not the default: \'{"fp8_tiles": "mma_q8"}\' (fp8 values are built in the layout '
+                        'the path takes)')
     p.add_argument("--check-prefill-tuning", type=json.loads, default={},
                    help='PrefillTuning fields added to every prefill kind of --check, e.g. \'{"fp8_tiles": "fold"}\'')
     p.add_argument("--decode-variants", type=json.loads, default=[],
