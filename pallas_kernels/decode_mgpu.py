@@ -65,6 +65,7 @@ ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in 
 
 
 FP8_TILES = ("stage", "fold", "fold_k_regs", "mma", "mma_q8")  # DecodeTuning.fp8_tiles
+SLOT_MINOR_TILES = ("mma", "mma_q8")  # the paths that read slot-minor values (and only they do)
 # fp8 caches of models whose decode puts keys on the tile rows store their values
 # slot-minor, for "mma" (`dispatch.fp8_values_slot_minor`): 0.85x the decode step of
 # "fold_k_regs" on slot-major values at batch 256 on the H200 (docs/performance.md, fp8).
@@ -376,7 +377,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                          "slot-minor, for fp8_tiles='mma')")
     v_minor = quant and v_buf.slot_minor
     tiles = t.fp8_tiles or ("mma" if v_minor else default_fp8_tiles(keys_as_rows))
-    mma = quant and tiles in ("mma", "mma_q8")
+    mma = quant and tiles in SLOT_MINOR_TILES
     q8 = quant and tiles == "mma_q8"
     if mma != v_minor:
         raise ValueError(f"decode_mgpu: fp8_tiles 'mma'/'mma_q8' read slot-minor fp8 values, and "

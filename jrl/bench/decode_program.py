@@ -29,7 +29,8 @@ def default_decode_program(cfg, page_size: int, max_rows: int, cached: bool = Tr
 
 
 def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, aligned: bool = False,
-                    steps: int = 1, pages: str = "per_request", prompt: int = 512, kv_dtype: str | None = None, v_slot_minor: bool = False):
+                    steps: int = 1, pages: str = "per_request", prompt: int = 512, kv_dtype: str | None = None,
+                    v_slot_minor: bool = False):
     """A decode batch as the engine builds it: `batch` requests at `context` tokens, random
     KV, greedy (the same inputs for every variant at one batch size); `steps` > 1: a
     multi-step call whose step j computes position `context - 1 + j`. `pages`:
@@ -37,7 +38,8 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, al
     lowest-id-first allocator gives a batch that prefilled `prompt` tokens together and then
     decoded (each prompt consecutive, the decode pages interleaved); "random" a random
     permutation. `kv_dtype`: the KV buffers' storage (None: bf16; "float8_e4m3fn": the
-    random KV quantized; `v_slot_minor`: the values' data slot-minor, `QuantizedKV.slot_minor`). Returns (layout, ints, floats, k, v, prev_tokens)."""
+    random KV quantized; `v_slot_minor`: the values' data slot-minor, `QuantizedKV.slot_minor`).
+    Returns (layout, ints, floats, k, v, prev_tokens)."""
     if pages not in PAGE_ORDERS:
         raise ValueError(f"pages: must be one of {PAGE_ORDERS}, got {pages!r}")
     per_req = -(-(context + steps - 1) // page_size)

@@ -40,9 +40,9 @@ import numpy as np
 from jrl.bench.log import log
 from jrl.bench.timing import timeit
 from pallas_kernels import dispatch, quantized, reference
-from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.decode_mgpu import SLOT_MINOR_TILES, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
-from pallas_kernels.quantized import KV_DTYPES, QuantizedKV
+from pallas_kernels.quantized import KV_DTYPES
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 try:  # JAX's stock Pallas paged attention (Triton lowering): the decode section's "stock" column
@@ -145,7 +145,7 @@ def values_slot_minor_for(tuning: dict, hq: int, hkv: int) -> bool:
     """Whether fp8 values reach the decode kernel slot-minor under `tuning` (DecodeTuning
     fields): for the "mma" tile paths, and by default where the engine stores them so."""
     if tuning.get("fp8_tiles") is not None:
-        return tuning["fp8_tiles"] in ("mma", "mma_q8")
+        return tuning["fp8_tiles"] in SLOT_MINOR_TILES
     return tuning.get("keys_as_rows") is not False and dispatch.fp8_values_slot_minor(hq, hkv)
 
 
@@ -254,10 +254,11 @@ def decode(args, results) -> None:
                 row["jrl_bf16_us"] = bf16_s * 1e6
             except Exception as e:  # noqa: BLE001
                 row["jrl_bf16_error"] = _error(e)
-            kb, vb = quantized.from_array(kb), quantized.from_array(vb)
-        v_layouts = {False: vb}  # fp8 values as each variant's tile path takes them
-        if fp8 and any(values_slot_minor_for(var, hq, hkv) for var in variants):
-            v_layouts[True] = QuantizedKV(jnp.transpose(vb.data, (0, 2, 3, 1)), vb.scale, slot_minor=True)
+        v_layouts = {False: vb}  # the values as each variant's tile path takes them
+        if fp8:
+            v_layouts = {minor: quantized.from_array(vb, minor)
+                         for minor in {False, *(values_slot_minor_for(var, hq, hkv) for var in variants)}}
+            kb, vb = quantized.from_array(kb), v_layouts[False]
         ref_out = None
         try:
             f = jax.jit(functools.partial(reference.ragged_decode, page_size=ps, sm_scale=scale))
