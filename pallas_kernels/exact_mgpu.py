@@ -10,8 +10,9 @@ of a KV head's group as the columns), every tile becomes one "request" of
 `decode_mgpu.ragged_decode_mgpu` in its causal tile mode, and each column walks the key
 blocks from key 0 up to the tile's last one: the blocks past its own causal end change
 nothing (probability 0, rescale exactly 1), there are no KV splits, and the key block is
-pinned. A decode step is then a tile of one position, a prefill a tile of many, with the
-same arithmetic per column.
+pinned. A decode step is then a tile of one position (the plain decode kernel on the step's
+queries, no causal mask left to apply), a prefill a tile of many, with the same arithmetic
+per column.
 
 Against the queries-as-rows prefill kernel, whose 64-row tile a decode step fills with one
 query, a step costs what the decode kernel's does; a prefill reads each request's K/V once
@@ -57,8 +58,8 @@ def exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
     cu_q_lens[b+1]`, its last query at key `kv_lens[b] - 1`) -> `[T, Hq, D]`, zeros past
     `cu_q_lens[-1]`. `positions` per tile (None: `tile_positions`) changes the work layout,
     not the result. `one_query_each`: a decode step's layout (T = R, row r request r's one
-    query or padding), which skips the gathers that place queries in tiles, with the
-    same tiles and so the same bits."""
+    query or padding), which is the plain decode kernel's work: no causal tiles, gathers or
+    padding positions, and each query column computed as in a tile, so the same bits."""
     n_rows, hq, d = q.shape
     n_req = kv_lens.shape[0]
     hkv = k_buf.shape[2]
@@ -72,40 +73,37 @@ def exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
     cu = cu_q_lens.astype(jnp.int32)
     kv = kv_lens.astype(jnp.int32)
     q_lens = cu[1:] - cu[:-1]
-    if one_query_each:  # tile r: request r's query at position 0, zeros after
-        tables = page_table
-        used = q_lens > 0
-        first_limit = kv
-        tile_keys = jnp.where(used, jnp.clip(kv, 0), 0)
-        q_tiles = jnp.pad(q.reshape(n_req, hkv, 1, group, d), ((0, 0), (0, 0), (0, p - 1), (0, 0), (0, 0)))
-        n_tiles = n_req
-    else:
-        # Every tile holds at least one query, and a request leaves at most p - 1 positions empty.
-        n_tiles = max(1, min(n_rows, (n_rows + n_req * (p - 1)) // p))
-        per_req = (q_lens + p - 1) // p
-        ends = jnp.cumsum(per_req)
-        first_tile = ends - per_req
-        t = jnp.arange(n_tiles, dtype=jnp.int32)
-        req = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
-        used = req < n_req
-        r = jnp.minimum(req, n_req - 1)
-        tables = page_table[r]
-        j0 = (t - first_tile[r]) * p  # the tile's first position, in request coordinates
-        first_limit = kv[r] - q_lens[r] + j0 + 1  # keys its first position sees
-        tile_keys = jnp.where(used, jnp.clip(jnp.minimum(kv[r], first_limit + p - 1), 0), 0)
+    if one_query_each:
+        # A decode step: request r's one query sees all its keys, which is the plain decode
+        # kernel's work (no causal tile, no padding positions). Its columns are computed as
+        # the causal tiles' are, so they get the same bits; a row without a query gets zeros.
+        return ragged_decode_mgpu(q, k_buf, v_buf, layer, jnp.where(q_lens > 0, jnp.clip(kv, 0), 0),
+                                  page_table, page_size=page_size, sm_scale=sm_scale,
+                                  tuning=exact_tuning(interpret), interpret=interpret)
+    # Every tile holds at least one query, and a request leaves at most p - 1 positions empty.
+    n_tiles = max(1, min(n_rows, (n_rows + n_req * (p - 1)) // p))
+    per_req = (q_lens + p - 1) // p
+    ends = jnp.cumsum(per_req)
+    first_tile = ends - per_req
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    req = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
+    used = req < n_req
+    r = jnp.minimum(req, n_req - 1)
+    tables = page_table[r]
+    j0 = (t - first_tile[r]) * p  # the tile's first position, in request coordinates
+    first_limit = kv[r] - q_lens[r] + j0 + 1  # keys its first position sees
+    tile_keys = jnp.where(used, jnp.clip(jnp.minimum(kv[r], first_limit + p - 1), 0), 0)
 
-        pos = j0[:, None] + jnp.arange(p, dtype=jnp.int32)[None]  # [tiles, p]
-        valid = used[:, None] & (pos < q_lens[r][:, None])
-        src = jnp.where(valid, cu[r][:, None] + pos, 0)
-        q_tiles = jnp.where(valid[..., None, None], q[src], jnp.zeros((), q.dtype))  # [tiles, p, Hq, D]
-        q_tiles = q_tiles.reshape(n_tiles, p, hkv, group, d).transpose(0, 2, 1, 3, 4)
+    pos = j0[:, None] + jnp.arange(p, dtype=jnp.int32)[None]  # [tiles, p]
+    valid = used[:, None] & (pos < q_lens[r][:, None])
+    src = jnp.where(valid, cu[r][:, None] + pos, 0)
+    q_tiles = jnp.where(valid[..., None, None], q[src], jnp.zeros((), q.dtype))  # [tiles, p, Hq, D]
+    q_tiles = q_tiles.reshape(n_tiles, p, hkv, group, d).transpose(0, 2, 1, 3, 4)
     out = ragged_decode_mgpu(q_tiles.reshape(n_tiles, hkv * p * group, d), k_buf, v_buf, layer,
                              tile_keys, tables, page_size=page_size, sm_scale=sm_scale,
                              tuning=exact_tuning(interpret), interpret=interpret,
                              first_limits=first_limit, causal_group=group)
     out = out.reshape(n_tiles, hkv, p, group, d)
-    if one_query_each:
-        return jnp.where(used[:, None, None], out[:, :, 0].reshape(n_rows, hq, d), jnp.zeros((), out.dtype))
     out = out.transpose(0, 2, 1, 3, 4).reshape(n_tiles * p, hq, d)
 
     row = jnp.arange(n_rows, dtype=jnp.int32)
