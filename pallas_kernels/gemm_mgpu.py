@@ -36,6 +36,7 @@ WGMMA_M = 64  # rows of one compute warpgroup's wgmma
 TILE_K = 64  # a block of the K walk: 128 bytes of bf16, one swizzled row
 TILE_NS = (64, 128, 256)  # output tile widths the kernel builds
 N_MULTIPLE = min(TILE_NS)
+SMEM_BYTES = 227 * 1024  # shared memory a CTA may use on Hopper
 
 
 def check_gemm_shapes(x, w) -> None:
@@ -50,21 +51,29 @@ def check_gemm_shapes(x, w) -> None:
         raise ValueError(f"gemm_mgpu: K ({k}) must be a multiple of {TILE_K} and N ({n}) of {N_MULTIPLE}")
 
 
-def tile_shape(m: int, n: int, num_sms: int = 132) -> tuple[int, int]:  # 132: the H100 SXM / H200
+def tile_shape(m: int, n: int, num_sms: int = 132, parts: tuple[int, ...] = ()) -> tuple[int, int]:  # 132: the H100 SXM / H200
     """(tile_m, tile_n) for `[m, K] @ [K, n]`: the largest tile (least shared-memory traffic
     per FLOP) that still gives at least half the SMs a CTA, else the one with the most CTAs
-    (on the H200 at M = 256: 128 x 256 for 88 CTAs beat 128 x 128 for 176)."""
-    shapes = [(tm, tn) for tm in (2 * WGMMA_M, WGMMA_M) for tn in reversed(TILE_NS) if n % tn == 0]
+    (on the H200 at M = 256: 128 x 256 for 88 CTAs beat 128 x 128 for 176). With `parts`
+    (the widths of split outputs) the tile width divides each."""
+    shapes = [(tm, tn) for tm in (2 * WGMMA_M, WGMMA_M) for tn in reversed(TILE_NS)
+              if all(w % tn == 0 for w in (n, *parts))]
     ctas = {s: -(-max(m, 1) // s[0]) * (n // s[1]) for s in shapes}
     filled = [s for s in shapes if 2 * ctas[s] >= num_sms]
     return max(filled, key=lambda s: s[0] * s[1]) if filled else max(shapes, key=lambda s: (ctas[s], -s[0], s[1]))
 
 
-def tile_depth(m: int, k: int) -> int:
-    """K elements a ring slot holds for `m` rows: two 64-wide blocks when one row tile
-    streams the weights (fewer barrier round trips a CTA; decode at batch 1 on the H200:
-    1.89 -> 1.66 ms a step), one otherwise (at 256 rows two blocks were slower)."""
-    return 2 * TILE_K if m <= WGMMA_M and k % (2 * TILE_K) == 0 else TILE_K
+def tile_depth(m: int, k: int, tile_m: int, tile_n: int, itemsize: int = 2) -> int:
+    """K elements a ring slot holds for an `m`-row product on `tile_m x tile_n` tiles: two
+    64-wide blocks when one row tile streams the weights, or when four such slots fit
+    beside the output tile in shared memory (fewer barrier round trips a CTA, more bytes in
+    flight: on the H200 at 256 rows q/o 10.1 -> 7.6 us, down 23.1 -> 16.3, fused q/k/v
+    13.0 -> 10.6); one otherwise (the 128 x 256 tiles of 256 rows: 25.6 -> 47.7 us with
+    two, their ring down to two slots)."""
+    if k % (2 * TILE_K):
+        return TILE_K
+    four_deep = 4 * (tile_m + tile_n) * 2 * TILE_K * itemsize + tile_m * tile_n * itemsize <= SMEM_BYTES
+    return 2 * TILE_K if m <= WGMMA_M or four_deep else TILE_K
 
 
 def fill_ring(n_steps: int, stages: int, free, copy_step) -> None:
@@ -90,22 +99,28 @@ def fill_ring(n_steps: int, stages: int, free, copy_step) -> None:
     lax.fori_loop(max(n_steps, stages), n_steps + stages, retire, None)
 
 
-@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "tile_k", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "tile_k", "num_stages", "parts", "interpret"))
 def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, tile_n: int | None = None,
-                      tile_k: int | None = None, num_stages: int = 4, interpret: bool = False) -> jax.Array:
+                      tile_k: int | None = None, num_stages: int = 4, parts: tuple[int, ...] = (),
+                      interpret: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """`x [M, K] @ w [K, N]` -> `[M, N]` in x's dtype, float32 accumulation, each row computed
     alike for every M, tile and slot depth `tile_k` (module docstring); these default to
-    `tile_shape`'s and `tile_depth`'s."""
+    `tile_shape`'s and `tile_depth`'s. `parts` (widths summing to N, each a multiple of 64):
+    the output as that many arrays, each block of columns written where its part lives
+    (fused q/k/v weights give q, k and v without slicing copies)."""
     check_gemm_shapes(x, w)
     m, k = x.shape
     n = w.shape[1]
-    auto_m, auto_n = tile_shape(m, n)
+    if parts and (sum(parts) != n or any(p % N_MULTIPLE for p in parts)):
+        raise ValueError(f"gemm_mgpu: parts {parts} must be multiples of {N_MULTIPLE} summing to N ({n})")
+    auto_m, auto_n = tile_shape(m, n, parts=parts)
     # Interpret mode keeps one block a slot: its float32 dot of a wider block rounds
     # differently, where the tensor cores chain the same k16 steps whatever the slot holds.
-    tile_k = tile_k or (TILE_K if interpret else tile_depth(m, k))
     tile_m, tile_n = tile_m or auto_m, tile_n or auto_n
-    if tile_m % WGMMA_M or tile_m > 2 * WGMMA_M or tile_n not in TILE_NS or n % tile_n:
-        raise ValueError(f"gemm_mgpu: tile {tile_m}x{tile_n} is not one of 64/128 x {TILE_NS} dividing N ({n})")
+    tile_k = tile_k or (TILE_K if interpret else tile_depth(m, k, tile_m, tile_n, x.dtype.itemsize))
+    if tile_m % WGMMA_M or tile_m > 2 * WGMMA_M or tile_n not in TILE_NS or any(w % tile_n for w in (n, *parts)):
+        raise ValueError(f"gemm_mgpu: tile {tile_m}x{tile_n} is not one of 64/128 x {TILE_NS} dividing N ({n}) "
+                         f"and each part {parts}")
     if tile_k % TILE_K or k % tile_k:
         raise ValueError(f"gemm_mgpu: tile_k ({tile_k}) must be a multiple of {TILE_K} dividing K ({k})")
     dtype = x.dtype
@@ -115,12 +130,16 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
     compute_wgs = tile_m // WGMMA_M
     # The ring: as many slots as fit beside the output tile in shared memory (227 KiB).
     slot_bytes = (tile_m + tile_n) * tile_k * dtype.itemsize
-    fit = (227 * 1024 - tile_m * tile_n * dtype.itemsize) // slot_bytes
+    fit = (SMEM_BYTES - tile_m * tile_n * dtype.itemsize) // slot_bytes
     stages = max(1, min(num_stages, k_steps, fit))
     tiled = smem_tiling(TILE_K, dtype)
     w_tiled = smem_tiling(tile_n, dtype)
 
-    def body(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, full, free):
+    widths = parts or (n,)
+    starts = [sum(widths[:j]) for j in range(len(widths))]
+
+    def body(x_ref, w_ref, *rest):
+        o_refs, (x_smem, w_smem, o_smem, full, free) = rest[:len(widths)], rest[len(widths):]
         tile = lax.axis_index("cta")
         m0 = lax.div(tile, jnp.int32(n_tiles)) * tile_m
         n0 = lax.rem(tile, jnp.int32(n_tiles)) * tile_n
@@ -139,7 +158,11 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
             acc = lax.fori_loop(0, k_steps, step, acc)
             o_smem[wg] = acc.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(m0 + wg * WGMMA_M, WGMMA_M), pl.ds(n0, tile_n)])
+            for o_ref, start, width in zip(o_refs, starts, widths):  # the part holding this tile
+                @pl.when((n0 >= start) & (n0 < start + width))
+                def _store():
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(m0 + wg * WGMMA_M, WGMMA_M),
+                                                                    pl.ds(n0 - start, tile_n)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == compute_wgs)
@@ -156,7 +179,7 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
 
     out = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m_pad, n), dtype),
+        out_type=tuple(jax.ShapeDtypeStruct((m_pad, width), dtype) for width in widths),
         scratch_types=[
             plgpu.SMEM((stages, compute_wgs, WGMMA_M, tile_k), dtype, transforms=tiled),
             plgpu.SMEM((stages, tile_k, tile_n), dtype, transforms=w_tiled),
@@ -171,4 +194,5 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(xp, w)
-    return out[:m]
+    outs = tuple(o[:m] for o in out)
+    return outs if parts else outs[0]

@@ -207,10 +207,11 @@ def test_fixed_tile_gemm_picks_the_largest_tile_that_keeps_half_the_sms_busy(m, 
     assert tile_shape(m, n) == tile
 
 
-def test_fixed_tile_gemm_streams_two_k_blocks_a_slot_only_for_one_row_tile():
-    assert tile_depth(1, 2048) == tile_depth(64, 5632) == 128
-    assert tile_depth(65, 2048) == tile_depth(256, 2048) == 64
-    assert tile_depth(1, 192) == 64  # K not a multiple of 128
+def test_fixed_tile_gemm_streams_two_k_blocks_a_slot_for_one_row_tile_or_where_four_such_slots_fit():
+    assert tile_depth(1, 2048, 128, 128) == tile_depth(64, 5632, 64, 256) == 128  # one row tile
+    assert tile_depth(256, 2048, 64, 64) == tile_depth(256, 5632, 128, 64) == 128  # 4 x 24/48 KiB + the output
+    assert tile_depth(256, 2048, 128, 128) == tile_depth(4096, 2048, 128, 256) == 64  # 4 x 64/96 KiB: too big
+    assert tile_depth(1, 192, 64, 64) == 64  # K not a multiple of 128
 
 
 def test_fixed_tile_gemm_with_two_k_blocks_a_slot_matches_a_float32_dot():
@@ -221,6 +222,23 @@ def test_fixed_tile_gemm_with_two_k_blocks_a_slot_matches_a_float32_dot():
     assert rel_err(out, f32(x) @ f32(w)) < TOL
     with pytest.raises(ValueError, match="tile_k \\(96\\) must be a multiple of 64 dividing K \\(256\\)"):
         fixed_tile_matmul(x, w, tile_k=96, interpret=True)
+
+
+def test_fixed_tile_gemm_writes_split_outputs_with_the_bits_of_the_whole():
+    # q/k/v of one fused weight as three arrays: each block of columns lands in its part
+    rng = np.random.default_rng(14)
+    x = jnp.asarray(rng.standard_normal((9, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, 256)) * 0.1, jnp.bfloat16)
+    whole = np.asarray(fixed_tile_matmul(x, w, interpret=True), np.float32)
+    q, k, v = fixed_tile_matmul(x, w, parts=(128, 64, 64), interpret=True)
+    assert (q.shape, k.shape, v.shape) == ((9, 128), (9, 64), (9, 64))
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p, np.float32) for p in (q, k, v)], 1), whole)
+    assert tile_shape(256, 4096, parts=(2048, 1024, 1024)) == (128, 64)
+    assert tile_shape(4096, 384, parts=(256, 128)) == (128, 128)  # 256 divides one part only
+    with pytest.raises(ValueError, match="parts \\(128, 96, 32\\) must be multiples of 64 summing to N"):
+        fixed_tile_matmul(x, w, parts=(128, 96, 32), interpret=True)
+    with pytest.raises(ValueError, match="dividing N \\(256\\) and each part"):
+        fixed_tile_matmul(x, w, parts=(128, 64, 64), tile_n=128, interpret=True)
 
 
 def test_fixed_tile_gemm_refuses_a_tile_it_does_not_build():
@@ -247,6 +265,8 @@ def test_exact_kernels_lower_for_hopper():
     for tile_m, tile_k in ((64, 128), (128, 64)):  # one and two compute warpgroups; one and two K blocks a slot
         gemm = functools.partial(fixed_tile_matmul, tile_m=tile_m, tile_n=256, tile_k=tile_k)
         assert lowers_for_hopper(jax.jit(gemm).trace(x, w))
+    split = functools.partial(fixed_tile_matmul, parts=(2048, 3584))  # fused gate/up-like parts: one store each
+    assert lowers_for_hopper(jax.jit(split).trace(x, w))
     q, kv = jax.ShapeDtypeStruct((300, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
     cu, lens = jnp.asarray([0, 1, 2, 300], jnp.int32), jnp.asarray([50, 9, 298], jnp.int32)
     fn = functools.partial(exact_attention_mgpu, page_size=16, sm_scale=0.1)
