@@ -153,21 +153,23 @@ def exact_matmul_runs(dtype, k: int, n: int) -> bool:
     return k % gemm_mgpu.TILE_K == 0 and n % gemm_mgpu.N_MULTIPLE == 0
 
 
-@jax.custom_vjp
-def exact_matmul(x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def exact_matmul(x, w, parts: tuple[int, ...] = ()):
     """`x [M, K] @ w [K, N]` by `gemm_mgpu.fixed_tile_matmul` (a row's bits independent of
     M; the interpreter off a GPU), differentiable: the backward pass is the ordinary
-    product's gradient (only the forward must be exact)."""
+    product's gradient (only the forward must be exact). `parts`: the output split into
+    arrays of these widths by the kernel itself (no slicing copies)."""
     from pallas_kernels import gemm_mgpu
-    return gemm_mgpu.fixed_tile_matmul(x, w, interpret=jax.default_backend() != "gpu")
+    return gemm_mgpu.fixed_tile_matmul(x, w, parts=parts, interpret=jax.default_backend() != "gpu")
 
 
-def _exact_matmul_fwd(x, w):
-    return exact_matmul(x, w), (x, w)
+def _exact_matmul_fwd(x, w, parts):
+    return exact_matmul(x, w, parts), (x, w)
 
 
-def _exact_matmul_bwd(residuals, g):
+def _exact_matmul_bwd(parts, residuals, g):
     x, w = residuals
+    g = jnp.concatenate(g, axis=-1) if parts else g
     return (jnp.dot(g, w.T).astype(x.dtype), jnp.dot(x.T, g).astype(w.dtype))
 
 

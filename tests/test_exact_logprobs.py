@@ -133,9 +133,9 @@ def test_exact_prefill_row_is_the_same_in_a_decode_step_and_in_a_prefill(impl):
     np.testing.assert_array_equal(np.asarray(batch[99], np.float32), np.asarray(alone[0], np.float32))
 
 
-def _linear(gemm: str, rows: int = 64) -> Linear:
+def _linear(gemm: str, rows: int = 64, parts: tuple[int, ...] = ()) -> Linear:
     return Linear(features=128, axes=("embed", "mlp"), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rows=rows,
-                  gemm=gemm)
+                  gemm=gemm, parts=parts)
 
 
 def test_exact_gemm_kernel_runs_one_fixed_tile_gemm_over_all_rows_and_takes_the_plain_gradient(monkeypatch):
@@ -155,6 +155,23 @@ def test_exact_gemm_kernel_runs_one_fixed_tile_gemm_over_all_rows_and_takes_the_
     grad = jax.grad(lambda p: jnp.sum(layer.apply(p, x).astype(jnp.float32) ** 2))(params)["params"]["kernel"]
     plain = jax.grad(lambda k: jnp.sum(jnp.dot(x, k).astype(jnp.float32) ** 2))(kernel)
     np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(plain, np.float32), rtol=1e-6)
+
+
+def test_a_fused_projection_on_the_exact_gemm_kernel_gets_its_parts_from_the_kernel(monkeypatch):
+    # q/k/v of one fused kernel come out of the fixed-tile GEMM as separate arrays (no
+    # slicing copies), with the bits of the whole product's columns; off the kernel the
+    # same parts are slices of the product
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: True)
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 40, 64)), jnp.bfloat16)
+    whole, split = _linear("kernel"), _linear("kernel", parts=(64, 64))
+    params = nn.unbox(whole.init(jax.random.key(0), x))
+    y = np.asarray(whole.apply(params, x), np.float32)
+    parts = split.apply(params, x)
+    assert isinstance(parts, tuple) and [p.shape for p in parts] == [(2, 40, 64)] * 2
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p, np.float32) for p in parts], -1), y)
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: False)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p, np.float32) for p in split.apply(params, x)], -1),
+                                  np.asarray(whole.apply(params, x), np.float32))
 
 
 def test_exact_gemm_kernel_keeps_the_tiles_where_the_kernel_cannot_run():

@@ -155,7 +155,9 @@ class Linear(nn.Module):
     Served fp8 params (`kernel_t`, `kernel_scale`: `jrl.models.quantized`) take the place
     of `kernel`, read by `jrl.models.fp8.scaled_matmul`. With
     `rows` and `gemm="kernel"` a plain product (no LoRA, no fp8) is one fixed-tile GEMM of
-    all rows where that kernel runs (`pallas_kernels.dispatch.exact_matmul`), not tiles."""
+    all rows where that kernel runs (`pallas_kernels.dispatch.exact_matmul`), not tiles.
+    `parts`: the output as a tuple of arrays of these widths (a fused kernel's projections;
+    the fixed-tile GEMM writes each part where it lives, elsewhere the output is split)."""
 
     features: int
     axes: tuple[str, str]
@@ -169,9 +171,10 @@ class Linear(nn.Module):
     fp8: bool = False
     rows: int = 0  # > 0: computed on tiles of this many rows (`map_rows`; ModelConfig.exact_rows)
     gemm: str = "kernel"  # with rows: "kernel" runs the fixed-tile GEMM where it can, "tiles" never (ModelConfig.exact_gemm)
+    parts: tuple[int, ...] = ()
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
         in_features = x.shape[-1]
         init = nn.initializers.normal(self.init_std)
         served_fp8 = self.has_variable("params", "kernel_t")
@@ -187,10 +190,13 @@ class Linear(nn.Module):
         # exact numerics with the fixed-tile GEMM: one call over all rows, no row tiles (a
         # row's bits do not depend on how many there are)
         one_gemm = (self.rows and self.gemm == "kernel" and not self.lora_rank and not served_fp8
-                    and not self.fp8 and kernels.exact_matmul_runs(self.dtype, in_features, self.features))
+                    and not self.fp8 and kernels.exact_matmul_runs(self.dtype, in_features, self.features)
+                    and all(kernels.exact_matmul_runs(self.dtype, in_features, p) for p in self.parts))
+        offsets = np.cumsum(self.parts)[:-1].tolist()
         if one_gemm:
-            product = lambda x: kernels.exact_matmul(x.reshape(-1, in_features), kernel.astype(self.dtype)).reshape(
-                *x.shape[:-1], self.features)
+            def product(x):
+                y = kernels.exact_matmul(x.reshape(-1, in_features), kernel.astype(self.dtype), self.parts)
+                return jax.tree.map(lambda p: p.reshape(*x.shape[:-1], p.shape[-1]), y)
         elif served_fp8:
             product = lambda x: scaled_matmul(x, kernel_t, scale)
         elif self.fp8:
@@ -210,19 +216,28 @@ class Linear(nn.Module):
                 nn.initializers.zeros, ("lora", self.axes[1])),
                 (self.lora_rank, self.features), lora_dtype)
 
+        def plus(y, term):  # term [..., features] added to y, or to each of its parts
+            if isinstance(y, tuple):
+                return tuple(p + t for p, t in zip(y, jnp.split(term, offsets, axis=-1)))
+            return y + term
+
         def apply(x):
             y = product(x)
             if bias is not None:
-                y = y + bias.astype(self.dtype)
+                y = plus(y, bias.astype(self.dtype))
             if a is not None:
-                y = y + self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype))
+                y = plus(y, self.lora_scale * jnp.dot(jnp.dot(x, a.astype(self.dtype)), b.astype(self.dtype)))
             return y
 
-        return apply(x) if one_gemm else map_rows(apply, self.rows, x, key=self.name or "")
+        y = apply(x) if one_gemm else map_rows(apply, self.rows, x, key=self.name or "")
+        if self.parts and not isinstance(y, tuple):
+            y = tuple(jnp.split(y, offsets, axis=-1))
+        return y
 
 
 def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
-           lora_target: str | None = None, use_bias: bool = False, fp8_capable: bool = True) -> Linear:
+           lora_target: str | None = None, use_bias: bool = False, fp8_capable: bool = True,
+           parts: tuple[int, ...] = ()) -> Linear:
     """A projection configured from the model config (LoRA when `lora_target` is enabled;
     fp8 products under `matmul_dtype: float8` unless `fp8_capable` is False: routers and
     gates, whose few output columns decide routing and gain nothing from fp8)."""
@@ -234,7 +249,7 @@ def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
         dtype=dtype_of(config.dtype), param_dtype=dtype_of(config.param_dtype),
         lora_dtype=None if lora.dtype is None else dtype_of(lora.dtype),
         init_std=config.initializer_range, fp8=fp8_capable and config.matmul_dtype == "float8",
-        rows=config.exact_rows, gemm=config.exact_gemm, name=name,
+        rows=config.exact_rows, gemm=config.exact_gemm, parts=parts, name=name,
     )
 
 
@@ -257,9 +272,9 @@ def projections(config: ModelConfig, x: jax.Array, parts: tuple[Projection, ...]
     heads); the layout is for single-device inference. Call inside a compact method."""
     if fused_name is None:
         return [linear(config, p.features, p.axes, p.name, p.lora_target, use_bias)(x) for p in parts]
-    widths = [p.features for p in parts]
-    y = linear(config, sum(widths), (parts[0].axes[0], "unsharded"), fused_name, None, use_bias)(x)
-    return jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
+    widths = tuple(p.features for p in parts)
+    return list(linear(config, sum(widths), (parts[0].axes[0], "unsharded"), fused_name, None, use_bias,
+                       parts=widths)(x))
 
 
 class SwiGLU(nn.Module):
