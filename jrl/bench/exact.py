@@ -40,8 +40,10 @@ real modules (`jrl.models`) with layer 0's weights:
              `exact_gemm: kernel`; interpret mode off a GPU) on all rows at once, a hidden
              x hidden weight: 32 rows alone vs among 4096, aligned and shifted (each
              context in its own tile shape); plus `gemm_speed` rows timing it for each
-             projection shape at 1, 256 and 4096 rows beside the `--rows` tile loop of
-             cuBLAS GEMMs (`exact_gemm: tiles`) and one plain GEMM
+             projection shape (and the engine's fused q/k/v and gate/up) at 1, 256 and
+             4096 rows beside the `--rows` tile loop of cuBLAS GEMMs (`exact_gemm: tiles`)
+             and one plain GEMM: 16 products by different weights in one program, kernel
+             time from a profiler trace on a GPU (wall time elsewhere)
 
 On the CPU every check is bitwise. The first failing check in the order above points at
 the component; `--layers` bisects the model by depth; `--impl` applies to the attention
@@ -80,6 +82,7 @@ from jrl.bench.log import log
 from jrl.bench.results import COMMON_KEYS, ROOT
 from jrl.bench.shapes import ROLLOUT_082B, init, tiny_like, with_overrides
 from jrl.bench.timing import timeit
+from jrl.bench.trace import trace_calls
 from jrl.config import DEFAULT_EXACT_ROWS, ModelConfig
 from jrl.models import lm_logits
 from jrl.models.attention import qkv_projections
@@ -332,10 +335,24 @@ def check_rows(name: str, cfg: ModelConfig, params: dict, sizes: Sizes, rng, pro
 
 
 def gemm_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(K, N) of each projection of a layer (q, k/v, o, gate/up, down)."""
+    """(K, N) of each projection of a layer (q, k/v, o, gate/up, down), and of the fused
+    q/k/v and gate/up weights the engine serves."""
     h, q, kv = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     return {"q": (h, q), "k/v": (h, kv), "o": (q, h), "gate/up": (h, cfg.intermediate_size),
-            "down": (cfg.intermediate_size, h)}
+            "down": (cfg.intermediate_size, h), "q/k/v fused": (h, q + 2 * kv),
+            "gate/up fused": (h, 2 * cfg.intermediate_size)}
+
+
+def program_seconds(fn: Callable, *args, tiny: bool) -> tuple[float, str]:
+    """(seconds, how) one call of `fn` keeps the device busy: on a GPU the union of its
+    kernels from a profiler trace of 5 calls (host dispatch and launch gaps left out), else
+    the wall time of a call."""
+    if jax.default_backend() != "gpu":
+        return timeit(fn, *args, iters=1, reps=1 if tiny else 5), "wall"
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as out:
+        busy = trace_calls(out, "gemm_speed", lambda: fn(*args), 5)["gpu_busy_ms"]
+    return busy / 1e3, "gpu_kernels"
 
 
 def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> list[dict]:
@@ -344,9 +361,11 @@ def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> list[dict]:
     tile picked by `gemm_mgpu.tile_shape`), the `exact_rows` tile loop (`exact_gemm:
     tiles`) and one plain GEMM, plus the kernel with as deep a TMA ring as shared memory
     holds (`kernel_deep_us`; the ring changes no bits). Each is timed as `calls` products
-    of different rows in one program, so launch time does not count."""
+    of different rows by different weights (a model's layers) in one program, by
+    `program_seconds` (`timing`: on a GPU kernel time, so launches and dispatch do not
+    count)."""
     tiny = sizes is TINY_SIZES
-    dt, rows, calls = dtype_of(cfg.dtype), cfg.exact_rows or 64, 2 if tiny else 20
+    dt, rows, calls = dtype_of(cfg.dtype), cfg.exact_rows or 64, 2 if tiny else 16
     deep = functools.partial(gemm_mgpu.fixed_tile_matmul, num_stages=64, interpret=jax.default_backend() != "gpu")
     impls = {"kernel_us": dispatch.exact_matmul, "kernel_deep_us": deep, "plain_us": jnp.dot,
              "tile_loop_us": lambda x, w: map_rows(lambda t: jnp.dot(t, w), rows, x)}
@@ -354,14 +373,15 @@ def gemm_speed(cfg: ModelConfig, sizes: Sizes, rng) -> list[dict]:
     for name, (k, n) in gemm_shapes(cfg).items():
         if k % TILE_K or n % N_MULTIPLE:
             continue
-        w = normal(rng, (k, n), dt) * k ** -0.5
+        ws = normal(rng, (calls, k, n), dt) * k ** -0.5
         for m in (1, sizes.rows) if tiny else (1, 256, sizes.among):
             xs = normal(rng, (calls, m, k), dt)
             us = {}
             for key, fn in impls.items():
-                many = jax.jit(lambda xs, w, fn=fn: [fn(xs[i], w) for i in range(calls)])
-                us[key] = 1e6 * timeit(many, xs, w, iters=1, reps=1 if tiny else 5) / calls
-            out.append(dict(gemm=name, m=m, k=k, n=n, tile=list(tile_shape(m, n)), **us,
+                many = jax.jit(lambda xs, ws, fn=fn: [fn(xs[i], ws[i]) for i in range(calls)])
+                seconds, timing = program_seconds(many, xs, ws, tiny=tiny)
+                us[key] = 1e6 * seconds / calls
+            out.append(dict(gemm=name, m=m, k=k, n=n, tile=list(tile_shape(m, n)), **us, timing=timing,
                             tflops_kernel=2 * m * k * n / us["kernel_us"] / 1e6,
                             kernel_vs_plain=us["plain_us"] / us["kernel_us"]))
     return out
