@@ -51,13 +51,14 @@ def check_gemm_shapes(x, w) -> None:
         raise ValueError(f"gemm_mgpu: K ({k}) must be a multiple of {TILE_K} and N ({n}) of {N_MULTIPLE}")
 
 
-def tile_shape(m: int, n: int, num_sms: int = 132, parts: tuple[int, ...] = ()) -> tuple[int, int]:  # 132: the H100 SXM / H200
+def tile_shape(m: int, n: int, num_sms: int = 132,  # 132: the H100 SXM / H200
+               parts: tuple[int, ...] = ()) -> tuple[int, int]:
     """(tile_m, tile_n) for `[m, K] @ [K, n]`: the largest tile (least shared-memory traffic
     per FLOP) that still gives at least half the SMs a CTA, else the one with the most CTAs
     (on the H200 at M = 256: 128 x 256 for 88 CTAs beat 128 x 128 for 176). With `parts`
     (the widths of split outputs) the tile width divides each."""
     shapes = [(tm, tn) for tm in (2 * WGMMA_M, WGMMA_M) for tn in reversed(TILE_NS)
-              if all(w % tn == 0 for w in (n, *parts))]
+              if all(width % tn == 0 for width in (n, *parts))]
     ctas = {s: -(-max(m, 1) // s[0]) * (n // s[1]) for s in shapes}
     filled = [s for s in shapes if 2 * ctas[s] >= num_sms]
     return max(filled, key=lambda s: s[0] * s[1]) if filled else max(shapes, key=lambda s: (ctas[s], -s[0], s[1]))
@@ -114,11 +115,12 @@ def fixed_tile_matmul(x: jax.Array, w: jax.Array, *, tile_m: int | None = None, 
     if parts and (sum(parts) != n or any(p % N_MULTIPLE for p in parts)):
         raise ValueError(f"gemm_mgpu: parts {parts} must be multiples of {N_MULTIPLE} summing to N ({n})")
     auto_m, auto_n = tile_shape(m, n, parts=parts)
+    tile_m, tile_n = tile_m or auto_m, tile_n or auto_n
     # Interpret mode keeps one block a slot: its float32 dot of a wider block rounds
     # differently, where the tensor cores chain the same k16 steps whatever the slot holds.
-    tile_m, tile_n = tile_m or auto_m, tile_n or auto_n
     tile_k = tile_k or (TILE_K if interpret else tile_depth(m, k, tile_m, tile_n, x.dtype.itemsize))
-    if tile_m % WGMMA_M or tile_m > 2 * WGMMA_M or tile_n not in TILE_NS or any(w % tile_n for w in (n, *parts)):
+    if (tile_m % WGMMA_M or tile_m > 2 * WGMMA_M or tile_n not in TILE_NS
+            or any(width % tile_n for width in (n, *parts))):
         raise ValueError(f"gemm_mgpu: tile {tile_m}x{tile_n} is not one of 64/128 x {TILE_NS} dividing N ({n}) "
                          f"and each part {parts}")
     if tile_k % TILE_K or k % tile_k:
