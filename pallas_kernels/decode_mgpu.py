@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.quantized import QuantizedKV
+from pallas_kernels.quantized import FP8_MAX, QuantizedKV, quantize
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import DecodeTuning
 
@@ -70,7 +70,6 @@ SLOT_MINOR_TILES = ("mma", "mma_q8")  # the paths that read slot-minor values (a
 # slot-minor, for "mma" (`dispatch.fp8_values_slot_minor`): 0.85x the decode step of
 # "fold_k_regs" on slot-major values at batch 256 on the H200 (docs/performance.md, fp8).
 FP8_MMA_DEFAULT = True
-FP8_MAX = 448.0  # largest finite float8_e4m3fn: "mma" scales each query's probabilities to it
 
 
 def default_fp8_tiles(keys_as_rows: bool) -> str:
@@ -197,6 +196,16 @@ def stage_minor_pages(src, dst, scale=None, n_valid=None):
     plgpu.commit_smem()
 
 
+def page_copy(buf_ref, smem_slot, lyr, head, row, j: int, sub: int, slot_minor: bool):
+    """(source, destination) of the TMA copy of a page's `sub` keys from `row` on, of KV
+    head `head` in layer `lyr`, into the j-th page of a ring slot `smem_slot`: rows `[sub,
+    d]` of a slot-major buffer, or the D runs of `sub` contiguous keys of a slot-minor one
+    (`QuantizedKV.slot_minor`), kept as its own `[d, sub]` page."""
+    if slot_minor:
+        return buf_ref.at[lyr, head, :, pl.ds(row, sub)], smem_slot.at[j]
+    return buf_ref.at[lyr, pl.ds(row, sub), head], smem_slot.at[pl.ds(j * sub, sub)]
+
+
 def minor_tiling(sub: int, dtype) -> tuple:
     """Shared-memory transforms of slot-minor pages `[d, sub]`: rows of `sub` fp8 keys,
     swizzled by up to 128 bytes (a page's TMA copy then fills whole tiles)."""
@@ -205,10 +214,10 @@ def minor_tiling(sub: int, dtype) -> tuple:
 
 def quantize_queries(q):
     """`q [B, Hq, D]` -> (e4m3 `[B, Hq, D]`, float32 `[B]`): one scale a request, its
-    largest |q| at 448 (1 for all-zero queries)."""
-    amax = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(1, 2))
-    q_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    return (q.astype(jnp.float32) / q_scale[:, None, None]).astype(jnp.float8_e4m3fn), q_scale
+    largest |q| at 448 (1 for all-zero queries): `quantized.quantize` over a request's
+    heads and channels."""
+    data, q_scale = quantize(q.reshape(q.shape[0], -1))
+    return data.reshape(q.shape), q_scale
 
 
 def fp8_to(x, dtype):
@@ -660,13 +669,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                 plgpu.barrier_wait(free.at[ring])
 
                             for j, row in enumerate(rows_):
-                                if minor:  # the page's D rows of `sub` contiguous keys
-                                    src_ = buf_ref.at[lyr, head, :, pl.ds(row, sub)]
-                                    dst_ = smem.at[ring, j]
-                                else:
-                                    src_ = buf_ref.at[lyr, pl.ds(row, sub), head]
-                                    dst_ = smem.at[ring, pl.ds(j * sub, sub)]
-                                plgpu.copy_gmem_to_smem(src_, dst_, bar.at[ring])
+                                plgpu.copy_gmem_to_smem(*page_copy(buf_ref, smem.at[ring], lyr, head, row, j,
+                                                                   sub, minor), bar.at[ring])
                                 if quant:  # the page's scales: a contiguous run of this head's
                                     plgpu.copy_gmem_to_smem(
                                         s_ref.at[lyr, head, pl.ds(row, sub)],

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.decode_mgpu import (cast_tile, compute_dtype, dequantize_tile, key_scales, minor_tiling,
-                                        num_sms, smem_tiling, split_buffers, stage_minor_pages,
+                                        num_sms, page_copy, smem_tiling, split_buffers, stage_minor_pages,
                                         wgmma_accumulate, zero_rows_from)
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import PrefillTuning
@@ -339,11 +339,8 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                             plgpu.barrier_wait(free.at[slot])
 
                         for j, row in enumerate(rows):
-                            if minor:  # the page's D rows of `sub` contiguous keys
-                                src, dst = buf_ref.at[lyr, kvh, :, pl.ds(row, sub)], smem.at[slot, j]
-                            else:
-                                src, dst = buf_ref.at[lyr, pl.ds(row, sub), kvh], smem.at[slot, pl.ds(j * sub, sub)]
-                            plgpu.copy_gmem_to_smem(src, dst, bar.at[slot])
+                            plgpu.copy_gmem_to_smem(*page_copy(buf_ref, smem.at[slot], lyr, kvh, row, j, sub, minor),
+                                                    bar.at[slot])
                             if quant:  # the page's scales: a contiguous run of this head's
                                 plgpu.copy_gmem_to_smem(s_ref.at[lyr, kvh, pl.ds(row, sub)],
                                                         s_smem.at[slot, pl.ds(j * sub, sub)],
