@@ -53,6 +53,17 @@ def test_fp8_matmul_multiplies_the_fp8_operands_themselves_in_all_three_gemms():
     assert operand_dtypes == [("f8E4M3FN", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2"), ("f8E5M2", "f8E4M3FN")]
 
 
+def test_fp8_matmul_gemms_write_the_dtype_their_consumer_takes():
+    # A float32 product cast afterwards cost each H200 GEMM a pass of its own over the
+    # output (1.13x bf16's training tokens/s against 1.24x when the GEMM writes bf16).
+    x = jnp.ones((16, 64), jnp.bfloat16)
+    w = jnp.ones((64, 32), jnp.float32)
+    step = jax.jit(jax.value_and_grad(lambda x, w: fp8_matmul(x, w).astype(jnp.float32).sum(), argnums=(0, 1)))
+    dots = [line for line in step.lower(x, w).as_text().splitlines() if "stablehlo.dot_general" in line]
+    result_dtypes = sorted(re.search(r"-> tensor<[\dx]+x(\w+)>", line).group(1) for line in dots)
+    assert result_dtypes == ["bf16", "bf16", "f32"]  # forward, input gradient; weight gradient
+
+
 def test_fp8_model_runs_its_projections_as_fp8_products():
     params = jax.jit(init_params, static_argnums=0)(FP8, jax.random.key(0))
     tokens = jnp.zeros((1, 8), jnp.int32)

@@ -6,12 +6,15 @@ its own amax (per tensor, computed from the values being multiplied: "current" s
 no amax history to carry in the train state), quantizes the forward operands to e4m3 and
 the incoming gradient to e5m2 (wider range, fewer mantissa bits: gradients span more
 decades), and runs each of the three GEMMs (forward, input gradient, weight gradient) on
-the fp8 values. Each GEMM is one dot of the fp8 operands themselves with float32
-accumulation, the product of the two scalar scales applied to its result: XLA runs that as
-a cuBLASLt fp8 GEMM on Hopper (320 of them in the 1B train step, 1.13x bf16's tokens/s on
-the H200; docs/performance.md). The dequantize-then-dot form XLA's older GEMM rewriter
-matched ran as a bf16 GEMM there (no fp8 call, 0.94x). Scales are powers of two, so the
-result is the fp8 product exactly up to float32 accumulation, on the CPU too.
+the fp8 values. Each GEMM is one dot of the fp8 operands themselves, accumulated in float32
+and written in the dtype its consumer takes (bf16 activations and input gradients, the
+master weights' float32 weight gradient), the product of the two scalar scales applied
+there: XLA runs that as one cuBLASLt fp8 GEMM on Hopper (320 in the 1B train step, 1.24x
+bf16's tokens/s on the H200; docs/performance.md). A float32 result cast afterwards cost
+each GEMM a pass of its own over the output (1.13x); the dequantize-then-dot form XLA's
+older GEMM rewriter matched ran as a bf16 GEMM there (no fp8 call, 0.94x). Scales are
+powers of two, so scaling the rounded result rounds nothing: the result is the fp8
+product up to float32 accumulation, on the CPU too.
 The scales are constants to differentiation (straight-through), as in every fp8 recipe.
 
 Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q_t, scale)` reads
@@ -74,18 +77,18 @@ def scaled_matmul(x: jax.Array, q_t: jax.Array, scale: jax.Array) -> jax.Array:
 
 def _scaled_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, contract: tuple[int, int],
                 dtype) -> jax.Array:
-    """`(a * a_scale) . (b * b_scale)` contracting the given axes: one dot of the fp8
-    operands themselves (float32 accumulation), the product of the two scalar scales
-    applied to its result, returned in `dtype`."""
-    y = jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32)
-    return (y * (a_scale * b_scale)).astype(dtype)
+    """`(a * a_scale) . (b * b_scale)` contracting the given axes, in `dtype`: one dot of
+    the fp8 operands themselves (float32 accumulation inside) written in `dtype`, then
+    scaled by the product of the two power-of-two scales, which is exact in `dtype`."""
+    y = jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=dtype)
+    return y * (a_scale * b_scale).astype(dtype)
 
 
 def fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x [..., in] @ w [in, out]` with both operands in e4m3 (per-tensor current scaling),
-    returned in `x`'s dtype; gradients: e5m2 cotangent against the e4m3 operands, both
-    GEMMs in `x`'s dtype with float32 accumulation, the weight gradient then cast to `w`'s
-    dtype (float32 master weights get a float32 gradient)."""
+    returned in `x`'s dtype; gradients: e5m2 cotangent against the e4m3 operands, float32
+    accumulation, the input gradient in `x`'s dtype and the weight gradient in `w`'s
+    (float32 master weights get a float32 gradient, never rounded to bf16 on the way)."""
     return _fp8_matmul(jnp.dtype(w.dtype), x, w)
 
 
@@ -110,8 +113,8 @@ def _fp8_bwd(w_dtype, residuals, g):
     xq, sx, wq, sw = residuals
     gq, sg = quantize_tensor(g.reshape(-1, g.shape[-1]), E5M2)
     dx = _scaled_dot(gq, sg, wq, sw, (1, 1), g.dtype)  # [N, out] x [in, out] -> [N, in]
-    dw = _scaled_dot(xq, sx, gq, sg, (0, 0), g.dtype)  # [N, in] x [N, out] -> [in, out]
-    return dx.reshape(*g.shape[:-1], wq.shape[0]), dw.astype(w_dtype)
+    dw = _scaled_dot(xq, sx, gq, sg, (0, 0), w_dtype)  # [N, in] x [N, out] -> [in, out]
+    return dx.reshape(*g.shape[:-1], wq.shape[0]), dw
 
 
 _fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
