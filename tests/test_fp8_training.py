@@ -13,7 +13,7 @@ import pytest
 
 from jrl.config import ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, model_config_from_dict
 from jrl.models import apply, init_params
-from jrl.models.fp8 import fp8_matmul
+from jrl.models.fp8 import E4M3, E5M2, fp8_matmul, quantize_tensor
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
@@ -23,6 +23,21 @@ from jrl.train.strategies import get_strategy, strategy_options
 BF16 = ModelConfig(vocab_size=64, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_position_embeddings=64, dtype="bfloat16")
 FP8 = dataclasses.replace(BF16, matmul_dtype="float8")
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_tensor_scale_is_the_exact_power_of_two_that_puts_the_amax_in_the_top_binade(dtype):
+    # exp2(ceil(log2(r))) came out 1.2207025e-4 for 2**-13 on the CPU: not a power of two,
+    # so halfway values rounded the other way than the scaled fp8 product claims.
+    top = float(jnp.finfo(dtype).max)
+    for amax in [1e-30, 0.3, 1.0, top * 2.0**-13, top, 1000.0, 3e30]:
+        x = jnp.array([amax, -amax / 3, 0.0], jnp.float32)
+        q, scale = quantize_tensor(x, dtype)
+        mantissa, _ = np.frexp(float(scale))
+        assert mantissa == 0.5 and top / 2 < amax / float(scale) <= top
+        np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)),
+                                      np.asarray((x / scale).astype(dtype).astype(jnp.float32)))
+    assert float(quantize_tensor(jnp.zeros(4), dtype)[1]) == 1.0
 
 
 def test_fp8_matmul_and_its_gradients_are_close_to_the_exact_product():

@@ -42,13 +42,15 @@ E5M2 = jnp.float8_e5m2
 def quantize_tensor(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """`(q, scale)` with `x ~= q * scale`: one float32 power-of-two scale, the smallest
     that maps the tensor's amax within `dtype`'s largest finite value (an all-zero
-    tensor gets scale 1). Power of two: exact in any float dtype, so rescaling adds no
-    rounding of its own."""
+    tensor gets scale 1). Power of two, built from the exponent (`exp2` of a float is not
+    exact on every backend): exact in any float dtype, so rescaling adds no rounding of its
+    own."""
     top = float(jnp.finfo(dtype).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    scale = jnp.where(amax > 0, jnp.exp2(jnp.ceil(jnp.log2(amax / top))), 1.0)
-    q = jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
-    return q, scale
+    mantissa, exponent = jnp.frexp(amax / top)  # amax / top = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = jnp.where(amax > 0, jnp.maximum(exponent - (mantissa == 0.5), -126), 0)
+    q = jnp.clip(x.astype(jnp.float32) * jnp.ldexp(jnp.float32(1), -exponent), -top, top).astype(dtype)
+    return q, jnp.ldexp(jnp.float32(1), exponent)
 
 
 def quantize_columns(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
