@@ -172,6 +172,7 @@ AttentionType = Literal["gqa", "mla"]
 DType = Literal["float32", "bfloat16", "float16"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 MatmulDtype = Literal["float8"]
+Fp8Scaling = Literal["delayed", "current"]
 # How exact numerics (ModelConfig.exact_rows) run a projection's GEMM: "tiles" (cuBLAS on
 # each tile of rows, in a loop) or "kernel" (pallas_kernels.gemm_mgpu's fixed-tile GEMM on
 # all rows at once, where it runs: a Hopper GPU, bf16/f16, in % 64, out % 64).
@@ -300,6 +301,11 @@ class ModelConfig:
     # (attention q/k/v/o, MLP gate/up/down, MLA's projections, shared experts; not routers,
     # MoE experts or the LM head) multiply in fp8 with current scaling (docs/model.md).
     matmul_dtype: MatmulDtype | None = None
+    # With matmul_dtype float8, where the activations' and gradients' scales come from:
+    # "delayed" from an amax history of the train steps before (held in the train state;
+    # faster: the tensors are quantized where they are made), "current" from each tensor's
+    # own amax (one more read of it; what scoring passes without a train state use).
+    fp8_scaling: Fp8Scaling = "delayed"
     # 0: off. N > 0: batch-invariant numerics (docs/rl.md "Exact log-probs"): every
     # row-wise op (norms, projections, LM head, log-softmax) runs on fixed tiles of N
     # token rows and attention through one batch-invariant kernel (`exact_prefill`), so a
@@ -383,6 +389,7 @@ class ModelConfig:
         _check(self.n_experts >= 0, "n_experts", "must be >= 0")
         if self.matmul_dtype is not None:
             _check_choice(self.matmul_dtype, MatmulDtype, "matmul_dtype")
+            _check_choice(self.fp8_scaling, Fp8Scaling, "fp8_scaling")
             _check(self.dtype == "bfloat16", "matmul_dtype",
                    f"float8 needs dtype: bfloat16 (the activations between the fp8 products), got dtype {self.dtype!r}")
         _check(isinstance(self.exact_rows, int) and not isinstance(self.exact_rows, bool)

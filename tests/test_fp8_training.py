@@ -1,24 +1,32 @@
 """fp8 training (`model.matmul_dtype: float8`, jrl.models.fp8): the blocks' projections
-multiply in fp8 with current scaling, gradients stay finite and a tiny model trains to
-the loss the bf16 model reaches."""
+multiply in fp8 with delayed (the default) or current scaling, gradients stay finite and
+a tiny model trains to the loss the bf16 model reaches."""
 
 import dataclasses
 import functools
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.config import ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, model_config_from_dict
+from jrl import checkpoint
+from jrl.config import (ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, load_train_config,
+                        model_config_from_dict)
 from jrl.models import apply, init_params
-from jrl.models.fp8 import E4M3, E5M2, fp8_matmul, quantize_tensor
+from jrl.models.fp8 import E4M3, E5M2, HISTORY, fp8_matmul, power_of_two_scale, quantize_tensor
+from jrl.models.transformer import init_fp8_history
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
+from jrl.train.callbacks import Callback
 from jrl.train.step import make_step_fns
 from jrl.train.strategies import get_strategy, strategy_options
+from jrl.train.trainer import Trainer
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 BF16 = ModelConfig(vocab_size=64, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, max_position_embeddings=64, dtype="bfloat16")
@@ -104,14 +112,18 @@ def pattern_batch(rows: int, seq: int, seed: int) -> dict:
                 segment_ids=np.ones((1, rows, seq), np.int32))
 
 
-def train(config: ModelConfig, steps: int) -> tuple[list[float], list[float]]:
+def setup(config: ModelConfig, steps: int):
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
     schedule = make_schedule(ScheduleConfig(kind="constant"), steps)
     opt_config = OptimizerConfig(lr=3e-3, weight_decay=0.0)
     optimizer = build_optimizer(opt_config, schedule, params)
     seq = get_strategy("seq")
     fns = make_step_fns(config, seq, strategy_options(seq, {}), optimizer, schedule, opt_config.lr, clip_norm=1.0)
-    state = init_train_state(params, optimizer, jax.random.key(0))
+    return fns, init_train_state(params, optimizer, jax.random.key(0), fp8_history=init_fp8_history(config))
+
+
+def train(config: ModelConfig, steps: int) -> tuple[list[float], list[float]]:
+    fns, state = setup(config, steps)
     losses, norms = [], []
     for step in range(steps):
         state, metrics = fns.update(state, pattern_batch(8, 32, step), None)
@@ -121,9 +133,49 @@ def train(config: ModelConfig, steps: int) -> tuple[list[float], list[float]]:
     return losses, norms
 
 
-def test_fp8_training_reaches_the_bf16_loss_with_finite_gradients():
+def test_delayed_scaling_quantizes_by_the_history_and_returns_this_products_amaxes():
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (16, 64)).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (64, 32), jnp.float32) * 0.02
+    g = jax.random.normal(kg, (16, 32)).astype(jnp.bfloat16)
+    # history max 0.5 for x: scale 2**-9 puts 0.5 at 256 and saturates |x| > 0.875 at 448
+    history = jnp.zeros((HISTORY, 2)).at[3].set(jnp.array([0.5, 4.0])).at[7].set(jnp.array([0.25, 1.0]))
+    y, vjp = jax.vjp(fp8_matmul, x, w, history)
+    sx = power_of_two_scale(jnp.float32(0.5), E4M3)
+    assert float(sx) == 2.0**-9
+    xq = jnp.clip(x.astype(jnp.float32) / sx, -448, 448).astype(E4M3)
+    wq, sw = quantize_tensor(w, E4M3)
+    want = (xq.astype(jnp.float32) @ wq.astype(jnp.float32)) * (sx * sw)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32),
+                               rtol=1e-2, atol=1e-3)
+    assert float(jnp.max(jnp.abs(x))) > 0.875  # some inputs saturated: the stale scale is used as is
+    _, _, d_history = vjp(g)
+    np.testing.assert_array_equal(np.asarray(d_history[0]), [float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(g)))])
+    assert not np.asarray(d_history[1:]).any()
+
+
+def test_a_train_step_pushes_its_amaxes_into_the_history_and_a_skipped_step_does_not():
+    fns, state = setup(FP8, 3)
+    assert {np.asarray(h).shape for h in jax.tree.leaves(state.fp8_history)} == {(FP8.n_layers, HISTORY, 2)}
+    state, metrics = fns.update(state, pattern_batch(8, 32, 0), None)
+    first = jax.tree.map(np.asarray, state.fp8_history)
+    for h in jax.tree.leaves(first):
+        assert (h[:, 0] > 0).all() and not h[:, 1:].any()  # this step's x and gradient amaxes, one row
+    state, _ = fns.update(state, pattern_batch(8, 32, 1), None)
+    for before, after in zip(jax.tree.leaves(first), jax.tree.leaves(state.fp8_history)):
+        np.testing.assert_array_equal(np.asarray(after)[:, 1], before[:, 0])  # moved one row on
+    nan_batch = pattern_batch(8, 32, 2)
+    nan_batch["loss_mask"] = nan_batch["loss_mask"] * np.nan
+    kept = jax.tree.map(np.asarray, state.fp8_history)
+    state, metrics = fns.update(state, nan_batch, None)
+    assert int(metrics["update_applied"]) == 0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.fp8_history), kept)
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_fp8_training_reaches_the_bf16_loss_with_finite_gradients(scaling):
     bf16_losses, _ = train(BF16, 20)
-    fp8_losses, fp8_norms = train(FP8, 20)
+    fp8_losses, fp8_norms = train(dataclasses.replace(FP8, fp8_scaling=scaling), 20)
     print(f"loss after 20 steps: bf16 {bf16_losses[-1]:.4f}, fp8 {fp8_losses[-1]:.4f}")
     assert np.all(np.isfinite(fp8_norms)) and np.all(np.isfinite(fp8_losses))
     assert bf16_losses[-1] < 0.8 * bf16_losses[0]  # the comparison is about a model that learns
@@ -137,3 +189,31 @@ def test_matmul_dtype_is_validated():
         model_config_from_dict({"matmul_dtype": "fp8", "dtype": "bfloat16"})
     with pytest.raises(ConfigError, match="matmul_dtype: float8 needs dtype: bfloat16"):
         ModelConfig(matmul_dtype="float8")
+    with pytest.raises(ConfigError, match=r"model.fp8_scaling: must be one of \['delayed', 'current'\], got 'late'"):
+        model_config_from_dict({"matmul_dtype": "float8", "dtype": "bfloat16", "fp8_scaling": "late"})
+
+
+class StopAfter(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        if metrics["step"] == self.step:
+            trainer.request_stop("test")
+
+
+def test_a_delayed_scaling_run_checkpoints_its_history_and_resumes_exactly(tmp_path):
+    overrides = ["steps=4", "model.n_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+                 "model.dtype=bfloat16", "model.matmul_dtype=float8", "data.batch_size=4", "data.seq_len=64",
+                 "data.source=bundled:tinytext:200", "eval.at_end=false"]
+    config = load_train_config(CONFIGS / "pretrain_tinytext.yaml", overrides)
+    straight = Trainer(config, output_dir=tmp_path / "straight")
+    straight.fit()
+    Trainer(config, output_dir=tmp_path / "part", callbacks=[StopAfter(2)]).fit()
+    saved = checkpoint.load(tmp_path / "part" / "checkpoints", 2)[0]
+    assert np.asarray(saved["fp8_history"]["layers"]["mlp"]["down_proj"]["amax"])[:, :2].all()  # two steps' amaxes
+    resumed = Trainer(config, output_dir=tmp_path / "part")
+    resumed.fit(resume=True)
+    for field in ("params", "fp8_history"):
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, getattr(resumed.state, field)),
+                     jax.tree.map(np.asarray, getattr(straight.state, field)))

@@ -53,6 +53,7 @@ from jrl.bench.trace import trace_calls
 from jrl.config import ModelConfig, OptimizerConfig, ParallelConfig, ScheduleConfig
 from jrl.models import dense_attention
 from jrl.models.attention import attention_implementation
+from jrl.models.transformer import init_fp8_history
 from jrl.parallel import make_mesh, param_shardings
 from jrl.train.flops import model_flops_per_token as flops_per_token
 from jrl.train.optim import build_optimizer
@@ -157,6 +158,10 @@ def matmul_label(cfg: ModelConfig) -> str:
     return cfg.matmul_dtype or "bfloat16"
 
 
+def fp8_scaling(cfg: ModelConfig) -> str | None:
+    return cfg.fp8_scaling if cfg.matmul_dtype == "float8" else None
+
+
 def with_matmul_dtype(cfg: ModelConfig, label: str) -> ModelConfig:
     if label not in ("bfloat16", "float8"):
         raise SystemExit(f"--matmul-dtypes: unknown {label!r}; choose from bfloat16,float8")
@@ -189,7 +194,8 @@ def setup_variant(v: Variant, cfg: ModelConfig, params, mesh_spec: str, batch: i
     optimizer = build_optimizer(opt_cfg, schedule, params)
     p_shardings = param_shardings(cfg, mesh)
     placed = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=p_shardings)(params)  # donated below
-    state, state_shardings = init_sharded_train_state(placed, optimizer, jax.random.key(0), p_shardings, mesh)
+    state, state_shardings = init_sharded_train_state(placed, optimizer, jax.random.key(0), p_shardings, mesh,
+                                                      init_fp8_history(cfg))
     shardings = mesh_step_shardings(mesh, state_shardings)
     fns = make_step_fns(cfg, strategy, strategy.options_cls(), optimizer, schedule, opt_cfg.lr,
                         clip_norm=1.0, chunk_size=v.chunk, shardings=shardings)
@@ -231,7 +237,8 @@ def run_variant(v: Variant, base: ModelConfig, params, args, mesh_spec: str) -> 
     stats = jax.devices()[0].memory_stats() or {}
     del state, compiled, metrics
     gc.collect()
-    return {"variant": v.name, "matmul_dtype": matmul_label(cfg), "mesh": mesh_spec, "devices": n_devices,
+    return {"variant": v.name, "matmul_dtype": matmul_label(cfg), "fp8_scaling": fp8_scaling(cfg),
+            "mesh": mesh_spec, "devices": n_devices,
             "remat": v.remat, "lm_head_chunk": v.chunk,
             "scan_layers": v.scan_layers, "mu_dtype": v.mu_dtype or "float32", "max_segments": v.max_segments,
             "docs_per_row": v.docs_per_row, "batch": rows, "seq": args.seq, "step_ms": 1e3 * dt,
@@ -303,7 +310,8 @@ def run_losses(args, results, base: ModelConfig, params, variant: Variant, label
         del state
         gc.collect()
         rel = None if "bfloat16" not in final else 100 * (final[label] - final["bfloat16"]) / final["bfloat16"]
-        results.row("loss", variant=variant.name, matmul_dtype=label, steps=args.loss_steps, batch=rows,
+        results.row("loss", variant=variant.name, matmul_dtype=label, fp8_scaling=fp8_scaling(cfg),
+                    steps=args.loss_steps, batch=rows,
                     seq=args.seq, loss_first=float(losses[0]), loss_final=final[label],
                     rel_diff_pct=rel, grad_norm_last=float(norms[-1]),
                     all_finite=bool(np.isfinite(losses).all() and np.isfinite(norms).all()),
@@ -373,7 +381,7 @@ def run(args, results) -> int:
         torch_rows()
     results.table([("check", "check"), ("picked", "picked"), ("rel_err_out", "out"), ("rel_err_dq", "dq"),
                    ("rel_err_dk", "dk"), ("rel_err_dv", "dv")], "check", "attention vs XLA (relative error)")
-    cols = [("variant", "variant"), ("matmul_dtype", "matmul"), ("mesh", "mesh"), ("batch", "batch"),
+    cols = [("variant", "variant"), ("matmul_dtype", "matmul"), ("fp8_scaling", "fp8 scaling"), ("mesh", "mesh"), ("batch", "batch"),
             ("tokens_per_s", "tokens/s"), ("speedup_vs_bf16", "x bf16"), ("mfu_pct", "MFU %"), ("scaling_pct", "scaling %"), ("step_ms", "step ms"), ("xla_memory_gib", "GiB"),
             ("compile_s", "compile s")]
     results.table(cols, "jrl", f"train step, {args.seq} tokens a row")

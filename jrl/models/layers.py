@@ -8,7 +8,8 @@ Kernels are stored `[in, out]` with Flax logical-axis annotations so that
 `lora_b [r, out]` (zeros) make the initial adapter delta exactly zero.
 
 Two fp8 paths (`jrl.models.fp8`): with `ModelConfig.matmul_dtype: float8` a projection's
-product runs in fp8 with current scaling (training and scoring); a projection whose params
+product runs in fp8 (delayed scaling from the train state's amax history in the train
+step, current scaling in passes without one); a projection whose params
 hold `kernel_t [out, in]` in float8_e4m3fn and `kernel_scale [out]` instead of `kernel` (the
 engine's served layout, `jrl.models.quantized`) is read as fp8 weights with per-output
 scales, whatever the config.
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.config import ModelConfig
-from jrl.models.fp8 import E4M3, fp8_matmul, scaled_matmul
+from jrl.models.fp8 import E4M3, FP8_HISTORY, HISTORY, fp8_matmul, scaled_matmul
 from pallas_kernels import dispatch as kernels
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -151,7 +152,9 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """`x @ kernel (+ bias)`, plus `scale * x @ lora_a @ lora_b` when `lora_rank > 0`.
-    `fp8`: the product runs in fp8 with current scaling (`jrl.models.fp8.fp8_matmul`).
+    `fp8`: the product runs in fp8 (`jrl.models.fp8.fp8_matmul`); with `fp8_delayed` its
+    scales come from the `FP8_HISTORY` collection's `amax` when the caller passes one
+    (the train step: `TrainState.fp8_history`), from the tensors themselves otherwise.
     Served fp8 params (`kernel_t`, `kernel_scale`: `jrl.models.quantized`) take the place
     of `kernel`, read by `jrl.models.fp8.scaled_matmul`. With
     `rows` and `gemm="kernel"` a plain product (no LoRA, no fp8) is one fixed-tile GEMM of
@@ -169,6 +172,7 @@ class Linear(nn.Module):
     lora_dtype: jnp.dtype | None = None  # the adapter factors' dtype (None: param_dtype)
     init_std: float = 0.02
     fp8: bool = False
+    fp8_delayed: bool = False
     rows: int = 0  # > 0: computed on tiles of this many rows (`map_rows`; ModelConfig.exact_rows)
     gemm: str = "kernel"  # with rows: "kernel" runs the fixed-tile GEMM where it can, "tiles" never (ModelConfig.exact_gemm)
     parts: tuple[int, ...] = ()
@@ -200,7 +204,10 @@ class Linear(nn.Module):
         elif served_fp8:
             product = lambda x: scaled_matmul(x, kernel_t, scale)
         elif self.fp8:
-            product = lambda x: fp8_matmul(x, kernel)
+            history = None
+            if self.fp8_delayed and (self.is_initializing() or self.has_variable(FP8_HISTORY, "amax")):
+                history = self.variable(FP8_HISTORY, "amax", jnp.zeros, (HISTORY, 2), jnp.float32).value
+            product = lambda x: fp8_matmul(x, kernel, history)
         else:
             product = lambda x: jnp.dot(x, kernel.astype(self.dtype))
         bias = a = b = None
@@ -249,6 +256,7 @@ def linear(config: ModelConfig, features: int, axes: tuple[str, str], name: str,
         dtype=dtype_of(config.dtype), param_dtype=dtype_of(config.param_dtype),
         lora_dtype=None if lora.dtype is None else dtype_of(lora.dtype),
         init_std=config.initializer_range, fp8=fp8_capable and config.matmul_dtype == "float8",
+        fp8_delayed=config.fp8_scaling == "delayed",
         rows=config.exact_rows, gemm=config.exact_gemm, parts=parts, name=name,
     )
 

@@ -21,6 +21,8 @@ class TrainState(flax.struct.PyTreeNode):
         decreases; an update skipped for non-finite loss/gradients leaves it unchanged.
     skipped_updates: how many updates were skipped for non-finite values.
     rng: typed PRNG key; step keys are `fold_in(rng, step)`, so resuming reproduces them.
+    fp8_history: the fp8 projections' amax histories under delayed scaling
+        (`jrl.models.transformer.init_fp8_history`; `jrl.models.fp8`); None otherwise.
     """
 
     params: Any
@@ -29,10 +31,11 @@ class TrainState(flax.struct.PyTreeNode):
     policy_version: jax.Array
     skipped_updates: jax.Array
     rng: jax.Array
+    fp8_history: Any = None
 
 
 def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array,
-                     policy_version: int = 0) -> TrainState:
+                     policy_version: int = 0, fp8_history: Any = None) -> TrainState:
     return TrainState(
         params=params,
         opt_state=optimizer.init(params),
@@ -40,14 +43,16 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: 
         policy_version=jnp.asarray(policy_version, jnp.int32),
         skipped_updates=jnp.zeros((), jnp.int32),
         rng=rng,
+        fp8_history=fp8_history,
     )
 
 
 def init_sharded_train_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array,
-                             params_shardings: Any, mesh: Mesh) -> tuple[TrainState, TrainState]:
+                             params_shardings: Any, mesh: Mesh,
+                             fp8_history: Any = None) -> tuple[TrainState, TrainState]:
     """`init_train_state` on a mesh, and the state's shardings: optimizer leaves that mirror
     a parameter are sharded like it, counters and the key replicated. `params` (already
     placed by `params_shardings`) are donated, so no second copy of them is made."""
-    make = lambda p, key: init_train_state(p, optimizer, key)
-    shardings = state_shardings(jax.eval_shape(make, params, rng), params_shardings, mesh)
-    return jax.jit(make, out_shardings=shardings, donate_argnums=0)(params, rng), shardings
+    make = lambda p, key, history: init_train_state(p, optimizer, key, fp8_history=history)
+    shardings = state_shardings(jax.eval_shape(make, params, rng, fp8_history), params_shardings, mesh)
+    return jax.jit(make, out_shardings=shardings, donate_argnums=0)(params, rng, fp8_history), shardings

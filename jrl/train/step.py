@@ -26,6 +26,11 @@ keeps valid buffers, and no float32 gradient or update of the base is ever mater
 `batch` fields carry a leading micro-batch axis `[M, b, ...]`; the micro-batches are
 scanned, their loss sums, weights, metric sums and gradients added up, and the sums are
 divided by the total weight once (see the strategy protocol in docs/training.md).
+
+Under fp8 delayed scaling (`TrainState.fp8_history`, `jrl.models.fp8`) the loss is also
+differentiated by the amax histories: their "gradients" are the step's amaxes, combined
+over micro-batches by maximum (`GradInfo.fp8_amax`) and pushed into the history by the
+update when it is applied (a skipped update leaves the history as it was).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.config import ModelConfig
+from jrl.models.fp8 import push_amax
 from jrl.parallel import BATCH_AXES
 from jrl.train.logprobs import attention_layout
 from jrl.train.schedules import Schedule
@@ -52,6 +58,7 @@ class GradInfo(NamedTuple):
     loss: jax.Array
     weight: jax.Array
     metrics: dict[str, jax.Array]
+    fp8_amax: Any = None  # the step's fp8 amaxes, shaped like TrainState.fp8_history (or None)
 
 
 class StepFns(NamedTuple):
@@ -104,29 +111,31 @@ def join_parts(mask: Any, frozen: Any, trainable: Any) -> Any:
 def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chunk_size: int,
                 params: Any, batch: dict, reference_params: Any, keys: jax.Array,
                 policy_version: jax.Array, with_grads: bool, max_segments: int, mesh: Mesh | None,
-                frozen: Any = None, mask: Any = None):
-    """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis.
+                frozen: Any = None, mask: Any = None, fp8_history: Any = None):
+    """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis, and
+    takes the maximum of the fp8 amaxes (the gradients of `fp8_history`; None without).
     With `mask`, `params` is the trainable part and `frozen` the rest (grads: of `params`)."""
 
-    def loss_of(p, micro, key):
+    def loss_of(p, history, micro, key):
         ctx = LossContext(rng=key, policy_version=policy_version, reference_params=reference_params,
-                          options=options, chunk_size=chunk_size)
+                          options=options, chunk_size=chunk_size, fp8_history=history)
         full = p if mask is None else join_parts(mask, frozen, p)
         with attention_layout(max_segments, mesh):  # read by hidden_states while this is traced
             out = strategy.loss_fn(model_config, full, micro, ctx)
         return jnp.asarray(out.total, jnp.float32), (jnp.asarray(out.weight, jnp.float32), out.metrics)
 
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)
 
     def one(micro, key):
         if with_grads:
-            (total, (weight, metrics)), grads = grad_fn(params, micro, key)
-            return total, weight, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        total, (weight, metrics) = loss_of(params, micro, key)
-        return total, weight, metrics, None
+            (total, (weight, metrics)), (grads, amax) = grad_fn(params, fp8_history, micro, key)
+            return total, weight, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads), amax
+        total, (weight, metrics) = loss_of(params, fp8_history, micro, key)
+        return total, weight, metrics, None, None
 
     def body(carry, xs):
-        return jax.tree.map(jnp.add, carry, one(*xs)), None
+        out = one(*xs)
+        return (*jax.tree.map(jnp.add, carry[:4], out[:4]), jax.tree.map(jnp.maximum, carry[4], out[4])), None
 
     first = jax.tree.map(lambda x: x[0], batch)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first, keys[0]))
@@ -166,14 +175,14 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
     def compute_grads(frozen: Any, state: TrainState, batch: dict, reference_params: Any, max_segments: int = 0):
         """`frozen`: the frozen leaves (None without a mask); `state.params`: the rest."""
         n_micro = jax.tree.leaves(batch)[0].shape[0]
-        total, weight, metrics, grads = _accumulate(
+        total, weight, metrics, grads, amax = _accumulate(
             model_config, strategy, options, chunk_size, state.params, batch, reference_params,
             _micro_keys(state, n_micro), state.policy_version, with_grads=True, max_segments=max_segments,
-            mesh=mesh, frozen=frozen, mask=mask)
+            mesh=mesh, frozen=frozen, mask=mask, fp8_history=state.fp8_history)
         denom = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss, reduced = _finish_metrics(total, weight, metrics)
-        return grads, GradInfo(loss, weight, reduced)
+        return grads, GradInfo(loss, weight, reduced, amax)
 
     def apply_grads(frozen: Any, state: TrainState, grads: Any, info: GradInfo):
         grad_norm = optax.tree.norm(grads)
@@ -193,9 +202,13 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
             new_params = optax.apply_updates(state.params, trainable_part(mask, updates))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         applied = finite.astype(jnp.int32)
+        history = state.fp8_history
+        if history is not None and info.fp8_amax is not None:
+            history = keep(jax.tree.map(push_amax, history, info.fp8_amax), history)
         new_state = state.replace(
             params=keep(new_params, state.params),
             opt_state=keep(new_opt_state, state.opt_state),
+            fp8_history=history,
             step=state.step + 1,
             policy_version=state.policy_version + applied,
             skipped_updates=state.skipped_updates + (1 - applied),
@@ -219,7 +232,7 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
                  max_segments: int = 0):
         """Summed loss/weight/metric sums of one batch (no gradients), for held-out eval."""
         n_micro = jax.tree.leaves(batch)[0].shape[0]
-        total, weight, metrics, _ = _accumulate(
+        total, weight, metrics, _, _ = _accumulate(
             model_config, strategy, options, chunk_size, params, batch, reference_params,
             jax.random.split(rng, n_micro), policy_version, with_grads=False, max_segments=max_segments,
             mesh=mesh)

@@ -44,6 +44,7 @@ from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
 from jrl.metrics_log import MetricsLog
+from jrl.models.transformer import init_fp8_history
 from jrl.parallel import BATCH_AXES, initialize_distributed, param_shardings, with_shardings
 from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
@@ -239,7 +240,7 @@ class Trainer:
         rates = learning_rates(c.optimizer, self.schedule, params)
         p_shardings = param_shardings(c.model, self.mesh)
         state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
-                                                    p_shardings, self.mesh)
+                                                    p_shardings, self.mesh, init_fp8_history(c.model))
         self._shardings = mesh_step_shardings(self.mesh, shardings,
                                               p_shardings if self.reference_params is not None else None)
         seen = checkpoint.all_steps(self.checkpoint_dir)
