@@ -7,6 +7,7 @@ import functools
 import re
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +16,9 @@ import pytest
 from jrl import checkpoint
 from jrl.config import (ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, load_train_config,
                         model_config_from_dict)
-from jrl.models import apply, init_params
-from jrl.models.fp8 import E4M3, E5M2, HISTORY, fp8_matmul, power_of_two_scale, quantize_tensor
+from jrl.models import apply, dense_attention, forward, init_params
+from jrl.models.layers import Projection, projections
+from jrl.models.fp8 import E4M3, E5M2, FP8_SCALES, HISTORY, delayed_scales, fp8_matmul, push_amax, quantize_tensor
 from jrl.models.transformer import init_fp8_history
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
@@ -98,6 +100,11 @@ def test_fp8_model_runs_its_projections_as_fp8_products():
     assert "f8" not in str(jax.make_jaxpr(functools.partial(apply, BF16))(params, tokens))
 
 
+def apply_scaled(params, scales, tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+    return forward(FP8, params, tokens, positions, dense_attention(jnp.ones_like(tokens)), fp8_scales=scales).hidden
+
+
 def pattern_batch(rows: int, seq: int, seed: int) -> dict:
     """Sequences of a fixed random permutation walk: next token = perm[token] (learnable)."""
     rng = np.random.default_rng(seed)
@@ -133,37 +140,74 @@ def train(config: ModelConfig, steps: int) -> tuple[list[float], list[float]]:
     return losses, norms
 
 
-def test_delayed_scaling_quantizes_by_the_history_and_returns_this_products_amaxes():
+def test_delayed_scales_are_the_powers_of_two_for_the_history_window_maximum():
+    window = jnp.zeros((3, HISTORY)).at[0, 3].set(0.5).at[0, 7].set(0.25)
+    scales = delayed_scales({"x_scale": window, "grad_scale": window * 8})
+    np.testing.assert_array_equal(np.asarray(scales["x_scale"]), [2.0**-9, 1, 1])  # 0.5 -> 256 (e4m3 max 448)
+    np.testing.assert_array_equal(np.asarray(scales["grad_scale"]), [2.0**-13, 1, 1])  # 4 -> 32768 (e5m2 max 57344)
+    # an empty history (the first step) scales by 1
+    pushed = np.asarray(push_amax(window, jnp.array([1.0, jnp.nan, 5.0])))
+    np.testing.assert_array_equal(pushed[:, 0], [1.0, 0.0, 5.0])  # NaN: the newest entry again
+    np.testing.assert_array_equal(pushed[0, 4], 0.5)  # the rest moved one on
+    assert pushed.shape == window.shape
+
+
+def test_delayed_scaling_quantizes_by_the_given_scales_and_returns_this_products_amaxes():
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (16, 64)).astype(jnp.bfloat16)
     w = jax.random.normal(kw, (64, 32), jnp.float32) * 0.02
     g = jax.random.normal(kg, (16, 32)).astype(jnp.bfloat16)
-    # history max 0.5 for x: scale 2**-9 puts 0.5 at 256 and saturates |x| > 0.875 at 448
-    history = jnp.zeros((HISTORY, 2)).at[3].set(jnp.array([0.5, 4.0])).at[7].set(jnp.array([0.25, 1.0]))
-    y, vjp = jax.vjp(fp8_matmul, x, w, history)
-    sx = power_of_two_scale(jnp.float32(0.5), E4M3)
-    assert float(sx) == 2.0**-9
+    sx = 2.0**-9  # a stale scale: 0.5 maps to 256 and |x| > 0.875 saturates at 448
+    y, vjp = jax.vjp(fp8_matmul, x, w, jnp.float32(sx), jnp.float32(2.0**-13))
     xq = jnp.clip(x.astype(jnp.float32) / sx, -448, 448).astype(E4M3)
     wq, sw = quantize_tensor(w, E4M3)
     want = (xq.astype(jnp.float32) @ wq.astype(jnp.float32)) * (sx * sw)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32),
                                rtol=1e-2, atol=1e-3)
     assert float(jnp.max(jnp.abs(x))) > 0.875  # some inputs saturated: the stale scale is used as is
-    _, _, d_history = vjp(g)
-    np.testing.assert_array_equal(np.asarray(d_history[0]), [float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(g)))])
-    assert not np.asarray(d_history[1:]).any()
+    _, _, d_x_scale, d_grad_scale = vjp(g)
+    assert (float(d_x_scale), float(d_grad_scale)) == (float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(g))))
+
+
+def test_projections_of_one_input_share_its_scale_and_quantize_it_once():
+    history = init_fp8_history(FP8)
+    attn, mlp = history["layers"]["attn"], history["layers"]["mlp"]
+    assert set(attn["q_proj"]) == {"x_scale", "grad_scale"} and set(attn["k_proj"]) == {"grad_scale"}
+    assert set(mlp["gate_proj"]) == {"x_scale", "grad_scale"} and set(mlp["up_proj"]) == {"grad_scale"}
+    params = jax.jit(init_params, static_argnums=0)(FP8, jax.random.key(0))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    scales = delayed_scales(history)
+    hlo = jax.jit(lambda p, s: apply_scaled(p, s, tokens)).lower(params, scales).compile().as_text()
+    # one e4m3 copy of each distinct input of the layer (q/k/v's, o's, gate/up's, down's);
+    # with a scale per projection, q/k/v's and gate/up's inputs were quantized once per part
+    assert len(re.findall(r"= f8e4m3fn\[(?:1,)?8,", hlo)) == 4
+
+
+def test_a_shared_input_scale_records_the_inputs_amax_once():
+    class TwoParts(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            parts = (Projection("a", 32, ("embed", "mlp")), Projection("b", 32, ("embed", "mlp")))
+            return sum(y.astype(jnp.float32).sum() for y in projections(FP8, x, parts, None))
+
+    x = jax.random.normal(jax.random.key(1), (8, 64)).astype(jnp.bfloat16)
+    variables = TwoParts().init(jax.random.key(0), x)
+    params, scales = variables["params"], variables[FP8_SCALES]
+    assert set(scales["a"]) == {"x_scale", "grad_scale"} and set(scales["b"]) == {"grad_scale"}
+    amax = jax.grad(lambda s: TwoParts().apply({"params": params, FP8_SCALES: s}, x))(scales)
+    assert float(amax["a"]["x_scale"]) == float(jnp.max(jnp.abs(x)))  # not twice it
 
 
 def test_a_train_step_pushes_its_amaxes_into_the_history_and_a_skipped_step_does_not():
     fns, state = setup(FP8, 3)
-    assert {np.asarray(h).shape for h in jax.tree.leaves(state.fp8_history)} == {(FP8.n_layers, HISTORY, 2)}
+    assert {np.asarray(h).shape for h in jax.tree.leaves(state.fp8_history)} == {(FP8.n_layers, HISTORY)}
     state, metrics = fns.update(state, pattern_batch(8, 32, 0), None)
     first = jax.tree.map(np.asarray, state.fp8_history)
     for h in jax.tree.leaves(first):
-        assert (h[:, 0] > 0).all() and not h[:, 1:].any()  # this step's x and gradient amaxes, one row
+        assert (h[:, 0] > 0).all() and not h[:, 1:].any()  # this step's amaxes, one entry
     state, _ = fns.update(state, pattern_batch(8, 32, 1), None)
     for before, after in zip(jax.tree.leaves(first), jax.tree.leaves(state.fp8_history)):
-        np.testing.assert_array_equal(np.asarray(after)[:, 1], before[:, 0])  # moved one row on
+        np.testing.assert_array_equal(np.asarray(after)[:, 1], before[:, 0])  # moved one on
     nan_batch = pattern_batch(8, 32, 2)
     nan_batch["loss_mask"] = nan_batch["loss_mask"] * np.nan
     kept = jax.tree.map(np.asarray, state.fp8_history)
@@ -211,7 +255,7 @@ def test_a_delayed_scaling_run_checkpoints_its_history_and_resumes_exactly(tmp_p
     straight.fit()
     Trainer(config, output_dir=tmp_path / "part", callbacks=[StopAfter(2)]).fit()
     saved = checkpoint.load(tmp_path / "part" / "checkpoints", 2)[0]
-    assert np.asarray(saved["fp8_history"]["layers"]["mlp"]["down_proj"]["amax"])[:, :2].all()  # two steps' amaxes
+    assert np.asarray(saved["fp8_history"]["layers"]["mlp"]["down_proj"]["x_scale"])[:, :2].all()  # two steps' amaxes
     resumed = Trainer(config, output_dir=tmp_path / "part")
     resumed.fit(resume=True)
     for field in ("params", "fp8_history"):

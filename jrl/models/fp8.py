@@ -1,33 +1,35 @@
-"""fp8 matrix products: the training matmul with current scaling, and the served-weight
-product of an e4m3 kernel with per-output-channel scales.
+"""fp8 matrix products: the training matmul (delayed or current scaling), and the
+served-weight product of an e4m3 kernel with per-output-channel scales.
 
-Training (`ModelConfig.matmul_dtype: float8`): `fp8_matmul(x, w)` scales each operand by
-its own amax (per tensor, computed from the values being multiplied: "current" scaling,
-no amax history to carry in the train state), quantizes the forward operands to e4m3 and
-the incoming gradient to e5m2 (wider range, fewer mantissa bits: gradients span more
-decades), and runs each of the three GEMMs (forward, input gradient, weight gradient) on
-the fp8 values. Each GEMM is one dot of the fp8 operands themselves, accumulated in float32
-and written in the dtype its consumer takes (bf16 activations and input gradients, the
-master weights' float32 weight gradient), the product of the two scalar scales applied
-there: XLA runs that as one cuBLASLt fp8 GEMM on Hopper (320 in the 1B train step, 1.24x
-bf16's tokens/s on the H200; docs/performance.md). A float32 result cast afterwards cost
-each GEMM a pass of its own over the output (1.13x); the dequantize-then-dot form XLA's
-older GEMM rewriter matched ran as a bf16 GEMM there (no fp8 call, 0.94x). Scales are
-powers of two, so scaling the rounded result rounds nothing: the result is the fp8
-product up to float32 accumulation, on the CPU too.
+Training (`ModelConfig.matmul_dtype: float8`): `fp8_matmul(x, w)` scales each operand by a
+power of two per tensor, quantizes the forward operands to e4m3 and the incoming gradient
+to e5m2 (wider range, fewer mantissa bits: gradients span more decades), and runs each of
+the three GEMMs (forward, input gradient, weight gradient) on the fp8 values. Each GEMM is
+one dot of the fp8 operands themselves, accumulated in float32 and written in the dtype
+its consumer takes (bf16 activations and input gradients, the master weights' float32
+weight gradient), the product of the two scalar scales applied there: XLA runs that as
+one cuBLASLt fp8 GEMM on Hopper (320 in the 1B train step; docs/performance.md). A float32
+result cast afterwards cost each GEMM a pass of its own over the output (1.13x bf16's
+tokens/s against 1.22x); the dequantize-then-dot form XLA's older GEMM rewriter matched ran
+as a bf16 GEMM there (no fp8 call, 0.94x). Scales are powers of two, so scaling the
+rounded result rounds nothing: the result is the fp8 product up to float32 accumulation,
+on the CPU too. "Current" scaling (`fp8_scaling: current`, and every pass without a train
+state: scoring, evaluation) takes each tensor's scale from its own amax, so the tensor is
+read once for the amax and again to quantize.
 The scales are constants to differentiation (straight-through), as in every fp8 recipe.
 
 Delayed scaling (`ModelConfig.fp8_scaling: delayed`, the default): the activation's and
 the gradient's scales come from an amax history of the steps before (`HISTORY` steps, its
-maximum), held in the train state (`TrainState.fp8_history`, one `[HISTORY, 2]` array a
-projection: column 0 the input's amax, column 1 the incoming gradient's). The scale is
-then known before the tensor is made, so XLA quantizes where the tensor is produced
-instead of reading it twice (amax, then quantize): 1.24x -> 1.3x bf16's tokens/s on the
-H200. `fp8_matmul(x, w, history)` returns this step's two amaxes as the history's
-"gradient" (`history_update`); the train step takes their maximum over micro-batches and
-pushes it (`push_amax`). Values beyond a stale scale's range saturate at the format's
-largest value; an empty history (the first step) scales by 1. Weights keep current scaling
-(their amax pass is one read of a small tensor).
+maximum), held in the train state (`TrainState.fp8_history`: a projection's `grad_scale`
+history and, for each distinct input, one `x_scale` history: q/k/v and gate/up share
+theirs, so their input is quantized once). The scale is then known before the tensor is
+made, so XLA quantizes where the tensor is produced instead of reading it twice (amax,
+then quantize). The train step turns the histories into scales once (`delayed_scales`),
+`fp8_matmul(x, w, x_scale, grad_scale)` returns the two tensors' amaxes as the scales'
+"gradients", and the step takes their maximum over micro-batches and pushes it into the
+history (`push_amax`). Values beyond a stale scale's range saturate at
+the format's largest value; an empty history (the first step) scales by 1. Weights keep
+current scaling (their amax pass is one read of a small tensor).
 
 Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q_t, scale)` reads
 the e4m3 kernel, stored transposed `q_t [out, in]`, and multiplies the product by the
@@ -61,7 +63,7 @@ def quantize_tensor(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 HISTORY = 16  # steps of amax history a delayed scale covers
-FP8_HISTORY = "fp8_history"  # the model's variable collection holding each projection's history
+FP8_SCALES = "fp8_scales"  # the model's variable collection of each projection's delayed scales
 
 
 def power_of_two_scale(amax: jax.Array, dtype) -> jax.Array:
@@ -113,63 +115,65 @@ def _scaled_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Arr
     return y * (a_scale * b_scale).astype(dtype)
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array, history: jax.Array | None = None) -> jax.Array:
+def fp8_matmul(x: jax.Array, w: jax.Array, x_scale: jax.Array | None = None,
+               grad_scale: jax.Array | None = None) -> jax.Array:
     """`x [..., in] @ w [in, out]` with both operands in e4m3, returned in `x`'s dtype;
     gradients: e5m2 cotangent against the e4m3 operands, float32 accumulation, the input
     gradient in `x`'s dtype and the weight gradient in `w`'s (float32 master weights get a
-    float32 gradient, never rounded to bf16 on the way). `history` None: current scaling;
-    a `[HISTORY, 2]` amax history: delayed scaling of `x` and the gradient, and the
-    history's gradient is `history_update` of this product's amaxes."""
-    return _fp8_matmul(jnp.dtype(w.dtype), x, w, history)
+    float32 gradient, never rounded to bf16 on the way). `x_scale` / `grad_scale` None:
+    current scaling of the input / the incoming gradient; a scalar (`delayed_scales`):
+    delayed scaling by it, and its gradient is that tensor's amax in this product."""
+    return _fp8_matmul(jnp.dtype(w.dtype), x, w, (x_scale, grad_scale))
 
 
-def history_update(history: jax.Array, x_amax: jax.Array, g_amax: jax.Array) -> jax.Array:
-    """What a delayed-scaling product returns as its history's gradient: an array shaped
-    like the history, this step's input and gradient amax in its first row, zeros
-    elsewhere (so micro-batches combine by maximum and `push_amax` takes the row)."""
-    return jnp.zeros_like(history).at[0].set(jnp.stack([x_amax, g_amax]).astype(history.dtype))
+def delayed_scales(histories: dict) -> dict:
+    """The scales of a tree of amax histories (`TrainState.fp8_history`, `[..., HISTORY]`
+    leaves named `x_scale` or `grad_scale`): the power of two that maps the window's largest
+    amax within e4m3 (inputs) or e5m2 (gradients); an empty history gives 1."""
+    def scale(path, history):
+        dtype = E5M2 if path[-1].key == "grad_scale" else E4M3
+        return power_of_two_scale(jnp.max(history, axis=-1), dtype)
+    return jax.tree_util.tree_map_with_path(scale, histories)
 
 
-def push_amax(history: jax.Array, update: jax.Array) -> jax.Array:
-    """The history one step on: `update`'s first row (any leading axes, e.g. layers) in
-    front, the oldest row dropped; a non-finite amax (an overflowed step) is not kept."""
-    amax = update[..., :1, :]
-    amax = jnp.where(jnp.isfinite(amax), amax, history[..., :1, :])
-    return jnp.concatenate([amax, history[..., :-1, :]], axis=-2)
+def push_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """The history `[..., HISTORY]` one step on: `amax [...]` in front, the oldest dropped;
+    a non-finite amax (an overflowed step) repeats the newest entry instead."""
+    amax = jnp.where(jnp.isfinite(amax), amax, history[..., 0])
+    return jnp.concatenate([amax[..., None], history[..., :-1]], axis=-1)
 
 
-def _scale(tensor: jax.Array, history: jax.Array | None, column: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """(scale, amax) for quantizing `tensor`: current scaling from its own amax, or delayed
-    from the history's maximum in `column` (its own amax is then only recorded)."""
+def _scale(tensor: jax.Array, delayed: jax.Array | None, dtype) -> tuple[jax.Array, jax.Array]:
+    """(scale, amax) for quantizing `tensor`: current scaling from its own amax, or the
+    `delayed` scale (its own amax is then only recorded)."""
     amax = jnp.max(jnp.abs(tensor)).astype(jnp.float32)
-    known = amax if history is None else jnp.max(history[:, column])
-    return power_of_two_scale(known, dtype), amax
+    return (power_of_two_scale(amax, dtype) if delayed is None else delayed), amax
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_matmul(w_dtype, x, w, history):
-    return _fp8_fwd(w_dtype, x, w, history)[0]
+def _fp8_matmul(w_dtype, x, w, scales):
+    return _fp8_fwd(w_dtype, x, w, scales)[0]
 
 
-def _fp8_fwd(w_dtype, x, w, history):
+def _fp8_fwd(w_dtype, x, w, scales):
     x2 = x.reshape(-1, x.shape[-1])
-    sx, x_amax = _scale(x2, history, 0, E4M3)
+    sx, x_amax = _scale(x2, scales[0], E4M3)
     xq = quantize_with_scale(x2, sx, E4M3)
     wq, sw = quantize_tensor(w, E4M3)
     y = _scaled_dot(xq, sx, wq, sw, (1, 0), x.dtype)
     # The residuals are the quantized operands: one byte per value.
-    return y.reshape(*x.shape[:-1], w.shape[-1]), (xq, sx, wq, sw, x_amax, history)
+    return y.reshape(*x.shape[:-1], w.shape[-1]), (xq, sx, wq, sw, x_amax, scales)
 
 
 def _fp8_bwd(w_dtype, residuals, g):
-    xq, sx, wq, sw, x_amax, history = residuals
+    xq, sx, wq, sw, x_amax, scales = residuals
     g2 = g.reshape(-1, g.shape[-1])
-    sg, g_amax = _scale(g2, history, 1, E5M2)
+    sg, g_amax = _scale(g2, scales[1], E5M2)
     gq = quantize_with_scale(g2, sg, E5M2)
     dx = _scaled_dot(gq, sg, wq, sw, (1, 1), g.dtype)  # [N, out] x [in, out] -> [N, in]
     dw = _scaled_dot(xq, sx, gq, sg, (0, 0), w_dtype)  # [N, in] x [N, out] -> [in, out]
-    d_history = None if history is None else history_update(history, x_amax, g_amax)
-    return dx.reshape(*g.shape[:-1], wq.shape[0]), dw, d_history
+    d_scales = tuple(None if s is None else amax for s, amax in zip(scales, (x_amax, g_amax)))
+    return dx.reshape(*g.shape[:-1], wq.shape[0]), dw, d_scales
 
 
 _fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)

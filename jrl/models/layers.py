@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrl.config import ModelConfig
-from jrl.models.fp8 import E4M3, FP8_HISTORY, HISTORY, fp8_matmul, scaled_matmul
+from jrl.models.fp8 import E4M3, FP8_SCALES, fp8_matmul, scaled_matmul
 from pallas_kernels import dispatch as kernels
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -153,8 +153,10 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """`x @ kernel (+ bias)`, plus `scale * x @ lora_a @ lora_b` when `lora_rank > 0`.
     `fp8`: the product runs in fp8 (`jrl.models.fp8.fp8_matmul`); with `fp8_delayed` its
-    scales come from the `FP8_HISTORY` collection's `amax` when the caller passes one
-    (the train step: `TrainState.fp8_history`), from the tensors themselves otherwise.
+    input's and gradient's scales are the `FP8_SCALES` collection's `x_scale` and
+    `grad_scale` when the caller passes one (the train step, from `TrainState.fp8_history`),
+    the tensors' own otherwise. A call given `x_scale` (the projections sharing an input
+    with the one that owns it: `projections`) has no input scale of its own.
     Served fp8 params (`kernel_t`, `kernel_scale`: `jrl.models.quantized`) take the place
     of `kernel`, read by `jrl.models.fp8.scaled_matmul`. With
     `rows` and `gemm="kernel"` a plain product (no LoRA, no fp8) is one fixed-tile GEMM of
@@ -178,7 +180,7 @@ class Linear(nn.Module):
     parts: tuple[int, ...] = ()
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    def __call__(self, x: jax.Array, x_scale: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
         in_features = x.shape[-1]
         init = nn.initializers.normal(self.init_std)
         served_fp8 = self.has_variable("params", "kernel_t")
@@ -204,10 +206,12 @@ class Linear(nn.Module):
         elif served_fp8:
             product = lambda x: scaled_matmul(x, kernel_t, scale)
         elif self.fp8:
-            history = None
-            if self.fp8_delayed and (self.is_initializing() or self.has_variable(FP8_HISTORY, "amax")):
-                history = self.variable(FP8_HISTORY, "amax", jnp.zeros, (HISTORY, 2), jnp.float32).value
-            product = lambda x: fp8_matmul(x, kernel, history)
+            grad_scale = None
+            if self.fp8_delayed and (self.is_initializing() or self.has_variable(FP8_SCALES, "grad_scale")):
+                grad_scale = self.variable(FP8_SCALES, "grad_scale", jnp.ones, (), jnp.float32).value
+                if x_scale is None:
+                    x_scale = self.variable(FP8_SCALES, "x_scale", jnp.ones, (), jnp.float32).value
+            product = lambda x: fp8_matmul(x, kernel, x_scale, grad_scale)
         else:
             product = lambda x: jnp.dot(x, kernel.astype(self.dtype))
         bias = a = b = None
@@ -279,7 +283,14 @@ def projections(config: ModelConfig, x: jax.Array, parts: tuple[Projection, ...]
     its output axis is logically `unsharded` (its columns are blocks of different
     heads); the layout is for single-device inference. Call inside a compact method."""
     if fused_name is None:
-        return [linear(config, p.features, p.axes, p.name, p.lora_target, use_bias)(x) for p in parts]
+        first = linear(config, parts[0].features, parts[0].axes, parts[0].name, parts[0].lora_target, use_bias)
+        outs = [first(x)]
+        # fp8 delayed scaling: the parts share the first one's input scale, so x is quantized
+        # once; stop_gradient keeps its amax (the scale's gradient) from being counted per part
+        shared = first.get_variable(FP8_SCALES, "x_scale")
+        shared = None if shared is None else jax.lax.stop_gradient(shared)
+        return outs + [linear(config, p.features, p.axes, p.name, p.lora_target, use_bias)(x, shared)
+                       for p in parts[1:]]
     widths = tuple(p.features for p in parts)
     return list(linear(config, sum(widths), (parts[0].axes[0], "unsharded"), fused_name, None, use_bias,
                        parts=widths)(x))

@@ -23,7 +23,7 @@ import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.models.attention import GQAttention, MLAttention, dense_attention
-from jrl.models.fp8 import FP8_HISTORY
+from jrl.models.fp8 import FP8_SCALES, HISTORY
 from jrl.models.fused import unfusable_reason
 from jrl.models.layers import RMSNorm, SwiGLU, dtype_of, map_rows
 from jrl.models.moe import MoE, router_summary
@@ -93,7 +93,7 @@ class Transformer(nn.Module):
             block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         self.layers = nn.scan(
             block,
-            variable_axes={"params": 0, FP8_HISTORY: 0},
+            variable_axes={"params": 0, FP8_SCALES: 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.n_layers,
@@ -184,29 +184,30 @@ def param_logical_axes(config: ModelConfig) -> dict:
 
 
 def init_fp8_history(config: ModelConfig) -> dict | None:
-    """The empty amax histories (zeros) of every fp8 projection for delayed scaling
-    (`TrainState.fp8_history`; `jrl.models.fp8`), or None when the config has none."""
+    """The empty amax histories (zeros, `[..., HISTORY]` for each delayed scale) of the fp8
+    projections under delayed scaling (`TrainState.fp8_history`; `jrl.models.fp8`), or
+    None when the config has none."""
     if config.matmul_dtype != "float8" or config.fp8_scaling != "delayed":
         return None
     tokens = jnp.zeros((1, 1), jnp.int32)
     shapes = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens, tokens,
                                                              dense_attention(tokens)))
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), nn.unbox(shapes[FP8_HISTORY]))
+    return jax.tree.map(lambda s: jnp.zeros((*s.shape, HISTORY), s.dtype), nn.unbox(shapes[FP8_SCALES]))
 
 
 def forward(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
             backend: Any, cache: Any = None, token_mask: jax.Array | None = None,
             unroll_layers: bool = False, fused_projections: bool = False,
-            fp8_history: dict | None = None) -> ModelOutput:
+            fp8_scales: dict | None = None) -> ModelOutput:
     """Hidden states for `tokens [B, S]` at `positions [B, S]` through `backend`.
     `unroll_layers`: unroll the layer loop (same params and results; for inference
     programs, where it avoids per-layer weight copies at a longer compile).
     `fused_projections`: `params` are in the fused layout of
     `jrl.models.fused.fuse_projections` (same results, fewer and larger GEMMs).
-    `fp8_history`: the fp8 projections' amax histories (`init_fp8_history`): their scales
-    are then delayed, and the histories' gradients are this pass's amaxes."""
+    `fp8_scales`: the fp8 projections' delayed scales (`jrl.models.fp8.delayed_scales` of
+    the train state's histories); their gradients are then this pass's amaxes."""
     model = Transformer(config, unroll_layers=unroll_layers, fused_projections=fused_projections)
-    variables = {"params": params} if fp8_history is None else {"params": params, FP8_HISTORY: fp8_history}
+    variables = {"params": params} if fp8_scales is None else {"params": params, FP8_SCALES: fp8_scales}
     return model.apply(variables, tokens, positions, backend, cache, token_mask)
 
 

@@ -142,7 +142,7 @@ def target_stats(config: ModelConfig, params: dict, hidden: jax.Array, targets: 
 
 def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
                   segment_ids: jax.Array, *, max_segments: int | None = None,
-                  fp8_history: dict | None = None) -> tuple[jax.Array, dict]:
+                  fp8_scales: dict | None = None) -> tuple[jax.Array, dict]:
     """Final hidden states `[B, S, D]` and the model's aux dict (MoE losses) for a dense
     causal batch in which tokens attend only within their own segment. With
     `config.exact_rows` attention is `jrl.models.exact.ExactAttention` (needs a layout >= 1)
@@ -150,7 +150,7 @@ def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, position
 
     `max_segments`: the rows' layout promise (see the module doc and
     `batch_max_segments`); None takes the enclosing `attention_layout` (0 outside one).
-    `fp8_history`: the train state's fp8 amax histories (delayed scaling; `forward`)."""
+    `fp8_scales`: the fp8 projections' delayed scales (`forward`)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     positions = jnp.asarray(positions, jnp.int32)
     segment_ids = jnp.asarray(segment_ids, jnp.int32)
@@ -160,15 +160,15 @@ def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, position
     else:
         backend = dense_attention(segment_ids, max_segments=layout, mesh=_MESH.get())
     out = forward(config, params, tokens, positions, backend,
-                  token_mask=segment_ids > 0, fp8_history=fp8_history)
+                  token_mask=segment_ids > 0, fp8_scales=fp8_scales)
     return out.hidden, out.aux
 
 
 def target_logprobs(config: ModelConfig, params: dict, tokens: jax.Array, targets: jax.Array,
                     positions: jax.Array, segment_ids: jax.Array, *, chunk_size: int = 0,
-                    fp8_history: dict | None = None) -> jax.Array:
+                    fp8_scales: dict | None = None) -> jax.Array:
     """`out[b, t] = log p(targets[b, t] | tokens[b, <=t] of the same segment)`, float32 `[B, S]`."""
-    hidden, _ = hidden_states(config, params, tokens, positions, segment_ids, fp8_history=fp8_history)
+    hidden, _ = hidden_states(config, params, tokens, positions, segment_ids, fp8_scales=fp8_scales)
     return target_stats(config, params, hidden, targets, chunk_size=chunk_size).logp
 
 

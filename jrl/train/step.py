@@ -27,10 +27,11 @@ keeps valid buffers, and no float32 gradient or update of the base is ever mater
 scanned, their loss sums, weights, metric sums and gradients added up, and the sums are
 divided by the total weight once (see the strategy protocol in docs/training.md).
 
-Under fp8 delayed scaling (`TrainState.fp8_history`, `jrl.models.fp8`) the loss is also
-differentiated by the amax histories: their "gradients" are the step's amaxes, combined
-over micro-batches by maximum (`GradInfo.fp8_amax`) and pushed into the history by the
-update when it is applied (a skipped update leaves the history as it was).
+Under fp8 delayed scaling (`TrainState.fp8_history`, `jrl.models.fp8`) the step computes
+each projection's scales from its amax history once, and the loss is also differentiated
+by those scales: their "gradients" are the step's amaxes, combined over micro-batches by
+maximum (`GradInfo.fp8_amax`) and pushed into the history by the update when it is
+applied (a skipped update leaves the history as it was).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.config import ModelConfig
-from jrl.models.fp8 import push_amax
+from jrl.models.fp8 import delayed_scales, push_amax
 from jrl.parallel import BATCH_AXES
 from jrl.train.logprobs import attention_layout
 from jrl.train.schedules import Schedule
@@ -58,7 +59,7 @@ class GradInfo(NamedTuple):
     loss: jax.Array
     weight: jax.Array
     metrics: dict[str, jax.Array]
-    fp8_amax: Any = None  # the step's fp8 amaxes, shaped like TrainState.fp8_history (or None)
+    fp8_amax: Any = None  # the step's fp8 amaxes, one per TrainState.fp8_history entry (or None)
 
 
 class StepFns(NamedTuple):
@@ -111,14 +112,14 @@ def join_parts(mask: Any, frozen: Any, trainable: Any) -> Any:
 def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chunk_size: int,
                 params: Any, batch: dict, reference_params: Any, keys: jax.Array,
                 policy_version: jax.Array, with_grads: bool, max_segments: int, mesh: Mesh | None,
-                frozen: Any = None, mask: Any = None, fp8_history: Any = None):
+                frozen: Any = None, mask: Any = None, fp8_scales: Any = None):
     """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis, and
-    takes the maximum of the fp8 amaxes (the gradients of `fp8_history`; None without).
+    takes the maximum of the fp8 amaxes (the gradients of `fp8_scales`; None without).
     With `mask`, `params` is the trainable part and `frozen` the rest (grads: of `params`)."""
 
-    def loss_of(p, history, micro, key):
+    def loss_of(p, scales, micro, key):
         ctx = LossContext(rng=key, policy_version=policy_version, reference_params=reference_params,
-                          options=options, chunk_size=chunk_size, fp8_history=history)
+                          options=options, chunk_size=chunk_size, fp8_scales=scales)
         full = p if mask is None else join_parts(mask, frozen, p)
         with attention_layout(max_segments, mesh):  # read by hidden_states while this is traced
             out = strategy.loss_fn(model_config, full, micro, ctx)
@@ -128,9 +129,9 @@ def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chu
 
     def one(micro, key):
         if with_grads:
-            (total, (weight, metrics)), (grads, amax) = grad_fn(params, fp8_history, micro, key)
+            (total, (weight, metrics)), (grads, amax) = grad_fn(params, fp8_scales, micro, key)
             return total, weight, metrics, jax.tree.map(lambda g: g.astype(jnp.float32), grads), amax
-        total, (weight, metrics) = loss_of(params, fp8_history, micro, key)
+        total, (weight, metrics) = loss_of(params, fp8_scales, micro, key)
         return total, weight, metrics, None, None
 
     def body(carry, xs):
@@ -178,7 +179,8 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         total, weight, metrics, grads, amax = _accumulate(
             model_config, strategy, options, chunk_size, state.params, batch, reference_params,
             _micro_keys(state, n_micro), state.policy_version, with_grads=True, max_segments=max_segments,
-            mesh=mesh, frozen=frozen, mask=mask, fp8_history=state.fp8_history)
+            mesh=mesh, frozen=frozen, mask=mask,
+            fp8_scales=None if state.fp8_history is None else delayed_scales(state.fp8_history))
         denom = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / denom, grads)
         loss, reduced = _finish_metrics(total, weight, metrics)

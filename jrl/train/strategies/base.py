@@ -42,8 +42,8 @@ class LossContext(flax.struct.PyTreeNode):
     reference_params: Any = None  # frozen params, only when the strategy asks for them
     options: Any = flax.struct.field(pytree_node=False, default=None)  # the options dataclass
     chunk_size: int = flax.struct.field(pytree_node=False, default=0)  # LM-head chunking
-    # the train state's fp8 amax histories (delayed scaling), for the policy's forward pass
-    fp8_history: Any = None
+    # the fp8 projections' delayed scales (from TrainState.fp8_history), for the policy's forward pass
+    fp8_scales: Any = None
 
 
 class LossFn(Protocol):

@@ -38,18 +38,18 @@ class DPOOptions:
 
 
 def sequence_logps(config: ModelConfig, params, batch: Batch, chunk_size: int = 0,
-                   fp8_history: dict | None = None) -> jax.Array:
+                   fp8_scales: dict | None = None) -> jax.Array:
     """Summed response log-probs `[B, 2]` of the pair rows in `batch`."""
     b, two, s = batch["tokens"].shape
     flat = {k: batch[k].reshape(b * two, s) for k in TOKEN_FIELDS}
     logp = target_logprobs(config, params, flat["tokens"], flat["targets"], flat["positions"],
-                           flat["segment_ids"], chunk_size=chunk_size, fp8_history=fp8_history)
+                           flat["segment_ids"], chunk_size=chunk_size, fp8_scales=fp8_scales)
     return jnp.sum(logp * flat["loss_mask"].astype(jnp.float32), axis=-1).reshape(b, two)
 
 
 def dpo_loss(config: ModelConfig, params, batch: Batch, ctx: LossContext) -> LossOutput:
     beta, eps = ctx.options.beta, ctx.options.label_smoothing
-    policy = sequence_logps(config, params, batch, ctx.chunk_size, ctx.fp8_history)
+    policy = sequence_logps(config, params, batch, ctx.chunk_size, ctx.fp8_scales)
     if "ref_logps" in batch:
         ref = jnp.asarray(batch["ref_logps"], jnp.float32)
     elif ctx.reference_params is not None:

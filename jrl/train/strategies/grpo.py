@@ -234,12 +234,12 @@ GRPO_FIELDS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "ol
 
 
 def policy_stats(config: ModelConfig, params: Any, batch: dict, temperature: float,
-                 chunk_size: int = 0, fp8_history: dict | None = None) -> tuple[TargetStats, dict]:
+                 chunk_size: int = 0, fp8_scales: dict | None = None) -> tuple[TargetStats, dict]:
     """Statistics of the sampling distribution `softmax(logits / temperature)` at the
     batch's targets (the LM head is linear, so scaling the hidden states scales the
     logits). The loss and the rollout-time recomputation both call this."""
     hidden, aux = hidden_states(config, params, batch["tokens"], batch["positions"],
-                                batch["segment_ids"], fp8_history=fp8_history)
+                                batch["segment_ids"], fp8_scales=fp8_scales)
     if temperature != 1.0:
         hidden = hidden.astype(jnp.float32) / temperature
     return target_stats(config, params, hidden, batch["targets"], chunk_size=chunk_size), aux
@@ -249,7 +249,7 @@ def grpo_loss_fn(config: ModelConfig, params: Any, batch: dict, ctx: LossContext
     """The `grpo` strategy's loss for one micro-batch of rollout rows (docs/rl.md); rows
     whose `advantages` are per token are packed (several samples a row, `segment_ids`)."""
     opts: GRPOLossConfig = ctx.options
-    stats, aux = policy_stats(config, params, batch, opts.temperature, ctx.chunk_size, ctx.fp8_history)
+    stats, aux = policy_stats(config, params, batch, opts.temperature, ctx.chunk_size, ctx.fp8_scales)
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
     samples = Samples.of(jnp.asarray(batch["segment_ids"], jnp.int32), jnp.ndim(batch["advantages"]) == 2)
     parts = grpo_objective(

@@ -32,7 +32,7 @@ def token_cross_entropy(config: ModelConfig, params, batch: Batch, ctx: LossCont
     """Summed (label-smoothed) next-token CE over `loss_mask`; weight = trained tokens."""
     eps = ctx.options.label_smoothing
     hidden, aux = hidden_states(config, params, batch["tokens"], batch["positions"], batch["segment_ids"],
-                                fp8_history=ctx.fp8_history)
+                                fp8_scales=ctx.fp8_scales)
     stats = target_stats(config, params, hidden, batch["targets"], chunk_size=ctx.chunk_size)
     mask = jnp.asarray(batch["loss_mask"], jnp.float32)
     nll = -stats.logp
