@@ -261,3 +261,14 @@ def test_a_delayed_scaling_run_checkpoints_its_history_and_resumes_exactly(tmp_p
     for field in ("params", "fp8_history"):
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, getattr(resumed.state, field)),
                      jax.tree.map(np.asarray, getattr(straight.state, field)))
+
+
+def test_resuming_a_current_scaling_checkpoint_with_delayed_scaling_says_how(tmp_path):
+    overrides = ["steps=2", "model.n_layers=1", "model.hidden_size=64", "model.intermediate_size=128",
+                 "model.dtype=bfloat16", "model.matmul_dtype=float8", "data.batch_size=2", "data.seq_len=32",
+                 "data.source=bundled:tinytext:100", "eval.at_end=false"]
+    Trainer(load_train_config(CONFIGS / "pretrain_tinytext.yaml", overrides + ["model.fp8_scaling=current"]),
+            output_dir=tmp_path).fit()
+    delayed = load_train_config(CONFIGS / "pretrain_tinytext.yaml", overrides + ["steps=3"])
+    with pytest.raises(ConfigError, match=r"has no fp8_history/.*resume with model.fp8_scaling=current"):
+        Trainer(delayed, output_dir=tmp_path).fit(resume=True)
