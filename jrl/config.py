@@ -299,7 +299,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     # None: projections multiply in `dtype`. "float8": the transformer blocks' projections
     # (attention q/k/v/o, MLP gate/up/down, MLA's projections, shared experts; not routers,
-    # MoE experts or the LM head) multiply in fp8 with current scaling (docs/model.md).
+    # MoE experts or the LM head) multiply in fp8 (scaled as fp8_scaling says; docs/model.md).
     matmul_dtype: MatmulDtype | None = None
     # With matmul_dtype float8, where the activations' and gradients' scales come from:
     # "delayed" from an amax history of the train steps before (held in the train state;
