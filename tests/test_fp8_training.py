@@ -17,16 +17,16 @@ from jrl import checkpoint
 from jrl.config import (ConfigError, ModelConfig, OptimizerConfig, ScheduleConfig, load_train_config,
                         model_config_from_dict)
 from jrl.models import apply, dense_attention, forward, init_params
-from jrl.models.layers import Projection, projections
 from jrl.models.fp8 import E4M3, E5M2, FP8_SCALES, HISTORY, delayed_scales, fp8_matmul, push_amax, quantize_tensor
+from jrl.models.layers import Projection, projections
 from jrl.models.transformer import init_fp8_history
 from jrl.train.optim import build_optimizer
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
-from jrl.train.callbacks import Callback
 from jrl.train.step import make_step_fns
 from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.trainer import Trainer
+from run_control import StopAfter
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -235,15 +235,6 @@ def test_matmul_dtype_is_validated():
         ModelConfig(matmul_dtype="float8")
     with pytest.raises(ConfigError, match=r"model.fp8_scaling: must be one of \['delayed', 'current'\], got 'late'"):
         model_config_from_dict({"matmul_dtype": "float8", "dtype": "bfloat16", "fp8_scaling": "late"})
-
-
-class StopAfter(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def after_optimizer_step(self, trainer, state, metrics):
-        if metrics["step"] == self.step:
-            trainer.request_stop("test")
 
 
 def test_a_delayed_scaling_run_checkpoints_its_history_and_resumes_exactly(tmp_path):

@@ -11,25 +11,14 @@ import numpy as np
 import pytest
 
 from jrl.metrics_log import read_metrics
-from jrl.train.callbacks import Callback
 from jrl.rl import build_learner
+from run_control import StopAfter
 from test_rl_episodes import episode_grpo_config
 from test_rl_loop import run, tiny, train_rows
 
 # weight_sync_*: how a sync went (a resumed run builds its engine anew), not what was trained
 TIMING = ("generate_s", "recompute_s", "rollout_s", "train_s", "tokens_per_s", "mfu", "env_s", "weight_sync_s",
           "weight_sync_bytes")
-
-
-class StopAfter(Callback):
-    """Asks the trainer to stop after step `step` (the end-of-run checkpoint follows)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def after_optimizer_step(self, trainer, state, metrics):
-        if metrics["step"] == self.step:
-            trainer.request_stop("test")
 
 
 def comparable(rows, after):
