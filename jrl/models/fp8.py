@@ -10,13 +10,14 @@ its consumer takes (bf16 activations and input gradients, the master weights' fl
 weight gradient), the product of the two scalar scales applied there: XLA runs that as
 one cuBLASLt fp8 GEMM on Hopper (320 in the 1B train step; docs/performance.md). A float32
 result cast afterwards cost each GEMM a pass of its own over the output (1.13x bf16's
-tokens/s against 1.22x); the dequantize-then-dot form XLA's older GEMM rewriter matched ran
+tokens/s against 1.22-1.24x); the dequantize-then-dot form XLA's older GEMM rewriter matched ran
 as a bf16 GEMM there (no fp8 call, 0.94x). Scales are powers of two, so scaling the
 rounded result rounds nothing: the result is the fp8 product up to float32 accumulation,
 on the CPU too. "Current" scaling (`fp8_scaling: current`, and every pass without a train
 state: scoring, evaluation) takes each tensor's scale from its own amax, so the tensor is
 read once for the amax and again to quantize.
-The scales are constants to differentiation (straight-through), as in every fp8 recipe.
+The scales are constants to the operands' differentiation (straight-through), as in every
+fp8 recipe; a delayed scale's own "gradient" is the amax bookkeeping below.
 
 Delayed scaling (`ModelConfig.fp8_scaling: delayed`, the default): the activation's and
 the gradient's scales come from an amax history of the steps before (`HISTORY` steps, its
@@ -24,12 +25,13 @@ maximum), held in the train state (`TrainState.fp8_history`: a projection's `gra
 history and, for each distinct input, one `x_scale` history: q/k/v and gate/up share
 theirs, so their input is quantized once). The scale is then known before the tensor is
 made, so XLA quantizes where the tensor is produced instead of reading it twice (amax,
-then quantize). The train step turns the histories into scales once (`delayed_scales`),
-`fp8_matmul(x, w, x_scale, grad_scale)` returns the two tensors' amaxes as the scales'
-"gradients", and the step takes their maximum over micro-batches and pushes it into the
-history (`push_amax`). Values beyond a stale scale's range saturate at
-the format's largest value; an empty history (the first step) scales by 1. Weights keep
-current scaling (their amax pass is one read of a small tensor).
+then quantize): 1.22x -> 1.28x bf16's tokens/s on the H200. The train step turns the
+histories into scales once (`delayed_scales`), `fp8_matmul(x, w, x_scale, grad_scale)`
+returns the two tensors' amaxes as the scales' "gradients", and the step takes their
+maximum over micro-batches and pushes it into the history (`push_amax`). Values beyond a
+stale scale's range saturate at the format's largest value; an empty history (the first
+step) scales by 1. Weights keep current scaling (their amax pass is one read of a small
+tensor; a constant weight scale measured no faster).
 
 Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q_t, scale)` reads
 the e4m3 kernel, stored transposed `q_t [out, in]`, and multiplies the product by the
@@ -51,6 +53,8 @@ from pallas_kernels import dispatch as kernels
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
+HISTORY = 16  # train steps of amax history a delayed scale covers
+FP8_SCALES = "fp8_scales"  # the model's variable collection of the projections' delayed scales
 
 
 def quantize_tensor(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -60,10 +64,6 @@ def quantize_tensor(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     rounding of its own."""
     scale = power_of_two_scale(jnp.max(jnp.abs(x)), dtype)
     return quantize_with_scale(x, scale, dtype), scale
-
-
-HISTORY = 16  # steps of amax history a delayed scale covers
-FP8_SCALES = "fp8_scales"  # the model's variable collection of each projection's delayed scales
 
 
 def power_of_two_scale(amax: jax.Array, dtype) -> jax.Array:

@@ -78,13 +78,13 @@ def _mismatch_message(e: checkpoint.TargetMismatchError, step: int) -> str:
     if e.stored is not None and e.wanted is not None:
         return (f"--resume: {where} does not fit this config: {e.leaf} has shape {e.stored} in the "
                 f"checkpoint, the config builds {e.wanted}")
-    fp8 = ("; it was written without fp8 delayed scaling: resume with model.fp8_scaling=current"
-           if e.stored is None and e.leaf.startswith("fp8_history") else
-           "; it was written with fp8 delayed scaling (model.fp8_scaling=delayed)"
-           if e.leaf.startswith("fp8_history") else "")
+    hint = ""
+    if e.leaf.startswith("fp8_history"):  # written under the other model.fp8_scaling
+        hint = ("; it was written without fp8 delayed scaling: resume with model.fp8_scaling=current"
+                if e.stored is None else "; it was written with fp8 delayed scaling (model.fp8_scaling=delayed)")
     if e.stored is None:
-        return f"--resume: {where} does not fit this config: it has no {e.leaf} (the config builds one){fp8}"
-    return f"--resume: {where} does not fit this config: it has {e.leaf}, which the config does not build{fp8}"
+        return f"--resume: {where} does not fit this config: it has no {e.leaf} (the config builds one){hint}"
+    return f"--resume: {where} does not fit this config: it has {e.leaf}, which the config does not build{hint}"
 
 
 def _finite(x: float) -> float | None:
