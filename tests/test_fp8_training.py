@@ -216,6 +216,18 @@ def test_a_train_step_pushes_its_amaxes_into_the_history_and_a_skipped_step_does
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.fp8_history), kept)
 
 
+def test_micro_batches_record_the_amax_of_the_whole_batch():
+    # the amaxes of two micro-batches combine by maximum (a sum would double them)
+    batch = pattern_batch(8, 32, 0)
+    halves = {k: v.reshape(2, 4, *v.shape[2:]) for k, v in batch.items()}
+    histories = []
+    for b in (batch, halves):
+        fns, state = setup(FP8, 1)
+        state, _ = fns.update(state, b, None)
+        histories.append(jax.tree.map(lambda h: np.asarray(h)[:, 0], state.fp8_history))
+    jax.tree.map(lambda one, two: np.testing.assert_allclose(two, one, rtol=0.05), *histories)
+
+
 @pytest.mark.parametrize("scaling", ["delayed", "current"])
 def test_fp8_training_reaches_the_bf16_loss_with_finite_gradients(scaling):
     bf16_losses, _ = train(BF16, 20)
