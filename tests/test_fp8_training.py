@@ -249,6 +249,19 @@ def test_matmul_dtype_is_validated():
         model_config_from_dict({"matmul_dtype": "float8", "dtype": "bfloat16", "fp8_scaling": "late"})
 
 
+def test_a_fresh_run_seeds_its_histories_from_the_first_batch_before_the_first_update(tmp_path):
+    overrides = ["steps=1", "model.n_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+                 "model.dtype=bfloat16", "model.matmul_dtype=float8", "data.batch_size=4", "data.seq_len=64",
+                 "data.source=bundled:tinytext:200", "eval.at_end=false"]
+    trainer = Trainer(load_train_config(CONFIGS / "pretrain_tinytext.yaml", overrides), output_dir=tmp_path)
+    trainer.fit()
+    for h in jax.tree.leaves(jax.tree.map(np.asarray, trainer.state.fp8_history)):
+        assert h[:, :2].all() and not h[:, 2:].any()  # the seeding pass, then the update's own
+    # the first layer's input does not depend on any fp8 scale: both passes saw the same amax
+    first_input = np.asarray(trainer.state.fp8_history["layers"]["attn"]["q_proj"]["x_scale"])[0]
+    assert first_input[0] == first_input[1]
+
+
 def test_a_delayed_scaling_run_checkpoints_its_history_and_resumes_exactly(tmp_path):
     overrides = ["steps=4", "model.n_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
                  "model.dtype=bfloat16", "model.matmul_dtype=float8", "data.batch_size=4", "data.seq_len=64",

@@ -29,8 +29,8 @@ then quantize): 1.22x -> 1.28x bf16's tokens/s on the H200. The train step turns
 histories into scales once (`delayed_scales`), `fp8_matmul(x, w, x_scale, grad_scale)`
 returns the two tensors' amaxes as the scales' "gradients", and the step takes their
 maximum over micro-batches and pushes it into the history (`push_amax`). Values beyond a
-stale scale's range saturate at the format's largest value; an empty history (the first
-step) scales by 1. Weights keep current scaling (their amax pass is one read of a small
+stale scale's range saturate at the format's largest value; an empty history scales by 1
+(the Trainer first seeds it from one gradient pass: `jrl.train.step.seed_fp8_history`). Weights keep current scaling (their amax pass is one read of a small
 tensor; a constant weight scale measured no faster).
 
 Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q_t, scale)` reads

@@ -31,7 +31,9 @@ Under fp8 delayed scaling (`TrainState.fp8_history`, `jrl.models.fp8`) the step 
 each projection's scales from its amax history once, and the loss is also differentiated
 by those scales: their "gradients" are the step's amaxes, combined over micro-batches by
 maximum (`GradInfo.fp8_amax`) and pushed into the history by the update when it is
-applied (a skipped update leaves the history as it was).
+applied (a skipped update leaves the history as it was). `seed_fp8_history` fills an empty
+history from one gradient pass before a run's first update (the Trainer calls it), so
+that update is not scaled by 1.
 """
 
 from __future__ import annotations
@@ -142,6 +144,16 @@ def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chu
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first, keys[0]))
     summed, _ = jax.lax.scan(body, zeros, (batch, keys))
     return summed
+
+
+def seed_fp8_history(compute_grads: Callable, state: TrainState, batch: dict, reference_params: Any,
+                     max_segments: int = 0) -> TrainState:
+    """`state` with the step's amaxes pushed into its empty fp8 histories: one gradient pass
+    over `batch` (`StepFns.compute_grads`, scales 1; the amaxes are of the unquantized
+    tensors), no update. Before a fresh run's first step, so that step's scales come from
+    the data (a pretrained model's activations can exceed e4m3's 448 at scale 1)."""
+    _, info = compute_grads(state, batch, reference_params, max_segments)
+    return state.replace(fp8_history=jax.tree.map(push_amax, state.fp8_history, info.fp8_amax))
 
 
 def _finish_metrics(total, weight, metrics) -> tuple[jax.Array, dict]:

@@ -55,7 +55,7 @@ from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
 from jrl.train.schedules import make_schedule
 from jrl.train.source_state import load_source_state, pack_source_state
 from jrl.train.state import TrainState, init_sharded_train_state
-from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings, trainable_part
+from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings, seed_fp8_history, trainable_part
 from jrl.train.strategies import get_strategy
 from jrl.train.strategies import strategy_options as parse_strategy_options
 
@@ -139,6 +139,7 @@ class Trainer:
         self._mesh: Mesh | None = mesh
         self._shardings: StepShardings | None = None
         self._split = any(cb.edits_gradients(c) for c in self.callbacks)
+        self._seed_fp8 = False  # set by setup: a fresh run with fp8 delayed scaling
         self._last_time: float | None = None
         self._run_lock: RunLock | None = None  # held on process 0 only
         self._run_dir_taken = False
@@ -284,6 +285,8 @@ class Trainer:
             self.metrics_log.truncate_after(int(state.step))
         if resumed:
             self.last_saved_step = int(state.step)
+        # a fresh run's empty fp8 amax histories are seeded from its first batch (delayed scaling)
+        self._seed_fp8 = state.fp8_history is not None and not resumed
         if self.is_main_process:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
         self.start_step = int(state.step)
@@ -414,6 +417,9 @@ class Trainer:
         self.fire("on_step_begin", state, batch)
         layout = self.attention_layout(batch)
         micro = self._on_mesh(self._micro(batch))
+        if self._seed_fp8:
+            state = seed_fp8_history(self._fns.compute_grads, state, micro, self.reference_params, layout)
+            self._seed_fp8 = False
         if self._split:
             grads, info = self._fns.compute_grads(state, micro, self.reference_params, layout)
             for c in self.callbacks:
