@@ -30,8 +30,9 @@ histories into scales once (`delayed_scales`), `fp8_matmul(x, w, x_scale, grad_s
 returns the two tensors' amaxes as the scales' "gradients", and the step takes their
 maximum over micro-batches and pushes it into the history (`push_amax`). Values beyond a
 stale scale's range saturate at the format's largest value; an empty history scales by 1
-(the Trainer first seeds it from one gradient pass: `jrl.train.step.seed_fp8_history`). Weights keep current scaling (their amax pass is one read of a small
-tensor; a constant weight scale measured no faster).
+(the Trainer first seeds it from one gradient pass: `jrl.train.step.seed_fp8_history`).
+Weights keep current scaling (their amax pass is one read of a small tensor; a constant
+weight scale measured no faster).
 
 Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q_t, scale)` reads
 the e4m3 kernel, stored transposed `q_t [out, in]`, and multiplies the product by the
