@@ -168,19 +168,25 @@ def _head_product_bwd(residuals, g):
 head_product.defvjp(_head_product_fwd, _head_product_bwd)
 
 
+def _init_variables(config: ModelConfig, key: jax.Array) -> dict:
+    """Every variable collection of a freshly initialised model (params, fp8 scales)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(config).init(key, tokens, tokens, dense_attention(tokens))
+
+
+def _abstract_variables(config: ModelConfig) -> dict:
+    """`_init_variables`' shapes and dtypes, nothing computed."""
+    return jax.eval_shape(lambda: _init_variables(config, jax.random.key(0)))
+
+
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
     """Random parameters (plain arrays; logical axes are in `param_logical_axes`)."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    variables = Transformer(config).init(key, tokens, tokens, dense_attention(tokens))
-    return nn.unbox(variables["params"])
+    return nn.unbox(_init_variables(config, key)["params"])
 
 
 def param_logical_axes(config: ModelConfig) -> dict:
     """Pytree of logical axis names (a `PartitionSpec` of names) matching the params."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    abstract = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens, tokens,
-                                                               dense_attention(tokens)))
-    return nn.get_partition_spec(abstract["params"])
+    return nn.get_partition_spec(_abstract_variables(config)["params"])
 
 
 def init_fp8_history(config: ModelConfig) -> dict | None:
@@ -189,10 +195,8 @@ def init_fp8_history(config: ModelConfig) -> dict | None:
     None when the config has none."""
     if config.matmul_dtype != "float8" or config.fp8_scaling != "delayed":
         return None
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens, tokens,
-                                                             dense_attention(tokens)))
-    return jax.tree.map(lambda s: jnp.zeros((*s.shape, HISTORY), s.dtype), nn.unbox(shapes[FP8_SCALES]))
+    shapes = nn.unbox(_abstract_variables(config)[FP8_SCALES])
+    return jax.tree.map(lambda s: jnp.zeros((*s.shape, HISTORY), s.dtype), shapes)
 
 
 def forward(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array,
