@@ -99,7 +99,9 @@ def _coerce(value: Any, annotation: Any, field: str) -> Any:
                 return _coerce(value, arg, field)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{field}: invalid value {value!r}")
+        if not errors:
+            raise ConfigError(f"{field}: invalid value {value!r}")
+        raise ConfigError(errors[0] + (" (or null)" if type(None) in args else ""))
     if origin is Literal:
         _check(value in args, field, f"must be one of {list(args)}, got {value!r}")
         return value
