@@ -2,7 +2,7 @@
 line (the reproduce lines of docs/performance.md above all) names a stage that exists and
 only flags that stage takes, and every `python -m jrl.train` line resolves to a valid run
 config (its overrides name real fields with valid values). A renamed or dropped flag or
-field fails here, not in a reader's terminal."""
+field fails here, not in a reader's terminal. The README's Python example runs as written."""
 
 from __future__ import annotations
 
@@ -106,3 +106,10 @@ def test_a_documented_serve_or_eval_command_parses(doc, name, args, capsys):
         PARSERS[name]().parse_args(shlex.split(args.replace("[", " ").replace("]", " ")))
     except SystemExit as e:  # argparse's exit on a flag or value it does not take
         pytest.fail(f"{doc}: `jrl {name} {args}`: {capsys.readouterr().err.strip().splitlines()[-1]} ({e})")
+
+
+def test_the_readme_python_example_runs_as_written():
+    (example,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    scope: dict = {}
+    exec(compile(example, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    assert scope["logits"].shape == (2, 12, scope["config"].vocab_size)
