@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jrl.config import DataConfig, ModelConfig, Section
+from jrl.config import ConfigError, DataConfig, ModelConfig, Section
 from jrl.data import (
     DataSource, assemble_rows, build_dataset, build_store, doc_pieces, encode_record, load_documents,
     load_tokenizer, open_store, plan_rows, write_store,
@@ -167,6 +167,36 @@ def test_jsonl_errors_name_the_line(tmp_path):
     src.write_text('{"prompt": "a", "response": "b"}\n{oops\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
+
+
+def test_a_record_missing_a_field_is_named_by_its_file_line(tmp_path):
+    src = tmp_path / "sft.jsonl"  # the blank line counts: the error is where an editor shows it
+    src.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c"}\n')
+    with pytest.raises(ConfigError, match=rf"{src}:3: missing field 'response' \(data.sections\[3\].field\)"):
+        load_documents(DataConfig(source=str(src), sections=SECTIONS, eval_fraction=0.0), TOK, "train")
+
+
+@pytest.mark.parametrize("split,key", [("train", "data.source"), ("eval", "data.eval_source")])
+def test_a_missing_data_file_is_named_by_its_config_field(tmp_path, split, key):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a", "response": "b"}\n')
+    missing = str(tmp_path / "nope.jsonl")
+    paths = {"source": missing, "eval_source": str(good)} if split == "train" else {"source": str(good),
+                                                                                     "eval_source": missing}
+    with pytest.raises(ConfigError, match=rf"^{key}: no such file '{missing}'$"):
+        load_documents(DataConfig(**paths), TOK, split)
+
+
+@pytest.mark.parametrize("text,overflow,why", [
+    ("\n", "truncate_right", "it has no records"),
+    ('{"prompt": "a long prompt", "response": "b"}\n', "drop", "each of its 1 documents is longer than data.seq_len=8"),
+])
+def test_training_data_without_rows_is_named(tmp_path, text, overflow, why):
+    src = tmp_path / "train.jsonl"
+    src.write_text(text)
+    cfg = DataConfig(source=str(src), sections=SECTIONS, eval_fraction=0.0, seq_len=8, overflow=overflow)
+    with pytest.raises(ConfigError, match=rf"^data.source: '{src}' gives no training rows: {why}"):
+        build_dataset(cfg, TOK, "train")
 
 
 def test_unknown_bundled_dataset_is_named():

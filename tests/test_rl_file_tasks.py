@@ -135,9 +135,14 @@ def test_bad_task_fields_are_named(fields, message):
         from_dict(TaskConfig, fields, prefix="task.")
 
 
-def test_missing_task_file_is_named(tmp_path):
-    with pytest.raises(ConfigError, match="no such file"):
-        task(tmp_path, train=str(tmp_path / "nope.jsonl"))
+def test_missing_task_file_is_named_by_its_field(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(4)))
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(ConfigError, match=f"^task.train: no such file '{missing}'$"):
+        task(tmp_path, train=missing)
+    with pytest.raises(ConfigError, match=f"^task.heldout: no such file '{missing}'$"):
+        task(tmp_path, train=str(good), heldout=missing)
 
 
 # ----------------------------------------------------------------------------- prompts

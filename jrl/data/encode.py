@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jrl.config import DataConfig, Section
+from jrl.config import ConfigError, DataConfig, Section
 from jrl.data.text import Tokenizer
 
 Document = tuple[np.ndarray, np.ndarray]
@@ -30,11 +30,11 @@ Document = tuple[np.ndarray, np.ndarray]
 
 def _field_text(record: dict, field: str, where: str, config_key: str) -> str:
     if field not in record:
-        raise ValueError(f"{where}: missing field {field!r} ({config_key}); "
-                         f"record has: {', '.join(sorted(record)) or 'nothing'}")
+        raise ConfigError(f"{where}: missing field {field!r} ({config_key}); "
+                          f"record has: {', '.join(sorted(record)) or 'nothing'}")
     value = record[field]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"{where}: field {field!r} must be a string or number, got {type(value).__name__}")
+        raise ConfigError(f"{where}: field {field!r} must be a string or number, got {type(value).__name__}")
     return str(value)
 
 
@@ -68,8 +68,8 @@ def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: 
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
-        raise ValueError(f"{where}: field {field!r} (data.messages_field) must be a non-empty list of "
-                         f"{{'role': str, 'content': str}} messages")
+        raise ConfigError(f"{where}: field {field!r} (data.messages_field) must be a non-empty list of "
+                          f"{{'role': str, 'content': str}} messages")
     render = tokenizer.apply_chat_template
     pieces: list[tuple[str, bool]] = []
     done = ""
@@ -79,13 +79,13 @@ def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: 
         if message["role"] in config.train_roles:
             header = render(messages[:i], add_generation_prompt=True)
             if not header.startswith(done) or not full.startswith(header):
-                raise ValueError(f"{where}: the chat template's generation prompt is not a prefix of "
-                                 f"message {i}; cannot tell its header from its content")
+                raise ConfigError(f"{where}: the chat template's generation prompt is not a prefix of "
+                                  f"message {i}; cannot tell its header from its content")
             pieces.append((header[len(done):], False))
             cut = header
         if not full.startswith(cut):
-            raise ValueError(f"{where}: the chat template does not render message {i} as an extension "
-                             f"of the earlier ones; cannot derive loss masks")
+            raise ConfigError(f"{where}: the chat template does not render message {i} as an extension "
+                              f"of the earlier ones; cannot derive loss masks")
         pieces.append((full[len(cut):], message["role"] in config.train_roles))
         done = full
     return [p for p in pieces if p[0]]

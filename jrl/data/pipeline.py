@@ -12,11 +12,11 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
-from jrl.config import DataConfig, to_dict
+from jrl.config import ConfigError, DataConfig, to_dict
 from jrl.data.bundled import is_bundled
 from jrl.data.encode import Document, encode_record
 from jrl.data.packing import PairPlan, RowPlan, assemble_pairs, assemble_rows, plan_pairs, plan_rows
-from jrl.data.records import is_heldout, iter_records
+from jrl.data.records import is_heldout, iter_located_records
 from jrl.data.sampler import EpochSampler
 from jrl.data.store import TokenStore, build_store, open_store, write_store
 from jrl.data.text import Tokenizer
@@ -24,13 +24,14 @@ from jrl.data.text import Tokenizer
 Split = Literal["train", "eval"]
 
 
-def _split_source(config: DataConfig, split: Split) -> tuple[str, bool] | None:
-    """(source, filter by the held-out rule?) for `split`, or None if the split is empty."""
+def _split_source(config: DataConfig, split: Split) -> tuple[str, bool, str] | None:
+    """(source, filter by the held-out rule?, the config field naming the source) for
+    `split`, or None if the split is empty."""
     if split == "eval":
         if config.eval_source is not None:
-            return config.eval_source, False
-        return (config.source, True) if config.eval_fraction > 0 else None
-    return config.source, config.eval_source is None and config.eval_fraction > 0
+            return config.eval_source, False, "data.eval_source"
+        return (config.source, True, "data.source") if config.eval_fraction > 0 else None
+    return config.source, config.eval_source is None and config.eval_fraction > 0, "data.source"
 
 
 def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Iterator[Document]:
@@ -38,11 +39,11 @@ def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> It
     chosen = _split_source(config, split)
     if chosen is None:
         return
-    source, filtered = chosen
-    for index, record in iter_records(source, config.seed):
+    source, filtered, key = chosen
+    for index, (where, record) in enumerate(iter_located_records(source, config.seed, key)):
         if filtered and is_heldout(index, config.seed, config.eval_fraction) != (split == "eval"):
             continue
-        yield from encode_record(record, config, tokenizer, where=f"{source} record {index}")
+        yield from encode_record(record, config, tokenizer, where=where)
 
 
 def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
@@ -94,6 +95,8 @@ class RowDataset:
 
 
 def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> RowDataset | None:
+    """The rows of `split`, or None where the split is empty by config (no held-out data).
+    A training split that yields no rows is an error naming its source."""
     store = load_documents(config, tokenizer, split)
     if store is None:
         return None
@@ -101,6 +104,12 @@ def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Row
         plan = plan_pairs(store.lengths, config.seq_len, overflow=config.overflow)
     else:
         plan = plan_rows(store.lengths, config.seq_len, pack=config.pack, overflow=config.overflow)
+    if split == "train" and len(plan) == 0:
+        source, _, key = _split_source(config, split)
+        why = ("it has no records" if len(store) == 0 else
+               f"each of its {len(store)} documents is longer than data.seq_len={config.seq_len} "
+               f"and data.overflow={config.overflow!r} drops it")
+        raise ConfigError(f"{key}: {source!r} gives no training rows: {why}")
     return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
 
 

@@ -7,21 +7,23 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from jrl.config import ConfigError
 from jrl.data.bundled import is_bundled, load_bundled
 
 _MASK64 = (1 << 64) - 1
 
 
-def iter_located_records(source: str, seed: int = 0) -> Iterator[tuple[str, dict]]:
+def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -> Iterator[tuple[str, dict]]:
     """`(where, record)` for every record of `source`, `where` being `file:line` (or
-    `bundled:<name>[index]`); bad lines raise naming file:line."""
+    `bundled:<name>[index]`). A missing file raises a ConfigError naming `key` (the
+    config field that gave the path), a bad line one naming file:line."""
     if is_bundled(source):
         for index, record in enumerate(load_bundled(source, seed)):
             yield f"{source}[{index}]", record
         return
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"data.source: no such file {source!r}")
+        raise ConfigError(f"{key}: no such file {source!r}")
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -29,16 +31,10 @@ def iter_located_records(source: str, seed: int = 0) -> Iterator[tuple[str, dict
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
+                raise ConfigError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{source}:{line_no}: expected a JSON object, got {type(record).__name__}")
+                raise ConfigError(f"{source}:{line_no}: expected a JSON object, got {type(record).__name__}")
             yield f"{source}:{line_no}", record
-
-
-def iter_records(source: str, seed: int = 0) -> Iterator[tuple[int, dict]]:
-    """`(index, record)` for every record of `source` (blank lines skipped)."""
-    for index, (_, record) in enumerate(iter_located_records(source, seed)):
-        yield index, record
 
 
 def _mix(x: int) -> int:

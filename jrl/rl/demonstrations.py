@@ -134,11 +134,7 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
     rows: list[dict] = []  # one per single-turn demonstration, one per assistant turn of a multi-turn one
     as_is = True
     kept = dropped = 0
-    try:
-        located = list(iter_located_records(config.source, seed))
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(str(e).replace("data.source: ", f"{PREFIX}source: ")) from None
-    for where, record in located:
+    for where, record in iter_located_records(config.source, seed, f"{PREFIX}source"):
         problem = _problem(record, where, prompt_field)
         if response_field not in record:
             raise ConfigError(f"{where}: missing field {response_field!r} ({PREFIX}response_field); the record has "

@@ -101,15 +101,12 @@ def record_prompt(record: dict, field: str, where: str, option: str) -> str | tu
     return prompt
 
 
-def read_problems(source: str, prompt_field: str, answer_field: str | None, *, seed: int = 0) -> list[Problem]:
+def read_problems(source: str, prompt_field: str, answer_field: str | None, *, seed: int = 0,
+                  key: str = "task.train") -> list[Problem]:
     """Every record of a JSONL file (or bundled source) as a Problem; errors name the file,
-    the line and the field."""
+    the line and the field (`key`: the config field that gave `source`)."""
     problems = []
-    try:
-        records = list(iter_located_records(source, seed))
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(str(e).replace("data.source: ", "task: ")) from None
-    for where, record in records:
+    for where, record in iter_located_records(source, seed, key):
         prompt = record_prompt(record, prompt_field, where, "task.prompt_field")
         answer = ""
         if answer_field is not None:
@@ -139,7 +136,8 @@ class FileTask:
         def carve(path: str | None, n: int, field: str) -> list[Problem]:
             nonlocal taken
             if path is not None:
-                return read_problems(path, c.prompt_field, c.answer_field, seed=c.seed)
+                return read_problems(path, c.prompt_field, c.answer_field, seed=c.seed,
+                                     key=f"task.{field.removeprefix('n_')}")
             if taken + n >= len(train):
                 raise ConfigError(f"task.{field}: cannot set aside {n} of the {len(train)} records of {c.train} "
                                   f"and keep some to train on; give a task.{field.removeprefix('n_')} file "
