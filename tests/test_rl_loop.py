@@ -411,3 +411,14 @@ def test_interruptible_staleness_masks_only_the_old_tokens(tmp_path, monkeypatch
     assert mask.sum() > 0  # the version-2 tokens of samples that reached them are trained
     assert second["groups_trained"] > 0
     assert set(versions.tolist()) == {0}  # each row's oldest token: version 0
+
+
+def test_a_run_with_nothing_to_learn_from_says_so_once(tmp_path, caplog):
+    # a random model never adds 1-digit numbers right: every group's rewards are all 0
+    config = grpo_config(steps=4, n_kv_heads=1, reward="exact_match")
+    with caplog.at_level("WARNING", logger="jrl.rl.source"):
+        _, rows = run(config, tmp_path)
+    assert [r["groups_kept"] for r in rollout_rows(rows)] == [0, 0]
+    (warning,) = [r.getMessage() for r in caplog.records if "nothing to learn from" in r.getMessage()]
+    assert warning.startswith("rollout 0 has nothing to learn from: in each of its 4 groups every sample got "
+                              "the same reward (accuracy 0.0%)")

@@ -18,7 +18,7 @@ from jrl.rl.examples import letters_in_place, reversed_word
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat, end_of_turn_text
 from jrl.rl.tasks import TaskConfig, make_task
-from jrl.rl.warm_start import run_warm_start, warm_start_config
+from jrl.rl.warm_start import StopAtValidationAccuracy, run_warm_start, warm_start_config
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
 from jrl.train.defaults import default_run
 
@@ -124,6 +124,18 @@ def test_resume_skips_a_finished_warm_start(tmp_path):
     assert resumed.strategy == config.strategy and resumed.optimizer == config.optimizer
 
 
+def test_a_warm_start_that_ends_below_its_target_says_so():
+    stop = StopAtValidationAccuracy(load_train_config(str(CONFIG), []), target=0.4, every=50)
+    assert stop.missed_target(30).endswith("(last: never measured: max_steps is below check_every=50); GRPO "
+                                           "learns only from problems the model sometimes solves: raise "
+                                           "strategy.options.warm_start.max_steps or lr, or check the demonstrations")
+    stop.history = [(100, 0.1), (200, 0.0)]
+    assert stop.missed_target(200).startswith("the warm start ended at step 200 below its target validation "
+                                              "accuracy 40.0% (last: 0.0% at step 200)")
+    stop.history.append((250, 0.45))
+    assert stop.missed_target(250) is None
+
+
 def test_a_task_without_validation_problems_is_refused(tmp_path):
     src = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{w}>", "answer": w[::-1], "response": w[::-1]}
                                               for w in ("abc", "bcd", "cde")])
@@ -144,8 +156,10 @@ def test_config_warm_start_runs_first_and_resume_skips_it_once_done(tmp_path, ca
              "strategy.options.warm_start.target_accuracy=1.0", "eval.every=0", "checkpoint.interval=1",
              "logging.progress=false", "logging.plot=false"]
     assert main(["--config", str(CONFIG), *small]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "warm start finished at step 4" in printed and (out / "warm_start" / "done").read_text() == "4\n"
+    assert "warning: the warm start ended at step 4 below its target validation accuracy 100.0%" in captured.err
     warm_rows = (out / "warm_start" / "metrics.jsonl").read_text()
     assert [r["step"] for r in map(json.loads, warm_rows.splitlines()) if "val_accuracy" in r] == [2, 4]
     resolved = yaml.safe_load((out / "config.yaml").read_text())

@@ -152,6 +152,7 @@ class RolloutSource:
         self.eval_problems = self.task.heldout[:o.eval_problems or None]
         self.eval_samples = eval_samples
         self._prompt_ids: dict[str, np.ndarray] = {}
+        self._warned_no_signal = False  # a rollout with no group to learn from is reported once
         limit = self.seq_len - o.max_new_tokens
         if limit < 1:
             raise ConfigError(f"data.seq_len: must exceed strategy.options.max_new_tokens ({o.max_new_tokens}), "
@@ -410,6 +411,12 @@ class RolloutSource:
             "generate_s": gen_s,
             "recompute_s": recompute_s,
         }
+        if n_kept == 0 and not self._warned_no_signal:  # once a run: it shows in every row's groups_kept
+            self._warned_no_signal = True
+            log.warning("rollout %d has nothing to learn from: in each of its %d groups every sample got the same "
+                        "reward (accuracy %.1f%%), so every advantage is 0 and the update changes nothing. While "
+                        "this lasts (metrics: groups_kept 0) the task is too hard or too easy for the model: see "
+                        "docs/rl.md, 'The warm start'", rl_step, len(drawn), 100 * metrics["accuracy"])
         if check:
             metrics["exact_bitwise_pct"] = self._exact_check(trainer_logp, rows["behaviour_logp"], compared,
                                                              rl_step, float(diff.max()))

@@ -22,6 +22,7 @@ stage evaluates, and its demonstrations are rendered with the run's tool schemas
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 from jrl import checkpoint
@@ -60,6 +61,17 @@ class StopAtValidationAccuracy(Callback):
         self.engine = None
         self.episodes: EpisodeSampler | None = None  # multi-turn runs: built at the first check
         self.history: list[tuple[int, float]] = []
+
+    def missed_target(self, step: int) -> str | None:
+        """What to tell the user of a warm start that ended at `step` without reaching its
+        target (None if it did): GRPO then starts from a model that rarely solves the task."""
+        if any(acc >= self.target for _, acc in self.history):
+            return None
+        last = (f"{self.history[-1][1]:.1%} at step {self.history[-1][0]}" if self.history
+                else f"never measured: max_steps is below check_every={self.every}")
+        return (f"the warm start ended at step {step} below its target validation accuracy {self.target:.1%} "
+                f"(last: {last}); GRPO learns only from problems the model sometimes solves: raise "
+                f"strategy.options.warm_start.max_steps or lr, or check the demonstrations")
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         step = int(state.step)
@@ -155,5 +167,8 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
           flush=True)
     if trainer.stop_reason is not None and trainer.stop_reason.startswith("received"):
         return None
+    missed = stop.missed_target(int(state.step))
+    if missed:
+        print(f"warning: {missed}", file=sys.stderr, flush=True)
     done.write_text(f"{int(state.step)}\n")
     return dataclasses.replace(config, init_from=str(trainer.checkpoint_dir))
