@@ -2,7 +2,8 @@
 line (the reproduce lines of docs/performance.md above all) names a stage that exists and
 only flags that stage takes, and every `python -m jrl.train` line resolves to a valid run
 config (its overrides name real fields with valid values). A renamed or dropped flag or
-field fails here, not in a reader's terminal. The README's Python example runs as written."""
+field fails here, not in a reader's terminal. The README's Python example and
+docs/rollout.md's two examples (the quick start; generating from a trained run) run as written."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.cli import stage_parser
-from jrl.launch import build_parser, resolve_config
+from jrl.launch import build_parser, main, resolve_config
 from jrl.rl.eval_cli import build_parser as eval_parser
 from jrl.serve.cli import build_parser as serve_parser
 
@@ -113,3 +114,22 @@ def test_the_readme_python_example_runs_as_written():
     scope: dict = {}
     exec(compile(example, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
     assert scope["logits"].shape == (2, 12, scope["config"].vocab_size)
+
+
+def test_the_rollout_quick_start_runs_as_written():
+    quick_start = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "rollout.md").read_text(), re.S)[0]
+    scope: dict = {}
+    exec(compile(quick_start, "docs/rollout.md", "exec"), scope)  # noqa: S102 - the doc's own example
+    assert scope["ack"].version == 1 and len(scope["outs"]) == 2
+
+
+def test_the_rollout_example_from_a_trained_run_runs_as_written(tmp_path, monkeypatch):
+    example = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "rollout.md").read_text(), re.S)[1]
+    assert "runs/default" in example
+    run = tmp_path / "runs" / "default"
+    assert main(["--config", str(ROOT / "configs" / "sft_arithmetic.yaml"), "steps=1", "--output-dir", str(run),
+                 "logging.progress=false", "logging.plot=false"]) == 0
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(example, "docs/rollout.md", "exec"), scope)  # noqa: S102 - the doc's own example
+    assert len(scope["outs"][0].tokens) >= 1
