@@ -25,7 +25,7 @@ from jrl.hf import HFFormatError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
 from jrl.rl.learner import build_learner
-from jrl.rl.options import RLOptions
+from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
 from jrl.rl.warm_start import run_warm_start
 from jrl.train.defaults import default_run
@@ -95,13 +95,30 @@ def has_warm_start(config: TrainConfig, *, embedded_default: bool) -> bool:
     return not (embedded_default and config.init_from is not None)
 
 
+def resolved_options(config: TrainConfig) -> tuple[dict, tuple[str, ...]]:
+    """`strategy.options` as written plus the defaults that depend on other options (fp8
+    rollouts' `old_logp` / `tis_cap`), and the notes resolving them made: the keys a user
+    would write, so the printed config runs as printed."""
+    options = dict(config.strategy.options or {})
+    if config.strategy.name in RL_STRATEGIES:
+        return fp8_rollout_defaults(options)
+    return options, ()
+
+
 def dry_run(config, output_dir: str | None) -> None:
+    """Prints the run's config as it will run (options that depend on others resolved)
+    and its parameter count."""
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     groups = param_groups(abstract)
     trainable = trainable_groups(config.optimizer, set(jax.tree.leaves(groups)))
     total = sum(x.size for x in jax.tree.leaves(abstract))
     n_train = sum(x.size for x, g in zip(jax.tree.leaves(abstract), jax.tree.leaves(groups)) if g in trainable)
-    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+    options, notes = resolved_options(config)
+    resolved = to_dict(config)
+    resolved["strategy"]["options"] = options
+    print(yaml.safe_dump(resolved, sort_keys=False), end="")
+    for note in notes:
+        print(f"# note: {note}")
     print(f"# output_dir: {output_dir or config.run_dir}")
     print(f"# parameters: {total:,} ({n_train:,} trainable)")
 

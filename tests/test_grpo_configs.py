@@ -111,4 +111,15 @@ def test_interruptible_generation_with_fp8_rollouts_needs_the_engine_anchor_writ
 def test_the_fp8_rollouts_snippet_of_docs_rl_dry_runs(capsys):
     # docs/rl.md "fp8 rollouts", as command-line overrides of the default run
     assert main(["--dry-run", "strategy.options.engine={kv_dtype: float8_e4m3fn, weight_dtype: float8_e4m3fn}"]) == 0
-    assert "kv_dtype: float8_e4m3fn" in capsys.readouterr().out
+    printed = yaml.safe_load(capsys.readouterr().out)  # the options as they will run
+    options = printed["strategy"]["options"]
+    assert options["engine"]["kv_dtype"] == "float8_e4m3fn"
+    assert (options["old_logp"], options["tis_cap"]) == ("recomputed", 2.0)
+
+
+def test_a_dry_run_prints_the_notes_of_resolving_the_options(capsys):
+    assert main(["--dry-run", "strategy.options.engine={kv_dtype: float8_e4m3fn}",
+                 "strategy.options.old_logp=engine"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["strategy"]["options"]["old_logp"] == "engine"  # written out: it wins
+    assert "\n# note: strategy.options.old_logp: engine with fp8 rollouts anchors the ratio" in out
