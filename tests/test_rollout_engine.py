@@ -3,6 +3,7 @@ chunked prefill, preemption, stop conditions, compile counts, MLA and MoE models
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -332,6 +333,16 @@ def test_mla_and_moe_models_greedy_match_full_forward(config):
     assert sum(c.cached_tokens for c in again) > 0
     assert_greedy_matches_forward(config, params, first + again)
     assert_no_pages_held(engine)
+
+
+@pytest.mark.parametrize("prompts,key,message", [
+    ("37+48=", jax.random.key(0), "prompts: must be a list of prompts, each a sequence of token ids, got text '37+48='"),
+    (["37+48="], jax.random.key(0), "prompts[0]: must be a sequence of token ids, got text '37+48=': encode it first"),
+    ([[1, 2]], 0, "key: must be a JAX PRNG key (jax.random.key(seed)), got 0"),
+])
+def test_generate_names_text_prompts_and_a_seed_given_as_key(params, prompts, key, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        generate(params, MODEL, prompts, key, max_new_tokens=2, engine_config=ENGINE)
 
 
 def test_generate_takes_one_max_new_tokens_per_prompt(params):

@@ -51,8 +51,12 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     """Generates a completion per prompt (in order). Each prompt's sampling seed is drawn
     from `key` (replacing `sampling.seed`), so the same key gives the same samples.
     `mesh`: serve tensor-parallel (see `Engine`)."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got text {prompts!r}")
     if not prompts:
         return []
+    if not isinstance(key, jax.Array):  # typed keys and legacy uint32 ones are arrays
+        raise ValueError(f"key: must be a JAX PRNG key (jax.random.key(seed)), got {key!r}")
     enable_compilation_cache()  # before the seeds' program below (the Engine calls it too)
     # Checked here too: the pool is sized from the prompts and max_new_tokens before the
     # engine (which checks every field again) exists.

@@ -768,7 +768,10 @@ def check_token_ids(field: str, values, vocab: int) -> np.ndarray:
     """`values` as int32 token ids: a 1-D sequence (or array) of Python or numpy integers,
     each in [0, vocab). Floats, bools and strings are refused (by the array's dtype), not
     converted."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{field}: must be a sequence of token ids, got text {values!r}: encode it first "
+                         f"(jrl.tokenizer.load_tokenizer(...).encode)")
+    if not isinstance(values, (Sequence, np.ndarray)):
         raise ValueError(f"{field}: must be a sequence of token ids, got {values!r}")
     try:
         ids = np.asarray(values)
