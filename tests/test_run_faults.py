@@ -102,6 +102,13 @@ def test_a_run_whose_data_fails_writes_nothing_and_the_corrected_rerun_just_star
     assert checkpoint.all_steps(run / "checkpoints") == [2]
 
 
+def test_resume_with_nothing_to_resume_says_so_and_starts_fresh(tmp_path):
+    run = tmp_path / "run"  # a relaunch loop's first start: --resume before any checkpoint exists
+    with pytest.warns(UserWarning, match=f"resume: {run / 'checkpoints'} holds no checkpoint yet; starting a fresh run"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run), "--resume", "steps=2"]) == 0
+    assert checkpoint.all_steps(run / "checkpoints") == [2]
+
+
 def test_a_failed_setup_in_an_existing_run_directory_publishes_no_checkpoint(run_copy, tmp_path):
     before = snapshot(run_copy)
     assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=6",

@@ -257,6 +257,8 @@ class Trainer:
         meta: dict = {}
         set_aside: list[tuple[int, str]] = []
         resumed = resume and (existing is not None or resume_from is not None)
+        if resume and not resumed:  # "resume if there is anything": a relaunch loop's first start
+            warnings.warn(f"resume: {self.checkpoint_dir} holds no checkpoint yet; starting a fresh run", stacklevel=2)
         if resumed:
             target = with_shardings(state, shardings)  # restored straight onto this run's mesh
             del state, params
