@@ -363,3 +363,13 @@ def test_an_invalid_config_json_is_named(hf_dir, tmp_path, capsys):
     assert main(["--config", write_config(tmp_path), "--output-dir", str(run), f"init_from=hf:{hf_dir}"]) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {config_json}: not a readable JSON file")
     assert not run.exists()
+
+
+def test_a_dataset_smaller_than_one_batch_is_named(tmp_path):
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "response": "{i + 1}"}}\n' for i in range(3)))
+    overrides = [f"data.source={data}", "data.sections=[{field: prompt}, {field: response, train: true}]",
+                 "data.pack=false", "data.eval_fraction=0.0", "data.batch_size=8", "steps=1"]
+    with pytest.warns(UserWarning, match=rf"data: {data} packs into 3 rows of data.seq_len=\d+, fewer than "
+                                         r"data.batch_size=8: every batch repeats rows"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides]) == 0

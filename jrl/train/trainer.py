@@ -195,6 +195,9 @@ class Trainer:
         if self._source_given:
             return
         train = build_dataset(data, self.tokenizer, "train")
+        if len(train) < data.batch_size:
+            warnings.warn(f"data: {data.source} packs into {len(train)} rows of data.seq_len={data.seq_len}, fewer "
+                          f"than data.batch_size={data.batch_size}: every batch repeats rows", stacklevel=2)
         self.train_source = DataSource(train, data.batch_size, seed=data.seed, shuffle=data.shuffle)
         held = build_dataset(data, self.tokenizer, "eval")
         self.eval_batches = fixed_batches(held, data.batch_size, self.config.eval.batches) if held and len(held) else []
