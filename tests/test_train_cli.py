@@ -115,3 +115,14 @@ def test_every_jrl_command_prints_its_help(command, capsys):
         status = exit_.code
     assert status == 0
     assert f"usage: jrl {command}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config,override,message", [
+    ("sft_arithmetic", "data.source=data/trian.jsonl", "data.source: no such file 'data/trian.jsonl'"),
+    ("sft_arithmetic", "data.eval_source=data/vall.jsonl", "data.eval_source: no such file 'data/vall.jsonl'"),
+    ("grpo_jsonl_example", "strategy.options.task.heldout=nope.jsonl",
+     "strategy.options.task.heldout: no such file 'nope.jsonl'"),
+])
+def test_a_dry_run_names_a_data_file_that_does_not_exist(config, override, message, capsys):
+    assert main(["--config", str(CONFIGS / f"{config}.yaml"), override, "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == f"config error: {message}"
