@@ -126,7 +126,7 @@ def test_resume_skips_a_finished_warm_start(tmp_path):
 
 def test_a_warm_start_that_ends_below_its_target_says_so():
     stop = StopAtValidationAccuracy(load_train_config(str(CONFIG), []), target=0.4, every=50)
-    assert stop.missed_target(30).endswith("(last: never measured: max_steps is below check_every=50); GRPO "
+    assert stop.missed_target(30).endswith("(last: none measured in this process; checks run every 50 steps); GRPO "
                                            "learns only from problems the model sometimes solves: raise "
                                            "strategy.options.warm_start.max_steps or lr, or check the demonstrations")
     stop.history = [(100, 0.1), (200, 0.0)]

@@ -68,7 +68,7 @@ class StopAtValidationAccuracy(Callback):
         if any(acc >= self.target for _, acc in self.history):
             return None
         last = (f"{self.history[-1][1]:.1%} at step {self.history[-1][0]}" if self.history
-                else f"never measured: max_steps is below check_every={self.every}")
+                else f"none measured in this process; checks run every {self.every} steps")
         return (f"the warm start ended at step {step} below its target validation accuracy {self.target:.1%} "
                 f"(last: {last}); GRPO learns only from problems the model sometimes solves: raise "
                 f"strategy.options.warm_start.max_steps or lr, or check the demonstrations")
