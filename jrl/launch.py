@@ -7,8 +7,9 @@ data (`grpo`) gets its trainer from `jrl.rl.build_learner`, every other one a pl
 
 Without `--config` the embedded default run (`jrl.train.defaults`) is the base; overrides
 apply on top of either. Exit status: 0 on success (also after SIGTERM / SIGINT, which
-save a checkpoint first), 2 for a bad config or command line (or a run directory that
-holds checkpoints without --resume / --overwrite, or checkpoints of another model), 1 for
+save a checkpoint first), 2 for a bad config, command line or data file (a missing file,
+a bad record named by file:line; or a run directory that holds checkpoints without
+--resume / --overwrite, or checkpoints of another model), 1 for
 a failed run (including a run directory another run holds, and no resumable checkpoint).
 """
 
