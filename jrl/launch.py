@@ -16,14 +16,13 @@ a failed run (including a run directory another run holds, and no resumable chec
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import yaml
 
 from jrl.config import (CONFIG_ERRORS, ConfigError, ParallelConfig, TrainConfig, cli_exit, load_train_config,
                         to_dict)
-from jrl.data.bundled import is_bundled
+from jrl.data.records import require_source
 from jrl.hf import HFFormatError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
@@ -72,8 +71,8 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         check_data_format(config, strategy)
         files = {"data.source": config.data.source, "data.eval_source": config.data.eval_source}
     for key, path in files.items():  # a typo in a path fails now, not after the model is built
-        if path is not None and not is_bundled(path) and not os.path.isfile(path):
-            raise ConfigError(f"{key}: no such file {path!r}")
+        if path is not None:
+            require_source(path, key)
     load_run_tokenizer(config)  # the data pipeline and RL sources tokenise with it
     return config
 

@@ -41,10 +41,27 @@ def commands(text: str, command: re.Pattern) -> list[str]:
     return [re.split(r"\s(?:#|\||&&|;|2>&1|>)|`", f + " ")[0].strip() for f in found]
 
 
+def words_of(args: str) -> list[str]:
+    """The shell words of a command's arguments, optional parts in brackets included."""
+    return shlex.split(args.replace("[", " ").replace("]", " "))
+
+
 def flags_of(args: str) -> tuple[str, list[str]]:
-    """(stage, the `--flags` it is given), optional parts in brackets included."""
-    words = shlex.split(args.replace("[", " ").replace("]", " "))
+    """(stage, the `--flags` it is given)."""
+    words = words_of(args)
     return words[0], [w.split("=")[0] for w in words[1:] if w.startswith("--")]
+
+
+def python_examples(doc: str) -> list[str]:
+    """The ```python blocks of `doc` (a path below the repository root), in order."""
+    return re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
+
+
+def run_example(code: str, doc: str) -> dict:
+    """Runs a doc's example as a reader pasting it would; returns its variables."""
+    scope: dict = {}
+    exec(compile(code, doc, "exec"), scope)  # noqa: S102 - the doc's own example
+    return scope
 
 
 CASES = [(path.name, args) for path in DOCS for args in commands(path.read_text(), BENCH)]
@@ -104,32 +121,28 @@ def test_the_docs_give_serve_and_eval_commands_to_check():
 @pytest.mark.parametrize("doc,name,args", CLI_CASES, ids=[f"{d}:{n} {a[:40]}" for d, n, a in CLI_CASES])
 def test_a_documented_serve_or_eval_command_parses(doc, name, args, capsys):
     try:
-        PARSERS[name]().parse_args(shlex.split(args.replace("[", " ").replace("]", " ")))
+        PARSERS[name]().parse_args(words_of(args))
     except SystemExit as e:  # argparse's exit on a flag or value it does not take
         pytest.fail(f"{doc}: `jrl {name} {args}`: {capsys.readouterr().err.strip().splitlines()[-1]} ({e})")
 
 
 def test_the_readme_python_example_runs_as_written():
-    (example,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    scope: dict = {}
-    exec(compile(example, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    (example,) = python_examples("README.md")
+    scope = run_example(example, "README.md")
     assert scope["logits"].shape == (2, 12, scope["config"].vocab_size)
 
 
 def test_the_rollout_quick_start_runs_as_written():
-    quick_start = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "rollout.md").read_text(), re.S)[0]
-    scope: dict = {}
-    exec(compile(quick_start, "docs/rollout.md", "exec"), scope)  # noqa: S102 - the doc's own example
+    scope = run_example(python_examples("docs/rollout.md")[0], "docs/rollout.md")
     assert scope["ack"].version == 1 and len(scope["outs"]) == 2
 
 
 def test_the_rollout_example_from_a_trained_run_runs_as_written(tmp_path, monkeypatch):
-    example = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "rollout.md").read_text(), re.S)[1]
+    example = python_examples("docs/rollout.md")[1]
     assert "runs/default" in example
     run = tmp_path / "runs" / "default"
     assert main(["--config", str(ROOT / "configs" / "sft_arithmetic.yaml"), "steps=1", "--output-dir", str(run),
                  "logging.progress=false", "logging.plot=false"]) == 0
     monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    exec(compile(example, "docs/rollout.md", "exec"), scope)  # noqa: S102 - the doc's own example
+    scope = run_example(example, "docs/rollout.md")
     assert len(scope["outs"][0].tokens) >= 1

@@ -13,6 +13,13 @@ from jrl.data.bundled import is_bundled, load_bundled
 _MASK64 = (1 << 64) - 1
 
 
+def require_source(source: str, key: str) -> None:
+    """Raises a ConfigError naming `key` (the config field that gave it) unless `source`
+    is a bundled dataset or an existing file."""
+    if not is_bundled(source) and not Path(source).is_file():
+        raise ConfigError(f"{key}: no such file {source!r}")
+
+
 def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -> Iterator[tuple[str, dict]]:
     """`(where, record)` for every record of `source`, `where` being `file:line` (or
     `bundled:<name>[index]`). A missing file raises a ConfigError naming `key` (the
@@ -21,10 +28,8 @@ def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -
         for index, record in enumerate(load_bundled(source, seed)):
             yield f"{source}[{index}]", record
         return
-    path = Path(source)
-    if not path.is_file():
-        raise ConfigError(f"{key}: no such file {source!r}")
-    with open(path, encoding="utf-8") as f:
+    require_source(source, key)
+    with open(source, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
