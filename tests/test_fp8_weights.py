@@ -9,7 +9,7 @@ import pytest
 
 from jrl.config import ConfigError, ModelConfig, ParallelConfig
 from jrl.models import apply, dense_attention, forward, init_params
-from jrl.models.fp8 import E4M3, quantize_columns
+from jrl.models.fp8 import E4M3, WIDEN_PER_PRODUCT_ROWS, quantize_columns, scaled_matmul
 from jrl.models.fused import fuse_projections
 from jrl.models.quantized import quantize_projections
 from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
@@ -56,6 +56,21 @@ def test_column_quantization_keeps_every_weight_within_e4m3_rounding():
     normal = np.abs(k) / np.asarray(scale)[:, None, :] >= 2.0 ** -6
     assert normal.mean() > 0.95
     assert np.all(np.abs(back - k)[normal] <= 2.0 ** -4 * np.abs(k)[normal])
+
+
+@pytest.mark.parametrize("rows,own_widening", [(2, True), (WIDEN_PER_PRODUCT_ROWS - 1, True),
+                                               (WIDEN_PER_PRODUCT_ROWS, False)])
+def test_served_product_widens_its_own_kernel_below_the_row_threshold(rows, own_widening):
+    # Below the threshold each product's e4m3 kernel sits behind an optimization barrier, so
+    # the decode steps of one call cannot share one widened bf16 copy (XLA fuses each
+    # widening into its GEMM instead); the barrier changes no value.
+    q, scale = quantize_columns(jax.random.normal(jax.random.key(0), (64, 48), jnp.float32))
+    x = jax.random.normal(jax.random.key(1), (rows, 64), jnp.float32).astype(jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(scaled_matmul)(x, q.T, scale))
+    assert ("optimization_barrier" in jaxpr) == own_widening
+    widened = (x.astype(jnp.float32) @ (q.astype(jnp.float32) * scale)).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(scaled_matmul(x, q.T, scale), np.float32), np.asarray(widened, np.float32),
+                               rtol=2.0 ** -7, atol=1e-6)
 
 
 def test_quantized_layout_is_transposed_e4m3_projections_with_output_scales_and_the_rest_unchanged(weights):
