@@ -179,7 +179,8 @@ exact_matmul.defvjp(_exact_matmul_fwd, _exact_matmul_bwd)
 # The most rows `stream_matmul` takes in the model (0: none; the kernel handles 64). Off:
 # in the engine on the H200 its end-to-end speed swung with the host, which launches each
 # of its kernels outside XLA's CUDA graphs. At batch 1 (steps padded to 2 rows) it ran
-# 1,006-1,087 tokens/s in one process against 919-929 for XLA's widened dot, and 422 in
+# 1,006-1,087 tokens/s in one process against 919-929 for XLA's dot then (1,085 now that
+# small steps widen per product, level with bf16: jrl.models.fp8), and 422 in
 # another (the host at 2.1 ms a step); at 8 rows it fell from 4.9k to 2.2k round by round
 # against a steady 6.8k; at 16 and 64 the host bounded the step (docs/performance.md, "fp8").
 STREAM_ROWS = 0

@@ -56,12 +56,13 @@ from pallas_kernels import dispatch as kernels
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
-# Below this many rows each served e4m3 product widens its own kernel (an optimization
-# barrier keeps XLA from sharing one bf16 copy among the unrolled decode steps of a call),
-# and XLA fuses that widening into its Triton GEMM, which then reads the e4m3 bytes. On the
-# H200 (0.82B, 4 steps a call) that took batch 1 / 8 / 16 from 946 / 7.3k / 13.5k to
-# 1,079 / 8.3k / 15.2k tokens/s; at 64 rows both ran 37.1-37.4k, and from 128 rows up the
-# shared copy is faster (51.3k against 50.2k at 128, 66.1k against 63.1k at 256).
+# Below this many rows each served e4m3 product widens its own kernel: an optimization
+# barrier keeps XLA from sharing one bf16 copy among the unrolled decode steps of a call,
+# and the step then runs at bf16's time (XLA folds the widening into its GEMM; a separate
+# one would write over 1 GB a step). On the H200 (0.82B, 4 steps a call) that took batch
+# 1 / 8 / 16 from 919-946 / 7.3k / 13.5k to 1,085 / 8.3k / 15.2k tokens/s (bf16 weights:
+# 1,089 / 8.0k / 15.5k); at 64 rows both ran 37.1-37.4k, and from 128 rows up the shared
+# copy is faster (51.3k against 50.2k at 128, 66.1k against 63.1k at 256).
 WIDEN_PER_PRODUCT_ROWS = 64
 HISTORY = 16  # train steps of amax history a delayed scale covers
 FP8_SCALES = "fp8_scales"  # the model's variable collection of the projections' delayed scales
