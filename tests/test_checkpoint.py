@@ -503,9 +503,20 @@ def test_an_unreadable_manifest_is_reported_as_corrupt_even_without_verify(tmp_p
 
 def test_an_unreadable_meta_json_is_reported_as_corrupt_even_without_verify(tmp_path):
     step_dir = ckpt.save(tmp_path, 1, small_state())
-    corrupt(step_dir / "meta.json", "truncate")
+    size = (step_dir / "meta.json").stat().st_size
+    (step_dir / "meta.json").write_bytes(b"{" * size)  # listed size kept: only parsing can tell
     with pytest.raises(ckpt.CheckpointCorruptError, match="meta.json: unreadable"):
         ckpt.load(tmp_path)
+
+
+@pytest.mark.parametrize("how,reason", [("truncate", r"size \d+ bytes, manifest says \d+"), ("delete", "missing")])
+def test_without_verify_a_cut_or_missing_payload_file_is_named_before_orbax_reads(tmp_path, how, reason):
+    step_dir = ckpt.save(tmp_path, 1, {"w": np.random.default_rng(0).random(50_000, dtype=np.float32), "step": 1})
+    damaged = payload_files(step_dir)[-1]
+    corrupt(step_dir / damaged, how)
+    with pytest.raises(ckpt.CheckpointCorruptError, match=f"{damaged}: {reason}$") as error:
+        ckpt.load(tmp_path)
+    assert error.value.relpath == damaged
 
 
 def test_an_unknown_manifest_format_is_refused_by_number(tmp_path):

@@ -21,6 +21,7 @@ from jrl.checkpoint import durable, layout
 from jrl.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointCorruptError,
+    check_listed_sizes,
     list_files,
     read_manifest,
     verify_against_manifest,
@@ -32,14 +33,7 @@ SET_ASIDE_KINDS = ("corrupt", "superseded")
 
 def _check_sizes(directory: Path, manifest: dict) -> None:
     """verify_against_manifest without hashing: presence, sizes, no unlisted file."""
-    for rel in sorted(manifest["files"]):
-        path = directory / rel
-        if not path.is_file():
-            raise CheckpointCorruptError(directory, rel, "missing")
-        size = path.stat().st_size
-        if size != manifest["files"][rel]["size"]:
-            raise CheckpointCorruptError(directory, rel,
-                                         f"size {size} bytes, manifest says {manifest['files'][rel]['size']}")
+    check_listed_sizes(directory, manifest)
     unlisted = sorted(set(list_files(directory)) - set(manifest["files"]))
     if unlisted:
         raise CheckpointCorruptError(directory, unlisted[0], "file is not listed in the manifest")

@@ -37,6 +37,7 @@ from jrl.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointCorruptError,
     build_manifest,
+    check_listed_sizes,
     manifest_bytes,
     read_manifest,
     verify_against_manifest,
@@ -409,7 +410,8 @@ def load(
     """Restores `root/step_<step>` (the newest step when `step` is None); returns (state, meta).
 
     verify=True checks every file against manifest.json first and raises
-    CheckpointCorruptError naming the first corrupt or missing one. `target`: a pytree
+    CheckpointCorruptError naming the first corrupt or missing one; verify=False still
+    checks that every listed file exists with its listed size (no hashing). `target`: a pytree
     like the saved state, of arrays or jax.ShapeDtypeStruct; the result then has its
     structure, dtypes and shardings (pass it to get namedtuples/dataclasses back and to
     restore sharded arrays onto a mesh). meta is meta.json plus `path`, `layout`
@@ -421,6 +423,8 @@ def load(
         manifest = read_manifest(directory)
         if verify:
             verify_against_manifest(directory, manifest)
+        else:  # one stat per file: a missing or cut file is named here, not by Orbax's restore
+            check_listed_sizes(directory, manifest)
         meta = _read_meta(directory)
         payload_dir = directory / payload.PAYLOAD_DIR
         meta.update(layout="jrl", verification="passed" if verify else "skipped")
