@@ -16,6 +16,7 @@ a failed run (including a run directory another run holds, and no resumable chec
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import jax
 import yaml
@@ -35,7 +36,7 @@ from jrl.train.optim import param_groups, trainable_groups
 from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.run_lock import RunLockedError
 from jrl.train.initial import load_run_tokenizer
-from jrl.train.trainer import ResumeError, Trainer, check_data_format
+from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fresh_start, check_run_dir
 
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
@@ -141,8 +142,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         dry_run(config, args.output_dir)
         return 0
     resuming = args.resume or args.resume_from is not None
-    overwrite = args.overwrite or (not args.config and not resuming)
+    run_dir = Path(args.output_dir or config.run_dir)
+    # the embedded default replaces an earlier default run, in its own directory only
+    default_dir = Path("runs", default_run()["name"])
+    overwrite = args.overwrite or (not args.config and not resuming
+                                   and run_dir.absolute() == default_dir.absolute())
     try:
+        check_run_dir(run_dir)  # before a warm start writes into it
+        if not resuming and not overwrite:
+            check_fresh_start(run_dir / "checkpoints")
         if has_warm_start(config, embedded_default=not args.config):  # SFT warm start, then GRPO
             config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite)
             if config is None:

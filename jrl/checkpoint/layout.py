@@ -33,6 +33,11 @@ def check_step(step: object) -> int:
     return int(step)
 
 
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a visible checkpoint directory's name (`step_<N>`)."""
+    return _STEP_DIR.match(name) is not None
+
+
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step}"
 

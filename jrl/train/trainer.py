@@ -72,6 +72,35 @@ class ResumeWarning(UserWarning):
     """Resume skipped a bad checkpoint or moves newer ones aside; the message names them."""
 
 
+def check_run_dir(run_dir: str | os.PathLike) -> None:
+    """Raises ConfigError when `run_dir` is a checkpoint root or one checkpoint rather than a
+    run directory: a run there would add its config.yaml, metrics and lock to checkpoints,
+    which then fail verification. (A mistyped --output-dir for the run's own.)"""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return
+    if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
+        what, run = "a checkpoint root (it holds step_<N> directories)", run_dir.parent
+    elif checkpoint.layout.is_step_name(run_dir.name) and any(
+            (run_dir / name).exists() for name in ("manifest.json", "meta.json", "state")):
+        what, run = "a checkpoint (a step_<N> directory)", run_dir.parent.parent
+    else:
+        return
+    hint = f" (its run directory is {run})" if (run / "checkpoints").is_dir() else ""
+    raise ConfigError(f"output directory {run_dir} is {what}, not a run directory{hint}; a run keeps its "
+                      "checkpoints in <run_dir>/checkpoints: give the run directory as --output-dir")
+
+
+def check_fresh_start(checkpoint_dir: str | os.PathLike) -> None:
+    """Raises FileExistsError when a run that neither resumes nor overwrites would start over
+    the checkpoints already in `checkpoint_dir`."""
+    existing = checkpoint.latest_step(checkpoint_dir)
+    if existing is not None:
+        raise FileExistsError(
+            f"{checkpoint_dir} already holds checkpoints (latest step {existing}): resume them "
+            f"(--resume) or start over (--overwrite deletes them)")
+
+
 def _mismatch_message(e: checkpoint.TargetMismatchError, step: int) -> str:
     """One line for a checkpoint whose state does not fit the run's (a changed model or optimizer)."""
     where = f"{e.directory.parent.parent}/step_{step}" if e.directory.name == "state" else str(e.directory)
@@ -229,6 +258,7 @@ class Trainer:
             resume = True
         if resume and overwrite:
             raise ValueError("resume and overwrite exclude each other")
+        check_run_dir(self.run_dir)
         try:
             if self.run_dir.is_dir() and jax.process_count() == 1:  # (processes could see it differently)
                 self._take_run_dir()  # a directory in use: fail before building anything
@@ -253,10 +283,8 @@ class Trainer:
                                               p_shardings if self.reference_params is not None else None)
         seen = checkpoint.all_steps(self.checkpoint_dir)
         existing = seen[-1] if seen else None
-        if existing is not None and not resume and not overwrite:
-            raise FileExistsError(
-                f"{self.checkpoint_dir} already holds checkpoints (latest step {existing}): resume them "
-                f"(--resume) or start over (--overwrite deletes them)")
+        if not resume and not overwrite:
+            check_fresh_start(self.checkpoint_dir)
         meta: dict = {}
         set_aside: list[tuple[int, str]] = []
         resumed = resume and (existing is not None or resume_from is not None)

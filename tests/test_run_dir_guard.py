@@ -1,0 +1,51 @@
+"""`python -m jrl.train` refuses an output directory it would damage: a checkpoint root or a
+step directory given as --output-dir, and another run's directory given to the embedded
+default (which starts over only its own runs/default)."""
+
+from pathlib import Path
+
+import numpy as np
+
+import jrl.checkpoint as ckpt
+from jrl.launch import main
+
+CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "sft_arithmetic.yaml")
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def a_run_with_checkpoints(run_dir: Path) -> Path:
+    root = run_dir / "checkpoints"
+    for step in (1, 2):
+        ckpt.save(root, step, {"w": np.arange(4, dtype=np.float32) * step, "step": step})
+    return root
+
+
+def test_resume_into_a_checkpoint_root_exits_2_naming_the_run_directory_and_writes_nothing(tmp_path, capsys):
+    root = a_run_with_checkpoints(tmp_path / "run")
+    before = snapshot(tmp_path)
+    assert main(["--config", CONFIG, "--output-dir", str(root), "--resume"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: output directory {root} is a checkpoint root (it holds step_<N> directories), not a run "
+        f"directory (its run directory is {tmp_path / 'run'}); a run keeps its checkpoints in "
+        "<run_dir>/checkpoints: give the run directory as --output-dir\n")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_step_directory_as_output_dir_exits_2_and_the_checkpoint_still_verifies(tmp_path, capsys):
+    root = a_run_with_checkpoints(tmp_path / "run")
+    assert main(["--config", CONFIG, "--output-dir", str(root / "step_2")]) == 2
+    assert "is a checkpoint (a step_<N> directory), not a run directory" in capsys.readouterr().err
+    assert ckpt.verify_checkpoint(root, 2) is True
+
+
+def test_the_embedded_default_refuses_to_start_over_another_runs_directory(tmp_path, capsys):
+    root = a_run_with_checkpoints(tmp_path / "my_sft")
+    before = snapshot(tmp_path)
+    assert main(["--output-dir", str(tmp_path / "my_sft"), "steps=2"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {root} already holds checkpoints (latest step 2): resume them (--resume) or start over "
+        "(--overwrite deletes them)\n")
+    assert snapshot(tmp_path) == before  # no warm_start/ either: refused before it ran
