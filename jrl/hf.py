@@ -248,6 +248,12 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
             raise HFFormatError(f"{where}: required field {key!r} is missing")
         return default
 
+    def get_int(key: str, default: Any = ...) -> Any:
+        value = get(key, default)
+        if key in hf and hf[key] is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise HFFormatError(f"{where}: {key} must be an integer, got {value!r}")
+        return value
+
     def require(key: str, ok: bool, msg: str) -> None:
         if not ok and key not in ignored:
             raise HFFormatError(f"{where}: {key}={hf.get(key)!r} is not supported: {msg}")
@@ -264,19 +270,19 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
     require("mlp_only_layers", not get("mlp_only_layers", []),
             "jrl uses the MoE block in every layer (needs [])")
 
-    n_heads = get("num_attention_heads")
-    hidden = get("hidden_size")
-    max_len = max_position_embeddings or get("max_position_embeddings")
+    n_heads = get_int("num_attention_heads")
+    hidden = get_int("hidden_size")
+    max_len = max_position_embeddings or get_int("max_position_embeddings")
     _check_sliding_window(hf, model_type, max_len, where)
     theta, scaling = _rope_from_hf(hf, model_type, where)
     fields: dict[str, Any] = dict(
-        vocab_size=get("vocab_size"),
+        vocab_size=get_int("vocab_size"),
         hidden_size=hidden,
-        n_layers=get("num_hidden_layers"),
+        n_layers=get_int("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=get("num_key_value_heads", n_heads),
-        head_dim=get("head_dim", hidden // n_heads),
-        intermediate_size=get("intermediate_size"),
+        n_kv_heads=get_int("num_key_value_heads", n_heads),
+        head_dim=get_int("head_dim", hidden // n_heads),
+        intermediate_size=get_int("intermediate_size"),
         max_position_embeddings=max_len,
         rms_norm_eps=float(get("rms_norm_eps", _DEFAULT_RMS_EPS.get(model_type, 1e-6))),
         rope_theta=theta,
@@ -294,14 +300,14 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
             raise HFFormatError(f"{where}: need one expert count in num_experts/num_local_experts, got {counts}")
         fields.update(
             n_experts=next(iter(counts.values())),
-            n_experts_per_tok=get("num_experts_per_tok"),
-            moe_intermediate_size=(get("intermediate_size") if model_type == "mixtral"
-                                   else get("moe_intermediate_size")),
+            n_experts_per_tok=get_int("num_experts_per_tok"),
+            moe_intermediate_size=(get_int("intermediate_size") if model_type == "mixtral"
+                                   else get_int("moe_intermediate_size")),
             norm_topk_prob=True if model_type == "mixtral" else bool(get("norm_topk_prob", False)),
             router_aux_loss_coef=float(get("router_aux_loss_coef", 0.001)),
         )
     if model_type == "qwen2_moe":
-        shared = get("shared_expert_intermediate_size")
+        shared = get_int("shared_expert_intermediate_size")
         require("shared_expert_intermediate_size", shared > 0, "must be > 0")
         fields.update(shared_expert_intermediate_size=shared, shared_expert_gate=True)
     try:
@@ -526,6 +532,17 @@ def _get(tree: Mapping, path: tuple[str, ...]) -> Any:
     return tree
 
 
+def _same_shapes(reader: _Reader, names: list[str], arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """`arrays` (the tensors `names` of each layer, or of each expert) when they all have one
+    shape; else HFFormatError naming the first two that differ, with their stored shapes."""
+    first = tuple(arrays[0].shape)
+    for name, array in zip(names[1:], arrays[1:]):
+        if tuple(array.shape) != first:
+            raise HFFormatError(f"{reader.where}: tensors {names[0]!r} {first} and {name!r} "
+                                f"{tuple(array.shape)} differ in shape (each must have the shape the config gives)")
+    return arrays
+
+
 def _read_experts(reader: _Reader, model_type: str, config: ModelConfig, i: int) -> dict[str, np.ndarray]:
     """jrl `[E, in, out]` expert kernels of layer i, from the classic or the fused layout."""
     mi, e = config.moe_intermediate_size, config.n_experts
@@ -540,8 +557,11 @@ def _read_experts(reader: _Reader, model_type: str, config: ModelConfig, i: int)
             return {"gate_proj": gate_up[:, :mi].transpose(0, 2, 1),
                     "up_proj": gate_up[:, mi:].transpose(0, 2, 1),
                     "down_proj": down.transpose(0, 2, 1)}
-    return {proj: np.stack([reader.get(_expert_name(model_type, i, j, proj)).T for j in range(e)])
-            for proj in _MLP}
+    out = {}
+    for proj in _MLP:
+        names = [_expert_name(model_type, i, j, proj) for j in range(e)]
+        out[proj] = np.stack([a.T for a in _same_shapes(reader, names, [reader.get(name) for name in names])])
+    return out
 
 
 def _router_name(reader: _Reader, model_type: str, i: int) -> str:
@@ -555,7 +575,9 @@ def _params_from_reader(reader: _Reader, config: ModelConfig, model_type: str) -
     L = config.n_layers
 
     def stacked(fmt: str, transpose: bool = False) -> np.ndarray:
-        arrays = [reader.get(fmt.format(i=i)) for i in range(L)]
+        names = [fmt.format(i=i) for i in range(L)]
+        arrays = [reader.get(name) for name in names]
+        arrays = _same_shapes(reader, names, arrays)
         return np.stack([a.T for a in arrays] if transpose else arrays)
 
     params: dict = {}
@@ -582,11 +604,14 @@ def _params_from_reader(reader: _Reader, config: ModelConfig, model_type: str) -
         for norm in ("q_norm", "k_norm"):
             _set(params, ("layers", "attn", norm, "scale"), stacked("model.layers.{i}.self_attn." + norm + ".weight"))
     if config.is_moe:
-        routers = [reader.get(_router_name(reader, model_type, i)).T for i in range(L)]
-        _set(params, ("layers", "moe", "router", "kernel"), np.stack(routers))
+        router_names = [_router_name(reader, model_type, i) for i in range(L)]
+        _set(params, ("layers", "moe", "router", "kernel"),
+             np.stack([a.T for a in _same_shapes(reader, router_names, [reader.get(n) for n in router_names])]))
         experts = [_read_experts(reader, model_type, config, i) for i in range(L)]
         for proj in _MLP:
-            _set(params, ("layers", "moe", proj), np.stack([x[proj] for x in experts]))
+            _set(params, ("layers", "moe", proj),
+                 np.stack(_same_shapes(reader, [f"{_layer(i)} experts' {proj} (jrl layout [E, in, out])"
+                                                for i in range(L)], [x[proj] for x in experts])))
         if config.shared_intermediate:
             for proj in _MLP:
                 _set(params, ("layers", "moe", "shared_expert", proj, "kernel"),

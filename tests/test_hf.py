@@ -431,6 +431,23 @@ def test_shape_mismatch_between_config_and_weights_is_named(tmp_path):
         hf.load_pretrained(src)
 
 
+def test_one_layer_tensor_of_another_shape_is_named_with_its_stored_shape(tmp_path):
+    src = copy_fixture("llama", tmp_path / "one_layer")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors["model.layers.1.mlp.gate_proj.weight"] = np.zeros((48, 32), np.float32)  # config: (64, 32)
+    save_file(tensors, os.path.join(src, "model.safetensors"))
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(src)
+    assert str(error.value) == (f"{src}: tensors 'model.layers.0.mlp.gate_proj.weight' (64, 32) and "
+                                "'model.layers.1.mlp.gate_proj.weight' (48, 32) differ in shape (each must have "
+                                "the shape the config gives)")
+
+
+def test_a_size_field_that_is_not_an_integer_is_named():
+    with pytest.raises(hf.HFFormatError, match=r"^config.json: num_attention_heads must be an integer, got '4'$"):
+        hf.config_from_hf({**fixture_config("llama"), "num_attention_heads": "4"})
+
+
 def test_untied_lm_head_differing_from_tied_embedding_is_rejected(tmp_path):
     src = copy_fixture("llama", tmp_path / "tied", lambda c: c.update(tie_word_embeddings=True))
     with pytest.raises(hf.HFFormatError, match="tie_word_embeddings is true but lm_head.weight differs"):
