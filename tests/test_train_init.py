@@ -71,3 +71,10 @@ def test_a_run_without_checkpoints_is_a_config_error_naming_it(tmp_path):
                        (tmp_path / "empty" / "step_3", "no checkpoint for step 3")):
         with pytest.raises(ConfigError, match=rf"^init_from: '{where}': {why}"):
             start(tmp_path / "b", *TINY, f"init_from={where}")
+
+
+def test_a_hugging_face_directory_without_the_hf_prefix_is_refused_with_the_prefix_to_write(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        start(tmp_path, f"init_from={LLAMA}", *LLAMA_MODEL)
+    assert str(error.value) == (f"init_from: '{LLAMA}': no checkpoints (step_<N> directories) in {LLAMA}; it holds "
+                                f"a config.json: for a Hugging Face model write init_from: hf:{LLAMA}")

@@ -3,6 +3,8 @@ init, a jrl checkpoint or a Hugging Face directory, with LoRA factors from the i
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +110,9 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
         try:
             state, _ = checkpoint.load(root, step)
         except FileNotFoundError as e:  # no such run, no checkpoint in it, or no such step
-            raise ConfigError(f"init_from: {src!r}: {e}") from e
+            hint = (f"; it holds a config.json: for a Hugging Face model write init_from: hf:{src}"
+                    if os.path.isfile(os.path.join(src, "config.json")) else "")
+            raise ConfigError(f"init_from: {src!r}: {e}{hint}") from e
         loaded = state["params"] if isinstance(state, dict) else state.params
     template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
     return shard_params(mc, _overlay(template, loaded, src), mesh)
