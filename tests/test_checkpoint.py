@@ -250,7 +250,7 @@ def test_meta_policy_version_contradicting_state_is_rejected(tmp_path):
         ckpt.save(tmp_path, 1, train_state(), meta={"policy_version": 5})
 
 
-@pytest.mark.parametrize("key", ["step", "versions", "encoded_leaves"])
+@pytest.mark.parametrize("key", ["step", "versions", "encoded_leaves", "path", "layout", "verification"])
 def test_reserved_meta_keys_are_rejected(tmp_path, key):
     with pytest.raises(ValueError, match=f"meta key '{key}' is reserved"):
         ckpt.save(tmp_path, 1, small_state(), meta={key: 1})

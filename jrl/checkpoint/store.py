@@ -45,7 +45,9 @@ from jrl.checkpoint.manifest import (
 
 META_NAME = "meta.json"
 META_FORMAT = 1
-_RESERVED_META_KEYS = ("format", "step", "wall_time", "wall_time_utc", "versions", "encoded_leaves")
+# meta.json's own keys, and those load() adds to what it returns
+_RESERVED_META_KEYS = ("format", "step", "wall_time", "wall_time_utc", "versions", "encoded_leaves",
+                       "path", "layout", "verification")
 _VERSIONED_PACKAGES = ("jrl", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
