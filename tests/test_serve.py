@@ -8,6 +8,7 @@ shutdown (a subprocess), `jrl bench serve --tiny`. Nothing asserts on wall-clock
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -342,6 +343,7 @@ BAD = [
     ("n beyond the capacity", "/v1/completions", {**COMP, "n": 65}, "n"),
     ("out-of-vocabulary ids", "/v1/completions", {**COMP, "prompt": [1, 2, 320]}, "prompt"),
     ("negative ids", "/v1/completions", {**COMP, "prompt": [[3], [-1]]}, "prompt"),
+    ("ids beyond int64", "/v1/completions", {**COMP, "prompt": [3, 2**70]}, "prompt"),
     ("empty prompt", "/v1/completions", {**COMP, "prompt": ""}, "prompt"),
     ("prompt fills the context", "/v1/completions", {**COMP, "prompt": [3] * 128}, "prompt"),
     ("top_logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
@@ -373,6 +375,30 @@ def test_bad_input_through_the_client_and_the_server_lives_on(live):
     r = live.http.post("/v1/nothing", json={})
     assert r.status_code == 404 and "error" in r.json()
     assert settle(live)["status"] == "ok"
+
+
+def test_a_client_leaving_a_plain_answer_leaves_no_unretrieved_error_in_the_log():
+    from jrl.serve.app import _GONE, _wait_or_disconnect
+
+    class Gone:  # the client has hung up
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    async def forever():
+        await asyncio.Event().wait()
+
+    logged = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: logged.append(context["message"]))
+        out = await _wait_or_disconnect(Gone(), asyncio.gather(forever(), forever()))
+        for _ in range(3):  # the cancelled coroutines end, then the gather
+            await asyncio.sleep(0)
+        gc.collect()  # an exception nobody read is logged when its future is collected
+        return out
+
+    assert asyncio.run(main()) is _GONE
+    assert logged == []
 
 
 def test_engine_abort_frees_pages_and_keeps_the_others(live_in_thread):

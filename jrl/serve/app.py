@@ -161,8 +161,13 @@ class Server:
         vocab = self.served.model_config.vocab_size
         prompts = []
         for k, x in enumerate(raw):
-            ids = np.asarray(self.tokenizer.encode(x) if isinstance(x, str) else x, np.int64)
             where = "prompt" if len(raw) == 1 else f"prompt[{k}]"
+            if not isinstance(x, str):  # ids beyond int64 would not even convert
+                for t in x:
+                    if not 0 <= t < vocab:
+                        raise ServeError(f"{where}: token id {t} is outside the vocabulary [0, {vocab})",
+                                         param="prompt")
+            ids = np.asarray(self.tokenizer.encode(x) if isinstance(x, str) else x, np.int64)
             if ids.size == 0:
                 raise ServeError(f"{where}: must hold at least one token", param="prompt")
             if ids.min() < 0 or ids.max() >= vocab:
@@ -499,12 +504,19 @@ async def _wait_or_disconnect(request: Request, work: asyncio.Future) -> Any:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work in done:
             return work.result()
-        work.cancel()
         return _GONE
     finally:
         watch.cancel()
         if not work.done():
+            # a cancelled gather() ends holding a CancelledError as its exception, which
+            # asyncio logs as "never retrieved" unless someone reads it
+            work.add_done_callback(_retrieve)
             work.cancel()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _disconnected(request: Request) -> None:
