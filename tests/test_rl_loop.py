@@ -138,6 +138,15 @@ def test_skipped_updates_keep_the_version_and_the_engine_serves_it(tmp_path):
     assert trainer.train_source.engine_rebuilds == 1
 
 
+def test_a_skipped_update_under_the_progress_bar_leaves_the_run_going(tmp_path):
+    config = tiny(steps=3)
+    config = dataclasses.replace(config, logging=dataclasses.replace(config.logging, progress=True))
+    _, rows = run(config, tmp_path, callbacks=[PoisonSteps({2})])
+    train = train_rows(rows)
+    assert [r["update_applied"] for r in train] == [True, False, True]
+    assert [r["loss"] is None for r in train] == [False, True, False]  # a non-finite loss is logged as null
+
+
 def test_off_policy_samples_lag_one_rollout_and_overlap_training(tmp_path):
     _, rows = run(tiny(steps=6, off_policy=True), tmp_path)
     rollouts = rollout_rows(rows)

@@ -160,7 +160,9 @@ class ProgressBar(Callback):
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", refresh=False)
+            loss = metrics["loss"]  # None: non-finite, the update was skipped
+            self.bar.set_postfix(loss="nan" if loss is None else f"{loss:.4f}", lr=f"{metrics['lr']:.2e}",
+                                 refresh=False)
 
     def on_eval(self, trainer, state, metrics) -> None:
         if self.bar is not None and "eval_loss" in metrics:
