@@ -27,6 +27,7 @@ from jrl.data.records import require_source
 from jrl.hf import HFFormatError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
+from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
@@ -40,7 +41,7 @@ from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fre
 
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
-RUN_FAILURES = (RewardError, RunLockedError, ResumeError)
+RUN_FAILURES = (RewardError, EnvironmentFailure, RunLockedError, ResumeError)
 
 
 def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:

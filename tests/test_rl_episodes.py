@@ -431,6 +431,42 @@ def test_an_environment_that_raises_stops_the_run_naming_the_episode(engine, tok
     assert not engine.scheduler.has_work  # the episodes' requests were finished, not left behind
 
 
+class Returning(Scripted):
+    """A first step that returns `out` (a malformed result)."""
+
+    def __init__(self, out) -> None:
+        super().__init__()
+        self.out = out
+
+    def step(self, message):
+        return self.out
+
+
+@pytest.mark.parametrize("out, message", [
+    (([], float("nan"), True, {}), "the reward must be a finite number, got nan"),
+    (([], None, True, {}), "the reward must be a finite number, got None"),
+    (([], "1", True, {}), "the reward must be a finite number, got '1'"),
+    (("again", 0.0, False, {}), "the messages must be a list of message dicts, got 'again'"),
+    (([], 0.0, False, "info"), "info must be a dict, got 'info'"),
+], ids=["nan reward", "None reward", "str reward", "str messages", "str info"])
+def test_a_malformed_step_result_stops_the_run_naming_the_environment_and_episode(engine, tok, im_end, out,
+                                                                                   message):
+    with pytest.raises(EnvironmentFailure) as e:
+        run(engine, tok, im_end, [Returning(out)])
+    assert str(e.value) == f"environment Returning.step: {message} (on episode 0)"
+    assert not engine.scheduler.has_work
+
+
+def test_messages_the_template_cannot_render_stop_the_run_naming_the_environment_and_episode(engine, tok, im_end):
+    class ListContent(Scripted):  # the record's message list put where a string belongs
+        def reset(self, example):
+            return [{"role": "user", "content": [{"role": "user", "content": example["prompt"]}]}]
+
+    with pytest.raises(EnvironmentFailure, match=r"^environment ListContent.reset: the chat template cannot render "
+                                                 r"its messages \(TypeError: .*\) \(on episode 0\)$"):
+        run(engine, tok, im_end, [ListContent()])
+
+
 def test_templates_that_rewrite_earlier_turns_are_refused(tok):
     class Rewriting:
         chat_template = "x"
@@ -684,3 +720,17 @@ def test_jrl_eval_runs_episodes(grpo_run, tmp_path):
     assert 0.0 <= report["pass@1"] <= report["pass@2"] <= 1.0
     rows = [json.loads(line) for line in out.with_name("eval.problems.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(len(r["completions"]) == len(r["rewards"]) == 2 for r in rows)
+
+
+class RaisingParity(Parity):
+    def step(self, message):
+        raise ValueError("broken environment")
+
+
+def test_jrl_eval_exits_1_naming_an_environment_that_raises(grpo_run, capsys):
+    from jrl.cli import main as jrl
+    _, _, root, hf_dir = grpo_run
+    assert jrl(["eval", "--config", str(root / "run" / "config.yaml"), "--checkpoint", f"hf:{hf_dir}",
+                "--samples", "1", "strategy.options.env=test_rl_episodes:RaisingParity"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: environment RaisingParity.step raised ValueError: broken environment (on ")

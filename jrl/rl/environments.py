@@ -52,6 +52,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import inspect
+import math
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -272,6 +273,21 @@ class _Live:
     cut: str | None = None  # the last turn hit a token limit: the episode ends after its step
 
 
+def _check_step(lv: _Live, new: Any, reward: Any, info: Any) -> None:
+    """EnvironmentFailure naming the environment and the record for a `step` result that
+    cannot be used: messages not a list of dicts, a reward that is not a finite number (a
+    NaN would turn every advantage of its group into NaN), an info that is not a dict."""
+    def fail(what: str) -> None:
+        raise EnvironmentFailure(f"environment {type(lv.env).__name__}.step: {what} (on {lv.where})")
+
+    if new is not None and not (isinstance(new, (list, tuple)) and all(isinstance(m, dict) for m in new)):
+        fail(f"the messages must be a list of message dicts, got {new!r}")
+    if not isinstance(reward, (int, float, np.number)) or not math.isfinite(float(reward)):
+        fail(f"the reward must be a finite number, got {reward!r}")
+    if info is not None and not isinstance(info, dict):
+        fail(f"info must be a dict, got {info!r}")
+
+
 class EpisodeRunner:
     """Runs episodes through `engine` (see the module docstring). `eos_ids` /
     `stop_sequences`: where a turn ends (the template's end-of-turn token among them);
@@ -379,14 +395,29 @@ class EpisodeRunner:
             ep.truncated, ep.truncation = True, truncation
         return None
 
+    @staticmethod
+    def _render(lv: _Live, kind: str, fn: Callable, *args: Any) -> list[int]:
+        """`fn(*args)` (the chat template over the environment's messages); a template that
+        fails on them is the environment's EnvironmentFailure, naming it and the record."""
+        try:
+            return fn(*args)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind}: the chat template cannot render "
+                                     f"its messages ({type(e).__name__}: {e}) (on {lv.where})") from e
+
     def _after_env(self, lv: _Live, kind: str, out: Any) -> int | None:
         ep = lv.episode
         if kind == "reset":
             if not isinstance(out, list) or not out:
                 raise EnvironmentFailure(f"environment {type(lv.env).__name__}.reset: must return a non-empty list of "
                                         f"messages, got {out!r} (on {lv.where})")
+            if not all(isinstance(m, dict) for m in out):
+                raise EnvironmentFailure(f"environment {type(lv.env).__name__}.reset: must return a list of message "
+                                        f"dicts, got {out!r} (on {lv.where})")
             ep.messages = [dict(m) for m in out]
-            ids = self.pieces.prompt(ep.messages, lv.tools)
+            ids = self._render(lv, kind, self.pieces.prompt, ep.messages, lv.tools)
             if len(ids) >= self.limits.max_total_tokens:
                 raise ConfigError(f"{lv.where}: the opening prompt is {len(ids)} tokens, leaving no room for a turn "
                                   f"within max_total_tokens = {self.limits.max_total_tokens}")
@@ -398,6 +429,7 @@ class EpisodeRunner:
         except (TypeError, ValueError):
             raise EnvironmentFailure(f"environment {type(lv.env).__name__}.step: must return (messages, reward, done, "
                                     f"info), got {out!r} (on {lv.where})") from None
+        _check_step(lv, new, reward, info)
         info = dict(info or {})
         ep.info.append(info)
         ep.reward += float(reward)
@@ -417,7 +449,7 @@ class EpisodeRunner:
             ep.messages += new
             return self._end(ep, None)
         stop = int(last.tokens[-1]) if last.finish_reason == "eos" else None
-        ids = self.pieces.continuation(history, assistant, new, stop, lv.tools)
+        ids = self._render(lv, kind, self.pieces.continuation, history, assistant, new, stop, lv.tools)
         ep.messages += new
         if len(ids) + len(ep.tokens) >= self.limits.max_total_tokens:
             return self._end(ep, "max_total_tokens")  # the answer does not fit (nothing is inserted)

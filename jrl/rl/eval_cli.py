@@ -16,7 +16,7 @@ the mean reward and response length of the samples. `--json F` writes them (with
 problem to F's `.problems.jsonl` sibling; a table is printed last.
 
 Exit status: 0 on success, 2 for a bad command line, config or checkpoint path, 1 when a
-reward function fails.
+reward function or an environment fails.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 from jrl.checkpoint import CheckpointCorruptError, latest_step
 from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, load_train_config
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
+from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import ProblemResult, evaluate_problems
 from jrl.rl.options import RLOptions
@@ -209,8 +210,8 @@ def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
         samples = config.eval.samples if args.samples is None else args.samples
         report, results = run_eval(config, options, checkpoint, split=args.split, samples=samples,
                                    temperature=args.temperature, seed=args.seed, max_problems=args.max_problems)
-    except (*CONFIG_ERRORS, CheckpointCorruptError) as e:
-        return cli_exit(e, failed=(RewardError,))
+    except (*CONFIG_ERRORS, CheckpointCorruptError, EnvironmentFailure) as e:
+        return cli_exit(e, failed=(RewardError, EnvironmentFailure))
     if args.json:
         rows = write_report(report, results, args.json)
         print(f"wrote {args.json} and {rows}")
