@@ -109,6 +109,12 @@ def test_config_errors_exit_2(trained, capsys):
     assert "config error: strategy.options.group_size" in capsys.readouterr().err
 
 
+def test_a_nan_temperature_exits_2_naming_the_flag(trained, capsys):
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), "--temperature", "nan"]) == 2
+    assert capsys.readouterr().err == "config error: --temperature: must be a finite number >= 0, got nan\n"
+
+
 @pytest.mark.parametrize("n, c, k, expected", [
     (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
     (5, 2, 1, 2 / 5),  # pass@1 is the fraction correct

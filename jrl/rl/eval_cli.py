@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,8 +113,8 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     if max_problems is not None and max_problems < 1:
         raise ConfigError(f"--max-problems: must be >= 1, got {max_problems}")
     temperature = options.temperature if temperature is None else float(temperature)
-    if temperature < 0:
-        raise ConfigError(f"--temperature: must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"--temperature: must be a finite number >= 0, got {temperature}")
     seed = config.seed if seed is None else seed
     task = make_task(options.task)
     problems = list(getattr(task, split))[:max_problems]
