@@ -498,6 +498,17 @@ def test_a_start_up_error_in_the_engine_process_exits_2_naming_the_flag(hf_dirs,
                                        "max_position_embeddings (128), got 4096\n")
 
 
+def test_a_port_in_use_exits_2_naming_the_flag_before_the_model_loads(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # the model directory does not exist: the port is checked first, before anything loads
+        assert main(["--model", f"hf:{tmp_path / 'missing'}", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (f"config error: --host / --port: cannot listen on 127.0.0.1:{port} (Address "
+                                       f"already in use); another server there? pick another --port\n")
+
+
 def test_a_killed_engine_process_fails_its_requests_with_503_and_health_says_so(hf_dirs):
     for live in serve(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME, "--no-warmup", *ENGINE_FLAGS]):
         pid = live.server.engine.pid

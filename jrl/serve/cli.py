@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ from collections.abc import Callable
 import uvicorn
 
 from jrl.checkpoint import CheckpointCorruptError
-from jrl.config import CONFIG_ERRORS, cli_exit
+from jrl.config import CONFIG_ERRORS, ConfigError, cli_exit
 from jrl.serve.app import Server, create_app
 from jrl.serve.engine_process import EngineProcess
 from jrl.serve.loading import KV_MEMORY_FRACTION, Served, load_engine
@@ -102,12 +103,32 @@ def build(args: argparse.Namespace, load: Callable[[], Served] | None = None):
     return server, create_app(server, shutdown_timeout=args.shutdown_timeout)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), taken before the model loads and compiles, so that
+    a port in use is a start-up error at once rather than after the warm-up."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"--host / --port: cannot listen on {host}:{port} ({e.strerror or e}); another server "
+                          f"there? pick another --port") from None
+    return sock
+
+
 def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        sock = listen_socket(args.host, args.port)
+    except ConfigError as e:
+        return cli_exit(e)
+    try:
         server, app = build(args)
     except (*CONFIG_ERRORS, CheckpointCorruptError) as e:
+        sock.close()
         return cli_exit(e)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive,
@@ -118,9 +139,9 @@ def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     print(f"jrl serve: {server.served.name} (policy version {server.engine.version}) on "
-          f"http://{args.host}:{args.port}/v1", flush=True)
+          f"http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)  # --port 0: the port picked
     with gil_handoff():
-        uv.run()
+        uv.run(sockets=[sock])
     print("jrl serve: stopped", flush=True)
     return 0
 
