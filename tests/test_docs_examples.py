@@ -12,8 +12,10 @@ import pathlib
 import re
 import shlex
 
+import numpy as np
 import pytest
 
+from jrl import hf
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.cli import stage_parser
 from jrl.launch import build_parser, main, resolve_config
@@ -137,12 +139,29 @@ def test_the_rollout_quick_start_runs_as_written():
     assert scope["ack"].version == 1 and len(scope["outs"]) == 2
 
 
-def test_the_rollout_example_from_a_trained_run_runs_as_written(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A directory holding `runs/default`, one step of the default SFT config."""
+    root = tmp_path_factory.mktemp("trained")
+    assert main(["--config", str(ROOT / "configs" / "sft_arithmetic.yaml"), "steps=1", "--output-dir",
+                 str(root / "runs" / "default"), "logging.progress=false", "logging.plot=false"]) == 0
+    return root
+
+
+def test_the_rollout_example_from_a_trained_run_runs_as_written(trained_run, monkeypatch):
     example = python_examples("docs/rollout.md")[1]
     assert "runs/default" in example
-    run = tmp_path / "runs" / "default"
-    assert main(["--config", str(ROOT / "configs" / "sft_arithmetic.yaml"), "steps=1", "--output-dir", str(run),
-                 "logging.progress=false", "logging.plot=false"]) == 0
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(trained_run)
     scope = run_example(example, "docs/rollout.md")
     assert len(scope["outs"][0].tokens) >= 1
+
+
+def test_the_hf_export_of_a_trained_run_runs_as_written_and_loads_back(trained_run, monkeypatch):
+    example = python_examples("docs/hf.md")[1]
+    assert "runs/default" in example
+    monkeypatch.chdir(trained_run)
+    scope = run_example(example, "docs/hf.md")
+    config, params = hf.load_pretrained(str(trained_run / "out" / "default-hf"))
+    assert config.hidden_size == scope["config"].model.hidden_size
+    np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"]),
+                                  np.asarray(scope["state"]["params"]["embed"]["embedding"]))

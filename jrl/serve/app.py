@@ -162,18 +162,14 @@ class Server:
         prompts = []
         for k, x in enumerate(raw):
             where = "prompt" if len(raw) == 1 else f"prompt[{k}]"
-            if not isinstance(x, str):  # ids beyond int64 would not even convert
-                for t in x:
-                    if not 0 <= t < vocab:
-                        raise ServeError(f"{where}: token id {t} is outside the vocabulary [0, {vocab})",
-                                         param="prompt")
-            ids = np.asarray(self.tokenizer.encode(x) if isinstance(x, str) else x, np.int64)
-            if ids.size == 0:
+            ids = list(self.tokenizer.encode(x) if isinstance(x, str) else x)
+            if not ids:
                 raise ServeError(f"{where}: must hold at least one token", param="prompt")
-            if ids.min() < 0 or ids.max() >= vocab:
-                bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            # checked as Python ints: an id beyond int64 would not even convert
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
                 raise ServeError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-            prompts.append(ids.astype(np.int32))
+            prompts.append(np.asarray(ids, np.int32))
         return prompts
 
 

@@ -4,7 +4,6 @@ init, a jrl checkpoint or a Hugging Face directory, with LoRA factors from the i
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 from typing import Any
 
