@@ -4,6 +4,7 @@ the unbiased pass@k estimator on hand-computed values."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -89,6 +90,26 @@ def test_validation_split_step_dir_greedy_sampling_and_max_problems_print_a_tabl
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-6].split() == ["metric", "value"]
     assert [line.split()[0] for line in lines[-5:]] == ["greedy", "pass@1", "pass@2", "reward", "response"]
+
+
+def test_pass_at_adds_each_k_estimated_from_the_same_samples_in_order(trained, capsys, tmp_path):
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), "--samples", "4", "--pass-at", "2", "--max-problems", "6",
+                "--json", str(tmp_path / "e.json")]) == 0
+    report = json.loads((tmp_path / "e.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "e.problems.jsonl").read_text().splitlines()]
+    # 1 - C(4 - c, 2) / C(4, 2) for a problem with c of its 4 samples correct
+    by_hand = [1 - math.comb(4 - sum(r["correct"]), 2) / 6 for r in rows]
+    assert report["pass@2"] == pytest.approx(sum(by_hand) / 6)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines[-6:]] == ["greedy", "pass@1", "pass@2", "pass@4", "reward", "response"]
+
+
+@pytest.mark.parametrize("ks, bad", [("5", "5"), ("0,2", "0")])
+def test_a_pass_at_k_beyond_the_samples_exits_2_naming_the_flag(trained, capsys, ks, bad):
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), "--samples", "4", "--pass-at", ks]) == 2
+    assert capsys.readouterr().err == f"config error: --pass-at: each k must be an integer from 1 to --samples (4), got {bad}\n"
 
 
 def test_missing_checkpoint_exits_2_naming_the_path(tmp_path, capsys):

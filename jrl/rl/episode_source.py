@@ -20,7 +20,7 @@ from jrl.config import ConfigError
 from jrl.data.tasks import Problem
 from jrl.rl.batch import build_episode_rows
 from jrl.rl.environments import Episode, EpisodeLimits, EpisodeRunner, ToolEnvironment, resolve_environment
-from jrl.rl.evaluation import ProblemResult, pass_at_k
+from jrl.rl.evaluation import ProblemResult, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.rewards import RewardModel
@@ -139,8 +139,7 @@ class EpisodeSampler:
         ok = [self.correct(g) for g in groups]
         flat = [ep for g in groups for ep in g]
         summary = {"n": float(n), "greedy_accuracy": float(greedy_ok.mean()),
-                   "pass@1": float(np.mean([pass_at_k(samples, int(c.sum()), 1) for c in ok])),
-                   f"pass@{samples}": float(np.mean([pass_at_k(samples, int(c.sum()), samples) for c in ok])),
+                   **pass_at(ok, (1, samples)),
                    "reward_mean": float(np.mean([ep.reward for ep in flat])),
                    "response_tokens_mean": float(np.mean([ep.n_sampled for ep in flat]))}
         results = [ProblemResult(where=p.where, answer=p.answer, greedy_correct=bool(greedy_ok[i]),

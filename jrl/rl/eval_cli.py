@@ -10,8 +10,9 @@ verifier's `success_threshold`, `max_new_tokens`, the temperature and the engine
 `key=value` overrides apply on top, as for `jrl train`.
 
 The scores are those of the trainer's periodic evaluation (`jrl.rl.evaluation`): greedy
-accuracy, pass@1 (the mean over K samples a problem), pass@K (the unbiased estimator),
-the mean reward and response length of the samples. `--json F` writes them (with `k`,
+accuracy, pass@1 (the mean over K samples a problem), pass@K (the unbiased estimator; with
+`--pass-at 2,4` also pass@2 and pass@4 from the same K samples), the mean reward and
+response length of the samples. `--json F` writes them (with `k`,
 `split`, `checkpoint`, `step`, `policy_version`, `temperature`, ...) to F and one row per
 problem to F's `.problems.jsonl` sibling; a table is printed last.
 
@@ -27,14 +28,14 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from jrl.checkpoint import CheckpointCorruptError, latest_step
 from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, load_train_config
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.episode_source import EpisodeSampler
-from jrl.rl.evaluation import ProblemResult, evaluate_problems
+from jrl.rl.evaluation import ProblemResult, evaluate_problems, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.rewards import RewardError
@@ -103,13 +104,17 @@ def load_config(config_path: str | None, overrides: list[str], checkpoint: Check
 
 def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *, split: str = "heldout",
              samples: int = 1, temperature: float | None = None, seed: int | None = None,
-             max_problems: int | None = None) -> tuple[dict[str, Any], list[ProblemResult]]:
+             max_problems: int | None = None, pass_ks: Sequence[int] = ()) -> tuple[dict[str, Any], list[ProblemResult]]:
     """Scores the checkpoint (`config.init_from`) on the task's `split`; returns the
-    report (the JSON written by `--json`) and one result per problem."""
+    report (the JSON written by `--json`: pass@k for 1, each of `pass_ks` and `samples`)
+    and one result per problem."""
     if split not in SPLITS:
         raise ConfigError(f"--split: must be one of {list(SPLITS)}, got {split!r}")
     if not (isinstance(samples, int) and samples >= 1):
         raise ConfigError(f"--samples: must be an integer >= 1, got {samples!r}")
+    bad = [k for k in pass_ks if not (isinstance(k, int) and 1 <= k <= samples)]
+    if bad:
+        raise ConfigError(f"--pass-at: each k must be an integer from 1 to --samples ({samples}), got {bad[0]!r}")
     if max_problems is not None and max_problems < 1:
         raise ConfigError(f"--max-problems: must be >= 1, got {max_problems}")
     temperature = options.temperature if temperature is None else float(temperature)
@@ -149,8 +154,9 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     report = {"checkpoint": checkpoint.init_from, "step": checkpoint.step, "policy_version": checkpoint.policy_version,
               "split": split, "n": len(problems), "k": samples, "temperature": temperature,
               "max_new_tokens": options.max_new_tokens, "seed": seed,
-              "greedy_accuracy": summary["greedy_accuracy"], "pass@1": summary["pass@1"],
-              f"pass@{samples}": summary[f"pass@{samples}"], "reward_mean": summary["reward_mean"],
+              "greedy_accuracy": summary["greedy_accuracy"],
+              **pass_at([r.correct for r in results], sorted({1, *pass_ks, samples})),
+              "reward_mean": summary["reward_mean"],
               "response_tokens_mean": summary["response_tokens_mean"]}
     return report, results
 
@@ -176,14 +182,21 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"checkpoint {report['checkpoint']}" + (f" ({', '.join(known).replace('_', ' ')})" if known else ""),
              f"{report['split']} split, {report['n']} problems, {k} sample{'s' * (k > 1)} each at temperature "
              f"{report['temperature']:g}, up to {report['max_new_tokens']} new tokens", ""]
-    rows = [("greedy accuracy", f"{report['greedy_accuracy']:.1%}"), ("pass@1", f"{report['pass@1']:.1%}")]
-    if k > 1:
-        rows.append((f"pass@{k}", f"{report[f'pass@{k}']:.1%}"))
+    rows = [("greedy accuracy", f"{report['greedy_accuracy']:.1%}")]
+    rows += [(name, f"{value:.1%}") for name, value in report.items() if name.startswith("pass@")]
     rows += [("reward mean", f"{report['reward_mean']:.4g}"),
              ("response tokens mean", f"{report['response_tokens_mean']:.2f}")]
     width = max(len(name) for name, _ in rows)
     lines += [f"{'metric':<{width}}  value"] + [f"{name:<{width}}  {value}" for name, value in rows]
     return "\n".join(lines)
+
+
+def ks_list(text: str) -> tuple[int, ...]:
+    """`--pass-at`'s comma-separated integers."""
+    try:
+        return tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, got {text!r}") from None
 
 
 def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
@@ -194,6 +207,8 @@ def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
     p.add_argument("--config", help="the run's YAML config (default: config.yaml of the checkpoint's run)")
     p.add_argument("--samples", type=int, help="K: sampled completions per problem (default: the config's "
                    "eval.samples)")
+    p.add_argument("--pass-at", type=ks_list, default=(), metavar="K1,K2,...",
+                   help="also report pass@k for these k (each at most --samples), estimated from the same samples")
     p.add_argument("--temperature", type=float, help="sampling temperature (default: strategy.options.temperature)")
     p.add_argument("--split", default="heldout", choices=SPLITS, help="task split (default: heldout)")
     p.add_argument("--max-problems", type=int, help="score only the split's first N problems")
@@ -210,7 +225,8 @@ def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
         config, options = load_config(args.config, args.overrides, checkpoint)
         samples = config.eval.samples if args.samples is None else args.samples
         report, results = run_eval(config, options, checkpoint, split=args.split, samples=samples,
-                                   temperature=args.temperature, seed=args.seed, max_problems=args.max_problems)
+                                   temperature=args.temperature, seed=args.seed, max_problems=args.max_problems,
+                                   pass_ks=args.pass_at)
     except (*CONFIG_ERRORS, CheckpointCorruptError, EnvironmentFailure) as e:
         return cli_exit(e, failed=(RewardError, EnvironmentFailure))
     if args.json:

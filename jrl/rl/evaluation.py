@@ -31,6 +31,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def pass_at(correct: Sequence[Sequence[bool]], ks: Sequence[int]) -> dict[str, float]:
+    """`{"pass@k": ...}` for each k: the unbiased estimator averaged over problems, from each
+    problem's samples' `correct` flags (every problem with the same number of samples)."""
+    counts = [(len(c), int(np.sum(c))) for c in correct]
+    return {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for n, c in counts])) for k in dict.fromkeys(ks)}
+
+
 @dataclasses.dataclass
 class ProblemResult:
     """One problem's outcome: the greedy completion and `samples` sampled ones."""
@@ -101,8 +108,7 @@ def evaluate_problems(engine: Engine, fmt: PromptFormat, problems: Sequence[Prob
             where=p.where, answer=p.answer, greedy_correct=bool(greedy_ok[i]), greedy_completion=greedy_texts[i],
             correct=[bool(x) for x in ok[sl]], rewards=[float(x) for x in total[sl]],
             response_tokens=[len(c.tokens) for c in comps[sl]], completions=texts[sl]))
-    summary = {"n": float(n), "pass@1": float(np.mean([pass_at_k(samples, sum(r.correct), 1) for r in results])),
-               f"pass@{samples}": float(np.mean([pass_at_k(samples, sum(r.correct), samples) for r in results])),
+    summary = {"n": float(n), **pass_at([r.correct for r in results], (1, samples)),
                "reward_mean": float(total.mean()),
                "response_tokens_mean": float(np.mean([t for r in results for t in r.response_tokens]))}
     if greedy:
