@@ -229,6 +229,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
     """
     dtype = dtype_name(dtype)
     model_type = hf.get("model_type")
+    if model_type is None:
+        raise HFFormatError(f"{where}: required field 'model_type' is missing; "
+                            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise HFFormatError(f"{where}: model_type {model_type!r} is not supported; "
                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")

@@ -361,6 +361,15 @@ def test_unknown_architecture_is_named():
         hf.config_from_hf({**fixture_config("llama"), "model_type": "gpt2"})
 
 
+def test_missing_model_type_is_named_as_missing(tmp_path):
+    cfg = {k: v for k, v in fixture_config("llama").items() if k != "model_type"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.load_pretrained(str(tmp_path))
+    assert str(e.value) == (f"{tmp_path / 'config.json'}: required field 'model_type' is missing; "
+                            f"supported: {', '.join(hf.SUPPORTED_MODEL_TYPES)}")
+
+
 def test_sliding_window_shorter_than_context_is_rejected_and_capping_the_context_accepts_it():
     cfg = {**fixture_config("mistral"), "sliding_window": 64}
     with pytest.raises(hf.HFFormatError, match="sliding_window: sliding-window attention with window 64 < max length 256"):
