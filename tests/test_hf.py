@@ -370,6 +370,13 @@ def test_missing_model_type_is_named_as_missing(tmp_path):
                             f"supported: {', '.join(hf.SUPPORTED_MODEL_TYPES)}")
 
 
+def test_config_json_itself_asks_for_its_directory():
+    path = os.path.join(fixture("llama"), "config.json")
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.load_pretrained(path)
+    assert str(e.value) == f"{path}: is a file; pass the directory that holds config.json"
+
+
 def test_sliding_window_shorter_than_context_is_rejected_and_capping_the_context_accepts_it():
     cfg = {**fixture_config("mistral"), "sliding_window": 64}
     with pytest.raises(hf.HFFormatError, match="sliding_window: sliding-window attention with window 64 < max length 256"):

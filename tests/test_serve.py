@@ -662,6 +662,14 @@ def test_a_jrl_checkpoint_serves_with_its_run_config_tokenizer_and_version(tmp_p
         load_served(checkpoint=str(tmp_path / "nothing"))
 
 
+def test_model_naming_config_json_asks_for_its_directory(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        load_served(model=f"hf:{tmp_path / 'config.json'}")
+    assert str(e.value) == (f"--model: {tmp_path / 'config.json'} is a file; "
+                            "hf:<dir> names the directory that holds config.json")
+
+
 def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():
     tok = ByteTokenizer()
     ids = tok.encode("héllo <<END>> world")

@@ -61,6 +61,8 @@ def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
     missing."""
     if spec.startswith("hf:"):
         path = Path(spec[3:])
+        if path.is_file():
+            raise ConfigError(f"{flag}: {path} is a file; hf:<dir> names the directory that holds config.json")
         if not path.is_dir():
             raise ConfigError(f"{flag}: {path} does not exist (hf:<dir> names a Hugging Face checkpoint directory)")
         if not (path / "config.json").is_file():
