@@ -7,6 +7,7 @@ the field, so a typo never turns into a silently ignored setting.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib
@@ -15,6 +16,8 @@ import re
 import sys
 import types
 import typing
+import warnings
+from collections.abc import Iterator
 from typing import Any, Literal, TypeVar
 
 import yaml
@@ -42,6 +45,24 @@ def cli_exit(error: BaseException, *, failed: tuple[type[BaseException], ...] = 
         label, status = ("config error" if isinstance(error, config_errors) else "error"), 2
     print(f"{label}: {error}", file=sys.stderr)
     return status
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
+@contextlib.contextmanager
+def cli_warnings() -> Iterator[None]:
+    """Warnings print as one stderr line, "warning: <message>", while the block (a command-line
+    program's main: jrl train, eval, serve) runs; Python's format adds the issuing module's
+    path and source line, trainer internals that mean nothing to the user of the command.
+    Only the format changes (recording them, as `pytest.warns` does, still works); library
+    callers keep Python's default, restored on exit. Also a decorator."""
+    previous, warnings.formatwarning = warnings.formatwarning, _format_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 # ----------------------------------------------------------------------------- helpers

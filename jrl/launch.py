@@ -21,8 +21,8 @@ from pathlib import Path
 import jax
 import yaml
 
-from jrl.config import (CONFIG_ERRORS, ConfigError, ParallelConfig, TrainConfig, cli_exit, load_train_config,
-                        to_dict)
+from jrl.config import (CONFIG_ERRORS, ConfigError, ParallelConfig, TrainConfig, cli_exit, cli_warnings,
+                        load_train_config, to_dict)
 from jrl.data.records import require_source
 from jrl.hf import HFFormatError
 from jrl.models import init_params
@@ -132,6 +132,7 @@ def dry_run(config, output_dir: str | None) -> None:
     print(f"# parameters: {total:,} ({n_train:,} trainable)")
 
 
+@cli_warnings()
 def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     try:

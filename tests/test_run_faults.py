@@ -109,6 +109,16 @@ def test_resume_with_nothing_to_resume_says_so_and_starts_fresh(tmp_path):
     assert checkpoint.all_steps(run / "checkpoints") == [2]
 
 
+def test_the_command_prints_a_warning_on_one_line(tmp_path):
+    run = tmp_path / "run"  # Python's format added a second line, the trainer's source line that warned
+    proc = subprocess.run([sys.executable, "-m", "jrl.train", "--config", write_config(tmp_path), "--output-dir",
+                           str(run), "--resume", "steps=2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"warning: resume: {run / 'checkpoints'} holds no checkpoint yet; starting a fresh run"]
+
+
 def test_a_failed_setup_in_an_existing_run_directory_publishes_no_checkpoint(run_copy, tmp_path):
     before = snapshot(run_copy)
     assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=6",

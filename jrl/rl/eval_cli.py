@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from jrl.checkpoint import CheckpointCorruptError, latest_step
-from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, load_train_config
+from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.episode_source import EpisodeSampler
@@ -220,6 +220,7 @@ def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
     return p
 
 
+@cli_warnings()
 def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     try:

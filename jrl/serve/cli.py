@@ -28,7 +28,7 @@ from collections.abc import Callable
 import uvicorn
 
 from jrl.checkpoint import CheckpointCorruptError
-from jrl.config import CONFIG_ERRORS, ConfigError, cli_exit
+from jrl.config import CONFIG_ERRORS, ConfigError, cli_exit, cli_warnings
 from jrl.serve.app import Server, create_app
 from jrl.serve.engine_process import EngineProcess
 from jrl.serve.loading import KV_MEMORY_FRACTION, Served, load_engine
@@ -118,6 +118,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+@cli_warnings()
 def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
