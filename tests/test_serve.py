@@ -349,6 +349,15 @@ BAD = [
     ("top_logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ("completion logprobs > 0", "/v1/completions", {**COMP, "logprobs": 2}, "logprobs"),
     ("empty stop string", "/v1/completions", {**COMP, "stop": ["", "x"]}, "stop"),
+    ("max_tokens a string", "/v1/completions", {**COMP, "max_tokens": "5"}, "max_tokens"),
+    ("max_tokens a float", "/v1/completions", {**COMP, "max_tokens": 5.0}, "max_tokens"),
+    ("n a string", "/v1/completions", {**COMP, "n": "2"}, "n"),
+    ("seed a string", "/v1/completions", {**COMP, "seed": "7"}, "seed"),
+    ("temperature a numeric string", "/v1/completions", {**COMP, "temperature": "0.5"}, "temperature"),
+    ("top_p a boolean", "/v1/completions", {**COMP, "top_p": True}, "top_p"),
+    ("max_completion_tokens a string", "/v1/chat/completions", {**CHAT, "max_completion_tokens": "5"},
+     "max_completion_tokens"),
+    ("stop not strings", "/v1/completions", {**COMP, "stop": [1]}, "stop"),
     ("logit_bias", "/v1/completions", {**COMP, "logit_bias": {"5": 10}}, "logit_bias"),
     ("image content", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -367,6 +376,12 @@ def test_bad_input_is_a_400_naming_the_field(live, name, path, body, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param, err
+
+
+def test_a_stop_that_is_not_strings_is_named_as_stop(live):
+    r = live.http.post("/v1/completions", json={**COMP, "stop": [1]})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "stop: must be a string or a list of strings"
 
 
 def test_bad_input_through_the_client_and_the_server_lives_on(live):

@@ -4,14 +4,17 @@ Fields jrl does not implement but clients commonly send are declared so that a v
 would change the result is refused with a 400 naming the field (`logit_bias`, `echo`,
 `best_of`, `suffix`, a `response_format` other than text); fields that change nothing here
 (`user`, `metadata`, `store`, ...) are ignored. Range checks of the sampling values are the
-engine's own (`jrl.rollout.SamplingParams`), reported under the OpenAI field name.
+engine's own (`jrl.rollout.SamplingParams`), reported under the OpenAI field name. Numbers
+are strict, as OpenAI's: `"max_tokens": "5"`, `5.0` or `true` for an integer is refused, not
+converted (an integer is accepted for a float).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class ServeError(Exception):
@@ -45,22 +48,32 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = Field(1, ge=1, le=128)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=128, strict=True)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float = Field(1.0, strict=True)
+    top_p: float = Field(1.0, strict=True)
+    top_k: int = Field(0, strict=True)
+    min_p: float = Field(0.0, strict=True)
+    frequency_penalty: float = Field(0.0, strict=True)
+    presence_penalty: float = Field(0.0, strict=True)
+    repetition_penalty: float = Field(1.0, strict=True)
+    seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # jrl extension (as vLLM's): run to max_tokens, for benchmarks
     # Declared so that a value that would change the answer is refused, not ignored.
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_type(cls, value: Any) -> Any:
+        """One message naming `stop` (the union's own errors name `stop.str` and
+        `stop.list[str].0`, one per member)."""
+        if value is None or isinstance(value, str) or (isinstance(value, list)
+                                                       and all(isinstance(s, str) for s in value)):
+            return value
+        raise PydanticCustomError("stop_type", "must be a string or a list of strings")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -83,9 +96,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -114,9 +127,9 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=5, strict=True)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, strict=True)
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -141,5 +154,5 @@ class WeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: str
-    version: int | None = Field(None, ge=0)
+    version: int | None = Field(None, ge=0, strict=True)
 
