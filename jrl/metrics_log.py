@@ -5,11 +5,15 @@ crash loses nothing already appended); `flush_and_sync` also fsyncs it, which th
 checkpoint writer does before publishing a checkpoint, so after any crash the log is
 never behind the newest checkpoint. On resume from step k, `truncate_after(k)` drops the
 rows a crashed run wrote after step k, so curves never count a step twice.
+
+A non-finite float (NaN, +-inf), in any field or list, is written as null: bare `NaN` /
+`Infinity` is not JSON, and strict parsers (other languages', jq) refuse the line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
 from pathlib import Path
@@ -27,6 +31,20 @@ def _json_value(value: Any) -> Any:
     if hasattr(value, "__array__"):
         return np.asarray(value).tolist()
     raise TypeError(f"{type(value).__name__} is not JSON-serializable")
+
+
+def _finite(value: Any) -> Any:
+    """`value` with numpy/jax values as Python ones and each non-finite float as None, so the
+    line is strict JSON (json.dumps would write bare NaN / Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, np.generic) or hasattr(value, "__array__"):
+        return _finite(_json_value(value))
+    return value
 
 
 def _row_step(row: Any, where: str) -> int:
@@ -94,7 +112,7 @@ class MetricsLog:
         step = _row_step(row, str(self.path))
         row = {**row, "step": step}
         try:
-            line = json.dumps(row, default=_json_value)
+            line = json.dumps(_finite(row), default=_json_value, allow_nan=False)
         except TypeError as e:
             bad = [k for k, v in row.items() if not _serializable(v)]
             raise ValueError(f"metrics row field {bad[0] if bad else '?'!r}: {e}") from e
@@ -124,7 +142,7 @@ class MetricsLog:
         staging = self.path.with_name(f".{self.path.name}.truncate-{uuid.uuid4().hex}")
         with open(staging, "x", encoding="utf-8") as f:
             for row in kept:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(_finite(row), allow_nan=False) + "\n")  # an older log's NaN too
             f.flush()
             os.fsync(f.fileno())
         os.replace(staging, self.path)

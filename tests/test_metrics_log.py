@@ -38,6 +38,17 @@ def test_numpy_and_jax_values_are_written_as_plain_numbers(tmp_path):
     assert read_metrics(log.path) == [{"step": 3, "loss": 0.5, "lr": 1e-3, "hist": [0, 1, 2]}]
 
 
+def test_non_finite_values_are_written_as_null_in_strict_json(tmp_path):
+    log = MetricsLog(tmp_path / "m.jsonl")
+    log.append({"step": 1, "reward_mean": float("nan"), "kl": np.float32("inf"), "hist": np.array([1.0, -np.inf])})
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    (line,) = lines_of(log.path)
+    assert json.loads(line, parse_constant=refuse) == {"step": 1, "reward_mean": None, "kl": None, "hist": [1.0, None]}
+
+
 def test_creates_missing_parent_directories(tmp_path):
     log = MetricsLog(tmp_path / "runs" / "a" / "metrics.jsonl")
     log.append({"step": 1})
