@@ -33,17 +33,17 @@ def _json_value(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-serializable")
 
 
-def _finite(value: Any) -> Any:
+def finite_or_null(value: Any) -> Any:
     """`value` with numpy/jax values as Python ones and each non-finite float as None, so the
     line is strict JSON (json.dumps would write bare NaN / Infinity)."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: finite_or_null(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [finite_or_null(v) for v in value]
     if isinstance(value, np.generic) or hasattr(value, "__array__"):
-        return _finite(_json_value(value))
+        return finite_or_null(_json_value(value))
     return value
 
 
@@ -112,7 +112,7 @@ class MetricsLog:
         step = _row_step(row, str(self.path))
         row = {**row, "step": step}
         try:
-            line = json.dumps(_finite(row), default=_json_value, allow_nan=False)
+            line = json.dumps(finite_or_null(row), default=_json_value, allow_nan=False)
         except TypeError as e:
             bad = [k for k, v in row.items() if not _serializable(v)]
             raise ValueError(f"metrics row field {bad[0] if bad else '?'!r}: {e}") from e
@@ -142,7 +142,7 @@ class MetricsLog:
         staging = self.path.with_name(f".{self.path.name}.truncate-{uuid.uuid4().hex}")
         with open(staging, "x", encoding="utf-8") as f:
             for row in kept:
-                f.write(json.dumps(_finite(row), allow_nan=False) + "\n")  # an older log's NaN too
+                f.write(json.dumps(finite_or_null(row), allow_nan=False) + "\n")  # an older log's NaN too
             f.flush()
             os.fsync(f.fileno())
         os.replace(staging, self.path)

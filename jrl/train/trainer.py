@@ -43,7 +43,7 @@ from jrl import checkpoint
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
-from jrl.metrics_log import MetricsLog
+from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
 from jrl.parallel import BATCH_AXES, initialize_distributed, param_shardings, with_shardings
 from jrl.train import callbacks as cb
@@ -114,10 +114,6 @@ def _mismatch_message(e: checkpoint.TargetMismatchError, step: int) -> str:
     if e.stored is None:
         return f"--resume: {where} does not fit this config: it has no {e.leaf} (the config builds one){hint}"
     return f"--resume: {where} does not fit this config: it has {e.leaf}, which the config does not build{hint}"
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 def check_data_format(config: TrainConfig, strategy, has_source: bool = False) -> None:
@@ -471,7 +467,7 @@ class Trainer:
         tokens = int(np.count_nonzero(seg)) if seg is not None else int(np.size(batch[next(iter(batch))]))
         span = attention_span(seg) if seg is not None else np.shape(batch[next(iter(batch))])[-1]
         row = {"step": int(new_state.step), "policy_version": int(new_state.policy_version)}
-        row.update({k: _finite(float(v)) for k, v in metrics.items()})
+        row.update({k: finite_or_null(float(v)) for k, v in metrics.items()})
         row["update_applied"] = bool(metrics["update_applied"])
         row["skipped_updates"] = int(metrics["skipped_updates"])
         row["tokens"] = tokens
@@ -498,8 +494,8 @@ class Trainer:
                 acc[0] += float(s)
                 acc[1] += float(n)
         out = {"step": int(state.step), "policy_version": int(state.policy_version),
-               "eval_loss": _finite(total / max(weight, 1e-12))}
-        out.update({f"eval_{k}": _finite(s / max(n, 1e-12)) for k, (s, n) in sums.items()})
+               "eval_loss": finite_or_null(total / max(weight, 1e-12))}
+        out.update({f"eval_{k}": finite_or_null(s / max(n, 1e-12)) for k, (s, n) in sums.items()})
         return out
 
     @property
