@@ -358,6 +358,8 @@ BAD = [
     ("max_completion_tokens a string", "/v1/chat/completions", {**CHAT, "max_completion_tokens": "5"},
      "max_completion_tokens"),
     ("stop not strings", "/v1/completions", {**COMP, "stop": [1]}, "stop"),
+    ("stream a string", "/v1/completions", {**COMP, "stream": "true"}, "stream"),
+    ("logprobs a number", "/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
     ("logit_bias", "/v1/completions", {**COMP, "logit_bias": {"5": 10}}, "logit_bias"),
     ("image content", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

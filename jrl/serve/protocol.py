@@ -6,7 +6,7 @@ would change the result is refused with a 400 naming the field (`logit_bias`, `e
 (`user`, `metadata`, `store`, ...) are ignored. Range checks of the sampling values are the
 engine's own (`jrl.rollout.SamplingParams`), reported under the OpenAI field name. Numbers
 are strict, as OpenAI's: `"max_tokens": "5"`, `5.0` or `true` for an integer is refused, not
-converted (an integer is accepted for a float).
+converted (an integer is accepted for a float); so are booleans (`"stream": "true"` or `1`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def error_body(message: str, *, param: str | None = None, type: str = "invalid_r
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class _Common(BaseModel):
@@ -59,9 +59,9 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, strict=True)
     seed: int | None = Field(None, strict=True)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # jrl extension (as vLLM's): run to max_tokens, for benchmarks
+    ignore_eos: bool = Field(False, strict=True)  # jrl extension (as vLLM's): run to max_tokens, for benchmarks
     # Declared so that a value that would change the answer is refused, not ignored.
     logit_bias: dict[str, float] | None = None
 
@@ -97,7 +97,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    logprobs: bool = False
+    logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -128,7 +128,7 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5, strict=True)
-    echo: bool = False
+    echo: bool = Field(False, strict=True)
     best_of: int | None = Field(None, strict=True)
     suffix: str | None = None
 
