@@ -38,30 +38,30 @@ def error_body(message: str, *, param: str | None = None, type: str = "invalid_r
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = Field(False, strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # no "5" for 5, as OpenAI's API
 
     model: str
-    n: int = Field(1, ge=1, le=128, strict=True)
-    max_tokens: int | None = Field(None, ge=1, strict=True)
-    temperature: float = Field(1.0, strict=True)
-    top_p: float = Field(1.0, strict=True)
-    top_k: int = Field(0, strict=True)
-    min_p: float = Field(0.0, strict=True)
-    frequency_penalty: float = Field(0.0, strict=True)
-    presence_penalty: float = Field(0.0, strict=True)
-    repetition_penalty: float = Field(1.0, strict=True)
-    seed: int | None = Field(None, strict=True)
+    n: int = Field(1, ge=1, le=128)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = Field(False, strict=True)
+    stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, strict=True)  # jrl extension (as vLLM's): run to max_tokens, for benchmarks
+    ignore_eos: bool = False  # jrl extension (as vLLM's): run to max_tokens, for benchmarks
     # Declared so that a value that would change the answer is refused, not ignored.
     logit_bias: dict[str, float] | None = None
 
@@ -96,9 +96,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    logprobs: bool = Field(False, strict=True)
-    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -127,9 +127,9 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5, strict=True)
-    echo: bool = Field(False, strict=True)
-    best_of: int | None = Field(None, strict=True)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = None
     suffix: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -151,8 +151,8 @@ class WeightsRequest(BaseModel):
     latest step), a step_<N> directory or hf:<dir>; `version` defaults to the step's
     recorded policy version, else the served version + 1."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     checkpoint: str
-    version: int | None = Field(None, ge=0, strict=True)
+    version: int | None = Field(None, ge=0)
 
