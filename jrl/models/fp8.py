@@ -37,9 +37,8 @@ weight scale measured no faster).
 Serving (`EngineConfig.weight_dtype: float8_e4m3fn`): `scaled_matmul(x, q_t, scale)` reads
 the e4m3 kernel, stored transposed `q_t [out, in]`, and multiplies the product by the
 per-output-feature scale. XLA converts the kernel to the activations' dtype for its dot:
-below `WIDEN_PER_PRODUCT_ROWS` rows inside its GEMM (the engine hands each step its kernels
-through `per_step_kernels`), from there up into one bf16 copy that the steps of a decode
-call share.
+below `WIDEN_PER_PRODUCT_ROWS` rows inside its GEMM, from there up into one bf16 copy that
+the steps of a decode call share.
 Up to `dispatch.STREAM_ROWS` bf16 rows on a Hopper GPU (0 by default: off) it is one
 `pallas_kernels.stream_gemm_mgpu` kernel instead, which reads the e4m3 bytes as they are.
 `quantize_columns` builds `(q, scale)` from a `[in, out]` kernel.
@@ -57,12 +56,13 @@ from pallas_kernels import dispatch as kernels
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
-# Below this many rows each served e4m3 product widens its own kernel inside its GEMM
-# (`per_step_kernels`); from there up the unrolled decode steps of a call share one widened
-# bf16 copy. On the H200 (0.82B, 4 steps a call) widening per product took batch 1 / 8 / 16
-# from 919-946 / 7.3k / 13.5k to 1,085 / 8.3k / 15.2k tokens/s (bf16 weights: 1,089 / 8.0k
-# / 15.5k); at 64 rows both ran 37.1-37.4k, and from 128 rows up the shared copy is faster
-# (51.3k against 50.2k at 128, 66.1k against 63.1k at 256).
+# Below this many rows each served e4m3 product widens its own kernel: an optimization
+# barrier keeps XLA from sharing one bf16 copy among the unrolled decode steps of a call,
+# and the step then runs at bf16's time (XLA folds the widening into its GEMM; a separate
+# one would write over 1 GB a step). On the H200 (0.82B, 4 steps a call) that took batch
+# 1 / 8 / 16 from 919-946 / 7.3k / 13.5k to 1,085 / 8.3k / 15.2k tokens/s (bf16 weights:
+# 1,089 / 8.0k / 15.5k); at 64 rows both ran 37.1-37.4k, and from 128 rows up the shared
+# copy is faster (51.3k against 50.2k at 128, 66.1k against 63.1k at 256).
 WIDEN_PER_PRODUCT_ROWS = 64
 HISTORY = 16  # train steps of amax history a delayed scale covers
 FP8_SCALES = "fp8_scales"  # the model's variable collection of the projections' delayed scales
@@ -104,37 +104,17 @@ def quantize_columns(kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def per_step_kernels(params: dict, anchor: jax.Array, rows: int) -> dict:
-    """`params` for one engine step of `rows` token rows. Below `WIDEN_PER_PRODUCT_ROWS`
-    rows every e4m3 leaf goes through one optimization barrier together with `anchor`, a
-    value the step itself computes (its input tokens): XLA can then neither share one
-    widened bf16 copy of a kernel among the unrolled decode steps of a call nor hoist the
-    widening out of a step, and folds each widening into the GEMM that reads the kernel.
-    The barrier holds the stacked `[layers, ...]` arrays, whose per-layer slices then feed
-    the GEMMs in place; a barrier on each layer's slice made XLA copy every slice out first
-    (64 copies of the 0.82B shape's 0.82 GB of e4m3 kernels a decode call, seen in the
-    compiled program on the H200). Values are unchanged."""
-    if rows >= WIDEN_PER_PRODUCT_ROWS:
-        return params
-    leaves, treedef = jax.tree.flatten(params)
-    at = [n for n, leaf in enumerate(leaves) if leaf.dtype == E4M3]
-    if not at:
-        return params
-    held, _ = jax.lax.optimization_barrier(([leaves[n] for n in at], anchor))
-    for n, leaf in zip(at, held):
-        leaves[n] = leaf
-    return jax.tree.unflatten(treedef, leaves)
-
-
 def scaled_matmul(x: jax.Array, q_t: jax.Array, scale: jax.Array) -> jax.Array:
     """`x [..., in] @ (q_t [out, in]^T * scale [out])` in `x`'s dtype (float32
     accumulation): the scales apply to the product, so the dot reads the fp8 kernel as is
-    (the streaming kernel where `dispatch.stream_matmul_runs`, XLA's dot otherwise; where
-    the widening happens: `per_step_kernels`)."""
+    (the streaming kernel where `dispatch.stream_matmul_runs`, XLA's dot otherwise, widening
+    the kernel per product below `WIDEN_PER_PRODUCT_ROWS` rows)."""
     n, k = q_t.shape
     rows = math.prod(x.shape[:-1])
     if kernels.stream_matmul_runs(x.dtype, rows, n, k):
         return kernels.stream_matmul(x.reshape(rows, k), q_t, scale).reshape(*x.shape[:-1], n)
+    if rows < WIDEN_PER_PRODUCT_ROWS:
+        q_t = jax.lax.optimization_barrier(q_t)
     y = jax.lax.dot_general(x, q_t.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)

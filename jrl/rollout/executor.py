@@ -33,7 +33,6 @@ import numpy as np
 from jrl.config import ModelConfig
 from jrl.models import forward, lm_logits
 from jrl.models.exact import target_logprob
-from jrl.models.fp8 import per_step_kernels
 from jrl.rollout.backend import PagedAttention
 from jrl.rollout.cache.kv_storage import values_slot_minor
 from jrl.rollout.sampling import FLOAT_COLUMNS, SamplingArrays, sample
@@ -223,7 +222,6 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
 
     def forward_sample(params, k_buf, v_buf, tokens, i, f, layout: StepLayout):
         """One forward over the packed tokens and one sample per request row."""
-        params = per_step_kernels(params, tokens, layout.n_tokens)
         cu = i["cu_q_lens"]
         real = jnp.arange(layout.n_tokens) < cu[-1]
         backend = PagedAttention(cu_q_lens=cu, kv_lens=i["kv_lens"], page_table=i["page_table"],
