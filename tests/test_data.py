@@ -61,6 +61,15 @@ def test_chat_rejects_malformed_messages():
         encode_record({"messages": [{"role": "user"}]}, DataConfig(format="chat"), TOK)
 
 
+def test_chat_role_the_template_rejects_is_named_by_its_file_line(tmp_path):
+    src = tmp_path / "chat.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+                   '{"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    with pytest.raises(ConfigError, match=rf"^{src}:2: field 'messages' \(data.messages_field\): default chat "
+                                          r"template: unknown role robot; allowed: system, user, assistant, tool$"):
+        load_documents(DataConfig(source=str(src), format="chat", eval_fraction=0.0), TOK, "train")
+
+
 def test_missing_field_error_names_field_and_config_key():
     with pytest.raises(ValueError, match=r"missing field 'response' \(data.sections\[1\].field\)"):
         encode_record({"prompt": "x"}, DataConfig(), TOK, where="rec 3")

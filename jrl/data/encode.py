@@ -24,6 +24,7 @@ import numpy as np
 
 from jrl.config import ConfigError, DataConfig, Section
 from jrl.data.text import Tokenizer
+from jrl.tokenizer import ChatTemplateError
 
 Document = tuple[np.ndarray, np.ndarray]
 
@@ -70,7 +71,12 @@ def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: 
             for m in messages):
         raise ConfigError(f"{where}: field {field!r} (data.messages_field) must be a non-empty list of "
                           f"{{'role': str, 'content': str}} messages")
-    render = tokenizer.apply_chat_template
+    def render(msgs, **kwargs):
+        try:
+            return tokenizer.apply_chat_template(msgs, **kwargs)
+        except ChatTemplateError as e:  # e.g. a role the template does not know
+            raise ConfigError(f"{where}: field {field!r} (data.messages_field): {e}") from None
+
     pieces: list[tuple[str, bool]] = []
     done = ""
     for i, message in enumerate(messages):
