@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import math
 import os
 import re
 import sys
@@ -554,21 +555,22 @@ class OptimizerConfig:
     mu_dtype: Literal["float32", "bfloat16"] | None = None
 
     def __post_init__(self) -> None:
-        _check(self.lr >= 0, "optimizer.lr", f"must be >= 0, got {self.lr}")
+        _check(0 <= self.lr < math.inf, "optimizer.lr", f"must be finite and >= 0, got {self.lr}")
         _check(0 <= self.b1 < 1, "optimizer.b1", f"must be in [0, 1), got {self.b1}")
         _check(0 <= self.b2 < 1, "optimizer.b2", f"must be in [0, 1), got {self.b2}")
         _check(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}")
-        _check(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.weight_decay < math.inf, "optimizer.weight_decay",
+               f"must be finite and >= 0, got {self.weight_decay}")
         _check(self.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(0 <= self.muon_beta < 1, "optimizer.muon_beta", f"must be in [0, 1), got {self.muon_beta}")
         _check(self.muon_ns_steps >= 1, "optimizer.muon_ns_steps", f"must be >= 1, got {self.muon_ns_steps}")
         if self.muon_lr is not None:
-            _check(self.muon_lr >= 0, "optimizer.muon_lr", f"must be >= 0, got {self.muon_lr}")
+            _check(0 <= self.muon_lr < math.inf, "optimizer.muon_lr", f"must be finite and >= 0, got {self.muon_lr}")
         for group, scale in self.lr_scale.items():
             _check(group in PARAM_GROUPS, f"optimizer.lr_scale.{group}",
                    f"unknown parameter group; allowed: {', '.join(PARAM_GROUPS)}")
-            _check(isinstance(scale, (int, float)) and scale >= 0, f"optimizer.lr_scale.{group}",
-                   f"must be a number >= 0, got {scale!r}")
+            _check(isinstance(scale, (int, float)) and 0 <= scale < math.inf, f"optimizer.lr_scale.{group}",
+                   f"must be a finite number >= 0, got {scale!r}")
 
 
 @dataclasses.dataclass(frozen=True)

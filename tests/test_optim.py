@@ -84,6 +84,19 @@ def test_unknown_group_in_lr_scale_is_named():
         OptimizerConfig(lr_scale={"heads": 2.0})
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"lr": float("inf")}, "optimizer.lr: must be finite and >= 0, got inf"),
+    ({"lr": float("nan")}, "optimizer.lr: must be finite and >= 0, got nan"),
+    ({"muon_lr": float("inf")}, "optimizer.muon_lr: must be finite and >= 0, got inf"),
+    ({"weight_decay": float("inf")}, "optimizer.weight_decay: must be finite and >= 0, got inf"),
+    ({"lr_scale": {"head": float("inf")}}, "optimizer.lr_scale.head: must be a finite number >= 0, got inf"),
+])
+def test_a_non_finite_rate_is_refused_naming_the_field(kwargs, message):
+    # an infinite learning rate used to pass and turn the params into NaN on the first update
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        OptimizerConfig(**kwargs)
+
+
 def sched(**kw):
     return lambda steps: [float(make_schedule(ScheduleConfig(**kw), 10)(c)) for c in steps]
 
