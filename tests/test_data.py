@@ -178,6 +178,13 @@ def test_jsonl_errors_name_the_line(tmp_path):
         load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
 
 
+def test_a_line_that_is_not_utf8_is_named_by_its_file_line(tmp_path):
+    src = tmp_path / "latin1.jsonl"
+    src.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')
+    with pytest.raises(ConfigError, match=rf"^{src}:2: not valid UTF-8 \(invalid continuation byte at byte 15\)$"):
+        load_documents(DataConfig(source=str(src), sections=SECTIONS, eval_fraction=0.0), TOK, "train")
+
+
 def test_a_record_missing_a_field_is_named_by_its_file_line(tmp_path):
     src = tmp_path / "sft.jsonl"  # the blank line counts: the error is where an editor shows it
     src.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c"}\n')

@@ -29,8 +29,12 @@ def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -
             yield f"{source}[{index}]", record
         return
     require_source(source, key)
-    with open(source, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(source, "rb") as f:  # bytes, so a line that is not UTF-8 is named by its number
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{source}:{line_no}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
