@@ -203,6 +203,11 @@ def test_a_missing_data_file_is_named_by_its_config_field(tmp_path, split, key):
         load_documents(DataConfig(**paths), TOK, split)
 
 
+def test_a_directory_given_as_data_file_is_named_as_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^data.source: '{tmp_path}' is a directory; give a JSONL file$"):
+        load_documents(DataConfig(source=str(tmp_path), eval_fraction=0.0), TOK, "train")
+
+
 @pytest.mark.parametrize("text,overflow,why", [
     ("\n", "truncate_right", "it has no records"),
     ('{"prompt": "a long prompt", "response": "b"}\n', "drop", "each of its 1 documents is longer than data.seq_len=8"),

@@ -17,6 +17,8 @@ def require_source(source: str, key: str) -> None:
     """Raises a ConfigError naming `key` (the config field that gave it) unless `source`
     is a bundled dataset or an existing file."""
     if not is_bundled(source) and not Path(source).is_file():
+        if Path(source).is_dir():
+            raise ConfigError(f"{key}: {source!r} is a directory; give a JSONL file")
         raise ConfigError(f"{key}: no such file {source!r}")
 
 
