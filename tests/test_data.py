@@ -220,6 +220,16 @@ def test_training_data_without_rows_is_named(tmp_path, text, overflow, why):
         build_dataset(cfg, TOK, "train")
 
 
+def test_an_eval_source_without_rows_is_named(tmp_path):
+    # it used to give no held-out batches silently: no eval rows, early stopping never firing
+    src, held = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    src.write_text('{"prompt": "a", "response": "b"}\n')
+    held.write_text("")
+    cfg = DataConfig(source=str(src), eval_source=str(held), sections=SECTIONS)
+    with pytest.raises(ConfigError, match=rf"^data.eval_source: '{held}' gives no held-out rows: it has no records$"):
+        build_dataset(cfg, TOK, "eval")
+
+
 def test_unknown_bundled_dataset_is_named():
     with pytest.raises(ValueError, match="unknown bundled dataset 'bundled:nope'"):
         load_bundled("bundled:nope")

@@ -96,7 +96,8 @@ class RowDataset:
 
 def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> RowDataset | None:
     """The rows of `split`, or None where the split is empty by config (no held-out data).
-    A training split that yields no rows is an error naming its source."""
+    A training split, or a `data.eval_source` file, that yields no rows is an error naming
+    its source."""
     store = load_documents(config, tokenizer, split)
     if store is None:
         return None
@@ -104,12 +105,13 @@ def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Row
         plan = plan_pairs(store.lengths, config.seq_len, overflow=config.overflow)
     else:
         plan = plan_rows(store.lengths, config.seq_len, pack=config.pack, overflow=config.overflow)
-    if split == "train" and len(plan) == 0:
+    if len(plan) == 0 and (split == "train" or config.eval_source is not None):
         source, _, key = _split_source(config, split)
         why = ("it has no records" if len(store) == 0 else
                f"each of its {len(store)} documents is longer than data.seq_len={config.seq_len} "
                f"and data.overflow={config.overflow!r} drops it")
-        raise ConfigError(f"{key}: {source!r} gives no training rows: {why}")
+        rows = "training" if split == "train" else "held-out"
+        raise ConfigError(f"{key}: {source!r} gives no {rows} rows: {why}")
     return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
 
 
