@@ -261,3 +261,12 @@ def test_preprocess_command_writes_the_stores_a_run_reuses(tmp_path, capsys):
     store = load_documents(cfg, TOK, "train")
     assert isinstance(store.tokens, np.memmap)
     assert f"train: {len(store)} documents" in capsys.readouterr().out
+
+
+def test_preprocess_command_names_a_bad_record_on_one_line(tmp_path, capsys):
+    from jrl.data.__main__ import main
+
+    src = tmp_path / "train.jsonl"
+    src.write_text('{"prompt": "a", "response": "b"}\n{oops\n')
+    assert main([f"data.cache_dir={tmp_path / 'cache'}", f"data.source={src}"]) == 2
+    assert capsys.readouterr().err == f"error: {src}:2: not valid JSON (Expecting property name enclosed in double quotes)\n"

@@ -30,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     for split in ("train", "eval"):
-        dataset = build_dataset(config.data, tokenizer, split)
+        try:
+            dataset = build_dataset(config.data, tokenizer, split)
+        except ConfigError as e:  # a missing file or a bad record: file:line, as jrl.train says it
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if dataset is None:
             print(f"{split}: no data")
             continue
