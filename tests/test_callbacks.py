@@ -1,5 +1,7 @@
 """Callback hooks: order and arguments in a real run, gradient editing, early stopping."""
 
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -115,6 +117,27 @@ def test_early_stopping_ignores_rows_without_the_monitored_metric():
     for _ in range(3):
         es.after_optimizer_step(trainer, None, {"loss": 1.0})
     assert trainer.reason is None
+
+
+def test_early_stopping_warns_once_about_a_monitor_no_row_has():
+    trainer = _StopRecorder()
+    es = EarlyStopping("eval_los", patience=1)
+    es.after_optimizer_step(trainer, None, {"loss": 1.0})
+    with pytest.warns(UserWarning) as record:
+        es.on_eval(trainer, None, {"eval_loss": 1.0, "step": 1})
+        es.on_eval(trainer, None, {"eval_loss": 1.0, "step": 2})
+    assert [str(w.message) for w in record] == [
+        "eval.early_stopping.monitor: 'eval_los' is in neither the training nor the evaluation rows "
+        "(which have eval_loss, step); early stopping will not happen"]
+
+
+def test_early_stopping_does_not_warn_about_a_training_metric():
+    trainer = _StopRecorder()
+    es = EarlyStopping("loss", patience=5)
+    es.after_optimizer_step(trainer, None, {"loss": 1.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        es.on_eval(trainer, None, {"eval_loss": 1.0})
 
 
 class FailAtStep(Callback):

@@ -106,10 +106,12 @@ class EarlyStopping(Callback):
         self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
         self.best: float | None = None
         self.bad_checks = 0
+        self.seen = self.warned = False
 
     def _check(self, trainer, metrics: dict) -> None:
         if self.monitor not in metrics:
             return
+        self.seen = True
         value = float(metrics[self.monitor])
         better = (self.best is None or
                   (value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta))
@@ -126,6 +128,11 @@ class EarlyStopping(Callback):
 
     def on_eval(self, trainer, state, metrics) -> None:
         self._check(trainer, metrics)
+        if not self.seen and not self.warned:  # a misspelt monitor would never stop the run
+            self.warned = True
+            warnings.warn(f"eval.early_stopping.monitor: {self.monitor!r} is in neither the training nor the "
+                          f"evaluation rows (which have {', '.join(sorted(metrics))}); early stopping will "
+                          f"not happen", stacklevel=2)
 
 
 class MetricsLogger(Callback):
