@@ -230,6 +230,15 @@ def test_an_eval_source_without_rows_is_named(tmp_path):
         build_dataset(cfg, TOK, "eval")
 
 
+def test_chat_data_without_a_trained_role_is_named(tmp_path):
+    src = tmp_path / "chat.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    cfg = DataConfig(source=str(src), format="chat", train_roles=("assistent",), eval_fraction=0.0)
+    with pytest.raises(ConfigError, match=rf"^data.source: '{src}' has nothing to train on: none of its messages "
+                                          r"has a role in data.train_roles=\['assistent'\]$"):
+        build_dataset(cfg, TOK, "train")
+
+
 def test_unknown_bundled_dataset_is_named():
     with pytest.raises(ValueError, match="unknown bundled dataset 'bundled:nope'"):
         load_bundled("bundled:nope")

@@ -112,6 +112,10 @@ def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Row
                f"and data.overflow={config.overflow!r} drops it")
         rows = "training" if split == "train" else "held-out"
         raise ConfigError(f"{key}: {source!r} gives no {rows} rows: {why}")
+    if split == "train" and config.format == "chat" and not store.train.any():
+        source, _, key = _split_source(config, split)  # e.g. a misspelt role: the loss would be 0/0
+        raise ConfigError(f"{key}: {source!r} has nothing to train on: none of its messages has a role in "
+                          f"data.train_roles={list(config.train_roles)}")
     return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
 
 
