@@ -746,9 +746,19 @@ class TrainConfig:
 
 def yaml_load(text: str) -> Any:
     """YAML safe-load that also reads `3e-4` / `1E5` as floats (plain YAML 1.1 reads them
-    as strings, a classic source of 'must be a number' errors for learning rates)."""
+    as strings, a classic source of 'must be a number' errors for learning rates), and
+    refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
     class _Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            first: dict[str, Any] = {}
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    if key_node.value in first:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key_node.value!r} (first on line "
+                            f"{first[key_node.value].line + 1})", key_node.start_mark)
+                    first[key_node.value] = key_node.start_mark
+            return super().construct_mapping(node, deep=deep)
 
     _Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",

@@ -321,6 +321,14 @@ def test_yaml_errors_name_the_file_and_line(tmp_path, capsys):
     assert err.startswith(f"config error: {path}:3:") and "invalid YAML" in err and len(err.splitlines()) == 1
 
 
+def test_a_key_given_twice_is_named_with_both_lines(tmp_path, capsys):
+    path = tmp_path / "twice.yaml"  # plain YAML would keep lr: 3.0e-4 without a word
+    path.write_text("steps: 3\noptimizer:\n  lr: 1.0e-3\n  lr: 3.0e-4\n")
+    assert main(["--config", str(path), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (f"config error: {path}:4:3: invalid YAML: duplicate key 'lr' "
+                                       f"(first on line 3)\n")
+
+
 def test_a_reward_function_with_a_wrong_signature_fails_at_config_time(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_rewards.py").write_text("def two_args(completion, answer):\n    return 1.0\n\n"
                                             "def strict(prompt, completion, answer, *, scale):\n    return scale\n")
