@@ -25,6 +25,7 @@ from jrl.config import (CONFIG_ERRORS, ConfigError, ParallelConfig, TrainConfig,
                         load_train_config, to_dict)
 from jrl.data.records import require_source
 from jrl.hf import HFFormatError
+from jrl.metrics_log import CorruptMetricsError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
 from jrl.rl.environments import EnvironmentFailure
@@ -41,7 +42,7 @@ from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fre
 
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
-RUN_FAILURES = (RewardError, EnvironmentFailure, RunLockedError, ResumeError)
+RUN_FAILURES = (RewardError, EnvironmentFailure, RunLockedError, ResumeError, CorruptMetricsError)
 
 
 def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:

@@ -47,6 +47,10 @@ def finite_or_null(value: Any) -> Any:
     return value
 
 
+class CorruptMetricsError(ValueError):
+    """A metrics log line other than a torn last one does not parse as a row."""
+
+
 def _row_step(row: Any, where: str) -> int:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a metrics row must be a dict, got {type(row).__name__}")
@@ -64,7 +68,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     """All complete rows of a metrics log ([] if the file does not exist).
 
     A last line without its newline (a write cut short by a crash) is ignored; any
-    other unparsable line raises ValueError naming its line number.
+    other unparsable line raises CorruptMetricsError (a ValueError) naming its line number.
     """
     path = Path(path)
     if not path.exists():
@@ -78,9 +82,11 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
             continue
         try:
             row = json.loads(line)
+            _row_step(row, f"{path}:{number}")
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not a JSON object ({e})") from e
-        _row_step(row, f"{path}:{number}")
+            raise CorruptMetricsError(f"{path}:{number}: not a JSON object ({e})") from None
+        except ValueError as e:
+            raise CorruptMetricsError(str(e)) from None
         rows.append(row)
     return rows
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jrl.metrics_log import read_metrics
+from jrl.metrics_log import CorruptMetricsError, read_metrics
 
 PANELS = (
     ("loss", ("loss", "eval_loss")),
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = plot_run(args.run_dir, args.out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CorruptMetricsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path)

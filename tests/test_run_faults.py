@@ -139,6 +139,17 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_validated_its_data(ru
     assert steps_logged(run_copy) == [1, 2]
 
 
+def test_resume_with_a_corrupt_metrics_line_is_a_one_line_error_that_changes_nothing(run_copy, tmp_path, capsys):
+    log = run_copy / "metrics.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join([lines[0], "{broken\n", *lines[1:]]))  # not a torn tail: a damaged file
+    before = snapshot(run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=6"]) == 1
+    assert capsys.readouterr().err == (f"error: {log}:2: not a JSON object (Expecting property name enclosed in "
+                                       f"double quotes: line 1 column 2 (char 1))\n")
+    assert snapshot(run_copy) == before
+
+
 # ---------------------------------------------------------------- item 3: verified resume, fallback
 
 

@@ -99,6 +99,12 @@ def test_jrl_plot_without_metrics_exits_2(tmp_path, capsys):
     assert "metrics.jsonl not found" in capsys.readouterr().err
 
 
+def test_jrl_plot_names_a_corrupt_metrics_line_and_exits_2(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{broken\n{"step": 2, "loss": 0.5}\n')
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'metrics.jsonl'}:2: not a JSON object")
+
+
 def test_jrl_dispatches_train_and_rejects_unknown_commands(capsys):
     assert cli.main(["train", "--dry-run", "steps=3"]) == 0
     assert "steps: 3" in capsys.readouterr().out
