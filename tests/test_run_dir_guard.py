@@ -41,6 +41,14 @@ def test_a_step_directory_as_output_dir_exits_2_and_the_checkpoint_still_verifie
     assert ckpt.verify_checkpoint(root, 2) is True
 
 
+def test_a_file_as_output_dir_exits_2_naming_it_and_keeps_it(tmp_path, capsys):
+    path = tmp_path / "notes.txt"  # used to end in "error: [Errno 17] File exists: ..."
+    path.write_text("mine")
+    assert main(["--config", CONFIG, "--output-dir", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: output directory {path} is a file, not a directory\n"
+    assert path.read_text() == "mine"
+
+
 def test_the_embedded_default_refuses_to_start_over_another_runs_directory(tmp_path, capsys):
     root = a_run_with_checkpoints(tmp_path / "my_sft")
     before = snapshot(tmp_path)

@@ -73,10 +73,12 @@ class ResumeWarning(UserWarning):
 
 
 def check_run_dir(run_dir: str | os.PathLike) -> None:
-    """Raises ConfigError when `run_dir` is a checkpoint root or one checkpoint rather than a
-    run directory: a run there would add its config.yaml, metrics and lock to checkpoints,
+    """Raises ConfigError when `run_dir` is a file, or a checkpoint root or one checkpoint rather
+    than a run directory: a run there would add its config.yaml, metrics and lock to checkpoints,
     which then fail verification. (A mistyped --output-dir for the run's own.)"""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"output directory {run_dir} is a file, not a directory")
     if not run_dir.is_dir():
         return
     if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
