@@ -79,6 +79,14 @@ def test_frozen_groups_and_lora_only_training_get_zero_updates():
         assert bool(np.any(np.asarray(leaf))) == is_lora, jax.tree_util.keystr(path)
 
 
+def test_trainable_lora_without_adapters_is_a_config_error_saying_what_to_set():
+    params = init_params(ModelConfig(), jax.random.key(0))
+    with pytest.raises(ConfigError, match=r"^optimizer: no trainable parameter group \(present: \['embed', 'head', "
+                                          r"'hidden', 'norm'\], trainable='lora', freeze=\[\]\); trainable: lora "
+                                          r"needs model.lora.rank > 0$"):
+        build_optimizer(OptimizerConfig(trainable="lora"), make_schedule(ScheduleConfig(), 10), params)
+
+
 def test_unknown_group_in_lr_scale_is_named():
     with pytest.raises(ConfigError, match="optimizer.lr_scale.heads: unknown parameter group"):
         OptimizerConfig(lr_scale={"heads": 2.0})

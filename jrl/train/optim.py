@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from jrl.config import OptimizerConfig
+from jrl.config import ConfigError, OptimizerConfig
 from jrl.train.schedules import Schedule
 
 
@@ -93,9 +93,11 @@ def build_optimizer(config: OptimizerConfig, schedule: Schedule, params: Any) ->
     labels = param_groups(params)
     present = set(jax.tree.leaves(labels))
     trainable = trainable_groups(config, present)
-    if not trainable:
-        raise ValueError(f"optimizer: no trainable parameter group (present: {sorted(present)}, "
-                         f"trainable={config.trainable!r}, freeze={list(config.freeze)})")
+    if not trainable:  # a ConfigError, so the command line says it on one line
+        lora_off = config.trainable == "lora" and "lora" not in present
+        hint = "; trainable: lora needs model.lora.rank > 0" if lora_off else ""
+        raise ConfigError(f"optimizer: no trainable parameter group (present: {sorted(present)}, "
+                          f"trainable={config.trainable!r}, freeze={list(config.freeze)}){hint}")
     mu_dtype = jnp.dtype(config.mu_dtype) if config.mu_dtype else None
     transforms = {}
     for group in sorted(present):
