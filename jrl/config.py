@@ -90,6 +90,9 @@ def resolve_named(name: Any, field: str, kind: str = "function") -> Any:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
+    except Exception as e:  # the module itself fails: a SyntaxError, an error at its top level
+        raise ConfigError(f"{field}: importing module {module_name!r} raised "
+                          f"{type(e).__name__}: {e}") from e
     obj = getattr(module, attr, None)
     if obj is None:
         raise ConfigError(f"{field}: module {module_name!r} has no {kind} {attr!r}")

@@ -62,6 +62,15 @@ def test_bad_reward_names_give_clear_errors(name, msg):
         resolve_reward(name, "rewards[0].fn")
 
 
+def test_reward_module_that_fails_to_import_names_the_field_module_and_error(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards_mod.py").write_text("def f(prompt, completion, answer):\n    return 1.0 +\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        resolve_reward("broken_rewards_mod:f", "rewards[0].fn")
+    assert str(e.value) == ("rewards[0].fn: importing module 'broken_rewards_mod' raised "
+                            "SyntaxError: invalid syntax (broken_rewards_mod.py, line 2)")
+
+
 def test_config_parsing_rejects_unknown_keys_and_bad_weights():
     with pytest.raises(ConfigError, match=r"rewards\[0\]: unknown key\(s\) \['wieght'\]"):
         reward_specs_from_config([{"fn": "exact_match", "wieght": 1}])
