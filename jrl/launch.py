@@ -36,7 +36,7 @@ from jrl.rl.warm_start import run_warm_start
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, trainable_groups
 from jrl.train.strategies import get_strategy, strategy_options
-from jrl.train.run_lock import RunLockedError
+from jrl.train.run_lock import RunLockedError, acquire_for_run
 from jrl.train.initial import load_run_tokenizer
 from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fresh_start, check_run_dir
 
@@ -155,7 +155,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         if not resuming and not overwrite:
             check_fresh_start(run_dir / "checkpoints")
         if has_warm_start(config, embedded_default=not args.config):  # SFT warm start, then GRPO
-            config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite)
+            # the run directory is locked through the warm start too: a second run into it must
+            # not render demonstrations into, nor --overwrite, the warm start of a live run
+            lock = acquire_for_run(run_dir)
+            try:
+                config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite)
+            finally:
+                if lock is not None:
+                    lock.release()  # the trainer below takes it again
             if config is None:
                 return 0
         trainer = make_trainer(config, output_dir=args.output_dir)

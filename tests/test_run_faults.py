@@ -265,6 +265,20 @@ def test_a_second_run_into_a_locked_directory_exits_nonzero_naming_the_first(run
         holder.wait()
 
 
+def test_a_run_with_a_warm_start_into_a_locked_directory_writes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    holder = hold_lock(run)
+    try:
+        for flags in ([], ["--overwrite"]):  # neither renders demonstrations nor trains a warm start there
+            assert main(["--config", str(ROOT / "configs" / "grpo_jsonl_example.yaml"), "--output-dir", str(run),
+                         *flags]) == 1
+            assert f"{run} is in use by another run (pid {holder.pid} on host " in capsys.readouterr().err
+        assert [p.name for p in run.iterdir()] == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_stale_lock_of_a_killed_run_is_taken_over(run_copy, tmp_path):
     holder = hold_lock(run_copy)
     holder.send_signal(signal.SIGKILL)  # dies holding it: the body stays, the flock goes
