@@ -146,6 +146,21 @@ def test_a_task_without_validation_problems_is_refused(tmp_path):
         run_warm_start(config, output_dir=str(tmp_path))
 
 
+def test_a_prompt_too_long_for_grpo_is_refused_before_the_warm_start_trains(tmp_path):
+    records = lambda *words: [{"prompt": f"{w}>", "answer": w[::-1], "response": w[::-1]} for w in words]
+    src = write_jsonl(tmp_path / "t.jsonl", records("abc", "bcd", "abcdefghijklmnop"))
+    other = write_jsonl(tmp_path / "v.jsonl", records("cde"))
+    config = load_train_config(str(CONFIG), [f"strategy.options.task.train={src}", f"strategy.options.task.heldout={other}",
+                                             f"strategy.options.task.validation={other}",
+                                             f"strategy.options.warm_start.source={src}"])
+    with pytest.raises(ConfigError) as e:
+        run_warm_start(config, output_dir=str(tmp_path / "run"))
+    assert str(e.value) == (f"{src}:3: the prompt is 23 tokens, longer than data.seq_len - "
+                            "strategy.options.max_new_tokens = 11 (task split train); raise data.seq_len or "
+                            "shorten the prompt")
+    assert not (tmp_path / "run" / "warm_start").exists()
+
+
 @pytest.mark.slow
 def test_config_warm_start_runs_first_and_resume_skips_it_once_done(tmp_path, capsys):
     out = tmp_path / "run"
