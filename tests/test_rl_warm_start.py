@@ -161,6 +161,18 @@ def test_a_prompt_too_long_for_grpo_is_refused_before_the_warm_start_trains(tmp_
     assert not (tmp_path / "run" / "warm_start").exists()
 
 
+def test_an_interrupted_warm_start_is_refused_without_resume_and_its_files_are_kept(tmp_path):
+    warm_dir = tmp_path / "warm_start"
+    (warm_dir / "checkpoints" / "step_5").mkdir(parents=True)
+    (warm_dir / "demonstrations.jsonl").write_text("the interrupted run's\n")
+    config = load_train_config(str(CONFIG))
+    with pytest.raises(FileExistsError) as e:
+        run_warm_start(config, output_dir=str(tmp_path))
+    assert str(e.value) == (f"{warm_dir / 'checkpoints'} already holds checkpoints (latest step 5): resume them "
+                            "(--resume) or start over (--overwrite deletes them)")
+    assert (warm_dir / "demonstrations.jsonl").read_text() == "the interrupted run's\n"
+
+
 @pytest.mark.slow
 def test_config_warm_start_runs_first_and_resume_skips_it_once_done(tmp_path, capsys):
     out = tmp_path / "run"

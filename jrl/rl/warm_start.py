@@ -39,7 +39,7 @@ from jrl.rl.tasks import check_prompt_lengths, make_task
 from jrl.rl.tools import resolve_tool
 from jrl.train.callbacks import Callback
 from jrl.train.initial import load_run_tokenizer
-from jrl.train.trainer import Trainer
+from jrl.train.trainer import Trainer, check_fresh_start
 
 
 def _warm_start_of(options: RLOptions) -> WarmStartConfig:
@@ -144,6 +144,8 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
     done = warm_dir / "done"  # written when the warm start ended (not by a signal)
     if resume and done.is_file():
         return dataclasses.replace(config, init_from=str(warm_dir / "checkpoints"))
+    if not resume and not overwrite:
+        check_fresh_start(warm_dir / "checkpoints")  # before demonstrations are rendered over its own
     task = make_task(options.task)
     if not task.validation:
         raise ConfigError("strategy.options.task: the warm start stops on validation accuracy, and the task has no "
