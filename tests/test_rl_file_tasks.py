@@ -9,6 +9,7 @@ import pytest
 
 from chat_fixtures import write_chat_tokenizer
 from jrl.config import ConfigError, from_dict
+from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat, end_of_turn_ids
 from jrl.rl.rewards import RewardError, RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig, make_task, read_problems
@@ -75,6 +76,21 @@ def test_custom_field_names_and_no_answer_field(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"question": "q", "tests": "x"}])
     (p,) = read_problems(path, "question", None)
     assert (p.prompt, p.answer) == ("q", "")
+
+
+def test_no_answer_field_with_a_reward_that_compares_with_the_answer_is_refused():
+    with pytest.raises(ConfigError) as e:
+        RLOptions.from_config({"task": {"name": "jsonl", "train": "bundled:reverse", "answer_field": None},
+                               "rewards": [{"fn": "jrl.rl.examples:reversed_word"}, {"fn": "exact_match"}]})
+    assert str(e.value) == ("strategy.options.task.answer_field: is null, but the reward 'exact_match' compares "
+                            "each completion with the answer (every sample would score 0); name the answer's "
+                            "field, or use rewards that need none")
+
+
+def test_no_answer_field_with_rewards_that_need_none_is_accepted():
+    options = RLOptions.from_config({"task": {"name": "jsonl", "train": "bundled:reverse", "answer_field": None},
+                                     "rewards": [{"fn": "jrl.rl.examples:reversed_word"}]})
+    assert options.task.answer_field is None
 
 
 def test_bundled_sources_work_as_task_files():

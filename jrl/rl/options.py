@@ -32,6 +32,10 @@ from jrl.train.strategies.grpo import GRPOLossConfig
 PREFIX = "strategy.options."
 
 
+# built-in rewards that compare with the task's answer: a task without answers would score every sample 0
+ANSWER_REWARDS = ("exact_match", "math_answer")
+
+
 def _check(ok: bool, field: str, msg: str) -> None:
     check(ok, PREFIX + field, msg)
 
@@ -196,6 +200,11 @@ class RLOptions:
                    "interruptible generation (engine.on_weight_update: continue) posts weights to one "
                    "engine; leave placement out")
         self.reward_model()  # resolves every fn now: errors before any run
+        if self.task.name == "jsonl" and self.task.answer_field is None:
+            for spec in reward_specs_from_config(self.rewards):
+                _check(spec.fn not in ANSWER_REWARDS, "task.answer_field", f"is null, but the reward {spec.fn!r} "
+                       "compares each completion with the answer (every sample would score 0); name the "
+                       "answer's field, or use rewards that need none")
         self._check_episodes()
 
     def _check_exact(self) -> None:
