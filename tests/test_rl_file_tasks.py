@@ -53,6 +53,24 @@ def test_heldout_and_validation_files_are_used_as_given(tmp_path):
     assert len(t.train) == 10
 
 
+def test_training_records_with_a_heldout_or_validation_prompt_are_left_out(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", rows(10))
+    with pytest.warns(UserWarning) as caught:
+        t = task(tmp_path, train=train, heldout=write_jsonl(tmp_path / "test.jsonl", rows(2, 3)),
+                 validation=write_jsonl(tmp_path / "val.jsonl", rows(1, 8)))
+    assert [p.answer for p in t.train] == ["0", "1", "2", "5", "6", "7", "9"]
+    assert [str(w.message) for w in caught] == [
+        f"task.train: 3 records of {train} have the prompt of a held-out or validation problem "
+        f"(first: {train}:4); they are left out of training"]
+
+
+def test_a_train_file_that_is_all_heldout_is_refused(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", rows(4))
+    with pytest.raises(ConfigError, match=rf"^task.train: every record of {train} has the prompt of a held-out "
+                                          rf"or validation problem \(first: {train}:1\); nothing is left to train on$"):
+        task(tmp_path, train=train, heldout=train, n_validation=0)
+
+
 def test_without_files_a_seeded_share_of_train_is_set_aside_disjointly(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", rows(20))
     a = task(tmp_path, train=path, n_heldout=5, n_validation=3)

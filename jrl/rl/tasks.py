@@ -15,6 +15,8 @@ when a warm start has learned enough) and training (drawn by `sample_train`).
 from __future__ import annotations
 
 import dataclasses
+import json
+import warnings
 from typing import Any, Literal, Protocol, Sequence
 
 import numpy as np
@@ -150,6 +152,18 @@ class FileTask:
         self.validation = carve(c.validation, c.n_validation, "n_validation")
         held_out = {int(i) for i in order[:taken]}
         self.train = [p for i, p in enumerate(train) if i not in held_out]
+        # the splits are disjoint: a training record with a held-out or validation prompt (files
+        # that overlap, a record given twice) is never trained on, as the warm start leaves it out
+        kept_out = {_prompt_key(p) for p in self.heldout + self.validation}
+        overlap = [p for p in self.train if _prompt_key(p) in kept_out]
+        if overlap:
+            self.train = [p for p in self.train if _prompt_key(p) not in kept_out]
+            if not self.train:
+                raise ConfigError(f"task.train: every record of {c.train} has the prompt of a held-out or "
+                                  f"validation problem (first: {overlap[0].where}); nothing is left to train on")
+            warnings.warn(f"task.train: {len(overlap)} records of {c.train} have the prompt of a held-out or "
+                          f"validation problem (first: {overlap[0].where}); they are left out of training",
+                          stacklevel=2)
         if not self.heldout:
             raise ConfigError("task.n_heldout: must be >= 1 without a task.heldout file (the run reports held-out "
                               "accuracy)")
@@ -159,6 +173,10 @@ class FileTask:
         within one call while the split is large enough)."""
         idx = rng.choice(len(self.train), size=n, replace=n > len(self.train))
         return [self.train[int(i)] for i in idx]
+
+
+def _prompt_key(problem: Problem) -> str:
+    return json.dumps(problem.prompt, sort_keys=True)
 
 
 def make_task(config: TaskConfig) -> Task:
