@@ -92,7 +92,7 @@ from jrl.rl.options import RLOptions
 from jrl.rl.placement import Placement
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.replicas import ReplicaPool
-from jrl.rl.tasks import check_prompt_lengths, make_task
+from jrl.rl.tasks import check_task_prompt_lengths, make_task
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.rollout.shared import SharedEngine
@@ -157,12 +157,8 @@ class RolloutSource:
         if limit < 1:
             raise ConfigError(f"data.seq_len: must exceed strategy.options.max_new_tokens ({o.max_new_tokens}), "
                               f"got {self.seq_len}")
-        splits = {"heldout": self.task.heldout, "validation": self.task.validation,
-                  "train": getattr(self.task, "train", [])}  # generated tasks draw train problems lazily
-        for name, problems in splits.items():
-            if self.episodes is not None:
-                break  # an episode's prompt is its environment's (the runner checks its length)
-            check_prompt_lengths(problems, self.prompt_ids(problems), limit, f"task split {name}")
+        if self.episodes is None:  # an episode's prompt is its environment's (the runner checks its length)
+            check_task_prompt_lengths(self.task, self.prompt_ids, limit)
         self.batch_size = batch_size
         if o.rollout_size % self.batch_size:
             raise ConfigError(f"data.batch_size: must divide the rollout batch (strategy.options."

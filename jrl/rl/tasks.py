@@ -186,6 +186,15 @@ def make_task(config: TaskConfig) -> Task:
     return FileTask(config)
 
 
+def check_task_prompt_lengths(task: Task, encode, limit: int) -> None:
+    """`check_prompt_lengths` over each split `task` holds (held-out, validation, and train
+    where the task has a list of them: generated tasks draw train problems lazily);
+    `encode(problems)` gives their prompt ids."""
+    for name, problems in (("heldout", task.heldout), ("validation", task.validation),
+                           ("train", getattr(task, "train", []))):
+        check_prompt_lengths(problems, encode(problems), limit, f"task split {name}")
+
+
 def check_prompt_lengths(problems: Sequence[Problem], encoded: Sequence[np.ndarray], limit: int,
                          what: str) -> None:
     """Every prompt must leave room for the response: `limit` = seq_len - max_new_tokens."""

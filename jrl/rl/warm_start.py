@@ -35,7 +35,7 @@ from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
-from jrl.rl.tasks import check_prompt_lengths, make_task
+from jrl.rl.tasks import check_task_prompt_lengths, make_task
 from jrl.rl.tools import resolve_tool
 from jrl.train.callbacks import Callback
 from jrl.train.initial import load_run_tokenizer
@@ -154,9 +154,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
                        system_prompt=options.task.system_prompt, stop=options.task.stop)
     limit = config.data.seq_len - options.max_new_tokens
     if not options.episodes and limit >= 1:  # the GRPO stage's check, made before the warm start trains
-        for name, problems in (("heldout", task.heldout), ("validation", task.validation),
-                               ("train", getattr(task, "train", []))):
-            check_prompt_lengths(problems, [fmt.encode(p) for p in problems], limit, f"task split {name}")
+        check_task_prompt_lengths(task, lambda problems: [fmt.encode(p) for p in problems], limit)
     tools = [resolve_tool(name, f"strategy.options.tools[{i}]").schema for i, name in enumerate(options.tools)]
     demos = prepare_demonstrations(ws, fmt, options.task.prompt_field, task.heldout + task.validation, warm_dir,
                                    seed=config.data.seed, tools=tools or None)
