@@ -530,6 +530,11 @@ class StrategyConfig:
                f"must be an identifier, got {self.name!r}")
 
 
+def _check_finite_non_negative(value: float, field: str) -> None:
+    """A rate: >= 0 and finite (an infinite one turns the params into NaN)."""
+    _check(0 <= value < math.inf, field, f"must be finite and >= 0, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW everywhere, or Muon for the hidden matrices and AdamW for the rest.
@@ -558,17 +563,16 @@ class OptimizerConfig:
     mu_dtype: Literal["float32", "bfloat16"] | None = None
 
     def __post_init__(self) -> None:
-        _check(0 <= self.lr < math.inf, "optimizer.lr", f"must be finite and >= 0, got {self.lr}")
+        _check_finite_non_negative(self.lr, "optimizer.lr")
         _check(0 <= self.b1 < 1, "optimizer.b1", f"must be in [0, 1), got {self.b1}")
         _check(0 <= self.b2 < 1, "optimizer.b2", f"must be in [0, 1), got {self.b2}")
         _check(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}")
-        _check(0 <= self.weight_decay < math.inf, "optimizer.weight_decay",
-               f"must be finite and >= 0, got {self.weight_decay}")
+        _check_finite_non_negative(self.weight_decay, "optimizer.weight_decay")
         _check(self.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(0 <= self.muon_beta < 1, "optimizer.muon_beta", f"must be in [0, 1), got {self.muon_beta}")
         _check(self.muon_ns_steps >= 1, "optimizer.muon_ns_steps", f"must be >= 1, got {self.muon_ns_steps}")
         if self.muon_lr is not None:
-            _check(0 <= self.muon_lr < math.inf, "optimizer.muon_lr", f"must be finite and >= 0, got {self.muon_lr}")
+            _check_finite_non_negative(self.muon_lr, "optimizer.muon_lr")
         for group, scale in self.lr_scale.items():
             _check(group in PARAM_GROUPS, f"optimizer.lr_scale.{group}",
                    f"unknown parameter group; allowed: {', '.join(PARAM_GROUPS)}")
