@@ -161,6 +161,11 @@ def add_arguments(p) -> None:
     g.add_argument("--rows", default="1,64,128,256")
     g.add_argument("--bandwidth", type=float, default=None, help="copy B/s for the floors (default: measured)")
     g.add_argument("--matmul-tflops", type=float, default=None, help="bf16 TFLOP/s for the floors (default: measured)")
+    g.add_argument("--weights", default="separate,fused,fused_fp8",
+                   help="which projection layouts to time (separate, fused, fused_fp8)")
+    g.add_argument("--xla-options", type=json.loads, default={},
+                   help='more named XLA option sets to compile each layout with, e.g. '
+                        '\'{"exhaustive": {"xla_gpu_exhaustive_tiling_search": true}}\'')
 
 
 def record_name(args) -> str:
@@ -746,9 +751,14 @@ def run_gemms(args, results) -> int:
     matmul = 1e12 * args.matmul_tflops if args.matmul_tflops else floors.matmul_ceiling((256,) if args.tiny else
                                                                                          (4096, 8192))
     log(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
-    options = {"default": None, "cublas": executor.CUBLAS_GEMM_OPTIONS}
+    options = {"default": None, "cublas": executor.CUBLAS_GEMM_OPTIONS, **args.xla_options}
     rows = csv_ints("1,8" if args.tiny and args.rows == "1,64,128,256" else args.rows)
-    for label, fused, fp8 in (("separate", False, False), ("fused", True, False), ("fused_fp8", True, True)):
+    layouts = {"separate": (False, False), "fused": (True, False), "fused_fp8": (True, True)}
+    unknown = set(args.weights.split(",")) - set(layouts)
+    if unknown:
+        raise SystemExit(f"--weights: unknown layout(s) {sorted(unknown)}; choose from {list(layouts)}")
+    for label in args.weights.split(","):
+        fused, fp8 = layouts[label]
         w = layer_weights(cfg, jax.random.key(0), fused, fp8)
         w_bytes = floors.tree_bytes(w) / cfg.n_layers
         params_per_layer = sum((k[0] if isinstance(k, tuple) else k).size for k in w.values()) / cfg.n_layers
@@ -765,7 +775,7 @@ def run_gemms(args, results) -> int:
                 results.row("gemms", weights=label, rows=m, options=opt_name,
                             us_per_layer=1e6 * t, weight_tb_per_s=w_bytes / t / 1e12, tflops=flops / t / 1e12,
                             floor_us=1e6 * floor_s, copy_bandwidth_tb_s=bandwidth / 1e12,
-                            matmul_tflops=matmul / 1e12)
+                            matmul_tflops=matmul / 1e12, xla_options=opts or {})
             del x
         del w
     results.table([("weights", "weights"), ("rows", "rows"), ("options", "options"), ("us_per_layer", "us/layer"),
