@@ -106,6 +106,17 @@ def test_decode_host_and_gemms(tmp_path):
         positive(r, "us_per_layer", "floor_us", "tflops", "matmul_tflops")
 
 
+def test_decode_gemms_times_only_the_layouts_asked_for(tmp_path):
+    gemms = section(bench(tmp_path, "decode", "--gemms", "--rows", "2", "--weights", "fused_fp8",
+                          "--bandwidth", "1e10", "--matmul-tflops", "0.1"), "gemms")
+    assert [(r["weights"], r["options"], r["xla_options"]) for r in gemms] == [("fused_fp8", "default", {})]
+
+
+def test_decode_gemms_refuses_an_unknown_layout(tmp_path):
+    with pytest.raises(SystemExit, match=r"--weights: unknown layout\(s\) \['fused_fp4'\]"):
+        main(["decode", "--gemms", "--tiny", "--weights", "fused,fused_fp4", "--json", str(tmp_path / "r.jsonl")])
+
+
 def test_prefill_reports_tokens_per_second_against_the_compute_floor(tmp_path):
     (r,) = section(bench(tmp_path, "prefill", "--batches", "2"), "engine")
     assert r["completions"] == 2 and r["engine_steps"] >= 2  # 96 prompt tokens at 64 a step

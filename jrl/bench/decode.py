@@ -5,7 +5,7 @@ program side by side, the engine's host time, the projection GEMMs of a decode l
     jrl bench decode --step-only [--batches 1,256]
     jrl bench decode --ab base,queries_as_rows [--batches 256] [--contexts 640,648] [--pages random]
     jrl bench decode --host [--batches 1,16,64,256] [--profile] [--digest]      (CPU, tiny model)
-    jrl bench decode --gemms [--rows 1,64,128,256]
+    jrl bench decode --gemms [--rows 1,64,128,256] [--weights fused_fp8] [--xla-options JSON]
     jrl bench decode --drift [--engine '{"kv_dtype": "float8_e4m3fn"}'] [--drift-prompts 32] [--drift-new 64]
 
 The model is the 0.82B rollout shape (`shapes.ROLLOUT_082B`: vocab 32000, hidden 2048, 16
@@ -58,7 +58,8 @@ fused weights, and fused weights in e4m3 with column scales (`fused_fp8`, what
 `weight_dtype: float8_e4m3fn` serves), under XLA's default GEMM code generation and the engine's cuBLAS options,
 with the elementwise glue of a layer between them (no attention, no norms); us a layer
 against its floor: weight bytes at the copy rate or FLOPs at the bf16 matmul rate measured
-here (`--matmul-tflops` to give one), the larger.
+here (`--matmul-tflops` to give one), the larger. `--weights` picks the layouts;
+`--xla-options '{"name": {...}}'` adds named sets of XLA options to compile each one with.
 
 Drift (`--drift`; section `drift`): for bf16 and each `--engine` precision setting
 (`kv_dtype`, `weight_dtype`), seeded samples' log-probs against the trainer's and against
