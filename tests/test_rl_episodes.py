@@ -448,7 +448,8 @@ class Returning(Scripted):
     (([], "1", True, {}), "the reward must be a finite number, got '1'"),
     (("again", 0.0, False, {}), "the messages must be a list of message dicts, got 'again'"),
     (([], 0.0, False, "info"), "info must be a dict, got 'info'"),
-], ids=["nan reward", "None reward", "str reward", "str messages", "str info"])
+    ("done", "must return (messages, reward, done, info), got 'done'"),
+], ids=["nan reward", "None reward", "str reward", "str messages", "str info", "4-character str"])
 def test_a_malformed_step_result_stops_the_run_naming_the_environment_and_episode(engine, tok, im_end, out,
                                                                                    message):
     with pytest.raises(EnvironmentFailure) as e:

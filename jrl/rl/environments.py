@@ -424,11 +424,10 @@ class EpisodeRunner:
             ep._append(ids, "prompt")
             ep.prompt_len = len(ids)
             return self._request(lv)
-        try:
-            new, reward, done, info = out
-        except (TypeError, ValueError):
+        if not (isinstance(out, (tuple, list)) and len(out) == 4):  # a 4-character string would unpack
             raise EnvironmentFailure(f"environment {type(lv.env).__name__}.step: must return (messages, reward, done, "
-                                    f"info), got {out!r} (on {lv.where})") from None
+                                    f"info), got {out!r} (on {lv.where})")
+        new, reward, done, info = out
         _check_step(lv, new, reward, info)
         info = dict(info or {})
         ep.info.append(info)
