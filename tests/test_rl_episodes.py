@@ -735,3 +735,13 @@ def test_jrl_eval_exits_1_naming_an_environment_that_raises(grpo_run, capsys):
                 "--samples", "1", "strategy.options.env=test_rl_episodes:RaisingParity"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: environment RaisingParity.step raised ValueError: broken environment (on ")
+
+
+def test_jrl_eval_exits_1_naming_env_kwargs_the_environment_does_not_take(grpo_run, capsys):
+    from jrl.cli import main as jrl
+    _, _, root, hf_dir = grpo_run
+    assert jrl(["eval", "--config", str(root / "run" / "config.yaml"), "--checkpoint", f"hf:{hf_dir}",
+                "--samples", "1", "strategy.options.env_kwargs={level: 3}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: environment Parity(**strategy.options.env_kwargs) raised TypeError: "
+                          "Parity.__init__() got an unexpected keyword argument 'level' (on ")

@@ -19,7 +19,7 @@ import numpy as np
 from jrl.config import ConfigError
 from jrl.data.tasks import Problem
 from jrl.rl.batch import build_episode_rows
-from jrl.rl.environments import Episode, EpisodeLimits, EpisodeRunner, ToolEnvironment, resolve_environment
+from jrl.rl.environments import Episode, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment, resolve_environment
 from jrl.rl.evaluation import ProblemResult, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
@@ -61,7 +61,11 @@ class EpisodeSampler:
             kwargs = dict(o.env_kwargs)
             if self.registry is not None:
                 kwargs["tools"] = self.registry
-            return self.env_cls(**kwargs), example
+            try:
+                return self.env_cls(**kwargs), example
+            except Exception as e:  # e.g. env_kwargs that do not fit the constructor
+                raise EnvironmentFailure(f"environment {self.env_cls.__name__}(**strategy.options.env_kwargs) raised "
+                                         f"{type(e).__name__}: {e} (on {problem.where})") from e
 
         def score(example: dict, text: str) -> float:
             total, _ = self.rewards([_prompt_text(problem.prompt)], [text], [problem.answer],
