@@ -449,7 +449,8 @@ class Returning(Scripted):
     (("again", 0.0, False, {}), "the messages must be a list of message dicts, got 'again'"),
     (([], 0.0, False, "info"), "info must be a dict, got 'info'"),
     ("done", "must return (messages, reward, done, info), got 'done'"),
-], ids=["nan reward", "None reward", "str reward", "str messages", "str info", "4-character str"])
+    (([], 1.0, "no", {}), "done must be a bool, got 'no'"),
+], ids=["nan reward", "None reward", "str reward", "str messages", "str info", "4-character str", "str done"])
 def test_a_malformed_step_result_stops_the_run_naming_the_environment_and_episode(engine, tok, im_end, out,
                                                                                    message):
     with pytest.raises(EnvironmentFailure) as e:

@@ -273,10 +273,11 @@ class _Live:
     cut: str | None = None  # the last turn hit a token limit: the episode ends after its step
 
 
-def _check_step(lv: _Live, new: Any, reward: Any, info: Any) -> None:
+def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
     """EnvironmentFailure naming the environment and the record for a `step` result that
     cannot be used: messages not a list of dicts, a reward that is not a finite number (a
-    NaN would turn every advantage of its group into NaN), an info that is not a dict."""
+    NaN would turn every advantage of its group into NaN), a `done` that is not a bool (a
+    string such as "no" would silently end the episode), an info that is not a dict."""
     def fail(what: str) -> None:
         raise EnvironmentFailure(f"environment {type(lv.env).__name__}.step: {what} (on {lv.where})")
 
@@ -284,6 +285,8 @@ def _check_step(lv: _Live, new: Any, reward: Any, info: Any) -> None:
         fail(f"the messages must be a list of message dicts, got {new!r}")
     if not isinstance(reward, (int, float, np.number)) or not math.isfinite(float(reward)):
         fail(f"the reward must be a finite number, got {reward!r}")
+    if not (isinstance(done, (bool, np.bool_)) or (isinstance(done, (int, np.integer)) and done in (0, 1))):
+        fail(f"done must be a bool, got {done!r}")
     if info is not None and not isinstance(info, dict):
         fail(f"info must be a dict, got {info!r}")
 
@@ -428,7 +431,7 @@ class EpisodeRunner:
             raise EnvironmentFailure(f"environment {type(lv.env).__name__}.step: must return (messages, reward, done, "
                                     f"info), got {out!r} (on {lv.where})")
         new, reward, done, info = out
-        _check_step(lv, new, reward, info)
+        _check_step(lv, new, reward, done, info)
         info = dict(info or {})
         ep.info.append(info)
         ep.reward += float(reward)
