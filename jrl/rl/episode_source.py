@@ -19,7 +19,8 @@ import numpy as np
 from jrl.config import ConfigError
 from jrl.data.tasks import Problem
 from jrl.rl.batch import build_episode_rows
-from jrl.rl.environments import Episode, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment, resolve_environment
+from jrl.rl.environments import (Episode, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment,
+                                 resolve_environment)
 from jrl.rl.evaluation import ProblemResult, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
