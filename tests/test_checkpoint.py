@@ -288,6 +288,15 @@ def test_retention_arguments_are_validated(tmp_path, field, value):
         ckpt.save(tmp_path, 1, small_state(), **{field: value})
 
 
+def test_saving_into_a_step_directory_is_refused_and_leaves_it_verifying(tmp_path):
+    published = ckpt.save(tmp_path, 5, small_state())
+    with pytest.raises(ValueError, match=rf"{published} is a checkpoint \(a step_<N> directory\), not a "
+                                         rf"checkpoint root; save into {tmp_path}$"):
+        ckpt.save(published, 1, small_state())
+    assert sorted(p.name for p in published.iterdir()) == ["manifest.json", "meta.json", "state"]
+    assert ckpt.verify_checkpoint(tmp_path, 5)
+
+
 def test_load_from_an_empty_root_says_there_is_nothing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoints"):
         ckpt.load(tmp_path)

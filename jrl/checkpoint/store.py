@@ -202,6 +202,14 @@ class _PendingSave:
                 self._group.announce_publication(failure)
 
 
+def is_checkpoint_dir(directory: str | os.PathLike) -> bool:
+    """Whether `directory` is one checkpoint (a `step_<N>` holding jrl's files) rather than a
+    root of them: the mistyped root a save would nest into, and a load would find empty."""
+    directory = Path(directory)
+    return layout.is_step_name(directory.name) and any(
+        (directory / name).exists() for name in (MANIFEST_NAME, META_NAME, payload.PAYLOAD_DIR))
+
+
 def _prepare_staging(root: Path, step: int, metrics_log: Any) -> tuple[durable.WriterLock, Path]:
     """Takes the writer lock, cleans crash leftovers, fsyncs the metrics log and creates a
     fresh staging directory; returns (lock, staging). Releases the lock if it fails."""
@@ -224,6 +232,9 @@ def _prepare_staging(root: Path, step: int, metrics_log: Any) -> tuple[durable.W
 
 def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log, files=None) -> _PendingSave:
     root = Path(root).absolute()  # Orbax refuses relative paths
+    if is_checkpoint_dir(root):  # nesting a step inside it would make it fail verification
+        raise ValueError(f"{root} is a checkpoint (a step_<N> directory), not a checkpoint root; "
+                         f"save into {root.parent}")
     step = layout.check_step(step)
     layout.check_retention(keep_last, keep_every)
     files = _check_files(files)

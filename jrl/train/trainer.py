@@ -83,8 +83,7 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
         return
     if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
         what, run = "a checkpoint root (it holds step_<N> directories)", run_dir.parent
-    elif checkpoint.layout.is_step_name(run_dir.name) and any(
-            (run_dir / name).exists() for name in ("manifest.json", "meta.json", "state")):
+    elif checkpoint.store.is_checkpoint_dir(run_dir):
         what, run = "a checkpoint (a step_<N> directory)", run_dir.parent.parent
     else:
         return
