@@ -302,6 +302,17 @@ def test_load_from_an_empty_root_says_there_is_nothing(tmp_path):
         ckpt.load(tmp_path)
 
 
+def test_load_from_a_step_or_run_directory_says_which_root_to_pass(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    published = ckpt.save(root, 5, small_state())
+    with pytest.raises(FileNotFoundError, match=rf"in {published}: it is a checkpoint itself \(a step_<N> "
+                                                rf"directory\); pass its parent {root} as root, with step=5$"):
+        ckpt.load(published)
+    with pytest.raises(FileNotFoundError, match=rf"in {tmp_path / 'run'}: it is a run directory; its "
+                                                rf"checkpoints are in {root}$"):
+        ckpt.load(tmp_path / "run")
+
+
 def test_load_of_a_missing_step_lists_the_available_ones(tmp_path):
     ckpt.save(tmp_path, 4, small_state())
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step 5 .*available steps: \[4\]"):

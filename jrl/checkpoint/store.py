@@ -385,17 +385,31 @@ def _read_meta(directory: Path) -> dict:
     return meta
 
 
+def _root_hint(root: Path) -> str:
+    """Why a root holds no steps, when it is a mistyped one: missing, one checkpoint, or the
+    run directory above the checkpoints."""
+    if not root.exists():
+        return ": no such directory"
+    if is_checkpoint_dir(root):
+        return (f": it is a checkpoint itself (a step_<N> directory); pass its parent {root.parent} "
+                f"as root, with step={root.name.removeprefix('step_')}")
+    if layout.all_steps(root / "checkpoints"):
+        return f": it is a run directory; its checkpoints are in {root / 'checkpoints'}"
+    return ""
+
+
 def _resolve(root: str | os.PathLike, step: int | None) -> Path:
     root = Path(root).absolute()  # Orbax refuses relative paths
     steps = layout.all_steps(root)
     if step is None:
         if not steps:
-            raise FileNotFoundError(f"no checkpoints (step_<N> directories) in {root}")
+            raise FileNotFoundError(f"no checkpoints (step_<N> directories) in {root}{_root_hint(root)}")
         return layout.step_dir(root, steps[-1])
     step = layout.check_step(step)
     if step not in steps:
         raise FileNotFoundError(
             f"no checkpoint for step {step} in {root} (available steps: {steps or 'none'})"
+            f"{'' if steps else _root_hint(root)}"
         )
     return layout.step_dir(root, step)
 
