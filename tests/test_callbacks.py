@@ -1,14 +1,18 @@
 """Callback hooks: order and arguments in a real run, gradient editing, early stopping."""
 
+import os
+import signal
 import warnings
 
 import jax
 import numpy as np
 import pytest
 
+from jrl import checkpoint
 from jrl.config import load_train_config
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback, EarlyStopping
+from jrl.train import trainer as trainer_module
 from jrl.train.trainer import Trainer
 
 TINY = [
@@ -160,3 +164,49 @@ def test_error_reaches_on_error_saves_the_last_good_state_and_propagates(tmp_pat
         trainer.fit()
     assert failing.errors == [(1, "data went away")]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step_1"]
+
+
+class InterruptAt(Callback):
+    """Sends this process a SIGINT (a user's Ctrl-C) after the given step."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        if metrics["step"] == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def interrupting_save(monkeypatch, times: int):
+    """Makes checkpoint saves receive `times` more Ctrl-Cs while they write."""
+    real = trainer_module.checkpoint.save
+
+    def save(*args, **kwargs):
+        for _ in range(times):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.checkpoint, "save", save)
+
+
+def test_a_second_ctrl_c_during_the_final_save_stops_once_the_checkpoint_is_published(tmp_path, monkeypatch,
+                                                                                        capfd):
+    interrupting_save(monkeypatch, times=1)
+    trainer = Trainer(tiny("steps=50", "eval.at_end=false", "checkpoint.interval=0"), callbacks=[InterruptAt(2)],
+                      output_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert "interrupt: finishing the checkpoint of step 2 first" in capfd.readouterr().err
+    assert checkpoint.all_steps(tmp_path / "checkpoints") == [2]
+    assert checkpoint.verify_checkpoint(tmp_path / "checkpoints", 2)
+
+
+def test_a_third_ctrl_c_during_the_save_exits_at_once_with_130(tmp_path, monkeypatch):
+    exits = []
+    monkeypatch.setattr(trainer_module.os, "_exit", exits.append)
+    interrupting_save(monkeypatch, times=2)
+    trainer = Trainer(tiny("steps=50", "eval.at_end=false", "checkpoint.interval=0"), callbacks=[InterruptAt(2)],
+                      output_dir=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert exits == [130]

@@ -27,6 +27,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -160,6 +161,8 @@ class Trainer:
         self.eval_batches: list[dict] = list(eval_batches or [])
         self.last_saved_step: int | None = None
         self.stop_reason: str | None = None
+        self._saving_step: int | None = None  # the step a checkpoint save is writing now
+        self._interrupt_deferred = False  # a Ctrl-C that waits for that save to be published
         self._tokenizer = tokenizer
         self._fns = None
         self._mesh: Mesh | None = mesh
@@ -510,11 +513,17 @@ class Trainer:
         if hasattr(self.train_source, "state_dict"):
             meta["data"], files = pack_source_state(self.train_source.state_dict())
         ck = self.config.checkpoint
-        path = checkpoint.save(self.checkpoint_dir, int(state.step), state, meta=meta,
-                               keep_last=ck.keep_last, keep_every=ck.keep_every, metrics_log=self.metrics_log,
-                               files=files)
+        self._saving_step = int(state.step)
+        try:
+            path = checkpoint.save(self.checkpoint_dir, int(state.step), state, meta=meta,
+                                   keep_last=ck.keep_last, keep_every=ck.keep_every, metrics_log=self.metrics_log,
+                                   files=files)
+        finally:
+            self._saving_step = None
         self.last_saved_step = int(state.step)
         self.fire("on_checkpoint", state, path)
+        if self._interrupt_deferred:
+            raise KeyboardInterrupt
         return path
 
     # ------------------------------------------------------------------ loop
@@ -526,7 +535,17 @@ class Trainer:
 
         def handler(signum, frame):
             if self.stop_reason is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
+                if self._saving_step is None:
+                    raise KeyboardInterrupt
+                # Interrupting Orbax mid-write left the process hung in its executor: the save
+                # finishes first (then KeyboardInterrupt), a third Ctrl-C leaves at once, the
+                # staging directory discarded by the next --resume.
+                if self._interrupt_deferred:
+                    os._exit(130)
+                self._interrupt_deferred = True
+                print(f"interrupt: finishing the checkpoint of step {self._saving_step} first "
+                      "(Ctrl-C again to exit now; the last published checkpoint stays)", file=sys.stderr, flush=True)
+                return
             self.request_stop(f"received {signal.Signals(signum).name}")
 
         for sig in (signal.SIGTERM, signal.SIGINT):
