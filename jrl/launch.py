@@ -23,6 +23,7 @@ import yaml
 
 from jrl.config import (CONFIG_ERRORS, ConfigError, ParallelConfig, TrainConfig, cli_exit, cli_warnings,
                         load_train_config, to_dict)
+from jrl.data.pipeline import check_records
 from jrl.data.records import require_source
 from jrl.hf import HFFormatError
 from jrl.metrics_log import CorruptMetricsError
@@ -32,6 +33,7 @@ from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
+from jrl.rl.tasks import make_task
 from jrl.rl.warm_start import run_warm_start
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, trainable_groups
@@ -54,7 +56,7 @@ def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
     mode.add_argument("--resume-from", type=int, metavar="STEP",
                       help="continue from checkpoint step_STEP (newer steps are moved aside)")
     mode.add_argument("--overwrite", action="store_true", help="delete the run directory's checkpoints and metrics first")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and parameter count, then exit")
+    p.add_argument("--dry-run", action="store_true", help="read every data record, print the resolved config and parameter count, then exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optimizer.lr=3e-4")
     return p
 
@@ -115,9 +117,33 @@ def resolved_options(config: TrainConfig) -> tuple[dict, tuple[str, ...]]:
     return options, ()
 
 
+def check_data(config: TrainConfig) -> str:
+    """Reads every record of the run's data with the run's own loaders (the data pipeline's
+    encoding; an RL task's files), so a bad record fails a dry run with the run's error
+    (file:line, field); what was read, for the dry run's `# data:` line."""
+    if config.strategy.name in RL_STRATEGIES:
+        c = RLOptions.from_config(config.strategy.options).task
+        if c.name != "jsonl":
+            return f"task {c.name} (generated)"
+        task = make_task(c)
+        return ", ".join(f"{name} {len(problems):,} records ({path or f'set aside from {c.train}'})"
+                         for name, problems, path in (("train", task.train, c.train), ("heldout", task.heldout, c.heldout),
+                                                      ("validation", task.validation, c.validation)))
+    tokenizer = load_run_tokenizer(config)
+    parts = []
+    for split in ("train", "eval"):
+        checked = check_records(config.data, tokenizer, split)
+        if checked is not None:
+            source, count = checked
+            parts.append(f"{split} {source}" if count is None else f"{split} {count:,} records ({source})")
+    return ", ".join(parts)
+
+
 def dry_run(config, output_dir: str | None) -> None:
-    """Prints the run's config as it will run (options that depend on others resolved)
-    and its parameter count."""
+    """Prints the run's config as it will run (options that depend on others resolved),
+    what its data holds and its parameter count. Reads the data first: a bad record
+    raises before anything is printed."""
+    data = check_data(config)
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     groups = param_groups(abstract)
     trainable = trainable_groups(config.optimizer, set(jax.tree.leaves(groups)))
@@ -130,6 +156,7 @@ def dry_run(config, output_dir: str | None) -> None:
     for note in notes:
         print(f"# note: {note}")
     print(f"# output_dir: {output_dir or config.run_dir}")
+    print(f"# data: {data}")
     print(f"# parameters: {total:,} ({n_train:,} trainable)")
 
 
@@ -142,7 +169,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     except CONFIG_ERRORS as e:
         return cli_exit(e)
     if args.dry_run:
-        dry_run(config, args.output_dir)
+        try:
+            dry_run(config, args.output_dir)
+        except CONFIG_ERRORS as e:
+            return cli_exit(e)
         return 0
     resuming = args.resume or args.resume_from is not None
     run_dir = Path(args.output_dir or config.run_dir)

@@ -132,3 +132,46 @@ def test_every_jrl_command_prints_its_help(command, capsys):
 def test_a_dry_run_names_a_data_file_that_does_not_exist(config, override, message, capsys):
     assert main(["--config", str(CONFIGS / f"{config}.yaml"), override, "--dry-run"]) == 2
     assert capsys.readouterr().err.strip() == f"config error: {message}"
+
+
+def _data_config(tmp_path, train: str, eval_: str) -> str:
+    (tmp_path / "train.jsonl").write_text(train)
+    (tmp_path / "eval.jsonl").write_text(eval_)
+    path = tmp_path / "run.yaml"
+    path.write_text(f"data: {{source: {tmp_path / 'train.jsonl'}, eval_source: {tmp_path / 'eval.jsonl'}}}\n")
+    return str(path)
+
+
+def test_a_dry_run_names_a_bad_record_by_file_and_line(tmp_path, capsys):
+    config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n',
+                          '{"prompt": "2+2=", "response": "4"}\n{"prompt": "3+3="}\n')
+    assert main(["--config", config, "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (f"config error: {tmp_path / 'eval.jsonl'}:2: missing field 'response' "
+                                    f"(data.sections[1].field); record has: prompt")
+    assert captured.out == ""  # the data is read before the config is printed
+
+
+def test_a_dry_run_prints_the_record_count_of_each_source(tmp_path, capsys):
+    config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n' * 3,
+                          '{"prompt": "2+2=", "response": "4"}\n')
+    assert main(["--config", config, "--dry-run"]) == 0
+    assert (f"# data: train 3 records ({tmp_path / 'train.jsonl'}), eval 1 records ({tmp_path / 'eval.jsonl'})\n"
+            in capsys.readouterr().out)
+
+
+def test_a_dry_run_names_a_bad_rl_task_record(tmp_path, capsys):
+    (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n{"question": "cd>", "answer": "dc"}\n')
+    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
+                 f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: {tmp_path / 'test.jsonl'}:2: missing field 'prompt' (task.prompt_field); "
+        f"the record has ['answer', 'question']")
+
+
+def test_a_dry_run_prints_the_record_count_of_each_rl_task_split(tmp_path, capsys):
+    (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n' * 2)
+    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
+                 f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}"]) == 0
+    out = capsys.readouterr().out
+    assert f", heldout 2 records ({tmp_path / 'test.jsonl'}), validation 200 records (set aside from bundled:reverse)\n" in out

@@ -34,8 +34,8 @@ def _split_source(config: DataConfig, split: Split) -> tuple[str, bool, str] | N
     return config.source, config.eval_source is None and config.eval_fraction > 0, "data.source"
 
 
-def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Iterator[Document]:
-    """The documents of `split`, in source order."""
+def iter_split_records(config: DataConfig, split: Split) -> Iterator[tuple[str, dict]]:
+    """`(where, record)` for the records of `split`, in source order."""
     chosen = _split_source(config, split)
     if chosen is None:
         return
@@ -43,7 +43,30 @@ def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> It
     for index, (where, record) in enumerate(iter_located_records(source, config.seed, key)):
         if filtered and is_heldout(index, config.seed, config.eval_fraction) != (split == "eval"):
             continue
+        yield where, record
+
+
+def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Iterator[Document]:
+    """The documents of `split`, in source order."""
+    for where, record in iter_split_records(config, split):
         yield from encode_record(record, config, tokenizer, where=where)
+
+
+def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> tuple[str, int | None] | None:
+    """`(source, records)` of `split` after encoding every record as the run will, keeping
+    no tokens: a dry run's check, so a bad record fails with the run's error (file:line,
+    field) before the run starts. None where the split is empty by config; a bundled
+    source is not read (records None)."""
+    chosen = _split_source(config, split)
+    if chosen is None:
+        return None
+    if is_bundled(chosen[0]):
+        return chosen[0], None
+    count = 0
+    for where, record in iter_split_records(config, split):
+        encode_record(record, config, tokenizer, where=where)
+        count += 1
+    return chosen[0], count
 
 
 def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
