@@ -117,6 +117,10 @@ def resolved_options(config: TrainConfig) -> tuple[dict, tuple[str, ...]]:
     return options, ()
 
 
+def _records(n: int) -> str:
+    return f"{n:,} record" + ("" if n == 1 else "s")
+
+
 def check_data(config: TrainConfig) -> str:
     """Reads every record of the run's data with the run's own loaders (the data pipeline's
     encoding; an RL task's files), so a bad record fails a dry run with the run's error
@@ -126,7 +130,7 @@ def check_data(config: TrainConfig) -> str:
         if c.name != "jsonl":
             return f"task {c.name} (generated)"
         task = make_task(c)
-        return ", ".join(f"{name} {len(problems):,} records ({path or f'set aside from {c.train}'})"
+        return ", ".join(f"{name} {_records(len(problems))} ({path or f'set aside from {c.train}'})"
                          for name, problems, path in (("train", task.train, c.train), ("heldout", task.heldout, c.heldout),
                                                       ("validation", task.validation, c.validation)))
     tokenizer = load_run_tokenizer(config)
@@ -135,7 +139,7 @@ def check_data(config: TrainConfig) -> str:
         checked = check_records(config.data, tokenizer, split)
         if checked is not None:
             source, count = checked
-            parts.append(f"{split} {source}" if count is None else f"{split} {count:,} records ({source})")
+            parts.append(f"{split} {source}" if count is None else f"{split} {_records(count)} ({source})")
     return ", ".join(parts)
 
 

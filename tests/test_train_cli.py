@@ -156,7 +156,7 @@ def test_a_dry_run_prints_the_record_count_of_each_source(tmp_path, capsys):
     config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n' * 3,
                           '{"prompt": "2+2=", "response": "4"}\n')
     assert main(["--config", config, "--dry-run"]) == 0
-    assert (f"# data: train 3 records ({tmp_path / 'train.jsonl'}), eval 1 records ({tmp_path / 'eval.jsonl'})\n"
+    assert (f"# data: train 3 records ({tmp_path / 'train.jsonl'}), eval 1 record ({tmp_path / 'eval.jsonl'})\n"
             in capsys.readouterr().out)
 
 
