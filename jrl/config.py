@@ -245,6 +245,14 @@ class RopeScaling:
         if self.type == "llama3":
             _check(self.high_freq_factor > self.low_freq_factor, f"{prefix}.high_freq_factor",
                    "must be greater than low_freq_factor")
+        if self.type == "yarn":
+            # reversed edges would invert the ramp (interpolate the fast dims, keep the slow ones)
+            _check(self.beta_fast > self.beta_slow > 0, f"{prefix}.beta_fast",
+                   f"must be greater than beta_slow > 0, got beta_fast={self.beta_fast}, "
+                   f"beta_slow={self.beta_slow}")
+            if self.attention_factor is not None:
+                _check(0 < self.attention_factor < math.inf, f"{prefix}.attention_factor",
+                       f"must be finite and > 0 (or null), got {self.attention_factor}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,6 +101,8 @@ INVALID = [
      "rope_scaling.original_max_position_embeddings: must be > 0"),
     ({"rope_scaling": RopeScaling(type="llama3", original_max_position_embeddings=64, low_freq_factor=4.0)},
      "rope_scaling.high_freq_factor: must be greater than low_freq_factor"),
+    ({"rope_scaling": RopeScaling(type="yarn", original_max_position_embeddings=64, beta_fast=1.0, beta_slow=32.0)},
+     "rope_scaling.beta_fast: must be greater than beta_slow > 0, got beta_fast=1.0, beta_slow=32.0"),
     ({"lora": LoraConfig(rank=-1)}, "lora.rank: must be >= 0"),
     ({"lora": LoraConfig(rank=4, targets=())}, "lora.targets: must name at least one projection"),
     ({"lora": LoraConfig(rank=4, targets=("q", "proj"))}, r"lora.targets\[1\]: must be one of"),
