@@ -272,6 +272,8 @@ class LoraConfig:
 
     def validate(self, prefix: str = "lora") -> None:
         _check(self.rank >= 0, f"{prefix}.rank", f"must be >= 0, got {self.rank}")
+        # 0 would silently freeze the adapters (no gradient reaches them), NaN/inf poison the output
+        _check(0 < self.alpha < math.inf, f"{prefix}.alpha", f"must be finite and > 0, got {self.alpha}")
         if self.rank:
             _check(len(self.targets) > 0, f"{prefix}.targets", "must name at least one projection")
         for i, target in enumerate(self.targets):

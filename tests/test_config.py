@@ -104,6 +104,7 @@ INVALID = [
     ({"rope_scaling": RopeScaling(type="yarn", original_max_position_embeddings=64, beta_fast=1.0, beta_slow=32.0)},
      "rope_scaling.beta_fast: must be greater than beta_slow > 0, got beta_fast=1.0, beta_slow=32.0"),
     ({"lora": LoraConfig(rank=-1)}, "lora.rank: must be >= 0"),
+    ({"lora": LoraConfig(rank=4, alpha=0.0)}, "lora.alpha: must be finite and > 0, got 0.0"),
     ({"lora": LoraConfig(rank=4, targets=())}, "lora.targets: must name at least one projection"),
     ({"lora": LoraConfig(rank=4, targets=("q", "proj"))}, r"lora.targets\[1\]: must be one of"),
     ({"attention": "mla", "kv_lora_rank": 0}, "kv_lora_rank: must be > 0 for MLA"),
