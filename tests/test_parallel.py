@@ -75,6 +75,12 @@ def test_explicit_sizes_must_use_every_device():
         mesh_shape(ParallelConfig(data=2, fsdp=1, tensor=2), 8)
 
 
+def test_more_devices_than_exist_is_reported_as_missing_devices():
+    with pytest.raises(ConfigError, match=r"data\*fsdp\*tensor: data=1\*fsdp=-1\*tensor=8 needs at least 8 "
+                                          r"devices but only 4 are available$"):
+        mesh_shape(ParallelConfig(data=1, fsdp=-1, tensor=8), 4)
+
+
 def test_minus_one_axis_needs_the_others_to_divide_the_device_count():
     with pytest.raises(ConfigError, match="fsdp: cannot use the remaining devices, 8 devices"):
         mesh_shape(ParallelConfig(data=3, fsdp=-1, tensor=1), 8)
