@@ -141,6 +141,16 @@ def test_lora_on_projections_that_are_not_fused_is_kept():
                                np.asarray(hidden_states(config, params, False)), rtol=1e-6, atol=1e-6)
 
 
+def test_lora_on_a_projection_this_config_does_not_fuse_does_not_block_fusion():
+    config = ModelConfig(attention="mla", lora=LoraConfig(rank=4, targets=("q",)))  # MLA q is never fused
+    params = random_params(config)
+    fused = fuse_projections(config, params)
+    assert "gate_up_proj" in fused["layers"]["mlp"]
+    assert sorted(fused["layers"]["attn"]["q_proj"]) == ["kernel", "lora_a", "lora_b"]
+    np.testing.assert_allclose(np.asarray(hidden_states(config, fused, True)),
+                               np.asarray(hidden_states(config, params, False)), rtol=1e-6, atol=1e-6)
+
+
 def test_already_fused_missing_and_unfused_params_are_named():
     params = init(PLAIN, jax.random.key(0))
     fused = fuse_projections(PLAIN, params)

@@ -53,8 +53,9 @@ def _widths(config: ModelConfig, group: tuple) -> tuple[int, ...]:
 
 def unfusable_reason(config: ModelConfig) -> str | None:
     """Why `config`'s params have no fused layout, or None when they have one."""
-    if config.lora.rank:
-        targets = [t for t in config.lora.targets if t in QKV[2] + GATE_UP[2]]
+    if config.lora.rank:  # only adapters on a projection this config fuses are in the way
+        fused = [t for _, group in _groups(config) for t in group[2]]
+        targets = [t for t in config.lora.targets if t in fused]
         if targets:
             return (f"LoRA adapters on {targets} (lora.targets) cannot be fused; fold them into the "
                     "kernels first with jrl.models.lora.merge_lora")
