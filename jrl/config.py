@@ -423,6 +423,11 @@ class ModelConfig:
                    "needs a shared expert (n_shared_experts or shared_expert_intermediate_size > 0)")
             _check(self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
                    f"must be >= 0, got {self.router_aux_loss_coef}")
+            if not self.shared_intermediate:  # else an adapter target would silently adapt nothing
+                for i, target in enumerate(self.lora.targets if self.lora.rank else ()):
+                    _check(target not in ("gate", "up", "down"), f"lora.targets[{i}]",
+                           f"{target!r} has no projection in an MoE model without a shared expert "
+                           "(routed experts never carry adapters); use q, k, v or o")
         _check(self.n_experts >= 0, "n_experts", "must be >= 0")
         if self.matmul_dtype is not None:
             _check_choice(self.matmul_dtype, MatmulDtype, "matmul_dtype")
