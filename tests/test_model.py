@@ -262,6 +262,13 @@ def test_forward_returns_final_normed_hidden_and_lm_logits_accepts_any_leading_s
                                rtol=1e-5, atol=1e-5)
 
 
+def test_apply_names_tokens_that_are_not_batch_by_sequence():
+    config = ModelConfig()
+    params = models.init_params(config, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"^tokens: must be \[batch, seq\], got shape \(8,\)$"):
+        models.apply(config, params, jnp.zeros((8,), jnp.int32))
+
+
 def test_tied_lm_head_is_the_transposed_embedding():
     cfg = tiny(tie_embeddings=True)
     params = perturbed(cfg)

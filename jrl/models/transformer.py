@@ -224,6 +224,8 @@ def apply(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.A
           segment_ids: jax.Array | None = None) -> jax.Array:
     """Float32 logits `[B, S, vocab]` for a dense causal batch (documents by segment id)."""
     tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:  # a lone [S] row would fail deep in attention with an unpacking error
+        raise ValueError(f"tokens: must be [batch, seq], got shape {tokens.shape}")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
     if segment_ids is None:
