@@ -391,7 +391,9 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
                      "head_dim", "intermediate_size", "max_position_embeddings"):
             v = getattr(self, name)
-            _check(isinstance(v, int) and v > 0, name, f"must be a positive integer, got {v!r}")
+            # bool is an int to Python: vocab_size=True would build a one-token model
+            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                   f"must be a positive integer, got {v!r}")
         if self.attention == "gqa":  # MLA uses neither (its widths are the qk_*/v_* fields)
             _check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
                    f"must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")

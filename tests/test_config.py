@@ -84,6 +84,7 @@ INVALID = [
     ({"n_kv_heads": 0}, "n_kv_heads: must be a positive integer, got 0"),
     ({"n_kv_heads": 8}, "n_kv_heads: must divide n_heads"),
     ({"vocab_size": 0}, "vocab_size: must be a positive integer"),
+    ({"n_layers": True}, "n_layers: must be a positive integer, got True"),
     ({"n_layers": -1}, "n_layers: must be a positive integer"),
     ({"head_dim": 7}, "head_dim: must be even for RoPE, got 7"),
     ({"rms_norm_eps": 0.0}, "rms_norm_eps: must be > 0"),
