@@ -174,7 +174,12 @@ def from_dict(cls: type[T], data: dict[str, Any], *, prefix: str = "") -> T:
             f"allowed: {', '.join(sorted(fields))}"
         )
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if not getattr(cls, "FIELD_NAMES_ARE_RELATIVE", False) or str(e).startswith(prefix):
+            raise
+        raise ConfigError(f"{prefix}{e}") from None  # "n_kv_heads: ..." -> "model.n_kv_heads: ..."
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -358,6 +363,10 @@ class ModelConfig:
     # "tiles": cuBLAS on each tile of rows, in a loop. They round differently, so the engine
     # and the trainer must share the setting (they share the model config).
     exact_gemm: ExactGemm = "kernel"
+
+    # Its errors name fields from here (`n_kv_heads`, `lora.rank`): a Python caller builds it
+    # on its own; `from_dict` puts the section in front (`model.n_kv_heads`) in a run config.
+    FIELD_NAMES_ARE_RELATIVE: typing.ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.validate()

@@ -134,9 +134,11 @@ def test_invalid_values_raise_an_error_naming_the_field(kwargs, message):
         ModelConfig(**kwargs)
 
 
-def test_validation_errors_from_dict_name_the_field_too():
-    with pytest.raises(ConfigError, match=r"^n_kv_heads: must divide n_heads \(4\), got 3"):
+def test_validation_errors_from_dict_name_the_field_as_the_run_config_writes_it():
+    with pytest.raises(ConfigError, match=r"^model\.n_kv_heads: must divide n_heads \(4\), got 3"):
         model_config_from_dict({"n_kv_heads": 3})
+    with pytest.raises(ConfigError, match=r"^model\.lora\.alpha: must be finite and > 0, got 0"):
+        model_config_from_dict({"lora": {"rank": 4, "alpha": 0}})
 
 
 def test_valid_variants_construct():
