@@ -297,6 +297,13 @@ def test_saving_into_a_step_directory_is_refused_and_leaves_it_verifying(tmp_pat
     assert ckpt.verify_checkpoint(tmp_path, 5)
 
 
+def test_saving_into_a_file_is_refused_and_leaves_it_as_it_was(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'notes.txt'}: the checkpoint root is a file, not a directory$"):
+        ckpt.save(tmp_path / "notes.txt", 1, small_state())
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_load_from_an_empty_root_says_there_is_nothing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoints"):
         ckpt.load(tmp_path)

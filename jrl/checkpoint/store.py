@@ -235,6 +235,8 @@ def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log, 
     if is_checkpoint_dir(root):  # nesting a step inside it would make it fail verification
         raise ValueError(f"{root} is a checkpoint (a step_<N> directory), not a checkpoint root; "
                          f"save into {root.parent}")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root}: the checkpoint root is a file, not a directory")
     step = layout.check_step(step)
     layout.check_retention(keep_last, keep_every)
     files = _check_files(files)
