@@ -107,6 +107,16 @@ def _check_choice(value: Any, choices: Any, field: str) -> None:
     _check(value in allowed, field, f"must be one of {allowed}, got {value!r}")
 
 
+def _check_scalar_types(cfg: Any) -> None:
+    """ConfigError naming the first bool / int / float field of dataclass `cfg` holding
+    another type: a config built in Python skips `from_dict`'s coercion, and a
+    `tie_embeddings="yes"` would count as true, an `n_experts_per_tok=2.5` fail deep in jax."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        if hints[f.name] in (bool, int, float):
+            _coerce(getattr(cfg, f.name), hints[f.name], f.name)
+
+
 def _coerce(value: Any, annotation: Any, field: str) -> Any:
     """Converts plain data to `annotation` (dataclasses, tuples, literals, optionals)."""
     origin = typing.get_origin(annotation)
@@ -394,21 +404,21 @@ class ModelConfig:
         )
 
     def validate(self) -> None:
+        _check_scalar_types(self)
         for name, choices in (("attention", AttentionType), ("param_dtype", DType),
                               ("dtype", DType), ("remat", RematPolicy)):
             _check_choice(getattr(self, name), choices, name)
         for name in ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads",
                      "head_dim", "intermediate_size", "max_position_embeddings"):
-            v = getattr(self, name)
-            # bool is an int to Python: vocab_size=True would build a one-token model
-            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
-                   f"must be a positive integer, got {v!r}")
+            v = getattr(self, name)  # an int by now (`_check_scalar_types`)
+            _check(v > 0, name, f"must be a positive integer, got {v!r}")
         if self.attention == "gqa":  # MLA uses neither (its widths are the qk_*/v_* fields)
             _check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
                    f"must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")
             _check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
+        _check(math.isfinite(self.rope_theta), "rope_theta", f"must be finite (inf turns off the rotation), got {self.rope_theta}")
         _check(self.initializer_range >= 0, "initializer_range",
                f"must be >= 0, got {self.initializer_range}")
         if self.attention == "mla":
