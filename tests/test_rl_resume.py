@@ -85,6 +85,22 @@ def test_resume_after_an_evaluation_is_exact(tmp_path):
     assert_resume_is_exact(config, 4, tmp_path)
 
 
+def test_a_resumed_runs_accuracy_summary_starts_at_the_runs_start_evaluation(tmp_path, capsys):
+    # the resumed process does not evaluate at its start: its summary's "before" is the
+    # step-0 row of the log, not its own first evaluation (step 4)
+    config = tiny(steps=6)
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, every=2, at_end=True))
+    run(config, tmp_path, callbacks=[StopAfter(3)])
+    run(config, tmp_path, resume=True)
+    evals = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3, 4, 6]  # 3: the stopped run's end
+    first, last = evals[0], evals[-1]
+    summary = [line for line in capsys.readouterr().out.splitlines() if "held-out accuracy: " in line]
+    assert summary[-1] == (f"[grpo] held-out accuracy: {first['eval_accuracy']:.1%} -> {last['eval_accuracy']:.1%} "
+                           f"greedy, {first['eval_accuracy_sampled']:.1%} -> {last['eval_accuracy_sampled']:.1%} "
+                           "sampled (policy version 0 -> 6)")
+
+
 
 def test_a_multi_turn_run_resumes_on_the_rows_it_would_have_trained(tmp_path):
     # 8 two-turn episodes a rollout (2 problems x 4), 4 rows a minibatch, 2 epochs: 4

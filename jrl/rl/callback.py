@@ -6,6 +6,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from jrl.metrics_log import read_metrics
 from jrl.rl.source import RolloutSource
 from jrl.train.callbacks import Callback
 
@@ -44,6 +45,8 @@ class RLCallback(Callback):
         # and evaluating again would sync the engine where the uninterrupted run did not
         if int(state.step) == 0 and (trainer.config.eval.at_end or trainer.config.eval.every):
             self._evaluate(trainer, state, "start")
+        elif int(state.step) > 0:  # the "before" is that evaluation's row, not this process's first
+            self.first_eval = next((r for r in read_metrics(trainer.metrics_log.path) if "eval_accuracy" in r), None)
 
     def on_step_begin(self, trainer, state, batch) -> None:
         self._t0 = time.perf_counter()
