@@ -101,6 +101,18 @@ def test_a_resumed_runs_accuracy_summary_starts_at_the_runs_start_evaluation(tmp
                            "sampled (policy version 0 -> 6)")
 
 
+def test_resuming_a_finished_run_logs_nothing_again(tmp_path):
+    # its end evaluation (step 2) is in the log: the resume neither repeats nor re-logs it
+    config = tiny(steps=2)
+    config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, at_end=True))
+    run(config, tmp_path)
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval_accuracy" in r] == [0, 2]
+    resumed, _ = run(config, tmp_path, resume=True)
+    assert int(resumed.state.step) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == logged
+
+
 
 def test_a_multi_turn_run_resumes_on_the_rows_it_would_have_trained(tmp_path):
     # 8 two-turn episodes a rollout (2 problems x 4), 4 rows a minibatch, 2 epochs: 4

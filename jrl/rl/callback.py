@@ -45,8 +45,14 @@ class RLCallback(Callback):
         # and evaluating again would sync the engine where the uninterrupted run did not
         if int(state.step) == 0 and (trainer.config.eval.at_end or trainer.config.eval.every):
             self._evaluate(trainer, state, "start")
-        elif int(state.step) > 0:  # the "before" is that evaluation's row, not this process's first
-            self.first_eval = next((r for r in read_metrics(trainer.metrics_log.path) if "eval_accuracy" in r), None)
+        elif int(state.step) > 0:
+            # the "before" is that evaluation's row, not this process's first; a step evaluated
+            # already (a finished run resumed) is not evaluated, nor logged, again
+            evals = [r for r in read_metrics(trainer.metrics_log.path) if "eval_accuracy" in r]
+            if evals:
+                self.first_eval = evals[0]
+                if evals[-1]["step"] == int(state.step):
+                    self.last_eval, self._last_eval_step = evals[-1], int(state.step)
 
     def on_step_begin(self, trainer, state, batch) -> None:
         self._t0 = time.perf_counter()
