@@ -16,6 +16,7 @@ a failed run (including a run directory another run holds, and no resumable chec
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import jax
@@ -203,6 +204,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         state = trainer.fit(resume=args.resume, overwrite=overwrite, resume_from=args.resume_from)
     except (ConfigError, FileExistsError, HFFormatError, *RUN_FAILURES) as e:
         return cli_exit(e, failed=RUN_FAILURES, config_errors=())
+    except KeyboardInterrupt:  # a second Ctrl-C: one line, not a traceback through whatever ran
+        print("interrupted; --resume continues from the last published checkpoint", file=sys.stderr)
+        return 130
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"finished at step {int(state.step)}, policy version {int(state.policy_version)}{reason}; "
           f"run directory: {trainer.run_dir}")

@@ -309,6 +309,24 @@ def test_two_runs_started_together_into_one_directory_one_fails_and_steps_are_lo
 # ---------------------------------------------------------------- also: one-line errors
 
 
+def test_a_second_ctrl_c_exits_130_on_one_line_and_the_save_it_interrupted_is_published(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from jrl.train import trainer as trainer_module
+    real = trainer_module.checkpoint.save
+
+    def save(*args, **kwargs):  # the user presses Ctrl-C twice while step 2 is saved
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.checkpoint, "save", save)
+    run = tmp_path / "run"
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run)]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "interrupted; --resume continues from the last published checkpoint"
+    assert checkpoint.all_steps(run / "checkpoints") == [2] and steps_logged(run) == [1, 2]
+
+
 def test_resume_with_a_changed_architecture_names_the_first_mismatched_parameter(run_copy, tmp_path, capsys):
     before = snapshot(run_copy)
     assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
