@@ -12,6 +12,7 @@ import pytest
 
 from jrl.metrics_log import read_metrics
 from jrl.rl import build_learner
+from jrl.train.trainer import ResumeWarning
 from run_control import StopAfter
 from test_rl_episodes import episode_grpo_config
 from test_rl_loop import run, tiny, train_rows
@@ -67,6 +68,21 @@ def test_off_policy_run_stopped_with_a_rollout_pending_resumes_exactly(tmp_path)
 def test_off_policy_run_stopped_at_a_rollout_boundary_keeps_the_pending_rollout(tmp_path):
     meta, _ = assert_resume_is_exact(tiny(steps=6, off_policy=True), 4, tmp_path)
     assert "rollout" not in meta["data"] and "pending" in meta["data"]
+
+
+def test_an_off_policy_resume_with_another_group_size_generates_the_pending_rollout_anew(tmp_path):
+    # stopped after step 3: rollout 2 (4 prompts x 4 samples, sampled at version 2) is pending;
+    # the resumed run samples 4 x 2, so it trains rollout 1's last minibatch, then a rollout
+    # 2 of its own, sampled at version 4
+    run(tiny(steps=6, off_policy=True), tmp_path, callbacks=[StopAfter(3)])
+    with pytest.warns(ResumeWarning) as caught:
+        resumed, rows = run(tiny(steps=6, off_policy=True, group_size=2), tmp_path, resume=True)
+    assert [str(w.message) for w in caught] == [
+        "resume: the checkpoint's rollout generated ahead has 4 prompts x 4 samples, this config samples 4 x 2: "
+        "it is dropped and generated anew"]
+    assert int(resumed.state.step) == 6
+    assert [(r["step"], r["rl_step"], r["behaviour_version"]) for r in rows if "rl_step" in r] == [
+        (1, 0, 0), (3, 1, 0), (5, 2, 4), (6, 3, 4)]
 
 
 def test_a_checkpoint_of_older_jrl_with_only_the_rollout_counter_still_loads(tmp_path):
