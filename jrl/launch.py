@@ -188,6 +188,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     try:
         check_run_dir(run_dir)  # before a warm start writes into it
         if not resuming and not overwrite:
+            if (run_dir / "checkpoints").is_dir():  # a live run's: say "in use", not "resume its checkpoints"
+                probe = acquire_for_run(run_dir)
+                if probe is not None:
+                    probe.release()
             check_fresh_start(run_dir / "checkpoints")
         if has_warm_start(config, embedded_default=not args.config):  # SFT warm start, then GRPO
             # the run directory is locked through the warm start too: a second run into it must

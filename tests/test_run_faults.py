@@ -265,6 +265,18 @@ def test_a_second_run_into_a_locked_directory_exits_nonzero_naming_the_first(run
         holder.wait()
 
 
+def test_a_fresh_run_into_a_live_runs_directory_says_it_is_in_use(run_copy, tmp_path, capsys):
+    holder = hold_lock(run_copy)
+    try:
+        before = snapshot(run_copy)
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy)]) == 1
+        assert f"{run_copy} is in use by another run (pid {holder.pid} on host " in capsys.readouterr().err
+        assert snapshot(run_copy) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_run_with_a_warm_start_into_a_locked_directory_writes_nothing(tmp_path, capsys):
     run = tmp_path / "run"
     holder = hold_lock(run)
