@@ -136,7 +136,9 @@ def _coerce(value: Any, annotation: Any, field: str) -> Any:
                 errors.append(str(e))
         if not errors:
             raise ConfigError(f"{field}: invalid value {value!r}")
-        raise ConfigError(errors[0] + (" (or null)" if type(None) in args else ""))
+        # "(or null)" only where this field is what is wrong, not a field inside its section
+        nullable = type(None) in args and errors[0].startswith(f"{field}: ")
+        raise ConfigError(errors[0] + (" (or null)" if nullable else ""))
     if origin is Literal:
         _check(value in args, field, f"must be one of {list(args)}, got {value!r}")
         return value

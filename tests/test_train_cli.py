@@ -50,6 +50,12 @@ def test_bad_config_exits_2_naming_the_field(override, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_bad_field_inside_a_nullable_section_is_not_offered_null(capsys):
+    assert main(["strategy.options.warm_start.target_accuracy=1.1", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "config error: strategy.options.warm_start.target_accuracy: must be in (0, 1], got 1.1"
+
+
 def test_dry_run_prints_resolved_config_and_parameter_count(capsys):
     assert main(["--dry-run", "model.hidden_size=32", "steps=7"]) == 0
     out = capsys.readouterr().out
