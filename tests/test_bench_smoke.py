@@ -48,6 +48,12 @@ def test_help_lists_every_stage(capsys):
         assert f"  {name} " in out
 
 
+def test_a_full_size_stage_on_a_cpu_says_it_needs_a_gpu(capsys):
+    assert main(["grpo_lora"]) == 2
+    assert capsys.readouterr().err == ("jrl bench grpo_lora: measures the GPU shapes and this machine has no GPU "
+                                       "(backend cpu); --tiny runs the same code CPU-sized\n")
+
+
 def test_bandwidth_measures_streams_and_the_matmul_ceiling(tmp_path):
     rows = bench(tmp_path, "bandwidth")
     assert {r["stream"] for r in section(rows, "stream")} == {"f32 a+1", "bf16 a*2 donated", "copy", "read"}

@@ -3,7 +3,9 @@ its module, runs it into a `Results` and prints the table last.
 
 Every stage takes `--tiny` (a CPU-sized run of the same code), `--json PATH` (append the
 rows to PATH as JSON lines) and `--record` (append them to the stage's file under
-bench/results/, the records docs/performance.md cites).
+bench/results/, the records docs/performance.md cites). Without `--tiny` a stage measures
+the GPU shapes and stops at once, with one line, on a machine without a GPU (`decode --host`
+is a CPU measurement and runs anywhere).
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ def _run_stage(stage: str, rest: list[str]) -> int:
     args = stage_parser(stage, module).parse_args(rest)
     if hasattr(module, "environment"):  # before the stage starts JAX's backend; main() restores it
         os.environ.update(module.environment(args))
+    # Full-size stages measure GPU shapes: on a CPU the 8B shape ran out of time or memory
+    # without a word, and the kernel checks printed an error row per shape.
+    if not args.tiny and not getattr(args, "host", False) and jax.default_backend() != "gpu":
+        print(f"jrl bench {stage}: measures the GPU shapes and this machine has no GPU "
+              f"(backend {jax.default_backend()}); --tiny runs the same code CPU-sized", file=sys.stderr)
+        return 2
     path = args.json
     if args.record:
         path = record_path(module.record_name(args))
