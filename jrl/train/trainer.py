@@ -523,6 +523,7 @@ class Trainer:
         self.last_saved_step = int(state.step)
         self.fire("on_checkpoint", state, path)
         if self._interrupt_deferred:
+            self._interrupt_deferred = False  # delivered once; a later fit of this trainer starts clean
             raise KeyboardInterrupt
         return path
 
