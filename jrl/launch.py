@@ -39,7 +39,7 @@ from jrl.rl.warm_start import run_warm_start
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, trainable_groups
 from jrl.train.strategies import get_strategy, strategy_options
-from jrl.train.run_lock import RunLockedError, acquire_for_run
+from jrl.train.run_lock import RunLockedError, acquire_for_run, check_not_in_use
 from jrl.train.initial import load_run_tokenizer
 from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fresh_start, check_run_dir
 
@@ -188,10 +188,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     try:
         check_run_dir(run_dir)  # before a warm start writes into it
         if not resuming and not overwrite:
-            if (run_dir / "checkpoints").is_dir():  # a live run's: say "in use", not "resume its checkpoints"
-                probe = acquire_for_run(run_dir)
-                if probe is not None:
-                    probe.release()
+            check_not_in_use(run_dir)  # a live run's checkpoints: "in use", not "resume them"
             check_fresh_start(run_dir / "checkpoints")
         if has_warm_start(config, embedded_default=not args.config):  # SFT warm start, then GRPO
             # the run directory is locked through the warm start too: a second run into it must

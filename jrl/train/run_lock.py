@@ -63,6 +63,30 @@ def _read_body(fd: int) -> dict:
     return body if isinstance(body, dict) else {}
 
 
+def _in_use(run_dir: Path, holder: dict) -> RunLockedError:
+    return RunLockedError(f"{run_dir} is in use by another run ({_describe(holder)}); wait for it to "
+                          f"finish or choose another --output-dir")
+
+
+def check_not_in_use(run_dir: str | os.PathLike) -> None:
+    """Raises RunLockedError naming the live run that holds `run_dir`'s lock; takes, creates
+    and writes nothing (a run refused for another reason leaves the directory as it was)."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while a run holds it exclusively
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise _in_use(Path(run_dir), _read_body(fd)) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 class RunLock:
     """An exclusive, non-blocking lock on a run directory (see the module docstring)."""
 
@@ -88,10 +112,7 @@ class RunLock:
             except OSError as e:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                holder = _read_body(fd)
-                raise RunLockedError(
-                    f"{self.run_dir} is in use by another run ({_describe(holder)}); wait for it to "
-                    f"finish or choose another --output-dir") from None
+                raise _in_use(self.run_dir, _read_body(fd)) from None
             previous = _read_body(fd)
             if previous:
                 warnings.warn(f"{self.run_dir}: taking over the stale lock of a run that ended without "
