@@ -48,10 +48,11 @@ def test_help_lists_every_stage(capsys):
         assert f"  {name} " in out
 
 
-def test_a_full_size_stage_on_a_cpu_says_it_needs_a_gpu(capsys):
-    assert main(["grpo_lora"]) == 2
-    assert capsys.readouterr().err == ("jrl bench grpo_lora: measures the GPU shapes and this machine has no GPU "
-                                       "(backend cpu); --tiny runs the same code CPU-sized\n")
+@pytest.mark.parametrize("argv", [["grpo_lora"], ["kernels", "--check"]])
+def test_a_stage_that_needs_a_gpu_says_so_on_a_cpu(argv, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"jrl bench {argv[0]}: needs a GPU for these settings and this machine has "
+                                       "none (backend cpu); --tiny runs the same code CPU-sized\n")
 
 
 def test_bandwidth_measures_streams_and_the_matmul_ceiling(tmp_path):

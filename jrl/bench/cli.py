@@ -3,9 +3,9 @@ its module, runs it into a `Results` and prints the table last.
 
 Every stage takes `--tiny` (a CPU-sized run of the same code), `--json PATH` (append the
 rows to PATH as JSON lines) and `--record` (append them to the stage's file under
-bench/results/, the records docs/performance.md cites). Without `--tiny` a stage measures
-the GPU shapes and stops at once, with one line, on a machine without a GPU (`decode --host`
-is a CPU measurement and runs anywhere).
+bench/results/, the records docs/performance.md cites). A stage whose settings need a GPU
+(its module's `requires_gpu(args)`: the 8B shape, the kernels outside interpret mode) stops
+at once, with one line, on a machine without one.
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def _run_stage(stage: str, rest: list[str]) -> int:
     args = stage_parser(stage, module).parse_args(rest)
     if hasattr(module, "environment"):  # before the stage starts JAX's backend; main() restores it
         os.environ.update(module.environment(args))
-    # Full-size stages measure GPU shapes: on a CPU the 8B shape ran out of time or memory
-    # without a word, and the kernel checks printed an error row per shape.
-    if not args.tiny and not getattr(args, "host", False) and jax.default_backend() != "gpu":
-        print(f"jrl bench {stage}: measures the GPU shapes and this machine has no GPU "
+    # On a CPU the 8B shape ran without a word until killed, and the kernel checks printed an
+    # error row per shape: a stage that cannot run here says so instead
+    if getattr(module, "requires_gpu", lambda _: False)(args) and jax.default_backend() != "gpu":
+        print(f"jrl bench {stage}: needs a GPU for these settings and this machine has none "
               f"(backend {jax.default_backend()}); --tiny runs the same code CPU-sized", file=sys.stderr)
         return 2
     path = args.json

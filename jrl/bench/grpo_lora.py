@@ -86,6 +86,11 @@ def peak_gib() -> float:
     return stats.get("peak_bytes_in_use", 0) / 2**30
 
 
+def requires_gpu(args) -> bool:
+    """The 8B shape (without --tiny) does not fit a CPU run."""
+    return not args.tiny
+
+
 def run(args, results) -> int:
     budget = Budget(args.budget_s)
     base = SHAPES[args.shape]

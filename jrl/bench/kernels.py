@@ -398,6 +398,11 @@ def write(args, results) -> None:
         del state, kb, vb
 
 
+def requires_gpu(args) -> bool:
+    """The kernel columns run on a Hopper GPU, or in interpret mode (`--interpret`, `--tiny`)."""
+    return not (args.tiny or args.interpret)
+
+
 def run(args, results) -> int:
     if args.tiny and jax.default_backend() != "gpu":
         args.interpret = True
