@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -107,11 +108,18 @@ def _check_choice(value: Any, choices: Any, field: str) -> None:
     _check(value in allowed, field, f"must be one of {allowed}, got {value!r}")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A dataclass's resolved field annotations, evaluated once per class: every
+    `ModelConfig(...)` (and `dataclasses.replace`) checks its fields' types with them."""
+    return typing.get_type_hints(cls)
+
+
 def _check_scalar_types(cfg: Any) -> None:
     """ConfigError naming the first bool / int / float field of dataclass `cfg` holding
     another type: a config built in Python skips `from_dict`'s coercion, and a
     `tie_embeddings="yes"` would count as true, an `n_experts_per_tok=2.5` fail deep in jax."""
-    hints = typing.get_type_hints(type(cfg))
+    hints = _type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         if hints[f.name] in (bool, int, float):
             _coerce(getattr(cfg, f.name), hints[f.name], f.name)
@@ -177,7 +185,7 @@ def from_dict(cls: type[T], data: dict[str, Any], *, prefix: str = "") -> T:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
