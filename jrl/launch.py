@@ -34,8 +34,8 @@ from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
-from jrl.rl.tasks import make_task
-from jrl.rl.warm_start import run_warm_start
+from jrl.rl.tasks import check_task_prompt_lengths, make_task, prompt_limit
+from jrl.rl.warm_start import render_warm_start, run_warm_start, task_format
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, trainable_groups
 from jrl.train.strategies import get_strategy, strategy_options
@@ -122,18 +122,40 @@ def _records(n: int) -> str:
     return f"{n:,} record" + ("" if n == 1 else "s")
 
 
-def check_data(config: TrainConfig) -> str:
-    """Reads every record of the run's data with the run's own loaders (the data pipeline's
-    encoding; an RL task's files), so a bad record fails a dry run with the run's error
-    (file:line, field); what was read, for the dry run's `# data:` line."""
-    if config.strategy.name in RL_STRATEGIES:
-        c = RLOptions.from_config(config.strategy.options).task
-        if c.name != "jsonl":
-            return f"task {c.name} (generated)"
-        task = make_task(c)
-        return ", ".join(f"{name} {_records(len(problems))} ({path or f'set aside from {c.train}'})"
+def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | None]:
+    """An RL run's `check_data`: reads the task's files, checks that every prompt leaves
+    room for the completion (data.seq_len - strategy.options.max_new_tokens, as the GRPO
+    stage checks) and, with a `warm_start`, reads and renders its demonstrations as the warm
+    start does (nothing written). Returns the `# data:` and `# warm start:` lines' text (the
+    latter None without a warm start)."""
+    options = RLOptions.from_config(config.strategy.options)
+    c = options.task
+    task = make_task(c)
+    limit = prompt_limit(config.data.seq_len, options.max_new_tokens)
+    fmt = task_format(config, options)
+    if not options.episodes:  # an episode's prompt is its environment's (the runner checks its length)
+        check_task_prompt_lengths(task, lambda problems: [fmt.encode(p) for p in problems], limit)
+    if c.name != "jsonl":
+        data = f"task {c.name} (generated)"
+    else:
+        data = ", ".join(f"{name} {_records(len(problems))} ({path or f'set aside from {c.train}'})"
                          for name, problems, path in (("train", task.train, c.train), ("heldout", task.heldout, c.heldout),
                                                       ("validation", task.validation, c.validation)))
+    if not warm_start:
+        return data, None
+    demos = render_warm_start(config, task, fmt)
+    n = f"{demos.count:,} demonstration" + ("" if demos.count == 1 else "s")
+    return data, f"{n} ({demos.source}" + (f"; {demos.dropped:,} left out: held-out or validation prompts)"
+                                            if demos.dropped else ")")
+
+
+def check_data(config: TrainConfig, warm_start: bool = False) -> tuple[str, str | None]:
+    """Reads every record of the run's data with the run's own loaders (the data pipeline's
+    encoding; an RL task's files and, with `warm_start`, its demonstrations), so a bad
+    record fails a dry run with the run's error (file:line, field); what was read, for the
+    dry run's `# data:` (and `# warm start:`) line."""
+    if config.strategy.name in RL_STRATEGIES:
+        return check_rl_data(config, warm_start)
     tokenizer = load_run_tokenizer(config)
     parts = []
     for split in ("train", "eval"):
@@ -141,14 +163,17 @@ def check_data(config: TrainConfig) -> str:
         if checked is not None:
             source, count = checked
             parts.append(f"{split} {source}" if count is None else f"{split} {_records(count)} ({source})")
-    return ", ".join(parts)
+    return ", ".join(parts), None
 
 
-def dry_run(config, output_dir: str | None) -> None:
+def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -> None:
     """Prints the run's config as it will run (options that depend on others resolved),
-    what its data holds and its parameter count. Reads the data first: a bad record
-    raises before anything is printed."""
-    data = check_data(config)
+    what its data (and its warm start's demonstrations) hold and its parameter count. Reads
+    the data first: a bad record raises before anything is printed. `warm_start`: whether
+    the run starts with one (default: `has_warm_start` of a config file's run)."""
+    if warm_start is None:
+        warm_start = has_warm_start(config, embedded_default=False)
+    data, demonstrations = check_data(config, warm_start)
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     groups = param_groups(abstract)
     trainable = trainable_groups(config.optimizer, set(jax.tree.leaves(groups)))
@@ -162,6 +187,8 @@ def dry_run(config, output_dir: str | None) -> None:
         print(f"# note: {note}")
     print(f"# output_dir: {output_dir or config.run_dir}")
     print(f"# data: {data}")
+    if demonstrations is not None:
+        print(f"# warm start: {demonstrations}")
     print(f"# parameters: {total:,} ({n_train:,} trainable)")
 
 
@@ -175,7 +202,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         return cli_exit(e)
     if args.dry_run:
         try:
-            dry_run(config, args.output_dir)
+            dry_run(config, args.output_dir, warm_start=has_warm_start(config, embedded_default=not args.config))
         except CONFIG_ERRORS as e:
             return cli_exit(e)
         return 0

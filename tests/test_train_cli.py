@@ -181,3 +181,35 @@ def test_a_dry_run_prints_the_record_count_of_each_rl_task_split(tmp_path, capsy
                  f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}"]) == 0
     out = capsys.readouterr().out
     assert f", heldout 2 records ({tmp_path / 'test.jsonl'}), validation 200 records (set aside from bundled:reverse)\n" in out
+
+
+def test_a_dry_run_names_a_bad_warm_start_demonstration(tmp_path, capsys):
+    (tmp_path / "demos.jsonl").write_text('{"prompt": "ab>", "response": "ba"}\n{"prompt": "cd>", "answer": "dc"}\n')
+    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
+                 f"strategy.options.warm_start.source={tmp_path / 'demos.jsonl'}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == (
+        f"config error: {tmp_path / 'demos.jsonl'}:2: missing field 'response' "
+        f"(strategy.options.warm_start.response_field); the record has ['answer', 'prompt']")
+    assert captured.out == ""  # the demonstrations are read before the config is printed
+
+
+def test_a_dry_run_prints_the_warm_start_demonstration_count(capsys):
+    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run"]) == 0
+    assert ("# warm start: 3,600 demonstrations (bundled:reverse; 400 left out: held-out or validation prompts)\n"
+            in capsys.readouterr().out)
+
+
+def test_a_dry_run_names_an_rl_prompt_too_long_for_the_completion(tmp_path, capsys):
+    (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n{"prompt": "abcdefghijkl>", "answer": "x"}\n')
+    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
+                 f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: {tmp_path / 'test.jsonl'}:2: the prompt is 19 tokens, longer than data.seq_len - "
+        f"strategy.options.max_new_tokens = 11 (task split heldout); raise data.seq_len or shorten the prompt")
+
+
+def test_a_dry_run_refuses_a_seq_len_that_leaves_no_room_for_a_prompt(capsys):
+    assert main(["--dry-run", "strategy.options.max_new_tokens=16"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: data.seq_len: must exceed strategy.options.max_new_tokens (16), got 16")

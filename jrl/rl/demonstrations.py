@@ -117,16 +117,29 @@ def _turns(value: list, where: str, field: str) -> list[dict]:
     return list(turns)
 
 
-def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prompt_field: str,
-                           excluded: list[Problem], out_dir: Path, *, seed: int = 0,
-                           tools: list | None = None) -> Demonstrations:
-    """Reads the demonstrations, renders their prompts with `fmt` and leaves out those whose
+@dataclasses.dataclass(frozen=True)
+class RenderedDemonstrations:
+    """Demonstrations read and rendered, not yet written: `rows` (`{"prompt", "response",
+    "templated"}`, one per single-turn demonstration, one per assistant turn of a multi-turn
+    one), `count` kept, `dropped` left out, `as_is` when the source can be trained on as it
+    is (no prompt rendered, nothing left out)."""
+
+    source: str
+    prompt_field: str
+    response_field: str
+    rows: list[dict]
+    count: int
+    dropped: int
+    as_is: bool
+
+
+def render_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prompt_field: str,
+                          excluded: list[Problem], *, seed: int = 0, tools: list | None = None) -> RenderedDemonstrations:
+    """Reads every demonstration and renders its prompt with `fmt`, leaving out those whose
     rendered prompt is one of `excluded` (the task's held-out and validation problems).
-    When every prompt renders as it is and nothing is left out, the source is used as it
-    is; otherwise the rendered demonstrations are written to `out_dir/demonstrations.jsonl`
-    (`{"prompt", "response"}` records, one per assistant turn of a multi-turn one).
-    `tools`: the run's tool schemas, rendered into every prompt (the chat template's
-    `tools=`), as the episodes render them."""
+    Errors name the record (file:line) and the field. Writes nothing: what a dry run checks
+    and `prepare_demonstrations` writes. `tools`: the run's tool schemas, rendered into
+    every prompt (the chat template's `tools=`), as the episodes render them."""
     prompt_field = config.prompt_field or task_prompt_field
     response_field = config.response_field
     forbidden = {fmt.render(p, tools=tools) for p in excluded}
@@ -172,11 +185,21 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
     if not rows:
         raise ConfigError(f"{PREFIX}source: no demonstrations left in {config.source!r}"
                           + (f" ({dropped} are held-out or validation prompts of the task)" if dropped else ""))
-    if as_is and not dropped:
-        return Demonstrations(config.source, prompt_field, response_field, add_eos=True, count=kept, dropped=0)
     if len({r["templated"] for r in rows}) > 1:
         raise ConfigError(f"{PREFIX}source: some prompts of {config.source!r} are rendered with the chat template "
                           f"and some are not; give them one form (all text or all message lists)")
+    return RenderedDemonstrations(config.source, prompt_field, response_field, rows, kept, dropped,
+                                  as_is and not dropped)
+
+
+def write_demonstrations(rendered: RenderedDemonstrations, out_dir: Path) -> Demonstrations:
+    """What the SFT stage trains on: the source as it is when `rendered.as_is`, else the
+    rendered demonstrations written to `out_dir/demonstrations.jsonl` (`{"prompt",
+    "response"}` records)."""
+    if rendered.as_is:
+        return Demonstrations(rendered.source, rendered.prompt_field, rendered.response_field, add_eos=True,
+                              count=rendered.count, dropped=0)
+    rows = rendered.rows
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "demonstrations.jsonl"
     tmp = path.with_name(path.name + ".tmp")
@@ -184,5 +207,15 @@ def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prom
         for r in rows:
             f.write(json.dumps({"prompt": r["prompt"], "response": r["response"]}, ensure_ascii=False) + "\n")
     tmp.replace(path)
-    return Demonstrations(str(path), "prompt", "response", add_eos=not rows[0]["templated"], count=kept,
-                          dropped=dropped)
+    return Demonstrations(str(path), "prompt", "response", add_eos=not rows[0]["templated"], count=rendered.count,
+                          dropped=rendered.dropped)
+
+
+def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prompt_field: str,
+                           excluded: list[Problem], out_dir: Path, *, seed: int = 0,
+                           tools: list | None = None) -> Demonstrations:
+    """`render_demonstrations`, then `write_demonstrations`: when every prompt renders as
+    it is and nothing is left out, the source is used as it is; otherwise the rendered
+    demonstrations are written to `out_dir/demonstrations.jsonl`."""
+    return write_demonstrations(render_demonstrations(config, fmt, task_prompt_field, excluded, seed=seed,
+                                                      tools=tools), out_dir)

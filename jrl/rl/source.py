@@ -93,7 +93,7 @@ from jrl.rl.options import RLOptions
 from jrl.rl.placement import Placement
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.replicas import ReplicaPool
-from jrl.rl.tasks import check_task_prompt_lengths, make_task
+from jrl.rl.tasks import check_task_prompt_lengths, make_task, prompt_limit
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.rollout.shared import SharedEngine
@@ -155,10 +155,7 @@ class RolloutSource:
         self.eval_samples = eval_samples
         self._prompt_ids: dict[str, np.ndarray] = {}
         self._warned_no_signal = False  # a rollout with no group to learn from is reported once
-        limit = self.seq_len - o.max_new_tokens
-        if limit < 1:
-            raise ConfigError(f"data.seq_len: must exceed strategy.options.max_new_tokens ({o.max_new_tokens}), "
-                              f"got {self.seq_len}")
+        limit = prompt_limit(self.seq_len, o.max_new_tokens)
         if self.episodes is None:  # an episode's prompt is its environment's (the runner checks its length)
             check_task_prompt_lengths(self.task, self.prompt_ids, limit)
         self.batch_size = batch_size

@@ -195,6 +195,15 @@ def check_task_prompt_lengths(task: Task, encode, limit: int) -> None:
         check_prompt_lengths(problems, encode(problems), limit, f"task split {name}")
 
 
+def prompt_limit(seq_len: int, max_new_tokens: int) -> int:
+    """The most prompt tokens a GRPO row holds: data.seq_len - strategy.options.max_new_tokens,
+    which must leave room for a prompt."""
+    if seq_len - max_new_tokens < 1:
+        raise ConfigError(f"data.seq_len: must exceed strategy.options.max_new_tokens ({max_new_tokens}), "
+                          f"got {seq_len}")
+    return seq_len - max_new_tokens
+
+
 def check_prompt_lengths(problems: Sequence[Problem], encoded: Sequence[np.ndarray], limit: int,
                          what: str) -> None:
     """Every prompt must leave room for the response: `limit` = seq_len - max_new_tokens."""

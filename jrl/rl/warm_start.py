@@ -29,13 +29,14 @@ from jrl import checkpoint
 from jrl.config import (CheckpointConfig, ConfigError, DataConfig, ScheduleConfig, Section, StrategyConfig,
                         TrainConfig)
 from jrl.data.tasks import Problem
-from jrl.rl.demonstrations import Demonstrations, WarmStartConfig, prepare_demonstrations
+from jrl.rl.demonstrations import (Demonstrations, RenderedDemonstrations, WarmStartConfig, render_demonstrations,
+                                   write_demonstrations)
 from jrl.rl.engines import engine_config_for, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
-from jrl.rl.tasks import check_task_prompt_lengths, make_task
+from jrl.rl.tasks import Task, check_task_prompt_lengths, make_task
 from jrl.rl.tools import resolve_tool
 from jrl.train.callbacks import Callback
 from jrl.train.initial import load_run_tokenizer
@@ -133,6 +134,26 @@ def warm_start_config(config: TrainConfig, demonstrations: Demonstrations | None
                        parallel=config.parallel)
 
 
+def task_format(config: TrainConfig, options: RLOptions) -> PromptFormat:
+    """How the run renders and encodes its task's prompts (its tokenizer, the task's chat
+    template, system prompt and stops)."""
+    return PromptFormat(load_run_tokenizer(config), chat_template=options.task.chat_template,
+                        system_prompt=options.task.system_prompt, stop=options.task.stop)
+
+
+def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> RenderedDemonstrations:
+    """The warm start's demonstrations of `config` (its `task`, rendered by `fmt`), read and
+    checked as the warm start trains on them; writes nothing (a dry run's check)."""
+    options = RLOptions.from_config(config.strategy.options)
+    ws = _warm_start_of(options)
+    if not task.validation:
+        raise ConfigError("strategy.options.task: the warm start stops on validation accuracy, and the task has no "
+                          "validation problems (give task.validation or task.n_validation >= 1)")
+    tools = [resolve_tool(name, f"strategy.options.tools[{i}]").schema for i, name in enumerate(options.tools)]
+    return render_demonstrations(ws, fmt, options.task.prompt_field, task.heldout + task.validation,
+                                 seed=config.data.seed, tools=tools or None)
+
+
 def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume: bool = False,
                    overwrite: bool = False) -> TrainConfig | None:
     """Trains the warm start of `config` into `<run_dir>/warm_start` (resuming it when
@@ -147,17 +168,11 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
     if not resume and not overwrite:
         check_fresh_start(warm_dir / "checkpoints")  # before demonstrations are rendered over its own
     task = make_task(options.task)
-    if not task.validation:
-        raise ConfigError("strategy.options.task: the warm start stops on validation accuracy, and the task has no "
-                          "validation problems (give task.validation or task.n_validation >= 1)")
-    fmt = PromptFormat(load_run_tokenizer(config), chat_template=options.task.chat_template,
-                       system_prompt=options.task.system_prompt, stop=options.task.stop)
+    fmt = task_format(config, options)
     limit = config.data.seq_len - options.max_new_tokens
     if not options.episodes and limit >= 1:  # the GRPO stage's check, made before the warm start trains
         check_task_prompt_lengths(task, lambda problems: [fmt.encode(p) for p in problems], limit)
-    tools = [resolve_tool(name, f"strategy.options.tools[{i}]").schema for i, name in enumerate(options.tools)]
-    demos = prepare_demonstrations(ws, fmt, options.task.prompt_field, task.heldout + task.validation, warm_dir,
-                                   seed=config.data.seed, tools=tools or None)
+    demos = write_demonstrations(render_warm_start(config, task, fmt), warm_dir)
     if demos.source != ws.source:
         print(f"warm start: {demos.count} demonstrations of {ws.source} rendered into {demos.source}"
               + (f" ({demos.dropped} left out: held-out or validation prompts)" if demos.dropped else ""),
