@@ -85,6 +85,22 @@ def test_an_off_policy_resume_with_another_group_size_generates_the_pending_roll
         (1, 0, 0), (3, 1, 0), (5, 2, 4), (6, 3, 4)]
 
 
+def test_an_on_policy_resume_of_an_off_policy_checkpoint_says_it_drops_the_pending_rollout(tmp_path):
+    # stopped after step 3: rollout 1 has one minibatch left and rollout 2 (sampled at version
+    # 2) is pending; the on-policy resume trains rollout 1's last minibatch, then samples a
+    # rollout 2 of its own from the weights of step 4
+    run(tiny(steps=6, off_policy=True), tmp_path, callbacks=[StopAfter(3)])
+    with pytest.warns(ResumeWarning) as caught:
+        resumed, rows = run(tiny(steps=6), tmp_path, resume=True)
+    assert [str(w.message) for w in caught] == [
+        "resume: the checkpoint holds a rollout generated ahead (saved by a strategy.options.off_policy: true run), "
+        "this config has strategy.options.off_policy false, which samples each rollout from the current weights: "
+        "it is dropped and generated anew"]
+    assert int(resumed.state.step) == 6
+    assert [(r["step"], r["rl_step"], r["behaviour_version"]) for r in rows if "rl_step" in r] == [
+        (1, 0, 0), (3, 1, 0), (5, 2, 4)]
+
+
 def test_a_checkpoint_of_older_jrl_with_only_the_rollout_counter_still_loads(tmp_path):
     learner = build_learner(tiny(steps=2), output_dir=tmp_path)
     learner.source.load_state_dict({"rl_step": 3})
