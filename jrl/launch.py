@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import jax
 import yaml
 
+from jrl import checkpoint
 from jrl.config import (CONFIG_ERRORS, ConfigError, ParallelConfig, TrainConfig, cli_exit, cli_warnings,
                         load_train_config, to_dict)
 from jrl.data.pipeline import check_records
@@ -217,7 +219,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         if not resuming and not overwrite:
             check_not_in_use(run_dir)  # a live run's checkpoints: "in use", not "resume them"
             check_fresh_start(run_dir / "checkpoints")
-        if has_warm_start(config, embedded_default=not args.config):  # SFT warm start, then GRPO
+        resume = args.resume
+        warm_start = has_warm_start(config, embedded_default=not args.config)
+        if warm_start:  # SFT warm start, then GRPO
             # the run directory is locked through the warm start too: a second run into it must
             # not render demonstrations into, nor --overwrite, the warm start of a live run
             lock = acquire_for_run(run_dir)
@@ -229,7 +233,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
             if config is None:
                 return 0
         trainer = make_trainer(config, output_dir=args.output_dir)
-        state = trainer.fit(resume=args.resume, overwrite=overwrite, resume_from=args.resume_from)
+        if warm_start and resume and checkpoint.latest_step(trainer.checkpoint_dir) is None:
+            # stopped during (or right after) the warm start: GRPO starts from the warm start's checkpoint,
+            # not a fresh run as the trainer's own warning would have it
+            warnings.warn(f"resume: GRPO has no checkpoint in {trainer.checkpoint_dir} yet; it starts at step 0 "
+                          f"from the warm start's checkpoint in {config.init_from}", stacklevel=2)
+            resume = False
+        state = trainer.fit(resume=resume, overwrite=overwrite, resume_from=args.resume_from)
     except (ConfigError, FileExistsError, HFFormatError, *RUN_FAILURES) as e:
         return cli_exit(e, failed=RUN_FAILURES, config_errors=())
     except KeyboardInterrupt:  # a second Ctrl-C: one line, not a traceback through whatever ran

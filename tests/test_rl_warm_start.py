@@ -202,3 +202,47 @@ def test_config_warm_start_runs_first_and_resume_skips_it_once_done(tmp_path, ca
     assert "warm start finished" not in capsys.readouterr().out
     assert (out / "warm_start" / "metrics.jsonl").read_text() == warm_rows
     assert checkpoint.latest_step(out / "checkpoints") == 3
+
+
+def test_resuming_a_run_killed_during_its_warm_start_says_what_starts_again(tmp_path):
+    # killed (no signal handler ran) during the warm start: it had logged a step and saved no
+    # checkpoint (it saves when it ends or a signal stops it); GRPO had not started. Each stage
+    # says where it starts, neither "starting a fresh run" (which read as if the whole run
+    # started over); `main` prints each warning as one "warning: <message>" line
+    out = tmp_path / "run"
+    (out / "warm_start").mkdir(parents=True)
+    (out / "warm_start" / "metrics.jsonl").write_text('{"step": 1, "policy_version": 1, "loss": 2.0}\n')
+    args = ["--config", str(CONFIG), f"--output-dir={out}", "--resume", "steps=1", "data.batch_size=8",
+            "strategy.options.prompts_per_step=4", "strategy.options.group_size=2",
+            "strategy.options.task.n_heldout=8", "strategy.options.task.n_validation=8",
+            "strategy.options.warm_start.source=bundled:reverse:200", "strategy.options.warm_start.max_steps=1",
+            "strategy.options.warm_start.check_every=1000", "eval.every=0", "eval.at_end=false",
+            "logging.progress=false", "logging.plot=false"]
+    with pytest.warns(UserWarning) as caught:
+        assert main(args) == 0
+    assert [str(w.message) for w in caught if str(w.message).startswith("resume:")] == [
+        f"resume: the warm start has no checkpoint in {out / 'warm_start' / 'checkpoints'} (it saves one only when "
+        "it ends or a signal stops it); it starts again at step 0 from the seeded initial weights, then GRPO follows",
+        f"resume: GRPO has no checkpoint in {out / 'checkpoints'} yet; it starts at step 0 from the warm start's "
+        f"checkpoint in {out / 'warm_start' / 'checkpoints'}"]
+    assert checkpoint.all_steps(out / "warm_start" / "checkpoints") == [1]
+    assert checkpoint.all_steps(out / "checkpoints") == [1]
+
+
+def test_resuming_a_warm_start_stopped_by_a_signal_says_which_checkpoint_it_continues(tmp_path, capsys):
+    # a signal stopped the warm start after it saved step 1 (no warm_start/done): --resume continues it there
+    config = load_train_config(str(CONFIG), ["strategy.options.warm_start.source=bundled:reverse:200",
+                                             "strategy.options.task.n_heldout=8", "strategy.options.task.n_validation=8",
+                                             "strategy.options.warm_start.max_steps=1",
+                                             "strategy.options.warm_start.check_every=1000", "logging.progress=false"])
+    run_warm_start(config, output_dir=str(tmp_path))
+    (tmp_path / "warm_start" / "done").unlink()
+    capsys.readouterr()
+    more = load_train_config(str(CONFIG), ["strategy.options.warm_start.source=bundled:reverse:200",
+                                           "strategy.options.task.n_heldout=8", "strategy.options.task.n_validation=8",
+                                           "strategy.options.warm_start.max_steps=2",
+                                           "strategy.options.warm_start.check_every=1000", "logging.progress=false"])
+    run_warm_start(more, output_dir=str(tmp_path), resume=True)
+    assert capsys.readouterr().out.splitlines()[1] == (  # after the demonstrations' line
+        f"warm start: resuming from its checkpoint step_1 in {tmp_path / 'warm_start' / 'checkpoints'}")
+    assert checkpoint.all_steps(tmp_path / "warm_start" / "checkpoints") == [2]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from pathlib import Path
 
 from jrl import checkpoint
@@ -179,8 +180,17 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
               flush=True)
     stop = StopAtValidationAccuracy(config, ws.target_accuracy, ws.check_every, problems=task.validation)
     trainer = Trainer(warm_start_config(config, demos), output_dir=warm_dir, callbacks=[stop])
-    if resume or overwrite or checkpoint.latest_step(trainer.checkpoint_dir) is None:
+    latest = checkpoint.latest_step(trainer.checkpoint_dir)
+    if resume or overwrite or latest is None:
         done.unlink(missing_ok=True)  # else fit refuses to start over an earlier warm start, which stays marked
+    if resume and latest is None:  # interrupted before it saved (it saves when it ends or a signal stops it)
+        warnings.warn(f"resume: the warm start has no checkpoint in {trainer.checkpoint_dir} (it saves one only "
+                      f"when it ends or a signal stops it); it starts again at step 0 from "
+                      f"{f'init_from {config.init_from}' if config.init_from else 'the seeded initial weights'}, "
+                      f"then GRPO follows", stacklevel=2)
+        resume = False  # not the trainer's "starting a fresh run", which reads as if the whole run started over
+    elif resume:
+        print(f"warm start: resuming from its checkpoint step_{latest} in {trainer.checkpoint_dir}", flush=True)
     state = trainer.fit(resume=resume, overwrite=overwrite)
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"warm start finished at step {int(state.step)}{reason}; run directory: {trainer.run_dir}",
