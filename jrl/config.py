@@ -314,6 +314,11 @@ class LoraConfig:
 DEFAULT_EXACT_ROWS = 256
 
 
+# The ModelConfig fields only an MoE model (n_experts > 0) reads.
+MOE_ONLY_FIELDS = ("n_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "n_shared_experts",
+                   "shared_expert_intermediate_size", "shared_expert_gate", "router_aux_loss_coef")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. Defaults describe a tiny model for CPU tests."""
@@ -443,6 +448,7 @@ class ModelConfig:
                 _check(target not in ("k", "v"), f"lora.targets[{i}]",
                        f"{target!r} has no projection in MLA (kv_b_proj is shared by the "
                        "absorbed path); use q, o, gate, up or down")
+        _check(self.n_experts >= 0, "n_experts", "must be >= 0")
         if self.is_moe:
             _check(1 <= self.n_experts_per_tok <= self.n_experts, "n_experts_per_tok",
                    f"must be in [1, n_experts={self.n_experts}], got {self.n_experts_per_tok}")
@@ -459,7 +465,13 @@ class ModelConfig:
                     _check(target not in ("gate", "up", "down"), f"lora.targets[{i}]",
                            f"{target!r} has no projection in an MoE model without a shared expert "
                            "(routed experts never carry adapters); use q, k, v or o")
-        _check(self.n_experts >= 0, "n_experts", "must be >= 0")
+        else:  # a dense MLP reads none of the MoE fields: a value set there would be ignored without a word
+            for name in MOE_ONLY_FIELDS:
+                default = ModelConfig.__dataclass_fields__[name].default
+                v = getattr(self, name)
+                _check(v == default, name,
+                       f"set to {v!r} but the model is dense (n_experts {self.n_experts}), which ignores it; set "
+                       f"n_experts > 0 for an MoE model, or leave {name} at its default ({default!r})")
         if self.matmul_dtype is not None:
             _check_choice(self.matmul_dtype, MatmulDtype, "matmul_dtype")
             _check_choice(self.fp8_scaling, Fp8Scaling, "fp8_scaling")

@@ -26,6 +26,23 @@ def test_derived_widths_for_mla_and_moe():
     assert ModelConfig(n_experts=8, shared_expert_intermediate_size=24).shared_intermediate == 24
 
 
+def test_a_dense_model_refuses_an_moe_field_it_would_ignore():
+    with pytest.raises(ConfigError) as e:
+        model_config_from_dict({"n_experts_per_tok": 4})
+    assert str(e.value) == ("model.n_experts_per_tok: set to 4 but the model is dense (n_experts 0), which ignores "
+                            "it; set n_experts > 0 for an MoE model, or leave n_experts_per_tok at its default (2)")
+
+
+@pytest.mark.parametrize("field, value", [("moe_intermediate_size", 32), ("norm_topk_prob", False),
+                                          ("n_shared_experts", 1), ("shared_expert_intermediate_size", 24),
+                                          ("shared_expert_gate", True), ("router_aux_loss_coef", 0.0)])
+def test_every_moe_only_field_set_on_a_dense_model_is_named(field, value):
+    with pytest.raises(ConfigError, match=rf"^model\.{field}: set to {value!r} but the model is dense \(n_experts 0\)"):
+        model_config_from_dict({field: value})
+    moe = ModelConfig(**{"n_experts": 4, "n_shared_experts": 1, field: value})  # an MoE model reads it
+    assert getattr(moe, field) == value
+
+
 def test_lora_scale_is_alpha_over_rank():
     assert LoraConfig(rank=8, alpha=32.0).scale == 4.0
 
