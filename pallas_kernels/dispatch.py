@@ -30,6 +30,13 @@ IMPLS = ("auto", "reference", "pallas", "interpret")
 PAGE_MULTIPLE = 8
 
 
+def kernel_reads_pages(page_size: int) -> bool:
+    """Whether the kernels read pages of `page_size` tokens with their default key blocks
+    (64 keys for decode and exact attention, 128 for prefill), each copy a whole page or a
+    whole block: 8, 16, 32 or 64 tokens, or a multiple of 128."""
+    return page_size % PAGE_MULTIPLE == 0 and (64 % page_size == 0 or page_size % 128 == 0)
+
+
 @functools.cache
 def on_hopper() -> bool:
     """True when the default backend is an NVIDIA GPU of compute capability 9.x."""
@@ -50,7 +57,7 @@ def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> 
     return (v_buf is not None and v_buf.shape == k_buf.shape and (v_head_dim in (None, d))
             and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 57
             and dtype_ok and v_buf.dtype == k_buf.dtype
-            and page_size % PAGE_MULTIPLE == 0 and n_slots % PAGE_MULTIPLE == 0)
+            and kernel_reads_pages(page_size) and n_slots % PAGE_MULTIPLE == 0)
 
 
 def _resolve(impl: Impl, supported: bool, op: str) -> str:
@@ -60,8 +67,9 @@ def _resolve(impl: Impl, supported: bool, op: str) -> str:
         return "pallas" if supported and on_hopper() else "reference"
     if impl in ("pallas", "interpret") and not supported:
         raise ValueError(f"{op}: impl={impl!r} needs bf16/f16 K/V buffers (or fp8 ones with "
-                         f"page_size a multiple of 32) with head_dim 64 or 128, page_size and "
-                         f"n_slots multiples of 8 and v_buf given")
+                         f"page_size a multiple of 32) with head_dim 64 or 128, at most 57 query heads per KV "
+                         f"head, page_size 8, 16, 32, 64 or a multiple of 128, n_slots a multiple of 8 "
+                         f"and v_buf given")
     return impl
 
 

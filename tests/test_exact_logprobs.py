@@ -281,6 +281,7 @@ def test_rl_options_that_cannot_be_exact_are_refused_naming_the_field(options, f
     ({"page_size": 4}, "gpu"),  # "auto" would run the reference in the engine, the kernel in the trainer
     ({"page_size": 4, "attention_impl": "pallas"}, "cpu"),
     ({"page_size": 4, "attention_impl": "pallas"}, "gpu"),
+    ({"page_size": 24}, "gpu"),  # a multiple of 8 that neither divides the kernels' key blocks nor is one
 ])
 def test_engine_pages_the_exact_kernel_cannot_read_are_refused(engine, backend):
     with pytest.raises(ConfigError, match="engine.page_size"):

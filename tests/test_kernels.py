@@ -429,6 +429,24 @@ def test_auto_runs_the_reference_off_gpu_and_for_mla():
     assert mla.shape == (2, 4, 32)
 
 
+@pytest.mark.parametrize("page_size, reads", [(8, True), (16, True), (32, True), (64, True), (128, True),
+                                                (256, True), (24, False), (48, False), (96, False), (192, False)])
+def test_kernel_supports_only_pages_the_kernels_read_with_their_key_blocks(page_size, reads):
+    # Decode reads keys in blocks of 64, prefill of 128: a page must divide the block or be
+    # whole blocks, or "auto" would hand a Hopper GPU's kernel a shape it refuses.
+    kb = jnp.zeros((1, 768, 1, 64), jnp.bfloat16)
+    q = jnp.zeros((1, 2, 64), jnp.bfloat16)
+    assert dispatch.kernel_supports(q, kb, kb, page_size, None) is reads
+
+
+def test_forcing_the_kernel_on_pages_it_cannot_read_names_page_size():
+    kb = jnp.zeros((1, 48, 1, 64), jnp.bfloat16)
+    q = jnp.zeros((1, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"ragged_decode: .*page_size 8, 16, 32, 64 or a multiple of 128"):
+        dispatch.ragged_decode(q, kb, kb, 0, jnp.asarray([30], jnp.int32), jnp.asarray([[0, 1]], jnp.int32),
+                               page_size=24, sm_scale=1.0, impl="interpret")
+
+
 def test_bad_impl_and_unsupported_shapes_are_named_errors():
     rng = np.random.default_rng(6)
     kb, vb, pt = paged_inputs(rng, 1, 16, 1, 64, 16)

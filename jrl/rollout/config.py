@@ -12,7 +12,7 @@ from typing import Any, Literal
 import jax
 
 from jrl.config import DEFAULT_EXACT_ROWS, INTERPRET_IN_MODEL, AttentionImpl, ModelConfig, check, from_dict
-from pallas_kernels.dispatch import IMPLS, PAGE_MULTIPLE
+from pallas_kernels.dispatch import IMPLS, kernel_reads_pages
 from pallas_kernels.quantized import KV_DTYPES
 
 
@@ -208,8 +208,8 @@ def check_exact(config: EngineConfig, model: ModelConfig, backend: str) -> None:
     engine's pages must then be readable too, as they must for a forced kernel anywhere."""
     if not config.exact_logprobs:
         return
-    check(not kernel_runs(config, backend) or config.page_size % PAGE_MULTIPLE == 0, "engine.page_size",
-          f"must be a multiple of {PAGE_MULTIPLE} with exact_logprobs where the attention kernel runs (it reads "
+    check(not kernel_runs(config, backend) or kernel_reads_pages(config.page_size), "engine.page_size",
+          f"must be 8, 16, 32, 64 or a multiple of 128 with exact_logprobs where the attention kernel runs (it reads "
           f"no other pages, and the trainer's exact attention must run what the engine runs; attention_impl: "
           f"reference reads any), got {config.page_size}")
     check(model.attention == "gqa" and not model.is_moe and model.matmul_dtype is None, "engine.exact_logprobs",
