@@ -430,7 +430,8 @@ def test_unscanned_layers_give_the_same_loss_and_gradients_from_the_same_params(
     want_loss, want_grads = loss_and_grads(BASE)
     loss, grads = loss_and_grads(cfg)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7), grads, want_grads)
+    # float32 sums in another order (XLA's CPU code differs between hosts): 1.3e-7 seen
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=5e-7), grads, want_grads)
     tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
     text = jax.jit(functools.partial(models.apply, cfg)).lower(shapes(cfg), tokens).as_text()
     assert "stablehlo.while" not in text  # one copy of the layer per layer, no loop
