@@ -11,9 +11,9 @@ from jrl.config import ConfigError, ModelConfig, ParallelConfig
 from jrl.models import apply, dense_attention, forward, init_params
 from jrl.models.fp8 import E4M3, WIDEN_PER_PRODUCT_ROWS, quantize_columns, scaled_matmul
 from jrl.models.fused import fuse_projections
-from jrl.models.quantized import quantize_projections
+from jrl.models.quantized import LayerParts, join_layers, quantize_projections, split_layers
 from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
-from jrl.rollout.tuning import resolve_tuning
+from jrl.rollout.tuning import resolve_tuning, stable_temp_addresses
 
 BF16 = ModelConfig(dtype="bfloat16", param_dtype="bfloat16", hidden_size=128, intermediate_size=256, n_heads=4,
                    n_kv_heads=2, head_dim=32, vocab_size=256)
@@ -21,6 +21,9 @@ ENGINE = dict(page_size=8, n_pages=64, max_batch=4, max_tokens_per_step=32, toke
               batch_buckets=(4,), max_seq_len=64)
 FP8 = dict(ENGINE, weight_dtype="float8_e4m3fn")
 SEPARATE = TuningOverrides(fuse_projections=False)
+# Unrolled decode steps (as on GPU), two a call, with the kernels stacked or a buffer per layer.
+STACKED = TuningOverrides(unroll_layers=True, decode_steps_per_call=2, per_layer_weights=False)
+PER_LAYER = TuningOverrides(unroll_layers=True, decode_steps_per_call=2, per_layer_weights=True)
 
 init = jax.jit(init_params, static_argnums=0)
 log_probs = jax.jit(lambda config, params, tokens: jax.nn.log_softmax(apply(config, params, tokens)),
@@ -173,3 +176,64 @@ def test_fp8_weights_keep_large_decode_steps_on_gemms_that_convert_as_they_load(
     assert resolve_tuning("gpu", BF16, EngineConfig(**ENGINE)).cublas_decode_rows > 0
     assert resolve_tuning("gpu", BF16, EngineConfig(**FP8)).cublas_decode_rows == 0
     assert resolve_tuning("gpu", BF16, EngineConfig(**FP8), TuningOverrides(cublas_decode_rows=64)).cublas_decode_rows == 64
+
+
+def test_per_layer_buffers_hold_each_layers_e4m3_kernel_and_join_back_bitwise(weights):
+    served = quantize_projections(weights[0])
+    split = split_layers(served)
+    parts = split["layers"]["mlp"]["down_proj"]["kernel_t"]
+    stacked = served["layers"]["mlp"]["down_proj"]["kernel_t"]
+    assert isinstance(parts, LayerParts) and len(parts.parts) == BF16.n_layers
+    for layer, part in enumerate(parts.parts):
+        np.testing.assert_array_equal(np.asarray(part, np.float32), np.asarray(stacked[layer], np.float32))
+    assert split["layers"]["mlp"]["down_proj"]["kernel_scale"] is served["layers"]["mlp"]["down_proj"]["kernel_scale"]
+    assert split["embed"] is served["embed"]  # only the e4m3 kernels are split
+    joined = jax.jit(join_layers)(split)
+    assert jax.tree.structure(joined) == jax.tree.structure(served)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)),
+                 joined, served)
+
+
+def test_per_layer_engine_generates_what_the_stacked_engine_does(weights):
+    engine = Engine(BF16, weights[0], EngineConfig(**FP8), tuning=PER_LAYER)
+    assert isinstance(engine.params["layers"]["attn"]["o_proj"]["kernel_t"], LayerParts)
+    got = engine.generate(prompts(), GREEDY, max_new_tokens=8)
+    want = Engine(BF16, weights[0], EngineConfig(**FP8), tuning=STACKED).generate(prompts(), GREEDY, max_new_tokens=8)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.model_logprobs, b.model_logprobs)
+
+
+def test_per_layer_engine_serves_each_update_from_new_per_layer_buffers(weights):
+    old, new = weights
+    engine = Engine(BF16, old, EngineConfig(**FP8), tuning=PER_LAYER)
+    engine.generate(prompts(), GREEDY, max_new_tokens=4)
+    engine.update_weights(new, 1)
+    assert isinstance(engine.params["layers"]["mlp"]["down_proj"]["kernel_t"], LayerParts)
+    got = engine.generate(prompts(), GREEDY, max_new_tokens=6)
+    want = Engine(BF16, new, EngineConfig(**FP8), tuning=STACKED).generate(prompts(), GREEDY, max_new_tokens=6)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        assert set(a.versions) == {1}
+
+
+def test_per_layer_weights_are_on_by_default_only_for_fp8_on_gpu_with_fixed_temp_addresses(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+    assert resolve_tuning("gpu", BF16, EngineConfig(**FP8)).per_layer_weights
+    assert not resolve_tuning("gpu", BF16, EngineConfig(**ENGINE)).per_layer_weights  # bf16 weights
+    assert not resolve_tuning("cpu", BF16, EngineConfig(**FP8)).per_layer_weights
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+    assert not resolve_tuning("gpu", BF16, EngineConfig(**FP8)).per_layer_weights
+    assert resolve_tuning("gpu", BF16, EngineConfig(**FP8), TuningOverrides(per_layer_weights=True)).per_layer_weights
+    assert not resolve_tuning("gpu", BF16, EngineConfig(**ENGINE), TuningOverrides(per_layer_weights=True)).per_layer_weights
+
+
+@pytest.mark.parametrize("flags, stable", [
+    ("", False),
+    ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP", True),
+    ("--xla_dump_to=/tmp/d --xla_gpu_command_buffer_update_mode=SKIP_PROFILED", True),
+    ("--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE", False),
+    ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP --xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE", False),
+])
+def test_stable_temp_addresses_reads_the_last_command_buffer_update_mode(flags, stable):
+    assert stable_temp_addresses(flags) is stable

@@ -18,9 +18,14 @@ ragged GEMM over stacked expert weights), the shared-expert gate, and MLA's `kv_
 (the absorbed decode path reads it directly). Works on either projection layout
 (separate or `jrl.models.fused`); fuse first, so fused kernels get per-column scales
 equal to those of the parts.
+
+`split_layers` holds each stacked e4m3 kernel as one buffer per layer (`LayerParts`, the
+engine's `per_layer_weights` tuning) and `join_layers` stacks them back inside a jitted step.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -65,3 +70,32 @@ def quantize_projections(params: dict) -> dict:
     if not isinstance(params.get("layers"), dict):
         raise ValueError("params/layers: missing; expected the layout of init_params(config, key)")
     return {**params, "layers": _walk(params["layers"], "params/layers")}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerParts:
+    """A stacked `[L, ...]` leaf held as L buffers of its own, one per layer. A program
+    that unrolls its layers reads each layer's buffer in place where it `join_layers`
+    them (XLA folds a static slice of the stack into the part), instead of copying a
+    layer's slice out of one stacked buffer when an e4m3 product keeps its kernel to
+    itself (`jrl.models.fp8.scaled_matmul`); a program that loops over the layers stacks
+    them once a call."""
+
+    parts: tuple[jax.Array, ...]
+
+
+def split_layers(params: dict) -> dict:
+    """Params with each e4m3 `kernel_t` under `params["layers"]` held as `LayerParts`."""
+    def split(path, leaf):
+        if getattr(path[-1], "key", None) == "kernel_t" and leaf.dtype == E4M3:
+            return LayerParts(tuple(leaf[i] for i in range(leaf.shape[0])))
+        return leaf
+    return {**params, "layers": jax.tree_util.tree_map_with_path(split, params["layers"])}
+
+
+def join_layers(params: dict) -> dict:
+    """Params with every `LayerParts` stacked back into one `[L, ...]` array (inside a
+    jitted step: see `LayerParts`); other leaves as given."""
+    return jax.tree.map(lambda x: jnp.stack(x.parts) if isinstance(x, LayerParts) else x, params,
+                        is_leaf=lambda x: isinstance(x, LayerParts))

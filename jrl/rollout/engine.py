@@ -64,7 +64,7 @@ from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig, check
 from jrl.models.fused import fuse_projections
 from jrl.models.lora import base_config, lora_params, merge_lora, with_lora_params
-from jrl.models.quantized import quantize_projections
+from jrl.models.quantized import quantize_projections, split_layers
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import (EngineConfig, bucket, check_exact, check_kv_page_size, exact_model_config,
@@ -658,7 +658,10 @@ class Engine:
             return self.sharding.place(served)
         if self.tuning.fuse_projections:
             served = fuse_projections(self.served_config, served)
-        return quantize_projections(served) if self.config.weight_dtype == "float8_e4m3fn" else served
+        if self.config.weight_dtype != "float8_e4m3fn":
+            return served
+        served = quantize_projections(served)
+        return split_layers(served) if self.tuning.per_layer_weights else served
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or

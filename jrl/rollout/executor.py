@@ -33,6 +33,7 @@ import numpy as np
 from jrl.config import ModelConfig
 from jrl.models import forward, lm_logits
 from jrl.models.exact import target_logprob
+from jrl.models.quantized import join_layers
 from jrl.rollout.backend import PagedAttention
 from jrl.rollout.cache.kv_storage import values_slot_minor
 from jrl.rollout.sampling import FLOAT_COLUMNS, SamplingArrays, sample
@@ -269,6 +270,7 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
 
     def step(params, k_buf, v_buf, prev_tokens, ints, floats, layout: StepLayout):
         holder.traces += 1  # runs once per trace, i.e. per compiled program
+        params = join_layers(params)
         if unroll_layers and layout.decode and layout.int_align % INT_ALIGN_UNROLLED:
             raise ValueError(f"layout.int_align: must be a multiple of {INT_ALIGN_UNROLLED} for an "
                              f"unrolled decode step, got {layout.int_align}")

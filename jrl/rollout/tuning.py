@@ -38,6 +38,14 @@ multi_step_max_rows: multi-step calls only while at most this many requests deco
 (FALLBACK: the engine's max_batch).
 min_decode_rows: decode steps are padded to at least this many request rows, adding a row
 bucket of that size when every bucket is smaller.
+per_layer_weights: with e4m3 served weights (`EngineConfig.weight_dtype`), hold each layer's
+projection kernels in buffers of their own (`jrl.models.quantized.LayerParts`), so an
+unrolled decode step reads them in place instead of copying each layer's slice out of the
+stacked kernels once a call. On by default on GPU only where XLA keeps the temporary
+buffers of its CUDA graphs at fixed addresses (`stable_temp_addresses`: XLA_FLAGS with
+`--xla_gpu_command_buffer_update_mode=SKIP_TEMP`): otherwise the smaller program's
+temporaries move from call to call and XLA re-records its graphs each call, which costs
+more than the copies saved (docs/performance.md, fp8). No effect with bf16 weights.
 full_width_prefill: prefill (mixed) steps pad their page table to the widest column bucket
 instead of the smallest that holds their rows (one program per token bucket, not one per
 width). On GPU the prefill kernel's work follows each row's KV length, not the table's
@@ -48,6 +56,8 @@ costs time.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 from jrl.config import ModelConfig, check
 from jrl.models.fused import fusion_keeps_exact_bits, unfusable_reason
@@ -70,9 +80,10 @@ class TuningOverrides:
     multi_step_max_rows: int | None = None
     min_decode_rows: int | None = None
     full_width_prefill: bool | None = None
+    per_layer_weights: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("unroll_layers", "fuse_projections", "full_width_prefill"):
+        for name in ("unroll_layers", "fuse_projections", "full_width_prefill", "per_layer_weights"):
             v = getattr(self, name)
             check(v in (None, True, False), f"tuning.{name}",
                   f"must be True, False or None (backend default), got {v!r}")
@@ -98,6 +109,7 @@ class BackendDefaults:
     multi_step_max_rows: int | None
     min_decode_rows: int
     full_width_prefill: bool
+    per_layer_weights: bool
 
 
 # GPU (measured on an H200, docs/performance.md):
@@ -111,16 +123,32 @@ class BackendDefaults:
 # - min_decode_rows: XLA turns one-row projections into multiply + reduce kernels instead
 #   of GEMMs, so a two-row step is faster than a one-row one.
 # - full_width_prefill: the Mosaic GPU prefill kernel skips the table's unused columns.
+# - per_layer_weights: fp8 batch 1 / 8 / 16 at 1.11 / 1.11 / 1.09x bf16 with SKIP_TEMP, where
+#   the stacked kernels' slice copies left it level; without SKIP_TEMP 4-7% below stacked.
 BACKEND_DEFAULTS: dict[str, BackendDefaults] = {
     "gpu": BackendDefaults(unroll_layers=True, fuse_projections=True, cublas_decode_rows_separate=128,
                            cublas_decode_rows_fused=64, decode_steps_per_call=4, multi_step_max_rows=None,
-                           min_decode_rows=2, full_width_prefill=True),
+                           min_decode_rows=2, full_width_prefill=True, per_layer_weights=True),
 }
 # Elsewhere (CPU): nothing measured, nothing to save (no weight-slice copies, no GPU code
 # generation choices), and a fused copy would cost a copy of those weights per update.
 FALLBACK = BackendDefaults(unroll_layers=False, fuse_projections=False, cublas_decode_rows_separate=0,
                            cublas_decode_rows_fused=0, decode_steps_per_call=1, multi_step_max_rows=None,
-                           min_decode_rows=1, full_width_prefill=False)
+                           min_decode_rows=1, full_width_prefill=False, per_layer_weights=False)
+
+
+# The XLA_FLAGS update modes that give the temporaries of CUDA-graph programs fixed addresses.
+_STABLE_TEMP_MODES = ("SKIP_TEMP", "SKIP_PROFILED")
+
+
+def stable_temp_addresses(xla_flags: str | None = None) -> bool:
+    """Whether XLA keeps the temporary buffers of its CUDA graphs at fixed addresses:
+    `xla_flags` (default: the XLA_FLAGS environment variable, read by XLA when the GPU
+    client starts) sets `--xla_gpu_command_buffer_update_mode` to SKIP_TEMP or
+    SKIP_PROFILED (the last setting wins, as in XLA)."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    modes = re.findall(r"--xla_gpu_command_buffer_update_mode=(\w+)", flags)
+    return bool(modes) and modes[-1] in _STABLE_TEMP_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +162,7 @@ class Tuning:
     multi_step_max_rows: int
     min_decode_rows: int
     full_width_prefill: bool
+    per_layer_weights: bool
 
 
 def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
@@ -176,7 +205,9 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
                   decode_steps_per_call=pick("decode_steps_per_call", d.decode_steps_per_call),
                   multi_step_max_rows=pick("multi_step_max_rows", multi_default),
                   min_decode_rows=pick("min_decode_rows", d.min_decode_rows),
-                  full_width_prefill=pick("full_width_prefill", d.full_width_prefill))
+                  full_width_prefill=pick("full_width_prefill", d.full_width_prefill),
+                  per_layer_weights=engine.weight_dtype is not None
+                  and pick("per_layer_weights", d.per_layer_weights and stable_temp_addresses()))
 
 
 def batch_buckets(engine: EngineConfig, tuning: Tuning) -> tuple[int, ...]:
