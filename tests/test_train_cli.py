@@ -166,10 +166,14 @@ def test_a_dry_run_prints_the_record_count_of_each_source(tmp_path, capsys):
             in capsys.readouterr().out)
 
 
+def _rl_dry_run(*overrides: str) -> int:
+    """`python -m jrl.train --dry-run` of the bundled GRPO example with `overrides`."""
+    return main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run", *overrides])
+
+
 def test_a_dry_run_names_a_bad_rl_task_record(tmp_path, capsys):
     (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n{"question": "cd>", "answer": "dc"}\n')
-    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
-                 f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}"]) == 2
+    assert _rl_dry_run(f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}") == 2
     assert capsys.readouterr().err.strip() == (
         f"config error: {tmp_path / 'test.jsonl'}:2: missing field 'prompt' (task.prompt_field); "
         f"the record has ['answer', 'question']")
@@ -177,16 +181,14 @@ def test_a_dry_run_names_a_bad_rl_task_record(tmp_path, capsys):
 
 def test_a_dry_run_prints_the_record_count_of_each_rl_task_split(tmp_path, capsys):
     (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n' * 2)
-    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
-                 f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}"]) == 0
+    assert _rl_dry_run(f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}") == 0
     out = capsys.readouterr().out
     assert f", heldout 2 records ({tmp_path / 'test.jsonl'}), validation 200 records (set aside from bundled:reverse)\n" in out
 
 
 def test_a_dry_run_names_a_bad_warm_start_demonstration(tmp_path, capsys):
     (tmp_path / "demos.jsonl").write_text('{"prompt": "ab>", "response": "ba"}\n{"prompt": "cd>", "answer": "dc"}\n')
-    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
-                 f"strategy.options.warm_start.source={tmp_path / 'demos.jsonl'}"]) == 2
+    assert _rl_dry_run(f"strategy.options.warm_start.source={tmp_path / 'demos.jsonl'}") == 2
     captured = capsys.readouterr()
     assert captured.err.strip() == (
         f"config error: {tmp_path / 'demos.jsonl'}:2: missing field 'response' "
@@ -195,15 +197,14 @@ def test_a_dry_run_names_a_bad_warm_start_demonstration(tmp_path, capsys):
 
 
 def test_a_dry_run_prints_the_warm_start_demonstration_count(capsys):
-    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run"]) == 0
+    assert _rl_dry_run() == 0
     assert ("# warm start: 3,600 demonstrations (bundled:reverse; 400 left out: held-out or validation prompts)\n"
             in capsys.readouterr().out)
 
 
 def test_a_dry_run_names_an_rl_prompt_too_long_for_the_completion(tmp_path, capsys):
     (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n{"prompt": "abcdefghijkl>", "answer": "x"}\n')
-    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
-                 f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}"]) == 2
+    assert _rl_dry_run(f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}") == 2
     assert capsys.readouterr().err.strip() == (
         f"config error: {tmp_path / 'test.jsonl'}:2: the prompt is 19 tokens, longer than data.seq_len - "
         f"strategy.options.max_new_tokens = 11 (task split heldout); raise data.seq_len or shorten the prompt")
