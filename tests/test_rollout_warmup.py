@@ -4,6 +4,8 @@ pools and the GPU tuning), and after a real warmup generating compiles nothing."
 
 import collections
 import dataclasses
+import threading
+import time
 
 import jax
 import numpy as np
@@ -133,6 +135,45 @@ def test_warmup_compiles_what_a_run_uses(params):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert engine.step_function.traces == traces  # no step program traced after the warm-up
     assert compiles == []  # and nothing else compiled either
+
+
+def test_warmup_traces_one_program_at_a_time_and_compiles_in_parallel(params):
+    # Flax's layer scan edits shared classes while it traces: two traces at once raise
+    # KeyError 'parent'. A spy program counts how many traces and compiles overlap.
+    config = EngineConfig(page_size=8, n_pages=32, max_batch=4, max_tokens_per_step=32, max_seq_len=64,
+                          token_buckets=(16, 32))
+    engine = Engine(MODEL, params, config)
+    lock = threading.Lock()
+    now, most = collections.Counter(), collections.Counter()
+    second_compile = threading.Event()
+
+    def enter(kind: str):
+        with lock:
+            now[kind] += 1
+            most[kind] = max(most[kind], now[kind])
+            if most["compile"] == 2:
+                second_compile.set()
+
+    def leave(kind: str):
+        with lock:
+            now[kind] -= 1
+
+    class Compiled:
+        def compile(self):
+            enter("compile")
+            second_compile.wait(timeout=10)  # stays under way until another compile starts
+            leave("compile")
+
+    class Program:
+        def lower(self, *args, layout):
+            enter("trace")
+            time.sleep(0.05)
+            leave("trace")
+            return Compiled()
+
+    engine.step_function = StepFunction(fn=None, programs={"default": Program()})
+    assert engine.warmup(GREEDY, progress=False, threads=2) == 5
+    assert most == {"trace": 1, "compile": 2}
 
 
 def pow2(n: int) -> int:

@@ -390,11 +390,18 @@ class Engine:
         layouts = self.step_layouts(sampling)
         k, v = self.kv.buffers()
 
+        # Tracing runs one program at a time: Flax builds its scanned layer class by editing
+        # the dataclass fields of shared base classes, which two threads at once corrupt
+        # (KeyError 'parent'). Tracing holds the GIL anyway; XLA's compiles run in parallel.
+        trace_lock = threading.Lock()
+
         def compile_one(layout: StepLayout) -> None:
             ints = np.zeros(layout.int_packing.size, np.int32)
             floats = np.zeros(layout.float_packing.size, np.float32)
-            self.step_function.program(layout).lower(self.params, k, v, self._prev_tokens, ints, floats,
-                                                     layout=layout).compile()
+            with trace_lock:
+                lowered = self.step_function.program(layout).lower(self.params, k, v, self._prev_tokens, ints,
+                                                                   floats, layout=layout)
+            lowered.compile()
 
         workers = threads or min(WARMUP_THREADS, os.cpu_count() or 1)
         with ThreadPoolExecutor(workers, thread_name_prefix="jrl-warmup") as pool, \
