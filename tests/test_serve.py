@@ -453,6 +453,8 @@ def test_weights_admin_updates_the_served_version(live, hf_dirs):
     assert old.choices[0].model_extra["jrl"] == {"policy_version": 0}
     assert new.choices[0].text != old.choices[0].text  # other weights
     assert live.client.models.list().data[0].model_extra["jrl"]["policy_version"] == 3
+    again = live.http.post(url, json=body, headers=auth)  # loaded anew: other weights for version 3
+    assert again.status_code == 400 and again.json()["error"]["param"] == "version"
     back = live.http.post(url, json={"checkpoint": f"hf:{hf_dirs[0]}", "version": 2}, headers=auth)
     assert back.status_code == 400 and back.json()["error"]["param"] == "version"  # versions never go back
 
