@@ -39,7 +39,7 @@ from jrl.rl.rewards import RewardError
 from jrl.rl.tasks import check_task_prompt_lengths, make_task, prompt_limit
 from jrl.rl.warm_start import render_warm_start, run_warm_start, task_format
 from jrl.train.defaults import default_run
-from jrl.train.optim import param_groups, trainable_groups
+from jrl.train.optim import param_groups, require_trainable
 from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.run_lock import RunLockedError, acquire_for_run, check_not_in_use
 from jrl.train.initial import load_run_tokenizer
@@ -178,7 +178,7 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
     data, demonstrations = check_data(config, warm_start)
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     groups = param_groups(abstract)
-    trainable = trainable_groups(config.optimizer, set(jax.tree.leaves(groups)))
+    trainable = require_trainable(config.optimizer, set(jax.tree.leaves(groups)))
     total = sum(x.size for x in jax.tree.leaves(abstract))
     n_train = sum(x.size for x, g in zip(jax.tree.leaves(abstract), jax.tree.leaves(groups)) if g in trainable)
     options, notes = resolved_options(config)

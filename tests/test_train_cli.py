@@ -65,6 +65,17 @@ def test_dry_run_prints_resolved_config_and_parameter_count(capsys):
     assert f"# parameters: {n:,} ({n:,} trainable)" in out
 
 
+def test_dry_run_refuses_a_config_that_trains_nothing(capsys):
+    """`optimizer.trainable=lora` without adapters: the run stops (exit 2) building its
+    optimizer; the dry run passed it, printing "(0 trainable)"."""
+    assert main(["--config", str(CONFIGS / "sft_arithmetic.yaml"), "--dry-run", "optimizer.trainable=lora"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        "config error: optimizer: no trainable parameter group (present: ['embed', 'head', 'hidden', 'norm'], "
+        "trainable='lora', freeze=[]); trainable: lora needs model.lora.rank > 0")
+
+
 def test_overrides_may_sit_on_both_sides_of_a_flag(capsys):
     """`python -m jrl.train steps=7 --dry-run seed=3`: argparse's plain parse_args stopped
     collecting overrides at the first flag and refused the rest as unrecognized."""

@@ -54,6 +54,19 @@ def trainable_groups(config: OptimizerConfig, present: set[str]) -> set[str]:
     return (groups & present) - set(config.freeze)
 
 
+def require_trainable(config: OptimizerConfig, present: set[str]) -> set[str]:
+    """`trainable_groups`, or a ConfigError when none is left (the command line says it on
+    one line); the optimizer and the dry run both call it, so a dry run refuses what the run
+    would."""
+    trainable = trainable_groups(config, present)
+    if not trainable:
+        lora_off = config.trainable == "lora" and "lora" not in present
+        hint = "; trainable: lora needs model.lora.rank > 0" if lora_off else ""
+        raise ConfigError(f"optimizer: no trainable parameter group (present: {sorted(present)}, "
+                          f"trainable={config.trainable!r}, freeze={list(config.freeze)}){hint}")
+    return trainable
+
+
 def trainable_mask(config: OptimizerConfig, params: Any) -> Any:
     """A pytree like `params`: True for each leaf the optimizer updates, False for a frozen
     one (`trainable: lora` freezes everything but the adapter factors; `freeze` names more)."""
@@ -92,12 +105,7 @@ def build_optimizer(config: OptimizerConfig, schedule: Schedule, params: Any) ->
     """The optimizer for `params` (clipping is done by the train step, not here)."""
     labels = param_groups(params)
     present = set(jax.tree.leaves(labels))
-    trainable = trainable_groups(config, present)
-    if not trainable:  # a ConfigError, so the command line says it on one line
-        lora_off = config.trainable == "lora" and "lora" not in present
-        hint = "; trainable: lora needs model.lora.rank > 0" if lora_off else ""
-        raise ConfigError(f"optimizer: no trainable parameter group (present: {sorted(present)}, "
-                          f"trainable={config.trainable!r}, freeze={list(config.freeze)}){hint}")
+    trainable = require_trainable(config, present)
     mu_dtype = jnp.dtype(config.mu_dtype) if config.mu_dtype else None
     transforms = {}
     for group in sorted(present):
