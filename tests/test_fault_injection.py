@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("rollout", "update", "save")
 KILLS = 6
+OFF_POLICY_KILLS = 3
 MIN_PER_PHASE = 2
 MAX_ATTEMPTS = 30
 SEED = 18
@@ -213,8 +214,18 @@ def jax_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("jax_cache")
 
 
+def test_the_docs_say_how_often_this_test_kills():
+    """docs/checkpoints.md and docs/training.md cite this test's kill counts; they must be
+    the ones it runs (checkpoints.md said 10 and 6 while it ran 6 and 3)."""
+    checkpoints = " ".join((ROOT / "docs" / "checkpoints.md").read_text().split())
+    training = " ".join((ROOT / "docs" / "training.md").read_text().split())
+    assert f"kills a GRPO run {KILLS} times (and an off-policy one {OFF_POLICY_KILLS} times)" in checkpoints
+    assert f"SIGKILLs the process group of `python -m jrl.train` {KILLS} times" in training
+    assert f"is killed {OFF_POLICY_KILLS} times, once in each phase" in training
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("off_policy, kills, per_phase", [(False, KILLS, MIN_PER_PHASE), (True, 3, 1)],
+@pytest.mark.parametrize("off_policy, kills, per_phase", [(False, KILLS, MIN_PER_PHASE), (True, OFF_POLICY_KILLS, 1)],
                          ids=["sync", "off_policy"])
 def test_a_grpo_run_killed_again_and_again_ends_as_the_uninterrupted_run(tmp_path, jax_cache, off_policy,
                                                                           kills, per_phase):
