@@ -63,6 +63,15 @@ def test_same_version_is_a_no_op_only_for_the_same_params(weights):
         engine.update_weights(new, 2)
 
 
+def test_same_version_refuses_a_copy_of_the_served_params_and_says_why(weights):
+    # A server's /v1/weights loads the checkpoint anew: equal values, other arrays.
+    old, _ = weights
+    engine = Engine(MODEL, old, ENGINE, version=2)
+    with pytest.raises(ValueError, match="not a copy or a fresh load with equal values"):
+        engine.update_weights(jax.tree.map(jnp.copy, old), 2)
+    assert engine.version == 2 and engine.params is old
+
+
 def test_update_rejects_params_of_another_shape(weights):
     old, _ = weights
     engine = Engine(MODEL, old, ENGINE)

@@ -588,8 +588,9 @@ class Engine:
         if version == self.version:
             served = lora_params(self._held) if adapters_only else self.params
             if not (self._source.same(params) or _same_leaves(served, params)):
-                raise ValueError(f"version: {version} is already served with different params; "
-                                 "publish new weights under a new version")
+                raise ValueError(f"version: {version} is already served with different params (only the "
+                                 "served arrays themselves count as the same, not a copy or a fresh load "
+                                 "with equal values); publish new weights under a new version")
             return Ack(version)
         _check_finite(params, f"update_weights: refusing version {version}; the engine keeps serving "
                               f"version {self.version}")
