@@ -345,6 +345,15 @@ def test_generate_names_text_prompts_and_a_seed_given_as_key(params, prompts, ke
         generate(params, MODEL, prompts, key, max_new_tokens=2, engine_config=ENGINE)
 
 
+def test_engine_generate_names_a_text_prompts_argument(params):
+    # Not "prompts[0]: ... got text '3'": the whole string is the mistake, not its first character.
+    engine = Engine(MODEL, params, ENGINE)
+    with pytest.raises(ValueError, match=re.escape(
+            "prompts: must be a list of prompts, each a sequence of token ids, got text '37+48='")):
+        engine.generate("37+48=", GREEDY, max_new_tokens=2)
+    assert not engine.has_work
+
+
 def test_generate_takes_one_max_new_tokens_per_prompt(params):
     engine = Engine(MODEL, params, ENGINE)
     prompts = prompts_of([5, 9, 6], seed=16)

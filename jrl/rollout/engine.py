@@ -326,6 +326,8 @@ class Engine:
         """Queues `prompts` (`sampling` and `max_new_tokens`: one for all, or one per
         prompt); returns their ids. Every request is checked before any is queued, so a bad
         one leaves nothing behind (the error names `prompts[k]`)."""
+        if isinstance(prompts, (str, bytes)):  # else its characters would be checked as prompts
+            raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got text {prompts!r}")
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
         if len(sampling) != len(prompts):
