@@ -259,6 +259,21 @@ def test_engine_config_errors_name_the_field():
         EngineConfig(allocation="buddy")
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("overlap", "no", "engine.overlap: must be true or false, got 'no'"),
+    ("chunked_prefill", "false", "engine.chunked_prefill: must be true or false, got 'false'"),
+    ("prefix_cache", 0, "engine.prefix_cache: must be true or false, got 0"),
+    ("max_seq_len", 64.5, "engine.max_seq_len: must be a positive integer or None (the model's max), got 64.5"),
+    ("max_seq_len", "64", "engine.max_seq_len: must be a positive integer or None (the model's max), got '64'"),
+    ("seed", 1.5, "engine.seed: must be an integer, got 1.5"),
+])
+def test_engine_config_built_directly_refuses_wrong_types_naming_the_field(field, value, message):
+    # Built in Python nothing coerces the fields (from_dict does for YAML): a string
+    # "false" would have been true, a float max_seq_len a float page count.
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        EngineConfig(**{field: value})
+
+
 def test_engine_config_holds_the_user_settings_and_no_tuning():
     # Tuning (unrolled layers, GEMM options, fused projections, multi-step calls, row
     # padding) is resolved per backend by jrl.rollout.tuning, overridable only through

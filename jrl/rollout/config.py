@@ -117,7 +117,15 @@ class EngineConfig:
                f"must be >= max_batch ({self.max_batch}) so every running request can decode "
                f"each step, got {self.max_tokens_per_step}")
         if self.max_seq_len is not None:
-            check(self.max_seq_len > 0, "engine.max_seq_len", f"must be positive, got {self.max_seq_len}")
+            check(isinstance(self.max_seq_len, int) and not isinstance(self.max_seq_len, bool)
+                  and self.max_seq_len > 0, "engine.max_seq_len",
+                  f"must be a positive integer or None (the model's max), got {self.max_seq_len!r}")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "engine.seed",
+              f"must be an integer, got {self.seed!r}")
+        # Built directly (not from YAML) nothing coerces them: a string "false" would be true.
+        for name in ("chunked_prefill", "prefix_cache", "overlap"):
+            check(isinstance(getattr(self, name), bool), f"engine.{name}",
+                  f"must be true or false, got {getattr(self, name)!r}")
         for name, top in (("token_buckets", self.max_tokens_per_step), ("batch_buckets", self.max_batch)):
             b = getattr(self, name)
             if b:
