@@ -3,6 +3,7 @@ version-keyed prefix cache."""
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,17 @@ def test_update_rejects_params_of_another_shape(weights):
     with pytest.raises(ValueError, match="params: tree structure differs"):
         engine.update_weights({k: v for k, v in old.items() if k != "embed"}, 1)
     assert engine.version == 0
+
+
+def test_update_with_another_tree_names_the_first_leaf_missing_and_unexpected(weights):
+    # The trainer's whole state handed over instead of its params: as many leaves, other paths.
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE)
+    with pytest.raises(ValueError, match=re.escape(
+            "params: tree structure differs from the served params (12 leaves vs 12); missing "
+            "params['embed']['embedding']; unexpected params['params']['embed']['embedding']")):
+        engine.update_weights({"params": new}, 1)
+    assert engine.version == 0 and engine.params is old
 
 
 def test_update_swaps_the_params_object_without_copying(weights):

@@ -841,8 +841,14 @@ def _check_same_structure(old: dict, new: dict) -> None:
     old_leaves, old_def = jax.tree.flatten_with_path(old)
     new_leaves, new_def = jax.tree.flatten_with_path(new)
     if old_def != new_def:
+        old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
+        new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
+        missing = [p for p in old_paths if p not in frozenset(new_paths)]
+        extra = [p for p in new_paths if p not in frozenset(old_paths)]
+        where = "".join([f"; missing params{missing[0]}" if missing else "",
+                         f"; unexpected params{extra[0]}" if extra else ""])  # the first of each
         raise ValueError("params: tree structure differs from the served params "
-                         f"({len(new_leaves)} leaves vs {len(old_leaves)})")
+                         f"({len(new_leaves)} leaves vs {len(old_leaves)}){where}")
     for (path, a), (_, b) in zip(old_leaves, new_leaves):
         if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             raise ValueError(f"params{jax.tree_util.keystr(path)}: {b.dtype}{tuple(b.shape)} differs from the "
