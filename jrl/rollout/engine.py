@@ -843,8 +843,9 @@ def _check_same_structure(old: dict, new: dict) -> None:
     if old_def != new_def:
         old_paths = [jax.tree_util.keystr(p) for p, _ in old_leaves]
         new_paths = [jax.tree_util.keystr(p) for p, _ in new_leaves]
-        missing = [p for p in old_paths if p not in frozenset(new_paths)]
-        extra = [p for p in new_paths if p not in frozenset(old_paths)]
+        old_set, new_set = set(old_paths), set(new_paths)
+        missing = [p for p in old_paths if p not in new_set]
+        extra = [p for p in new_paths if p not in old_set]
         where = "".join([f"; missing params{missing[0]}" if missing else "",
                          f"; unexpected params{extra[0]}" if extra else ""])  # the first of each
         raise ValueError("params: tree structure differs from the served params "
