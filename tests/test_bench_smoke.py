@@ -377,6 +377,19 @@ def test_stream_rows_outside_engine_mode_or_negative_is_refused():
         main(["decode", "--stream-rows", "-1", "--tiny"])
 
 
+@pytest.mark.parametrize("argv,error", [
+    (["decode", "--tuning", '{"decode_step_per_call": 4}'],
+     "jrl bench decode: --tuning: unknown field(s) decode_step_per_call; allowed: cublas_decode_rows, "),
+    (["prefill", "--tuning", '{"decode_steps_per_call": 0}'],
+     "jrl bench prefill: --tuning: tuning.decode_steps_per_call: must be an integer >= 1"),
+    (["decode", "--engine", '{"kv_dtyp": "float8_e4m3fn"}'], "jrl bench decode: --engine: unknown field(s) kv_dtyp; "),
+])
+def test_a_bad_tuning_or_engine_override_is_one_line_before_anything_runs(capsys, argv, error):
+    assert main([*argv, "--tiny"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(error) and captured.err.count("\n") == 1
+
+
 def test_grpo_lora_reports_tokens_per_second_phases_and_adapter_only_syncs(tmp_path):
     rows = bench(tmp_path, "grpo_lora", "--steps", "2", "--lora", "4")
     steps = section(rows, "step")

@@ -11,6 +11,7 @@ at once, with one line, on a machine without one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -72,9 +73,32 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ[name] = value
 
 
+def override_problem(args) -> str | None:
+    """What is wrong with a stage's `--tuning` / `--engine` JSON objects (unknown fields,
+    bad tuning values), in one line, before anything runs; None when nothing is."""
+    from jrl.config import ConfigError, from_dict
+    from jrl.rollout import EngineConfig, TuningOverrides
+    for flag, cls in (("tuning", TuningOverrides), ("engine", EngineConfig)):
+        value = getattr(args, flag, None)
+        if not isinstance(value, dict):
+            continue
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - allowed):
+            return f"--{flag}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        if cls is TuningOverrides:
+            try:
+                from_dict(cls, value, prefix="tuning.")
+            except ConfigError as e:
+                return f"--{flag}: {e}"
+    return None
+
+
 def _run_stage(stage: str, rest: list[str]) -> int:
     module = importlib.import_module(f"jrl.bench.{stage}")
     args = stage_parser(stage, module).parse_args(rest)
+    if (problem := override_problem(args)) is not None:
+        print(f"jrl bench {stage}: {problem}", file=sys.stderr)
+        return 2
     if hasattr(module, "environment"):  # before the stage starts JAX's backend; main() restores it
         os.environ.update(module.environment(args))
     # On a CPU the 8B shape ran without a word until killed, and the kernel checks printed an
