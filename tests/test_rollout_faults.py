@@ -386,8 +386,11 @@ def test_add_request_accepts_numpy_integers(params):
 
 def test_generate_checks_every_prompt_before_queueing_any(params):
     engine = Engine(MODEL, params, ENGINE)
-    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt: token ids must be in \[0, 256\)"):
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: token ids must be in \[0, 256\)"):
         engine.generate([[1, 2], [3, 999]], GREEDY, max_new_tokens=4)
+    assert not engine.has_work
+    with pytest.raises(ValueError, match="^sampling: must be a SamplingParams or a sequence of them .* got dict"):
+        engine.generate([[1, 2], [3, 4]], {"temperature": 0.5}, max_new_tokens=4)
     assert not engine.has_work
     with pytest.raises(ValueError, match=r"prompts\[0\]: must hold at least one token id"):
         generate(params, MODEL, [[]], jax.random.key(0), max_new_tokens=4)

@@ -330,6 +330,9 @@ class Engine:
             raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got text {prompts!r}")
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
+        if not isinstance(sampling, Sequence) or isinstance(sampling, str):  # e.g. a dict of settings
+            raise ValueError(f"sampling: must be a SamplingParams or a sequence of them (one per prompt), "
+                             f"got {type(sampling).__name__}")
         if len(sampling) != len(prompts):
             raise ValueError(f"sampling: {len(sampling)} entries for {len(prompts)} prompts")
         if isinstance(max_new_tokens, (Sequence, np.ndarray)):
@@ -342,8 +345,8 @@ class Engine:
         for k, (p, s, new) in enumerate(zip(prompts, sampling, news)):
             try:
                 checked.append(self._checked_request(p, s, new, eos_ids, stop_sequences))
-            except ValueError as e:
-                raise ValueError(f"prompts[{k}]: {e}") from None
+            except ValueError as e:  # "prompt: ..." is about prompts[k] itself
+                raise ValueError(f"prompts[{k}]: {str(e).removeprefix('prompt: ')}") from None
         return [self._queue(c) for c in checked]
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
