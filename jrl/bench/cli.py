@@ -20,6 +20,8 @@ import jax
 
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.results import Results, record_path
+from jrl.config import ConfigError, from_dict
+from jrl.rollout import EngineConfig, TuningOverrides
 
 PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 USAGE = "usage: jrl bench {" + ",".join(STAGES) + "} [flags]   (jrl bench STAGE --help: its flags)"
@@ -76,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
 def override_problem(args) -> str | None:
     """What is wrong with a stage's `--tuning` / `--engine` JSON objects (unknown fields,
     bad tuning values), in one line, before anything runs; None when nothing is."""
-    from jrl.config import ConfigError, from_dict
-    from jrl.rollout import EngineConfig, TuningOverrides
     for flag, cls in (("tuning", TuningOverrides), ("engine", EngineConfig)):
         value = getattr(args, flag, None)
         if not isinstance(value, dict):
