@@ -242,7 +242,8 @@ def test_fuse_projections_default_is_on_for_gpu_only_and_off_where_it_does_not_a
         TuningOverrides(fuse_projections="yes")
 
 
-@pytest.mark.parametrize("config,lora,message", [(LORA, "unmerged", "LoRA adapters on"),
+@pytest.mark.parametrize("config,lora,message", [(LORA, "unmerged", "LoRA adapters on .*; or let the engine "
+                                                                      "merge them, engine.lora: merge"),
                                                  (MLA_MOE, "merge", "nothing to fuse")],
                          ids=["unmerged_lora", "mla_moe"])
 def test_explicit_fusion_where_it_does_not_apply_is_a_config_error(config, lora, message):

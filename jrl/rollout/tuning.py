@@ -184,7 +184,10 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
     if engine.exact_logprobs and not fusion_keeps_exact_bits(model):
         reason = ("not with engine.exact_logprobs unless every projection runs the fixed-tile GEMM "
                   "(model.exact_gemm 'kernel' on a Hopper GPU): the trainer's separate GEMMs round differently")
-    reason = reason or unfusable_reason(model)
+    if reason is None:
+        reason = unfusable_reason(model)
+        if reason is not None and reason.startswith("LoRA adapters") and engine.lora == "unmerged":
+            reason += "; or let the engine merge them, engine.lora: merge (the default)"
     if reason is None:
         fused = pick("fuse_projections", d.fuse_projections)
     else:
