@@ -39,7 +39,7 @@ from jrl.rl.evaluation import ProblemResult, evaluate_problems, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.rewards import RewardError
-from jrl.rl.tasks import check_prompt_lengths, make_task
+from jrl.rl.tasks import check_prompt_lengths, make_task, prompt_limit
 from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
 
 SPLITS = ("heldout", "validation")
@@ -130,10 +130,7 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     tokenizer = load_run_tokenizer(config)
     fmt = PromptFormat(tokenizer, chat_template=options.task.chat_template, system_prompt=options.task.system_prompt,
                        stop=options.task.stop)
-    limit = config.data.seq_len - options.max_new_tokens
-    if limit < 1:
-        raise ConfigError(f"data.seq_len: must exceed strategy.options.max_new_tokens ({options.max_new_tokens}), "
-                          f"got {config.data.seq_len}")
+    limit = prompt_limit(config.data.seq_len, options.max_new_tokens)
     episodes = EpisodeSampler(options, fmt, options.reward_model(), config.data.seq_len) if options.episodes else None
     if episodes is None:  # episodes' prompts are their environments' (the runner checks their length)
         prompts = [fmt.encode(p) for p in problems]
