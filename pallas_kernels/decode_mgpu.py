@@ -200,9 +200,12 @@ def page_copy(buf_ref, smem_slot, lyr, head, row, j: int, sub: int, slot_minor: 
     """(source, destination) of the TMA copy of a page's `sub` keys from `row` on, of KV
     head `head` in layer `lyr`, into the j-th page of a ring slot `smem_slot`: rows `[sub,
     d]` of a slot-major buffer, or the D runs of `sub` contiguous keys of a slot-minor one
-    (`QuantizedKV.slot_minor`), kept as its own `[d, sub]` page."""
+    (`QuantizedKV.slot_minor`, data `[L, n_pages, Hkv, D, page]`), kept as its own `[d,
+    sub]` page."""
     if slot_minor:
-        return buf_ref.at[lyr, head, :, pl.ds(row, sub)], smem_slot.at[j]
+        page = buf_ref.shape[-1]
+        return (buf_ref.at[lyr, lax.div(row, page), head, :, pl.ds(lax.rem(row, page), sub)],
+                smem_slot.at[j])
     return buf_ref.at[lyr, pl.ds(row, sub), head], smem_slot.at[pl.ds(j * sub, sub)]
 
 
@@ -385,6 +388,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         raise ValueError("decode_mgpu: fp8 keys must be stored slot-major (only values may be "
                          "slot-minor, for fp8_tiles='mma')")
     v_minor = quant and v_buf.slot_minor
+    if v_minor and v_buf.page_size != page_size:
+        raise ValueError(f"decode_mgpu: slot-minor fp8 values are stored in pages of {v_buf.page_size} "
+                         f"tokens, the page table's pages hold {page_size}")
     tiles = t.fp8_tiles or ("mma" if v_minor else default_fp8_tiles(keys_as_rows))
     mma = quant and tiles in SLOT_MINOR_TILES
     q8 = quant and tiles == "mma_q8"

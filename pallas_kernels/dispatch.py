@@ -52,7 +52,8 @@ def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> 
     hq, d = q.shape[-2], q.shape[-1]
     _, n_slots, hkv, dk = k_buf.shape
     quantized = isinstance(k_buf, QuantizedKV)
-    dtype_ok = (isinstance(v_buf, QuantizedKV) and page_size % 32 == 0 if quantized
+    dtype_ok = (isinstance(v_buf, QuantizedKV) and page_size % 32 == 0
+                and v_buf.page_size in (None, page_size) if quantized
                 else k_buf.dtype in (jnp.bfloat16, jnp.float16))
     return (v_buf is not None and v_buf.shape == k_buf.shape and (v_head_dim in (None, d))
             and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 57

@@ -10,11 +10,15 @@ contiguous run (one small TMA copy beside the page's fp8 rows in the kernels; a
 `[.., n_slots, Hkv]` layout would put them `Hkv` floats apart, which a TMA cannot gather).
 They cost 4 / D of the fp8 bytes (3% at D = 128).
 
-A buffer may keep its data slot-minor (`slot_minor`, values only): `[n_layers, Hkv, D,
-n_slots]`, so that a page of one head is D runs of contiguous keys. The tensor cores take
-fp8 operands only with the contracted axis contiguous, and P·V contracts over keys: the
-decode kernel's fp8 path "mma" multiplies such pages as they are loaded
-(`decode_mgpu`). `shape` stays the logical `[n_layers, n_slots, Hkv, D]` either way.
+A buffer may keep its data slot-minor (`slot_minor`, values only): `[n_layers, n_pages,
+Hkv, D, page_size]`, so that a page of one head is D runs of its contiguous keys, and those
+runs are one contiguous block (`D * page_size` bytes). The tensor cores take fp8 operands
+only with the contracted axis contiguous, and P·V contracts over keys: the decode kernel's
+fp8 path "mma" multiplies such pages as they are loaded (`decode_mgpu`). Whole pages in
+one block, not `[n_layers, Hkv, D, n_slots]`: there a page's D runs lie `n_slots` bytes
+apart, and reading pages in the page table's order (random after a while) cost the decode
+step 0.8 ms at batch 256 on the H200 (docs/performance.md, fp8). `shape` stays the logical
+`[n_layers, n_slots, Hkv, D]` either way.
 
 The KV write quantizes (`write`), the references dequantize in float32 (`gather`), the
 Mosaic GPU kernels load the fp8 tiles and scales and dequantize them in shared memory or
@@ -43,8 +47,8 @@ KV_DTYPES = ("float8_e4m3fn",)  # the quantized storage dtypes (EngineConfig.kv_
                    meta_fields=["slot_minor"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedKV:
-    """An fp8 KV buffer: `data [L, S, Hkv, D]` (`slot_minor`: `[L, Hkv, D, S]`)
-    float8_e4m3fn, `scale [L, Hkv, S]` float32. A pytree (jit, donation and
+    """An fp8 KV buffer: `data [L, S, Hkv, D]` (`slot_minor`: `[L, S / page, Hkv, D,
+    page]`) float8_e4m3fn, `scale [L, Hkv, S]` float32. A pytree (jit, donation and
     `out_shardings` see both arrays; the layout is static); `shape` is the logical
     `[L, S, Hkv, D]` and `dtype` the data's, so shape checks written for plain buffers
     hold unchanged."""
@@ -56,9 +60,14 @@ class QuantizedKV:
     @property
     def shape(self) -> tuple[int, ...]:
         if self.slot_minor:
-            n_layers, hkv, d, n_slots = self.data.shape
-            return n_layers, n_slots, hkv, d
+            n_layers, n_pages, hkv, d, page_size = self.data.shape
+            return n_layers, n_pages * page_size, hkv, d
         return self.data.shape
+
+    @property
+    def page_size(self) -> int | None:
+        """Tokens a page of slot-minor data holds (None: slot-major data)."""
+        return self.data.shape[-1] if self.slot_minor else None
 
     @property
     def dtype(self):
@@ -74,10 +83,16 @@ class QuantizedKV:
         return QuantizedKV(self.data.sharding, self.scale.sharding, self.slot_minor)
 
 
-def data_shape(shape: tuple[int, ...], slot_minor: bool) -> tuple[int, ...]:
-    """The data's shape for a buffer of logical shape `[L, S, Hkv, D]`."""
+def data_shape(shape: tuple[int, ...], page_size: int | None = None) -> tuple[int, ...]:
+    """The data's shape for a buffer of logical shape `[L, S, Hkv, D]`: slot-minor in pages
+    of `page_size` tokens, or slot-major (None)."""
+    if page_size is None:
+        return tuple(shape)
     n_layers, n_slots, hkv, d = shape
-    return (n_layers, hkv, d, n_slots) if slot_minor else tuple(shape)
+    if page_size <= 0 or n_slots % page_size:
+        raise ValueError(f"fp8 KV: slot-minor data needs a page size dividing the {n_slots} slots, "
+                         f"got {page_size}")
+    return n_layers, n_slots // page_size, hkv, d, page_size
 
 
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -91,7 +106,7 @@ def specs(spec: jax.sharding.PartitionSpec, slot_minor: bool = False) -> Quantiz
     whose logical `[L, S, Hkv, D]` layout is partitioned by `spec` (a split over kv heads
     stays one in both)."""
     layers, slots, heads, chans = tuple(spec) + (None,) * (4 - len(spec))
-    data = (layers, heads, chans, slots) if slot_minor else (layers, slots, heads, chans)
+    data = (layers, slots, heads, chans, None) if slot_minor else (layers, slots, heads, chans)
     P = jax.sharding.PartitionSpec
     return QuantizedKV(P(*data), P(layers, heads, slots), slot_minor)
 
@@ -105,11 +120,13 @@ def shardings(sharding: jax.sharding.NamedSharding, slot_minor: bool = False) ->
 
 
 def zeros(shape: tuple[int, ...], sharding: jax.sharding.NamedSharding | None = None,
-          slot_minor: bool = False) -> QuantizedKV:
+          page_size: int | None = None) -> QuantizedKV:
     """An empty fp8 buffer of logical shape `[L, S, Hkv, D]` (scales 1), laid out by
-    `sharding` (of the logical buffer; None: the default device)."""
+    `sharding` (of the logical buffer; None: the default device); `page_size`: its data
+    slot-minor in pages of that many tokens (None: slot-major)."""
+    slot_minor = page_size is not None
     parts = shardings(sharding, slot_minor) if sharding is not None else QuantizedKV(None, None)
-    return QuantizedKV(jnp.zeros(data_shape(shape, slot_minor), FP8, device=parts.data),
+    return QuantizedKV(jnp.zeros(data_shape(shape, page_size), FP8, device=parts.data),
                        jnp.ones(scale_shape(shape), jnp.float32, device=parts.scale), slot_minor)
 
 
@@ -122,12 +139,21 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x / scale[..., None]).astype(FP8), scale
 
 
-def from_array(buf: jax.Array, slot_minor: bool = False) -> QuantizedKV:
-    """A whole `[L, S, Hkv, D]` buffer quantized (tests and benchmarks build fp8 caches so)."""
+def from_array(buf: jax.Array, page_size: int | None = None) -> QuantizedKV:
+    """A whole `[L, S, Hkv, D]` buffer quantized (tests and benchmarks build fp8 caches so);
+    `page_size`: its data slot-minor in pages of that many tokens (None: slot-major)."""
     data, scale = quantize(buf)
-    if slot_minor:
-        data = jnp.transpose(data, (0, 2, 3, 1))
-    return QuantizedKV(data, jnp.moveaxis(scale, 2, 1), slot_minor)
+    if page_size is not None:
+        data = jnp.transpose(data.reshape(data_shape(buf.shape, page_size)[:2] + (page_size,) + buf.shape[2:]),
+                             (0, 1, 3, 4, 2))
+    return QuantizedKV(data, jnp.moveaxis(scale, 2, 1), page_size is not None)
+
+
+def slot_major_data(buf: QuantizedKV) -> jax.Array:
+    """The buffer's fp8 data as `[L, S, Hkv, D]` whichever its layout (a copy if slot-minor)."""
+    if not buf.slot_minor:
+        return buf.data
+    return jnp.transpose(buf.data, (0, 1, 4, 2, 3)).reshape(buf.shape)
 
 
 def dequantize(data: jax.Array, scale: jax.Array) -> jax.Array:
@@ -138,8 +164,8 @@ def dequantize(data: jax.Array, scale: jax.Array) -> jax.Array:
 def gather(buf: QuantizedKV, layer: jax.Array, slots: jax.Array) -> jax.Array:
     """float32 `buf[layer, slots]`: `[*slots.shape, Hkv, D]` dequantized."""
     scale = jnp.moveaxis(buf.scale[layer][:, slots], 0, -1)  # [*slots.shape, Hkv]
-    if buf.slot_minor:  # [Hkv, D, *slots.shape] -> [*slots.shape, Hkv, D]
-        data = jnp.moveaxis(buf.data[layer][:, :, slots], (0, 1), (-2, -1))
+    if buf.slot_minor:  # [n_pages, Hkv, D, page] -> [*slots.shape, Hkv, D]
+        data = buf.data[layer][slots // buf.page_size, :, :, slots % buf.page_size]
     else:
         data = buf.data[layer, slots]
     return dequantize(data, scale)
@@ -168,15 +194,19 @@ def write(k_buf: QuantizedKV, v_buf: QuantizedKV | None, layer: jax.Array, slots
     return QuantizedKV(k_new, ks_new, k_buf.slot_minor), QuantizedKV(v_new, vs_new, v_buf.slot_minor)
 
 
-def _slot_axis(buf: QuantizedKV) -> int:
-    """The data's slot dimension (its rows `[Hkv, D]` are the rest after the layer)."""
-    return 3 if buf.slot_minor else 1
+def _slot_axis(buf: QuantizedKV) -> int | tuple[int, int]:
+    """The data's slot dimension, or its (page, offset in the page) dimensions for
+    slot-minor data (the rows `[Hkv, D]` are the rest after the layer)."""
+    return (1, 4) if buf.slot_minor else 1
 
 
 def clear_slots(buf, slots: jax.Array):
     """`buf` (plain or quantized) with `slots` zeroed in every layer (slots past the end:
     dropped); a quantized buffer's scales go back to 1, so nothing non-finite is left."""
     if isinstance(buf, QuantizedKV):
-        data = (buf.data.at[:, :, :, slots] if buf.slot_minor else buf.data.at[:, slots]).set(0, mode="drop")
+        if buf.slot_minor:  # slots past the end are past the last page: dropped too
+            data = buf.data.at[:, slots // buf.page_size, :, :, slots % buf.page_size].set(0, mode="drop")
+        else:
+            data = buf.data.at[:, slots].set(0, mode="drop")
         return QuantizedKV(data, buf.scale.at[:, :, slots].set(1.0, mode="drop"), buf.slot_minor)
     return buf.at[:, slots].set(0, mode="drop")

@@ -399,6 +399,19 @@ def test_write_kv_writes_k_and_v_in_one_scatter():
     assert text.count("\"stablehlo.scatter\"(") == 1
 
 
+def test_scatter_rows_writes_paged_slot_minor_rows_at_page_and_offset():
+    # [L, pages, H, D, page]: slot s goes to page s // 4, offset s % 4; -1 and 12 are dropped
+    buf = jnp.zeros((2, 3, 2, 5, 4), jnp.float32)
+    rows = jnp.arange(4 * 2 * 5, dtype=jnp.float32).reshape(4, 2, 5) + 1
+    (out,) = scatter_rows((buf,), jnp.int32(1), jnp.asarray([6, -1, 0, 12]), (rows,), slot_axis=(1, 4))
+    expected = np.zeros((2, 3, 2, 5, 4), np.float32)
+    expected[1, 1, :, :, 2] = rows[0]
+    expected[1, 0, :, :, 0] = rows[2]
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    with pytest.raises(ValueError, match="slot_axis \\(4, 1\\) is not one dimension"):
+        scatter_rows((buf,), jnp.int32(0), jnp.arange(2), (rows[:2],), slot_axis=(4, 1))
+
+
 def test_scatter_rows_names_a_mismatched_update():
     kb = jnp.zeros((2, 64, 2, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="scatter_rows: buffer"):

@@ -31,7 +31,7 @@ def fp8_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2, v_slot_minor=False):
     """float32 K/V buffers, their fp8 form (the values slot-minor if asked), and shuffled
     page tables (spare pages unowned)."""
     kb, vb, pt = paged_inputs(rng, n_req, max_ctx, hkv, d, ps, jnp.float32, n_layers)
-    return (kb, vb), (quantized.from_array(kb), quantized.from_array(vb, v_slot_minor)), pt
+    return (kb, vb), (quantized.from_array(kb), quantized.from_array(vb, ps if v_slot_minor else None)), pt
 
 
 def test_write_kv_quantizes_rows_and_reads_them_back_within_e4m3_rounding():
@@ -60,7 +60,7 @@ def test_write_kv_quantizes_rows_and_reads_them_back_within_e4m3_rounding():
 @pytest.mark.parametrize("v_slot_minor,scatters", [(False, 2), (True, 3)])
 def test_write_kv_scatters_the_fp8_rows_and_the_scales_once_each(v_slot_minor, scatters):
     """K and V rows share one scatter when they share a layout; slot-minor values take their own."""
-    kb, vb = quantized.zeros((2, 64, 2, 16)), quantized.zeros((2, 64, 2, 16), slot_minor=v_slot_minor)
+    kb, vb = quantized.zeros((2, 64, 2, 16)), quantized.zeros((2, 64, 2, 16), page_size=16 if v_slot_minor else None)
     new = jnp.ones((4, 2, 16), jnp.bfloat16)
     slots = jnp.asarray([3, -1, 7, 9], jnp.int32)
     text = jax.jit(dispatch.write_kv).lower(kb, vb, jnp.int32(0), slots, new, new).as_text()
@@ -69,11 +69,10 @@ def test_write_kv_scatters_the_fp8_rows_and_the_scales_once_each(v_slot_minor, s
 
 @pytest.mark.parametrize("slot_minor", [False, True])
 def test_clear_slots_zeroes_rows_and_resets_their_scales(slot_minor):
-    shape = quantized.data_shape((2, 16, 1, 8), slot_minor)
+    shape = quantized.data_shape((2, 16, 1, 8), 8 if slot_minor else None)  # slot-minor: 2 pages of 8
     buf = QuantizedKV(jnp.full(shape, jnp.nan, jnp.float8_e4m3fn), jnp.full((2, 1, 16), jnp.nan), slot_minor)
     out = quantized.clear_slots(buf, jnp.asarray([2, 3, 16]))  # 16: past the end, dropped
-    data = np.asarray(out.data, np.float32)
-    data = np.moveaxis(data, 3, 1) if slot_minor else data  # [L, S, Hkv, D]
+    data = np.asarray(quantized.slot_major_data(out), np.float32)  # [L, S, Hkv, D]
     assert out.slot_minor == slot_minor and not data[:, 2:4].any()
     np.testing.assert_array_equal(np.asarray(out.scale[:, :, 2:4]), 1.0)
     assert np.isnan(data[:, 4]).all()
@@ -81,16 +80,16 @@ def test_clear_slots_zeroes_rows_and_resets_their_scales(slot_minor):
 
 def test_slot_minor_values_hold_what_slot_major_values_hold():
     """The same writes into both layouts read back the same; the slot-minor data is the
-    slot-major data with the slots moved last."""
+    slot-major data with each page's slots moved last: a page of a head is one block."""
     rng = np.random.default_rng(1)
     v = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
     slots = jnp.asarray([9, -1, 40], jnp.int32)
     k = quantized.zeros((2, 64, 2, 16))
     _, major = dispatch.write_kv(k, quantized.zeros((2, 64, 2, 16)), jnp.int32(1), slots, v, v)
-    _, minor = dispatch.write_kv(k, quantized.zeros((2, 64, 2, 16), slot_minor=True), jnp.int32(1), slots, v, v)
-    assert minor.slot_minor and minor.data.shape == (2, 2, 16, 64) and minor.shape == major.shape
+    _, minor = dispatch.write_kv(k, quantized.zeros((2, 64, 2, 16), page_size=16), jnp.int32(1), slots, v, v)
+    assert minor.slot_minor and minor.data.shape == (2, 4, 2, 16, 16) and minor.shape == major.shape
     np.testing.assert_array_equal(np.asarray(minor.data, np.float32),
-                                  np.asarray(major.data, np.float32).transpose(0, 2, 3, 1))
+                                  np.asarray(major.data, np.float32).reshape(2, 4, 16, 2, 16).transpose(0, 1, 3, 4, 2))
     np.testing.assert_array_equal(np.asarray(minor.scale), np.asarray(major.scale))
     read = jnp.asarray([[9, 40], [0, 63]])
     np.testing.assert_array_equal(np.asarray(quantized.gather(minor, jnp.int32(1), read)),
@@ -121,7 +120,8 @@ def poison_unowned(buf: QuantizedKV, lens, pt, ps) -> QuantizedKV:
     for b, n in enumerate(np.asarray(lens)):
         keys = np.arange(int(n))
         owned[np.asarray(pt)[b, keys // ps] * ps + keys % ps] = True
-    data_owned = owned[None, None, None, :] if buf.slot_minor else owned[None, :, None, None]
+    data_owned = (owned.reshape(-1, buf.page_size)[None, :, None, None, :] if buf.slot_minor
+                  else owned[None, :, None, None])
     return QuantizedKV(jnp.where(data_owned, buf.data, jnp.nan).astype(buf.data.dtype),
                        jnp.where(owned[None, None, :], buf.scale, jnp.nan), buf.slot_minor)
 
@@ -219,6 +219,22 @@ def test_decode_kernel_names_a_bad_fp8_option(tuning, v_slot_minor, match):
                            tuning=tuning, interpret=True)
 
 
+def test_kernels_refuse_slot_minor_values_paged_unlike_the_page_table():
+    # values stored in blocks of 64 tokens read through a table of 32-token pages: a page
+    # would be half of a block, so the kernels refuse and the dispatch falls back
+    rng = np.random.default_rng(12)
+    (_, vb), (kq, _), pt = fp8_inputs(rng, 1, 32, 1, 64, 32)  # 4 pages of 32: 128 slots
+    vq = quantized.from_array(vb, 64)
+    q = jnp.asarray(rng.standard_normal((1, 2, 64)), jnp.bfloat16)
+    lens = jnp.asarray([20], jnp.int32)
+    assert not dispatch.kernel_supports(q, kq, vq, 32, None)
+    with pytest.raises(ValueError, match="values are stored in pages of 64 tokens, the page table's pages hold 32"):
+        ragged_decode_mgpu(q, kq, vq, 0, lens, pt, page_size=32, sm_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="values are stored in pages of 64 tokens, the page table's pages hold 32"):
+        paged_prefill_mgpu(q, kq, vq, 0, jnp.asarray([0, 1], jnp.int32), lens, pt, page_size=32,
+                           sm_scale=1.0, interpret=True)
+
+
 def test_fp8_decode_ring_depth_counts_the_staging_tiles():
     # D=128, fp8 tiles of 64 keys: keys as rows (8 columns, two CTAs an SM) keeps 4 slots with
     # "fold"'s two staging tiles; two heads a CTA with queries as rows lose one to them
@@ -259,7 +275,7 @@ def test_engine_config_names_an_unknown_kv_dtype():
 def test_fp8_cache_stores_values_slot_minor_where_decode_puts_keys_on_the_tile_rows():
     gqa = KVStorage(ModelConfig(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16), 64, "float8_e4m3fn")
     assert not gqa.k.slot_minor and gqa.v.slot_minor
-    assert gqa.v.data.shape == (2, 2, 16, 64) and gqa.v.shape == gqa.k.shape == (2, 64, 2, 16)
+    assert gqa.v.data.shape == (2, 2, 2, 16, 32) and gqa.v.shape == gqa.k.shape == (2, 64, 2, 16)  # pages of 32
     wide = KVStorage(ModelConfig(n_layers=2, n_heads=32, n_kv_heads=1, head_dim=16), 64, "float8_e4m3fn")
     assert not wide.v.slot_minor  # 32 queries a kv head: queries are the tile rows
     assert not values_slot_minor(ModelConfig(n_heads=4, n_kv_heads=2), None)  # bf16 cache

@@ -78,7 +78,7 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, al
     v = jax.random.normal(kv, shape, jnp.bfloat16)
     if kv_dtype is not None:
         k = jax.jit(quantized.from_array)(k)
-        v = jax.jit(quantized.from_array, static_argnums=1)(v, v_slot_minor)
+        v = jax.jit(quantized.from_array, static_argnums=1)(v, page_size if v_slot_minor else None)
     return layout, ints, floats, k, v, jnp.zeros(batch, jnp.int32)
 
 

@@ -158,7 +158,7 @@ def check(args, results) -> None:
     def buffers(k1, v_slot_minor=False):  # bf16, or fp8 with their float32 view for the reference
         kb, vb = paged_cache(k1, 2, n_pages, ps, hkv, d)
         if fp8:
-            kb, vb = quantized.from_array(kb), quantized.from_array(vb, v_slot_minor)
+            kb, vb = quantized.from_array(kb), quantized.from_array(vb, ps if v_slot_minor else None)
             return kb, vb, kb, vb
         return kb, vb, kb.astype(jnp.float32), vb.astype(jnp.float32)
 
@@ -256,7 +256,7 @@ def decode(args, results) -> None:
                 row["jrl_bf16_error"] = _error(e)
         v_layouts = {False: vb}  # the values as each variant's tile path takes them
         if fp8:
-            v_layouts = {minor: quantized.from_array(vb, minor)
+            v_layouts = {minor: quantized.from_array(vb, ps if minor else None)
                          for minor in {False, *(values_slot_minor_for(var, hq, hkv) for var in variants)}}
             kb, vb = quantized.from_array(kb), v_layouts[False]
         ref_out = None

@@ -165,7 +165,7 @@ class Engine:
         self.cache = TaskCacheManager(self.pool, self.req_to_token, self.radix)
         self.scheduler = Scheduler(config, self.cache, self.tuning.multi_step_max_rows)
         self.kv = KVStorage(model_config, config.n_slots, config.kv_dtype,
-                            sharding=None if self.sharding is None else self.sharding.kv)
+                            sharding=None if self.sharding is None else self.sharding.kv, page_size=ps)
         self._token_buckets = config.resolved_token_buckets
         self._batch_buckets = batch_buckets(config, self.tuning)
         self._col_buckets = config.page_col_buckets(model_config)

@@ -57,13 +57,15 @@ def values_slot_minor(config: ModelConfig, kv_dtype: str | None) -> bool:
 
 class KVStorage:
     def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None,
-                 sharding: NamedSharding | None = None) -> None:
+                 sharding: NamedSharding | None = None, page_size: int = 32) -> None:
+        """`page_size`: the engine's tokens a page, the blocks slot-minor fp8 values are
+        stored in (`quantized.QuantizedKV`)."""
         k_shape, v_shape = kv_shapes(config, n_slots)
         if dtype in KV_DTYPES:
             self.dtype = jnp.dtype(dtype)
             self.k: jax.Array | QuantizedKV = quantized.zeros(k_shape, sharding)
             self.v = None if v_shape is None else quantized.zeros(
-                v_shape, sharding, slot_minor=values_slot_minor(config, dtype))
+                v_shape, sharding, page_size=page_size if values_slot_minor(config, dtype) else None)
             return
         self.dtype = dtype_of(dtype or config.dtype)
         self.k = jnp.zeros(k_shape, self.dtype, device=sharding)
