@@ -74,7 +74,7 @@ def test_fp8_kv_split_over_kv_heads_equals_the_one_device_fp8_engine():
     k, v = engine.kv.buffers()  # data split over kv heads, and the scales with them
     assert k.data.sharding.spec == P(None, None, "tensor", None) and k.scale.sharding.spec == P(None, "tensor", None)
     assert {s.data.shape for s in k.scale.addressable_shards} == {(2, 8 // 4, ENGINE.n_slots)}
-    assert v.slot_minor and v.data.sharding.spec == P(None, "tensor", None, None)  # [L, Hkv, D, S]
+    assert v.slot_minor and v.data.sharding.spec == P(None, None, "tensor", None, None)  # [L, pages, Hkv, D, page]
 
 
 def test_kv_heads_not_divisible_replicate_the_cache_and_match_one_device():
