@@ -235,6 +235,24 @@ def test_kernels_refuse_slot_minor_values_paged_unlike_the_page_table():
                            sm_scale=1.0, interpret=True)
 
 
+def test_dispatch_names_values_paged_unlike_the_page_table():
+    # impl="pallas"/"interpret" must say why the kernels refuse (the generic list of what
+    # they support is all met here); "auto" falls back to the reference, which reads any paging
+    rng = np.random.default_rng(13)
+    (_, vb), (kq, vq), pt = fp8_inputs(rng, 1, 32, 1, 64, 32, v_slot_minor=True)  # 4 pages of 32: 128 slots
+    v64 = quantized.from_array(vb, 64)
+    q = jnp.asarray(rng.standard_normal((1, 2, 64)), jnp.bfloat16)
+    lens, cu = jnp.asarray([20], jnp.int32), jnp.asarray([0, 1], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(dispatch.ragged_decode(q, kq, v64, 0, lens, pt, page_size=32, sm_scale=0.125)),
+        np.asarray(dispatch.ragged_decode(q, kq, vq, 0, lens, pt, page_size=32, sm_scale=0.125, impl="reference")))
+    match = "impl='interpret': slot-minor fp8 values are stored in pages of 64 tokens, the page table's pages hold 32"
+    with pytest.raises(ValueError, match=match):
+        dispatch.ragged_decode(q, kq, v64, 0, lens, pt, page_size=32, sm_scale=0.125, impl="interpret")
+    with pytest.raises(ValueError, match=match):
+        dispatch.paged_prefill(q, kq, v64, 0, cu, lens, pt, page_size=32, sm_scale=0.125, impl="interpret")
+
+
 def test_fp8_decode_ring_depth_counts_the_staging_tiles():
     # D=128, fp8 tiles of 64 keys: keys as rows (8 columns, two CTAs an SM) keeps 4 slots with
     # "fold"'s two staging tiles; two heads a CTA with queries as rows lose one to them
