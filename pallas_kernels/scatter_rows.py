@@ -40,7 +40,8 @@ def scatter_rows(bufs: tuple[jax.Array, ...], layer: jax.Array, slots: jax.Array
         raise ValueError(f"scatter_rows: needs one update per buffer, got {len(bufs)} buffers "
                          f"and {len(updates)} updates")
     axes = (slot_axis,) if isinstance(slot_axis, int) else tuple(slot_axis)
-    if not all(1 <= a < bufs[0].ndim for a in axes) or list(axes) != sorted(set(axes)):
+    if (len(axes) > 2 or not all(1 <= a < bufs[0].ndim for a in axes)
+            or list(axes) != sorted(set(axes))):
         raise ValueError(f"scatter_rows: slot_axis {slot_axis} is not one dimension (or an increasing pair) "
                          f"after the layer of a {bufs[0].ndim}-d buffer")
     slot_dims = tuple(bufs[0].shape[a] for a in axes)

@@ -410,6 +410,8 @@ def test_scatter_rows_writes_paged_slot_minor_rows_at_page_and_offset():
     np.testing.assert_array_equal(np.asarray(out), expected)
     with pytest.raises(ValueError, match="slot_axis \\(4, 1\\) is not one dimension"):
         scatter_rows((buf,), jnp.int32(0), jnp.arange(2), (rows[:2],), slot_axis=(4, 1))
+    with pytest.raises(ValueError, match="slot_axis \\(1, 2, 4\\) is not one dimension"):  # not a lowering error
+        scatter_rows((buf,), jnp.int32(0), jnp.arange(2), (rows[:2, 0],), slot_axis=(1, 2, 4))
 
 
 def test_scatter_rows_names_a_mismatched_update():
