@@ -67,8 +67,9 @@ ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in 
 FP8_TILES = ("stage", "fold", "fold_k_regs", "mma", "mma_q8")  # DecodeTuning.fp8_tiles
 SLOT_MINOR_TILES = ("mma", "mma_q8")  # the paths that read slot-minor values (and only they do)
 # fp8 caches of models whose decode puts keys on the tile rows store their values
-# slot-minor, for "mma" (`dispatch.fp8_values_slot_minor`): 0.85x the decode step of
-# "fold_k_regs" on slot-major values at batch 256 on the H200 (docs/performance.md, fp8).
+# slot-minor in whole pages, for "mma" (`dispatch.fp8_values_slot_minor`): 3.00 ms against
+# 3.90 for "fold_k_regs" on slot-major values, the decode step at batch 256 on the H200
+# (docs/performance.md, fp8; 0.85x was the by-head layout's).
 FP8_MMA_DEFAULT = True
 
 
