@@ -88,6 +88,9 @@ def data_shape(shape: tuple[int, ...], page_size: int | None = None) -> tuple[in
     of `page_size` tokens, or slot-major (None)."""
     if page_size is None:
         return tuple(shape)
+    if isinstance(page_size, bool):  # the former `slot_minor` flag, passed positionally
+        raise TypeError(f"fp8 KV: page_size must be a number of tokens or None, got {page_size} (slot-minor "
+                        "data is now paged: pass the page table's page size)")
     n_layers, n_slots, hkv, d = shape
     if page_size <= 0 or n_slots % page_size:
         raise ValueError(f"fp8 KV: slot-minor data needs a page size dividing the {n_slots} slots, "

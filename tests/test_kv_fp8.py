@@ -78,6 +78,19 @@ def test_clear_slots_zeroes_rows_and_resets_their_scales(slot_minor):
     assert np.isnan(data[:, 4]).all()
 
 
+def test_page_size_refuses_the_former_slot_minor_flag():
+    # from_array(buf, True) once meant slot-minor; as a page size it would be pages of 1 token
+    # (which the kernels refuse, so every step would silently run the reference)
+    buf = jnp.ones((2, 64, 2, 16), jnp.float32)
+    for flag in (True, False):
+        with pytest.raises(TypeError, match="page_size must be a number of tokens or None"):
+            quantized.from_array(buf, flag)
+        with pytest.raises(TypeError, match="page_size must be a number of tokens or None"):
+            quantized.zeros(buf.shape, page_size=flag)
+    with pytest.raises(ValueError, match="needs a page size dividing the 64 slots, got 48"):
+        quantized.zeros(buf.shape, page_size=48)
+
+
 def test_slot_minor_values_hold_what_slot_major_values_hold():
     """The same writes into both layouts read back the same; the slot-minor data is the
     slot-major data with each page's slots moved last: a page of a head is one block."""
