@@ -204,8 +204,11 @@ def _slot_axis(buf: QuantizedKV) -> int | tuple[int, int]:
 
 
 def clear_slots(buf, slots: jax.Array):
-    """`buf` (plain or quantized) with `slots` zeroed in every layer (slots past the end:
-    dropped); a quantized buffer's scales go back to 1, so nothing non-finite is left."""
+    """`buf` (plain or quantized) with `slots` zeroed in every layer (slots below 0 or past
+    the end: dropped, as the KV write drops them); a quantized buffer's scales go back to 1,
+    so nothing non-finite is left."""
+    n_slots = buf.shape[1]
+    slots = jnp.where(slots < 0, n_slots, slots)  # an index below 0 would wrap around
     if isinstance(buf, QuantizedKV):
         if buf.slot_minor:  # slots past the end are past the last page: dropped too
             data = buf.data.at[:, slots // buf.page_size, :, :, slots % buf.page_size].set(0, mode="drop")

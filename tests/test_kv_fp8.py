@@ -71,11 +71,11 @@ def test_write_kv_scatters_the_fp8_rows_and_the_scales_once_each(v_slot_minor, s
 def test_clear_slots_zeroes_rows_and_resets_their_scales(slot_minor):
     shape = quantized.data_shape((2, 16, 1, 8), 8 if slot_minor else None)  # slot-minor: 2 pages of 8
     buf = QuantizedKV(jnp.full(shape, jnp.nan, jnp.float8_e4m3fn), jnp.full((2, 1, 16), jnp.nan), slot_minor)
-    out = quantized.clear_slots(buf, jnp.asarray([2, 3, 16]))  # 16: past the end, dropped
+    out = quantized.clear_slots(buf, jnp.asarray([2, 3, 16, -1]))  # 16: past the end, -1: dropped
     data = np.asarray(quantized.slot_major_data(out), np.float32)  # [L, S, Hkv, D]
     assert out.slot_minor == slot_minor and not data[:, 2:4].any()
     np.testing.assert_array_equal(np.asarray(out.scale[:, :, 2:4]), 1.0)
-    assert np.isnan(data[:, 4]).all()
+    assert np.isnan(data[:, 4]).all() and np.isnan(data[:, 15]).all()  # -1 did not wrap to the last slot
 
 
 def test_page_size_refuses_the_former_slot_minor_flag():
