@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.quantized import FP8_MAX, QuantizedKV, quantize
+from pallas_kernels.quantized import FP8_MAX, QuantizedKV, quantize, value_paging_problem
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import DecodeTuning
 
@@ -389,9 +389,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         raise ValueError("decode_mgpu: fp8 keys must be stored slot-major (only values may be "
                          "slot-minor, for fp8_tiles='mma')")
     v_minor = quant and v_buf.slot_minor
-    if v_minor and v_buf.page_size != page_size:
-        raise ValueError(f"decode_mgpu: slot-minor fp8 values are stored in pages of {v_buf.page_size} "
-                         f"tokens, the page table's pages hold {page_size}")
+    if problem := value_paging_problem(v_buf, page_size):
+        raise ValueError(f"decode_mgpu: {problem}")
     tiles = t.fp8_tiles or ("mma" if v_minor else default_fp8_tiles(keys_as_rows))
     mma = quant and tiles in SLOT_MINOR_TILES
     q8 = quant and tiles == "mma_q8"

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import reference
-from pallas_kernels.quantized import QuantizedKV
+from pallas_kernels.quantized import QuantizedKV, value_paging_problem
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -53,7 +53,7 @@ def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> 
     _, n_slots, hkv, dk = k_buf.shape
     quantized = isinstance(k_buf, QuantizedKV)
     dtype_ok = (isinstance(v_buf, QuantizedKV) and page_size % 32 == 0
-                and v_buf.page_size in (None, page_size) if quantized
+                and not value_paging_problem(v_buf, page_size) if quantized
                 else k_buf.dtype in (jnp.bfloat16, jnp.float16))
     return (v_buf is not None and v_buf.shape == k_buf.shape and (v_head_dim in (None, d))
             and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 57
@@ -61,26 +61,16 @@ def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> 
             and kernel_reads_pages(page_size) and n_slots % PAGE_MULTIPLE == 0)
 
 
-def _value_paging(v_buf, page_size: int) -> str:
-    """Why slot-minor fp8 values cannot go to the kernels with this page table ('' if they can)."""
-    if isinstance(v_buf, QuantizedKV) and v_buf.page_size not in (None, page_size):
-        return (f"slot-minor fp8 values are stored in pages of {v_buf.page_size} tokens, the page "
-                f"table's pages hold {page_size} (the kernels need the two equal)")
-    return ""
-
-
 def _resolve(impl: Impl, supported: bool, op: str, why: str = "") -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl: must be one of {'/'.join(IMPLS)}, got {impl!r}")
     if impl == "auto":
         return "pallas" if supported and on_hopper() else "reference"
-    if impl in ("pallas", "interpret") and not supported and why:
-        raise ValueError(f"{op}: impl={impl!r}: {why}")
     if impl in ("pallas", "interpret") and not supported:
-        raise ValueError(f"{op}: impl={impl!r} needs bf16/f16 K/V buffers (or fp8 ones with "
-                         f"page_size a multiple of 32) with head_dim 64 or 128, at most 57 query heads per KV "
-                         f"head, page_size 8, 16, 32, 64 or a multiple of 128, n_slots a multiple of 8 "
-                         f"and v_buf given")
+        why = why or ("needs bf16/f16 K/V buffers (or fp8 ones with page_size a multiple of 32) with "
+                      "head_dim 64 or 128, at most 57 query heads per KV head, page_size 8, 16, 32, 64 "
+                      "or a multiple of 128, n_slots a multiple of 8 and v_buf given")
+        raise ValueError(f"{op}: impl={impl!r}: {why}")
     return impl
 
 
@@ -108,7 +98,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
                   sm_scale: float, v_head_dim: int | None = None, impl: Impl = "auto") -> jax.Array:
     """Packed ragged causal prefill through the page table (see `reference.paged_prefill`)."""
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
-                     _value_paging(v_buf, page_size))
+                     value_paging_problem(v_buf, page_size))
     if which == "reference":
         return reference.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,
@@ -123,7 +113,7 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
                   v_head_dim: int | None = None, impl: Impl = "auto") -> jax.Array:
     """One query per request, split over the KV length (see `reference.ragged_decode`)."""
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode",
-                     _value_paging(v_buf, page_size))
+                     value_paging_problem(v_buf, page_size))
     if which == "reference":
         return reference.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,

@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.decode_mgpu import (cast_tile, compute_dtype, dequantize_tile, key_scales, minor_tiling,
                                         num_sms, page_copy, smem_tiling, split_buffers, stage_minor_pages,
                                         wgmma_accumulate, zero_rows_from)
+from pallas_kernels.quantized import value_paging_problem
 from pallas_kernels.shapes import check_paged_shapes
 from pallas_kernels.tuning import PrefillTuning
 
@@ -109,9 +110,8 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
     if quant and k_buf.slot_minor:
         raise ValueError("prefill_mgpu: fp8 keys must be stored slot-major (only values may be slot-minor)")
     v_minor = quant and v_buf.slot_minor  # staged back to keys as rows (`stage_minor_pages`)
-    if v_minor and v_buf.page_size != page_size:
-        raise ValueError(f"prefill_mgpu: slot-minor fp8 values are stored in pages of {v_buf.page_size} "
-                         f"tokens, the page table's pages hold {page_size}")
+    if problem := value_paging_problem(v_buf, page_size):
+        raise ValueError(f"prefill_mgpu: {problem}")
     dtype = compute_dtype(q.dtype, kv_dtype, quant)
     sub = min(page_size, block_kv)
     copies = block_kv // sub

@@ -98,6 +98,16 @@ def data_shape(shape: tuple[int, ...], page_size: int | None = None) -> tuple[in
     return n_layers, n_slots // page_size, hkv, d, page_size
 
 
+def value_paging_problem(v_buf, page_size: int) -> str:
+    """Why values stored slot-minor cannot be read through a page table of `page_size`
+    tokens ('' when they can, or are not slot-minor): the kernels copy one stored page a
+    table page, so the two sizes must be equal."""
+    if isinstance(v_buf, QuantizedKV) and v_buf.page_size not in (None, page_size):
+        return (f"slot-minor fp8 values are stored in pages of {v_buf.page_size} tokens, the page "
+                f"table's pages hold {page_size} (the kernels need the two equal)")
+    return ""
+
+
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
     """`[L, Hkv, S]` for a buffer of shape `[L, S, Hkv, D]`."""
     n_layers, n_slots, hkv, _ = shape
