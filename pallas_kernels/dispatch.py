@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV, value_paging_problem
+from pallas_kernels.staged_prefill import staged_copy
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -95,10 +96,15 @@ def decode_tuning(which: str) -> DecodeTuning:
 
 
 def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
-                  sm_scale: float, v_head_dim: int | None = None, impl: Impl = "auto") -> jax.Array:
-    """Packed ragged causal prefill through the page table (see `reference.paged_prefill`)."""
+                  sm_scale: float, v_head_dim: int | None = None, impl: Impl = "auto", stage=None) -> jax.Array:
+    """Packed ragged causal prefill through the page table (see `reference.paged_prefill`).
+    `stage` (fp8 buffers only): `staged_prefill.stage_layout` of these rows' `copied_lens`;
+    then `staged_paged_prefill` computes the same attention."""
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      value_paging_problem(v_buf, page_size))
+    if stage is not None and isinstance(k_buf, QuantizedKV):
+        return staged_paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, stage,
+                                    page_size=page_size, sm_scale=sm_scale, which=which)
     if which == "reference":
         return reference.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,
@@ -107,6 +113,34 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     return paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                               page_size=page_size, sm_scale=float(sm_scale), tuning=prefill_tuning(which),
                               interpret=which == "interpret")
+
+
+def staged_paged_prefill(q, k_buf: QuantizedKV, v_buf: QuantizedKV, layer, cu_q_lens, kv_lens, page_table,
+                         stage, *, page_size: int, sm_scale: float, which: str) -> jax.Array:
+    """`paged_prefill` on fp8 buffers by rows (`pallas_kernels.staged_prefill`): rows of
+    several query tokens attend over a dequantized copy of their pages (`stage`), in the
+    kernel's compute dtype, or float32 for the reference (which then computes what it
+    computes on the fp8 pages); rows of one token (decoding requests of a mixed step)
+    through `ragged_decode` on the fp8 pages."""
+    t = q.shape[0]
+    one = cu_q_lens[1:] - cu_q_lens[:-1] == 1
+    dtype = jnp.float32 if which == "reference" else q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) \
+        else jnp.bfloat16
+    k_copy, v_copy, copy_layer, copy_table = staged_copy(k_buf, v_buf, layer, stage, page_size, dtype)
+    many = paged_prefill(q, k_copy, v_copy, copy_layer, cu_q_lens, jnp.where(one, 0, kv_lens), copy_table,
+                         page_size=page_size, sm_scale=sm_scale, impl=which)
+    last = jnp.maximum(cu_q_lens[1:] - 1, 0)  # a row's one query token
+    single = ragged_decode(q[last], k_buf, v_buf, layer, jnp.where(one, kv_lens, 0), page_table,
+                           page_size=page_size, sm_scale=sm_scale, impl=which)
+    row = jnp.clip(jnp.searchsorted(cu_q_lens, jnp.arange(t), side="right") - 1, 0, one.shape[0] - 1)
+    take = (one[row] & (jnp.arange(t) < cu_q_lens[-1]))[:, None, None]
+    return jnp.where(take, single[row].astype(many.dtype), many)
+
+
+def kernel_runs(impl: Impl) -> bool:
+    """Whether `impl` runs the Mosaic GPU kernels (where they support the shapes): "pallas"
+    and "interpret", and "auto" on a Hopper GPU."""
+    return impl in ("pallas", "interpret") or (impl == "auto" and on_hopper())
 
 
 def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int, sm_scale: float,

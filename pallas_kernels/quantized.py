@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.scatter_rows import scatter_rows
 
@@ -182,6 +183,24 @@ def gather(buf: QuantizedKV, layer: jax.Array, slots: jax.Array) -> jax.Array:
     else:
         data = buf.data[layer, slots]
     return dequantize(data, scale)
+
+
+def dequantize_pages(buf: QuantizedKV, layer: jax.Array, pages: jax.Array, page_size: int,
+                     dtype) -> jax.Array:
+    """The pages `pages [N]` of `buf`'s layer `layer` dequantized to `dtype`, as the slots of
+    a slot-major `[N * page_size, Hkv, D]` buffer (either data layout). Layer and pages
+    index one gather (a `buf.data[layer]` of its own would copy the layer out first), of
+    the pages as stored (whole blocks); they are turned and scaled after it, on their own:
+    XLA then transposes through shared memory instead of reading a byte at a time."""
+    n_layers, n_slots, hkv, d = buf.shape
+    n_pages = n_slots // page_size
+    if buf.slot_minor:  # [N, Hkv, D, page] blocks
+        data = jnp.transpose(lax.optimization_barrier(buf.data[layer, pages]), (0, 3, 1, 2))
+    else:
+        data = buf.data.reshape(n_layers, n_pages, page_size, hkv, d)[layer, pages]
+    scale = buf.scale.reshape(n_layers, hkv, n_pages, page_size)[layer, :, pages]  # [N, Hkv, page]
+    x = data.astype(jnp.float32) * jnp.transpose(scale, (0, 2, 1))[..., None]
+    return x.astype(dtype).reshape(-1, hkv, d)
 
 
 def write(k_buf: QuantizedKV, v_buf: QuantizedKV | None, layer: jax.Array, slots: jax.Array,

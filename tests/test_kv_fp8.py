@@ -13,12 +13,14 @@ import pytest
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
-from jrl.rollout import GREEDY, Engine, EngineConfig
+from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
+from jrl.rollout.executor import StepFunction
 from jrl.rollout.cache.kv_storage import KVStorage, kv_bytes_per_token, values_slot_minor
 from pallas_kernels import dispatch, quantized, reference
 from pallas_kernels.decode_mgpu import default_fp8_tiles, default_num_stages, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.quantized import QuantizedKV
+from pallas_kernels.staged_prefill import copied_lens, pages_read, stage_layout, staged_pages
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 from kernel_inputs import lowers_for_hopper, paged_inputs, rel_err
 
@@ -182,6 +184,60 @@ def test_prefill_kernel_reads_fp8_buffers_like_the_reference(fp8_tiles, v_slot_m
     assert rel_err(out, ref) < TOL
     assert rel_err(ref, exact) < FP8_TOL
     np.testing.assert_array_equal(np.asarray(out[int(q_lens.sum()):], np.float32), 0.0)  # padding rows
+
+
+@pytest.mark.parametrize("v_slot_minor", [False, True], ids=["slot-major", "slot-minor"])
+def test_dequantize_pages_copies_pages_as_the_gather_reads_them(v_slot_minor):
+    rng = np.random.default_rng(14)
+    _, (kq, vq), pt = fp8_inputs(rng, 2, 64, 2, 64, 32, v_slot_minor=v_slot_minor)
+    pages = jnp.asarray([3, 0, 3], jnp.int32)
+    for buf in (kq, vq):
+        out = quantized.dequantize_pages(buf, jnp.int32(1), pages, 32, jnp.float32)
+        slots = (pages[:, None] * 32 + jnp.arange(32)).reshape(-1)
+        assert out.shape == (96, 2, 64)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(quantized.gather(buf, jnp.int32(1), slots)))
+
+
+@pytest.mark.parametrize("v_slot_minor", [True, False], ids=["slot-minor", "slot-major"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own-pages", "shared-prefix"])
+def test_staged_prefill_reads_fp8_buffers_like_the_reference(v_slot_minor, shared):
+    """`impl="interpret"` with `stage`: rows of several tokens through the prefill kernel on
+    a bf16 copy of their pages, each page once (with `shared`, a prefix of 2 pages that
+    rows 0 and 4 read), the one-token row through the decode kernel on the fp8 pages;
+    stale slots poisoned."""
+    rng = np.random.default_rng(15)
+    q_lens = np.array([40, 1, 0, 70, 3])
+    prefix = np.array([0, 64, 0, 0, 64]) if shared else np.zeros(5, int)
+    kv_lens = q_lens + prefix
+    (kb, vb), (kq, vq), pt = fp8_inputs(rng, 5, 200, 1, 64, 32, v_slot_minor=v_slot_minor)
+    if shared:  # rows 1 and 4 read row 0's first two pages (64 keys written by row 0's step)
+        pt = pt.at[1, :2].set(pt[0, :2]).at[4, :2].set(pt[0, :2])
+    t_rows = int(q_lens.sum()) + 5
+    n_staged = staged_pages(t_rows, pt.shape, 32)
+    read = pages_read(q_lens, kv_lens, np.asarray(pt), 32)  # row 1 (one token) reads the fp8 pages
+    assert read == 6 and n_staged == 8 < pt.size  # shared: 8 pages counted per request
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((t_rows, 2, 64)), jnp.bfloat16)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    poisoned = (poison_unowned(kq, kv_lens, pt, 32), poison_unowned(vq, kv_lens, pt, 32))
+    out = dispatch.paged_prefill(q, *poisoned, jnp.int32(1), cu, lens, pt, page_size=32, sm_scale=0.125,
+                                 impl="interpret",
+                                 stage=stage_layout(copied_lens(cu, lens), pt, 32, n_staged))
+    ref = reference.paged_prefill(q.astype(jnp.float32), kq, vq, jnp.int32(1), cu, lens, pt, page_size=32,
+                                  sm_scale=0.125)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, ref) < TOL
+    np.testing.assert_array_equal(np.asarray(out[int(q_lens.sum()):], np.float32), 0.0)
+
+
+def test_stage_layout_copies_each_page_read_once():
+    pt = jnp.asarray([[7, 2, 9], [4, 5, 6], [7, 3, 8]], jnp.int32)
+    lens = jnp.asarray([33, 0, 64], jnp.int32)  # row 0: pages 7, 2; row 2: 7, 3 (7 shared)
+    assert pages_read(np.asarray([2, 0, 9]), np.asarray(lens), np.asarray(pt), 32) == 3
+    assert pages_read(np.asarray([1, 0, 9]), np.asarray(lens), np.asarray(pt), 32) == 2  # one token: not copied
+    source, table = stage_layout(lens, pt, 32, 5)
+    np.testing.assert_array_equal(np.asarray(source), [2, 3, 7, 0, 0])  # spare copies read page 0
+    np.testing.assert_array_equal(np.asarray(table)[[0, 2], :2], [[2, 0], [2, 1]])
 
 
 @pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill", "prefill_fold",
@@ -349,3 +405,37 @@ def test_fp8_engine_generates_with_logprobs_close_to_the_bf16_engine(name):
     # 0.040 / 0.028, max 0.160 / 0.086.
     assert d.size >= 20
     assert d.mean() < 0.08 and d.max() < 0.3
+
+
+def test_fp8_engine_prefills_through_the_bf16_copy_like_the_fp8_pages():
+    """An fp8 engine with `stage_fp8_prefill` on and off, on CPU (the reference attention
+    reads a float32 copy, so the two agree to float32 rounding when the copy holds the
+    right pages): prompts that read only their own pages (copied), a prompt long enough to
+    be prefilled in chunks (its later chunks read more pages than the copy holds: fp8
+    pages), requests decoding in mixed steps."""
+    model = MODELS["gqa"]
+    params = jax.jit(init_params, static_argnums=0)(model, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (5, 40, 200)]
+
+    def run(stage):
+        engine = Engine(model, params, EngineConfig(page_size=32, n_pages=24, max_batch=4, max_tokens_per_step=64,
+                                                    max_seq_len=256, kv_dtype="float8_e4m3fn",
+                                                    prefix_cache=False),
+                        tuning=TuningOverrides(stage_fp8_prefill=stage))
+        staged = []
+        fn = engine.step_function.fn
+
+        def spy(*args, layout):
+            staged.append(layout.stage_fp8)
+            return fn(*args, layout=layout)
+
+        engine.step_function = StepFunction(fn=spy)
+        return engine.generate(prompts, GREEDY, max_new_tokens=4), staged
+
+    copied, staged = run(True)
+    direct, unstaged = run(False)
+    assert True in staged and False in staged and not any(unstaged)
+    for a, b in zip(direct, copied):  # one-token rows: the decode reference, same math, other order
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)

@@ -103,6 +103,23 @@ def test_prompt_chunks_that_do_not_sample_run_their_requests_variant(params):
     assert {x.mode for x in engine.step_layouts(SAMPLE)} == {"sample"}
 
 
+@pytest.mark.parametrize("tuning", [None, GPU_LIKE], ids=["cpu", "gpu-like"])
+def test_fp8_prefill_through_a_copy_dispatches_only_warmed_layouts(params, tuning):
+    """`stage_fp8_prefill`: prefill steps whose pages fit the bf16 copy and steps that read
+    more (chunks of a long prompt, a prefix cached by an earlier step) both come up, and
+    warmup covers both."""
+    tuning = dataclasses.replace(tuning or TuningOverrides(), stage_fp8_prefill=True)
+    config = EngineConfig(page_size=32, n_pages=160, max_batch=16, max_tokens_per_step=256, max_seq_len=1024,
+                          kv_dtype="float8_e4m3fn")
+    engine = Engine(MODEL, params, config, tuning=tuning)
+    warmed = set(engine.step_layouts(GREEDY))
+    assert {layout.stage_fp8 for layout in warmed} == {False, True}
+    prompts = prompts_of([40, 900, 70, 33, 12, 300])
+    used = dispatched_layouts(engine, prompts + [prompts[1][:600] + [1, 2]], GREEDY, 6)
+    assert set(used) <= warmed, sorted(set(used) - warmed, key=str)
+    assert {layout.stage_fp8 for layout in used if not layout.decode} == {False, True}
+
+
 def test_sampling_variants():
     assert sampling_variants([SAMPLE]) == {(False, "sample")}
     assert sampling_variants([GREEDY]) == {(False, "greedy")}

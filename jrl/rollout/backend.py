@@ -42,13 +42,16 @@ class PagedAttention(flax.struct.PyTreeNode):
     # Exact log-probs: every step (decode too) attends through `exact_prefill`, whose rows
     # do not depend on the batch (the arithmetic the trainer's `ExactAttention` shares).
     exact: bool = flax.struct.field(pytree_node=False, default=False)
+    # fp8 prefill: (source pages, page table) of a bf16 copy of the pages the step reads
+    # (`pallas_kernels.staged_prefill.stage_layout`, made once a step); None: no copy.
+    stage: tuple[jax.Array, jax.Array] | None = None
 
     def attend(self, q, k, v, *, layer, cache, scale):
         if q.shape[0] != 1:
             raise ValueError(f"PagedAttention: expects one packed sequence (B=1), got B={q.shape[0]}")
         k_buf, v_buf = cache
         packed = functools.partial(self._attend_packed, scale)
-        metadata = (self.out_cache_loc, self.cu_q_lens, self.kv_lens, self.page_table)
+        metadata = (self.out_cache_loc, self.cu_q_lens, self.kv_lens, self.page_table, *(self.stage or ()))
         args = (q[0], k[0], None if v is None else v[0], k_buf, v_buf, layer)
         if self.heads is None:
             out, k_buf, v_buf = packed(*args, *metadata)
@@ -57,9 +60,9 @@ class PagedAttention(flax.struct.PyTreeNode):
         return out[None], (k_buf, v_buf)
 
     def _attend_packed(self, scale, q, k, v, k_buf, v_buf, layer, out_cache_loc, cu_q_lens, kv_lens,
-                       page_table):
+                       page_table, *stage):
         """Write then attend for packed `q [T, Hq, D]`, `k/v [T, Hkv, D]` (all heads, or one
-        device's heads under `shard_attention`)."""
+        device's heads under `shard_attention`); `stage`: this step's (source, table) pair."""
         k_buf, v_buf = kernels.write_kv(k_buf, v_buf, layer, out_cache_loc, k, v)
         kwargs = dict(page_size=self.page_size, sm_scale=scale, v_head_dim=self.v_head_dim, impl=self.impl)
         if self.exact:
@@ -69,5 +72,6 @@ class PagedAttention(flax.struct.PyTreeNode):
         elif self.decode:
             out = kernels.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, **kwargs)
         else:
-            out = kernels.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, **kwargs)
+            out = kernels.paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
+                                        stage=tuple(stage) or None, **kwargs)
         return out, k_buf, v_buf

@@ -76,6 +76,7 @@ from jrl.rollout.scheduler import ScheduledBatch, Scheduler
 from jrl.rollout.sharding import EngineSharding, SourceParams, engine_sharding
 from jrl.rollout.tuning import Tuning, TuningOverrides, batch_buckets, resolve_tuning
 from pallas_kernels.quantized import clear_slots
+from pallas_kernels.staged_prefill import pages_read, staged_pages
 
 
 _MAX_INTERNED = 4096  # distinct sampling params kept by Engine._interned
@@ -461,12 +462,14 @@ class Engine:
         width = bound.page_table.shape[1]
         penalties, mode = batch_mode(sampling)
         window = self.config.penalty_window - 1 if penalties else 0
-        layout = StepLayout(decode=decode, n_tokens=n_tokens, n_rows=n_rows,
-                            n_page_cols=page_cols(width, decode, self._col_buckets, self._widest,
-                                                  self.tuning.full_width_prefill),
+        n_page_cols = page_cols(width, decode, self._col_buckets, self._widest, self.tuning.full_width_prefill)
+        stage_fp8 = (not decode and self.tuning.stage_fp8_prefill
+                     and pages_read(np.diff(bound.cu_q_lens), bound.kv_lens, bound.page_table, self.config.page_size)
+                     <= staged_pages(n_tokens, (n_rows, n_page_cols), self.config.page_size))
+        layout = StepLayout(decode=decode, n_tokens=n_tokens, n_rows=n_rows, n_page_cols=n_page_cols,
                             window=window, penalties=penalties,
                             mode=mode, int_align=INT_ALIGN_UNROLLED if self.tuning.unroll_layers and decode else 1,
-                            steps=batch.steps)
+                            steps=batch.steps, stage_fp8=stage_fp8)
 
         ints = np.zeros(layout.int_packing.size, np.int32)  # fields default to 0 unless set below
         i = layout.int_packing.views(ints)
@@ -734,7 +737,8 @@ def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, toke
       rows can fill (t > n, t up to `max_tokens_per_step` and n_pages * page_size, t fits
       in n rows of at most the width's pages: t <= n * width * page_size, and the widest
       row leaves a page each for the n - 1 others), with `prefill_rows(t)` rows; per
-      reachable column bucket, or only the widest with `tuning.full_width_prefill`.
+      reachable column bucket, or only the widest with `tuning.full_width_prefill`; with
+      `tuning.stage_fp8_prefill` each through a bf16 copy of the pages it reads and without.
     Sampling variants: those of `sampling` (`sampling_variants`), for every kind of step
     (rows that do not sample keep their request's params, see `Engine._pack`)."""
     ps, n_pages, max_batch = config.page_size, config.n_pages, config.max_batch
@@ -776,7 +780,9 @@ def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, toke
                    <= min(t, max_tokens, n * min(min(w_hi, n_pages - n + 1) * ps, seq_limit))
                    and min(w_hi, n_pages - n + 1) >= w_lo
                    for n in range(1, min(t, max_batch) + 1)):
-                out += [layout(False, t, prefill_rows(t, max_batch, row_buckets), w, *v) for v in variants]
+                out += [dataclasses.replace(layout(False, t, prefill_rows(t, max_batch, row_buckets), w, *v),
+                                            stage_fp8=stage)
+                        for stage in ((True, False) if tuning.stage_fp8_prefill else (False,)) for v in variants]
     return out
 
 

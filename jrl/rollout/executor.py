@@ -38,6 +38,7 @@ from jrl.rollout.backend import PagedAttention
 from jrl.rollout.cache.kv_storage import values_slot_minor
 from jrl.rollout.sampling import FLOAT_COLUMNS, SamplingArrays, sample
 from jrl.rollout.sharding import HeadSplit
+from pallas_kernels.staged_prefill import copied_lens, stage_layout, staged_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +57,17 @@ class StepLayout:
     # Decode steps the program runs (> 1: decode only). Positions, KV slots and lengths
     # then come per step: [steps, T] and [steps, R].
     steps: int = 1
+    # Prefill on an fp8 cache through a bf16 copy of the pages the step reads
+    # (`Tuning.stage_fp8_prefill`; `staged_prefill.staged_pages` of this layout's sizes).
+    stage_fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1 or (self.steps > 1 and (not self.decode or self.penalties)):
             raise ValueError(f"StepLayout.steps: must be 1, or > 1 for a decode layout without penalties "
                              f"(their window of recent tokens comes from the host); got {self.steps} "
                              f"(decode={self.decode}, penalties={self.penalties})")
+        if self.stage_fp8 and self.decode:
+            raise ValueError("StepLayout.stage_fp8: prefill layouts only (decode reads fp8 pages directly)")
 
     def int_fields(self) -> list[tuple[str, tuple[int, ...]]]:
         t, r = self.n_tokens, self.n_rows
@@ -225,10 +231,14 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
         """One forward over the packed tokens and one sample per request row."""
         cu = i["cu_q_lens"]
         real = jnp.arange(layout.n_tokens) < cu[-1]
+        stage = None
+        if layout.stage_fp8:  # once a step, for every layer's copy
+            n_staged = staged_pages(layout.n_tokens, (layout.n_rows, layout.n_page_cols), page_size)
+            stage = stage_layout(copied_lens(cu, i["kv_lens"]), i["page_table"], page_size, n_staged)
         backend = PagedAttention(cu_q_lens=cu, kv_lens=i["kv_lens"], page_table=i["page_table"],
                                  out_cache_loc=i["out_cache_loc"], page_size=page_size,
                                  decode=layout.decode, absorb_mla=absorb, v_head_dim=v_head_dim, impl=impl,
-                                 heads=heads, exact=exact)
+                                 heads=heads, exact=exact, stage=stage)
         out = forward(config, params, tokens[None], i["positions"][None], backend,
                       cache=(k_buf, v_buf), token_mask=real[None], unroll_layers=unroll_layers and layout.decode,
                       fused_projections=fused_projections)

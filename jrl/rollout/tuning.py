@@ -46,6 +46,12 @@ buffers of its CUDA graphs at fixed addresses (`stable_temp_addresses`: XLA_FLAG
 `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`): otherwise the smaller program's
 temporaries move from call to call and XLA re-records its graphs each call, which costs
 more than the copies saved (docs/performance.md, fp8). No effect with bf16 weights.
+stage_fp8_prefill: with an fp8 KV cache (`EngineConfig.kv_dtype`) where the Mosaic GPU kernels
+run, a prefill step whose requests read few enough distinct pages runs the bf16 prefill
+kernel on a bf16 copy of those pages, made once a layer (`pallas_kernels.staged_prefill`),
+instead of the kernel on the fp8 pages, which converts every K/V tile once per query
+tile. Steps that read more pages run on the fp8 pages, as programs of their own. No
+effect with bf16 KV.
 full_width_prefill: prefill (mixed) steps pad their page table to the widest column bucket
 instead of the smallest that holds their rows (one program per token bucket, not one per
 width). On GPU the prefill kernel's work follows each row's KV length, not the table's
@@ -62,6 +68,7 @@ import re
 from jrl.config import ModelConfig, check
 from jrl.models.fused import fusion_keeps_exact_bits, unfusable_reason
 from jrl.rollout.config import EngineConfig
+from pallas_kernels.dispatch import kernel_runs
 
 
 def _is_int(v: object) -> bool:
@@ -81,9 +88,11 @@ class TuningOverrides:
     min_decode_rows: int | None = None
     full_width_prefill: bool | None = None
     per_layer_weights: bool | None = None
+    stage_fp8_prefill: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("unroll_layers", "fuse_projections", "full_width_prefill", "per_layer_weights"):
+        for name in ("unroll_layers", "fuse_projections", "full_width_prefill", "per_layer_weights",
+                     "stage_fp8_prefill"):
             v = getattr(self, name)
             check(v in (None, True, False), f"tuning.{name}",
                   f"must be True, False or None (backend default), got {v!r}")
@@ -110,6 +119,7 @@ class BackendDefaults:
     min_decode_rows: int
     full_width_prefill: bool
     per_layer_weights: bool
+    stage_fp8_prefill: bool
 
 
 # GPU (measured on an H200, docs/performance.md):
@@ -125,16 +135,20 @@ class BackendDefaults:
 # - full_width_prefill: the Mosaic GPU prefill kernel skips the table's unused columns.
 # - per_layer_weights: fp8 batch 1 / 8 / 16 at 1.11 / 1.11 / 1.09x bf16 with SKIP_TEMP, where
 #   the stacked kernels' slice copies left it level; without SKIP_TEMP 4-7% below stacked.
+# - stage_fp8_prefill: an fp8 prefill step of 4 x 2048 tokens ran its attention in 7.7 ms on
+#   the fp8 pages, against 2.9 on bf16 buffers.
 BACKEND_DEFAULTS: dict[str, BackendDefaults] = {
     "gpu": BackendDefaults(unroll_layers=True, fuse_projections=True, cublas_decode_rows_separate=128,
                            cublas_decode_rows_fused=64, decode_steps_per_call=4, multi_step_max_rows=None,
-                           min_decode_rows=2, full_width_prefill=True, per_layer_weights=True),
+                           min_decode_rows=2, full_width_prefill=True, per_layer_weights=True,
+                           stage_fp8_prefill=True),
 }
 # Elsewhere (CPU): nothing measured, nothing to save (no weight-slice copies, no GPU code
 # generation choices), and a fused copy would cost a copy of those weights per update.
 FALLBACK = BackendDefaults(unroll_layers=False, fuse_projections=False, cublas_decode_rows_separate=0,
                            cublas_decode_rows_fused=0, decode_steps_per_call=1, multi_step_max_rows=None,
-                           min_decode_rows=1, full_width_prefill=False, per_layer_weights=False)
+                           min_decode_rows=1, full_width_prefill=False, per_layer_weights=False,
+                           stage_fp8_prefill=False)
 
 
 # The XLA_FLAGS update modes that give the temporaries of CUDA-graph programs fixed addresses.
@@ -163,6 +177,7 @@ class Tuning:
     min_decode_rows: int
     full_width_prefill: bool
     per_layer_weights: bool
+    stage_fp8_prefill: bool
 
 
 def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
@@ -210,7 +225,9 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
                   min_decode_rows=pick("min_decode_rows", d.min_decode_rows),
                   full_width_prefill=pick("full_width_prefill", d.full_width_prefill),
                   per_layer_weights=engine.weight_dtype is not None
-                  and pick("per_layer_weights", d.per_layer_weights and stable_temp_addresses()))
+                  and pick("per_layer_weights", d.per_layer_weights and stable_temp_addresses()),
+                  stage_fp8_prefill=engine.kv_dtype is not None
+                  and pick("stage_fp8_prefill", d.stage_fp8_prefill and kernel_runs(engine.attention_impl)))
 
 
 def batch_buckets(engine: EngineConfig, tuning: Tuning) -> tuple[int, ...]:
