@@ -14,8 +14,9 @@ import pytest
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
-from jrl.rollout.executor import StepFunction
 from jrl.rollout.cache.kv_storage import KVStorage, kv_bytes_per_token, values_slot_minor
+from jrl.rollout.executor import StepFunction
+from jrl.rollout.tuning import resolve_tuning
 from pallas_kernels import dispatch, quantized, reference
 from pallas_kernels.decode_mgpu import default_fp8_tiles, default_num_stages, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
@@ -439,3 +440,15 @@ def test_fp8_engine_prefills_through_the_bf16_copy_like_the_fp8_pages():
     for a, b in zip(direct, copied):  # one-token rows: the decode reference, same math, other order
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.model_logprobs, b.model_logprobs, atol=1e-5)
+
+
+def test_stage_fp8_prefill_is_on_where_the_kernels_read_fp8_k_and_v():
+    gqa, mla = MODELS["gqa"], MODELS["mla"]
+    fp8 = dict(page_size=32, kv_dtype="float8_e4m3fn")
+    assert resolve_tuning("gpu", gqa, EngineConfig(**fp8, attention_impl="pallas")).stage_fp8_prefill
+    assert not resolve_tuning("gpu", gqa, EngineConfig(**fp8, attention_impl="reference")).stage_fp8_prefill
+    assert not resolve_tuning("gpu", gqa, EngineConfig(page_size=32, attention_impl="pallas")).stage_fp8_prefill
+    assert not resolve_tuning("gpu", mla, EngineConfig(**fp8, attention_impl="pallas")).stage_fp8_prefill
+    assert not resolve_tuning("cpu", gqa, EngineConfig(**fp8)).stage_fp8_prefill
+    forced = TuningOverrides(stage_fp8_prefill=True)
+    assert resolve_tuning("cpu", gqa, EngineConfig(**fp8), forced).stage_fp8_prefill

@@ -47,11 +47,12 @@ buffers of its CUDA graphs at fixed addresses (`stable_temp_addresses`: XLA_FLAG
 temporaries move from call to call and XLA re-records its graphs each call, which costs
 more than the copies saved (docs/performance.md, fp8). No effect with bf16 weights.
 stage_fp8_prefill: with an fp8 KV cache (`EngineConfig.kv_dtype`) where the Mosaic GPU kernels
-run, a prefill step whose requests read few enough distinct pages runs the bf16 prefill
+run, a prefill step whose prompt rows read few enough distinct pages runs the bf16 prefill
 kernel on a bf16 copy of those pages, made once a layer (`pallas_kernels.staged_prefill`),
 instead of the kernel on the fp8 pages, which converts every K/V tile once per query
-tile. Steps that read more pages run on the fp8 pages, as programs of their own. No
-effect with bf16 KV.
+tile; its one-token rows (requests decoding in a mixed step) take the decode kernel.
+Steps that read more pages run on the fp8 pages, as programs of their own. No effect
+with bf16 KV or MLA (its latent cache takes the reference).
 full_width_prefill: prefill (mixed) steps pad their page table to the widest column bucket
 instead of the smallest that holds their rows (one program per token bucket, not one per
 width). On GPU the prefill kernel's work follows each row's KV length, not the table's
@@ -226,7 +227,7 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
                   full_width_prefill=pick("full_width_prefill", d.full_width_prefill),
                   per_layer_weights=engine.weight_dtype is not None
                   and pick("per_layer_weights", d.per_layer_weights and stable_temp_addresses()),
-                  stage_fp8_prefill=engine.kv_dtype is not None
+                  stage_fp8_prefill=engine.kv_dtype is not None and model.attention != "mla"
                   and pick("stage_fp8_prefill", d.stage_fp8_prefill and kernel_runs(engine.attention_impl)))
 
 
