@@ -40,7 +40,11 @@ def pages_read(q_lens: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray, 
     """Distinct pages the rows of a step that compute several tokens read (host side): row
     r the first `ceil(kv_lens[r] / page_size)` of its table row. Rows of one query token
     read the fp8 pages through the decode kernel instead (`dispatch.paged_prefill`)."""
-    n = np.where(np.asarray(q_lens) > 1, -(-np.asarray(kv_lens) // page_size), 0)
+    return _distinct_pages(np.where(np.asarray(q_lens) > 1, np.asarray(kv_lens), 0), page_table, page_size)
+
+
+def _distinct_pages(kv_lens: np.ndarray, page_table: np.ndarray, page_size: int) -> int:
+    n = -(-np.asarray(kv_lens) // page_size)
     used = np.arange(page_table.shape[1])[None, :] < n[:, None]
     return int(np.unique(np.asarray(page_table)[used]).size)
 
@@ -55,7 +59,13 @@ def stage_layout(kv_lens: jax.Array, page_table: jax.Array, page_size: int, n_st
     """(the source page of each of the copy's `n_staged` pages, ascending, page 0 for the
     spare ones; the page table into the copy, `page_table`'s shape) for rows reading their
     first `kv_lens` keys (`copied_lens`). Each distinct page read is copied once. Needs
-    `pages_read(...) <= n_staged`."""
+    `pages_read(...) <= n_staged`: checked when called outside a trace (a ValueError),
+    inside one a page past the copy would be read from another."""
+    if not isinstance(kv_lens, jax.core.Tracer) and not isinstance(page_table, jax.core.Tracer):
+        needed = _distinct_pages(np.asarray(kv_lens), np.asarray(page_table), page_size)
+        if needed > n_staged:
+            raise ValueError(f"stage_layout: the rows read {needed} distinct pages, the copy holds {n_staged}: "
+                             "attend without a copy (stage=None) or make it larger")
     n = (kv_lens + page_size - 1) // page_size
     used = jnp.arange(page_table.shape[1])[None, :] < n[:, None]
     spare = jnp.iinfo(jnp.int32).max

@@ -239,6 +239,8 @@ def test_stage_layout_copies_each_page_read_once():
     source, table = stage_layout(lens, pt, 32, 5)
     np.testing.assert_array_equal(np.asarray(source), [2, 3, 7, 0, 0])  # spare copies read page 0
     np.testing.assert_array_equal(np.asarray(table)[[0, 2], :2], [[2, 0], [2, 1]])
+    with pytest.raises(ValueError, match="the rows read 3 distinct pages, the copy holds 2"):
+        stage_layout(lens, pt, 32, 2)
 
 
 @pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill", "prefill_fold",
