@@ -32,6 +32,10 @@ def staged_pages(n_tokens: int, table_shape: tuple[int, int], page_size: int) ->
     """Pages in the copy for a step of `n_tokens` query rows and a `[rows, width]` page
     table: all of the table's when that is fewer, else `n_tokens // page_size + rows` (a
     request that reads only its `q` new tokens reads at most `q / page_size + 1` pages)."""
+    _check_page_size("staged_pages", page_size)
+    if len(table_shape) != 2 or n_tokens < 0:
+        raise ValueError(f"staged_pages: needs n_tokens >= 0 and a [rows, width] table shape, got n_tokens="
+                         f"{n_tokens}, table_shape={tuple(table_shape)}")
     rows, width = table_shape
     return min(rows * width, n_tokens // page_size + rows)
 
@@ -40,11 +44,29 @@ def pages_read(q_lens: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray, 
     """Distinct pages the rows of a step that compute several tokens read (host side): row
     r the first `ceil(kv_lens[r] / page_size)` of its table row. Rows of one query token
     read the fp8 pages through the decode kernel instead (`dispatch.paged_prefill`)."""
-    return _distinct_pages(np.where(np.asarray(q_lens) > 1, np.asarray(kv_lens), 0), page_table, page_size)
+    q_lens, kv_lens = np.asarray(q_lens), np.asarray(kv_lens)
+    if q_lens.shape != kv_lens.shape:
+        raise ValueError(f"pages_read: q_lens {q_lens.shape} and kv_lens {kv_lens.shape} must have one entry a row")
+    return _distinct_pages(np.where(q_lens > 1, kv_lens, 0), page_table, page_size, "pages_read")
 
 
-def _distinct_pages(kv_lens: np.ndarray, page_table: np.ndarray, page_size: int) -> int:
-    n = -(-np.asarray(kv_lens) // page_size)
+def _check_page_size(op: str, page_size: int) -> None:
+    if page_size < 1:
+        raise ValueError(f"{op}: page_size must be positive, got {page_size}")
+
+
+def _check_rows(op: str, kv_lens, page_table) -> None:
+    """One length a page-table row (static shapes: also inside a trace)."""
+    if len(page_table.shape) != 2 or kv_lens.shape != page_table.shape[:1]:
+        raise ValueError(f"{op}: needs kv_lens [R] and page_table [R, W], got kv_lens {tuple(kv_lens.shape)} "
+                         f"and page_table {tuple(page_table.shape)}")
+
+
+def _distinct_pages(kv_lens: np.ndarray, page_table: np.ndarray, page_size: int, op: str) -> int:
+    kv_lens, page_table = np.asarray(kv_lens), np.asarray(page_table)
+    _check_page_size(op, page_size)
+    _check_rows(op, kv_lens, page_table)
+    n = -(-kv_lens // page_size)
     used = np.arange(page_table.shape[1])[None, :] < n[:, None]
     return int(np.unique(np.asarray(page_table)[used]).size)
 
@@ -61,8 +83,12 @@ def stage_layout(kv_lens: jax.Array, page_table: jax.Array, page_size: int, n_st
     first `kv_lens` keys (`copied_lens`). Each distinct page read is copied once. Needs
     `pages_read(...) <= n_staged`: checked when called outside a trace (a ValueError),
     inside one a page past the copy would be read from another."""
+    _check_page_size("stage_layout", page_size)
+    _check_rows("stage_layout", kv_lens, page_table)
+    if n_staged < 1:
+        raise ValueError(f"stage_layout: n_staged must be positive (`staged_pages`), got {n_staged}")
     if not isinstance(kv_lens, jax.core.Tracer) and not isinstance(page_table, jax.core.Tracer):
-        needed = _distinct_pages(np.asarray(kv_lens), np.asarray(page_table), page_size)
+        needed = _distinct_pages(kv_lens, page_table, page_size, "stage_layout")
         if needed > n_staged:
             raise ValueError(f"stage_layout: the rows read {needed} distinct pages, the copy holds {n_staged}: "
                              "attend without a copy (stage=None) or make it larger")

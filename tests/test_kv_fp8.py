@@ -243,6 +243,34 @@ def test_stage_layout_copies_each_page_read_once():
         stage_layout(lens, pt, 32, 2)
 
 
+_PT = np.asarray([[7, 2, 9], [4, 5, 6]], np.int32)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: staged_pages(64, (2, 3), 0), "staged_pages: page_size must be positive, got 0"),
+    (lambda: staged_pages(-64, (2, 3), 32), r"staged_pages: needs n_tokens >= 0 .* n_tokens=-64"),
+    (lambda: staged_pages(64, (2,), 32), r"staged_pages: needs .* table_shape=\(2,\)"),
+    (lambda: pages_read(np.asarray([2]), np.asarray([33, 9]), _PT, 32),
+     r"pages_read: q_lens \(1,\) and kv_lens \(2,\)"),
+    (lambda: pages_read(np.asarray([2, 9, 1]), np.asarray([33, 9, 1]), _PT, 32),
+     r"pages_read: needs kv_lens \[R\] and page_table \[R, W\], got kv_lens \(3,\) and page_table \(2, 3\)"),
+    (lambda: pages_read(np.asarray([2, 9]), np.asarray([33, 9]), _PT, 0), "pages_read: page_size must be positive"),
+    (lambda: stage_layout(jnp.asarray([33], jnp.int32), jnp.asarray(_PT), 32, 4),
+     r"stage_layout: needs kv_lens \[R\] and page_table \[R, W\], got kv_lens \(1,\) and page_table \(2, 3\)"),
+    (lambda: stage_layout(jnp.asarray([33, 9], jnp.int32), jnp.asarray(_PT), 0, 4),
+     "stage_layout: page_size must be positive, got 0"),
+    (lambda: stage_layout(jnp.asarray([0, 0], jnp.int32), jnp.asarray(_PT), 32, 0),
+     "stage_layout: n_staged must be positive"),
+], ids=["staged_pages-page_size", "staged_pages-n_tokens", "staged_pages-table_shape", "pages_read-q_lens",
+        "pages_read-rows", "pages_read-page_size", "stage_layout-rows", "stage_layout-page_size",
+        "stage_layout-n_staged"])
+def test_staged_prefill_helpers_name_the_bad_argument(call, message):
+    """Sizes a caller could get wrong: a ValueError naming the argument (a page_size of 0
+    or lengths of another row count gave 0 pages, a spare-page copy or a numpy IndexError)."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 @pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill", "prefill_fold",
                                     "prefill_slot_minor", "prefill_fold_slot_minor",
                                     *(f"decode_{name}" for name in list(DECODE_FP8_CASES)[2:])])
