@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV, value_paging_problem
-from pallas_kernels.staged_prefill import staged_copy
+from pallas_kernels.staged_prefill import check_stage, staged_copy
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -122,6 +122,7 @@ def staged_paged_prefill(q, k_buf: QuantizedKV, v_buf: QuantizedKV, layer, cu_q_
     kernel's compute dtype, or float32 for the reference (which then computes what it
     computes on the fp8 pages); rows of one token (decoding requests of a mixed step)
     through `ragged_decode` on the fp8 pages."""
+    check_stage(stage, cu_q_lens, kv_lens, page_table, page_size)
     t = q.shape[0]
     one = cu_q_lens[1:] - cu_q_lens[:-1] == 1
     dtype = jnp.float32 if which == "reference" else q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) \

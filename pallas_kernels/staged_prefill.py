@@ -100,6 +100,33 @@ def stage_layout(kv_lens: jax.Array, page_table: jax.Array, page_size: int, n_st
     return jnp.where(source == spare, 0, source).astype(jnp.int32), table.astype(jnp.int32)
 
 
+def check_stage(stage, cu_q_lens, kv_lens, page_table, page_size: int) -> None:
+    """Refuses a `stage` that is not `stage_layout(copied_lens(cu_q_lens, kv_lens),
+    page_table, page_size, n)` of these rows (one of another page table, other lengths or
+    another page size), which would otherwise read other pages: the shapes always, the
+    pages each row reads when the arguments are concrete (outside a trace)."""
+    if not (isinstance(stage, (tuple, list)) and len(stage) == 2):
+        got = f"{type(stage).__name__} of {len(stage)}" if isinstance(stage, (tuple, list)) else type(stage).__name__
+        raise ValueError(f"stage: must be the (source pages, page table) pair of `stage_layout`, got a {got}")
+    source, table = stage
+    if len(source.shape) != 1 or table.shape != page_table.shape:
+        raise ValueError(f"stage: a page table {tuple(table.shape)} and source pages {tuple(source.shape)} for "
+                         f"a page table {tuple(page_table.shape)}: stage_layout of another page table")
+    args = (source, table, cu_q_lens, kv_lens, page_table)
+    if any(isinstance(a, jax.core.Tracer) for a in args):
+        return
+    source, table, cu_q_lens, kv_lens, page_table = (np.asarray(a) for a in args)
+    n = -(-np.asarray(copied_lens(cu_q_lens, kv_lens)) // page_size)
+    used = np.arange(page_table.shape[1])[None, :] < n[:, None]
+    read = source[np.clip(table, 0, source.size - 1)]
+    wrong = np.argwhere(used & (read != page_table))
+    if wrong.size:
+        r, c = wrong[0]
+        raise ValueError(f"stage: row {r} reads page {page_table[r, c]} at column {c}, the copy has page "
+                         f"{read[r, c]} there: stage_layout of other lengths, another page table or page_size "
+                         f"(make it from copied_lens(cu_q_lens, kv_lens) of these rows, or pass stage=None)")
+
+
 def staged_copy(k_buf: QuantizedKV, v_buf: QuantizedKV, layer, stage, page_size: int, dtype):
     """(K copy, V copy, their layer 0, the page table into them): the pages `stage =
     stage_layout(...)` names dequantized to `dtype`, a cache like any bf16/f16 one."""

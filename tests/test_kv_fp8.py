@@ -271,6 +271,80 @@ def test_staged_prefill_helpers_name_the_bad_argument(call, message):
         call()
 
 
+def _staged_case():
+    """fp8 buffers and a step of rows of 40, 1 and 70 query tokens (the second after 50 keys)."""
+    rng = np.random.default_rng(16)
+    _, (kq, vq), pt = fp8_inputs(rng, 3, 128, 1, 64, 32)
+    q_lens = np.array([40, 1, 70])
+    lens = jnp.asarray(q_lens + np.array([0, 50, 0]), jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((int(q_lens.sum()) + 5, 2, 64)), jnp.float32)
+    return q, kq, vq, cu, lens, pt
+
+
+def _prefill(q, kq, vq, cu, lens, pt, stage):
+    return dispatch.paged_prefill(q, kq, vq, jnp.int32(1), cu, lens, pt, page_size=32, sm_scale=0.125,
+                                  impl="reference", stage=stage)
+
+
+@pytest.mark.parametrize("other", ["more-rows", "fewer-rows", "wider"])
+def test_paged_prefill_refuses_a_stage_of_another_page_table_shape(other):
+    """A stage made for another page table: a ValueError with both shapes (a table of fewer
+    rows read other pages silently, 105% relative error)."""
+    q, kq, vq, cu, lens, pt = _staged_case()
+    table = {"more-rows": jnp.concatenate([pt, pt[:1]]), "fewer-rows": pt[:2],
+             "wider": jnp.concatenate([pt, pt[:, :1]], 1)}[other]
+    stage = stage_layout(jnp.zeros(table.shape[0], jnp.int32).at[0].set(40), table, 32, 6)
+    with pytest.raises(ValueError, match=rf"stage: a page table \({table.shape[0]}, {table.shape[1]}\) .* "
+                                         r"for a page table \(3, 4\)"):
+        _prefill(q, kq, vq, cu, lens, pt, stage)
+
+
+@pytest.mark.parametrize("made_with", ["shorter-lengths", "page_size-64"])
+def test_paged_prefill_refuses_a_stage_missing_pages_the_rows_read(made_with):
+    """Outside a trace, a stage whose copy lacks a page a row reads (made from other
+    lengths, or with another page_size): a ValueError naming the row, the page and the
+    column (it gave 30% / 9% relative error silently)."""
+    q, kq, vq, cu, lens, pt = _staged_case()
+    kv, ps = (copied_lens(cu, lens) // 4, 32) if made_with == "shorter-lengths" else (copied_lens(cu, lens), 64)
+    stage = stage_layout(kv, pt, ps, 6)
+    with pytest.raises(ValueError, match=rf"stage: row 0 reads page {int(pt[0, 1])} at column 1, the copy has page"):
+        _prefill(q, kq, vq, cu, lens, pt, stage)
+
+
+def test_paged_prefill_takes_a_stage_that_copies_more_pages_than_read():
+    """A copy of every page the rows' full lengths reach (one-token rows included) is still
+    a copy of the pages read: the same output as the stage of `copied_lens`."""
+    q, kq, vq, cu, lens, pt = _staged_case()
+    exact = _prefill(q, kq, vq, cu, lens, pt, stage_layout(copied_lens(cu, lens), pt, 32, 6))
+    wide = _prefill(q, kq, vq, cu, lens, pt, stage_layout(lens, pt, 32, 12))
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(exact))
+
+
+@pytest.mark.parametrize("stage", [True, "pair"], ids=["bool", "triple"])
+def test_paged_prefill_refuses_a_stage_that_is_not_a_pair(stage):
+    q, kq, vq, cu, lens, pt = _staged_case()
+    if stage == "pair":
+        source, table = stage_layout(copied_lens(cu, lens), pt, 32, 6)
+        stage = (source, table, table)
+    with pytest.raises(ValueError, match=r"stage: must be the \(source pages, page table\) pair of `stage_layout`, "
+                                         r"got a (bool|tuple of 3)$"):
+        _prefill(q, kq, vq, cu, lens, pt, stage)
+
+
+def test_paged_prefill_ignores_stage_on_bf16_buffers():
+    """As documented: plain buffers attend directly, even with a stage of other lengths."""
+    q, kq, vq, cu, lens, pt = _staged_case()
+    kb, vb = (quantized.dequantize_pages(b, jnp.int32(1), jnp.arange(b.shape[1] // 32), 32, jnp.bfloat16)[None]
+              for b in (kq, vq))
+    stage = stage_layout(copied_lens(cu, lens) // 4, pt, 32, 6)
+    direct = dispatch.paged_prefill(q, kb, vb, jnp.int32(0), cu, lens, pt, page_size=32, sm_scale=0.125,
+                                    impl="reference")
+    np.testing.assert_array_equal(np.asarray(dispatch.paged_prefill(
+        q, kb, vb, jnp.int32(0), cu, lens, pt, page_size=32, sm_scale=0.125, impl="reference", stage=stage)),
+        np.asarray(direct))
+
+
 @pytest.mark.parametrize("kernel", ["decode_keys_as_rows", "decode_queries_as_rows", "prefill", "prefill_fold",
                                     "prefill_slot_minor", "prefill_fold_slot_minor",
                                     *(f"decode_{name}" for name in list(DECODE_FP8_CASES)[2:])])
