@@ -99,7 +99,8 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
                   sm_scale: float, v_head_dim: int | None = None, impl: Impl = "auto", stage=None) -> jax.Array:
     """Packed ragged causal prefill through the page table (see `reference.paged_prefill`).
     `stage` (fp8 K and V buffers; ignored otherwise): `staged_prefill.stage_layout` of these
-    rows' `copied_lens`; then `staged_paged_prefill` computes the same attention."""
+    rows' `copied_lens`; then `staged_paged_prefill` computes the same attention (a stage of
+    other rows is refused: `staged_prefill.check_stage`)."""
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      value_paging_problem(v_buf, page_size))
     if stage is not None and isinstance(v_buf, QuantizedKV):  # (MLA's latent cache: no copy)
