@@ -66,9 +66,13 @@ def _distinct_pages(kv_lens: np.ndarray, page_table: np.ndarray, page_size: int,
     kv_lens, page_table = np.asarray(kv_lens), np.asarray(page_table)
     _check_page_size(op, page_size)
     _check_rows(op, kv_lens, page_table)
-    n = -(-kv_lens // page_size)
-    used = np.arange(page_table.shape[1])[None, :] < n[:, None]
-    return int(np.unique(np.asarray(page_table)[used]).size)
+    return int(np.unique(page_table[_used_columns(kv_lens, page_table.shape[1], page_size)]).size)
+
+
+def _used_columns(kv_lens, width: int, page_size: int):
+    """`[R, width]`: the page-table columns row r reads, its first `ceil(kv_lens[r] /
+    page_size)` (numpy or jax arrays alike)."""
+    return np.arange(width)[None, :] < (-(-kv_lens // page_size))[:, None]
 
 
 def copied_lens(cu_q_lens: jax.Array, kv_lens: jax.Array) -> jax.Array:
@@ -92,8 +96,7 @@ def stage_layout(kv_lens: jax.Array, page_table: jax.Array, page_size: int, n_st
         if needed > n_staged:
             raise ValueError(f"stage_layout: the rows read {needed} distinct pages, the copy holds {n_staged}: "
                              "attend without a copy (stage=None) or make it larger")
-    n = (kv_lens + page_size - 1) // page_size
-    used = jnp.arange(page_table.shape[1])[None, :] < n[:, None]
+    used = _used_columns(kv_lens, page_table.shape[1], page_size)
     spare = jnp.iinfo(jnp.int32).max
     source = jnp.unique(jnp.where(used, page_table, spare).reshape(-1), size=n_staged, fill_value=spare)
     table = jnp.minimum(jnp.searchsorted(source, page_table), n_staged - 1)
@@ -116,8 +119,7 @@ def check_stage(stage, cu_q_lens, kv_lens, page_table, page_size: int) -> None:
     if any(isinstance(a, jax.core.Tracer) for a in args):
         return
     source, table, cu_q_lens, kv_lens, page_table = (np.asarray(a) for a in args)
-    n = -(-np.asarray(copied_lens(cu_q_lens, kv_lens)) // page_size)
-    used = np.arange(page_table.shape[1])[None, :] < n[:, None]
+    used = _used_columns(np.asarray(copied_lens(cu_q_lens, kv_lens)), page_table.shape[1], page_size)
     read = source[np.clip(table, 0, source.size - 1)]
     wrong = np.argwhere(used & (read != page_table))
     if wrong.size:
