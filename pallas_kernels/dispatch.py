@@ -134,7 +134,7 @@ def staged_paged_prefill(q, k_buf: QuantizedKV, v_buf: QuantizedKV, layer, cu_q_
     last = jnp.maximum(cu_q_lens[1:] - 1, 0)  # a row's one query token
     single = ragged_decode(q[last], k_buf, v_buf, layer, jnp.where(one, kv_lens, 0), page_table,
                            page_size=page_size, sm_scale=sm_scale, impl=which)
-    row = jnp.clip(jnp.searchsorted(cu_q_lens, jnp.arange(t), side="right") - 1, 0, one.shape[0] - 1)
+    row = jnp.clip(jnp.searchsorted(cu_q_lens, jnp.arange(t), side="right", method="compare_all") - 1, 0, one.shape[0] - 1)
     take = (one[row] & (jnp.arange(t) < cu_q_lens[-1]))[:, None, None]
     return jnp.where(take, single[row].astype(many.dtype), many)
 
