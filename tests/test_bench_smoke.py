@@ -474,3 +474,43 @@ def test_decode_vs_bf16_runs_the_default_engine_then_the_exact_one(tmp_path):
     default, exact = section(rows, "engine")
     assert exact["precision"] == "exact_logprobs=True" and "speedup_vs_bf16" not in default
     positive(exact, "decode_tokens_per_s", "speedup_vs_bf16")
+
+
+def test_kernels_profiled_runs_on_a_gpu_only():
+    with pytest.raises(SystemExit, match="--profiled: needs a CUDA GPU"):
+        main(["kernels", "--decode", "--profiled", "--tiny"])
+
+
+class FakeDriver:
+    """libcuda's profiler calls, recorded with the calls of the timed function between them."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def cuProfilerStart(self):
+        self.events.append("start")
+        return 0
+
+    def cuProfilerStop(self):
+        self.events.append("stop")
+        return 0
+
+
+def test_a_profiled_timing_puts_only_the_timed_calls_in_the_profiler_range(monkeypatch):
+    from jrl.bench import timing
+    events = []
+    monkeypatch.setattr(timing.ctypes, "CDLL", lambda name: FakeDriver(events))
+    timing.timeit(lambda: events.append("call"), iters=1, reps=2, profile=True)
+    assert events == ["call", "start", "call", "call", "stop"]  # the compiling call stays outside
+
+
+def test_profiling_without_the_cuda_driver_names_it(monkeypatch):
+    from jrl.bench import timing
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(timing.ctypes, "CDLL", missing)
+    with pytest.raises(RuntimeError, match="profiling needs the CUDA driver \\(libcuda.so.1\\)"):
+        with timing.profiled():
+            pass

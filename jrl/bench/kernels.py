@@ -21,6 +21,14 @@
            buffer grows, with and without donated buffers: a donated step must not grow
 
 With no section flag all four run. Times are medians of 5 batches of 10 back-to-back calls.
+`--profiled` (GPU): each timed column calls its kernel once, between cuProfilerStart and
+cuProfilerStop, for a profiler that starts with its range off (docs/kernels.md, "Profiling
+a kernel"):
+
+    ncu --profile-from-start off --kernel-name regex:mosaic --set full -o decode \
+        python -m jrl.bench kernels --decode --profiled --kv-dtype float8_e4m3fn \
+        --decode-shapes '[[16, 8, 128, 32, 256, 640]]'
+
 The kernel columns need a Hopper GPU; `--interpret` runs jrl's kernels in Mosaic GPU
 interpret mode instead (CPU; `--tiny` implies it there), the other columns then record
 their errors.
@@ -80,6 +88,9 @@ def add_arguments(p) -> None:
     for name in SECTIONS:
         p.add_argument(f"--{name}", action="store_true", help=f"run the {name} section")
     p.add_argument("--interpret", action="store_true", help="jrl's kernels in Mosaic GPU interpret mode (CPU)")
+    p.add_argument("--profiled", action="store_true",
+                   help="each timed kernel runs once inside a CUDA profiler range (cuProfilerStart/Stop), "
+                        "for ncu or nsys with --profile-from-start off; GPU only")
     p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES,
                    help="--check and --decode on fp8 K/V buffers (against the reference on the same "
                         "buffers; cases with pages of 32 or more only)")
@@ -406,8 +417,13 @@ def requires_gpu(args) -> bool:
 def run(args, results) -> int:
     if args.tiny and jax.default_backend() != "gpu":
         args.interpret = True
+    if args.profiled and (args.interpret or jax.default_backend() != "gpu"):
+        raise SystemExit("jrl bench kernels --profiled: needs a CUDA GPU (the profiler range is CUDA's); "
+                         f"backend {jax.default_backend()}{', interpret mode' if args.interpret else ''}")
     if args.interpret:
         TIMING.update(iters=1, reps=1)
+    if args.profiled:
+        TIMING.update(iters=1, reps=1, profile=True)
     sections = [s for s in SECTIONS if getattr(args, s)] or list(SECTIONS)
     for s in sections:
         try:
