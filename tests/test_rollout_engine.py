@@ -296,6 +296,15 @@ def test_tuning_overrides_reach_the_engine(params):
     assert_greedy_matches_forward(MODEL, params, out)
 
 
+@pytest.mark.parametrize("field", ["unroll_layers", "fuse_projections", "full_width_prefill",
+                                   "per_layer_weights", "stage_fp8_prefill"])
+def test_tuning_overrides_refuse_integers_for_on_off_fields(field):
+    # 1 == True in Python: `v in (True, False)` let 1 and 0 through, unlike EngineConfig's flags.
+    with pytest.raises(ConfigError, match=re.escape(f"tuning.{field}: must be True, False or None "
+                                                    "(backend default), got 1")):
+        TuningOverrides(**{field: 1})
+
+
 def test_engine_config_for_workload_sizes_the_pool_and_lets_user_settings_win():
     config = engine_config_for_workload(300, 5, seed=3)
     assert (config.max_batch, config.page_size, config.max_seq_len, config.seed) == (8, 16, 300, 3)

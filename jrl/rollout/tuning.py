@@ -95,7 +95,7 @@ class TuningOverrides:
         for name in ("unroll_layers", "fuse_projections", "full_width_prefill", "per_layer_weights",
                      "stage_fp8_prefill"):
             v = getattr(self, name)
-            check(v in (None, True, False), f"tuning.{name}",
+            check(v is None or isinstance(v, bool), f"tuning.{name}",
                   f"must be True, False or None (backend default), got {v!r}")
         rows = self.cublas_decode_rows
         check(rows is None or (_is_int(rows) and rows >= 0), "tuning.cublas_decode_rows",
