@@ -305,6 +305,13 @@ def test_tuning_overrides_refuse_integers_for_on_off_fields(field):
         TuningOverrides(**{field: 1})
 
 
+def test_engine_refuses_tuning_given_as_a_dict(params):
+    # A dict (e.g. the benchmarks' --tuning JSON) failed with "'dict' object has no attribute".
+    with pytest.raises(ConfigError, match=re.escape("tuning: must be a TuningOverrides or None (the backend "
+                                                    "defaults), got dict {'unroll_layers': True}")):
+        Engine(MODEL, params, ENGINE, tuning={"unroll_layers": True})
+
+
 def test_engine_config_for_workload_sizes_the_pool_and_lets_user_settings_win():
     config = engine_config_for_workload(300, 5, seed=3)
     assert (config.max_batch, config.page_size, config.max_seq_len, config.seed) == (8, 16, 300, 3)

@@ -189,6 +189,9 @@ def resolve_tuning(backend: str, model: ModelConfig, engine: EngineConfig,
     kernels by heads; `jrl.models.fused.unfusable_reason`; `exact_logprobs` unless
     `fusion_keeps_exact_bits`); forcing it on there raises a ConfigError naming
     `tuning.fuse_projections`."""
+    check(overrides is None or isinstance(overrides, TuningOverrides), "tuning",
+          f"must be a TuningOverrides or None (the backend defaults), got {type(overrides).__name__} "
+          f"{overrides!r}; e.g. TuningOverrides(**fields)")
     o = overrides or TuningOverrides()
     d = BACKEND_DEFAULTS.get(backend, FALLBACK)
 
