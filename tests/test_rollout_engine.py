@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.config import ConfigError, ModelConfig
+from jrl.config import ConfigError, ModelConfig, from_dict
 from jrl.models import apply, init_params
 from jrl.rollout import (GREEDY, Engine, EngineConfig, SamplingParams, TuningOverrides, engine_config_for_workload,
                          generate)
@@ -272,6 +272,17 @@ def test_engine_config_built_directly_refuses_wrong_types_naming_the_field(field
     # "false" would have been true, a float max_seq_len a float page count.
     with pytest.raises(ConfigError, match=re.escape(message)):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"page_size": "16"}, "engine.page_size: must be an integer, got '16'"),
+    ({"page_size": 0}, "engine.page_size: must be a positive integer, got 0"),
+    ({"pagesize": 16}, "unknown key(s) engine.pagesize; allowed: "),
+])
+def test_engine_config_from_yaml_data_names_engine_fields(data, message):
+    # docs/rollout.md: from_dict(EngineConfig, {...}, prefix="engine.") names engine.<field>.
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_dict(EngineConfig, data, prefix="engine.")
 
 
 def test_engine_config_holds_the_user_settings_and_no_tuning():
