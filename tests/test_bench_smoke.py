@@ -514,3 +514,15 @@ def test_profiling_without_the_cuda_driver_names_it(monkeypatch):
     with pytest.raises(RuntimeError, match="profiling needs the CUDA driver \\(libcuda.so.1\\)"):
         with timing.profiled():
             pass
+
+
+@pytest.mark.parametrize("tuned,match", [
+    ('{"max_tokens": 64}', r"--tuned \{\"max_tokens\": 64\}: .*max_tokens"),
+    ('{"page_size": "big"}', r"engine.page_size"),
+    ('[3]', r"each config must be a JSON object of EngineConfig fields, got 3"),
+])
+def test_generate_refuses_a_bad_tuned_config_before_any_worker_runs(tuned, match, monkeypatch):
+    import jrl.bench.generate as generate
+    monkeypatch.setattr(generate, "worker", lambda *a, **k: pytest.fail("a worker started"))
+    with pytest.raises(SystemExit, match=match):
+        main(["generate", "--tiny", "--batches", "2", "--tuned", tuned])

@@ -37,6 +37,7 @@ it off for this launching process only) and the rest of this environment
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -76,13 +77,31 @@ def record_name(args) -> str:
     return "generate"
 
 
+def tuned_overrides(args) -> list[dict]:
+    """`--tuned` as a list of EngineConfig overrides, each checked here (a bad field or value
+    is named before any worker compiles for minutes)."""
+    from jrl.config import ConfigError, from_dict
+    from jrl.rollout.config import EngineConfig
+
+    tuned = args.tuned if isinstance(args.tuned, list) else [args.tuned]
+    for overrides in tuned:
+        if not isinstance(overrides, dict):
+            raise SystemExit(f"jrl bench generate --tuned: each config must be a JSON object of EngineConfig "
+                             f"fields, got {overrides!r}")
+        try:
+            from_dict(EngineConfig, {**dataclasses.asdict(EngineConfig()), **overrides}, prefix="engine.")
+        except ConfigError as e:
+            raise SystemExit(f"jrl bench generate --tuned {json.dumps(overrides)}: {e}") from None
+    return tuned
+
+
 def worker(args, batch: int, cache_dir: str, second: bool) -> list[dict]:
     """Rows of one fresh `generate_worker` process using `cache_dir` as its compilation
     cache; rows printed before a crash or timeout are kept, then an error row."""
     env = {k: v for k, v in os.environ.items() if k not in WORKER_UNSET}
     env["JRL_COMPILATION_CACHE"] = cache_dir
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
-    tuned = args.tuned if isinstance(args.tuned, list) else [args.tuned]
+    tuned = tuned_overrides(args)
     cmd = [sys.executable, "-m", "jrl.bench.generate_worker", "--batch", str(batch), "--prompt", str(args.prompt),
            "--new", str(args.new), "--tuned", json.dumps(tuned), *(["--tiny"] if args.tiny else []),
            *(["--second"] if second else [])]
@@ -100,6 +119,7 @@ def worker(args, batch: int, cache_dir: str, second: bool) -> list[dict]:
 
 
 def run(args, results) -> int:
+    tuned_overrides(args)  # refused before the first worker starts
     budget = Budget(args.budget_s)
     cfg = rollout_shape(args, prompt=24, new=6)
     batches = csv_ints(args.batches)
