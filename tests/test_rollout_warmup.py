@@ -154,6 +154,14 @@ def test_warmup_compiles_what_a_run_uses(params):
     assert compiles == []  # and nothing else compiled either
 
 
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_warmup_names_a_bad_thread_count(params, threads):
+    engine = Engine(MODEL, params, EngineConfig(page_size=8, n_pages=32, max_batch=4, max_tokens_per_step=32,
+                                                max_seq_len=64))
+    with pytest.raises(ValueError, match=f"threads: must be a positive integer or None .*got {threads!r}"):
+        engine.warmup(GREEDY, progress=False, threads=threads)
+
+
 def test_warmup_traces_one_program_at_a_time_and_compiles_in_parallel(params):
     # Flax's layer scan edits shared classes while it traces: two traces at once raise
     # KeyError 'parent'. A spy program counts how many traces and compiles overlap.

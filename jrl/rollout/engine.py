@@ -393,6 +393,8 @@ class Engine:
         layouts would otherwise take many minutes.
         Not compiled: the zeroing of the pages of a request whose logits turned non-finite
         (a small program, on first use). Returns the number of layouts."""
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads: must be a positive integer or None (the default), got {threads!r}")
         layouts = self.step_layouts(sampling)
         k, v = self.kv.buffers()
 
