@@ -107,3 +107,9 @@ def test_float32_lm_head_keeps_float32_operands():
     logits = models.lm_logits(CFG, params, hidden)
     expected = np.asarray(hidden, np.float64) @ np.asarray(params["lm_head"], np.float64)
     np.testing.assert_allclose(np.asarray(logits, np.float64), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_dense_attention_names_a_bad_segment_count(bad):
+    with pytest.raises(ValueError, match=f"max_segments: must be an integer >= 0, got {bad!r}"):
+        models.dense_attention(jnp.zeros((1, 4), jnp.int32), max_segments=bad)

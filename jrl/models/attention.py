@@ -226,7 +226,7 @@ def _cudnn_available() -> bool:
 
 def dense_attention(segment_ids: jax.Array, implementation: str | None = None,
                     max_segments: int = 0, mesh: Mesh | None = None) -> DenseAttention:
-    if not (isinstance(max_segments, int) and max_segments >= 0):
+    if isinstance(max_segments, bool) or not (isinstance(max_segments, int) and max_segments >= 0):
         raise ValueError(f"max_segments: must be an integer >= 0, got {max_segments!r}")
     return DenseAttention(segment_ids=jnp.asarray(segment_ids, jnp.int32), implementation=implementation,
                           max_segments=max_segments, mesh=mesh)
