@@ -97,6 +97,15 @@ def test_rows_report_rollout_and_update_metrics(sync_run):
     assert first["clip_frac"] == 0.0
 
 
+def test_rollout_accuracy_is_the_verifiers_solve_rate_not_exact_match(sync_run):
+    # the verifier (first_byte_even, 0 or 1) is the only term: accuracy is its mean, which a
+    # random model's exact match of an addition answer would not be
+    _, rows = sync_run
+    rollouts = rollout_rows(rows)
+    assert [r["accuracy"] for r in rollouts] == [r["reward_mean"] for r in rollouts]
+    assert any(r["accuracy"] > 0 for r in rollouts)
+
+
 def test_held_out_accuracy_is_evaluated_at_start_and_end(sync_run):
     _, rows = sync_run
     evals = [(r["step"], r["policy_version"]) for r in rows if "eval_accuracy" in r]
