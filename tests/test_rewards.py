@@ -71,6 +71,20 @@ def test_reward_module_that_fails_to_import_names_the_field_module_and_error(tmp
                             "SyntaxError: invalid syntax (broken_rewards_mod.py, line 2)")
 
 
+def test_a_builtin_pattern_that_is_not_a_regex_is_refused_with_the_config():
+    with pytest.raises(ConfigError) as e:
+        RewardModel([RewardSpec("exact_match", 1.0, {"pattern": "<a>(["})])
+    assert str(e.value) == ("rewards[0].kwargs.pattern: not a valid regular expression (unterminated "
+                            "character set at position 4), got '<a>(['")
+
+
+def test_an_unknown_math_answer_strategy_is_refused_with_the_config():
+    with pytest.raises(ConfigError) as e:
+        RewardModel([RewardSpec("exact_match", 1.0), RewardSpec("math_answer", 1.0, {"order": ["boxed", "last"]})])
+    assert str(e.value) == ("rewards[1].kwargs.order: must be a non-empty list of ['boxed', 'hash', "
+                            "'last_number'], got ['boxed', 'last']")
+
+
 def test_config_parsing_rejects_unknown_keys_and_bad_weights():
     with pytest.raises(ConfigError, match=r"rewards\[0\]: unknown key\(s\) \['wieght'\]"):
         reward_specs_from_config([{"fn": "exact_match", "wieght": 1}])

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jrl.config import ConfigError, resolve_named
-from jrl.rl.math_answer import math_answer
+from jrl.rl.math_answer import STRATEGIES, _check_order, math_answer
 
 RewardFn = Callable[..., float]
 
@@ -119,6 +119,26 @@ def check_signature(fn: RewardFn, kwargs: dict[str, Any], field: str) -> None:
                           f"fn({call}): {e}") from None
 
 
+def check_builtin_kwargs(fn: RewardFn, kwargs: dict[str, Any], field: str) -> None:
+    """Raises ConfigError naming `field` for a built-in's kwarg that would fail on every
+    call (a regex that does not compile, an unknown math_answer strategy), so the config is
+    refused before any work instead of the run failing at its first reward."""
+    if fn in (exact_match, format_check) and kwargs.get("pattern") is not None:
+        try:
+            re.compile(kwargs["pattern"])
+        except (re.error, TypeError) as e:
+            raise ConfigError(f"{field}.pattern: not a valid regular expression ({e}), "
+                              f"got {kwargs['pattern']!r}") from None
+    if fn is math_answer and "order" in kwargs:
+        try:
+            _check_order(kwargs["order"])
+        except ValueError as e:  # "order: must be a non-empty list of [...], got [...]"
+            raise ConfigError(f"{field}.{e}") from None
+        except TypeError:
+            raise ConfigError(f"{field}.order: must be a list of {list(STRATEGIES)}, "
+                              f"got {kwargs['order']!r}") from None
+
+
 class RewardModel:
     """The weighted sum of reward terms, applied to a batch of samples. Every function's
     signature is checked against its configured kwargs when the model is built."""
@@ -139,6 +159,7 @@ class RewardModel:
                 raise ConfigError(f"{field}[{i}].kwargs: 'example' is reserved (the task's record is passed as "
                                   f"`example` to functions that declare it)")
             check_signature(fn, spec.kwargs, f"{field}[{i}]")
+            check_builtin_kwargs(fn, spec.kwargs, f"{field}[{i}].kwargs")
             self._fns.append(fn)
             base = spec.fn.rpartition(":")[2]
             name = base if base not in self.names else f"{base}_{i}"
