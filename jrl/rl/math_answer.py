@@ -102,7 +102,9 @@ def _last_number(text: str) -> str | None:
 _EXTRACTORS = {"boxed": _last_boxed, "hash": _after_hash, "last_number": _last_number}
 
 
-def _check_order(order: str | Sequence[str]) -> tuple[str, ...]:
+def check_order(order: str | Sequence[str]) -> tuple[str, ...]:
+    """`order` (one strategy name or a sequence of them) as a tuple, or ValueError naming
+    the strategies there are."""
     if isinstance(order, str):
         order = (order,)
     order = tuple(order)
@@ -122,7 +124,7 @@ def extract_final_answer(completion: str,
     `\\frac{a}{b}`). Returns the answer as written, or None when no strategy finds one.
     Raises ValueError for an empty order or an unknown strategy.
     """
-    for strategy in _check_order(order):
+    for strategy in check_order(order):
         found = _EXTRACTORS[strategy](completion)
         if found is not None:
             return found

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jrl.config import ConfigError, resolve_named
-from jrl.rl.math_answer import STRATEGIES, _check_order, math_answer
+from jrl.rl.math_answer import STRATEGIES, check_order, math_answer
 
 RewardFn = Callable[..., float]
 
@@ -131,7 +131,7 @@ def check_builtin_kwargs(fn: RewardFn, kwargs: dict[str, Any], field: str) -> No
                               f"got {kwargs['pattern']!r}") from None
     if fn is math_answer and "order" in kwargs:
         try:
-            _check_order(kwargs["order"])
+            check_order(kwargs["order"])
         except ValueError as e:  # "order: must be a non-empty list of [...], got [...]"
             raise ConfigError(f"{field}.{e}") from None
         except TypeError:
