@@ -100,3 +100,19 @@ def test_reward_returning_non_number_is_an_error(tmp_path, monkeypatch):
     model = RewardModel([RewardSpec("bad_rewards_mod:nan")])
     with pytest.raises(ValueError, match="must return a finite number"):
         model(["p"], ["c"], ["a"])
+
+
+def test_reward_beyond_float32_is_an_error_not_an_inf(tmp_path, monkeypatch):
+    (tmp_path / "huge_rewards_mod.py").write_text("def huge(p, c, a):\n    return 1e300\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = RewardModel([RewardSpec("huge_rewards_mod:huge")])
+    with pytest.raises(ValueError, match=r"within float32's range \(\|v\| <= 3.4e\+38\), got 1e\+300"):
+        model(["p"], ["c"], ["a"])
+
+
+def test_weighted_rewards_that_overflow_float32_are_an_error(tmp_path, monkeypatch):
+    (tmp_path / "big_rewards_mod.py").write_text("def big(p, c, a):\n    return 1e30\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = RewardModel([RewardSpec("big_rewards_mod:big", 1e20)])
+    with pytest.raises(ValueError, match=r"the weighted sum overflows float32 on sample 0 \(terms big=1e\+30\); scale the weights down"):
+        model(["p"], ["c"], ["a"])

@@ -36,6 +36,7 @@ from jrl.config import ConfigError, resolve_named
 from jrl.rl.math_answer import STRATEGIES, check_order, math_answer
 
 RewardFn = Callable[..., float]
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are kept in float32
 
 
 def extract_answer(completion: str, pattern: str | None = None) -> str | None:
@@ -192,9 +193,18 @@ class RewardModel:
                 if not isinstance(v, (int, float, np.number)) or not math.isfinite(float(v)):
                     raise RewardError(f"reward {spec.fn!r}: must return a finite number, got {v!r} "
                                       f"(on {wheres[j]})")
+                if abs(float(v)) > FLOAT32_MAX:  # rewards are float32: it would become inf
+                    raise RewardError(f"reward {spec.fn!r}: must return a number within float32's range "
+                                      f"(|v| <= {FLOAT32_MAX:.3g}), got {v!r} (on {wheres[j]})")
                 values[j] = float(v)
             terms[name] = values
-            total += np.float32(spec.weight) * values
+            with np.errstate(over="ignore"):
+                total += np.float32(spec.weight) * values
+        if not np.isfinite(total).all():
+            j = int(np.flatnonzero(~np.isfinite(total))[0])
+            raise RewardError(f"rewards: the weighted sum overflows float32 on {wheres[j]} "
+                              f"(terms {', '.join(f'{k}={float(t[j]):.4g}' for k, t in terms.items())}); "
+                              f"scale the weights down")
         return total, terms
 
 
