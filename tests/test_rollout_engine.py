@@ -415,3 +415,11 @@ def test_generate_leaves_other_queued_requests_to_step(params):
     assert [c.request_id for c in out] == [queued + 1]
     rest = engine.run()
     assert [c.request_id for c in rest] == [queued] and len(rest[0].tokens) == 20
+
+
+def test_forced_gpu_kernels_off_the_gpu_are_refused_when_the_engine_is_built(params):
+    if jax.default_backend() == "gpu":
+        pytest.skip("the kernels run here")
+    with pytest.raises(ConfigError, match="engine.attention_impl: 'pallas' forces the Mosaic GPU kernels, which "
+                                          "need a Hopper GPU; this backend is cpu"):
+        Engine(MODEL, params, EngineConfig(attention_impl="pallas"))

@@ -228,6 +228,14 @@ def check_exact(config: EngineConfig, model: ModelConfig, backend: str) -> None:
           "base + adapter product")
 
 
+def check_backend(config: EngineConfig, backend: str) -> None:
+    """Refuses `attention_impl: pallas` (the Mosaic GPU kernels, forced) off the GPU, where
+    it would fail only at the first request."""
+    check(config.attention_impl != "pallas" or backend == "gpu", "engine.attention_impl",
+          f"'pallas' forces the Mosaic GPU kernels, which need a Hopper GPU; this backend is {backend} "
+          f"(use 'auto', which takes them where they run, or 'reference')")
+
+
 def check_kv_page_size(config: EngineConfig, model: ModelConfig, backend: str) -> None:
     """Refuses an fp8 KV cache whose pages the attention kernels cannot read where they
     would run (`kernel_runs`; the reference reads any page size). MLA caches always

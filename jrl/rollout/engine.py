@@ -67,8 +67,8 @@ from jrl.models.lora import base_config, lora_params, merge_lora, with_lora_para
 from jrl.models.quantized import quantize_projections, split_layers
 from jrl.parallel import ParallelConfig
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
-from jrl.rollout.config import (EngineConfig, bucket, check_exact, check_kv_page_size, exact_model_config,
-                                pow2_at_least)
+from jrl.rollout.config import (EngineConfig, bucket, check_backend, check_exact, check_kv_page_size,
+                                exact_model_config, pow2_at_least)
 from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, step_function
 from jrl.rollout.request import Completion, Request
 from jrl.rollout.sampling import SamplingParams, batch_mode, param_columns
@@ -139,6 +139,7 @@ class Engine:
         # its attention by this engine's implementation
         self.model_config = model_config = (exact_model_config(model_config, config.attention_impl)
                                             if config.exact_logprobs else model_config)
+        check_backend(config, jax.default_backend())
         check_kv_page_size(config, model_config, jax.default_backend())
         check(mesh is None or config.weight_dtype is None, "engine.weight_dtype",
               f"{config.weight_dtype!r} weights are served on one device; leave it None with a mesh")
