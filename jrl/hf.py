@@ -684,8 +684,14 @@ def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index, "rb") as f:
+                data = json.loads(f.read())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HFFormatError(f"{index}: not a readable JSON file ({e})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise HFFormatError(f"{index}: weight_map: must be a JSON object mapping tensor names to shard files")
         return sorted({os.path.join(path, name) for name in weight_map.values()})
     if os.path.exists(single):
         return [single]

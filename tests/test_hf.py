@@ -269,6 +269,26 @@ def test_sharded_checkpoint_round_trips(tmp_path):
     assert hf.params_equal(hf.load_pretrained(tmp_path)[1], params)
 
 
+
+def test_an_unreadable_shard_index_is_named(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text("{")
+    with pytest.raises(hf.HFFormatError, match=rf"^{re.escape(str(index))}: not a readable JSON file \("):
+        hf.load_pretrained(tmp_path)
+
+
+def test_a_shard_index_without_a_weight_map_is_named(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(tmp_path)
+    assert str(error.value) == (f"{index}: weight_map: must be a JSON object mapping tensor names to shard files")
+
+
 # ----------------------------------------------------------------------------- save -> load
 
 
