@@ -386,6 +386,16 @@ def test_a_stop_that_is_not_strings_is_named_as_stop(live):
     assert r.json()["error"]["message"] == "stop: must be a string or a list of strings"
 
 
+
+@pytest.mark.parametrize("key", ["template", "add_generation_prompt", "eos_token"])
+def test_template_kwargs_cannot_replace_the_servers_own_template_arguments(live, key):
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {key: "{{ 'x' }}"}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs"
+    assert r.json()["error"]["message"] == (
+        f"chat_template_kwargs: {key} cannot be set here (the server sets add_generation_prompt, bos_token, "
+        "eos_token, messages, template, tools itself; tools go in `tools`)")
+
 def test_bad_input_through_the_client_and_the_server_lives_on(live):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         live.client.completions.create(model=NAME, prompt="x", temperature=-1)

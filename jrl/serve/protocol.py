@@ -94,6 +94,10 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+# Arguments the server passes to the tokenizer's apply_chat_template itself.
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "template", "bos_token", "eos_token", "tools"})
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -116,6 +120,13 @@ class ChatCompletionRequest(_Common):
         if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
             raise ServeError("tool_choice: only 'auto' and 'none' are supported (no forced tool calls)",
                              param="tool_choice")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+        if reserved:
+            # they would clash with the server's own arguments to the template (a TypeError
+            # blamed on `messages`), or replace its chat template or special tokens
+            raise ServeError(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here (the server sets "
+                             f"{', '.join(sorted(_TEMPLATE_ARGUMENTS))} itself; tools go in `tools`)",
+                             param="chat_template_kwargs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ServeError("max_completion_tokens: differs from max_tokens; give one of them",
