@@ -829,3 +829,43 @@ def test_a_random_mix_of_requests_and_cancellations_leaves_the_server_clean(live
             continue
         assert sorted(got) == list(range(b["n"])) and all(r in ("stop", "length") for _, r in got.values())
         assert got == quiet, (path, b)  # a seed's answer does not depend on what else runs
+
+
+class ChildSeenAlive:
+    """A child multiprocessing still calls alive (its wait finds no child: something else
+    reaped it); `exited` says whether its sentinel pipe closed."""
+
+    def __init__(self, exited: bool):
+        self.killed = False
+        read, self._write = os.pipe()
+        self.sentinel = read
+        if exited:
+            os.close(self._write)
+
+    def join(self, timeout=None):
+        pass
+
+    def is_alive(self):
+        return True
+
+    def kill(self):
+        self.killed = True
+
+
+def stopped(child, caplog):
+    from jrl.serve.engine_process import EngineProcess
+    proc = object.__new__(EngineProcess)  # only what stop() touches
+    proc._gone, proc._process, proc._reader = True, child, ChildSeenAlive(exited=True)
+    with caplog.at_level("ERROR"):
+        proc.stop(timeout=0.1)
+    return child
+
+
+def test_stopping_an_engine_process_that_something_else_reaped_does_not_kill_it(caplog):
+    child = stopped(ChildSeenAlive(exited=True), caplog)
+    assert not child.killed and "did not stop" not in caplog.text
+
+
+def test_stopping_an_engine_process_that_hangs_kills_it(caplog):
+    child = stopped(ChildSeenAlive(exited=False), caplog)
+    assert child.killed and "the engine process did not stop within 0 s; killing it" in caplog.text

@@ -36,6 +36,7 @@ import faulthandler
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import signal
 import threading
 import traceback
@@ -157,13 +158,19 @@ class EngineProcess:
         if self.alive:
             self._send(("stop",))
         self._process.join(timeout)
-        if self._process.is_alive():
+        if not self._exited():
             log.error("the engine process did not stop within %.0f s; killing it", timeout)
             self._process.kill()
             self._process.join(10)
         self._reader.join(10)
 
     # ------------------------------------------------------------------ internals
+    def _exited(self) -> bool:
+        """Whether the child has ended: reaped, or its sentinel pipe closed. A child that
+        something else reaped (a SIGCHLD handler waiting on every child) stays `is_alive()`
+        for multiprocessing, whose own wait then finds no child."""
+        return not self._process.is_alive() or bool(multiprocessing.connection.wait([self._process.sentinel], 0))
+
     def _send(self, message: tuple) -> None:
         try:
             with self._send_lock:
