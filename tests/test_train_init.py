@@ -78,3 +78,28 @@ def test_a_hugging_face_directory_without_the_hf_prefix_is_refused_with_the_pref
         start(tmp_path, f"init_from={LLAMA}", *LLAMA_MODEL)
     assert str(error.value) == (f"init_from: '{LLAMA}': no checkpoints (step_<N> directories) in {LLAMA}; it holds "
                                 f"a config.json: for a Hugging Face model write init_from: hf:{LLAMA}")
+
+
+def test_a_corrupt_checkpoint_is_a_config_error_naming_the_file(tmp_path):
+    params = start(tmp_path / "a", *TINY)
+    step = checkpoint.save(tmp_path / "ck", 1, {"params": params})
+    (step / "state" / "_METADATA").unlink()
+    with pytest.raises(ConfigError) as error:
+        start(tmp_path / "b", *TINY, f"init_from={tmp_path / 'ck'}")
+    assert str(error.value) == (f"init_from: '{tmp_path / 'ck'}': checkpoint {step} is corrupt: "
+                                f"state/_METADATA: missing")
+
+
+def test_flipped_bytes_are_caught_by_the_checksums(tmp_path):
+    params = start(tmp_path / "a", *TINY)
+    step = checkpoint.save(tmp_path / "ck", 1, {"params": params})
+    data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    rel = data.relative_to(step).as_posix()
+    with pytest.raises(ConfigError, match=rf"^init_from: .*: checkpoint {step} is corrupt: {rel}: SHA-256 does not "
+                                          r"match the manifest$"):
+        start(tmp_path / "b", *TINY, f"init_from={tmp_path / 'ck'}")
+    # checkpoint.verify_on_load=false reads it without hashing, as resume does
+    start(tmp_path / "c", *TINY, f"init_from={tmp_path / 'ck'}", "checkpoint.verify_on_load=false")

@@ -107,7 +107,9 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
     else:
         root, step = _resolve_checkpoint(src)
         try:
-            state, _ = checkpoint.load(root, step)
+            state, _ = checkpoint.load(root, step, verify=config.checkpoint.verify_on_load)
+        except checkpoint.CheckpointCorruptError as e:
+            raise ConfigError(f"init_from: {src!r}: {e}") from e
         except FileNotFoundError as e:  # no such run, no checkpoint in it, or no such step
             hint = (f"; it holds a config.json: for a Hugging Face model write init_from: hf:{src}"
                     if os.path.isfile(os.path.join(src, "config.json")) else "")
