@@ -210,3 +210,26 @@ def test_a_third_ctrl_c_during_the_save_exits_at_once_with_130(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         trainer.fit()
     assert exits == [130]
+
+
+class PoisonLossMask(Callback):
+    """Makes the loss of the given steps non-finite, so their updates are skipped."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_step_begin(self, trainer, state, batch):
+        if int(state.step) + 1 in self.steps:
+            batch["loss_mask"][:] = np.nan
+
+
+def test_the_first_skipped_update_warns_once_naming_its_step(tmp_path):
+    trainer = Trainer(tiny("steps=4", "optimizer.lr=0.01"), callbacks=[PoisonLossMask({2, 3})], output_dir=tmp_path)
+    with pytest.warns(trainer_module.SkippedUpdateWarning) as record:
+        trainer.fit()
+    skips = [str(w.message) for w in record if w.category is trainer_module.SkippedUpdateWarning]
+    assert skips == ["step 2: the loss or a gradient is not finite, so the update was skipped (params and "
+                     "optimizer state unchanged, loss logged as null); metrics.jsonl counts later skips in "
+                     "skipped_updates. A high optimizer.lr (now 0.01) is the usual cause"]
+    assert [r["update_applied"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == \
+        [True, False, False, True]

@@ -73,6 +73,10 @@ class ResumeWarning(UserWarning):
     """Resume skipped a bad checkpoint or moves newer ones aside; the message names them."""
 
 
+class SkippedUpdateWarning(UserWarning):
+    """An update was skipped for a non-finite loss or gradient (once per Trainer, at the first)."""
+
+
 def check_run_dir(run_dir: str | os.PathLike) -> None:
     """Raises ConfigError when `run_dir` is a file, or a checkpoint root or one checkpoint rather
     than a run directory: a run there would add its config.yaml, metrics and lock to checkpoints,
@@ -170,6 +174,7 @@ class Trainer:
         self._split = any(cb.edits_gradients(c) for c in self.callbacks)
         self._seed_fp8 = False  # set by setup: a fresh run with fp8 delayed scaling
         self._last_time: float | None = None
+        self._warned_skip = False
         self._run_lock: RunLock | None = None  # held on process 0 only
         self._run_dir_taken = False
         # the step this session started from (set when setup is complete): the checkpoint
@@ -474,6 +479,13 @@ class Trainer:
         row.update({k: finite_or_null(float(v)) for k, v in metrics.items()})
         row["update_applied"] = bool(metrics["update_applied"])
         row["skipped_updates"] = int(metrics["skipped_updates"])
+        if not row["update_applied"] and not self._warned_skip:
+            self._warned_skip = True
+            warnings.warn(SkippedUpdateWarning(
+                f"step {row['step']}: the loss or a gradient is not finite, so the update was skipped (params "
+                f"and optimizer state unchanged, loss logged as null); metrics.jsonl counts later skips in "
+                f"skipped_updates. A high optimizer.lr (now {self.config.optimizer.lr:g}) is the usual cause"),
+                stacklevel=2)
         row["tokens"] = tokens
         row["tokens_per_s"] = tokens / elapsed if elapsed else None
         peak = self._peak_flops()
