@@ -51,6 +51,8 @@ from jrl.bench.log import log
 from jrl.bench.results import ROOT
 from jrl.bench.shapes import csv_ints, rollout_shape
 from jrl.bench.timing import Budget
+from jrl.config import ConfigError, from_dict
+from jrl.rollout.config import EngineConfig
 
 
 # Not passed on to the workers: a directory or switch of JAX's own cache (the workers use
@@ -80,9 +82,6 @@ def record_name(args) -> str:
 def tuned_overrides(args) -> list[dict]:
     """`--tuned` as a list of EngineConfig overrides, each checked here (a bad field or value
     is named before any worker compiles for minutes)."""
-    from jrl.config import ConfigError, from_dict
-    from jrl.rollout.config import EngineConfig
-
     tuned = args.tuned if isinstance(args.tuned, list) else [args.tuned]
     for overrides in tuned:
         if not isinstance(overrides, dict):
