@@ -279,3 +279,14 @@ def test_preprocess_command_names_a_bad_record_on_one_line(tmp_path, capsys):
     src.write_text('{"prompt": "a", "response": "b"}\n{oops\n')
     assert main([f"data.cache_dir={tmp_path / 'cache'}", f"data.source={src}"]) == 2
     assert capsys.readouterr().err == f"error: {src}:2: not valid JSON (Expecting property name enclosed in double quotes)\n"
+
+
+def test_cache_dir_rebuilds_when_the_chat_messages_field_changes(tmp_path):
+    chat = lambda answer: [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": chat("hello"), "other": chat("bye")}) + "\n")
+    config = functools.partial(DataConfig, source=str(src), format="chat", eval_fraction=0.0,
+                               cache_dir=str(tmp_path / "cache"))
+    load_documents(config(), TOK, "train")
+    other = load_documents(config(messages_field="other"), TOK, "train")
+    assert TOK.decode(other.doc(0)[0]).endswith("bye<eos>")

@@ -79,7 +79,8 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
         stat = [os.path.abspath(source), st.st_size, st.st_mtime_ns]
     fields = {k: v for k, v in to_dict(config).items()
               if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
-                       "chosen_field", "rejected_field", "tokenizer", "add_eos", "seed")}
+                       "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
+                       "add_eos", "seed")}
     blob = json.dumps({"split": split, "data": fields, "file": stat,
                        "tokenizer": [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id]},
                       sort_keys=True)
