@@ -14,6 +14,7 @@ from jrl.data import (
 )
 from jrl.data.bundled import load_bundled
 from jrl.data.packing import assemble_pairs, plan_pairs
+from jrl.data.store import CorruptStoreError
 from jrl.models import apply, init_params
 
 TOK = load_tokenizer("bytes")
@@ -290,3 +291,22 @@ def test_cache_dir_rebuilds_when_the_chat_messages_field_changes(tmp_path):
     load_documents(config(), TOK, "train")
     other = load_documents(config(messages_field="other"), TOK, "train")
     assert TOK.decode(other.doc(0)[0]).endswith("bye<eos>")
+
+
+def test_open_store_refuses_a_truncated_file_naming_it(tmp_path):
+    write_store(tmp_path / "s", iter([doc([1, 2, 3]), doc([4, 5])]), {})
+    with open(tmp_path / "s" / "tokens.bin", "r+b") as f:
+        f.truncate(8)
+    with pytest.raises(CorruptStoreError, match=r"tokens\.bin: 8 bytes, expected 20 \(meta.json: 2 documents, 5 tokens\)"):
+        open_store(tmp_path / "s")
+
+
+def test_cache_dir_rebuilds_a_truncated_store(tmp_path):
+    cfg = DataConfig(source="bundled:arithmetic:20", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    first = np.array(load_documents(cfg, TOK, "train").tokens)
+    [cached] = list((tmp_path / "cache").iterdir())
+    with open(cached / "tokens.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.warns(UserWarning, match="damaged token store, rebuilding it"):
+        again = load_documents(cfg, TOK, "train")
+    np.testing.assert_array_equal(again.tokens, first)

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -18,7 +19,7 @@ from jrl.data.encode import Document, encode_record
 from jrl.data.packing import PairPlan, RowPlan, assemble_pairs, assemble_rows, plan_pairs, plan_rows
 from jrl.data.records import is_heldout, iter_located_records
 from jrl.data.sampler import EpochSampler
-from jrl.data.store import TokenStore, build_store, open_store, write_store
+from jrl.data.store import CorruptStoreError, TokenStore, build_store, open_store, write_store
 from jrl.data.text import Tokenizer
 
 Split = Literal["train", "eval"]
@@ -94,9 +95,13 @@ def load_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> To
     if config.cache_dir is None:
         return build_store(iter_documents(config, tokenizer, split))
     directory = Path(config.cache_dir) / f"{split}-{cache_key(config, tokenizer, split)}"
-    if not (directory / "meta.json").is_file():
-        write_store(directory, iter_documents(config, tokenizer, split),
-                    {"split": split, "data": to_dict(config)})
+    if (directory / "meta.json").is_file():
+        try:
+            return open_store(directory)
+        except CorruptStoreError as e:  # e.g. a file cut short: a cache, so tokenise again
+            warnings.warn(f"data.cache_dir: damaged token store, rebuilding it: {e}", stacklevel=2)
+    write_store(directory, iter_documents(config, tokenizer, split),
+                {"split": split, "data": to_dict(config)})
     return open_store(directory)
 
 

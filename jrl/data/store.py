@@ -85,14 +85,31 @@ def write_store(directory: str | os.PathLike, docs: Iterable[Document], meta: di
     return directory
 
 
+class CorruptStoreError(ValueError):
+    """A token store's files do not hold what its meta.json says (e.g. a truncated file)."""
+
+
 def open_store(directory: str | os.PathLike) -> TokenStore:
-    """A store whose arrays are read-only memory maps of the files in `directory`."""
+    """A store whose arrays are read-only memory maps of the files in `directory`. A file
+    whose size is not what meta.json's counts give (cut short, missing) raises
+    CorruptStoreError naming it."""
     directory = Path(directory)
     if not (directory / "meta.json").is_file():
         raise FileNotFoundError(f"{directory} is not a token store (no meta.json)")
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        counts = {"tokens": int(meta["n_tokens"]), "train": int(meta["n_tokens"]), "offsets": int(meta["n_docs"]) + 1}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptStoreError(f"{directory / 'meta.json'}: unreadable ({e})") from None
     arrays = {}
     for key, (name, dtype) in FILES.items():
         path = directory / name
+        size = path.stat().st_size if path.is_file() else None
+        expected = counts[key] * np.dtype(dtype).itemsize
+        if size != expected:
+            raise CorruptStoreError(f"{path}: {'missing' if size is None else f'{size} bytes'}, "
+                                    f"expected {expected} (meta.json: {meta['n_docs']} documents, "
+                                    f"{meta['n_tokens']} tokens)")
         arrays[key] = (np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size
                        else np.zeros(0, dtype))
     return TokenStore(**arrays)
