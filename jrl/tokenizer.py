@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import json
 import os
 import re
@@ -252,6 +253,12 @@ class HFTokenizer:
             with open(jinja) as f:
                 overrides["chat_template"] = f.read()
         return cls.from_file(tokenizer_json, config if os.path.exists(config) else None, **overrides)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """SHA-256 of the serialised tokenizer (vocabulary, merges, normaliser, ...): what
+        the data cache keys on, so a tokenizer.json edited in place is not mistaken for the old one."""
+        return hashlib.sha256(self._tok.to_str().encode()).hexdigest()
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids; `add_special_tokens` runs the tokenizer's post-processor (e.g. adds BOS)."""
