@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jrl import checkpoint
-from jrl.config import ConfigError, load_train_config
+from jrl.config import ConfigError, load_train_config, to_dict
 from jrl.hf import load_pretrained
 from jrl.train.trainer import Trainer
 
@@ -103,3 +103,20 @@ def test_flipped_bytes_are_caught_by_the_checksums(tmp_path):
         start(tmp_path / "b", *TINY, f"init_from={tmp_path / 'ck'}")
     # checkpoint.verify_on_load=false reads it without hashing, as resume does
     start(tmp_path / "c", *TINY, f"init_from={tmp_path / 'ck'}", "checkpoint.verify_on_load=false")
+
+
+def test_jrl_run_checkpoint_architecture_mismatch_names_the_fields(tmp_path):
+    params = start(tmp_path / "a", *TINY)
+    config = load_train_config(None, TINY)
+    checkpoint.save(tmp_path / "ck", 1, {"params": params}, meta={"config": to_dict(config)})
+    with pytest.raises(ConfigError, match=r"differs from .* in model.rope_theta \(config 500000.0, checkpoint 10000.0\)"):
+        start(tmp_path / "b", *TINY, "model.rope_theta=500000.0", f"init_from={tmp_path / 'ck'}")
+
+
+def test_jrl_checkpoint_adapters_with_another_lora_alpha_are_refused(tmp_path):
+    lora = ["model.lora.rank=2", "model.lora.alpha=4.0"]
+    params = start(tmp_path / "a", *TINY, *lora)
+    config = load_train_config(None, TINY + lora)
+    checkpoint.save(tmp_path / "ck", 1, {"params": params}, meta={"config": to_dict(config)})
+    with pytest.raises(ConfigError, match=r"in model.lora.alpha \(config 16.0, checkpoint 4.0\)"):
+        start(tmp_path / "b", *TINY, "model.lora.rank=2", f"init_from={tmp_path / 'ck'}")

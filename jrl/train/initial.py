@@ -36,9 +36,15 @@ _FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "lora", "initializer_rang
 
 
 def _check_same_architecture(want, got, src: str) -> None:
-    a, b = to_dict(want), to_dict(got)
+    """`got`: a ModelConfig, or the model section a jrl checkpoint's meta.json holds (fields
+    it lacks, from an older jrl, are not compared). Adapters read from the checkpoint are
+    scaled by alpha / rank, so with LoRA on both sides lora.alpha must match too."""
+    a, b = to_dict(want), (got if isinstance(got, dict) else to_dict(got))
     diff = [f"model.{k} (config {a[k]!r}, checkpoint {b[k]!r})" for k in a
-            if k not in _FREE_MODEL_FIELDS and a[k] != b[k]]
+            if k not in _FREE_MODEL_FIELDS and k in b and a[k] != b[k]]
+    la, lb = a["lora"], b.get("lora") or {}
+    if la["rank"] and lb.get("rank") and la["alpha"] != lb.get("alpha", la["alpha"]):
+        diff.append(f"model.lora.alpha (config {la['alpha']!r}, checkpoint {lb['alpha']!r})")
     if diff:
         raise ConfigError(f"init_from: the model config differs from {src!r} in {'; '.join(diff)}; "
                           f"set these under model:")
@@ -107,7 +113,7 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
     else:
         root, step = _resolve_checkpoint(src)
         try:
-            state, _ = checkpoint.load(root, step, verify=config.checkpoint.verify_on_load)
+            state, meta = checkpoint.load(root, step, verify=config.checkpoint.verify_on_load)
         except checkpoint.CheckpointCorruptError as e:
             raise ConfigError(f"init_from: {src!r}: {e}") from e
         except FileNotFoundError as e:  # no such run, no checkpoint in it, or no such step
@@ -115,6 +121,9 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
                     if os.path.isfile(os.path.join(src, "config.json")) else "")
             raise ConfigError(f"init_from: {src!r}: {e}{hint}") from e
         loaded = state["params"] if isinstance(state, dict) else state.params
+        saved_model = (meta.get("config") or {}).get("model")
+        if isinstance(saved_model, dict):  # written by a jrl run (checkpoint.save alone writes no config)
+            _check_same_architecture(mc, saved_model, src)
     template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
     return shard_params(mc, _overlay(template, loaded, src), mesh)
 
