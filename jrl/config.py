@@ -267,7 +267,8 @@ class RopeScaling:
             _check(self.original_max_position_embeddings > 0,
                    f"{prefix}.original_max_position_embeddings",
                    f"must be > 0, got {self.original_max_position_embeddings}")
-        if self.type == "llama3":
+        if self.type == "llama3":  # the band edges are L0 / factor: 0 divides by zero, < 0 has no meaning
+            _check(self.low_freq_factor > 0, f"{prefix}.low_freq_factor", f"must be > 0, got {self.low_freq_factor}")
             _check(self.high_freq_factor > self.low_freq_factor, f"{prefix}.high_freq_factor",
                    "must be greater than low_freq_factor")
         if self.type == "yarn":

@@ -122,6 +122,8 @@ INVALID = [
      "rope_scaling.original_max_position_embeddings: must be > 0"),
     ({"rope_scaling": RopeScaling(type="llama3", original_max_position_embeddings=64, low_freq_factor=4.0)},
      "rope_scaling.high_freq_factor: must be greater than low_freq_factor"),
+    ({"rope_scaling": RopeScaling(type="llama3", original_max_position_embeddings=64, low_freq_factor=0.0)},
+     "rope_scaling.low_freq_factor: must be > 0, got 0.0"),
     ({"rope_scaling": RopeScaling(type="yarn", original_max_position_embeddings=64, beta_fast=1.0, beta_slow=32.0)},
      "rope_scaling.beta_fast: must be greater than beta_slow > 0, got beta_fast=1.0, beta_slow=32.0"),
     ({"lora": LoraConfig(rank=-1)}, "lora.rank: must be >= 0"),
