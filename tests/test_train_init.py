@@ -113,6 +113,16 @@ def test_jrl_run_checkpoint_architecture_mismatch_names_the_fields(tmp_path):
         start(tmp_path / "b", *TINY, "model.rope_theta=500000.0", f"init_from={tmp_path / 'ck'}")
 
 
+def test_a_jrl_checkpoint_extends_its_context_with_rope_scaling(tmp_path):
+    params = start(tmp_path / "a", *TINY)
+    config = load_train_config(None, TINY)
+    checkpoint.save(tmp_path / "ck", 1, {"params": params}, meta={"config": to_dict(config)})
+    longer = start(tmp_path / "b", *TINY, "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
+                   "model.rope_scaling.original_max_position_embeddings=512",
+                   "model.max_position_embeddings=2048", f"init_from={tmp_path / 'ck'}")
+    assert_same(longer, params)
+
+
 def test_jrl_checkpoint_adapters_with_another_lora_alpha_are_refused(tmp_path):
     lora = ["model.lora.rank=2", "model.lora.alpha=4.0"]
     params = start(tmp_path / "a", *TINY, *lora)

@@ -30,9 +30,10 @@ def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
     return p, None
 
 
-# Fields that may differ between init_from's model and the run's: numerics and training-only.
+# Fields that may differ between init_from's model and the run's: numerics, training-only,
+# and the context extension of a pretrained model (max_position_embeddings, rope_scaling).
 _FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "lora", "initializer_range", "router_aux_loss_coef",
-                      "max_position_embeddings")
+                      "max_position_embeddings", "rope_scaling")
 
 
 def _check_same_architecture(want, got, src: str) -> None:
