@@ -251,3 +251,18 @@ def test_posted_weights_are_served_at_the_next_step(weights):
 def test_engine_config_names_the_continue_mode_in_errors():
     with pytest.raises(Exception, match="engine.on_weight_update: must be 'finish', 'restart' or 'continue'"):
         EngineConfig(on_weight_update="drain")
+
+
+@pytest.mark.parametrize("version", [-1, 1.0, "1", True])
+def test_engine_refuses_a_version_that_is_not_an_integer_at_least_zero(weights, version):
+    """A negative version was served, and `drop_prefix_cache` (which keeps version -1's
+    entries, assuming there are none) then kept every cached prefix."""
+    with pytest.raises(ValueError, match=re.escape(f"version: must be an integer >= 0, got {version!r}")):
+        Engine(MODEL, weights[0], ENGINE, version=version)
+
+
+def test_drop_prefix_cache_forgets_version_zero_entries(weights):
+    engine = Engine(MODEL, weights[0], ENGINE, version=0)
+    engine.generate([list(range(1, 20))], GREEDY, max_new_tokens=2)
+    assert engine.radix.n_cached_pages == 2
+    assert engine.drop_prefix_cache() == 2 and engine.radix.n_cached_pages == 0

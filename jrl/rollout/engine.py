@@ -132,6 +132,9 @@ class Engine:
                  version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None, *,
                  tuning: TuningOverrides | None = None) -> None:
         enable_compilation_cache()  # once per process (jrl.compile_cache)
+        # versions are >= 0: drop_prefix_cache keeps the entries of version -1, i.e. none
+        if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) or version < 0:
+            raise ValueError(f"version: must be an integer >= 0, got {version!r}")
         _check_finite(params, "Engine: refusing to serve them")
         self.config = config = config or EngineConfig()
         check_exact(config, model_config, jax.default_backend())
