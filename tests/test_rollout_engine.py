@@ -250,6 +250,18 @@ def test_request_that_can_never_fit_is_rejected_with_a_clear_error(params):
         unchunked.add_request(prompts_of([40])[0], max_new_tokens=4)
 
 
+def test_a_prompt_longer_than_the_context_is_named_as_the_prompt(params):
+    """It was reported as `max_new_tokens: prompt (100) + max_new_tokens (1) = 101 exceeds
+    max_seq_len (96)`, blaming the argument the user did not get wrong."""
+    engine = Engine(MODEL, params, ENGINE)
+    with pytest.raises(ValueError, match=re.escape("prompt: 96 tokens leave no room for a new token within "
+                                                   "max_seq_len (96); truncate it to at most 95 tokens")):
+        engine.add_request(prompts_of([96])[0], max_new_tokens=1)
+    with pytest.raises(ValueError, match=re.escape("prompts[1]: 100 tokens leave no room")):
+        engine.generate(prompts_of([4, 100]), GREEDY, max_new_tokens=1)
+    assert not engine.has_work and len(engine.generate(prompts_of([95]), GREEDY, max_new_tokens=1)[0].tokens) == 1
+
+
 def test_engine_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="engine.max_tokens_per_step"):
         EngineConfig(max_batch=64, max_tokens_per_step=32)

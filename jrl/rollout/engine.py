@@ -218,6 +218,9 @@ class Engine:
             raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
         max_new_tokens = int(max_new_tokens)
         total = len(prompt) + max_new_tokens
+        if len(prompt) >= self.seq_limit:  # longer than the context: no max_new_tokens fits
+            raise ValueError(f"prompt: {len(prompt)} tokens leave no room for a new token within max_seq_len "
+                             f"({self.seq_limit}); truncate it to at most {self.seq_limit - 1} tokens")
         if total > self.seq_limit:
             raise ValueError(f"max_new_tokens: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} "
                              f"exceeds max_seq_len ({self.seq_limit})")
