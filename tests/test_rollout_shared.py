@@ -80,3 +80,38 @@ def test_a_refused_request_is_its_callers_error_and_the_others_run_on():
         shared.generate(prompts_of([5], seed=3), SamplingParams(), max_new_tokens=0)
     (out,) = shared.generate(prompts_of([5], seed=3), SamplingParams(temperature=1.0, seed=2), max_new_tokens=3)
     assert len(out.tokens) == 3 and not shared.engine.has_work
+
+
+def test_engine_generate_from_a_second_thread_is_refused_and_the_engine_runs_on():
+    """Two threads calling `Engine.generate` at once interleaved their steps over the
+    donated KV buffers: one got XLA's 'Buffer has been deleted or donated' and the engine
+    kept a request it could never finish. The second caller is now refused up front."""
+    params = init(MODEL, jax.random.key(0))
+    engine = Engine(MODEL, params, ENGINE)
+    sampling = SamplingParams(temperature=1.0, seed=4)
+    expected = Engine(MODEL, params, ENGINE).generate(prompts_of([7, 12], seed=5), sampling, max_new_tokens=6)
+    inside, release, out = threading.Event(), threading.Event(), {}
+    step = engine.step
+
+    def step_then_wait():  # the first caller, inside generate between two steps
+        done = step()
+        inside.set()
+        release.wait(timeout=60)
+        return done
+
+    engine.step = step_then_wait
+    first = threading.Thread(target=lambda: out.update(
+        first=engine.generate(prompts_of([7, 12], seed=5), sampling, max_new_tokens=6)))
+    first.start()
+    assert inside.wait(timeout=60)
+    with pytest.raises(RuntimeError, match=r"engine\.generate: another thread is driving this engine .*"
+                                           r"SharedEngine\(engine\)\.generate"):
+        engine.generate(prompts_of([3], seed=6), sampling, max_new_tokens=2)
+    release.set()
+    first.join(timeout=60)
+    del engine.step
+    for got, want in zip(out["first"], expected):
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert not engine.has_work
+    again = engine.generate(prompts_of([7, 12], seed=5), sampling, max_new_tokens=6)
+    np.testing.assert_array_equal(again[1].tokens, expected[1].tokens)

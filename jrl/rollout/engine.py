@@ -49,6 +49,7 @@ projection kernels in e4m3 with per-column scales (`jrl.models.quantized`), rebu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -81,6 +82,35 @@ from pallas_kernels.staged_prefill import pages_read, staged_pages
 
 _MAX_INTERNED = 4096  # distinct sampling params kept by Engine._interned
 WARMUP_THREADS = 8  # programs `Engine.warmup` compiles at once (at most the CPU count)
+
+
+def _one_driver(method):
+    """Runs `method` as the engine's driving thread: a call from another thread while one
+    is inside a driving method (generate, step, update_weights, ...) raises RuntimeError
+    before touching anything, instead of interleaving steps over the donated KV buffers
+    (which deleted a buffer under the other call and left the engine unusable). Calls
+    nested in the same thread (generate -> step) pass."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def driving(self, *args, **kwargs):
+        me = threading.get_ident()
+        with self._driver_lock:
+            if self._driver not in (None, me):
+                raise RuntimeError(f"engine.{name}: another thread is driving this engine (an Engine is driven "
+                                   "by one thread at a time); to generate from several threads at once, call "
+                                   "jrl.rollout.shared.SharedEngine(engine).generate")
+            self._driver = me
+            self._driver_depth += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with self._driver_lock:
+                self._driver_depth -= 1
+                if self._driver_depth == 0:
+                    self._driver = None
+
+    return driving
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +221,13 @@ class Engine:
         self._sampling_params: dict[SamplingParams, SamplingParams] = {}
         self._posted: tuple[dict, int] | None = None  # post_weights' hand-over, applied by step()
         self._posted_lock = threading.Lock()
+        self._driver_lock = threading.Lock()  # `_one_driver`: the thread inside a driving method
+        self._driver: int | None = None
+        self._driver_depth = 0
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
+    @_one_driver
     def add_request(self, prompt: Sequence[int] | np.ndarray, sampling: SamplingParams | None = None,
                     max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
                     stop_sequences: Sequence[Sequence[int]] = ()) -> int:
@@ -266,6 +300,7 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None
 
+    @_one_driver
     def abort(self, request_id: int) -> bool:
         """Cancels a queued or running request (call it between steps, from the thread
         that drives the engine): it leaves without a completion, its pages return to the
@@ -285,6 +320,7 @@ class Engine:
         return False
 
     # ------------------------------------------------------------------ the loop
+    @_one_driver
     def step(self) -> list[Completion]:
         """Plans and dispatches one step, reads back the previous one; returns the
         requests that finished. Weights handed over by `post_weights` are served first."""
@@ -312,6 +348,7 @@ class Engine:
         done, self._finished = self._finished, []
         return done
 
+    @_one_driver
     def flush(self) -> list[Completion]:
         """Reads back the step in flight (no new step is dispatched)."""
         if self._inflight is not None:
@@ -320,6 +357,7 @@ class Engine:
         done, self._finished = self._finished, []
         return done
 
+    @_one_driver
     def run(self) -> list[Completion]:
         """Steps until every queued request has finished."""
         done: list[Completion] = []
@@ -327,6 +365,7 @@ class Engine:
             done += self.step()
         return done + self.flush()
 
+    @_one_driver
     def add_requests(self, prompts: Sequence[Sequence[int]],
                      sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                      max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
@@ -357,6 +396,7 @@ class Engine:
                 raise ValueError(f"prompts[{k}]: {str(e).removeprefix('prompt: ')}") from None
         return [self._queue(c) for c in checked]
 
+    @_one_driver
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
                  stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
@@ -577,6 +617,7 @@ class Engine:
         self.kv.update(*self._zero_slots(k, v, padded))
 
     # ------------------------------------------------------------------ weights
+    @_one_driver
     def update_weights(self, params: dict, version: int) -> Ack:
         """Serves `params` as `version` from the next step on. Returns once no request is
         being generated with the old weights: the step in flight is read back (its tokens
