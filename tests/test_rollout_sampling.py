@@ -126,6 +126,24 @@ def test_greedy_rows_take_penalised_argmax_with_zero_sampling_logprob():
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["sample", "filter"])
+def test_a_tiny_temperature_samples_the_argmax_with_finite_logprobs(mode):
+    """Jitted, `log_softmax(z / 1e-10)` overflowed: XLA computed z / t in two fusions with
+    different rounding, the max subtracted was up to ~100 below the largest logit at
+    magnitude 1e10 and exp overflowed, so a valid temperature finished every request
+    with "error" (non-finite logits). Logits are shifted to a max of 0 before scaling."""
+    logits = np.random.default_rng(3).normal(0, 2, (ROWS, 256)).astype(np.float32)  # a vocab that vectorises
+    params = [SamplingParams(temperature=t, top_k=5 if mode == "filter" else 0) for t in (1e-10, 1e-20, 1e-30, 1e-6)]
+    assert batch_mode(params) == (False, mode)
+    s = sampling_arrays(params, [1, 2, 3, 4], [0] * ROWS, ROWS)
+    tokens, logp, model_logp = map(np.asarray, _sample(logits, np.zeros((ROWS, 0), np.int32), s, penalties=False,
+                                                       mode=mode))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(logp, np.zeros(ROWS, np.float32))
+    np.testing.assert_allclose(model_logp, np_log_softmax(logits.astype(np.float64))[np.arange(ROWS), tokens],
+                               atol=1e-5)
+
+
 def test_sampled_token_is_in_support_and_logprobs_match_both_distributions():
     logits, window = _inputs(1)
     params = [SamplingParams(temperature=0.8, top_k=3), SamplingParams(top_p=0.5),

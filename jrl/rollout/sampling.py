@@ -231,6 +231,10 @@ def distribution(logits: jax.Array, window: jax.Array, s: SamplingArrays, *, pen
     """Log-probabilities `[R, V]` of the distribution each non-greedy row draws from."""
     z = penalize(logits, window, s) if penalties else logits
     temp = s.temperature[:, None]
+    # Shifted to a max of exactly 0 before scaling, so every scaled logit is <= 0 however
+    # XLA rounds the division: it computes z / t in more than one fusion, and at a tiny
+    # temperature (1e-10) the unshifted copies differed by more than exp's range.
+    z = z - jnp.max(z, axis=-1, keepdims=True)
     z = z / jnp.where(temp > 0, temp, 1.0)
     if mode == "filter":
         z = truncate(z, s)
