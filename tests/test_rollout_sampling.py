@@ -144,6 +144,18 @@ def test_a_tiny_temperature_samples_the_argmax_with_finite_logprobs(mode):
                                atol=1e-5)
 
 
+def test_a_top_p_below_float32s_normal_range_keeps_the_top_token():
+    """top_p=1e-40 passes `SamplingParams` (> 0) but the device flushes it to 0, and the
+    filter kept no token: the request finished with "error" as if its logits were NaN."""
+    logits = np.random.default_rng(4).normal(0, 2, (ROWS, V)).astype(np.float32)
+    params = [SamplingParams(top_p=p) for p in (1e-40, 1e-45, 1e-38, 1e-3)]
+    s = sampling_arrays(params, [1, 2, 3, 4], [0] * ROWS, ROWS)
+    tokens, logp, _ = map(np.asarray, _sample(logits, np.zeros((ROWS, 0), np.int32), s, penalties=False,
+                                              mode="filter"))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(logp, np.zeros(ROWS, np.float32))
+
+
 def test_sampled_token_is_in_support_and_logprobs_match_both_distributions():
     logits, window = _inputs(1)
     params = [SamplingParams(temperature=0.8, top_k=3), SamplingParams(top_p=0.5),

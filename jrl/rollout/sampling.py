@@ -220,7 +220,9 @@ def truncate(z: jax.Array, s: SamplingArrays) -> jax.Array:
     probs = jax.nn.softmax(jnp.where(keep, zs, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     p = s.top_p[:, None]
-    keep = keep & ((p >= 1) | (mass_before < p))
+    # the top token always (its mass before is 0 < p), also for a p below float32's normal
+    # range, which the device flushes to 0 and which would otherwise keep no token at all
+    keep = keep & ((p >= 1) | (mass_before < p) | (rank == 0))
     keep = keep & (zs - zs[:, :1] >= jnp.log(s.min_p)[:, None])
     mask = jnp.zeros((r, v), jnp.bool_).at[jnp.arange(r)[:, None], order].set(keep)
     return jnp.where(mask, z, -jnp.inf)
