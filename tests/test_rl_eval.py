@@ -121,6 +121,26 @@ def test_missing_checkpoint_exits_2_naming_the_path(tmp_path, capsys):
     assert str(missing) in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["summary", "problems"])
+def test_a_json_path_that_is_a_directory_exits_2_before_evaluating(trained, capsys, tmp_path, where):
+    out, _ = trained
+    report = tmp_path / "eval.json"
+    taken = report if where == "summary" else tmp_path / "eval.problems.jsonl"
+    taken.mkdir()
+    assert jrl(["eval", "--checkpoint", str(out), "--json", str(report)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"config error: --json: cannot write {taken}: it is a directory\n"
+    assert captured.out == ""  # refused up front: no table, the evaluation did not run
+
+
+def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
+    out, _ = trained
+    log = out / "metrics.jsonl"
+    assert jrl(["eval", "--checkpoint", str(out), "--json", str(log / "eval.json")]) == 2
+    assert capsys.readouterr().err == (f"config error: --json: cannot write {log / 'eval.json'}: "
+                                       f"{log.absolute()} is a file, not a directory\n")
+
+
 def test_config_errors_exit_2(trained, capsys):
     out, _ = trained
     # tiny() sets no validation problems aside

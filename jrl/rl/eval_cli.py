@@ -165,6 +165,18 @@ def problems_path(json_path: str | Path) -> Path:
     return Path(json_path).with_suffix(".problems.jsonl")
 
 
+def check_json_path(json_path: str | Path) -> None:
+    """ConfigError naming `--json` when the summary or its per-problem sibling could not be
+    written there (a directory in the way, or a file where a parent directory should be);
+    checked before the evaluation, whose results would otherwise be lost at the end."""
+    for path in (Path(json_path), problems_path(json_path)):
+        if path.is_dir():
+            raise ConfigError(f"--json: cannot write {path}: it is a directory")
+        parent = next(p for p in path.absolute().parents if p.exists())
+        if not parent.is_dir():
+            raise ConfigError(f"--json: cannot write {path}: {parent} is a file, not a directory")
+
+
 def write_report(report: dict[str, Any], results: list[ProblemResult], json_path: str | Path) -> Path:
     """Writes the summary to `json_path` and one row per problem beside it; returns the JSONL path."""
     json_path = Path(json_path)
@@ -221,6 +233,8 @@ def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     try:
+        if args.json:
+            check_json_path(args.json)
         checkpoint = resolve_checkpoint(args.checkpoint)
         config, options = load_config(args.config, args.overrides, checkpoint)
         samples = config.eval.samples if args.samples is None else args.samples
