@@ -5,6 +5,7 @@ import pytest
 
 from jrl.config import ConfigError
 from jrl.rl.rewards import (
+    RewardError,
     RewardModel,
     RewardSpec,
     exact_match,
@@ -107,6 +108,16 @@ def test_reward_beyond_float32_is_an_error_not_an_inf(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     model = RewardModel([RewardSpec("huge_rewards_mod:huge")])
     with pytest.raises(ValueError, match=r"within float32's range \(\|v\| <= 3.4e\+38\), got 1e\+300"):
+        model(["p"], ["c"], ["a"])
+
+
+def test_an_int_reward_beyond_float64_is_the_float32_range_error(tmp_path, monkeypatch):
+    # float() of this int raises OverflowError: it escaped as a traceback naming no reward
+    (tmp_path / "int_rewards_mod.py").write_text("def huge(p, c, a):\n    return 10 ** 400\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = RewardModel([RewardSpec("int_rewards_mod:huge")])
+    with pytest.raises(RewardError, match=r"reward 'int_rewards_mod:huge': must return a number within float32's "
+                                          r"range \(\|v\| <= 3.4e\+38\), got 10{400} \(on sample 0\)"):
         model(["p"], ["c"], ["a"])
 
 

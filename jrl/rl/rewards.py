@@ -190,10 +190,11 @@ class RewardModel:
                 except Exception as e:
                     raise RewardError(f"reward {spec.fn!r} raised {type(e).__name__}: {e} (on {wheres[j]}, "
                                       f"completion {c[:200]!r})") from e
-                if not isinstance(v, (int, float, np.number)) or not math.isfinite(float(v)):
+                # a Python int is finite however large (float() of one beyond float64 overflows)
+                if not isinstance(v, (int, float, np.number)) or not (isinstance(v, int) or math.isfinite(float(v))):
                     raise RewardError(f"reward {spec.fn!r}: must return a finite number, got {v!r} "
                                       f"(on {wheres[j]})")
-                if abs(float(v)) > FLOAT32_MAX:  # rewards are float32: it would become inf
+                if abs(v) > FLOAT32_MAX:  # rewards are float32: it would become inf
                     raise RewardError(f"reward {spec.fn!r}: must return a number within float32's range "
                                       f"(|v| <= {FLOAT32_MAX:.3g}), got {v!r} (on {wheres[j]})")
                 values[j] = float(v)
