@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jrl.metrics_log import CorruptMetricsError, read_metrics
+from jrl.metrics_log import read_metrics
 
 PANELS = (
     ("loss", ("loss", "eval_loss")),
@@ -32,6 +32,22 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def image_path(out: str | Path) -> Path:
+    """The file `plot_run` writes for `out`: a name without a suffix gets `.png` (matplotlib
+    would add it silently, and the path returned would not be the file written); a suffix
+    matplotlib cannot write is a ValueError naming the formats it can."""
+    out = Path(out)
+    if not out.suffix:
+        return out.with_name(out.name + ".png")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise ValueError(f"--out: {out}: matplotlib cannot write {out.suffix!r} images; "
+                         f"use one of {', '.join('.' + f for f in formats)}")
+    return out
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Renders `run_dir/metrics.jsonl` to `out` (default `run_dir/metrics.png`)."""
     run_dir = Path(run_dir)
@@ -42,7 +58,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     panels = [(title, [(k, *_series(rows, k)) for k in keys]) for title, keys in PANELS]
     panels = [(t, [s for s in series if s[1]]) for t, series in panels]
     panels = [(t, series) for t, series in panels if series]
-    out = Path(out) if out is not None else run_dir / "metrics.png"
+    out = image_path(out) if out is not None else run_dir / "metrics.png"
     # a Figure of its own (no pyplot): the caller's matplotlib backend is left alone;
     # imported here, as it takes a second: most processes that import jrl never plot
     from matplotlib.figure import Figure
@@ -68,11 +84,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jrl plot", description="Plot a run's metrics.jsonl to a PNG.")
     parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
-    parser.add_argument("--out", help="output PNG (default RUN_DIR/metrics.png)")
+    parser.add_argument("--out", help="output image (default RUN_DIR/metrics.png; a name without a suffix gets .png, "
+                        "another suffix picks the format: .svg, .pdf, ...)")
     args = parser.parse_args(argv)
     try:
         path = plot_run(args.run_dir, args.out)
-    except (FileNotFoundError, CorruptMetricsError) as e:
+    except (OSError, ValueError) as e:  # no metrics.jsonl, a corrupt row, an --out that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(path)

@@ -111,6 +111,37 @@ def test_jrl_plot_renders_the_metrics_log(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(png)
 
 
+def _one_row_run(run_dir):
+    with MetricsLog(run_dir / "metrics.jsonl") as log:
+        log.append({"step": 1, "policy_version": 1, "loss": 1.0})
+
+
+def test_jrl_plot_out_without_a_suffix_prints_the_png_it_writes(tmp_path, capsys):
+    # matplotlib appended .png silently while the command printed the name without it
+    _one_row_run(tmp_path)
+    assert cli.main(["plot", str(tmp_path), "--out", str(tmp_path / "curves")]) == 0
+    png = tmp_path / "curves.png"
+    assert capsys.readouterr().out.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_jrl_plot_out_with_a_suffix_matplotlib_cannot_write_exits_2(tmp_path, capsys):
+    _one_row_run(tmp_path)
+    assert cli.main(["plot", str(tmp_path), "--out", str(tmp_path / "curves.v2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out: {tmp_path / 'curves.v2'}: matplotlib cannot write '.v2' images; "
+                          f"use one of ")
+    assert ".png" in err and ".svg" in err
+    assert not (tmp_path / "curves.v2").exists()
+
+
+def test_jrl_plot_out_that_is_a_directory_exits_2(tmp_path, capsys):
+    _one_row_run(tmp_path)
+    (tmp_path / "curves.png").mkdir()
+    assert cli.main(["plot", str(tmp_path), "--out", str(tmp_path / "curves.png")]) == 2
+    assert capsys.readouterr().err == f"error: [Errno 21] Is a directory: '{tmp_path / 'curves.png'}'\n"
+
+
 def test_jrl_plot_without_metrics_exits_2(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path)]) == 2
     assert "metrics.jsonl not found" in capsys.readouterr().err
