@@ -156,6 +156,14 @@ def test_a_nan_temperature_exits_2_naming_the_flag(trained, capsys):
     assert capsys.readouterr().err == "config error: --temperature: must be a finite number >= 0, got nan\n"
 
 
+@pytest.mark.parametrize("args, flag", [(["--seed", "-1"], "--seed"), (["seed=-1"], "seed")])
+def test_a_negative_seed_exits_2_naming_where_it_came_from(trained, capsys, args, flag):
+    # numpy's seeding refused it after the model was loaded: "config error: expected non-negative integer"
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), *args]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"config error: {flag}: must be an integer >= 0, got -1"
+
+
 @pytest.mark.parametrize("n, c, k, expected", [
     (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
     (5, 2, 1, 2 / 5),  # pass@1 is the fraction correct

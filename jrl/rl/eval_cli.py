@@ -122,7 +122,10 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     temperature = options.temperature if temperature is None else float(temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"--temperature: must be a finite number >= 0, got {temperature}")
+    flag = "seed" if seed is None else "--seed"
     seed = config.seed if seed is None else seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # every request's seed derives from it
+        raise ConfigError(f"{flag}: must be an integer >= 0, got {seed!r}")
     task = make_task(options.task)
     problems = list(getattr(task, split))[:max_problems]
     if not problems:
