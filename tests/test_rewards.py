@@ -21,6 +21,13 @@ def test_exact_match_compares_stripped_completion_to_answer():
     assert exact_match("1+2=", "33", "3") == 0.0
 
 
+@pytest.mark.parametrize("pattern, completion", [(r"<a>(.*?)</a>|final: [0-9]+", "final: 42"),
+                                                 (r"answer(?: is (\d+))?", "the answer: 42")])
+def test_exact_match_scores_0_when_the_first_group_took_no_part_in_the_match(pattern, completion):
+    # the group's None reached .strip(): an AttributeError that stopped the run
+    assert exact_match("q", completion, "42", pattern=pattern) == 0.0
+
+
 def test_exact_match_with_pattern_uses_first_group():
     assert exact_match("q", "so the answer is <a>42</a>.", "42", pattern=r"<a>(.*?)</a>") == 1.0
     assert exact_match("q", "no tags 42", "42", pattern=r"<a>(.*?)</a>") == 0.0

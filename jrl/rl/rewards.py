@@ -41,13 +41,15 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are kept in float32
 
 def extract_answer(completion: str, pattern: str | None = None) -> str | None:
     """The answer part of a completion: group 1 (or the whole match) of the first match of
-    `pattern`, or the stripped completion when no pattern is given. None if no match."""
+    `pattern`, or the stripped completion when no pattern is given. None if no match, or
+    if group 1 took no part in it (optional, or in another branch of an alternation)."""
     if pattern is None:
         return completion.strip()
     m = re.search(pattern, completion)
     if m is None:
         return None
-    return (m.group(1) if m.groups() else m.group(0)).strip()
+    got = m.group(1) if m.groups() else m.group(0)
+    return got.strip() if got is not None else None
 
 
 def exact_match(prompt: str, completion: str, answer: str, *, pattern: str | None = None) -> float:
