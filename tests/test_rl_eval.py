@@ -5,6 +5,7 @@ the unbiased pass@k estimator on hand-computed values."""
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 
@@ -139,6 +140,16 @@ def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
     assert jrl(["eval", "--checkpoint", str(out), "--json", str(log / "eval.json")]) == 2
     assert capsys.readouterr().err == (f"config error: --json: cannot write {log / 'eval.json'}: "
                                        f"{log.absolute()} is a file, not a directory\n")
+
+
+def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_path):
+    # json.loads' own message escaped: "config error: Expecting property name enclosed in double quotes: ..."
+    out, _ = trained
+    step_dir = tmp_path / "checkpoints" / "step_2"
+    shutil.copytree(out / "checkpoints" / "step_2", step_dir)
+    (step_dir / "meta.json").write_text("{torn")
+    assert jrl(["eval", "--config", str(out / "config.yaml"), "--checkpoint", str(step_dir)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: checkpoint {step_dir} is corrupt: meta.json: unreadable (")
 
 
 def test_config_errors_exit_2(trained, capsys):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from jrl.checkpoint import CheckpointCorruptError, latest_step
+from jrl.checkpoint.store import _read_meta
 from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.environments import EnvironmentFailure
@@ -80,9 +81,7 @@ def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
         if step is None:
             raise ConfigError(f"{flag}: no checkpoints (step_<N> directories) in {root}")
         step_dir = root / f"step_{step}"
-    meta: dict[str, Any] = {}
-    if (step_dir / "meta.json").is_file():
-        meta = json.loads((step_dir / "meta.json").read_text())
+    meta = _read_meta(step_dir)  # {} without one; CheckpointCorruptError naming it when unreadable
     step = meta.get("step", int(step_dir.name[5:]))
     run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
     return Checkpoint(str(step_dir), step=step, policy_version=meta.get("policy_version"), run_dir=run_dir)
