@@ -558,6 +558,7 @@ class DataConfig:
                f"must be in [0, 1), got {self.eval_fraction}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be >= 2, got {self.seq_len}")
         _check(self.batch_size >= 1, "data.batch_size", f"must be >= 1, got {self.batch_size}")
+        _check(self.seed >= 0, "data.seed", f"must be >= 0 (numpy seeds the shuffle from it), got {self.seed}")
         _check(self.micro_batches >= 1, "data.micro_batches", f"must be >= 1, got {self.micro_batches}")
         _check(self.batch_size % self.micro_batches == 0, "data.micro_batches",
                f"must divide data.batch_size ({self.batch_size}), got {self.micro_batches}")
@@ -799,6 +800,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and self.name != "" and "/" not in self.name, "name",
                f"must be a non-empty string without '/', got {self.name!r}")
+        _check(self.seed >= 0, "seed", f"must be >= 0 (numpy seeds the run from it), got {self.seed}")
         _check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         _check(self.lm_head_chunk >= 0, "lm_head_chunk", f"must be >= 0, got {self.lm_head_chunk}")
         _check(self.data.seq_len <= self.model.max_position_embeddings, "data.seq_len",

@@ -167,12 +167,15 @@ def test_a_nan_temperature_exits_2_naming_the_flag(trained, capsys):
     assert capsys.readouterr().err == "config error: --temperature: must be a finite number >= 0, got nan\n"
 
 
-@pytest.mark.parametrize("args, flag", [(["--seed", "-1"], "--seed"), (["seed=-1"], "seed")])
-def test_a_negative_seed_exits_2_naming_where_it_came_from(trained, capsys, args, flag):
+@pytest.mark.parametrize("args, message", [
+    (["--seed", "-1"], "--seed: must be an integer >= 0, got -1"),
+    (["seed=-1"], "seed: must be >= 0 (numpy seeds the run from it), got -1"),
+])
+def test_a_negative_seed_exits_2_naming_where_it_came_from(trained, capsys, args, message):
     # numpy's seeding refused it after the model was loaded: "config error: expected non-negative integer"
     out, _ = trained
     assert jrl(["eval", "--checkpoint", str(out), *args]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == f"config error: {flag}: must be an integer >= 0, got -1"
+    assert capsys.readouterr().err.splitlines()[-1] == f"config error: {message}"
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

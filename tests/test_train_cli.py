@@ -44,6 +44,8 @@ def test_overrides_create_nested_sections_and_reject_malformed_items():
     ("strategy={name: dpo}", "data.format: strategy 'dpo' trains on 'preference', got 'sections'"),
     ("model.vocab_size=256", "model.vocab_size: must be >= the vocabulary of data.tokenizer (262), got 256"),
     ("data.tokenizer=/no/such/tokenizer.json", "data.tokenizer: tokenizer: '/no/such/tokenizer.json' is neither"),
+    ("seed=-3", "seed: must be >= 0 (numpy seeds the run from it), got -3"),
+    ("data.seed=-1", "data.seed: must be >= 0 (numpy seeds the shuffle from it), got -1"),
 ])
 def test_bad_config_exits_2_naming_the_field(override, message, capsys):
     assert main([override, "--dry-run"]) == 2

@@ -26,7 +26,7 @@ from jrl.checkpoint.manifest import (
     read_manifest,
     verify_against_manifest,
 )
-from jrl.checkpoint.store import META_NAME, _legacy_payload_dir, _read_meta
+from jrl.checkpoint.store import META_NAME, _legacy_payload_dir, read_meta
 
 SET_ASIDE_KINDS = ("corrupt", "superseded")
 
@@ -57,7 +57,7 @@ def step_problem(root: str | os.PathLike, step: int, *, checksums: bool = True) 
                 verify_against_manifest(directory, manifest)
             else:
                 _check_sizes(directory, manifest)
-            _read_meta(directory)
+            read_meta(directory)
             return None
         if not any(directory.iterdir()):
             return "empty directory"

@@ -374,7 +374,9 @@ def _legacy_payload_dir(directory: Path) -> Path | None:
     return None
 
 
-def _read_meta(directory: Path) -> dict:
+def read_meta(directory: Path) -> dict:
+    """A step directory's meta.json as a dict: {} without one (legacy), CheckpointCorruptError
+    naming the file when it cannot be read or is not a JSON object."""
     path = directory / META_NAME
     if not path.exists():
         return {}
@@ -454,7 +456,7 @@ def load(
             verify_against_manifest(directory, manifest)
         else:  # one stat per file: a missing or cut file is named here, not by Orbax's restore
             check_listed_sizes(directory, manifest)
-        meta = _read_meta(directory)
+        meta = read_meta(directory)
         payload_dir = directory / payload.PAYLOAD_DIR
         meta.update(layout="jrl", verification="passed" if verify else "skipped")
     else:
@@ -464,7 +466,7 @@ def load(
                 f"{directory} has neither manifest.json nor an Orbax payload (looked for "
                 f"{' or '.join(_ORBAX_MARKERS)} in state/, default/ and the directory itself)"
             )
-        meta = _read_meta(directory)
+        meta = read_meta(directory)
         meta.update(layout="legacy", verification="unavailable")
         if verify:
             warnings.warn(f"{directory} has no {MANIFEST_NAME}; loading it unverified", stacklevel=2)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from jrl.checkpoint import CheckpointCorruptError, latest_step
-from jrl.checkpoint.store import _read_meta
+from jrl.checkpoint.store import read_meta
 from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.environments import EnvironmentFailure
@@ -81,7 +81,7 @@ def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
         if step is None:
             raise ConfigError(f"{flag}: no checkpoints (step_<N> directories) in {root}")
         step_dir = root / f"step_{step}"
-    meta = _read_meta(step_dir)  # {} without one; CheckpointCorruptError naming it when unreadable
+    meta = read_meta(step_dir)  # {} without one; CheckpointCorruptError naming it when unreadable
     step = meta.get("step", int(step_dir.name[5:]))
     run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
     return Checkpoint(str(step_dir), step=step, policy_version=meta.get("policy_version"), run_dir=run_dir)
@@ -121,10 +121,9 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     temperature = options.temperature if temperature is None else float(temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"--temperature: must be a finite number >= 0, got {temperature}")
-    flag = "seed" if seed is None else "--seed"
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"--seed: must be an integer >= 0, got {seed!r}")  # the config's seed is checked there
     seed = config.seed if seed is None else seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # every request's seed derives from it
-        raise ConfigError(f"{flag}: must be an integer >= 0, got {seed!r}")
     task = make_task(options.task)
     problems = list(getattr(task, split))[:max_problems]
     if not problems:
