@@ -106,11 +106,13 @@ def test_pass_at_adds_each_k_estimated_from_the_same_samples_in_order(trained, c
     assert [line.split()[0] for line in lines[-6:]] == ["greedy", "pass@1", "pass@2", "pass@4", "reward", "response"]
 
 
-@pytest.mark.parametrize("ks, bad", [("5", "5"), ("0,2", "0")])
-def test_a_pass_at_k_beyond_the_samples_exits_2_naming_the_flag(trained, capsys, ks, bad):
+@pytest.mark.parametrize("samples, ks, bad", [(["--samples", "4"], "5", "5"), (["--samples", "4"], "0,2", "0"),
+                                              (["eval.samples=4"], "5", "5")])
+def test_a_pass_at_k_beyond_the_samples_exits_2_naming_the_flag(trained, capsys, samples, ks, bad):
     out, _ = trained
-    assert jrl(["eval", "--checkpoint", str(out), "--samples", "4", "--pass-at", ks]) == 2
-    assert capsys.readouterr().err == f"config error: --pass-at: each k must be an integer from 1 to --samples (4), got {bad}\n"
+    assert jrl(["eval", "--checkpoint", str(out), *samples, "--pass-at", ks]) == 2
+    assert capsys.readouterr().err == ("config error: --pass-at: each k must be an integer from 1 to the samples per "
+                                       f"problem (4: --samples, else the config's eval.samples), got {bad}\n")
 
 
 def test_missing_checkpoint_exits_2_naming_the_path(tmp_path, capsys):

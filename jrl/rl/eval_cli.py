@@ -115,7 +115,8 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
         raise ConfigError(f"--samples: must be an integer >= 1, got {samples!r}")
     bad = [k for k in pass_ks if not (isinstance(k, int) and 1 <= k <= samples)]
     if bad:
-        raise ConfigError(f"--pass-at: each k must be an integer from 1 to --samples ({samples}), got {bad[0]!r}")
+        raise ConfigError(f"--pass-at: each k must be an integer from 1 to the samples per problem "
+                          f"({samples}: --samples, else the config's eval.samples), got {bad[0]!r}")
     if max_problems is not None and max_problems < 1:
         raise ConfigError(f"--max-problems: must be >= 1, got {max_problems}")
     temperature = options.temperature if temperature is None else float(temperature)
