@@ -47,6 +47,30 @@ def test_preference_gives_chosen_then_rejected_with_untrained_prompt():
     assert ct.tolist() == [False, False, True] and rt.tolist() == [False, False, True, True]
 
 
+def test_preference_pair_with_the_same_response_twice_is_named_by_its_file_line(tmp_path):
+    src = tmp_path / "pairs.jsonl"  # DPO would count the pair in its average, with nothing to learn
+    src.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+                   '{"prompt": "2+2=", "chosen": "4", "rejected": "4"}\n')
+    cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), eval_fraction=0.0)
+    with pytest.raises(ConfigError, match=rf"^{src}:2: fields 'chosen' and 'rejected' \(data.chosen_field / "
+                                          r"data.rejected_field\) hold the same response '4'; a preference pair "
+                                          r"needs two different ones$"):
+        load_documents(cfg, TOK, "train")
+
+
+def test_preference_empty_response_without_eos_is_refused_naming_the_field():
+    cfg = DataConfig(format="preference", sections=(Section(field="prompt"),), add_eos=False)
+    with pytest.raises(ConfigError, match=r"^rec 5: field 'rejected' \(data.rejected_field\) is empty, so there is "
+                                          r"nothing to score \(data.add_eos is false\)$"):
+        encode_record({"prompt": "p=", "chosen": "1", "rejected": ""}, cfg, TOK, where="rec 5")
+
+
+def test_preference_empty_response_with_eos_scores_the_eos():
+    cfg = DataConfig(format="preference", sections=(Section(field="prompt"),))
+    (_, ct), (r, rt) = encode_record({"prompt": "p=", "chosen": "1", "rejected": ""}, cfg, TOK)
+    assert r[rt].tolist() == [TOK.eos_id] and ct.sum() == 2
+
+
 def test_chat_trains_assistant_content_and_closing_eos_only():
     cfg = DataConfig(format="chat")
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},

@@ -11,7 +11,8 @@ training target (predicted from the tokens before it). Formats:
   template closes them with, e.g. EOS) is trained, role headers and other turns are not.
   The template places EOS itself, so `add_eos` does not apply;
 * `preference`: the sections form the prompt (never trained), then two documents: prompt
-  + `chosen_field` and prompt + `rejected_field`, responses trained.
+  + `chosen_field` and prompt + `rejected_field`, responses trained (two different
+  responses, each with something to score).
 
 With `add_eos` an EOS token ends every document, trained like the last piece.
 """
@@ -108,7 +109,24 @@ def encode_record(record: dict[str, Any], config: DataConfig, tokenizer: Tokeniz
     prompt = _pieces(record, config.sections, where)
     if config.format == "sections":
         return [_document(prompt, tokenizer, config.add_eos)]
-    chosen = _field_text(record, config.chosen_field, where, "data.chosen_field")
-    rejected = _field_text(record, config.rejected_field, where, "data.rejected_field")
-    return [_document(prompt + [(chosen, True)], tokenizer, config.add_eos),
-            _document(prompt + [(rejected, True)], tokenizer, config.add_eos)]
+    return _preference_documents(record, config, tokenizer, prompt, where)
+
+
+def _preference_documents(record: dict, config: DataConfig, tokenizer: Tokenizer,
+                          prompt: list[tuple[str, bool]], where: str) -> list[Document]:
+    """prompt + chosen and prompt + rejected. A pair whose two responses are the same, or
+    one with a response that leaves nothing to score, is refused: DPO would count it in
+    the loss's average (and as a wrong preference in `reward_accuracy`) while it carries
+    no preference to learn."""
+    keys = ("data.chosen_field", "data.rejected_field")
+    fields = (config.chosen_field, config.rejected_field)
+    chosen, rejected = (_field_text(record, f, where, k) for f, k in zip(fields, keys))
+    if chosen == rejected:
+        raise ConfigError(f"{where}: fields {fields[0]!r} and {fields[1]!r} ({' / '.join(keys)}) hold the same "
+                          f"response {chosen!r}; a preference pair needs two different ones")
+    docs = [_document(prompt + [(text, True)], tokenizer, config.add_eos) for text in (chosen, rejected)]
+    for (_, train), field, key in zip(docs, fields, keys):
+        if not train.any():
+            raise ConfigError(f"{where}: field {field!r} ({key}) is empty, so there is nothing to score "
+                              f"(data.add_eos is false)")
+    return docs
