@@ -51,6 +51,12 @@ def test_bad_parallel_size_is_named():
         load_train_config(None, ["parallel.tensor=0"])
 
 
+def test_mesh_sizes_the_devices_cannot_hold_name_their_parallel_key():
+    with pytest.raises(ConfigError, match=r"^parallel.data\*fsdp\*tensor: data=2\*fsdp=-1\*tensor=1 needs at "
+                                          r"least 2 devices but only 1 are available$"):
+        run_mesh(ParallelConfig(data=2))
+
+
 def test_bad_multi_process_environment_exits_2_before_training(monkeypatch, capsys):
     monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
     assert main(["--dry-run"]) == 2

@@ -79,9 +79,13 @@ def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -
 
 def run_mesh(parallel: ParallelConfig | None) -> Mesh:
     """The devices a run uses: `jax.devices()[0]` alone without a `parallel` section (a
-    one-device mesh), else the `(data, fsdp, tensor)` mesh over every device."""
+    one-device mesh), else the `(data, fsdp, tensor)` mesh over every device. A size the
+    devices cannot hold is an error naming its `parallel.` key."""
     if parallel is not None:
-        return make_mesh(parallel)
+        try:
+            return make_mesh(parallel)
+        except ConfigError as e:  # jrl.parallel names the axis (`fsdp: ...`); the run's key is parallel.fsdp
+            raise ConfigError(f"parallel.{e}") from None
     if jax.process_count() > 1:
         raise ConfigError(f"parallel: a run over {jax.process_count()} processes needs a parallel section "
                           "(e.g. parallel: {fsdp: -1}); without one a run uses a single device")
