@@ -6,12 +6,13 @@ import warnings
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from jrl import checkpoint
 from jrl.config import load_train_config
 from jrl.metrics_log import read_metrics
-from jrl.train.callbacks import Callback, EarlyStopping
+from jrl.train.callbacks import Callback, EarlyStopping, checked_gradients
 from jrl.train import trainer as trainer_module
 from jrl.train.trainer import Trainer
 
@@ -95,6 +96,33 @@ def test_before_optimizer_step_can_replace_the_gradients(tmp_path):
     assert int(state.policy_version) == 1
     for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(a, np.asarray(b))  # Adam on zero gradients moves nothing
+
+
+class ForgetsToReturn(Callback):
+    def before_optimizer_step(self, trainer, state, grads):
+        self.norm = float(optax.tree.norm(grads))  # inspects, but returns nothing
+
+
+def test_before_optimizer_step_that_returns_none_is_named(tmp_path):
+    config = tiny("steps=1", "eval.at_end=false", "checkpoint.save_on_error=false")
+    trainer = Trainer(config, callbacks=[ForgetsToReturn()], output_dir=tmp_path)
+    with pytest.raises(TypeError, match=r"^ForgetsToReturn.before_optimizer_step returned None; it must return "
+                                        r"the gradients to apply \(the tree it was given, edited or not\)$"):
+        trainer.fit()
+
+
+def test_gradients_returned_without_a_leaf_name_the_missing_leaf():
+    given = {"a": np.zeros(2), "b": {"c": np.zeros(3)}}
+    with pytest.raises(ValueError, match=r"^ZeroGrads.before_optimizer_step returned a tree unlike the gradients "
+                                         r"it was given: missing \['b'\]\['c'\]$"):
+        checked_gradients(ZeroGrads(), given, {"a": np.zeros(2), "b": {}})
+
+
+def test_gradients_returned_with_another_shape_name_the_leaf():
+    given = {"a": np.zeros(2), "b": {"c": np.zeros((3, 4))}}
+    with pytest.raises(ValueError, match=r"^ZeroGrads.before_optimizer_step returned the gradient \['b'\]\['c'\] "
+                                         r"with shape \(3, 1\); the parameter's is \(3, 4\)$"):
+        checked_gradients(ZeroGrads(), given, {"a": np.zeros(2), "b": {"c": np.zeros((3, 1))}})
 
 
 class _StopRecorder:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from jrl.plot import plot_run
@@ -73,6 +74,30 @@ class Callback:
 
 def edits_gradients(callback: Callback) -> bool:
     return type(callback).before_optimizer_step is not Callback.before_optimizer_step
+
+
+def checked_gradients(callback: Callback, given: Any, returned: Any) -> Any:
+    """`returned`, what `callback.before_optimizer_step` gave back for the gradients `given`,
+    once it is checked to be a tree of the same structure and shapes. Anything else (None
+    from a hook that forgot its `return`, a leaf dropped or reshaped) fails here naming the
+    hook, instead of later inside the update with a pytree or sharding error."""
+    hook = f"{type(callback).__name__}.before_optimizer_step"
+    if returned is None:
+        raise TypeError(f"{hook} returned None; it must return the gradients to apply (the tree it was "
+                        f"given, edited or not)")
+    leaves = lambda tree: {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    want, got = leaves(given), leaves(returned)
+    if jax.tree.structure(returned) != jax.tree.structure(given):
+        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        diff = "; ".join(f"{what} {names[0]}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+                         for what, names in (("missing", missing), ("unexpected", extra)) if names)
+        raise ValueError(f"{hook} returned a tree unlike the gradients it was given: "
+                         f"{diff or f'a {type(returned).__name__}, not a {type(given).__name__}'}")
+    for name, g in want.items():
+        if np.shape(got[name]) != np.shape(g):
+            raise ValueError(f"{hook} returned the gradient {name} with shape {np.shape(got[name])}; "
+                             f"the parameter's is {np.shape(g)}")
+    return returned
 
 
 class EvalCallback(Callback):

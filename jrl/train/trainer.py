@@ -461,7 +461,7 @@ class Trainer:
         if self._split:
             grads, info = self._fns.compute_grads(state, micro, self.reference_params, layout)
             for c in self.callbacks:
-                grads = c.before_optimizer_step(self, state, grads)
+                grads = cb.checked_gradients(c, grads, c.before_optimizer_step(self, state, grads))
             # edited grads back in place (the trainable leaves' only: frozen ones have none)
             grads = jax.device_put(grads, trainable_part(self._trainable, self._shardings.state.params))
             new_state, metrics = self._fns.apply_grads(state, grads, info)
