@@ -170,7 +170,15 @@ class RolloutSource:
         self.engine: Engine | None = None
         self.adapters_only = adapters_only
         self.logp_rows = logp_rows
-        self.pack_multiple = micro_batches * int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+        row_blocks = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+        self.pack_multiple = micro_batches * row_blocks
+        if not o.pack_rows and (batch_size // micro_batches) % row_blocks:
+            # the trainer checks this only for its own data pipeline; found here, the run stops
+            # before it writes anything or generates a rollout, not at its first update
+            axes = "strategy.options.placement.trainer" if placement is not None else "parallel"
+            raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
+                              f"= {batch_size // micro_batches}) must be divisible by the trainer's data*fsdp = "
+                              f"{row_blocks} ({axes}), got data.batch_size={batch_size}")
         self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config,
                                                                           adapters_only=adapters_only)
         # the latest sync that moved weights; with a placement the pool's metrics report it

@@ -9,9 +9,10 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from common import assert_eight_devices, grpo_config, run
-from jrl.config import LoraConfig
+from jrl.config import ConfigError, LoraConfig
 from jrl.metrics_log import read_metrics
 from jrl.models.lora import lora_params, without_lora
 from jrl.rl import build_learner
@@ -51,6 +52,16 @@ def test_tensor_parallel_engine_samples_what_the_one_device_run_samples(tmp_path
         assert r["behaviour_version"] == r["engine_version"] == r["policy_version"] - 1
         assert r["rollout_version_lag_max"] == 0
     assert engine.version == 2
+
+
+def test_micro_batch_rows_the_trainer_mesh_cannot_split_stop_the_run_before_it_starts(tmp_path):
+    config = grpo_config(("data", 2), ("fsdp", 4))  # 8 rows in 2 micro-batches of 4, over 8 row blocks
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, micro_batches=2))
+    with pytest.raises(ConfigError, match=r"^data.batch_size: the rows of a micro-batch \(data.batch_size / "
+                                          r"data.micro_batches = 4\) must be divisible by the trainer's "
+                                          r"data\*fsdp = 8 \(parallel\), got data.batch_size=8$"):
+        build_learner(config, output_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 class KeepBase(Callback):
