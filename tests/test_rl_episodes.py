@@ -170,6 +170,11 @@ def test_hermes_parser_splits_prose_calls_and_errors():
     ('<tool_call>{"arguments": {}}</tool_call>', "needs a string 'name'"),
     ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', "'arguments' must be an object"),
     ('<tool_call>{"name": "add", "arguments": {"a": 1}', "without </tool_call>"),
+    # valid JSON that Python's json refuses to read: ValueError / RecursionError, not JSONDecodeError
+    ('<tool_call>{"name": "add", "arguments": {"a": ' + "1" * 5000 + "}}</tool_call>", "unreadable JSON"),
+    ('<tool_call>{"name": "add", "arguments": {"a": ' + "[" * 50000 + "]" * 50000 + "}}</tool_call>",
+     "unreadable JSON"),
+    ('<tool_call>{"name": "add", "arguments": "' + "[" * 50000 + '"}</tool_call>', "string of unreadable JSON"),
 ])
 def test_hermes_parser_reports_malformed_calls_without_raising(text, message):
     parsed = HermesParser().parse("x " + text)
@@ -192,6 +197,8 @@ def test_pythonic_parser_reads_a_list_of_calls_and_leaves_prose_alone():
     ("[1, 2]", "expected a list of calls"),
     ('[lookup("qzk")]', "keyword arguments only"),
     ("[lookup(key=qzk)]", "must be Python literals"),
+    ("[lookup(key={[1]: 2})]", "must be Python literals"),  # literal syntax, but unhashable: TypeError
+    ("[lookup(key=" + "-" * 100000 + "1)]", "not Python"),  # overflows the parser's stack: MemoryError
 ])
 def test_pythonic_parser_reports_malformed_calls_without_raising(text, message):
     parsed = get_parser("pythonic").parse(text)

@@ -79,6 +79,11 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParsedMessage: ...
 
 
+def _reason(e: BaseException) -> str:
+    """The first sentence of why Python could not read a call, for the model to see."""
+    return str(e).split(";")[0].split(":")[0].strip() or type(e).__name__
+
+
 def read_call(body: str, call_id: str) -> ToolCall | ToolCallError:
     """A call from its JSON text `{"name": str, "arguments": {...}}` (`arguments` may
     also be a JSON string holding an object, or absent for no arguments)."""
@@ -86,6 +91,8 @@ def read_call(body: str, call_id: str) -> ToolCall | ToolCallError:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
         return ToolCallError(body, f"malformed tool call: invalid JSON ({e.msg} at char {e.pos})", call_id)
+    except (ValueError, RecursionError) as e:  # valid JSON Python will not read: a huge integer, deep nesting
+        return ToolCallError(body, f"malformed tool call: unreadable JSON ({_reason(e)})", call_id)
     if not isinstance(obj, dict):
         return ToolCallError(body, f"malformed tool call: expected a JSON object, got {type(obj).__name__}", call_id)
     name = obj.get("name")
@@ -98,6 +105,9 @@ def read_call(body: str, call_id: str) -> ToolCall | ToolCallError:
         except json.JSONDecodeError as e:
             return ToolCallError(body, f"malformed tool call {name!r}: 'arguments' is a string that is not JSON "
                                        f"({e.msg})", call_id)
+        except (ValueError, RecursionError) as e:
+            return ToolCallError(body, f"malformed tool call {name!r}: 'arguments' is a string of unreadable JSON "
+                                       f"({_reason(e)})", call_id)
     if args is None:
         args = {}
     if not isinstance(args, dict):
@@ -149,6 +159,8 @@ class PythonicParser:
             tree = ast.parse(body, mode="eval").body
         except SyntaxError as e:
             return ParsedMessage("", [], [ToolCallError(body, f"malformed tool call: not Python ({e.msg})")])
+        except (ValueError, MemoryError, RecursionError) as e:  # nesting the parser's stack cannot hold
+            return ParsedMessage("", [], [ToolCallError(body, f"malformed tool call: not Python ({_reason(e)})")])
         if not (isinstance(tree, ast.List) and tree.elts and all(isinstance(c, ast.Call) for c in tree.elts)):
             return ParsedMessage("", [], [ToolCallError(body, "malformed tool call: expected a list of calls "
                                                               "[name(key=value, ...)]")])
@@ -162,7 +174,7 @@ class PythonicParser:
                 continue
             try:
                 arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            except (ValueError, SyntaxError):
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # TypeError: {[1]: 2}
                 errors.append(ToolCallError(source, f"malformed tool call {node.func.id!r}: argument values must "
                                                     f"be Python literals", call_id))
                 continue
