@@ -27,7 +27,7 @@ from jrl.rl.batch import build_episode_rows, build_rows
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.environments import (ChatPieces, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment,
                                  resolve_environment)
-from jrl.rl.tool_calls import HermesParser, ToolCall, get_parser
+from jrl.rl.tool_calls import HermesParser, ParsedMessage, ToolCall, ToolCallError, get_parser
 from jrl.rl.tools import Tool, ToolRegistry, resolve_tool, tool
 from jrl.rollout import Engine, SamplingParams, engine_config_for_workload
 from jrl.tokenizer import load_tokenizer
@@ -287,6 +287,22 @@ def test_tool_environment_turns_every_failure_into_a_tool_message():
     assert all(m["role"] == "tool" and m["content"].startswith("error: ") for m in msgs)
     for m, text in zip(msgs, ["unknown tool", "invalid JSON", "raised KeyError", "timed out", "must be of type"]):
         assert text in m["content"]
+
+
+class DefaultIds:
+    """A parser whose calls keep ToolCall's default id, as a hand-written one may."""
+
+    def parse(self, text):
+        return ParsedMessage("", [ToolCall("add", {"a": 1, "b": 2}), ToolCall("add", {"a": 3, "b": 4})],
+                             [ToolCallError("??", "malformed tool call: unreadable")])
+
+
+def test_tool_environment_answers_each_call_of_a_parser_whose_ids_repeat():
+    env = ToolEnvironment(ToolRegistry([add]), score=lambda example, text: 0.0, parser=DefaultIds())
+    env.reset({"prompt": "p", "answer": "5"})
+    msgs, _, _, info = env.step({"role": "assistant", "content": "anything"})
+    assert [m["content"] for m in msgs] == ["3", "7", "error: malformed tool call: unreadable"]
+    assert info == {"tool_calls": 3, "tool_errors": 1}
 
 
 def test_tool_environment_stops_at_max_tool_calls():

@@ -136,18 +136,24 @@ class ToolEnvironment:
         if self.calls_made + n > self.max_tool_calls:
             return [], 0.0, True, {"truncated": "max_tool_calls", "tool_calls": 0}
         self.calls_made += n
-        results = {r.call_id: r for r in self.registry.execute(parsed.calls)}
-        for e in parsed.errors:
-            results[e.id] = None
+        # results pair with their calls by position: a parser's ids need not be distinct (ToolCall's default)
+        answered = [*zip(parsed.calls, self.registry.execute(parsed.calls)), *((e, None) for e in parsed.errors)]
+        answered.sort(key=lambda pair: _appearance(pair[0].id))  # stable: other ids keep calls, then errors
         messages, errors = [], len(parsed.errors)
-        for call in sorted([*parsed.calls, *parsed.errors], key=lambda c: int(c.id.rpartition("_")[2])):
-            r = results.get(call.id)
+        for call, r in answered:
             if r is None:
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": f"error: {call.message}"})
             else:
                 errors += r.error
                 messages.append(r.message())
         return messages, 0.0, False, {"tool_calls": n, "tool_errors": errors}
+
+
+def _appearance(call_id: str) -> int:
+    """k of a `call_<k>` id (the built-in parsers number calls and malformed calls in order of
+    appearance); 0 for ids of any other form."""
+    k = call_id.rpartition("_")[2]
+    return int(k) if k.isdigit() else 0
 
 
 # ----------------------------------------------------------------------------- token pieces
