@@ -473,7 +473,10 @@ class Returning(Scripted):
     (([], 0.0, False, "info"), "info must be a dict, got 'info'"),
     ("done", "must return (messages, reward, done, info), got 'done'"),
     (([], 1.0, "no", {}), "done must be a bool, got 'no'"),
-], ids=["nan reward", "None reward", "str reward", "str messages", "str info", "4-character str", "str done"])
+    (([], 0.0, False, {"tool_calls": None}), "info['tool_calls'] must be a count (an integer >= 0), got None"),
+    (([], 0.0, False, {"tool_errors": 1.5}), "info['tool_errors'] must be a count (an integer >= 0), got 1.5"),
+], ids=["nan reward", "None reward", "str reward", "str messages", "str info", "4-character str", "str done",
+        "None tool_calls", "float tool_errors"])
 def test_a_malformed_step_result_stops_the_run_naming_the_environment_and_episode(engine, tok, im_end, out,
                                                                                    message):
     with pytest.raises(EnvironmentFailure) as e:

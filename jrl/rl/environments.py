@@ -283,7 +283,8 @@ def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
     """EnvironmentFailure naming the environment and the record for a `step` result that
     cannot be used: messages not a list of dicts, a reward that is not a finite number (a
     NaN would turn every advantage of its group into NaN), a `done` that is not a bool (a
-    string such as "no" would silently end the episode), an info that is not a dict."""
+    string such as "no" would silently end the episode), an info that is not a dict or
+    whose `tool_calls` / `tool_errors` are not counts (the runner adds them up)."""
     def fail(what: str) -> None:
         raise EnvironmentFailure(f"environment {type(lv.env).__name__}.step: {what} (on {lv.where})")
 
@@ -295,6 +296,10 @@ def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
         fail(f"done must be a bool, got {done!r}")
     if info is not None and not isinstance(info, dict):
         fail(f"info must be a dict, got {info!r}")
+    for key in ("tool_calls", "tool_errors"):
+        count = (info or {}).get(key, 0)
+        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or count < 0:
+            fail(f"info[{key!r}] must be a count (an integer >= 0), got {count!r}")
 
 
 class EpisodeRunner:
