@@ -11,6 +11,7 @@ lengths); the tokenizer is the in-test ChatML BPE with a template that renders t
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import time
@@ -71,6 +72,15 @@ def _lookup_impl(word):
 
 def kinds(mode: Literal["a", "b"], items: list[int], note: str | None = None, flag: bool = False) -> str:
     return mode
+
+
+_meeting = threading.Barrier(1)
+
+
+def meet() -> str:
+    """Returns once `_meeting`'s parties all wait in it (calls that run at once)."""
+    _meeting.wait()
+    return "met"
 
 
 # ----------------------------------------------------------------------------- environments used by the tests
@@ -248,6 +258,39 @@ def test_tool_failures_become_error_results_never_exceptions():
                                   "fails raised KeyError: 'k'", "sleepy timed out after 0.2 s"]):
         assert r.content.startswith("error: ") and text in r.content, (r.content, text)
     assert out[0].message() == {"role": "tool", "name": "add", "tool_call_id": "c0", "content": "5"}
+
+
+def test_a_call_still_queued_at_its_timeout_never_runs():
+    started, gate = [], threading.Event()
+
+    def held(n: int) -> int:
+        """Waits for the gate."""
+        started.append(n)
+        gate.wait(10)
+        return n
+
+    reg = ToolRegistry([held], timeout_s=0.2, workers=1)
+    out = reg.execute([ToolCall("held", {"n": 1}, "c0"), ToolCall("held", {"n": 2}, "c1")])
+    assert [r.content for r in out] == ["error: held timed out after 0.2 s",
+                                        "error: held did not start within 0.2 s (every tool worker was busy)"]
+    gate.set()
+    assert reg.execute([ToolCall("held", {"n": 3}, "c2")], timeout_s=10)[0].content == "3"  # after the queue
+    assert started == [1, 3]
+
+
+def test_the_sampler_runs_every_call_of_its_concurrent_episodes_at_once(tok):
+    """env_workers episodes' steps, each with max_tool_calls calls, never wait for a tool thread."""
+    global _meeting
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    options = RLOptions.from_config({"tools": ["test_rl_episodes:meet"], "env_workers": 3, "max_tool_calls": 3,
+                                     "tool_timeout_s": 30, "rewards": [{"fn": "exact_match"}]})
+    registry = EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 512).registry
+    _meeting = threading.Barrier(9, timeout=10)
+    with concurrent.futures.ThreadPoolExecutor(3) as envs:
+        steps = list(envs.map(lambda i: registry.execute([ToolCall("meet", {}, f"c{k}") for k in range(3)]),
+                              range(3)))
+    assert [r.content for out in steps for r in out] == ["met"] * 9
 
 
 # ----------------------------------------------------------------------------- the tool environment

@@ -49,7 +49,11 @@ class EpisodeSampler:
             raise ConfigError(f"strategy.options.max_total_tokens: must be <= data.seq_len ({seq_len}), got {total}")
         self.limits = EpisodeLimits(max_turns=o.max_turns, max_total_tokens=total, max_new_tokens=o.max_new_tokens,
                                     max_tool_calls=o.max_tool_calls)
-        self.registry = (ToolRegistry.from_names(o.tools, "strategy.options.tools", timeout_s=o.tool_timeout_s)
+        # a worker for every call of every episode whose environment runs at once: a call's timeout
+        # window opens when it is submitted, so a call queued behind other episodes' calls would
+        # lose part of it (or all of it) before it starts
+        self.registry = (ToolRegistry.from_names(o.tools, "strategy.options.tools", timeout_s=o.tool_timeout_s,
+                                                 workers=o.env_workers * max(1, o.max_tool_calls))
                          if o.tools else None)
         self.env_cls = resolve_environment(o.env, "strategy.options.env") if o.env is not None else None
         self.parser = get_parser(o.tool_parser, "strategy.options.tool_parser")

@@ -20,7 +20,8 @@ every failure into a `ToolResult` with `error=True` whose `content` tells the mo
 went wrong: an unknown tool, arguments that do not fit the schema (missing, unexpected or
 of the wrong JSON type), an exception (its type and message) or a timeout. Nothing a tool
 does stops the run. A timed-out call keeps its worker thread until it returns (Python
-cannot kill a thread); `workers` bounds how many run at once.
+cannot kill a thread); `workers` bounds how many run at once, and a call still waiting
+for a worker when its timeout passes is dropped (it never runs) and answered so.
 """
 
 from __future__ import annotations
@@ -251,8 +252,11 @@ class ToolRegistry:
                 value = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
                 results.append(ToolResult(call.id, call.name, _render(value), seconds=time.perf_counter() - t0))
             except concurrent.futures.TimeoutError:
-                results.append(ToolResult(call.id, call.name, f"error: {call.name} timed out after {timeout:g} s",
-                                          error=True, seconds=timeout))
+                # a call still queued behind busy workers is dropped: it must not run after this answer
+                message = (f"did not start within {timeout:g} s (every tool worker was busy)" if fut.cancel()
+                           else f"timed out after {timeout:g} s")
+                results.append(ToolResult(call.id, call.name, f"error: {call.name} {message}", error=True,
+                                          seconds=timeout))
             except Exception as e:  # the tool raised: the model is told, the run goes on
                 results.append(ToolResult(call.id, call.name, f"error: {call.name} raised {type(e).__name__}: {e}",
                                           error=True, seconds=time.perf_counter() - t0))
