@@ -720,6 +720,12 @@ def test_episode_options_are_validated():
     assert options.episodes and options.tools == ()
 
 
+def test_two_tools_of_one_name_are_refused_with_the_options():
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError, match="strategy.options.tools: two tools are named 'add'"):
+        RLOptions.from_config({"tools": ["test_rl_episodes:add", "test_rl_episodes:add"]})
+
+
 def episode_grpo_config(root: Path, steps: int = 2, **options):
     """A GRPO run on two-turn `Parity` episodes of the tiny qwen2-shaped model (saved as
     Hugging Face weights under `root/hf`, the run's init_from) on records of sums; returns

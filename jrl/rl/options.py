@@ -240,8 +240,10 @@ class RLOptions:
         _check(not self.env_kwargs or self.env is not None, "env_kwargs", "needs an env")
         if self.env is not None:
             resolve_environment(self.env, PREFIX + "env")
-        for i, name in enumerate(self.tools):
-            resolve_tool(name, f"{PREFIX}tools[{i}]")
+        names = [resolve_tool(name, f"{PREFIX}tools[{i}]").name for i, name in enumerate(self.tools)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        _check(not twice, "tools", f"two tools are named {', '.join(map(repr, twice))} (a tool's name is "
+               f"what the model calls it by)")
         get_parser(self.tool_parser, PREFIX + "tool_parser")
 
     @property
