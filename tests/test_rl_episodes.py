@@ -726,6 +726,12 @@ def test_two_tools_of_one_name_are_refused_with_the_options():
         RLOptions.from_config({"tools": ["test_rl_episodes:add", "test_rl_episodes:add"]})
 
 
+def test_episodes_refuse_a_task_without_the_chat_template():
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError, match="strategy.options.task.chat_template: is false, but multi-turn episodes"):
+        RLOptions.from_config({"tools": ["test_rl_episodes:add"], "task": {"chat_template": False}})
+
+
 def episode_grpo_config(root: Path, steps: int = 2, **options):
     """A GRPO run on two-turn `Parity` episodes of the tiny qwen2-shaped model (saved as
     Hugging Face weights under `root/hf`, the run's init_from) on records of sums; returns

@@ -245,6 +245,9 @@ class RLOptions:
         _check(not twice, "tools", f"two tools are named {', '.join(map(repr, twice))} (a tool's name is "
                f"what the model calls it by)")
         get_parser(self.tool_parser, PREFIX + "tool_parser")
+        _check(not self.episodes or self.task.chat_template is not False, "task.chat_template",
+               "is false, but multi-turn episodes (env / tools) render every turn with the tokenizer's chat "
+               "template; set it to true or auto")
 
     @property
     def episodes(self) -> bool:
