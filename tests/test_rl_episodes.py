@@ -293,6 +293,20 @@ def test_the_sampler_runs_every_call_of_its_concurrent_episodes_at_once(tok):
     assert [r.content for out in steps for r in out] == ["met"] * 9
 
 
+@tool(parameters={"type": "object", "properties": {"q": {"type": ["string", "null"]}}, "required": ["q"]})
+def search(q):
+    return f"searched {q}"
+
+
+def test_arguments_are_checked_against_a_list_of_types():
+    reg = ToolRegistry([search])
+    out = reg.execute([ToolCall("search", {"q": "x"}, "c0"), ToolCall("search", {"q": None}, "c1"),
+                       ToolCall("search", {"q": 3}, "c2")])
+    assert [r.content for r in out] == ["searched x", "searched None",
+                                        "error: bad arguments for search: argument 'q' must be of type "
+                                        "['string', 'null'], got 3"]
+
+
 # ----------------------------------------------------------------------------- the tool environment
 
 

@@ -157,7 +157,11 @@ class Tool:
         return None
 
 
-def _is_json_type(v: Any, want: str) -> bool:
+def _is_json_type(v: Any, want: str | list[str]) -> bool:
+    """Whether `v` is of the JSON-schema type `want`: a name, or a list of names (any of them,
+    e.g. `["string", "null"]` for an optional argument)."""
+    if isinstance(want, list):
+        return any(_is_json_type(v, w) for w in want)
     if want == "integer":
         return isinstance(v, int) and not isinstance(v, bool)
     if want == "number":
