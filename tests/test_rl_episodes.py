@@ -207,6 +207,7 @@ def test_pythonic_parser_reads_a_list_of_calls_and_leaves_prose_alone():
     ("[1, 2]", "expected a list of calls"),
     ('[lookup("qzk")]', "keyword arguments only"),
     ("[lookup(key=qzk)]", "must be Python literals"),
+    ('[lookup(key="qzk", key="abc")]', "an argument is given twice"),
     ("[lookup(key={[1]: 2})]", "must be Python literals"),  # literal syntax, but unhashable: TypeError
     ("[lookup(key=" + "-" * 100000 + "1)]", "not Python"),  # overflows the parser's stack: MemoryError
 ])

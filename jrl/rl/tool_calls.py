@@ -172,6 +172,11 @@ class PythonicParser:
                 errors.append(ToolCallError(source, "malformed tool call: expected name(key=value, ...) with "
                                                     "keyword arguments only", call_id))
                 continue
+            names = [kw.arg for kw in node.keywords]
+            if len(set(names)) < len(names):  # Python's parser lets `f(a=1, a=2)` through (its compiler refuses it)
+                errors.append(ToolCallError(source, f"malformed tool call {node.func.id!r}: an argument is given "
+                                                    f"twice", call_id))
+                continue
             try:
                 arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
             except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # TypeError: {[1]: 2}
