@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -277,6 +281,22 @@ def test_a_call_still_queued_at_its_timeout_never_runs():
     gate.set()
     assert reg.execute([ToolCall("held", {"n": 3}, "c2")], timeout_s=10)[0].content == "3"  # after the queue
     assert started == [1, 3]
+
+
+def test_a_tool_that_never_returns_does_not_keep_the_process_from_exiting():
+    script = textwrap.dedent("""
+        import threading
+        from jrl.rl.tool_calls import ToolCall
+        from jrl.rl.tools import ToolRegistry
+
+        def hang(x: int) -> int:
+            threading.Event().wait()
+
+        print(ToolRegistry([hang], timeout_s=0.1).execute([ToolCall("hang", {"x": 1})])[0].content)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert (done.returncode, done.stdout) == (0, "error: hang timed out after 0.1 s\n")
 
 
 def test_the_sampler_runs_every_call_of_its_concurrent_episodes_at_once(tok):

@@ -20,7 +20,8 @@ every failure into a `ToolResult` with `error=True` whose `content` tells the mo
 went wrong: an unknown tool, arguments that do not fit the schema (missing, unexpected or
 of the wrong JSON type), an exception (its type and message) or a timeout. Nothing a tool
 does stops the run. A timed-out call keeps its worker thread until it returns (Python
-cannot kill a thread); `workers` bounds how many run at once, and a call still waiting
+cannot kill a thread; the thread is a daemon, so a tool that never returns does not keep
+the process from exiting); `workers` bounds how many run at once, and a call still waiting
 for a worker when its timeout passes is dropped (it never runs) and answered so.
 """
 
@@ -32,6 +33,7 @@ import functools
 import inspect
 import json
 import re
+import threading
 import time
 import types
 import typing
@@ -216,7 +218,8 @@ class ToolRegistry:
         if not timeout_s > 0:
             raise ConfigError(f"tool_timeout_s: must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="jrl-tool")
+        self._slots = threading.BoundedSemaphore(max(1, workers))
+        self._closed = False
 
     @classmethod
     def from_names(cls, names: Sequence[str], field: str = "tools", **kwargs: Any) -> ToolRegistry:
@@ -227,8 +230,25 @@ class ToolRegistry:
         """The tools' schemas, for the chat template's `tools=`."""
         return [t.schema for t in self.tools.values()]
 
-    def _run(self, t: Tool, call: ToolCall) -> Any:
-        return t.fn(**call.arguments)
+    def _submit(self, t: Tool, call: ToolCall) -> concurrent.futures.Future:
+        """Runs the call on a daemon thread of its own once one of the `workers` slots is free.
+        Not a ThreadPoolExecutor: the interpreter joins those threads at exit, so one tool that
+        never returns would keep the process from exiting once the run is over."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            with self._slots:
+                if self._closed:
+                    fut.cancel()
+                if not fut.set_running_or_notify_cancel():  # dropped at its timeout, or closed
+                    return
+                try:
+                    fut.set_result(t.fn(**call.arguments))
+                except BaseException as e:  # handed to the caller, as a pool's worker would
+                    fut.set_exception(e)
+
+        threading.Thread(target=run, name=f"jrl-tool-{call.name}", daemon=True).start()
+        return fut
 
     def execute(self, calls: Sequence[ToolCall], timeout_s: float | None = None) -> list[ToolResult]:
         """Runs `calls` concurrently; one result per call, in order. Never raises for what
@@ -245,7 +265,7 @@ class ToolRegistry:
             if problem is not None:
                 started.append((call, f"error: bad arguments for {call.name}: {problem}"))
                 continue
-            started.append((call, self._pool.submit(self._run, t, call)))
+            started.append((call, self._submit(t, call)))
         results = []
         deadline = time.perf_counter() + timeout  # calls run concurrently: one shared window
         for call, fut in started:
@@ -267,4 +287,5 @@ class ToolRegistry:
         return results
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Calls not started yet never start (those running finish on their own)."""
+        self._closed = True
