@@ -383,6 +383,19 @@ def test_tool_environment_answers_each_call_of_a_parser_whose_ids_repeat():
     assert info == {"tool_calls": 3, "tool_errors": 1}
 
 
+def listing() -> str:
+    """A file name that is not UTF-8, as os.listdir returns it (a lone surrogate)."""
+    return os.fsdecode(b"caf\xe9")
+
+
+def test_a_tool_answer_utf8_cannot_encode_reaches_the_model_with_replacement_characters(tok):
+    env = ToolEnvironment(ToolRegistry([listing]), score=lambda example, text: 0.0)
+    env.reset({"prompt": "p", "answer": "5"})
+    msgs, _, done, info = env.step({"role": "assistant", "content": call("listing")})
+    assert [m["content"] for m in msgs] == ["caf\ufffd"] and (done, info["tool_errors"]) == (False, 0)
+    assert tok.decode(ChatPieces(tok).prompt([{"role": "user", "content": "p"}, *msgs])).count("caf\ufffd") == 1
+
+
 def test_tool_environment_stops_at_max_tool_calls():
     env = make_tool_env(max_tool_calls=2)
     env.reset({"prompt": "p", "answer": "5"})

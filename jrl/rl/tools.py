@@ -183,8 +183,11 @@ class ToolResult:
     seconds: float = 0.0
 
     def message(self) -> dict[str, Any]:
-        """The `tool` chat message answering the call."""
-        return {"role": "tool", "name": self.name, "tool_call_id": self.call_id, "content": self.content}
+        """The `tool` chat message answering the call. Characters UTF-8 cannot encode (lone
+        surrogates: `os.listdir` of undecodable names, JSON's "\\ud800") become U+FFFD, since no
+        tokenizer could encode the message and the run would stop."""
+        content = re.sub("[\ud800-\udfff]", "\ufffd", self.content)
+        return {"role": "tool", "name": self.name, "tool_call_id": self.call_id, "content": content}
 
 
 def resolve_tool(name: str, field: str = "tools") -> Tool:
