@@ -12,6 +12,7 @@ lengths); the tokenizer is the in-test ChatML BPE with a template that renders t
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import subprocess
@@ -247,6 +248,27 @@ def test_tool_schemas_from_hints_docstrings_and_the_decorator():
         ToolRegistry.from_names(["test_rl_episodes:nope"])
     with pytest.raises(ConfigError, match="must be 'module:function'"):
         resolve_tool("add")
+
+
+def test_a_partial_tool_is_described_by_the_function_it_wraps():
+    schema = Tool.from_function(functools.partial(add, 1)).schema["function"]
+    assert schema == {"name": "add", "description": "Adds two integers.", "parameters": {
+        "type": "object", "properties": {"b": {"type": "integer", "description": "the second addend"}},
+        "required": ["b"]}}
+
+
+class Offset:
+    """Adds an offset."""
+
+    def __call__(self, x: int) -> int:
+        return x + 1
+
+
+def test_a_callable_object_tool_is_described_by_its_class():
+    t = Tool.from_function(Offset())
+    assert t.schema["function"] == {"name": "Offset", "description": "Adds an offset.", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
+    assert ToolRegistry([t]).execute([ToolCall("Offset", {"x": 1}, "c0")])[0].content == "2"
 
 
 def test_tool_failures_become_error_results_never_exceptions():

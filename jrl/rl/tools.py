@@ -13,7 +13,8 @@ templates render through `tools=`, is derived from the function:
   (`name: text` or `name (type): text`); required unless it has a default.
 
 `@tool(name=..., description=..., parameters=...)` overrides any of the three (a
-`parameters` schema given explicitly is used as is).
+`parameters` schema given explicitly is used as is). A `functools.partial` is described by
+the function it wraps, a callable object by its class (hints: its `__call__`'s).
 
 `ToolRegistry.execute(calls)` runs calls in its thread pool, each with a timeout, and turns
 every failure into a `ToolResult` with `error=True` whose `content` tells the model what
@@ -100,6 +101,17 @@ def _docstring(fn: Callable) -> tuple[str, dict[str, str]]:
     return " ".join(first.split()), params
 
 
+def _origin(fn: Callable) -> tuple[str, Callable, Callable]:
+    """(name, documented, annotated) of a tool's callable: a function is all three itself, a
+    `functools.partial` its wrapped function's, a callable object its class's (the hints
+    being its `__call__`'s)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if hasattr(fn, "__name__"):
+        return fn.__name__, fn, fn
+    return type(fn).__name__, type(fn), type(fn).__call__
+
+
 @dataclasses.dataclass(frozen=True)
 class Tool:
     """A callable and the JSON schema the model sees."""
@@ -114,13 +126,14 @@ class Tool:
         """The tool of `fn`: schema derived from its signature and docstring, overridden by
         `@tool(...)`."""
         given = getattr(fn, _TOOL_ATTR, {})
-        description, arg_docs = _docstring(fn)
+        name, documented, annotated = _origin(fn)
+        description, arg_docs = _docstring(documented)
         if given.get("parameters") is not None:
             parameters = given["parameters"]
         else:
             props: dict[str, dict] = {}
             required: list[str] = []
-            hints = typing.get_type_hints(fn) if not isinstance(fn, functools.partial) else {}
+            hints = typing.get_type_hints(annotated)
             for p in inspect.signature(fn).parameters.values():
                 if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
                     continue
@@ -131,7 +144,7 @@ class Tool:
                 if p.default is p.empty and not optional:
                     required.append(p.name)
             parameters = {"type": "object", "properties": props, "required": required}
-        return cls(name=given.get("name") or fn.__name__, fn=fn,
+        return cls(name=given.get("name") or name, fn=fn,
                    description=given.get("description") or description, parameters=parameters)
 
     @property
