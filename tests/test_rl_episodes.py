@@ -250,6 +250,13 @@ def test_tool_schemas_from_hints_docstrings_and_the_decorator():
         resolve_tool("add")
 
 
+def test_a_pythonic_argument_json_cannot_hold_is_a_bad_arguments_error():
+    calls = get_parser("pythonic").parse("[add(a={1, 2}, b=1)]").calls  # a set: a Python literal, not JSON
+    out = ToolRegistry([add]).execute(calls)
+    assert [r.content for r in out] == ["error: bad arguments for add: argument 'a' must be of type integer, "
+                                        'got "{1, 2}"']
+
+
 def test_a_partial_tool_is_described_by_the_function_it_wraps():
     schema = Tool.from_function(functools.partial(add, 1)).schema["function"]
     assert schema == {"name": "add", "description": "Adds two integers.", "parameters": {

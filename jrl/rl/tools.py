@@ -165,7 +165,7 @@ class Tool:
         for k, v in arguments.items():
             want = props.get(k, {}).get("type")
             if want and not _is_json_type(v, want):
-                return f"argument {k!r} must be of type {want}, got {json.dumps(v)[:80]}"
+                return f"argument {k!r} must be of type {want}, got {json.dumps(v, default=repr)[:80]}"
             enum = props.get(k, {}).get("enum")
             if enum is not None and v not in enum:
                 return f"argument {k!r} must be one of {enum}, got {v!r}"
