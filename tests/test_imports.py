@@ -31,6 +31,7 @@ FORBIDDEN = {
 LAZY_OK = {
     ("jrl.models.attention", "jax._src.cudnn.fused_attention_stablehlo"),
     ("jrl.plot", "matplotlib.figure"),
+    ("jrl.plot", "matplotlib.backend_bases"),
     *(("pallas_kernels.dispatch", f"pallas_kernels.{kernel}")
       for kernel in ("decode_mgpu", "exact_mgpu", "gemm_mgpu", "prefill_mgpu", "stream_gemm_mgpu")),
 }
