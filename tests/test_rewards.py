@@ -47,6 +47,16 @@ def test_reward_model_sums_weighted_terms_and_reports_each():
     np.testing.assert_allclose(terms["format_check"], [1.0, 1.0, 0.0])
 
 
+def test_a_reward_term_named_mean_or_std_does_not_shadow_the_totals_statistics(tmp_path, monkeypatch):
+    # its mean is logged as reward_<name>: reward_mean / reward_std are the total's
+    (tmp_path / "stat_rewards_mod.py").write_text("def mean(p, c, a):\n    return 1\n\ndef std(p, c, a):\n"
+                                                  "    return np.bool_(True)\n\nimport numpy as np\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = RewardModel([RewardSpec("stat_rewards_mod:mean"), RewardSpec("stat_rewards_mod:std")])
+    total, terms = model(["p"], ["c"], ["a"])
+    assert model.names == ["mean_0", "std_1"] and total.tolist() == [2.0]  # a numpy bool counts as 1
+
+
 def test_user_reward_is_imported_from_module_colon_function(tmp_path, monkeypatch):
     (tmp_path / "my_rewards_mod.py").write_text(
         "def brevity(prompt, completion, answer, limit=3):\n"

@@ -362,7 +362,7 @@ def test_arguments_are_checked_against_a_list_of_types():
 
 def make_tool_env(max_tool_calls=3, timeout_s=0.2):
     reg = ToolRegistry([add, fails, sleepy], timeout_s=timeout_s)
-    return ToolEnvironment(reg, score=lambda example, text: float(text == example["answer"]),
+    return ToolEnvironment(reg, score=lambda example, text: (float(text == example["answer"]), {}),
                            max_tool_calls=max_tool_calls, system_prompt="be brief")
 
 
@@ -378,7 +378,7 @@ def test_tool_environment_answers_calls_and_scores_the_final_answer():
     msgs, reward, done, info = env.step({"role": "assistant", "content": "adding " + call("add", a=2, b=3)})
     assert msgs == [{"role": "tool", "name": "add", "tool_call_id": "call_0", "content": "5"}]
     assert (reward, done, info) == (0.0, False, {"tool_calls": 1, "tool_errors": 0})
-    assert env.step({"role": "assistant", "content": "5"}) == ([], 1.0, True, {"final": True})
+    assert env.step({"role": "assistant", "content": "5"}) == ([], 1.0, True, {"final": True, "reward_terms": {}})
     env.reset({"prompt": "2+3?", "answer": "5"})
     assert env.step({"role": "assistant", "content": "6"})[1:3] == (0.0, True)
 
@@ -405,7 +405,7 @@ class DefaultIds:
 
 
 def test_tool_environment_answers_each_call_of_a_parser_whose_ids_repeat():
-    env = ToolEnvironment(ToolRegistry([add]), score=lambda example, text: 0.0, parser=DefaultIds())
+    env = ToolEnvironment(ToolRegistry([add]), score=lambda example, text: (0.0, {}), parser=DefaultIds())
     env.reset({"prompt": "p", "answer": "5"})
     msgs, _, _, info = env.step({"role": "assistant", "content": "anything"})
     assert [m["content"] for m in msgs] == ["3", "7", "error: malformed tool call: unreadable"]
@@ -418,7 +418,7 @@ def listing() -> str:
 
 
 def test_a_tool_answer_utf8_cannot_encode_reaches_the_model_with_replacement_characters(tok):
-    env = ToolEnvironment(ToolRegistry([listing]), score=lambda example, text: 0.0)
+    env = ToolEnvironment(ToolRegistry([listing]), score=lambda example, text: (0.0, {}))
     env.reset({"prompt": "p", "answer": "5"})
     msgs, _, done, info = env.step({"role": "assistant", "content": call("listing")})
     assert [m["content"] for m in msgs] == ["caf\ufffd"] and (done, info["tool_errors"]) == (False, 0)
@@ -589,13 +589,14 @@ class Returning(Scripted):
     (([], float("nan"), True, {}), "the reward must be a finite number, got nan"),
     (([], None, True, {}), "the reward must be a finite number, got None"),
     (([], "1", True, {}), "the reward must be a finite number, got '1'"),
+    (([], 10 ** 40, True, {}), "the reward must be a number within float32's range (|v| <= 3.4e+38), got 1" + "0" * 40),
     (("again", 0.0, False, {}), "the messages must be a list of message dicts, got 'again'"),
     (([], 0.0, False, "info"), "info must be a dict, got 'info'"),
     ("done", "must return (messages, reward, done, info), got 'done'"),
     (([], 1.0, "no", {}), "done must be a bool, got 'no'"),
     (([], 0.0, False, {"tool_calls": None}), "info['tool_calls'] must be a count (an integer >= 0), got None"),
     (([], 0.0, False, {"tool_errors": 1.5}), "info['tool_errors'] must be a count (an integer >= 0), got 1.5"),
-], ids=["nan reward", "None reward", "str reward", "str messages", "str info", "4-character str", "str done",
+], ids=["nan reward", "None reward", "str reward", "int reward beyond float32", "str messages", "str info", "4-character str", "str done",
         "None tool_calls", "float tool_errors"])
 def test_a_malformed_step_result_stops_the_run_naming_the_environment_and_episode(engine, tok, im_end, out,
                                                                                    message):
@@ -776,6 +777,9 @@ def test_tool_environment_through_the_sampler(engine, tok, im_end):
     for g in groups:
         for ep in g:
             check_token_exact(ep, tok)
+            # the final answer's reward terms travel with the episode (logged as reward_<name>)
+            assert ep.reward_terms == {"exact_match": ep.reward} or (ep.truncated and ep.reward_terms == {}
+                                                                     and ep.reward == 0.0)
             prompt = tok.decode(ep.tokens[:ep.prompt_len])
             assert '"name": "add"' in prompt and prompt.endswith("what is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")
             assert ep.turns >= 1 and ep.reward in (0.0, 1.0)

@@ -51,13 +51,14 @@ def test_lookup_records_and_tool_agree():
 
 def test_tool_environment_plays_a_demonstration():
     r = load_bundled("bundled:lookup:1")[0]
-    env = ToolEnvironment(ToolRegistry([lookup]), lambda example, text: float(text == example["answer"]),
+    env = ToolEnvironment(ToolRegistry([lookup]), lambda example, text: (float(text == example["answer"]),
+                                                                         {"exact": float(text == example["answer"])}),
                           parser=get_parser("hermes"))
     assert env.reset({"prompt": r["prompt"], "answer": r["answer"]}) == [{"role": "user", "content": r["key"]}]
     msgs, reward, done, info = env.step(r["response"][0])
     assert [(m["role"], m["content"]) for m in msgs] == [("tool", r["answer"])]
     assert (reward, done, info) == (0.0, False, {"tool_calls": 1, "tool_errors": 0})
-    assert env.step(r["response"][2]) == ([], 1.0, True, {"final": True})
+    assert env.step(r["response"][2]) == ([], 1.0, True, {"final": True, "reward_terms": {"exact": 1.0}})
     env.reset({"prompt": r["prompt"], "answer": r["answer"]})
     msgs, _, done, info = env.step({"role": "assistant", "content": r["response"][0]["content"].replace(
         r["key"], "QZK")})
@@ -109,15 +110,18 @@ def test_the_warm_start_trains_on_tool_turns_and_checks_greedy_episodes(tmp_path
 @pytest.mark.slow
 def test_grpo_with_the_lookup_tool_raises_heldout_accuracy(tmp_path, capsys):
     out = tmp_path / "run"
+    # a second term of weight 0 leaves every reward as it was, and each term's mean is logged
+    rewards = "strategy.options.rewards=[{fn: exact_match}, {fn: format_check, weight: 0, kwargs: {pattern: 'x'}}]"
     assert main(["--config", str(CONFIG), "--output-dir", str(out), f"init_from=hf:{WARM}",
                  "strategy.options.warm_start=null", f"steps={GRPO_STEPS}", "strategy.options.eval_problems=100",
-                 "eval.every=0", *QUIET]) == 0
+                 "eval.every=0", rewards, *QUIET]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     evals = [r for r in rows if "eval_accuracy" in r]
     before, after = evals[0], evals[-1]
     assert (before["policy_version"], after["policy_version"]) == (0, GRPO_STEPS)
     rollouts = [r for r in rows if "rl_step" in r]
     assert all(r["turns_mean"] > 1.5 and r["tool_calls_mean"] > 0.5 for r in rollouts)  # episodes with a lookup
+    assert all(r["reward_exact_match"] == r["reward_mean"] and r["reward_format_check"] == 0.0 for r in rollouts)
     print(f"\n[tools example] held-out accuracy {before['eval_accuracy']:.1%} -> {after['eval_accuracy']:.1%} "
           f"greedy, {before['eval_accuracy_sampled']:.1%} -> {after['eval_accuracy_sampled']:.1%} sampled")
     # seeds 0, 1, 2 (2026-12-01): +18, +24, +23 points greedy; +10, +11, +16 sampled

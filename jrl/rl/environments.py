@@ -52,13 +52,13 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import inspect
-import math
 import time
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from jrl.config import ConfigError, resolve_named
+from jrl.rl.rewards import reward_requirement
 from jrl.rl.tool_calls import HermesParser, ToolCallParser
 from jrl.rl.tools import ToolRegistry
 from jrl.rollout.request import Completion
@@ -103,11 +103,12 @@ def _call(fn: Callable, *args: Any) -> Any:
 class ToolEnvironment:
     """One example's prompt, answered turn by turn: tool calls are executed and answered
     with `tool` messages, a turn without calls is the final answer, scored by
-    `score(example, final_text) -> float` (the task's rewards). Malformed calls, unknown
+    `score(example, final_text) -> (total, {term: value})` (the task's rewards; the terms
+    go into the final step's info as `reward_terms`). Malformed calls, unknown
     tools, exceptions and timeouts are `tool` messages saying what went wrong. More than
     `max_tool_calls` calls in the episode end it, truncated, with reward 0."""
 
-    def __init__(self, tools: ToolRegistry, score: Callable[[dict, str], float], *,
+    def __init__(self, tools: ToolRegistry, score: Callable[[dict, str], tuple[float, dict[str, float]]], *,
                  parser: ToolCallParser | None = None, max_tool_calls: int = 8,
                  system_prompt: str | None = None, prompt_key: str = "prompt") -> None:
         self.registry = tools
@@ -131,7 +132,8 @@ class ToolEnvironment:
     def step(self, assistant_message: Message) -> tuple[list[Message], float, bool, dict]:
         parsed = self.parser.parse(assistant_message["content"])
         if not parsed.has_calls:
-            return [], float(self.score(self.example, parsed.content)), True, {"final": True}
+            total, terms = self.score(self.example, parsed.content)
+            return [], float(total), True, {"final": True, "reward_terms": dict(terms)}
         n = len(parsed.calls) + len(parsed.errors)
         if self.calls_made + n > self.max_tool_calls:
             return [], 0.0, True, {"truncated": "max_tool_calls", "tool_calls": 0}
@@ -244,6 +246,12 @@ class Episode:
     info: list[dict] = dataclasses.field(default_factory=list)
 
     @property
+    def reward_terms(self) -> dict[str, float]:
+        """The task's reward terms of the final answer (a `ToolEnvironment`'s final step);
+        {} when no answer was scored (truncated) or the environment reports none."""
+        return next((i["reward_terms"] for i in reversed(self.info) if "reward_terms" in i), {})
+
+    @property
     def cached_tokens(self) -> list[int]:
         """Prompt tokens each turn's request got from the prefix cache."""
         return [c.cached_tokens for c in self.completions]
@@ -290,8 +298,9 @@ def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
 
     if new is not None and not (isinstance(new, (list, tuple)) and all(isinstance(m, dict) for m in new)):
         fail(f"the messages must be a list of message dicts, got {new!r}")
-    if not isinstance(reward, (int, float, np.number)) or not math.isfinite(float(reward)):
-        fail(f"the reward must be a finite number, got {reward!r}")
+    requirement = reward_requirement(reward)
+    if requirement is not None:
+        fail(f"the reward must be {requirement}, got {reward!r}")
     if not (isinstance(done, (bool, np.bool_)) or (isinstance(done, (int, np.integer)) and done in (0, 1))):
         fail(f"done must be a bool, got {done!r}")
     if info is not None and not isinstance(info, dict):

@@ -72,10 +72,10 @@ class EpisodeSampler:
                 raise EnvironmentFailure(f"environment {self.env_cls.__name__}(**strategy.options.env_kwargs) raised "
                                          f"{type(e).__name__}: {e} (on {problem.where})") from e
 
-        def score(example: dict, text: str) -> float:
-            total, _ = self.rewards([_prompt_text(problem.prompt)], [text], [problem.answer],
-                                    examples=[problem.example], wheres=[problem.where])
-            return float(total[0])
+        def score(example: dict, text: str) -> tuple[float, dict[str, float]]:
+            total, terms = self.rewards([_prompt_text(problem.prompt)], [text], [problem.answer],
+                                        examples=[problem.example], wheres=[problem.where])
+            return float(total[0]), {name: float(v[0]) for name, v in terms.items()}
 
         return ToolEnvironment(self.registry, score, parser=self.parser, max_tool_calls=o.max_tool_calls,
                                system_prompt=o.task.system_prompt), example

@@ -37,6 +37,18 @@ from jrl.rl.math_answer import STRATEGIES, check_order, math_answer
 
 RewardFn = Callable[..., float]
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are kept in float32
+RESERVED_TERM_NAMES = ("mean", "std")  # reward_mean / reward_std are the total's
+
+
+def reward_requirement(v: Any) -> str | None:
+    """What `v` must be to serve as a reward (kept in float32, summed into advantages), when
+    it is not; None when it is. Bools count as 0 / 1; a Python int of any size is finite
+    (float() of one beyond float64 overflows) but must fit float32's range like any number."""
+    if not isinstance(v, (int, float, np.number, np.bool_)) or not (isinstance(v, int) or math.isfinite(float(v))):
+        return "a finite number"
+    if abs(v if isinstance(v, int) else float(v)) > FLOAT32_MAX:
+        return f"a number within float32's range (|v| <= {FLOAT32_MAX:.3g})"
+    return None
 
 
 def extract_answer(completion: str, pattern: str | None = None) -> str | None:
@@ -165,7 +177,8 @@ class RewardModel:
             check_builtin_kwargs(fn, spec.kwargs, f"{field}[{i}].kwargs")
             self._fns.append(fn)
             base = spec.fn.rpartition(":")[2]
-            name = base if base not in self.names else f"{base}_{i}"
+            # logged as reward_<name>: `mean` and `std` would overwrite the total's statistics
+            name = base if base not in (*self.names, *RESERVED_TERM_NAMES) else f"{base}_{i}"
             self.names.append(name)
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str],
@@ -192,13 +205,9 @@ class RewardModel:
                 except Exception as e:
                     raise RewardError(f"reward {spec.fn!r} raised {type(e).__name__}: {e} (on {wheres[j]}, "
                                       f"completion {c[:200]!r})") from e
-                # a Python int is finite however large (float() of one beyond float64 overflows)
-                if not isinstance(v, (int, float, np.number)) or not (isinstance(v, int) or math.isfinite(float(v))):
-                    raise RewardError(f"reward {spec.fn!r}: must return a finite number, got {v!r} "
-                                      f"(on {wheres[j]})")
-                if abs(v) > FLOAT32_MAX:  # rewards are float32: it would become inf
-                    raise RewardError(f"reward {spec.fn!r}: must return a number within float32's range "
-                                      f"(|v| <= {FLOAT32_MAX:.3g}), got {v!r} (on {wheres[j]})")
+                requirement = reward_requirement(v)
+                if requirement is not None:
+                    raise RewardError(f"reward {spec.fn!r}: must return {requirement}, got {v!r} (on {wheres[j]})")
                 values[j] = float(v)
             terms[name] = values
             with np.errstate(over="ignore"):

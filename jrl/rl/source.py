@@ -312,7 +312,10 @@ class RolloutSource:
             for problem, eps in zip(problems, self.episodes.run(self.engine, problems, o.group_size,
                                                                 o.temperature, seeds)):
                 rewards = np.array([ep.reward for ep in eps], np.float32)
-                groups.append(_Group(problem, np.zeros(0, np.int32), [], rewards, {"episode": rewards},
+                # the task's terms of each final answer (tools; 0 where none was scored), or the env's rewards
+                terms = ({name: np.array([ep.reward_terms.get(name, 0.0) for ep in eps], np.float32)
+                          for name in self.rewards.names} if self.episodes.env_cls is None else {"episode": rewards})
+                groups.append(_Group(problem, np.zeros(0, np.int32), [], rewards, terms,
                                      self.episodes.correct(eps), eps))
             return groups
         prompts = self.prompt_ids(problems, remember=False)
@@ -425,7 +428,7 @@ class RolloutSource:
                                                              rl_step, float(diff.max()))
         if self.episodes is not None:  # lengths, truncation and cache hits of episodes; turns, tools, env time
             metrics.update(self.episodes.metrics([ep for g in drawn for ep in g.episodes]))
-        elif len(self.rewards.names) > 1:
+        if len(self.rewards.names) > 1 and (self.episodes is None or self.episodes.env_cls is None):
             for name in self.rewards.names:
                 metrics[f"reward_{name}"] = float(np.concatenate([g.terms[name] for g in drawn]).mean())
         if self.replicas is not None:
