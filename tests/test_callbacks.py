@@ -173,11 +173,18 @@ def test_early_stopping_does_not_warn_about_a_training_metric():
 
 
 class FailAtStep(Callback):
-    def __init__(self, step):
-        self.step, self.errors = step, []
+    """Raises once `step` is trained (an error after the update: the state and the data
+    position agree), or, with `before_update`, as the step begins (its batch already drawn)."""
+
+    def __init__(self, step, before_update=False):
+        self.step, self.before_update, self.errors = step, before_update, []
 
     def on_step_begin(self, trainer, state, batch):
-        if int(state.step) == self.step:
+        if self.before_update and int(state.step) == self.step:
+            raise RuntimeError("data went away")
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        if not self.before_update and int(state.step) == self.step:
             raise RuntimeError("data went away")
 
     def on_error(self, trainer, state, error):
@@ -192,6 +199,22 @@ def test_error_reaches_on_error_saves_the_last_good_state_and_propagates(tmp_pat
         trainer.fit()
     assert failing.errors == [(1, "data went away")]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step_1"]
+
+
+def test_an_error_after_the_next_batch_was_drawn_saves_no_checkpoint_that_would_skip_it(tmp_path):
+    # the source's position is one batch past the state: saved together, resume would skip that batch
+    config = tiny("steps=5", "eval.at_end=false", "checkpoint.interval=2")
+    failing = FailAtStep(3, before_update=True)
+    with pytest.warns(UserWarning, match="not saving a checkpoint on error: the train source had already moved on"):
+        with pytest.raises(RuntimeError, match="data went away"):
+            Trainer(config, callbacks=[failing], output_dir=tmp_path / "cut").fit()
+    assert failing.errors == [(3, "data went away")]
+    assert checkpoint.all_steps(tmp_path / "cut" / "checkpoints") == [2]
+    Trainer(config, output_dir=tmp_path / "cut").fit(resume=True)
+    Trainer(config, output_dir=tmp_path / "full").fit()
+    losses = {run: [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+              for run in ("cut", "full")}
+    assert losses["cut"] == losses["full"] and len(losses["full"]) == 5
 
 
 class InterruptAt(Callback):

@@ -214,9 +214,11 @@ class ProgressBar(Callback):
 
 class CheckpointCallback(Callback):
     """Saves every `interval` steps, at the end (incl. early stop and signals) and, if the
-    state is still intact, when an error escapes the loop. Never saves a state that has
-    not trained past the step the run started from (`trainer.start_step`): a run that
-    fails during setup or its first step leaves the directory as it found it."""
+    state is still intact and the train source has not moved past it (a batch drawn but
+    not trained on would be skipped on resume), when an error escapes the loop. Never
+    saves a state that has not trained past the step the run started from
+    (`trainer.start_step`): a run that fails during setup or its first step leaves the
+    directory as it found it."""
 
     def __init__(self, interval: int, save_on_end: bool = True, save_on_error: bool = True):
         self.interval, self.save_on_end, self.save_on_error = interval, save_on_end, save_on_error
@@ -240,6 +242,11 @@ class CheckpointCallback(Callback):
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
             warnings.warn("not saving a checkpoint on error: the state's buffers were donated to the "
                           "failed update", stacklevel=2)
+            return
+        if getattr(trainer, "source_ahead", False):
+            warnings.warn("not saving a checkpoint on error: the train source had already moved on to the next "
+                          "batch, which the state has not trained on; a checkpoint of both would skip that "
+                          "batch on resume (--resume continues from the last published checkpoint)", stacklevel=2)
             return
         if trainer.last_saved_step != int(state.step):
             trainer.save_checkpoint(state)

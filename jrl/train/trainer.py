@@ -176,6 +176,9 @@ class Trainer:
         self._last_time: float | None = None
         self._warned_skip = False
         self._run_lock: RunLock | None = None  # held on process 0 only
+        # True from the moment fit asks the train source for a batch until that batch's update
+        # is in self.state: meanwhile the source's position is ahead of the state's
+        self.source_ahead = False
         self._run_dir_taken = False
         # the step this session started from (set when setup is complete): the checkpoint
         # callback never saves a state that has not trained past it
@@ -468,6 +471,7 @@ class Trainer:
         else:
             new_state, metrics = self._fns.update(state, micro, self.reference_params, layout)
         self.state = new_state
+        self.source_ahead = False
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
         elapsed = now - self._last_time if self._last_time is not None else None
@@ -577,6 +581,7 @@ class Trainer:
                 self._take_run_dir()
             self.fire("on_train_begin", self.state)
             while int(self.state.step) < self.config.steps and self.stop_reason is None:
+                self.source_ahead = True
                 self.train_step(self.train_source.next_batch(self.state))
             self.fire("on_train_end", self.state)
         except BaseException as error:
