@@ -143,6 +143,17 @@ def test_early_stopping_after_patience_checks_without_improvement():
     assert trainer.reason == "early stopping: eval_loss did not improve on 0.9 for 2 checks"
 
 
+def test_early_stopping_counts_a_non_finite_value_as_no_improvement():
+    # a skipped update's loss (NaN) reaches the callbacks as None, as metrics.jsonl writes it
+    trainer = _StopRecorder()
+    es = EarlyStopping("loss", patience=2)
+    for loss in (None, 1.0, None):
+        es.after_optimizer_step(trainer, None, {"loss": loss})
+    assert trainer.reason is None
+    es.after_optimizer_step(trainer, None, {"loss": None})
+    assert trainer.reason == "early stopping: loss did not improve on 1 for 2 checks"
+
+
 def test_early_stopping_ignores_rows_without_the_monitored_metric():
     trainer = _StopRecorder()
     es = EarlyStopping("eval_loss", patience=1)

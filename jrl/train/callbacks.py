@@ -34,6 +34,7 @@ and the plot and shows the progress bar.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -125,7 +126,8 @@ class EvalCallback(Callback):
 
 class EarlyStopping(Callback):
     """Stops training after `patience` checks of `monitor` without improvement by
-    more than `min_delta` (checked whenever a step or evaluation reports it)."""
+    more than `min_delta` (checked whenever a step or evaluation reports it; a non-finite
+    value, null in the row, counts as no improvement)."""
 
     def __init__(self, monitor: str, patience: int, mode: str = "min", min_delta: float = 0.0):
         self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
@@ -137,9 +139,11 @@ class EarlyStopping(Callback):
         if self.monitor not in metrics:
             return
         self.seen = True
-        value = float(metrics[self.monitor])
-        better = (self.best is None or
-                  (value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta))
+        value = metrics[self.monitor]  # None: not finite (rows write NaN and inf as null); never an improvement
+        value = math.nan if value is None else float(value)
+        better = math.isfinite(value) and (
+            self.best is None or
+            (value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta))
         if better:
             self.best, self.bad_checks = value, 0
             return
