@@ -228,6 +228,20 @@ def test_an_error_after_the_next_batch_was_drawn_saves_no_checkpoint_that_would_
     assert losses["cut"] == losses["full"] and len(losses["full"]) == 5
 
 
+def logged(run_dir):
+    """(step, is an evaluation row) of every row of a run's metrics log, in order."""
+    return [(r["step"], "eval_loss" in r) for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def test_resuming_a_finished_run_logs_nothing(tmp_path):
+    config = tiny("steps=2", "eval.every=0", "checkpoint.interval=1")
+    Trainer(config, output_dir=tmp_path).fit()
+    before = logged(tmp_path)
+    assert before == [(1, False), (2, False), (2, True)]  # the end-of-run evaluation comes last
+    Trainer(config, output_dir=tmp_path).fit(resume=True)
+    assert logged(tmp_path) == before
+
+
 class InterruptAt(Callback):
     """Sends this process a SIGINT (a user's Ctrl-C) after the given step."""
 

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jrl.metrics_log import read_metrics
 from jrl.plot import plot_run
 
 
@@ -101,12 +102,28 @@ def checked_gradients(callback: Callback, given: Any, returned: Any) -> Any:
     return returned
 
 
+def resumed_rows(trainer, state) -> list[dict]:
+    """The rows of the run `state` continues (a resumed run, step > 0: its metrics log,
+    which setup truncated to the resumed step), else none. Callbacks that carry history
+    from step to step pick it up from here, so that a resumed run acts as the
+    uninterrupted one would."""
+    if state is None or int(state.step) == 0:
+        return []
+    return read_metrics(trainer.metrics_log.path)
+
+
 class EvalCallback(Callback):
-    """Evaluates on the held-out batches every `every` steps and at the end."""
+    """Evaluates on the held-out batches every `every` steps and at the end; a step that is
+    evaluated already (the end of a finished run that is resumed) is not evaluated again."""
 
     def __init__(self, every: int, at_end: bool = True):
         self.every, self.at_end = every, at_end
         self._last = None
+
+    def on_train_begin(self, trainer, state) -> None:
+        evaluated = [r["step"] for r in resumed_rows(trainer, state) if "eval_loss" in r]
+        if evaluated and evaluated[-1] == int(state.step):
+            self._last = int(state.step)
 
     def _run(self, trainer, state) -> None:
         step = int(state.step)
