@@ -228,9 +228,33 @@ def test_an_error_after_the_next_batch_was_drawn_saves_no_checkpoint_that_would_
     assert losses["cut"] == losses["full"] and len(losses["full"]) == 5
 
 
+class StopAt(Callback):
+    """Ends the run after `step` as a SIGTERM would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        if metrics["step"] == self.step:
+            trainer.request_stop("received SIGTERM")
+
+
 def logged(run_dir):
     """(step, is an evaluation row) of every row of a run's metrics log, in order."""
     return [(r["step"], "eval_loss" in r) for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def test_a_resumed_run_stops_early_where_the_uninterrupted_run_does(tmp_path):
+    # eval_loss never improves by 100: the uninterrupted run stops at step 3 (best at 1, then 2 bad checks)
+    config = tiny("steps=10", "eval.every=1", "eval.early_stopping.patience=2",
+                  "eval.early_stopping.min_delta=100", "checkpoint.interval=1")
+    full = Trainer(config, output_dir=tmp_path / "full")
+    assert int(full.fit().step) == 3
+    Trainer(config, callbacks=[StopAt(2)], output_dir=tmp_path / "cut").fit()
+    resumed = Trainer(config, output_dir=tmp_path / "cut")
+    assert int(resumed.fit(resume=True).step) == 3
+    assert resumed.stop_reason == full.stop_reason
+    assert logged(tmp_path / "cut") == logged(tmp_path / "full")
 
 
 def test_resuming_a_finished_run_logs_nothing(tmp_path):

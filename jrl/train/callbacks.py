@@ -144,7 +144,9 @@ class EvalCallback(Callback):
 class EarlyStopping(Callback):
     """Stops training after `patience` checks of `monitor` without improvement by
     more than `min_delta` (checked whenever a step or evaluation reports it; a non-finite
-    value, null in the row, counts as no improvement)."""
+    value, null in the row, counts as no improvement). A resumed run replays the metrics
+    log first, so it stops where the uninterrupted run would (for a training metric, as
+    far as `logging.log_every` logged its rows)."""
 
     def __init__(self, monitor: str, patience: int, mode: str = "min", min_delta: float = 0.0):
         self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
@@ -168,6 +170,12 @@ class EarlyStopping(Callback):
         if self.bad_checks >= self.patience:
             trainer.request_stop(f"early stopping: {self.monitor} did not improve on {self.best:.6g} "
                                  f"for {self.bad_checks} checks")
+
+    def on_train_begin(self, trainer, state) -> None:
+        # a resumed run replays the logged rows: the checks of the run it continues count
+        self.best, self.bad_checks = None, 0
+        for row in resumed_rows(trainer, state):
+            self._check(trainer, row)
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         self._check(trainer, metrics)
