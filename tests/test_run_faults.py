@@ -350,6 +350,18 @@ def test_resume_with_a_changed_architecture_names_the_first_mismatched_parameter
     assert snapshot(run_copy) == before
 
 
+def test_resume_with_changed_training_data_is_a_one_line_error_naming_the_key(run_copy, tmp_path, capsys):
+    before = snapshot(run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
+                 "data.seed=3"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: --resume: {run_copy / 'checkpoints' / 'step_4'} does not fit this config's training "
+                     f"data: sampler state is for 95 rows / seed 0, but this dataset has 92 rows / seed 3: the "
+                     f"data changed since the checkpoint; changed: data.seed (config 3, checkpoint 0); resume with "
+                     f"the checkpoint's data settings, or start over (--overwrite)"]
+    assert snapshot(run_copy) == before
+
+
 def test_a_restore_target_with_a_wrong_shape_names_the_leaf(tmp_path):
     state = {"params": {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}, "step": 1}
     checkpoint.save(tmp_path, 1, state)

@@ -122,6 +122,17 @@ def _mismatch_message(e: checkpoint.TargetMismatchError, step: int) -> str:
     return f"--resume: {where} does not fit this config: it has {e.leaf}, which the config does not build{hint}"
 
 
+def _data_mismatch_message(error: ValueError, meta: dict, config: TrainConfig) -> str:
+    """One line for a checkpoint whose data position does not fit this config's training
+    data (the sampler's `error`), naming the `data` keys that differ from the checkpoint's."""
+    saved, now = (meta.get("config") or {}).get("data") or {}, to_dict(config)["data"]
+    changed = [f"data.{k} (config {now[k]!r}, checkpoint {saved[k]!r})" for k in now
+               if k in saved and now[k] != saved[k]]
+    return (f"--resume: {meta['path']} does not fit this config's training data: {error}"
+            + (f"; changed: {'; '.join(changed)}" if changed else "")
+            + "; resume with the checkpoint's data settings, or start over (--overwrite)")
+
+
 def check_data_format(config: TrainConfig, strategy, has_source: bool = False) -> None:
     """A strategy on the built-in data pipeline must accept `data.format`; one that
     brings its own data (no formats) must be handed a source."""
@@ -305,7 +316,12 @@ class Trainer:
         self.state = state  # sources may read the (resumed) state
         self._make_sources()
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
-            self.train_source.load_state_dict(load_source_state(meta))
+            try:
+                self.train_source.load_state_dict(load_source_state(meta))
+            except ValueError as e:
+                if self._source_given:
+                    raise
+                raise ConfigError(_data_mismatch_message(e, meta, c)) from None
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
                                   shardings=self._shardings, learning_rates=rates,
