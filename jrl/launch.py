@@ -10,7 +10,8 @@ apply on top of either. Exit status: 0 on success (also after SIGTERM / SIGINT, 
 save a checkpoint first), 2 for a bad config, command line or data file (a missing file,
 a bad record named by file:line; or a run directory that holds checkpoints without
 --resume / --overwrite, or checkpoints of another model), 1 for
-a failed run (including a run directory another run holds, and no resumable checkpoint).
+a failed run (including a run directory another run holds or that cannot be written, and
+no resumable checkpoint).
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ from jrl.rl.warm_start import render_warm_start, run_warm_start, task_format
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, require_trainable
 from jrl.train.strategies import get_strategy, strategy_options
-from jrl.train.run_lock import RunLockedError, acquire_for_run, check_not_in_use
+from jrl.train.run_lock import RunDirWriteError, RunLockedError, acquire_for_run, check_not_in_use
 from jrl.train.initial import load_run_tokenizer
 from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fresh_start, check_run_dir
 
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
-RUN_FAILURES = (RewardError, EnvironmentFailure, RunLockedError, ResumeError, CorruptMetricsError)
+RUN_FAILURES = (RewardError, EnvironmentFailure, RunLockedError, RunDirWriteError, ResumeError, CorruptMetricsError)
 
 
 def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:

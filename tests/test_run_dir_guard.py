@@ -49,6 +49,18 @@ def test_a_file_as_output_dir_exits_2_naming_it_and_keeps_it(tmp_path, capsys):
     assert path.read_text() == "mine"
 
 
+def test_an_output_dir_that_cannot_be_created_is_a_one_line_error_naming_it(tmp_path, capsys):
+    path = tmp_path / "notes.txt"  # the run directory's parent is a file, as unwritable as a read-only mount
+    path.write_text("mine")
+    tiny = ["model.hidden_size=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8",
+            "model.intermediate_size=32", "data.source=bundled:arithmetic:200", "data.seq_len=32",
+            "data.batch_size=4", "data.micro_batches=1", "steps=2", "logging.progress=false"]
+    assert main(["--config", CONFIG, "--output-dir", str(path / "run"), *tiny]) == 1
+    assert capsys.readouterr().err == (f"error: cannot write the run directory {path / 'run'}: Not a directory "
+                                       f"({path / 'run'})\n")
+    assert path.read_text() == "mine"
+
+
 def test_the_embedded_default_refuses_to_start_over_another_runs_directory(tmp_path, capsys):
     root = a_run_with_checkpoints(tmp_path / "my_sft")
     before = snapshot(tmp_path)

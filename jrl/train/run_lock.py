@@ -42,6 +42,11 @@ class RunLockedError(RuntimeError):
     """Another live process holds the run directory's lock; the message names it."""
 
 
+class RunDirWriteError(RuntimeError):
+    """The run directory or its lock file cannot be created (a read-only file system, no
+    permission); the message names the path and the reason."""
+
+
 def _describe(holder: dict) -> str:
     if not holder:
         return "another process (no details recorded)"
@@ -73,7 +78,7 @@ def check_not_in_use(run_dir: str | os.PathLike) -> None:
     and writes nothing (a run refused for another reason leaves the directory as it was)."""
     try:
         fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock there (the run itself fails to create it)
         return
     try:
         try:
@@ -104,8 +109,12 @@ class RunLock:
         naming the live holder. A stale lock (its holder died) is taken over with a warning."""
         if self._fd is not None:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # the run's first write: say so in one line, not a traceback
+            raise RunDirWriteError(f"cannot write the run directory {self.run_dir}: {e.strerror} "
+                                   f"({e.filename})") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
