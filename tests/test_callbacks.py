@@ -277,6 +277,17 @@ class InterruptAt(Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_a_run_ended_by_a_signal_skips_the_final_evaluation_and_resumes_to_the_uninterrupted_rows(tmp_path):
+    config = tiny("steps=4", "eval.every=0", "checkpoint.interval=0")
+    Trainer(config, callbacks=[InterruptAt(2)], output_dir=tmp_path / "cut").fit()
+    assert logged(tmp_path / "cut") == [(1, False), (2, False)]
+    assert checkpoint.all_steps(tmp_path / "cut" / "checkpoints") == [2]
+    Trainer(config, output_dir=tmp_path / "cut").fit(resume=True)
+    Trainer(config, output_dir=tmp_path / "full").fit()
+    assert logged(tmp_path / "cut") == logged(tmp_path / "full") == [(1, False), (2, False), (3, False),
+                                                                      (4, False), (4, True)]
+
+
 def interrupting_save(monkeypatch, times: int):
     """Makes checkpoint saves receive `times` more Ctrl-Cs while they write."""
     real = trainer_module.checkpoint.save

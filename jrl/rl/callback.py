@@ -69,8 +69,7 @@ class RLCallback(Callback):
 
     def on_train_end(self, trainer, state) -> None:
         try:
-            stopped_by_signal = (trainer.stop_reason or "").startswith("received")
-            if trainer.config.eval.at_end and not stopped_by_signal:
+            if trainer.config.eval.at_end and not trainer.stopped_by_signal:
                 self._evaluate(trainer, state, "end")
             if self.first_eval is not None and self.last_eval is not None \
                     and self.first_eval is not self.last_eval:

@@ -195,7 +195,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"warm start finished at step {int(state.step)}{reason}; run directory: {trainer.run_dir}",
           flush=True)
-    if trainer.stop_reason is not None and trainer.stop_reason.startswith("received"):
+    if trainer.stopped_by_signal:
         return None
     missed = stop.missed_target(int(state.step))
     if missed:

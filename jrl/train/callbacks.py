@@ -113,8 +113,9 @@ def resumed_rows(trainer, state) -> list[dict]:
 
 
 class EvalCallback(Callback):
-    """Evaluates on the held-out batches every `every` steps and at the end; a step that is
-    evaluated already (the end of a finished run that is resumed) is not evaluated again."""
+    """Evaluates on the held-out batches every `every` steps and at the end (not when a
+    signal ended the run); a step that is evaluated already (the end of a finished run that
+    is resumed) is not evaluated again."""
 
     def __init__(self, every: int, at_end: bool = True):
         self.every, self.at_end = every, at_end
@@ -137,7 +138,9 @@ class EvalCallback(Callback):
             self._run(trainer, state)
 
     def on_train_end(self, trainer, state) -> None:
-        if self.at_end:
+        # stopped by a signal: the uninterrupted run evaluates no such step, and the final
+        # checkpoint (a preempted job's grace period is short) should not wait for an evaluation
+        if self.at_end and not trainer.stopped_by_signal:
             self._run(trainer, state)
 
 

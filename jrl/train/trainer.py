@@ -413,6 +413,11 @@ class Trainer:
             self.stop_reason = reason
 
     @property
+    def stopped_by_signal(self) -> bool:
+        """Whether a SIGTERM / SIGINT ended the run (it skips the end-of-run evaluation)."""
+        return (self.stop_reason or "").startswith("received")
+
+    @property
     def _row_blocks(self) -> int:
         """How many parts each micro-batch's rows are split into (parallel data * fsdp)."""
         return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
