@@ -48,7 +48,8 @@ from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fre
 
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
-RUN_FAILURES = (RewardError, EnvironmentFailure, RunLockedError, RunDirWriteError, ResumeError, CorruptMetricsError)
+RUN_FAILURES = (RewardError, EnvironmentFailure, RunLockedError, RunDirWriteError, ResumeError, CorruptMetricsError,
+                checkpoint.CheckpointSaveError)
 
 
 def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:

@@ -8,11 +8,31 @@ of 221 s on 2 cores (level 1: 184 s; level 0 compiled faster still but ran the l
 tests 2-3x slower and changed what the default run learns). Set here, before any test
 imports jax, and inherited by the subprocesses the tests start; an
 `--xla_backend_optimization_level` already in `XLA_FLAGS` wins.
+
+`file_size_limit`: a test's way to fill the disk (a cap on the size of files written).
 """
 
 import os
+import resource
+import signal
+
+import pytest
 
 _LEVEL = "--xla_backend_optimization_level"
 
 if _LEVEL not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEVEL}=2".strip()
+
+
+@pytest.fixture
+def file_size_limit():
+    """Lets the test cap the size of files this process may write (EFBIG past it)."""
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def limit(n_bytes):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, old_limit[1]))
+
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+    signal.signal(signal.SIGXFSZ, old_handler)

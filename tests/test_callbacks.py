@@ -212,6 +212,30 @@ def test_error_reaches_on_error_saves_the_last_good_state_and_propagates(tmp_pat
     assert [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step_1"]
 
 
+class LimitFileSizeAfter(Callback):
+    """Caps the size of the files this process may write once `step` is trained (a disk
+    that fills up mid-run; the programs are compiled and cached by then)."""
+
+    def __init__(self, step, limit):
+        self.step, self.limit = step, limit
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        if int(state.step) == self.step:
+            self.limit(8 << 10)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_error_naming_it_and_is_not_tried_again(tmp_path,
+                                                                                          file_size_limit):
+    config = tiny("steps=4", "eval.at_end=false", "checkpoint.interval=2")
+    with pytest.raises(checkpoint.CheckpointSaveError) as failed:
+        Trainer(config, callbacks=[LimitFileSizeAfter(1, file_size_limit)], output_dir=tmp_path).fit()
+    assert str(failed.value).startswith(f"cannot save checkpoint step_2 in {tmp_path / 'checkpoints'}: ")
+    # the save on error did not try the same step again (its failure would have replaced this one)
+    assert not isinstance(failed.value.__context__, checkpoint.CheckpointSaveError)
+    assert checkpoint.all_steps(tmp_path / "checkpoints") == []
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [".jrl-checkpoint.lock"]
+
+
 def test_an_error_after_the_next_batch_was_drawn_saves_no_checkpoint_that_would_skip_it(tmp_path):
     # the source's position is one batch past the state: saved together, resume would skip that batch
     config = tiny("steps=5", "eval.at_end=false", "checkpoint.interval=2")

@@ -9,9 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -403,20 +401,6 @@ def test_a_save_that_fails_early_leaves_no_staging_and_releases_the_lock(tmp_pat
     assert layout.hidden_leftovers(tmp_path) == []
     ckpt.save(tmp_path, 2, small_state())
     assert ckpt.all_steps(tmp_path) == [1, 2]
-
-
-@pytest.fixture
-def file_size_limit():
-    """Lets the test cap the size of files this process may write (EFBIG past it)."""
-    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-    def limit(n_bytes):
-        resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, old_limit[1]))
-
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
-    signal.signal(signal.SIGXFSZ, old_handler)
 
 
 def big_state(value: float) -> dict:

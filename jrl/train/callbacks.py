@@ -280,6 +280,8 @@ class CheckpointCallback(Callback):
                           "batch, which the state has not trained on; a checkpoint of both would skip that "
                           "batch on resume (--resume continues from the last published checkpoint)", stacklevel=2)
             return
+        if getattr(trainer, "failed_save_step", None) == int(state.step):
+            return  # the error is this step's save: trying it again would only hide why it failed
         if trainer.last_saved_step != int(state.step):
             trainer.save_checkpoint(state)
 

@@ -175,6 +175,7 @@ class Trainer:
         self._source_given = train_source is not None
         self.eval_batches: list[dict] = list(eval_batches or [])
         self.last_saved_step: int | None = None
+        self.failed_save_step: int | None = None  # a save that failed (disk full, ...): not tried again on error
         self.stop_reason: str | None = None
         self._saving_step: int | None = None  # the step a checkpoint save is writing now
         self._interrupt_deferred = False  # a Ctrl-C that waits for that save to be published
@@ -555,6 +556,10 @@ class Trainer:
             path = checkpoint.save(self.checkpoint_dir, int(state.step), state, meta=meta,
                                    keep_last=ck.keep_last, keep_every=ck.keep_every, metrics_log=self.metrics_log,
                                    files=files)
+        except (OSError, ValueError) as e:  # a full disk, a quota, a file size limit (tensorstore's are ValueErrors)
+            self.failed_save_step = int(state.step)
+            raise checkpoint.CheckpointSaveError(f"cannot save checkpoint step_{int(state.step)} in "
+                                                 f"{self.checkpoint_dir}: {e}") from e
         finally:
             self._saving_step = None
         self.last_saved_step = int(state.step)
