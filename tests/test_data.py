@@ -81,6 +81,15 @@ def test_chat_trains_assistant_content_and_closing_eos_only():
     assert TOK.decode(ids[train]) == "4<eos>6<eos>"
 
 
+def test_chat_trains_the_content_of_a_trained_role_other_than_assistant():
+    cfg = DataConfig(format="chat", train_roles=("assistant", "tool"))
+    messages = [{"role": "user", "content": "look up abc"}, {"role": "assistant", "content": "call"},
+                {"role": "tool", "content": "42"}, {"role": "assistant", "content": "it is 42"}]
+    [(ids, train)] = encode_record({"messages": messages}, cfg, TOK)
+    assert TOK.decode(ids) == TOK.apply_chat_template(messages)
+    assert TOK.decode(ids[train]) == "call<eos>42<eos>it is 42<eos>"
+
+
 def test_chat_rejects_malformed_messages():
     with pytest.raises(ValueError, match=r"field 'messages' \(data.messages_field\) must be a non-empty list"):
         encode_record({"messages": [{"role": "user"}]}, DataConfig(format="chat"), TOK)

@@ -19,6 +19,7 @@ With `add_eos` an EOS token ends every document, trained like the last piece.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -61,10 +62,21 @@ def _document(pieces: list[tuple[str, bool]], tokenizer: Tokenizer, add_eos: boo
     return np.asarray(ids, np.int32), np.asarray(train, np.bool_)
 
 
+def _turn_header(render, messages: list[dict], i: int) -> str:
+    """The rendered conversation up to the content of message i. For an assistant turn
+    that is the generation prompt (what the model is given at inference); a template has
+    none for other roles, so there it is what two renderings of the turn with different
+    contents have in common."""
+    if messages[i]["role"] == "assistant":
+        return render(messages[:i], add_generation_prompt=True)
+    probes = [render(messages[:i] + [{**messages[i], "content": c}]) for c in ("A", "B")]
+    return os.path.commonprefix(probes)
+
+
 def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: str) -> list[tuple[str, bool]]:
     """Splits the rendered conversation into trained / untrained text by rendering growing
     prefixes of it: turn i is `render(messages[:i+1])` minus `render(messages[:i])`, and
-    for a trained turn its header is what `add_generation_prompt` adds."""
+    for a trained turn its header (`_turn_header`) is context."""
     field = config.messages_field
     messages = record.get(field)
     if not isinstance(messages, list) or not messages or not all(
@@ -84,10 +96,11 @@ def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: 
         full = render(messages[:i + 1])
         cut = done
         if message["role"] in config.train_roles:
-            header = render(messages[:i], add_generation_prompt=True)
+            header = _turn_header(render, messages, i)
             if not header.startswith(done) or not full.startswith(header):
-                raise ConfigError(f"{where}: the chat template's generation prompt is not a prefix of "
-                                  f"message {i}; cannot tell its header from its content")
+                raise ConfigError(f"{where}: the chat template's header of message {i} (role "
+                                  f"{message['role']!r}) is not a prefix of it; cannot tell its header "
+                                  f"from its content")
             pieces.append((header[len(done):], False))
             cut = header
         if not full.startswith(cut):
