@@ -212,6 +212,13 @@ def test_jsonl_errors_name_the_line(tmp_path):
         load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
 
 
+def test_a_utf8_byte_order_mark_opening_the_file_is_skipped(tmp_path):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"text": "ab"}\r\n{"text": "cd"}\r\n')
+    store = load_documents(DataConfig(source=str(src), format="text", eval_fraction=0.0), TOK, "train")
+    assert [TOK.decode(store.doc(i)[0]) for i in range(len(store))] == ["ab<eos>", "cd<eos>"]
+
+
 def test_a_line_that_is_not_utf8_is_named_by_its_file_line(tmp_path):
     src = tmp_path / "latin1.jsonl"
     src.write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "caf\xe9", "response": "b"}\n')

@@ -37,6 +37,8 @@ def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ConfigError(f"{source}:{line_no}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            if line_no == 1:  # a byte order mark, as some Windows editors write, may open the file
+                line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
             try:
