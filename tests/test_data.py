@@ -226,6 +226,14 @@ def test_a_line_that_is_not_utf8_is_named_by_its_file_line(tmp_path):
         load_documents(DataConfig(source=str(src), sections=SECTIONS, eval_fraction=0.0), TOK, "train")
 
 
+def test_a_string_with_half_a_surrogate_pair_is_named_by_its_file_line(tmp_path):
+    src = tmp_path / "cut.jsonl"
+    src.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "cut \\ud83d"}\n')
+    with pytest.raises(ConfigError, match=rf"^{src}:2: not valid Unicode text: \\ud83d is half of a UTF-16 "
+                                          r"surrogate pair without its other half$"):
+        load_documents(DataConfig(source=str(src), format="text", eval_fraction=0.0), TOK, "train")
+
+
 def test_a_record_missing_a_field_is_named_by_its_file_line(tmp_path):
     src = tmp_path / "sft.jsonl"  # the blank line counts: the error is where an editor shows it
     src.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c"}\n')

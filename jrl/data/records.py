@@ -4,6 +4,7 @@ deterministic train / held-out split."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -11,6 +12,7 @@ from jrl.config import ConfigError
 from jrl.data.bundled import is_bundled, load_bundled
 
 _MASK64 = (1 << 64) - 1
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # only such escapes can give one
 
 
 def require_source(source: str, key: str) -> None:
@@ -47,7 +49,21 @@ def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -
                 raise ConfigError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{source}:{line_no}: expected a JSON object, got {type(record).__name__}")
+            if _SURROGATE_ESCAPE.search(line):
+                _check_unicode(record, f"{source}:{line_no}")
             yield f"{source}:{line_no}", record
+
+
+def _check_unicode(record: dict, where: str) -> None:
+    """Raises a ConfigError naming `where` if a string of `record` holds half of a UTF-16
+    surrogate pair (JSON allows the escape, e.g. an emoji cut in two): no tokenizer can
+    encode it, and the run would fail later without saying which record it was."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        half = f"\\u{ord(e.object[e.start]):04x}"
+        raise ConfigError(f"{where}: not valid Unicode text: {half} is half of a UTF-16 surrogate pair "
+                          f"without its other half") from None
 
 
 def _mix(x: int) -> int:
