@@ -373,3 +373,19 @@ def test_cache_dir_rebuilds_when_the_tokenizer_files_change_in_place(tmp_path):
     write_chat_tokenizer(tok_dir, template="SYSTEM\n" + CHATML)  # same path, same vocab size
     tok = load_tokenizer(str(tok_dir))
     assert tok.decode(load_documents(cfg, tok, "train").doc(0)[0]).startswith("SYSTEM\n")
+
+
+def test_cache_dir_rebuilds_when_the_bos_token_a_chat_template_renders_changes(tmp_path):
+    from chat_fixtures import CHATML, write_chat_tokenizer
+
+    src = tmp_path / "chat.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "5"}]}) + "\n")
+    tok_dir = write_chat_tokenizer(tmp_path / "tok", template="{{ bos_token }}" + CHATML)
+    cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0, tokenizer=str(tok_dir),
+                     cache_dir=str(tmp_path / "cache"))
+    load_documents(cfg, load_tokenizer(str(tok_dir)), "train")
+    tok_config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**tok_config, "bos_token": "<|endoftext|>"}))
+    tok = load_tokenizer(str(tok_dir))
+    assert tok.decode(load_documents(cfg, tok, "train").doc(0)[0]).startswith("<|endoftext|><|im_start|>user")

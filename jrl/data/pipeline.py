@@ -83,7 +83,7 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
                        "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
                        "add_eos", "seed")}
     blob = json.dumps({"split": split, "data": fields, "file": stat,
-                       "tokenizer": [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id,
+                       "tokenizer": [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.bos_id,
                                       getattr(tokenizer, "digest", None), getattr(tokenizer, "chat_template", None)]},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
