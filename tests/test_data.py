@@ -92,7 +92,14 @@ def test_chat_trains_the_content_of_a_trained_role_other_than_assistant():
 
 def test_chat_rejects_malformed_messages():
     with pytest.raises(ValueError, match=r"field 'messages' \(data.messages_field\) must be a non-empty list"):
-        encode_record({"messages": [{"role": "user"}]}, DataConfig(format="chat"), TOK)
+        encode_record({"messages": []}, DataConfig(format="chat"), TOK)
+
+
+def test_chat_message_without_string_content_is_named_by_its_index():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": []}]
+    with pytest.raises(ConfigError, match=r"^rec 2: field 'messages' \(data.messages_field\): message 1: 'content' "
+                                          r"must be a string, got null$"):
+        encode_record({"messages": messages}, DataConfig(format="chat"), TOK, where="rec 2")
 
 
 def test_chat_role_the_template_rejects_is_named_by_its_file_line(tmp_path):

@@ -31,13 +31,22 @@ from jrl.tokenizer import ChatTemplateError
 Document = tuple[np.ndarray, np.ndarray]
 
 
-def _field_text(record: dict, field: str, where: str, config_key: str) -> str:
+def _json_type(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _field(record: dict, field: str, where: str, config_key: str) -> Any:
+    """`record[field]`; a ConfigError naming the field, its config key and what the record has if missing."""
     if field not in record:
         raise ConfigError(f"{where}: missing field {field!r} ({config_key}); "
                           f"record has: {', '.join(sorted(record)) or 'nothing'}")
-    value = record[field]
+    return record[field]
+
+
+def _field_text(record: dict, field: str, where: str, config_key: str) -> str:
+    value = _field(record, field, where, config_key)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{where}: field {field!r} must be a string or number, got {type(value).__name__}")
+        raise ConfigError(f"{where}: field {field!r} must be a string or number, got {_json_type(value)}")
     return str(value)
 
 
@@ -62,6 +71,23 @@ def _document(pieces: list[tuple[str, bool]], tokenizer: Tokenizer, add_eos: boo
     return np.asarray(ids, np.int32), np.asarray(train, np.bool_)
 
 
+def _check_messages(messages: Any, prefix: str) -> None:
+    """Raises a ConfigError starting with `prefix` unless `messages` is a non-empty list of
+    `{'role': str, 'content': str}`, naming the first message that is not (e.g. an
+    assistant turn with `content: null` beside its tool calls)."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{prefix} must be a non-empty list of {{'role': str, 'content': str}} messages, "
+                          f"got {'an empty list' if messages == [] else _json_type(messages)}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ConfigError(f"{prefix}: message {i} must be an object, got {_json_type(message)}")
+        for key in ("role", "content"):
+            if key not in message:
+                raise ConfigError(f"{prefix}: message {i} has no {key!r}")
+            if not isinstance(message[key], str):
+                raise ConfigError(f"{prefix}: message {i}: {key!r} must be a string, got {_json_type(message[key])}")
+
+
 def _turn_header(render, messages: list[dict], i: int) -> str:
     """The rendered conversation up to the content of message i. For an assistant turn
     that is the generation prompt (what the model is given at inference); a template has
@@ -78,12 +104,8 @@ def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: 
     prefixes of it: turn i is `render(messages[:i+1])` minus `render(messages[:i])`, and
     for a trained turn its header (`_turn_header`) is context."""
     field = config.messages_field
-    messages = record.get(field)
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise ConfigError(f"{where}: field {field!r} (data.messages_field) must be a non-empty list of "
-                          f"{{'role': str, 'content': str}} messages")
+    messages = _field(record, field, where, "data.messages_field")
+    _check_messages(messages, f"{where}: field {field!r} (data.messages_field)")
     def render(msgs, **kwargs):
         try:
             return tokenizer.apply_chat_template(msgs, **kwargs)
