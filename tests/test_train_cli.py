@@ -210,6 +210,14 @@ def test_a_dry_run_prints_the_record_count_of_each_source(tmp_path, capsys):
             in capsys.readouterr().out)
 
 
+def test_a_dry_run_names_data_whose_documents_all_overflow_into_no_rows(tmp_path, capsys):
+    config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n', '{"prompt": "2+2=", "response": "4"}\n')
+    assert main(["--config", config, "data.seq_len=4", "data.overflow=drop", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: data.source: '{tmp_path / 'train.jsonl'}' gives no training rows: each of its 1 documents "
+        f"is longer than data.seq_len=4 and data.overflow='drop' drops it")
+
+
 def _rl_dry_run(*overrides: str) -> int:
     """`python -m jrl.train --dry-run` of the bundled GRPO example with `overrides`."""
     return main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run", *overrides])

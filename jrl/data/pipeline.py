@@ -8,8 +8,9 @@ import hashlib
 import json
 import os
 import warnings
+from array import array
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -54,19 +55,23 @@ def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> It
 
 
 def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> tuple[str, int | None] | None:
-    """`(source, records)` of `split` after encoding every record as the run will, keeping
-    no tokens: a dry run's check, so a bad record fails with the run's error (file:line,
-    field) before the run starts. None where the split is empty by config; a bundled
-    source is not read (records None)."""
+    """`(source, records)` of `split` after encoding every record and planning its rows as
+    the run will, keeping only document lengths: a dry run's check, so a bad record
+    (file:line, field) or data that gives no rows fails with the run's error before the
+    run starts. None where the split is empty by config; a bundled source is not read
+    (records None)."""
     chosen = _split_source(config, split)
     if chosen is None:
         return None
     if is_bundled(chosen[0]):
         return chosen[0], None
-    count = 0
+    count, lengths, trained = 0, array("q"), False
     for where, record in iter_split_records(config, split):
-        encode_record(record, config, tokenizer, where=where)
+        for ids, train in encode_record(record, config, tokenizer, where=where):
+            lengths.append(len(ids))
+            trained = trained or bool(train.any())
         count += 1
+    plan_split(config, split, np.frombuffer(lengths, np.int64), lambda: trained)
     return chosen[0], count
 
 
@@ -131,22 +136,31 @@ def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Row
     store = load_documents(config, tokenizer, split)
     if store is None:
         return None
+    plan = plan_split(config, split, store.lengths, lambda: bool(store.train.any()))
+    return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
+
+
+def plan_split(config: DataConfig, split: Split, lengths: np.ndarray,
+               has_trained_token: Callable[[], bool]) -> RowPlan | PairPlan:
+    """The row plan of `split`'s documents of `lengths`. A training split, or a
+    `data.eval_source` file, that yields no rows is an error naming its source, and so
+    is chat training data with no trained token (`has_trained_token`, asked only then)."""
     if config.format == "preference":
-        plan = plan_pairs(store.lengths, config.seq_len, overflow=config.overflow)
+        plan = plan_pairs(lengths, config.seq_len, overflow=config.overflow)
     else:
-        plan = plan_rows(store.lengths, config.seq_len, pack=config.pack, overflow=config.overflow)
+        plan = plan_rows(lengths, config.seq_len, pack=config.pack, overflow=config.overflow)
     if len(plan) == 0 and (split == "train" or config.eval_source is not None):
         source, _, key = _split_source(config, split)
-        why = ("it has no records" if len(store) == 0 else
-               f"each of its {len(store)} documents is longer than data.seq_len={config.seq_len} "
+        why = ("it has no records" if len(lengths) == 0 else
+               f"each of its {len(lengths)} documents is longer than data.seq_len={config.seq_len} "
                f"and data.overflow={config.overflow!r} drops it")
         rows = "training" if split == "train" else "held-out"
         raise ConfigError(f"{key}: {source!r} gives no {rows} rows: {why}")
-    if split == "train" and config.format == "chat" and not store.train.any():
+    if split == "train" and config.format == "chat" and not has_trained_token():
         source, _, key = _split_source(config, split)  # e.g. a misspelt role: the loss would be 0/0
         raise ConfigError(f"{key}: {source!r} has nothing to train on: none of its messages has a role in "
                           f"data.train_roles={list(config.train_roles)}")
-    return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
+    return plan
 
 
 class DataSource:
