@@ -116,6 +116,13 @@ def test_missing_field_error_names_field_and_config_key():
         encode_record({"prompt": "x"}, DataConfig(), TOK, where="rec 3")
 
 
+def test_a_nan_field_is_refused_not_trained_as_text(tmp_path):
+    src = tmp_path / "sft.jsonl"
+    src.write_text('{"prompt": "1/0=", "response": NaN}\n')
+    with pytest.raises(ConfigError, match=rf"^{src}:1: field 'response' must be a string or finite number, got nan$"):
+        load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
+
+
 def test_row_layout_segments_positions_targets_and_mask():
     store = build_store([doc([10, 11, 12], [0, 1, 1]), doc([20, 21], [0, 1])])
     plan = plan_rows(store.lengths, 8, pack=True, overflow="truncate_right")

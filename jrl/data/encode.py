@@ -19,6 +19,7 @@ With `add_eos` an EOS token ends every document, trained like the last piece.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -44,9 +45,13 @@ def _field(record: dict, field: str, where: str, config_key: str) -> Any:
 
 
 def _field_text(record: dict, field: str, where: str, config_key: str) -> str:
+    """The text of a string or number field. NaN and Infinity (which Python's json reads
+    and writes, e.g. for a missing value) are refused rather than trained as 'nan'."""
     value = _field(record, field, where, config_key)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ConfigError(f"{where}: field {field!r} must be a string or number, got {_json_type(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: field {field!r} must be a string or finite number, got {value}")
     return str(value)
 
 
