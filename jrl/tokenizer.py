@@ -119,6 +119,33 @@ def apply_chat_template(messages: Sequence[Mapping[str, Any]], template: str | N
         bos_token=bos_token or "", eos_token=eos_token or "", **context)
 
 
+# ----------------------------------------------------------------------------- continuations
+
+CONTINUATION_ANCHOR = "\n"  # a text that no tokenizer marks as a word start, and rarely merges with what follows
+
+
+def starts_texts_with_a_mark(tokenizer: Tokenizer) -> bool:
+    """Whether `tokenizer` encodes the start of every text differently from the same text
+    inside a longer one: SentencePiece tokenizers with a dummy prefix (Llama-2, Mistral
+    v0.1, TinyLlama) put '▁' (a space) before every text they encode."""
+    anchor = tokenizer.encode(CONTINUATION_ANCHOR)
+    ids = tokenizer.encode(CONTINUATION_ANCHOR + "a")
+    return ids[:len(anchor)] != anchor or ids[len(anchor):] != tokenizer.encode("a")
+
+
+def encode_continuation(tokenizer: Tokenizer, text: str) -> list[int]:
+    """`text`'s ids where it continues a sequence rather than opens one (a response after
+    its prompt, a tool's answer inside an episode): for a tokenizer that marks the start of
+    every text (`starts_texts_with_a_mark`, asked once a tokenizer through its
+    `marks_text_start`) it is encoded after `CONTINUATION_ANCHOR`, whose ids are dropped,
+    so that no '▁' appears at the seam; any other tokenizer encodes it as it is."""
+    if not text or not getattr(tokenizer, "marks_text_start", False):
+        return list(tokenizer.encode(text))
+    anchor = tokenizer.encode(CONTINUATION_ANCHOR)
+    ids = tokenizer.encode(CONTINUATION_ANCHOR + text)
+    return list(ids[len(anchor):]) if ids[:len(anchor)] == anchor else list(tokenizer.encode(text))
+
+
 # ----------------------------------------------------------------------------- byte tokenizer
 
 
@@ -130,6 +157,7 @@ class ByteTokenizer:
     """
 
     SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>")
+    marks_text_start = False  # bytes are bytes wherever they are
 
     def __init__(self) -> None:
         self.special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
@@ -259,6 +287,11 @@ class HFTokenizer:
         """SHA-256 of the serialised tokenizer (vocabulary, merges, normaliser, ...): what
         the data cache keys on, so a tokenizer.json edited in place is not mistaken for the old one."""
         return hashlib.sha256(self._tok.to_str().encode()).hexdigest()
+
+    @functools.cached_property
+    def marks_text_start(self) -> bool:
+        """`starts_texts_with_a_mark(self)`: how `encode_continuation` encodes for it."""
+        return starts_texts_with_a_mark(self)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids; `add_special_tokens` runs the tokenizer's post-processor (e.g. adds BOS)."""

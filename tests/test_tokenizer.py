@@ -6,7 +6,7 @@ import json
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from chat_fixtures import CHATML, SPECIALS
 from jrl.tokenizer import (
@@ -16,8 +16,11 @@ from jrl.tokenizer import (
     HFTokenizer,
     Tokenizer,
     apply_chat_template,
+    encode_continuation,
     load_tokenizer,
 )
+from jrl.config import DataConfig, Section
+from jrl.data.encode import encode_record
 
 CORPUS = ["the cat sat on the mat", "the dog sat on the log", "héllo wörld, the cat says hi"] * 20
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -197,3 +200,36 @@ def test_default_template_constant_is_what_byte_tokenizer_uses():
 def test_load_tokenizer_rejects_unknown_spec():
     with pytest.raises(ValueError, match="tokenizer: 'nope.json' is neither 'bytes' nor an existing"):
         load_tokenizer("nope.json")
+
+
+def dummy_prefix_tokenizer() -> HFTokenizer:
+    """A SentencePiece-style BPE that puts '▁' (a space) before every text it encodes, as
+    Llama-2's and Mistral v0.1's tokenizers do; '▁4' and '▁2' are merged words."""
+    pieces = ["<unk>", "<s>", "</s>", "<0x0A>", "▁", "2", "+", "=", "4", "▁4", "▁2"]
+    raw = RawTokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [("▁", "4"), ("▁", "2")],
+                                  unk_token="<unk>", byte_fallback=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    return HFTokenizer(raw, eos_token="</s>", bos_token="<s>")
+
+
+def pieces_of(tok: HFTokenizer, ids) -> list[str]:
+    return [tok._tok.id_to_token(i) for i in ids]
+
+
+def test_a_continuation_gets_no_start_of_text_mark():
+    tok = dummy_prefix_tokenizer()
+    assert tok.marks_text_start and not ByteTokenizer().marks_text_start
+    assert pieces_of(tok, tok.encode(" 4")) == ["▁", "▁4"]  # a text of its own: the mark, then the word
+    assert pieces_of(tok, encode_continuation(tok, " 4")) == ["▁4"]  # inside a sequence: the word alone
+    assert pieces_of(tok, encode_continuation(tok, "4")) == ["4"]
+    assert encode_continuation(ByteTokenizer(), " 4") == [32, 52]
+
+
+def test_a_response_is_encoded_as_it_is_inside_prompt_and_response_together():
+    # encoded apart from its prompt, the response " 4" gained a trained '▁' (a second space)
+    tok = dummy_prefix_tokenizer()
+    config = DataConfig(sections=(Section(field="prompt"), Section(field="response", train=True)))
+    (ids, train), = encode_record({"prompt": "2+2=", "response": " 4"}, config, tok, where="x:1")
+    assert pieces_of(tok, ids) == ["▁2", "+", "2", "=", "▁4", "</s>"]
+    assert list(ids[:-1]) == tok.encode("2+2= 4")
+    assert train.tolist() == [False, False, False, False, True, True]

@@ -27,7 +27,7 @@ import numpy as np
 
 from jrl.config import ConfigError, DataConfig, Section
 from jrl.data.text import Tokenizer
-from jrl.tokenizer import ChatTemplateError
+from jrl.tokenizer import ChatTemplateError, encode_continuation
 
 Document = tuple[np.ndarray, np.ndarray]
 
@@ -64,10 +64,13 @@ def _pieces(record: dict, sections: tuple[Section, ...], where: str) -> list[tup
 
 
 def _document(pieces: list[tuple[str, bool]], tokenizer: Tokenizer, add_eos: bool) -> Document:
+    """The ids of the pieces one after the other (each encoded on its own, so that the mask
+    is exact; each after the first as a continuation, so no start-of-text mark is added at
+    a seam) and which of them are trained."""
     ids: list[int] = []
     train: list[bool] = []
     for text, trained in pieces:
-        piece = tokenizer.encode(text)
+        piece = encode_continuation(tokenizer, text) if ids else tokenizer.encode(text)
         ids.extend(piece)
         train.extend([trained] * len(piece))
     if add_eos:

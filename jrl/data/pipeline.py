@@ -89,6 +89,7 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
                        "add_eos", "seed")}
     blob = json.dumps({"split": split, "data": fields, "file": stat,
                        "tokenizer": [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.bos_id,
+                                      getattr(tokenizer, "marks_text_start", False),
                                       getattr(tokenizer, "digest", None), getattr(tokenizer, "chat_template", None)]},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]

@@ -63,6 +63,7 @@ from jrl.rl.tool_calls import HermesParser, ToolCallParser
 from jrl.rl.tools import ToolRegistry
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
+from jrl.tokenizer import encode_continuation
 
 Message = dict[str, Any]
 _MARK = "\x00jrl-assistant-turn\x00"
@@ -199,7 +200,7 @@ class ChatPieces:
             stop_text = self.tokenizer.decode([stop_token])
             if closing.startswith(stop_text):
                 closing = closing[len(stop_text):]
-        return list(self.tokenizer.encode(closing + after[len(before):]))
+        return encode_continuation(self.tokenizer, closing + after[len(before):])
 
 
 # ----------------------------------------------------------------------------- episodes
