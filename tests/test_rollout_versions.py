@@ -266,3 +266,20 @@ def test_drop_prefix_cache_forgets_version_zero_entries(weights):
     engine.generate([list(range(1, 20))], GREEDY, max_new_tokens=2)
     assert engine.radix.n_cached_pages == 2
     assert engine.drop_prefix_cache() == 2 and engine.radix.n_cached_pages == 0
+
+
+def test_weights_posted_during_a_finish_drain_are_served_after_the_update(weights):
+    """A post newer than the update being drained for (a trainer thread posting while the
+    driver drains) was applied inside the drain; the update then swapped its own, older
+    weights in over it: the served version went 0 -> 2 -> 1 and version 2 was lost."""
+    old, new = weights
+    newer = jax.tree.map(lambda x: x * 0.5, new)
+    engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="finish"))
+    rid = engine.add_request(prompts_of([6], seed=9)[0], GREEDY, max_new_tokens=8)
+    engine.step()
+    engine.post_weights(newer, 2)
+    ack = engine.update_weights(new, 1)
+    assert (ack.version, ack.finished_in_flight) == (1, 1)
+    assert engine.version == 1 and engine.params is new
+    assert [c.request_id for c in engine.step()] == [rid]  # drained under version 0, then the post
+    assert engine.version == 2 and engine.params is newer

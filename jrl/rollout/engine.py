@@ -325,6 +325,10 @@ class Engine:
         """Plans and dispatches one step, reads back the previous one; returns the
         requests that finished. Weights handed over by `post_weights` are served first."""
         self.apply_posted_weights()
+        return self._step()
+
+    def _step(self) -> list[Completion]:
+        """`step` under the weights served now, without applying posted ones."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
         launched = self._dispatch(batch) if batch is not None else None
@@ -731,13 +735,15 @@ class Engine:
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or
-        preempted and waiting); admits nothing new meanwhile."""
+        preempted and waiting); admits nothing new meanwhile. Weights posted meanwhile wait
+        for the next `step`: applied inside the drain, they would be served before the update
+        draining for them, which then swapped in over them (the version went backwards)."""
         drained: list[Completion] = []
         self._admit = "started"
         try:
             while self.scheduler.running or self._inflight is not None \
                     or any(r.outputs for r in self.scheduler.waiting):
-                drained += self.step()
+                drained += self._step()
         finally:
             self._admit = "all"
         return drained
