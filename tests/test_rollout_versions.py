@@ -283,3 +283,13 @@ def test_weights_posted_during_a_finish_drain_are_served_after_the_update(weight
     assert engine.version == 1 and engine.params is new
     assert [c.request_id for c in engine.step()] == [rid]  # drained under version 0, then the post
     assert engine.version == 2 and engine.params is newer
+
+
+@pytest.mark.parametrize("version", [1.7, "2", True])
+def test_post_weights_refuses_a_version_that_is_not_an_integer(weights, version):
+    """post_weights converted with int(): 1.7 was served as version 1, "2" as 2."""
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE)
+    with pytest.raises(ValueError, match=re.escape(f"version: must be an integer, got {version!r}")):
+        engine.post_weights(new, version)
+    assert engine.apply_posted_weights() is None and engine.version == 0 and engine.params is old

@@ -639,9 +639,7 @@ class Engine:
         `tuning.fuse_projections`, the fused copy is rebuilt (one concatenation of the q/k/v and
         gate/up weights; the previous copy is released first); with `weight_dtype`
         float8_e4m3fn, so is the quantized copy."""
-        if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
-            raise ValueError(f"version: must be an integer, got {version!r}")
-        version = int(version)
+        version = _checked_version(version)
         if version < self.version:
             raise ValueError(f"version: {version} is older than the served version {self.version}; "
                              "policy versions never go backwards")
@@ -689,11 +687,13 @@ class Engine:
         """Hands `params` over as `version` from any thread: the thread that drives the
         engine serves them (`update_weights`, with its checks and its `on_weight_update`)
         at the start of its next `step`, or when it calls `apply_posted_weights`. A later
-        post replaces one not yet applied. With on_weight_update="continue" this is how
+        post replaces one not yet applied. A `version` that is not an integer raises
+        ValueError here, in the posting thread. With on_weight_update="continue" this is how
         a trainer swaps weights under a generation running in another thread without
         waiting for its longest request."""
+        version = _checked_version(version)  # refused here, in the caller's thread
         with self._posted_lock:
-            self._posted = (params, int(version))
+            self._posted = (params, version)
 
     def apply_posted_weights(self) -> Ack | None:
         """Serves the weights of the latest `post_weights` not yet applied (from the thread
@@ -890,6 +890,14 @@ def _check_finite(params: dict, action: str) -> None:
             bad = int(np.count_nonzero(~np.isfinite(np.asarray(jax.device_get(x), np.float32))))
             raise ValueError(f"params{jax.tree_util.keystr(path)}: holds {bad} non-finite value(s) (NaN or inf) "
                              f"of {int(np.size(x))}; {action}")
+
+
+def _checked_version(version) -> int:
+    """`version` as an int: a Python or numpy integer; bools, floats and strings are refused
+    (a float would otherwise be truncated to another version)."""
+    if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
+        raise ValueError(f"version: must be an integer, got {version!r}")
+    return int(version)
 
 
 def _structure(params: dict) -> dict:
