@@ -115,3 +115,33 @@ def test_engine_generate_from_a_second_thread_is_refused_and_the_engine_runs_on(
     assert not engine.has_work
     again = engine.generate(prompts_of([7, 12], seed=5), sampling, max_new_tokens=6)
     np.testing.assert_array_equal(again[1].tokens, expected[1].tokens)
+
+
+def test_apply_posted_weights_from_a_second_thread_is_refused_and_keeps_the_post():
+    """apply_posted_weights took the post before update_weights refused the non-driving
+    thread: the RuntimeError came, and the weights were gone, never served by the driver."""
+    old, new = init(MODEL, jax.random.key(0)), init(MODEL, jax.random.key(1))
+    engine = Engine(MODEL, old, ENGINE)
+    inside, release, out = threading.Event(), threading.Event(), {}
+    step = engine.step
+
+    def step_then_wait():  # the driving thread, inside generate between two steps
+        done = step()
+        inside.set()
+        release.wait(timeout=60)
+        return done
+
+    engine.step = step_then_wait
+    driver = threading.Thread(target=lambda: out.update(
+        first=engine.generate(prompts_of([7], seed=5), SamplingParams(), max_new_tokens=3)))
+    driver.start()
+    assert inside.wait(timeout=60)
+    engine.post_weights(new, 1)
+    with pytest.raises(RuntimeError, match="another thread is driving"):
+        engine.apply_posted_weights()
+    release.set()
+    driver.join(timeout=60)
+    del engine.step
+    # the driver's next step served the post (after finishing its request under version 0)
+    assert list(out["first"][0].versions) == [0, 0, 0]
+    assert engine.version == 1 and engine.params is new

@@ -695,6 +695,7 @@ class Engine:
         with self._posted_lock:
             self._posted = (params, version)
 
+    @_one_driver  # from another thread: refused before the post is taken (it stays for the driver)
     def apply_posted_weights(self) -> Ack | None:
         """Serves the weights of the latest `post_weights` not yet applied (from the thread
         that drives the engine); None when there are none, or when the engine already
