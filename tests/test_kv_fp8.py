@@ -427,6 +427,22 @@ def test_dispatch_names_values_paged_unlike_the_page_table():
         dispatch.paged_prefill(q, kq, v64, 0, cu, lens, pt, page_size=32, sm_scale=0.125, impl="interpret")
 
 
+def test_dispatch_does_not_offer_the_kernels_slot_minor_keys():
+    # both kernels read keys slot-major: "auto" must not hand them slot-minor keys (on a
+    # Hopper GPU that was the kernels' ValueError), and a forced kernel says why
+    rng = np.random.default_rng(16)
+    (kb, _), (_, vq), pt = fp8_inputs(rng, 1, 32, 1, 64, 32)
+    k_minor = quantized.from_array(kb, 32)
+    q = jnp.asarray(rng.standard_normal((1, 2, 64)), jnp.bfloat16)
+    lens, cu = jnp.asarray([20], jnp.int32), jnp.asarray([0, 1], jnp.int32)
+    assert not dispatch.kernel_supports(q, k_minor, vq, 32, None)
+    match = "impl='interpret': fp8 keys are stored slot-minor"
+    with pytest.raises(ValueError, match=match):
+        dispatch.ragged_decode(q, k_minor, vq, 0, lens, pt, page_size=32, sm_scale=0.125, impl="interpret")
+    with pytest.raises(ValueError, match=match):
+        dispatch.paged_prefill(q, k_minor, vq, 0, cu, lens, pt, page_size=32, sm_scale=0.125, impl="interpret")
+
+
 def test_fp8_decode_ring_depth_counts_the_staging_tiles():
     # D=128, fp8 tiles of 64 keys: keys as rows (8 columns, two CTAs an SM) keeps 4 slots with
     # "fold"'s two staging tiles; two heads a CTA with queries as rows lose one to them
