@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV, value_paging_problem
+from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions
 from pallas_kernels.staged_prefill import check_stage, staged_copy
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
@@ -186,11 +187,19 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     end per query column and pinned key blocks; elsewhere `reference.paged_prefill_blocked`,
     which walks pinned key blocks in jnp. The two are each invariant, not equal to each
     other: both sides of a comparison must resolve `impl` alike. Plain (bf16/f16/float32)
-    buffers only. `one_query_each`: a decode step's layout (row r is request r's one query
-    or padding), a cheaper packing of the same kernel tiles."""
+    buffers only; the kernel takes groups whose causal tiles fit a wgmma (at most 256
+    columns: odd groups above 32 query heads per KV head run the reference, with `one_query_each`
+    too, so that a decode step and a prefill resolve alike). `one_query_each`: a decode step's
+    layout (row r is request r's one query or padding), a cheaper packing of the same kernel tiles."""
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
-    which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, None), "exact_prefill")
+    supported, why = kernel_supports(q, k_buf, v_buf, page_size, None), ""
+    group = q.shape[-2] // k_buf.shape[2]
+    columns = causal_positions(group) * group  # the narrowest causal tile (exact_mgpu.tile_positions)
+    if supported and columns > MAX_TILE_COLUMNS:
+        supported, why = False, (f"{group} query heads per KV head make causal tiles of {columns} columns, "
+                                 f"more than a wgmma's {MAX_TILE_COLUMNS}")
+    which = _resolve(impl, supported, "exact_prefill", why)
     if which == "reference":
         return reference.paged_prefill_blocked(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
                                                page_size=page_size, sm_scale=sm_scale,

@@ -22,12 +22,12 @@ per tile of `positions` positions.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
+from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions
 from pallas_kernels.tuning import DecodeTuning
 
 BLOCK_KV = 64  # keys per block, pinned: a column's rounding depends on the block walk
@@ -38,7 +38,7 @@ def tile_positions(group: int, queries: int, requests: int) -> int:
     """Positions a tile holds: the fewest whose `group` query heads fill a multiple of 8
     columns, or about WIDE_COLUMNS columns' worth when the requests average more than two
     queries (`queries` packed rows over `requests`, both static)."""
-    unit = 8 // math.gcd(group, 8)
+    unit = causal_positions(group)
     if queries <= 2 * requests:
         return unit
     return unit * max(1, WIDE_COLUMNS // (unit * group))
@@ -65,9 +65,9 @@ def exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
     hkv = k_buf.shape[2]
     group = hq // hkv
     p = positions or tile_positions(group, n_rows, n_req)
-    if (p * group) % 8:
+    if (p * group) % 8 or p * group > MAX_TILE_COLUMNS:
         raise ValueError(f"exact_mgpu: positions ({p}) times the query heads per KV head ({group}) "
-                         f"must be a multiple of 8")
+                         f"must be a multiple of 8 and at most {MAX_TILE_COLUMNS} (a tile's columns)")
     if one_query_each and n_rows != n_req:
         raise ValueError(f"exact_mgpu: one_query_each needs a row per request, got {n_rows} rows for {n_req}")
     cu = cu_q_lens.astype(jnp.int32)

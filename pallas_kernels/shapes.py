@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 from pallas_kernels.quantized import QuantizedKV
+
+MAX_TILE_COLUMNS = 256  # a wgmma's widest N: the most query columns a keys-as-rows tile holds
+
+
+def causal_positions(group: int) -> int:
+    """The fewest consecutive positions whose `group` query heads fill a multiple of 8
+    columns: exact attention's causal query tiles hold a multiple of them
+    (`exact_mgpu.tile_positions`), so a tile is at least `causal_positions(G) * G` columns
+    wide (8 * G for odd G)."""
+    return 8 // math.gcd(group, 8)
 
 
 def check_paged_shapes(kernel: str, q, k_buf, v_buf, page_size: int, block_kv: int,

@@ -474,3 +474,20 @@ def test_bad_impl_and_unsupported_shapes_are_named_errors():
                                v_head_dim=32, impl="pallas")
     with pytest.raises(ValueError, match="page_size"):
         ragged_decode_mgpu(q, kb, vb, 0, lens, pt, page_size=4, sm_scale=1.0, interpret=True)
+
+
+def test_exact_prefill_leaves_groups_its_causal_tiles_cannot_hold_to_the_reference(monkeypatch):
+    # 33 query heads per KV head: a causal tile holds 8 positions (264 columns), wider than
+    # a wgmma; on a Hopper GPU "auto" took the kernel, which failed to build
+    rng = np.random.default_rng(17)
+    kb, vb, pt = paged_inputs(rng, 2, 20, 1, 64, 16)
+    q = jnp.asarray(rng.standard_normal((5, 33, 64)), jnp.bfloat16)
+    args = (q, kb, vb, jnp.int32(1), jnp.asarray([0, 1, 5], jnp.int32), jnp.asarray([20, 4], jnp.int32), pt)
+    monkeypatch.setattr(dispatch, "on_hopper", lambda: True)
+    out = dispatch.exact_prefill(*args, page_size=16, sm_scale=0.125)
+    ref = reference.paged_prefill_blocked(*args, page_size=16, sm_scale=0.125, block_kv=dispatch.EXACT_BLOCK_KV,
+                                          block_q=dispatch.EXACT_BLOCK_Q)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+    with pytest.raises(ValueError, match="exact_prefill: impl='interpret': 33 query heads per KV head make causal "
+                                         "tiles of 264 columns"):
+        dispatch.exact_prefill(*args, page_size=16, sm_scale=0.125, impl="interpret")
