@@ -146,10 +146,12 @@ def zeros(shape: tuple[int, ...], sharding: jax.sharding.NamedSharding | None = 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`x [..., D]` -> (fp8 data `[..., D]`, float32 scale `[...]`) with x ~= data * scale,
-    the scale `max |x| / 448` over the last axis (1 for an all-zero row)."""
+    the scale `max |x| / 448` over the last axis (1 for an all-zero row), at least the
+    smallest normal float32: below 448 times that, `max |x| / 448` is subnormal, which
+    XLA flushes to 0 (x / 0 would store a finite row as NaN)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    scale = jnp.where(amax > 0, jnp.maximum(amax / FP8_MAX, jnp.finfo(jnp.float32).tiny), 1.0)
     return (x / scale[..., None]).astype(FP8), scale
 
 

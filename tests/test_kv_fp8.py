@@ -60,6 +60,18 @@ def test_write_kv_quantizes_rows_and_reads_them_back_within_e4m3_rounding():
     np.testing.assert_array_equal(np.asarray(k2.scale[1][:, untouched]), 1.0)
 
 
+def test_write_kv_keeps_rows_of_tiny_magnitude_finite():
+    # max |x| = 1e-37 is a normal float32, but max |x| / 448 is subnormal: flushed to a
+    # zero scale, the row was stored as NaN (x / 0)
+    x = jnp.asarray(np.array([[1.0, -0.5, 0.25, 0.0]] * 2, np.float32) * 1e-37).reshape(1, 2, 4)
+    k2, v2 = dispatch.write_kv(quantized.zeros((1, 8, 2, 4)), quantized.zeros((1, 8, 2, 4)), jnp.int32(0),
+                               jnp.asarray([3], jnp.int32), x, x)
+    for buf in (k2, v2):
+        back = np.asarray(quantized.gather(buf, jnp.int32(0), jnp.asarray([3])))
+        assert np.isfinite(back).all() and (np.asarray(buf.scale) > 0).all()
+        np.testing.assert_allclose(back, np.asarray(x), rtol=2.0 ** -4)
+
+
 @pytest.mark.parametrize("v_slot_minor,scatters", [(False, 2), (True, 3)])
 def test_write_kv_scatters_the_fp8_rows_and_the_scales_once_each(v_slot_minor, scatters):
     """K and V rows share one scatter when they share a layout; slot-minor values take their own."""
