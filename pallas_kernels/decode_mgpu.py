@@ -62,6 +62,8 @@ from pallas_kernels.tuning import DecodeTuning
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in it
+# "mma"'s smallest block scale: 448 / TOP_FLOOR is finite and TOP_FLOOR / 448 a normal float32
+TOP_FLOOR = FP8_MAX * float(jnp.finfo(jnp.float32).tiny)
 
 
 FP8_TILES = ("stage", "fold", "fold_k_regs", "mma", "mma_q8")  # DecodeTuning.fp8_tiles
@@ -511,8 +513,11 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                jnp.zeros_like(p))
             if mma:  # fp8 P^T, each query's largest probability at 448; V^T is the page
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
+                # top at least TOP_FLOOR: below it 448 / top overflows (a block far below the
+                # running max, or tiny values: 448 / 1e-37 is inf, and P^T turned NaN) or top / 448
+                # is subnormal (flushed to 0 on the GPU); P^T's entries then stay below 448
                 top = pv.max(axis=key_axis)
-                top = jnp.where(top > 0, top, 1.0)
+                top = jnp.where(top > 0, jnp.maximum(top, TOP_FLOOR), 1.0)
                 p8 = pv * lax.broadcast_in_dim(FP8_MAX / top, score_shape, [q_axis])
                 p_tile.transpose((1, 0))[...] = plgpu.layout_cast(
                     p8.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED).astype(p_tile.dtype)

@@ -177,6 +177,33 @@ def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits
     np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)  # kv_len 0 -> zeros
 
 
+@pytest.mark.parametrize("case", ["tiny-values", "far-below-the-max"])
+def test_mma_decode_keeps_blocks_of_tiny_probabilities_times_scales_finite(case):
+    # "mma" scales a block's P * v_scale by 448 / its largest entry; below ~1.3e-36 that
+    # factor overflowed float32 and P^T turned NaN: values of magnitude 1e-34 (v_scale
+    # ~ 1e-36), or a block whose scores lie 80 nats below an earlier key's (p ~ 1e-35
+    # times v_scale ~ 1e-2)
+    rng = np.random.default_rng(18)
+    (kb, vb), _, pt = fp8_inputs(rng, 1, 96, 1, 64, 32)
+    q = jnp.full((1, 2, 64), 0.125, jnp.bfloat16)
+    if case == "tiny-values":
+        vb = vb * 1e-34
+    else:  # key 0 scores 0.125 * 64 * 0.125 * 80 = 80 nats, the second block's keys about 0
+        kb = kb.at[1, pt[0, 0] * 32].set(80.0)
+    kq, vq = quantized.from_array(kb), quantized.from_array(vb, 32)
+    lens = jnp.asarray([96], jnp.int32)
+    out = ragged_decode_mgpu(q, kq, vq, jnp.int32(1), lens, pt, page_size=32, sm_scale=0.125, interpret=True,
+                             tuning=DecodeTuning(fp8_tiles="mma"))
+    ref = reference.ragged_decode(q.astype(jnp.float32), kq, vq, jnp.int32(1), lens, pt, page_size=32,
+                                  sm_scale=0.125)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    scale = 1e34 if case == "tiny-values" else 1.0  # rel_err's squares stay in float32's range
+    # values this small (scales near float32's smallest normal) put a block's P^T below e4m3's
+    # normal range (its scale has a floor, TOP_FLOOR): finite, at a few percent
+    tol = 0.05 if case == "tiny-values" else MMA_TOL
+    assert rel_err(np.asarray(out, np.float32) * scale, np.asarray(ref) * scale) < tol
+
+
 @pytest.mark.parametrize("v_slot_minor", [False, True], ids=["slot-major", "slot-minor"])
 @pytest.mark.parametrize("fp8_tiles", ["stage", "fold"])
 def test_prefill_kernel_reads_fp8_buffers_like_the_reference(fp8_tiles, v_slot_minor):
