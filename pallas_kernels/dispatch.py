@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV, value_paging_problem
-from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions
+from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions, check_request_shapes
 from pallas_kernels.staged_prefill import check_stage, staged_copy
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
@@ -112,6 +112,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     `stage` (fp8 K and V buffers; ignored otherwise): `staged_prefill.stage_layout` of these
     rows' `copied_lens`; then `staged_paged_prefill` computes the same attention (a stage of
     other rows is refused: `staged_prefill.check_stage`)."""
+    check_request_shapes("paged_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      layout_problem(k_buf, v_buf, page_size))
     if stage is not None and isinstance(v_buf, QuantizedKV):  # (MLA's latent cache: no copy)
@@ -159,6 +160,7 @@ def kernel_runs(impl: Impl) -> bool:
 def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int, sm_scale: float,
                   v_head_dim: int | None = None, impl: Impl = "auto") -> jax.Array:
     """One query per request, split over the KV length (see `reference.ragged_decode`)."""
+    check_request_shapes("ragged_decode", q, k_buf, kv_lens, page_table)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode",
                      layout_problem(k_buf, v_buf, page_size))
     if which == "reference":
@@ -193,6 +195,7 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     layout (row r is request r's one query or padding), a cheaper packing of the same kernel tiles."""
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
+    check_request_shapes("exact_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
     supported, why = kernel_supports(q, k_buf, v_buf, page_size, None), ""
     group = q.shape[-2] // k_buf.shape[2]
     columns = causal_positions(group) * group  # the narrowest causal tile (exact_mgpu.tile_positions)

@@ -17,6 +17,26 @@ def causal_positions(group: int) -> int:
     return 8 // math.gcd(group, 8)
 
 
+def check_request_shapes(op: str, q, k_buf, kv_lens, page_table, cu_q_lens=None) -> None:
+    """Raises ValueError unless the per-request arguments agree: `kv_lens [R]`, `page_table
+    [R, W]` and either `cu_q_lens [R + 1]` (packed prefill) or one query row a request (`q
+    [R, Hq, D]`, decode: `cu_q_lens` None), with `Hq` a multiple of the buffer's KV heads.
+    Static shapes only, so it holds inside a trace too; the references would otherwise
+    broadcast a single length or page-table row over every request, and the kernels read
+    past the end."""
+    packed = cu_q_lens is not None
+    name, shape = ("cu_q_lens", tuple(cu_q_lens.shape)) if packed else ("q", tuple(q.shape))
+    n_req = kv_lens.shape[0] if len(kv_lens.shape) == 1 else -1
+    rows_ok = shape == (n_req + 1,) if packed else shape[:1] == (n_req,)
+    if n_req < 0 or len(page_table.shape) != 2 or page_table.shape[0] != n_req or not rows_ok:
+        raise ValueError(f"{op}: needs kv_lens [R], page_table [R, W] and "
+                         f"{'cu_q_lens [R + 1]' if packed else 'q [R, Hq, D]'}, got kv_lens {tuple(kv_lens.shape)}, "
+                         f"page_table {tuple(page_table.shape)} and {name} {shape}")
+    hq, hkv = q.shape[-2], k_buf.shape[2]
+    if hq % hkv:
+        raise ValueError(f"{op}: q's {hq} heads must be a multiple of the buffers' {hkv} KV heads")
+
+
 def check_paged_shapes(kernel: str, q, k_buf, v_buf, page_size: int, block_kv: int,
                        max_group: int | None = None) -> None:
     """Raises ValueError unless the 4D buffers, head widths, GQA grouping, slot count and

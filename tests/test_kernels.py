@@ -491,3 +491,31 @@ def test_exact_prefill_leaves_groups_its_causal_tiles_cannot_hold_to_the_referen
     with pytest.raises(ValueError, match="exact_prefill: impl='interpret': 33 query heads per KV head make causal "
                                          "tiles of 264 columns"):
         dispatch.exact_prefill(*args, page_size=16, sm_scale=0.125, impl="interpret")
+
+
+@pytest.mark.parametrize("op,lens,table_rows,cu,match", [
+    ("ragged_decode", [20], 4, None, r"kv_lens \(1,\), page_table \(4, 2\) and q \(4, 2, 64\)"),
+    ("ragged_decode", [20, 3, 4, 5], 1, None, r"kv_lens \(4,\), page_table \(1, 2\) and q \(4, 2, 64\)"),
+    ("paged_prefill", [20, 3, 4, 5], 4, [0, 1, 4], r"kv_lens \(4,\), page_table \(4, 2\) and cu_q_lens \(3,\)"),
+    ("exact_prefill", [20, 3, 4], 4, [0, 1, 2, 4], r"kv_lens \(3,\), page_table \(4, 2\) and cu_q_lens \(4,\)"),
+], ids=["decode-one-length", "decode-one-table-row", "prefill-short-cu", "exact-short-lens"])
+def test_dispatch_names_per_request_arguments_that_disagree(op, lens, table_rows, cu, match):
+    # the reference broadcast a single length or table row over every request (silently
+    # wrong) and the kernels read past the end of the shorter array
+    rng = np.random.default_rng(19)
+    kb, vb, pt = paged_inputs(rng, 4, 32, 1, 64, 16)
+    q = jnp.asarray(rng.standard_normal((4, 2, 64)), jnp.bfloat16)
+    args = (jnp.asarray(lens, jnp.int32), pt[:table_rows])
+    if cu is not None:
+        args = (jnp.asarray(cu, jnp.int32),) + args
+    with pytest.raises(ValueError, match=f"{op}: needs kv_lens \\[R\\], page_table \\[R, W\\] and .*{match}"):
+        getattr(dispatch, op)(q, kb, vb, 0, *args, page_size=16, sm_scale=0.125, impl="reference")
+
+
+def test_dispatch_names_query_heads_that_do_not_group_over_the_kv_heads():
+    rng = np.random.default_rng(20)
+    kb, vb, pt = paged_inputs(rng, 1, 16, 2, 64, 16)
+    q = jnp.asarray(rng.standard_normal((1, 3, 64)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="ragged_decode: q's 3 heads must be a multiple of the buffers' 2 KV heads"):
+        dispatch.ragged_decode(q, kb, vb, 0, jnp.asarray([9], jnp.int32), pt, page_size=16, sm_scale=0.125,
+                               impl="reference")
