@@ -519,3 +519,48 @@ def test_dispatch_names_query_heads_that_do_not_group_over_the_kv_heads():
     with pytest.raises(ValueError, match="ragged_decode: q's 3 heads must be a multiple of the buffers' 2 KV heads"):
         dispatch.ragged_decode(q, kb, vb, 0, jnp.asarray([9], jnp.int32), pt, page_size=16, sm_scale=0.125,
                                impl="reference")
+
+
+def dense_causal_attention(q, kb, vb, cu_q_lens, kv_lens, page_table, page_size, sm_scale):
+    """Plain causal attention of each request's query rows over its keys, read slot by slot
+    through the page table, in float64 (numpy): what the references and kernels compute."""
+    out = np.zeros(q.shape, np.float64)
+    group = q.shape[1] // kb.shape[1]
+    for b, kv_len in enumerate(kv_lens):
+        q_len = cu_q_lens[b + 1] - cu_q_lens[b]
+        slots = [page_table[b][s // page_size] * page_size + s % page_size for s in range(kv_len)]
+        k, v = kb[slots].astype(np.float64), vb[slots].astype(np.float64)
+        for i in range(q_len):
+            seen = kv_len - q_len + i + 1
+            for h in range(q.shape[1]):
+                s = k[:seen, h // group] @ q[cu_q_lens[b] + i, h].astype(np.float64) * sm_scale
+                p = np.exp(s - s.max())
+                out[cu_q_lens[b] + i, h] = p @ v[:seen, h // group] / p.sum()
+    return out
+
+
+def test_prefill_matches_dense_attention_over_shared_out_of_order_pages():
+    # Requests ending on a page boundary (32) and one past it (33, 17), one with no new
+    # queries after its prefix (rows of none), a prefix of two pages shared by two requests,
+    # pages out of order, and NaN in every slot no request owns (stale tails, spare pages).
+    rng = np.random.default_rng(21)
+    ps, hq, hkv, d = 16, 1, 1, 64
+    q_lens, kv_lens = np.array([5, 0, 33, 1]), np.array([32, 20, 33, 17])
+    table = np.array([[6, 2, 0], [5, 1, 0], [6, 2, 4], [3, 7, 0]])  # requests 0 and 2 share pages 6, 2
+    kb = np.asarray(jnp.asarray(rng.standard_normal((1, 8 * ps, hkv, d)), jnp.bfloat16), np.float32)
+    vb = np.asarray(jnp.asarray(rng.standard_normal((1, 8 * ps, hkv, d)), jnp.bfloat16), np.float32)
+    owned = np.zeros(8 * ps, bool)
+    for b, n in enumerate(kv_lens):
+        owned[[table[b][s // ps] * ps + s % ps for s in range(n)]] = True
+    poisoned = [jnp.asarray(np.where(owned[None, :, None, None], x, np.nan), jnp.bfloat16) for x in (kb, vb)]
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    q = jnp.asarray(rng.standard_normal((int(cu[-1]) + 3, hq, d)), jnp.bfloat16)
+    want = dense_causal_attention(np.asarray(q, np.float32), kb[0], vb[0], cu, kv_lens, table, ps, 0.125)
+    args = (*poisoned, jnp.int32(0), jnp.asarray(cu, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+            jnp.asarray(table, jnp.int32))
+    ref = reference.paged_prefill(f32(q), *args, page_size=ps, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-5)  # padding rows: zeros
+    out = dispatch.paged_prefill(q, *args, page_size=ps, sm_scale=0.125, impl="interpret")
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, want) < TOL
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)
