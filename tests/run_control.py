@@ -7,11 +7,12 @@ from jrl.train.callbacks import Callback
 
 
 class StopAfter(Callback):
-    """Asks the trainer to stop after step `step` (the end-of-run checkpoint follows)."""
+    """Asks the trainer to stop after step `step` (the end-of-run checkpoint follows), with
+    `reason` ("received SIGTERM": as a signal would)."""
 
-    def __init__(self, step):
-        self.step = step
+    def __init__(self, step, reason="test"):
+        self.step, self.reason = step, reason
 
     def after_optimizer_step(self, trainer, state, metrics):
         if metrics["step"] == self.step:
-            trainer.request_stop("test")
+            trainer.request_stop(self.reason)

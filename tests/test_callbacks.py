@@ -15,6 +15,7 @@ from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback, EarlyStopping, checked_gradients
 from jrl.train import trainer as trainer_module
 from jrl.train.trainer import Trainer
+from run_control import StopAfter
 
 TINY = [
     "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
@@ -252,17 +253,6 @@ def test_an_error_after_the_next_batch_was_drawn_saves_no_checkpoint_that_would_
     assert losses["cut"] == losses["full"] and len(losses["full"]) == 5
 
 
-class StopAt(Callback):
-    """Ends the run after `step` as a SIGTERM would."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def after_optimizer_step(self, trainer, state, metrics):
-        if metrics["step"] == self.step:
-            trainer.request_stop("received SIGTERM")
-
-
 def logged(run_dir):
     """(step, is an evaluation row) of every row of a run's metrics log, in order."""
     return [(r["step"], "eval_loss" in r) for r in read_metrics(run_dir / "metrics.jsonl")]
@@ -274,7 +264,7 @@ def test_a_resumed_run_stops_early_where_the_uninterrupted_run_does(tmp_path):
                   "eval.early_stopping.min_delta=100", "checkpoint.interval=1")
     full = Trainer(config, output_dir=tmp_path / "full")
     assert int(full.fit().step) == 3
-    Trainer(config, callbacks=[StopAt(2)], output_dir=tmp_path / "cut").fit()
+    Trainer(config, callbacks=[StopAfter(2, "received SIGTERM")], output_dir=tmp_path / "cut").fit()
     resumed = Trainer(config, output_dir=tmp_path / "cut")
     assert int(resumed.fit(resume=True).step) == 3
     assert resumed.stop_reason == full.stop_reason

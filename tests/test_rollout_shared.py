@@ -1,5 +1,6 @@
 """SharedEngine: generations of several threads share one engine's rows."""
 
+import contextlib
 import threading
 
 import jax
@@ -82,6 +83,32 @@ def test_a_refused_request_is_its_callers_error_and_the_others_run_on():
     assert len(out.tokens) == 3 and not shared.engine.has_work
 
 
+@contextlib.contextmanager
+def generating_elsewhere(engine, prompts, sampling, max_new_tokens):
+    """Another thread drives `engine.generate(prompts, ...)`, held between two of its steps
+    while the block runs; its completions are in the yielded dict's "first" after the block."""
+    inside, release, out = threading.Event(), threading.Event(), {}
+    step = engine.step
+
+    def step_then_wait():
+        done = step()
+        inside.set()
+        release.wait(timeout=60)
+        return done
+
+    engine.step = step_then_wait
+    driver = threading.Thread(target=lambda: out.update(
+        first=engine.generate(prompts, sampling, max_new_tokens=max_new_tokens)))
+    driver.start()
+    assert inside.wait(timeout=60)
+    try:
+        yield out
+    finally:
+        release.set()
+        driver.join(timeout=60)
+        del engine.step
+
+
 def test_engine_generate_from_a_second_thread_is_refused_and_the_engine_runs_on():
     """Two threads calling `Engine.generate` at once interleaved their steps over the
     donated KV buffers: one got XLA's 'Buffer has been deleted or donated' and the engine
@@ -90,26 +117,10 @@ def test_engine_generate_from_a_second_thread_is_refused_and_the_engine_runs_on(
     engine = Engine(MODEL, params, ENGINE)
     sampling = SamplingParams(temperature=1.0, seed=4)
     expected = Engine(MODEL, params, ENGINE).generate(prompts_of([7, 12], seed=5), sampling, max_new_tokens=6)
-    inside, release, out = threading.Event(), threading.Event(), {}
-    step = engine.step
-
-    def step_then_wait():  # the first caller, inside generate between two steps
-        done = step()
-        inside.set()
-        release.wait(timeout=60)
-        return done
-
-    engine.step = step_then_wait
-    first = threading.Thread(target=lambda: out.update(
-        first=engine.generate(prompts_of([7, 12], seed=5), sampling, max_new_tokens=6)))
-    first.start()
-    assert inside.wait(timeout=60)
-    with pytest.raises(RuntimeError, match=r"engine\.generate: another thread is driving this engine .*"
-                                           r"SharedEngine\(engine\)\.generate"):
-        engine.generate(prompts_of([3], seed=6), sampling, max_new_tokens=2)
-    release.set()
-    first.join(timeout=60)
-    del engine.step
+    with generating_elsewhere(engine, prompts_of([7, 12], seed=5), sampling, 6) as out:
+        with pytest.raises(RuntimeError, match=r"engine\.generate: another thread is driving this engine .*"
+                                               r"SharedEngine\(engine\)\.generate"):
+            engine.generate(prompts_of([3], seed=6), sampling, max_new_tokens=2)
     for got, want in zip(out["first"], expected):
         np.testing.assert_array_equal(got.tokens, want.tokens)
     assert not engine.has_work
@@ -122,26 +133,10 @@ def test_apply_posted_weights_from_a_second_thread_is_refused_and_keeps_the_post
     thread: the RuntimeError came, and the weights were gone, never served by the driver."""
     old, new = init(MODEL, jax.random.key(0)), init(MODEL, jax.random.key(1))
     engine = Engine(MODEL, old, ENGINE)
-    inside, release, out = threading.Event(), threading.Event(), {}
-    step = engine.step
-
-    def step_then_wait():  # the driving thread, inside generate between two steps
-        done = step()
-        inside.set()
-        release.wait(timeout=60)
-        return done
-
-    engine.step = step_then_wait
-    driver = threading.Thread(target=lambda: out.update(
-        first=engine.generate(prompts_of([7], seed=5), SamplingParams(), max_new_tokens=3)))
-    driver.start()
-    assert inside.wait(timeout=60)
-    engine.post_weights(new, 1)
-    with pytest.raises(RuntimeError, match="another thread is driving"):
-        engine.apply_posted_weights()
-    release.set()
-    driver.join(timeout=60)
-    del engine.step
+    with generating_elsewhere(engine, prompts_of([7], seed=5), SamplingParams(), 3) as out:
+        engine.post_weights(new, 1)
+        with pytest.raises(RuntimeError, match="another thread is driving"):
+            engine.apply_posted_weights()
     # the driver's next step served the post (after finishing its request under version 0)
     assert list(out["first"][0].versions) == [0, 0, 0]
     assert engine.version == 1 and engine.params is new
