@@ -240,7 +240,7 @@ def test_tool_schemas_from_hints_docstrings_and_the_decorator():
             "b": {"type": "integer", "description": "the second addend"}}}}}
     params = Tool.from_function(kinds).parameters
     assert params["properties"] == {"mode": {"enum": ["a", "b"]}, "items": {"type": "array", "items": {"type": "integer"}},
-                                    "note": {"type": "string"}, "flag": {"type": "boolean"}}
+                                    "note": {"type": ["string", "null"]}, "flag": {"type": "boolean"}}
     assert params["required"] == ["mode", "items"]
     lookup = resolve_tool("test_rl_episodes:_lookup_impl")
     assert (lookup.name, lookup.description) == ("lookup", "Looks a word up.")
@@ -248,6 +248,13 @@ def test_tool_schemas_from_hints_docstrings_and_the_decorator():
         ToolRegistry.from_names(["test_rl_episodes:nope"])
     with pytest.raises(ConfigError, match="must be 'module:function'"):
         resolve_tool("add")
+
+
+def test_an_optional_argument_takes_null():
+    # `note: str | None` was typed "string" alone, so a model's explicit null was refused
+    out = ToolRegistry([kinds]).execute(get_parser("hermes").parse(
+        '<tool_call>{"name": "kinds", "arguments": {"mode": "a", "items": [1], "note": null}}</tool_call>').calls)
+    assert [(r.error, r.content) for r in out] == [(False, kinds("a", [1]))]
 
 
 def test_a_pythonic_argument_json_cannot_hold_is_a_bad_arguments_error():

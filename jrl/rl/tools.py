@@ -9,7 +9,7 @@ templates render through `tools=`, is derived from the function:
 * `name`: the function's name; `description`: the docstring's first paragraph;
 * `parameters`: one property per parameter, typed from its annotation (`int` -> integer,
   `float` -> number, `str`, `bool`, `list[X]` -> array, `dict` -> object, `Literal[...]`
-  -> enum, `X | None` -> X and optional); described by the docstring's `Args:` lines
+  -> enum, `X | None` -> X or null, optional); described by the docstring's `Args:` lines
   (`name: text` or `name (type): text`); required unless it has a default.
 
 `@tool(name=..., description=..., parameters=...)` overrides any of the three (a
@@ -66,7 +66,10 @@ def _json_type(annotation: Any) -> tuple[dict, bool]:
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
         schema, _ = _json_type(rest[0]) if len(rest) == 1 else ({}, False)
-        return schema, len(rest) < len(args)
+        optional = len(rest) < len(args)
+        if optional and "type" in schema:  # `x: float | None` takes null too (the function is given None)
+            schema = {**schema, "type": [schema["type"], "null"]}
+        return schema, optional
     if origin is Literal:
         return {"enum": list(args)}, False
     if origin in (list, tuple, Sequence) or annotation in (list, tuple):
