@@ -603,14 +603,22 @@ class Returning(Scripted):
     (([], 1.0, "no", {}), "done must be a bool, got 'no'"),
     (([], 0.0, False, {"tool_calls": None}), "info['tool_calls'] must be a count (an integer >= 0), got None"),
     (([], 0.0, False, {"tool_errors": 1.5}), "info['tool_errors'] must be a count (an integer >= 0), got 1.5"),
-], ids=["nan reward", "None reward", "str reward", "int reward beyond float32", "str messages", "str info", "4-character str", "str done",
-        "None tool_calls", "float tool_errors"])
+], ids=["nan reward", "None reward", "str reward", "int reward beyond float32", "str messages", "str info",
+        "4-character str", "str done", "None tool_calls", "float tool_errors"])
 def test_a_malformed_step_result_stops_the_run_naming_the_environment_and_episode(engine, tok, im_end, out,
                                                                                    message):
     with pytest.raises(EnvironmentFailure) as e:
         run(engine, tok, im_end, [Returning(out)])
     assert str(e.value) == f"environment Returning.step: {message} (on episode 0)"
     assert not engine.scheduler.has_work
+
+
+def test_an_environment_that_truncates_keeps_the_messages_of_its_last_step(engine, tok, im_end):
+    # they were dropped from Episode.messages when the step ended the episode as truncated
+    last = {"role": "user", "content": "time is up"}
+    _, (ep,) = run(engine, tok, im_end, [Returning(([last], 0.0, False, {"truncated": "time"}))])
+    assert (ep.truncated, ep.truncation, ep.messages[-1]) == (True, "time", last)
+    assert ep.messages[-2]["role"] == "assistant"
 
 
 def test_messages_the_template_cannot_render_stop_the_run_naming_the_environment_and_episode(engine, tok, im_end):

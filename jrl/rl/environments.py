@@ -458,13 +458,13 @@ class EpisodeRunner:
         ep.reward += float(reward)
         ep.tool_calls += int(info.get("tool_calls", 0))
         ep.tool_errors += int(info.get("tool_errors", 0))
-        if lv.cut is not None:
+        truncated = info.get("truncated")
+        cut = (lv.cut if lv.cut is not None else
+               (truncated if isinstance(truncated, str) else "environment") if truncated else
+               "max_tool_calls" if ep.tool_calls > self.limits.max_tool_calls else None)
+        if cut is not None:  # the episode ends here; the step's messages still close its conversation
             ep.messages += [dict(m) for m in new or []]
-            return self._end(ep, lv.cut)
-        if info.get("truncated"):
-            return self._end(ep, str(info["truncated"]) if isinstance(info["truncated"], str) else "environment")
-        if ep.tool_calls > self.limits.max_tool_calls:
-            return self._end(ep, "max_tool_calls")
+            return self._end(ep, cut)
         assistant, last = ep.messages[-1], ep.completions[-1]
         history = ep.messages[:-1]
         new = [dict(m) for m in new or []]
