@@ -334,6 +334,33 @@ def test_update_weights_with_a_nan_leaf_is_refused_naming_it_and_the_old_version
     assert engine.update_weights(jax.tree.map(lambda x: x + 0.001, params), version=5).version == 5
 
 
+def test_an_update_whose_served_copy_cannot_be_built_says_so_and_a_later_update_recovers(params, monkeypatch):
+    # the old copy is dropped first (peak memory): a failure there (out of memory while fusing or
+    # quantizing) left the engine with no params, and the next step failed deep in the jitted call
+    prompts = prompts_of([7, 12], seed=6)
+    engine = Engine(MODEL, params, ENGINE, version=1)
+    before = engine.generate(prompts, GREEDY, max_new_tokens=4)
+    build = engine._served
+
+    def out_of_memory(p):
+        raise MemoryError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(engine, "_served", out_of_memory)
+    with pytest.raises(RuntimeError, match=r"^update_weights: building the served copy of version 2 failed "
+                                           r"\(MemoryError: RESOURCE_EXHAUSTED: out of memory\); the engine serves "
+                                           r"no weights until an update_weights succeeds$"):
+        engine.update_weights(params, version=2)
+    engine.add_request(prompts[0], GREEDY, 4)
+    with pytest.raises(RuntimeError, match=r"^engine: no weights are served \(the last update_weights failed"):
+        engine.step()
+    monkeypatch.setattr(engine, "_served", build)
+    assert engine.update_weights(params, version=2).version == 2
+    engine.run()  # the request that waited runs under version 2
+    again = engine.generate(prompts, GREEDY, max_new_tokens=4)
+    assert [c.tokens.tolist() for c in again] == [c.tokens.tolist() for c in before]
+    assert all((c.versions == 2).all() for c in again)
+
+
 # ---------------------------------------------------------------------------- input validation
 
 @pytest.mark.parametrize("field,value", [

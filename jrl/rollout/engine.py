@@ -329,6 +329,9 @@ class Engine:
 
     def _step(self) -> list[Completion]:
         """`step` under the weights served now, without applying posted ones."""
+        if self.params is None:  # before anything is scheduled: the requests wait as they are
+            raise RuntimeError("engine: no weights are served (the last update_weights failed to build them); "
+                               "call update_weights again")
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
         launched = self._dispatch(batch) if batch is not None else None
@@ -676,7 +679,12 @@ class Engine:
         received = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
         full = with_lora_params(self._held, params) if adapters_only else params
         self.params = None  # drop the old served copy before building the new one (peak memory)
-        self.params = self._served(full)
+        try:
+            self.params = self._served(full)
+        except Exception as e:  # e.g. out of memory while fusing or quantizing: the old copy is gone
+            raise RuntimeError(f"update_weights: building the served copy of version {version} failed "
+                               f"({type(e).__name__}: {e}); the engine serves no weights until an "
+                               f"update_weights succeeds") from e
         self.version = version
         if self.radix is not None:
             self.radix.drop_versions_except(version)
