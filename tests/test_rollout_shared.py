@@ -83,6 +83,28 @@ def test_a_refused_request_is_its_callers_error_and_the_others_run_on():
     assert len(out.tokens) == 3 and not shared.engine.has_work
 
 
+def test_a_call_whose_step_fails_leaves_no_request_behind():
+    # its requests ran on, and their completions waited in the shared engine for no one
+    params = init(MODEL, jax.random.key(0))
+    shared = SharedEngine(Engine(MODEL, params, ENGINE))
+    engine, steps = shared.engine, {"n": 0}
+    step = engine.step
+
+    def failing_second_step():
+        steps["n"] += 1
+        if steps["n"] == 2:
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = failing_second_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        shared.generate(prompts_of([5, 9], seed=3), SamplingParams(), max_new_tokens=6)
+    del engine.step
+    assert not engine.scheduler.has_work and shared._done == {}  # (a step in flight is read back next)
+    (out,) = shared.generate(prompts_of([5], seed=3), SamplingParams(temperature=1.0, seed=2), max_new_tokens=3)
+    assert len(out.tokens) == 3 and not engine.has_work
+
+
 @contextlib.contextmanager
 def generating_elsewhere(engine, prompts, sampling, max_new_tokens):
     """Another thread drives `engine.generate(prompts, ...)`, held between two of its steps

@@ -62,15 +62,33 @@ class SharedEngine:
         mine = _Queued((prompts, sampling, max_new_tokens, eos_ids, stop_sequences))
         with self._queue_lock:
             self._queue.append(mine)
-        while True:
-            with self._lock:
-                self._add_queued()
-                if mine.error is not None:
-                    raise mine.error
-                ids = mine.ids
-                if all(i in self._done for i in ids):
-                    return [self._done.pop(i) for i in ids]
-                if not engine.has_work:
-                    raise RuntimeError("engine: requests vanished before finishing")
-                for c in engine.step():
-                    self._done[c.request_id] = c
+        try:
+            while True:
+                with self._lock:
+                    self._add_queued()
+                    if mine.error is not None:
+                        raise mine.error
+                    ids = mine.ids
+                    if all(i in self._done for i in ids):
+                        return [self._done.pop(i) for i in ids]
+                    if not engine.has_work:
+                        raise RuntimeError("engine: requests vanished before finishing")
+                    for c in engine.step():
+                        self._done[c.request_id] = c
+        except BaseException:
+            self._forget(mine)
+            raise
+
+    def _forget(self, mine: _Queued) -> None:
+        """Aborts what is left of a failed call's requests and drops those it finished: no
+        caller is left to collect them, so they would run on and wait in `_done` forever."""
+        with self._lock:
+            with self._queue_lock:
+                if mine in self._queue:
+                    self._queue.remove(mine)
+            for i in mine.ids or ():
+                if self._done.pop(i, None) is None:
+                    try:
+                        self.engine.abort(i)
+                    except Exception:  # noqa: BLE001 - the call's own error is the one to raise
+                        pass
