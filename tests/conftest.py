@@ -26,13 +26,21 @@ if _LEVEL not in os.environ.get("XLA_FLAGS", ""):
 
 @pytest.fixture
 def file_size_limit():
-    """Lets the test cap the size of files this process may write (EFBIG past it)."""
+    """Lets the test cap the size of files this process may write (EFBIG past it). While
+    capped, nothing is written to JAX's compilation cache: JAX writes an entry in place, so
+    a cut write would leave a truncated executable there, which crashes (SIGSEGV) the next
+    process of the session that reads it."""
+    import jax
+
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_min_secs = jax.config.jax_persistent_cache_min_compile_time_secs
 
     def limit(n_bytes):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)  # no entry is written
         resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, old_limit[1]))
 
     yield limit
     resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
     signal.signal(signal.SIGXFSZ, old_handler)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old_min_secs)
