@@ -9,12 +9,19 @@ tests 2-3x slower and changed what the default run learns). Set here, before any
 imports jax, and inherited by the subprocesses the tests start; an
 `--xla_backend_optimization_level` already in `XLA_FLAGS` wins.
 
+Each pytest-xdist worker (and the processes its tests start) gets a compilation cache
+directory of its own, unless `JRL_COMPILATION_CACHE` or JAX's own setting names one: two
+cold clean-clone runs of the suite each lost a worker to a crash (SIGSEGV, SIGABRT) inside
+JAX's `deserialize_executable` while both workers filled one shared directory; warm runs
+never did. Per worker, a directory is filled by one test process at a time and the ones it starts.
+
 `file_size_limit`: a test's way to fill the disk (a cap on the size of files written).
 """
 
 import os
 import resource
 import signal
+import tempfile
 
 import pytest
 
@@ -22,6 +29,10 @@ _LEVEL = "--xla_backend_optimization_level"
 
 if _LEVEL not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEVEL}=2".strip()
+
+if "JRL_COMPILATION_CACHE" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JRL_COMPILATION_CACHE"] = os.path.join(
+        tempfile.gettempdir(), f"jrl-tests-jax-cache-{os.getuid()}", os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 
 @pytest.fixture

@@ -310,10 +310,10 @@ def test_a_call_still_queued_at_its_timeout_never_runs():
         gate.wait(10)
         return n
 
-    reg = ToolRegistry([held], timeout_s=0.2, workers=1)
+    reg = ToolRegistry([held], timeout_s=1.0, workers=1)  # (a second for the first call's thread to start)
     out = reg.execute([ToolCall("held", {"n": 1}, "c0"), ToolCall("held", {"n": 2}, "c1")])
-    assert [r.content for r in out] == ["error: held timed out after 0.2 s",
-                                        "error: held did not start within 0.2 s (every tool worker was busy)"]
+    assert [r.content for r in out] == ["error: held timed out after 1 s",
+                                        "error: held did not start within 1 s (every tool worker was busy)"]
     gate.set()
     assert reg.execute([ToolCall("held", {"n": 3}, "c2")], timeout_s=10)[0].content == "3"  # after the queue
     assert started == [1, 3]
