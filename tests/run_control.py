@@ -1,7 +1,10 @@
 """Callbacks that steer a test's training run: `StopAfter(step)` ends it after that step
-(the end-of-run checkpoint follows), as a killed-and-resumed run would stop."""
+(the end-of-run checkpoint follows), as a killed-and-resumed run would stop;
+`PoisonSteps(steps, field)` makes those steps' loss non-finite."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from jrl.train.callbacks import Callback
 
@@ -16,3 +19,15 @@ class StopAfter(Callback):
     def after_optimizer_step(self, trainer, state, metrics):
         if metrics["step"] == self.step:
             trainer.request_stop(self.reason)
+
+
+class PoisonSteps(Callback):
+    """Fills the batch's `field` with NaN in the given steps (1-based), so their loss is
+    non-finite and their updates are skipped."""
+
+    def __init__(self, steps, field):
+        self.steps, self.field = steps, field
+
+    def on_step_begin(self, trainer, state, batch):
+        if int(state.step) + 1 in self.steps:
+            batch[self.field][:] = np.nan

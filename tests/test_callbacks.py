@@ -15,7 +15,7 @@ from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback, EarlyStopping, checked_gradients
 from jrl.train import trainer as trainer_module
 from jrl.train.trainer import Trainer
-from run_control import StopAfter
+from run_control import PoisonSteps, StopAfter
 
 TINY = [
     "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
@@ -337,19 +337,8 @@ def test_a_third_ctrl_c_during_the_save_exits_at_once_with_130(tmp_path, monkeyp
     assert exits == [130]
 
 
-class PoisonLossMask(Callback):
-    """Makes the loss of the given steps non-finite, so their updates are skipped."""
-
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_step_begin(self, trainer, state, batch):
-        if int(state.step) + 1 in self.steps:
-            batch["loss_mask"][:] = np.nan
-
-
 def test_the_first_skipped_update_warns_once_naming_its_step(tmp_path):
-    trainer = Trainer(tiny("steps=4", "optimizer.lr=0.01"), callbacks=[PoisonLossMask({2, 3})], output_dir=tmp_path)
+    trainer = Trainer(tiny("steps=4", "optimizer.lr=0.01"), callbacks=[PoisonSteps({2, 3}, "loss_mask")], output_dir=tmp_path)
     with pytest.warns(trainer_module.SkippedUpdateWarning) as record:
         trainer.fit()
     skips = [str(w.message) for w in record if w.category is trainer_module.SkippedUpdateWarning]

@@ -15,6 +15,7 @@ from jrl.train.callbacks import Callback
 from jrl.rl.batch import build_rows, newest_versions, stale_groups, stale_tokens
 import jrl.rl.source as source_module
 from parallel_cases.common import grpo_config
+from run_control import PoisonSteps
 from jrl.rl import build_learner
 from jrl.rl.options import RLOptions
 from jrl.rollout import Engine
@@ -125,19 +126,8 @@ def test_versions_continue_monotonically_after_resume(tmp_path):
     assert resumed["behaviour_version"] == resumed["engine_version"] == 4
 
 
-class PoisonSteps(Callback):
-    """Makes the given steps' loss non-finite, so their updates are skipped."""
-
-    def __init__(self, steps):
-        self.steps = steps
-
-    def on_step_begin(self, trainer, state, batch):
-        if int(state.step) + 1 in self.steps:
-            batch["advantages"][:] = np.nan
-
-
 def test_skipped_updates_keep_the_version_and_the_engine_serves_it(tmp_path):
-    trainer, rows = run(tiny(steps=6), tmp_path, callbacks=[PoisonSteps({3, 4})])
+    trainer, rows = run(tiny(steps=6), tmp_path, callbacks=[PoisonSteps({3, 4}, "advantages")])
     train = train_rows(rows)
     assert [r["update_applied"] for r in train] == [True, True, False, False, True, True]
     assert [r["policy_version"] for r in train] == [1, 2, 2, 2, 3, 4]
@@ -150,7 +140,7 @@ def test_skipped_updates_keep_the_version_and_the_engine_serves_it(tmp_path):
 def test_a_skipped_update_under_the_progress_bar_leaves_the_run_going(tmp_path):
     config = tiny(steps=3)
     config = dataclasses.replace(config, logging=dataclasses.replace(config.logging, progress=True))
-    _, rows = run(config, tmp_path, callbacks=[PoisonSteps({2})])
+    _, rows = run(config, tmp_path, callbacks=[PoisonSteps({2}, "advantages")])
     train = train_rows(rows)
     assert [r["update_applied"] for r in train] == [True, False, True]
     assert [r["loss"] is None for r in train] == [False, True, False]  # a non-finite loss is logged as null
