@@ -9,15 +9,23 @@ tests 2-3x slower and changed what the default run learns). Set here, before any
 imports jax, and inherited by the subprocesses the tests start; an
 `--xla_backend_optimization_level` already in `XLA_FLAGS` wins.
 
-Each pytest-xdist worker (and the processes its tests start) gets a compilation cache
-directory of its own, unless `JRL_COMPILATION_CACHE` or JAX's own setting names one: two
-cold clean-clone runs of the suite each lost a worker to a crash (SIGSEGV, SIGABRT) inside
-JAX's `deserialize_executable` while both workers filled one shared directory; warm runs
-never did. Per worker, a directory is filled by one test process at a time and the ones it starts.
+The pytest-xdist workers share one compilation cache directory (unless
+`JRL_COMPILATION_CACHE` or JAX's own setting names one); jrl's size limit makes JAX lock it
+around every read and write.
+
+A worker process lives through ~1,000 tests, and every compiled XLA:CPU program that stays
+loaded holds about six memory maps (its code and data sections). Linux allows
+`vm.max_map_count` (65,530 by default) a process; a worker that kept every program reached
+60,000 halfway through the suite, and past the limit LLVM cannot map the next program's
+sections: SIGSEGV inside `deserialize_executable`, or SIGABRT with "LLVM ERROR: Unable to
+allocate section memory!". So after each test module that leaves more than
+`MAX_MAPS_KEPT` maps, JAX's caches are cleared; later modules read their programs back
+from the persistent cache.
 
 `file_size_limit`: a test's way to fill the disk (a cap on the size of files written).
 """
 
+import gc
 import os
 import resource
 import signal
@@ -31,16 +39,38 @@ if _LEVEL not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEVEL}=2".strip()
 
 if "JRL_COMPILATION_CACHE" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JRL_COMPILATION_CACHE"] = os.path.join(
-        tempfile.gettempdir(), f"jrl-tests-jax-cache-{os.getuid()}", os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    os.environ["JRL_COMPILATION_CACHE"] = os.path.join(tempfile.gettempdir(), f"jrl-tests-jax-cache-{os.getuid()}")
+
+MAX_MAPS_KEPT = 20_000
+
+
+def memory_map_count() -> int | None:
+    """How many memory maps this process holds (None off Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Unloads the compiled programs a test module leaves behind once they hold more than
+    `MAX_MAPS_KEPT` memory maps (see the module docstring)."""
+    yield
+    if (memory_map_count() or 0) > MAX_MAPS_KEPT:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture
 def file_size_limit():
     """Lets the test cap the size of files this process may write (EFBIG past it). While
     capped, nothing is written to JAX's compilation cache: JAX writes an entry in place, so
-    a cut write would leave a truncated executable there, which crashes (SIGSEGV) the next
-    process of the session that reads it."""
+    a cut write would leave a truncated entry there, which every later reader of the session
+    warns about and compiles again."""
     import jax
 
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
