@@ -33,7 +33,7 @@ def test_grpo_addition_lists_every_single_turn_option():
     """docs/rl.md promises that configs/grpo_addition.yaml lists every option of a
     single-turn run; the multi-turn ones (env, tools and their limits) are left out."""
     multi_turn = {"env", "env_kwargs", "tools", "tool_parser", "tool_timeout_s", "max_turns",
-                  "max_tool_calls", "max_total_tokens", "env_workers"}
+                  "max_tool_calls", "max_total_tokens", "env_workers", "env_timeout_s"}
     options = {f.name for f in dataclasses.fields(RLOptions)} - {"loss", "notes"} - multi_turn
     raw = yaml.safe_load((CONFIGS / "grpo_addition.yaml").read_text())
     assert sorted(options | set(LOSS_KEYS)) == sorted(raw["strategy"]["options"])
@@ -56,6 +56,8 @@ def test_default_is_grpo_and_its_warm_start_shares_model_and_seed():
     ({"task": {"n_digits": 9}}, "task.n_digits"),
     ({"max_version_lag": -1}, "strategy.options.max_version_lag"),
     ({"aggregation": "dr_grpo", "clip_eps_low": 1.5}, "strategy.options.clip_eps_low"),
+    ({"env_timeout_s": 0}, r"strategy.options.env_timeout_s: must be > 0 seconds, got 0"),
+    ({"env_timeout_s": float("nan")}, r"strategy.options.env_timeout_s: must be > 0 seconds, got nan"),
 ])
 def test_bad_grpo_options_name_the_field(options, message):
     with pytest.raises(ConfigError, match=message):

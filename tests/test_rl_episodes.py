@@ -125,6 +125,16 @@ class Raising(Scripted):
         raise ValueError("broken environment")
 
 
+class Hanging(Scripted):
+    """A step that waits until the test lets it go (an environment whose sandbox died)."""
+
+    let_go = threading.Event()
+
+    def step(self, message):
+        Hanging.let_go.wait()
+        return super().step(message)
+
+
 # ----------------------------------------------------------------------------- fixtures
 
 
@@ -150,14 +160,14 @@ def engine(model):
     return Engine(config, params, engine_config_for_workload(512, 64, page_size=PAGE, seed=0))
 
 
-def runner(engine, tok, im_end, **limits):
+def runner(engine, tok, im_end, workers=16, timeout_s=300.0, **limits):
     return EpisodeRunner(engine, tok, EpisodeLimits(**{"max_turns": 4, "max_total_tokens": 400,
                                                        "max_new_tokens": 12, **limits}),
-                         eos_ids=[tok.eos_id, im_end])
+                         eos_ids=[tok.eos_id, im_end], workers=workers, timeout_s=timeout_s)
 
 
-def run(engine, tok, im_end, envs, temperature=1.0, seed=0, **limits):
-    r = runner(engine, tok, im_end, **limits)
+def run(engine, tok, im_end, envs, temperature=1.0, seed=0, workers=16, timeout_s=300.0, **limits):
+    r = runner(engine, tok, im_end, workers, timeout_s, **limits)
     examples = [{"prompt": f"what is {i} plus 3?"} for i in range(len(envs))]
     sampling = [SamplingParams(temperature=temperature, seed=seed * 1000 + i) for i in range(len(envs))]
     return r, r.run(envs, examples, sampling)
@@ -579,6 +589,23 @@ def test_an_environment_that_raises_stops_the_run_naming_the_episode(engine, tok
     with pytest.raises(EnvironmentFailure, match="Raising.step raised ValueError: broken environment"):
         run(engine, tok, im_end, [Raising() for _ in range(2)])
     assert not engine.scheduler.has_work  # the episodes' requests were finished, not left behind
+
+
+def test_an_environment_call_running_past_its_timeout_stops_the_run_naming_the_episode(engine, tok, im_end):
+    try:
+        with pytest.raises(EnvironmentFailure, match=r"^environment Hanging.step did not return within 0.5 s "
+                                                     r"\(strategy.options.env_timeout_s\) \(on episode 1\)$"):
+            run(engine, tok, im_end, [Scripted(turns=1), Hanging()], timeout_s=0.5)
+    finally:
+        Hanging.let_go.set()
+    assert not engine.scheduler.has_work
+
+
+def test_the_environment_timeout_counts_from_when_a_call_starts_not_while_it_waits_for_a_thread(
+        engine, tok, im_end):
+    """One thread for three 1 s steps: the last waits 2 s for it, more than the 1.8 s limit."""
+    _, eps = run(engine, tok, im_end, [Scripted(turns=1, delay=1.0) for _ in range(3)], workers=1, timeout_s=1.8)
+    assert [ep.reward for ep in eps] == [1.0, 1.0, 1.0]
 
 
 class Returning(Scripted):

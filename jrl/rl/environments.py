@@ -36,9 +36,12 @@ not sampled). Each turn's request is the whole sequence so far, so the prefix ca
 pages, same weight version) serves the earlier turns and only the new tokens are prefilled
 (`Episode.cached_tokens`).
 
-**Concurrency.** Environment calls (`reset`, `step`) run in a thread pool; while they run,
-the runner keeps stepping the engine for the other episodes, and it never blocks on an
-environment while the engine has work.
+**Concurrency.** Environment calls (`reset`, `step`) run on worker threads
+(`jrl.rl.daemon_workers`); while they run, the runner keeps stepping the engine for the
+other episodes, and it never blocks on an environment while the engine has work. A call
+that has not returned `timeout_s` after it started is an `EnvironmentFailure` (the run
+stops, naming the environment and the record; the hung thread cannot be stopped, but it
+does not keep the process from exiting).
 
 **Limits** (`EpisodeLimits`): `max_turns` assistant turns, `max_total_tokens` in the
 sequence, `max_new_tokens` per turn, `max_tool_calls` per episode. An episode stopped by
@@ -58,6 +61,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from jrl.config import ConfigError, resolve_named
+from jrl.rl.daemon_workers import DaemonWorkers
 from jrl.rl.rewards import reward_requirement
 from jrl.rl.tool_calls import HermesParser, ToolCallParser
 from jrl.rl.tools import ToolRegistry
@@ -315,10 +319,10 @@ def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
 class EpisodeRunner:
     """Runs episodes through `engine` (see the module docstring). `eos_ids` /
     `stop_sequences`: where a turn ends (the template's end-of-turn token among them);
-    `workers`: threads running environment calls."""
+    `workers`: threads running environment calls; `timeout_s`: how long one may run."""
 
     def __init__(self, engine: Any, tokenizer: Any, limits: EpisodeLimits, *, eos_ids: Sequence[int],
-                 stop_sequences: Sequence[Sequence[int]] = (), workers: int = 16,
+                 stop_sequences: Sequence[Sequence[int]] = (), workers: int = 16, timeout_s: float = 300.0,
                  template_kwargs: dict | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -327,6 +331,7 @@ class EpisodeRunner:
         self.stop_sequences = [list(s) for s in stop_sequences]
         self.pieces = ChatPieces(tokenizer, template_kwargs)
         self.workers = workers
+        self.timeout_s = float(timeout_s)
         self.env_calls_while_decoding = 0  # environment calls during which the engine stepped
 
     @staticmethod
@@ -345,59 +350,77 @@ class EpisodeRunner:
         live = [_Live(Episode(example=dict(ex)), env, s, getattr(env, "tools", None) or None, w)
                 for env, ex, s, w in zip(envs, examples, sampling, wheres)]
         engine, limits = self.engine, self.limits
-        pending: dict[concurrent.futures.Future, tuple[_Live, str, float, int]] = {}
+        pending: dict[concurrent.futures.Future, tuple[_Live, str, int]] = {}
         by_rid: dict[int, _Live] = {}
         others: list[Completion] = []
+        workers = DaemonWorkers(self.workers, "jrl-env")
 
         def timed(fn, *args):
             t0 = time.perf_counter()
             out = _call(fn, *args)
             return out, time.perf_counter() - t0
 
-        with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jrl-env") as pool:
-            def submit(lv: _Live, kind: str, *args) -> None:
-                fn = lv.env.reset if kind == "reset" else lv.env.step
-                pending[pool.submit(timed, fn, *args)] = (lv, kind, time.perf_counter(), engine.stats.steps)
+        def submit(lv: _Live, kind: str, *args) -> None:
+            fn = lv.env.reset if kind == "reset" else lv.env.step
+            pending[workers.submit(timed, fn, *args)] = (lv, kind, engine.stats.steps)
 
-            try:
-                for lv in live:
-                    submit(lv, "reset", lv.episode.example)
-                while pending or by_rid:
-                    for fut in [f for f in pending if f.done()]:
-                        lv, kind, _, steps_at_start = pending.pop(fut)
-                        if engine.stats.steps > steps_at_start:
-                            self.env_calls_while_decoding += 1
-                        try:
-                            out, seconds = fut.result()
-                        except Exception as e:
-                            raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} raised "
-                                                     f"{type(e).__name__}: {e} (on {lv.where})") from e
-                        lv.episode.env_s += seconds
-                        rid = self._after_env(lv, kind, out)
-                        if rid is not None:
-                            by_rid[rid] = lv
-                    if engine.has_work:
-                        for c in engine.step():
-                            lv = by_rid.pop(c.request_id, None)
-                            if lv is None:
-                                others.append(c)
-                                continue
-                            msg = self._after_turn(lv, c)
-                            if msg is not None:
-                                submit(lv, "step", msg)
-                    elif pending:
-                        concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
-            except BaseException:
-                # the run stops: let this call's requests finish so the engine is left as found
-                while by_rid and engine.has_work:
+        try:
+            for lv in live:
+                submit(lv, "reset", lv.episode.example)
+            while pending or by_rid:
+                for fut in [f for f in pending if f.done()]:
+                    lv, kind, steps_at_start = pending.pop(fut)
+                    if engine.stats.steps > steps_at_start:
+                        self.env_calls_while_decoding += 1
+                    try:
+                        out, seconds = fut.result()
+                    except Exception as e:
+                        raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} raised "
+                                                 f"{type(e).__name__}: {e} (on {lv.where})") from e
+                    lv.episode.env_s += seconds
+                    rid = self._after_env(lv, kind, out)
+                    if rid is not None:
+                        by_rid[rid] = lv
+                wait_s = self._check_running(pending)
+                if engine.has_work:
                     for c in engine.step():
-                        if by_rid.pop(c.request_id, None) is None:
+                        lv = by_rid.pop(c.request_id, None)
+                        if lv is None:
                             others.append(c)
-                raise
-            finally:
-                if others:  # requests someone else queued: theirs to collect from step()/flush()
-                    engine._finished = others + engine._finished
+                            continue
+                        msg = self._after_turn(lv, c)
+                        if msg is not None:
+                            submit(lv, "step", msg)
+                elif pending:
+                    concurrent.futures.wait(list(pending), timeout=wait_s,
+                                            return_when=concurrent.futures.FIRST_COMPLETED)
+        except BaseException:
+            # the run stops: let this call's requests finish so the engine is left as found
+            while by_rid and engine.has_work:
+                for c in engine.step():
+                    if by_rid.pop(c.request_id, None) is None:
+                        others.append(c)
+            raise
+        finally:
+            workers.close()  # calls queued behind a hung one never start
+            if others:  # requests someone else queued: theirs to collect from step()/flush()
+                engine._finished = others + engine._finished
         return [lv.episode for lv in live]
+
+    def _check_running(self, pending: dict) -> float | None:
+        """Raises EnvironmentFailure for a call running longer than `timeout_s`; else
+        returns how long until the next running call would (a waiting call has not started;
+        None: no limit)."""
+        now, wait_s = time.perf_counter(), self.timeout_s
+        for fut, (lv, kind, _) in pending.items():
+            if fut.started is None or fut.done():
+                continue
+            left = fut.started + self.timeout_s - now
+            if left <= 0:
+                raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} did not return within "
+                                         f"{self.timeout_s:g} s (strategy.options.env_timeout_s) (on {lv.where})")
+            wait_s = min(wait_s, left)
+        return None if wait_s == float("inf") else wait_s
 
     # the two halves of a turn ------------------------------------------------
     def _request(self, lv: _Live) -> int | None:

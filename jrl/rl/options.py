@@ -159,6 +159,7 @@ class RLOptions:
     max_tool_calls: int = 8
     max_total_tokens: int | None = None  # null: data.seq_len
     env_workers: int = 16
+    env_timeout_s: float = 300.0  # an environment call running longer stops the run
     # the objective (strategy options of `grpo`), built by from_config
     loss: GRPOLossConfig = GRPOLossConfig()
     # warnings from resolving the options (`fp8_rollout_defaults`), logged by the learner;
@@ -234,8 +235,10 @@ class RLOptions:
         if self.max_total_tokens is not None:
             _check(_is_int(self.max_total_tokens, 2), "max_total_tokens",
                    f"must be an integer >= 2 or null (data.seq_len), got {self.max_total_tokens!r}")
-        _check(isinstance(self.tool_timeout_s, (int, float)) and not isinstance(self.tool_timeout_s, bool)
-               and self.tool_timeout_s > 0, "tool_timeout_s", f"must be > 0 seconds, got {self.tool_timeout_s!r}")
+        for name in ("tool_timeout_s", "env_timeout_s"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, name,
+                   f"must be > 0 seconds, got {v!r}")
         _check(isinstance(self.env_kwargs, dict), "env_kwargs", f"must be a mapping, got {self.env_kwargs!r}")
         _check(not self.env_kwargs or self.env is not None, "env_kwargs", "needs an env")
         if self.env is not None:

@@ -20,10 +20,10 @@ the function it wraps, a callable object by its class (hints: its `__call__`'s).
 every failure into a `ToolResult` with `error=True` whose `content` tells the model what
 went wrong: an unknown tool, arguments that do not fit the schema (missing, unexpected or
 of the wrong JSON type), an exception (its type and message) or a timeout. Nothing a tool
-does stops the run. A timed-out call keeps its worker thread until it returns (Python
-cannot kill a thread; the thread is a daemon, so a tool that never returns does not keep
-the process from exiting); `workers` bounds how many run at once, and a call still waiting
-for a worker when its timeout passes is dropped (it never runs) and answered so.
+does stops the run. Calls run on `jrl.rl.daemon_workers` threads: a timed-out call keeps its
+thread until it returns, and one that never returns does not keep the process from
+exiting; `workers` bounds how many run at once, and a call still waiting for a worker when
+its timeout passes is dropped (it never runs) and answered so.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ import functools
 import inspect
 import json
 import re
-import threading
 import time
 import types
 import typing
 from typing import Any, Callable, Literal, Sequence
 
 from jrl.config import ConfigError, resolve_named
+from jrl.rl.daemon_workers import DaemonWorkers
 from jrl.rl.tool_calls import ToolCall
 
 _TOOL_ATTR = "__jrl_tool__"
@@ -237,8 +237,7 @@ class ToolRegistry:
         if not timeout_s > 0:
             raise ConfigError(f"tool_timeout_s: must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
-        self._slots = threading.BoundedSemaphore(max(1, workers))
-        self._closed = False
+        self._workers = DaemonWorkers(workers, "jrl-tool")
 
     @classmethod
     def from_names(cls, names: Sequence[str], field: str = "tools", **kwargs: Any) -> ToolRegistry:
@@ -248,26 +247,6 @@ class ToolRegistry:
     def schemas(self) -> list[dict[str, Any]]:
         """The tools' schemas, for the chat template's `tools=`."""
         return [t.schema for t in self.tools.values()]
-
-    def _submit(self, t: Tool, call: ToolCall) -> concurrent.futures.Future:
-        """Runs the call on a daemon thread of its own once one of the `workers` slots is free.
-        Not a ThreadPoolExecutor: the interpreter joins those threads at exit, so one tool that
-        never returns would keep the process from exiting once the run is over."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            with self._slots:
-                if self._closed:
-                    fut.cancel()
-                if not fut.set_running_or_notify_cancel():  # dropped at its timeout, or closed
-                    return
-                try:
-                    fut.set_result(t.fn(**call.arguments))
-                except BaseException as e:  # handed to the caller, as a pool's worker would
-                    fut.set_exception(e)
-
-        threading.Thread(target=run, name=f"jrl-tool-{call.name}", daemon=True).start()
-        return fut
 
     def execute(self, calls: Sequence[ToolCall], timeout_s: float | None = None) -> list[ToolResult]:
         """Runs `calls` concurrently; one result per call, in order. Never raises for what
@@ -284,7 +263,7 @@ class ToolRegistry:
             if problem is not None:
                 started.append((call, f"error: bad arguments for {call.name}: {problem}"))
                 continue
-            started.append((call, self._submit(t, call)))
+            started.append((call, self._workers.submit(t.fn, **call.arguments)))
         results = []
         deadline = time.perf_counter() + timeout  # calls run concurrently: one shared window
         for call, fut in started:
@@ -307,4 +286,4 @@ class ToolRegistry:
 
     def close(self) -> None:
         """Calls not started yet never start (those running finish on their own)."""
-        self._closed = True
+        self._workers.close()
