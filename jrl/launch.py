@@ -34,6 +34,7 @@ from jrl.metrics_log import CorruptMetricsError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
 from jrl.rl.environments import EnvironmentFailure
+from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
@@ -129,9 +130,9 @@ def _records(n: int) -> str:
 def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | None]:
     """An RL run's `check_data`: reads the task's files, checks that every prompt leaves
     room for the completion (data.seq_len - strategy.options.max_new_tokens, as the GRPO
-    stage checks) and, with a `warm_start`, reads and renders its demonstrations as the warm
-    start does (nothing written). Returns the `# data:` and `# warm start:` lines' text (the
-    latter None without a warm start)."""
+    stage checks; with episodes, their `max_total_tokens`) and, with a `warm_start`, reads
+    and renders its demonstrations as the warm start does (nothing written). Returns the
+    `# data:` and `# warm start:` lines' text (the latter None without a warm start)."""
     options = RLOptions.from_config(config.strategy.options)
     c = options.task
     task = make_task(c)
@@ -139,6 +140,8 @@ def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | Non
     fmt = task_format(config, options)
     if not options.episodes:  # an episode's prompt is its environment's (the runner checks its length)
         check_task_prompt_lengths(task, lambda problems: [fmt.encode(p) for p in problems], limit)
+    else:  # as the run starts: max_total_tokens against data.seq_len
+        EpisodeSampler(options, fmt, options.reward_model(), config.data.seq_len)
     if c.name != "jsonl":
         data = f"task {c.name} (generated)"
     else:

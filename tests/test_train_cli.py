@@ -262,6 +262,12 @@ def test_a_dry_run_names_an_rl_prompt_too_long_for_the_completion(tmp_path, caps
         f"strategy.options.max_new_tokens = 11 (task split heldout); raise data.seq_len or shorten the prompt")
 
 
+def test_a_dry_run_checks_an_episode_limit_against_the_sequence_length(capsys):
+    assert _rl_dry_run("strategy.options.tools=[jrl.rl.examples:lookup]", "strategy.options.max_total_tokens=17") == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: strategy.options.max_total_tokens: must be <= data.seq_len (16), got 17")
+
+
 def test_a_dry_run_refuses_a_seq_len_that_leaves_no_room_for_a_prompt(capsys):
     assert main(["--dry-run", "strategy.options.max_new_tokens=16"]) == 2
     assert capsys.readouterr().err.strip() == (
