@@ -434,3 +434,24 @@ def test_forced_gpu_kernels_off_the_gpu_are_refused_when_the_engine_is_built(par
     with pytest.raises(ConfigError, match="engine.attention_impl: 'pallas' forces the Mosaic GPU kernels, which "
                                           "need a Hopper GPU; this backend is cpu"):
         Engine(MODEL, params, EngineConfig(attention_impl="pallas"))
+
+
+def test_an_interrupted_generate_leaves_no_request_behind(params, monkeypatch):
+    # Ctrl-C in a notebook lands while the engine waits for a step's tokens (read-back).
+    engine = Engine(MODEL, params, ENGINE)
+    read_back, calls = engine._read_back, []
+
+    def interrupted(step):
+        calls.append(step)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return read_back(step)
+
+    monkeypatch.setattr(engine, "_read_back", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts_of([5, 9], seed=17), GREEDY, max_new_tokens=20)
+    monkeypatch.setattr(engine, "_read_back", read_back)
+    assert engine.run() == []
+    assert_no_pages_held(engine)
+    out = engine.generate(prompts_of([6], seed=18), GREEDY, max_new_tokens=4)
+    assert_greedy_matches_forward(MODEL, params, out)

@@ -408,19 +408,28 @@ class Engine:
                  max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
                  stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
         """Runs `prompts` to completion (`add_requests`, then steps); completions in prompt
-        order. Completions of other queued requests are kept for `step()`/`flush()`."""
+        order. Completions of other queued requests are kept for `step()`/`flush()`. A call
+        that raises (KeyboardInterrupt, a failed step) aborts its unfinished requests: no
+        caller is left to collect them, and one whose step was lost in the read-back would
+        otherwise hold its row and pages forever."""
         ids = self.add_requests(prompts, sampling, max_new_tokens, eos_ids, stop_sequences)
         wanted = set(ids)
         by_id: dict[int, Completion] = {}
         others: list[Completion] = []  # requests queued by add_request: kept for step()/flush()
-        while wanted - by_id.keys():
-            if not self.has_work:
-                raise RuntimeError("engine: requests vanished before finishing")
-            for c in self.step():
-                if c.request_id in wanted:
-                    by_id[c.request_id] = c
-                else:
-                    others.append(c)
+        try:
+            while wanted - by_id.keys():
+                if not self.has_work:
+                    raise RuntimeError("engine: requests vanished before finishing")
+                for c in self.step():
+                    if c.request_id in wanted:
+                        by_id[c.request_id] = c
+                    else:
+                        others.append(c)
+        except BaseException:
+            for i in wanted - by_id.keys():
+                self.abort(i)
+            self._finished = [c for c in others + self._finished if c.request_id not in wanted]
+            raise
         self._finished = others + self._finished
         return [by_id[i] for i in ids]
 
