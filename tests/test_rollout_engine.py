@@ -455,3 +455,16 @@ def test_an_interrupted_generate_leaves_no_request_behind(params, monkeypatch):
     assert_no_pages_held(engine)
     out = engine.generate(prompts_of([6], seed=18), GREEDY, max_new_tokens=4)
     assert_greedy_matches_forward(MODEL, params, out)
+
+
+def test_token_ids_given_as_jax_arrays_are_taken_like_lists(params):
+    engine = Engine(MODEL, params, ENGINE)
+    prompts = [p.tolist() for p in prompts_of([5, 9], seed=19)]
+    as_lists = engine.generate(prompts, GREEDY, max_new_tokens=6)
+    stop = as_lists[0].tokens[2:4].tolist()
+    eos = [int(as_lists[1].tokens[3])]
+    want = engine.generate(prompts, GREEDY, max_new_tokens=6, eos_ids=eos, stop_sequences=[stop])
+    got = engine.generate([jnp.asarray(p) for p in prompts], GREEDY, max_new_tokens=6,
+                          eos_ids=jnp.asarray(eos), stop_sequences=jnp.asarray([stop]))
+    assert [c.tokens.tolist() for c in got] == [c.tokens.tolist() for c in want]
+    assert [c.finish_reason for c in got] == ["stop", "eos"]

@@ -266,7 +266,7 @@ class Engine:
             raise ValueError(f"request can never fit: without chunked_prefill its prompt of {len(prompt)} "
                              f"tokens must fit max_tokens_per_step={cfg.max_tokens_per_step}")
         eos = frozenset(check_token_ids("eos_ids", eos_ids, vocab).tolist())
-        if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (Sequence, np.ndarray)):
+        if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (Sequence, np.ndarray, jax.Array)):
             raise ValueError(f"stop_sequences: must be a sequence of token-id sequences, got {stop_sequences!r}")
         stops = tuple(tuple(check_token_ids(f"stop_sequences[{i}]", seq, vocab).tolist())
                       for i, seq in enumerate(stop_sequences))
@@ -861,13 +861,13 @@ def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, toke
 
 
 def check_token_ids(field: str, values, vocab: int) -> np.ndarray:
-    """`values` as int32 token ids: a 1-D sequence (or array) of Python or numpy integers,
+    """`values` as int32 token ids: a 1-D sequence (or numpy or JAX array) of integers,
     each in [0, vocab). Floats, bools and strings are refused (by the array's dtype), not
     converted."""
     if isinstance(values, (str, bytes)):
         raise ValueError(f"{field}: must be a sequence of token ids, got text {values!r}: encode it first "
                          f"(jrl.tokenizer.load_tokenizer(...).encode)")
-    if not isinstance(values, (Sequence, np.ndarray)):
+    if not isinstance(values, (Sequence, np.ndarray, jax.Array)):
         raise ValueError(f"{field}: must be a sequence of token ids, got {values!r}")
     try:
         ids = np.asarray(values)
