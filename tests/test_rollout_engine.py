@@ -468,3 +468,10 @@ def test_token_ids_given_as_jax_arrays_are_taken_like_lists(params):
                           eos_ids=jnp.asarray(eos), stop_sequences=jnp.asarray([stop]))
     assert [c.tokens.tolist() for c in got] == [c.tokens.tolist() for c in want]
     assert [c.finish_reason for c in got] == ["stop", "eos"]
+
+
+def test_generate_takes_prompts_of_one_length_as_a_2d_array(params):
+    prompts = prompts_of([6, 6, 6], seed=20)
+    want = generate(params, MODEL, prompts, jax.random.key(3), max_new_tokens=5, engine_config=ENGINE)
+    got = generate(params, MODEL, np.stack(prompts), jax.random.key(3), max_new_tokens=5, engine_config=ENGINE)
+    assert [c.tokens.tolist() for c in got] == [c.tokens.tolist() for c in want]

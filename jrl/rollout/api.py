@@ -53,7 +53,7 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     `mesh`: serve tensor-parallel (see `Engine`)."""
     if isinstance(prompts, (str, bytes)):
         raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got text {prompts!r}")
-    if not prompts:
+    if len(prompts) == 0:  # (not `not prompts`: ambiguous for a 2-D array of prompts)
         return []
     if not isinstance(key, jax.Array):  # typed keys and legacy uint32 ones are arrays
         raise ValueError(f"key: must be a JAX PRNG key (jax.random.key(seed)), got {key!r}")
