@@ -156,6 +156,26 @@ def test_a_top_p_below_float32s_normal_range_keeps_the_top_token():
     np.testing.assert_array_equal(logp, np.zeros(ROWS, np.float32))
 
 
+@pytest.mark.parametrize("top_k", [0, 5], ids=["sample", "filter"])
+def test_a_penalty_that_overflows_a_logit_samples_that_token_instead_of_failing(top_k):
+    """frequency_penalty=-1e38 on a token seen 10 times, or repetition_penalty=1e-38 on a
+    seen logit of 5, pass `SamplingParams` (finite, in float32's range) but push the logit
+    to +inf: `z - max(z)` was NaN and the request finished with "error" as if the model's
+    logits were non-finite. The penalised logit saturates at float32's largest value."""
+    logits = np.random.default_rng(5).normal(0, 1, (ROWS, V)).astype(np.float32)
+    logits[1, 3] = 5.0
+    window = np.full((ROWS, 10), -1, np.int32)
+    window[0], window[1] = 7, 3
+    params = [SamplingParams(frequency_penalty=-1e38, top_k=top_k), SamplingParams(repetition_penalty=1e-38, top_k=top_k),
+              SamplingParams(frequency_penalty=0.5, top_k=top_k), SamplingParams(top_k=top_k)]
+    s = sampling_arrays(params, [1, 2, 3, 4], [0] * ROWS, ROWS)
+    penalties, mode = batch_mode(params)
+    tokens, logp, _ = map(np.asarray, _sample(logits, window, s, penalties=penalties, mode=mode))
+    assert tokens[:2].tolist() == [7, 3]
+    np.testing.assert_array_equal(logp[:2], np.zeros(2, np.float32))
+    assert np.isfinite(logp).all()
+
+
 def test_sampled_token_is_in_support_and_logprobs_match_both_distributions():
     logits, window = _inputs(1)
     params = [SamplingParams(temperature=0.8, top_k=3), SamplingParams(top_p=0.5),

@@ -201,12 +201,16 @@ def window_counts(window: jax.Array, vocab: int) -> jax.Array:
 
 
 def penalize(logits: jax.Array, window: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The penalised logits, saturated at float32's largest magnitude: valid extreme
+    penalties (frequency_penalty=-1e38, repetition_penalty=1e-38) can push a logit to
+    +inf, and `z - max(z)` would then be NaN (a request failing as if its logits were)."""
     counts = window_counts(window, logits.shape[-1])
     seen = counts > 0
     rep = s.repetition_penalty[:, None]
     z = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     z = z - s.frequency_penalty[:, None] * counts
-    return z - s.presence_penalty[:, None] * seen.astype(jnp.float32)
+    z = z - s.presence_penalty[:, None] * seen.astype(jnp.float32)
+    return jnp.clip(z, -_FLOAT32_MAX, _FLOAT32_MAX)
 
 
 def truncate(z: jax.Array, s: SamplingArrays) -> jax.Array:
