@@ -30,6 +30,7 @@ import contextlib
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -800,6 +801,7 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     tensors = _tensors_from_params(host_tree, config, model_type)
 
     os.makedirs(path, exist_ok=True)
+    _remove_weight_files(path)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
         f.write("\n")
@@ -818,6 +820,17 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         f.write("\n")
     return model_type
+
+
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+def _remove_weight_files(path: str) -> None:
+    """Deletes the weight files of an earlier export in `path` (the index first), so that a
+    stale `model.safetensors.index.json` or shard is never read in place of the new weights."""
+    names = sorted((n for n in os.listdir(path) if _WEIGHT_FILE.fullmatch(n)), key=lambda n: not n.endswith(".json"))
+    for name in names:
+        os.remove(os.path.join(path, name))
 
 
 def _shard(tensors: dict[str, np.ndarray], max_bytes: int | None) -> list[dict[str, np.ndarray]]:

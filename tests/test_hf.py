@@ -269,6 +269,14 @@ def test_sharded_checkpoint_round_trips(tmp_path):
     assert hf.params_equal(hf.load_pretrained(tmp_path)[1], params)
 
 
+def test_saving_over_a_sharded_export_replaces_its_weight_files(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=20_000)
+    retrained = {**params, "final_norm": {"scale": params["final_norm"]["scale"] + 1}}
+    hf.save_pretrained(config, retrained, tmp_path)  # re-export the same run, one file now
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    assert hf.params_equal(hf.load_pretrained(tmp_path)[1], retrained)
+
 
 def test_an_unreadable_shard_index_is_named(tmp_path):
     config, params = hf.load_pretrained(fixture("llama"))
