@@ -59,6 +59,7 @@ QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # transformers' defaults for optional keys that change the math (absent from config.json).
 _DEFAULT_RMS_EPS = {"mixtral": 1e-5}
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6}
+_DEFAULT_SLIDING_WINDOW = {"mistral": 4096}  # an explicit null means no window
 
 # Keys every family reads.
 _COMMON_KEYS = {
@@ -205,7 +206,7 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, 
         window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
         field = "use_sliding_window/sliding_window"
     else:
-        window, field = hf.get("sliding_window"), "sliding_window"
+        window, field = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type)), "sliding_window"
     if window and window < max_len:
         raise HFFormatError(
             f"{where}: {field}: sliding-window attention with window {window} < max length {max_len} "

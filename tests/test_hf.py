@@ -413,6 +413,13 @@ def test_sliding_window_shorter_than_context_is_rejected_and_capping_the_context
     assert config.max_position_embeddings == 64
 
 
+def test_mistral_config_without_sliding_window_has_transformers_default_window_of_4096():
+    cfg = {k: v for k, v in fixture_config("mistral").items() if k != "sliding_window"}
+    with pytest.raises(hf.HFFormatError, match="sliding_window: sliding-window attention with window 4096 < max length 8192"):
+        hf.config_from_hf(cfg, max_position_embeddings=8192)
+    assert hf.config_from_hf({**cfg, "sliding_window": None}, max_position_embeddings=8192)[0].max_position_embeddings == 8192
+
+
 def test_qwen_sliding_window_counts_only_when_enabled():
     cfg = {**fixture_config("qwen2"), "sliding_window": 16}
     assert hf.config_from_hf(cfg)[0].max_position_embeddings == 256
