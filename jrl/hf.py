@@ -259,6 +259,12 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
             raise HFFormatError(f"{where}: {key} must be an integer, got {value!r}")
         return value
 
+    def get_bool(key: str, default: bool) -> bool:
+        value = get(key, default)
+        if not isinstance(value, bool):  # bool("false") is True: a string must not flip a switch
+            raise HFFormatError(f"{where}: {key} must be true or false, got {value!r}")
+        return value
+
     def require(key: str, ok: bool, msg: str) -> None:
         if not ok and key not in ignored:
             raise HFFormatError(f"{where}: {key}={hf.get(key)!r} is not supported: {msg}")
@@ -292,8 +298,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
         rms_norm_eps=float(get("rms_norm_eps", _DEFAULT_RMS_EPS.get(model_type, 1e-6))),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_embeddings=bool(get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and bool(get("qkv_bias", True))),
+        tie_embeddings=get_bool("tie_word_embeddings", False),
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and get_bool("qkv_bias", True)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         initializer_range=float(get("initializer_range", 0.02)),
         param_dtype=dtype,
@@ -308,7 +314,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
             n_experts_per_tok=get_int("num_experts_per_tok"),
             moe_intermediate_size=(get_int("intermediate_size") if model_type == "mixtral"
                                    else get_int("moe_intermediate_size")),
-            norm_topk_prob=True if model_type == "mixtral" else bool(get("norm_topk_prob", False)),
+            norm_topk_prob=True if model_type == "mixtral" else get_bool("norm_topk_prob", False),
             router_aux_loss_coef=float(get("router_aux_loss_coef", 0.001)),
         )
     if model_type == "qwen2_moe":

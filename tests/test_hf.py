@@ -494,6 +494,13 @@ def test_one_layer_tensor_of_another_shape_is_named_with_its_stored_shape(tmp_pa
                                 "the shape the config gives)")
 
 
+@pytest.mark.parametrize("key,family", [("tie_word_embeddings", "llama"), ("norm_topk_prob", "qwen3_moe"),
+                                        ("qkv_bias", "qwen2_moe")])
+def test_a_switch_field_that_is_not_a_boolean_is_named(key, family):
+    with pytest.raises(hf.HFFormatError, match=rf"^config.json: {key} must be true or false, got 'false'$"):
+        hf.config_from_hf({**fixture_config(family), key: "false"})
+
+
 def test_a_size_field_that_is_not_an_integer_is_named():
     with pytest.raises(hf.HFFormatError, match=r"^config.json: num_attention_heads must be an integer, got '4'$"):
         hf.config_from_hf({**fixture_config("llama"), "num_attention_heads": "4"})
