@@ -283,7 +283,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
 
     n_heads = get_int("num_attention_heads")
     hidden = get_int("hidden_size")
-    max_len = max_position_embeddings or get_int("max_position_embeddings")
+    max_len = get_int("max_position_embeddings") if max_position_embeddings is None else max_position_embeddings
     _check_sliding_window(hf, model_type, max_len, where)
     theta, scaling = _rope_from_hf(hf, model_type, where)
     fields: dict[str, Any] = dict(

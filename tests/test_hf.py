@@ -420,6 +420,11 @@ def test_mistral_config_without_sliding_window_has_transformers_default_window_o
     assert hf.config_from_hf({**cfg, "sliding_window": None}, max_position_embeddings=8192)[0].max_position_embeddings == 8192
 
 
+def test_a_zero_context_override_is_refused_not_ignored():
+    with pytest.raises(hf.HFFormatError, match="max_position_embeddings: must be a positive integer, got 0"):
+        hf.config_from_hf(fixture_config("llama"), max_position_embeddings=0)
+
+
 def test_qwen_sliding_window_counts_only_when_enabled():
     cfg = {**fixture_config("qwen2"), "sliding_window": 16}
     assert hf.config_from_hf(cfg)[0].max_position_embeddings == 256
