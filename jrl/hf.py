@@ -779,7 +779,7 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     `max_shard_bytes`) that transformers loads as `model_type` (inferred when None).
 
     LoRA adapters are rejected: merge them first with `jrl.models.lora.merge_lora`.
-    `extra_config` adds keys such as `eos_token_id` (it may not override mapped keys).
+    `extra_config` adds keys that never affect the forward pass, such as `eos_token_id`.
     Returns the model_type written.
     """
     path = os.fspath(path)
@@ -792,6 +792,12 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
         clash = sorted(set(extra_config) & set(hf))
         if clash:
             raise HFFormatError(f"extra_config: key(s) {clash} are set from the ModelConfig")
+        # Any other key could change what transformers builds (e.g. rope_parameters, which it
+        # prefers over an absent rope_scaling) while jrl's config says otherwise.
+        unread = sorted(set(extra_config) - _HARMLESS_KEYS)
+        if unread:
+            raise HFFormatError(f"extra_config: key(s) {unread} may change the model; only keys that never "
+                                "affect the forward pass (token ids, generation defaults, bookkeeping) can be added")
         hf.update(extra_config)
     expected = _expected_shapes(config)
     for p, shape in expected.items():

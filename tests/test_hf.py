@@ -358,6 +358,14 @@ def test_saved_config_uses_legacy_rope_keys_and_extra_config(tmp_path):
     assert saved["architectures"] == ["LlamaForCausalLM"]
 
 
+def test_save_rejects_extra_config_keys_that_could_change_the_model(tmp_path):
+    config, params = hf.load_pretrained(fixture("mistral"))  # default rope: no rope_scaling written
+    with pytest.raises(hf.HFFormatError, match=re.escape("extra_config: key(s) ['rope_parameters'] may change the model")):
+        hf.save_pretrained(config, params, tmp_path, model_type="mistral",
+                           extra_config={"eos_token_id": 2, "rope_parameters": {"rope_theta": 5e5}})
+    assert not os.listdir(tmp_path)
+
+
 def test_save_rejects_unmerged_lora_params(tmp_path):
     _, config = ROUND_TRIP_CONFIGS["llama_untied_llama3"]
     lora_config = dataclasses.replace(config, lora=LoraConfig(rank=2, targets=("q",)))
