@@ -152,25 +152,29 @@ def _rope_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> tuple[f
         raise HFFormatError(f"{where}: partial_rotary_factor={partial} is not supported (jrl rotates whole heads)")
     max_pos = hf.get("max_position_embeddings")
 
-    def take(allowed: set[str]) -> dict[str, Any]:
+    def take(allowed: set[str], required: tuple[str, ...] = ()) -> dict[str, Any]:
         unknown = sorted(set(params) - allowed)
         if unknown:
             raise HFFormatError(f"{where}: rope field(s) {unknown} are not supported for rope type {kind!r}")
+        missing = [k for k in required if params.get(k) is None]
+        if missing:
+            raise HFFormatError(f"{where}: rope type {kind!r} needs field(s) {missing}")
         return params
 
     if kind == "default":
         take({"factor"})  # some configs carry a stray factor with the default type; it is unused
         return float(theta), RopeScaling()
     if kind == "linear":
-        p = take({"factor"})
+        p = take({"factor"}, ("factor",))
         return float(theta), RopeScaling(type="linear", factor=float(p["factor"]))
     if kind == "dynamic":
         # transformers stretches the base only beyond max_position_embeddings.
-        p = take({"factor", "original_max_position_embeddings"})
+        p = take({"factor", "original_max_position_embeddings"}, ("factor",))
         return float(theta), RopeScaling(type="dynamic", factor=float(p["factor"]),
                                          original_max_position_embeddings=max_pos)
     if kind == "llama3":
-        p = take({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        p = take({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+                 ("factor",))
         return float(theta), RopeScaling(
             type="llama3", factor=float(p["factor"]),
             low_freq_factor=float(p.get("low_freq_factor", 1.0)),

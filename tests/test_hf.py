@@ -460,6 +460,13 @@ def test_unknown_field_is_named_and_can_be_ignored_on_purpose():
     assert hf.config_from_hf(cfg, ignore_fields=["logit_softcapping"])[1] == "llama"
 
 
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "llama3"])
+def test_a_rope_type_without_its_factor_is_named(kind):
+    cfg = {**fixture_config("llama"), "rope_parameters": {"rope_type": kind, "rope_theta": 10000.0}}
+    with pytest.raises(hf.HFFormatError, match=re.escape(f"config.json: rope type {kind!r} needs field(s) ['factor']")):
+        hf.config_from_hf(cfg)
+
+
 def test_unsupported_rope_type_is_named():
     cfg = {**fixture_config("llama"), "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}
     with pytest.raises(hf.HFFormatError, match="rope type 'longrope' is not supported"):
