@@ -633,6 +633,9 @@ class OptimizerConfig:
         _check(self.muon_ns_steps >= 1, "optimizer.muon_ns_steps", f"must be >= 1, got {self.muon_ns_steps}")
         if self.muon_lr is not None:
             _check_finite_non_negative(self.muon_lr, "optimizer.muon_lr")
+        if self.muon_consistent_rms is not None:  # it multiplies every Muon update: < 0 ascends, 0 stops
+            _check(0 < self.muon_consistent_rms < math.inf, "optimizer.muon_consistent_rms",
+                   f"must be finite and > 0 (null: width scaling), got {self.muon_consistent_rms}")
         for group, scale in self.lr_scale.items():
             _check(group in PARAM_GROUPS, f"optimizer.lr_scale.{group}",
                    f"unknown parameter group; allowed: {', '.join(PARAM_GROUPS)}")

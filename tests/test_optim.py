@@ -105,6 +105,14 @@ def test_a_non_finite_rate_is_refused_naming_the_field(kwargs, message):
         OptimizerConfig(**kwargs)
 
 
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
+def test_muon_consistent_rms_that_is_not_a_positive_finite_number_is_refused_naming_the_field(value):
+    # a negative one turned Muon's updates into gradient ascent, NaN made the params NaN
+    with pytest.raises(ConfigError, match=rf"^optimizer.muon_consistent_rms: must be finite and > 0 \(null: "
+                                          rf"width scaling\), got {value}$"):
+        OptimizerConfig(name="muon", muon_consistent_rms=value)
+
+
 def sched(**kw):
     return lambda steps: [float(make_schedule(ScheduleConfig(**kw), 10)(c)) for c in steps]
 
