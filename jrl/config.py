@@ -671,7 +671,8 @@ class ScheduleConfig:
         _check(0 < self.wsd_decay_fraction <= 1, "schedule.wsd_decay_fraction",
                f"must be in (0, 1], got {self.wsd_decay_fraction}")
         _check(self.restart_period >= 1, "schedule.restart_period", f"must be >= 1, got {self.restart_period}")
-        _check(self.restart_decay > 0, "schedule.restart_decay", f"must be > 0, got {self.restart_decay}")
+        # each cycle's peak is restart_decay times the last: above 1 the rate grows without bound
+        _check(0 < self.restart_decay <= 1, "schedule.restart_decay", f"must be in (0, 1], got {self.restart_decay}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,3 +130,11 @@ def test_wsd_is_flat_then_decays_over_the_last_fraction():
 def test_cosine_restarts_cycle_with_decaying_peaks():
     f = sched(kind="cosine_restarts", restart_period=4, restart_decay=0.5, min_lr_ratio=0.0)
     np.testing.assert_allclose(f([0, 2, 4, 6, 8]), [1.0, 0.5, 0.5, 0.25, 0.25], atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [1.5, float("inf")])
+def test_a_restart_decay_outside_zero_to_one_is_refused_naming_the_field(value):
+    # above 1 each cycle multiplied the peak rate (5: 10 million times optimizer.lr after
+    # 10 cycles; inf: an infinite rate that made the params NaN after the first cycle)
+    with pytest.raises(ConfigError, match=rf"^schedule.restart_decay: must be in \(0, 1\], got {value}$"):
+        ScheduleConfig(kind="cosine_restarts", restart_decay=value)
