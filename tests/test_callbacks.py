@@ -155,6 +155,15 @@ def test_early_stopping_counts_a_non_finite_value_as_no_improvement():
     assert trainer.reason == "early stopping: loss did not improve on 1 for 2 checks"
 
 
+def test_early_stopping_stops_a_run_whose_monitor_was_never_finite_saying_so():
+    # a run that diverged before its first evaluation: there is no best value to name
+    trainer = _StopRecorder()
+    es = EarlyStopping("eval_loss", patience=2)
+    for _ in range(2):
+        es.on_eval(trainer, None, {"eval_loss": None})
+    assert trainer.reason == "early stopping: eval_loss was not finite for 2 checks"
+
+
 def test_early_stopping_ignores_rows_without_the_monitored_metric():
     trainer = _StopRecorder()
     es = EarlyStopping("eval_loss", patience=1)

@@ -171,8 +171,9 @@ class EarlyStopping(Callback):
             return
         self.bad_checks += 1
         if self.bad_checks >= self.patience:
-            trainer.request_stop(f"early stopping: {self.monitor} did not improve on {self.best:.6g} "
-                                 f"for {self.bad_checks} checks")
+            # no best yet: every value so far was non-finite (a run that diverged early)
+            what = "was not finite" if self.best is None else f"did not improve on {self.best:.6g}"
+            trainer.request_stop(f"early stopping: {self.monitor} {what} for {self.bad_checks} checks")
 
     def on_train_begin(self, trainer, state) -> None:
         # a resumed run replays the logged rows: the checks of the run it continues count
