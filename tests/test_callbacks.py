@@ -3,6 +3,7 @@
 import os
 import signal
 import warnings
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from jrl import checkpoint
 from jrl.config import load_train_config
 from jrl.metrics_log import read_metrics
-from jrl.train.callbacks import Callback, EarlyStopping, checked_gradients
+from jrl.train.callbacks import Callback, EarlyStopping, ProgressBar, checked_gradients
 from jrl.train import trainer as trainer_module
 from jrl.train.trainer import Trainer
 from run_control import PoisonSteps, StopAfter
@@ -191,6 +192,17 @@ def test_early_stopping_does_not_warn_about_a_training_metric():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         es.on_eval(trainer, None, {"eval_loss": 1.0})
+
+
+def test_the_progress_bar_prints_a_non_finite_eval_loss_as_nan(capsys):
+    # evaluate() logs a NaN eval_loss as None (strict JSON); the bar must not crash on it
+    trainer = SimpleNamespace(is_main_process=True, config=SimpleNamespace(steps=4, name="run"))
+    bar = ProgressBar()
+    bar.on_train_begin(trainer, SimpleNamespace(step=2))
+    bar.on_eval(trainer, None, {"step": 2, "eval_loss": None})
+    bar.on_train_end(trainer, None)
+    out = capsys.readouterr()
+    assert "step 2: eval_loss nan\n" in out.out + out.err
 
 
 class FailAtStep(Callback):

@@ -210,6 +210,11 @@ class MetricsLogger(Callback):
             trainer.metrics_log.append(metrics)
 
 
+def _shown(value: float | None) -> str:
+    """A loss for the progress bar: None (a non-finite value, as rows hold it) shows as nan."""
+    return "nan" if value is None else f"{value:.4f}"
+
+
 class ProgressBar(Callback):
     """tqdm bar over the run's steps with ETA, loss and lr (stderr)."""
 
@@ -225,13 +230,11 @@ class ProgressBar(Callback):
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            loss = metrics["loss"]  # None: non-finite, the update was skipped
-            self.bar.set_postfix(loss="nan" if loss is None else f"{loss:.4f}", lr=f"{metrics['lr']:.2e}",
-                                 refresh=False)
+            self.bar.set_postfix(loss=_shown(metrics["loss"]), lr=f"{metrics['lr']:.2e}", refresh=False)
 
     def on_eval(self, trainer, state, metrics) -> None:
         if self.bar is not None and "eval_loss" in metrics:
-            self.bar.write(f"step {metrics['step']}: eval_loss {metrics['eval_loss']:.4f}")
+            self.bar.write(f"step {metrics['step']}: eval_loss {_shown(metrics['eval_loss'])}")
 
     def _close(self) -> None:
         if self.bar is not None:
