@@ -9,13 +9,14 @@ import numpy as np
 import optax
 import pytest
 
-from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig
+from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig, load_train_config
 from jrl.models import init_params
 from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_mask
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
 from jrl.train.step import GradInfo, make_step_fns, trainable_part
 from jrl.train.strategies import LossOutput, Strategy, get_strategy, metric, strategy_options
+from jrl.train.trainer import Trainer
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                   intermediate_size=32, max_position_embeddings=16)
@@ -192,3 +193,22 @@ def test_frozen_leaves_get_no_gradient_and_the_update_keeps_their_arrays():
     assert new.params["embed"]["embedding"] is embedding and not embedding.is_deleted()
     assert np.abs(np.asarray(new.params["layers"]["mlp"]["up_proj"]["kernel"]) - up).max() > 0
     assert int(new.policy_version) == 1
+
+
+def test_a_batch_whose_fields_have_different_row_counts_is_refused_naming_the_field(tmp_path):
+    # it used to fail inside numpy's reshape ("cannot reshape array of size 64 into shape (2,2,32)")
+    config = load_train_config(None, [
+        "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
+        "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32", "data.seq_len=32",
+        "data.source=bundled:arithmetic:50", "data.batch_size=4", "data.micro_batches=2",
+        "logging.progress=false", "logging.plot=false"])
+    trainer = Trainer(config, output_dir=tmp_path)
+    trainer.setup()
+    try:
+        batch = trainer.train_source.next_batch(trainer.state)
+        batch["loss_mask"] = batch["loss_mask"][:2]
+        with pytest.raises(ValueError, match=r"^batch\['loss_mask'\]: 2 rows, but batch\['tokens'\] has 4; every "
+                                             r"field's leading axis is the batch's rows$"):
+            trainer.train_step(batch)
+    finally:
+        trainer.release_run_dir()
