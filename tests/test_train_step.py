@@ -195,14 +195,18 @@ def test_frozen_leaves_get_no_gradient_and_the_update_keeps_their_arrays():
     assert int(new.policy_version) == 1
 
 
-def test_a_batch_whose_fields_have_different_row_counts_is_refused_naming_the_field(tmp_path):
-    # it used to fail inside numpy's reshape ("cannot reshape array of size 64 into shape (2,2,32)")
+def tiny_trainer(run_dir, *overrides):
     config = load_train_config(None, [
         "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
         "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32", "data.seq_len=32",
-        "data.source=bundled:arithmetic:50", "data.batch_size=4", "data.micro_batches=2",
-        "logging.progress=false", "logging.plot=false"])
-    trainer = Trainer(config, output_dir=tmp_path)
+        "data.source=bundled:arithmetic:50", "data.batch_size=4", "logging.progress=false",
+        "logging.plot=false", *overrides])
+    return Trainer(config, output_dir=run_dir)
+
+
+def test_a_batch_whose_fields_have_different_row_counts_is_refused_naming_the_field(tmp_path):
+    # it used to fail inside numpy's reshape ("cannot reshape array of size 64 into shape (2,2,32)")
+    trainer = tiny_trainer(tmp_path, "data.micro_batches=2")
     trainer.setup()
     try:
         batch = trainer.train_source.next_batch(trainer.state)
@@ -210,5 +214,18 @@ def test_a_batch_whose_fields_have_different_row_counts_is_refused_naming_the_fi
         with pytest.raises(ValueError, match=r"^batch\['loss_mask'\]: 2 rows, but batch\['tokens'\] has 4; every "
                                              r"field's leading axis is the batch's rows$"):
             trainer.train_step(batch)
+    finally:
+        trainer.release_run_dir()
+
+
+def test_evaluate_without_held_out_batches_is_an_error_saying_what_to_set(tmp_path):
+    # it returned eval_loss 0.0, a perfect score measured on nothing
+    trainer = tiny_trainer(tmp_path, "data.eval_fraction=0")
+    trainer.setup()
+    try:
+        with pytest.raises(ValueError, match=r"^evaluate: the trainer has no held-out batches \(set "
+                                             r"data.eval_source or data.eval_fraction > 0; with a train_source, "
+                                             r"pass eval_batches\)$"):
+            trainer.evaluate()
     finally:
         trainer.release_run_dir()

@@ -526,7 +526,11 @@ class Trainer:
         return row
 
     def evaluate(self, state: TrainState | None = None) -> dict:
-        """Loss and metrics on the held-out batches ("eval_*" keys, plus step and version)."""
+        """Loss and metrics on the held-out batches ("eval_*" keys, plus step and version).
+        Without held-out batches it is an error (the sums over none would read as loss 0)."""
+        if not self.eval_batches:
+            raise ValueError("evaluate: the trainer has no held-out batches (set data.eval_source or "
+                             "data.eval_fraction > 0; with a train_source, pass eval_batches)")
         state = state if state is not None else self.state
         total = weight = 0.0
         sums: dict[str, list[float]] = {}
