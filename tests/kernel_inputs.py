@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.dispatch import waited_if_interpreted
+
+
+def waiting(kernel):
+    """`kernel` (a `*_mgpu` entry point) whose interpreted result is waited for outside a
+    trace, as `pallas_kernels.dispatch` does: the interpreter can deadlock when the caller
+    dispatches more work (the reference it is compared with) while a kernel runs."""
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        return waited_if_interpreted(kernel(*args, **kwargs), bool(kwargs.get("interpret")))
+    return run
 
 
 def lowers_for_hopper(traced) -> bool:

@@ -27,6 +27,7 @@ from jrl.rollout.config import EngineConfig, check_exact, exact_model_config
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import SamplingParams
 from jrl.train.logprobs import attention_layout, token_logprobs
+from kernel_inputs import waiting
 from pallas_kernels import dispatch, gemm_mgpu
 
 import jrl.rl.source as source_module
@@ -149,7 +150,7 @@ def test_exact_gemm_kernel_runs_one_fixed_tile_gemm_over_all_rows_and_takes_the_
     params = nn.unbox(layer.init(jax.random.key(0), x))
     y = layer.apply(params, x)
     kernel = params["params"]["kernel"]
-    want = gemm_mgpu.fixed_tile_matmul(x.reshape(-1, 64), kernel, interpret=True).reshape(3, 70, 128)
+    want = waiting(gemm_mgpu.fixed_tile_matmul)(x.reshape(-1, 64), kernel, interpret=True).reshape(3, 70, 128)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
     np.testing.assert_array_equal(np.asarray(layer.apply(params, x[1:2]), np.float32), np.asarray(y[1:2], np.float32))
     grad = jax.grad(lambda p: jnp.sum(layer.apply(p, x).astype(jnp.float32) ** 2))(params)["params"]["kernel"]

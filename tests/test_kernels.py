@@ -22,7 +22,10 @@ from pallas_kernels.gemm_mgpu import fixed_tile_matmul, tile_depth, tile_shape
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu, tile_table
 from pallas_kernels.scatter_rows import scatter_rows
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
-from kernel_inputs import lowers_for_hopper, paged_inputs, rel_err
+from kernel_inputs import lowers_for_hopper, paged_inputs, rel_err, waiting
+
+ragged_decode_mgpu, exact_attention_mgpu, fixed_tile_matmul, paged_prefill_mgpu = map(
+    waiting, (ragged_decode_mgpu, exact_attention_mgpu, fixed_tile_matmul, paged_prefill_mgpu))
 
 TOL = 1e-2  # bf16 inputs and bf16 probabilities in PV: observed 1e-3..3e-3
 

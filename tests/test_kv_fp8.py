@@ -23,7 +23,9 @@ from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.quantized import QuantizedKV
 from pallas_kernels.staged_prefill import copied_lens, pages_read, stage_layout, staged_pages
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
-from kernel_inputs import lowers_for_hopper, paged_inputs, rel_err
+from kernel_inputs import lowers_for_hopper, paged_inputs, rel_err, waiting
+
+ragged_decode_mgpu, paged_prefill_mgpu = waiting(ragged_decode_mgpu), waiting(paged_prefill_mgpu)
 
 TOL = 1e-2  # kernel vs the reference on the same fp8 buffers (bf16 tiles and probabilities)
 MMA_TOL = 3e-2  # the same with "mma"/"mma_q8": P (and q) rounded to e4m3, 3 mantissa bits
