@@ -41,7 +41,7 @@ if _LEVEL not in os.environ.get("XLA_FLAGS", ""):
 if "JRL_COMPILATION_CACHE" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JRL_COMPILATION_CACHE"] = os.path.join(tempfile.gettempdir(), f"jrl-tests-jax-cache-{os.getuid()}")
 
-MAX_MAPS_KEPT = 20_000
+MAX_MAPS_KEPT = 40_000
 
 
 def memory_map_count() -> int | None:
