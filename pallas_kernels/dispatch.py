@@ -101,13 +101,15 @@ def fp8_values_slot_minor(n_q_heads: int, n_kv_heads: int) -> bool:
     return FP8_MMA_DEFAULT and default_keys_as_rows(n_q_heads // max(n_kv_heads, 1))
 
 
-def waited_if_interpreted(out, interpreted: bool):
-    """`out` of a kernel, waited for when it ran in the interpreter outside a trace. jax
-    0.11.2's GPU interpreter runs a kernel's warpgroups as nested computations on the CPU
-    client; work the calling thread dispatches while they run can deadlock them (every
-    thread idle in XLA's dispatch: a test comparing a kernel with its reference hung the
-    suite; under load, within 5 repetitions, and never in 54 once the result was waited for)."""
-    if interpreted and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
+def run_kernel(kernel, *args, interpret: bool = False, **kwargs):
+    """`kernel(*args, interpret=interpret, **kwargs)`, waited for when it ran in the
+    interpreter outside a trace. jax 0.11.2's GPU interpreter runs a kernel's warpgroups as
+    nested computations on the CPU client; work the calling thread dispatches while they
+    run can deadlock them (every thread idle in XLA's dispatch: a test comparing a kernel
+    with its reference hung the suite; under load, within 5 repetitions, and never in 54
+    once the result was waited for)."""
+    out = kernel(*args, interpret=interpret, **kwargs)
+    if interpret and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(out)):
         return jax.block_until_ready(out)
     return out
 
@@ -134,10 +136,9 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
     from pallas_kernels.prefill_mgpu import paged_prefill_mgpu  # Mosaic GPU loads on first use
-    return waited_if_interpreted(paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
-                                                    page_size=page_size, sm_scale=float(sm_scale),
-                                                    tuning=prefill_tuning(which), interpret=which == "interpret"),
-                                 which == "interpret")
+    return run_kernel(paged_prefill_mgpu, q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
+                      page_size=page_size, sm_scale=float(sm_scale), tuning=prefill_tuning(which),
+                      interpret=which == "interpret")
 
 
 def staged_paged_prefill(q, k_buf: QuantizedKV, v_buf: QuantizedKV, layer, cu_q_lens, kv_lens, page_table,
@@ -180,10 +181,8 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
                                        page_size=page_size, sm_scale=sm_scale,
                                        v_head_dim=v_head_dim)
     from pallas_kernels.decode_mgpu import ragged_decode_mgpu
-    return waited_if_interpreted(ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, page_size=page_size,
-                                                    sm_scale=float(sm_scale), tuning=decode_tuning(which),
-                                                    interpret=which == "interpret"),
-                                 which == "interpret")
+    return run_kernel(ragged_decode_mgpu, q, k_buf, v_buf, layer, kv_lens, page_table, page_size=page_size,
+                      sm_scale=float(sm_scale), tuning=decode_tuning(which), interpret=which == "interpret")
 
 
 # The jnp path's pinned blocks: both sides of an exact comparison (the engine's steps, the
@@ -221,10 +220,9 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
                                                page_size=page_size, sm_scale=sm_scale,
                                                block_kv=EXACT_BLOCK_KV, block_q=EXACT_BLOCK_Q)
     from pallas_kernels.exact_mgpu import exact_attention_mgpu
-    return waited_if_interpreted(exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
-                                                      page_size=page_size, sm_scale=float(sm_scale),
-                                                      one_query_each=one_query_each, interpret=which == "interpret"),
-                                 which == "interpret")
+    return run_kernel(exact_attention_mgpu, q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
+                      page_size=page_size, sm_scale=float(sm_scale), one_query_each=one_query_each,
+                      interpret=which == "interpret")
 
 
 def exact_matmul_runs(dtype, k: int, n: int) -> bool:
@@ -243,8 +241,7 @@ def exact_matmul(x, w, parts: tuple[int, ...] = ()):
     product's gradient (only the forward must be exact). `parts`: the output split into
     arrays of these widths by the kernel itself (no slicing copies)."""
     from pallas_kernels import gemm_mgpu
-    interpreted = jax.default_backend() != "gpu"
-    return waited_if_interpreted(gemm_mgpu.fixed_tile_matmul(x, w, parts=parts, interpret=interpreted), interpreted)
+    return run_kernel(gemm_mgpu.fixed_tile_matmul, x, w, parts=parts, interpret=jax.default_backend() != "gpu")
 
 
 def _exact_matmul_fwd(x, w, parts):
@@ -287,8 +284,7 @@ def stream_matmul(x, w_t, scale):
     """`x [M, K] @ (w_t [N, K]^T * scale)` by `stream_gemm_mgpu.stream_matmul` (the
     interpreter off a GPU)."""
     from pallas_kernels import stream_gemm_mgpu
-    interpreted = jax.default_backend() != "gpu"
-    return waited_if_interpreted(stream_gemm_mgpu.stream_matmul(x, w_t, scale, interpret=interpreted), interpreted)
+    return run_kernel(stream_gemm_mgpu.stream_matmul, x, w_t, scale, interpret=jax.default_backend() != "gpu")
 
 
 def write_kv(k_buf, v_buf, layer, slots, k, v):

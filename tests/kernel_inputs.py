@@ -7,17 +7,14 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.dispatch import waited_if_interpreted
+from pallas_kernels.dispatch import run_kernel
 
 
 def waiting(kernel):
-    """`kernel` (a `*_mgpu` entry point) whose interpreted result is waited for outside a
-    trace, as `pallas_kernels.dispatch` does: the interpreter can deadlock when the caller
-    dispatches more work (the reference it is compared with) while a kernel runs."""
-    @functools.wraps(kernel)
-    def run(*args, **kwargs):
-        return waited_if_interpreted(kernel(*args, **kwargs), bool(kwargs.get("interpret")))
-    return run
+    """`kernel` (a `*_mgpu` entry point) run through `dispatch.run_kernel`, as the dispatch
+    runs it: waited for when interpreted (the interpreter can deadlock when the caller
+    dispatches more work, such as the reference it is compared with, while a kernel runs)."""
+    return functools.partial(run_kernel, kernel)
 
 
 def lowers_for_hopper(traced) -> bool:
