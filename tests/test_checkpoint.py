@@ -6,6 +6,8 @@ test (SIGKILL at random moments) is in test_checkpoint_crash.py.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import os
@@ -13,6 +15,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import flax.struct
 import jax
@@ -415,6 +419,31 @@ def test_a_save_that_fails_while_writing_publishes_nothing(tmp_path, file_size_l
     assert ckpt.all_steps(tmp_path) == [1]
     assert layout.hidden_leftovers(tmp_path) == []
     assert ckpt.verify_checkpoint(tmp_path, 1)
+
+
+def test_writes_that_land_after_a_failed_save_leave_no_staging_and_keep_its_error(tmp_path, monkeypatch):
+    # Orbax reports a save's first failed write while tensorstore's other writes are still in
+    # flight: they land afterwards and recreate the directories they write into
+    from jrl.checkpoint import payload
+
+    def save_payload_that_fails_with_writes_in_flight(checkpointer, directory, encoded):
+        def late_writes():
+            for i in range(80):
+                with contextlib.suppress(OSError):  # the directory removed between the two calls
+                    (directory / "d").mkdir(parents=True, exist_ok=True)
+                    (directory / "d" / f"shard_{i}").write_bytes(b"x" * 64)
+                time.sleep(0.005)
+        threading.Thread(target=late_writes).start()
+        raise OSError(errno.EFBIG, "File too large")
+
+    ckpt.save(tmp_path, 1, small_state())
+    monkeypatch.setattr(payload, "save_payload", save_payload_that_fails_with_writes_in_flight)
+    with pytest.raises(OSError, match="File too large"):
+        ckpt.save(tmp_path, 2, small_state())
+    assert layout.hidden_leftovers(tmp_path) == []
+    monkeypatch.undo()
+    ckpt.save(tmp_path, 2, small_state())  # the writer lock was released
+    assert ckpt.all_steps(tmp_path) == [1, 2]
 
 
 # ---------------------------------------------------------------- async

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import shutil
+import time
 from pathlib import Path
 
 _AT_FDCWD = -100
@@ -100,6 +101,21 @@ def exchange(a: Path, b: Path) -> bool:
 def remove_tree(path: Path) -> None:
     """Removes a directory tree that nobody reads any more (hidden leftovers, retired copies)."""
     shutil.rmtree(path, ignore_errors=False)
+
+
+def remove_tree_until_gone(path: Path, *, quiet_s: float = 0.2, timeout_s: float = 10.0) -> bool:
+    """Removes a directory tree that late writers may still be adding to, such as a failed
+    Orbax save's staging directory: tensorstore's writes in flight land after the save has
+    reported its first error, and recreate the directories they write into. Removes again
+    until the tree has stayed gone for `quiet_s`; False if it still existed after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shutil.rmtree(path, ignore_errors=True)  # a file removed or added under it meanwhile is a race, not an error
+        time.sleep(quiet_s)
+        if not path.exists():
+            return True
+        if time.monotonic() > deadline:
+            return False
 
 
 class WriterLock:

@@ -194,12 +194,23 @@ class _PendingSave:
             failure = error
             raise
         finally:
-            self._checkpointer.close()
-            if not published and self.staging.exists():
-                durable.remove_tree(self.staging)
-            self._lock.release()
-            if self._group is not None:
-                self._group.announce_publication(failure)
+            try:
+                self._checkpointer.close()
+            finally:
+                if not published:
+                    _discard_staging(self.staging)
+                self._lock.release()
+                if self._group is not None:
+                    self._group.announce_publication(failure)
+
+
+def _discard_staging(staging: Path) -> None:
+    """Removes a failed save's staging directory without hiding the save's own error: writes
+    Orbax left in flight may land in it after the failure (`remove_tree_until_gone`), and one
+    that outlasts the wait is only warned about; the next save's leftover cleanup removes it."""
+    if not durable.remove_tree_until_gone(staging):
+        warnings.warn(f"{staging}: a failed save's staging directory was still being written after it "
+                      f"failed and is left behind; the next save to this root removes it", stacklevel=3)
 
 
 def is_checkpoint_dir(directory: str | os.PathLike) -> bool:
@@ -262,16 +273,17 @@ def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log, 
             checkpointer = ocp.StandardCheckpointer(multiprocessing_options=group.orbax_options())
         payload.save_payload(checkpointer, staging / payload.PAYLOAD_DIR, encoded)
     except BaseException as error:
-        if checkpointer is not None:
-            checkpointer.close()
-        if primary:
-            if staging.exists():
-                durable.remove_tree(staging)
-            lock.release()
-            if group is not None:
-                group.announce_publication(error)
-        else:
-            group.report_payload(error)
+        try:
+            if checkpointer is not None:
+                checkpointer.close()
+        finally:
+            if primary:
+                _discard_staging(staging)
+                lock.release()
+                if group is not None:
+                    group.announce_publication(error)
+            else:
+                group.report_payload(error)
         raise
     return _PendingSave(root, step, staging, checkpointer, meta_bytes, lock, keep_last, keep_every, group,
                         files if primary else None)
