@@ -60,6 +60,13 @@ QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _DEFAULT_RMS_EPS = {"mixtral": 1e-5}
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6}
 _DEFAULT_SLIDING_WINDOW = {"mistral": 4096}  # an explicit null means no window
+# Attention shape without the key: transformers' fixed defaults (elsewhere num_attention_heads
+# and hidden_size // num_attention_heads). An explicit null means the derived value only in
+# the families listed; the others keep None, from which transformers builds no model.
+_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32, "qwen3": 32, "qwen2_moe": 16, "qwen3_moe": 4, "mixtral": 8}
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
+_NULL_KV_HEADS_DERIVED = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+_NULL_HEAD_DIM_DERIVED = ("llama", "mistral", "mixtral")
 
 # Keys every family reads.
 _COMMON_KEYS = {
@@ -269,6 +276,18 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
             raise HFFormatError(f"{where}: {key} must be true or false, got {value!r}")
         return value
 
+    def get_shape(key: str, absent: int, null_ok: bool, derived: int) -> int:
+        """`key`'s integer; `absent` without the key; `derived` for a null where transformers
+        maps None to it (null_ok), else an error: a missing key and a null differ there."""
+        if key not in hf:
+            return absent
+        if hf[key] is None:
+            if not null_ok:
+                raise HFFormatError(f"{where}: {key} is null, which transformers keeps as None for "
+                                    f"{model_type} and cannot build a model from; give the number")
+            return derived
+        return get_int(key)
+
     def require(key: str, ok: bool, msg: str) -> None:
         if not ok and key not in ignored:
             raise HFFormatError(f"{where}: {key}={hf.get(key)!r} is not supported: {msg}")
@@ -295,8 +314,10 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
         hidden_size=hidden,
         n_layers=get_int("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=get_int("num_key_value_heads", n_heads),
-        head_dim=get_int("head_dim", hidden // n_heads),
+        n_kv_heads=get_shape("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type, n_heads),
+                             model_type in _NULL_KV_HEADS_DERIVED, n_heads),
+        head_dim=get_shape("head_dim", _DEFAULT_HEAD_DIM.get(model_type, hidden // n_heads),
+                           model_type in _NULL_HEAD_DIM_DERIVED, hidden // n_heads),
         intermediate_size=get_int("intermediate_size"),
         max_position_embeddings=max_len,
         rms_norm_eps=float(get("rms_norm_eps", _DEFAULT_RMS_EPS.get(model_type, 1e-6))),

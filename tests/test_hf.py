@@ -172,6 +172,56 @@ MISTRAL_7B_V01_CONFIG = {
 }
 
 
+def test_qwen3_config_without_head_dim_has_transformers_default_of_128():
+    cfg = {k: v for k, v in fixture_config("qwen3").items() if k != "head_dim"}
+    assert hf.config_from_hf(cfg)[0].head_dim == 128  # not hidden_size // num_attention_heads = 8
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen2_moe", "qwen3_moe", "mixtral"])
+def test_config_without_head_dim_has_hidden_size_over_heads(family):
+    cfg = {k: v for k, v in fixture_config(family).items() if k != "head_dim"}
+    assert hf.config_from_hf(cfg)[0].head_dim == 8  # 32 // 4
+
+
+# transformers' num_key_value_heads when config.json lacks it (llama: num_attention_heads)
+KV_HEADS_DEFAULTS = {"llama": 64, "mistral": 8, "qwen2": 32, "qwen3": 32, "qwen2_moe": 16, "qwen3_moe": 4,
+                     "mixtral": 8}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_without_num_key_value_heads_has_the_family_default(family):
+    cfg = {k: v for k, v in fixture_config(family).items() if k != "num_key_value_heads"}
+    cfg.update(num_attention_heads=64, head_dim=8)  # divisible by every default
+    assert hf.config_from_hf(cfg)[0].n_kv_heads == KV_HEADS_DEFAULTS[family]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
+def test_null_num_key_value_heads_means_num_attention_heads(family):
+    cfg = {**fixture_config(family), "num_attention_heads": 64, "head_dim": 8, "num_key_value_heads": None}
+    assert hf.config_from_hf(cfg)[0].n_kv_heads == 64
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_null_num_key_value_heads_without_a_transformers_meaning_is_named(family):
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.config_from_hf({**fixture_config(family), "num_key_value_heads": None})
+    assert str(e.value) == (f"config.json: num_key_value_heads is null, which transformers keeps as None for {family} "
+                            "and cannot build a model from; give the number")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "mixtral"])
+def test_null_head_dim_means_hidden_size_over_heads(family):
+    assert hf.config_from_hf({**fixture_config(family), "head_dim": None})[0].head_dim == 8
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+def test_null_head_dim_without_a_transformers_meaning_is_named(family):
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.config_from_hf({**fixture_config(family), "head_dim": None})
+    assert str(e.value) == (f"config.json: head_dim is null, which transformers keeps as None for {family} "
+                            "and cannot build a model from; give the number")
+
+
 def test_published_llama31_config_maps_to_the_expected_model_config():
     config, model_type = hf.config_from_hf(LLAMA31_8B_CONFIG, dtype="bfloat16", max_position_embeddings=8192)
     assert model_type == "llama"
