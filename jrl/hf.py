@@ -60,6 +60,7 @@ QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _DEFAULT_RMS_EPS = {"mixtral": 1e-5}
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6}
 _DEFAULT_SLIDING_WINDOW = {"mistral": 4096}  # an explicit null means no window
+_DEFAULT_MAX_WINDOW_LAYERS = 28  # qwen2/qwen3: layers from this index on use the window
 # Attention shape without the key: transformers' fixed defaults (elsewhere num_attention_heads
 # and hidden_size // num_attention_heads). An explicit null means the derived value only in
 # the families listed; the others keep None, from which transformers builds no model.
@@ -212,10 +213,19 @@ def _rope_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> tuple[f
                         "(supported: default, linear, dynamic, llama3, yarn)")
 
 
-def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, where: str) -> None:
+def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, n_layers: int,
+                          first_sliding: int, where: str) -> None:
+    """Refuses a window shorter than the context on any layer (jrl attends to the whole
+    context). Layers from `first_sliding` on use the window; qwen2/qwen3 take it from
+    max_window_layers, and newer transformers from layer_types: a window counts if either
+    gives it a layer."""
     if model_type in QWEN_TYPES:
         window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
         field = "use_sliding_window/sliding_window"
+        if model_type in ("qwen2", "qwen3"):
+            field += "/max_window_layers"
+            if first_sliding >= n_layers and "sliding_attention" not in (hf.get("layer_types") or []):
+                window = None
     else:
         window, field = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type)), "sliding_window"
     if window and window < max_len:
@@ -306,13 +316,15 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
 
     n_heads = get_int("num_attention_heads")
     hidden = get_int("hidden_size")
+    n_layers = get_int("num_hidden_layers")
     max_len = get_int("max_position_embeddings") if max_position_embeddings is None else max_position_embeddings
-    _check_sliding_window(hf, model_type, max_len, where)
+    first_sliding = get_int("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS) if model_type in ("qwen2", "qwen3") else 0
+    _check_sliding_window(hf, model_type, max_len, n_layers, first_sliding, where)
     theta, scaling = _rope_from_hf(hf, model_type, where)
     fields: dict[str, Any] = dict(
         vocab_size=get_int("vocab_size"),
         hidden_size=hidden,
-        n_layers=get_int("num_hidden_layers"),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=get_shape("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type, n_heads),
                              model_type in _NULL_KV_HEADS_DERIVED, n_heads),

@@ -484,10 +484,46 @@ def test_a_zero_context_override_is_refused_not_ignored():
 
 
 def test_qwen_sliding_window_counts_only_when_enabled():
-    cfg = {**fixture_config("qwen2"), "sliding_window": 16}
+    cfg = {**fixture_config("qwen2"), "sliding_window": 16, "max_window_layers": 1}
     assert hf.config_from_hf(cfg)[0].max_position_embeddings == 256
     with pytest.raises(hf.HFFormatError, match="use_sliding_window/sliding_window"):
         hf.config_from_hf({**cfg, "use_sliding_window": True})
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("max_window_layers", [2, 28])
+def test_qwen_sliding_window_from_max_window_layers_on_no_layer_is_full_attention(family, max_window_layers):
+    """transformers slides layers i >= max_window_layers only: with 2 layers, none."""
+    cfg = {k: v for k, v in fixture_config(family).items() if k != "layer_types"}
+    cfg.update(use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers)
+    assert hf.config_from_hf(cfg)[0].max_position_embeddings == 256
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_on_the_last_layer_is_named(family):
+    cfg = {k: v for k, v in fixture_config(family).items() if k != "layer_types"}
+    cfg.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.config_from_hf(cfg)
+    assert str(e.value) == ("config.json: use_sliding_window/sliding_window/max_window_layers: sliding-window "
+                            "attention with window 16 < max length 256 is not supported; pass "
+                            "max_position_embeddings<=16 to load_pretrained to cap the context at the window")
+
+
+def test_qwen_sliding_window_counts_when_layer_types_or_max_window_layers_slide_a_layer():
+    """Newer transformers read layer_types, older ones max_window_layers: either is enough."""
+    cfg = {**fixture_config("qwen2"), "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2,
+           "layer_types": ["full_attention", "sliding_attention"]}
+    with pytest.raises(hf.HFFormatError, match="window 16 < max length 256"):
+        hf.config_from_hf(cfg)
+    with pytest.raises(hf.HFFormatError, match="window 16 < max length 256"):
+        hf.config_from_hf({**cfg, "max_window_layers": 1, "layer_types": ["full_attention", "full_attention"]})
+
+
+def test_qwen_max_window_layers_that_is_not_an_integer_is_named():
+    cfg = {**fixture_config("qwen3"), "use_sliding_window": True, "sliding_window": 16, "max_window_layers": "2"}
+    with pytest.raises(hf.HFFormatError, match=r"^config.json: max_window_layers must be an integer, got '2'$"):
+        hf.config_from_hf(cfg)
 
 
 @pytest.mark.parametrize("key,value,family", [
