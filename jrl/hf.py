@@ -59,7 +59,8 @@ QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # transformers' defaults for optional keys that change the math (absent from config.json).
 _DEFAULT_RMS_EPS = {"mixtral": 1e-5}
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6}
-_DEFAULT_SLIDING_WINDOW = {"mistral": 4096}  # an explicit null means no window
+# an explicit null means no window; the Qwen families use theirs only with use_sliding_window
+_DEFAULT_SLIDING_WINDOW = dict.fromkeys(("mistral", *QWEN_TYPES), 4096)
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # qwen2/qwen3: layers from this index on use the window
 # Attention shape without the key: transformers' fixed defaults (elsewhere num_attention_heads
 # and hidden_size // num_attention_heads). An explicit null means the derived value only in
@@ -219,15 +220,14 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, 
     context). Layers from `first_sliding` on use the window; qwen2/qwen3 take it from
     max_window_layers, and newer transformers from layer_types: a window counts if either
     gives it a layer."""
+    window, field = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type)), "sliding_window"
     if model_type in QWEN_TYPES:
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        window = window if hf.get("use_sliding_window", False) else None
         field = "use_sliding_window/sliding_window"
         if model_type in ("qwen2", "qwen3"):
             field += "/max_window_layers"
             if first_sliding >= n_layers and "sliding_attention" not in (hf.get("layer_types") or []):
                 window = None
-    else:
-        window, field = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type)), "sliding_window"
     if window and window < max_len:
         raise HFFormatError(
             f"{where}: {field}: sliding-window attention with window {window} < max length {max_len} "

@@ -520,6 +520,14 @@ def test_qwen_sliding_window_counts_when_layer_types_or_max_window_layers_slide_
         hf.config_from_hf({**cfg, "max_window_layers": 1, "layer_types": ["full_attention", "full_attention"]})
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+def test_qwen_config_without_sliding_window_has_transformers_default_window_of_4096(family):
+    cfg = {k: v for k, v in fixture_config(family).items() if k not in ("sliding_window", "layer_types")}
+    cfg.update(use_sliding_window=True, max_window_layers=0)
+    with pytest.raises(hf.HFFormatError, match="sliding-window attention with window 4096 < max length 8192"):
+        hf.config_from_hf(cfg, max_position_embeddings=8192)
+
+
 def test_qwen_max_window_layers_that_is_not_an_integer_is_named():
     cfg = {**fixture_config("qwen3"), "use_sliding_window": True, "sliding_window": 16, "max_window_layers": "2"}
     with pytest.raises(hf.HFFormatError, match=r"^config.json: max_window_layers must be an integer, got '2'$"):
