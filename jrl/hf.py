@@ -384,8 +384,16 @@ def _rope_to_hf(config: ModelConfig) -> tuple[dict[str, Any] | None, int]:
     if s.type == "linear":
         return {"rope_type": "linear", "factor": s.factor}, max_pos
     if s.type in ("dynamic", "ntk"):
-        # HF's dynamic NTK treats max_position_embeddings as the pretraining length.
-        return {"rope_type": "dynamic", "factor": s.factor}, s.original_max_position_embeddings or max_pos
+        # HF's dynamic NTK treats max_position_embeddings as the pretraining length and leaves
+        # RoPE plain within it; jrl's is plain only when its table is no longer than that.
+        original = s.original_max_position_embeddings or max_pos
+        if original < max_pos:
+            raise HFFormatError(
+                f"rope_scaling.type: {s.type!r} with original_max_position_embeddings {original} < "
+                f"max_position_embeddings {max_pos} stretches the base for {max_pos} positions at every "
+                f"position; transformers' dynamic rope stretches only sequences longer than {original}, "
+                "so Hugging Face has no equivalent")
+        return {"rope_type": "dynamic", "factor": s.factor}, original
     if s.type == "llama3":
         return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
                 "high_freq_factor": s.high_freq_factor,

@@ -408,6 +408,28 @@ def test_saved_config_uses_legacy_rope_keys_and_extra_config(tmp_path):
     assert saved["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "ntk"])
+def test_save_refuses_a_dynamic_rope_stretched_for_a_longer_table(kind, tmp_path):
+    """jrl stretches the base for max_position_embeddings at every position; transformers'
+    dynamic rope only for sequences past its max_position_embeddings: no equivalent."""
+    _, config = ROUND_TRIP_CONFIGS["qwen2_tied_dynamic"]
+    config = dataclasses.replace(config, max_position_embeddings=1024, rope_scaling=RopeScaling(
+        type=kind, factor=2.0, original_max_position_embeddings=512))
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.save_pretrained(config, random_params(config, 0), tmp_path)
+    assert str(e.value) == (
+        f"rope_scaling.type: {kind!r} with original_max_position_embeddings 512 < max_position_embeddings "
+        "1024 stretches the base for 1024 positions at every position; transformers' dynamic rope stretches "
+        "only sequences longer than 512, so Hugging Face has no equivalent")
+    assert not os.listdir(tmp_path)
+
+
+def test_a_dynamic_rope_loaded_with_a_shorter_context_saves_its_pretraining_length():
+    config, _ = hf.load_pretrained(fixture("qwen2"), max_position_embeddings=128)
+    saved = hf.config_to_hf(config)
+    assert (saved["max_position_embeddings"], saved["rope_scaling"]) == (256, {"rope_type": "dynamic", "factor": 2.0})
+
+
 def test_save_rejects_extra_config_keys_that_could_change_the_model(tmp_path):
     config, params = hf.load_pretrained(fixture("mistral"))  # default rope: no rope_scaling written
     with pytest.raises(hf.HFFormatError, match=re.escape("extra_config: key(s) ['rope_parameters'] may change the model")):
