@@ -229,3 +229,16 @@ def test_evaluate_without_held_out_batches_is_an_error_saying_what_to_set(tmp_pa
             trainer.evaluate()
     finally:
         trainer.release_run_dir()
+
+
+def test_a_scalar_batch_field_is_refused_naming_the_field_even_when_it_comes_first(tmp_path):
+    # a scalar first field raised "TypeError: len() of unsized object" from the row count
+    trainer = tiny_trainer(tmp_path)
+    trainer.setup()
+    try:
+        batch = {"n_docs": np.int32(3), **trainer.train_source.next_batch(trainer.state)}
+        with pytest.raises(ValueError, match=r"^batch\['n_docs'\]: a scalar \(3\) has no rows; every field's "
+                                             r"leading axis is the batch's rows$"):
+            trainer.train_step(batch)
+    finally:
+        trainer.release_run_dir()

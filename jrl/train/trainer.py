@@ -450,12 +450,16 @@ class Trainer:
             raise ValueError(f"batch: missing field(s) {', '.join(missing)} needed by strategy "
                              f"{self.strategy.name!r}; batch has {', '.join(sorted(batch))}")
         m = self.config.data.micro_batches
+        for k, v in batch.items():  # each field is split by rows: a scalar has none to split
+            if np.ndim(v) == 0:
+                raise ValueError(f"batch[{k!r}]: a scalar ({v}) has no rows; every field's leading axis is "
+                                 f"the batch's rows")
         first = next(iter(batch))
         rows = len(batch[first])
-        for k, v in batch.items():  # each field is split by rows: a mismatch would fail inside reshape
-            if np.ndim(v) == 0 or len(v) != rows:
-                raise ValueError(f"batch[{k!r}]: {len(v) if np.ndim(v) else 'no'} rows, but batch[{first!r}] has "
-                                 f"{rows}; every field's leading axis is the batch's rows")
+        for k, v in batch.items():  # a row-count mismatch would fail inside reshape
+            if len(v) != rows:
+                raise ValueError(f"batch[{k!r}]: {len(v)} rows, but batch[{first!r}] has {rows}; every field's "
+                                 f"leading axis is the batch's rows")
         if rows % m:
             raise ValueError(f"batch: {rows} rows do not split into data.micro_batches={m}")
         return {k: np.asarray(v).reshape(m, rows // m, *np.shape(v)[1:]) for k, v in batch.items()}
