@@ -16,7 +16,7 @@ from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
 from jrl.train.step import GradInfo, make_step_fns, trainable_part
 from jrl.train.strategies import LossOutput, Strategy, get_strategy, metric, strategy_options
-from jrl.train.trainer import Trainer
+from jrl.train.trainer import SkippedUpdateWarning, Trainer
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                   intermediate_size=32, max_position_embeddings=16)
@@ -107,6 +107,33 @@ def test_non_finite_update_is_skipped_counted_and_keeps_version():
     state, m = fns.update(state, {"scale": jnp.ones((1, 1))}, None)
     assert int(state.policy_version) == 1 and int(state.step) == 2 and int(state.skipped_updates) == 1
     assert not np.array_equal(np.asarray(state.params["lm_head"]), before)
+
+
+def empty_batch(seed=0):
+    """A batch whose every target is masked: no loss weight, no gradient signal."""
+    batch = token_batch(seed=seed)
+    return {**batch, "loss_mask": np.zeros_like(batch["loss_mask"])}
+
+
+def test_a_batch_without_loss_weight_is_skipped_leaving_params_moments_and_version():
+    # it counted as an update: Adam's moments decayed, its momentum (and weight decay) moved
+    # the params and policy_version advanced, with no gradient signal at all
+    state, _ = FNS.update(init_train_state(fresh_params(), OPT, jax.random.key(0)), split(token_batch(), 4), None)
+    before = jax.device_get((state.params, state.opt_state))
+    state, m = FNS.update(state, split(empty_batch(), 4), None)
+    assert int(m["update_applied"]) == 0 and int(m["skipped_updates"]) == 1
+    assert int(state.policy_version) == 1 and int(state.step) == 2 and int(state.skipped_updates) == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get((state.params, state.opt_state))),
+                    strict=True):
+        np.testing.assert_array_equal(b, a)
+
+
+def test_an_update_without_loss_weight_reports_its_loss_and_metrics_as_nan_not_zero():
+    state = init_train_state(fresh_params(), OPT, jax.random.key(0))
+    _, m = FNS.update(state, split(empty_batch(), 2), None)
+    assert float(m["weight"]) == 0.0
+    assert {k: bool(np.isnan(m[k])) for k in ("loss", "nll", "entropy")} == {"loss": True, "nll": True,
+                                                                           "entropy": True}
 
 
 def test_global_norm_clipping_limits_the_applied_gradient():
@@ -240,5 +267,33 @@ def test_a_scalar_batch_field_is_refused_naming_the_field_even_when_it_comes_fir
         with pytest.raises(ValueError, match=r"^batch\['n_docs'\]: a scalar \(3\) has no rows; every field's "
                                              r"leading axis is the batch's rows$"):
             trainer.train_step(batch)
+    finally:
+        trainer.release_run_dir()
+
+
+def test_the_trainer_warns_and_logs_null_for_a_batch_without_loss_weight(tmp_path):
+    trainer = tiny_trainer(tmp_path)
+    trainer.setup()
+    try:
+        batch = trainer.train_source.next_batch(trainer.state)
+        batch["loss_mask"] = np.zeros_like(batch["loss_mask"])
+        with pytest.warns(SkippedUpdateWarning, match=r"^step 1: the batch has no loss weight \(every target "
+                                                      r"masked\), so the update was skipped"):
+            row = trainer.train_step(batch)
+        assert (row["step"], row["policy_version"], row["update_applied"], row["skipped_updates"]) == (1, 0, False, 1)
+        assert (row["weight"], row["loss"], row["nll"]) == (0.0, None, None)
+    finally:
+        trainer.release_run_dir()
+
+
+def test_evaluate_reports_null_not_zero_for_held_out_batches_without_loss_weight(tmp_path):
+    # eval_loss was 0.0 (a perfect score) when every held-out target was masked
+    trainer = tiny_trainer(tmp_path)
+    trainer.setup()
+    try:
+        batch = trainer.train_source.next_batch(trainer.state)
+        trainer.eval_batches = [{**batch, "loss_mask": np.zeros_like(batch["loss_mask"])}]
+        assert trainer.evaluate() == {"step": 0, "policy_version": 0, "eval_loss": None, "eval_nll": None,
+                                      "eval_entropy": None}
     finally:
         trainer.release_run_dir()

@@ -18,8 +18,10 @@ class TrainState(flax.struct.PyTreeNode):
 
     step: train steps taken (batches consumed), including skipped updates.
     policy_version: optimizer updates applied; starts at 0, +1 per applied update, never
-        decreases; an update skipped for non-finite loss/gradients leaves it unchanged.
-    skipped_updates: how many updates were skipped for non-finite values.
+        decreases; an update skipped (non-finite loss/gradients, or no loss weight) leaves
+        it unchanged.
+    skipped_updates: how many updates were skipped (non-finite values, or a batch without
+        loss weight).
     rng: typed PRNG key; step keys are `fold_in(rng, step)`, so resuming reproduces them.
     fp8_history: the fp8 projections' amax histories under delayed scaling
         (`jrl.models.transformer.init_fp8_history`; `jrl.models.fp8`); None otherwise.

@@ -52,7 +52,7 @@ from jrl.parallel import BATCH_AXES
 from jrl.train.logprobs import attention_layout
 from jrl.train.schedules import Schedule
 from jrl.train.state import TrainState
-from jrl.train.strategies.base import LossContext, Strategy
+from jrl.train.strategies.base import LossContext, Strategy, mean_of, reduce_metrics
 
 
 class GradInfo(NamedTuple):
@@ -157,10 +157,8 @@ def seed_fp8_history(compute_grads: Callable, state: TrainState, batch: dict, re
 
 
 def _finish_metrics(total, weight, metrics) -> tuple[jax.Array, dict]:
-    denom = jnp.maximum(weight, 1e-12)
-    loss = total / denom
-    reduced = {k: s / jnp.maximum(c, 1e-12) for k, (s, c) in metrics.items()}
-    return loss, reduced
+    """The step's loss and metric means; NaN where there was nothing to average over."""
+    return mean_of(total, weight), reduce_metrics(metrics)
 
 
 def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
@@ -200,7 +198,10 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
 
     def apply_grads(frozen: Any, state: TrainState, grads: Any, info: GradInfo):
         grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(info.loss) & jnp.isfinite(grad_norm)
+        # applied only with a finite loss and gradient and some loss weight: a batch without
+        # weight (every target masked) has no gradient signal, yet applying its zero gradients
+        # would decay Adam's moments, move the params by them and advance the policy version
+        apply = jnp.isfinite(info.loss) & jnp.isfinite(grad_norm) & (info.weight > 0)
         if clip_norm > 0:
             factor = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * factor, grads)
@@ -214,8 +215,8 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
             updates, new_opt_state = optimizer.update(full_grads, state.opt_state,
                                                       join_parts(mask, frozen, state.params))
             new_params = optax.apply_updates(state.params, trainable_part(mask, updates))
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        applied = finite.astype(jnp.int32)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+        applied = apply.astype(jnp.int32)
         history = state.fp8_history
         if history is not None and info.fp8_amax is not None:
             history = keep(jax.tree.map(push_amax, history, info.fp8_amax), history)

@@ -74,7 +74,8 @@ class ResumeWarning(UserWarning):
 
 
 class SkippedUpdateWarning(UserWarning):
-    """An update was skipped for a non-finite loss or gradient (once per Trainer, at the first)."""
+    """An update was skipped for a non-finite loss or gradient, or for a batch without loss
+    weight (once per Trainer and cause, at the first)."""
 
 
 def check_run_dir(run_dir: str | os.PathLike) -> None:
@@ -186,7 +187,7 @@ class Trainer:
         self._split = any(cb.edits_gradients(c) for c in self.callbacks)
         self._seed_fp8 = False  # set by setup: a fresh run with fp8 delayed scaling
         self._last_time: float | None = None
-        self._warned_skip = False
+        self._warned_skip: set[bool] = set()  # the causes warned of (see _warn_skip)
         self._run_lock: RunLock | None = None  # held on process 0 only
         # True from the moment fit asks the train source for a batch until that batch's update
         # is in self.state: meanwhile the source's position is ahead of the state's
@@ -514,13 +515,8 @@ class Trainer:
         row.update({k: finite_or_null(float(v)) for k, v in metrics.items()})
         row["update_applied"] = bool(metrics["update_applied"])
         row["skipped_updates"] = int(metrics["skipped_updates"])
-        if not row["update_applied"] and not self._warned_skip:
-            self._warned_skip = True
-            warnings.warn(SkippedUpdateWarning(
-                f"step {row['step']}: the loss or a gradient is not finite, so the update was skipped (params "
-                f"and optimizer state unchanged, loss logged as null); metrics.jsonl counts later skips in "
-                f"skipped_updates. A high optimizer.lr (now {self.config.optimizer.lr:g}) is the usual cause"),
-                stacklevel=2)
+        if not row["update_applied"]:
+            self._warn_skip(row)
         row["tokens"] = tokens
         row["tokens_per_s"] = tokens / elapsed if elapsed else None
         peak = self._peak_flops()
@@ -528,6 +524,24 @@ class Trainer:
                       if peak and row["tokens_per_s"] else None)
         self.fire("after_optimizer_step", new_state, row)
         return row
+
+    def _warn_skip(self, row: dict) -> None:
+        """Warns of a skipped update, once per Trainer and cause (no loss weight, or a
+        non-finite loss or gradient)."""
+        empty = row["weight"] == 0
+        if empty in self._warned_skip:
+            return
+        self._warned_skip.add(empty)
+        if empty:
+            why = ("the batch has no loss weight (every target masked), so the update was skipped (params, "
+                   "optimizer state and policy_version unchanged, loss and metrics logged as null)")
+            cause = ""
+        else:
+            why = ("the loss or a gradient is not finite, so the update was skipped (params and optimizer state "
+                   "unchanged, loss logged as null)")
+            cause = f". A high optimizer.lr (now {self.config.optimizer.lr:g}) is the usual cause"
+        warnings.warn(SkippedUpdateWarning(f"step {row['step']}: {why}; metrics.jsonl counts later skips in "
+                                           f"skipped_updates{cause}"), stacklevel=3)
 
     def evaluate(self, state: TrainState | None = None) -> dict:
         """Loss and metrics on the held-out batches ("eval_*" keys, plus step and version).
@@ -548,9 +562,10 @@ class Trainer:
                 acc = sums.setdefault(k, [0.0, 0.0])
                 acc[0] += float(s)
                 acc[1] += float(n)
+        mean = lambda s, n: finite_or_null(s / n) if n > 0 else None  # of nothing: no value, not 0
         out = {"step": int(state.step), "policy_version": int(state.policy_version),
-               "eval_loss": finite_or_null(total / max(weight, 1e-12))}
-        out.update({f"eval_{k}": finite_or_null(s / max(n, 1e-12)) for k, (s, n) in sums.items()})
+               "eval_loss": mean(total, weight)}
+        out.update({f"eval_{k}": mean(s, n) for k, (s, n) in sums.items()})
         return out
 
     @property

@@ -88,6 +88,12 @@ def metric(values: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array,
     return jnp.sum(values * m), jnp.sum(m)
 
 
+def mean_of(total: jax.Array, count: jax.Array) -> jax.Array:
+    """`total / count`, NaN for a count of 0: the mean of nothing is no value (logged as
+    null), not 0, which would read as a measured perfect loss or zero metric."""
+    return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), jnp.nan)
+
+
 def reduce_metrics(metrics: Metrics) -> dict[str, jax.Array]:
-    """`(sum, count)` pairs -> means (count 0 gives 0)."""
-    return {k: s / jnp.maximum(c, 1e-12) for k, (s, c) in metrics.items()}
+    """`(sum, count)` pairs -> means (count 0 gives NaN: see `mean_of`)."""
+    return {k: mean_of(s, c) for k, (s, c) in metrics.items()}
