@@ -8,7 +8,7 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from jrl.config import ConfigError, LoraConfig, ModelConfig, OptimizerConfig, ScheduleConfig
+from jrl.config import ConfigError, LoraConfig, ModelConfig, OptimizerConfig, ScheduleConfig, load_train_config
 from jrl.models import init_params
 from jrl.train.optim import build_optimizer, param_groups
 from jrl.train.schedules import make_schedule
@@ -122,9 +122,25 @@ def test_warmup_cosine_values():
     np.testing.assert_allclose(f([0, 1, 2, 6, 10]), [0.5, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
 
 
-def test_wsd_is_flat_then_decays_over_the_last_fraction():
+def test_wsd_is_flat_then_decays_over_the_last_fraction_reaching_the_floor_at_the_last_update():
+    # a run of 10 updates applies counts 0..9: the decay reached the floor only at count 10,
+    # so the last update applied 0.25 of the peak instead of the floor
     f = sched(kind="wsd", warmup_steps=1, wsd_decay_fraction=0.4, min_lr_ratio=0.0)
-    np.testing.assert_allclose(f([0, 3, 6, 8, 10]), [1.0, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+    np.testing.assert_allclose(f([0, 5, 6, 7, 8, 9]), [1.0, 1.0, 0.75, 0.5, 0.25, 0.0], atol=1e-6)
+
+
+def test_wsd_whose_warmup_and_decay_do_not_fit_the_run_is_refused_saying_why():
+    # the decay started after the warmup and ended 2 updates past the run's last
+    with pytest.raises(ConfigError, match=r"^schedule: wsd's warmup \(warmup_steps=8\) and decay "
+                                          r"\(wsd_decay_fraction=0.4 of 10 = 4 updates\) need 12 updates, but the "
+                                          r"schedule spans 10 \(schedule.total_steps, or steps\): lower either$"):
+        make_schedule(ScheduleConfig(kind="wsd", warmup_steps=8, wsd_decay_fraction=0.4), 10)
+
+
+def test_wsd_that_does_not_fit_the_run_is_refused_when_the_config_is_loaded():
+    with pytest.raises(ConfigError, match=r"^schedule: wsd's warmup \(warmup_steps=8\) and decay "):
+        load_train_config(None, ["steps=10", "schedule.kind=wsd", "schedule.warmup_steps=8",
+                                 "schedule.wsd_decay_fraction=0.4"])
 
 
 def test_cosine_restarts_cycle_with_decaying_peaks():

@@ -2,7 +2,8 @@
 
 `make_schedule(config, run_steps)` returns `f(count) -> float32 multiplier`; each
 parameter group's learning rate is `lr * lr_scale[group] * f(count)`. Warmup is linear
-and reaches 1 at update `warmup_steps - 1` (the first update already moves the weights).
+and reaches 1 at update `warmup_steps - 1` (the first update already moves the weights);
+WSD's decay likewise reaches the floor at the schedule's last update, `total - 1`.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ def make_schedule(config: ScheduleConfig, run_steps: int) -> Schedule:
         progress = (count - warm) / max(total - warm, 1)
         return jnp.where(count < warm, _warmup(count, warm), floor + (1.0 - floor) * _cosine(progress))
 
-    decay_len = max(1, round(config.wsd_decay_fraction * total))
-    decay_start = max(warm, total - decay_len)
+    decay_start, decay_len = config.wsd_decay(run_steps) if config.kind == "wsd" else (0, 1)
 
     def wsd(count):
-        progress = jnp.clip((count - decay_start) / decay_len, 0.0, 1.0)
+        # the last `decay_len` updates each step down; the last of them applies the floor
+        progress = jnp.clip((count - decay_start + 1.0) / decay_len, 0.0, 1.0)
         shape = {"linear": 1.0 - progress, "cosine": _cosine(progress),
                  "sqrt": 1.0 - jnp.sqrt(progress)}[config.wsd_decay_shape]
         return jnp.where(count < warm, _warmup(count, warm), floor + (1.0 - floor) * shape)
