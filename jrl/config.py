@@ -649,8 +649,9 @@ class ScheduleConfig:
 
     `constant` (after warmup), `warmup_cosine` (linear warmup, cosine to min_lr_ratio),
     `wsd` (warmup, stable, then a decay over the last `wsd_decay_fraction` of the run),
-    `cosine_restarts` (warmup, then cosine cycles of `restart_period` updates whose peak
-    is multiplied by `restart_decay` each cycle).
+    `cosine_restarts` (warmup, then cosine cycles of `restart_period` updates from a peak
+    down to min_lr_ratio; the peak is multiplied by `restart_decay` each cycle, never below
+    the floor).
     """
 
     kind: Literal["constant", "warmup_cosine", "wsd", "cosine_restarts"] = "warmup_cosine"
@@ -670,7 +671,8 @@ class ScheduleConfig:
                f"must be in [0, 1], got {self.min_lr_ratio}")
         _check(0 < self.wsd_decay_fraction <= 1, "schedule.wsd_decay_fraction",
                f"must be in (0, 1], got {self.wsd_decay_fraction}")
-        _check(self.restart_period >= 1, "schedule.restart_period", f"must be >= 1, got {self.restart_period}")
+        _check(self.restart_period >= 2, "schedule.restart_period",
+               f"must be >= 2 (a cycle's first update applies its peak, its last the floor), got {self.restart_period}")
         # each cycle's peak is restart_decay times the last: above 1 the rate grows without bound
         _check(0 < self.restart_decay <= 1, "schedule.restart_decay", f"must be in (0, 1], got {self.restart_decay}")
 

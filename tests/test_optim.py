@@ -143,9 +143,34 @@ def test_wsd_that_does_not_fit_the_run_is_refused_when_the_config_is_loaded():
                                  "schedule.wsd_decay_fraction=0.4"])
 
 
-def test_cosine_restarts_cycle_with_decaying_peaks():
-    f = sched(kind="cosine_restarts", restart_period=4, restart_decay=0.5, min_lr_ratio=0.0)
-    np.testing.assert_allclose(f([0, 2, 4, 6, 8]), [1.0, 0.5, 0.5, 0.25, 0.25], atol=1e-6)
+def test_cosine_restarts_start_each_cycle_at_its_decayed_peak():
+    f = sched(kind="cosine_restarts", restart_period=4, restart_decay=0.5, min_lr_ratio=0.1)
+    np.testing.assert_allclose(f([0, 4, 8]), [1.0, 0.5, 0.25], atol=1e-6)
+
+
+def test_cosine_restarts_end_each_cycle_at_the_configured_floor():
+    # a cycle's last update applied 0.23 of the peak (the floor came one update later, as
+    # the next cycle's start), and the floor shrank with the peak: 0.1 x 0.5 in cycle 1
+    f = sched(kind="cosine_restarts", restart_period=4, restart_decay=0.5, min_lr_ratio=0.1)
+    np.testing.assert_allclose(f([3, 7, 11]), [0.1, 0.1, 0.1], atol=1e-6)
+
+
+def test_cosine_restarts_half_way_through_a_cycle_is_between_its_peak_and_the_floor():
+    f = sched(kind="cosine_restarts", warmup_steps=1, restart_period=5, restart_decay=0.5, min_lr_ratio=0.1)
+    np.testing.assert_allclose(f([3, 8]), [0.1 + 0.9 / 2, 0.1 + 0.4 / 2], atol=1e-6)
+
+
+def test_cosine_restarts_never_go_below_the_floor_once_the_peak_has_decayed_to_it():
+    # a peak decayed below min_lr_ratio took the whole cycle below the floor
+    f = sched(kind="cosine_restarts", restart_period=2, restart_decay=0.5, min_lr_ratio=0.3)
+    np.testing.assert_allclose(f([4, 5, 6]), [0.3, 0.3, 0.3], atol=1e-6)
+
+
+def test_a_restart_period_of_one_update_is_refused_saying_why():
+    # one update cannot be both a cycle's peak and its floor
+    with pytest.raises(ConfigError, match=r"^schedule.restart_period: must be >= 2 \(a cycle's first update "
+                                          r"applies its peak, its last the floor\), got 1$"):
+        ScheduleConfig(kind="cosine_restarts", restart_period=1)
 
 
 @pytest.mark.parametrize("value", [1.5, float("inf")])

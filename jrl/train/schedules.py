@@ -54,10 +54,11 @@ def make_schedule(config: ScheduleConfig, run_steps: int) -> Schedule:
     def cosine_restarts(count):
         since = jnp.maximum(count - warm, 0.0)
         cycle = jnp.floor(since / period)
-        progress = (since - cycle * period) / period
-        peak = config.restart_decay ** cycle
-        return jnp.where(count < warm, _warmup(count, warm),
-                         peak * (floor + (1.0 - floor) * _cosine(progress)))
+        # a cycle's first update applies its peak, its last the floor; the floor stays put
+        # while the peaks decay, and a peak decayed below it is the floor
+        progress = (since - cycle * period) / (period - 1)
+        peak = jnp.maximum(config.restart_decay ** cycle, floor)
+        return jnp.where(count < warm, _warmup(count, warm), floor + (peak - floor) * _cosine(progress))
 
     fn = {"constant": constant, "warmup_cosine": warmup_cosine, "wsd": wsd,
           "cosine_restarts": cosine_restarts}[config.kind]
