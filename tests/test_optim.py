@@ -118,8 +118,14 @@ def sched(**kw):
 
 
 def test_warmup_cosine_values():
-    f = sched(kind="warmup_cosine", warmup_steps=2, min_lr_ratio=0.0)
-    np.testing.assert_allclose(f([0, 1, 2, 6, 10]), [0.5, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+    f = sched(kind="warmup_cosine", warmup_steps=3, min_lr_ratio=0.0)
+    np.testing.assert_allclose(f([0, 1, 2, 3, 6]), [1 / 3, 2 / 3, 1.0, 1.0, 0.5], atol=1e-6)
+
+
+def test_warmup_cosine_reaches_the_floor_at_the_last_update():
+    # a run of 10 updates applies counts 0..9: the floor came at count 10, never applied
+    f = sched(kind="warmup_cosine", warmup_steps=2, min_lr_ratio=0.1)
+    np.testing.assert_allclose(f([9]), [0.1], atol=1e-6)
 
 
 def test_wsd_is_flat_then_decays_over_the_last_fraction_reaching_the_floor_at_the_last_update():

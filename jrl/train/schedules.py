@@ -3,7 +3,8 @@
 `make_schedule(config, run_steps)` returns `f(count) -> float32 multiplier`; each
 parameter group's learning rate is `lr * lr_scale[group] * f(count)`. Warmup is linear
 and reaches 1 at update `warmup_steps - 1` (the first update already moves the weights);
-WSD's decay likewise reaches the floor at the schedule's last update, `total - 1`.
+the decays of `warmup_cosine` and `wsd` likewise reach the floor at the schedule's last
+update, `total - 1`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def make_schedule(config: ScheduleConfig, run_steps: int) -> Schedule:
         return _warmup(count, warm)
 
     def warmup_cosine(count):
-        progress = (count - warm) / max(total - warm, 1)
+        progress = (count - warm) / max(total - warm - 1, 1)  # 1 at the last update, total - 1
         return jnp.where(count < warm, _warmup(count, warm), floor + (1.0 - floor) * _cosine(progress))
 
     decay_start, decay_len = config.wsd_decay(run_steps) if config.kind == "wsd" else (0, 1)
