@@ -362,6 +362,20 @@ def test_resume_with_changed_training_data_is_a_one_line_error_naming_the_key(ru
     assert snapshot(run_copy) == before
 
 
+def test_resume_with_weight_decay_switched_off_is_a_one_line_error_saying_so(run_copy, tmp_path, capsys):
+    # it named only a missing optimizer-state leaf (opt_state/inner_states/head/inner_state/1/count)
+    before = snapshot(run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
+                 "optimizer.weight_decay=0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --resume: {run_copy / 'checkpoints' / 'step_4'} does "
+                                                   f"not fit this config: ")
+    assert lines[0].endswith("; optimizer.weight_decay changed since the checkpoint (config 0.0, checkpoint 0.1): "
+                             "switching weight decay on or off changes the optimizer state's layout; resume with "
+                             "optimizer.weight_decay=0.1, or start over (--overwrite)")
+    assert snapshot(run_copy) == before
+
+
 def test_a_restore_target_with_a_wrong_shape_names_the_leaf(tmp_path):
     state = {"params": {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}, "step": 1}
     checkpoint.save(tmp_path, 1, state)

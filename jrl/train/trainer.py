@@ -41,6 +41,7 @@ import yaml
 from jax.sharding import Mesh
 
 from jrl import checkpoint
+from jrl.checkpoint.store import read_meta
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
@@ -121,6 +122,19 @@ def _mismatch_message(e: checkpoint.TargetMismatchError, step: int) -> str:
     if e.stored is None:
         return f"--resume: {where} does not fit this config: it has no {e.leaf} (the config builds one){hint}"
     return f"--resume: {where} does not fit this config: it has {e.leaf}, which the config does not build{hint}"
+
+
+def _decay_switch_hint(meta: dict, config: TrainConfig) -> str:
+    """'; ...' saying so when weight decay was switched on or off since the checkpoint (`meta`:
+    its meta.json): a decayed group's optimizer state has one part more (optax's
+    add_decayed_weights), so the state no longer fits, though the arrays in it would."""
+    before = ((meta.get("config") or {}).get("optimizer") or {}).get("weight_decay")
+    now = config.optimizer.weight_decay
+    if before is None or (before == 0) == (now == 0):
+        return ""
+    return (f"; optimizer.weight_decay changed since the checkpoint (config {now!r}, checkpoint {before!r}): "
+            f"switching weight decay on or off changes the optimizer state's layout; resume with "
+            f"optimizer.weight_decay={before!r}, or start over (--overwrite)")
 
 
 def _data_mismatch_message(error: ValueError, meta: dict, config: TrainConfig) -> str:
@@ -367,7 +381,8 @@ class Trainer:
                 try:
                     state, meta = checkpoint.load(root, step, target=target)
                 except checkpoint.TargetMismatchError as e:
-                    raise ConfigError(_mismatch_message(e, step)) from None
+                    hint = _decay_switch_hint(read_meta(root / f"step_{step}"), self.config)
+                    raise ConfigError(_mismatch_message(e, step) + hint) from None
                 except Exception as e:  # noqa: BLE001 - an unverifiable (legacy) payload that fails to restore
                     if (root / f"step_{step}" / "manifest.json").exists():
                         raise  # verified bytes: not a corruption, a real error
