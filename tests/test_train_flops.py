@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jrl.config import ModelConfig, load_train_config
+from jrl.config import LoraConfig, ModelConfig, load_train_config
 from jrl.train.callbacks import Callback
 from jrl.train.flops import attention_flops_per_token, attention_span, matmul_params, model_flops_per_token
 from jrl.train.strategies import LossOutput, Strategy, metric, register_strategy
@@ -38,6 +38,21 @@ def test_norms_and_biases_do_not_count_and_a_tied_embedding_is_the_lm_head():
     assert matmul_params(ModelConfig(**base, qkv_bias=True, qk_norm=True)) == n
     assert matmul_params(ModelConfig(**base, tie_embeddings=True)) == n
     assert model_flops_per_token(ModelConfig(**base), 50) == 6 * n + 6 * 3 * 4 * 8 * 50
+
+
+LORA_BASE = dict(vocab_size=100, hidden_size=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
+                 intermediate_size=64, lora=LoraConfig(rank=2, targets=("q", "v")))
+BASE_N = 3 * (32 * 32 + 32 * 16 * 2 + 32 * 32 + 3 * 32 * 64) + 32 * 100  # kernels and LM head
+LORA_N = 3 * (32 * 2 + 2 * 32 + 32 * 2 + 2 * 16)  # q and v: a [hidden, r], b [r, out]
+
+
+def test_frozen_matmul_params_count_4_flops_for_no_weight_gradient_and_trained_ones_6():
+    # LoRA training counted 6 N for the frozen base too, whose backward computes no weight gradients
+    cfg = ModelConfig(**LORA_BASE)
+    assert matmul_params(cfg) == BASE_N + LORA_N
+    frozen = frozenset({"embed", "head", "hidden", "norm"})  # all but the adapters
+    assert matmul_params(cfg, frozen) == BASE_N
+    assert model_flops_per_token(cfg, 50, frozen) == 4 * BASE_N + 6 * LORA_N + 6 * 3 * 4 * 8 * 50
 
 
 def test_moe_counts_k_of_e_routed_experts_and_the_router_and_shared_expert_in_full():
@@ -108,3 +123,20 @@ def test_logged_mfu_counts_the_batch_documents_with_causal_attention(tmp_path):
         assert 0 < span < 64  # packed short documents: attention spans a document, not the row
         want = row["tokens_per_s"] * model_flops_per_token(config.model, span) / 1e9
         assert row["mfu"] == pytest.approx(want, rel=1e-12)
+
+
+def test_logged_mfu_of_a_lora_run_counts_the_frozen_base_at_4_flops_per_param(tmp_path):
+    config = load_train_config(None, [
+        "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
+        "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32", "model.lora.rank=2",
+        "model.max_position_embeddings=64", "data.source=bundled:arithmetic:100", "data.seq_len=64",
+        "optimizer.trainable=lora", "data.batch_size=4", "strategy.name=test_flops_zero", "steps=2",
+        "logging.peak_tflops=0.001", "eval.every=0", "eval.at_end=false", "checkpoint.interval=0",
+        "checkpoint.save_on_end=false", "logging.progress=false", "logging.plot=false"])
+    seen = _Rows()
+    Trainer(config, callbacks=[seen], output_dir=tmp_path).fit()
+    lora = 16 * 2 + 2 * 16 + 16 * 2 + 2 * 8  # q and v adapters of the one layer
+    base = matmul_params(config.model) - lora
+    span = attention_span(seen.segments[1])
+    flops = 4 * base + 6 * lora + attention_flops_per_token(config.model, span)
+    assert seen.rows[1]["mfu"] == pytest.approx(seen.rows[1]["tokens_per_s"] * flops / 1e9, rel=1e-12)

@@ -1,13 +1,16 @@
 """Model FLOPs per trained token: the one count behind every MFU jrl reports (the trainer's
 logged `mfu` and `jrl bench train`).
 
-    model_flops_per_token(config, seq_len) = 6 * N + 3 * L * H * (D_qk + D_v) * seq_len
+    model_flops_per_token(config, seq_len, frozen) = 6 * N - 2 * N_frozen + 3 * L * H * (D_qk + D_v) * seq_len
 
 * `N` (`matmul_params`): parameters that take part in a matmul for one token: every
   kernel, LoRA factor and the LM head (the tied embedding when tied); not the input
   embedding lookup, norm scales or biases. Routed MoE experts count `k / E` of theirs
   (each token visits k of E); the router and shared experts count in full.
   6 = 2 (multiply-add) x 3 (forward, gradient wrt inputs, gradient wrt weights).
+* `N_frozen`: those of `N` in the parameter groups `frozen` (jrl.train.optim.param_groups;
+  LoRA: all but `lora`), which get no weight gradient: 4 each (forward and the gradient
+  wrt inputs, which the trained leaves below them still need).
 * attention: per layer and head a token's query meets `seq_len` keys over `D_qk`
   channels and their values over `D_v`: `2 * seq_len * (D_qk + D_v)` forward, x3 for
   training, halved because causal masking leaves half of the score matrix
@@ -27,6 +30,7 @@ import numpy as np
 
 from jrl.config import ModelConfig
 from jrl.models import init_params
+from jrl.train.optim import param_groups
 
 
 def _is_matmul_weight(names: list[str], config: ModelConfig) -> bool:
@@ -40,13 +44,15 @@ def _routed_expert(names: list[str]) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def matmul_params(config: ModelConfig) -> float:
-    """Active matmul parameters per token (see the module doc), from the params' shapes."""
+def matmul_params(config: ModelConfig, groups: frozenset[str] | None = None) -> float:
+    """Active matmul parameters per token (see the module doc), from the params' shapes;
+    those of the parameter groups `groups` only, when given."""
     shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
     n = 0.0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
+    for (path, leaf), group in zip(jax.tree_util.tree_leaves_with_path(shapes),
+                                   jax.tree.leaves(param_groups(shapes)), strict=True):
         names = [str(getattr(k, "key", k)) for k in path]
-        if not _is_matmul_weight(names, config):
+        if not _is_matmul_weight(names, config) or (groups is not None and group not in groups):
             continue
         size = float(np.prod(leaf.shape))
         if _routed_expert(names):
@@ -61,11 +67,13 @@ def attention_flops_per_token(config: ModelConfig, seq_len: float) -> float:
     return 3.0 * config.n_layers * config.n_heads * (config.qk_head_dim + v_dim) * seq_len
 
 
-def model_flops_per_token(config: ModelConfig, seq_len: float) -> float:
-    """Training FLOPs per token: 6 x active matmul params + causal attention (halved)."""
+def model_flops_per_token(config: ModelConfig, seq_len: float, frozen: frozenset[str] = frozenset()) -> float:
+    """Training FLOPs per token: 6 x active matmul params, less 2 x those of the `frozen`
+    parameter groups (no weight gradient), + causal attention (halved)."""
     if not seq_len >= 0:
         raise ValueError(f"seq_len: must be >= 0, got {seq_len!r}")
-    return 6.0 * matmul_params(config) + attention_flops_per_token(config, seq_len)
+    frozen_n = matmul_params(config, frozenset(frozen)) if frozen else 0.0
+    return 6.0 * matmul_params(config) - 2.0 * frozen_n + attention_flops_per_token(config, seq_len)
 
 
 def attention_span(segment_ids) -> float:

@@ -49,10 +49,10 @@ from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
 from jrl.parallel import BATCH_AXES, initialize_distributed, param_shardings, with_shardings
 from jrl.train import callbacks as cb
-from jrl.train.flops import attention_span, matmul_params, model_flops_per_token
+from jrl.train.flops import attention_span, model_flops_per_token
 from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
 from jrl.train.logprobs import batch_max_segments
-from jrl.train.optim import build_optimizer, learning_rates, trainable_mask
+from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_groups, trainable_mask
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
 from jrl.train.schedules import make_schedule
 from jrl.train.source_state import load_source_state, pack_source_state
@@ -310,6 +310,8 @@ class Trainer:
             self.reference_params = jax.tree.map(jnp.copy, params)
         self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
         self._trainable = trainable_mask(c.optimizer, params)  # frozen leaves get no grads
+        present = set(jax.tree.leaves(param_groups(params)))
+        self._frozen_groups = frozenset(present - trainable_groups(c.optimizer, present))  # for the MFU
         rates = learning_rates(c.optimizer, self.schedule, params)
         p_shardings = param_shardings(c.model, self.mesh)
         state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
@@ -343,7 +345,7 @@ class Trainer:
                                   shardings=self._shardings, learning_rates=rates,
                                   trainable=self._trainable)
         if self._peak_flops():
-            matmul_params(c.model)  # counted once here (cached), not inside a timed step
+            model_flops_per_token(c.model, 0.0, self._frozen_groups)  # counted here (cached), not in a timed step
         # Everything is checked: from here on the run writes.
         self._take_run_dir()
         if checkpoint.all_steps(self.checkpoint_dir) != seen:  # another run wrote while this one set up
@@ -535,8 +537,8 @@ class Trainer:
         row["tokens"] = tokens
         row["tokens_per_s"] = tokens / elapsed if elapsed else None
         peak = self._peak_flops()
-        row["mfu"] = (row["tokens_per_s"] * model_flops_per_token(self.config.model, span) / (peak * self.mesh.size)
-                      if peak and row["tokens_per_s"] else None)
+        flops = model_flops_per_token(self.config.model, span, self._frozen_groups)
+        row["mfu"] = row["tokens_per_s"] * flops / (peak * self.mesh.size) if peak and row["tokens_per_s"] else None
         self.fire("after_optimizer_step", new_state, row)
         return row
 
