@@ -671,8 +671,10 @@ class ScheduleConfig:
                f"must be in [0, 1], got {self.min_lr_ratio}")
         _check(0 < self.wsd_decay_fraction <= 1, "schedule.wsd_decay_fraction",
                f"must be in (0, 1], got {self.wsd_decay_fraction}")
-        _check(self.restart_period >= 2, "schedule.restart_period",
-               f"must be >= 2 (a cycle's first update applies its peak, its last the floor), got {self.restart_period}")
+        _check(self.restart_period >= 1, "schedule.restart_period", f"must be >= 1, got {self.restart_period}")
+        if self.kind == "cosine_restarts":
+            _check(self.restart_period >= 2, "schedule.restart_period",
+                   f"must be >= 2 (a cycle's first update applies its peak, its last the floor), got {self.restart_period}")
         # each cycle's peak is restart_decay times the last: above 1 the rate grows without bound
         _check(0 < self.restart_decay <= 1, "schedule.restart_decay", f"must be in (0, 1], got {self.restart_decay}")
 
