@@ -315,6 +315,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
             "jrl uses the MoE block in every layer (needs [])")
 
     n_heads = get_int("num_attention_heads")
+    if n_heads <= 0:  # checked here: the default head_dim divides by it
+        raise HFFormatError(f"{where}: num_attention_heads must be a positive integer, got {n_heads}")
     hidden = get_int("hidden_size")
     n_layers = get_int("num_hidden_layers")
     max_len = get_int("max_position_embeddings") if max_position_embeddings is None else max_position_embeddings

@@ -505,6 +505,11 @@ def test_a_zero_context_override_is_refused_not_ignored():
         hf.config_from_hf(fixture_config("llama"), max_position_embeddings=0)
 
 
+def test_zero_attention_heads_are_refused_by_name():
+    with pytest.raises(hf.HFFormatError, match="num_attention_heads must be a positive integer, got 0"):
+        hf.config_from_hf({**fixture_config("llama"), "num_attention_heads": 0})
+
+
 def test_qwen_sliding_window_counts_only_when_enabled():
     cfg = {**fixture_config("qwen2"), "sliding_window": 16, "max_window_layers": 1}
     assert hf.config_from_hf(cfg)[0].max_position_embeddings == 256
