@@ -680,16 +680,12 @@ class ScheduleConfig:
 
     def wsd_decay(self, run_steps: int) -> tuple[int, int]:
         """(first update of WSD's decay, its length in updates) over `total_steps` (None: the
-        run's `run_steps`); ConfigError when warmup and decay do not fit in it (the decay would
-        end after the last update, which then never applies the floor)."""
+        run's `run_steps`): the last `round(fraction x total)` updates, starting no earlier than
+        the end of warmup, so a decay that would overlap the warmup is shortened to end at the
+        last update too (a warmup as long as the schedule leaves no decay, as in the other kinds)."""
         total = self.total_steps or run_steps
-        length = max(1, round(self.wsd_decay_fraction * total))
-        if total - length < self.warmup_steps:
-            raise ConfigError(f"schedule: wsd's warmup (warmup_steps={self.warmup_steps}) and decay "
-                              f"(wsd_decay_fraction={self.wsd_decay_fraction:g} of {total} = {length} updates) need "
-                              f"{self.warmup_steps + length} updates, but the schedule spans {total} "
-                              f"(schedule.total_steps, or steps): lower either")
-        return total - length, length
+        start = max(self.warmup_steps, total - max(1, round(self.wsd_decay_fraction * total)))
+        return start, max(total - start, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -824,8 +820,6 @@ class TrainConfig:
         _check(self.seed >= 0, "seed", f"must be >= 0 (numpy seeds the run from it), got {self.seed}")
         _check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         _check(self.lm_head_chunk >= 0, "lm_head_chunk", f"must be >= 0, got {self.lm_head_chunk}")
-        if self.schedule.kind == "wsd":
-            self.schedule.wsd_decay(self.steps)  # refused at load, not when the trainer is built
         _check(self.data.seq_len <= self.model.max_position_embeddings, "data.seq_len",
                f"must be <= model.max_position_embeddings ({self.model.max_position_embeddings}), "
                f"got {self.data.seq_len}")
