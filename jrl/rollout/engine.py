@@ -9,7 +9,9 @@ The loop overlaps host and device: `step()` plans and dispatches step n (asynchr
 then reads back step n-1's sampled tokens, whose device work is already done or nearly so.
 Decode inputs of step n come from step n-1's device output, so the host never waits for
 a token before dispatching the step that consumes it. A request that stopped at step n-1
-has one wasted row in step n, discarded on read-back.
+has one wasted row in step n, discarded on read-back. A step stays unread until its tokens
+are on the host: a read-back interrupted while it waits (Ctrl-C in a notebook, or a raising
+`device_get`) loses nothing, and the next `step`/`flush` reads it back first.
 
 When every running request decodes and nobody waits to be admitted, a step is a call of
 `decode_steps_per_call` decode steps (`jrl.rollout.tuning`) run back to back by one device
@@ -51,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections import deque
 import threading
 import time
 from collections.abc import Sequence
@@ -214,7 +217,9 @@ class Engine:
             self.kv.k.sharding, None if self.kv.v is None else self.kv.v.sharding))
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
                                       device=None if self.sharding is None else self.sharding.replicated)
-        self._inflight: _InFlight | None = None
+        # dispatched steps not yet read back, oldest first: one between steps (overlap), more
+        # after a read-back was interrupted (`_read_back_until`)
+        self._unread: deque[_InFlight] = deque()
         self._next_id = 0
         self._finished: list[Completion] = []
         self._admit = "all"
@@ -298,7 +303,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or bool(self._unread)
 
     @_one_driver
     def abort(self, request_id: int) -> bool:
@@ -332,35 +337,32 @@ class Engine:
         if self.params is None:  # before anything is scheduled: the requests wait as they are
             raise RuntimeError("engine: no weights are served (the last update_weights failed to build them); "
                                "call update_weights again")
+        # An interrupted read-back left older steps unread: record them before planning, which
+        # (penalty windows, stop conditions) sees every token but the last step's.
+        self._read_back_until(1)
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
         launched = self._dispatch(batch) if batch is not None else None
         host = time.perf_counter() - t0
-        previous, self._inflight = self._inflight, launched
-        if previous is not None:
-            self._read_back(previous)
-        if launched is not None and not self.config.overlap:
-            self._inflight = None
-            self._read_back(launched)
-        if launched is None and previous is None and self.scheduler.has_work:
+        if launched is None and not self._unread and self.scheduler.has_work:
             raise RuntimeError("engine: no request could be scheduled and none is running "
                                "(pool too small for the waiting requests?)")
         if launched is not None:
+            self._unread.append(launched)
             self.stats.steps += 1
             self.stats.host_s += host
             if launched.decode:
                 self.stats.decode_steps += 1
                 self.stats.decode_device_steps += 1 if launched.counts is None else max(launched.counts)
                 self.stats.decode_host_s += host
+        self._read_back_until(1 if launched is not None and self.config.overlap else 0)
         done, self._finished = self._finished, []
         return done
 
     @_one_driver
     def flush(self) -> list[Completion]:
-        """Reads back the step in flight (no new step is dispatched)."""
-        if self._inflight is not None:
-            previous, self._inflight = self._inflight, None
-            self._read_back(previous)
+        """Reads back the steps in flight (no new step is dispatched)."""
+        self._read_back_until(0)
         done, self._finished = self._finished, []
         return done
 
@@ -570,11 +572,19 @@ class Engine:
         i["index"][:n] = batch.index
         return layout, ints, float_columns.reshape(layout.float_packing.size)
 
+    def _read_back_until(self, keep: int) -> None:
+        """Reads back the oldest unread steps until `keep` are left."""
+        while len(self._unread) > keep:
+            self._read_back(self._unread[0])
+
     def _read_back(self, step: _InFlight) -> None:
         """Records step's samples in their requests (skipping requests preempted, aborted or
-        finished since dispatch) and hands finished requests to the scheduler."""
+        finished since dispatch) and hands finished requests to the scheduler. `step` is the
+        oldest unread one; it leaves `_unread` only once its values are on the host, so a
+        wait that raises (KeyboardInterrupt) leaves it to be read back by the next call."""
         t0 = time.perf_counter()
         readback = np.asarray(jax.device_get(step.readback))
+        self._unread.popleft()
         waited = time.perf_counter() - t0
         self.stats.wait_s += waited
         if step.decode:
@@ -759,7 +769,7 @@ class Engine:
         drained: list[Completion] = []
         self._admit = "started"
         try:
-            while self.scheduler.running or self._inflight is not None \
+            while self.scheduler.running or self._unread \
                     or any(r.outputs for r in self.scheduler.waiting):
                 drained += self._step()
         finally:
