@@ -12,11 +12,13 @@
 * Sampling and request fields reject non-finite and out-of-range values and accept numpy
   scalars.
 * A step interrupted (Ctrl-C) while it reads back sampled tokens loses none: the next
-  `step()`/`run()` continues every request exactly.
+  `step()`/`run()` continues every request exactly. One interrupted while it dispatches
+  (the donated KV buffers possibly lost) leaves the engine usable, its requests re-queued.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -431,16 +433,19 @@ def test_generate_checks_every_prompt_before_queueing_any(params):
 
 # ---------------------------------------------------------------------------- interruptions
 
-def raise_once(monkeypatch, owner, name, nth):
+def raise_once(monkeypatch, owner, name, nth, after=False):
     """Makes the `nth` call from now on of `owner.name` raise KeyboardInterrupt, as Ctrl-C
-    landing there does."""
+    landing there does (`after`: once the call has returned, before its result is used)."""
     inner, calls = getattr(owner, name), []
 
     def interrupted(*args, **kwargs):
         calls.append(None)
+        if len(calls) == nth and not after:
+            raise KeyboardInterrupt
+        out = inner(*args, **kwargs)
         if len(calls) == nth:
             raise KeyboardInterrupt
-        return inner(*args, **kwargs)
+        return out
 
     monkeypatch.setattr(owner, name, interrupted)
 
@@ -473,3 +478,28 @@ def test_a_step_interrupted_while_reading_back_tokens_loses_none(params, monkeyp
     assert_same_completions(by_request(done + engine.run()), want)
     engine.pool.allocator.check_invariants()
 
+
+@pytest.mark.parametrize("after", [False, True], ids=["before_the_call", "after_the_call"])
+def test_a_step_interrupted_while_dispatching_leaves_the_engine_usable_and_every_request_exact(
+        params, monkeypatch, after):
+    # Ctrl-C lands in the 4th step's device call: before it ran (e.g. while it compiled:
+    # the KV is intact, but the step's requests were planned one token further), or once
+    # it returned, before its outputs (the new KV buffers: the old ones were donated to it)
+    # were stored. The requests in flight are re-queued with the tokens they have (their KV
+    # recomputed, as after a preemption) and finish with an uninterrupted run's tokens.
+    prompts = prompts_of([5, 19, 8], seed=8)
+    want = fresh_run(params, prompts, max_new_tokens=10)
+    engine = Engine(MODEL, params, ENGINE)
+    for p in prompts:
+        engine.add_request(p, GREEDY, 10)
+    monkeypatch.setattr(engine, "step_function", dataclasses.replace(engine.step_function))  # not the shared one
+    raise_once(monkeypatch, engine.step_function, "fn", 4, after=after)
+    done = steps_until_interrupted(engine)
+    got = by_request(done + engine.run())
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        assert g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, rtol=0, atol=1e-5)  # prefill vs decode
+    assert [c.n_preemptions for c in got] == [1, 1, 1]
+    engine.pool.allocator.check_invariants()
+    assert engine.pool.allocator.n_referenced == 0

@@ -11,7 +11,10 @@ Decode inputs of step n come from step n-1's device output, so the host never wa
 a token before dispatching the step that consumes it. A request that stopped at step n-1
 has one wasted row in step n, discarded on read-back. A step stays unread until its tokens
 are on the host: a read-back interrupted while it waits (Ctrl-C in a notebook, or a raising
-`device_get`) loses nothing, and the next `step`/`flush` reads it back first.
+`device_get`) loses nothing, and the next `step`/`flush` reads it back first. A dispatch that
+raises (Ctrl-C while a program compiles, or before the donated KV buffers it returned were
+stored) re-queues the running requests with the tokens they have and, where the buffers
+were lost, starts from empty ones (`Engine._dispatch_failed`).
 
 When every running request decodes and nobody waits to be admitted, a step is a call of
 `decode_steps_per_call` decode steps (`jrl.rollout.tuning`) run back to back by one device
@@ -215,8 +218,7 @@ class Engine:
                                            self.tuning.fuse_projections, config.kv_dtype, config.exact_logprobs)
         self._zero_slots = jax.jit(_zero_slots, donate_argnums=(0, 1), out_shardings=(
             self.kv.k.sharding, None if self.kv.v is None else self.kv.v.sharding))
-        self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32,
-                                      device=None if self.sharding is None else self.sharding.replicated)
+        self._prev_tokens = self._no_prev_tokens()
         # dispatched steps not yet read back, oldest first: one between steps (overlap), more
         # after a read-back was interrupted (`_read_back_until`)
         self._unread: deque[_InFlight] = deque()
@@ -342,13 +344,19 @@ class Engine:
         self._read_back_until(1)
         t0 = time.perf_counter()
         batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
-        launched = self._dispatch(batch) if batch is not None else None
+        launched = None
+        if batch is not None:
+            try:
+                launched = self._dispatch(batch)
+                self._unread.append(launched)
+            except BaseException:
+                self._dispatch_failed()
+                raise
         host = time.perf_counter() - t0
         if launched is None and not self._unread and self.scheduler.has_work:
             raise RuntimeError("engine: no request could be scheduled and none is running "
                                "(pool too small for the waiting requests?)")
         if launched is not None:
-            self._unread.append(launched)
             self.stats.steps += 1
             self.stats.host_s += host
             if launched.decode:
@@ -631,8 +639,9 @@ class Engine:
 
     def _scrub_freed_pages(self) -> None:
         """Zeroes the freed dirty pages (`Allocator.pending_scrub`) in the KV buffers, in
-        place (donated), before the step that may reuse them is dispatched."""
-        pages = self.pool.allocator.take_scrub()
+        place (donated), before the step that may reuse them is dispatched. They leave the
+        queue once the zeroed buffers are stored (a call that raises leaves them queued)."""
+        pages = self.pool.allocator.pending_scrub
         if not pages:
             return
         ps = self.config.page_size
@@ -641,6 +650,30 @@ class Engine:
         padded[:len(slots)] = slots
         k, v = self.kv.buffers()
         self.kv.update(*self._zero_slots(k, v, padded))
+        self.pool.allocator.take_scrub()
+
+    def _dispatch_failed(self) -> None:
+        """Makes the engine consistent again after `_dispatch` raised (KeyboardInterrupt while
+        a program compiled or once it returned, a failed compile, ...). The scheduler had
+        planned the step's requests a step further, the step may not have run (its KV
+        unwritten, though its full pages were already published to the prefix cache), and
+        the KV buffers and previous tokens may have been donated to a call whose outputs
+        were never stored. So every running request is re-queued with the tokens it has
+        (recomputed when admitted again, as after a preemption; samples still unread are
+        drawn again with the same keys), the prefix cache is dropped, and lost buffers are
+        replaced by empty ones."""
+        self.scheduler.requeue_running()
+        self._unread.clear()  # every sample in them belongs to a re-queued request (or a gone one)
+        self.drop_prefix_cache()
+        if self.kv.lost:
+            self.kv.reset()
+            self.pool.allocator.take_scrub()  # every page is zero now
+        if self._prev_tokens.is_deleted():
+            self._prev_tokens = self._no_prev_tokens()
+
+    def _no_prev_tokens(self) -> jax.Array:
+        """The previous step's samples before any step (`max_rows` zeros, replicated)."""
+        return jnp.zeros(self.max_rows, jnp.int32, device=None if self.sharding is None else self.sharding.replicated)
 
     # ------------------------------------------------------------------ weights
     @_one_driver

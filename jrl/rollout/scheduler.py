@@ -22,7 +22,7 @@ Every step, in this order:
    multi-step call, so penalised batches keep one step per call.
 
 The scheduler only plans; the engine runs the plan and feeds results back
-(`finish`, `fail`, `preempt`, `abort_running`).
+(`finish`, `fail`, `preempt`, `abort_running`, `requeue_running`).
 """
 
 from __future__ import annotations
@@ -328,6 +328,18 @@ class Scheduler:
             if req.task is not None:
                 req.task.publish = False
         return len(self.running)
+
+    def requeue_running(self) -> list[Request]:
+        """Re-queues every running request at the front in admission order with the tokens
+        it has, as a preemption does, but publishes none of its pages: used when a step's
+        dispatch failed, so its KV may never have been written."""
+        requeued = list(self.running)
+        for req in requeued:
+            self._release(req, None)
+            req.n_preemptions += 1
+            self.stats.preemptions += 1
+        self.waiting.extendleft(reversed(requeued))
+        return requeued
 
     def abort_running(self) -> list[Request]:
         """Aborts every running request (their outputs are discarded) and re-queues them

@@ -60,16 +60,33 @@ class KVStorage:
                  sharding: NamedSharding | None = None, page_size: int = 32) -> None:
         """`page_size`: the engine's tokens a page, the blocks slot-minor fp8 values are
         stored in (`quantized.QuantizedKV`)."""
+        self._layout = (config, n_slots, dtype, sharding, page_size)
+        self.dtype = jnp.dtype(dtype) if dtype in KV_DTYPES else dtype_of(dtype or config.dtype)
+        self.k: jax.Array | QuantizedKV
+        self.v: jax.Array | QuantizedKV | None
+        self.reset()
+
+    def reset(self) -> None:
+        """Replaces the buffers with empty ones (the old ones are deleted first: one set in
+        memory at a time)."""
+        for x in jax.tree.leaves(getattr(self, "k", None)) + jax.tree.leaves(getattr(self, "v", None)):
+            if not x.is_deleted():
+                x.delete()
+        config, n_slots, dtype, sharding, page_size = self._layout
         k_shape, v_shape = kv_shapes(config, n_slots)
         if dtype in KV_DTYPES:
-            self.dtype = jnp.dtype(dtype)
-            self.k: jax.Array | QuantizedKV = quantized.zeros(k_shape, sharding)
+            self.k = quantized.zeros(k_shape, sharding)
             self.v = None if v_shape is None else quantized.zeros(
                 v_shape, sharding, page_size=page_size if values_slot_minor(config, dtype) else None)
             return
-        self.dtype = dtype_of(dtype or config.dtype)
         self.k = jnp.zeros(k_shape, self.dtype, device=sharding)
         self.v = None if v_shape is None else jnp.zeros(v_shape, self.dtype, device=sharding)
+
+    @property
+    def lost(self) -> bool:
+        """Whether a buffer was donated to a step whose outputs were never stored (`update`):
+        its contents are gone."""
+        return any(x.is_deleted() for x in jax.tree.leaves((self.k, self.v)))
 
     @property
     def n_slots(self) -> int:
