@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.quantized import FP8_MAX, QuantizedKV, quantize, value_paging_problem
-from pallas_kernels.shapes import check_paged_shapes
+from pallas_kernels.shapes import check_paged_shapes, checks_lengths
 from pallas_kernels.tuning import DecodeTuning
 
 LOG2E = math.log2(math.e)
@@ -339,11 +339,16 @@ def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsiz
     return int(max(2, min(4, room // per_stage)))
 
 
+@checks_lengths("decode_mgpu")
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "tuning", "interpret", "causal_group"))
 def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int,
                        sm_scale: float, tuning: DecodeTuning | None = None,
                        interpret: bool = False, first_limits=None, causal_group: int = 0) -> jax.Array:
     """`q [B, Hq, D]` against each request's `kv_lens[b]` keys -> `[B, Hq, D]` (q's dtype).
+
+    Needs `kv_lens[b] <= page_table.shape[1] * page_size` (the keys a row's pages hold):
+    a ValueError naming the request where `kv_lens` is concrete, the caller's
+    precondition inside a trace (`shapes.check_lengths_fit`; the kernel reads past the row).
 
     Launch options come in `tuning` (`pallas_kernels.tuning.DecodeTuning`; None: all
     defaults). Work comes in items of one request, one KV split and `heads_per_cta` KV

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV, value_paging_problem
-from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions, check_request_shapes
+from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions, check_lengths_fit, check_request_shapes
 from pallas_kernels.staged_prefill import check_stage, staged_copy
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
@@ -124,8 +124,10 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     """Packed ragged causal prefill through the page table (see `reference.paged_prefill`).
     `stage` (fp8 K and V buffers; ignored otherwise): `staged_prefill.stage_layout` of these
     rows' `copied_lens`; then `staged_paged_prefill` computes the same attention (a stage of
-    other rows is refused: `staged_prefill.check_stage`)."""
+    other rows is refused: `staged_prefill.check_stage`). `kv_lens[b]` at most the keys a
+    page-table row holds (`shapes.check_lengths_fit`: checked where concrete)."""
     check_request_shapes("paged_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
+    check_lengths_fit("paged_prefill", kv_lens, page_table, page_size)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      layout_problem(k_buf, v_buf, page_size))
     if stage is not None and isinstance(v_buf, QuantizedKV):  # (MLA's latent cache: no copy)
@@ -172,8 +174,11 @@ def kernel_runs(impl: Impl) -> bool:
 
 def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int, sm_scale: float,
                   v_head_dim: int | None = None, impl: Impl = "auto") -> jax.Array:
-    """One query per request, split over the KV length (see `reference.ragged_decode`)."""
+    """One query per request, split over the KV length (see `reference.ragged_decode`).
+    `kv_lens[b]` at most the keys a page-table row holds (`shapes.check_lengths_fit`:
+    checked where concrete, the caller's precondition inside a trace)."""
     check_request_shapes("ragged_decode", q, k_buf, kv_lens, page_table)
+    check_lengths_fit("ragged_decode", kv_lens, page_table, page_size)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode",
                      layout_problem(k_buf, v_buf, page_size))
     if which == "reference":
@@ -204,10 +209,12 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     buffers only; the kernel takes groups whose causal tiles fit a wgmma (at most 256
     columns: odd groups above 32 query heads per KV head run the reference, with `one_query_each`
     too, so that a decode step and a prefill resolve alike). `one_query_each`: a decode step's
-    layout (row r is request r's one query or padding), a cheaper packing of the same kernel tiles."""
+    layout (row r is request r's one query or padding), a cheaper packing of the same kernel tiles.
+    `kv_lens[b]` at most the keys a page-table row holds (`shapes.check_lengths_fit`)."""
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
     check_request_shapes("exact_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
+    check_lengths_fit("exact_prefill", kv_lens, page_table, page_size)
     supported, why = kernel_supports(q, k_buf, v_buf, page_size, None), ""
     group = q.shape[-2] // k_buf.shape[2]
     columns = causal_positions(group) * group  # the narrowest causal tile (exact_mgpu.tile_positions)

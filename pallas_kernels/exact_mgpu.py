@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_mgpu import ragged_decode_mgpu
-from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions
+from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions, checks_lengths
 from pallas_kernels.tuning import DecodeTuning
 
 BLOCK_KV = 64  # keys per block, pinned: a column's rounding depends on the block walk
@@ -50,6 +50,7 @@ def exact_tuning(interpret: bool) -> DecodeTuning:
     return DecodeTuning(block_kv=BLOCK_KV, num_splits=1, keys_as_rows=True, persistent=not interpret)
 
 
+@checks_lengths("exact_mgpu")
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "positions", "one_query_each", "interpret"))
 def exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
                          sm_scale: float, positions: int | None = None, one_query_each: bool = False,
@@ -59,7 +60,8 @@ def exact_attention_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table,
     `cu_q_lens[-1]`. `positions` per tile (None: `tile_positions`) changes the work layout,
     not the result. `one_query_each`: a decode step's layout (T = R, row r request r's one
     query or padding), which is the plain decode kernel's work: no causal tiles, gathers or
-    padding positions, and each query column computed as in a tile, so the same bits."""
+    padding positions, and each query column computed as in a tile, so the same bits.
+    `kv_lens[b]` at most the keys a page-table row holds, as for `ragged_decode_mgpu`."""
     n_rows, hq, d = q.shape
     n_req = kv_lens.shape[0]
     hkv = k_buf.shape[2]

@@ -39,7 +39,7 @@ from pallas_kernels.decode_mgpu import (cast_tile, compute_dtype, dequantize_til
                                         num_sms, page_copy, smem_tiling, split_buffers, stage_minor_pages,
                                         wgmma_accumulate, zero_rows_from)
 from pallas_kernels.quantized import value_paging_problem
-from pallas_kernels.shapes import check_paged_shapes
+from pallas_kernels.shapes import check_paged_shapes, checks_lengths
 from pallas_kernels.tuning import PrefillTuning
 
 LOG2E = math.log2(math.e)
@@ -81,13 +81,16 @@ def tile_table(cu_ext: jax.Array, kv_ext: jax.Array, n_tiles: int, block_kv: int
             jnp.where(used, row0, 0)[order].astype(jnp.int32))
 
 
+@checks_lengths("prefill_mgpu")
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "tuning", "interpret"))
 def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
                        sm_scale: float, tuning: PrefillTuning | None = None,
                        interpret: bool = False) -> jax.Array:
     """`q [T, Hq, D]` packed ragged queries -> `[T, Hq, D]`; rows past `cu_q_lens[-1]` are 0.
 
-    Needs `kv_lens[b] >= q_len[b]` (the new tokens are already in the cache). Launch
+    Needs `kv_lens[b] >= q_len[b]` (the new tokens are already in the cache) and `kv_lens[b]
+    <= page_table.shape[1] * page_size` (a ValueError naming the request where `kv_lens` is
+    concrete, the caller's precondition inside a trace: `shapes.check_lengths_fit`). Launch
     options come in `tuning` (`pallas_kernels.tuning.PrefillTuning`; None: all defaults;
     its `num_ctas` overrides the persistent grid size, by default one CTA per SM).
     """

@@ -1,8 +1,14 @@
-"""Shape rules the Mosaic GPU kernels share (checked before tracing, errors name the kernel)."""
+"""Shape rules the Mosaic GPU kernels share (checked before tracing, errors name the kernel),
+and the one value rule checked on the host where the lengths are concrete."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+
+import jax
+import numpy as np
 
 from pallas_kernels.quantized import QuantizedKV
 
@@ -35,6 +41,44 @@ def check_request_shapes(op: str, q, k_buf, kv_lens, page_table, cu_q_lens=None)
     hq, hkv = q.shape[-2], k_buf.shape[2]
     if hq % hkv:
         raise ValueError(f"{op}: q's {hq} heads must be a multiple of the buffers' {hkv} KV heads")
+
+
+def check_lengths_fit(op: str, kv_lens, page_table, page_size: int) -> None:
+    """Raises ValueError naming the first request whose `kv_lens[b]` is more keys than its
+    page-table row holds (`W * page_size`): the kernels read page ids up to `kv_lens[b] /
+    page_size`, past the row (another request's pages, or past the table), and the
+    references silently attend to the row's keys only. Host-side, where `kv_lens` is
+    concrete (a device array is read back: a few bytes, once per eager call); inside a
+    trace (the engine's jitted step) it is the caller's precondition, with no device-side
+    check on the kernels' hot path. Mismatched shapes are left to `check_request_shapes`."""
+    if isinstance(kv_lens, jax.core.Tracer) or len(np.shape(page_table)) != 2 or len(np.shape(kv_lens)) != 1:
+        return
+    lens, width = np.asarray(kv_lens), np.shape(page_table)[1]
+    over = np.flatnonzero(lens > width * page_size)
+    if over.size:
+        b = int(over[0])
+        raise ValueError(f"{op}: request {b} has kv_lens[{b}] = {int(lens[b])} keys, more than its page-table row "
+                         f"holds ({width} pages of {page_size} = {width * page_size} keys); the kernels would read "
+                         f"page ids past the row")
+
+
+def checks_lengths(op: str):
+    """Decorates a jitted kernel entry point with `check_lengths_fit` on its `kv_lens`,
+    `page_table` and `page_size`, run before the jitted call (where it still sees concrete
+    arguments; called inside a trace, it checks nothing)."""
+
+    def decorate(kernel):
+        signature = inspect.signature(kernel)
+
+        @functools.wraps(kernel)
+        def checked(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            check_lengths_fit(op, bound["kv_lens"], bound["page_table"], bound["page_size"])
+            return kernel(*args, **kwargs)
+
+        return checked
+
+    return decorate
 
 
 def check_paged_shapes(kernel: str, q, k_buf, v_buf, page_size: int, block_kv: int,

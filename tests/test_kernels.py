@@ -8,6 +8,7 @@ forgot to write fails the finiteness check (poisoned outputs).
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -475,8 +476,8 @@ def test_bad_impl_and_unsupported_shapes_are_named_errors():
     with pytest.raises(ValueError, match="v_buf"):
         dispatch.ragged_decode(q, kb, None, 0, lens, pt, page_size=16, sm_scale=1.0,
                                v_head_dim=32, impl="pallas")
-    with pytest.raises(ValueError, match="page_size"):
-        ragged_decode_mgpu(q, kb, vb, 0, lens, pt, page_size=4, sm_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="page_size"):  # (4 keys: what the row holds in pages of 4)
+        ragged_decode_mgpu(q, kb, vb, 0, lens // 4, pt, page_size=4, sm_scale=1.0, interpret=True)
 
 
 def test_exact_prefill_leaves_groups_its_causal_tiles_cannot_hold_to_the_reference(monkeypatch):
@@ -523,6 +524,47 @@ def test_dispatch_names_query_heads_that_do_not_group_over_the_kv_heads():
         dispatch.ragged_decode(q, kb, vb, 0, jnp.asarray([9], jnp.int32), pt, page_size=16, sm_scale=0.125,
                                impl="reference")
 
+
+
+def long_request_case():
+    """Two requests whose page-table rows hold 2 pages of 16 keys (32), the second claiming
+    33 keys: (decode q, prefill q, k, v, cu_q_lens, kv_lens, page table)."""
+    rng = np.random.default_rng(21)
+    kb, vb, pt = paged_inputs(rng, 2, 32, 1, 64, 16)
+    q = jnp.asarray(rng.standard_normal((2, 2, 64)), jnp.bfloat16)
+    qp = jnp.asarray(rng.standard_normal((16, 2, 64)), jnp.bfloat16)
+    return q, qp, kb, vb, jnp.asarray([0, 8, 16], jnp.int32), jnp.asarray([10, 33], jnp.int32), pt
+
+
+@pytest.mark.parametrize("entry", ["ragged_decode", "paged_prefill", "exact_prefill", "ragged_decode_mgpu",
+                                   "paged_prefill_mgpu", "exact_attention_mgpu"])
+def test_kv_lens_past_the_page_table_row_are_refused_naming_the_request(entry):
+    # The kernels read page ids up to kv_lens / page_size: past the row, another request's
+    # pages or past the table (the interpreter raised an out-of-bounds read from its
+    # callback; the reference silently attended to the first 32 keys only).
+    q, qp, kb, vb, cu, lens, pt = long_request_case()
+    op = {"ragged_decode_mgpu": "decode_mgpu", "paged_prefill_mgpu": "prefill_mgpu",
+          "exact_attention_mgpu": "exact_mgpu"}.get(entry, entry)
+    kw = dict(page_size=16, sm_scale=0.125)
+    calls = {
+        "ragged_decode": lambda: dispatch.ragged_decode(q, kb, vb, 0, lens, pt, **kw, impl="reference"),
+        "paged_prefill": lambda: dispatch.paged_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl="reference"),
+        "exact_prefill": lambda: dispatch.exact_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl="reference"),
+        "ragged_decode_mgpu": lambda: ragged_decode_mgpu(q, kb, vb, 0, lens, pt, **kw, interpret=True),
+        "paged_prefill_mgpu": lambda: paged_prefill_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
+        "exact_attention_mgpu": lambda: exact_attention_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
+    }
+    with pytest.raises(ValueError, match=re.escape(
+            f"{op}: request 1 has kv_lens[1] = 33 keys, more than its page-table row holds "
+            f"(2 pages of 16 = 32 keys)")):
+        calls[entry]()
+
+
+def test_kv_lens_that_fill_the_page_table_row_are_taken():
+    q, _, kb, vb, _, _, pt = long_request_case()
+    lens = jnp.asarray([10, 32], jnp.int32)
+    out = dispatch.ragged_decode(q, kb, vb, 0, lens, pt, page_size=16, sm_scale=0.125, impl="reference")
+    assert out.shape == q.shape and np.isfinite(np.asarray(out, np.float32)).all()
 
 def dense_causal_attention(q, kb, vb, cu_q_lens, kv_lens, page_table, page_size, sm_scale):
     """Plain causal attention of each request's query rows over its keys, read slot by slot
