@@ -56,9 +56,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections import deque
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
