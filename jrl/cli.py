@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from jrl.bench.cli import main as bench_main
@@ -20,8 +21,18 @@ COMMANDS = {"train": ("train a model (python -m jrl.train)", lambda rest: train_
             "serve": ("serve a model over HTTP, OpenAI-compatible (docs/serve.md)", serve_main)}
 
 
+def importable_from_cwd() -> None:
+    """Puts the working directory first on `sys.path`, as `python -m jrl.train` does, so a
+    config's `module:function` (rewards, tools, env) in a file beside it imports the same
+    under `jrl eval` / `jrl train` / `jrl serve` (a console script's path holds only its
+    own directory, so `my_rewards:f` that trained fine could not be scored)."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, "")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    importable_from_cwd()
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: jrl {" + ",".join(COMMANDS) + "} ...\n\ncommands:")
         for name, (what, _) in COMMANDS.items():

@@ -1,5 +1,6 @@
 """`python -m jrl.train` / `jrl` command line: overrides, validation errors, dry run, plot."""
 
+import sys
 from pathlib import Path
 
 import jax
@@ -272,3 +273,14 @@ def test_a_dry_run_refuses_a_seq_len_that_leaves_no_room_for_a_prompt(capsys):
     assert main(["--dry-run", "strategy.options.max_new_tokens=16"]) == 2
     assert capsys.readouterr().err.strip() == (
         "config error: data.seq_len: must exceed strategy.options.max_new_tokens (16), got 16")
+
+
+def test_jrl_commands_import_a_reward_module_from_the_working_directory(tmp_path, monkeypatch, capsys):
+    # `python -m jrl.train` puts the working directory on sys.path; the `jrl` console script
+    # must too, or `jrl eval` cannot import the `my_rewards:fn` the run trained with
+    (tmp_path / "my_cwd_rewards.py").write_text("def f(prompt, completion, answer):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert cli.main(["train", "--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
+                     "strategy.options.rewards=[{fn: 'my_cwd_rewards:f'}]", "strategy.options.warm_start=null"]) == 0
+    assert "my_cwd_rewards:f" in capsys.readouterr().out
