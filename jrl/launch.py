@@ -44,7 +44,7 @@ from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, require_trainable
 from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.run_lock import RunDirWriteError, RunLockedError, acquire_for_run, check_not_in_use
-from jrl.train.initial import load_run_tokenizer
+from jrl.train.initial import check_init_from, load_run_tokenizer
 from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fresh_start, check_run_dir
 
 RL_STRATEGIES = ("grpo",)
@@ -181,6 +181,7 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
     if warm_start is None:
         warm_start = has_warm_start(config, embedded_default=False)
     data, demonstrations = check_data(config, warm_start)
+    init_note = check_init_from(config, missing_ok=True)  # an earlier stage's run may not be there yet
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     groups = param_groups(abstract)
     trainable = require_trainable(config.optimizer, set(jax.tree.leaves(groups)))
@@ -190,7 +191,7 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
     resolved = to_dict(config)
     resolved["strategy"]["options"] = options
     print(yaml.safe_dump(resolved, sort_keys=False), end="")
-    for note in notes:
+    for note in notes + ((init_note,) if init_note else ()):
         print(f"# note: {note}")
     print(f"# output_dir: {output_dir or config.run_dir}")
     print(f"# data: {data}")
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     overwrite = args.overwrite or (not args.config and not resuming
                                    and run_dir.absolute() == default_dir.absolute())
     try:
+        check_init_from(config)  # its config.json / meta.json: a typo or another model fails before anything is built
         check_run_dir(run_dir)  # before a warm start writes into it
         if not resuming and not overwrite:
             check_not_in_use(run_dir)  # a live run's checkpoints: "in use", not "resume them"

@@ -460,7 +460,7 @@ def test_an_invalid_config_json_is_named(hf_dir, tmp_path, capsys):
     # and through a run that starts from it: one line, exit 2, nothing written
     run = tmp_path / "run"
     assert main(["--config", write_config(tmp_path), "--output-dir", str(run), f"init_from=hf:{hf_dir}"]) == 2
-    assert capsys.readouterr().err.strip().startswith(f"error: {config_json}: not a readable JSON file")
+    assert capsys.readouterr().err.strip().startswith(f"error: init_from: {config_json}: not a readable JSON file")
     assert not run.exists()
 
 

@@ -4,10 +4,11 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 import yaml
 
-from jrl import cli
+from jrl import cli, hf
 from jrl.config import ConfigError, apply_overrides, load_train_config, parse_override, to_dict
 from jrl.metrics_log import MetricsLog
 from jrl.models import init_params
@@ -284,3 +285,29 @@ def test_jrl_commands_import_a_reward_module_from_the_working_directory(tmp_path
     assert cli.main(["train", "--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--dry-run",
                      "strategy.options.rewards=[{fn: 'my_cwd_rewards:f'}]", "strategy.options.warm_start=null"]) == 0
     assert "my_cwd_rewards:f" in capsys.readouterr().out
+
+
+def test_a_dry_run_checks_init_from_without_reading_its_weights(tmp_path, capsys):
+    # a mistyped path or a model section that does not fit the checkpoint failed only the
+    # run itself (after the dry run had passed), and a missing hf: directory was named
+    # without the key that gave it
+    example = load_train_config(str(CONFIGS / "grpo_jsonl_example.yaml"))
+    hf.save_pretrained(example.model, jax.tree.map(np.asarray, init_params(example.model, jax.random.key(0))),
+                       tmp_path / "hf")
+    assert _rl_dry_run(f"init_from=hf:{tmp_path / 'hf'}") == 0
+    capsys.readouterr()
+    # one not there yet (an earlier stage of a pipeline, as configs/dpo_arithmetic.yaml's) is a note
+    assert _rl_dry_run(f"init_from=hf:{tmp_path / 'hff'}") == 0
+    assert f"# note: init_from: 'hf:{tmp_path / 'hff'}' does not exist yet; the run needs it\n" in capsys.readouterr().out
+    # and the run stops on it before it builds or writes anything, naming init_from
+    run = tmp_path / "run"
+    assert main(["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), "--output-dir", str(run),
+                 f"init_from=hf:{tmp_path / 'hff'}"]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: init_from: {tmp_path / 'hff'}: ")
+    assert not run.exists()
+    assert _rl_dry_run(f"init_from=hf:{tmp_path / 'hf'}", "model.n_layers=3") == 2
+    assert capsys.readouterr().err.strip() == (
+        f"config error: init_from: the model config differs from 'hf:{tmp_path / 'hf'}' in model.n_layers "
+        f"(config 3, checkpoint 2); set these under model:")
+    assert _rl_dry_run(f"init_from={tmp_path / 'hf'}") == 2
+    assert capsys.readouterr().err.strip().endswith(f"for a Hugging Face model write init_from: hf:{tmp_path / 'hf'}")

@@ -2,7 +2,7 @@
 
     save(root, step, state, meta=..., keep_last=..., keep_every=..., metrics_log=...) -> Path
     load(root, step=None, verify=False, target=None) -> (state, meta)
-    latest_step(root), all_steps(root), verify_checkpoint(root, step=None)
+    latest_step(root), all_steps(root), verify_checkpoint(root, step=None), read_checkpoint_meta(root, step=None)
     step_problem(root, step, checksums=True), set_aside(root, step, kind)   (resume)
     AsyncCheckpointer(root, keep_last=..., keep_every=...).save(step, state, ...)
 
@@ -18,6 +18,7 @@ from jrl.checkpoint.store import (
     AsyncCheckpointer,
     CheckpointSaveError,
     load,
+    read_checkpoint_meta,
     save,
     verify_checkpoint,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "all_steps",
     "latest_step",
     "load",
+    "read_checkpoint_meta",
     "save",
     "set_aside",
     "step_problem",

@@ -430,6 +430,13 @@ def _resolve(root: str | os.PathLike, step: int | None) -> Path:
     return layout.step_dir(root, step)
 
 
+def read_checkpoint_meta(root: str | os.PathLike, step: int | None = None) -> dict:
+    """The meta.json of `root`'s step (the newest when `step` is None) without restoring
+    its state: what a caller checks before reading the weights (the run's config). Raises
+    FileNotFoundError / CheckpointCorruptError as `load` does."""
+    return read_meta(_resolve(root, step))
+
+
 def verify_checkpoint(root: str | os.PathLike, step: int | None = None) -> bool:
     """Checks a checkpoint (latest by default) against its manifest without restoring it.
 

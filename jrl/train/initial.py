@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jrl import checkpoint
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import load_tokenizer
-from jrl.hf import load_pretrained
+from jrl.hf import HFFormatError, config_from_hf, load_pretrained, read_hf_config
 from jrl.models import init_params
 from jrl.models.lora import lora_params
 from jrl.parallel import init_sharded_params, make_mesh, param_shardings, shard_params
@@ -101,6 +101,49 @@ def load_run_tokenizer(config: TrainConfig) -> Any:
     return tokenizer
 
 
+def _no_checkpoint(src: str, e: FileNotFoundError) -> ConfigError:
+    """The error of an `init_from` that holds no (such) jrl checkpoint; a Hugging Face
+    directory written without its `hf:` prefix is named as one."""
+    hint = (f"; it holds a config.json: for a Hugging Face model write init_from: hf:{src}"
+            if os.path.isfile(os.path.join(src, "config.json")) else "")
+    return ConfigError(f"init_from: {src!r}: {e}{hint}")
+
+
+def check_init_from(config: TrainConfig, *, missing_ok: bool = False) -> str | None:
+    """Checks `init_from` without reading its weights: the Hugging Face directory's
+    config.json, or the jrl checkpoint's meta.json, is there and describes the run's
+    `model:` (as `load_initial_params` compares them); errors name `init_from`. The
+    launcher calls it before building anything. `missing_ok` (a dry run): a path that does
+    not exist yet, such as the run of an earlier stage of a pipeline, is returned as a note
+    instead of raised."""
+    src, mc = config.init_from, config.model
+    if src is None:
+        return None
+    path = src[3:] if src.startswith("hf:") else src
+    if missing_ok and not os.path.exists(path):
+        return f"init_from: {src!r} does not exist yet; the run needs it"
+    if src.startswith("hf:"):
+        try:
+            hf_config, _ = config_from_hf(read_hf_config(path), dtype=mc.param_dtype,
+                                          max_position_embeddings=mc.max_position_embeddings,
+                                          where=os.path.join(path, "config.json"))
+        except HFFormatError as e:
+            raise ConfigError(f"init_from: {e}") from None
+        _check_same_architecture(mc, hf_config, src)
+        return None
+    root, step = _resolve_checkpoint(src)
+    try:
+        meta = checkpoint.read_checkpoint_meta(root, step)
+    except checkpoint.CheckpointCorruptError as e:
+        raise ConfigError(f"init_from: {src!r}: {e}") from e
+    except FileNotFoundError as e:
+        raise _no_checkpoint(src, e) from e
+    saved_model = (meta.get("config") or {}).get("model")
+    if isinstance(saved_model, dict):
+        _check_same_architecture(mc, saved_model, src)
+    return None
+
+
 def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
     """Params a run starts from, sharded on `mesh`: `init_from` (a jrl run / checkpoint,
     or `hf:<dir>`) or the seeded init. LoRA factors the source lacks (adapters on a
@@ -122,9 +165,7 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
         except checkpoint.CheckpointCorruptError as e:
             raise ConfigError(f"init_from: {src!r}: {e}") from e
         except FileNotFoundError as e:  # no such run, no checkpoint in it, or no such step
-            hint = (f"; it holds a config.json: for a Hugging Face model write init_from: hf:{src}"
-                    if os.path.isfile(os.path.join(src, "config.json")) else "")
-            raise ConfigError(f"init_from: {src!r}: {e}{hint}") from e
+            raise _no_checkpoint(src, e) from e
         loaded = state["params"] if isinstance(state, dict) else state.params
         saved_model = (meta.get("config") or {}).get("model")
         if isinstance(saved_model, dict):  # written by a jrl run (checkpoint.save alone writes no config)
