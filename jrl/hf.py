@@ -758,6 +758,8 @@ def read_hf_config(path: str) -> dict[str, Any]:
     """The `config.json` dict of the Hugging Face directory `path`."""
     if os.path.isfile(path):  # e.g. .../config.json itself: say what to pass, not "config.json not found"
         raise HFFormatError(f"{path}: is a file; pass the directory that holds config.json")
+    if not os.path.isdir(path):  # a typo in the path: not "config.json not found", which sends one looking inside
+        raise HFFormatError(f"{path}: no such directory")
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise HFFormatError(f"{path}: config.json not found")

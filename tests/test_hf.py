@@ -485,6 +485,15 @@ def test_config_json_itself_asks_for_its_directory():
     assert str(e.value) == f"{path}: is a file; pass the directory that holds config.json"
 
 
+def test_a_directory_that_does_not_exist_is_named_as_such(tmp_path):
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.load_pretrained(str(tmp_path / "Qwen2.5-0.5b"))
+    assert str(e.value) == f"{tmp_path / 'Qwen2.5-0.5b'}: no such directory"
+    with pytest.raises(hf.HFFormatError) as e:  # a directory without config.json
+        hf.load_pretrained(str(tmp_path))
+    assert str(e.value) == f"{tmp_path}: config.json not found"
+
+
 def test_sliding_window_shorter_than_context_is_rejected_and_capping_the_context_accepts_it():
     cfg = {**fixture_config("mistral"), "sliding_window": 64}
     with pytest.raises(hf.HFFormatError, match="sliding_window: sliding-window attention with window 64 < max length 256"):
