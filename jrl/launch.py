@@ -38,6 +38,7 @@ from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.learner import build_learner
 from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
+from jrl.rl.source import check_rollout_batch
 from jrl.rl.tasks import check_task_prompt_lengths, make_task, prompt_limit
 from jrl.rl.warm_start import render_warm_start, run_warm_start, task_format
 from jrl.train.defaults import default_run
@@ -136,6 +137,7 @@ def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | Non
     options = RLOptions.from_config(config.strategy.options)
     c = options.task
     task = make_task(c)
+    check_rollout_batch(options, config.data.batch_size)
     limit = prompt_limit(config.data.seq_len, options.max_new_tokens)
     fmt = task_format(config, options)
     if not options.episodes:  # an episode's prompt is its environment's (the runner checks its length)

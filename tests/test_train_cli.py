@@ -311,3 +311,11 @@ def test_a_dry_run_checks_init_from_without_reading_its_weights(tmp_path, capsys
         f"(config 3, checkpoint 2); set these under model:")
     assert _rl_dry_run(f"init_from={tmp_path / 'hf'}") == 2
     assert capsys.readouterr().err.strip().endswith(f"for a Hugging Face model write init_from: hf:{tmp_path / 'hf'}")
+
+
+def test_a_dry_run_checks_that_the_batch_size_divides_the_rollout(capsys):
+    # the run refused it before generating anything; the dry run had passed it
+    assert _rl_dry_run("data.batch_size=48") == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: data.batch_size: must divide the rollout batch (strategy.options.prompts_per_step * "
+        "group_size = 256), got 48")

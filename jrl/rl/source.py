@@ -121,6 +121,14 @@ class _Group:
     episodes: list | None = None  # multi-turn: the group's episodes (completions is then empty)
 
 
+def check_rollout_batch(options: RLOptions, batch_size: int) -> None:
+    """A rollout is cut into minibatches of `data.batch_size` rows, one update each: the
+    size must divide it (checked by the source and by a dry run)."""
+    if options.rollout_size % batch_size:
+        raise ConfigError(f"data.batch_size: must divide the rollout batch (strategy.options."
+                          f"prompts_per_step * group_size = {options.rollout_size}), got {batch_size}")
+
+
 class RolloutSource:
     """Yields GRPO training rows to the Trainer, generating them with the rollout engine."""
 
@@ -159,9 +167,7 @@ class RolloutSource:
         if self.episodes is None:  # an episode's prompt is its environment's (the runner checks its length)
             check_task_prompt_lengths(self.task, self.prompt_ids, limit)
         self.batch_size = batch_size
-        if o.rollout_size % self.batch_size:
-            raise ConfigError(f"data.batch_size: must divide the rollout batch (strategy.options."
-                              f"prompts_per_step * group_size = {o.rollout_size}), got {self.batch_size}")
+        check_rollout_batch(o, batch_size)
         self.max_version_lag = o.resolved_max_version_lag(self.batch_size)
         # prompts are drawn each step, so the budget assumes prompts of up to seq_len
         self.engine_config = engine_config_for(
