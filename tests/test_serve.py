@@ -691,6 +691,18 @@ def test_a_jrl_checkpoint_serves_with_its_run_config_tokenizer_and_version(tmp_p
         load_served(checkpoint=str(tmp_path / "nothing"))
 
 
+def test_a_hf_directory_without_a_tokenizer_asks_for_one(tmp_path):
+    # what jrl.hf.save_pretrained exports: weights and config.json, no tokenizer
+    config = from_dict(ModelConfig, {**MODEL, "vocab_size": 262})
+    save_pretrained(config, jax.device_get(init_params(config, jax.random.key(0))), tmp_path / "export")
+    with pytest.raises(ConfigError) as e:
+        load_served(model=f"hf:{tmp_path / 'export'}")
+    assert str(e.value) == (f"--model: {tmp_path / 'export'} has no tokenizer.json; pass --tokenizer (bytes, a "
+                            "tokenizer.json or a directory) or copy the model's tokenizer files there")
+    served = load_served(model=f"hf:{tmp_path / 'export'}", tokenizer="bytes")
+    assert served.tokenizer.vocab_size == 262
+
+
 def test_model_naming_config_json_asks_for_its_directory(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError) as e:

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +76,11 @@ def load_served(model: str | None = None, checkpoint: str | None = None, config:
     ckpt = resolve_checkpoint(spec, "--model" if model is not None else "--checkpoint")
     if model is not None and config is None:
         hf_dir = model[3:]
+        if not tokenizer and not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+            # e.g. a jrl export (jrl.hf.save_pretrained writes weights and config.json only);
+            # found before the weights are read
+            raise ConfigError(f"--model: {hf_dir} has no tokenizer.json; pass --tokenizer (bytes, a "
+                              f"tokenizer.json or a directory) or copy the model's tokenizer files there")
         mc, params = load_pretrained(hf_dir, dtype=dtype or default_dtype())
         tok = load_tokenizer(tokenizer) if tokenizer else HFTokenizer.from_dir(hf_dir)
         _check_vocab(tok, mc)
