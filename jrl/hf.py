@@ -870,18 +870,29 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     metadata = {"format": "pt"}
     shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata=metadata)
+        _save_shard(shards[0], os.path.join(path, "model.safetensors"), metadata)
         return model_type
     weight_map = {}
     for k, shard in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, name), metadata=metadata)
+        _save_shard(shard, os.path.join(path, name), metadata)
         weight_map.update({n: name for n in shard})
     total = sum(t.nbytes for t in tensors.values())
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         f.write("\n")
     return model_type
+
+
+def _save_shard(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str]) -> None:
+    """`save_file`, with the file's permissions those of any file created here (the umask's):
+    safetensors writes through a private temporary file (mode 0600), which left the weights
+    unreadable to other users (a server running as another user, a shared model directory)
+    while config.json beside them was readable."""
+    save_file(tensors, file, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
 
 
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")

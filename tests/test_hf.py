@@ -328,6 +328,20 @@ def test_saving_over_a_sharded_export_replaces_its_weight_files(tmp_path):
     assert hf.params_equal(hf.load_pretrained(tmp_path)[1], retrained)
 
 
+@pytest.mark.parametrize("max_shard_bytes", [None, 20_000])
+def test_exported_weight_files_are_as_readable_as_config_json(tmp_path, max_shard_bytes):
+    # safetensors writes through a 0600 temporary file: another user (a server, a shared
+    # model directory) could read config.json but not the weights
+    config, params = hf.load_pretrained(fixture("llama"))
+    old = os.umask(0o022)
+    try:
+        hf.save_pretrained(config, params, tmp_path, max_shard_bytes=max_shard_bytes)
+    finally:
+        os.umask(old)
+    modes = {name: os.stat(tmp_path / name).st_mode & 0o777 for name in os.listdir(tmp_path)}
+    assert set(modes.values()) == {0o644}, modes
+
+
 def test_an_unreadable_shard_index_is_named(tmp_path):
     config, params = hf.load_pretrained(fixture("llama"))
     hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
