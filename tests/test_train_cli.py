@@ -182,8 +182,10 @@ def test_every_jrl_command_prints_its_help(command, capsys):
      "strategy.options.task.heldout: no such file 'nope.jsonl'"),
 ])
 def test_a_dry_run_names_a_data_file_that_does_not_exist(config, override, message, capsys):
+    # relative paths are the working directory's, not the config file's: the error says which
     assert main(["--config", str(CONFIGS / f"{config}.yaml"), override, "--dry-run"]) == 2
-    assert capsys.readouterr().err.strip() == f"config error: {message}"
+    assert capsys.readouterr().err.strip() == (f"config error: {message} (a relative path is read from the "
+                                               f"working directory, {Path.cwd()})")
 
 
 def _data_config(tmp_path, train: str, eval_: str) -> str:

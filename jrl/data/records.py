@@ -17,11 +17,14 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # only such 
 
 def require_source(source: str, key: str) -> None:
     """Raises a ConfigError naming `key` (the config field that gave it) unless `source`
-    is a bundled dataset or an existing file."""
+    is a bundled dataset or an existing file; for a relative path it names the working
+    directory it was read from (not the config file's)."""
     if not is_bundled(source) and not Path(source).is_file():
         if Path(source).is_dir():
             raise ConfigError(f"{key}: {source!r} is a directory; give a JSONL file")
-        raise ConfigError(f"{key}: no such file {source!r}")
+        # a config is often run from another directory than its own: say where a relative path was looked for
+        where = "" if Path(source).is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+        raise ConfigError(f"{key}: no such file {source!r}{where}")
 
 
 def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -> Iterator[tuple[str, dict]]:
