@@ -283,6 +283,17 @@ def test_training_data_without_rows_is_named(tmp_path, text, overflow, why):
         build_dataset(cfg, TOK, "train")
 
 
+def test_training_data_all_held_out_by_eval_fraction_is_named_as_such(tmp_path):
+    # it said "it has no records" about a file that has them
+    src = tmp_path / "train.jsonl"
+    src.write_text('{"prompt": "a", "response": "b"}\n' * 2)
+    cfg = DataConfig(source=str(src), sections=SECTIONS, eval_fraction=0.99, seq_len=8)
+    with pytest.raises(ConfigError) as e:
+        build_dataset(cfg, TOK, "train")
+    assert str(e.value) == (f"data.source: '{src}' gives no training rows: data.eval_fraction=0.99 holds out every "
+                            f"one of its records; lower it or give the held-out records as data.eval_source")
+
+
 def test_an_eval_source_without_rows_is_named(tmp_path):
     # it used to give no held-out batches silently: no eval rows, early stopping never firing
     src, held = tmp_path / "train.jsonl", tmp_path / "val.jsonl"

@@ -151,10 +151,16 @@ def plan_split(config: DataConfig, split: Split, lengths: np.ndarray,
     else:
         plan = plan_rows(lengths, config.seq_len, pack=config.pack, overflow=config.overflow)
     if len(plan) == 0 and (split == "train" or config.eval_source is not None):
-        source, _, key = _split_source(config, split)
-        why = ("it has no records" if len(lengths) == 0 else
-               f"each of its {len(lengths)} documents is longer than data.seq_len={config.seq_len} "
-               f"and data.overflow={config.overflow!r} drops it")
+        source, filtered, key = _split_source(config, split)
+        if len(lengths):
+            why = (f"each of its {len(lengths)} documents is longer than data.seq_len={config.seq_len} "
+                   f"and data.overflow={config.overflow!r} drops it")
+        elif filtered and next(iter_located_records(source, config.seed, key), None) is not None:
+            # a small file whose every record the pseudo-random hold-out took: it has records
+            why = (f"data.eval_fraction={config.eval_fraction} holds out every one of its records; lower it "
+                   f"or give the held-out records as data.eval_source")
+        else:
+            why = "it has no records"
         rows = "training" if split == "train" else "held-out"
         raise ConfigError(f"{key}: {source!r} gives no {rows} rows: {why}")
     if split == "train" and config.format == "chat" and not has_trained_token():
