@@ -464,6 +464,19 @@ def test_an_invalid_config_json_is_named(hf_dir, tmp_path, capsys):
     assert not run.exists()
 
 
+def test_an_eval_fraction_that_holds_out_no_record_is_named(tmp_path):
+    # a small file and the default eval_fraction: no held-out record, and every evaluation
+    # (and early stopping on eval_loss) was skipped without a word
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "response": "{i + 1}"}}\n' for i in range(3)))
+    overrides = [f"data.source={data}", "data.sections=[{field: prompt}, {field: response, train: true}]",
+                 "data.pack=false", "data.eval_fraction=0.01", "data.batch_size=2", "steps=1", "eval.every=1"]
+    with pytest.warns(UserWarning, match=rf"data: data.eval_fraction=0.01 holds out none of the records of {data}, "
+                                         r"so the run evaluates nothing \(eval.every=1\); raise it or give "
+                                         r"data.eval_source"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+
+
 def test_a_dataset_smaller_than_one_batch_is_named(tmp_path):
     data = tmp_path / "few.jsonl"
     data.write_text("".join(f'{{"prompt": "{i}+1=", "response": "{i + 1}"}}\n' for i in range(3)))

@@ -265,6 +265,13 @@ class Trainer:
         self.train_source = DataSource(train, data.batch_size, seed=data.seed, shuffle=data.shuffle)
         held = build_dataset(data, self.tokenizer, "eval")
         self.eval_batches = fixed_batches(held, data.batch_size, self.config.eval.batches) if held and len(held) else []
+        ev = self.config.eval
+        if held is not None and not self.eval_batches and (ev.every or ev.at_end):
+            # a small file: the pseudo-random hold-out took none of its records, and the run
+            # would skip every evaluation (and early stopping on eval_*) without a word
+            warnings.warn(f"data: data.eval_fraction={data.eval_fraction} holds out none of the records of "
+                          f"{data.source}, so the run evaluates nothing (eval.every={ev.every}); raise it or give "
+                          f"data.eval_source", stacklevel=2)
 
     def _clear_run_dir(self) -> None:
         if not self.is_main_process:
