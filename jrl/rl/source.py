@@ -426,7 +426,7 @@ class RolloutSource:
         if n_kept == 0 and not self._warned_no_signal:  # once a run: it shows in every row's groups_kept
             self._warned_no_signal = True
             log.warning("rollout %d has nothing to learn from: in each of its %d groups every sample got the same "
-                        "reward (accuracy %.1f%%), so every advantage is 0 and the update changes nothing. While "
+                        "reward (accuracy %.1f%%), so every advantage is 0 and the update is skipped. While "
                         "this lasts (metrics: groups_kept 0) the task is too hard or too easy for the model: see "
                         "docs/rl.md, 'The warm start'", rl_step, len(drawn), 100 * metrics["accuracy"])
         if check:

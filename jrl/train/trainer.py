@@ -557,8 +557,9 @@ class Trainer:
             return
         self._warned_skip.add(empty)
         if empty:
-            why = ("the batch has no loss weight (every target masked), so the update was skipped (params, "
-                   "optimizer state and policy_version unchanged, loss and metrics logged as null)")
+            why = ("the batch has no loss weight (every target masked; in GRPO, no group whose samples got "
+                   "different rewards), so the update was skipped (params, optimizer state and policy_version "
+                   "unchanged, loss and metrics logged as null)")
             cause = ""
         else:
             why = ("the loss or a gradient is not finite, so the update was skipped (params and optimizer state "
