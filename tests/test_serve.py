@@ -881,3 +881,14 @@ def test_stopping_an_engine_process_that_something_else_reaped_does_not_kill_it(
 def test_stopping_an_engine_process_that_hangs_kills_it(caplog):
     child = stopped(ChildSeenAlive(exited=False), caplog)
     assert child.killed and "the engine process did not stop within 0 s; killing it" in caplog.text
+
+
+def test_a_request_field_the_server_does_not_read_is_logged_once_by_name(live_in_thread, caplog):
+    # a misspelt sampling parameter is ignored as OpenAI's unknown fields are, but not silently
+    with caplog.at_level("WARNING", logger="jrl.serve"):
+        for _ in range(2):
+            r = live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 2, "temprature": 0})
+            assert r.status_code == 200, r.text
+    assert [m for m in caplog.messages if "temprature" in m] == [
+        "request field 'temprature' is not one this server reads; ignored (a misspelt sampling parameter takes "
+        "its default)"]

@@ -60,6 +60,7 @@ class Server:
         self.worker: Any = None  # EngineWorker | EngineProcess
         self.weights_lock = asyncio.Lock()
         self.created = int(time.time())
+        self.ignored_seen: set[str] = set()  # request fields already logged as ignored
 
     def start(self) -> None:
         if self.worker is None:
@@ -74,6 +75,14 @@ class Server:
         if body.model != self.served.name:
             raise ServeError(f"model: {body.model!r} is not served here; this server serves {self.served.name!r}",
                              param="model", code="model_not_found")
+
+    def note_ignored_fields(self, body: _Common) -> None:
+        """Logs each request field this server does not read, once per name."""
+        for name in body.ignored_fields():
+            if name not in self.ignored_seen:
+                self.ignored_seen.add(name)
+                log.warning("request field %r is not one this server reads; ignored (a misspelt sampling "
+                            "parameter takes its default)", name)
 
     def sampling(self, body: _Common, choice: int) -> SamplingParams:
         seed = None if body.seed is None else body.seed + choice
@@ -322,6 +331,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body)
+        server.note_ignored_fields(body)
         body.refuse_unsupported()
         stop = body.stop_strings()
         prompt = server.render_chat(body)
@@ -333,6 +343,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body)
+        server.note_ignored_fields(body)
         body.refuse_unsupported()
         stop = body.stop_strings()
         prompts = server.completion_prompts(body)

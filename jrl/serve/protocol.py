@@ -2,8 +2,8 @@
 
 Fields jrl does not implement but clients commonly send are declared so that a value that
 would change the result is refused with a 400 naming the field (`logit_bias`, `echo`,
-`best_of`, `suffix`, a `response_format` other than text); fields that change nothing here
-(`user`, `metadata`, `store`, ...) are ignored. Range checks of the sampling values are the
+`best_of`, `suffix`, a `response_format` other than text); other fields (`user`,
+`metadata`, `store`, or a misspelt name) are ignored, each logged once by the server. Range checks of the sampling values are the
 engine's own (`jrl.rollout.SamplingParams`), reported under the OpenAI field name. Numbers
 are strict, as OpenAI's: `"max_tokens": "5"`, `5.0` or `true` for an integer is refused, not
 converted (an integer is accepted for a float); so are booleans (`"stream": "true"` or `1`).
@@ -45,7 +45,8 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)  # no "5" for 5, as OpenAI's API
+    # no "5" for 5, as OpenAI's API; fields not declared are kept aside (`ignored_fields`)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     n: int = Field(1, ge=1, le=128)
@@ -81,6 +82,11 @@ class _Common(BaseModel):
             if s == "":
                 raise ServeError(f"stop[{i}]: stop strings must be non-empty", param="stop")
         return stops
+
+    def ignored_fields(self) -> list[str]:
+        """The request's fields this server does not read: harmless ones (`user`, `store`)
+        and misspellings alike (a `temprature` would otherwise sample at 1.0 unnoticed)."""
+        return sorted(self.model_extra or ())
 
     def refuse_unsupported(self) -> None:
         if self.logit_bias:
