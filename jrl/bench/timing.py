@@ -50,11 +50,6 @@ def timed(fn: Callable, *args, **kwargs) -> tuple[object, float]:
     return out, time.perf_counter() - t0
 
 
-def median_ms(samples_s: list[float]) -> dict[str, float]:
-    """{"ms", "ms_min", "ms_max"} of samples in seconds: median and range."""
-    return {"ms": 1e3 * statistics.median(samples_s), "ms_min": 1e3 * min(samples_s), "ms_max": 1e3 * max(samples_s)}
-
-
 class Budget:
     """Wall-clock budget of a run: `spent()` once `seconds` have passed since creation."""
 

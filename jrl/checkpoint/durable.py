@@ -28,15 +28,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_file(path: Path) -> None:
-    """Makes the contents of file `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dirs_bottom_up(root: Path) -> None:
     """fsyncs every directory under `root` (deepest first), then `root` itself."""
     dirs = [Path(d) for d, _, _ in os.walk(root)]
