@@ -47,7 +47,6 @@ class Request:
     model_logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     task: TaskCache | None = None
-    admitted_at: int = -1  # admission counter: the youngest request has the largest
     prefill_target: int = 0  # positions to prefill at this admission (prompt + known outputs)
     epoch: int = 0  # bumped on preempt/abort/finish: results of older steps are ignored
     n_inflight: int = 0  # samples dispatched but not yet read back (2 while step n-1 is unread)
@@ -61,10 +60,6 @@ class Request:
     def __post_init__(self) -> None:
         self._tokens = np.zeros(len(self.prompt) + self.max_new_tokens, np.int32)
         self._tokens[:len(self.prompt)] = self.prompt
-
-    @property
-    def n_known(self) -> int:
-        return len(self.prompt) + len(self.outputs)
 
     @property
     def n_scheduled_samples(self) -> int:

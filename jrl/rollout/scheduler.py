@@ -119,9 +119,7 @@ class ScheduledBatch:
 class SchedulerStats:
     prefill_tokens: int = 0  # prompt/prefix tokens computed (not served from cache)
     cached_tokens: int = 0  # tokens served from the prefix cache at admission
-    decode_tokens: int = 0
     preemptions: int = 0
-    admissions: int = 0
 
 
 class Scheduler:
@@ -132,7 +130,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the youngest
         self.stats = SchedulerStats()
-        self._admissions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -174,10 +171,8 @@ class Scheduler:
             counts = self._reserve_steps(decoding, steps)
         batch.add_decode(decoding, counts, steps)
         if counts is not None:
-            self.stats.decode_tokens += sum(counts)
             return batch
         budget -= len(batch)
-        self.stats.decode_tokens += len(batch)
         for req in prefilling:
             if budget <= 0:
                 break
@@ -284,9 +279,6 @@ class Scheduler:
             return 0
         req.cached_tokens += matched
         self.stats.cached_tokens += matched
-        self.stats.admissions += 1
-        self._admissions += 1
-        req.admitted_at = self._admissions
         self.running.append(req)
         return chunk
 

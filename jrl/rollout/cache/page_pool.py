@@ -48,7 +48,6 @@ class Allocator:
         self._free_heap = list(range(n_pages))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.on_evict = on_evict
-        self.n_evictions = 0
         self.dirty = np.zeros(n_pages, np.bool_)
         self.pending_scrub: list[int] = []  # freed dirty pages, to zero before the next step
 
@@ -182,7 +181,6 @@ class Allocator:
 
     def _evict_one(self) -> None:
         page = next(iter(self._lru))
-        self.n_evictions += 1
         if self.on_evict is not None:
             self.on_evict(page)
         else:

@@ -34,7 +34,6 @@ class TaskCache:
     row: int
     pages: list[int] = dataclasses.field(default_factory=list)
     kv_len: int = 0  # positions whose KV is written (or written by a step already dispatched)
-    n_cached_tokens: int = 0  # prefix-cache hit of the latest admission
     n_published: int = 0  # leading pages already offered to the prefix cache
     # False once positions of this task are computed under a newer weight version than
     # earlier ones (`Engine.update_weights` with on_weight_update="continue"): its pages
@@ -76,7 +75,7 @@ class TaskCacheManager:
             self.pool.allocator.share(pages)
             self._append(task, pages)
             task.n_published = len(pages)
-        task.kv_len = task.n_cached_tokens = len(pages) * self.page_size
+        task.kv_len = len(pages) * self.page_size
         return task.kv_len
 
     def _append(self, task: TaskCache, pages: list[int]) -> None:
