@@ -56,7 +56,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -71,12 +71,6 @@ from jrl.tokenizer import encode_continuation
 
 Message = dict[str, Any]
 _MARK = "\x00jrl-assistant-turn\x00"
-
-
-class Environment(Protocol):
-    def reset(self, example: dict) -> list[Message]: ...
-
-    def step(self, assistant_message: Message) -> tuple[list[Message], float, bool, dict]: ...
 
 
 class EnvironmentFailure(RuntimeError):

@@ -70,7 +70,7 @@ def dpo_loss(config: ModelConfig, params, batch: Batch, ctx: LossContext) -> Los
     return LossOutput(jnp.sum(losses), jnp.asarray(losses.shape[0], jnp.float32), metrics)
 
 
-DPO = register_strategy(Strategy(
+register_strategy(Strategy(
     name="dpo", loss_fn=dpo_loss, batch_fields=TOKEN_FIELDS, options_cls=DPOOptions,
     needs_reference=True, data_formats=("preference",),
 ))

@@ -278,7 +278,7 @@ def grpo_loss_fn(config: ModelConfig, params: Any, batch: dict, ctx: LossContext
     return LossOutput(total, weight, metrics)
 
 
-GRPO = register_strategy(Strategy(
+register_strategy(Strategy(
     name="grpo", loss_fn=grpo_loss_fn, batch_fields=GRPO_FIELDS, options_cls=GRPOLossConfig,
     needs_reference=False, data_formats=(),
 ))

@@ -46,7 +46,7 @@ def token_cross_entropy(config: ModelConfig, params, batch: Batch, ctx: LossCont
     return LossOutput(total, weight, metrics)
 
 
-SEQ = register_strategy(Strategy(
+register_strategy(Strategy(
     name="seq", loss_fn=token_cross_entropy, batch_fields=TOKEN_FIELDS,
     options_cls=TokenLossOptions, data_formats=("text", "sections", "chat"),
 ))

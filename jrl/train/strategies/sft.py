@@ -9,7 +9,7 @@ from jrl.train.strategies import register_strategy
 from jrl.train.strategies.base import Strategy
 from jrl.train.strategies.seq import TOKEN_FIELDS, TokenLossOptions, token_cross_entropy
 
-SFT = register_strategy(Strategy(
+register_strategy(Strategy(
     name="sft", loss_fn=token_cross_entropy, batch_fields=TOKEN_FIELDS,
     options_cls=TokenLossOptions, data_formats=("sections", "chat"),
 ))
