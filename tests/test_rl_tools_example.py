@@ -20,7 +20,7 @@ from jrl.data.bundled import load_bundled, lookup_code
 from jrl.data.tasks import Problem
 from jrl.launch import main
 from jrl.metrics_log import read_metrics
-from jrl.rl.demonstrations import WarmStartConfig, prepare_demonstrations
+from jrl.rl.demonstrations import WarmStartConfig, render_demonstrations, write_demonstrations
 from jrl.rl.environments import ChatPieces, ToolEnvironment
 from jrl.rl.examples import lookup
 from jrl.rl.prompts import PromptFormat
@@ -72,7 +72,8 @@ def test_demonstration_rows_are_the_episode_token_for_token(tmp_path):
     tok = ByteTokenizer()
     r = load_bundled("bundled:lookup:1")[0]
     fmt = PromptFormat(tok, chat_template=True)
-    demos = prepare_demonstrations(WarmStartConfig(source="bundled:lookup:1"), fmt, "prompt", [], tmp_path)
+    demos = write_demonstrations(render_demonstrations(WarmStartConfig(source="bundled:lookup:1"), fmt, "prompt", []),
+                                 tmp_path)
     rows = [json.loads(line) for line in Path(demos.source).read_text().splitlines()]
     assert demos.count == 1 and len(rows) == 2 and demos.prompt_field == "prompt" and not demos.add_eos
     assert rows[0] == {"prompt": f"<bos><|user|>\n{r['key']}<eos><|assistant|>\n",
@@ -93,7 +94,7 @@ def test_demonstration_rows_are_the_episode_token_for_token(tmp_path):
 def test_multi_turn_demonstrations_need_the_chat_template(tmp_path):
     fmt = PromptFormat(ByteTokenizer(), chat_template=False)
     with pytest.raises(ConfigError, match="multi-turn demonstration .* set task.chat_template: true"):
-        prepare_demonstrations(WarmStartConfig(source="bundled:lookup:1"), fmt, "prompt", [], tmp_path)
+        render_demonstrations(WarmStartConfig(source="bundled:lookup:1"), fmt, "prompt", [])
 
 
 def test_the_warm_start_trains_on_tool_turns_and_checks_greedy_episodes(tmp_path):

@@ -13,7 +13,7 @@ from jrl import checkpoint
 from jrl.config import ConfigError, load_train_config
 from jrl.data.bundled import load_bundled
 from jrl.launch import has_warm_start, main
-from jrl.rl.demonstrations import WarmStartConfig, prepare_demonstrations
+from jrl.rl.demonstrations import WarmStartConfig, render_demonstrations, write_demonstrations
 from jrl.rl.examples import letters_in_place, reversed_word
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat, end_of_turn_text
@@ -32,8 +32,8 @@ def write_jsonl(path, rows):
 
 def test_plain_prompts_use_the_source_as_it_is(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab>", "response": "ba"}])
-    demos = prepare_demonstrations(WarmStartConfig(source=src), PromptFormat(ByteTokenizer()), "prompt", [],
-                                   tmp_path / "out")
+    demos = write_demonstrations(render_demonstrations(WarmStartConfig(source=src), PromptFormat(ByteTokenizer()),
+                                                       "prompt", []), tmp_path / "out")
     assert (demos.source, demos.add_eos, demos.count, demos.dropped) == (src, True, 1, 0)
     assert not (tmp_path / "out").exists()
 
@@ -45,8 +45,8 @@ def test_chat_prompts_are_rendered_and_closed_by_the_end_of_turn_token(tmp_path)
         {"messages": [{"role": "user", "content": "2+3?"}], "response": "5", "n": 1},
         {"messages": [{"role": "user", "content": "1+1?"}], "response": "2<|im_end|>", "n": 2}])
     fmt = PromptFormat(tok, system_prompt="Be brief.")
-    demos = prepare_demonstrations(WarmStartConfig(source=src, prompt_field="messages"), fmt, "prompt", [],
-                                   tmp_path / "out")
+    demos = write_demonstrations(render_demonstrations(WarmStartConfig(source=src, prompt_field="messages"), fmt,
+                                                       "prompt", []), tmp_path / "out")
     assert demos.add_eos is False and demos.source == str(tmp_path / "out" / "demonstrations.jsonl")
     rows = [json.loads(line) for line in open(demos.source)]
     assert rows[0]["prompt"] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+3?<|im_end|>\n"
@@ -57,8 +57,9 @@ def test_chat_prompts_are_rendered_and_closed_by_the_end_of_turn_token(tmp_path)
 def test_heldout_and_validation_prompts_are_left_out(tmp_path):
     config = TaskConfig(name="jsonl", train="bundled:reverse:600", n_heldout=50, n_validation=50)
     task = make_task(config)
-    demos = prepare_demonstrations(WarmStartConfig(source="bundled:reverse:600"), PromptFormat(ByteTokenizer()),
-                                   "prompt", task.heldout + task.validation, tmp_path)
+    demos = write_demonstrations(render_demonstrations(WarmStartConfig(source="bundled:reverse:600"),
+                                                       PromptFormat(ByteTokenizer()), "prompt",
+                                                       task.heldout + task.validation), tmp_path)
     assert (demos.count, demos.dropped) == (500, 100)
     kept = {json.loads(line)["prompt"] for line in open(demos.source)}
     assert kept.isdisjoint(p.prompt for p in task.heldout + task.validation)
@@ -78,7 +79,7 @@ def test_bad_warm_start_settings_name_the_field(fields, message):
 def test_missing_response_names_the_record(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab>", "answer": "ba"}])
     with pytest.raises(ConfigError, match=r"d.jsonl:1: missing field 'response' \(strategy.options.warm_start"):
-        prepare_demonstrations(WarmStartConfig(source=src), PromptFormat(ByteTokenizer()), "prompt", [], tmp_path)
+        render_demonstrations(WarmStartConfig(source=src), PromptFormat(ByteTokenizer()), "prompt", [])
 
 
 def test_default_warm_start_is_the_historic_sft_stage():

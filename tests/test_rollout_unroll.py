@@ -8,7 +8,7 @@ import pytest
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
 from jrl.rollout import Engine, EngineConfig, SamplingParams, TuningOverrides
-from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, step_function, unpack
+from jrl.rollout.executor import INT_ALIGN_UNROLLED, StepLayout, pack, packing, step_function
 from jrl.rollout.tuning import resolve_tuning
 from test_rollout_engine import record_layouts
 
@@ -50,7 +50,7 @@ def test_aligned_layout_starts_every_int_field_at_256_bytes_and_round_trips():
         starts[name] = offset
         offset += int(np.prod(shape))
     assert all(starts[name] % 64 == 0 for name in values)
-    out = unpack(layout.int_fields(), flat)
+    out = packing(tuple(layout.int_fields())).views(flat)
     for name, v in values.items():
         np.testing.assert_array_equal(np.asarray(out[name]), v)
 

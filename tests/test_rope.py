@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jrl.config import ModelConfig, RopeScaling
-from jrl.models.rope import apply_rope, rope_cos_sin, rope_table, rotate
+from jrl.models.rope import rope_cos_sin, rope_table, rotate
 
 DIM, THETA, TABLE = 16, 10000.0, 64
 BASE = ModelConfig(hidden_size=32, n_heads=2, n_kv_heads=2, head_dim=DIM, rope_theta=THETA,
@@ -24,6 +24,11 @@ def config(**scaling) -> ModelConfig:
 
 def plain_inv_freq(theta: float = THETA) -> np.ndarray:
     return np.array([theta ** (-2.0 * i / DIM) for i in range(DIM // 2)], np.float64)
+
+
+def rotate_by_table(x, positions, cos, sin):
+    """`rotate` by the rows at `positions[..., S]` of a `rope_table`."""
+    return rotate(x, jnp.asarray(cos)[positions], jnp.asarray(sin)[positions])
 
 
 def expected_table(inv_freq: np.ndarray, attention: float = 1.0):
@@ -114,11 +119,11 @@ def test_table_length_override_and_mla_uses_the_rope_part_only():
     np.testing.assert_allclose(sin[3], np.sin(3 * 10000.0 ** (-np.arange(0, 6, 2) / 6)), atol=1e-6)
 
 
-def test_apply_rope_rotates_the_first_and_second_halves_as_pairs():
+def test_rotate_turns_the_first_and_second_halves_as_pairs():
     cos, sin = rope_table(BASE)
     x = np.random.default_rng(0).standard_normal((2, 3, 5, DIM)).astype(np.float32)  # [B, S, H, D]
     positions = np.array([[0, 7, 63], [2, 2, 40]])
-    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), cos, sin))
+    got = np.asarray(rotate_by_table(jnp.asarray(x), jnp.asarray(positions), cos, sin))
     half = DIM // 2
     for b in range(2):
         for s in range(3):
@@ -157,18 +162,18 @@ def test_positions_past_the_configured_length_are_rotated_not_clamped():
     np.testing.assert_allclose(sin[0], np.sin(angles), atol=2e-3)
 
 
-def test_rotate_with_per_token_cos_sin_equals_apply_rope_with_the_table():
+def test_rotate_with_per_token_cos_sin_equals_rotating_by_the_table():
     cfg = config(type="yarn", factor=4.0, original_max_position_embeddings=32)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 2, DIM)), jnp.float32)
     positions = jnp.array([[0, 9, 33], [61, 2, 8]])
     np.testing.assert_allclose(rotate(x, *rope_cos_sin(cfg, positions)),
-                               apply_rope(x, positions, *rope_table(cfg)), atol=1e-5)
+                               rotate_by_table(x, positions, *rope_table(cfg)), atol=1e-5)
 
 
-def test_apply_rope_keeps_dtype():
+def test_rotate_keeps_dtype():
     cos, sin = rope_table(BASE)
     x = jnp.ones((1, 2, 1, DIM), jnp.bfloat16)
-    assert apply_rope(x, jnp.array([[0, 1]]), cos, sin).dtype == jnp.bfloat16
+    assert rotate_by_table(x, jnp.array([[0, 1]]), cos, sin).dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("scaling", SCALINGS, ids=SCALING_IDS)
@@ -179,8 +184,8 @@ def test_rotated_dot_product_depends_only_on_the_position_difference(scaling):
     k = jnp.asarray(rng.standard_normal((1, 1, 1, DIM)), jnp.float32)
 
     def score(m, n):
-        qm = apply_rope(q, jnp.array([[m]]), cos, sin)
-        kn = apply_rope(k, jnp.array([[n]]), cos, sin)
+        qm = rotate_by_table(q, jnp.array([[m]]), cos, sin)
+        kn = rotate_by_table(k, jnp.array([[n]]), cos, sin)
         return float(jnp.sum(qm * kn))
 
     for shift in (1, 9, 30):

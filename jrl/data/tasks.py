@@ -87,10 +87,6 @@ class AdditionTask:
         return Problem(prompt=prompt, answer=answer, example={"prompt": prompt, "answer": answer, "a": a, "b": b},
                        where=f"addition:{prompt}")
 
-    def is_trainable(self, a: int, b: int) -> bool:
-        """Neither a held-out nor a validation problem."""
-        return a * self.base + b not in self._excluded
-
     def sample_train(self, rng: np.random.Generator, n: int) -> list[Problem]:
         """`n` problems drawn uniformly from the trainable pairs."""
         out: list[Problem] = []

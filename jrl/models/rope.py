@@ -95,8 +95,3 @@ def rotate(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
     x1, x2 = xf[..., :half], xf[..., half:]
     out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     return out.astype(x.dtype)
-
-
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotates `x[..., S, H, D]` by the rows at `positions[..., S]` of a `rope_table`."""
-    return rotate(x, jnp.asarray(cos)[positions], jnp.asarray(sin)[positions])

@@ -138,7 +138,7 @@ def render_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_promp
     """Reads every demonstration and renders its prompt with `fmt`, leaving out those whose
     rendered prompt is one of `excluded` (the task's held-out and validation problems).
     Errors name the record (file:line) and the field. Writes nothing: what a dry run checks
-    and `prepare_demonstrations` writes. `tools`: the run's tool schemas, rendered into
+    and `write_demonstrations` writes. `tools`: the run's tool schemas, rendered into
     every prompt (the chat template's `tools=`), as the episodes render them."""
     prompt_field = config.prompt_field or task_prompt_field
     response_field = config.response_field
@@ -209,13 +209,3 @@ def write_demonstrations(rendered: RenderedDemonstrations, out_dir: Path) -> Dem
     tmp.replace(path)
     return Demonstrations(str(path), "prompt", "response", add_eos=not rows[0]["templated"], count=rendered.count,
                           dropped=rendered.dropped)
-
-
-def prepare_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_prompt_field: str,
-                           excluded: list[Problem], out_dir: Path, *, seed: int = 0,
-                           tools: list | None = None) -> Demonstrations:
-    """`render_demonstrations`, then `write_demonstrations`: when every prompt renders as
-    it is and nothing is left out, the source is used as it is; otherwise the rendered
-    demonstrations are written to `out_dir/demonstrations.jsonl`."""
-    return write_demonstrations(render_demonstrations(config, fmt, task_prompt_field, excluded, seed=seed,
-                                                      tools=tools), out_dir)

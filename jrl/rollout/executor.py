@@ -146,10 +146,6 @@ def pack(fields: list[tuple[str, tuple[int, ...]]], values: dict[str, np.ndarray
     return flat
 
 
-def unpack(fields: list[tuple[str, tuple[int, ...]]], flat: jax.Array) -> dict[str, jax.Array]:
-    return packing(tuple(fields)).views(flat)
-
-
 INT_ALIGN_UNROLLED = 64  # int32 elements = 256 bytes
 
 
