@@ -89,11 +89,11 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     return config
 
 
-def make_trainer(config: TrainConfig, *, callbacks=(), output_dir: str | None = None) -> Trainer:
+def make_trainer(config: TrainConfig, *, output_dir: str | None = None) -> Trainer:
     """The trainer for any config: RL strategies through jrl.rl, the rest directly."""
     if config.strategy.name in RL_STRATEGIES:
-        return build_learner(config, callbacks=callbacks, output_dir=output_dir).trainer
-    return Trainer(config, callbacks=callbacks, output_dir=output_dir)
+        return build_learner(config, output_dir=output_dir).trainer
+    return Trainer(config, output_dir=output_dir)
 
 
 def start_distributed(config) -> bool:

@@ -94,11 +94,12 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=False)
 
 
-def remove_tree_until_gone(path: Path, *, quiet_s: float = 0.2, timeout_s: float = 10.0) -> bool:
+def remove_tree_until_gone(path: Path) -> bool:
     """Removes a directory tree that late writers may still be adding to, such as a failed
     Orbax save's staging directory: tensorstore's writes in flight land after the save has
     reported its first error, and recreate the directories they write into. Removes again
     until the tree has stayed gone for `quiet_s`; False if it still existed after `timeout_s`."""
+    quiet_s, timeout_s = 0.2, 10.0
     deadline = time.monotonic() + timeout_s
     while True:
         shutil.rmtree(path, ignore_errors=True)  # a file removed or added under it meanwhile is a race, not an error

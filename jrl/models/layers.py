@@ -37,9 +37,9 @@ def dtype_of(name: str) -> jnp.dtype:
     return DTYPES[name]
 
 
-def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None, key: str = "") -> jax.Array:
-    """`fn` applied to the token rows of `xs` (arrays sharing their `lead` leading axes,
-    default all but the last of the first array's, e.g. `[B, S]`), `rows` rows at a time:
+def map_rows(fn, rows: int, *xs: jax.Array, key: str = "") -> jax.Array:
+    """`fn` applied to the token rows of `xs` (arrays sharing the first array's leading axes,
+    all but its last, e.g. `[B, S]`), `rows` rows at a time:
     the leading axes are flattened, padded to a multiple of `rows` (zeros) and `lax.map`
     runs `fn` on each `[rows, ...]` tile, so every row goes through the same compiled
     computation whatever the batch holds (XLA picks reduction and GEMM strategies by
@@ -57,7 +57,7 @@ def map_rows(fn, rows: int, *xs: jax.Array, lead: int | None = None, key: str = 
     (`custom_vjp`), so a backward pass runs no row loop and keeps no per-tile residuals."""
     if rows <= 0:
         return fn(*xs)
-    shape, flat = _token_rows(xs, lead)
+    shape, flat = _token_rows(xs, None)
     n = flat[0].shape[0]
     tiles = [jnp.pad(x, [(0, -n % rows)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, rows, *x.shape[1:]) for x in flat]
     # the parameters `fn` closes over (a norm's scale, a head's weights) become inputs, so
@@ -78,11 +78,12 @@ def _token_rows(xs, lead: int | None) -> tuple[tuple[int, ...], list[jax.Array]]
 
 
 def rowwise(fn, rows: int, *xs: jax.Array, lead: int | None = None) -> jax.Array:
-    """`fn` on the token rows of `xs` (leading axes as `map_rows`') for an `fn` whose every
-    output element is a fixed expression of its own row's inputs, with no reduction (the
-    rotation): its arithmetic cannot depend on how many rows there are, so under exact
-    numerics (`rows > 0`) it runs once over all rows, flattened, between optimization
-    barriers (its fusion then compiles alike in every program), with no tile loop.
+    """`fn` on the token rows of `xs` (their `lead` leading axes, default all but the last of
+    the first array's, as in `map_rows`) for an `fn` whose every output element is a fixed
+    expression of its own row's inputs, with no reduction (the rotation): its arithmetic
+    cannot depend on how many rows there are, so under exact numerics (`rows > 0`) it runs
+    once over all rows, flattened, between optimization barriers (its fusion then compiles
+    alike in every program), with no tile loop.
     Reductions need `map_rows`' tiles even along a row's own axis: XLA's reduction
     strategy, and with it the order of a row's sum, depends on the row count (on the H200
     a norm over 2048 values has other bits among 257 rows than among 8; on the CPU one

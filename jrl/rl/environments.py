@@ -182,12 +182,12 @@ class ChatPieces:
         return list(self.tokenizer.encode(self.render(messages, True, tools)))
 
     def continuation(self, history: Sequence[Message], assistant: Message, new: Sequence[Message],
-                     stop_token: int | None, tools: list | None = None, *, generation_prompt: bool = True) -> list[int]:
+                     stop_token: int | None, tools: list | None = None) -> list[int]:
         """Ids to append after an assistant turn that ended with `stop_token` (None: no stop
         token was sampled) so that the sequence continues as the template renders
         `history + [assistant] + new` (plus the generation prompt)."""
         before = self.render([*history, assistant], False, tools)
-        after = self.render([*history, assistant, *new], generation_prompt, tools)
+        after = self.render([*history, assistant, *new], True, tools)
         if not after.startswith(before):
             raise ConfigError("chat template: rendering later messages changes how earlier turns render, so an "
                               "episode cannot be continued from the sampled tokens (token-exact); use a template "

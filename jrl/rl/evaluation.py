@@ -68,14 +68,13 @@ def _generate(engine: Engine, fmt: PromptFormat, prompts: list[np.ndarray], temp
 
 def evaluate_problems(engine: Engine, fmt: PromptFormat, problems: Sequence[Problem], rewards: RewardModel, *,
                       prompts: Sequence[np.ndarray], max_new_tokens: int, samples: int, temperature: float,
-                      seed: int, success_threshold: float = 1.0, greedy: bool = True,
-                      ) -> tuple[dict[str, float], list[ProblemResult]]:
-    """Greedy (when `greedy`) and `samples` sampled completions of each problem; returns
-    the summary (`n`, `greedy_accuracy`, `pass@1`, `pass@<samples>`, `reward_mean`,
+                      seed: int, success_threshold: float = 1.0) -> tuple[dict[str, float], list[ProblemResult]]:
+    """A greedy and `samples` sampled completions of each problem; returns the summary
+    (`n`, `greedy_accuracy`, `pass@1`, `pass@<samples>`, `reward_mean`,
     `response_tokens_mean`; the greedy completions' reward and length when `samples` is 0)
     and one result per problem. `prompts`: the problems' ids."""
-    if samples < 0 or (samples == 0 and not greedy):
-        raise ValueError(f"samples: must be >= 1 (or 0 with greedy), got {samples}")
+    if samples < 0:
+        raise ValueError(f"samples: must be >= 0, got {samples}")
     n = len(problems)
     prompts = [np.asarray(p, np.int32) for p in prompts]
 
@@ -89,10 +88,8 @@ def evaluate_problems(engine: Engine, fmt: PromptFormat, problems: Sequence[Prob
                                examples=[p.example for p in ps], wheres=[p.where for p in ps])
         return texts, total, solved(rewards, terms, success_threshold)
 
-    greedy_texts, greedy_ok = [""] * n, np.zeros(n, bool)
-    if greedy:
-        comps = _generate(engine, fmt, prompts, 0.0, np.zeros(n, np.uint64), max_new_tokens)
-        greedy_texts, total, greedy_ok = score(comps, 1)
+    comps = _generate(engine, fmt, prompts, 0.0, np.zeros(n, np.uint64), max_new_tokens)
+    greedy_texts, total, greedy_ok = score(comps, 1)
     if samples == 0:
         summary = {"n": float(n), "greedy_accuracy": float(greedy_ok.mean()), "reward_mean": float(total.mean()),
                    "response_tokens_mean": float(np.mean([len(c.tokens) for c in comps]))}
@@ -110,7 +107,6 @@ def evaluate_problems(engine: Engine, fmt: PromptFormat, problems: Sequence[Prob
             response_tokens=[len(c.tokens) for c in comps[sl]], completions=texts[sl]))
     summary = {"n": float(n), **pass_at([r.correct for r in results], (1, samples)),
                "reward_mean": float(total.mean()),
-               "response_tokens_mean": float(np.mean([t for r in results for t in r.response_tokens]))}
-    if greedy:
-        summary["greedy_accuracy"] = float(greedy_ok.mean())
+               "response_tokens_mean": float(np.mean([t for r in results for t in r.response_tokens])),
+               "greedy_accuracy": float(greedy_ok.mean())}
     return summary, results

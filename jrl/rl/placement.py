@@ -126,10 +126,10 @@ def _by_process(devices: list[jax.Device]) -> list[list[jax.Device]]:
     return [groups[p] for p in sorted(groups)]
 
 
-def assign_devices(config: PlacementConfig, devices: list[jax.Device] | None = None) -> Placement:
-    """Assigns `devices` (default: every device of every process) to the trainer and the
-    engine replicas; refuses, naming the field, a layout the devices cannot hold."""
-    procs = _by_process(list(jax.devices() if devices is None else devices))
+def assign_devices(config: PlacementConfig) -> Placement:
+    """Assigns every device of every process to the trainer and the engine replicas;
+    refuses, naming the field, a layout the devices cannot hold."""
+    procs = _by_process(list(jax.devices()))
     n_proc, n_local = len(procs), len(procs[0])
     if any(len(p) != n_local for p in procs):
         raise ConfigError(f"{FIELD}mode: every process needs the same number of devices, got "
