@@ -17,7 +17,6 @@ import pytest
 
 from jrl.config import ConfigError, load_train_config
 from jrl.data.bundled import load_bundled, lookup_code
-from jrl.data.tasks import Problem
 from jrl.launch import main
 from jrl.metrics_log import read_metrics
 from jrl.rl.demonstrations import WarmStartConfig, render_demonstrations, write_demonstrations

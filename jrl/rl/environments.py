@@ -343,7 +343,7 @@ class EpisodeRunner:
         wheres = list(wheres) if wheres is not None else [f"episode {i}" for i in range(len(envs))]
         live = [_Live(Episode(example=dict(ex)), env, s, getattr(env, "tools", None) or None, w)
                 for env, ex, s, w in zip(envs, examples, sampling, wheres)]
-        engine, limits = self.engine, self.limits
+        engine = self.engine
         pending: dict[concurrent.futures.Future, tuple[_Live, str, int]] = {}
         by_rid: dict[int, _Live] = {}
         others: list[Completion] = []
