@@ -94,16 +94,20 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=False)
 
 
+REMOVAL_QUIET_S = 0.2  # how long a removed tree must stay gone (`remove_tree_until_gone`)
+REMOVAL_TIMEOUT_S = 10.0  # how long late writers may keep recreating it
+
+
 def remove_tree_until_gone(path: Path) -> bool:
     """Removes a directory tree that late writers may still be adding to, such as a failed
     Orbax save's staging directory: tensorstore's writes in flight land after the save has
     reported its first error, and recreate the directories they write into. Removes again
-    until the tree has stayed gone for `quiet_s`; False if it still existed after `timeout_s`."""
-    quiet_s, timeout_s = 0.2, 10.0
-    deadline = time.monotonic() + timeout_s
+    until the tree has stayed gone for REMOVAL_QUIET_S; False if it still existed after
+    REMOVAL_TIMEOUT_S."""
+    deadline = time.monotonic() + REMOVAL_TIMEOUT_S
     while True:
         shutil.rmtree(path, ignore_errors=True)  # a file removed or added under it meanwhile is a race, not an error
-        time.sleep(quiet_s)
+        time.sleep(REMOVAL_QUIET_S)
         if not path.exists():
             return True
         if time.monotonic() > deadline:
