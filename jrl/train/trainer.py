@@ -544,8 +544,8 @@ class Trainer:
         row["tokens"] = tokens
         row["tokens_per_s"] = tokens / elapsed if elapsed else None
         peak = self._peak_flops()
-        flops = model_flops_per_token(self.config.model, span, self._frozen_groups)
-        row["mfu"] = row["tokens_per_s"] * flops / (peak * self.mesh.size) if peak and row["tokens_per_s"] else None
+        row["mfu"] = (row["tokens_per_s"] * model_flops_per_token(self.config.model, span, self._frozen_groups)
+                      / (peak * self.mesh.size) if peak and row["tokens_per_s"] else None)
         self.fire("after_optimizer_step", new_state, row)
         return row
 
