@@ -278,7 +278,8 @@ def test_the_trainer_warns_and_logs_null_for_a_batch_without_loss_weight(tmp_pat
         batch = trainer.train_source.next_batch(trainer.state)
         batch["loss_mask"] = np.zeros_like(batch["loss_mask"])
         with pytest.warns(SkippedUpdateWarning, match=r"^step 1: the batch has no loss weight \(every target "
-                                                      r"masked\), so the update was skipped"):
+                                                      r"masked; in GRPO, no group whose samples got different "
+                                                      r"rewards\), so the update was skipped"):
             row = trainer.train_step(batch)
         assert (row["step"], row["policy_version"], row["update_applied"], row["skipped_updates"]) == (1, 0, False, 1)
         assert (row["weight"], row["loss"], row["nll"]) == (0.0, None, None)
