@@ -1,5 +1,6 @@
 """The jitted update: exact micro-batch accumulation, clipping, non-finite skips, versions."""
 
+import contextlib
 import dataclasses
 import functools
 
@@ -222,59 +223,52 @@ def test_frozen_leaves_get_no_gradient_and_the_update_keeps_their_arrays():
     assert int(new.policy_version) == 1
 
 
+@contextlib.contextmanager
 def tiny_trainer(run_dir, *overrides):
+    """A set-up Trainer of a tiny model; its run directory is released on exit."""
     config = load_train_config(None, [
         "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
         "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32", "data.seq_len=32",
         "data.source=bundled:arithmetic:50", "data.batch_size=4", "logging.progress=false",
         "logging.plot=false", *overrides])
-    return Trainer(config, output_dir=run_dir)
+    trainer = Trainer(config, output_dir=run_dir)
+    trainer.setup()
+    try:
+        yield trainer
+    finally:
+        trainer.release_run_dir()
 
 
 def test_a_batch_whose_fields_have_different_row_counts_is_refused_naming_the_field(tmp_path):
     # it used to fail inside numpy's reshape ("cannot reshape array of size 64 into shape (2,2,32)")
-    trainer = tiny_trainer(tmp_path, "data.micro_batches=2")
-    trainer.setup()
-    try:
+    with tiny_trainer(tmp_path, "data.micro_batches=2") as trainer:
         batch = trainer.train_source.next_batch(trainer.state)
         batch["loss_mask"] = batch["loss_mask"][:2]
         with pytest.raises(ValueError, match=r"^batch\['loss_mask'\]: 2 rows, but batch\['tokens'\] has 4; every "
                                              r"field's leading axis is the batch's rows$"):
             trainer.train_step(batch)
-    finally:
-        trainer.release_run_dir()
 
 
 def test_evaluate_without_held_out_batches_is_an_error_saying_what_to_set(tmp_path):
     # it returned eval_loss 0.0, a perfect score measured on nothing
-    trainer = tiny_trainer(tmp_path, "data.eval_fraction=0")
-    trainer.setup()
-    try:
+    with tiny_trainer(tmp_path, "data.eval_fraction=0") as trainer:
         with pytest.raises(ValueError, match=r"^evaluate: the trainer has no held-out batches \(set "
                                              r"data.eval_source or data.eval_fraction > 0; with a train_source, "
                                              r"pass eval_batches\)$"):
             trainer.evaluate()
-    finally:
-        trainer.release_run_dir()
 
 
 def test_a_scalar_batch_field_is_refused_naming_the_field_even_when_it_comes_first(tmp_path):
     # a scalar first field raised "TypeError: len() of unsized object" from the row count
-    trainer = tiny_trainer(tmp_path)
-    trainer.setup()
-    try:
+    with tiny_trainer(tmp_path) as trainer:
         batch = {"n_docs": np.int32(3), **trainer.train_source.next_batch(trainer.state)}
         with pytest.raises(ValueError, match=r"^batch\['n_docs'\]: a scalar \(3\) has no rows; every field's "
                                              r"leading axis is the batch's rows$"):
             trainer.train_step(batch)
-    finally:
-        trainer.release_run_dir()
 
 
 def test_the_trainer_warns_and_logs_null_for_a_batch_without_loss_weight(tmp_path):
-    trainer = tiny_trainer(tmp_path)
-    trainer.setup()
-    try:
+    with tiny_trainer(tmp_path) as trainer:
         batch = trainer.train_source.next_batch(trainer.state)
         batch["loss_mask"] = np.zeros_like(batch["loss_mask"])
         with pytest.warns(SkippedUpdateWarning, match=r"^step 1: the batch has no loss weight \(every target "
@@ -283,18 +277,12 @@ def test_the_trainer_warns_and_logs_null_for_a_batch_without_loss_weight(tmp_pat
             row = trainer.train_step(batch)
         assert (row["step"], row["policy_version"], row["update_applied"], row["skipped_updates"]) == (1, 0, False, 1)
         assert (row["weight"], row["loss"], row["nll"]) == (0.0, None, None)
-    finally:
-        trainer.release_run_dir()
 
 
 def test_evaluate_reports_null_not_zero_for_held_out_batches_without_loss_weight(tmp_path):
     # eval_loss was 0.0 (a perfect score) when every held-out target was masked
-    trainer = tiny_trainer(tmp_path)
-    trainer.setup()
-    try:
+    with tiny_trainer(tmp_path) as trainer:
         batch = trainer.train_source.next_batch(trainer.state)
         trainer.eval_batches = [{**batch, "loss_mask": np.zeros_like(batch["loss_mask"])}]
         assert trainer.evaluate() == {"step": 0, "policy_version": 0, "eval_loss": None, "eval_nll": None,
                                       "eval_entropy": None}
-    finally:
-        trainer.release_run_dir()
