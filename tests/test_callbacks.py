@@ -234,6 +234,33 @@ def test_error_reaches_on_error_saves_the_last_good_state_and_propagates(tmp_pat
     assert [p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")] == ["step_1"]
 
 
+class InterruptOnce(Callback):
+    """Raises KeyboardInterrupt from after_optimizer_step once `step` is trained (Ctrl-C in a
+    notebook while a user callback runs): before the metrics logger has seen that step."""
+
+    def __init__(self, step):
+        self.step, self.fired = step, False
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        if int(state.step) == self.step and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+def test_a_step_whose_callback_raised_is_still_logged_so_resuming_or_continuing_keeps_every_row(tmp_path):
+    config = tiny("steps=4", "eval.at_end=false", "checkpoint.interval=0")
+    Trainer(config, output_dir=tmp_path / "full").fit()
+    full = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "full" / "metrics.jsonl")]
+    for run in ("continued", "resumed"):
+        trainer = Trainer(config, callbacks=[InterruptOnce(2)], output_dir=tmp_path / run)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.fit()
+        assert checkpoint.all_steps(tmp_path / run / "checkpoints") == [2]  # the save on error
+        assert [r["step"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] == [1, 2]
+        (trainer.fit() if run == "continued" else Trainer(config, output_dir=tmp_path / run).fit(resume=True))
+        assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")] == full
+
+
 class LimitFileSizeAfter(Callback):
     """Caps the size of the files this process may write once `step` is trained (a disk
     that fills up mid-run; the programs are compiled and cached by then)."""

@@ -199,11 +199,21 @@ class MetricsLogger(Callback):
 
     def __init__(self, log_every: int = 1):
         self.log_every = log_every
+        self._logged: dict | None = None  # the last training row appended
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         step = metrics["step"]
         if trainer.is_main_process and (step % self.log_every == 0 or step == trainer.config.steps):
             trainer.metrics_log.append(metrics)
+            self._logged = metrics
+
+    def on_error(self, trainer, state, error) -> None:
+        # A callback before this one raised (KeyboardInterrupt included) after the step's
+        # update was in the state: its row is logged now, or the checkpoint on error (and a
+        # fit that continues) would hold a step that metrics.jsonl never has.
+        row = getattr(trainer, "pending_row", None)
+        if row is not None and row is not self._logged:
+            self.after_optimizer_step(trainer, state, row)
 
     def on_eval(self, trainer, state, metrics) -> None:
         if trainer.is_main_process:

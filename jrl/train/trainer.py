@@ -206,6 +206,9 @@ class Trainer:
         # True from the moment fit asks the train source for a batch until that batch's update
         # is in self.state: meanwhile the source's position is ahead of the state's
         self.source_ahead = False
+        # the row of the step whose update is in self.state while its after_optimizer_step
+        # hooks run (None otherwise): a hook that raises leaves it to MetricsLogger.on_error
+        self.pending_row: dict | None = None
         self._run_dir_taken = False
         # the step this session started from (set when setup is complete): the checkpoint
         # callback never saves a state that has not trained past it
@@ -546,7 +549,9 @@ class Trainer:
         peak = self._peak_flops()
         row["mfu"] = (row["tokens_per_s"] * model_flops_per_token(self.config.model, span, self._frozen_groups)
                       / (peak * self.mesh.size) if peak and row["tokens_per_s"] else None)
+        self.pending_row = row
         self.fire("after_optimizer_step", new_state, row)
+        self.pending_row = None
         return row
 
     def _warn_skip(self, row: dict) -> None:
@@ -658,6 +663,7 @@ class Trainer:
                 self.setup(resume=resume, overwrite=overwrite, resume_from=resume_from)
             else:
                 self._take_run_dir()
+            self.pending_row = None  # a row an earlier fit's error left was logged by its on_error
             self.fire("on_train_begin", self.state)
             while int(self.state.step) < self.config.steps and self.stop_reason is None:
                 self.source_ahead = True
