@@ -176,5 +176,7 @@ def test_a_registered_strategy_is_found_and_sees_extra_batch_fields():
     out = s.loss_fn(CFG, PARAMS, {"advantages": jnp.array([1.0, 3.0])},
                     LossContext(rng=jax.random.key(0), policy_version=jnp.int32(0), options=opts))
     assert float(out.total) == 8.0 and float(out.weight) == 2.0
-    with pytest.raises(ValueError, match="already registered"):
+    # a notebook cell run again: the error says how to replace it
+    with pytest.raises(ValueError, match=r"'test_plugin' is already registered \(loss_fn .*loss\); pass "
+                                         r"register_strategy\(\.\.\., replace=True\)"):
         register_strategy(Strategy(name="test_plugin", loss_fn=loss, batch_fields=()))

@@ -19,9 +19,15 @@ _BUILTIN = ("seq", "sft", "dpo")
 
 
 def register_strategy(strategy: Strategy, *, replace: bool = False) -> Strategy:
-    """Adds `strategy` under `strategy.name`; re-registering a name needs `replace=True`."""
-    if strategy.name in _REGISTRY and not replace and _REGISTRY[strategy.name] is not strategy:
-        raise ValueError(f"strategy {strategy.name!r} is already registered")
+    """Adds `strategy` under `strategy.name`; re-registering a name needs `replace=True`
+    (a notebook cell run again builds a new Strategy: the error says how to replace it)."""
+    old = _REGISTRY.get(strategy.name)
+    if old is not None and not replace and old is not strategy:
+        fn = old.loss_fn
+        raise ValueError(f"strategy {strategy.name!r} is already registered (loss_fn "
+                         f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}); pass "
+                         f"register_strategy(..., replace=True) to replace it, e.g. when re-running the cell that "
+                         f"defines it")
     _REGISTRY[strategy.name] = strategy
     return strategy
 
