@@ -249,6 +249,39 @@ def test_a_batch_whose_fields_have_different_row_counts_is_refused_naming_the_fi
             trainer.train_step(batch)
 
 
+def test_a_hand_made_batch_with_bad_token_fields_is_refused_naming_the_field(tmp_path):
+    # ids past the vocabulary gave a NaN loss, a skipped update blamed on optimizer.lr; float
+    # tokens were truncated; a field of another length failed in broadcasting, naming none
+    trainer = tiny_trainer(tmp_path)
+    trainer.setup()
+    try:
+        batch = trainer.train_source.next_batch(trainer.state)
+        trained = batch["loss_mask"] != 0
+        cases = [
+            ({"tokens": batch["tokens"] + 262}, r"^batch\['tokens'\]: token ids must be in \[0, 262\) "
+                                                r"\(model.vocab_size\), got min \d+ max \d+$"),
+            ({"targets": np.where(trained, 300, batch["targets"])},
+             r"^batch\['targets'\]: token ids must be below 262 \(model.vocab_size\), and >= 0 where loss_mask "
+             r"is not 0; got 300 \.\. 300 out of range$"),
+            ({"targets": np.where(trained, -1, batch["targets"])}, r"^batch\['targets'\]: .* got -1 \.\. -1 out"),
+            ({"tokens": batch["tokens"].astype(np.float32)},
+             r"^batch\['tokens'\]: must hold integers, got dtype float32"),
+            ({"targets": batch["targets"][:, :16]},
+             r"^batch\['targets'\]: shape \(4, 16\) differs from batch\['tokens'\] \(4, 32\)"),
+        ]
+        for change, message in cases:
+            with pytest.raises(ValueError, match=message):
+                trainer.train_step({**batch, **change})
+        assert int(trainer.state.step) == 0
+        # a masked target is never read: the -100 of other libraries, lists and int64 pass
+        ignored = {**batch, "targets": np.where(trained, batch["targets"], -100)}
+        row = trainer.train_step({k: np.asarray(v, np.int64).tolist() if k != "loss_mask" else v
+                                  for k, v in ignored.items()})
+        assert row["update_applied"] and row["loss"] is not None
+    finally:
+        trainer.release_run_dir()
+
+
 def test_evaluate_without_held_out_batches_is_an_error_saying_what_to_set(tmp_path):
     # it returned eval_loss 0.0, a perfect score measured on nothing
     with tiny_trainer(tmp_path, "data.eval_fraction=0") as trainer:

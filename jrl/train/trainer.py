@@ -161,6 +161,44 @@ def check_data_format(config: TrainConfig, strategy, has_source: bool = False) -
                           f"{' or '.join(map(repr, strategy.data_formats))}, got {config.data.format!r}")
 
 
+ID_FIELDS = ("tokens", "targets", "positions", "segment_ids")  # integer fields of a batch's token rows
+
+
+def check_token_fields(batch: dict, vocab_size: int) -> None:
+    """Checks a batch's token rows on the host, naming the field: `tokens`, `targets`,
+    `positions`, `segment_ids` and `loss_mask` (those present) share the tokens' shape
+    (`[rows, seq]`, or `[rows, 2, seq]` for preference pairs); the id fields are integers
+    (floats would be truncated in the step); token ids and trained targets lie in
+    [0, vocab_size). Without this a hand-made batch with an id past the vocabulary gave a
+    NaN loss (a skipped update blamed on the learning rate) and a mismatched field a
+    broadcasting error naming no field. A masked target may be anything below vocab_size
+    (e.g. -100): it is never read; one past the vocabulary makes the loss NaN."""
+    if "tokens" not in batch:
+        return
+    arrays = {k: np.asarray(batch[k]) for k in (*ID_FIELDS, "loss_mask") if k in batch}
+    shape = arrays["tokens"].shape
+    if len(shape) < 2:
+        raise ValueError(f"batch['tokens']: must be [rows, seq] token ids, got shape {shape}")
+    for k, v in arrays.items():
+        if v.shape != shape:
+            raise ValueError(f"batch[{k!r}]: shape {v.shape} differs from batch['tokens'] {shape}; the token "
+                             f"fields ({', '.join(arrays)}) share one shape")
+        if k in ID_FIELDS and not np.issubdtype(v.dtype, np.integer):
+            raise ValueError(f"batch[{k!r}]: must hold integers, got dtype {v.dtype} (floats are not truncated "
+                             f"to ids)")
+    tokens = arrays["tokens"]
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"batch['tokens']: token ids must be in [0, {vocab_size}) (model.vocab_size), got min "
+                         f"{tokens.min()} max {tokens.max()}")
+    targets = arrays.get("targets")
+    if targets is not None and targets.size:
+        trained = arrays["loss_mask"] != 0 if "loss_mask" in arrays else np.ones(shape, bool)
+        if targets.max() >= vocab_size or (targets.min() < 0 and (targets[trained] < 0).any()):
+            bad = targets[(targets >= vocab_size) | (trained & (targets < 0))]
+            raise ValueError(f"batch['targets']: token ids must be below {vocab_size} (model.vocab_size), and "
+                             f">= 0 where loss_mask is not 0; got {bad.min()} .. {bad.max()} out of range")
+
+
 class Trainer:
     """Trains `config`. `train_source`: the batches (default: the built-in data pipeline);
     `eval_batches`: held-out batches for `evaluate` with a given source (default: none);
@@ -490,6 +528,7 @@ class Trainer:
                                  f"leading axis is the batch's rows")
         if rows % m:
             raise ValueError(f"batch: {rows} rows do not split into data.micro_batches={m}")
+        check_token_fields(batch, self.config.model.vocab_size)
         return {k: np.asarray(v).reshape(m, rows // m, *np.shape(v)[1:]) for k, v in batch.items()}
 
     def _peak_flops(self) -> float | None:
