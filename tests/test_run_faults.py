@@ -291,6 +291,16 @@ def test_a_run_with_a_warm_start_into_a_locked_directory_writes_nothing(tmp_path
         holder.wait()
 
 
+def test_a_lock_still_held_when_python_exits_is_dropped_without_an_error(tmp_path):
+    # a script that took the run directory and never released it (or ended with an error)
+    # printed "Exception ignored in: RunLock.__del__ ... TypeError" as the interpreter exited
+    script = "import sys\nfrom jrl.train.run_lock import acquire_for_run\nlock = acquire_for_run(sys.argv[1])\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 def test_the_stale_lock_of_a_killed_run_is_taken_over(run_copy, tmp_path):
     holder = hold_lock(run_copy)
     holder.send_signal(signal.SIGKILL)  # dies holding it: the body stays, the flock goes

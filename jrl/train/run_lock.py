@@ -149,9 +149,12 @@ class RunLock:
         finally:
             os.close(fd)  # drops the flock
 
-    def __del__(self):
+    def __del__(self, _close=os.close):
+        # `_close` is bound now: a lock still held when the interpreter exits (a script that
+        # never released it, or ended with an error) is collected after the os module's
+        # globals are cleared, and `os.close` printed "Exception ignored ... TypeError"
         if self._fd is not None:
-            os.close(self._fd)
+            _close(self._fd)
 
 
 def acquire_for_run(run_dir: str | os.PathLike) -> RunLock | None:
