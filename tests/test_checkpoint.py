@@ -278,10 +278,17 @@ def test_bare_array_state_is_rejected(tmp_path):
         ckpt.save(tmp_path, 1, jnp.ones(3))
 
 
-@pytest.mark.parametrize("step", [-1, 1.0, True, "3"])
+@pytest.mark.parametrize("step", [-1, 1.0, True, "3", jnp.float32(3), jnp.array([3]), jnp.bool_(True)])
 def test_step_must_be_a_nonnegative_int(tmp_path, step):
     with pytest.raises(ValueError, match="step must be an int >= 0"):
         ckpt.save(tmp_path, step, small_state())
+
+
+def test_a_step_given_as_a_jax_or_numpy_scalar_is_taken_as_its_int(tmp_path):
+    # ckpt.save(root, state.step, state) in a notebook: a TrainState's step is a JAX scalar
+    assert ckpt.save(tmp_path, jnp.int32(3), small_state()).name == "step_3"
+    assert ckpt.save(tmp_path, np.array(4), small_state()).name == "step_4"
+    assert ckpt.load(tmp_path, jnp.int32(3))[1]["step"] == 3
 
 
 @pytest.mark.parametrize("field,value", [("keep_last", 0), ("keep_every", -2), ("keep_last", 1.5)])

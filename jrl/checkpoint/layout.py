@@ -25,7 +25,11 @@ _HIDDEN_DIR = re.compile(r"^\.step_(0|[1-9][0-9]*)\.(staging|retired|deleting)-[
 
 
 def check_step(step: object) -> int:
-    """Returns `step` as an int, or raises ValueError naming it when it is not an int >= 0."""
+    """Returns `step` as an int, or raises ValueError naming it when it is not an int >= 0.
+    A 0-d integer array counts (`save(root, state.step, state)`: a TrainState's step is a
+    JAX scalar)."""
+    if hasattr(step, "dtype") and np.ndim(step) == 0 and np.issubdtype(step.dtype, np.integer):
+        step = int(step)
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"step must be an int >= 0, got {step!r} ({type(step).__name__})")
     if step < 0:
