@@ -149,6 +149,21 @@ def test_finish_mode_completes_in_flight_requests_with_old_weights(weights):
     np.testing.assert_array_equal(done[late].tokens, greedy_reference(new, prompts[0], 8))
 
 
+def test_requests_an_update_finished_are_collected_by_a_step_loop_on_has_work(weights):
+    # the documented loop `while engine.has_work: engine.step()` lost them: after the
+    # drain nothing was queued or in flight, so has_work was False with them still held
+    old, new = weights
+    engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="finish"))
+    ids = [engine.add_request(p, GREEDY, max_new_tokens=8) for p in prompts_of([6, 11], seed=4)]
+    engine.step()
+    assert engine.update_weights(new, 1).finished_in_flight == 2
+    done = []
+    while engine.has_work:
+        done += engine.step()
+    assert sorted(c.request_id for c in done) == ids and not engine.has_work
+    assert all(list(c.versions) == [0] * 8 for c in done)
+
+
 def test_restart_mode_regenerates_in_flight_requests_with_new_weights(weights):
     old, new = weights
     engine = Engine(MODEL, old, dataclasses.replace(ENGINE, on_weight_update="restart"))

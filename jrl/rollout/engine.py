@@ -305,7 +305,11 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._unread)
+        """Whether `step()` still has something to return: queued or running requests, steps
+        not read back, or completions not yet handed out (those `update_weights` finished
+        under the old weights, which a `while engine.has_work: engine.step()` loop would
+        otherwise never collect)."""
+        return self.scheduler.has_work or bool(self._unread) or bool(self._finished)
 
     @_one_driver
     def abort(self, request_id: int) -> bool:
