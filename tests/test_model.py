@@ -269,6 +269,25 @@ def test_apply_names_tokens_that_are_not_batch_by_sequence():
         models.apply(config, params, jnp.zeros((8,), jnp.int32))
 
 
+def test_apply_refuses_float_tokens_and_ids_past_the_vocabulary():
+    # floats were truncated to ids, and an id past vocab_size gave NaN logits without a word
+    config = ModelConfig(vocab_size=64, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                         intermediate_size=32)
+    params = models.init_params(config, jax.random.key(0))
+    tokens = np.arange(8, dtype=np.int32).reshape(2, 4)
+    with pytest.raises(ValueError, match=r"^tokens: must be integer token ids, got dtype float32$"):
+        models.apply(config, params, tokens.astype(np.float32))
+    with pytest.raises(ValueError, match=r"^tokens: ids must be in \[0, 64\) \(vocab_size\), got min 0 max 64$"):
+        models.apply(config, params, np.where(tokens == 7, 64, tokens))
+    with pytest.raises(ValueError, match=r"got min -1 max 6$"):
+        models.apply(config, params, np.where(tokens == 7, -1, tokens).tolist())
+    # lists, numpy and JAX integers give the same logits; under jit (traced ids) nothing is read
+    want = models.apply(config, params, jnp.asarray(tokens))
+    np.testing.assert_array_equal(models.apply(config, params, tokens.tolist()), want)
+    np.testing.assert_array_equal(models.apply(config, params, tokens.astype(np.int64)), want)
+    np.testing.assert_allclose(jax.jit(lambda t: models.apply(config, params, t))(tokens), want, atol=1e-6)
+
+
 def test_tied_lm_head_is_the_transposed_embedding():
     cfg = tiny(tie_embeddings=True)
     params = perturbed(cfg)

@@ -222,10 +222,20 @@ def lm_logits(config: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array
 
 def apply(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array | None = None,
           segment_ids: jax.Array | None = None) -> jax.Array:
-    """Float32 logits `[B, S, vocab]` for a dense causal batch (documents by segment id)."""
+    """Float32 logits `[B, S, vocab]` for a dense causal batch (documents by segment id).
+    `tokens`: integer ids in [0, vocab_size) (checked when they are concrete, not traced:
+    an id past the vocabulary gave NaN logits, and float tokens were truncated)."""
+    dtype = tokens.dtype if hasattr(tokens, "dtype") else np.asarray(tokens).dtype  # (lists: numpy's)
+    if not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"tokens: must be integer token ids, got dtype {dtype}")
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:  # a lone [S] row would fail deep in attention with an unpacking error
         raise ValueError(f"tokens: must be [batch, seq], got shape {tokens.shape}")
+    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
+        low, high = (int(x) for x in jax.device_get((tokens.min(), tokens.max())))
+        if low < 0 or high >= config.vocab_size:
+            raise ValueError(f"tokens: ids must be in [0, {config.vocab_size}) (vocab_size), got min {low} "
+                             f"max {high}")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
     if segment_ids is None:
