@@ -912,6 +912,9 @@ def load_train_config(path: str | None = None, overrides: list[str] | tuple[str,
         data.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     else:
         data = dict(base or {})
+    if isinstance(overrides, (str, bytes)):  # list("steps=3") would be read as overrides 's', 't', ...
+        raise ConfigError(f"overrides: must be a list of 'dotted.key=value' strings, got the string {overrides!r}; "
+                          f"write [{overrides!r}]")
     merged = _merge_into(to_dict(TrainConfig()), apply_overrides(data, list(overrides)))
     return from_dict(TrainConfig, merged)
 

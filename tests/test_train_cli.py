@@ -36,6 +36,14 @@ def test_overrides_create_nested_sections_and_reject_malformed_items():
         apply_overrides({"steps": 3}, ["steps.x=1"])
 
 
+def test_load_train_config_names_a_string_given_as_the_overrides_list():
+    # load_train_config(path, "steps=3") read the string's characters: "override 's': expected ..."
+    with pytest.raises(ConfigError, match=r"^overrides: must be a list of 'dotted.key=value' strings, got the "
+                                          r"string 'steps=3'; write \['steps=3'\]$"):
+        load_train_config(str(CONFIGS / "sft_arithmetic.yaml"), "steps=3")
+    assert load_train_config(str(CONFIGS / "sft_arithmetic.yaml"), ("steps=3",)).steps == 3
+
+
 @pytest.mark.parametrize("override, message", [
     ("optimizer.lrr=0.1", "unknown key(s) optimizer.lrr; allowed: b1, b2"),
     ("data.batch_size=abc", "data.batch_size: must be an integer, got 'abc'"),
