@@ -282,6 +282,19 @@ def test_a_hand_made_batch_with_bad_token_fields_is_refused_naming_the_field(tmp
         trainer.release_run_dir()
 
 
+def test_steps_evaluations_and_saves_before_setup_say_to_call_setup(tmp_path):
+    # they failed with "'NoneType' object has no attribute ..." (evaluate: "no held-out batches")
+    trainer = tiny_trainer(tmp_path)
+    batch = {k: np.zeros((4, 32), np.float32 if k == "loss_mask" else np.int32)
+             for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
+    for what, call in (("train_step", lambda: trainer.train_step(batch)), ("evaluate", trainer.evaluate),
+                       ("save_checkpoint", trainer.save_checkpoint)):
+        with pytest.raises(RuntimeError, match=rf"^Trainer.{what}: the trainer is not set up; call "
+                                               r"trainer.setup\(\) \(or fit\(\)\) first$"):
+            call()
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 def test_evaluate_without_held_out_batches_is_an_error_saying_what_to_set(tmp_path):
     # it returned eval_loss 0.0, a perfect score measured on nothing
     with tiny_trainer(tmp_path, "data.eval_fraction=0") as trainer:

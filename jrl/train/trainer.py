@@ -468,6 +468,12 @@ class Trainer:
             self._run_lock.release()
         self._run_lock, self._run_dir_taken = None, False
 
+    def _require_setup(self, what: str) -> None:
+        """A step, evaluation or save needs the state and programs that setup builds; without
+        them it failed with an AttributeError on None (or, for evaluate, blamed the data)."""
+        if self.state is None or self._fns is None:
+            raise RuntimeError(f"Trainer.{what}: the trainer is not set up; call trainer.setup() (or fit()) first")
+
     # ------------------------------------------------------------------ steps
 
     def fire(self, hook: str, *args) -> None:
@@ -552,6 +558,7 @@ class Trainer:
     def train_step(self, batch: dict) -> dict:
         """One optimizer step on `batch` (host arrays, leading axis = rows), callbacks
         included; returns the step's host metrics."""
+        self._require_setup("train_step")
         state = self.state
         self.fire("on_step_begin", state, batch)
         layout = self.attention_layout(batch)
@@ -615,6 +622,7 @@ class Trainer:
     def evaluate(self, state: TrainState | None = None) -> dict:
         """Loss and metrics on the held-out batches ("eval_*" keys, plus step and version).
         Without held-out batches it is an error (the sums over none would read as loss 0)."""
+        self._require_setup("evaluate")
         if not self.eval_batches:
             raise ValueError("evaluate: the trainer has no held-out batches (set data.eval_source or "
                              "data.eval_fraction > 0; with a train_source, pass eval_batches)")
@@ -642,6 +650,8 @@ class Trainer:
         return bool(self.eval_batches)
 
     def save_checkpoint(self, state: TrainState | None = None) -> Path:
+        if state is None:
+            self._require_setup("save_checkpoint")
         state = state if state is not None else self.state
         meta = {"config": to_dict(self.config), "run": self.config.name}
         files: dict[str, bytes] = {}
