@@ -373,7 +373,8 @@ def test_an_update_whose_served_copy_cannot_be_built_says_so_and_a_later_update_
     ("repetition_penalty", float("inf")), ("repetition_penalty", 0.0),
     ("frequency_penalty", float("nan")), ("frequency_penalty", float("-inf")), ("presence_penalty", float("nan")),
     ("presence_penalty", np.float32("inf")), ("top_k", 5.0), ("top_k", True), ("top_k", -1), ("top_k", 2**40),
-    ("seed", -1), ("seed", 2**32), ("seed", 1.5), ("temperature", True),
+    ("seed", -1), ("seed", 2**32), ("seed", 1.5), ("temperature", True), ("top_k", jnp.float32(5)),
+    ("temperature", jnp.array(True)), ("temperature", jnp.array([0.5])), ("temperature", jnp.float32(jnp.nan)),
 ])
 def test_sampling_params_refuse_non_finite_and_out_of_range_values(field, value):
     with pytest.raises(ValueError, match=f"sampling.{field}: must"):
@@ -386,6 +387,14 @@ def test_sampling_params_accept_numpy_scalars_as_plain_numbers():
                        presence_penalty=np.float32(-0.5), seed=np.uint32(7))
     assert p == SamplingParams(temperature=0.5, top_k=5, top_p=0.9, min_p=0.0, repetition_penalty=1.25,
                                frequency_penalty=1.0, presence_penalty=-0.5, seed=7)
+    assert type(p.top_k) is int and type(p.temperature) is float and type(p.seed) is int
+
+
+def test_sampling_params_accept_jax_scalars_as_plain_numbers():
+    # temperature=jnp.float32(0.5) was refused as "must be a real number, got Array(0.5, ...)"
+    p = SamplingParams(temperature=jnp.float32(0.5), top_k=jnp.int32(5), top_p=jnp.array(0.9, jnp.float32),
+                       seed=jnp.uint32(7))
+    assert (p.temperature, p.top_k, p.seed) == (0.5, 5, 7) and abs(p.top_p - 0.9) < 1e-7
     assert type(p.top_k) is int and type(p.temperature) is float and type(p.seed) is int
 
 

@@ -90,9 +90,19 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
+def _scalar(value):
+    """A 0-d numpy or JAX array (`jnp.float32(0.7)`, an element of an array) as its Python
+    number, so that it is checked like one; anything else as given."""
+    if hasattr(value, "dtype") and np.ndim(value) == 0 and not isinstance(value, np.generic) \
+            and np.dtype(value.dtype) != np.bool_:
+        return np.asarray(value).item()
+    return value
+
+
 def _real(field: str, value) -> float:
-    """`value` as a float: an int, float or numpy real scalar (not a bool), finite and
-    within float32's range (the step's inputs are float32)."""
+    """`value` as a float: an int, float or numpy real scalar, or a 0-d real array (not a
+    bool), finite and within float32's range (the step's inputs are float32)."""
+    value = _scalar(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{field}: must be a real number, got {value!r} ({type(value).__name__})")
     x = float(value)
@@ -102,7 +112,9 @@ def _real(field: str, value) -> float:
 
 
 def _integer(field: str, value) -> int:
-    """`value` as an int: a Python or numpy integer (not a bool)."""
+    """`value` as an int: a Python or numpy integer, or a 0-d integer array (not a bool)."""
+    if hasattr(value, "dtype") and np.ndim(value) == 0 and np.issubdtype(value.dtype, np.integer):
+        value = _scalar(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{field}: must be an integer, got {value!r} ({type(value).__name__})")
     return int(value)
