@@ -223,15 +223,18 @@ def test_frozen_leaves_get_no_gradient_and_the_update_keeps_their_arrays():
     assert int(new.policy_version) == 1
 
 
-@contextlib.contextmanager
-def tiny_trainer(run_dir, *overrides):
-    """A set-up Trainer of a tiny model; its run directory is released on exit."""
-    config = load_train_config(None, [
+def tiny_config(*overrides):
+    return load_train_config(None, [
         "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
         "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32", "data.seq_len=32",
         "data.source=bundled:arithmetic:50", "data.batch_size=4", "logging.progress=false",
         "logging.plot=false", *overrides])
-    trainer = Trainer(config, output_dir=run_dir)
+
+
+@contextlib.contextmanager
+def tiny_trainer(run_dir, *overrides):
+    """A set-up Trainer of a tiny model; its run directory is released on exit."""
+    trainer = Trainer(tiny_config(*overrides), output_dir=run_dir)
     trainer.setup()
     try:
         yield trainer
@@ -252,9 +255,7 @@ def test_a_batch_whose_fields_have_different_row_counts_is_refused_naming_the_fi
 def test_a_hand_made_batch_with_bad_token_fields_is_refused_naming_the_field(tmp_path):
     # ids past the vocabulary gave a NaN loss, a skipped update blamed on optimizer.lr; float
     # tokens were truncated; a field of another length failed in broadcasting, naming none
-    trainer = tiny_trainer(tmp_path)
-    trainer.setup()
-    try:
+    with tiny_trainer(tmp_path) as trainer:
         batch = trainer.train_source.next_batch(trainer.state)
         trained = batch["loss_mask"] != 0
         cases = [
@@ -278,13 +279,11 @@ def test_a_hand_made_batch_with_bad_token_fields_is_refused_naming_the_field(tmp
         row = trainer.train_step({k: np.asarray(v, np.int64).tolist() if k != "loss_mask" else v
                                   for k, v in ignored.items()})
         assert row["update_applied"] and row["loss"] is not None
-    finally:
-        trainer.release_run_dir()
 
 
 def test_steps_evaluations_and_saves_before_setup_say_to_call_setup(tmp_path):
     # they failed with "'NoneType' object has no attribute ..." (evaluate: "no held-out batches")
-    trainer = tiny_trainer(tmp_path)
+    trainer = Trainer(tiny_config(), output_dir=tmp_path)
     batch = {k: np.zeros((4, 32), np.float32 if k == "loss_mask" else np.int32)
              for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
     for what, call in (("train_step", lambda: trainer.train_step(batch)), ("evaluate", trainer.evaluate),
