@@ -393,6 +393,9 @@ def test_mla_and_moe_models_greedy_match_full_forward(config):
     ("37+48=", jax.random.key(0), "prompts: must be a list of prompts, each a sequence of token ids, got text '37+48='"),
     (["37+48="], jax.random.key(0), "prompts[0]: must be a sequence of token ids, got text '37+48=': encode it first"),
     ([[1, 2]], 0, "key: must be a JAX PRNG key (jax.random.key(seed)), got 0"),
+    # not "prompts[0]: must be a sequence of token ids, got 1": the list is one prompt
+    ([1, 2, 3], jax.random.key(0), "prompts: must be a list of prompts, each a sequence of token ids, got one "
+                                   "flat sequence of ids; for a single prompt pass [prompt]"),
 ])
 def test_generate_names_text_prompts_and_a_seed_given_as_key(params, prompts, key, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -405,6 +408,13 @@ def test_engine_generate_names_a_text_prompts_argument(params):
     with pytest.raises(ValueError, match=re.escape(
             "prompts: must be a list of prompts, each a sequence of token ids, got text '37+48='")):
         engine.generate("37+48=", GREEDY, max_new_tokens=2)
+    assert not engine.has_work
+
+
+def test_engine_generate_names_one_prompt_given_without_its_list(params):
+    engine = Engine(MODEL, params, ENGINE)
+    with pytest.raises(ValueError, match=re.escape("got one flat sequence of ids; for a single prompt pass [prompt]")):
+        engine.generate(np.array([1, 2, 3]), GREEDY, max_new_tokens=2)
     assert not engine.has_work
 
 

@@ -23,7 +23,7 @@ from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
 from jrl.parallel import ParallelConfig
 from jrl.rollout.config import EngineConfig, device_free_memory, engine_config_for_workload, pow2_at_least
-from jrl.rollout.engine import Engine, check_token_ids
+from jrl.rollout.engine import Engine, check_prompt_list, check_token_ids
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 
@@ -51,8 +51,7 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     """Generates a completion per prompt (in order). Each prompt's sampling seed is drawn
     from `key` (replacing `sampling.seed`), so the same key gives the same samples.
     `mesh`: serve tensor-parallel (see `Engine`)."""
-    if isinstance(prompts, (str, bytes)):
-        raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got text {prompts!r}")
+    check_prompt_list(prompts)
     if len(prompts) == 0:  # (not `not prompts`: ambiguous for a 2-D array of prompts)
         return []
     if not isinstance(key, jax.Array):  # typed keys and legacy uint32 ones are arrays

@@ -394,8 +394,7 @@ class Engine:
         """Queues `prompts` (`sampling` and `max_new_tokens`: one for all, or one per
         prompt); returns their ids. Every request is checked before any is queued, so a bad
         one leaves nothing behind (the error names `prompts[k]`)."""
-        if isinstance(prompts, (str, bytes)):  # else its characters would be checked as prompts
-            raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got text {prompts!r}")
+        check_prompt_list(prompts)
         if sampling is None or isinstance(sampling, SamplingParams):
             sampling = [sampling or SamplingParams()] * len(prompts)
         if not isinstance(sampling, Sequence) or isinstance(sampling, str):  # e.g. a dict of settings
@@ -905,6 +904,19 @@ def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, toke
                                             stage_fp8=stage)
                         for stage in ((True, False) if tuning.stage_fp8_prefill else (False,)) for v in variants]
     return out
+
+
+def check_prompt_list(prompts) -> None:
+    """Refuses a `prompts` argument that is not a list of prompts: text (its characters
+    would be checked as prompts) or one prompt's flat token ids (each id would be named as
+    a prompt that is not a sequence)."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got text {prompts!r}")
+    flat = (getattr(prompts, "ndim", None) == 1 or isinstance(prompts, Sequence) and len(prompts) > 0
+            and isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], (bool, np.bool_)))
+    if flat:
+        raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got one flat sequence "
+                         f"of ids; for a single prompt pass [prompt]")
 
 
 def check_token_ids(field: str, values, vocab: int) -> np.ndarray:
