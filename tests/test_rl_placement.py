@@ -102,6 +102,13 @@ def test_more_engine_devices_than_a_process_has_are_refused():
         assign_devices(placement(engines={"tensor_parallel": 2}))
 
 
+def test_split_engines_beyond_a_process_say_how_many_devices_they_need():
+    # not "use all 1 devices": 2 devices do not exist, a trainer device would not help
+    with pytest.raises(ConfigError, match=r"strategy.options.placement.engines: 1 replica\(s\) x tensor_parallel "
+                                          r"2 per process need 2 devices, a process has 1$"):
+        assign_devices(placement(mode="split", engines={"tensor_parallel": 2}))
+
+
 # ----------------------------------------------------------------------------- routing
 
 

@@ -141,6 +141,8 @@ def assign_devices(config: PlacementConfig) -> Placement:
     per = replicas // n_proc
     engine_devices = per * tp
     axes = config.trainer
+    check(engine_devices <= n_local, f"{FIELD}engines", f"{per} replica(s) x tensor_parallel {tp} per "
+          f"process need {engine_devices} devices, a process has {n_local}")
     if config.mode == "split":
         free = n_local - engine_devices
         check(free >= 1, f"{FIELD}engines", f"{per} replica(s) x tensor_parallel {tp} per process use all "
@@ -156,8 +158,6 @@ def assign_devices(config: PlacementConfig) -> Placement:
         trainer_devices = [d for p in procs for d in p[:trainer_local]]
         engine_start = trainer_local
     else:
-        check(engine_devices <= n_local, f"{FIELD}engines", f"{per} replica(s) x tensor_parallel {tp} per "
-              f"process need {engine_devices} devices, a process has {n_local}")
         trainer_devices = [d for p in procs for d in p]
         engine_start = 0
     try:
