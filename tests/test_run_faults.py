@@ -350,13 +350,25 @@ def test_a_second_ctrl_c_exits_130_on_one_line_and_the_save_it_interrupted_is_pu
 
 
 def test_resume_with_a_changed_architecture_names_the_first_mismatched_parameter(run_copy, tmp_path, capsys):
+    # and the config key that changed: the parameter's path alone left the user to guess it
     before = snapshot(run_copy)
     assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
                  "model.hidden_size=32"]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert lines == [f"error: --resume: {run_copy / 'checkpoints' / 'step_4'} does not fit this config: "
-                     f"params/embed/embedding has shape (262, 16) in the checkpoint, the config builds (262, 32)"]
+                     f"params/embed/embedding has shape (262, 16) in the checkpoint, the config builds (262, 32); "
+                     f"changed since the checkpoint: model.hidden_size (config 32, checkpoint 16)"]
+    assert snapshot(run_copy) == before
+
+
+def test_resume_with_another_optimizer_names_the_changed_key(run_copy, tmp_path, capsys):
+    before = snapshot(run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
+                 "optimizer.name=muon"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("; changed since the checkpoint: optimizer.name "
+                                                 "(config 'muon', checkpoint 'adamw')"), lines
     assert snapshot(run_copy) == before
 
 

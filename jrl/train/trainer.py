@@ -137,6 +137,31 @@ def _decay_switch_hint(meta: dict, config: TrainConfig) -> str:
             f"optimizer.weight_decay={before!r}, or start over (--overwrite)")
 
 
+def _flat(section: dict, prefix: str) -> dict:
+    """`{"model.lora.rank": 0, ...}`: a config section's leaves by dotted key."""
+    out = {}
+    for k, v in section.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}.{k}"))
+        else:
+            out[f"{prefix}.{k}"] = v
+    return out
+
+
+def _changed_state_keys_hint(meta: dict, config: TrainConfig) -> str:
+    """'; changed since the checkpoint: model.hidden_size (config 64, checkpoint 32)': the
+    `model` and `optimizer` keys (what shapes the train state) that differ from the
+    checkpoint's (`meta`: its meta.json), so a mismatch names the config key, not only the
+    leaf it produced. `optimizer.weight_decay` is left to `_decay_switch_hint`."""
+    saved, now = meta.get("config") or {}, to_dict(config)
+    changed = []
+    for section in ("model", "optimizer"):
+        before, after = _flat(saved.get(section) or {}, section), _flat(now[section], section)
+        changed += [f"{k} (config {after[k]!r}, checkpoint {before[k]!r})" for k in after
+                    if k in before and after[k] != before[k] and k != "optimizer.weight_decay"]
+    return f"; changed since the checkpoint: {'; '.join(changed)}" if changed else ""
+
+
 def _data_mismatch_message(error: ValueError, meta: dict, config: TrainConfig) -> str:
     """One line for a checkpoint whose data position does not fit this config's training
     data (the sampler's `error`), naming the `data` keys that differ from the checkpoint's."""
@@ -431,7 +456,8 @@ class Trainer:
                 try:
                     state, meta = checkpoint.load(root, step, target=target)
                 except checkpoint.TargetMismatchError as e:
-                    hint = _decay_switch_hint(read_meta(root / f"step_{step}"), self.config)
+                    meta = read_meta(root / f"step_{step}")
+                    hint = _changed_state_keys_hint(meta, self.config) + _decay_switch_hint(meta, self.config)
                     raise ConfigError(_mismatch_message(e, step) + hint) from None
                 except Exception as e:  # noqa: BLE001 - an unverifiable (legacy) payload that fails to restore
                     if (root / f"step_{step}" / "manifest.json").exists():
