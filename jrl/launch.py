@@ -34,19 +34,21 @@ from jrl.metrics_log import CorruptMetricsError
 from jrl.models import init_params
 from jrl.parallel import initialize_distributed
 from jrl.rl.environments import EnvironmentFailure
+from jrl.rl.engines import engine_mesh
 from jrl.rl.episode_source import EpisodeSampler
-from jrl.rl.learner import build_learner
+from jrl.rl.learner import build_learner, run_placement
 from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
-from jrl.rl.source import check_rollout_batch
+from jrl.rl.source import check_rollout_batch, check_rollout_rows
 from jrl.rl.tasks import check_task_prompt_lengths, make_task, prompt_limit
 from jrl.rl.warm_start import render_warm_start, run_warm_start, task_format
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, require_trainable
 from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.run_lock import RunDirWriteError, RunLockedError, acquire_for_run, check_not_in_use
-from jrl.train.initial import check_init_from, load_run_tokenizer
-from jrl.train.trainer import ResumeError, Trainer, check_data_format, check_fresh_start, check_run_dir
+from jrl.train.initial import check_init_from, load_run_tokenizer, run_mesh
+from jrl.train.trainer import (ResumeError, Trainer, check_batch_rows, check_data_format, check_fresh_start,
+                               check_run_dir)
 
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
@@ -175,6 +177,31 @@ def check_data(config: TrainConfig, warm_start: bool = False) -> tuple[str, str 
     return ", ".join(parts), None
 
 
+def check_devices(config: TrainConfig) -> str:
+    """Lays the run out on this machine's devices as the run will: its mesh (`parallel`),
+    for GRPO its placement or engine mesh, and the split of a micro-batch's rows over the
+    trainer's data*fsdp, so a layout the devices cannot hold fails a dry run with the
+    run's error; what it found, for the dry run's `# devices:` line."""
+    if config.strategy.name not in RL_STRATEGIES:
+        mesh = run_mesh(config.parallel)
+        check_batch_rows(config.data, mesh)
+        placement = None
+    else:
+        options = RLOptions.from_config(config.strategy.options)
+        placement = run_placement(config, options)
+        mesh = run_mesh(config.parallel) if placement is None else placement.trainer_mesh
+        if placement is None:
+            engine_mesh(mesh, options.engine_tensor_parallel)
+        check_rollout_rows(options, config.data.batch_size, config.data.micro_batches, mesh, placement)
+    axes = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    line = f"trainer on {mesh.size} of {jax.device_count()} ({axes})"
+    if placement is not None:
+        slot = placement.replicas[0]
+        line += (f", {len(placement.replicas)} engine replica(s) of {len(slot.devices)} device(s) "
+                 f"({placement.mode}; replica 0 on devices {[d.id for d in slot.devices]})")
+    return line
+
+
 def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -> None:
     """Prints the run's config as it will run (options that depend on others resolved),
     what its data (and its warm start's demonstrations) hold and its parameter count. Reads
@@ -184,6 +211,7 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
         warm_start = has_warm_start(config, embedded_default=False)
     data, demonstrations = check_data(config, warm_start)
     init_note = check_init_from(config, missing_ok=True)  # an earlier stage's run may not be there yet
+    devices = check_devices(config)
     abstract = jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))
     groups = param_groups(abstract)
     trainable = require_trainable(config.optimizer, set(jax.tree.leaves(groups)))
@@ -197,6 +225,7 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
         print(f"# note: {note}")
     print(f"# output_dir: {output_dir or config.run_dir}")
     print(f"# data: {data}")
+    print(f"# devices: {devices}")
     if demonstrations is not None:
         print(f"# warm start: {demonstrations}")
     print(f"# parameters: {total:,} ({n_train:,} trainable)")

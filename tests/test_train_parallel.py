@@ -103,3 +103,18 @@ def test_trainer_cases_on_eight_simulated_devices(tmp_path):
 
 def test_grpo_with_a_tensor_parallel_engine_on_eight_simulated_devices(tmp_path):
     run_cases("rl_cases.py", tmp_path)
+
+
+def test_a_dry_run_lays_the_run_out_on_this_machines_devices(capsys):
+    # a mesh or placement the devices cannot hold passed the dry run and failed the run itself
+    assert main(["--dry-run", "parallel.data=2"]) == 2
+    assert capsys.readouterr().err.strip() == ("config error: parallel.data*fsdp*tensor: data=2*fsdp=-1*tensor=1 "
+                                               "needs at least 2 devices but only 1 are available")
+    assert main(["--dry-run", "strategy.options.placement={mode: split}"]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        "config error: strategy.options.placement.engines: 1 replica(s) x tensor_parallel 1 per process use all 1 "
+        "devices of a process")
+    assert main(["--dry-run", "strategy.options.engine_tensor_parallel=2"]) == 2
+    assert "strategy.options.engine_tensor_parallel: 2 devices, but this process has 1" in capsys.readouterr().err
+    assert main(["--dry-run", "parallel={}", "strategy.options.placement=null"]) == 0
+    assert "\n# devices: trainer on 1 of 1 (data=1 fsdp=1 tensor=1)\n" in capsys.readouterr().out

@@ -129,6 +129,20 @@ def check_rollout_batch(options: RLOptions, batch_size: int) -> None:
                           f"prompts_per_step * group_size = {options.rollout_size}), got {batch_size}")
 
 
+def check_rollout_rows(options: RLOptions, batch_size: int, micro_batches: int, mesh: jax.sharding.Mesh,
+                       placement: Placement | None) -> int:
+    """The trainer's data*fsdp on `mesh` (its row blocks); without `pack_rows` (which pads
+    packed minibatches to a multiple of it) a micro-batch's rows must split over them
+    (checked by the source and by a dry run)."""
+    row_blocks = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    if not options.pack_rows and (batch_size // micro_batches) % row_blocks:
+        axes = "strategy.options.placement.trainer" if placement is not None else "parallel"
+        raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
+                          f"= {batch_size // micro_batches}) must be divisible by the trainer's data*fsdp = "
+                          f"{row_blocks} ({axes}), got data.batch_size={batch_size}")
+    return row_blocks
+
+
 class RolloutSource:
     """Yields GRPO training rows to the Trainer, generating them with the rollout engine."""
 
@@ -176,15 +190,9 @@ class RolloutSource:
         self.engine: Engine | None = None
         self.adapters_only = adapters_only
         self.logp_rows = logp_rows
-        row_blocks = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-        self.pack_multiple = micro_batches * row_blocks
-        if not o.pack_rows and (batch_size // micro_batches) % row_blocks:
-            # the trainer checks this only for its own data pipeline; found here, the run stops
-            # before it writes anything or generates a rollout, not at its first update
-            axes = "strategy.options.placement.trainer" if placement is not None else "parallel"
-            raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
-                              f"= {batch_size // micro_batches}) must be divisible by the trainer's data*fsdp = "
-                              f"{row_blocks} ({axes}), got data.batch_size={batch_size}")
+        # the trainer checks this only for its own data pipeline; found here, the run stops
+        # before it writes anything or generates a rollout, not at its first update
+        self.pack_multiple = micro_batches * check_rollout_rows(o, batch_size, micro_batches, mesh, placement)
         self.replicas = None if placement is None else ReplicaPool(placement, model_config, self.engine_config,
                                                                           adapters_only=adapters_only)
         # the latest sync that moved weights; with a placement the pool's metrics report it

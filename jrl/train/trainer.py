@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jrl import checkpoint
 from jrl.checkpoint.store import read_meta
 from jrl.compile_cache import enable_compilation_cache
-from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
+from jrl.config import ConfigError, DataConfig, ParallelConfig, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
@@ -222,6 +222,16 @@ def check_token_fields(batch: dict, vocab_size: int) -> None:
             bad = targets[(targets >= vocab_size) | (trained & (targets < 0))]
             raise ValueError(f"batch['targets']: token ids must be below {vocab_size} (model.vocab_size), and "
                              f">= 0 where loss_mask is not 0; got {bad.min()} .. {bad.max()} out of range")
+
+
+def check_batch_rows(data: DataConfig, mesh: Mesh) -> None:
+    """The built-in data pipeline's micro-batches must split evenly over the mesh's
+    (data, fsdp) devices (checked by the trainer and by a dry run)."""
+    rows, blocks = data.batch_size // data.micro_batches, math.prod(mesh.shape[a] for a in BATCH_AXES)
+    if rows % blocks:
+        raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
+                          f"= {rows}) must be divisible by parallel data*fsdp = {blocks}, got "
+                          f"data.batch_size={data.batch_size}")
 
 
 class Trainer:
@@ -522,13 +532,8 @@ class Trainer:
         return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
 
     def _check_batch_rows(self) -> None:
-        """The built-in data pipeline's micro-batches must split evenly over the devices."""
-        d = self.config.data
-        rows, blocks = d.batch_size // d.micro_batches, self._row_blocks
-        if not self._source_given and rows % blocks:
-            raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
-                              f"= {rows}) must be divisible by parallel data*fsdp = {blocks}, got "
-                              f"data.batch_size={d.batch_size}")
+        if not self._source_given:
+            check_batch_rows(self.config.data, self.mesh)
 
     def _on_mesh(self, micro: dict) -> dict:
         """Host micro-batches `[M, b, ...]` as global arrays with rows split over (data,
