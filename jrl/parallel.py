@@ -319,6 +319,12 @@ def distributed_settings(config: ParallelConfig, environ: Mapping[str, str] | No
     if config.cluster_detection:
         return settings
     if address is None and (num is None or num == 1):
+        if ids is not None:  # jax.distributed applies them; a single process would silently use every device
+            source = "local_device_ids" if config.local_device_ids is not None else ENV_LOCAL_DEVICE_IDS
+            raise ConfigError(f"{source}: {list(ids)} only takes effect when several processes join "
+                              f"(num_processes > 1 or a coordinator_address); a single process uses every "
+                              f"device it sees: to use some of a host's GPUs, start it with "
+                              f"CUDA_VISIBLE_DEVICES={','.join(map(str, ids))}")
         return None
     if address is None:
         raise ConfigError(f"coordinator_address: required for num_processes={num} "

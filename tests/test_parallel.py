@@ -137,6 +137,15 @@ def test_single_process_needs_no_distributed_start():
     assert distributed_settings(ParallelConfig(), environ={"JAX_NUM_PROCESSES": "1"}) is None
 
 
+def test_local_device_ids_of_a_single_process_are_refused_not_ignored():
+    # jax.distributed applies them; without it the run used every device, whatever was asked
+    with pytest.raises(ConfigError, match=r"^local_device_ids: \[0, 1\] only takes effect when several processes "
+                                          r"join .*CUDA_VISIBLE_DEVICES=0,1$"):
+        distributed_settings(ParallelConfig(local_device_ids=(0, 1)), environ={})
+    with pytest.raises(ConfigError, match=r"^JAX_LOCAL_DEVICE_IDS: \[2\] only takes effect"):
+        distributed_settings(ParallelConfig(), environ={"JAX_LOCAL_DEVICE_IDS": "2", "JAX_NUM_PROCESSES": "1"})
+
+
 def test_settings_come_from_the_environment():
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
            "JAX_PROCESS_ID": "3", "JAX_LOCAL_DEVICE_IDS": "0,1"}
