@@ -19,7 +19,7 @@ import sys
 import types
 import typing
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, TypeVar
 
 import yaml
@@ -746,6 +746,18 @@ class LoggingConfig:
 
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+
+def check_one_remaining_axis(sizes: Mapping[str, int], prefix: str) -> None:
+    """At most one of the mesh axes `sizes` may be -1 ("the remaining devices"). `fsdp` is
+    -1 unless given, so `tensor: -1` alone is two; the error names the other axis (the one
+    the user set) and says so. `prefix`: the fields' section (`parallel.`)."""
+    rest = [name for name in MESH_AXES if sizes[name] == -1]
+    if len(rest) > 1:
+        named = next(name for name in rest if name != "fsdp")
+        hint = (f" (fsdp is -1 unless given: set {prefix}fsdp too, e.g. {prefix}fsdp=1)"
+                if "fsdp" in rest else "")
+        raise ConfigError(f"{prefix}{named}: only one mesh axis may be -1, but {' and '.join(rest)} are{hint}")
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")  # the mesh axes that split batch rows
 
 
@@ -778,9 +790,7 @@ class ParallelConfig:
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v >= 1), f"parallel.{name}",
                    f"must be -1 (the remaining devices) or a positive integer, got {v!r}")
-        rest = [name for name in MESH_AXES if getattr(self, name) == -1]
-        if len(rest) > 1:
-            raise ConfigError(f"parallel.{rest[1]}: only one mesh axis may be -1, but {' and '.join(rest)} are")
+        check_one_remaining_axis({name: getattr(self, name) for name in MESH_AXES}, "parallel.")
         if self.num_processes is not None:
             _check(self.num_processes >= 1, "parallel.num_processes", f"must be >= 1, got {self.num_processes}")
         if self.process_id is not None:

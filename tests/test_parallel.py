@@ -97,6 +97,16 @@ def test_only_one_axis_may_be_minus_one():
         ParallelConfig(fsdp=-1, tensor=-1)
 
 
+def test_an_axis_of_minus_one_beside_the_default_fsdp_names_it_and_says_fsdp_is_minus_one_by_default():
+    # parallel.data=-1 alone named parallel.fsdp, a key the user never wrote
+    with pytest.raises(ConfigError, match=r"^parallel.data: only one mesh axis may be -1, but data and fsdp are "
+                                          r"\(fsdp is -1 unless given: set parallel.fsdp too, e.g. "
+                                          r"parallel.fsdp=1\)$"):
+        ParallelConfig(data=-1)
+    with pytest.raises(ConfigError, match=r"^parallel.data: only one mesh axis may be -1, but data and tensor are$"):
+        ParallelConfig(data=-1, fsdp=1, tensor=-1)
+
+
 def test_process_id_must_be_below_num_processes():
     with pytest.raises(ConfigError, match=r"process_id: must be in \[0, num_processes=2\), got 2"):
         ParallelConfig(num_processes=2, process_id=2)

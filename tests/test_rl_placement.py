@@ -55,8 +55,9 @@ def test_bad_replica_count_is_named():
 
 
 def test_two_remaining_trainer_axes_are_refused():
-    with pytest.raises(ConfigError, match=r"strategy.options.placement.trainer.fsdp: only one mesh axis may be "
-                                          r"-1, but data and fsdp are"):
+    with pytest.raises(ConfigError, match=r"strategy.options.placement.trainer.data: only one mesh axis may be "
+                                          r"-1, but data and fsdp are \(fsdp is -1 unless given: set "
+                                          r"strategy.options.placement.trainer.fsdp too"):
         placement(trainer={"data": -1})
 
 

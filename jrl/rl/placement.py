@@ -23,7 +23,7 @@ from typing import Literal
 
 import jax
 
-from jrl.config import MESH_AXES, ConfigError, ParallelConfig, check
+from jrl.config import MESH_AXES, ConfigError, ParallelConfig, check, check_one_remaining_axis
 from jrl.parallel import make_mesh, mesh_shape
 
 FIELD = "strategy.options.placement."
@@ -46,9 +46,7 @@ class TrainerPlacement:
             v = getattr(self, name)
             check(_is_int(v, 1) or v == -1, f"{FIELD}trainer.{name}",
                   f"must be -1 (the trainer's remaining devices) or a positive integer, got {v!r}")
-        rest = [name for name in MESH_AXES if getattr(self, name) == -1]
-        check(len(rest) <= 1, f"{FIELD}trainer.{rest[-1] if rest else ''}",
-              f"only one mesh axis may be -1, but {' and '.join(rest)} are")
+        check_one_remaining_axis({name: getattr(self, name) for name in MESH_AXES}, f"{FIELD}trainer.")
 
     @property
     def parallel(self) -> ParallelConfig:
