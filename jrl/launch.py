@@ -25,14 +25,13 @@ import jax
 import yaml
 
 from jrl import checkpoint
-from jrl.config import (CONFIG_ERRORS, ConfigError, ParallelConfig, TrainConfig, cli_exit, cli_warnings,
-                        load_train_config, to_dict)
+from jrl.config import (CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config,
+                        to_dict)
 from jrl.data.pipeline import check_records
 from jrl.data.records import require_source
 from jrl.hf import HFFormatError
 from jrl.metrics_log import CorruptMetricsError
 from jrl.models import init_params
-from jrl.parallel import initialize_distributed
 from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.engines import engine_mesh
 from jrl.rl.episode_source import EpisodeSampler
@@ -46,7 +45,7 @@ from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, require_trainable
 from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.run_lock import RunDirWriteError, RunLockedError, acquire_for_run, check_not_in_use
-from jrl.train.initial import check_init_from, load_run_tokenizer, run_mesh
+from jrl.train.initial import check_init_from, load_run_tokenizer, run_distributed, run_mesh
 from jrl.train.trainer import (ResumeError, Trainer, check_batch_rows, check_data_format, check_fresh_start,
                                check_run_dir)
 
@@ -103,7 +102,7 @@ def start_distributed(config) -> bool:
     `parallel` section or the JAX_* environment variables). Must come before any other JAX
     work, which would fix the device list to this process's devices; a no-op (False) for
     a single process."""
-    return initialize_distributed(config.parallel or ParallelConfig())
+    return run_distributed(config.parallel)
 
 
 def has_warm_start(config: TrainConfig, *, embedded_default: bool) -> bool:

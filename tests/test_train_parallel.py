@@ -118,3 +118,13 @@ def test_a_dry_run_lays_the_run_out_on_this_machines_devices(capsys):
     assert "strategy.options.engine_tensor_parallel: 2 devices, but this process has 1" in capsys.readouterr().err
     assert main(["--dry-run", "parallel={}", "strategy.options.placement=null"]) == 0
     assert "\n# devices: trainer on 1 of 1 (data=1 fsdp=1 tensor=1)\n" in capsys.readouterr().out
+
+
+def test_a_bad_multi_process_setting_names_its_parallel_key(monkeypatch, capsys):
+    # it said `coordinator_address: required ...`, not the run config's key
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["--dry-run", "parallel.num_processes=2"]) == 2
+    assert capsys.readouterr().err.strip() == ("config error: parallel.coordinator_address: required for "
+                                               "num_processes=2 (set it or JAX_COORDINATOR_ADDRESS=host:port of "
+                                               "process 0)")

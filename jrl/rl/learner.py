@@ -11,8 +11,7 @@ from typing import Iterable
 
 import jax
 
-from jrl.config import ConfigError, ParallelConfig, TrainConfig
-from jrl.parallel import initialize_distributed
+from jrl.config import ConfigError, TrainConfig
 from jrl.rl.callback import RLCallback
 from jrl.rl.options import RLOptions
 from jrl.rl.placement import Placement, assign_devices
@@ -20,7 +19,8 @@ from jrl.rl.source import RolloutSource
 from jrl.rollout.config import EngineConfig, exact_model_config
 from jrl.train.callbacks import Callback
 from jrl.train.state import TrainState
-from jrl.train.initial import load_initial_adapters, load_initial_params, load_run_tokenizer, run_mesh
+from jrl.train.initial import (load_initial_adapters, load_initial_params, load_run_tokenizer, run_distributed,
+                               run_mesh)
 from jrl.train.trainer import Trainer
 
 
@@ -42,7 +42,7 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
     """The trainer of a `grpo` config with its rollout source and RL callback (the last
     of the user callbacks: it adds the rollout's metrics to a step's row just before the
     metrics logger writes it)."""
-    initialize_distributed(config.parallel or ParallelConfig())  # before any device is touched
+    run_distributed(config.parallel)  # before any device is touched
     options = RLOptions.from_config(config.strategy.options)
     for note in options.notes:  # settings the user wrote that the defaults would not have chosen
         warnings.warn(note, stacklevel=2)

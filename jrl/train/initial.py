@@ -18,7 +18,7 @@ from jrl.data import load_tokenizer
 from jrl.hf import HFFormatError, config_from_hf, load_pretrained, read_hf_config
 from jrl.models import init_params
 from jrl.models.lora import lora_params
-from jrl.parallel import init_sharded_params, make_mesh, param_shardings, shard_params
+from jrl.parallel import init_sharded_params, initialize_distributed, make_mesh, param_shardings, shard_params
 
 def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
     """(checkpoint root, step or None for the latest) from a run dir, a root or a step dir."""
@@ -75,6 +75,18 @@ def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -
         else:
             raise ConfigError(f"init_from: {src!r} lacks parameter {'/'.join(path + (key,))}")
     return out
+
+
+def run_distributed(parallel: ParallelConfig | None) -> bool:
+    """`jrl.parallel.initialize_distributed` for a run (a no-op, False, for one process).
+    A bad setting is an error naming its `parallel.` key, or the environment variable it
+    was read from."""
+    try:
+        return initialize_distributed(parallel or ParallelConfig())
+    except ConfigError as e:  # jrl.parallel names the field (`process_id: ...`); the run's key is parallel.process_id
+        if str(e).startswith("JAX_"):
+            raise
+        raise ConfigError(f"parallel.{e}") from None
 
 
 def run_mesh(parallel: ParallelConfig | None) -> Mesh:

@@ -43,14 +43,14 @@ from jax.sharding import Mesh
 from jrl import checkpoint
 from jrl.checkpoint.store import read_meta
 from jrl.compile_cache import enable_compilation_cache
-from jrl.config import ConfigError, DataConfig, ParallelConfig, TrainConfig, to_dict
+from jrl.config import ConfigError, DataConfig, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
-from jrl.parallel import BATCH_AXES, initialize_distributed, param_shardings, with_shardings
+from jrl.parallel import BATCH_AXES, param_shardings, with_shardings
 from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, model_flops_per_token
-from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
+from jrl.train.initial import load_initial_params, load_run_tokenizer, run_distributed, run_mesh
 from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_groups, trainable_mask
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
@@ -246,7 +246,7 @@ class Trainer:
                  eval_batches: Iterable[dict] | None = None, strategy_options: Any = None,
                  tokenizer: Any = None, mesh: Mesh | None = None):
         self.config = config
-        initialize_distributed(config.parallel or ParallelConfig())  # no-op unless multi-process
+        run_distributed(config.parallel)  # no-op unless multi-process
         enable_compilation_cache()  # once per process (jrl.compile_cache)
         self.run_dir = Path(output_dir or config.run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
