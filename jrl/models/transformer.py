@@ -228,14 +228,14 @@ def apply(config: ModelConfig, params: dict, tokens: jax.Array, positions: jax.A
     dtype = tokens.dtype if hasattr(tokens, "dtype") else np.asarray(tokens).dtype  # (lists: numpy's)
     if not np.issubdtype(dtype, np.integer):
         raise ValueError(f"tokens: must be integer token ids, got dtype {dtype}")
+    if not isinstance(tokens, jax.core.Tracer):  # on the host: a concrete array closed over by a trace too
+        ids = np.asarray(tokens)
+        if ids.size and (ids.min() < 0 or ids.max() >= config.vocab_size):
+            raise ValueError(f"tokens: ids must be in [0, {config.vocab_size}) (vocab_size), got min {ids.min()} "
+                             f"max {ids.max()}")
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:  # a lone [S] row would fail deep in attention with an unpacking error
         raise ValueError(f"tokens: must be [batch, seq], got shape {tokens.shape}")
-    if not isinstance(tokens, jax.core.Tracer) and tokens.size:
-        low, high = (int(x) for x in jax.device_get((tokens.min(), tokens.max())))
-        if low < 0 or high >= config.vocab_size:
-            raise ValueError(f"tokens: ids must be in [0, {config.vocab_size}) (vocab_size), got min {low} "
-                             f"max {high}")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
     if segment_ids is None:
