@@ -512,3 +512,12 @@ def test_a_step_interrupted_while_dispatching_leaves_the_engine_usable_and_every
     assert [c.n_preemptions for c in got] == [1, 1, 1]
     engine.pool.allocator.check_invariants()
     assert engine.pool.allocator.n_referenced == 0
+
+
+def test_eos_ids_and_stop_sequences_of_none_mean_none(params):
+    # they were refused ("eos_ids: must be a sequence of token ids, got None")
+    prompts = prompts_of([5, 8], seed=9)
+    want = fresh_run(params, prompts, max_new_tokens=6)
+    engine = Engine(MODEL, params, ENGINE)
+    got = engine.generate(prompts, GREEDY, max_new_tokens=6, eos_ids=None, stop_sequences=None)
+    assert_same_completions(got, want)

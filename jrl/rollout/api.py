@@ -45,8 +45,8 @@ def config_for_prompts(model_config: ModelConfig, prompts: Sequence[Sequence[int
 
 
 def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]], key: jax.Array,
-             sampling: SamplingParams | None = None, max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
-             stop_sequences: Sequence[Sequence[int]] = (), engine_config: EngineConfig | None = None,
+             sampling: SamplingParams | None = None, max_new_tokens: int = 16, eos_ids: Sequence[int] | None = (),
+             stop_sequences: Sequence[Sequence[int]] | None = (), engine_config: EngineConfig | None = None,
              version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None) -> list[Completion]:
     """Generates a completion per prompt (in order). Each prompt's sampling seed is drawn
     from `key` (replacing `sampling.seed`), so the same key gives the same samples.

@@ -236,8 +236,8 @@ class Engine:
     # ------------------------------------------------------------------ requests
     @_one_driver
     def add_request(self, prompt: Sequence[int] | np.ndarray, sampling: SamplingParams | None = None,
-                    max_new_tokens: int = 16, eos_ids: Sequence[int] = (),
-                    stop_sequences: Sequence[Sequence[int]] = ()) -> int:
+                    max_new_tokens: int = 16, eos_ids: Sequence[int] | None = (),
+                    stop_sequences: Sequence[Sequence[int]] | None = ()) -> int:
         """Queues a request; returns its id. Raises ValueError for a request that can
         never run or whose fields are out of range (token ids outside [0, vocab_size),
         an empty prompt or stop sequence, max_new_tokens < 1, longer than max_seq_len,
@@ -272,6 +272,8 @@ class Engine:
         if not cfg.chunked_prefill and len(prompt) > cfg.max_tokens_per_step:
             raise ValueError(f"request can never fit: without chunked_prefill its prompt of {len(prompt)} "
                              f"tokens must fit max_tokens_per_step={cfg.max_tokens_per_step}")
+        eos_ids = () if eos_ids is None else eos_ids  # None: none, as Python callers write it
+        stop_sequences = () if stop_sequences is None else stop_sequences
         eos = frozenset(check_token_ids("eos_ids", eos_ids, vocab).tolist())
         if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (Sequence, np.ndarray, jax.Array)):
             raise ValueError(f"stop_sequences: must be a sequence of token-id sequences, got {stop_sequences!r}")
@@ -389,8 +391,8 @@ class Engine:
     @_one_driver
     def add_requests(self, prompts: Sequence[Sequence[int]],
                      sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                     max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
-                     stop_sequences: Sequence[Sequence[int]] = ()) -> list[int]:
+                     max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] | None = (),
+                     stop_sequences: Sequence[Sequence[int]] | None = ()) -> list[int]:
         """Queues `prompts` (`sampling` and `max_new_tokens`: one for all, or one per
         prompt); returns their ids. Every request is checked before any is queued, so a bad
         one leaves nothing behind (the error names `prompts[k]`)."""
@@ -418,8 +420,8 @@ class Engine:
 
     @_one_driver
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] = (),
-                 stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
+                 max_new_tokens: int | Sequence[int] = 16, eos_ids: Sequence[int] | None = (),
+                 stop_sequences: Sequence[Sequence[int]] | None = ()) -> list[Completion]:
         """Runs `prompts` to completion (`add_requests`, then steps); completions in prompt
         order. Completions of other queued requests are kept for `step()`/`flush()`. A call
         that raises (KeyboardInterrupt, a failed step) aborts its unfinished requests: no
