@@ -153,6 +153,15 @@ def test_resume_with_a_corrupt_metrics_line_is_a_one_line_error_that_changes_not
 # ---------------------------------------------------------------- item 3: verified resume, fallback
 
 
+def test_resuming_into_another_param_dtype_says_the_weights_are_cast(run_copy, tmp_path):
+    # the float32 checkpoint was restored into bfloat16 without a word
+    with pytest.warns(ResumeWarning, match=r"^resume: .*step_4 holds float32 weights and optimizer state; "
+                                           r"model.param_dtype is bfloat16, so they are cast to it$"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=5",
+                     "model.param_dtype=bfloat16"]) == 0
+    assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
+
+
 def test_a_corrupt_latest_step_resumes_from_the_previous_one_and_says_so(run_copy, tmp_path, capsys):
     flip_a_byte_of_the_payload(run_copy / "checkpoints" / "step_4")
     # keep_last=2 and a save at step 3: retention must not count the corrupt step 4 and

@@ -474,6 +474,11 @@ class Trainer:
                         raise  # verified bytes: not a corruption, a real error
                     problem = f"restore failed: {type(e).__name__}: {e}".splitlines()[0]
                 else:
+                    saved = ((meta.get("config") or {}).get("model") or {}).get("param_dtype")
+                    if saved is not None and saved != self.config.model.param_dtype:  # loaded as the target's
+                        warnings.warn(f"resume: {root / f'step_{step}'} holds {saved} weights and optimizer state; "
+                                      f"model.param_dtype is {self.config.model.param_dtype}, so they are cast to it",
+                                      ResumeWarning, stacklevel=4)
                     later = [s for s in steps if s > step and s not in dict(bad)]
                     for b, why in bad:
                         warnings.warn(f"checkpoint {root / f'step_{b}'} is corrupt ({why}); resuming from "
