@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -868,14 +869,15 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
         json.dump(hf, f, indent=2, sort_keys=True)
         f.write("\n")
     metadata = {"format": "pt"}
+    mode = stat.S_IMODE(os.stat(os.path.join(path, "config.json")).st_mode)  # the umask's, read without setting it
     shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
-        _save_shard(shards[0], os.path.join(path, "model.safetensors"), metadata)
+        _save_shard(shards[0], os.path.join(path, "model.safetensors"), metadata, mode)
         return model_type
     weight_map = {}
     for k, shard in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        _save_shard(shard, os.path.join(path, name), metadata)
+        _save_shard(shard, os.path.join(path, name), metadata, mode)
         weight_map.update({n: name for n in shard})
     total = sum(t.nbytes for t in tensors.values())
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
@@ -884,15 +886,14 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     return model_type
 
 
-def _save_shard(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str]) -> None:
-    """`save_file`, with the file's permissions those of any file created here (the umask's):
+def _save_shard(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str], mode: int) -> None:
+    """`save_file`, with the file's permissions `mode` (config.json's beside it):
     safetensors writes through a private temporary file (mode 0600), which left the weights
     unreadable to other users (a server running as another user, a shared model directory)
-    while config.json beside them was readable."""
+    while config.json beside them was readable. (Not through os.umask, whose read sets the
+    process's umask for a moment under every other thread.)"""
     save_file(tensors, file, metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(file, 0o666 & ~umask)
+    os.chmod(file, mode)
 
 
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
