@@ -41,7 +41,6 @@ import yaml
 from jax.sharding import Mesh
 
 from jrl import checkpoint
-from jrl.checkpoint.store import read_meta
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, DataConfig, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
@@ -466,7 +465,7 @@ class Trainer:
                 try:
                     state, meta = checkpoint.load(root, step, target=target)
                 except checkpoint.TargetMismatchError as e:
-                    meta = read_meta(root / f"step_{step}")
+                    meta = checkpoint.read_checkpoint_meta(root, step)
                     hint = _changed_state_keys_hint(meta, self.config) + _decay_switch_hint(meta, self.config)
                     raise ConfigError(_mismatch_message(e, step) + hint) from None
                 except Exception as e:  # noqa: BLE001 - an unverifiable (legacy) payload that fails to restore
