@@ -183,7 +183,7 @@ def check_devices(config: TrainConfig) -> str:
     run's error; what it found, for the dry run's `# devices:` line."""
     if config.strategy.name not in RL_STRATEGIES:
         mesh = run_mesh(config.parallel)
-        check_batch_rows(config.data, mesh)
+        check_batch_rows(config.data.batch_size, config.data.micro_batches, mesh)
         placement = None
     else:
         options = RLOptions.from_config(config.strategy.options)

@@ -80,7 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrl.config import BATCH_AXES, ConfigError, ModelConfig
+from jrl.config import ConfigError, ModelConfig
 from jrl.data.tasks import Problem
 from jrl.models.lora import lora_params, with_lora_params
 from jrl.rl.advantages import compute_advantages
@@ -99,7 +99,7 @@ from jrl.rollout.request import Completion
 from jrl.rollout.shared import SharedEngine
 from jrl.train.logprobs import attention_layout, batch_max_segments
 from jrl.train.strategies.grpo import policy_stats, truncated_is_weights
-from jrl.train.trainer import ResumeWarning
+from jrl.train.trainer import ResumeWarning, check_batch_rows, row_blocks
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +134,10 @@ def check_rollout_rows(options: RLOptions, batch_size: int, micro_batches: int, 
     """The trainer's data*fsdp on `mesh` (its row blocks); without `pack_rows` (which pads
     packed minibatches to a multiple of it) a micro-batch's rows must split over them
     (checked by the source and by a dry run)."""
-    row_blocks = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
-    if not options.pack_rows and (batch_size // micro_batches) % row_blocks:
-        axes = "strategy.options.placement.trainer" if placement is not None else "parallel"
-        raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
-                          f"= {batch_size // micro_batches}) must be divisible by the trainer's data*fsdp = "
-                          f"{row_blocks} ({axes}), got data.batch_size={batch_size}")
-    return row_blocks
+    if options.pack_rows:
+        return row_blocks(mesh)
+    axes = "strategy.options.placement.trainer" if placement is not None else "parallel"
+    return check_batch_rows(batch_size, micro_batches, mesh, axes)
 
 
 class RolloutSource:

@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 
 from jrl import checkpoint
 from jrl.compile_cache import enable_compilation_cache
-from jrl.config import ConfigError, DataConfig, TrainConfig, to_dict
+from jrl.config import ConfigError, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
@@ -223,14 +223,21 @@ def check_token_fields(batch: dict, vocab_size: int) -> None:
                              f">= 0 where loss_mask is not 0; got {bad.min()} .. {bad.max()} out of range")
 
 
-def check_batch_rows(data: DataConfig, mesh: Mesh) -> None:
-    """The built-in data pipeline's micro-batches must split evenly over the mesh's
-    (data, fsdp) devices (checked by the trainer and by a dry run)."""
-    rows, blocks = data.batch_size // data.micro_batches, math.prod(mesh.shape[a] for a in BATCH_AXES)
+def row_blocks(mesh: Mesh) -> int:
+    """How many parts each micro-batch's rows are split into: the mesh's data * fsdp."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_batch_rows(batch_size: int, micro_batches: int, mesh: Mesh, axes: str | None = None) -> int:
+    """`row_blocks(mesh)`, after checking that a micro-batch's rows split evenly over them
+    (by the trainer, the GRPO source and a dry run). `axes`: the config section that laid
+    out a trainer mesh other than `parallel` (a GRPO placement), named in the error."""
+    rows, blocks = batch_size // micro_batches, row_blocks(mesh)
     if rows % blocks:
+        over = f"parallel data*fsdp = {blocks}" if axes is None else f"the trainer's data*fsdp = {blocks} ({axes})"
         raise ConfigError(f"data.batch_size: the rows of a micro-batch (data.batch_size / data.micro_batches "
-                          f"= {rows}) must be divisible by parallel data*fsdp = {blocks}, got "
-                          f"data.batch_size={data.batch_size}")
+                          f"= {rows}) must be divisible by {over}, got data.batch_size={batch_size}")
+    return blocks
 
 
 class Trainer:
@@ -532,12 +539,11 @@ class Trainer:
 
     @property
     def _row_blocks(self) -> int:
-        """How many parts each micro-batch's rows are split into (parallel data * fsdp)."""
-        return math.prod(self.mesh.shape[a] for a in BATCH_AXES)
+        return row_blocks(self.mesh)
 
     def _check_batch_rows(self) -> None:
         if not self._source_given:
-            check_batch_rows(self.config.data, self.mesh)
+            check_batch_rows(self.config.data.batch_size, self.config.data.micro_batches, self.mesh)
 
     def _on_mesh(self, micro: dict) -> dict:
         """Host micro-batches `[M, b, ...]` as global arrays with rows split over (data,
