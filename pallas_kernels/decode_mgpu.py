@@ -37,9 +37,11 @@ fp8 tile to the tensor cores in one of these ways (`DecodeTuning.fp8_tiles`):
   "fold_k_regs", and O^T = V^T P^T on fp8 tensor cores straight from the loaded pages,
   with no cast of V at all. A slot-minor page of one head is `[D, keys]` with the keys
   contiguous, the K-major operand fp8 matmuls need. V's per-key scales go on the
-  probabilities, which are rescaled per query so that their largest is 448 and stored as
-  e4m3 (P^T, a `[columns, block_kv]` tile); each block's product is scaled back as it is
-  added to the accumulator.
+  probabilities, which are rescaled per query so that a bound on its entries (its largest
+  probability of the block times the block's largest V scale: no cross-warp maximum
+  beyond the scores') is 448, and stored as two e4m3 terms, hi + lo / 16 (P^T, a
+  `[2 x columns, block_kv]` tile: 7 mantissa bits, as bf16's); each block's product is
+  scaled back as it is added to the accumulator.
 * "mma_q8": "mma" with S^T = K Q^T on fp8 tensor cores too: the queries are quantized to
   e4m3 with one scale a request (`quantize_queries`; e4m3 is floating point, so heads of
   different magnitude keep their relative precision), and K is used as loaded.
@@ -64,6 +66,9 @@ LOG2E = math.log2(math.e)
 ROWS = 64  # wgmma tile height; with queries as rows a group's G queries sit in it
 # "mma"'s smallest block scale: 448 / TOP_FLOOR is finite and TOP_FLOOR / 448 a normal float32
 TOP_FLOOR = FP8_MAX * float(jnp.finfo(jnp.float32).tiny)
+# "mma"'s P^T is hi + lo / LO_SCALE, both e4m3: hi's rounding error is at most 2^-4 of it
+# (at most 16 at hi's top, 448), so lo = 16 x that error stays within e4m3's range
+LO_SCALE = 16.0
 
 
 FP8_TILES = ("stage", "fold", "fold_k_regs", "mma", "mma_q8")  # DecodeTuning.fp8_tiles
@@ -252,6 +257,18 @@ def key_scales(scale, key_axis: int):
     return plgpu.load(scale, layout=plgpu.Layout.WGMMA.reduce(1 - key_axis), optimized=False)
 
 
+def block_scale_top(scale, n_valid):
+    """The largest per-key scale of a tile's keys `< n_valid` (`scale [block_kv]` in shared
+    memory; stale slots' scales, maybe NaN, left out), or 0 for none: a bound on every P *
+    v_scale of the block, whatever the query (P <= 1). Every thread reduces the whole
+    vector, loaded replicated across the warps, so it takes no cross-warp exchange (a
+    query's own largest P * v_scale would: the tile's keys span the warps)."""
+    col = plgpu.Layout.WGMMA.reduce(0)  # replicated across the warps, split over a quad's lanes
+    s = plgpu.load(scale, layout=col)
+    keys = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=col)
+    return jnp.where(keys < n_valid, s, jnp.zeros_like(s)).max()
+
+
 def smem_tiling(d: int, dtype) -> tuple:
     """Shared-memory transforms of a `[rows, d]` tile the tensor cores or the TMA use: rows of
     up to 128 bytes swizzled (128 bytes: bf16 at D = 64 or 128, fp8 at D = 128; 64 bytes:
@@ -329,7 +346,7 @@ def default_num_stages(heads_per_cta: int, block_kv: int, head_dim: int, itemsiz
     D=128."""
     fixed = q_rows * head_dim * itemsize + (q_rows * 4 if with_lse else 0)  # q tile / output + lse
     if keys_as_rows:
-        fixed += q_rows * block_kv * itemsize  # the staged P^T
+        fixed += q_rows * block_kv * itemsize  # the staged P^T ("mma": twice the rows in e4m3)
     per_stage = 2 * block_kv * head_dim * itemsize  # one K and one V tile
     if quantized:
         fixed += staging_tiles * block_kv * head_dim * itemsize  # the cast/dequantized tiles
@@ -478,7 +495,8 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         the warps once at the end rather than once a block. `k_tile(i)` / `v_tile(i,
         n_valid)` wait for block i and give the tile the tensor cores read (V with its rows
         `>= n_valid` zeroed), each with its per-key scales folded out of the tile (None:
-        none); `k_done` / `v_done` release its ring slot. With `first_limit` (causal query
+        none), V also with the largest of them ("mma": `block_scale_top`; else None);
+        `k_done` / `v_done` release its ring slot. With `first_limit` (causal query
         tiles) column c also masks the keys `>= first_limit + c // causal_group`; a block
         past a column's end leaves it as it was, bitwise (probabilities 0, rescale 1).
         `score_scale`: what the scores are multiplied by (with "mma_q8" it carries the
@@ -507,30 +525,40 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             if first_limit is not None:  # key < first_limit + col // G  <=>  (key - first_limit + 1) * G <= col
                 col = plgpu.broadcasted_iota(jnp.int32, score_shape, q_axis, layout=plgpu.Layout.WGMMA)
                 s = jnp.where((pos + (i * block_kv + 1 - first_limit)) * causal_group <= col, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=key_axis))
+            s_max = s.max(axis=key_axis)
+            m_new = jnp.maximum(m_i, s_max)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, score_shape, [q_axis]))
             acc = acc * lax.broadcast_in_dim(alpha, acc_shape, [q_axis])
-            v_op, v_scale = v_tile(i, n_valid)  # masked keys: not even 0 * stale NaN in PV
+            v_op, v_scale, v_top = v_tile(i, n_valid)  # masked keys: not even 0 * stale NaN in PV
             pv = p  # the probabilities PV takes: times V's scales when they are folded
             if v_scale is not None:  # 0 * a stale key's (maybe NaN) scale must stay 0
                 pv = jnp.where(pos < n_valid, p * lax.broadcast_in_dim(v_scale, score_shape, [key_axis]),
                                jnp.zeros_like(p))
-            if mma:  # fp8 P^T, each query's largest probability at 448; V^T is the page
+            if mma:  # fp8 P^T, each query's bound on its P * v_scale at 448; V^T is the page
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
-                # top at least TOP_FLOOR: below it 448 / top overflows (a block far below the
-                # running max, or tiny values: 448 / 1e-37 is inf, and P^T turned NaN) or top / 448
-                # is subnormal (flushed to 0 on the GPU); P^T's entries then stay below 448
-                top = pv.max(axis=key_axis)
+                # A query's largest P of the block times the block's largest v_scale bounds its
+                # entries, from maxima at hand: no second cross-warp maximum. top at least
+                # TOP_FLOOR: below it 448 / top overflows (a block far below the running max,
+                # or tiny values: 448 / 1e-37 is inf, and P^T turned NaN) or top / 448 is
+                # subnormal (flushed to 0 on the GPU); P^T's entries then stay below 448.
+                top = jnp.exp2(s_max - m_new) * v_top
                 top = jnp.where(top > 0, jnp.maximum(top, TOP_FLOOR), 1.0)
                 p8 = pv * lax.broadcast_in_dim(FP8_MAX / top, score_shape, [q_axis])
-                p_tile.transpose((1, 0))[...] = plgpu.layout_cast(
-                    p8.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED).astype(p_tile.dtype)
+                # P^T as two e4m3 terms, hi + lo / LO_SCALE (7 mantissa bits, as bf16's): the
+                # tile's first `rows` rows hold hi, the next lo, so one wgmma of twice the
+                # columns multiplies both
+                p16 = plgpu.layout_cast(p8.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
+                hi = p16.astype(p_tile.dtype)
+                lo = ((p16 - fp8_to(hi, jnp.float16)) * LO_SCALE).astype(p_tile.dtype)
+                p_tile.at[pl.ds(0, rows)].transpose((1, 0))[...] = hi
+                p_tile.at[pl.ds(rows, rows)].transpose((1, 0))[...] = lo
                 plgpu.commit_smem()
                 pages = range(v_op.shape[0])  # V^T as its pages' tiles [copies, d, sub]
                 pv_t = wgmma_product(tuple(v_op.at[j] for j in pages),
                                      tuple(p_tile.at[:, pl.ds(j * sub, sub)].transpose((1, 0))
-                                           for j in pages), acc_shape, interpret)
+                                           for j in pages), (d, 2 * rows), interpret)
+                pv_t = pv_t[:, :rows] + pv_t[:, rows:] * (1.0 / LO_SCALE)
                 acc = acc + pv_t * lax.broadcast_in_dim(top / FP8_MAX, acc_shape, [q_axis])
             elif keys_as_rows:
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
@@ -619,17 +647,18 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                     src = v_smem.at[ring(i)]
                     if not quant:
                         zero_rows_from(src, n_valid)
-                        return src, None
+                        return src, None, None
                     if mma:  # the slot-minor page is P·V's operand as loaded
                         zero_cols_from(src, n_valid)
-                        return src, key_scales(vs_smem.at[ring(i)], key_axis)
+                        v_scales = vs_smem.at[ring(i)]
+                        return src, key_scales(v_scales, key_axis), block_scale_top(v_scales, n_valid)
                     if not fold:
                         dequantize_tile(src, vs_smem.at[ring(i)], v_stage, n_valid)
-                        return v_stage, None
+                        return v_stage, None, None
                     # With keys as rows, P^T's fence in `attend` also fences these stores.
                     cast_tile(src, v_stage, fence=not keys_as_rows)
                     zero_rows_from(v_stage, n_valid)
-                    return v_stage, key_scales(vs_smem.at[ring(i)], key_axis)
+                    return v_stage, key_scales(vs_smem.at[ring(i)], key_axis), None
 
                 acc, m_i, l_i = attend(q_tile, k_tile, v_tile,
                                        lambda i: plgpu.barrier_arrive(k_free.at[ring(i)]),
@@ -720,7 +749,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled),
         (plgpu.SMEM((rings, copies, d, sub), kv_dtype, transforms=minor_tiled) if v_minor else
          plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled)),
-        *([plgpu.SMEM((hpc, rows, block_kv), kv_dtype if mma else dtype,
+        *([plgpu.SMEM((hpc, 2 * rows if mma else rows, block_kv), kv_dtype if mma else dtype,
                       transforms=minor_tiled if mma else tiled)] if keys_as_rows else []),
         *([plgpu.SMEM((hpc, rows), jnp.float32)] if splits > 1 else []),
         *([plgpu.SMEM((rings, block_kv), jnp.float32), plgpu.SMEM((rings, block_kv), jnp.float32)]
