@@ -358,53 +358,45 @@ def test_a_second_ctrl_c_exits_130_on_one_line_and_the_save_it_interrupted_is_pu
     assert checkpoint.all_steps(run / "checkpoints") == [2] and steps_logged(run) == [1, 2]
 
 
+def refused_resume_lines(run_copy, tmp_path, capsys, override: str) -> list[str]:
+    """The stderr lines of `--resume` with `override` on a finished run's copy, which must
+    exit 2 and leave every file of the run as it was."""
+    before = snapshot(run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", override]) == 2
+    assert snapshot(run_copy) == before
+    return capsys.readouterr().err.strip().splitlines()
+
+
 def test_resume_with_a_changed_architecture_names_the_first_mismatched_parameter(run_copy, tmp_path, capsys):
     # and the config key that changed: the parameter's path alone left the user to guess it
-    before = snapshot(run_copy)
-    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
-                 "model.hidden_size=32"]) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
+    lines = refused_resume_lines(run_copy, tmp_path, capsys, "model.hidden_size=32")
     assert lines == [f"error: --resume: {run_copy / 'checkpoints' / 'step_4'} does not fit this config: "
                      f"params/embed/embedding has shape (262, 16) in the checkpoint, the config builds (262, 32); "
                      f"changed since the checkpoint: model.hidden_size (config 32, checkpoint 16)"]
-    assert snapshot(run_copy) == before
 
 
 def test_resume_with_another_optimizer_names_the_changed_key(run_copy, tmp_path, capsys):
-    before = snapshot(run_copy)
-    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
-                 "optimizer.name=muon"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = refused_resume_lines(run_copy, tmp_path, capsys, "optimizer.name=muon")
     assert len(lines) == 1 and lines[0].endswith("; changed since the checkpoint: optimizer.name "
                                                  "(config 'muon', checkpoint 'adamw')"), lines
-    assert snapshot(run_copy) == before
 
 
 def test_resume_with_changed_training_data_is_a_one_line_error_naming_the_key(run_copy, tmp_path, capsys):
-    before = snapshot(run_copy)
-    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
-                 "data.seed=3"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = refused_resume_lines(run_copy, tmp_path, capsys, "data.seed=3")
     assert lines == [f"error: --resume: {run_copy / 'checkpoints' / 'step_4'} does not fit this config's training "
                      f"data: sampler state is for 95 rows / seed 0, but this dataset has 92 rows / seed 3: the "
                      f"data changed since the checkpoint; changed: data.seed (config 3, checkpoint 0); resume with "
                      f"the checkpoint's data settings, or start over (--overwrite)"]
-    assert snapshot(run_copy) == before
 
 
 def test_resume_with_weight_decay_switched_off_is_a_one_line_error_saying_so(run_copy, tmp_path, capsys):
     # it named only a missing optimizer-state leaf (opt_state/inner_states/head/inner_state/1/count)
-    before = snapshot(run_copy)
-    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume",
-                 "optimizer.weight_decay=0"]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = refused_resume_lines(run_copy, tmp_path, capsys, "optimizer.weight_decay=0")
     assert len(lines) == 1 and lines[0].startswith(f"error: --resume: {run_copy / 'checkpoints' / 'step_4'} does "
                                                    f"not fit this config: ")
     assert lines[0].endswith("; optimizer.weight_decay changed since the checkpoint (config 0.0, checkpoint 0.1): "
                              "switching weight decay on or off changes the optimizer state's layout; resume with "
                              "optimizer.weight_decay=0.1, or start over (--overwrite)")
-    assert snapshot(run_copy) == before
 
 
 def test_a_restore_target_with_a_wrong_shape_names_the_leaf(tmp_path):
