@@ -260,6 +260,26 @@ def test_task_lifecycle_publishes_full_pages_and_leaks_nothing():
     a.check_invariants()
 
 
+def test_reset_frees_every_row_and_page_and_keeps_pages_to_zero_queued():
+    # After bookkeeping was cut short (pages taken but never attached, a task half-built,
+    # prefix-cache entries): everything is free again, and no page that may hold
+    # non-finite KV (dirty, already queued, or named) is handed out unzeroed.
+    m = _manager()
+    a = m.pool.allocator
+    t = m.alloc()
+    m.extend(t, 12)
+    t.kv_len = 12
+    m.record_hashes(t, list(range(12)), version=0)
+    a.mark_dirty(t.pages[:1])
+    m.pool.allocate(2)  # taken, attached to no task
+    a.pending_scrub.append(7)
+    m.reset(scrub=[5])
+    assert (a.n_free, a.n_referenced, m.radix.n_cached_pages, m.req_to_token.n_free_rows) == (8, 0, 0, 4)
+    assert a.take_scrub() == [0, 5, 7] and not a.dirty.any()
+    assert m.alloc().row == 0
+    a.check_invariants()
+
+
 def test_bind_builds_ragged_metadata_for_prefill_and_decode_rows():
     m = _manager()
     t, u = m.alloc(), m.alloc()

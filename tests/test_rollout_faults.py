@@ -13,7 +13,9 @@
   scalars.
 * A step interrupted (Ctrl-C) while it reads back sampled tokens loses none: the next
   `step()`/`run()` continues every request exactly. One interrupted while it dispatches
-  (the donated KV buffers possibly lost) leaves the engine usable, its requests re-queued.
+  (the donated KV buffers possibly lost), or part-way through its host bookkeeping
+  (planning, recording or releasing finished requests), leaves the engine usable, its
+  requests re-queued and its page bookkeeping whole.
 """
 
 from __future__ import annotations
@@ -512,6 +514,65 @@ def test_a_step_interrupted_while_dispatching_leaves_the_engine_usable_and_every
     assert [c.n_preemptions for c in got] == [1, 1, 1]
     engine.pool.allocator.check_invariants()
     assert engine.pool.allocator.n_referenced == 0
+
+
+# Where a Ctrl-C lands in the host work of a step (the 2nd step plans 3 decodes, then
+# admits the 4th prompt; the 10th token of the first three is read back in one step):
+# (engine attribute, method, which call from now on, raised once the call returned)
+HOST_POINTS = {
+    "pages_taken_for_an_admission": ("pool", "allocate", 5, True),  # taken, never attached
+    "prefix_cache_match": ("radix", "match", 4, False),  # a row allocated, the decodes planned
+    "prefix_cache_insert": ("radix", "insert", 3, False),  # pages attached, not yet running
+    "release_of_a_finished_request": ("pool.allocator", "release", 1, False),  # mid read-back
+}
+
+
+@pytest.mark.parametrize("point", HOST_POINTS)
+def test_a_step_interrupted_while_planning_or_releasing_leaves_the_engine_consistent_and_every_request_exact(
+        params, monkeypatch, point):
+    # Ctrl-C lands in a step's host bookkeeping, part-way through an update of requests,
+    # pages and prefix cache (the step is never dispatched, or its read-back is cut short).
+    # Running on finishes every request with an uninterrupted run's tokens, and leaves
+    # every page and row free (none leaked, none still referenced).
+    prompts = prompts_of([5, 19, 8, 12], seed=8)
+    want = fresh_run(params, prompts, max_new_tokens=10)
+    engine = Engine(MODEL, params, ENGINE)
+    for p in prompts:
+        engine.add_request(p, GREEDY, 10)
+    path, name, nth, after = HOST_POINTS[point]
+    owner = engine
+    for attr in path.split("."):
+        owner = getattr(owner, attr)
+    raise_once(monkeypatch, owner, name, nth, after=after)
+    done = steps_until_interrupted(engine)
+    got = by_request(done + engine.run())
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        assert g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, rtol=0, atol=1e-5)  # prefill vs decode
+    allocator = engine.pool.allocator
+    allocator.check_invariants()
+    assert (allocator.n_referenced, allocator.n_available) == (0, allocator.n_pages)
+    assert engine.req_to_token.n_free_rows == ENGINE.max_batch
+
+
+def test_a_failed_request_whose_release_was_interrupted_is_handed_out_and_its_pages_queued_for_zeroing(
+        params, monkeypatch):
+    # Ctrl-C lands as A (its KV turned NaN) starts releasing its pages, before they are
+    # marked dirty: A's "error" completion still comes out, and its pages are queued to be
+    # zeroed before reuse, as after a release that ran through.
+    (pa,) = prompts_of([24], seed=3)
+    engine = Engine(MODEL, params, ENGINE)
+    a = engine.add_request(pa, GREEDY, 10)
+    req = run_until_decoding(engine, a, 2)
+    pages = list(req.task.pages)
+    fill_nan(engine, pages)
+    raise_once(monkeypatch, engine.pool.allocator, "mark_dirty", 1)
+    done = steps_until_interrupted(engine) + engine.run()
+    assert [(c.request_id, c.finish_reason) for c in done] == [(a, "error")]
+    allocator = engine.pool.allocator
+    assert sorted(allocator.pending_scrub) == sorted(pages) and allocator.n_referenced == 0
+    allocator.check_invariants()
 
 
 def test_eos_ids_and_stop_sequences_of_none_mean_none(params):

@@ -97,3 +97,31 @@ def test_stalled_partial_prefills_free_the_youngest():
     plan = s.schedule(0)
     assert [(e.req.rid, e.q_start, e.q_len) for e in plan.entries] == [(0, 8, 4)]
     assert list(s.waiting) == [b] and b.task is None
+
+
+def test_recover_requeues_running_requests_once_each_holding_nothing():
+    # A plan cut short: `a` ran a step, `b` joined `running` but was not yet taken off
+    # `waiting`, `c` got a task and pages while still waiting. Every one waits once, `a`
+    # and `b` first (admission order), none holding a task or samples in flight.
+    s = make(budget=32)
+    a, b, c = request(0, range(3)), request(1, range(10, 15)), request(2, range(20, 26))
+    s.add(a)
+    s.schedule(0)
+    s.add(b)
+    s.add(c)
+    s.schedule(0)  # a decodes, b and c are admitted
+    s.waiting.extend([b, c])
+    s.running.remove(c)
+    assert s.recover() == []
+    assert list(s.waiting) == [a, b, c] and s.running == []
+    assert [(r.task, r.n_inflight, r.n_preemptions) for r in (a, b, c)] == [(None, 0, 1), (None, 0, 1), (None, 0, 0)]
+
+
+def test_recover_hands_back_a_finished_request_whose_release_was_cut_short():
+    s = make()
+    a = request(0, range(3), max_new=1)
+    s.add(a)
+    s.schedule(0)
+    read_back(a)  # finished; the engine's `finish` never ran
+    assert s.recover() == [a]
+    assert (list(s.waiting), s.running, a.task) == ([], [], None)

@@ -11,10 +11,12 @@ Decode inputs of step n come from step n-1's device output, so the host never wa
 a token before dispatching the step that consumes it. A request that stopped at step n-1
 has one wasted row in step n, discarded on read-back. A step stays unread until its tokens
 are on the host: a read-back interrupted while it waits (Ctrl-C in a notebook, or a raising
-`device_get`) loses nothing, and the next `step`/`flush` reads it back first. A dispatch that
-raises (Ctrl-C while a program compiles, or before the donated KV buffers it returned were
-stored) re-queues the running requests with the tokens they have and, where the buffers
-were lost, starts from empty ones (`Engine._dispatch_failed`).
+`device_get`) loses nothing, and the next `step`/`flush` reads it back first. A step that
+raises part-way through its host bookkeeping (planning, recording or releasing finished
+requests) or its dispatch (Ctrl-C while a program compiles, or before the donated KV buffers
+it returned were stored) re-queues the running requests with the tokens they have, rebuilds
+the page bookkeeping and prefix cache empty and, where the buffers were lost, starts from
+empty ones (`Engine._step_failed`).
 
 When every running request decodes and nobody waits to be admitted, a step is a call of
 `decode_steps_per_call` decode steps (`jrl.rollout.tuning`) run back to back by one device
@@ -349,15 +351,15 @@ class Engine:
         # (penalty windows, stop conditions) sees every token but the last step's.
         self._read_back_until(1)
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
         launched = None
-        if batch is not None:
-            try:
+        try:  # planning updates requests, pages and prefix cache in place: a raise part-way is recovered
+            batch = self.scheduler.schedule(self.version, admit=self._admit, steps=self.tuning.decode_steps_per_call)
+            if batch is not None:
                 launched = self._dispatch(batch)
                 self._unread.append(launched)
-            except BaseException:
-                self._dispatch_failed()
-                raise
+        except BaseException:
+            self._step_failed()
+            raise
         host = time.perf_counter() - t0
         if launched is None and not self._unread and self.scheduler.has_work:
             raise RuntimeError("engine: no request could be scheduled and none is running "
@@ -594,14 +596,24 @@ class Engine:
         """Records step's samples in their requests (skipping requests preempted, aborted or
         finished since dispatch) and hands finished requests to the scheduler. `step` is the
         oldest unread one; it leaves `_unread` only once its values are on the host, so a
-        wait that raises (KeyboardInterrupt) leaves it to be read back by the next call."""
+        wait that raises (KeyboardInterrupt) leaves it to be read back by the next call; a
+        raise while its samples are recorded is recovered (`_step_failed`)."""
         t0 = time.perf_counter()
         readback = np.asarray(jax.device_get(step.readback))
-        self._unread.popleft()
         waited = time.perf_counter() - t0
         self.stats.wait_s += waited
         if step.decode:
             self.stats.decode_wait_s += waited
+        try:  # from here the step's samples are only on the host: a raise part-way is recovered
+            self._unread.popleft()
+            self._record(step, readback)
+        except BaseException:
+            self._step_failed()
+            raise
+
+    def _record(self, step: _InFlight, readback: np.ndarray) -> None:
+        """Records the read-back samples of `step` (`_read_back`): appends them to their
+        requests, finishes those that stop, fails those whose logits turned non-finite."""
         recorded = 0
         counts = step.counts
         everyone = min(counts) if counts is not None else 1  # steps every row computes
@@ -657,19 +669,25 @@ class Engine:
         self.kv.update(*self._zero_slots(k, v, padded))
         self.pool.allocator.take_scrub()
 
-    def _dispatch_failed(self) -> None:
-        """Makes the engine consistent again after `_dispatch` raised (KeyboardInterrupt while
-        a program compiled or once it returned, a failed compile, ...). The scheduler had
-        planned the step's requests a step further, the step may not have run (its KV
-        unwritten, though its full pages were already published to the prefix cache), and
-        the KV buffers and previous tokens may have been donated to a call whose outputs
-        were never stored. So every running request is re-queued with the tokens it has
-        (recomputed when admitted again, as after a preemption; samples still unread are
-        drawn again with the same keys), the prefix cache is dropped, and lost buffers are
-        replaced by empty ones."""
-        self.scheduler.requeue_running()
+    def _step_failed(self) -> None:
+        """Makes the engine consistent again after a step raised between planning and the
+        stored outputs of its dispatch, or while recording a read-back (KeyboardInterrupt
+        anywhere in the host bookkeeping, while a program compiled or once it returned, a
+        failed compile, ...). Requests, pages and prefix cache may be half-updated then
+        (pages taken but not yet attached to a task, a request admitted part-way, requests
+        planned a token further or finished but not released, prefix-cache entries whose
+        KV the step never wrote), and the KV buffers and previous tokens may have been
+        donated to a call whose outputs were never stored. Rather than unwind each
+        update, every running request is re-queued with the tokens it has (recomputed when
+        admitted again, as after a preemption; samples still unread are drawn again with
+        the same keys), one that had finished is handed out, the page bookkeeping and
+        prefix cache are rebuilt empty, and lost buffers are replaced by empty ones."""
+        # pages of a request whose logits turned non-finite, its release cut short: zeroed before reuse
+        nan_pages = [p for r in self.scheduler.running if r.finish_reason == "error" and r.task is not None
+                     for p in r.task.pages]
+        self._finished += [r.completion() for r in self.scheduler.recover()]
         self._unread.clear()  # every sample in them belongs to a re-queued request (or a gone one)
-        self.drop_prefix_cache()
+        self.cache.reset(nan_pages)
         if self.kv.lost:
             self.kv.reset()
             self.pool.allocator.take_scrub()  # every page is zero now

@@ -22,7 +22,7 @@ Every step, in this order:
    multi-step call, so penalised batches keep one step per call.
 
 The scheduler only plans; the engine runs the plan and feeds results back
-(`finish`, `fail`, `preempt`, `abort_running`, `requeue_running`).
+(`finish`, `fail`, `preempt`, `abort_running`, `recover`).
 """
 
 from __future__ import annotations
@@ -321,17 +321,30 @@ class Scheduler:
                 req.task.publish = False
         return len(self.running)
 
-    def requeue_running(self) -> list[Request]:
-        """Re-queues every running request at the front in admission order with the tokens
-        it has, as a preemption does, but publishes none of its pages: used when a step's
-        dispatch failed, so its KV may never have been written."""
-        requeued = list(self.running)
+    def recover(self) -> list[Request]:
+        """Puts every request back in one place after a step raised part-way through its
+        planning, dispatch or read-back (`Engine._step_failed`), without trusting the task
+        and page bookkeeping, which may be half-updated (the caller rebuilds it empty:
+        `TaskCacheManager.reset`). Every running request loses its task and samples in
+        flight; one that finished (its release cut short) leaves and is returned; the
+        others are re-queued at the front in admission order with the tokens they have, as
+        after a preemption. A request admitted part-way (holding a task while still
+        waiting, or listed as running too) waits as before."""
+        running = self.running
+        finished = [r for r in running if r.finish_reason is not None]
+        requeued = [r for r in running if r.finish_reason is None]
+        held = {id(r) for r in running}
+        others = [r for r in self.waiting if id(r) not in held]
+        for req in running:
+            req.epoch += 1
         for req in requeued:
-            self._release(req, None)
             req.n_preemptions += 1
             self.stats.preemptions += 1
-        self.waiting.extendleft(reversed(requeued))
-        return requeued
+        for req in running + others:
+            req.task, req.n_inflight, req.device_row = None, 0, -1
+        self.running = []
+        self.waiting = deque(requeued + others)
+        return finished
 
     def abort_running(self) -> list[Request]:
         """Aborts every running request (their outputs are discarded) and re-queues them

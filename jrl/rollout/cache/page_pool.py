@@ -41,15 +41,27 @@ class Allocator:
         if n_pages <= 0:
             raise ValueError(f"n_pages: must be positive, got {n_pages}")
         self.n_pages = n_pages
+        self.on_evict = on_evict
+        self._empty([])
+
+    def _empty(self, pending_scrub: list[int]) -> None:
+        """Every page free, unreferenced, uncached and clean; `pending_scrub` queued."""
+        n_pages = self.n_pages
         self.ref = np.zeros(n_pages, np.int32)
         self.cached = np.zeros(n_pages, np.bool_)
         self.is_free = np.ones(n_pages, np.bool_)
         self._n_free = n_pages  # is_free's count, kept with it (the scheduler asks every step)
         self._free_heap = list(range(n_pages))
         self._lru: OrderedDict[int, None] = OrderedDict()
-        self.on_evict = on_evict
         self.dirty = np.zeros(n_pages, np.bool_)
-        self.pending_scrub: list[int] = []  # freed dirty pages, to zero before the next step
+        self.pending_scrub: list[int] = pending_scrub  # freed dirty pages, to zero before the next step
+
+    def reset(self, scrub: Iterable[int] = ()) -> None:
+        """Frees every page at once, whatever the counts say: for a caller that dropped
+        every holder (tasks and prefix cache) after an update of them was cut short, when
+        the counts may be off. Pages queued for zeroing, dirty ones and `scrub` (pages that
+        may hold non-finite KV nobody marked yet) stay queued: none is handed out unzeroed."""
+        self._empty(sorted({*self.pending_scrub, *np.flatnonzero(self.dirty).tolist(), *scrub}))
 
     # ---------------------------------------------------------------- counts
     @property

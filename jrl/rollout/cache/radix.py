@@ -132,6 +132,11 @@ class RadixCache:
                 return
         raise KeyError(f"page {page}: evicted but in no prefix tree")
 
+    def reset(self) -> None:
+        """Forgets every entry without telling the allocator (which the caller resets too:
+        `TaskCacheManager.reset`)."""
+        self._trees = {}
+
     def drop_pages(self, pages: Sequence[int]) -> int:
         """Removes `pages` from every tree, with everything cached below them (their KV
         was computed attending to these pages). Pages still referenced by a request leave

@@ -15,7 +15,12 @@ class ReqToTokenPool:
     def __init__(self, max_rows: int, max_pages_per_row: int, page_size: int) -> None:
         self.page_size = page_size
         self.table = np.zeros((max_rows, max_pages_per_row), np.int32)
-        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row free (lowest first) and empty."""
+        self.table[:] = 0
+        self._free_rows = list(range(len(self.table) - 1, -1, -1))
 
     @property
     def n_free_rows(self) -> int:

@@ -10,7 +10,8 @@ Lifecycle of a task (a request while it holds KV pages):
   scheduled, so requests admitted later (even in the same step) reuse them;
 * `free` releases its pages (cached ones stay evictable) and its row; `discard` releases
   a task whose KV may be non-finite: its pages leave the prefix cache and are zeroed
-  before anyone gets them again;
+  before anyone gets them again; `reset` frees everything at once (after a step raised
+  part-way through this bookkeeping);
 * `bind` turns the step's (task row, first position, token count) entries into the int32
   device metadata: cu_q_lens, kv_lens, page table, positions and out_cache_loc;
   `bind_decode_steps` does the same for a multi-step decode call (one position per row
@@ -125,6 +126,16 @@ class TaskCacheManager:
         task.pages = []
         self.req_to_token.free_row(task.row)
         task.row = -1
+
+    def reset(self, scrub: Sequence[int] = ()) -> None:
+        """Frees every row and page and empties the prefix cache, rebuilt from nothing
+        rather than unwound: for after an update of tasks, pages or prefix cache was cut
+        short (`Engine._step_failed`), once no request holds a task. `scrub`: pages that may
+        hold non-finite KV, zeroed before reuse (`Allocator.reset`)."""
+        if self.radix is not None:
+            self.radix.reset()
+        self.pool.allocator.reset(scrub)
+        self.req_to_token.reset()
 
     def bind(self, rows: Sequence[int], q_starts: Sequence[int], q_lens: Sequence[int]) -> BoundBatch:
         """Device metadata for a step where the task in req_to_token row `rows[i]` computes
