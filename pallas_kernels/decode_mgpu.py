@@ -278,14 +278,29 @@ def smem_tiling(d: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def compute_dtype(q_dtype, kv_dtype, quantized: bool, fp8_compute: str | None = None):
+def compute_dtype(q_dtype, kv_dtype, quantized: bool, fp8_compute: str | None = None,
+                  fp8_tiles: str | None = None):
     """The dtype the kernels compute in: the buffers' (bf16/f16), or for fp8 buffers
-    `fp8_compute` when given, else the queries' when that is bf16/f16 and bf16 otherwise."""
+    `fp8_compute` when given, else f16 on the "mma" tile paths (`SLOT_MINOR_TILES`: their
+    fp8 -> f16 conversions are one instruction a pair where bf16's go through float32; 0.88x
+    the decode step at batch 256 on an H100, docs/performance.md), else the queries' when
+    that is bf16/f16 and bf16 otherwise."""
     if not quantized:
         return kv_dtype
     if fp8_compute is not None:
         return jnp.dtype(fp8_compute)
+    if fp8_tiles in SLOT_MINOR_TILES:
+        return jnp.dtype(jnp.float16)
     return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.bfloat16)
+
+
+def queries_in(q, dtype):
+    """`q` in the compute dtype; into f16 saturated at its largest finite value, so a
+    query beyond f16's range (|q| > 65504) scores as the largest one instead of inf/NaN."""
+    if jnp.dtype(dtype) == jnp.float16 and q.dtype != jnp.float16:
+        top = float(jnp.finfo(jnp.float16).max)
+        q = jnp.clip(q.astype(jnp.float32), -top, top)  # in bf16 the bound would round up to 65536
+    return q.astype(dtype)
 
 
 def split_buffers(kernel: str, k_buf, v_buf):
@@ -380,8 +395,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     and no `heads_per_cta` above 1 is asked for. Keys as rows runs one KV head a CTA (its
     softmax reduces across warps through a scratch buffer that two compute warpgroups
     would share) and two CTAs an SM by default. fp8 buffers (`QuantizedKV`, both or
-    neither) reach the tensor cores as `fp8_tiles` says (module docstring); the output is
-    then in the compute dtype (`compute_dtype`) before the cast to q's.
+    neither) reach the tensor cores as `fp8_tiles` says (module docstring), in the compute
+    dtype (`compute_dtype`: f16 on the "mma" paths, q saturated into its range); the
+    kernel's output is then in q's dtype (bf16/f16), else in the compute dtype.
 
     Causal query tiles (`causal_group` G > 0, with `first_limits [B]`; `exact_mgpu`): each
     request b is a tile of queries at consecutive positions, a KV head's `Hq // Hkv`
@@ -406,7 +422,6 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     if t.fp8_compute not in (None, *FP8_COMPUTE):
         raise ValueError(f"decode_mgpu: tuning.fp8_compute must be None or one of "
                          f"{'/'.join(FP8_COMPUTE)}, got {t.fp8_compute!r}")
-    dtype = compute_dtype(q.dtype, kv_dtype, quant, t.fp8_compute)
     if keys_as_rows is None:
         keys_as_rows = default_keys_as_rows(g, heads_per_cta)
     if quant and k_buf.slot_minor:
@@ -416,6 +431,10 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     if problem := value_paging_problem(v_buf, page_size):
         raise ValueError(f"decode_mgpu: {problem}")
     tiles = t.fp8_tiles or ("mma" if v_minor else default_fp8_tiles(keys_as_rows))
+    dtype = compute_dtype(q.dtype, kv_dtype, quant, t.fp8_compute, tiles if quant else None)
+    # fp8 outputs leave in q's dtype when that is bf16/f16: an f16 compute dtype's range
+    # would flush the averages of tiny values (|v| below ~6e-8) to zero
+    out_dtype = q.dtype if quant and q.dtype in (jnp.bfloat16, jnp.float16) else dtype
     mma = quant and tiles in SLOT_MINOR_TILES
     q8 = quant and tiles == "mma_q8"
     if mma != v_minor:
@@ -462,7 +481,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         q_e4m3, q_scale = quantize_queries(q)
         q_rows, q_scales = q_e4m3.reshape(b * hq, d), [q_scale]
     else:
-        q_rows = q.astype(dtype).reshape(b * hq, d)
+        q_rows = queries_in(q, dtype).reshape(b * hq, d)
     pad = rows + -(b * hq) % 8 if interpret else -(b * hq) % 8
     if pad:
         q_rows = jnp.pad(q_rows, ((0, pad), (0, 0)))
@@ -669,7 +688,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                        scale * qs_ref[req] if q8 else scale)
                 empty = l_i == 0.0
                 l_safe = jnp.where(empty, 1.0, l_i)
-                out = (acc / lax.broadcast_in_dim(l_safe, acc_shape, [q_axis])).astype(dtype)
+                out = (acc / lax.broadcast_in_dim(l_safe, acc_shape, [q_axis])).astype(out_dtype)
                 if keys_as_rows:
                     o_tile.transpose((1, 0))[...] = plgpu.layout_cast(
                         out, plgpu.Layout.WGMMA_TRANSPOSED)
@@ -745,7 +764,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         # The q tiles and the output staging alias: an item's last QK^T has read q before
         # its output is written, and the next q load waits until that output is stored.
         plgpu.RefUnion(plgpu.SMEM((hpc, rows, d), q_rows.dtype, transforms=smem_tiling(d, q_rows.dtype)),
-                       plgpu.SMEM((hpc, rows, d), dtype)),
+                       plgpu.SMEM((hpc, rows, d), out_dtype)),
         plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled),
         (plgpu.SMEM((rings, copies, d, sub), kv_dtype, transforms=minor_tiled) if v_minor else
          plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled)),
@@ -761,7 +780,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         plgpu.Barrier(num_arrivals=1, num_barriers=rings),
         plgpu.Barrier(num_arrivals=1, num_barriers=rings),
     ]
-    out_type = [jax.ShapeDtypeStruct((splits, b * hq, d), dtype)]
+    out_type = [jax.ShapeDtypeStruct((splits, b * hq, d), out_dtype)]
     if splits > 1:  # one log-sum-exp per (request, KV head) tile row, for the merge
         out_type.append(jax.ShapeDtypeStruct((splits, b * hkv, rows), jnp.float32))
     outs = plgpu.kernel(

@@ -17,7 +17,7 @@ from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
 from jrl.rollout.cache.kv_storage import KVStorage, kv_bytes_per_token, values_slot_minor
 from jrl.rollout.executor import StepFunction
 from jrl.rollout.tuning import resolve_tuning
-from pallas_kernels import dispatch, quantized, reference
+from pallas_kernels import decode_mgpu, dispatch, quantized, reference
 from pallas_kernels.decode_mgpu import default_fp8_tiles, default_num_stages, ragged_decode_mgpu
 from pallas_kernels.prefill_mgpu import paged_prefill_mgpu
 from pallas_kernels.quantized import QuantizedKV
@@ -204,6 +204,24 @@ def test_mma_decode_keeps_blocks_of_tiny_probabilities_times_scales_finite(case)
     # normal range (its scale has a floor, TOP_FLOOR): finite, at a few percent
     tol = 0.05 if case == "tiny-values" else TOL
     assert rel_err(np.asarray(out, np.float32) * scale, np.asarray(ref) * scale) < tol
+
+
+def test_mma_decode_computes_in_f16_and_saturates_a_query_beyond_its_range():
+    # the "mma" paths compute in f16 by default (its fp8 conversions are one instruction a
+    # pair); a bf16 query of 1e5 (f16's largest is 65504) must not turn inf: saturated, its
+    # channel still dominates the scores, so its head attends where the reference's does
+    rng = np.random.default_rng(21)
+    lens = np.array([45, 70])
+    _, (kq, vq), pt = fp8_inputs(rng, len(lens), int(lens.max()), 2, 64, 32, v_slot_minor=True)
+    q = jnp.asarray(rng.standard_normal((len(lens), 4, 64)), jnp.bfloat16).at[1, 2, 0].set(1e5)
+    lens = jnp.asarray(lens, jnp.int32)
+    out = ragged_decode_mgpu(q, kq, vq, jnp.int32(1), lens, pt, page_size=32, sm_scale=0.125,
+                             interpret=True, tuning=DecodeTuning(fp8_tiles="mma"))
+    ref = reference.ragged_decode(q.astype(jnp.float32), kq, vq, jnp.int32(1), lens, pt, page_size=32,
+                                  sm_scale=0.125)
+    assert decode_mgpu.compute_dtype(q.dtype, kq.data.dtype, True, None, "mma") == jnp.float16
+    assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
+    assert rel_err(out, ref) < TOL
 
 
 def test_mma_decode_walks_several_items_per_cta():
