@@ -10,7 +10,7 @@ import pytest
 
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import apply, init_params
-from jrl.train.logprobs import token_logprobs
+from jrl.train.logprobs import target_logprobs, token_logprobs
 from jrl.train.strategies import (
     LossContext, LossOutput, Strategy, get_strategy, metric, register_strategy, strategy_options,
 )
@@ -148,6 +148,29 @@ def test_token_logprobs_align_with_tokens_and_zero_at_segment_starts():
             starts = t == 0 or seg[b, t] != seg[b, t - 1] or seg[b, t] == 0
             expected = 0.0 if starts else logp[b, t - 1, tok[b, t]]
             np.testing.assert_allclose(got[b, t], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_target_logprobs_are_0_at_targets_outside_the_vocabulary_and_unchanged_elsewhere(chunk):
+    # -100 (an ignore index) and 32 gathered NaN, -1 wrapped to token 31: a masked sum was NaN
+    batch = packed_batch()
+    masked = batch["loss_mask"] == 0
+    bad = batch["targets"].copy()
+    bad[masked] = np.resize([-100, 32, -1, 1000], masked.sum())
+    fn = jax.jit(functools.partial(target_logprobs, CFG, chunk_size=chunk))
+    args = batch["tokens"], batch["positions"], batch["segment_ids"]
+    plain = np.asarray(fn(PARAMS, args[0], batch["targets"], *args[1:]))
+    got = np.asarray(fn(PARAMS, args[0], bad, *args[1:]))
+    np.testing.assert_array_equal(got[masked], 0.0)
+    np.testing.assert_array_equal(got[~masked], plain[~masked])
+
+
+def test_dpo_loss_ignores_minus_100_targets_at_masked_positions():
+    batch = pair_batch()
+    ignored = dict(batch, targets=np.where(batch["loss_mask"] > 0, batch["targets"], -100))
+    plain = loss_of("dpo", POLICY, batch, ctx("dpo", reference=PARAMS))
+    out = loss_of("dpo", POLICY, ignored, ctx("dpo", reference=PARAMS))
+    assert float(out.total) == float(plain.total)
 
 
 def test_unknown_strategy_and_bad_options_name_the_field():

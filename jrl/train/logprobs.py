@@ -101,19 +101,25 @@ class TargetStats(NamedTuple):
 
 def _stats_from_logits(logits: jax.Array, targets: jax.Array, exact_rows: int = 0) -> TargetStats:
     """`exact_rows` > 0: log p(target) by `target_logprob` on tiles of that many rows
-    (the engine's exact formula, bitwise), the other statistics as usual."""
+    (the engine's exact formula, bitwise), the other statistics as usual. A target outside
+    [0, vocab) gives log p 0: an ignore index (-100) at a masked position gathered NaN (or,
+    negative, wrapped to another token), and `NaN * 0` made the masked sum NaN."""
     logits = logits.astype(jnp.float32)
+    valid = (targets >= 0) & (targets < logits.shape[-1])
+    targets = jnp.where(valid, targets, 0)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     probs = jnp.exp(logits - lse[..., None])
     entropy = lse - jnp.sum(probs * logits, axis=-1)
     logp = target_logprob(logits, targets, exact_rows) if exact_rows else target_logit - lse
-    return TargetStats(logp, jnp.mean(logits, axis=-1) - lse, entropy)
+    return TargetStats(jnp.where(valid, logp, 0.0), jnp.mean(logits, axis=-1) - lse, entropy)
 
 
 def target_stats(config: ModelConfig, params: dict, hidden: jax.Array, targets: jax.Array,
                  *, chunk_size: int = 0) -> TargetStats:
     """Statistics of `softmax(lm_head(hidden))` at `targets` (`hidden [B, S, D]`, `targets [B, S]`).
+    `logp` is 0 where a target is outside [0, vocab) (e.g. -100, an ignore index at a
+    masked position), so a masked sum stays finite; the other statistics do not read it.
 
     `chunk_size == 0` computes all logits at once; otherwise chunk by chunk (see module doc),
     chunks rounded up to a multiple of `config.exact_rows` when that is set.
@@ -167,7 +173,8 @@ def hidden_states(config: ModelConfig, params: dict, tokens: jax.Array, position
 def target_logprobs(config: ModelConfig, params: dict, tokens: jax.Array, targets: jax.Array,
                     positions: jax.Array, segment_ids: jax.Array, *, chunk_size: int = 0,
                     fp8_scales: dict | None = None) -> jax.Array:
-    """`out[b, t] = log p(targets[b, t] | tokens[b, <=t] of the same segment)`, float32 `[B, S]`."""
+    """`out[b, t] = log p(targets[b, t] | tokens[b, <=t] of the same segment)`, float32 `[B, S]`;
+    0 where the target is outside [0, vocab) (e.g. -100, an ignore index at a masked position)."""
     hidden, _ = hidden_states(config, params, tokens, positions, segment_ids, fp8_scales=fp8_scales)
     return target_stats(config, params, hidden, targets, chunk_size=chunk_size).logp
 

@@ -196,7 +196,8 @@ def check_token_fields(batch: dict, vocab_size: int) -> None:
     [0, vocab_size). Without this a hand-made batch with an id past the vocabulary gave a
     NaN loss (a skipped update blamed on the learning rate) and a mismatched field a
     broadcasting error naming no field. A masked target may be anything below vocab_size
-    (e.g. -100): it is never read; one past the vocabulary makes the loss NaN."""
+    (e.g. -100): the log-prob helpers give 0 there; one at or past vocab_size is refused
+    even where masked, as the mark of data made for another vocabulary."""
     if "tokens" not in batch:
         return
     arrays = {k: np.asarray(batch[k]) for k in (*ID_FIELDS, "loss_mask") if k in batch}
