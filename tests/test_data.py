@@ -2,6 +2,7 @@
 
 import functools
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -311,6 +312,68 @@ def test_chat_data_without_a_trained_role_is_named(tmp_path):
     with pytest.raises(ConfigError, match=rf"^data.source: '{src}' has nothing to train on: none of its messages "
                                           r"has a role in data.train_roles=\['assistent'\]$"):
         build_dataset(cfg, TOK, "train")
+
+
+def write_chat_with_untrained_records(src):
+    """Line 1 trains the assistant's answer; lines 3 and 4 (after a blank line) have no assistant turn."""
+    user = {"role": "user", "content": "a"}
+    src.write_text(json.dumps({"messages": [user, {"role": "assistant", "content": "b"}]}) + "\n\n"
+                   + (json.dumps({"messages": [user]}) + "\n") * 2)
+
+
+def only_warning(caught):
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    return str(caught[0].message)
+
+
+def test_chat_records_that_train_nothing_get_one_warning_naming_the_first(tmp_path):
+    # a record without an assistant turn added no trained token, and nothing said so
+    src = tmp_path / "chat.jsonl"
+    write_chat_with_untrained_records(src)
+    cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dataset = build_dataset(cfg, TOK, "train")
+    assert only_warning(caught) == (f"data.source: 2 of the 3 training records of '{src}' train nothing (no trained "
+                                    f"token), the first at {src}:3: none of its messages has a role in "
+                                    f"data.train_roles=['assistant']")
+    assert len(dataset.store) == 3
+
+
+def test_a_reused_cache_repeats_the_warning_about_records_that_train_nothing(tmp_path):
+    src = tmp_path / "chat.jsonl"
+    write_chat_with_untrained_records(src)
+    cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    messages = []
+    for _ in range(2):  # writes the store, then reads it back
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build_dataset(cfg, TOK, "train")
+        messages.append(only_warning(caught))
+    assert messages[0] == messages[1] and f"the first at {src}:3:" in messages[0]
+
+
+def test_a_dry_run_check_warns_about_records_that_train_nothing(tmp_path):
+    from jrl.data.pipeline import check_records
+
+    src = tmp_path / "chat.jsonl"
+    write_chat_with_untrained_records(src)
+    cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert check_records(cfg, TOK, "train") == (str(src), 3)
+    assert only_warning(caught).startswith("data.source: 2 of the 3 training records")
+
+
+def test_sections_records_with_an_empty_trained_field_get_the_warning(tmp_path):
+    src = tmp_path / "train.jsonl"
+    src.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": ""}\n')
+    cfg = DataConfig(source=str(src), sections=SECTIONS, add_eos=False, eval_fraction=0.0)
+    with pytest.warns(UserWarning) as caught:
+        build_dataset(cfg, TOK, "train")
+    assert only_warning(caught) == (f"data.source: 1 of the 2 training records of '{src}' train nothing (no trained "
+                                    f"token), the first at {src}:2: its trained sections (data.sections) are empty "
+                                    f"and data.add_eos is false")
 
 
 def test_unknown_bundled_dataset_is_named():

@@ -48,10 +48,55 @@ def iter_split_records(config: DataConfig, split: Split) -> Iterator[tuple[str, 
         yield where, record
 
 
-def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Iterator[Document]:
-    """The documents of `split`, in source order."""
+@dataclasses.dataclass
+class Untrained:
+    """The records of a split that train nothing: every token of their documents is
+    context (a chat record without an assistant turn, a sections record whose trained
+    fields are empty). Legitimate beside records that do train, but silent: `warn` says
+    how many there are and where the first one is."""
+
+    records: int = 0  # records read
+    count: int = 0  # of them, those that train nothing
+    first: str | None = None  # where the first one is (file:line or bundled:<name>[index])
+    reason: str = ""  # why the first one trains nothing
+
+    def note(self, where: str, record: dict, docs: list[Document], config: DataConfig) -> None:
+        self.records += 1
+        if config.format == "preference" or any(train.any() for _, train in docs):
+            return  # a pair without a scored response is refused by encode_record
+        self.count += 1
+        if self.first is None:
+            self.first, self.reason = where, _untrained_reason(record, config)
+
+    def warn(self, config: DataConfig, split: Split) -> None:
+        if not self.count:
+            return
+        source, _, key = _split_source(config, split)
+        rows = "training" if split == "train" else "held-out"
+        warnings.warn(f"{key}: {self.count} of the {self.records} {rows} records of {source!r} train nothing "
+                      f"(no trained token), the first at {self.first}: {self.reason}", stacklevel=3)
+
+
+def _untrained_reason(record: dict, config: DataConfig) -> str:
+    if config.format == "chat":
+        roles = {m.get("role") for m in record.get(config.messages_field, ())}
+        if not roles & set(config.train_roles):
+            return f"none of its messages has a role in data.train_roles={list(config.train_roles)}"
+        return "its turns of data.train_roles render to no tokens"
+    if config.format == "text":
+        return f"field {config.text_field!r} (data.text_field) is empty and data.add_eos is false"
+    return "its trained sections (data.sections) are empty and data.add_eos is false"
+
+
+def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split,
+                   untrained: Untrained | None = None) -> Iterator[Document]:
+    """The documents of `split`, in source order; `untrained` (when given) notes the
+    records that train nothing."""
     for where, record in iter_split_records(config, split):
-        yield from encode_record(record, config, tokenizer, where=where)
+        docs = encode_record(record, config, tokenizer, where=where)
+        if untrained is not None:
+            untrained.note(where, record, docs, config)
+        yield from docs
 
 
 def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> tuple[str, int | None] | None:
@@ -65,14 +110,12 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> tup
         return None
     if is_bundled(chosen[0]):
         return chosen[0], None
-    count, lengths, trained = 0, array("q"), False
-    for where, record in iter_split_records(config, split):
-        for ids, train in encode_record(record, config, tokenizer, where=where):
-            lengths.append(len(ids))
-            trained = trained or bool(train.any())
-        count += 1
-    plan_split(config, split, np.frombuffer(lengths, np.int64), lambda: trained)
-    return chosen[0], count
+    lengths, untrained = array("q"), Untrained()
+    for ids, _ in iter_documents(config, tokenizer, split, untrained):
+        lengths.append(len(ids))
+    plan_split(config, split, np.frombuffer(lengths, np.int64), lambda: untrained.count < untrained.records)
+    untrained.warn(config, split)
+    return chosen[0], untrained.records
 
 
 def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
@@ -97,19 +140,29 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
 
 def load_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> TokenStore | None:
     """The token store of `split` (memory-mapped from `cache_dir` when set), or None."""
+    loaded = _load_documents(config, tokenizer, split)
+    return None if loaded is None else loaded[0]
+
+
+def _load_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> tuple[TokenStore, Untrained] | None:
+    """`load_documents`, with the split's records that train nothing (kept in a cached
+    store's meta.json, so a run that reuses the cache hears of them too)."""
     if _split_source(config, split) is None:
         return None
+    untrained = Untrained()
     if config.cache_dir is None:
-        return build_store(iter_documents(config, tokenizer, split))
+        return build_store(iter_documents(config, tokenizer, split, untrained)), untrained
     directory = Path(config.cache_dir) / f"{split}-{cache_key(config, tokenizer, split)}"
     if (directory / "meta.json").is_file():
         try:
-            return open_store(directory)
+            store = open_store(directory)
+            saved = json.loads((directory / "meta.json").read_text()).get("untrained", {})
+            return store, Untrained(**saved)
         except CorruptStoreError as e:  # e.g. a file cut short: a cache, so tokenise again
             warnings.warn(f"data.cache_dir: damaged token store, rebuilding it: {e}", stacklevel=2)
-    write_store(directory, iter_documents(config, tokenizer, split),
-                {"split": split, "data": to_dict(config)})
-    return open_store(directory)
+    write_store(directory, iter_documents(config, tokenizer, split, untrained),
+                lambda: {"split": split, "data": to_dict(config), "untrained": dataclasses.asdict(untrained)})
+    return open_store(directory), untrained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +186,13 @@ class RowDataset:
 def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> RowDataset | None:
     """The rows of `split`, or None where the split is empty by config (no held-out data).
     A training split, or a `data.eval_source` file, that yields no rows is an error naming
-    its source."""
-    store = load_documents(config, tokenizer, split)
-    if store is None:
+    its source; records that train nothing get one warning (`Untrained`)."""
+    loaded = _load_documents(config, tokenizer, split)
+    if loaded is None:
         return None
+    store, untrained = loaded
     plan = plan_split(config, split, store.lengths, lambda: bool(store.train.any()))
+    untrained.warn(config, split)
     return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
 
 

@@ -15,7 +15,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -54,8 +54,11 @@ def build_store(docs: Iterable[Document]) -> TokenStore:
     return TokenStore(cat(tokens, np.int32), cat(train, np.uint8), np.cumsum(lengths, dtype=np.int64))
 
 
-def write_store(directory: str | os.PathLike, docs: Iterable[Document], meta: dict[str, Any]) -> Path:
-    """Streams `docs` to disk as a store at `directory` (atomically published)."""
+def write_store(directory: str | os.PathLike, docs: Iterable[Document],
+                meta: dict[str, Any] | Callable[[], dict[str, Any]]) -> Path:
+    """Streams `docs` to disk as a store at `directory` (atomically published), with
+    `meta` in its meta.json: a dict, or a function called once `docs` is exhausted (for
+    what only reading them tells)."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = directory.parent / f".{directory.name}.staging-{uuid.uuid4().hex}"
@@ -74,7 +77,7 @@ def write_store(directory: str | os.PathLike, docs: Iterable[Document], meta: di
             for f in (ft, fm, fo):
                 f.flush()
                 os.fsync(f.fileno())
-        info = {**meta, "n_docs": n_docs, "n_tokens": n_tokens}
+        info = {**(meta() if callable(meta) else meta), "n_docs": n_docs, "n_tokens": n_tokens}
         (staging / "meta.json").write_text(json.dumps(info, indent=1) + "\n")
         if directory.exists():
             shutil.rmtree(directory)
