@@ -334,8 +334,8 @@ def test_chat_records_that_train_nothing_get_one_warning_naming_the_first(tmp_pa
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dataset = build_dataset(cfg, TOK, "train")
-    assert only_warning(caught) == (f"data.source: 2 of the 3 training records of '{src}' train nothing (no trained "
-                                    f"token), the first at {src}:3: none of its messages has a role in "
+    assert only_warning(caught) == (f"data.source: 2 of the 3 training records of '{src}' train nothing, the "
+                                    f"first at {src}:3: none of its messages has a role in "
                                     f"data.train_roles=['assistant']")
     assert len(dataset.store) == 3
 
@@ -371,9 +371,46 @@ def test_sections_records_with_an_empty_trained_field_get_the_warning(tmp_path):
     cfg = DataConfig(source=str(src), sections=SECTIONS, add_eos=False, eval_fraction=0.0)
     with pytest.warns(UserWarning) as caught:
         build_dataset(cfg, TOK, "train")
-    assert only_warning(caught) == (f"data.source: 1 of the 2 training records of '{src}' train nothing (no trained "
-                                    f"token), the first at {src}:2: its trained sections (data.sections) are empty "
+    assert only_warning(caught) == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the "
+                                    f"first at {src}:2: its trained sections (data.sections) are empty "
                                     f"and data.add_eos is false")
+
+
+def test_a_prompt_that_truncation_keeps_in_place_of_the_response_gets_the_warning(tmp_path):
+    # truncate_right kept the first seq_len tokens, all prompt: the record trained nothing, silently
+    src = tmp_path / "train.jsonl"
+    src.write_text(json.dumps({"prompt": "x" * 40, "response": "b"}) + "\n" + '{"prompt": "a", "response": "b"}\n')
+    cfg = DataConfig(source=str(src), sections=SECTIONS, seq_len=16, eval_fraction=0.0)
+    with pytest.warns(UserWarning) as caught:
+        build_dataset(cfg, TOK, "train")
+    assert only_warning(caught) == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first "
+                                    f"at {src}:1: its 46 tokens are more than data.seq_len=16 and "
+                                    f"data.overflow='truncate_right' keeps none of its trained ones")
+
+
+def long_prompt_pairs(tmp_path, overflow):
+    src = tmp_path / "pairs.jsonl"
+    src.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+                   + json.dumps({"prompt": "x" * 40, "chosen": "2", "rejected": "3"}) + "\n")
+    return src, DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), seq_len=16,
+                           overflow=overflow, eval_fraction=0.0)
+
+
+def test_a_pair_whose_response_truncation_cuts_away_is_refused_naming_file_line_and_field(tmp_path):
+    # both responses were cut off: a pair of two equal rows, counted in DPO's average as a wrong preference
+    src, cfg = long_prompt_pairs(tmp_path, "truncate_right")
+    with pytest.raises(ConfigError) as e:
+        build_dataset(cfg, TOK, "train")
+    assert str(e.value) == (f"{src}:2: field 'chosen' (data.chosen_field): the prompt and response are 42 tokens and "
+                            f"data.overflow='truncate_right' at data.seq_len=16 keeps none of the response, so the pair "
+                            f"carries no preference; raise data.seq_len, or set data.overflow to 'truncate_left' "
+                            f"(keeps the end) or 'drop'")
+
+
+@pytest.mark.parametrize("overflow, pairs", [("truncate_left", 2), ("drop", 1)])
+def test_a_long_prompt_pair_is_kept_by_truncate_left_and_left_out_by_drop(tmp_path, overflow, pairs):
+    _, cfg = long_prompt_pairs(tmp_path, overflow)
+    assert len(build_dataset(cfg, TOK, "train")) == pairs
 
 
 def test_unknown_bundled_dataset_is_named():

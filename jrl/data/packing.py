@@ -46,6 +46,19 @@ def doc_pieces(length: int, seq_len: int, overflow: str) -> list[tuple[int, int]
     raise ValueError(f"data.overflow: unknown value {overflow!r}")
 
 
+def keeps_a_trained_target(train: np.ndarray, seq_len: int, overflow: str, *, pack: bool = False,
+                           first_piece: bool = False) -> bool:
+    """Whether a document with these trained flags keeps a trained target in its rows
+    once `overflow` has cut it (`first_piece`: only its first piece is used, as for a
+    preference pair). A piece's first token is never a target; pieces of fewer than 2
+    tokens are left out (`plan_rows`)."""
+    train = np.asarray(train)
+    if pack and overflow == "split":  # every target of the document is trained once
+        return bool(train[1:].any())
+    pieces = doc_pieces(len(train), seq_len, overflow)[:1 if first_piece else None]
+    return any(bool(train[a + 1:a + n].any()) for a, n in pieces if n >= 2)
+
+
 @dataclasses.dataclass(frozen=True)
 class RowPlan:
     """Which document pieces make up each row (flat arrays; row r owns pieces

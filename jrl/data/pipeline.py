@@ -17,7 +17,9 @@ import numpy as np
 from jrl.config import ConfigError, DataConfig, to_dict
 from jrl.data.bundled import is_bundled
 from jrl.data.encode import Document, encode_record
-from jrl.data.packing import PairPlan, RowPlan, assemble_pairs, assemble_rows, plan_pairs, plan_rows
+from jrl.data.packing import (
+    PairPlan, RowPlan, assemble_pairs, assemble_rows, doc_pieces, keeps_a_trained_target, plan_pairs, plan_rows,
+)
 from jrl.data.records import is_heldout, iter_located_records
 from jrl.data.sampler import EpochSampler
 from jrl.data.store import CorruptStoreError, TokenStore, build_store, open_store, write_store
@@ -52,8 +54,10 @@ def iter_split_records(config: DataConfig, split: Split) -> Iterator[tuple[str, 
 class Untrained:
     """The records of a split that train nothing: every token of their documents is
     context (a chat record without an assistant turn, a sections record whose trained
-    fields are empty). Legitimate beside records that do train, but silent: `warn` says
-    how many there are and where the first one is."""
+    fields are empty), or `data.overflow` cuts away every trained one (a prompt longer
+    than `data.seq_len` under `truncate_right`). Legitimate beside records that do train,
+    but silent: `warn` says how many there are and where the first one is. A preference
+    pair cut so is an error instead (`_check_pair_overflow`)."""
 
     records: int = 0  # records read
     count: int = 0  # of them, those that train nothing
@@ -62,22 +66,49 @@ class Untrained:
 
     def note(self, where: str, record: dict, docs: list[Document], config: DataConfig) -> None:
         self.records += 1
-        if config.format == "preference" or any(train.any() for _, train in docs):
+        if config.format == "preference":
+            _check_pair_overflow(docs, config, where)
             return  # a pair without a scored response is refused by encode_record
+        if any(keeps_a_trained_target(train, config.seq_len, config.overflow, pack=config.pack)
+               for _, train in docs):
+            return
         self.count += 1
         if self.first is None:
-            self.first, self.reason = where, _untrained_reason(record, config)
+            self.first, self.reason = where, _untrained_reason(record, docs, config)
 
     def warn(self, config: DataConfig, split: Split) -> None:
         if not self.count:
             return
         source, _, key = _split_source(config, split)
         rows = "training" if split == "train" else "held-out"
-        warnings.warn(f"{key}: {self.count} of the {self.records} {rows} records of {source!r} train nothing "
-                      f"(no trained token), the first at {self.first}: {self.reason}", stacklevel=3)
+        warnings.warn(f"{key}: {self.count} of the {self.records} {rows} records of {source!r} train nothing, "
+                      f"the first at {self.first}: {self.reason}", stacklevel=3)
 
 
-def _untrained_reason(record: dict, config: DataConfig) -> str:
+def _check_pair_overflow(docs: list[Document], config: DataConfig, where: str) -> None:
+    """Raises a ConfigError naming `where` if `data.overflow` cuts away every scored token
+    of a pair's response (a long prompt under `truncate_right`) while the pair is kept:
+    it would carry no preference, yet DPO would count it in the loss's average and as a
+    wrong preference in `reward_accuracy` (as a pair of two equal responses, refused)."""
+    if any(len(doc_pieces(len(ids), config.seq_len, config.overflow)) == 0 for ids, _ in docs):
+        return  # data.overflow: drop leaves the pair out
+    keys = (("chosen", config.chosen_field, "data.chosen_field"), ("rejected", config.rejected_field, "data.rejected_field"))
+    for (ids, train), (_, field, key) in zip(docs, keys):
+        if not keeps_a_trained_target(train, config.seq_len, config.overflow, first_piece=True):
+            raise ConfigError(f"{where}: field {field!r} ({key}): the prompt and response are {len(ids)} tokens and "
+                              f"data.overflow={config.overflow!r} at data.seq_len={config.seq_len} keeps none of the "
+                              f"response, so the pair carries no preference; raise data.seq_len, or set "
+                              f"data.overflow to 'truncate_left' (keeps the end) or 'drop'")
+
+
+def _untrained_reason(record: dict, docs: list[Document], config: DataConfig) -> str:
+    if any(train.any() for _, train in docs):  # trained tokens, all cut away
+        length = max(len(ids) for ids, _ in docs)
+        if config.overflow == "drop":
+            return (f"its {length} tokens are more than data.seq_len={config.seq_len} and "
+                    f"data.overflow='drop' leaves it out")
+        return (f"its {length} tokens are more than data.seq_len={config.seq_len} and data.overflow="
+                f"{config.overflow!r} keeps none of its trained ones")
     if config.format == "chat":
         roles = {m.get("role") for m in record.get(config.messages_field, ())}
         if not roles & set(config.train_roles):
