@@ -626,7 +626,8 @@ class OptimizerConfig:
         _check_finite_non_negative(self.lr, "optimizer.lr")
         _check(0 <= self.b1 < 1, "optimizer.b1", f"must be in [0, 1), got {self.b1}")
         _check(0 <= self.b2 < 1, "optimizer.b2", f"must be in [0, 1), got {self.b2}")
-        _check(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}")
+        # an infinite eps made every Adam step 0: the run "trained" with only weight decay
+        _check(0 < self.eps < math.inf, "optimizer.eps", f"must be finite and > 0, got {self.eps}")
         _check_finite_non_negative(self.weight_decay, "optimizer.weight_decay")
         _check(self.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(0 <= self.muon_beta < 1, "optimizer.muon_beta", f"must be in [0, 1), got {self.muon_beta}")

@@ -98,6 +98,7 @@ def test_unknown_group_in_lr_scale_is_named():
     ({"muon_lr": float("inf")}, "optimizer.muon_lr: must be finite and >= 0, got inf"),
     ({"weight_decay": float("inf")}, "optimizer.weight_decay: must be finite and >= 0, got inf"),
     ({"lr_scale": {"head": float("inf")}}, "optimizer.lr_scale.head: must be a finite number >= 0, got inf"),
+    ({"eps": float("inf")}, "optimizer.eps: must be finite and > 0, got inf"),
 ])
 def test_a_non_finite_rate_is_refused_naming_the_field(kwargs, message):
     # an infinite learning rate used to pass and turn the params into NaN on the first update

@@ -173,6 +173,12 @@ def test_dpo_loss_ignores_minus_100_targets_at_masked_positions():
     assert float(out.total) == float(plain.total)
 
 
+def test_an_infinite_dpo_beta_is_refused_naming_the_field():
+    # inf * (policy - reference) is NaN at the reference: every update was skipped, blamed on optimizer.lr
+    with pytest.raises(ConfigError, match=r"^strategy.options.beta: must be > 0 and finite, got inf$"):
+        strategy_options(get_strategy("dpo"), {"beta": float("inf")})
+
+
 def test_unknown_strategy_and_bad_options_name_the_field():
     with pytest.raises(ConfigError, match="strategy.name: unknown strategy 'nope'.*dpo, .*seq, sft"):
         get_strategy("nope")

@@ -14,6 +14,7 @@ from the frozen reference params the trainer passes in (the initial policy).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,8 @@ class DPOOptions:
     label_smoothing: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.beta > 0:
-            raise ConfigError(f"strategy.options.beta: must be > 0, got {self.beta}")
+        if not 0 < self.beta < math.inf:  # inf * (policy - ref) is NaN at the reference: every update skipped
+            raise ConfigError(f"strategy.options.beta: must be > 0 and finite, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"strategy.options.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")
 
