@@ -573,6 +573,8 @@ class DataConfig:
                    "at least one section must have train: true")
         if self.format == "preference":
             _check(self.overflow != "split", "data.overflow", "'split' is not allowed for preference data")
+            _check(self.chosen_field != self.rejected_field, "data.rejected_field",  # else every record is refused
+                   f"must differ from data.chosen_field (both {self.chosen_field!r})")
             _check(not any(s.train for s in self.sections), "data.sections",
                    "preference prompts are never trained; remove train: true")
 

@@ -407,6 +407,26 @@ def test_a_pair_whose_response_truncation_cuts_away_is_refused_naming_file_line_
                             f"(keeps the end) or 'drop'")
 
 
+def test_a_pair_whose_responses_differ_only_past_seq_len_is_refused_naming_file_line(tmp_path):
+    # truncation kept the same 16 tokens of both: two equal rows, counted in DPO's average
+    src = tmp_path / "pairs.jsonl"
+    src.write_text(json.dumps({"prompt": "1+1=", "chosen": "y" * 20 + "a", "rejected": "y" * 20 + "bc"}) + "\n")
+    cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), seq_len=16,
+                     eval_fraction=0.0)
+    with pytest.raises(ConfigError) as e:
+        build_dataset(cfg, TOK, "train")
+    assert str(e.value) == (f"{src}:1: fields 'chosen' and 'rejected' (data.chosen_field / data.rejected_field) differ "
+                            f"only in tokens that data.overflow='truncate_right' at data.seq_len=16 cuts away, so the "
+                            f"pair carries no preference; raise data.seq_len, or set data.overflow to 'drop'")
+
+
+def test_preference_fields_that_are_the_same_field_are_refused_by_the_config():
+    # every record was then refused as a pair of equal responses, naming 'chosen' twice
+    with pytest.raises(ConfigError, match=r"^data.rejected_field: must differ from data.chosen_field "
+                                          r"\(both 'chosen'\)$"):
+        DataConfig(format="preference", sections=(Section(field="prompt"),), rejected_field="chosen")
+
+
 @pytest.mark.parametrize("overflow, pairs", [("truncate_left", 2), ("drop", 1)])
 def test_a_long_prompt_pair_is_kept_by_truncate_left_and_left_out_by_drop(tmp_path, overflow, pairs):
     _, cfg = long_prompt_pairs(tmp_path, overflow)

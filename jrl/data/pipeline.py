@@ -87,18 +87,26 @@ class Untrained:
 
 def _check_pair_overflow(docs: list[Document], config: DataConfig, where: str) -> None:
     """Raises a ConfigError naming `where` if `data.overflow` cuts away every scored token
-    of a pair's response (a long prompt under `truncate_right`) while the pair is kept:
+    of a pair's response (a long prompt under `truncate_right`), or keeps the same tokens
+    of both (responses that differ only past `data.seq_len`), while the pair is kept:
     it would carry no preference, yet DPO would count it in the loss's average and as a
     wrong preference in `reward_accuracy` (as a pair of two equal responses, refused)."""
-    if any(len(doc_pieces(len(ids), config.seq_len, config.overflow)) == 0 for ids, _ in docs):
+    pieces = [doc_pieces(len(ids), config.seq_len, config.overflow) for ids, _ in docs]
+    if not all(pieces):
         return  # data.overflow: drop leaves the pair out
-    keys = (("chosen", config.chosen_field, "data.chosen_field"), ("rejected", config.rejected_field, "data.rejected_field"))
-    for (ids, train), (_, field, key) in zip(docs, keys):
+    fields, keys = (config.chosen_field, config.rejected_field), ("data.chosen_field", "data.rejected_field")
+    for (ids, train), field, key in zip(docs, fields, keys):
         if not keeps_a_trained_target(train, config.seq_len, config.overflow, first_piece=True):
             raise ConfigError(f"{where}: field {field!r} ({key}): the prompt and response are {len(ids)} tokens and "
                               f"data.overflow={config.overflow!r} at data.seq_len={config.seq_len} keeps none of the "
                               f"response, so the pair carries no preference; raise data.seq_len, or set "
                               f"data.overflow to 'truncate_left' (keeps the end) or 'drop'")
+    kept = [ids[a:a + n] for (ids, _), [(a, n)] in zip(docs, pieces)]
+    if not np.array_equal(*kept) or all(len(k) == len(ids) for k, (ids, _) in zip(kept, docs)):
+        return
+    raise ConfigError(f"{where}: fields {fields[0]!r} and {fields[1]!r} ({' / '.join(keys)}) differ only in tokens "
+                      f"that data.overflow={config.overflow!r} at data.seq_len={config.seq_len} cuts away, so the "
+                      f"pair carries no preference; raise data.seq_len, or set data.overflow to 'drop'")
 
 
 def _untrained_reason(record: dict, docs: list[Document], config: DataConfig) -> str:
