@@ -1,5 +1,6 @@
 """`python -m jrl.train` / `jrl` command line: overrides, validation errors, dry run, plot."""
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -329,3 +330,12 @@ def test_a_dry_run_checks_that_the_batch_size_divides_the_rollout(capsys):
     assert capsys.readouterr().err.strip() == (
         "config error: data.batch_size: must divide the rollout batch (strategy.options.prompts_per_step * "
         "group_size = 256), got 48")
+
+
+def test_python_dash_m_jrl_runs_the_jrl_command():
+    # `python -m jrl eval ...` where the `jrl` script is not on PATH: it failed with
+    # "No module named jrl.__main__; 'jrl' is a package and cannot be directly executed"
+    out = subprocess.run([sys.executable, "-m", "jrl", "eval", "--help"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: jrl eval")
