@@ -843,6 +843,24 @@ def test_episode_options_are_validated():
     assert options.episodes and options.tools == ()
 
 
+def test_env_kwargs_the_environment_does_not_take_are_refused_with_the_options():
+    # before: refused only when the first episode built its environment, after any warm start
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError) as e:
+        RLOptions.from_config({"env": "test_rl_episodes:Parity", "env_kwargs": {"turn": 3}})
+    assert str(e.value) == ("strategy.options.env_kwargs: Parity(turns=2, tools=None) cannot be built as "
+                            "Parity(turn=...): got an unexpected keyword argument 'turn'")
+
+
+def test_an_environment_built_with_tools_must_take_them():
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError) as e:
+        RLOptions.from_config({"env": "test_rl_episodes:Scripted", "tools": ["test_rl_episodes:add"]})
+    assert str(e.value) == ("strategy.options.env_kwargs: Scripted(turns=3, delay=0.0, calls_per_turn=0, role='tool') "
+                            "cannot be built as Scripted(tools=...): got an unexpected keyword argument 'tools' (with "
+                            "strategy.options.tools set, the env is also built with tools=<ToolRegistry>)")
+
+
 def test_two_tools_of_one_name_are_refused_with_the_options():
     from jrl.rl.options import RLOptions
     with pytest.raises(ConfigError, match="strategy.options.tools: two tools are named 'add'"):
@@ -942,11 +960,11 @@ def test_jrl_eval_exits_1_naming_an_environment_that_raises(grpo_run, capsys):
     assert err.startswith("error: environment RaisingParity.step raised ValueError: broken environment (on ")
 
 
-def test_jrl_eval_exits_1_naming_env_kwargs_the_environment_does_not_take(grpo_run, capsys):
+def test_jrl_eval_exits_2_naming_env_kwargs_the_environment_does_not_take(grpo_run, capsys):
     from jrl.cli import main as jrl
     _, _, root, hf_dir = grpo_run
     assert jrl(["eval", "--config", str(root / "run" / "config.yaml"), "--checkpoint", f"hf:{hf_dir}",
-                "--samples", "1", "strategy.options.env_kwargs={level: 3}"]) == 1
+                "--samples", "1", "strategy.options.env_kwargs={level: 3}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: environment Parity(**strategy.options.env_kwargs) raised TypeError: "
-                          "Parity.__init__() got an unexpected keyword argument 'level' (on ")
+    assert err.startswith("config error: strategy.options.env_kwargs: Parity(turns=2, tools=None) cannot be built as "
+                          "Parity(level=...): got an unexpected keyword argument 'level'")

@@ -86,6 +86,27 @@ def resolve_environment(name: str, field: str = "env") -> type:
     return cls
 
 
+def check_constructor(cls: type, kwargs: dict[str, Any], field: str, tools: bool = False) -> None:
+    """Raises ConfigError naming `field` unless `cls(**kwargs)` (plus `tools=` when `tools`:
+    the run has `tools` too) fits the class's signature, so that `env_kwargs` the class does
+    not take fail when the config is read, not at the first episode (after a warm start).
+    A class without an inspectable signature passes unchecked."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return
+    given = {**kwargs, **({"tools": None} if tools else {})}
+    try:
+        signature.bind(**given)
+    except TypeError as e:
+        bare = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                 return_annotation=signature.empty)
+        call = ", ".join(f"{k}=..." for k in given)
+        why = (" (with strategy.options.tools set, the env is also built with tools=<ToolRegistry>)"
+               if tools and "tools" not in signature.parameters else "")
+        raise ConfigError(f"{field}: {cls.__name__}{bare} cannot be built as {cls.__name__}({call}): {e}{why}") from None
+
+
 def _call(fn: Callable, *args: Any) -> Any:
     """Calls an environment method; an `async def` one is run to completion here."""
     out = fn(*args)

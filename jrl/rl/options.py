@@ -20,7 +20,7 @@ from typing import Any, Literal
 from jrl.config import ConfigError, check, from_dict
 from jrl.rl.advantages import ESTIMATORS
 from jrl.rl.demonstrations import WarmStartConfig
-from jrl.rl.environments import resolve_environment
+from jrl.rl.environments import check_constructor, resolve_environment
 from jrl.rl.placement import PlacementConfig
 from jrl.rl.rewards import RewardModel, reward_specs_from_config
 from jrl.rl.tasks import TaskConfig
@@ -242,7 +242,8 @@ class RLOptions:
         _check(isinstance(self.env_kwargs, dict), "env_kwargs", f"must be a mapping, got {self.env_kwargs!r}")
         _check(not self.env_kwargs or self.env is not None, "env_kwargs", "needs an env")
         if self.env is not None:
-            resolve_environment(self.env, PREFIX + "env")
+            check_constructor(resolve_environment(self.env, PREFIX + "env"), self.env_kwargs, PREFIX + "env_kwargs",
+                              tools=bool(self.tools))
         names = [resolve_tool(name, f"{PREFIX}tools[{i}]").name for i, name in enumerate(self.tools)]
         twice = sorted({n for n in names if names.count(n) > 1})
         _check(not twice, "tools", f"two tools are named {', '.join(map(repr, twice))} (a tool's name is "
