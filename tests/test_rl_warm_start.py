@@ -162,6 +162,37 @@ def test_a_prompt_too_long_for_grpo_is_refused_before_the_warm_start_trains(tmp_
     assert not (tmp_path / "run" / "warm_start").exists()
 
 
+def test_a_dry_run_warns_of_demonstrations_longer_than_max_new_tokens(tmp_path):
+    # max_new_tokens: 5 (4 letters + <eos>); a 6-letter response can never be sampled whole
+    records = lambda *pairs: [{"prompt": f"{w}>", "answer": r, "response": r, "word": w} for w, r in pairs]
+    src = write_jsonl(tmp_path / "t.jsonl", records(("abc", "cba"), ("bcd", "dcbdcb"), ("cdef", "fedc"),
+                                                    ("defg", "gfedgf")))
+    other = write_jsonl(tmp_path / "v.jsonl", records(("efg", "gfe")))
+    with pytest.warns(UserWarning) as caught:
+        assert main(["--config", str(CONFIG), "--dry-run", f"strategy.options.task.train={src}",
+                     f"strategy.options.task.heldout={other}", f"strategy.options.task.validation={other}",
+                     f"strategy.options.warm_start.source={src}"]) == 0
+    assert [str(w.message) for w in caught] == [
+        f"strategy.options.max_new_tokens: 2 of the warm start's 4 demonstrated responses (assistant turns) are "
+        f"longer than max_new_tokens (5 tokens a turn, the stop token included; the longest has 7, {src}:2): "
+        f"rollouts and evaluations cut such turns off before they end, so the model can never give them whole; "
+        f"raise max_new_tokens to at least 7"]
+
+
+def test_multi_turn_demonstrations_are_measured_turn_by_turn(tmp_path):
+    from jrl.rl.demonstrations import turns_past_max_new_tokens
+    call = '<tool_call>{"name":"lookup","arguments":{"key":"qzk"}}</tool_call>'  # 66 bytes, + <eos>
+    src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "qzk", "response": [
+        {"role": "assistant", "content": call}, {"role": "tool", "content": "417"},
+        {"role": "assistant", "content": "417"}]}])
+    fmt = PromptFormat(ByteTokenizer(), chat_template=True)
+    rendered = render_demonstrations(WarmStartConfig(source=src), fmt, "prompt", [])
+    assert turns_past_max_new_tokens(rendered, fmt, 67) is None
+    assert turns_past_max_new_tokens(rendered, fmt, 66).startswith(
+        "strategy.options.max_new_tokens: 1 of the warm start's 2 demonstrated responses (assistant turns) are "
+        f"longer than max_new_tokens (66 tokens a turn, the stop token included; the longest has 67, {src}:1)")
+
+
 def test_an_interrupted_warm_start_is_refused_without_resume_and_its_files_are_kept(tmp_path):
     warm_dir = tmp_path / "warm_start"
     (warm_dir / "checkpoints" / "step_5").mkdir(parents=True)

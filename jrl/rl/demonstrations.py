@@ -176,12 +176,12 @@ def render_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_promp
             response = str(response)
             if templated and not response.endswith(end_of_turn):
                 response += end_of_turn
-            rows.append({"prompt": rendered, "response": response, "templated": templated})
+            rows.append({"prompt": rendered, "response": response, "templated": templated, "where": where})
             continue
         for k, turn in enumerate(turns):
             if turn["role"] == "assistant":
                 rows.append({"prompt": fmt.render(problem, turns=turns[:k], tools=tools),
-                             "response": turn["content"] + end_of_turn, "templated": True})
+                             "response": turn["content"] + end_of_turn, "templated": True, "where": where})
     if not rows:
         raise ConfigError(f"{PREFIX}source: no demonstrations left in {config.source!r}"
                           + (f" ({dropped} are held-out or validation prompts of the task)" if dropped else ""))
@@ -190,6 +190,24 @@ def render_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_promp
                           f"and some are not; give them one form (all text or all message lists)")
     return RenderedDemonstrations(config.source, prompt_field, response_field, rows, kept, dropped,
                                   as_is and not dropped)
+
+
+def turns_past_max_new_tokens(rendered: RenderedDemonstrations, fmt: PromptFormat, max_new_tokens: int) -> str | None:
+    """A warning when demonstrated responses (each assistant turn of a multi-turn one) are
+    longer than the `max_new_tokens` a turn may sample, stop token included: the warm start
+    would teach turns that every rollout and evaluation cuts off. None when all fit."""
+    long = []
+    for r in rendered.rows:
+        n = len(fmt.tokenizer.encode(r["response"])) + (0 if r["templated"] else 1)  # + EOS, appended later
+        if n > max_new_tokens:
+            long.append((n, r["where"]))
+    if not long:
+        return None
+    n, where = max(long, key=lambda x: x[0])
+    return (f"strategy.options.max_new_tokens: {len(long):,} of the warm start's {len(rendered.rows):,} demonstrated "
+            f"responses (assistant turns) are longer than max_new_tokens ({max_new_tokens} tokens a turn, the stop "
+            f"token included; the longest has {n}, {where}): rollouts and evaluations cut such turns off before they "
+            f"end, so the model can never give them whole; raise max_new_tokens to at least {n}")
 
 
 def write_demonstrations(rendered: RenderedDemonstrations, out_dir: Path) -> Demonstrations:

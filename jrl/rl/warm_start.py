@@ -31,7 +31,7 @@ from jrl.config import (CheckpointConfig, ConfigError, DataConfig, ScheduleConfi
                         TrainConfig)
 from jrl.data.tasks import Problem
 from jrl.rl.demonstrations import (Demonstrations, RenderedDemonstrations, WarmStartConfig, render_demonstrations,
-                                   write_demonstrations)
+                                   turns_past_max_new_tokens, write_demonstrations)
 from jrl.rl.engines import engine_config_for, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems
@@ -151,8 +151,12 @@ def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> Ren
         raise ConfigError("strategy.options.task: the warm start stops on validation accuracy, and the task has no "
                           "validation problems (give task.validation or task.n_validation >= 1)")
     tools = [resolve_tool(name, f"strategy.options.tools[{i}]").schema for i, name in enumerate(options.tools)]
-    return render_demonstrations(ws, fmt, options.task.prompt_field, task.heldout + task.validation,
-                                 seed=config.data.seed, tools=tools or None)
+    rendered = render_demonstrations(ws, fmt, options.task.prompt_field, task.heldout + task.validation,
+                                     seed=config.data.seed, tools=tools or None)
+    too_long = turns_past_max_new_tokens(rendered, fmt, options.max_new_tokens)
+    if too_long:
+        warnings.warn(too_long, stacklevel=2)
+    return rendered
 
 
 def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume: bool = False,
