@@ -60,13 +60,13 @@ def test_training_records_with_a_heldout_or_validation_prompt_are_left_out(tmp_p
                  validation=write_jsonl(tmp_path / "val.jsonl", rows(1, 8)))
     assert [p.answer for p in t.train] == ["0", "1", "2", "5", "6", "7", "9"]
     assert [str(w.message) for w in caught] == [
-        f"task.train: 3 records of {train} have the prompt of a held-out or validation problem "
+        f"strategy.options.task.train: 3 records of {train} have the prompt of a held-out or validation problem "
         f"(first: {train}:4); they are left out of training"]
 
 
 def test_a_train_file_that_is_all_heldout_is_refused(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", rows(4))
-    with pytest.raises(ConfigError, match=rf"^task.train: every record of {train} has the prompt of a held-out "
+    with pytest.raises(ConfigError, match=rf"^strategy.options.task.train: every record of {train} has the prompt of a held-out "
                                           rf"or validation problem \(first: {train}:1\); nothing is left to train on$"):
         task(tmp_path, train=train, heldout=train, n_validation=0)
 
@@ -123,13 +123,13 @@ def test_bundled_sources_work_as_task_files():
 def test_missing_prompt_field_names_file_line_and_field(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"prompt": "a", "answer": "1"}\n\n{"question": "b", "answer": "2"}\n')
-    with pytest.raises(ConfigError, match=rf"{path}:3: missing field 'prompt' \(task.prompt_field\)"):
+    with pytest.raises(ConfigError, match=rf"{path}:3: missing field 'prompt' \(strategy.options.task.prompt_field\)"):
         read_problems(str(path), "prompt", "answer")
 
 
 def test_missing_answer_field_names_file_line_and_field(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a"}])
-    with pytest.raises(ConfigError, match=rf"{path}:1: missing field 'answer' \(task.answer_field"):
+    with pytest.raises(ConfigError, match=rf"{path}:1: missing field 'answer' \(strategy.options.task.answer_field"):
         read_problems(path, "prompt", "answer")
 
 
@@ -173,9 +173,9 @@ def test_missing_task_file_is_named_by_its_field(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(4)))
     missing = str(tmp_path / "nope.jsonl")
-    with pytest.raises(ConfigError, match=f"^task.train: no such file '{missing}'$"):
+    with pytest.raises(ConfigError, match=f"^strategy.options.task.train: no such file '{missing}'$"):
         task(tmp_path, train=missing)
-    with pytest.raises(ConfigError, match=f"^task.heldout: no such file '{missing}'$"):
+    with pytest.raises(ConfigError, match=f"^strategy.options.task.heldout: no such file '{missing}'$"):
         task(tmp_path, train=str(good), heldout=missing)
 
 
@@ -207,7 +207,7 @@ def test_chat_template_true_wraps_a_text_prompt_as_a_user_turn(chat_tok):
 def test_message_list_with_chat_template_false_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}])
     (p,) = read_problems(path, "prompt", "answer")
-    with pytest.raises(ConfigError, match=rf"{path}:1: the prompt is a message list, but task.chat_template is false"):
+    with pytest.raises(ConfigError, match=rf"{path}:1: the prompt is a message list, but strategy.options.task.chat_template is false"):
         PromptFormat(ByteTokenizer(), chat_template=False).render(p)
 
 

@@ -239,9 +239,16 @@ def _rl_dry_run(*overrides: str) -> int:
 def test_a_dry_run_names_a_bad_rl_task_record(tmp_path, capsys):
     (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n{"question": "cd>", "answer": "dc"}\n')
     assert _rl_dry_run(f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}") == 2
+    # the field by its path in the config, as the unknown-key and file errors name it (was task.prompt_field)
     assert capsys.readouterr().err.strip() == (
-        f"config error: {tmp_path / 'test.jsonl'}:2: missing field 'prompt' (task.prompt_field); "
+        f"config error: {tmp_path / 'test.jsonl'}:2: missing field 'prompt' (strategy.options.task.prompt_field); "
         f"the record has ['answer', 'question']")
+
+
+def test_a_bad_rl_task_setting_is_named_by_its_path_in_the_config(capsys):
+    assert _rl_dry_run("strategy.options.task.n_heldout=-1") == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: strategy.options.task.n_heldout: must be an integer >= 0, got -1")
 
 
 def test_a_dry_run_prints_the_record_count_of_each_rl_task_split(tmp_path, capsys):

@@ -48,7 +48,7 @@ class AdditionConfig:
 
     def __post_init__(self) -> None:
         def check(ok: bool, field: str, msg: str) -> None:
-            config_check(ok, "task." + field, msg)
+            config_check(ok, "strategy.options.task." + field, msg)  # the RL task section
 
         check(isinstance(self.n_digits, int) and 1 <= self.n_digits <= 6, "n_digits",
               f"must be an integer in [1, 6], got {self.n_digits!r}")

@@ -87,14 +87,16 @@ class PromptFormat:
         prompt = problem.prompt
         if (turns or tools) and not self._uses_template(prompt):
             raise ConfigError(f"{problem.where}: a conversation with turns or tools is rendered with the chat "
-                              f"template, and task.chat_template is {self.chat_template!r} for this prompt (set it "
-                              f"to true)")
+                              f"template, and strategy.options.task.chat_template is {self.chat_template!r} for "
+                              f"this prompt (set it to true)")
         if not self._uses_template(prompt):
             if not isinstance(prompt, str):
-                raise ConfigError(f"{problem.where}: the prompt is a message list, but task.chat_template is false")
+                raise ConfigError(f"{problem.where}: the prompt is a message list, but "
+                                  f"strategy.options.task.chat_template is false")
             if self.system_prompt is not None:
-                raise ConfigError("task.system_prompt: needs the prompt rendered with the chat template "
-                                  f"(task.chat_template: true or auto with message prompts); {problem.where} is text")
+                raise ConfigError("strategy.options.task.system_prompt: needs the prompt rendered with the chat "
+                                  "template (strategy.options.task.chat_template: true or auto with message "
+                                  f"prompts); {problem.where} is text")
             return prompt
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"{problem.where}: rendering the prompt needs a chat template, and the tokenizer has none "

@@ -26,8 +26,11 @@ from jrl.data.records import iter_located_records
 from jrl.data.tasks import AdditionConfig, AdditionTask, Problem
 
 
+TASK = "strategy.options.task."  # the section's path in a config: errors name fields by it
+
+
 def _check(ok: bool, field: str, msg: str) -> None:
-    check(ok, "task." + field, msg)
+    check(ok, TASK + field, msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +62,11 @@ class TaskConfig:
         files = {"train": self.train, "heldout": self.heldout, "validation": self.validation}
         if self.name == "addition":
             given = sorted(k for k, v in files.items() if v is not None)
-            _check(not given, given[0] if given else "train", "is a jsonl task field; set task.name: jsonl")
+            _check(not given, given[0] if given else "train", f"is a jsonl task field; set {TASK}name: jsonl")
             AdditionConfig(self.n_digits, self.reverse_answer, self.n_heldout, self.n_validation, self.seed)
         else:
             _check(isinstance(self.train, str) and self.train != "", "train",
-                   f"must be a JSONL path or bundled:<name> for task.name jsonl, got {self.train!r}")
+                   f"must be a JSONL path or bundled:<name> for {TASK}name jsonl, got {self.train!r}")
             for k in ("n_heldout", "n_validation"):
                 v = getattr(self, k)
                 _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, k, f"must be an integer >= 0, got {v!r}")
@@ -104,17 +107,17 @@ def record_prompt(record: dict, field: str, where: str, option: str) -> str | tu
 
 
 def read_problems(source: str, prompt_field: str, answer_field: str | None, *, seed: int = 0,
-                  key: str = "task.train") -> list[Problem]:
+                  key: str = TASK + "train") -> list[Problem]:
     """Every record of a JSONL file (or bundled source) as a Problem; errors name the file,
     the line and the field (`key`: the config field that gave `source`)."""
     problems = []
     for where, record in iter_located_records(source, seed, key):
-        prompt = record_prompt(record, prompt_field, where, "task.prompt_field")
+        prompt = record_prompt(record, prompt_field, where, TASK + "prompt_field")
         answer = ""
         if answer_field is not None:
             if answer_field not in record:
-                raise ConfigError(f"{where}: missing field {answer_field!r} (task.answer_field; null when the "
-                                  f"rewards need no reference answer)")
+                raise ConfigError(f"{where}: missing field {answer_field!r} ({TASK}answer_field; null when "
+                                  f"the rewards need no reference answer)")
             value = record[answer_field]
             if isinstance(value, (dict, list)) or value is None:
                 raise ConfigError(f"{where}: field {answer_field!r} must be a string or a number, got {value!r}")
@@ -139,11 +142,11 @@ class FileTask:
             nonlocal taken
             if path is not None:
                 return read_problems(path, c.prompt_field, c.answer_field, seed=c.seed,
-                                     key=f"task.{field.removeprefix('n_')}")
+                                     key=f"{TASK}{field.removeprefix('n_')}")
             if taken + n >= len(train):
-                raise ConfigError(f"task.{field}: cannot set aside {n} of the {len(train)} records of {c.train} "
-                                  f"and keep some to train on; give a task.{field.removeprefix('n_')} file "
-                                  f"or a smaller task.{field}")
+                raise ConfigError(f"{TASK}{field}: cannot set aside {n} of the {len(train)} records of {c.train} "
+                                  f"and keep some to train on; give a {TASK}{field.removeprefix('n_')} file "
+                                  f"or a smaller {TASK}{field}")
             picked = sorted(int(i) for i in order[taken:taken + n])
             taken += n
             return [train[i] for i in picked]
@@ -159,13 +162,13 @@ class FileTask:
         if overlap:
             self.train = [p for p in self.train if _prompt_key(p) not in kept_out]
             if not self.train:
-                raise ConfigError(f"task.train: every record of {c.train} has the prompt of a held-out or "
+                raise ConfigError(f"{TASK}train: every record of {c.train} has the prompt of a held-out or "
                                   f"validation problem (first: {overlap[0].where}); nothing is left to train on")
-            warnings.warn(f"task.train: {len(overlap)} records of {c.train} have the prompt of a held-out or "
+            warnings.warn(f"{TASK}train: {len(overlap)} records of {c.train} have the prompt of a held-out or "
                           f"validation problem (first: {overlap[0].where}); they are left out of training",
                           stacklevel=2)
         if not self.heldout:
-            raise ConfigError("task.n_heldout: must be >= 1 without a task.heldout file (the run reports held-out "
+            raise ConfigError(f"{TASK}n_heldout: must be >= 1 without a {TASK}heldout file (the run reports held-out "
                               "accuracy)")
 
     def sample_train(self, rng: np.random.Generator, n: int) -> list[Problem]:

@@ -149,7 +149,8 @@ def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> Ren
     ws = _warm_start_of(options)
     if not task.validation:
         raise ConfigError("strategy.options.task: the warm start stops on validation accuracy, and the task has no "
-                          "validation problems (give task.validation or task.n_validation >= 1)")
+                          "validation problems (give strategy.options.task.validation or "
+                          "strategy.options.task.n_validation >= 1)")
     tools = [resolve_tool(name, f"strategy.options.tools[{i}]").schema for i, name in enumerate(options.tools)]
     rendered = render_demonstrations(ws, fmt, options.task.prompt_field, task.heldout + task.validation,
                                      seed=config.data.seed, tools=tools or None)
