@@ -9,8 +9,9 @@ A reward function scores one sample:
 options given in the config. A function that declares a parameter named `example` also
 receives the task's whole record (a dict: test cases, units, difficulty, ...):
 
-    def passes_tests(prompt, completion, answer, example): ... A config lists one or more terms whose weighted sum is the
-sample's reward:
+    def passes_tests(prompt, completion, answer, example): ...
+
+A config lists one or more terms whose weighted sum is the sample's reward:
 
     rewards:
       - {fn: exact_match, weight: 1.0}
@@ -18,8 +19,9 @@ sample's reward:
       - {fn: my_package.my_rewards:brevity, weight: 0.05}
 
 Built-ins are looked up by bare name (`exact_match`, `format_check`, `math_answer`);
-anything with a colon is imported. A reward function that raises stops the run with a
-`RewardError` naming the function and the record.
+anything with a colon is imported. A reward function that raises, or returns anything but a
+finite number within float32's range, stops the run with a `RewardError` naming the function
+and the record.
 """
 
 from __future__ import annotations
