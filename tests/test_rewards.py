@@ -134,8 +134,21 @@ def test_an_int_reward_beyond_float64_is_the_float32_range_error(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     model = RewardModel([RewardSpec("int_rewards_mod:huge")])
     with pytest.raises(RewardError, match=r"reward 'int_rewards_mod:huge': must return a number within float32's "
-                                          r"range \(\|v\| <= 3.4e\+38\), got 10{400} \(on sample 0\)"):
+                                          r"range \(\|v\| <= 3.4e\+38\), got 10{199}\.\.\. \(401 characters\) "
+                                          r"\(on sample 0, completion 'c'\)"):
         model(["p"], ["c"], ["a"])
+
+
+def test_a_reward_returning_a_list_names_the_record_and_completion_in_one_short_line(tmp_path, monkeypatch):
+    # a reward written for a batch, returning one score per sample, scored one sample at a time
+    (tmp_path / "list_rewards_mod.py").write_text("def batch(p, c, a):\n    return [1.0] * 1000\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = RewardModel([RewardSpec("list_rewards_mod:batch")])
+    with pytest.raises(RewardError) as e:
+        model(["p"], ["UTKE"], ["UTKE"], wheres=["data/test.jsonl:1"])
+    assert str(e.value) == ("reward 'list_rewards_mod:batch': must return a finite number, got "
+                            f"{repr([1.0] * 1000)[:200]}... (5,000 characters) (on data/test.jsonl:1, "
+                            "completion 'UTKE')")
 
 
 def test_weighted_rewards_that_overflow_float32_are_an_error(tmp_path, monkeypatch):

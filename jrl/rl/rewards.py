@@ -53,6 +53,13 @@ def reward_requirement(v: Any) -> str | None:
     return None
 
 
+def _short_repr(v: Any, limit: int = 200) -> str:
+    """`repr(v)`, cut to `limit` characters (a reward that returns a long list or a huge int
+    must not turn its error into pages of digits)."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r):,} characters)"
+
+
 def extract_answer(completion: str, pattern: str | None = None) -> str | None:
     """The answer part of a completion: group 1 (or the whole match) of the first match of
     `pattern`, or the stripped completion when no pattern is given. None if no match, or
@@ -209,7 +216,8 @@ class RewardModel:
                                       f"completion {c[:200]!r})") from e
                 requirement = reward_requirement(v)
                 if requirement is not None:
-                    raise RewardError(f"reward {spec.fn!r}: must return {requirement}, got {v!r} (on {wheres[j]})")
+                    raise RewardError(f"reward {spec.fn!r}: must return {requirement}, got {_short_repr(v)} "
+                                      f"(on {wheres[j]}, completion {c[:200]!r})")
                 values[j] = float(v)
             terms[name] = values
             with np.errstate(over="ignore"):
