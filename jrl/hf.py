@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -830,6 +831,8 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
 
     LoRA adapters are rejected: merge them first with `jrl.models.lora.merge_lora`.
     `extra_config` adds keys that never affect the forward pass, such as `eos_token_id`.
+    The files are staged inside `path` and replace an earlier export there only once
+    complete (a failed write raises OSError naming the file and leaves `path` as it was).
     Returns the model_type written.
     """
     path = os.fspath(path)
@@ -864,26 +867,88 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     tensors = _tensors_from_params(host_tree, config, model_type)
 
     os.makedirs(path, exist_ok=True)
-    _remove_weight_files(path)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2, sort_keys=True)
-        f.write("\n")
+    _remove_stale_staging(path)
+    # Everything is written into a staging directory inside `path` first; an earlier export
+    # there is replaced only once the new one is complete (disk full, a kill or an error
+    # part-way leaves `path` as it was), and config.json moves in last: a directory with
+    # config.json holds the whole export.
+    staging = os.path.join(path, f"{_STAGING_PREFIX}{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.mkdir(staging)
+    try:
+        names = _write_export(hf, tensors, staging, path, max_shard_bytes)
+        _commit_export(staging, path, names)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return model_type
+
+
+_STAGING_PREFIX = ".jrl-export-staging-"
+
+
+def _write_export(hf: dict[str, Any], tensors: dict[str, np.ndarray], staging: str, path: str,
+                  max_shard_bytes: int | None) -> list[str]:
+    """Writes config.json and the weight files into `staging`; returns their names, config.json last.
+    A failed write raises OSError naming the file as it would have been in `path`."""
+    def written(file: str, write: Any) -> None:
+        try:
+            write()
+        except Exception as e:  # disk full, quota, a read-only or vanished directory
+            raise OSError(f"{os.path.join(path, os.path.basename(file))}: cannot be written ({e}); "
+                          f"{path} is left as it was") from None
+
+    def write_json(file: str, data: Any, **kw: Any) -> None:
+        with open(file, "w") as f:
+            json.dump(data, f, indent=2, **kw)
+            f.write("\n")
+
+    config_file = os.path.join(staging, "config.json")
+    written(config_file, lambda: write_json(config_file, hf, sort_keys=True))
     metadata = {"format": "pt"}
-    mode = stat.S_IMODE(os.stat(os.path.join(path, "config.json")).st_mode)  # the umask's, read without setting it
+    mode = stat.S_IMODE(os.stat(config_file).st_mode)  # the umask's, read without setting it
     shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
-        _save_shard(shards[0], os.path.join(path, "model.safetensors"), metadata, mode)
-        return model_type
-    weight_map = {}
+        file = os.path.join(staging, "model.safetensors")
+        written(file, lambda: _save_shard(shards[0], file, metadata, mode))
+        return ["model.safetensors", "config.json"]
+    names, weight_map = [], {}
     for k, shard in enumerate(shards):
         name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        _save_shard(shard, os.path.join(path, name), metadata, mode)
+        file = os.path.join(staging, name)
+        written(file, lambda: _save_shard(shard, file, metadata, mode))
         weight_map.update({n: name for n in shard})
+        names.append(name)
     total = sum(t.nbytes for t in tensors.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        f.write("\n")
-    return model_type
+    index = os.path.join(staging, "model.safetensors.index.json")
+    written(index, lambda: write_json(index, {"metadata": {"total_size": total},
+                                              "weight_map": dict(sorted(weight_map.items()))}))
+    return [*names, "model.safetensors.index.json", "config.json"]
+
+
+def _commit_export(staging: str, path: str, names: list[str]) -> None:
+    """Moves the complete export in `staging` into `path`: the old config.json goes first
+    and the new one comes last, so a kill in between leaves no config.json (not a loadable,
+    half-old half-new export); the earlier export's weight files go before the new ones come."""
+    for name in names:  # on disk before any old file goes
+        fd = os.open(os.path.join(staging, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, "config.json"))
+    _remove_weight_files(path)
+    for name in names:
+        os.replace(os.path.join(staging, name), os.path.join(path, name))
+    os.rmdir(staging)
+
+
+def _remove_stale_staging(path: str) -> None:
+    """Staging directories an export killed part-way left behind."""
+    for name in os.listdir(path):
+        if name.startswith(_STAGING_PREFIX):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
 
 
 def _save_shard(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str], mode: int) -> None:

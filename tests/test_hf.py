@@ -12,6 +12,9 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -473,6 +476,60 @@ def test_save_rejects_params_of_the_wrong_shape(tmp_path):
     params["final_norm"]["scale"] = np.ones(7, np.float32)
     with pytest.raises(hf.HFFormatError, match=r"final_norm/scale has shape \(7,\), config needs \(32,\)"):
         hf.save_pretrained(config, params, tmp_path)
+
+
+def export_with_file_size_limit(path, limit: int, *, killed: bool, max_shard_bytes=None):
+    """Exports the llama fixture to `path` in a child process whose files may not grow past
+    `limit` bytes: a write past it fails with EFBIG (as a full disk fails with ENOSPC), or,
+    with `killed`, SIGXFSZ kills the process in the middle of the write. Returns the child."""
+    code = f"""
+import resource, signal
+from jrl import hf
+signal.signal(signal.SIGXFSZ, signal.{'SIG_DFL' if killed else 'SIG_IGN'})
+config, params = hf.load_pretrained({fixture("llama")!r})
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+try:
+    hf.save_pretrained(config, params, {str(path)!r}, max_shard_bytes={max_shard_bytes!r})
+except OSError as e:
+    print(e)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def directory_bytes(path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
+def test_an_export_that_runs_out_of_space_leaves_the_earlier_export_as_it_was(tmp_path):
+    config, params = hf.load_pretrained(fixture("qwen2"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=20_000)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    before = directory_bytes(tmp_path)
+    child = export_with_file_size_limit(tmp_path, 50_000, killed=False)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.startswith(f"{tmp_path / 'model.safetensors'}: cannot be written (")
+    assert child.stdout.endswith(f"); {tmp_path} is left as it was\n")
+    assert directory_bytes(tmp_path) == before  # the earlier export, tokenizer included; no staging left
+    assert hf.params_equal(hf.load_pretrained(tmp_path)[1], params)
+
+
+def test_an_export_killed_part_way_leaves_the_earlier_export_and_the_next_export_completes(tmp_path):
+    config, params = hf.load_pretrained(fixture("qwen2"))
+    hf.save_pretrained(config, params, tmp_path)
+    before = directory_bytes(tmp_path)
+    child = export_with_file_size_limit(tmp_path, 50_000, killed=True)
+    assert child.returncode == -signal.SIGXFSZ
+    staging = [name for name in os.listdir(tmp_path) if name not in before]
+    assert len(staging) == 1 and staging[0].startswith(".")  # the half-written export, hidden
+    assert {name: before[name] for name in before} == {n: (tmp_path / n).read_bytes() for n in before}
+    assert hf.params_equal(hf.load_pretrained(tmp_path)[1], params)
+    llama_config, llama_params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(llama_config, llama_params, tmp_path, max_shard_bytes=20_000)
+    assert not (tmp_path / staging[0]).exists()
+    assert "model.safetensors" not in os.listdir(tmp_path)
+    assert hf.params_equal(hf.load_pretrained(tmp_path)[1], llama_params)
 
 
 # ----------------------------------------------------------------------------- clear errors
