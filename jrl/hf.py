@@ -143,6 +143,10 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+_ROPE_NUMBERS = {"rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                 "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "partial_rotary_factor"}
+
+
 def _rope_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> tuple[float, RopeScaling]:
     """(rope_theta, RopeScaling) from `rope_parameters` (transformers 5) or the legacy
     `rope_theta` + `rope_scaling` keys, following transformers' defaults. A config with
@@ -154,7 +158,16 @@ def _rope_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> tuple[f
             raise HFFormatError(f"{where}: rope_parameters {hf['rope_parameters']} and rope_scaling "
                                 f"{hf['rope_scaling']} disagree; keep the one the checkpoint was trained with")
         return current
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    source = hf.get(key) or {}
+    if not isinstance(source, Mapping):
+        raise HFFormatError(f"{where}: {key} must be a JSON object (e.g. {{\"rope_type\": \"linear\", "
+                            f"\"factor\": 2.0}}) or null, got {source!r}")
+    params = dict(source)
+    for name, value in [("rope_theta", hf.get("rope_theta")), *((f"{key}.{k}", v) for k, v in params.items())]:
+        if name.rsplit(".", 1)[-1] in _ROPE_NUMBERS and value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise HFFormatError(f"{where}: {name} must be a finite number, got {value!r}")
     theta = params.pop("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 10000.0)))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

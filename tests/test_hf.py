@@ -674,6 +674,29 @@ def test_unsupported_rope_type_is_named():
         hf.config_from_hf(cfg)
 
 
+def test_a_rope_scaling_that_is_not_an_object_is_named():
+    cfg = {k: v for k, v in fixture_config("llama").items() if k != "rope_parameters"}
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.config_from_hf({**cfg, "rope_scaling": "linear"})
+    assert str(error.value) == ('config.json: rope_scaling must be a JSON object (e.g. {"rope_type": "linear", '
+                                '"factor": 2.0}) or null, got \'linear\'')
+
+
+@pytest.mark.parametrize("factor", ["2.0", True, float("inf")])
+def test_a_rope_factor_that_is_not_a_finite_number_is_named(factor):
+    cfg = {**fixture_config("llama"), "rope_parameters": {"rope_type": "linear", "factor": factor, "rope_theta": 1e4}}
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.config_from_hf(cfg)
+    assert str(error.value) == f"config.json: rope_parameters.factor must be a finite number, got {factor!r}"
+
+
+def test_a_rope_theta_given_as_a_string_is_named():
+    cfg = {k: v for k, v in fixture_config("llama").items() if k != "rope_parameters"}
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.config_from_hf({**cfg, "rope_theta": "500000"})
+    assert str(error.value) == "config.json: rope_theta must be a finite number, got '500000'"
+
+
 def test_quantized_checkpoint_is_rejected():
     with pytest.raises(hf.HFFormatError, match="quantization_config: quantized checkpoints are not supported"):
         hf.config_from_hf({**fixture_config("llama"), "quantization_config": {"quant_method": "gptq"}})
