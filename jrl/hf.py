@@ -750,9 +750,14 @@ def _tensors_from_params(params: Mapping, config: ModelConfig, model_type: str) 
 _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints stored
 
 
-def _weight_files(path: str) -> list[str]:
+def _weight_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files to read and, for a sharded checkpoint, the index's
+    tensor -> file map (files as full paths). A shard the index names must exist."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index) and os.path.exists(single):
+        raise HFFormatError(f"{path}: holds both model.safetensors and model.safetensors.index.json, so which "
+                            "weights are the model's is ambiguous; remove the stale one (and its shards)")
     if os.path.exists(index):
         try:
             with open(index, "rb") as f:
@@ -762,9 +767,16 @@ def _weight_files(path: str) -> list[str]:
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise HFFormatError(f"{index}: weight_map: must be a JSON object mapping tensor names to shard files")
-        return sorted({os.path.join(path, name) for name in weight_map.values()})
+        weight_map = {tensor: os.path.join(path, name) for tensor, name in weight_map.items()}
+        files = sorted(set(weight_map.values()))
+        for file in files:
+            if not os.path.exists(file):
+                listed = sorted(t for t, f in weight_map.items() if f == file)
+                raise HFFormatError(f"{index}: weight_map puts {len(listed)} tensor(s) (e.g. {listed[0]!r}) in "
+                                    f"{os.path.basename(file)}, which does not exist; is the download complete?")
+        return files, weight_map
     if os.path.exists(single):
-        return [single]
+        return [single], None
     raise HFFormatError(f"{path}: no model.safetensors or model.safetensors.index.json "
                         "(only safetensors checkpoints are supported)")
 
@@ -806,7 +818,8 @@ def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embedding
                                         ignore_fields=ignore_fields, where=os.path.join(path, "config.json"))
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
-        for file in _weight_files(path):
+        files, weight_map = _weight_files(path)
+        for file in files:
             try:
                 handle = stack.enter_context(safe_open(file, framework="numpy"))
             except Exception as e:  # safetensors' own error type (truncated header, bad JSON)
@@ -814,6 +827,10 @@ def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embedding
                                     f"is it complete?") from None
             for name in handle.keys():
                 handles[name] = (handle, file)
+        for name, file in sorted((weight_map or {}).items()):
+            if handles.get(name, (None, None))[1] != file:
+                raise HFFormatError(f"{os.path.join(path, 'model.safetensors.index.json')}: weight_map puts "
+                                    f"{name!r} in {os.path.basename(file)}, which does not hold it")
         reader = _Reader(handles, path)
         raw = _params_from_reader(reader, config, model_type)
         unused = sorted(n for n in reader.names() - reader.used if not n.endswith(_IGNORED_TENSOR_SUFFIXES))

@@ -364,6 +364,43 @@ def test_a_shard_index_without_a_weight_map_is_named(tmp_path):
     assert str(error.value) == (f"{index}: weight_map: must be a JSON object mapping tensor names to shard files")
 
 
+def test_a_shard_the_index_names_but_that_does_not_exist_is_named(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    os.remove(tmp_path / "model-00002-of-00003.safetensors")
+    in_shard = sorted(t for t, name in weight_map.items() if name == "model-00002-of-00003.safetensors")
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(tmp_path)
+    assert str(error.value) == (f"{tmp_path / 'model.safetensors.index.json'}: weight_map puts {len(in_shard)} "
+                                f"tensor(s) (e.g. {in_shard[0]!r}) in model-00002-of-00003.safetensors, which "
+                                "does not exist; is the download complete?")
+
+
+def test_a_tensor_the_index_puts_in_a_shard_that_does_not_hold_it_is_named(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.layers.0.self_attn.o_proj.bias"] = "model-00001-of-00003.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(tmp_path)
+    assert str(error.value) == (f"{index}: weight_map puts 'model.layers.0.self_attn.o_proj.bias' in "
+                                "model-00001-of-00003.safetensors, which does not hold it")
+
+
+def test_a_directory_with_both_a_single_file_and_a_shard_index_is_refused(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
+    shutil.copy(os.path.join(fixture("qwen2"), "model.safetensors"), tmp_path / "model.safetensors")
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(tmp_path)
+    assert str(error.value) == (f"{tmp_path}: holds both model.safetensors and model.safetensors.index.json, so "
+                                "which weights are the model's is ambiguous; remove the stale one (and its shards)")
+
+
 # ----------------------------------------------------------------------------- save -> load
 
 
