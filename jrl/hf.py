@@ -543,9 +543,13 @@ class _Reader:
         self.used.add(name)
         handle, file = self._handles[name]
         try:
-            return handle.get_tensor(name)
+            value = handle.get_tensor(name)
         except Exception as e:  # data cut short after a valid header
             raise HFFormatError(f"{file}: cannot read tensor {name!r} ({e}); is the file complete?") from None
+        if value.dtype.kind in "iub":  # cast to float it would load as a different model
+            raise HFFormatError(f"{file}: tensor {name!r} has dtype {value.dtype}; the weights must be floating "
+                                "point (quantized checkpoints are not supported)")
+        return value
 
 
 def _expected_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -664,6 +668,10 @@ def _params_from_reader(reader: _Reader, config: ModelConfig, model_type: str) -
                 raise HFFormatError(f"{reader.where}: tie_word_embeddings is true but lm_head.weight "
                                     "differs from model.embed_tokens.weight")
     else:
+        if not reader.has("lm_head.weight"):
+            raise HFFormatError(f"{reader.where}: tensor 'lm_head.weight' is missing, and config.json's "
+                                "tie_word_embeddings is false (false when absent); if the output head is "
+                                "model.embed_tokens.weight, set tie_word_embeddings to true")
         _set(params, ("lm_head",), reader.get("lm_head.weight").T)
     _set(params, ("layers", "input_norm", "scale"), stacked("model.layers.{i}.input_layernorm.weight"))
     _set(params, ("layers", "post_attn_norm", "scale"),

@@ -757,6 +757,28 @@ def test_missing_tensor_is_named(tmp_path):
         hf.load_pretrained(src)
 
 
+def test_a_tied_checkpoint_read_as_untied_says_to_set_tie_word_embeddings(tmp_path):
+    # qwen2's head is tied; a config.json without the key means untied (transformers' default)
+    src = copy_fixture("qwen2", tmp_path / "untied", lambda c: c.pop("tie_word_embeddings"))
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(src)
+    assert str(error.value) == (f"{src}: tensor 'lm_head.weight' is missing, and config.json's tie_word_embeddings "
+                                "is false (false when absent); if the output head is model.embed_tokens.weight, "
+                                "set tie_word_embeddings to true")
+
+
+def test_an_integer_weight_is_named_not_cast(tmp_path):
+    src = copy_fixture("llama", tmp_path / "int")
+    file = os.path.join(src, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = np.ones(32, np.int8)
+    save_file(tensors, file)
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(src)
+    assert str(error.value) == (f"{file}: tensor 'model.norm.weight' has dtype int8; the weights must be floating "
+                                "point (quantized checkpoints are not supported)")
+
+
 def test_shape_mismatch_between_config_and_weights_is_named(tmp_path):
     src = copy_fixture("llama", tmp_path / "shape", lambda c: c.update(intermediate_size=48))
     with pytest.raises(hf.HFFormatError, match=r"layers/mlp/gate_proj/kernel: checkpoint shape \(2, 32, 64\) does not match the config's \(2, 32, 48\)"):
