@@ -760,12 +760,12 @@ _IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoi
 
 def _weight_files(path: str) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files to read and, for a sharded checkpoint, the index's
-    tensor -> file map (files as full paths). A shard the index names must exist."""
+    tensor -> file map (files as full paths). A shard the index names must exist. Where
+    both are present the single file is read, as transformers reads it."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
-    if os.path.exists(index) and os.path.exists(single):
-        raise HFFormatError(f"{path}: holds both model.safetensors and model.safetensors.index.json, so which "
-                            "weights are the model's is ambiguous; remove the stale one (and its shards)")
+    if os.path.exists(single):
+        return [single], None
     if os.path.exists(index):
         try:
             with open(index, "rb") as f:
@@ -783,8 +783,6 @@ def _weight_files(path: str) -> tuple[list[str], dict[str, str] | None]:
                 raise HFFormatError(f"{index}: weight_map puts {len(listed)} tensor(s) (e.g. {listed[0]!r}) in "
                                     f"{os.path.basename(file)}, which does not exist; is the download complete?")
         return files, weight_map
-    if os.path.exists(single):
-        return [single], None
     raise HFFormatError(f"{path}: no model.safetensors or model.safetensors.index.json "
                         "(only safetensors checkpoints are supported)")
 

@@ -391,14 +391,13 @@ def test_a_tensor_the_index_puts_in_a_shard_that_does_not_hold_it_is_named(tmp_p
                                 "model-00001-of-00003.safetensors, which does not hold it")
 
 
-def test_a_directory_with_both_a_single_file_and_a_shard_index_is_refused(tmp_path):
+def test_a_directory_with_both_a_single_file_and_a_shard_index_reads_the_single_file_as_transformers_does(tmp_path):
     config, params = hf.load_pretrained(fixture("llama"))
     hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
-    shutil.copy(os.path.join(fixture("qwen2"), "model.safetensors"), tmp_path / "model.safetensors")
-    with pytest.raises(hf.HFFormatError) as error:
-        hf.load_pretrained(tmp_path)
-    assert str(error.value) == (f"{tmp_path}: holds both model.safetensors and model.safetensors.index.json, so "
-                                "which weights are the model's is ambiguous; remove the stale one (and its shards)")
+    os.remove(tmp_path / "model-00002-of-00003.safetensors")  # the index is not read
+    shutil.copy(os.path.join(fixture("llama"), "model.safetensors"), tmp_path / "model.safetensors")
+    _, loaded = hf.load_pretrained(tmp_path)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), loaded, params))
 
 
 # ----------------------------------------------------------------------------- save -> load
