@@ -321,9 +321,13 @@ def write_chat_with_untrained_records(src):
                    + (json.dumps({"messages": [user]}) + "\n") * 2)
 
 
-def only_warning(caught):
+def one_warning(fn, *args):
+    """(fn(*args), the message of the one warning it gave)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(*args)
     assert len(caught) == 1, [str(w.message) for w in caught]
-    return str(caught[0].message)
+    return out, str(caught[0].message)
 
 
 def test_chat_records_that_train_nothing_get_one_warning_naming_the_first(tmp_path):
@@ -331,12 +335,10 @@ def test_chat_records_that_train_nothing_get_one_warning_naming_the_first(tmp_pa
     src = tmp_path / "chat.jsonl"
     write_chat_with_untrained_records(src)
     cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        dataset = build_dataset(cfg, TOK, "train")
-    assert only_warning(caught) == (f"data.source: 2 of the 3 training records of '{src}' train nothing, the "
-                                    f"first at {src}:3: none of its messages has a role in "
-                                    f"data.train_roles=['assistant']")
+    dataset, message = one_warning(build_dataset, cfg, TOK, "train")
+    assert message == (f"data.source: 2 of the 3 training records of '{src}' train nothing, the "
+                       f"first at {src}:3: none of its messages has a role in "
+                       f"data.train_roles=['assistant']")
     assert len(dataset.store) == 3
 
 
@@ -346,10 +348,7 @@ def test_a_reused_cache_repeats_the_warning_about_records_that_train_nothing(tmp
     cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
     messages = []
     for _ in range(2):  # writes the store, then reads it back
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            build_dataset(cfg, TOK, "train")
-        messages.append(only_warning(caught))
+        messages.append(one_warning(build_dataset, cfg, TOK, "train")[1])
     assert messages[0] == messages[1] and f"the first at {src}:3:" in messages[0]
 
 
@@ -359,21 +358,19 @@ def test_a_dry_run_check_warns_about_records_that_train_nothing(tmp_path):
     src = tmp_path / "chat.jsonl"
     write_chat_with_untrained_records(src)
     cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert check_records(cfg, TOK, "train") == (str(src), 3)
-    assert only_warning(caught).startswith("data.source: 2 of the 3 training records")
+    checked, message = one_warning(check_records, cfg, TOK, "train")
+    assert checked == (str(src), 3)
+    assert message.startswith("data.source: 2 of the 3 training records")
 
 
 def test_sections_records_with_an_empty_trained_field_get_the_warning(tmp_path):
     src = tmp_path / "train.jsonl"
     src.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": ""}\n')
     cfg = DataConfig(source=str(src), sections=SECTIONS, add_eos=False, eval_fraction=0.0)
-    with pytest.warns(UserWarning) as caught:
-        build_dataset(cfg, TOK, "train")
-    assert only_warning(caught) == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the "
-                                    f"first at {src}:2: its trained sections (data.sections) are empty "
-                                    f"and data.add_eos is false")
+    _, message = one_warning(build_dataset, cfg, TOK, "train")
+    assert message == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the "
+                       f"first at {src}:2: its trained sections (data.sections) are empty "
+                       f"and data.add_eos is false")
 
 
 def test_a_prompt_that_truncation_keeps_in_place_of_the_response_gets_the_warning(tmp_path):
@@ -381,11 +378,10 @@ def test_a_prompt_that_truncation_keeps_in_place_of_the_response_gets_the_warnin
     src = tmp_path / "train.jsonl"
     src.write_text(json.dumps({"prompt": "x" * 40, "response": "b"}) + "\n" + '{"prompt": "a", "response": "b"}\n')
     cfg = DataConfig(source=str(src), sections=SECTIONS, seq_len=16, eval_fraction=0.0)
-    with pytest.warns(UserWarning) as caught:
-        build_dataset(cfg, TOK, "train")
-    assert only_warning(caught) == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first "
-                                    f"at {src}:1: its 46 tokens are more than data.seq_len=16 and "
-                                    f"data.overflow='truncate_right' keeps none of its trained ones")
+    _, message = one_warning(build_dataset, cfg, TOK, "train")
+    assert message == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first "
+                       f"at {src}:1: its 46 tokens are more than data.seq_len=16 and "
+                       f"data.overflow='truncate_right' keeps none of its trained ones")
 
 
 def long_prompt_pairs(tmp_path, overflow):

@@ -474,6 +474,15 @@ def by_request(completions):
     return sorted(completions, key=lambda c: c.request_id)
 
 
+def assert_recomputed_like(got, want):
+    """Completions of re-queued requests equal an uninterrupted run's: the same tokens and
+    finish reasons, log-probs within 1e-5 (recomputed by prefill where they were decoded)."""
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.tokens, w.tokens)
+        assert g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("nth", [1, 4], ids=["prefill", "decode"])
 def test_a_step_interrupted_while_reading_back_tokens_loses_none(params, monkeypatch, nth):
     # Ctrl-C in a notebook lands while step() waits for the previous step's tokens
@@ -507,10 +516,7 @@ def test_a_step_interrupted_while_dispatching_leaves_the_engine_usable_and_every
     raise_once(monkeypatch, engine.step_function, "fn", 4, after=after)
     done = steps_until_interrupted(engine)
     got = by_request(done + engine.run())
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g.tokens, w.tokens)
-        assert g.finish_reason == w.finish_reason
-        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, rtol=0, atol=1e-5)  # prefill vs decode
+    assert_recomputed_like(got, want)
     assert [c.n_preemptions for c in got] == [1, 1, 1]
     engine.pool.allocator.check_invariants()
     assert engine.pool.allocator.n_referenced == 0
@@ -546,10 +552,7 @@ def test_a_step_interrupted_while_planning_or_releasing_leaves_the_engine_consis
     raise_once(monkeypatch, owner, name, nth, after=after)
     done = steps_until_interrupted(engine)
     got = by_request(done + engine.run())
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g.tokens, w.tokens)
-        assert g.finish_reason == w.finish_reason
-        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, rtol=0, atol=1e-5)  # prefill vs decode
+    assert_recomputed_like(got, want)
     allocator = engine.pool.allocator
     allocator.check_invariants()
     assert (allocator.n_referenced, allocator.n_available) == (0, allocator.n_pages)
