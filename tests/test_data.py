@@ -2,6 +2,8 @@
 
 import functools
 import json
+import os
+import time
 import warnings
 
 import jax
@@ -530,3 +532,18 @@ def test_cache_dir_rebuilds_when_the_bos_token_a_chat_template_renders_changes(t
     (tok_dir / "tokenizer_config.json").write_text(json.dumps({**tok_config, "bos_token": "<|endoftext|>"}))
     tok = load_tokenizer(str(tok_dir))
     assert tok.decode(load_documents(cfg, tok, "train").doc(0)[0]).startswith("<|endoftext|><|im_start|>user")
+
+
+def test_cache_dir_rebuilds_a_source_rewritten_in_place_with_its_size_and_mtime_kept(tmp_path):
+    src = tmp_path / "d.jsonl"  # cp -p, rsync -t, tar and touch -r put an older mtime back
+    src.write_text('{"text": "aaaa"}\n')
+    cfg = DataConfig(source=str(src), format="text", eval_fraction=0.0, add_eos=False,
+                     cache_dir=str(tmp_path / "cache"))
+    load_documents(cfg, TOK, "train")
+    before = src.stat()
+    time.sleep(0.05)  # past a tick of the kernel's file clock, so the rewrite's ctime differs
+    with open(src, "r+b") as f:  # in place: the same inode
+        f.write(b'{"text": "bbbb"}\n')
+    os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert src.stat().st_size == before.st_size and src.stat().st_mtime_ns == before.st_mtime_ns
+    assert TOK.decode(load_documents(cfg, TOK, "train").doc(0)[0]) == "bbbb"

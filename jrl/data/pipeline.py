@@ -164,7 +164,9 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
     stat = None
     if source and not is_bundled(source) and os.path.exists(source):
         st = os.stat(source)
-        stat = [os.path.abspath(source), st.st_size, st.st_mtime_ns]
+        # the inode and ctime too: a rewrite that keeps the size and restores the mtime (cp -p,
+        # rsync -t, tar, touch -r) changes the ctime, which no user call can set back
+        stat = [os.path.abspath(source), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     fields = {k: v for k, v in to_dict(config).items()
               if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
                        "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
