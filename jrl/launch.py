@@ -29,6 +29,7 @@ from jrl.config import (CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_w
                         to_dict)
 from jrl.data.pipeline import check_records
 from jrl.data.records import require_source
+from jrl.data.store import StoreWriteError
 from jrl.hf import HFFormatError
 from jrl.metrics_log import CorruptMetricsError
 from jrl.models import init_params
@@ -52,7 +53,7 @@ from jrl.train.trainer import (ResumeError, Trainer, check_batch_rows, check_dat
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
 RUN_FAILURES = (RewardError, EnvironmentFailure, RunLockedError, RunDirWriteError, ResumeError, CorruptMetricsError,
-                checkpoint.CheckpointSaveError)
+                checkpoint.CheckpointSaveError, StoreWriteError)
 
 
 def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import resource
 import time
 import warnings
 
@@ -17,7 +18,8 @@ from jrl.data import (
 )
 from jrl.data.bundled import load_bundled
 from jrl.data.packing import assemble_pairs, plan_pairs
-from jrl.data.store import CorruptStoreError
+from jrl.data.pipeline import cache_key
+from jrl.data.store import CorruptStoreError, StoreWriteError
 from jrl.models import apply, init_params
 
 TOK = load_tokenizer("bytes")
@@ -547,3 +549,41 @@ def test_cache_dir_rebuilds_a_source_rewritten_in_place_with_its_size_and_mtime_
     os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert src.stat().st_size == before.st_size and src.stat().st_mtime_ns == before.st_mtime_ns
     assert TOK.decode(load_documents(cfg, TOK, "train").doc(0)[0]) == "bbbb"
+
+
+def test_write_store_keeps_a_complete_store_another_process_published_meanwhile(tmp_path):
+    # two runs building the same cache: the one that finishes second must not delete the
+    # store the first one published (and may be reading) to put its own copy there
+    write_store(tmp_path / "s", iter([doc([1, 2, 3])]), {})
+    first = open_store(tmp_path / "s")
+    inode = (tmp_path / "s" / "tokens.bin").stat().st_ino
+    write_store(tmp_path / "s", iter([doc([1, 2, 3])]), {})
+    assert (tmp_path / "s" / "tokens.bin").stat().st_ino == inode
+    assert open_store(tmp_path / "s").tokens.tolist() == first.tokens.tolist() == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # its own copy is gone
+
+
+def test_write_store_replaces_a_damaged_store(tmp_path):
+    write_store(tmp_path / "s", iter([doc([1, 2, 3])]), {})
+    (tmp_path / "s" / "tokens.bin").write_bytes(b"")
+    write_store(tmp_path / "s", iter([doc([4, 5])]), {})
+    assert open_store(tmp_path / "s").tokens.tolist() == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_a_cache_write_that_fills_the_disk_names_the_store_and_keeps_nothing(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"text": "x" * 50_000}) + "\n")  # 200 kB of int32 tokens
+    cfg = DataConfig(source=str(src), format="text", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    key = cache_key(cfg, TOK, "train")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))  # a write past 64 kB fails as a full disk does
+    try:
+        with pytest.raises(StoreWriteError) as e:
+            load_documents(cfg, TOK, "train")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(e.value) == (f"data.cache_dir: cannot write the token store {tmp_path}/cache/train-{key}: "
+                            f"File too large; nothing of it was kept")
+    assert list((tmp_path / "cache").iterdir()) == []
+    assert load_documents(cfg, TOK, "train").lengths.tolist() == [50_001]  # room again: built whole

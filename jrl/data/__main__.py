@@ -9,6 +9,7 @@ import sys
 
 from jrl.config import ConfigError, load_train_config
 from jrl.data.pipeline import build_dataset, cache_key
+from jrl.data.store import StoreWriteError
 from jrl.data.text import load_tokenizer
 from jrl.train.defaults import default_run
 
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:  # a missing file or a bad record: file:line, as jrl.train says it
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except StoreWriteError as e:  # disk full, no permission: nothing of the store was kept
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         if dataset is None:
             print(f"{split}: no data")
             continue

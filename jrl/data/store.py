@@ -10,6 +10,7 @@ leaves a half-written store that looks complete.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -54,15 +55,28 @@ def build_store(docs: Iterable[Document]) -> TokenStore:
     return TokenStore(cat(tokens, np.int32), cat(train, np.uint8), np.cumsum(lengths, dtype=np.int64))
 
 
+class StoreWriteError(OSError):
+    """A token store could not be written (the disk filled up, a quota, a file size limit,
+    no permission): nothing of it was published."""
+
+
 def write_store(directory: str | os.PathLike, docs: Iterable[Document],
                 meta: dict[str, Any] | Callable[[], dict[str, Any]]) -> Path:
     """Streams `docs` to disk as a store at `directory` (atomically published), with
     `meta` in its meta.json: a dict, or a function called once `docs` is exhausted (for
-    what only reading them tells)."""
+    what only reading them tells). A complete store another process published at
+    `directory` meanwhile (two runs building the same cache) is kept and this copy
+    dropped, so a process reading that store never sees it deleted; a damaged one is
+    replaced. A write that fails (disk full, no permission) raises StoreWriteError naming
+    the store and the file, with nothing left behind."""
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
     staging = directory.parent / f".{directory.name}.staging-{uuid.uuid4().hex}"
-    staging.mkdir()
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as e:
+        raise StoreWriteError(f"data.cache_dir: cannot write the token store {directory}: "
+                              f"{e.strerror or e} ({e.filename or staging})") from None
     try:
         n_docs, n_tokens = 0, 0
         with open(staging / FILES["tokens"][0], "wb") as ft, open(staging / FILES["train"][0], "wb") as fm, \
@@ -79,13 +93,48 @@ def write_store(directory: str | os.PathLike, docs: Iterable[Document],
                 os.fsync(f.fileno())
         info = {**(meta() if callable(meta) else meta), "n_docs": n_docs, "n_tokens": n_tokens}
         (staging / "meta.json").write_text(json.dumps(info, indent=1) + "\n")
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.rename(staging, directory)
+        _publish(staging, directory)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, StoreWriteError):
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        raise StoreWriteError(f"data.cache_dir: cannot write the token store {directory}: "
+                              f"{e.strerror or e}{where}; nothing of it was kept") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return directory
+
+
+def _publish(staging: Path, directory: Path) -> None:
+    """Renames `staging` to `directory`. Where `directory` already exists it is kept if it
+    is a complete store (another process published the same store first: readers may have
+    it open) and `staging` is removed; a damaged one is moved aside and removed."""
+    try:
+        os.rename(staging, directory)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    try:
+        open_store(directory)
+        shutil.rmtree(staging, ignore_errors=True)  # theirs is complete: keep it
+        return
+    except (CorruptStoreError, FileNotFoundError):
+        pass
+    aside = directory.parent / f".{directory.name}.damaged-{uuid.uuid4().hex}"
+    try:
+        os.rename(directory, aside)
+    except FileNotFoundError:
+        pass
+    try:
+        os.rename(staging, directory)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # another process published in between
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 class CorruptStoreError(ValueError):
