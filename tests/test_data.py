@@ -4,6 +4,9 @@ import functools
 import json
 import os
 import resource
+import shutil
+import subprocess
+import sys
 import time
 import warnings
 
@@ -17,6 +20,7 @@ from jrl.data import (
     load_tokenizer, open_store, plan_rows, write_store,
 )
 from jrl.data.bundled import load_bundled
+from jrl.data.records import iter_located_records
 from jrl.data.packing import assemble_pairs, plan_pairs
 from jrl.data.pipeline import cache_key
 from jrl.data.store import CorruptStoreError, StoreWriteError
@@ -587,3 +591,32 @@ def test_a_cache_write_that_fills_the_disk_names_the_store_and_keeps_nothing(tmp
                             f"File too large; nothing of it was kept")
     assert list((tmp_path / "cache").iterdir()) == []
     assert load_documents(cfg, TOK, "train").lengths.tolist() == [50_001]  # room again: built whole
+
+
+def test_a_data_file_without_read_permission_is_named_by_its_config_field(tmp_path):
+    src = tmp_path / "train.jsonl"
+    src.write_text('{"text": "hello"}\n')
+    src.chmod(0)
+    prefix = []
+    if os.geteuid() == 0:  # root reads any file: drop the capabilities that let it
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    (tmp_path / "c.yaml").write_text(f"data: {{source: {src}, format: text, eval_fraction: 0}}\nstrategy: {{name: seq}}\n")
+    done = subprocess.run([*prefix, sys.executable, "-m", "jrl.train", "--config", str(tmp_path / "c.yaml"), "--dry-run"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    assert done.returncode == 2
+    assert done.stderr == f"config error: data.source: cannot read '{src}': Permission denied\n"
+
+
+def test_a_data_file_that_grows_while_it_is_read_is_refused_naming_it(tmp_path):
+    src = tmp_path / "train.jsonl"  # a writer still appending: the records read are neither file
+    src.write_text('{"text": "a"}\n{"text": "b"}\n')
+    records = iter_located_records(str(src), 0, "data.source")
+    assert next(records) == (f"{src}:1", {"text": "a"})
+    with open(src, "a") as f:
+        f.write('{"text": "c"}\n')
+    with pytest.raises(ConfigError, match=rf"^data.source: '{src}' changed while it was being read \(28 bytes, then 42\); "
+                                          r"start the run once whatever writes it has finished$"):
+        list(records)

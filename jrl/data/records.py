@@ -4,6 +4,7 @@ deterministic train / held-out split."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +20,8 @@ def require_source(source: str, key: str) -> None:
     """Raises a ConfigError naming `key` (the config field that gave it) unless `source`
     is a bundled dataset or an existing file; for a relative path it names the working
     directory it was read from (not the config file's)."""
+    if not is_bundled(source) and Path(source).is_file() and not os.access(source, os.R_OK):
+        raise ConfigError(f"{key}: cannot read {source!r}: Permission denied")
     if not is_bundled(source) and not Path(source).is_file():
         if Path(source).is_dir():
             raise ConfigError(f"{key}: {source!r} is a directory; give a JSONL file")
@@ -36,7 +39,12 @@ def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -
             yield f"{source}[{index}]", record
         return
     require_source(source, key)
-    with open(source, "rb") as f:  # bytes, so a line that is not UTF-8 is named by its number
+    try:
+        f = open(source, "rb")  # bytes, so a line that is not UTF-8 is named by its number
+    except OSError as e:  # no permission, ...
+        raise ConfigError(f"{key}: cannot read {source!r}: {e.strerror or e}") from None
+    with f:
+        before = os.fstat(f.fileno())
         for line_no, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")
@@ -55,6 +63,11 @@ def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -
             if _SURROGATE_ESCAPE.search(line):
                 _check_unicode(record, f"{source}:{line_no}")
             yield f"{source}:{line_no}", record
+        after = os.fstat(f.fileno())
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            # another program writing it: what was read is neither the old file nor the new one
+            raise ConfigError(f"{key}: {source!r} changed while it was being read ({before.st_size:,} bytes, "
+                              f"then {after.st_size:,}); start the run once whatever writes it has finished")
 
 
 def _check_unicode(record: dict, where: str) -> None:
