@@ -171,10 +171,19 @@ def check_data(config: TrainConfig, warm_start: bool = False) -> tuple[str, str 
     parts = []
     for split in ("train", "eval"):
         checked = check_records(config.data, tokenizer, split)
-        if checked is not None:
-            source, count = checked
-            parts.append(f"{split} {source}" if count is None else f"{split} {_records(count)} ({source})")
-    return ", ".join(parts), None
+        if checked is None:
+            continue
+        if checked.records is None:  # bundled: generated, not read
+            parts.append(f"{split} {checked.source}")
+            continue
+        part = (f"{split} {_records(checked.records)} ({checked.source}): {checked.tokens:,} tokens in "
+                f"{checked.rows:,} row{'' if checked.rows == 1 else 's'} of {config.data.seq_len}")
+        if split == "train":  # how far the run gets through its data
+            per_epoch = checked.rows / config.data.batch_size
+            part += (f", an epoch every {per_epoch:,.1f} steps of data.batch_size={config.data.batch_size} "
+                     f"(steps={config.steps}: {config.steps / per_epoch:,.2f} epochs)")
+        parts.append(part)
+    return "; ".join(parts), None
 
 
 def check_devices(config: TrainConfig) -> str:

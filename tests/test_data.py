@@ -367,7 +367,7 @@ def test_a_dry_run_check_warns_about_records_that_train_nothing(tmp_path):
     write_chat_with_untrained_records(src)
     cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0)
     checked, message = one_warning(check_records, cfg, TOK, "train")
-    assert checked == (str(src), 3)
+    assert (checked.source, checked.records) == (str(src), 3)
     assert message.startswith("data.source: 2 of the 3 training records")
 
 

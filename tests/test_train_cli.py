@@ -1,5 +1,6 @@
 """`python -m jrl.train` / `jrl` command line: overrides, validation errors, dry run, plot."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -219,8 +220,19 @@ def test_a_dry_run_prints_the_record_count_of_each_source(tmp_path, capsys):
     config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n' * 3,
                           '{"prompt": "2+2=", "response": "4"}\n')
     assert main(["--config", config, "--dry-run"]) == 0
-    assert (f"# data: train 3 records ({tmp_path / 'train.jsonl'}), eval 1 record ({tmp_path / 'eval.jsonl'})\n"
-            in capsys.readouterr().out)
+    assert (f"# data: train 3 records ({tmp_path / 'train.jsonl'}): 18 tokens in 1 row of 128, an epoch every "
+            f"0.1 steps of data.batch_size=16 (steps=300: 4,800.00 epochs); "
+            f"eval 1 record ({tmp_path / 'eval.jsonl'}): 6 tokens in 1 row of 128\n" in capsys.readouterr().out)
+
+
+def test_a_dry_run_says_how_many_steps_an_epoch_of_the_training_rows_takes(tmp_path, capsys):
+    # 10 documents of 64 tokens (63 bytes and EOS): 10 rows of 64, 4 a step
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": "x" * 63}) + "\n" for _ in range(10)))
+    (tmp_path / "run.yaml").write_text(f"steps: 5\ndata: {{source: {tmp_path / 'train.jsonl'}, format: text, "
+                                       f"eval_fraction: 0, seq_len: 64, batch_size: 4}}\nstrategy: {{name: seq}}\n")
+    assert main(["--config", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
+    assert (f"# data: train 10 records ({tmp_path / 'train.jsonl'}): 640 tokens in 10 rows of 64, an epoch every "
+            f"2.5 steps of data.batch_size=4 (steps=5: 2.00 epochs)\n" in capsys.readouterr().out)
 
 
 def test_a_dry_run_names_data_whose_documents_all_overflow_into_no_rows(tmp_path, capsys):

@@ -10,7 +10,7 @@ import os
 import warnings
 from array import array
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, NamedTuple
 
 import numpy as np
 
@@ -138,23 +138,33 @@ def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split,
         yield from docs
 
 
-def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> tuple[str, int | None] | None:
-    """`(source, records)` of `split` after encoding every record and planning its rows as
+class CheckedSplit(NamedTuple):
+    """What a dry run's check read of a split: its source, records, document tokens and the
+    rows they plan into (records, tokens and rows None for a bundled source, not read)."""
+
+    source: str
+    records: int | None
+    tokens: int | None = None
+    rows: int | None = None
+
+
+def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> CheckedSplit | None:
+    """The `CheckedSplit` of `split` after encoding every record and planning its rows as
     the run will, keeping only document lengths: a dry run's check, so a bad record
     (file:line, field) or data that gives no rows fails with the run's error before the
-    run starts. None where the split is empty by config; a bundled source is not read
-    (records None)."""
+    run starts. None where the split is empty by config; a bundled source is not read."""
     chosen = _split_source(config, split)
     if chosen is None:
         return None
     if is_bundled(chosen[0]):
-        return chosen[0], None
+        return CheckedSplit(chosen[0], None)
     lengths, untrained = array("q"), Untrained()
     for ids, _ in iter_documents(config, tokenizer, split, untrained):
         lengths.append(len(ids))
-    plan_split(config, split, np.frombuffer(lengths, np.int64), lambda: untrained.count < untrained.records)
+    lengths = np.frombuffer(lengths, np.int64)
+    plan = plan_split(config, split, lengths, lambda: untrained.count < untrained.records)
     untrained.warn(config, split)
-    return chosen[0], untrained.records
+    return CheckedSplit(chosen[0], untrained.records, int(lengths.sum()), len(plan))
 
 
 def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
