@@ -620,3 +620,13 @@ def test_a_data_file_that_grows_while_it_is_read_is_refused_naming_it(tmp_path):
     with pytest.raises(ConfigError, match=rf"^data.source: '{src}' changed while it was being read \(28 bytes, then 42\); "
                                           r"start the run once whatever writes it has finished$"):
         list(records)
+
+
+@pytest.mark.parametrize("text, add_eos", [("", True), ("a", False)])
+def test_a_single_token_text_document_is_warned_about_as_such(tmp_path, text, add_eos):
+    src = tmp_path / "train.jsonl"  # one token: no earlier token to predict it from
+    src.write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": "hello"}) + "\n")
+    cfg = DataConfig(source=str(src), format="text", eval_fraction=0.0, add_eos=add_eos)
+    _, message = one_warning(build_dataset, cfg, TOK, "train")
+    assert message == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first at {src}:1: "
+                       f"its document is a single token, and a document's first token is never a target")

@@ -110,8 +110,10 @@ def _check_pair_overflow(docs: list[Document], config: DataConfig, where: str) -
 
 
 def _untrained_reason(record: dict, docs: list[Document], config: DataConfig) -> str:
+    length = max(len(ids) for ids, _ in docs)
+    if length == 1:  # e.g. an empty text and its EOS: nothing before the token to predict it from
+        return "its document is a single token, and a document's first token is never a target"
     if any(train.any() for _, train in docs):  # trained tokens, all cut away
-        length = max(len(ids) for ids, _ in docs)
         if config.overflow == "drop":
             return (f"its {length} tokens are more than data.seq_len={config.seq_len} and "
                     f"data.overflow='drop' leaves it out")
