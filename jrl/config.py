@@ -141,7 +141,9 @@ def _coerce(value: Any, annotation: Any, field: str) -> Any:
             try:
                 return _coerce(value, arg, field)
             except ConfigError as e:
-                errors.append(str(e))
+                # a list is wrong as a list (`source: [1]`: its item), not as the string it is not
+                listed = isinstance(value, (list, tuple)) and typing.get_origin(arg) is tuple
+                errors.insert(0, str(e)) if listed else errors.append(str(e))
         if not errors:
             raise ConfigError(f"{field}: invalid value {value!r}")
         # "(or null)" only where this field is what is wrong, not a field inside its section
@@ -519,11 +521,26 @@ class Section:
                f"give exactly one of 'field' or 'text', got field={self.field!r} text={self.text!r}")
 
 
+def _check_source(source: Any, field: str) -> None:
+    """A data file setting: a non-empty path or pattern, or a non-empty list of them."""
+    if isinstance(source, str):
+        _check(source != "", field, "must be a non-empty path, a glob pattern or a list of them")
+        return
+    _check(isinstance(source, tuple) and len(source) > 0, field,
+           f"must be a path, a glob pattern or a non-empty list of them, got {source!r}")
+    for i, entry in enumerate(source):
+        _check(isinstance(entry, str) and entry != "", f"{field}[{i}]",
+               f"must be a non-empty path or glob pattern, got {entry!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where examples come from, how they become token rows, and how rows are batched.
 
-    `source` is a JSONL path or `bundled:<name>[:<n_records>]` (see `jrl.data.bundled`).
+    `source` is a JSONL path, a glob pattern, a list of them (read in the order given, each
+    pattern's files in sorted order), or `bundled:<name>[:<n_records>]` (see
+    `jrl.data.bundled`); with `format: text` a file ending in `.txt` is one raw-text
+    document (`jrl.data.records`).
     `format`: `text` (one field, every token trained: pretraining), `sections` (the
     declarative `sections` list: SFT), `chat` (a list of `{role, content}` messages in
     `messages_field`, rendered by the tokenizer's chat template; turns of `train_roles`
@@ -531,8 +548,8 @@ class DataConfig:
     `rejected_field` are the two scored responses: DPO).
     """
 
-    source: str = "bundled:arithmetic"
-    eval_source: str | None = None
+    source: str | tuple[str, ...] = "bundled:arithmetic"
+    eval_source: str | tuple[str, ...] | None = None
     eval_fraction: float = 0.05  # of the source's records, used when eval_source is None
     format: Literal["text", "sections", "chat", "preference"] = "sections"
     text_field: str = "text"
@@ -553,7 +570,9 @@ class DataConfig:
     cache_dir: str | None = None  # tokenized memory-mapped copies of the data go here
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.source, str) and self.source != "", "data.source", "must be a non-empty string")
+        _check_source(self.source, "data.source")
+        if self.eval_source is not None:
+            _check_source(self.eval_source, "data.eval_source")
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction",
                f"must be in [0, 1), got {self.eval_fraction}")
         _check(self.seq_len >= 2, "data.seq_len", f"must be >= 2, got {self.seq_len}")

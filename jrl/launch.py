@@ -28,7 +28,7 @@ from jrl import checkpoint
 from jrl.config import (CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config,
                         to_dict)
 from jrl.data.pipeline import check_records
-from jrl.data.records import require_source
+from jrl.data.records import require_source, source_files
 from jrl.data.store import StoreWriteError
 from jrl.hf import HFFormatError
 from jrl.metrics_log import CorruptMetricsError
@@ -85,7 +85,11 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
         check_data_format(config, strategy)
         files = {"data.source": config.data.source, "data.eval_source": config.data.eval_source}
     for key, path in files.items():  # a typo in a path fails now, not after the model is built
-        if path is not None:
+        if path is None:
+            continue
+        if key.startswith("data."):  # a list of paths and patterns, .txt files only for format text
+            source_files(path, key, config.data.format)
+        else:
             require_source(path, key)
     load_run_tokenizer(config)  # the data pipeline and RL sources tokenise with it
     return config
@@ -176,7 +180,8 @@ def check_data(config: TrainConfig, warm_start: bool = False) -> tuple[str, str 
         if checked.records is None:  # bundled: generated, not read
             parts.append(f"{split} {checked.source}")
             continue
-        part = (f"{split} {_records(checked.records)} ({checked.source}): {checked.tokens:,} tokens in "
+        files = "" if checked.files == 1 else f"{checked.files:,} files: "
+        part = (f"{split} {_records(checked.records)} ({files}{checked.source}): {checked.tokens:,} tokens in "
                 f"{checked.rows:,} row{'' if checked.rows == 1 else 's'} of {config.data.seq_len}")
         if split == "train":  # how far the run gets through its data
             per_epoch = checked.rows / config.data.batch_size

@@ -276,8 +276,10 @@ def test_a_missing_data_file_is_named_by_its_config_field(tmp_path, split, key):
 
 
 def test_a_directory_given_as_data_file_is_named_as_a_directory(tmp_path):
-    with pytest.raises(ConfigError, match=rf"^data.source: '{tmp_path}' is a directory; give a JSONL file$"):
+    with pytest.raises(ConfigError) as e:
         load_documents(DataConfig(source=str(tmp_path), eval_fraction=0.0), TOK, "train")
+    assert str(e.value) == (f"data.source: '{tmp_path}' is a directory; give a file, a list of files or a glob "
+                            f"pattern such as '{tmp_path}/*.jsonl'")
 
 
 @pytest.mark.parametrize("text,overflow,why", [
@@ -630,3 +632,86 @@ def test_a_single_token_text_document_is_warned_about_as_such(tmp_path, text, ad
     _, message = one_warning(build_dataset, cfg, TOK, "train")
     assert message == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first at {src}:1: "
                        f"its document is a single token, and a document's first token is never a target")
+
+
+def texts(store):
+    return [TOK.decode(store.doc(i)[0]) for i in range(len(store))]
+
+
+def write_lines(path, *texts_):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts_))
+    return str(path)
+
+
+def test_a_list_of_two_jsonl_files_reads_as_their_concatenation(tmp_path):
+    a = write_lines(tmp_path / "a.jsonl", *(f"a{i}" for i in range(30)))
+    b = write_lines(tmp_path / "b.jsonl", *(f"b{i}" for i in range(30)))
+    both = tmp_path / "both.jsonl"
+    both.write_text((tmp_path / "a.jsonl").read_text() + (tmp_path / "b.jsonl").read_text())
+    listed = DataConfig(source=(a, b), format="text", eval_fraction=0.2)
+    joined = DataConfig(source=str(both), format="text", eval_fraction=0.2)
+    for split in ("train", "eval"):  # the same records held out: the rule counts across files
+        assert texts(load_documents(listed, TOK, split)) == texts(load_documents(joined, TOK, split))
+    assert len(load_documents(listed, TOK, "eval")) > 0
+
+
+def test_a_glob_pattern_reads_its_files_in_sorted_order(tmp_path):
+    (tmp_path / "shards").mkdir()
+    for name in ("02", "10", "01"):
+        write_lines(tmp_path / "shards" / f"{name}.jsonl", f"doc {name}")
+    write_lines(tmp_path / "shards" / "notes.json", "not matched")
+    cfg = DataConfig(source=str(tmp_path / "shards" / "*.jsonl"), format="text", eval_fraction=0.0)
+    assert texts(load_documents(cfg, TOK, "train")) == ["doc 01<eos>", "doc 02<eos>", "doc 10<eos>"]
+
+
+def test_txt_files_are_one_raw_text_document_each_named_by_the_file(tmp_path):
+    (tmp_path / "a.txt").write_text('first line\n{"not": "json"}\n')
+    (tmp_path / "b.txt").write_text("")
+    jsonl = write_lines(tmp_path / "c.jsonl", "a record")
+    cfg = DataConfig(source=(str(tmp_path / "*.txt"), jsonl), format="text", eval_fraction=0.0)
+    dataset, message = one_warning(build_dataset, cfg, TOK, "train")
+    assert texts(dataset.store) == ['first line\n{"not": "json"}\n<eos>', "<eos>", "a record<eos>"]
+    assert f"the first at {tmp_path / 'b.txt'}: its document is a single token" in message
+
+
+def test_a_txt_file_is_refused_for_a_format_other_than_text(tmp_path):
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=str(tmp_path / "a.txt"), eval_fraction=0.0), TOK, "train")
+    assert str(e.value) == (f"data.source: '{tmp_path / 'a.txt'}' is a raw text file (.txt: one document per "
+                            f"file), read only with data.format: text, not 'sections'; give sections records as JSONL")
+
+
+def test_a_pattern_that_matches_no_file_is_named(tmp_path):
+    a = write_lines(tmp_path / "a.jsonl", "x")
+    pattern = str(tmp_path / "shard-*.jsonl")
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=(a, pattern), format="text", eval_fraction=0.0), TOK, "train")
+    assert str(e.value) == f"data.source: the pattern '{pattern}' matches no file"
+
+
+def test_a_file_given_twice_is_refused(tmp_path):
+    a = write_lines(tmp_path / "a.jsonl", "x")
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=(str(tmp_path / "*.jsonl"), a), format="text", eval_fraction=0.0),
+                       TOK, "train")
+    assert str(e.value) == f"data.source: '{a}' is given twice (by '{tmp_path}/*.jsonl' and '{a}'); list each file once"
+
+
+def test_a_pattern_that_matches_a_directory_is_refused_naming_it(tmp_path):
+    write_lines(tmp_path / "a.jsonl", "x")
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(ConfigError, match=rf"^data.source: the pattern '{tmp_path}/\*' matches the directory "
+                                          rf"'{tmp_path}/sub'; give a pattern that matches files only"):
+        load_documents(DataConfig(source=str(tmp_path / "*"), format="text", eval_fraction=0.0), TOK, "train")
+
+
+def test_cache_dir_rebuilds_when_the_second_file_of_a_list_changes(tmp_path):
+    a = write_lines(tmp_path / "a.jsonl", "aaaa")
+    b = write_lines(tmp_path / "b.jsonl", "bbbb")
+    cfg = DataConfig(source=(a, b), format="text", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    assert texts(load_documents(cfg, TOK, "train")) == ["aaaa<eos>", "bbbb<eos>"]
+    time.sleep(0.05)  # past a tick of the kernel's file clock, so the rewrite's mtime differs
+    write_lines(tmp_path / "b.jsonl", "cccc")  # the same size
+    assert texts(load_documents(cfg, TOK, "train")) == ["aaaa<eos>", "cccc<eos>"]
+    assert len(list((tmp_path / "cache").iterdir())) == 2

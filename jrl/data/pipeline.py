@@ -15,12 +15,11 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple
 import numpy as np
 
 from jrl.config import ConfigError, DataConfig, to_dict
-from jrl.data.bundled import is_bundled
 from jrl.data.encode import Document, encode_record
 from jrl.data.packing import (
     PairPlan, RowPlan, assemble_pairs, assemble_rows, doc_pieces, keeps_a_trained_target, plan_pairs, plan_rows,
 )
-from jrl.data.records import is_heldout, iter_located_records
+from jrl.data.records import bundled_source, is_heldout, iter_located_records, source_files, source_label
 from jrl.data.sampler import EpochSampler
 from jrl.data.store import CorruptStoreError, TokenStore, build_store, open_store, write_store
 from jrl.data.text import Tokenizer
@@ -28,7 +27,10 @@ from jrl.data.text import Tokenizer
 Split = Literal["train", "eval"]
 
 
-def _split_source(config: DataConfig, split: Split) -> tuple[str, bool, str] | None:
+Source = str | tuple[str, ...]  # a path, a pattern or a bundled name, or a list of them
+
+
+def _split_source(config: DataConfig, split: Split) -> tuple[Source, bool, str] | None:
     """(source, filter by the held-out rule?, the config field naming the source) for
     `split`, or None if the split is empty."""
     if split == "eval":
@@ -38,13 +40,26 @@ def _split_source(config: DataConfig, split: Split) -> tuple[str, bool, str] | N
     return config.source, config.eval_source is None and config.eval_fraction > 0, "data.source"
 
 
+def _shown(source: Source) -> str:
+    """A source as messages name it: a path quoted, a list in YAML's flow form."""
+    return repr(source) if isinstance(source, str) else source_label(source)
+
+
+def _records(config: DataConfig, source: Source, key: str) -> Iterator[tuple[str, dict]]:
+    """`(where, record)` for every record of `source`, read as the data pipeline reads it
+    (a `.txt` file is a raw-text document for `format: text`)."""
+    return iter_located_records(source, config.seed, key, config.format, config.text_field)
+
+
 def iter_split_records(config: DataConfig, split: Split) -> Iterator[tuple[str, dict]]:
-    """`(where, record)` for the records of `split`, in source order."""
+    """`(where, record)` for the records of `split`, in source order: the held-out rule
+    counts records across all of the source's files, so it does not depend on how the
+    records are spread over them."""
     chosen = _split_source(config, split)
     if chosen is None:
         return
     source, filtered, key = chosen
-    for index, (where, record) in enumerate(iter_located_records(source, config.seed, key)):
+    for index, (where, record) in enumerate(_records(config, source, key)):
         if filtered and is_heldout(index, config.seed, config.eval_fraction) != (split == "eval"):
             continue
         yield where, record
@@ -81,7 +96,7 @@ class Untrained:
             return
         source, _, key = _split_source(config, split)
         rows = "training" if split == "train" else "held-out"
-        warnings.warn(f"{key}: {self.count} of the {self.records} {rows} records of {source!r} train nothing, "
+        warnings.warn(f"{key}: {self.count} of the {self.records} {rows} records of {_shown(source)} train nothing, "
                       f"the first at {self.first}: {self.reason}", stacklevel=3)
 
 
@@ -141,13 +156,15 @@ def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split,
 
 
 class CheckedSplit(NamedTuple):
-    """What a dry run's check read of a split: its source, records, document tokens and the
-    rows they plan into (records, tokens and rows None for a bundled source, not read)."""
+    """What a dry run's check read of a split: its source (as written; a list in YAML's
+    flow form), records, document tokens, the rows they plan into and the files read
+    (records, tokens, rows and files None for a bundled source, not read)."""
 
     source: str
     records: int | None
     tokens: int | None = None
     rows: int | None = None
+    files: int | None = None
 
 
 def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> CheckedSplit | None:
@@ -158,32 +175,37 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Che
     chosen = _split_source(config, split)
     if chosen is None:
         return None
-    if is_bundled(chosen[0]):
-        return CheckedSplit(chosen[0], None)
+    source, _, key = chosen
+    if bundled_source(source) is not None:
+        return CheckedSplit(bundled_source(source), None)
+    files = len(source_files(source, key, config.format))
     lengths, untrained = array("q"), Untrained()
     for ids, _ in iter_documents(config, tokenizer, split, untrained):
         lengths.append(len(ids))
     lengths = np.frombuffer(lengths, np.int64)
     plan = plan_split(config, split, lengths, lambda: untrained.count < untrained.records)
     untrained.warn(config, split)
-    return CheckedSplit(chosen[0], untrained.records, int(lengths.sum()), len(plan))
+    return CheckedSplit(source_label(source), untrained.records, int(lengths.sum()), len(plan), files)
 
 
 def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
-    """Hash of everything that determines the tokenised documents of `split`."""
+    """Hash of everything that determines the tokenised documents of `split`, every file of
+    its source included (a file added to a pattern's matches, or any file changed, gives
+    a new key). A source that names no readable file raises its ConfigError."""
     chosen = _split_source(config, split)
-    source = chosen[0] if chosen else None
     stat = None
-    if source and not is_bundled(source) and os.path.exists(source):
-        st = os.stat(source)
-        # the inode and ctime too: a rewrite that keeps the size and restores the mtime (cp -p,
-        # rsync -t, tar, touch -r) changes the ctime, which no user call can set back
-        stat = [os.path.abspath(source), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    if chosen is not None and bundled_source(chosen[0]) is None:
+        stat = []
+        for path in source_files(chosen[0], chosen[2], config.format):
+            st = os.stat(path)
+            # the inode and ctime too: a rewrite that keeps the size and restores the mtime (cp -p,
+            # rsync -t, tar, touch -r) changes the ctime, which no user call can set back
+            stat.append([os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
     fields = {k: v for k, v in to_dict(config).items()
               if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
                        "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
                        "add_eos", "seed")}
-    blob = json.dumps({"split": split, "data": fields, "file": stat,
+    blob = json.dumps({"split": split, "data": fields, "files": stat,
                        "tokenizer": [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.bos_id,
                                       getattr(tokenizer, "marks_text_start", False),
                                       getattr(tokenizer, "digest", None), getattr(tokenizer, "chat_template", None)]},
@@ -263,17 +285,17 @@ def plan_split(config: DataConfig, split: Split, lengths: np.ndarray,
         if len(lengths):
             why = (f"each of its {len(lengths)} documents is longer than data.seq_len={config.seq_len} "
                    f"and data.overflow={config.overflow!r} drops it")
-        elif filtered and next(iter_located_records(source, config.seed, key), None) is not None:
+        elif filtered and next(_records(config, source, key), None) is not None:
             # a small file whose every record the pseudo-random hold-out took: it has records
             why = (f"data.eval_fraction={config.eval_fraction} holds out every one of its records; lower it "
                    f"or give the held-out records as data.eval_source")
         else:
             why = "it has no records"
         rows = "training" if split == "train" else "held-out"
-        raise ConfigError(f"{key}: {source!r} gives no {rows} rows: {why}")
+        raise ConfigError(f"{key}: {_shown(source)} gives no {rows} rows: {why}")
     if split == "train" and config.format == "chat" and not has_trained_token():
         source, _, key = _split_source(config, split)  # e.g. a misspelt role: the loss would be 0/0
-        raise ConfigError(f"{key}: {source!r} has nothing to train on: none of its messages has a role in "
+        raise ConfigError(f"{key}: {_shown(source)} has nothing to train on: none of its messages has a role in "
                           f"data.train_roles={list(config.train_roles)}")
     return plan
 

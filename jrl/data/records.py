@@ -1,19 +1,29 @@
-"""Reading records (JSON objects) from a JSONL file or a bundled dataset, and the
-deterministic train / held-out split."""
+"""Reading records (JSON objects) from data files or a bundled dataset, and the
+deterministic train / held-out split.
+
+A source is one path, a glob pattern, or a list of them (`source_files`): the files are
+read one after the other as one stream of records, in the order the list gives them and
+each pattern's matches in sorted order, so a list of files reads as their concatenation
+(the held-out choice counts records across the whole stream). Every file is JSONL, except
+that for `data.format: text` a file ending in `.txt` is raw text: the whole file is one
+document, its location the file's path (a JSONL record's is `file:line`).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+from glob import glob
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from jrl.config import ConfigError
 from jrl.data.bundled import is_bundled, load_bundled
 
 _MASK64 = (1 << 64) - 1
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # only such escapes can give one
+RAW_TEXT_SUFFIX = ".txt"  # with data.format: text, such a file is one raw-text document
 
 
 def require_source(source: str, key: str) -> None:
@@ -24,26 +34,129 @@ def require_source(source: str, key: str) -> None:
         raise ConfigError(f"{key}: cannot read {source!r}: Permission denied")
     if not is_bundled(source) and not Path(source).is_file():
         if Path(source).is_dir():
-            raise ConfigError(f"{key}: {source!r} is a directory; give a JSONL file")
+            raise ConfigError(f"{key}: {source!r} is a directory; give a file, a list of files or a "
+                              f"glob pattern such as {os.path.join(source, '*.jsonl')!r}")
         # a config is often run from another directory than its own: say where a relative path was looked for
-        where = "" if Path(source).is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
-        raise ConfigError(f"{key}: no such file {source!r}{where}")
+        raise ConfigError(f"{key}: no such file {source!r}{_relative_note(source)}")
 
 
-def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -> Iterator[tuple[str, dict]]:
-    """`(where, record)` for every record of `source`, `where` being `file:line` (or
-    `bundled:<name>[index]`). A missing file raises a ConfigError naming `key` (the
-    config field that gave the path), a bad line one naming file:line."""
-    if is_bundled(source):
-        for index, record in enumerate(load_bundled(source, seed)):
-            yield f"{source}[{index}]", record
+def _relative_note(path: str) -> str:
+    """Where a relative path was looked for: a config is often run from another directory
+    than its own."""
+    return "" if Path(path).is_absolute() else f" (a relative path is read from the working directory, {Path.cwd()})"
+
+
+def source_entries(source: str | Sequence[str]) -> list[str]:
+    """The paths and patterns a source setting lists (one for a string)."""
+    return [source] if isinstance(source, str) else list(source)
+
+
+def bundled_source(source: str | Sequence[str]) -> str | None:
+    """The bundled dataset a source names (alone, or as a list of one), else None."""
+    entries = source_entries(source)
+    return entries[0] if len(entries) == 1 and is_bundled(entries[0]) else None
+
+
+def source_label(source: str | Sequence[str]) -> str:
+    """A source as messages show it: a string as it is, a list as YAML's flow form."""
+    return source if isinstance(source, str) else "[" + ", ".join(source) + "]"
+
+
+def _is_pattern(entry: str) -> bool:
+    return any(c in entry for c in "*?[") and not os.path.lexists(entry)  # a file so named is that file
+
+
+def source_files(source: str | Sequence[str], key: str, data_format: str | None = None) -> list[str]:
+    """The files of a source setting (see the module doc), or `[bundled name]`. Raises a
+    ConfigError naming `key` (the config field) for a missing or unreadable file, a
+    directory, a pattern that matches no file, a file given twice, a bundled dataset
+    listed with other sources, and, where `data_format` (the data pipeline's
+    `data.format`) is not `text`, a `.txt` file. With `data_format` None (an RL task's
+    files) every file is JSONL, whatever its name."""
+    entries = source_entries(source)
+    if bundled_source(source) is not None:
+        return entries
+    files: list[str] = []
+    given: dict[str, str] = {}  # a file's real path -> the entry that gave it
+    for entry in entries:
+        if is_bundled(entry):
+            raise ConfigError(f"{key}: the bundled dataset {entry!r} cannot be listed with other sources; "
+                              f"give it alone")
+        if _is_pattern(entry):
+            matches = sorted(glob(entry, recursive=True))
+            if not matches:
+                raise ConfigError(f"{key}: the pattern {entry!r} matches no file{_relative_note(entry)}")
+        else:
+            matches = [entry]
+        for path in matches:
+            if path != entry and Path(path).is_dir():
+                raise ConfigError(f"{key}: the pattern {entry!r} matches the directory {path!r}; give a pattern "
+                                  f"that matches files only, such as {os.path.join(os.path.dirname(entry), '*.jsonl')!r}")
+            require_source(path, key)
+            if data_format is not None and data_format != "text" and path.endswith(RAW_TEXT_SUFFIX):
+                raise ConfigError(f"{key}: {path!r} is a raw text file ({RAW_TEXT_SUFFIX}: one document per file), "
+                                  f"read only with data.format: text, not {data_format!r}; give "
+                                  f"{data_format} records as JSONL")
+            real = os.path.realpath(path)
+            if real in given:
+                twice = f"{entry!r}" if given[real] == entry else f"{given[real]!r} and {entry!r}"
+                raise ConfigError(f"{key}: {path!r} is given twice (by {twice}); list each file once")
+            given[real] = entry
+            files.append(path)
+    return files
+
+
+def iter_located_records(source: str | Sequence[str], seed: int = 0, key: str = "data.source",
+                         data_format: str | None = None, text_field: str = "text") -> Iterator[tuple[str, dict]]:
+    """`(where, record)` for every record of `source` (its files in `source_files` order),
+    `where` being `file:line` (`file` for a raw-text file, `bundled:<name>[index]`). A
+    missing file raises a ConfigError naming `key` (the config field that gave the path),
+    a bad line one naming file:line. With `data_format` "text" a `.txt` file is one record
+    `{text_field: its text}`."""
+    bundled = bundled_source(source)
+    if bundled is not None:
+        for index, record in enumerate(load_bundled(bundled, seed)):
+            yield f"{bundled}[{index}]", record
         return
-    require_source(source, key)
+    for path in source_files(source, key, data_format):
+        if data_format == "text" and path.endswith(RAW_TEXT_SUFFIX):
+            yield path, {text_field: _read_text(path, key)}
+        else:
+            yield from _iter_jsonl(path, key)
+
+
+def _open(source: str, key: str):
     try:
-        f = open(source, "rb")  # bytes, so a line that is not UTF-8 is named by its number
+        return open(source, "rb")  # bytes, so a line that is not UTF-8 is named by its number
     except OSError as e:  # no permission, ...
         raise ConfigError(f"{key}: cannot read {source!r}: {e.strerror or e}") from None
-    with f:
+
+
+def _check_unchanged(source: str, key: str, before: os.stat_result, after: os.stat_result) -> None:
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        # another program writing it: what was read is neither the old file nor the new one
+        raise ConfigError(f"{key}: {source!r} changed while it was being read ({before.st_size:,} bytes, "
+                          f"then {after.st_size:,}); start the run once whatever writes it has finished")
+
+
+def _read_text(source: str, key: str) -> str:
+    """The text of a raw-text file (UTF-8, an opening byte order mark dropped), as it is:
+    line ends and a final newline included."""
+    with _open(source, key) as f:
+        before = os.fstat(f.fileno())
+        raw = f.read()
+        _check_unchanged(source, key, before, os.fstat(f.fileno()))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{source}: not valid UTF-8 ({e.reason} at byte {e.start}, line {line})") from None
+    return text.removeprefix("\ufeff")
+
+
+def _iter_jsonl(source: str, key: str) -> Iterator[tuple[str, dict]]:
+    """`(file:line, record)` for the records of one JSONL file."""
+    with _open(source, key) as f:
         before = os.fstat(f.fileno())
         for line_no, raw in enumerate(f, start=1):
             try:
@@ -63,11 +176,7 @@ def iter_located_records(source: str, seed: int = 0, key: str = "data.source") -
             if _SURROGATE_ESCAPE.search(line):
                 _check_unicode(record, f"{source}:{line_no}")
             yield f"{source}:{line_no}", record
-        after = os.fstat(f.fileno())
-        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-            # another program writing it: what was read is neither the old file nor the new one
-            raise ConfigError(f"{key}: {source!r} changed while it was being read ({before.st_size:,} bytes, "
-                              f"then {after.st_size:,}); start the run once whatever writes it has finished")
+        _check_unchanged(source, key, before, os.fstat(f.fileno()))
 
 
 def _check_unicode(record: dict, where: str) -> None:

@@ -44,6 +44,7 @@ from jrl import checkpoint
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, TrainConfig, to_dict
 from jrl.data import DataSource, build_dataset, fixed_batches
+from jrl.data.records import source_label
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
 from jrl.parallel import BATCH_AXES, param_shardings, with_shardings
@@ -343,7 +344,7 @@ class Trainer:
             return
         train = build_dataset(data, self.tokenizer, "train")
         if len(train) < data.batch_size:
-            warnings.warn(f"data: {data.source} packs into {len(train)} rows of data.seq_len={data.seq_len}, fewer "
+            warnings.warn(f"data: {source_label(data.source)} packs into {len(train)} rows of data.seq_len={data.seq_len}, fewer "
                           f"than data.batch_size={data.batch_size}: every batch repeats rows", stacklevel=2)
         self.train_source = DataSource(train, data.batch_size, seed=data.seed, shuffle=data.shuffle)
         held = build_dataset(data, self.tokenizer, "eval")
@@ -353,7 +354,7 @@ class Trainer:
             # a small file: the pseudo-random hold-out took none of its records, and the run
             # would skip every evaluation (and early stopping on eval_*) without a word
             warnings.warn(f"data: data.eval_fraction={data.eval_fraction} holds out none of the records of "
-                          f"{data.source}, so the run evaluates nothing (eval.every={ev.every}); raise it or give "
+                          f"{source_label(data.source)}, so the run evaluates nothing (eval.every={ev.every}); raise it or give "
                           f"data.eval_source", stacklevel=2)
 
     def _clear_run_dir(self) -> None:
