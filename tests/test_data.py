@@ -1,5 +1,6 @@
 """Data pipeline: sections -> masks, packing layout, overflow, stores, splits, errors."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -388,10 +389,14 @@ def test_a_prompt_that_truncation_keeps_in_place_of_the_response_gets_the_warnin
     src = tmp_path / "train.jsonl"
     src.write_text(json.dumps({"prompt": "x" * 40, "response": "b"}) + "\n" + '{"prompt": "a", "response": "b"}\n')
     cfg = DataConfig(source=str(src), sections=SECTIONS, seq_len=16, eval_fraction=0.0)
-    _, message = one_warning(build_dataset, cfg, TOK, "train")
-    assert message == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first "
-                       f"at {src}:1: its 46 tokens are more than data.seq_len=16 and "
-                       f"data.overflow='truncate_right' keeps none of its trained ones")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_dataset(cfg, TOK, "train")
+    untrained, truncated = [str(w.message) for w in caught]  # the second: what truncation drops
+    assert untrained == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first "
+                         f"at {src}:1: its 46 tokens are more than data.seq_len=16 and "
+                         f"data.overflow='truncate_right' keeps none of its trained ones")
+    assert truncated.startswith(f"data.source: 1 of the 2 training documents of '{src}' are longer than")
 
 
 def long_prompt_pairs(tmp_path, overflow):
@@ -715,3 +720,51 @@ def test_cache_dir_rebuilds_when_the_second_file_of_a_list_changes(tmp_path):
     write_lines(tmp_path / "b.jsonl", "cccc")  # the same size
     assert texts(load_documents(cfg, TOK, "train")) == ["aaaa<eos>", "cccc<eos>"]
     assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def long_text_documents(tmp_path):
+    """a.jsonl: a 5-token document (4 bytes and EOS) on line 1, a 25-token one on line 2; b.txt: 41 tokens."""
+    a = write_lines(tmp_path / "a.jsonl", "abcd", "x" * 24)
+    (tmp_path / "b.txt").write_text("y" * 40)
+    return [a, str(tmp_path / "b.txt")]
+
+
+def test_truncation_that_drops_tokens_warns_once_with_the_counts_and_the_first_document(tmp_path):
+    source = long_text_documents(tmp_path)
+    cfg = DataConfig(source=tuple(source), format="text", seq_len=16, eval_fraction=0.0)
+    dataset, message = one_warning(build_dataset, cfg, TOK, "train")
+    assert message == (f"data.source: 2 of the 3 training documents of [{source[0]}, {source[1]}] are longer than "
+                       f"data.seq_len=16 and data.overflow='truncate_right' drops 34 of the 71 tokens (47.9%), "
+                       f"the first at {source[0]}:2 (25 tokens); set data.overflow: split to train on all of "
+                       f"their tokens (windows of data.seq_len), or raise data.seq_len")
+    assert len(dataset) == 3
+
+
+def test_overflow_split_drops_nothing_and_does_not_warn(tmp_path):
+    cfg = DataConfig(source=tuple(long_text_documents(tmp_path)), format="text", seq_len=16, eval_fraction=0.0,
+                     overflow="split")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_dataset(cfg, TOK, "train")
+
+
+def test_a_reused_cache_repeats_the_truncation_warning_and_counts_it_for_a_new_seq_len(tmp_path):
+    source = long_text_documents(tmp_path)
+    cfg = DataConfig(source=tuple(source), format="text", seq_len=16, eval_fraction=0.0,
+                     cache_dir=str(tmp_path / "cache"))
+    written, reused = (one_warning(build_dataset, cfg, TOK, "train")[1] for _ in range(2))
+    assert written == reused and "drops 34 of the 71 tokens" in reused
+    # seq_len is not in the store's key: the same store, counted again
+    _, longer = one_warning(build_dataset, dataclasses.replace(cfg, seq_len=32), TOK, "train")
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert ("1 of the 3 training documents" in longer and "drops 9 of the 71 tokens (12.7%), "
+            f"the first at {source[1]} (41 tokens)" in longer)
+
+
+def test_a_dry_run_check_warns_about_truncation(tmp_path):
+    from jrl.data.pipeline import check_records
+
+    cfg = DataConfig(source=tuple(long_text_documents(tmp_path)), format="text", seq_len=16, eval_fraction=0.0)
+    checked, message = one_warning(check_records, cfg, TOK, "train")
+    assert (checked.records, checked.files, checked.tokens) == (3, 2, 71)
+    assert "drops 34 of the 71 tokens (47.9%)" in message

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import warnings
@@ -100,6 +101,80 @@ class Untrained:
                       f"the first at {self.first}: {self.reason}", stacklevel=3)
 
 
+@dataclasses.dataclass
+class Truncated:
+    """The documents of a split that `data.overflow` 'truncate_right' / 'truncate_left'
+    cuts to `data.seq_len` tokens, dropping the rest: with the default overflow, most of
+    the text of a corpus of long documents. Silent otherwise: `warn` says how many there
+    are, what share of the split's tokens is dropped and where the first is. Counted for
+    `seq_len` and `overflow` (kept with the counts in a cached store's meta.json, whose
+    key has neither: `recount` counts again for others)."""
+
+    seq_len: int = 0
+    overflow: str = ""
+    documents: int = 0  # documents read
+    tokens: int = 0  # their tokens
+    count: int = 0  # of them, those cut
+    dropped: int = 0  # the tokens they lose
+    first: str | None = None  # where the first one is (file:line, file for a .txt file)
+    first_tokens: int = 0  # its length
+
+    @classmethod
+    def of(cls, config: DataConfig) -> "Truncated":
+        return cls(config.seq_len, config.overflow)
+
+    def note(self, where: str, docs: list[Document]) -> None:
+        for ids, _ in docs:
+            self._add(where, len(ids))
+
+    def _add(self, where: str | None, length: int) -> None:
+        self.documents += 1
+        self.tokens += length
+        if self.overflow.startswith("truncate") and length > self.seq_len:
+            self.count += 1
+            self.dropped += length - self.seq_len
+            if self.first is None:
+                self.first, self.first_tokens = where, length
+
+    def recount(self, config: DataConfig, lengths: np.ndarray, locate: Callable[[int], str]) -> "Truncated":
+        """These counts if they are for `config`'s seq_len and overflow, else the counts of
+        documents of `lengths`, the first named by `locate(document index)`."""
+        if (self.seq_len, self.overflow) == (config.seq_len, config.overflow):
+            return self
+        out = Truncated.of(config)
+        lengths = np.asarray(lengths, np.int64)
+        out.documents, out.tokens = len(lengths), int(lengths.sum())
+        if config.overflow.startswith("truncate"):
+            cut = np.flatnonzero(lengths > config.seq_len)
+            out.count, out.dropped = len(cut), int((lengths[cut] - config.seq_len).sum())
+            if len(cut):
+                out.first, out.first_tokens = locate(int(cut[0])), int(lengths[cut[0]])
+        return out
+
+    def warn(self, config: DataConfig, split: Split) -> None:
+        if not self.count:
+            return
+        source, _, key = _split_source(config, split)
+        rows = "training" if split == "train" else "held-out"
+        share = 100 * self.dropped / self.tokens
+        share = f"{share:.1f}%" if share >= 0.1 else "under 0.1%"
+        if config.format == "preference":
+            advice = "raise data.seq_len to keep them whole"
+        else:
+            advice = ("set data.overflow: split to train on all of their tokens (windows of data.seq_len), "
+                      "or raise data.seq_len")
+        warnings.warn(f"{key}: {self.count:,} of the {self.documents:,} {rows} documents of {_shown(source)} are "
+                      f"longer than data.seq_len={self.seq_len} and data.overflow={self.overflow!r} drops "
+                      f"{self.dropped:,} of the {self.tokens:,} tokens ({share}), the first at {self.first} "
+                      f"({self.first_tokens:,} tokens); {advice}", stacklevel=3)
+
+
+def _locate_document(config: DataConfig, split: Split, index: int) -> str:
+    """Where document `index` of `split` comes from (file:line), read again from the source."""
+    record = index // 2 if config.format == "preference" else index
+    return next(itertools.islice(iter_split_records(config, split), record, None))[0]
+
+
 def _check_pair_overflow(docs: list[Document], config: DataConfig, where: str) -> None:
     """Raises a ConfigError naming `where` if `data.overflow` cuts away every scored token
     of a pair's response (a long prompt under `truncate_right`), or keeps the same tokens
@@ -145,13 +220,15 @@ def _untrained_reason(record: dict, docs: list[Document], config: DataConfig) ->
 
 
 def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split,
-                   untrained: Untrained | None = None) -> Iterator[Document]:
-    """The documents of `split`, in source order; `untrained` (when given) notes the
-    records that train nothing."""
+                   untrained: Untrained | None = None, truncated: Truncated | None = None) -> Iterator[Document]:
+    """The documents of `split`, in source order; `untrained` and `truncated` (when given)
+    note the records that train nothing and the documents `data.overflow` cuts."""
     for where, record in iter_split_records(config, split):
         docs = encode_record(record, config, tokenizer, where=where)
         if untrained is not None:
             untrained.note(where, record, docs, config)
+        if truncated is not None:
+            truncated.note(where, docs)
         yield from docs
 
 
@@ -179,12 +256,13 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Che
     if bundled_source(source) is not None:
         return CheckedSplit(bundled_source(source), None)
     files = len(source_files(source, key, config.format))
-    lengths, untrained = array("q"), Untrained()
-    for ids, _ in iter_documents(config, tokenizer, split, untrained):
+    lengths, untrained, truncated = array("q"), Untrained(), Truncated.of(config)
+    for ids, _ in iter_documents(config, tokenizer, split, untrained, truncated):
         lengths.append(len(ids))
     lengths = np.frombuffer(lengths, np.int64)
     plan = plan_split(config, split, lengths, lambda: untrained.count < untrained.records)
     untrained.warn(config, split)
+    truncated.warn(config, split)
     return CheckedSplit(source_label(source), untrained.records, int(lengths.sum()), len(plan), files)
 
 
@@ -219,25 +297,30 @@ def load_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> To
     return None if loaded is None else loaded[0]
 
 
-def _load_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> tuple[TokenStore, Untrained] | None:
-    """`load_documents`, with the split's records that train nothing (kept in a cached
-    store's meta.json, so a run that reuses the cache hears of them too)."""
+def _load_documents(config: DataConfig, tokenizer: Tokenizer,
+                    split: Split) -> tuple[TokenStore, Untrained, Truncated] | None:
+    """`load_documents`, with the split's records that train nothing and its documents
+    that `data.overflow` cuts (kept in a cached store's meta.json, so a run that reuses
+    the cache hears of them too)."""
     if _split_source(config, split) is None:
         return None
-    untrained = Untrained()
+    untrained, truncated = Untrained(), Truncated.of(config)
     if config.cache_dir is None:
-        return build_store(iter_documents(config, tokenizer, split, untrained)), untrained
+        return build_store(iter_documents(config, tokenizer, split, untrained, truncated)), untrained, truncated
     directory = Path(config.cache_dir) / f"{split}-{cache_key(config, tokenizer, split)}"
     if (directory / "meta.json").is_file():
         try:
             store = open_store(directory)
-            saved = json.loads((directory / "meta.json").read_text()).get("untrained", {})
-            return store, Untrained(**saved)
+            meta = json.loads((directory / "meta.json").read_text())
+            truncated = Truncated(**meta.get("truncated", {})).recount(
+                config, store.lengths, lambda index: _locate_document(config, split, index))
+            return store, Untrained(**meta.get("untrained", {})), truncated
         except CorruptStoreError as e:  # e.g. a file cut short: a cache, so tokenise again
             warnings.warn(f"data.cache_dir: damaged token store, rebuilding it: {e}", stacklevel=2)
-    write_store(directory, iter_documents(config, tokenizer, split, untrained),
-                lambda: {"split": split, "data": to_dict(config), "untrained": dataclasses.asdict(untrained)})
-    return open_store(directory), untrained
+    write_store(directory, iter_documents(config, tokenizer, split, untrained, truncated),
+                lambda: {"split": split, "data": to_dict(config), "untrained": dataclasses.asdict(untrained),
+                         "truncated": dataclasses.asdict(truncated)})
+    return open_store(directory), untrained, truncated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,13 +344,15 @@ class RowDataset:
 def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> RowDataset | None:
     """The rows of `split`, or None where the split is empty by config (no held-out data).
     A training split, or a `data.eval_source` file, that yields no rows is an error naming
-    its source; records that train nothing get one warning (`Untrained`)."""
+    its source; records that train nothing get one warning (`Untrained`), and so do
+    documents that `data.overflow` truncates (`Truncated`)."""
     loaded = _load_documents(config, tokenizer, split)
     if loaded is None:
         return None
-    store, untrained = loaded
+    store, untrained, truncated = loaded
     plan = plan_split(config, split, store.lengths, lambda: bool(store.train.any()))
     untrained.warn(config, split)
+    truncated.warn(config, split)
     return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
 
 
