@@ -165,3 +165,20 @@ def test_the_hf_export_of_a_trained_run_runs_as_written_and_loads_back(trained_r
     assert config.hidden_size == scope["config"].model.hidden_size
     np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"]),
                                   np.asarray(scope["state"]["params"]["embed"]["embedding"]))
+
+
+def test_the_pretraining_config_of_the_training_doc_reads_a_corpus_as_written(tmp_path, monkeypatch):
+    from jrl.launch import check_data
+
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "training.md").read_text(), re.S)
+                if b.startswith("# my_pretrain.yaml")]
+    (tmp_path / "my_pretrain.yaml").write_text(block)
+    (tmp_path / "corpus" / "books").mkdir(parents=True)
+    for i in range(3):
+        (tmp_path / "corpus" / "books" / f"book{i}.txt").write_text("A long book. " * 200)
+    for shard in ("00", "01"):
+        (tmp_path / "corpus" / f"web-{shard}.jsonl").write_text('{"text": "a short web page"}\n' * 100)
+    monkeypatch.chdir(tmp_path)
+    config = resolve_config(build_parser().parse_args(["--config", "my_pretrain.yaml"]))
+    data, _ = check_data(config)
+    assert data.startswith("train ") and "(5 files: [corpus/books/*.txt, corpus/web-*.jsonl])" in data
