@@ -331,6 +331,8 @@ BAD = [
     ("malformed JSON", "/v1/chat/completions", b'{"model": ', None),
     ("not an object", "/v1/completions", b"[1, 2]", None),
     ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-4"}, "model"),
+    ("model null", "/v1/completions", {**COMP, "model": None}, "model"),
+    ("prompt null", "/v1/completions", {**COMP, "prompt": None}, "prompt"),
     ("missing messages", "/v1/chat/completions", {"model": NAME}, "messages"),
     ("empty messages", "/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
     ("max_tokens past the context", "/v1/chat/completions", {**CHAT, "max_tokens": 500}, "max_tokens"),
@@ -384,6 +386,28 @@ def test_bad_input_is_a_400_naming_the_field(live, name, path, body, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param, err
+
+
+NULLABLE = ("n", "max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "stop",
+            "stream", "stream_options", "logprobs", "logit_bias", "user")
+
+
+@pytest.mark.parametrize("path,body,extra", [
+    ("/v1/chat/completions", CHAT, ("top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                                    "response_format", "chat_template_kwargs")),
+    ("/v1/completions", COMP, ("echo", "best_of", "suffix"))], ids=["chat", "completions"])
+def test_optional_fields_sent_as_null_take_their_defaults(live, path, body, extra):
+    # OpenAI's optional parameters are nullable: clients that build the body from a struct send null for unset
+    nulls = {k: None for k in (*NULLABLE, *extra)}
+    fixed = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = live.http.post(path, json={**body, **nulls, **fixed})
+    assert r.status_code == 200, r.text
+    plain = live.http.post(path, json={**body, **fixed}).json()
+    got = r.json()
+    assert got["choices"][0]["logprobs"] is None and len(got["choices"]) == 1
+    assert got["usage"] == plain["usage"] and got["usage"]["completion_tokens"] == 3
+    key = "message" if "messages" in body else "text"
+    assert got["choices"][0][key] == plain["choices"][0][key]
 
 
 def test_a_stop_that_is_not_strings_is_named_as_stop(live):

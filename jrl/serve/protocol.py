@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -41,6 +41,11 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
+    @field_validator("include_usage", mode="before")
+    @classmethod
+    def _null_is_false(cls, value: Any) -> Any:
+        return False if value is None else value
+
 
 class _Common(BaseModel):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
@@ -65,6 +70,18 @@ class _Common(BaseModel):
     ignore_eos: bool = False  # jrl extension (as vLLM's): run to max_tokens, for benchmarks
     # Declared so that a value that would change the answer is refused, not ignored.
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """`"temperature": null` (any optional field sent as null) means the field's default,
+        as in OpenAI's API, where the optional parameters are nullable; clients that build
+        the body from a struct (LangChain, hand-written ones) send nulls for what is unset.
+        A required field (`model`, `prompt`, `messages`) sent as null is still refused."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod
