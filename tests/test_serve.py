@@ -354,6 +354,10 @@ BAD = [
     ("ids beyond int64", "/v1/completions", {**COMP, "prompt": [3, 2**70]}, "prompt"),
     ("empty prompt", "/v1/completions", {**COMP, "prompt": ""}, "prompt"),
     ("prompt fills the context", "/v1/completions", {**COMP, "prompt": [3] * 128}, "prompt"),
+    ("a lone surrogate in the prompt", "/v1/completions", b'{"model": "%s", "prompt": ["ok", "a\\ud800b"]}' % NAME.encode(),
+     "prompt"),
+    ("a lone surrogate in a message", "/v1/chat/completions",
+     b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % NAME.encode(), "messages"),
     ("top_logprobs", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ("completion logprobs > 0", "/v1/completions", {**COMP, "logprobs": 2}, "logprobs"),
     ("empty stop string", "/v1/completions", {**COMP, "stop": ["", "x"]}, "stop"),
@@ -408,6 +412,27 @@ def test_optional_fields_sent_as_null_take_their_defaults(live, path, body, extr
     assert got["usage"] == plain["usage"] and got["usage"]["completion_tokens"] == 3
     key = "message" if "messages" in body else "text"
     assert got["choices"][0][key] == plain["choices"][0][key]
+
+
+def test_a_lone_surrogate_is_named_with_its_place(live):
+    r = live.http.post("/v1/completions", content=b'{"model": "%s", "prompt": ["ok", "a\\ud800b"]}' % NAME.encode(),
+                       headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == ("prompt[1]: not valid Unicode text: a lone surrogate '\\ud800' at "
+                                            "character 1 (a \\ud800-\\udfff escape in JSON must be half of a pair)")
+
+
+def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(live_in_thread.server.tokenizer, "encode", broken)
+    r = live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1})
+    assert r.status_code == 500
+    assert r.json() == {"error": {"message": "internal server error: RuntimeError: tokenizer exploded",
+                                  "type": "server_error", "param": None, "code": None}}
+    monkeypatch.undo()
+    assert live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1}).status_code == 200
 
 
 def test_a_stop_that_is_not_strings_is_named_as_stop(live):

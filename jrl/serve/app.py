@@ -142,6 +142,9 @@ class Server:
             elif m.content is None:
                 msg["content"] = ""
             messages.append(msg)
+        for i, msg in enumerate(messages):
+            if isinstance(msg.get("content"), str):
+                _check_text(msg["content"], f"messages[{i}].content", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ServeError("messages: the served tokenizer has no chat template; use /v1/completions",
                              param="messages")
@@ -155,6 +158,7 @@ class Server:
         except Exception as e:  # noqa: BLE001 - a template error on unusual input is the input's fault
             raise ServeError(f"messages: rendering the chat template failed: {type(e).__name__}: {e}",
                              param="messages") from None
+        _check_text(text, "messages", "messages")  # e.g. in a tool's description or a message's name
         return np.asarray(self.tokenizer.encode(text), np.int32)
 
     def completion_prompts(self, body: CompletionRequest) -> list[np.ndarray]:
@@ -171,6 +175,8 @@ class Server:
         prompts = []
         for k, x in enumerate(raw):
             where = "prompt" if len(raw) == 1 else f"prompt[{k}]"
+            if isinstance(x, str):
+                _check_text(x, where, "prompt")
             ids = list(self.tokenizer.encode(x) if isinstance(x, str) else x)
             if not ids:
                 raise ServeError(f"{where}: must hold at least one token", param="prompt")
@@ -180,6 +186,17 @@ class Server:
                 raise ServeError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             prompts.append(np.asarray(ids, np.int32))
         return prompts
+
+
+def _check_text(text: str, where: str, param: str) -> None:
+    """A 400 for a string that is not Unicode text: JSON lets a body escape half of a
+    surrogate pair ("\\ud800"), which Python decodes to a string no tokenizer (or UTF-8
+    encoder) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ServeError(f"{where}: not valid Unicode text: a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start} (a \\ud800-\\udfff escape in JSON must be half of a pair)", param=param) from None
 
 
 class _Choice:
@@ -283,6 +300,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
             await asyncio.to_thread(server.stop, shutdown_timeout)
 
     app = FastAPI(title="jrl serve", lifespan=lifespan)
+    app.add_middleware(_InternalErrors)
     app.state.server = server
 
     @app.exception_handler(ServeError)
@@ -498,6 +516,36 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
                     "seconds": round(time.perf_counter() - t0, 3)}
 
     return app
+
+
+class _InternalErrors:
+    """A bug (an exception no handler answers) as a 500 OpenAI error object naming the
+    exception, its traceback in the log. Here rather than as an exception handler, which
+    Starlette runs and then re-raises to uvicorn, which drops the connection: a client's
+    next request on that kept-alive connection failed with a reset."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:
+            if started:  # too late for an error object
+                raise
+            log.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
+            body = error_body(f"internal server error: {type(e).__name__}: {e}", type="server_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 _GONE = object()
