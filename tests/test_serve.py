@@ -575,6 +575,37 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(hf_dirs):
             proc.wait()
 
 
+def test_requests_still_running_at_the_shutdown_timeout_end_with_a_503_error(hf_dirs):
+    server, app = build(build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME,
+                                                   *ENGINE_FLAGS]))
+    thread = ServerThread(server, app, shutdown_timeout=0.5).__enter__()
+    engine_pid = server.worker.pid
+    os.kill(engine_pid, signal.SIGSTOP)  # nothing finishes before the shutdown timeout
+    body = {"model": NAME, "prompt": "the", "max_tokens": 40, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # two clients and the shutdown
+        try:
+            plain = pool.submit(httpx.post, thread.url + "/v1/completions", json=body, timeout=60)
+
+            def stream() -> list[str]:
+                with httpx.stream("POST", thread.url + "/v1/completions", json={**body, "stream": True},
+                                  timeout=60) as r:
+                    return [line for line in r.iter_lines() if line]
+
+            streamed = pool.submit(stream)
+            while server.outstanding < 2:  # both submitted to the engine
+                time.sleep(0.01)
+            stopping = pool.submit(thread.__exit__, None, None, None)
+            message = "the server is shutting down: the request did not finish within --shutdown-timeout (0.5 s)"
+            r = plain.result()
+            assert r.status_code == 503
+            assert r.json() == {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+            assert streamed.result() == [f"data: {json.dumps({'error': r.json()['error']})}", "data: [DONE]"]
+        finally:
+            os.kill(engine_pid, signal.SIGCONT)
+        stopping.result()
+    assert not server.worker.alive
+
+
 def test_a_start_up_error_in_the_engine_process_exits_2_naming_the_flag(hf_dirs, capsys):
     # the engine process loads and sizes the engine; its error is the server's, before it listens
     assert main(["--model", f"hf:{hf_dirs[0]}", "--max-seq-len", "4096", "--no-warmup"]) == 2

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -61,6 +62,7 @@ class Server:
         self.weights_lock = asyncio.Lock()
         self.created = int(time.time())
         self.ignored_seen: set[str] = set()  # request fields already logged as ignored
+        self.handles: weakref.WeakSet[Handle] = weakref.WeakSet()  # engine requests of the requests in flight
 
     def start(self) -> None:
         if self.worker is None:
@@ -112,6 +114,17 @@ class Server:
             raise ServeError(f"{field}: prompt + {field} = {prompt_len + limit} tokens need {pages} KV pages, the "
                              f"pool has {self.engine.config.n_pages}", param=field)
         return limit
+
+    def end_in_flight(self, message: str) -> int:
+        """Fails every engine request still running with a 503 `message` (a plain answer's
+        error object, a stream's error event and then [DONE]) and aborts it; the count."""
+        ended = 0
+        for handle in list(self.handles):
+            if not handle.done:
+                handle.queue.put_nowait(ErrorEvent(message, status=503))
+                self.worker.abort(handle)
+                ended += 1
+        return ended
 
     def request_ended(self) -> None:
         self.outstanding -= 1
@@ -387,6 +400,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
                 handle = server.worker.submit(prompt, samplings[k], max_new, eos_ids, on_end=server.request_ended,
                                               stream_tokens=stream_tokens)
                 server.outstanding += 1
+                server.handles.add(handle)
                 choices.append(_Choice(server, k, p_idx, handle, stop, eos_ids))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         meta = {"id": rid, "created": int(time.time()), "model": server.served.name}

@@ -17,6 +17,7 @@ line, config, checkpoint or engine setting.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import socket
@@ -40,6 +41,38 @@ log = logging.getLogger("jrl.serve")
 # openai client's transport): a client must drop an idle connection before the server
 # does, or a request it sends on it as the server closes it fails with a reset connection.
 KEEP_ALIVE_S = 75.0
+
+
+# Seconds after --shutdown-timeout for the requests failed then to write their error before
+# uvicorn cancels what is left (a response cut off without an error, a plain answer's 500).
+SHUTDOWN_GRACE_S = 5.0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown ends the requests still in flight at
+    `shutdown_timeout` with a 503 error object (a stream: an error event, then [DONE])
+    instead of letting uvicorn cancel them, which cut streams off mid-event and answered
+    plain requests with a bare 'Internal Server Error'."""
+
+    def __init__(self, config: uvicorn.Config, server: Server, shutdown_timeout: float) -> None:
+        config.timeout_graceful_shutdown = shutdown_timeout + SHUTDOWN_GRACE_S
+        super().__init__(config)
+        self.jrl_server, self.shutdown_timeout = server, shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        def end() -> None:
+            n = self.jrl_server.end_in_flight(
+                f"the server is shutting down: the request did not finish within --shutdown-timeout "
+                f"({self.shutdown_timeout:g} s)")
+            if n:
+                log.warning("shutting down: ended %d engine request(s) still running after %g s", n,
+                            self.shutdown_timeout)
+
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, end)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
@@ -132,9 +165,8 @@ def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
         sock.close()
         return cli_exit(e)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=args.timeout_keep_alive,
-                            lifespan="on")
-    uv = uvicorn.Server(config)
+                            timeout_keep_alive=args.timeout_keep_alive, lifespan="on")
+    uv = _Uvicorn(config, server, args.shutdown_timeout)
     # uvicorn re-raises the signal it stopped on once it has shut down, to the handler that
     # was installed before it: this one, so a SIGTERM'd server exits 0 after a clean stop.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -155,9 +187,8 @@ class ServerThread:
                  timeout_keep_alive: float = KEEP_ALIVE_S, switch_interval_s: float = SWITCH_INTERVAL_S) -> None:
         self.server = server
         self._handoff = gil_handoff(switch_interval_s)
-        self.uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                                timeout_graceful_shutdown=shutdown_timeout,
-                                                timeout_keep_alive=timeout_keep_alive))
+        self.uv = _Uvicorn(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                          timeout_keep_alive=timeout_keep_alive), server, shutdown_timeout)
         self.host = host
         self._thread = threading.Thread(target=self._run, name="jrl-serve-http", daemon=True)
 
