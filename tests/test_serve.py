@@ -435,6 +435,34 @@ def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_threa
     assert live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1}).status_code == 200
 
 
+LIMIT = 8 * 2**20  # --max-request-mb 8, the default
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(live):
+    big = json.dumps({**COMP, "prompt": "a" * LIMIT}).encode()
+    r = live.http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert r.json() == {"error": {"message": f"the request body is {len(big)} bytes, more than this server accepts "
+                                             f"({LIMIT} bytes: --max-request-mb 8)", "type": "invalid_request_error",
+                                  "param": None, "code": "request_too_large"}}
+    assert health(live)["outstanding_requests"] == 0
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(live):
+    def chunks():
+        yield b'{"model": "%s", "prompt": "' % NAME.encode()
+        for _ in range(9):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    r = live.http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["error"]["message"] == (f"the request body is over {LIMIT} bytes, more than this server "
+                                            "accepts (8388608 bytes: --max-request-mb 8)")
+    ok = json.dumps({**COMP, "max_tokens": 1, "user": "u" * (LIMIT - 1000)}).encode()  # under it: served
+    assert live.http.post("/v1/completions", content=ok, headers={"Content-Type": "application/json"}).status_code == 200
+
+
 def test_a_stop_that_is_not_strings_is_named_as_stop(live):
     r = live.http.post("/v1/completions", json={**COMP, "stop": [1]})
     assert r.status_code == 400

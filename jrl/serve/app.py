@@ -303,7 +303,10 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
+MAX_REQUEST_MB = 8.0  # the default body limit (--max-request-mb)
+
+
+def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb: float = MAX_REQUEST_MB) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         server.start()
@@ -314,6 +317,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0) -> FastAPI:
 
     app = FastAPI(title="jrl serve", lifespan=lifespan)
     app.add_middleware(_InternalErrors)
+    app.add_middleware(_BodyLimit, limit=int(max_request_mb * 2**20))
     app.state.server = server
 
     @app.exception_handler(ServeError)
@@ -560,6 +564,56 @@ class _InternalErrors:
             log.exception("internal error in %s %s", scope.get("method"), scope.get("path"))
             body = error_body(f"internal server error: {type(e).__name__}: {e}", type="server_error")
             await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+class _BodyLimit:
+    """A 413 error object for a body over `limit` bytes, before it is parsed: by its
+    Content-Length at once, or (chunked) as soon as that many bytes arrived. Parsing and
+    tokenizing run on the event loop, so without it one 50 MB prompt held every other
+    client for about a minute (and took gigabytes)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            await self._refuse(int(length), scope, receive, send)
+            return
+        seen = 0
+        refused = False
+
+        async def counting() -> Any:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # answered here; to the app the client is gone
+                    refused = True
+                    await self._refuse(None, scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def muted_once_refused(message) -> None:
+            if not refused:
+                await send(message)
+
+        try:
+            await self.app(scope, counting, muted_once_refused)
+        except Exception:
+            if not refused:
+                raise
+
+    async def _refuse(self, length: int | None, scope, receive, send) -> None:
+        size = f"{length} bytes" if length is not None else f"over {self.limit} bytes"
+        body = error_body(f"the request body is {size}, more than this server accepts ({self.limit} bytes: "
+                          f"--max-request-mb {self.limit / 2**20:g})", code="request_too_large")
+        await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
 _GONE = object()

@@ -30,7 +30,7 @@ import uvicorn
 
 from jrl.checkpoint import CheckpointCorruptError
 from jrl.config import CONFIG_ERRORS, ConfigError, cli_exit, cli_warnings
-from jrl.serve.app import Server, create_app
+from jrl.serve.app import MAX_REQUEST_MB, Server, create_app
 from jrl.serve.engine_process import EngineProcess
 from jrl.serve.loading import KV_MEMORY_FRACTION, Served, load_engine
 from jrl.serve.worker import SWITCH_INTERVAL_S, gil_handoff
@@ -96,6 +96,9 @@ def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
     net.add_argument("--admin-token", help="enables POST /v1/weights for clients sending Authorization: Bearer <it>")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds requests in flight may run after SIGTERM before they are cancelled")
+    net.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_MB,
+                     help=f"largest request body in MiB; larger ones get 413 before they are parsed (default "
+                          f"{MAX_REQUEST_MB:g})")
     net.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
                      help=f"seconds an idle keep-alive connection stays open (default {KEEP_ALIVE_S:g}: longer "
                           "than clients' own idle limit, 5 s for httpx / openai)")
@@ -133,7 +136,7 @@ def build(args: argparse.Namespace, load: Callable[[], Served] | None = None):
         engine = EngineProcess(args, load)
         served, warm = engine.served, engine.warmup
     server = Server(served, engine, max_queue=args.max_queue, admin_token=args.admin_token, warmup=warm)
-    return server, create_app(server, shutdown_timeout=args.shutdown_timeout)
+    return server, create_app(server, shutdown_timeout=args.shutdown_timeout, max_request_mb=args.max_request_mb)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
