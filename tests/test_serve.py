@@ -376,7 +376,14 @@ BAD = [
     ("image content", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
-    ("template refuses", "/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, "messages"),
+    ("message without a role", "/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]},
+     "messages[0].role"),
+    ("unknown role", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]}, "messages[1].role"),
+    ("message without content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]},
+     "messages[0].content"),
+    ("content not text", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]},
+     "messages[0].content"),
 ]
 
 
@@ -420,6 +427,43 @@ def test_a_lone_surrogate_is_named_with_its_place(live):
     assert r.status_code == 400
     assert r.json()["error"]["message"] == ("prompt[1]: not valid Unicode text: a lone surrogate '\\ud800' at "
                                             "character 1 (a \\ud800-\\udfff escape in JSON must be half of a pair)")
+
+
+ROLES = "'system', 'developer', 'user', 'assistant', 'tool', 'function'"
+
+
+def test_a_message_with_an_unknown_role_is_a_400_naming_its_role(live):
+    messages = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}]
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": f"messages[1].role: 'wizard' is not a role; expected one of {ROLES}",
+                                  "type": "invalid_request_error", "param": "messages[1].role", "code": None}}
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool", "assistant"])
+@pytest.mark.parametrize("content", ["missing", None])
+def test_a_message_without_content_is_a_400_naming_it(live, role, content):
+    message = {"role": role} if content == "missing" else {"role": role, "content": None}
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "hi"}, message]})
+    assert r.status_code == 400, r.text
+    unless = " unless it has tool_calls" if role == "assistant" else ""
+    assert r.json()["error"] == {
+        "message": f"messages[1].content: missing; a '{role}' message needs content (a string or a list of "
+                   f"text parts){unless}", "type": "invalid_request_error", "param": "messages[1].content", "code": None}
+
+
+def test_an_assistant_message_with_tool_calls_and_null_content_is_accepted(live):
+    call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    messages = [{"role": "user", "content": "what is 2 plus 3?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "5"}]
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    r = live.client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, tools=tools,
+                                            extra_body={"ignore_eos": True})
+    tok = live.server.tokenizer  # the null content reaches the template as ""
+    rendered = tok.apply_chat_template([messages[0], {**messages[1], "content": ""}, messages[2]],
+                                       add_generation_prompt=True, tools=tools)
+    assert r.usage.prompt_tokens == len(tok.encode(rendered)) and r.usage.completion_tokens == 2
 
 
 def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch):

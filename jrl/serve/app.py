@@ -369,6 +369,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
         server.note_ignored_fields(body)
         body.refuse_unsupported()
         stop = body.stop_strings()
+        body.check_messages()
         prompt = server.render_chat(body)
         limit = server.max_new_tokens(len(prompt), body.token_limit(),
                                       "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",

@@ -111,10 +111,18 @@ class _Common(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One chat message. `role` and `content` are checked by `ChatCompletionRequest.check_messages`
+    (a 400 naming `messages[i].role` / `messages[i].content`, as OpenAI's API), not by the
+    type (whose errors would name only `messages`, or pydantic's union branches)."""
+
     model_config = ConfigDict(extra="allow")  # tool_calls, tool_call_id, name, ... go to the template
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Any = None
+    content: Any = None
+
+
+# OpenAI's chat roles; any other (a "wizard") is refused, not handed to the chat template.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 # Arguments the server passes to the tokenizer's apply_chat_template itself.
@@ -154,6 +162,38 @@ class ChatCompletionRequest(_Common):
                 and self.max_tokens != self.max_completion_tokens:
             raise ServeError("max_completion_tokens: differs from max_tokens; give one of them",
                              param="max_completion_tokens")
+
+    def check_messages(self) -> None:
+        """Each message's role is one of OpenAI's and its content a string or a list of
+        parts, present unless the role lets it be null: an assistant message carrying
+        `tool_calls` (or the legacy `function_call`), a `function` message (OpenAI's rule).
+        Without this a message with no content reached the template as "" and an unknown
+        role was rendered as written."""
+        expected = ", ".join(repr(r) for r in ROLES)
+        for i, m in enumerate(self.messages):
+            if m.role is None:
+                raise ServeError(f"messages[{i}].role: missing; expected one of {expected}",
+                                 param=f"messages[{i}].role")
+            if m.role not in ROLES:
+                raise ServeError(f"messages[{i}].role: {m.role!r} is not a role; expected one of {expected}",
+                                 param=f"messages[{i}].role")
+            where = f"messages[{i}].content"
+            if m.content is None:
+                extra = m.model_extra or {}
+                calls = extra.get("tool_calls") or extra.get("function_call")
+                if m.role == "function" or (m.role == "assistant" and calls):
+                    continue
+                unless = " unless it has tool_calls" if m.role == "assistant" else ""
+                raise ServeError(f"{where}: missing; a {m.role!r} message needs content (a string or a list of text "
+                                 f"parts){unless}", param=where)
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if not isinstance(part, dict):
+                        raise ServeError(f"{where}[{j}]: must be a content part object ({{\"type\": \"text\", "
+                                         f"\"text\": ...}}), got {part!r}", param=where)
+            elif not isinstance(m.content, str):
+                raise ServeError(f"{where}: must be a string or a list of content parts, got {m.content!r}",
+                                 param=where)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
