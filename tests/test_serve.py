@@ -466,6 +466,15 @@ def test_an_assistant_message_with_tool_calls_and_null_content_is_accepted(live)
     assert r.usage.prompt_tokens == len(tok.encode(rendered)) and r.usage.completion_tokens == 2
 
 
+def test_more_than_four_stop_strings_is_a_400_naming_stop(live):
+    r = live.http.post("/v1/completions", json={**COMP, "stop": ["a", "b", "c", "d", "e"]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "stop: at most 4 stop strings, got 5", "type": "invalid_request_error",
+                                 "param": "stop", "code": None}
+    ok = live.http.post("/v1/completions", json={**COMP, "stop": ["a", "b", "c", "d"], "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
 def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("tokenizer exploded")

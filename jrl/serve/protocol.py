@@ -47,6 +47,9 @@ class StreamOptions(BaseModel):
         return False if value is None else value
 
 
+MAX_STOP = 4  # stop strings a request may give (OpenAI's API: "up to 4 sequences")
+
+
 class _Common(BaseModel):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
@@ -95,6 +98,8 @@ class _Common(BaseModel):
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:  # OpenAI's limit; each one is matched against the text after every step
+            raise ServeError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")
         for i, s in enumerate(stops):
             if s == "":
                 raise ServeError(f"stop[{i}]: stop strings must be non-empty", param="stop")
