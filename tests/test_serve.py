@@ -475,6 +475,23 @@ def test_more_than_four_stop_strings_is_a_400_naming_stop(live):
     assert ok.status_code == 200, ok.text
 
 
+def test_models_retrieve_gives_the_served_model(live):
+    m = live.client.models.retrieve(NAME)
+    assert m.id == NAME and m.object == "model" and m.owned_by == "jrl"
+    assert m.model_extra["max_model_len"] == 128
+    assert m.model_dump() == live.client.models.list().data[0].model_dump()
+
+
+@pytest.mark.parametrize("name", ["gpt-4", "org/tiny-qwen"])
+def test_models_retrieve_of_another_model_is_a_404_model_not_found(live, name):
+    r = live.http.get(f"/v1/models/{name}")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": f"The model '{name}' does not exist; this server serves '{NAME}'",
+                                  "type": "invalid_request_error", "param": None, "code": "model_not_found"}}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        live.client.models.retrieve(name)
+
+
 def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("tokenizer exploded")

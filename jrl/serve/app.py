@@ -356,12 +356,23 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
                 "outstanding_requests": server.outstanding, "capacity": server.capacity, "engine": snap}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    def model_object() -> dict[str, Any]:
+        return {"id": server.served.name, "object": "model", "created": server.created, "owned_by": "jrl",
+                "max_model_len": server.engine.seq_limit, "jrl": {"policy_version": server.engine.version,
+                                                                  "source": server.served.source}}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": server.served.name, "object": "model", "created": server.created, "owned_by": "jrl",
-            "max_model_len": server.engine.seq_limit, "jrl": {"policy_version": server.engine.version,
-                                                              "source": server.served.source}}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model:path}")  # :path: a served name may hold a slash ("org/name")
+    async def model(model: str):
+        """The openai client's `models.retrieve(id)`: the model object of the served name, else
+        OpenAI's 404 `model_not_found` error object."""
+        if model != server.served.name:
+            raise ServeError(f"The model {model!r} does not exist; this server serves {server.served.name!r}",
+                             status=404, code="model_not_found")
+        return model_object()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
