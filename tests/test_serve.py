@@ -492,6 +492,18 @@ def test_models_retrieve_of_another_model_is_a_404_model_not_found(live, name):
         live.client.models.retrieve(name)
 
 
+@pytest.mark.parametrize("prompt,got", [(5, "5"), (1.5, "1.5"), (True, "True"), ({"text": "hi"}, "an object"),
+                                        (["hi", 3], "3 at prompt[1]"), ([[1, 2], [3, "x"]], "'x' at prompt[1][1]"),
+                                        ([1, 2.0], "2.0 at prompt[1]"), ([[1], 2], "2 at prompt[1]"),
+                                        ([None], "None at prompt[0]")])
+def test_a_prompt_of_another_type_is_a_400_naming_prompt_and_the_accepted_types(live, prompt, got):
+    r = live.http.post("/v1/completions", json={**COMP, "prompt": prompt})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {
+        "message": "prompt: must be a string, a list of strings, a list of token ids (integers) or a list of "
+                   f"lists of token ids, got {got}", "type": "invalid_request_error", "param": "prompt", "code": None}
+
+
 def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("tokenizer exploded")

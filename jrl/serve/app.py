@@ -338,7 +338,8 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
             return _error_response(ServeError("the body must be a JSON object (sent with Content-Type: "
                                               f"application/json): {first.get('msg', '')}"))
         msg = f"{param}: {first.get('msg', 'invalid')}"
-        if "input" in first and not isinstance(first["input"], (dict, list)):
+        # a scalar's value, unless the message says what it got itself (ctx "got")
+        if "input" in first and not isinstance(first["input"], (dict, list)) and "got" not in first.get("ctx", {}):
             msg += f", got {first['input']!r}"
         return _error_response(ServeError(msg, param=param.split("[")[0].split(".")[0]))
 

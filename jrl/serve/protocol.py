@@ -211,6 +211,18 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_type(cls, value: Any) -> Any:
+        """One message naming `prompt` and the types it takes, with the first value that is
+        none of them (the union's own errors name `prompt.str`, `prompt.list[int].0`, ...,
+        one per member, and the first of them was all a client saw)."""
+        bad = _prompt_type_error(value)
+        if bad is None:
+            return value
+        raise PydanticCustomError("prompt_type", "must be a string, a list of strings, a list of token ids "
+                                  "(integers) or a list of lists of token ids, got {got}", {"got": bad})
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.logprobs:
@@ -223,6 +235,44 @@ class CompletionRequest(_Common):
             raise ServeError("best_of: not supported by this server (leave it out or equal to n)", param="best_of")
         if self.suffix:
             raise ServeError("suffix: not supported by this server (no fill-in-the-middle)", param="suffix")
+
+
+def _is_token_id(x: Any) -> bool:
+    return type(x) is int  # not a bool, not 2.0: numbers are strict
+
+
+def _short_repr(x: Any, limit: int = 40) -> str:
+    r = repr(x)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _prompt_type_error(value: Any) -> str | None:
+    """None for a prompt of an accepted type, else what broke it: the value, or the first
+    element that does not fit the kind of list its first element makes it ("3 at prompt[1]")."""
+    if isinstance(value, str):
+        return None
+    if not isinstance(value, list):
+        return "an object" if isinstance(value, dict) else _short_repr(value)
+    if not value:
+        return None  # "prompt: must not be empty", later
+    first = value[0]
+    if isinstance(first, str):
+        bad = next(((i, x) for i, x in enumerate(value) if not isinstance(x, str)), None)
+    elif isinstance(first, list):
+        bad = None
+        for i, x in enumerate(value):
+            if not isinstance(x, list):
+                bad = (i, x)
+                break
+            j = next((j for j, t in enumerate(x) if not _is_token_id(t)), None)
+            if j is not None:
+                bad = (f"{i}][{j}", x[j])
+                break
+    elif _is_token_id(first):
+        bad = next(((i, x) for i, x in enumerate(value) if not _is_token_id(x)), None)
+    else:
+        bad = (0, first)
+    return None if bad is None else f"{_short_repr(bad[1])} at prompt[{bad[0]}]"
 
 
 class WeightsRequest(BaseModel):
