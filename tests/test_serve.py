@@ -504,6 +504,16 @@ def test_a_prompt_of_another_type_is_a_400_naming_prompt_and_the_accepted_types(
                    f"lists of token ids, got {got}", "type": "invalid_request_error", "param": "prompt", "code": None}
 
 
+def test_a_body_that_is_not_utf8_is_a_400_saying_so(live):
+    body = b'{"model": "%s", "prompt": "caf\xe9"}' % NAME.encode()  # Latin-1, not UTF-8
+    r = live.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": "the body is not valid UTF-8 JSON: byte 0xe9 at offset 37 (invalid "
+                                             "continuation byte)", "type": "invalid_request_error", "param": None,
+                                  "code": None}}
+    assert body.index(b"\xe9") == 37
+
+
 def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("tokenizer exploded")

@@ -345,6 +345,13 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        cause = e.__cause__
+        if isinstance(cause, UnicodeDecodeError):
+            # FastAPI's "There was an error parsing the body" for json.loads' decoding error
+            bad = cause.object[cause.start:cause.end]
+            return _error_response(ServeError(
+                f"the body is not valid UTF-8 JSON: byte{'s' if len(bad) > 1 else ''} "
+                f"{' '.join(f'0x{b:02x}' for b in bad)} at offset {cause.start} ({cause.reason})"))
         return JSONResponse(error_body(str(e.detail), type="invalid_request_error"), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
