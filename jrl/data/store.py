@@ -4,7 +4,9 @@ in memory or memory-mapped from disk (so corpora larger than RAM can be trained 
 On disk a store is a directory with `tokens.bin` (int32), `train.bin` (uint8),
 `offsets.bin` (int64, n_docs + 1 entries) and `meta.json`; it is written into a hidden
 sibling directory and published by one rename, so a crashed preprocessing run never
-leaves a half-written store that looks complete.
+leaves a half-written store that looks complete. The hidden directory's name carries the
+writer's host and pid (`.<store>.staging-<host>-<pid>-<id>`): one a killed build left is
+removed by the next build (`remove_stale_staging`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -55,6 +60,67 @@ def build_store(docs: Iterable[Document]) -> TokenStore:
     return TokenStore(cat(tokens, np.int32), cat(train, np.uint8), np.cumsum(lengths, dtype=np.int64))
 
 
+STAGING = re.compile(r"^\..+\.staging-(?:(?P<host>.+)-(?P<pid>\d+)-)?[0-9a-f]{32}$")
+# a staging directory of another host (whose pid this host cannot check), or of an older jrl
+# (no pid in its name), is removed once nothing in it has changed for this long: a live
+# writer appends to its files all the time
+STALE_AFTER_S = 24 * 3600
+
+
+def _staging_name(directory: Path) -> Path:
+    return directory.parent / f".{directory.name}.staging-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _last_change(path: Path) -> float:
+    """The newest mtime of `path` and the files in it (0 where it is gone)."""
+    newest = 0.0
+    try:
+        newest = path.stat().st_mtime
+        for entry in os.scandir(path):
+            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    except OSError:
+        pass
+    return newest
+
+
+def remove_stale_staging(parent: str | os.PathLike, now: float | None = None) -> list[Path]:
+    """Removes the staging directories in `parent` that a killed build left behind, and
+    returns them: one of this host whose writer process is gone, and any other (another
+    host's, or one without a pid in its name) in which nothing changed for
+    `STALE_AFTER_S`. One a live process of this host is writing is never touched."""
+    parent = Path(parent)
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = STAGING.match(entry.name)
+        if m is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        if m["host"] == host:
+            stale = not _pid_alive(int(m["pid"]))
+        else:
+            stale = now - _last_change(Path(entry.path)) > STALE_AFTER_S
+        if stale:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            if not os.path.lexists(entry.path):
+                removed.append(Path(entry.path))
+    return removed
+
+
 class StoreWriteError(OSError):
     """A token store could not be written (the disk filled up, a quota, a file size limit,
     no permission): nothing of it was published."""
@@ -68,11 +134,13 @@ def write_store(directory: str | os.PathLike, docs: Iterable[Document],
     `directory` meanwhile (two runs building the same cache) is kept and this copy
     dropped, so a process reading that store never sees it deleted; a damaged one is
     replaced. A write that fails (disk full, no permission) raises StoreWriteError naming
-    the store and the file, with nothing left behind."""
+    the store and the file, with nothing left behind; staging directories a killed build
+    left beside it are removed first (`remove_stale_staging`)."""
     directory = Path(directory)
-    staging = directory.parent / f".{directory.name}.staging-{uuid.uuid4().hex}"
+    staging = _staging_name(directory)
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(directory.parent)
         staging.mkdir()
     except OSError as e:
         raise StoreWriteError(f"data.cache_dir: cannot write the token store {directory}: "
