@@ -400,6 +400,59 @@ def test_a_prompt_that_truncation_keeps_in_place_of_the_response_gets_the_warnin
     assert truncated.startswith(f"data.source: 1 of the 2 training documents of '{src}' are longer than")
 
 
+def long_prompt_records(tmp_path):
+    """Line 1: a 40-byte prompt and a 1-byte response (46 tokens with the sections and EOS); line 2: a short record."""
+    src = tmp_path / "train.jsonl"
+    src.write_text(json.dumps({"prompt": "x" * 40, "response": "b"}) + "\n" + '{"prompt": "a", "response": "b"}\n')
+    return src
+
+
+def warning_messages(fn, *args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn(*args)
+    return [str(w.message) for w in caught]
+
+
+def test_a_reused_cache_counts_the_records_that_train_nothing_again_for_a_new_seq_len(tmp_path):
+    # the store (whose key has no seq_len) kept the count of the run that wrote it: none
+    src = long_prompt_records(tmp_path)
+    cfg = DataConfig(source=str(src), sections=SECTIONS, seq_len=64, eval_fraction=0.0,
+                     cache_dir=str(tmp_path / "cache"))
+    assert warning_messages(build_dataset, cfg, TOK, "train") == []
+    short = dataclasses.replace(cfg, seq_len=16)
+    reused = warning_messages(build_dataset, short, TOK, "train")
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
+    assert reused == warning_messages(build_dataset, dataclasses.replace(short, cache_dir=None), TOK, "train")
+    assert reused[0] == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first "
+                         f"at {src}:1: its 46 tokens are more than data.seq_len=16 and "
+                         f"data.overflow='truncate_right' keeps none of its trained ones")
+
+
+def test_a_reused_cache_drops_the_warning_where_a_new_overflow_keeps_the_trained_tokens(tmp_path):
+    src = long_prompt_records(tmp_path)
+    cfg = DataConfig(source=str(src), sections=SECTIONS, seq_len=16, eval_fraction=0.0,
+                     cache_dir=str(tmp_path / "cache"))
+    assert "train nothing" in warning_messages(build_dataset, cfg, TOK, "train")[0]
+    # truncate_left keeps the response: the only warning left is the truncation's
+    [message] = warning_messages(build_dataset, dataclasses.replace(cfg, overflow="truncate_left"), TOK, "train")
+    assert message.startswith(f"data.source: 1 of the 2 training documents of '{src}' are longer than data.seq_len=16 "
+                              f"and data.overflow='truncate_left' drops 30 of the 53 tokens")
+
+
+@pytest.mark.parametrize("overflow", ["truncate_right", "truncate_left", "drop", "split"])
+@pytest.mark.parametrize("pack", [False, True])
+def test_trained_targets_kept_agrees_with_keeps_a_trained_target_for_every_document(overflow, pack):
+    from jrl.data.packing import keeps_a_trained_target, trained_targets_kept
+
+    rng = np.random.default_rng(0)
+    docs = [doc(rng.integers(0, 9, n), rng.random(n) < p) for n in [0, 1, 2, 3, 5, 8, 9, 13, 30] * 6
+            for p in (0.0, 0.1, 0.5)]
+    store = build_store(docs)
+    expected = [keeps_a_trained_target(train, 8, overflow, pack=pack) for _, train in docs]
+    assert trained_targets_kept(store, 8, overflow, pack=pack, chunk_tokens=7).tolist() == expected
+
+
 def long_prompt_pairs(tmp_path, overflow):
     src = tmp_path / "pairs.jsonl"
     src.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'

@@ -59,6 +59,38 @@ def keeps_a_trained_target(train: np.ndarray, seq_len: int, overflow: str, *, pa
     return any(bool(train[a + 1:a + n].any()) for a, n in pieces if n >= 2)
 
 
+def trained_targets_kept(store: TokenStore, seq_len: int, overflow: str, *, pack: bool = False,
+                         chunk_tokens: int = 1 << 24) -> np.ndarray:
+    """`keeps_a_trained_target` of every document of `store` (bool `[n_docs]`), vectorised:
+    what `overflow` keeps of a document's targets is one range of it, so the count of
+    trained targets in it is a difference of a running sum of the trained flags, taken
+    over at most `chunk_tokens` tokens at a time (a memory-mapped store is never read
+    into memory whole)."""
+    lengths = np.asarray(store.lengths, np.int64)
+    offsets = np.asarray(store.offsets, np.int64)
+    lo, hi = np.ones_like(lengths), lengths.copy()  # targets lo..hi-1 (a piece's first token is none)
+    cut = lengths > seq_len
+    if overflow == "truncate_right":
+        hi[cut] = seq_len
+    elif overflow == "truncate_left":
+        lo[cut] = lengths[cut] - seq_len + 1
+    elif overflow == "drop":
+        hi[cut] = 0
+    elif overflow != "split":  # split (packed or not): windows overlapping by one train every target
+        raise ValueError(f"data.overflow: unknown value {overflow!r}")
+    lo = np.minimum(lo, lengths)
+    hi = np.maximum(np.minimum(hi, lengths), lo)
+    out = np.zeros(len(lengths), bool)
+    d, n = 0, len(lengths)
+    while d < n:
+        e = min(n, max(d + 1, int(np.searchsorted(offsets, offsets[d] + chunk_tokens, side="right")) - 1))
+        running = np.concatenate([[0], np.cumsum(np.asarray(store.train[offsets[d]:offsets[e]]) != 0, dtype=np.int64)])
+        base = offsets[d:e] - offsets[d]
+        out[d:e] = running[base + hi[d:e]] > running[base + lo[d:e]]
+        d = e
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RowPlan:
     """Which document pieces make up each row (flat arrays; row r owns pieces

@@ -19,6 +19,7 @@ from jrl.config import ConfigError, DataConfig, to_dict
 from jrl.data.encode import Document, encode_record
 from jrl.data.packing import (
     PairPlan, RowPlan, assemble_pairs, assemble_rows, doc_pieces, keeps_a_trained_target, plan_pairs, plan_rows,
+    trained_targets_kept,
 )
 from jrl.data.records import bundled_source, is_heldout, iter_located_records, source_files, source_label
 from jrl.data.sampler import EpochSampler
@@ -73,12 +74,43 @@ class Untrained:
     fields are empty), or `data.overflow` cuts away every trained one (a prompt longer
     than `data.seq_len` under `truncate_right`). Legitimate beside records that do train,
     but silent: `warn` says how many there are and where the first one is. A preference
-    pair cut so is an error instead (`_check_pair_overflow`)."""
+    pair cut so is an error instead (`_check_pair_overflow`). Counted for `seq_len`,
+    `overflow` and `pack` (kept with the counts in a cached store's meta.json, whose key
+    has none of them: `recount` counts again for others, as `Truncated.recount` does)."""
 
     records: int = 0  # records read
     count: int = 0  # of them, those that train nothing
     first: str | None = None  # where the first one is (file:line or bundled:<name>[index])
     reason: str = ""  # why the first one trains nothing
+    seq_len: int = 0  # the settings counted for
+    overflow: str = ""
+    pack: bool = False
+
+    @classmethod
+    def of(cls, config: DataConfig) -> "Untrained":
+        return cls(seq_len=config.seq_len, overflow=config.overflow, pack=config.pack)
+
+    def recount(self, config: DataConfig, store: TokenStore,
+                locate: Callable[[int], tuple[str, dict]]) -> "Untrained":
+        """These counts if they are for `config`'s seq_len, overflow and pack, else the
+        counts of the records whose documents are `store`'s (one a record; a preference
+        pair, two, trains nothing only where it is an error), the first read again with
+        `locate(record index) -> (where, record)` to say why."""
+        if (self.seq_len, self.overflow, self.pack) == (config.seq_len, config.overflow, config.pack):
+            return self
+        out = Untrained.of(config)
+        if config.format == "preference":
+            out.records = len(store) // 2
+            return out
+        out.records = len(store)
+        untrained = np.flatnonzero(~trained_targets_kept(store, config.seq_len, config.overflow, pack=config.pack))
+        out.count = len(untrained)
+        if len(untrained):
+            index = int(untrained[0])
+            ids, train = store.doc(index)
+            out.first, record = locate(index)
+            out.reason = _untrained_reason(record, [(np.asarray(ids), np.asarray(train, bool))], config)
+        return out
 
     def note(self, where: str, record: dict, docs: list[Document], config: DataConfig) -> None:
         self.records += 1
@@ -169,10 +201,14 @@ class Truncated:
                       f"({self.first_tokens:,} tokens); {advice}", stacklevel=3)
 
 
+def _locate_record(config: DataConfig, split: Split, index: int) -> tuple[str, dict]:
+    """`(where, record)` of record `index` of `split`, read again from the source."""
+    return next(itertools.islice(iter_split_records(config, split), index, None))
+
+
 def _locate_document(config: DataConfig, split: Split, index: int) -> str:
     """Where document `index` of `split` comes from (file:line), read again from the source."""
-    record = index // 2 if config.format == "preference" else index
-    return next(itertools.islice(iter_split_records(config, split), record, None))[0]
+    return _locate_record(config, split, index // 2 if config.format == "preference" else index)[0]
 
 
 def _check_pair_overflow(docs: list[Document], config: DataConfig, where: str) -> None:
@@ -256,7 +292,7 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Che
     if bundled_source(source) is not None:
         return CheckedSplit(bundled_source(source), None)
     files = len(source_files(source, key, config.format))
-    lengths, untrained, truncated = array("q"), Untrained(), Truncated.of(config)
+    lengths, untrained, truncated = array("q"), Untrained.of(config), Truncated.of(config)
     for ids, _ in iter_documents(config, tokenizer, split, untrained, truncated):
         lengths.append(len(ids))
     lengths = np.frombuffer(lengths, np.int64)
@@ -301,10 +337,11 @@ def _load_documents(config: DataConfig, tokenizer: Tokenizer,
                     split: Split) -> tuple[TokenStore, Untrained, Truncated] | None:
     """`load_documents`, with the split's records that train nothing and its documents
     that `data.overflow` cuts (kept in a cached store's meta.json, so a run that reuses
-    the cache hears of them too)."""
+    the cache hears of them too; counted again from the store where the run's seq_len,
+    overflow or pack differ from those they were counted for)."""
     if _split_source(config, split) is None:
         return None
-    untrained, truncated = Untrained(), Truncated.of(config)
+    untrained, truncated = Untrained.of(config), Truncated.of(config)
     if config.cache_dir is None:
         return build_store(iter_documents(config, tokenizer, split, untrained, truncated)), untrained, truncated
     directory = Path(config.cache_dir) / f"{split}-{cache_key(config, tokenizer, split)}"
@@ -312,9 +349,13 @@ def _load_documents(config: DataConfig, tokenizer: Tokenizer,
         try:
             store = open_store(directory)
             meta = json.loads((directory / "meta.json").read_text())
+            # counted for the seq_len / overflow / pack of the run that wrote the store (not
+            # in its key): counted again from the store for others
+            untrained = Untrained(**meta.get("untrained", {})).recount(
+                config, store, lambda index: _locate_record(config, split, index))
             truncated = Truncated(**meta.get("truncated", {})).recount(
                 config, store.lengths, lambda index: _locate_document(config, split, index))
-            return store, Untrained(**meta.get("untrained", {})), truncated
+            return store, untrained, truncated
         except CorruptStoreError as e:  # e.g. a file cut short: a cache, so tokenise again
             warnings.warn(f"data.cache_dir: damaged token store, rebuilding it: {e}", stacklevel=2)
     write_store(directory, iter_documents(config, tokenizer, split, untrained, truncated),
