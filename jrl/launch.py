@@ -65,6 +65,8 @@ def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
     mode.add_argument("--resume-from", type=int, metavar="STEP",
                       help="continue from checkpoint step_STEP (newer steps are moved aside)")
     mode.add_argument("--overwrite", action="store_true", help="delete the run directory's checkpoints and metrics first")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: go on even though the training data's documents differ from the checkpoint's")
     p.add_argument("--dry-run", action="store_true", help="read every data record, print the resolved config and parameter count, then exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optimizer.lr=3e-4")
     return p
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
             return cli_exit(e)
         return 0
     resuming = args.resume or args.resume_from is not None
+    if args.allow_data_change and not resuming:
+        return cli_exit(ConfigError("--allow-data-change: only with --resume or --resume-from"))
     run_dir = Path(args.output_dir or config.run_dir)
     # the embedded default replaces an earlier default run, in its own directory only
     default_dir = Path("runs", default_run()["name"])
@@ -291,7 +295,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
             warnings.warn(f"resume: GRPO has no checkpoint in {trainer.checkpoint_dir} yet; it starts at step 0 "
                           f"from the warm start's checkpoint in {config.init_from}", stacklevel=2)
             resume = False
-        state = trainer.fit(resume=resume, overwrite=overwrite, resume_from=args.resume_from)
+        state = trainer.fit(resume=resume, overwrite=overwrite, resume_from=args.resume_from,
+                            allow_data_change=args.allow_data_change)
     except (ConfigError, FileExistsError, HFFormatError, *RUN_FAILURES) as e:
         return cli_exit(e, failed=RUN_FAILURES, config_errors=())
     except KeyboardInterrupt:  # a second Ctrl-C: one line, not a traceback through whatever ran

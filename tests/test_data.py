@@ -628,6 +628,17 @@ def test_write_store_keeps_a_complete_store_another_process_published_meanwhile(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # its own copy is gone
 
 
+def test_a_cached_store_has_the_content_digest_of_the_same_documents_in_memory(tmp_path):
+    # a run that resumes with data.cache_dir set or unset trains on the same documents: same digest
+    from jrl.data.store import content_digest
+
+    docs = [doc([1, 2, 3], [0, 1, 1]), doc([], []), doc([7], [1])]
+    write_store(tmp_path / "s", iter(docs), {})
+    cached, in_memory = open_store(tmp_path / "s"), build_store(docs)
+    assert cached.digest == in_memory.digest == content_digest(dataclasses.replace(cached, digest=None))
+    assert content_digest(build_store(docs[:1] + [doc([], []), doc([8], [1])])) != cached.digest
+
+
 def test_write_store_replaces_a_damaged_store(tmp_path):
     write_store(tmp_path / "s", iter([doc([1, 2, 3])]), {})
     (tmp_path / "s" / "tokens.bin").write_bytes(b"")

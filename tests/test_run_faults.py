@@ -5,6 +5,7 @@ its directory, and bad inputs fail in one line naming what is wrong."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -21,7 +23,9 @@ import pytest
 import yaml
 
 from jrl import checkpoint, hf
-from jrl.config import ModelConfig
+from jrl.config import DataConfig, ModelConfig
+from jrl.data import load_documents, load_tokenizer
+from jrl.data.store import content_digest
 from jrl.launch import main
 from jrl.metrics_log import read_metrics
 from jrl.models import init_params
@@ -387,6 +391,54 @@ def test_resume_with_changed_training_data_is_a_one_line_error_naming_the_key(ru
                      f"data: sampler state is for 95 rows / seed 0, but this dataset has 92 rows / seed 3: the "
                      f"data changed since the checkpoint; changed: data.seed (config 3, checkpoint 0); resume with "
                      f"the checkpoint's data settings, or start over (--overwrite)"]
+
+
+def text_run(tmp_path, capsys) -> tuple[Path, list[str]]:
+    """A finished 2-step run on text.jsonl (40 records), and the overrides that give it."""
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": f"record {i:02d} abcdefgh"}) + "\n" for i in range(40)))
+    run = tmp_path / "run"
+    overrides = [f"data.source={data}", "data.format=text", "strategy.name=seq", "data.eval_fraction=0", "steps=2"]
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run), *overrides]) == 0
+    capsys.readouterr()
+    # other text of the same length: as many documents, tokens and rows, other training data
+    data.write_text(data.read_text().replace("abcdefgh", "zyxwvuts"))
+    return run, overrides
+
+
+def test_resume_on_other_data_of_the_same_row_count_is_a_one_line_error_naming_the_source(tmp_path, capsys):
+    # the sampler only checked the row count: the run went on, silently, on other data
+    run, overrides = text_run(tmp_path, capsys)
+    before = snapshot(run)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run), "--resume", *overrides,
+                 "steps=4"]) == 2
+    assert snapshot(run) == before
+    [line] = capsys.readouterr().err.strip().splitlines()
+    _, meta = checkpoint.load(run / "checkpoints")
+    saved = meta["data"]["digest"]
+    now = content_digest(load_documents(DataConfig(source=str(tmp_path / "text.jsonl"), format="text",
+                                                   eval_fraction=0.0), load_tokenizer("bytes"), "train"))
+    assert saved != now
+    assert line == (f"error: --resume: {run / 'checkpoints' / 'step_2'} was trained on other data than data.source "
+                    f"{tmp_path / 'text.jsonl'} gives now (the documents' content digest is {now}, the checkpoint's "
+                    f"{saved}; both 40 rows); resume on the checkpoint's data, pass --allow-data-change to go on "
+                    f"from its position in this data, or start over (--overwrite)")
+
+
+def test_allow_data_change_resumes_on_the_changed_data_with_a_warning(tmp_path, capsys):
+    run, overrides = text_run(tmp_path, capsys)
+    with pytest.warns(UserWarning, match=re.escape(f"--resume: data.source {tmp_path / 'text.jsonl'} is not the data "
+                                                   f"{run / 'checkpoints' / 'step_2'} was trained on (")):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run), "--resume", "--allow-data-change",
+                     *overrides, "steps=4"]) == 0
+    assert checkpoint.all_steps(run / "checkpoints") == [2, 4] and steps_logged(run) == [1, 2, 3, 4]
+    _, meta = checkpoint.load(run / "checkpoints")
+    assert meta["data"]["sampler"]["cursor"] == 16  # went on from the checkpoint's position
+    # the new checkpoint is of the new data: a plain --resume goes on without a word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run), "--resume", *overrides,
+                     "steps=5"]) == 0
 
 
 def test_resume_with_weight_decay_switched_off_is_a_one_line_error_saying_so(run_copy, tmp_path, capsys):

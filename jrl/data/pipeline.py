@@ -23,7 +23,7 @@ from jrl.data.packing import (
 )
 from jrl.data.records import bundled_source, is_heldout, iter_located_records, source_files, source_label
 from jrl.data.sampler import EpochSampler
-from jrl.data.store import CorruptStoreError, TokenStore, build_store, open_store, write_store
+from jrl.data.store import CorruptStoreError, TokenStore, build_store, content_digest, open_store, write_store
 from jrl.data.text import Tokenizer
 
 Split = Literal["train", "eval"]
@@ -426,23 +426,50 @@ def plan_split(config: DataConfig, split: Split, lengths: np.ndarray,
     return plan
 
 
+class DataChangedError(ValueError):
+    """A data position saved for other documents than the source's: the training data
+    changed since (other files, or other content), though it packs into as many rows."""
+
+    def __init__(self, saved: str, digest: str, rows: int):
+        super().__init__(f"the documents' content digest is {digest}, the checkpoint's {saved}")
+        self.saved, self.digest, self.rows = saved, digest, rows
+
+
 class DataSource:
-    """Training batches of `batch_size` rows in the sampler's order; resumable."""
+    """Training batches of `batch_size` rows in the sampler's order; resumable. Its state
+    holds the sampler's and the `content_digest` of the documents it samples from."""
 
     def __init__(self, dataset: RowDataset, batch_size: int, *, seed: int, shuffle: bool = True):
         self.dataset = dataset
         self.batch_size = batch_size
         self.sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle)
+        self._digest: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """The `content_digest` of the dataset's documents (computed once)."""
+        if self._digest is None:
+            self._digest = content_digest(self.dataset.store)
+        return self._digest
 
     def next_batch(self, state: Any = None) -> dict[str, np.ndarray]:
         """The next rows; `state` (the trainer's, for policy-dependent sources) is unused."""
         return self.dataset.rows(self.sampler.take(self.batch_size))
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "digest": self.digest}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, data_changed_ok: bool = False) -> None:
+        """Restores the sampler's position. A state for another number of rows raises the
+        sampler's ValueError; one saved for other documents (its digest, where it has one)
+        raises DataChangedError unless `data_changed_ok`. Either leaves the position as it
+        was."""
+        cursor = self.sampler.cursor
         self.sampler.load_state_dict(state["sampler"])
+        saved = state.get("digest")
+        if saved is not None and saved != self.digest and not data_changed_ok:
+            self.sampler.cursor = cursor
+            raise DataChangedError(saved, self.digest, len(self.dataset))
 
 
 def fixed_batches(dataset: RowDataset, batch_size: int, n_batches: int) -> list[dict[str, np.ndarray]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import re
@@ -36,6 +37,7 @@ class TokenStore:
     tokens: np.ndarray  # int32 [total tokens]
     train: np.ndarray  # uint8 [total tokens]
     offsets: np.ndarray  # int64 [n_docs + 1]
+    digest: str | None = None  # content_digest, where known (a store an older jrl wrote has none)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -49,6 +51,26 @@ class TokenStore:
         return self.tokens[a:b], self.train[a:b]
 
 
+def _combine(hashes: Iterable[Any]) -> str:
+    return hashlib.sha256(b"".join(h.digest() for h in hashes)).hexdigest()[:20]
+
+
+def content_digest(store: TokenStore) -> str:
+    """A fingerprint of what `store` holds: the SHA-256 of its token ids, trained flags and
+    document offsets (20 hex digits), so equal documents give equal digests wherever their
+    files are and however they were named. Stored in a cached store's meta.json; computed
+    (in chunks) for a store without one."""
+    if store.digest is not None:
+        return store.digest
+    hashes = []
+    for array in (store.tokens, store.train, store.offsets):
+        h, flat = hashlib.sha256(), np.asarray(array).reshape(-1)
+        for i in range(0, len(flat), 1 << 24):
+            h.update(np.ascontiguousarray(flat[i:i + (1 << 24)]))
+        hashes.append(h)
+    return _combine(hashes)
+
+
 def build_store(docs: Iterable[Document]) -> TokenStore:
     """An in-memory store of `docs`."""
     tokens, train, lengths = [], [], [0]
@@ -57,7 +79,8 @@ def build_store(docs: Iterable[Document]) -> TokenStore:
         train.append(np.asarray(trained, np.uint8))
         lengths.append(len(ids))
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
-    return TokenStore(cat(tokens, np.int32), cat(train, np.uint8), np.cumsum(lengths, dtype=np.int64))
+    store = TokenStore(cat(tokens, np.int32), cat(train, np.uint8), np.cumsum(lengths, dtype=np.int64))
+    return dataclasses.replace(store, digest=content_digest(store))
 
 
 STAGING = re.compile(r"^\..+\.staging-(?:(?P<host>.+)-(?P<pid>\d+)-)?[0-9a-f]{32}$")
@@ -147,19 +170,23 @@ def write_store(directory: str | os.PathLike, docs: Iterable[Document],
                               f"{e.strerror or e} ({e.filename or staging})") from None
     try:
         n_docs, n_tokens = 0, 0
+        hashes = [hashlib.sha256() for _ in FILES]  # content_digest, as the files are written
         with open(staging / FILES["tokens"][0], "wb") as ft, open(staging / FILES["train"][0], "wb") as fm, \
                 open(staging / FILES["offsets"][0], "wb") as fo:
-            fo.write(np.zeros(1, np.int64).tobytes())
+            files = (ft, fm, fo)
+            write = lambda i, data: (files[i].write(data), hashes[i].update(data))
+            write(2, np.zeros(1, np.int64).tobytes())
             for ids, trained in docs:
-                ft.write(np.asarray(ids, np.int32).tobytes())
-                fm.write(np.asarray(trained, np.uint8).tobytes())
+                write(0, np.asarray(ids, np.int32).tobytes())
+                write(1, np.asarray(trained, np.uint8).tobytes())
                 n_tokens += len(ids)
                 n_docs += 1
-                fo.write(np.asarray([n_tokens], np.int64).tobytes())
-            for f in (ft, fm, fo):
+                write(2, np.asarray([n_tokens], np.int64).tobytes())
+            for f in files:
                 f.flush()
                 os.fsync(f.fileno())
-        info = {**(meta() if callable(meta) else meta), "n_docs": n_docs, "n_tokens": n_tokens}
+        info = {**(meta() if callable(meta) else meta), "n_docs": n_docs, "n_tokens": n_tokens,
+                "digest": _combine(hashes)}
         (staging / "meta.json").write_text(json.dumps(info, indent=1) + "\n")
         _publish(staging, directory)
     except OSError as e:
@@ -232,4 +259,5 @@ def open_store(directory: str | os.PathLike) -> TokenStore:
                                     f"{meta['n_tokens']} tokens)")
         arrays[key] = (np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size
                        else np.zeros(0, dtype))
-    return TokenStore(**arrays)
+    digest = meta.get("digest")
+    return TokenStore(**arrays, digest=digest if isinstance(digest, str) else None)

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jrl import checkpoint
 from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, TrainConfig, to_dict
-from jrl.data import DataSource, build_dataset, fixed_batches
+from jrl.data import DataChangedError, DataSource, build_dataset, fixed_batches
 from jrl.data.records import source_label
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
@@ -162,15 +162,32 @@ def _changed_state_keys_hint(meta: dict, config: TrainConfig) -> str:
     return f"; changed since the checkpoint: {'; '.join(changed)}" if changed else ""
 
 
-def _data_mismatch_message(error: ValueError, meta: dict, config: TrainConfig) -> str:
-    """One line for a checkpoint whose data position does not fit this config's training
-    data (the sampler's `error`), naming the `data` keys that differ from the checkpoint's."""
+def _changed_data_keys(meta: dict, config: TrainConfig) -> str:
+    """'; changed: data.seed (config 3, checkpoint 0)': the `data` keys that differ from the
+    checkpoint's config (`meta`: its meta.json), or ''."""
     saved, now = (meta.get("config") or {}).get("data") or {}, to_dict(config)["data"]
     changed = [f"data.{k} (config {now[k]!r}, checkpoint {saved[k]!r})" for k in now
                if k in saved and now[k] != saved[k]]
+    return f"; changed: {'; '.join(changed)}" if changed else ""
+
+
+def _data_mismatch_message(error: ValueError, meta: dict, config: TrainConfig) -> str:
+    """One line for a checkpoint whose data position does not fit this config's training
+    data (the sampler's `error`), naming the `data` keys that differ from the checkpoint's."""
     return (f"--resume: {meta['path']} does not fit this config's training data: {error}"
-            + (f"; changed: {'; '.join(changed)}" if changed else "")
+            + _changed_data_keys(meta, config)
             + "; resume with the checkpoint's data settings, or start over (--overwrite)")
+
+
+def _data_changed_message(error: DataChangedError, meta: dict, config: TrainConfig) -> str:
+    """One line for a checkpoint trained on other documents than the training data gives
+    now, though as many rows (files replaced or edited since): resuming would go on from
+    the checkpoint's position in other data."""
+    return (f"--resume: {meta['path']} was trained on other data than data.source {source_label(config.data.source)} "
+            f"gives now ({error}; both {error.rows:,} row{'' if error.rows == 1 else 's'})"
+            + _changed_data_keys(meta, config)
+            + "; resume on the checkpoint's data, pass --allow-data-change to go on from its position in "
+              "this data, or start over (--overwrite)")
 
 
 def check_data_format(config: TrainConfig, strategy, has_source: bool = False) -> None:
@@ -365,14 +382,19 @@ class Trainer:
         for name in ("metrics.jsonl", "metrics.png"):
             (self.run_dir / name).unlink(missing_ok=True)
 
-    def setup(self, resume: bool = False, overwrite: bool = False, resume_from: int | None = None) -> TrainState:
+    def setup(self, resume: bool = False, overwrite: bool = False, resume_from: int | None = None,
+              allow_data_change: bool = False) -> TrainState:
         """Builds params, optimizer, state and data, then takes the run directory.
 
         `resume`: continue from the newest checkpoint in the run directory that checks out
         (sizes and, with `checkpoint.verify_on_load`, SHA-256s against its manifest); a bad
         one is skipped with a warning naming it and later moved aside. `resume_from`: from
         exactly that step (an error if it is missing or bad; newer steps are moved aside).
-        Without either, an existing run is an error unless `overwrite`.
+        Without either, an existing run is an error unless `overwrite`. A checkpoint of
+        the built-in data pipeline whose documents differ from the training data's now (by
+        content digest; same row count, else the sampler refuses) is a ConfigError naming
+        the source, unless `allow_data_change` (a warning, and the run goes on from the
+        checkpoint's position in the new data).
 
         Nothing is written or deleted before the config, the model (params, optimizer, the
         checkpoint to resume) and the data have been built: only then does the run lock
@@ -388,12 +410,13 @@ class Trainer:
         try:
             if self.run_dir.is_dir() and jax.process_count() == 1:  # (processes could see it differently)
                 self._take_run_dir()  # a directory in use: fail before building anything
-            return self._setup(resume, overwrite, resume_from)
+            return self._setup(resume, overwrite, resume_from, allow_data_change)
         except BaseException:
             self.release_run_dir()
             raise
 
-    def _setup(self, resume: bool, overwrite: bool, resume_from: int | None) -> TrainState:
+    def _setup(self, resume: bool, overwrite: bool, resume_from: int | None,
+               allow_data_change: bool = False) -> TrainState:
         c = self.config
         self._check_batch_rows()
         params = self.initial_params()
@@ -427,6 +450,13 @@ class Trainer:
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
             try:
                 self.train_source.load_state_dict(load_source_state(meta))
+            except DataChangedError as e:  # same row count, other documents: not silently
+                if not allow_data_change:
+                    raise ConfigError(_data_changed_message(e, meta, c)) from None
+                warnings.warn(f"--resume: data.source {source_label(c.data.source)} is not the data {meta['path']} "
+                              f"was trained on ({e}); going on from its position in this data "
+                              f"(--allow-data-change)", stacklevel=2)
+                self.train_source.load_state_dict(load_source_state(meta), data_changed_ok=True)
             except ValueError as e:
                 if self._source_given:
                     raise
@@ -745,14 +775,16 @@ class Trainer:
             previous[sig] = signal.signal(sig, handler)
         return previous
 
-    def fit(self, resume: bool = False, overwrite: bool = False, resume_from: int | None = None) -> TrainState:
+    def fit(self, resume: bool = False, overwrite: bool = False, resume_from: int | None = None,
+            allow_data_change: bool = False) -> TrainState:
         """Trains to `config.steps` (or until stopped); returns the final state.
-        `resume` / `overwrite` / `resume_from`: see `setup`. The run directory stays
+        `resume` / `overwrite` / `resume_from` / `allow_data_change`: see `setup`. The run directory stays
         locked until fit returns or raises."""
         previous = self._install_signal_handlers()
         try:
             if self.state is None:
-                self.setup(resume=resume, overwrite=overwrite, resume_from=resume_from)
+                self.setup(resume=resume, overwrite=overwrite, resume_from=resume_from,
+                           allow_data_change=allow_data_change)
             else:
                 self._take_run_dir()
             self.pending_row = None  # a row an earlier fit's error left was logged by its on_error
