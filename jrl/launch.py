@@ -42,6 +42,7 @@ from jrl.rl.rewards import RewardError
 from jrl.rl.source import check_rollout_batch, check_rollout_rows
 from jrl.rl.tasks import check_task_prompt_lengths, make_task, prompt_limit
 from jrl.rl.warm_start import render_warm_start, run_warm_start, task_format
+from jrl.data.wording import counted
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, require_trainable
 from jrl.train.strategies import get_strategy, strategy_options
@@ -132,10 +133,6 @@ def resolved_options(config: TrainConfig) -> tuple[dict, tuple[str, ...]]:
     return options, ()
 
 
-def _records(n: int) -> str:
-    return f"{n:,} record" + ("" if n == 1 else "s")
-
-
 def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | None]:
     """An RL run's `check_data`: reads the task's files, checks that every prompt leaves
     room for the completion (data.seq_len - strategy.options.max_new_tokens, as the GRPO
@@ -155,13 +152,13 @@ def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | Non
     if c.name != "jsonl":
         data = f"task {c.name} (generated)"
     else:
-        data = ", ".join(f"{name} {_records(len(problems))} ({path or f'set aside from {c.train}'})"
+        data = ", ".join(f"{name} {counted(len(problems), 'record')} ({path or f'set aside from {c.train}'})"
                          for name, problems, path in (("train", task.train, c.train), ("heldout", task.heldout, c.heldout),
                                                       ("validation", task.validation, c.validation)))
     if not warm_start:
         return data, None
     demos = render_warm_start(config, task, fmt)
-    n = f"{demos.count:,} demonstration" + ("" if demos.count == 1 else "s")
+    n = counted(demos.count, "demonstration")
     return data, f"{n} ({demos.source}" + (f"; {demos.dropped:,} left out: held-out or validation prompts)"
                                             if demos.dropped else ")")
 
@@ -183,8 +180,8 @@ def check_data(config: TrainConfig, warm_start: bool = False) -> tuple[str, str 
             parts.append(f"{split} {checked.source}")
             continue
         files = "" if checked.files == 1 else f"{checked.files:,} files: "
-        part = (f"{split} {_records(checked.records)} ({files}{checked.source}): {checked.tokens:,} tokens in "
-                f"{checked.rows:,} row{'' if checked.rows == 1 else 's'} of {config.data.seq_len}")
+        part = (f"{split} {counted(checked.records, 'record')} ({files}{checked.source}): {counted(checked.tokens, 'token')} in "
+                f"{counted(checked.rows, 'row')} of {config.data.seq_len}")
         if split == "train":  # how far the run gets through its data
             per_epoch = checked.rows / config.data.batch_size
             part += (f", an epoch every {per_epoch:,.1f} steps of data.batch_size={config.data.batch_size} "

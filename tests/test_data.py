@@ -286,7 +286,7 @@ def test_a_directory_given_as_data_file_is_named_as_a_directory(tmp_path):
 
 @pytest.mark.parametrize("text,overflow,why", [
     ("\n", "truncate_right", "it has no records"),
-    ('{"prompt": "a long prompt", "response": "b"}\n', "drop", "each of its 1 documents is longer than data.seq_len=8"),
+    ('{"prompt": "a long prompt", "response": "b"}\n', "drop", "its document is longer than data.seq_len=8"),
 ])
 def test_training_data_without_rows_is_named(tmp_path, text, overflow, why):
     src = tmp_path / "train.jsonl"
@@ -380,7 +380,7 @@ def test_sections_records_with_an_empty_trained_field_get_the_warning(tmp_path):
     src.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": ""}\n')
     cfg = DataConfig(source=str(src), sections=SECTIONS, add_eos=False, eval_fraction=0.0)
     _, message = one_warning(build_dataset, cfg, TOK, "train")
-    assert message == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the "
+    assert message == (f"data.source: 1 of the 2 training records of '{src}' trains nothing, the "
                        f"first at {src}:2: its trained sections (data.sections) are empty "
                        f"and data.add_eos is false")
 
@@ -394,10 +394,10 @@ def test_a_prompt_that_truncation_keeps_in_place_of_the_response_gets_the_warnin
         warnings.simplefilter("always")
         build_dataset(cfg, TOK, "train")
     untrained, truncated = [str(w.message) for w in caught]  # the second: what truncation drops
-    assert untrained == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first "
+    assert untrained == (f"data.source: 1 of the 2 training records of '{src}' trains nothing, the first "
                          f"at {src}:1: its 46 tokens are more than data.seq_len=16 and "
                          f"data.overflow='truncate_right' keeps none of its trained ones")
-    assert truncated.startswith(f"data.source: 1 of the 2 training documents of '{src}' are longer than")
+    assert truncated.startswith(f"data.source: 1 of the 2 training documents of '{src}' is longer than")
 
 
 def long_prompt_records(tmp_path):
@@ -424,7 +424,7 @@ def test_a_reused_cache_counts_the_records_that_train_nothing_again_for_a_new_se
     reused = warning_messages(build_dataset, short, TOK, "train")
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
     assert reused == warning_messages(build_dataset, dataclasses.replace(short, cache_dir=None), TOK, "train")
-    assert reused[0] == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first "
+    assert reused[0] == (f"data.source: 1 of the 2 training records of '{src}' trains nothing, the first "
                          f"at {src}:1: its 46 tokens are more than data.seq_len=16 and "
                          f"data.overflow='truncate_right' keeps none of its trained ones")
 
@@ -433,10 +433,10 @@ def test_a_reused_cache_drops_the_warning_where_a_new_overflow_keeps_the_trained
     src = long_prompt_records(tmp_path)
     cfg = DataConfig(source=str(src), sections=SECTIONS, seq_len=16, eval_fraction=0.0,
                      cache_dir=str(tmp_path / "cache"))
-    assert "train nothing" in warning_messages(build_dataset, cfg, TOK, "train")[0]
+    assert "trains nothing" in warning_messages(build_dataset, cfg, TOK, "train")[0]
     # truncate_left keeps the response: the only warning left is the truncation's
     [message] = warning_messages(build_dataset, dataclasses.replace(cfg, overflow="truncate_left"), TOK, "train")
-    assert message.startswith(f"data.source: 1 of the 2 training documents of '{src}' are longer than data.seq_len=16 "
+    assert message.startswith(f"data.source: 1 of the 2 training documents of '{src}' is longer than data.seq_len=16 "
                               f"and data.overflow='truncate_left' drops 30 of the 53 tokens")
 
 
@@ -766,7 +766,7 @@ def test_a_single_token_text_document_is_warned_about_as_such(tmp_path, text, ad
     src.write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": "hello"}) + "\n")
     cfg = DataConfig(source=str(src), format="text", eval_fraction=0.0, add_eos=add_eos)
     _, message = one_warning(build_dataset, cfg, TOK, "train")
-    assert message == (f"data.source: 1 of the 2 training records of '{src}' train nothing, the first at {src}:1: "
+    assert message == (f"data.source: 1 of the 2 training records of '{src}' trains nothing, the first at {src}:1: "
                        f"its document is a single token, and a document's first token is never a target")
 
 
@@ -871,6 +871,23 @@ def test_truncation_that_drops_tokens_warns_once_with_the_counts_and_the_first_d
     assert len(dataset) == 3
 
 
+def test_a_count_of_one_is_singular_in_the_truncation_warning(tmp_path):
+    # it said "1 of the 1 training documents ... are longer ... (17 tokens)"
+    src = write_lines(tmp_path / "a.jsonl", "x" * 16)
+    cfg = DataConfig(source=src, format="text", seq_len=16, eval_fraction=0.0)
+    _, message = one_warning(build_dataset, cfg, TOK, "train")
+    assert message == (f"data.source: 1 of the 1 training document of '{src}' is longer than data.seq_len=16 and "
+                       f"data.overflow='truncate_right' drops 1 of the 17 tokens (5.9%), the first at {src}:1 "
+                       f"(17 tokens); set data.overflow: split to train on all of their tokens (windows of "
+                       f"data.seq_len), or raise data.seq_len")
+
+
+def test_counted_says_one_row_and_two_rows():
+    from jrl.data.wording import counted
+
+    assert [counted(n, "row") for n in (0, 1, 2, 1234)] == ["0 rows", "1 row", "2 rows", "1,234 rows"]
+
+
 def test_overflow_split_drops_nothing_and_does_not_warn(tmp_path):
     cfg = DataConfig(source=tuple(long_text_documents(tmp_path)), format="text", seq_len=16, eval_fraction=0.0,
                      overflow="split")
@@ -888,7 +905,7 @@ def test_a_reused_cache_repeats_the_truncation_warning_and_counts_it_for_a_new_s
     # seq_len is not in the store's key: the same store, counted again
     _, longer = one_warning(build_dataset, dataclasses.replace(cfg, seq_len=32), TOK, "train")
     assert len(list((tmp_path / "cache").iterdir())) == 1
-    assert ("1 of the 3 training documents" in longer and "drops 9 of the 71 tokens (12.7%), "
+    assert ("1 of the 3 training documents of" in longer and "is longer than" in longer and "drops 9 of the 71 tokens (12.7%), "
             f"the first at {source[1]} (41 tokens)" in longer)
 
 

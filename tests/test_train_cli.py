@@ -239,7 +239,7 @@ def test_a_dry_run_names_data_whose_documents_all_overflow_into_no_rows(tmp_path
     config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n', '{"prompt": "2+2=", "response": "4"}\n')
     assert main(["--config", config, "data.seq_len=4", "data.overflow=drop", "--dry-run"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"config error: data.source: '{tmp_path / 'train.jsonl'}' gives no training rows: each of its 1 documents "
+        f"config error: data.source: '{tmp_path / 'train.jsonl'}' gives no training rows: its document "
         f"is longer than data.seq_len=4 and data.overflow='drop' drops it")
 
 

@@ -11,6 +11,7 @@ from jrl.config import ConfigError, load_train_config
 from jrl.data.pipeline import build_dataset, cache_key
 from jrl.data.store import StoreWriteError
 from jrl.data.text import load_tokenizer
+from jrl.data.wording import counted
 from jrl.train.defaults import default_run
 
 
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         if dataset is None:
             print(f"{split}: no data")
             continue
-        print(f"{split}: {len(dataset.store)} documents, {len(dataset.store.tokens)} tokens, "
-              f"{len(dataset)} rows of {config.data.seq_len} -> "
+        print(f"{split}: {counted(len(dataset.store), 'document')}, {counted(len(dataset.store.tokens), 'token')}, "
+              f"{counted(len(dataset), 'row')} of {config.data.seq_len} -> "
               f"{config.data.cache_dir}/{split}-{cache_key(config.data, tokenizer, split)}")
     return 0
 

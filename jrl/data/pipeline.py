@@ -25,6 +25,7 @@ from jrl.data.records import bundled_source, is_heldout, iter_located_records, s
 from jrl.data.sampler import EpochSampler
 from jrl.data.store import CorruptStoreError, TokenStore, build_store, content_digest, open_store, write_store
 from jrl.data.text import Tokenizer
+from jrl.data.wording import agree, counted
 
 Split = Literal["train", "eval"]
 
@@ -129,7 +130,8 @@ class Untrained:
             return
         source, _, key = _split_source(config, split)
         rows = "training" if split == "train" else "held-out"
-        warnings.warn(f"{key}: {self.count} of the {self.records} {rows} records of {_shown(source)} train nothing, "
+        warnings.warn(f"{key}: {self.count:,} of the {counted(self.records, f'{rows} record')} of {_shown(source)} "
+                      f"{agree(self.count, 'trains', 'train')} nothing, "
                       f"the first at {self.first}: {self.reason}", stacklevel=3)
 
 
@@ -195,10 +197,11 @@ class Truncated:
         else:
             advice = ("set data.overflow: split to train on all of their tokens (windows of data.seq_len), "
                       "or raise data.seq_len")
-        warnings.warn(f"{key}: {self.count:,} of the {self.documents:,} {rows} documents of {_shown(source)} are "
-                      f"longer than data.seq_len={self.seq_len} and data.overflow={self.overflow!r} drops "
-                      f"{self.dropped:,} of the {self.tokens:,} tokens ({share}), the first at {self.first} "
-                      f"({self.first_tokens:,} tokens); {advice}", stacklevel=3)
+        warnings.warn(f"{key}: {self.count:,} of the {counted(self.documents, f'{rows} document')} of "
+                      f"{_shown(source)} {agree(self.count, 'is', 'are')} longer than data.seq_len={self.seq_len} "
+                      f"and data.overflow={self.overflow!r} drops {self.dropped:,} of the "
+                      f"{counted(self.tokens, 'token')} ({share}), the first at {self.first} "
+                      f"({counted(self.first_tokens, 'token')}); {advice}", stacklevel=3)
 
 
 def _locate_record(config: DataConfig, split: Split, index: int) -> tuple[str, dict]:
@@ -409,8 +412,8 @@ def plan_split(config: DataConfig, split: Split, lengths: np.ndarray,
     if len(plan) == 0 and (split == "train" or config.eval_source is not None):
         source, filtered, key = _split_source(config, split)
         if len(lengths):
-            why = (f"each of its {len(lengths)} documents is longer than data.seq_len={config.seq_len} "
-                   f"and data.overflow={config.overflow!r} drops it")
+            why = (f"{agree(len(lengths), 'its document', f'each of its {len(lengths):,} documents')} is longer "
+                   f"than data.seq_len={config.seq_len} and data.overflow={config.overflow!r} drops it")
         elif filtered and next(_records(config, source, key), None) is not None:
             # a small file whose every record the pseudo-random hold-out took: it has records
             why = (f"data.eval_fraction={config.eval_fraction} holds out every one of its records; lower it "

@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 
 from jrl.config import ConfigError
 from jrl.data.bundled import is_bundled, load_bundled
+from jrl.data.wording import counted
 
 _MASK64 = (1 << 64) - 1
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # only such escapes can give one
@@ -135,7 +136,7 @@ def _open(source: str, key: str):
 def _check_unchanged(source: str, key: str, before: os.stat_result, after: os.stat_result) -> None:
     if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
         # another program writing it: what was read is neither the old file nor the new one
-        raise ConfigError(f"{key}: {source!r} changed while it was being read ({before.st_size:,} bytes, "
+        raise ConfigError(f"{key}: {source!r} changed while it was being read ({counted(before.st_size, 'byte')}, "
                           f"then {after.st_size:,}); start the run once whatever writes it has finished")
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jrl.data.wording import counted
+
 
 class EpochSampler:
     def __init__(self, n: int, *, seed: int, shuffle: bool = True, cursor: int = 0):
@@ -49,7 +51,7 @@ class EpochSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["n"]) != self.n or int(state["seed"]) != self.seed:
-            raise ValueError(f"sampler state is for {state['n']} rows / seed {state['seed']}, but this "
-                             f"dataset has {self.n} rows / seed {self.seed}: the data changed since "
+            raise ValueError(f"sampler state is for {counted(int(state['n']), 'row')} / seed {state['seed']}, but "
+                             f"this dataset has {counted(self.n, 'row')} / seed {self.seed}: the data changed since "
                              f"the checkpoint")
         self.cursor = int(state["cursor"])

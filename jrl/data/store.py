@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from jrl.data.encode import Document
+from jrl.data.wording import counted
 
 FILES = {"tokens": ("tokens.bin", np.int32), "train": ("train.bin", np.uint8),
          "offsets": ("offsets.bin", np.int64)}
@@ -254,9 +255,9 @@ def open_store(directory: str | os.PathLike) -> TokenStore:
         size = path.stat().st_size if path.is_file() else None
         expected = counts[key] * np.dtype(dtype).itemsize
         if size != expected:
-            raise CorruptStoreError(f"{path}: {'missing' if size is None else f'{size} bytes'}, "
-                                    f"expected {expected} (meta.json: {meta['n_docs']} documents, "
-                                    f"{meta['n_tokens']} tokens)")
+            raise CorruptStoreError(f"{path}: {'missing' if size is None else counted(size, 'byte')}, "
+                                    f"expected {expected:,} (meta.json: {counted(counts['offsets'] - 1, 'document')}, "
+                                    f"{counted(counts['tokens'], 'token')})")
         arrays[key] = (np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size
                        else np.zeros(0, dtype))
     digest = meta.get("digest")

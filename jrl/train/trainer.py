@@ -45,6 +45,7 @@ from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, TrainConfig, to_dict
 from jrl.data import DataChangedError, DataSource, build_dataset, fixed_batches
 from jrl.data.records import source_label
+from jrl.data.wording import counted
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
 from jrl.parallel import BATCH_AXES, param_shardings, with_shardings
@@ -184,7 +185,7 @@ def _data_changed_message(error: DataChangedError, meta: dict, config: TrainConf
     now, though as many rows (files replaced or edited since): resuming would go on from
     the checkpoint's position in other data."""
     return (f"--resume: {meta['path']} was trained on other data than data.source {source_label(config.data.source)} "
-            f"gives now ({error}; both {error.rows:,} row{'' if error.rows == 1 else 's'})"
+            f"gives now ({error}; both {counted(error.rows, 'row')})"
             + _changed_data_keys(meta, config)
             + "; resume on the checkpoint's data, pass --allow-data-change to go on from its position in "
               "this data, or start over (--overwrite)")
@@ -361,7 +362,7 @@ class Trainer:
             return
         train = build_dataset(data, self.tokenizer, "train")
         if len(train) < data.batch_size:
-            warnings.warn(f"data: {source_label(data.source)} packs into {len(train)} rows of data.seq_len={data.seq_len}, fewer "
+            warnings.warn(f"data: {source_label(data.source)} packs into {counted(len(train), 'row')} of data.seq_len={data.seq_len}, fewer "
                           f"than data.batch_size={data.batch_size}: every batch repeats rows", stacklevel=2)
         self.train_source = DataSource(train, data.batch_size, seed=data.seed, shuffle=data.shuffle)
         held = build_dataset(data, self.tokenizer, "eval")
