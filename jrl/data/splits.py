@@ -1,0 +1,49 @@
+"""Which records a split reads: its source (a file, a list or a bundled set) and the
+held-out rule that divides one source into training and held-out records."""
+
+from __future__ import annotations
+
+from typing import Iterator, Literal
+
+from jrl.config import DataConfig
+from jrl.data.records import is_heldout, iter_located_records, source_label
+
+Split = Literal["train", "eval"]
+
+
+Source = str | tuple[str, ...]  # a path, a pattern or a bundled name, or a list of them
+
+
+def split_source(config: DataConfig, split: Split) -> tuple[Source, bool, str] | None:
+    """(source, filter by the held-out rule?, the config field naming the source) for
+    `split`, or None if the split is empty."""
+    if split == "eval":
+        if config.eval_source is not None:
+            return config.eval_source, False, "data.eval_source"
+        return (config.source, True, "data.source") if config.eval_fraction > 0 else None
+    return config.source, config.eval_source is None and config.eval_fraction > 0, "data.source"
+
+
+def shown_source(source: Source) -> str:
+    """A source as messages name it: a path quoted, a list in YAML's flow form."""
+    return repr(source) if isinstance(source, str) else source_label(source)
+
+
+def source_records(config: DataConfig, source: Source, key: str) -> Iterator[tuple[str, dict]]:
+    """`(where, record)` for every record of `source`, read as the data pipeline reads it
+    (a `.txt` file is a raw-text document for `format: text`)."""
+    return iter_located_records(source, config.seed, key, config.format, config.text_field)
+
+
+def iter_split_records(config: DataConfig, split: Split) -> Iterator[tuple[str, dict]]:
+    """`(where, record)` for the records of `split`, in source order: the held-out rule
+    counts records across all of the source's files, so it does not depend on how the
+    records are spread over them."""
+    chosen = split_source(config, split)
+    if chosen is None:
+        return
+    source, filtered, key = chosen
+    for index, (where, record) in enumerate(source_records(config, source, key)):
+        if filtered and is_heldout(index, config.seed, config.eval_fraction) != (split == "eval"):
+            continue
+        yield where, record
