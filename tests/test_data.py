@@ -485,6 +485,63 @@ def test_a_pair_whose_responses_differ_only_past_seq_len_is_refused_naming_file_
                             f"pair carries no preference; raise data.seq_len, or set data.overflow to 'drop'")
 
 
+def test_a_reused_cache_refuses_a_pair_whose_response_a_new_seq_len_cuts_away_as_an_uncached_run_does(tmp_path):
+    # the store was written (and its pairs checked) at seq_len 64: reused at 16 it was trained on silently
+    src, cfg = long_prompt_pairs(tmp_path, "truncate_right")
+    cached = dataclasses.replace(cfg, seq_len=64, cache_dir=str(tmp_path / "cache"))
+    assert len(build_dataset(cached, TOK, "train")) == 2
+    with pytest.raises(ConfigError) as uncached:
+        build_dataset(cfg, TOK, "train")
+    with pytest.raises(ConfigError) as e:
+        build_dataset(dataclasses.replace(cached, seq_len=16), TOK, "train")
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
+    assert str(e.value) == str(uncached.value) == (
+        f"{src}:2: field 'chosen' (data.chosen_field): the prompt and response are 42 tokens and "
+        f"data.overflow='truncate_right' at data.seq_len=16 keeps none of the response, so the pair carries no "
+        f"preference; raise data.seq_len, or set data.overflow to 'truncate_left' (keeps the end) or 'drop'")
+
+
+def test_a_reused_cache_refuses_a_pair_whose_responses_a_new_overflow_keeps_equal_as_an_uncached_run_does(tmp_path):
+    # written under drop (which leaves the long pair out): truncate_right keeps the same 16 tokens of both
+    src = tmp_path / "pairs.jsonl"
+    src.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+                   + json.dumps({"prompt": "1+1=", "chosen": "y" * 20 + "a", "rejected": "y" * 20 + "bc"}) + "\n")
+    cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), seq_len=16,
+                     overflow="drop", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    assert len(build_dataset(cfg, TOK, "train")) == 1
+    truncated = dataclasses.replace(cfg, overflow="truncate_right")
+    with pytest.raises(ConfigError) as uncached:
+        build_dataset(dataclasses.replace(truncated, cache_dir=None), TOK, "train")
+    with pytest.raises(ConfigError) as e:
+        build_dataset(truncated, TOK, "train")
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
+    assert str(e.value) == str(uncached.value) == (
+        f"{src}:2: fields 'chosen' and 'rejected' (data.chosen_field / data.rejected_field) differ only in tokens "
+        f"that data.overflow='truncate_right' at data.seq_len=16 cuts away, so the pair carries no preference; "
+        f"raise data.seq_len, or set data.overflow to 'drop'")
+
+
+def test_a_reused_cache_keeps_pairs_that_truncate_left_keeps_apart(tmp_path):
+    # the check of a reused store refuses no more than an uncached run: truncate_left keeps both responses
+    _, cfg = long_prompt_pairs(tmp_path, "truncate_right")
+    cached = dataclasses.replace(cfg, seq_len=64, cache_dir=str(tmp_path / "cache"))
+    assert len(build_dataset(cached, TOK, "train")) == 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "data.source: .* longer than data.seq_len")
+        assert len(build_dataset(dataclasses.replace(cached, seq_len=16, overflow="truncate_left"), TOK, "train")) == 2
+
+
+@pytest.mark.parametrize("overflow", ["truncate_right", "truncate_left", "drop"])
+def test_trained_targets_kept_of_first_pieces_agrees_with_keeps_a_trained_target(overflow):
+    from jrl.data.packing import keeps_a_trained_target, trained_targets_kept
+
+    rng = np.random.default_rng(1)
+    docs = [doc(rng.integers(0, 9, n), rng.random(n) < p) for n in [0, 1, 2, 3, 5, 8, 9, 13, 30] * 6
+            for p in (0.0, 0.1, 0.5)]
+    expected = [keeps_a_trained_target(train, 8, overflow, first_piece=True) for _, train in docs]
+    assert trained_targets_kept(build_store(docs), 8, overflow, first_piece=True, chunk_tokens=7).tolist() == expected
+
+
 def test_preference_fields_that_are_the_same_field_are_refused_by_the_config():
     # every record was then refused as a pair of equal responses, naming 'chosen' twice
     with pytest.raises(ConfigError, match=r"^data.rejected_field: must differ from data.chosen_field "

@@ -29,7 +29,8 @@ class Untrained:
     but silent: `warn` says how many there are and where the first one is. A preference
     pair cut so is an error instead (`_check_pair_overflow`). Counted for `seq_len`,
     `overflow` and `pack` (kept with the counts in a cached store's meta.json, whose key
-    has none of them: `recount` counts again for others, as `Truncated.recount` does)."""
+    has none of them: `recount` counts again for others, as `Truncated.recount` does, and
+    checks a store's preference pairs again as `_check_pair_overflow` does)."""
 
     records: int = 0  # records read
     count: int = 0  # of them, those that train nothing
@@ -47,13 +48,15 @@ class Untrained:
                 locate: Callable[[int], tuple[str, dict]]) -> "Untrained":
         """These counts if they are for `config`'s seq_len, overflow and pack, else the
         counts of the records whose documents are `store`'s (one a record; a preference
-        pair, two, trains nothing only where it is an error), the first read again with
-        `locate(record index) -> (where, record)` to say why."""
+        pair, two, trains nothing only where it is an error: the ConfigError an uncached
+        run raises), the first read again with `locate(record index) -> (where, record)`
+        to say why."""
         if (self.seq_len, self.overflow, self.pack) == (config.seq_len, config.overflow, config.pack):
             return self
         out = Untrained.of(config)
         if config.format == "preference":
             out.records = len(store) // 2
+            _check_stored_pairs(store, config, locate)
             return out
         out.records = len(store)
         untrained = np.flatnonzero(~trained_targets_kept(store, config.seq_len, config.overflow, pack=config.pack))
@@ -188,6 +191,36 @@ def _check_pair_overflow(docs: list[Document], config: DataConfig, where: str) -
     raise ConfigError(f"{where}: fields {fields[0]!r} and {fields[1]!r} ({' / '.join(keys)}) differ only in tokens "
                       f"that data.overflow={config.overflow!r} at data.seq_len={config.seq_len} cuts away, so the "
                       f"pair carries no preference; raise data.seq_len, or set data.overflow to 'drop'")
+
+
+def _check_stored_pairs(store: TokenStore, config: DataConfig, locate: Callable[[int], tuple[str, dict]]) -> None:
+    """`_check_pair_overflow` of every pair of `store` (chosen, rejected: documents 2i and
+    2i + 1), for a cached store reused at other settings than those it was checked for
+    when written: raises its ConfigError for the first pair it refuses, named by
+    `locate(pair index) -> (where, record)`. Reads the trained flags once (vectorised), and
+    the tokens only of pairs whose kept pieces have equal lengths, one of them cut."""
+    lengths = np.asarray(store.lengths, np.int64).reshape(-1, 2)
+    if not len(lengths):
+        return
+    seq_len, overflow = config.seq_len, config.overflow
+    cut = lengths > seq_len
+    checked = ~(cut.any(axis=1) & (overflow == "drop"))  # data.overflow: drop leaves such a pair out
+    kept = trained_targets_kept(store, seq_len, overflow, first_piece=True).reshape(-1, 2)
+    refused = checked & ~kept.all(axis=1)
+    # both keep their first piece's tokens: the same tokens although not both whole?
+    kept_lengths = np.minimum(lengths, seq_len)
+    before = np.arange(len(lengths)) < (np.argmax(refused) if refused.any() else len(lengths))
+    for pair in np.flatnonzero(before & checked & cut.any(axis=1) & (kept_lengths[:, 0] == kept_lengths[:, 1])):
+        (a, n), (b, m) = (doc_pieces(int(length), seq_len, overflow)[0] for length in lengths[pair])
+        if np.array_equal(store.doc(2 * pair)[0][a:a + n], store.doc(2 * pair + 1)[0][b:b + m]):
+            refused[pair] = True
+            break  # the pairs are checked in order: none before it is refused
+    if not refused.any():
+        return
+    pair = int(np.flatnonzero(refused)[0])
+    where, _ = locate(pair)
+    docs = [tuple(np.asarray(array) for array in store.doc(2 * pair + i)) for i in range(2)]
+    _check_pair_overflow(docs, config, where)  # raises its ConfigError, worded as for an uncached run
 
 
 def _untrained_reason(record: dict, docs: list[Document], config: DataConfig) -> str:

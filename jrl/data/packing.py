@@ -60,17 +60,17 @@ def keeps_a_trained_target(train: np.ndarray, seq_len: int, overflow: str, *, pa
 
 
 def trained_targets_kept(store: TokenStore, seq_len: int, overflow: str, *, pack: bool = False,
-                         chunk_tokens: int = 1 << 24) -> np.ndarray:
+                         first_piece: bool = False, chunk_tokens: int = 1 << 24) -> np.ndarray:
     """`keeps_a_trained_target` of every document of `store` (bool `[n_docs]`), vectorised:
     what `overflow` keeps of a document's targets is one range of it, so the count of
     trained targets in it is a difference of a running sum of the trained flags, taken
     over at most `chunk_tokens` tokens at a time (a memory-mapped store is never read
-    into memory whole)."""
+    into memory whole). `first_piece` as for `keeps_a_trained_target`."""
     lengths = np.asarray(store.lengths, np.int64)
     offsets = np.asarray(store.offsets, np.int64)
     lo, hi = np.ones_like(lengths), lengths.copy()  # targets lo..hi-1 (a piece's first token is none)
     cut = lengths > seq_len
-    if overflow == "truncate_right":
+    if overflow == "truncate_right" or (overflow == "split" and first_piece and not pack):
         hi[cut] = seq_len
     elif overflow == "truncate_left":
         lo[cut] = lengths[cut] - seq_len + 1
