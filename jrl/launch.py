@@ -67,7 +67,8 @@ def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
                       help="continue from checkpoint step_STEP (newer steps are moved aside)")
     mode.add_argument("--overwrite", action="store_true", help="delete the run directory's checkpoints and metrics first")
     p.add_argument("--allow-data-change", action="store_true",
-                   help="with --resume: go on even though the training data's documents differ from the checkpoint's")
+                   help="with --resume: go on even though the training data's documents (or a warm start's "
+                        "demonstrations) differ from the checkpoint's")
     p.add_argument("--dry-run", action="store_true", help="read every data record, print the resolved config and parameter count, then exit")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optimizer.lr=3e-4")
     return p
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
             # not render demonstrations into, nor --overwrite, the warm start of a live run
             lock = acquire_for_run(run_dir)
             try:
-                config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite)
+                config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite,
+                                        allow_data_change=args.allow_data_change)
             finally:
                 if lock is not None:
                     lock.release()  # the trainer below takes it again

@@ -278,3 +278,31 @@ def test_resuming_a_warm_start_stopped_by_a_signal_says_which_checkpoint_it_cont
     assert capsys.readouterr().out.splitlines()[1] == (  # after the demonstrations' line
         f"warm start: resuming from its checkpoint step_1 in {tmp_path / 'warm_start' / 'checkpoints'}")
     assert checkpoint.all_steps(tmp_path / "warm_start" / "checkpoints") == [2]
+
+
+
+def test_resume_with_allow_data_change_resumes_a_warm_start_whose_demonstrations_changed(tmp_path):
+    # a signal stopped the warm start at step 1; its demonstrations changed since (as many rows): the
+    # refusal said "pass --allow-data-change", which main never gave the warm start (exit 2 again)
+    demos = tmp_path / "demos.jsonl"
+    words = ["abc", "defg", "hij", "klmn", "opq", "rstu"]
+    write_jsonl(demos, [{"prompt": f"{w}>", "response": w[::-1]} for w in words])
+    overrides = [f"strategy.options.warm_start.source={demos}", "strategy.options.task.n_heldout=8",
+                 "strategy.options.task.n_validation=8", "strategy.options.warm_start.batch_size=2",
+                 "strategy.options.warm_start.check_every=1000", "logging.progress=false", "logging.plot=false"]
+    out = tmp_path / "run"
+    run_warm_start(load_train_config(str(CONFIG), [*overrides, "strategy.options.warm_start.max_steps=1"]),
+                   output_dir=str(out))
+    (out / "warm_start" / "done").unlink()
+    write_jsonl(demos, [{"prompt": f"{w}>", "response": w[::-1].upper()} for w in words])
+    args = ["--config", str(CONFIG), f"--output-dir={out}", "--resume", "--allow-data-change", *overrides,
+            "strategy.options.warm_start.max_steps=2", "steps=1", "data.batch_size=8",
+            "strategy.options.prompts_per_step=4", "strategy.options.group_size=2", "eval.every=0",
+            "eval.at_end=false"]
+    with pytest.warns(UserWarning) as caught:
+        assert main(args) == 0
+    [changed] = [str(w.message) for w in caught if "--allow-data-change" in str(w.message)]
+    assert changed.startswith(f"--resume: data.source {out / 'warm_start' / 'demonstrations.jsonl'} is not the data "
+                              f"{out / 'warm_start' / 'checkpoints' / 'step_1'} was trained on (")
+    assert changed.endswith("); going on from its position in this data (--allow-data-change)")
+    assert checkpoint.all_steps(out / "warm_start" / "checkpoints") == [2]

@@ -161,10 +161,13 @@ def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> Ren
 
 
 def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume: bool = False,
-                   overwrite: bool = False) -> TrainConfig | None:
+                   overwrite: bool = False, allow_data_change: bool = False) -> TrainConfig | None:
     """Trains the warm start of `config` into `<run_dir>/warm_start` (resuming it when
     `resume`; a finished one, marked by `warm_start/done`, is not rerun) and returns
-    `config` starting from its final checkpoint; None if a signal stopped it."""
+    `config` starting from its final checkpoint; None if a signal stopped it. Resuming on
+    demonstrations that changed since its checkpoint is refused as a trainer's resume on
+    changed data is, unless `allow_data_change` (`--allow-data-change`: a warning, and it
+    goes on from the checkpoint's position in the new demonstrations)."""
     options = RLOptions.from_config(config.strategy.options)
     ws = _warm_start_of(options)
     warm_dir = Path(output_dir or config.run_dir) / "warm_start"
@@ -196,7 +199,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
         resume = False  # not the trainer's "starting a fresh run", which reads as if the whole run started over
     elif resume:
         print(f"warm start: resuming from its checkpoint step_{latest} in {trainer.checkpoint_dir}", flush=True)
-    state = trainer.fit(resume=resume, overwrite=overwrite)
+    state = trainer.fit(resume=resume, overwrite=overwrite, allow_data_change=allow_data_change)
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"warm start finished at step {int(state.step)}{reason}; run directory: {trainer.run_dir}",
           flush=True)
