@@ -790,6 +790,68 @@ def test_another_hosts_staging_directory_is_removed_only_once_idle_for_a_day(tmp
     assert staging_dirs(tmp_path) == ([name] if kept else [])
 
 
+def gone_pid():
+    """The pid of a process of this host that has exited."""
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def damaged_store(parent, name):
+    """A damaged store moved aside as `parent/name` (its files as a build left them)."""
+    (parent / name).mkdir(parents=True)
+    (parent / name / "tokens.bin").write_bytes(b"1234")
+    return parent / name
+
+
+def test_the_next_build_removes_a_damaged_store_that_a_gone_process_moved_aside(tmp_path):
+    # a build killed between moving the damaged store aside and removing it left it for good
+    name = f".train-x.damaged-{socket.gethostname()}-{gone_pid()}-{'0' * 32}"
+    damaged_store(tmp_path, name)
+    write_store(tmp_path / "s", iter([doc([1, 2, 3])]), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_a_build_keeps_a_damaged_store_a_live_process_moved_aside(tmp_path):
+    # the process that moved it aside (this one, alive) removes it itself
+    name = f".train-x.damaged-{socket.gethostname()}-{os.getpid()}-{'0' * 32}"
+    damaged_store(tmp_path, name)
+    write_store(tmp_path / "s", iter([doc([1, 2, 3])]), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name, "s"]
+
+
+@pytest.mark.parametrize("name", [f".train-x.damaged-other-host-4242-{'0' * 32}",
+                                  f".train-x.damaged-{'0' * 32}"])  # another host's; an older jrl's (no pid)
+@pytest.mark.parametrize("idle_hours, kept", [(25, False), (1, True)])
+def test_a_damaged_store_whose_process_cannot_be_checked_is_removed_only_once_idle_for_a_day(
+        tmp_path, name, idle_hours, kept):
+    aside = damaged_store(tmp_path, name)
+    then = time.time() - idle_hours * 3600
+    for path in (aside / "tokens.bin", aside):
+        os.utime(path, (then, then))
+    write_store(tmp_path / "s", iter([doc([1, 2, 3])]), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([name] if kept else []) + ["s"]
+
+
+def test_a_damaged_store_left_moved_aside_is_named_by_its_host_and_pid_and_marked_moved_now(tmp_path, monkeypatch):
+    # its removal failed (e.g. files another process held): the next build must know whose it was and since when
+    import jrl.data.store as store_module
+
+    write_store(tmp_path / "s", iter([doc([1, 2, 3])]), {})
+    (tmp_path / "s" / "tokens.bin").write_bytes(b"")
+    old = time.time() - 48 * 3600
+    os.utime(tmp_path / "s", (old, old))
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(store_module.shutil, "rmtree",
+                        lambda path, *a, **k: None if ".damaged-" in str(path) else rmtree(path, *a, **k))
+    write_store(tmp_path / "s", iter([doc([4, 5])]), {})
+    monkeypatch.undo()
+    [aside] = [p for p in tmp_path.iterdir() if p.name != "s"]
+    assert aside.name.startswith(f".s.damaged-{socket.gethostname()}-{os.getpid()}-")
+    assert time.time() - aside.stat().st_mtime < 3600
+    assert [p.name for p in store_module.remove_stale_leftovers(tmp_path)] == []  # this process is alive
+
+
 def test_a_data_file_without_read_permission_is_named_by_its_config_field(tmp_path):
     src = tmp_path / "train.jsonl"
     src.write_text('{"text": "hello"}\n')

@@ -3,10 +3,11 @@ in memory or memory-mapped from disk (so corpora larger than RAM can be trained 
 
 On disk a store is a directory with `tokens.bin` (int32), `train.bin` (uint8),
 `offsets.bin` (int64, n_docs + 1 entries) and `meta.json`; it is written into a hidden
-sibling directory and published by one rename, so a crashed preprocessing run never
-leaves a half-written store that looks complete. The hidden directory's name carries the
-writer's host and pid (`.<store>.staging-<host>-<pid>-<id>`): one a killed build left is
-removed by the next build (`remove_stale_staging`).
+sibling directory (`.<store>.staging-<host>-<pid>-<id>`) and published by one rename, so a
+crashed preprocessing run never leaves a half-written store that looks complete; a damaged
+store a build replaces is moved aside (`.<store>.damaged-<host>-<pid>-<id>`) and removed.
+Both names carry the host and pid of the process that made them: one a killed build left
+(or whose removal failed) is removed by the next build (`remove_stale_leftovers`).
 """
 
 from __future__ import annotations
@@ -84,15 +85,18 @@ def build_store(docs: Iterable[Document]) -> TokenStore:
     return dataclasses.replace(store, digest=content_digest(store))
 
 
-STAGING = re.compile(r"^\..+\.staging-(?:(?P<host>.+)-(?P<pid>\d+)-)?[0-9a-f]{32}$")
-# a staging directory of another host (whose pid this host cannot check), or of an older jrl
-# (no pid in its name), is removed once nothing in it has changed for this long: a live
-# writer appends to its files all the time
+# a store being written (staging) or a damaged one moved aside to be removed (damaged)
+LEFTOVER = re.compile(r"^\..+\.(?:staging|damaged)-(?:(?P<host>.+)-(?P<pid>\d+)-)?[0-9a-f]{32}$")
+# one of another host (whose pid this host cannot check), or of an older jrl (no pid in its
+# name), is removed once nothing in it has changed for this long: a live writer appends to
+# its files all the time, and a damaged store is marked changed as it is moved aside
 STALE_AFTER_S = 24 * 3600
 
 
-def _staging_name(directory: Path) -> Path:
-    return directory.parent / f".{directory.name}.staging-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
+def _hidden_name(directory: Path, kind: str) -> Path:
+    """A fresh hidden sibling of `directory` of `kind` (staging or damaged) naming this
+    process (`LEFTOVER`)."""
+    return directory.parent / f".{directory.name}.{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -117,11 +121,13 @@ def _last_change(path: Path) -> float:
     return newest
 
 
-def remove_stale_staging(parent: str | os.PathLike, now: float | None = None) -> list[Path]:
-    """Removes the staging directories in `parent` that a killed build left behind, and
-    returns them: one of this host whose writer process is gone, and any other (another
-    host's, or one without a pid in its name) in which nothing changed for
-    `STALE_AFTER_S`. One a live process of this host is writing is never touched."""
+def remove_stale_leftovers(parent: str | os.PathLike, now: float | None = None) -> list[Path]:
+    """Removes the hidden directories in `parent` that a build left behind, and returns
+    them: staging directories of a killed build and damaged stores moved aside whose
+    removal did not finish (killed, or files another process still held). One of this
+    host goes once the process named in it is gone, any other (another host's, or one
+    without a pid in its name) once nothing in it changed for `STALE_AFTER_S`. One of a
+    live process of this host (writing it, or about to remove it) is never touched."""
     parent = Path(parent)
     now = time.time() if now is None else now
     host = socket.gethostname()
@@ -131,7 +137,7 @@ def remove_stale_staging(parent: str | os.PathLike, now: float | None = None) ->
     except OSError:
         return removed
     for entry in entries:
-        m = STAGING.match(entry.name)
+        m = LEFTOVER.match(entry.name)
         if m is None or not entry.is_dir(follow_symlinks=False):
             continue
         if m["host"] == host:
@@ -159,12 +165,13 @@ def write_store(directory: str | os.PathLike, docs: Iterable[Document],
     dropped, so a process reading that store never sees it deleted; a damaged one is
     replaced. A write that fails (disk full, no permission) raises StoreWriteError naming
     the store and the file, with nothing left behind; staging directories a killed build
-    left beside it are removed first (`remove_stale_staging`)."""
+    left beside it, and damaged stores left moved aside, are removed first
+    (`remove_stale_leftovers`)."""
     directory = Path(directory)
-    staging = _staging_name(directory)
+    staging = _hidden_name(directory, "staging")
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(directory.parent)
+        remove_stale_leftovers(directory.parent)
         staging.mkdir()
     except OSError as e:
         raise StoreWriteError(f"data.cache_dir: cannot write the token store {directory}: "
@@ -219,9 +226,10 @@ def _publish(staging: Path, directory: Path) -> None:
         return
     except (CorruptStoreError, FileNotFoundError):
         pass
-    aside = directory.parent / f".{directory.name}.damaged-{uuid.uuid4().hex}"
+    aside = _hidden_name(directory, "damaged")  # if left (killed, or not removable yet): the next build's
     try:
         os.rename(directory, aside)
+        os.utime(aside)  # moved aside now: another host's build waits STALE_AFTER_S from here
     except FileNotFoundError:
         pass
     try:
