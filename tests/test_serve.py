@@ -2,8 +2,10 @@
 model saved as a Hugging Face directory with a ChatML tokenizer, driven with the official
 `openai` client (and httpx for raw bodies): chat, completions, streaming, n > 1, logprobs,
 stop strings, seeds, 64 concurrent requests, cancellation returning pages, a random mix of
-requests and cancellations, every bad input's 400 / 429, the admin weights endpoint, SIGTERM
-shutdown (a subprocess), `jrl bench serve --tiny`. Nothing asserts on wall-clock time."""
+requests and cancellations, every bad input's 400 / 429 (for a large body, prepared off the
+event loop, too), other clients answered while a large prompt is tokenized, the admin weights
+endpoint, SIGTERM shutdown (a subprocess), `jrl bench serve --tiny`. Nothing asserts on
+wall-clock time."""
 
 import asyncio
 import concurrent.futures
@@ -15,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -399,6 +402,18 @@ def test_bad_input_is_a_400_naming_the_field(live, name, path, body, param):
     assert err["param"] == param, err
 
 
+@pytest.mark.parametrize("name,path,body,param", [b for b in BAD if isinstance(b[2], dict)],
+                         ids=[b[0] for b in BAD if isinstance(b[2], dict)])
+def test_a_large_body_prepared_off_the_event_loop_gets_the_same_400(live, name, path, body, param):
+    # a body past offload_bytes is parsed, checked and tokenized on the server's thread pool
+    small = live.http.post(path, json=body)
+    padded = {**body, "user": "u" * live.server.offload_bytes}  # a field the server ignores
+    large = live.http.post(path, json=padded)
+    assert len(json.dumps(padded)) > live.server.offload_bytes
+    assert small.status_code == large.status_code == 400, large.text
+    assert large.json() == small.json() and large.json()["error"]["param"] == param
+
+
 NULLABLE = ("n", "max_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "stop",
             "stream", "stream_options", "logprobs", "logit_bias", "user")
 
@@ -514,17 +529,88 @@ def test_a_body_that_is_not_utf8_is_a_400_saying_so(live):
     assert body.index(b"\xe9") == 37
 
 
-def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch):
+@pytest.mark.parametrize("large", [False, True], ids=["small body", "large body, on the pool"])
+def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch, large):
     def broken(*args, **kwargs):
         raise RuntimeError("tokenizer exploded")
 
     monkeypatch.setattr(live_in_thread.server.tokenizer, "encode", broken)
-    r = live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1})
+    pad = {"user": "u" * live_in_thread.server.offload_bytes} if large else {}
+    r = live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1, **pad})
     assert r.status_code == 500
     assert r.json() == {"error": {"message": "internal server error: RuntimeError: tokenizer exploded",
                                   "type": "server_error", "param": None, "code": None}}
     monkeypatch.undo()
     assert live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1}).status_code == 200
+
+
+class BlockingEncode:
+    """The server's tokenizer's `encode`, held at a text holding "BLOCK" until `release`
+    is set (`entered` says it got there): a large prompt being tokenized, for as long as a
+    test needs."""
+
+    def __init__(self, server, monkeypatch) -> None:
+        self.encode = server.tokenizer.encode
+        self.entered, self.release = threading.Event(), threading.Event()
+        monkeypatch.setattr(server.tokenizer, "encode", self)
+
+    def __call__(self, text, **kwargs):
+        if "BLOCK" in text:
+            self.entered.set()
+            assert self.release.wait(120)
+        return self.encode(text, **kwargs)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_other_clients_are_answered_while_a_large_prompt_is_tokenized(live, monkeypatch, chat):
+    # a request whose body is past offload_bytes is parsed and tokenized on a thread: the
+    # event loop goes on serving everyone else meanwhile (it held them all before)
+    blocking = BlockingEncode(live.server, monkeypatch)
+    fixed = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    path, prompt = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "BLOCK the cat"}]}) if chat
+                    else ("/v1/completions", {"prompt": "BLOCK the cat"}))
+    body = {"model": NAME, **prompt, **fixed, "user": "u" * live.server.offload_bytes}
+    assert len(json.dumps(body)) > live.server.offload_bytes
+    with httpx.Client(base_url=live.url, timeout=120) as http, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        big = pool.submit(http.post, path, json=body)
+        assert blocking.entered.wait(120)  # the server is tokenizing it now, and stays there
+        assert live.http.get("/v1/models").json()["data"][0]["id"] == NAME
+        small = live.client.completions.create(model=NAME, prompt="the mat", max_tokens=3,
+                                               extra_body={"ignore_eos": True})
+        assert small.usage.completion_tokens == 3
+        chunks = [c.choices[0].text for c in live.client.completions.create(
+            model=NAME, prompt="the mat", max_tokens=3, stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        assert len(chunks) >= 1
+        assert not big.done()
+        blocking.release.set()
+        r = big.result(120)
+    assert r.status_code == 200, r.text
+    plain = live.http.post(path, json={"model": NAME, **prompt, **fixed})  # the same request, small
+    usage = r.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (plain.json()["usage"]["prompt_tokens"], 4)
+    key = "message" if chat else "text"
+    assert r.json()["choices"][0][key] == plain.json()["choices"][0][key]
+
+
+def test_a_client_leaving_while_its_large_prompt_is_tokenized_sends_nothing_to_the_engine(live, monkeypatch):
+    blocking = BlockingEncode(live.server, monkeypatch)
+    before = settle(live)["engine"]["generated_tokens"]
+    connections = live.uv.server_state.connections
+    others = set(connections)
+    body = json.dumps({**COMP, "prompt": "BLOCK", "max_tokens": 4, "ignore_eos": True,
+                       "user": "u" * live.server.offload_bytes}).encode()
+    with socket.create_connection((live.host, live.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert blocking.entered.wait(120)
+        mine = set(connections) - others
+        assert mine
+    while mine & set(connections):  # the server has seen the client go (uvicorn's connection_lost)
+        time.sleep(0.01)
+    health(live)  # and the event loop has run on since
+    blocking.release.set()
+    h = settle(live)
+    assert h["engine"]["generated_tokens"] == before and h["outstanding_requests"] == 0
 
 
 LIMIT = 8 * 2**20  # --max-request-mb 8, the default

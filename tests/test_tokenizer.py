@@ -10,6 +10,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from chat_fixtures import CHATML, SPECIALS
 from jrl.tokenizer import (
+    _GIL_FREE_CHARS,
     DEFAULT_CHAT_TEMPLATE,
     ByteTokenizer,
     ChatTemplateError,
@@ -124,6 +125,16 @@ def test_hf_chat_template_renders_and_special_tokens_encode_as_single_ids(bpe_di
     ids = tok.encode(text)
     assert ids[0] == tok.encode("<|im_start|>")[0] and ids.count(tok.eos_id) == 1
     assert tok.decode(ids, skip_special_tokens=True) == "user\nHi\nassistant\n"
+
+
+def test_a_long_text_encodes_to_the_same_ids_with_the_gil_released(bpe_dir):
+    # past _GIL_FREE_CHARS HFTokenizer.encode goes through encode_batch_fast (the GIL let go)
+    tok = load_tokenizer(str(bpe_dir))
+    text = "<|im_start|>user\n" + " ".join(CORPUS) * 20 + " 你好 🙂<|im_end|>\n"
+    assert len(text) >= _GIL_FREE_CHARS
+    for special in (False, True):
+        assert tok.encode(text, add_special_tokens=special) == tok._tok.encode(text, add_special_tokens=special).ids
+    assert tok.encode(text).count(tok.eos_id) == 1
 
 
 def test_from_dir_prefers_chat_template_jinja(bpe_dir, tmp_path):

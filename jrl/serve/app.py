@@ -1,18 +1,22 @@
 """The HTTP side: a FastAPI app over one engine loop (see docs/serve.md), in a process of
 its own (`EngineProcess`, what `jrl serve` runs) or on a thread of this one (`EngineWorker`).
 
-Every handler runs on the event loop and never blocks it: a request is validated and
-tokenized here, queued to the engine loop as one engine request per choice, and its
+Every handler runs on the event loop and never blocks it: a request is parsed, validated
+and tokenized (`Server.prepare_chat` / `prepare_completion`: on a small thread pool unless
+its body is small), queued to the engine loop as one engine request per choice, and its
 tokens come back through asyncio queues. Errors are OpenAI error objects naming the field.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
 import logging
+import os
+import threading
 import time
 import uuid
 import weakref
@@ -29,7 +33,7 @@ from jrl.rl.prompts import end_of_turn_ids
 from jrl.rollout import Engine, SamplingParams
 from jrl.serve.loading import Served
 from jrl.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, WeightsRequest,
-                                error_body, _Common)
+                                error_body, parse_body, _Common)
 from jrl.serve.text import TextStream, decode
 from jrl.serve.tools import parse_tool_calls
 from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent, WeightsRefused
@@ -40,6 +44,19 @@ log = logging.getLogger("jrl.serve")
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "error": "error"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
                     "repetition_penalty")
+
+# Work bigger than these runs on the server's thread pool (`Server.offload`) instead of the
+# event loop, where it held every other client: parsing, validating and tokenizing a request
+# body over OFFLOAD_BYTES (0.4 to 0.7 s a MB of text), decoding a plain answer of more than
+# OFFLOAD_TOKENS tokens (25 ms for 4096, 100 ms with logprobs). Below them the thread hop
+# would cost more than the stall it saves (a few ms at most).
+OFFLOAD_BYTES = 8 * 2**10
+OFFLOAD_TOKENS = 512
+OFFLOAD_THREADS = min(4, os.cpu_count() or 1)
+
+# A request ready for the engine: its body, its prompts' token ids, max_tokens (one, or one
+# per prompt) and its stop strings.
+Prepared = tuple[Any, list[np.ndarray], "int | list[int]", list[str]]
 
 
 class Server:
@@ -62,7 +79,10 @@ class Server:
         self.weights_lock = asyncio.Lock()
         self.created = int(time.time())
         self.ignored_seen: set[str] = set()  # request fields already logged as ignored
+        self._ignored_lock = threading.Lock()  # requests are prepared on several threads
         self.handles: weakref.WeakSet[Handle] = weakref.WeakSet()  # engine requests of the requests in flight
+        self.offload_bytes, self.offload_tokens = OFFLOAD_BYTES, OFFLOAD_TOKENS
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start(self) -> None:
         if self.worker is None:
@@ -71,6 +91,53 @@ class Server:
     def stop(self, timeout: float = 30.0) -> None:
         if self.worker is not None:
             self.worker.stop(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    @property
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that prepare large requests and decode long answers: bounded, so a
+        burst of big requests queues here (their tokenizing releases the GIL) rather than
+        taking every core, and apart from asyncio's default executor."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(OFFLOAD_THREADS, thread_name_prefix="jrl-serve-prep")
+        return self._pool
+
+    async def offload(self, big: bool, fn: Any, *args: Any) -> Any:
+        """fn(*args): on the pool if `big`, else here on the event loop (a small piece of work
+        costs less than the hop to a thread and back)."""
+        if not big:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    # ------------------------------------------------------------------ a request's body -> engine prompts
+    # Both run off the event loop for a large body; the checks in the order FastAPI and the
+    # handlers made them before (parse, validate, then the request's own checks), so a request
+    # breaking several rules is refused for the same one whatever its size.
+    def prepare_chat(self, raw: bytes, content_type: str | None) -> Prepared:
+        body = parse_body(ChatCompletionRequest, raw, content_type)
+        self.check_model(body)
+        self.note_ignored_fields(body)
+        body.refuse_unsupported()
+        stop = body.stop_strings()
+        body.check_messages()
+        prompt = self.render_chat(body)
+        limit = self.max_new_tokens(len(prompt), body.token_limit(),
+                                    "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                                    "messages")
+        return body, [prompt], limit, stop
+
+    def prepare_completion(self, raw: bytes, content_type: str | None) -> Prepared:
+        body = parse_body(CompletionRequest, raw, content_type)
+        self.check_model(body)
+        self.note_ignored_fields(body)
+        body.refuse_unsupported()
+        stop = body.stop_strings()
+        prompts = self.completion_prompts(body)
+        limit = body.max_tokens if body.max_tokens is not None else 16
+        limits = [self.max_new_tokens(len(p), limit, "max_tokens", "prompt") for p in prompts]
+        return body, prompts, limits[0] if len(set(limits)) == 1 else limits, stop
 
     # ------------------------------------------------------------------ requests -> engine requests
     def check_model(self, body: _Common) -> None:
@@ -81,7 +148,9 @@ class Server:
     def note_ignored_fields(self, body: _Common) -> None:
         """Logs each request field this server does not read, once per name."""
         for name in body.ignored_fields():
-            if name not in self.ignored_seen:
+            with self._ignored_lock:
+                if name in self.ignored_seen:
+                    continue
                 self.ignored_seen.add(name)
                 log.warning("request field %r is not one this server reads; ignored (a misspelt sampling "
                             "parameter takes its default)", name)
@@ -234,7 +303,8 @@ class _Choice:
                 self.generated += len(event.tokens)
                 self.logprobs += event.model_logprobs
                 self.version, self.cached = event.version, event.cached_tokens
-                self.text.add(event.tokens)
+                # a plain answer's tokens come at once: decoding thousands takes tens of ms
+                await self.server.offload(len(event.tokens) > self.server.offload_tokens, self.text.add, event.tokens)
                 if self.text.cut:  # a stop string: the rest is not wanted
                     self.server.worker.abort(self.handle)
                     self.finish_reason = "stop"
@@ -293,6 +363,11 @@ def _usage(prompts: list[np.ndarray], choices: list[_Choice]) -> dict[str, Any]:
     completion = sum(c.generated for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _gone() -> JSONResponse:
+    # 499 (nginx's "client closed request"): nobody reads it, the log says why
+    return JSONResponse(error_body("client disconnected; request cancelled"), status_code=499)
 
 
 def _error_response(e: ServeError) -> JSONResponse:
@@ -382,29 +457,36 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
                              status=404, code="model_not_found")
         return model_object()
 
+    # The bodies are read here and parsed by the handlers (`parse_body`, FastAPI's reading,
+    # errors included), not declared as parameters: FastAPI would parse and validate them on
+    # the event loop before the handler runs.
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        server.check_model(body)
-        server.note_ignored_fields(body)
-        body.refuse_unsupported()
-        stop = body.stop_strings()
-        body.check_messages()
-        prompt = server.render_chat(body)
-        limit = server.max_new_tokens(len(prompt), body.token_limit(),
-                                      "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-                                      "messages")
-        return await _generate(request, body, [prompt], limit, stop, chat=True)
+    async def chat_completions(request: Request):
+        prepared = await _prepare(request, server.prepare_chat)
+        if prepared is _GONE:
+            return _gone()
+        body, prompts, limit, stop = prepared
+        return await _generate(request, body, prompts, limit, stop, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        server.check_model(body)
-        server.note_ignored_fields(body)
-        body.refuse_unsupported()
-        stop = body.stop_strings()
-        prompts = server.completion_prompts(body)
-        limit = body.max_tokens if body.max_tokens is not None else 16
-        limits = [server.max_new_tokens(len(p), limit, "max_tokens", "prompt") for p in prompts]
-        return await _generate(request, body, prompts, limits[0] if len(set(limits)) == 1 else limits, stop, chat=False)
+    async def completions(request: Request):
+        prepared = await _prepare(request, server.prepare_completion)
+        if prepared is _GONE:
+            return _gone()
+        body, prompts, limit, stop = prepared
+        return await _generate(request, body, prompts, limit, stop, chat=False)
+
+    async def _prepare(request: Request, prepare: Any) -> Any:
+        """prepare(body bytes, content type): here for a small body, else on the server's
+        pool, `_GONE` if the client disconnects meanwhile (nothing reaches the engine then)."""
+        try:
+            raw = await request.body()
+        except Exception as e:  # as FastAPI answers a failed read (a client gone mid-body, a 413 cut)
+            raise StarletteHTTPException(status_code=400, detail="There was an error parsing the body") from e
+        content_type = request.headers.get("content-type")
+        if len(raw) <= server.offload_bytes:
+            return prepare(raw, content_type)
+        return await _wait_or_disconnect(request, server.offload(True, prepare, raw, content_type))
 
     async def _generate(request: Request, body, prompts: list[np.ndarray], limit, stop: list[str], *, chat: bool):
         n = body.n
@@ -437,30 +519,34 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             if await _wait_or_disconnect(request, asyncio.gather(*(_drain(c) for c in choices))) is _GONE:
-                # 499 (nginx's "client closed request"): nobody reads it, the log says why
-                return JSONResponse(error_body("client disconnected; request cancelled"), status_code=499)
+                return _gone()
         finally:
             _release(choices)
-        out = []
-        for c in choices:
-            text = c.text.emit(final=True)
-            entries = c.new_logprob_entries(final=True) if want_logprobs else []
-            if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                finish = c.finish_reason
-                if tools:
-                    content, calls = parse_tool_calls(text, tools)
-                    message["content"] = content
-                    if calls:
-                        message["tool_calls"] = calls
-                        finish = "tool_calls"
-                out.append({"index": c.index, "message": message, "finish_reason": finish,
-                            "logprobs": chat_logprobs(server.tokenizer, entries) if want_logprobs else None,
-                            "jrl": c.jrl()})
-            else:
-                out.append({"index": c.index, "text": text, "finish_reason": c.finish_reason,
-                            "logprobs": completion_logprobs(server.tokenizer, entries) if want_logprobs else None,
-                            "jrl": c.jrl()})
+
+        def answer() -> list[dict[str, Any]]:
+            out = []
+            for c in choices:
+                text = c.text.emit(final=True)
+                entries = c.new_logprob_entries(final=True) if want_logprobs else []
+                if chat:
+                    message: dict[str, Any] = {"role": "assistant", "content": text}
+                    finish = c.finish_reason
+                    if tools:
+                        content, calls = parse_tool_calls(text, tools)
+                        message["content"] = content
+                        if calls:
+                            message["tool_calls"] = calls
+                            finish = "tool_calls"
+                    out.append({"index": c.index, "message": message, "finish_reason": finish,
+                                "logprobs": chat_logprobs(server.tokenizer, entries) if want_logprobs else None,
+                                "jrl": c.jrl()})
+                else:
+                    out.append({"index": c.index, "text": text, "finish_reason": c.finish_reason,
+                                "logprobs": completion_logprobs(server.tokenizer, entries) if want_logprobs else None,
+                                "jrl": c.jrl()})
+            return out
+
+        out = await server.offload(sum(len(c.text.ids) for c in choices) > server.offload_tokens, answer)
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out,
                 "usage": _usage(prompts, choices), "system_fingerprint": None}
 
