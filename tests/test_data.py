@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -485,17 +486,25 @@ def test_a_pair_whose_responses_differ_only_past_seq_len_is_refused_naming_file_
                             f"pair carries no preference; raise data.seq_len, or set data.overflow to 'drop'")
 
 
+def refusal_with_and_without_the_cache(cached):
+    """The ConfigError message of `cached` (a config whose cache_dir holds one store, built
+    under other settings), after checking that an uncached build refuses the same way and
+    that the store was reused, not rebuilt."""
+    with pytest.raises(ConfigError) as uncached:
+        build_dataset(dataclasses.replace(cached, cache_dir=None), TOK, "train")
+    with pytest.raises(ConfigError) as e:
+        build_dataset(cached, TOK, "train")
+    assert len(list(Path(cached.cache_dir).iterdir())) == 1  # the same store
+    assert str(e.value) == str(uncached.value)
+    return str(e.value)
+
+
 def test_a_reused_cache_refuses_a_pair_whose_response_a_new_seq_len_cuts_away_as_an_uncached_run_does(tmp_path):
     # the store was written (and its pairs checked) at seq_len 64: reused at 16 it was trained on silently
     src, cfg = long_prompt_pairs(tmp_path, "truncate_right")
     cached = dataclasses.replace(cfg, seq_len=64, cache_dir=str(tmp_path / "cache"))
     assert len(build_dataset(cached, TOK, "train")) == 2
-    with pytest.raises(ConfigError) as uncached:
-        build_dataset(cfg, TOK, "train")
-    with pytest.raises(ConfigError) as e:
-        build_dataset(dataclasses.replace(cached, seq_len=16), TOK, "train")
-    assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
-    assert str(e.value) == str(uncached.value) == (
+    assert refusal_with_and_without_the_cache(dataclasses.replace(cached, seq_len=16)) == (
         f"{src}:2: field 'chosen' (data.chosen_field): the prompt and response are 42 tokens and "
         f"data.overflow='truncate_right' at data.seq_len=16 keeps none of the response, so the pair carries no "
         f"preference; raise data.seq_len, or set data.overflow to 'truncate_left' (keeps the end) or 'drop'")
@@ -509,13 +518,7 @@ def test_a_reused_cache_refuses_a_pair_whose_responses_a_new_overflow_keeps_equa
     cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), seq_len=16,
                      overflow="drop", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
     assert len(build_dataset(cfg, TOK, "train")) == 1
-    truncated = dataclasses.replace(cfg, overflow="truncate_right")
-    with pytest.raises(ConfigError) as uncached:
-        build_dataset(dataclasses.replace(truncated, cache_dir=None), TOK, "train")
-    with pytest.raises(ConfigError) as e:
-        build_dataset(truncated, TOK, "train")
-    assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
-    assert str(e.value) == str(uncached.value) == (
+    assert refusal_with_and_without_the_cache(dataclasses.replace(cfg, overflow="truncate_right")) == (
         f"{src}:2: fields 'chosen' and 'rejected' (data.chosen_field / data.rejected_field) differ only in tokens "
         f"that data.overflow='truncate_right' at data.seq_len=16 cuts away, so the pair carries no preference; "
         f"raise data.seq_len, or set data.overflow to 'drop'")

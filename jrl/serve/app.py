@@ -115,12 +115,17 @@ class Server:
     # Both run off the event loop for a large body; the checks in the order FastAPI and the
     # handlers made them before (parse, validate, then the request's own checks), so a request
     # breaking several rules is refused for the same one whatever its size.
-    def prepare_chat(self, raw: bytes, content_type: str | None) -> Prepared:
-        body = parse_body(ChatCompletionRequest, raw, content_type)
+    def _checked_body(self, model: type, raw: bytes, content_type: str | None) -> tuple[Any, list[str]]:
+        """The body parsed as `model` and through the checks every endpoint makes: the
+        served model, the fields it ignores or refuses; with its stop strings."""
+        body = parse_body(model, raw, content_type)
         self.check_model(body)
         self.note_ignored_fields(body)
         body.refuse_unsupported()
-        stop = body.stop_strings()
+        return body, body.stop_strings()
+
+    def prepare_chat(self, raw: bytes, content_type: str | None) -> Prepared:
+        body, stop = self._checked_body(ChatCompletionRequest, raw, content_type)
         body.check_messages()
         prompt = self.render_chat(body)
         limit = self.max_new_tokens(len(prompt), body.token_limit(),
@@ -129,11 +134,7 @@ class Server:
         return body, [prompt], limit, stop
 
     def prepare_completion(self, raw: bytes, content_type: str | None) -> Prepared:
-        body = parse_body(CompletionRequest, raw, content_type)
-        self.check_model(body)
-        self.note_ignored_fields(body)
-        body.refuse_unsupported()
-        stop = body.stop_strings()
+        body, stop = self._checked_body(CompletionRequest, raw, content_type)
         prompts = self.completion_prompts(body)
         limit = body.max_tokens if body.max_tokens is not None else 16
         limits = [self.max_new_tokens(len(p), limit, "max_tokens", "prompt") for p in prompts]
