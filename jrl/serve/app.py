@@ -463,19 +463,18 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
     # the event loop before the handler runs.
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        prepared = await _prepare(request, server.prepare_chat)
-        if prepared is _GONE:
-            return _gone()
-        body, prompts, limit, stop = prepared
-        return await _generate(request, body, prompts, limit, stop, chat=True)
+        return await _answer(request, server.prepare_chat, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        prepared = await _prepare(request, server.prepare_completion)
+        return await _answer(request, server.prepare_completion, chat=False)
+
+    async def _answer(request: Request, prepare: Any, chat: bool) -> Any:
+        prepared = await _prepare(request, prepare)
         if prepared is _GONE:
             return _gone()
         body, prompts, limit, stop = prepared
-        return await _generate(request, body, prompts, limit, stop, chat=False)
+        return await _generate(request, body, prompts, limit, stop, chat=chat)
 
     async def _prepare(request: Request, prepare: Any) -> Any:
         """prepare(body bytes, content type): here for a small body, else on the server's
