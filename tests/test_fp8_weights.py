@@ -79,7 +79,6 @@ def test_served_product_widens_its_own_kernel_below_the_row_threshold(rows, own_
 def test_quantized_layout_is_transposed_e4m3_projections_with_output_scales_and_the_rest_unchanged(weights):
     params, _ = weights
     served = quantize_projections(params)
-    attn, mlp = served["layers"]["attn"], served["layers"]["mlp"]
     for group, name in [("attn", "q_proj"), ("attn", "k_proj"), ("attn", "v_proj"), ("attn", "o_proj"),
                         ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj")]:
         module, (layers, d_in, d_out) = served["layers"][group][name], params["layers"][group][name]["kernel"].shape

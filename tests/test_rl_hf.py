@@ -6,7 +6,6 @@ run through the code path a real Qwen / Llama directory takes: the YAML config r
 `python -m jrl.train` reads it, the HF weights loaded and checked against `model:`."""
 
 import json
-from pathlib import Path
 
 import jax
 import numpy as np

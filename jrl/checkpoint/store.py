@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 

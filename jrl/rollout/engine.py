@@ -935,8 +935,8 @@ def check_prompt_list(prompts) -> None:
     flat = (getattr(prompts, "ndim", None) == 1 or isinstance(prompts, Sequence) and len(prompts) > 0
             and isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], (bool, np.bool_)))
     if flat:
-        raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got one flat sequence "
-                         f"of ids; for a single prompt pass [prompt]")
+        raise ValueError("prompts: must be a list of prompts, each a sequence of token ids, got one flat sequence "
+                         "of ids; for a single prompt pass [prompt]")
 
 
 def check_token_ids(field: str, values, vocab: int) -> np.ndarray:
