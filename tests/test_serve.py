@@ -4,8 +4,8 @@ model saved as a Hugging Face directory with a ChatML tokenizer, driven with the
 stop strings, seeds, 64 concurrent requests, cancellation returning pages, a random mix of
 requests and cancellations, every bad input's 400 / 429 (for a large body, prepared off the
 event loop, too), other clients answered while a large prompt is tokenized, the admin weights
-endpoint, SIGTERM shutdown (a subprocess), `jrl bench serve --tiny`. Nothing asserts on
-wall-clock time."""
+endpoint, the OpenAPI document, SIGTERM shutdown (a subprocess), `jrl bench serve --tiny`.
+Nothing asserts on wall-clock time."""
 
 import asyncio
 import concurrent.futures
@@ -505,6 +505,45 @@ def test_models_retrieve_of_another_model_is_a_404_model_not_found(live, name):
                                   "type": "invalid_request_error", "param": None, "code": "model_not_found"}}
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         live.client.models.retrieve(name)
+
+
+def test_openapi_documents_the_bodies_the_handlers_parse_themselves(live):
+    """The generation endpoints read their bodies raw (parsed off the event loop), yet
+    /openapi.json (and /docs) still show their request schemas, every $ref resolving."""
+    r = live.http.get("/openapi.json")
+    assert r.status_code == 200
+    doc = r.json()
+    schemas = doc["components"]["schemas"]
+
+    def resolve(schema: dict) -> dict:
+        prefix = "#/components/schemas/"
+        assert schema["$ref"].startswith(prefix), schema
+        return schemas[schema["$ref"][len(prefix):]]
+
+    for path, fields in [("/v1/chat/completions", ("model", "messages", "max_tokens", "max_completion_tokens",
+                                                   "stream", "stop", "tools")),
+                         ("/v1/completions", ("model", "prompt", "max_tokens", "logprobs", "stream", "stop"))]:
+        body = doc["paths"][path]["post"]["requestBody"]
+        assert body["required"] is True
+        schema = resolve(body["content"]["application/json"]["schema"])
+        assert set(fields) <= set(schema["properties"]), (path, sorted(schema["properties"]))
+        assert "model" in schema["required"]
+    assert set(resolve({"$ref": "#/components/schemas/ChatCompletionRequest"})["required"]) >= {"messages"}
+    assert set(resolve({"$ref": "#/components/schemas/CompletionRequest"})["required"]) >= {"prompt"}
+    assert "role" in schemas["ChatMessage"]["properties"]
+    assert "checkpoint" in resolve(doc["paths"]["/v1/weights"]["post"]["requestBody"]["content"]
+                                   ["application/json"]["schema"])["properties"]
+
+    def refs(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                yield from [v] if k == "$ref" else refs(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from refs(v)
+    for ref in set(refs(doc)):
+        resolve({"$ref": ref})
+    assert live.http.get("/docs").status_code == 200
 
 
 @pytest.mark.parametrize("prompt,got", [(5, "5"), (1.5, "1.5"), (True, "True"), ({"text": "hi"}, "an object"),

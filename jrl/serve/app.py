@@ -27,6 +27,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jrl.rl.prompts import end_of_turn_ids
@@ -460,12 +461,13 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
 
     # The bodies are read here and parsed by the handlers (`parse_body`, FastAPI's reading,
     # errors included), not declared as parameters: FastAPI would parse and validate them on
-    # the event loop before the handler runs.
-    @app.post("/v1/chat/completions")
+    # the event loop before the handler runs. /openapi.json still documents them
+    # (`_openapi_body`, `_with_body_schemas`).
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await _answer(request, server.prepare_chat, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_openapi_body(CompletionRequest))
     async def completions(request: Request):
         return await _answer(request, server.prepare_completion, chat=False)
 
@@ -639,7 +641,39 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
                     "finished_in_flight": ack.finished_in_flight, "restarted": ack.restarted,
                     "seconds": round(time.perf_counter() - t0, 3)}
 
+    _with_body_schemas(app, _PARSED_BODIES)
     return app
+
+
+# The request bodies the handlers parse themselves (`parse_body`), not FastAPI: documented
+# in /openapi.json by hand, as FastAPI documents a body parameter.
+_PARSED_BODIES = (ChatCompletionRequest, CompletionRequest)
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _openapi_body(model: type) -> dict[str, Any]:
+    """The route's `requestBody` for `openapi_extra`: a required JSON `model`, by reference to
+    its component schema (added by `_with_body_schemas`)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _SCHEMA_REF.format(model=model.__name__)}}}}}
+
+
+def _with_body_schemas(app: FastAPI, models: tuple[type, ...]) -> None:
+    """app.openapi() with the JSON schemas of `models` (validation mode, as FastAPI's for a
+    body parameter) and the models they nest (ChatMessage, StreamOptions) among the
+    document's components, where `_openapi_body`'s references point."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = generate()  # FastAPI's, cached as app.openapi_schema
+            _, defs = models_json_schema([(m, "validation") for m in models], ref_template=_SCHEMA_REF)
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs.get("$defs", {}).items():
+                schemas.setdefault(name, schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 class _InternalErrors:
