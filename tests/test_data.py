@@ -862,7 +862,8 @@ def test_a_data_file_without_read_permission_is_named_by_its_config_field(tmp_pa
     prefix = []
     if os.geteuid() == 0:  # root reads any file: drop the capabilities that let it
         if shutil.which("setpriv") is None:
-            pytest.skip("running as root without setpriv")
+            pytest.skip("root reads a mode-000 file, and without setpriv (util-linux) it cannot give that up: "
+                        "no permission error to provoke")
         prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
     (tmp_path / "c.yaml").write_text(f"data: {{source: {src}, format: text, eval_fraction: 0}}\nstrategy: {{name: seq}}\n")
     done = subprocess.run([*prefix, sys.executable, "-m", "jrl.train", "--config", str(tmp_path / "c.yaml"), "--dry-run"],
