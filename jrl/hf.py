@@ -41,6 +41,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jrl import leftovers
 from jrl.config import ConfigError, ModelConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
@@ -903,13 +904,12 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     tensors = _tensors_from_params(host_tree, config, model_type)
 
     os.makedirs(path, exist_ok=True)
-    _remove_stale_staging(path)
+    leftovers.remove_stale(path, _STAGING)  # those of killed exports; a concurrent export's stays
     # Everything is written into a staging directory inside `path` first; an earlier export
     # there is replaced only once the new one is complete (disk full, a kill or an error
     # part-way leaves `path` as it was), and config.json moves in last: a directory with
     # config.json holds the whole export.
-    staging = os.path.join(path, f"{_STAGING_PREFIX}{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = os.path.join(path, leftovers.owned_name(_STAGING_PREFIX))
     os.mkdir(staging)
     try:
         names = _write_export(hf, tensors, staging, path, max_shard_bytes)
@@ -921,6 +921,7 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
 
 
 _STAGING_PREFIX = ".jrl-export-staging-"
+_STAGING = re.compile(rf"^{re.escape(_STAGING_PREFIX)}(?:{leftovers.OWNER}|\d+)$")  # an older jrl's: pid only
 
 
 def _write_export(hf: dict[str, Any], tensors: dict[str, np.ndarray], staging: str, path: str,
@@ -978,13 +979,6 @@ def _commit_export(staging: str, path: str, names: list[str]) -> None:
     for name in names:
         os.replace(os.path.join(staging, name), os.path.join(path, name))
     os.rmdir(staging)
-
-
-def _remove_stale_staging(path: str) -> None:
-    """Staging directories an export killed part-way left behind."""
-    for name in os.listdir(path):
-        if name.startswith(_STAGING_PREFIX):
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
 
 
 def _save_shard(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str], mode: int) -> None:

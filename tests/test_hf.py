@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -817,3 +818,20 @@ def test_untied_lm_head_differing_from_tied_embedding_is_rejected(tmp_path):
 def test_bad_dtype_is_named():
     with pytest.raises(hf.HFFormatError, match="dtype: must be one of"):
         hf.load_pretrained(fixture("llama"), dtype="int8")
+
+
+def test_an_export_keeps_the_staging_directory_of_a_concurrent_export_and_removes_a_dead_ones(tmp_path):
+    config, params = hf.load_pretrained(fixture("qwen2"))
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        staging = tmp_path / f".jrl-export-staging-{socket.gethostname()}-{writer.pid}-{'0' * 32}"
+        staging.mkdir()
+        (staging / "model.safetensors").write_bytes(b"half written")
+        hf.save_pretrained(config, params, tmp_path)
+        assert (staging / "model.safetensors").read_bytes() == b"half written"  # its writer is alive
+    finally:
+        writer.kill()
+        writer.wait()
+    hf.save_pretrained(config, params, tmp_path)
+    assert not staging.exists()
+    assert hf.params_equal(hf.load_pretrained(tmp_path)[1], params)

@@ -19,14 +19,12 @@ import json
 import os
 import re
 import shutil
-import socket
-import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from jrl import leftovers
 from jrl.data.encode import Document
 from jrl.data.wording import counted
 
@@ -85,70 +83,24 @@ def build_store(docs: Iterable[Document]) -> TokenStore:
     return dataclasses.replace(store, digest=content_digest(store))
 
 
-# a store being written (staging) or a damaged one moved aside to be removed (damaged)
-LEFTOVER = re.compile(r"^\..+\.(?:staging|damaged)-(?:(?P<host>.+)-(?P<pid>\d+)-)?[0-9a-f]{32}$")
-# one of another host (whose pid this host cannot check), or of an older jrl (no pid in its
-# name), is removed once nothing in it has changed for this long: a live writer appends to
-# its files all the time, and a damaged store is marked changed as it is moved aside
-STALE_AFTER_S = 24 * 3600
+# a store being written (staging) or a damaged one moved aside to be removed (damaged);
+# an older jrl named them without host and pid
+LEFTOVER = re.compile(rf"^\..+\.(?:staging|damaged)-(?:{leftovers.OWNER}|[0-9a-f]{{32}})$")
 
 
 def _hidden_name(directory: Path, kind: str) -> Path:
     """A fresh hidden sibling of `directory` of `kind` (staging or damaged) naming this
     process (`LEFTOVER`)."""
-    return directory.parent / f".{directory.name}.{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _last_change(path: Path) -> float:
-    """The newest mtime of `path` and the files in it (0 where it is gone)."""
-    newest = 0.0
-    try:
-        newest = path.stat().st_mtime
-        for entry in os.scandir(path):
-            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
-    except OSError:
-        pass
-    return newest
+    return directory.parent / leftovers.owned_name(f".{directory.name}.{kind}-")
 
 
 def remove_stale_leftovers(parent: str | os.PathLike, now: float | None = None) -> list[Path]:
     """Removes the hidden directories in `parent` that a build left behind, and returns
     them: staging directories of a killed build and damaged stores moved aside whose
-    removal did not finish (killed, or files another process still held). One of this
-    host goes once the process named in it is gone, any other (another host's, or one
-    without a pid in its name) once nothing in it changed for `STALE_AFTER_S`. One of a
-    live process of this host (writing it, or about to remove it) is never touched."""
-    parent = Path(parent)
-    now = time.time() if now is None else now
-    host = socket.gethostname()
-    removed = []
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = LEFTOVER.match(entry.name)
-        if m is None or not entry.is_dir(follow_symlinks=False):
-            continue
-        if m["host"] == host:
-            stale = not _pid_alive(int(m["pid"]))
-        else:
-            stale = now - _last_change(Path(entry.path)) > STALE_AFTER_S
-        if stale:
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if not os.path.lexists(entry.path):
-                removed.append(Path(entry.path))
-    return removed
+    removal did not finish (killed, or files another process still held). One of a live
+    process of this host (writing it, or about to remove it) is never touched
+    (`jrl.leftovers.remove_stale`)."""
+    return leftovers.remove_stale(parent, LEFTOVER, now)
 
 
 class StoreWriteError(OSError):
@@ -229,7 +181,7 @@ def _publish(staging: Path, directory: Path) -> None:
     aside = _hidden_name(directory, "damaged")  # if left (killed, or not removable yet): the next build's
     try:
         os.rename(directory, aside)
-        os.utime(aside)  # moved aside now: another host's build waits STALE_AFTER_S from here
+        os.utime(aside)  # moved aside now: another host's build waits leftovers.STALE_AFTER_S from here
     except FileNotFoundError:
         pass
     try:
