@@ -526,3 +526,22 @@ def test_generate_refuses_a_bad_tuned_config_before_any_worker_runs(tuned, match
     monkeypatch.setattr(generate, "worker", lambda *a, **k: pytest.fail("a worker started"))
     with pytest.raises(SystemExit, match=match):
         main(["generate", "--tiny", "--batches", "2", "--tuned", tuned])
+
+
+def test_decode_engine_names_the_attention_that_failed_and_the_fallback_that_ran(tmp_path, monkeypatch):
+    import jrl.bench.decode as decode_module
+
+    engine_batch = decode_module.engine_batch
+    calls = []
+
+    def first_fails(engine, *args, **kwargs):
+        calls.append(engine.config.attention_impl)
+        if len(calls) == 1:
+            raise MemoryError("out of memory")
+        return engine_batch(engine, *args, **kwargs)
+
+    monkeypatch.setattr(decode_module, "engine_batch", first_fails)
+    rows = bench(tmp_path, "decode", "--batches", "2,1")
+    failed, fallback = section(rows, "engine")
+    assert (failed["attention_impl"], "out of memory" in failed["error"]) == ("auto", True)
+    assert (fallback["attention_impl"], fallback["completions"]) == ("reference", 1)

@@ -382,6 +382,7 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
             if budget.spent():
                 results.row("engine", batch=b, skipped="time budget", **tagged)
                 continue
+            attention_impl = econf.attention_impl  # of this size's row, even where it fails and falls back
             try:
                 row = engine_batch(engine, params, b, args.prompt, args.new, bandwidth, args.replay_steps,
                                    args.trace_dir)
@@ -399,7 +400,7 @@ def run_engine(args, results, cfg, params, bandwidth: float) -> int:
                 bf16_tps[b] = row["decode_tokens_per_s"]
             elif label and b in bf16_tps and "decode_tokens_per_s" in row:
                 row["speedup_vs_bf16"] = row["decode_tokens_per_s"] / bf16_tps[b]
-            results.row("engine", attention_impl=econf.attention_impl, weight_dtype=econf.weight_dtype or "bfloat16",
+            results.row("engine", attention_impl=attention_impl, weight_dtype=econf.weight_dtype or "bfloat16",
                         kv_dtype=econf.kv_dtype or cfg.dtype, **row, **tagged)
         del engine
     del params
