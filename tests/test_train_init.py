@@ -90,6 +90,18 @@ def test_a_corrupt_checkpoint_is_a_config_error_naming_the_file(tmp_path):
                                 f"state/_METADATA: missing")
 
 
+def test_a_jrl_checkpoint_without_its_manifest_is_refused_as_resume_refuses_it(tmp_path):
+    # jrl writes manifest.json last: without it the step is an interrupted copy, whose cut
+    # files Orbax failed on in pages of event-loop errors (it loaded unverified before)
+    params = start(tmp_path / "a", *TINY)
+    step = checkpoint.save(tmp_path / "ck", 1, {"params": params})
+    (step / "manifest.json").unlink()
+    with pytest.raises(ConfigError) as error:
+        start(tmp_path / "b", *TINY, f"init_from={tmp_path / 'ck'}")
+    assert str(error.value) == (f"init_from: '{tmp_path / 'ck'}': checkpoint {step} is corrupt: "
+                                f"manifest.json: missing (jrl writes it last; an interrupted copy?)")
+
+
 def test_flipped_bytes_are_caught_by_the_checksums(tmp_path):
     params = start(tmp_path / "a", *TINY)
     step = checkpoint.save(tmp_path / "ck", 1, {"params": params})

@@ -113,6 +113,20 @@ def load_run_tokenizer(config: TrainConfig) -> Any:
     return tokenizer
 
 
+def _step_problem(root: Path, step: int | None) -> str | None:
+    """Why the step `init_from` reads (the newest when None) is refused where resume refuses
+    it, as "<dir> is corrupt: <what>": a jrl checkpoint whose manifest.json is missing (jrl
+    writes it last: an interrupted copy, whose cut files Orbax fails on in pages of
+    event-loop errors) or an empty directory. One stat per file; `load` then verifies the
+    checksums. A missing step is left to `load`."""
+    steps = checkpoint.all_steps(root)
+    step = steps[-1] if step is None and steps else step
+    if step not in steps:
+        return None
+    problem = checkpoint.step_problem(root, step, checksums=False)
+    return None if problem is None else f"{(root / f'step_{step}').absolute()} is corrupt: {problem}"
+
+
 def _no_checkpoint(src: str, e: FileNotFoundError) -> ConfigError:
     """The error of an `init_from` that holds no (such) jrl checkpoint; a Hugging Face
     directory written without its `hf:` prefix is named as one."""
@@ -172,6 +186,9 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
         _check_same_architecture(mc, hf_config, src)
     else:
         root, step = _resolve_checkpoint(src)
+        problem = _step_problem(root, step)
+        if problem is not None:
+            raise ConfigError(f"init_from: {src!r}: checkpoint {problem}")
         try:
             state, meta = checkpoint.load(root, step, verify=config.checkpoint.verify_on_load)
         except checkpoint.CheckpointCorruptError as e:
