@@ -611,9 +611,15 @@ class StrategyConfig:
                f"must be an identifier, got {self.name!r}")
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+
+
 def _check_finite_non_negative(value: float, field: str) -> None:
-    """A rate: >= 0 and finite (an infinite one turns the params into NaN)."""
+    """A rate: >= 0 and finite (an infinite one turns the params into NaN), in float32 too,
+    where the optimizer applies it (1e39 passed and became inf there)."""
     _check(0 <= value < math.inf, field, f"must be finite and >= 0, got {value}")
+    _check(value <= _FLOAT32_MAX, field, f"must be at most {_FLOAT32_MAX:.4g} (float32's largest: the optimizer "
+                                         f"applies it in float32), got {value}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,6 +106,14 @@ def test_a_non_finite_rate_is_refused_naming_the_field(kwargs, message):
         OptimizerConfig(**kwargs)
 
 
+def test_a_rate_beyond_float32_is_refused_naming_the_field():
+    # 1e39 is finite as a Python float but inf in float32, where the optimizer applies it:
+    # the first update turned every param into inf/NaN and the run went on skipping updates
+    with pytest.raises(ConfigError, match=r"^optimizer.lr: must be at most 3.403e\+38 \(float32's largest: the "
+                                          r"optimizer applies it in float32\), got 1e\+39$"):
+        OptimizerConfig(lr=1e39)
+
+
 @pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
 def test_muon_consistent_rms_that_is_not_a_positive_finite_number_is_refused_naming_the_field(value):
     # a negative one turned Muon's updates into gradient ascent, NaN made the params NaN
