@@ -207,6 +207,18 @@ def test_a_truncated_file_is_caught_even_with_checksums_off(run_copy, tmp_path):
     assert steps_logged(run_copy) == [1, 2, 3, 4]
 
 
+def test_resuming_a_bare_orbax_payload_says_the_data_starts_over(run_copy, tmp_path):
+    # a legacy step (no manifest.json, no meta.json) records no data position: the resumed
+    # run silently trained on the data from its first batch again, unlike the straight run
+    step_dir = run_copy / "checkpoints" / "step_4"
+    for name in ("manifest.json", "meta.json"):
+        (step_dir / name).unlink()
+    with pytest.warns(ResumeWarning, match=rf"^resume: {step_dir} records no data position \(no meta.json\); the "
+                                           r"data starts from its beginning$"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=5"]) == 0
+    assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
+
+
 def test_resume_from_a_chosen_step_sets_the_newer_ones_aside(run_copy, tmp_path):
     config = write_config(tmp_path)
     with pytest.warns(ResumeWarning, match=r"resuming from step_2: the newer step\(s\) 4 are moved aside"):

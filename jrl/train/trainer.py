@@ -462,6 +462,10 @@ class Trainer:
                 if self._source_given:
                     raise
                 raise ConfigError(_data_mismatch_message(e, meta, c)) from None
+        elif resumed and hasattr(self.train_source, "load_state_dict"):  # e.g. a bare Orbax payload
+            why = "its meta.json has no 'data'" if (Path(meta["path"]) / "meta.json").exists() else "no meta.json"
+            warnings.warn(f"resume: {meta['path']} records no data position ({why}); the data starts from "
+                          f"its beginning", ResumeWarning, stacklevel=2)
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
                                   shardings=self._shardings, learning_rates=rates,
