@@ -796,7 +796,10 @@ def read_hf_config(path: str) -> dict[str, Any]:
         raise HFFormatError(f"{path}: no such directory")
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
-        raise HFFormatError(f"{path}: config.json not found")
+        hint = ("; it holds jrl checkpoints, not a Hugging Face model: read them without the hf: prefix "
+                "(init_from, --checkpoint) or export one with jrl.hf.save_pretrained (docs/hf.md)"
+                if _holds_jrl_checkpoints(path) else "")
+        raise HFFormatError(f"{path}: config.json not found{hint}")
     try:
         with open(config_path, "rb") as f:
             data = json.loads(f.read())
@@ -805,6 +808,18 @@ def read_hf_config(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise HFFormatError(f"{config_path}: must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _holds_jrl_checkpoints(path: str) -> bool:
+    """Whether `path` is a jrl run directory, checkpoint root or step_<N> directory (an
+    `hf:` prefix given to one said only "config.json not found"). Names only: no jax here."""
+    steps = re.compile(r"step_\d+")
+    if steps.fullmatch(os.path.basename(os.path.normpath(path))) and os.path.isdir(os.path.join(path, "state")):
+        return True
+    for root in (path, os.path.join(path, "checkpoints")):
+        if os.path.isdir(root) and any(steps.fullmatch(n) for n in os.listdir(root)):
+            return True
+    return False
 
 
 def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embeddings: int | None = None,

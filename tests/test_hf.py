@@ -602,6 +602,18 @@ def test_a_directory_that_does_not_exist_is_named_as_such(tmp_path):
     assert str(e.value) == f"{tmp_path}: config.json not found"
 
 
+@pytest.mark.parametrize("where", ["run", "run/checkpoints", "run/checkpoints/step_2"])
+def test_a_jrl_run_or_checkpoint_directory_is_named_as_one(tmp_path, where):
+    # hf:runs/x (init_from, jrl serve --model) said only "config.json not found"
+    (tmp_path / "run" / "checkpoints" / "step_2" / "state").mkdir(parents=True)
+    path = str(tmp_path / where)
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.load_pretrained(path)
+    assert str(e.value) == (f"{path}: config.json not found; it holds jrl checkpoints, not a Hugging Face model: "
+                            f"read them without the hf: prefix (init_from, --checkpoint) or export one with "
+                            f"jrl.hf.save_pretrained (docs/hf.md)")
+
+
 def test_sliding_window_shorter_than_context_is_rejected_and_capping_the_context_accepts_it():
     cfg = {**fixture_config("mistral"), "sliding_window": 64}
     with pytest.raises(hf.HFFormatError, match="sliding_window: sliding-window attention with window 64 < max length 256"):
