@@ -669,6 +669,10 @@ class OptimizerConfig:
                    f"unknown parameter group; allowed: {', '.join(PARAM_GROUPS)}")
             _check(isinstance(scale, (int, float)) and 0 <= scale < math.inf, f"optimizer.lr_scale.{group}",
                    f"must be a finite number >= 0, got {scale!r}")
+            base = self.muon_lr if self.name == "muon" and group == "hidden" and self.muon_lr is not None else self.lr
+            _check(base * scale <= _FLOAT32_MAX, f"optimizer.lr_scale.{group}",  # as jrl.train.optim._peak_lr
+                   f"gives the rate {base * scale:.4g}, above float32's largest ({_FLOAT32_MAX:.4g}), where the "
+                   f"optimizer applies it")
 
 
 @dataclasses.dataclass(frozen=True)

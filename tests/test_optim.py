@@ -114,6 +114,13 @@ def test_a_rate_beyond_float32_is_refused_naming_the_field():
         OptimizerConfig(lr=1e39)
 
 
+def test_an_lr_scale_that_takes_a_rate_beyond_float32_is_refused_naming_the_group():
+    # lr 1e38 times 10 is inf in float32: the head's first update made it inf/NaN
+    with pytest.raises(ConfigError, match=r"^optimizer.lr_scale.head: gives the rate 1e\+39, above float32's "
+                                          r"largest \(3.403e\+38\), where the optimizer applies it$"):
+        OptimizerConfig(lr=1e38, lr_scale={"head": 10.0})
+
+
 @pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
 def test_muon_consistent_rms_that_is_not_a_positive_finite_number_is_refused_naming_the_field(value):
     # a negative one turned Muon's updates into gradient ascent, NaN made the params NaN
