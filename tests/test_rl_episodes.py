@@ -873,6 +873,14 @@ def test_episodes_refuse_a_task_without_the_chat_template():
         RLOptions.from_config({"tools": ["test_rl_episodes:add"], "task": {"chat_template": False}})
 
 
+def test_an_environment_task_needs_no_answer_field():
+    # before: refused because the default reward (exact_match, which an env never calls) needs answers
+    from jrl.rl.options import RLOptions
+    options = RLOptions.from_config({"env": "test_rl_episodes:Parity",
+                                     "task": {"name": "jsonl", "train": "t.jsonl", "answer_field": None}})
+    assert options.task.answer_field is None
+
+
 def episode_grpo_config(root: Path, steps: int = 2, **options):
     """A GRPO run on two-turn `Parity` episodes of the tiny qwen2-shaped model (saved as
     Hugging Face weights under `root/hf`, the run's init_from) on records of sums; returns

@@ -201,7 +201,8 @@ class RLOptions:
                    "interruptible generation (engine.on_weight_update: continue) posts weights to one "
                    "engine; leave placement out")
         self.reward_model()  # resolves every fn now: errors before any run
-        if self.task.name == "jsonl" and self.task.answer_field is None:
+        # an env scores its own episodes: the rewards (the default exact_match too) are never called
+        if self.task.name == "jsonl" and self.task.answer_field is None and self.env is None:
             for spec in reward_specs_from_config(self.rewards):
                 _check(spec.fn not in ANSWER_REWARDS, "task.answer_field", f"is null, but the reward {spec.fn!r} "
                        "compares each completion with the answer (every sample would score 0); name the "
