@@ -881,6 +881,13 @@ def test_an_environment_task_needs_no_answer_field():
     assert options.task.answer_field is None
 
 
+def test_rewards_written_beside_an_environment_are_refused():
+    # before: silently unused, the environment's own rewards trained the run
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError, match=r"^strategy.options.rewards: are never called with an env "):
+        RLOptions.from_config({"env": "test_rl_episodes:Parity", "rewards": [{"fn": "exact_match"}]})
+
+
 def episode_grpo_config(root: Path, steps: int = 2, **options):
     """A GRPO run on two-turn `Parity` episodes of the tiny qwen2-shaped model (saved as
     Hugging Face weights under `root/hf`, the run's init_from) on records of sums; returns

@@ -273,6 +273,10 @@ class RLOptions:
         _check(not (options.get("advantage") == "rloo" and options.get("scale_adv_by_std") is True),
                "scale_adv_by_std", "applies to advantage: grpo only; advantage: rloo is never scaled "
                "by the group std (leave scale_adv_by_std out, or use advantage: grpo)")
+        # an env scores its own episodes (its step's rewards): reward terms beside it would go unused
+        _check(options.get("env") is None or "rewards" not in options, "rewards",
+               "are never called with an env (the environment's step rewards score its episodes); "
+               "score the final answer in the environment, or leave rewards out")
         if options.get("exact_logprobs") is True:  # the engine half of the switch
             _check_exact_not_fp8(options.get("engine"))
             options["engine"] = {"exact_logprobs": True, **(options.get("engine") or {})}
