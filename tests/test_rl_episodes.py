@@ -311,6 +311,15 @@ def test_tool_failures_become_error_results_never_exceptions():
     assert out[0].message() == {"role": "tool", "name": "add", "tool_call_id": "c0", "content": "5"}
 
 
+def test_a_tool_that_calls_sys_exit_is_an_error_result():
+    # before: the SystemExit reached the trainer, which exited with the tool's code and no message
+    def exits(code: int) -> str:
+        """Exits."""
+        sys.exit(code)
+    out = ToolRegistry([exits]).execute([ToolCall("exits", {"code": 3}, "c0")])
+    assert [(r.content, r.error) for r in out] == [("error: exits raised SystemExit: 3", True)]
+
+
 def test_a_call_still_queued_at_its_timeout_never_runs():
     started, gate = [], threading.Event()
 

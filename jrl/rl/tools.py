@@ -19,7 +19,7 @@ the function it wraps, a callable object by its class (hints: its `__call__`'s).
 `ToolRegistry.execute(calls)` runs calls in its thread pool, each with a timeout, and turns
 every failure into a `ToolResult` with `error=True` whose `content` tells the model what
 went wrong: an unknown tool, arguments that do not fit the schema (missing, unexpected or
-of the wrong JSON type), an exception (its type and message) or a timeout. Nothing a tool
+of the wrong JSON type), an exception (its type and message; `SystemExit` too) or a timeout. Nothing a tool
 does stops the run. Calls run on `jrl.rl.daemon_workers` threads: a timed-out call keeps its
 thread until it returns, and one that never returns does not keep the process from
 exiting; `workers` bounds how many run at once, and a call still waiting for a worker when
@@ -279,7 +279,9 @@ class ToolRegistry:
                            else f"timed out after {timeout:g} s")
                 results.append(ToolResult(call.id, call.name, f"error: {call.name} {message}", error=True,
                                           seconds=timeout))
-            except Exception as e:  # the tool raised: the model is told, the run goes on
+            # the tool raised: the model is told, the run goes on (sys.exit in a tool, an argparse or
+            # click CLI wrapped as one, must not end the training process without a word)
+            except (Exception, SystemExit) as e:
                 results.append(ToolResult(call.id, call.name, f"error: {call.name} raised {type(e).__name__}: {e}",
                                           error=True, seconds=time.perf_counter() - t0))
         return results
