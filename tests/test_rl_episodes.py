@@ -600,6 +600,18 @@ def test_an_environment_that_raises_stops_the_run_naming_the_episode(engine, tok
     assert not engine.scheduler.has_work  # the episodes' requests were finished, not left behind
 
 
+class Exiting(Scripted):
+    def step(self, message):
+        sys.exit(4)
+
+
+def test_an_environment_that_calls_sys_exit_stops_the_run_naming_the_episode(engine, tok, im_end):
+    # before: the SystemExit reached the trainer, which exited with status 4 and no message
+    with pytest.raises(EnvironmentFailure, match=r"^environment Exiting.step raised SystemExit: 4 \(on episode 0\)$"):
+        run(engine, tok, im_end, [Exiting()])
+    assert not engine.scheduler.has_work
+
+
 def test_an_environment_call_running_past_its_timeout_stops_the_run_naming_the_episode(engine, tok, im_end):
     try:
         with pytest.raises(EnvironmentFailure, match=r"^environment Hanging.step did not return within 0.5 s "

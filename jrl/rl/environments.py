@@ -389,7 +389,7 @@ class EpisodeRunner:
                         self.env_calls_while_decoding += 1
                     try:
                         out, seconds = fut.result()
-                    except Exception as e:
+                    except (Exception, SystemExit) as e:  # sys.exit in an env must not end the run unnamed
                         raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} raised "
                                                  f"{type(e).__name__}: {e} (on {lv.where})") from e
                     lv.episode.env_s += seconds
