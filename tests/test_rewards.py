@@ -151,6 +151,16 @@ def test_a_reward_returning_a_list_names_the_record_and_completion_in_one_short_
                             "completion 'UTKE')")
 
 
+def test_a_reward_that_calls_sys_exit_names_the_function_and_record(tmp_path, monkeypatch):
+    # before: the SystemExit left the trainer with the reward's status and no message
+    (tmp_path / "exit_rewards_mod.py").write_text("import sys\ndef bye(p, c, a):\n    sys.exit(2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = RewardModel([RewardSpec("exit_rewards_mod:bye")])
+    with pytest.raises(RewardError) as e:
+        model(["p"], ["c"], ["a"], wheres=["data/train.jsonl:3"])
+    assert str(e.value) == "reward 'exit_rewards_mod:bye' raised SystemExit: 2 (on data/train.jsonl:3, completion 'c')"
+
+
 def test_weighted_rewards_that_overflow_float32_are_an_error(tmp_path, monkeypatch):
     (tmp_path / "big_rewards_mod.py").write_text("def big(p, c, a):\n    return 1e30\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -211,7 +211,7 @@ class RewardModel:
                 extra = {"example": examples[j]} if with_example else {}
                 try:
                     v = fn(p, c, a, **spec.kwargs, **extra)
-                except Exception as e:
+                except (Exception, SystemExit) as e:  # sys.exit in a reward must not end the run unnamed
                     raise RewardError(f"reward {spec.fn!r} raised {type(e).__name__}: {e} (on {wheres[j]}, "
                                       f"completion {c[:200]!r})") from e
                 requirement = reward_requirement(v)
