@@ -133,6 +133,14 @@ def test_missing_answer_field_names_file_line_and_field(tmp_path):
         read_problems(path, "prompt", "answer")
 
 
+def test_a_boolean_answer_is_refused(tmp_path):
+    # before: read as the text 'True', which no completion `true` matches (every sample scored 0)
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": True}])
+    with pytest.raises(ConfigError) as e:
+        read_problems(path, "prompt", "answer")
+    assert str(e.value) == f"{path}:2: field 'answer' must be a string or a number, got True"
+
+
 def test_empty_file_is_refused(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")

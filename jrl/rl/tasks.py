@@ -119,7 +119,8 @@ def read_problems(source: str, prompt_field: str, answer_field: str | None, *, s
                 raise ConfigError(f"{where}: missing field {answer_field!r} ({TASK}answer_field; null when "
                                   f"the rewards need no reference answer)")
             value = record[answer_field]
-            if isinstance(value, (dict, list)) or value is None:
+            # a bool would become 'True' / 'False', text the file never had (JSON writes true / false)
+            if isinstance(value, (dict, list, bool)) or value is None:
                 raise ConfigError(f"{where}: field {answer_field!r} must be a string or a number, got {value!r}")
             answer = str(value)
         problems.append(Problem(prompt=prompt, answer=answer, example=dict(record), where=where))
