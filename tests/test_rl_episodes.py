@@ -902,6 +902,13 @@ def test_an_environment_task_needs_no_answer_field():
     assert options.task.answer_field is None
 
 
+def test_a_system_prompt_beside_an_environment_is_refused():
+    # before: the env's opening conversation went without it while the warm start's demonstrations had it
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError, match=r"^strategy.options.task.system_prompt: is not used with an env "):
+        RLOptions.from_config({"env": "test_rl_episodes:Parity", "task": {"system_prompt": "Be brief."}})
+
+
 def test_rewards_written_beside_an_environment_are_refused():
     # before: silently unused, the environment's own rewards trained the run
     from jrl.rl.options import RLOptions

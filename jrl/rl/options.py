@@ -250,6 +250,11 @@ class RLOptions:
         _check(not twice, "tools", f"two tools are named {', '.join(map(repr, twice))} (a tool's name is "
                f"what the model calls it by)")
         get_parser(self.tool_parser, PREFIX + "tool_parser")
+        # an env's reset writes the whole opening conversation: the task's system turn would reach the
+        # warm start's demonstrations (rendered by the task) but never the episodes
+        _check(self.env is None or self.task.system_prompt is None, "task.system_prompt",
+               "is not used with an env (its reset returns the opening conversation); put the system turn "
+               "in the messages reset returns")
         _check(not self.episodes or self.task.chat_template is not False, "task.chat_template",
                "is false, but multi-turn episodes (env / tools) render every turn with the tokenizer's chat "
                "template; set it to true or auto")
