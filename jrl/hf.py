@@ -27,6 +27,7 @@ sharding they need (`jax.device_put(params, shardings)`). jax is not imported he
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -981,18 +982,25 @@ def _write_export(hf: dict[str, Any], tensors: dict[str, np.ndarray], staging: s
 def _commit_export(staging: str, path: str, names: list[str]) -> None:
     """Moves the complete export in `staging` into `path`: the old config.json goes first
     and the new one comes last, so a kill in between leaves no config.json (not a loadable,
-    half-old half-new export); the earlier export's weight files go before the new ones come."""
+    half-old half-new export); the earlier export's weight files go before the new ones come.
+    The move holds a lock on `path`, so two exports finishing together move in one after the
+    other (never one's config.json beside the other's weights)."""
     for name in names:  # on disk before any old file goes
         fd = os.open(os.path.join(staging, name), os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(path, "config.json"))
-    _remove_weight_files(path)
-    for name in names:
-        os.replace(os.path.join(staging, name), os.path.join(path, name))
+    lock = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the descriptor closes
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, "config.json"))
+        _remove_weight_files(path)
+        for name in names:
+            os.replace(os.path.join(staging, name), os.path.join(path, name))
+    finally:
+        os.close(lock)
     os.rmdir(staging)
 
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -847,3 +848,33 @@ def test_an_export_keeps_the_staging_directory_of_a_concurrent_export_and_remove
     hf.save_pretrained(config, params, tmp_path)
     assert not staging.exists()
     assert hf.params_equal(hf.load_pretrained(tmp_path)[1], params)
+
+
+def test_two_exports_into_one_directory_move_their_files_in_one_after_the_other(tmp_path):
+    # the files of one export are swapped in under a lock on the directory: another export
+    # finishing meanwhile waits, so the directory never holds one's config with the other's weights
+    qwen_config, qwen_params = hf.load_pretrained(fixture("qwen2"))
+    llama_config, llama_params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(qwen_config, qwen_params, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys, time
+fd = os.open({str(tmp_path)!r}, os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.readline()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        export = threading.Thread(target=hf.save_pretrained, args=(llama_config, llama_params, tmp_path))
+        export.start()
+        export.join(timeout=2.0)
+        assert export.is_alive()  # written, waiting to move its files in
+        assert hf.params_equal(hf.load_pretrained(tmp_path)[1], qwen_params)
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        export.join(timeout=60)
+        assert not export.is_alive()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert hf.params_equal(hf.load_pretrained(tmp_path)[1], llama_params)
