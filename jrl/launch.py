@@ -35,13 +35,12 @@ from jrl.metrics_log import CorruptMetricsError
 from jrl.models import init_params
 from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.engines import engine_mesh
-from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.learner import build_learner, run_placement
 from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
 from jrl.rl.source import check_rollout_batch, check_rollout_rows
-from jrl.rl.tasks import check_task_prompt_lengths, make_task, prompt_limit
-from jrl.rl.warm_start import render_warm_start, run_warm_start, task_format
+from jrl.rl.tasks import make_task
+from jrl.rl.warm_start import check_task_prompts, render_warm_start, run_warm_start, task_format
 from jrl.data.wording import counted
 from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, require_trainable
@@ -136,20 +135,16 @@ def resolved_options(config: TrainConfig) -> tuple[dict, tuple[str, ...]]:
 
 def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | None]:
     """An RL run's `check_data`: reads the task's files, checks that every prompt leaves
-    room for the completion (data.seq_len - strategy.options.max_new_tokens, as the GRPO
-    stage checks; with episodes, their `max_total_tokens`) and, with a `warm_start`, reads
-    and renders its demonstrations as the warm start does (nothing written). Returns the
-    `# data:` and `# warm start:` lines' text (the latter None without a warm start)."""
+    room for the completion (`check_task_prompts`: an environment's opening prompt runs its
+    reset) and, with a `warm_start`, reads and renders its demonstrations as the warm start
+    does (nothing written). Returns the `# data:` and `# warm start:` lines' text (the
+    latter None without a warm start)."""
     options = RLOptions.from_config(config.strategy.options)
     c = options.task
     task = make_task(c)
     check_rollout_batch(options, config.data.batch_size)
-    limit = prompt_limit(config.data.seq_len, options.max_new_tokens)
     fmt = task_format(config, options)
-    if not options.episodes:  # an episode's prompt is its environment's (the runner checks its length)
-        check_task_prompt_lengths(task, lambda problems: [fmt.encode(p) for p in problems], limit)
-    else:  # as the run starts: max_total_tokens against data.seq_len
-        EpisodeSampler(options, fmt, options.reward_model(), config.data.seq_len)
+    check_task_prompts(config, task, fmt)
     if c.name != "jsonl":
         data = f"task {c.name} (generated)"
     else:
@@ -256,8 +251,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     if args.dry_run:
         try:
             dry_run(config, args.output_dir, warm_start=has_warm_start(config, embedded_default=not args.config))
-        except CONFIG_ERRORS as e:
-            return cli_exit(e)
+        except (*CONFIG_ERRORS, EnvironmentFailure) as e:  # an env's reset runs to check its opening prompt
+            return cli_exit(e, failed=(EnvironmentFailure,))
         return 0
     resuming = args.resume or args.resume_from is not None
     if args.allow_data_change and not resuming:
@@ -276,6 +271,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         resume = args.resume
         warm_start = has_warm_start(config, embedded_default=not args.config)
         if warm_start:  # SFT warm start, then GRPO
+            # every prompt fits before the lock creates the run directory (the GRPO stage's check,
+            # which a warm start would otherwise reach only after training, or not at all on --resume)
+            options = RLOptions.from_config(config.strategy.options)
+            check_task_prompts(config, make_task(options.task), task_format(config, options))
             # the run directory is locked through the warm start too: a second run into it must
             # not render demonstrations into, nor --overwrite, the warm start of a live run
             lock = acquire_for_run(run_dir)

@@ -1011,3 +1011,90 @@ def test_jrl_eval_exits_2_naming_env_kwargs_the_environment_does_not_take(grpo_r
     err = capsys.readouterr().err
     assert err.startswith("config error: strategy.options.env_kwargs: Parity(turns=2, tools=None) cannot be built as "
                           "Parity(level=...): got an unexpected keyword argument 'level'")
+
+LONG = " ".join(str(i) for i in range(60))  # an opening prompt longer than episode_grpo_config's data.seq_len (96)
+
+
+def opening_prompt_error(tok, where: str) -> str:
+    n = len(ChatPieces(tok).prompt([{"role": "user", "content": LONG}]))
+    assert n >= 96
+    return (f"{where}: environment Parity.reset: the opening prompt is {n} tokens, leaving no room for a turn within "
+            f"strategy.options.max_total_tokens = 96 (null: data.seq_len); raise data.seq_len (and "
+            f"max_total_tokens, if set) or shorten the prompt")
+
+
+def test_an_opening_prompt_too_long_is_refused_when_the_run_is_built(tmp_path):
+    # before: found only by the first episode of that record, after a warm start or many updates
+    from jrl.rl import build_learner
+    run_config, hf_dir = episode_grpo_config(tmp_path)
+    with open(tmp_path / "train.jsonl", "a") as f:  # line 31, after the 30 short records
+        f.write(json.dumps({"prompt": [{"role": "user", "content": LONG}], "answer": "0"}) + "\n")
+    with pytest.raises(ConfigError) as e:
+        build_learner(run_config, output_dir=tmp_path / "run")
+    assert str(e.value) == opening_prompt_error(load_tokenizer(str(hf_dir)), f"{tmp_path / 'train.jsonl'}:31")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_dry_run_names_an_opening_prompt_too_long(tmp_path, capsys):
+    import yaml
+    from jrl.config import to_dict
+    from jrl.launch import main
+    run_config, hf_dir = episode_grpo_config(tmp_path)
+    with open(tmp_path / "train.jsonl", "a") as f:
+        f.write(json.dumps({"prompt": [{"role": "user", "content": LONG}], "answer": "0"}) + "\n")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(to_dict(run_config)))
+    assert main(["--config", str(tmp_path / "run.yaml"), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "config error: " + opening_prompt_error(load_tokenizer(str(hf_dir)),
+                                                                           f"{tmp_path / 'train.jsonl'}:31")
+    assert captured.out == ""
+
+
+def test_an_opening_prompt_too_long_stops_a_warm_start_run_before_it_writes_its_run_directory(tmp_path, capsys):
+    # before: the warm start trained until its first validation check ran the record's episode, and the
+    # failure left a checkpoint behind (save_on_error), so the next plain run asked for --resume / --overwrite
+    import yaml
+    from jrl.config import to_dict
+    from jrl.launch import main
+    run_config, hf_dir = episode_grpo_config(tmp_path)
+    record = lambda content: {"prompt": [{"role": "user", "content": content}], "answer": "1", "response": "1"}
+    (tmp_path / "demos.jsonl").write_text("".join(json.dumps(record(f"{i}+1?")) + "\n" for i in range(8)))
+    (tmp_path / "val.jsonl").write_text(json.dumps(record("9+9?")) + "\n" + json.dumps(record(LONG)) + "\n")
+    config = to_dict(run_config)
+    config["strategy"]["options"]["task"]["validation"] = str(tmp_path / "val.jsonl")
+    config["strategy"]["options"]["warm_start"] = {"source": str(tmp_path / "demos.jsonl"), "check_every": 2,
+                                                   "max_steps": 4, "batch_size": 2}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    assert main(["--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == "error: " + opening_prompt_error(load_tokenizer(str(hf_dir)),
+                                                                          f"{tmp_path / 'val.jsonl'}:2")
+    assert not (tmp_path / "run").exists()
+
+
+class CountedParity(Parity):
+    """Parity that records the prompt of every `reset`."""
+
+    prompts: list = []
+
+    def reset(self, example):
+        CountedParity.prompts.append(_prompt_of(example))
+        return super().reset(example)
+
+
+def test_an_environments_opening_prompts_are_checked_on_the_largest_records_of_each_split(tmp_path, tok):
+    """An `env`'s reset is user code (it may start a sandbox): at startup it runs on the 8 largest
+    records of each split (the first ones among equals), not on every record."""
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    from jrl.rl.tasks import make_task
+    prompts = [f"{i}?" for i in range(20)] + ["a longer prompt", "the longest prompt of them"]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
+    (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": "held out", "answer": "0"}) + "\n")
+    options = RLOptions.from_config({"env": "test_rl_episodes:CountedParity", "task": {
+        "name": "jsonl", "train": str(tmp_path / "train.jsonl"), "heldout": str(tmp_path / "test.jsonl"),
+        "n_validation": 0}})
+    CountedParity.prompts = []
+    sampler = EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 96)
+    sampler.check_opening_prompts(make_task(options.task))
+    assert CountedParity.prompts == ["held out", "the longest prompt of them", "a longer prompt", "10?", "11?",
+                                     "12?", "13?", "14?", "15?"]

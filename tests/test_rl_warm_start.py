@@ -306,3 +306,17 @@ def test_resume_with_allow_data_change_resumes_a_warm_start_whose_demonstrations
                               f"{out / 'warm_start' / 'checkpoints' / 'step_1'} was trained on (")
     assert changed.endswith("); going on from its position in this data (--allow-data-change)")
     assert checkpoint.all_steps(out / "warm_start" / "checkpoints") == [2]
+
+
+def test_a_prompt_too_long_for_grpo_stops_a_warm_start_run_before_it_writes_its_run_directory(tmp_path, capsys):
+    # before: refused only once the run directory had been created and locked for the warm start
+    records = lambda *words: [{"prompt": f"{w}>", "answer": w[::-1], "response": w[::-1]} for w in words]
+    src = write_jsonl(tmp_path / "t.jsonl", records("abc", "bcd", "abcdefghijklmnop"))
+    other = write_jsonl(tmp_path / "v.jsonl", records("cde"))
+    assert main(["--config", str(CONFIG), "--output-dir", str(tmp_path / "run"), f"strategy.options.task.train={src}",
+                 f"strategy.options.task.heldout={other}", f"strategy.options.task.validation={other}",
+                 f"strategy.options.warm_start.source={src}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {src}:3: the prompt is 23 tokens, longer than data.seq_len - strategy.options.max_new_tokens "
+        "= 11 (task split train); raise data.seq_len or shorten the prompt")
+    assert not (tmp_path / "run").exists()

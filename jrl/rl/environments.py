@@ -117,6 +117,26 @@ def _call(fn: Callable, *args: Any) -> Any:
     return out
 
 
+def run_env_call(env: Any, kind: str, *args: Any, timeout_s: float, where: str) -> Any:
+    """`env.<kind>(*args)` outside an episode (a run's startup check), as the runner calls
+    it: on a daemon thread, for at most `timeout_s`; an exception (sys.exit included) or a
+    call still running then is an EnvironmentFailure naming the environment and `where`."""
+    workers = DaemonWorkers(1, "jrl-env")
+    fut = workers.submit(_call, getattr(env, kind), *args)
+    try:
+        concurrent.futures.wait([fut], timeout=None if timeout_s == float("inf") else timeout_s)
+        if not fut.done():
+            raise EnvironmentFailure(f"environment {type(env).__name__}.{kind} did not return within {timeout_s:g} s "
+                                     f"(strategy.options.env_timeout_s) (on {where})")
+        try:
+            return fut.result()
+        except (Exception, SystemExit) as e:
+            raise EnvironmentFailure(f"environment {type(env).__name__}.{kind} raised {type(e).__name__}: {e} "
+                                     f"(on {where})") from e
+    finally:
+        workers.close()
+
+
 # ----------------------------------------------------------------------------- the tool environment
 
 
@@ -331,6 +351,33 @@ def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
             fail(f"info[{key!r}] must be a count (an integer >= 0), got {count!r}")
 
 
+def opening_prompt(pieces: ChatPieces, env: Any, messages: Any, max_total_tokens: int, where: str) -> list[int]:
+    """The ids of the opening conversation `messages` that `env.reset` returned for the
+    record `where`: checked to be message dicts the template renders (else
+    EnvironmentFailure) and to leave room for a turn within `max_total_tokens` (else
+    ConfigError naming the environment, the record and both lengths). Shared by the runner
+    and the startup check (`EpisodeSampler.check_opening_prompts`), so both say the same."""
+    name = type(env).__name__
+    if not isinstance(messages, list) or not messages:
+        raise EnvironmentFailure(f"environment {name}.reset: must return a non-empty list of messages, "
+                                 f"got {messages!r} (on {where})")
+    if not all(isinstance(m, dict) for m in messages):
+        raise EnvironmentFailure(f"environment {name}.reset: must return a list of message dicts, got {messages!r} "
+                                 f"(on {where})")
+    try:
+        ids = pieces.prompt([dict(m) for m in messages], getattr(env, "tools", None) or None)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise EnvironmentFailure(f"environment {name}.reset: the chat template cannot render its messages "
+                                 f"({type(e).__name__}: {e}) (on {where})") from e
+    if len(ids) >= max_total_tokens:
+        raise ConfigError(f"{where}: environment {name}.reset: the opening prompt is {len(ids)} tokens, leaving no "
+                          f"room for a turn within strategy.options.max_total_tokens = {max_total_tokens} (null: "
+                          f"data.seq_len); raise data.seq_len (and max_total_tokens, if set) or shorten the prompt")
+    return ids
+
+
 class EpisodeRunner:
     """Runs episodes through `engine` (see the module docstring). `eos_ids` /
     `stop_sequences`: where a turn ends (the template's end-of-turn token among them);
@@ -472,17 +519,8 @@ class EpisodeRunner:
     def _after_env(self, lv: _Live, kind: str, out: Any) -> int | None:
         ep = lv.episode
         if kind == "reset":
-            if not isinstance(out, list) or not out:
-                raise EnvironmentFailure(f"environment {type(lv.env).__name__}.reset: must return a non-empty list of "
-                                        f"messages, got {out!r} (on {lv.where})")
-            if not all(isinstance(m, dict) for m in out):
-                raise EnvironmentFailure(f"environment {type(lv.env).__name__}.reset: must return a list of message "
-                                        f"dicts, got {out!r} (on {lv.where})")
+            ids = opening_prompt(self.pieces, lv.env, out, self.limits.max_total_tokens, lv.where)
             ep.messages = [dict(m) for m in out]
-            ids = self._render(lv, kind, self.pieces.prompt, ep.messages, lv.tools)
-            if len(ids) >= self.limits.max_total_tokens:
-                raise ConfigError(f"{lv.where}: the opening prompt is {len(ids)} tokens, leaving no room for a turn "
-                                  f"within max_total_tokens = {self.limits.max_total_tokens}")
             ep._append(ids, "prompt")
             ep.prompt_len = len(ids)
             return self._request(lv)

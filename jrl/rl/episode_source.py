@@ -12,6 +12,7 @@ answer. An episode *solves* its problem when its reward is >= `success_threshold
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,8 +20,8 @@ import numpy as np
 from jrl.config import ConfigError
 from jrl.data.tasks import Problem
 from jrl.rl.batch import build_episode_rows
-from jrl.rl.environments import (Episode, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment,
-                                 resolve_environment)
+from jrl.rl.environments import (ChatPieces, Episode, EnvironmentFailure, EpisodeLimits, EpisodeRunner,
+                                 ToolEnvironment, opening_prompt, resolve_environment, run_env_call)
 from jrl.rl.evaluation import ProblemResult, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
@@ -28,6 +29,9 @@ from jrl.rl.rewards import RewardModel
 from jrl.rl.tool_calls import get_parser
 from jrl.rl.tools import ToolRegistry
 from jrl.rollout import SamplingParams
+
+
+OPENING_CHECKS = 8  # records per split whose `env`'s reset runs at startup (check_opening_prompts)
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -79,6 +83,26 @@ class EpisodeSampler:
 
         return ToolEnvironment(self.registry, score, parser=self.parser, max_tool_calls=o.max_tool_calls,
                                system_prompt=o.task.system_prompt), example
+
+    def check_opening_prompts(self, task: Any) -> None:
+        """Raises ConfigError (naming the environment, the record and the lengths) for an
+        opening prompt that leaves no room for a turn within max_total_tokens, so the run
+        stops before it starts, not at that record's first episode (after a warm start,
+        leaving a checkpoint). With `tools` alone the opening is the record's own prompt:
+        every record of every split is checked, as single-turn prompts are. An `env`'s
+        reset is user code (it may start a sandbox): it runs, on a fresh instance as for an
+        episode, on the `OPENING_CHECKS` largest records (JSON size; the first among
+        equals) of each split, where an opening built from the record is longest."""
+        pieces = ChatPieces(self.format.tokenizer)
+        for problems in (task.heldout, task.validation, getattr(task, "train", [])):
+            if self.env_cls is not None:
+                sizes = [len(json.dumps(p.example, sort_keys=True, default=str)) for p in problems]
+                problems = [problems[i] for i in sorted(range(len(problems)), key=lambda i: -sizes[i])[:OPENING_CHECKS]]
+            for p in problems:
+                env, example = self.environment(p)
+                messages = (env.reset(example) if self.env_cls is None else
+                            run_env_call(env, "reset", example, timeout_s=self.options.env_timeout_s, where=p.where))
+                opening_prompt(pieces, env, messages, self.limits.max_total_tokens, p.where)
 
     def run(self, engine: Any, problems: Sequence[Problem], n_per_problem: int, temperature: float,
             seeds: np.ndarray) -> list[list[Episode]]:

@@ -175,8 +175,10 @@ class RolloutSource:
         self._prompt_ids: dict[str, np.ndarray] = {}
         self._warned_no_signal = False  # a rollout with no group to learn from is reported once
         limit = prompt_limit(self.seq_len, o.max_new_tokens)
-        if self.episodes is None:  # an episode's prompt is its environment's (the runner checks its length)
+        if self.episodes is None:
             check_task_prompt_lengths(self.task, self.prompt_ids, limit)
+        else:  # an episode's prompt is its environment's opening
+            self.episodes.check_opening_prompts(self.task)
         self.batch_size = batch_size
         check_rollout_batch(o, batch_size)
         self.max_version_lag = o.resolved_max_version_lag(self.batch_size)

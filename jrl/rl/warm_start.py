@@ -37,7 +37,7 @@ from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
-from jrl.rl.tasks import Task, check_task_prompt_lengths, make_task
+from jrl.rl.tasks import Task, check_task_prompt_lengths, make_task, prompt_limit
 from jrl.rl.tools import resolve_tool
 from jrl.train.callbacks import Callback
 from jrl.train.initial import load_run_tokenizer
@@ -142,6 +142,19 @@ def task_format(config: TrainConfig, options: RLOptions) -> PromptFormat:
                         system_prompt=options.task.system_prompt, stop=options.task.stop)
 
 
+def check_task_prompts(config: TrainConfig, task: Task, fmt: PromptFormat) -> None:
+    """Every prompt of `task` leaves room for a response, as the GRPO stage checks when it
+    starts: a single-turn prompt data.seq_len - max_new_tokens, an episode's opening prompt
+    (its environment's reset) a turn within max_total_tokens. Made before anything trains
+    or is written, so a prompt too long never ends a run midway; a ConfigError names it."""
+    options = RLOptions.from_config(config.strategy.options)
+    limit = prompt_limit(config.data.seq_len, options.max_new_tokens)
+    if options.episodes:
+        EpisodeSampler(options, fmt, options.reward_model(), config.data.seq_len).check_opening_prompts(task)
+    else:
+        check_task_prompt_lengths(task, lambda problems: [fmt.encode(p) for p in problems], limit)
+
+
 def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> RenderedDemonstrations:
     """The warm start's demonstrations of `config` (its `task`, rendered by `fmt`), read and
     checked as the warm start trains on them; writes nothing (a dry run's check)."""
@@ -178,9 +191,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
         check_fresh_start(warm_dir / "checkpoints")  # before demonstrations are rendered over its own
     task = make_task(options.task)
     fmt = task_format(config, options)
-    limit = config.data.seq_len - options.max_new_tokens
-    if not options.episodes and limit >= 1:  # the GRPO stage's check, made before the warm start trains
-        check_task_prompt_lengths(task, lambda problems: [fmt.encode(p) for p in problems], limit)
+    check_task_prompts(config, task, fmt)  # the GRPO stage's check, made before the warm start trains
     demos = write_demonstrations(render_warm_start(config, task, fmt), warm_dir)
     if demos.source != ws.source:
         print(f"warm start: {demos.count} demonstrations of {ws.source} rendered into {demos.source}"
