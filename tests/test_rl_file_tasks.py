@@ -141,6 +141,34 @@ def test_a_boolean_answer_is_refused(tmp_path):
     assert str(e.value) == f"{path}:2: field 'answer' must be a string or a number, got True"
 
 
+def test_a_numeric_answer_keeps_the_text_the_file_has(tmp_path):
+    # before: Python's str of the parsed number ('1e-07', '0.5', '0'), which exact_match never
+    # matched against a completion writing the answer as the file does
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1e-7}\n{"prompt": "b", "answer": 0.50}\n{"prompt": "c", "answer": -0}\n'
+                    '{"prompt": "d", "answer": 12}\n{"prompt": "e", "answer": 1E+2}\n')
+    assert [p.answer for p in read_problems(str(path), "prompt", "answer")] == ["1e-7", "0.50", "-0", "12", "1E+2"]
+
+
+def test_a_record_with_numbers_reaches_the_rewards_with_plain_numbers(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1e-7, "meta": {"level": 2, "scores": [0.5, NaN]}}\n')
+    example = read_problems(str(path), "prompt", "answer")[0].example
+    assert type(example["answer"]) is float and example["answer"] == 1e-7
+    assert type(example["meta"]["level"]) is int and example["meta"]["level"] == 2
+    assert type(example["meta"]["scores"][0]) is float and np.isnan(example["meta"]["scores"][1])
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_answer_is_refused(tmp_path, literal):
+    # before: read as the text 'nan' / 'inf' / '-inf', which no completion is scored against as meant
+    path = tmp_path / "t.jsonl"
+    path.write_text(f'{{"prompt": "a", "answer": 1}}\n{{"prompt": "b", "answer": {literal}}}\n')
+    with pytest.raises(ConfigError) as e:
+        read_problems(str(path), "prompt", "answer")
+    assert str(e.value) == f"{path}:2: field 'answer' must be a string or a finite number, got {literal}"
+
+
 def test_empty_file_is_refused(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")

@@ -16,7 +16,7 @@ import os
 import re
 from glob import glob
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from jrl.config import ConfigError
 from jrl.data.bundled import is_bundled, load_bundled
@@ -108,12 +108,14 @@ def source_files(source: str | Sequence[str], key: str, data_format: str | None 
 
 
 def iter_located_records(source: str | Sequence[str], seed: int = 0, key: str = "data.source",
-                         data_format: str | None = None, text_field: str = "text") -> Iterator[tuple[str, dict]]:
+                         data_format: str | None = None, text_field: str = "text",
+                         json_hooks: dict[str, Any] | None = None) -> Iterator[tuple[str, dict]]:
     """`(where, record)` for every record of `source` (its files in `source_files` order),
     `where` being `file:line` (`file` for a raw-text file, `bundled:<name>[index]`). A
     missing file raises a ConfigError naming `key` (the config field that gave the path),
     a bad line one naming file:line. With `data_format` "text" a `.txt` file is one record
-    `{text_field: its text}`."""
+    `{text_field: its text}`. `json_hooks`: `json.loads` keywords (`parse_float`, ...) for
+    JSONL lines (an RL task keeps a numeric answer's text)."""
     bundled = bundled_source(source)
     if bundled is not None:
         for index, record in enumerate(load_bundled(bundled, seed)):
@@ -123,7 +125,7 @@ def iter_located_records(source: str | Sequence[str], seed: int = 0, key: str = 
         if data_format == "text" and path.endswith(RAW_TEXT_SUFFIX):
             yield path, {text_field: _read_text(path, key)}
         else:
-            yield from _iter_jsonl(path, key)
+            yield from _iter_jsonl(path, key, json_hooks or {})
 
 
 def _open(source: str, key: str):
@@ -155,7 +157,7 @@ def _read_text(source: str, key: str) -> str:
     return text.removeprefix("\ufeff")
 
 
-def _iter_jsonl(source: str, key: str) -> Iterator[tuple[str, dict]]:
+def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[tuple[str, dict]]:
     """`(file:line, record)` for the records of one JSONL file."""
     with _open(source, key) as f:
         before = os.fstat(f.fileno())
@@ -169,7 +171,7 @@ def _iter_jsonl(source: str, key: str) -> Iterator[tuple[str, dict]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line, **json_hooks)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from typing import Any, Literal, Protocol, Sequence
 
@@ -106,12 +107,33 @@ def record_prompt(record: dict, field: str, where: str, option: str) -> str | tu
     return prompt
 
 
+class _NumberText(str):
+    """A JSON number of a task record, as the file writes it (`1e-7`, `0.50`, `-0`)."""
+
+
+# json.loads hooks: every number of a task line is first read as its text, so that a numeric
+# answer keeps it (Python's str of the parsed float would give 1e-07, 0.5, ...)
+_NUMBER_TEXT = {"parse_int": _NumberText, "parse_float": _NumberText, "parse_constant": _NumberText}
+
+
+def _numbers(value: Any) -> Any:
+    """`value` with each `_NumberText` read as the number json.loads makes of it."""
+    if isinstance(value, _NumberText):
+        return json.loads(value)
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
+
+
 def read_problems(source: str, prompt_field: str, answer_field: str | None, *, seed: int = 0,
                   key: str = TASK + "train") -> list[Problem]:
     """Every record of a JSONL file (or bundled source) as a Problem; errors name the file,
     the line and the field (`key`: the config field that gave `source`)."""
     problems = []
-    for where, record in iter_located_records(source, seed, key):
+    for where, texts in iter_located_records(source, seed, key, json_hooks=_NUMBER_TEXT):
+        record = _numbers(texts)
         prompt = record_prompt(record, prompt_field, where, TASK + "prompt_field")
         answer = ""
         if answer_field is not None:
@@ -122,7 +144,11 @@ def read_problems(source: str, prompt_field: str, answer_field: str | None, *, s
             # a bool would become 'True' / 'False', text the file never had (JSON writes true / false)
             if isinstance(value, (dict, list, bool)) or value is None:
                 raise ConfigError(f"{where}: field {answer_field!r} must be a string or a number, got {value!r}")
-            answer = str(value)
+            # NaN / Infinity (JSON extensions Python reads) would become 'nan' / 'inf', which is no answer
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{where}: field {answer_field!r} must be a string or a finite number, "
+                                  f"got {texts[answer_field]}")
+            answer = str(texts[answer_field])  # a number as the file writes it (1e-7, not Python's 1e-07)
         problems.append(Problem(prompt=prompt, answer=answer, example=dict(record), where=where))
     if not problems:
         raise ConfigError(f"{source}: no records (an empty file?)")
