@@ -338,6 +338,44 @@ def test_a_call_still_queued_at_its_timeout_never_runs():
     assert started == [1, 3]
 
 
+def held_workers_warnings(workers: int, calls: int) -> list[str]:
+    """The warnings of `calls` calls of a tool that hangs (until the test ends) on a
+    registry of `workers` workers."""
+    gate = threading.Event()
+
+    def hang(x: int) -> int:
+        """Hangs."""
+        gate.wait(30)
+        return x
+
+    reg = ToolRegistry([hang], timeout_s=1.0, workers=workers)  # (a second for the threads to start)
+    try:
+        with pytest.warns(UserWarning) as record:
+            out = reg.execute([ToolCall("hang", {"x": i}, f"c{i}") for i in range(calls)])
+        assert [r.content for r in out] == ["error: hang timed out after 1 s"] * calls
+    finally:
+        gate.set()
+    return [str(w.message) for w in record]
+
+
+def held_message(held: int, workers: int) -> str:
+    return (f"tool 'hang' timed out after 1 s and runs on until it returns (Python cannot stop a thread), "
+            f"holding its tool worker: {held} of {workers} tool workers are held by timed-out calls "
+            f"(hang: {held}); with all of them held every tool call fails at once ('did not start ... every tool "
+            f"worker was busy'). Give hang a timeout of its own shorter than strategy.options.tool_timeout_s "
+            f"(1 s), e.g. on its network calls, or raise strategy.options.env_workers (the run has env_workers x "
+            f"max_tool_calls tool workers)")
+
+
+def test_timed_out_calls_holding_the_tool_workers_are_named_in_a_warning():
+    # before: two hung calls took both workers without a word, and every later call failed
+    assert held_workers_warnings(workers=2, calls=2) == [held_message(1, 2), held_message(2, 2)]
+
+
+def test_the_held_workers_warning_repeats_only_as_their_number_doubles():
+    assert held_workers_warnings(workers=6, calls=6) == [held_message(n, 6) for n in (1, 2, 4, 6)]
+
+
 def test_a_tool_that_never_returns_does_not_keep_the_process_from_exiting():
     script = textwrap.dedent("""
         import threading

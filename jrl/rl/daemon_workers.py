@@ -20,7 +20,8 @@ class DaemonWorkers:
     slots is free; the future's `started` tells when it began (None while it waits)."""
 
     def __init__(self, workers: int, name: str) -> None:
-        self._slots = threading.BoundedSemaphore(max(1, workers))
+        self.workers = max(1, workers)
+        self._slots = threading.BoundedSemaphore(self.workers)
         self._name = name
         self._closed = False
 

@@ -23,7 +23,9 @@ of the wrong JSON type), an exception (its type and message; `SystemExit` too) o
 does stops the run. Calls run on `jrl.rl.daemon_workers` threads: a timed-out call keeps its
 thread until it returns, and one that never returns does not keep the process from
 exiting; `workers` bounds how many run at once, and a call still waiting for a worker when
-its timeout passes is dropped (it never runs) and answered so.
+its timeout passes is dropped (it never runs) and answered so. Timed-out calls that hold
+workers are warned of (naming the tool) when their number first reaches 1, 2, 4, ... and
+all of them: once all are held, every call fails at once, and only `tool_error_rate` would show it.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ import functools
 import inspect
 import json
 import re
+import threading
 import time
 import types
 import typing
+import warnings
 from typing import Any, Callable, Literal, Sequence
 
 from jrl.config import ConfigError, resolve_named
@@ -238,6 +242,9 @@ class ToolRegistry:
             raise ConfigError(f"tool_timeout_s: must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
         self._workers = DaemonWorkers(workers, "jrl-tool")
+        self._held: dict[concurrent.futures.Future, str] = {}  # timed-out calls still running: their tools
+        self._held_lock = threading.Lock()
+        self._held_warned = 0  # the number of held workers last warned of
 
     @classmethod
     def from_names(cls, names: Sequence[str], field: str = "tools", **kwargs: Any) -> ToolRegistry:
@@ -279,12 +286,43 @@ class ToolRegistry:
                            else f"timed out after {timeout:g} s")
                 results.append(ToolResult(call.id, call.name, f"error: {call.name} {message}", error=True,
                                           seconds=timeout))
+                if not fut.cancelled():
+                    self._hold(fut, call.name, timeout)
             # the tool raised: the model is told, the run goes on (sys.exit in a tool, an argparse or
             # click CLI wrapped as one, must not end the training process without a word)
             except (Exception, SystemExit) as e:
                 results.append(ToolResult(call.id, call.name, f"error: {call.name} raised {type(e).__name__}: {e}",
                                           error=True, seconds=time.perf_counter() - t0))
         return results
+
+    def _hold(self, fut: concurrent.futures.Future, name: str, timeout: float) -> None:
+        """Counts a timed-out call's worker as held until the call returns, and warns when the
+        number held reaches 1, 2, 4, ... or all: hung calls filling the pool make every later
+        call fail, which the run would otherwise show only in `tool_error_rate`."""
+        with self._held_lock:
+            if fut.done():  # returned since
+                return
+            self._held[fut] = name
+            held, workers = len(self._held), self._workers.workers
+            warn = held >= min(2 * self._held_warned, workers) and held > self._held_warned
+            if warn:
+                self._held_warned = held
+                tools = list(self._held.values())
+        fut.add_done_callback(self._release)
+        if warn:
+            by_tool = ", ".join(f"{t}: {tools.count(t)}" for t in dict.fromkeys(tools))
+            warnings.warn(f"tool {name!r} timed out after {timeout:g} s and runs on until it returns (Python cannot "
+                          f"stop a thread), holding its tool worker: {held} of {workers} tool workers are held by "
+                          f"timed-out calls ({by_tool}); with all of them held every tool call fails at once ('did "
+                          f"not start ... every tool worker was busy'). Give {name} a timeout of its own shorter "
+                          f"than strategy.options.tool_timeout_s ({self.timeout_s:g} s), e.g. on its network calls, "
+                          f"or raise strategy.options.env_workers (the run has env_workers x max_tool_calls tool "
+                          f"workers)", stacklevel=3)
+
+    def _release(self, fut: concurrent.futures.Future) -> None:
+        """A held call returned: its worker is free again."""
+        with self._held_lock:
+            self._held.pop(fut, None)
 
     def close(self) -> None:
         """Calls not started yet never start (those running finish on their own)."""
