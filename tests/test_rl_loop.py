@@ -2,6 +2,8 @@
 versions, weight sync, staleness, resume, skipped updates, engine/trainer log-probs."""
 
 import dataclasses
+import os
+import signal
 import threading
 import time
 
@@ -14,8 +16,9 @@ from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
 from jrl.rl.batch import build_rows, newest_versions, stale_groups, stale_tokens
 import jrl.rl.source as source_module
-from parallel_cases.common import grpo_config
+from parallel_cases.common import first_byte_even, grpo_config
 from run_control import PoisonSteps
+from test_train_resume import FIRST_CTRL_C
 from jrl.rl import build_learner
 from jrl.rl.options import RLOptions
 from jrl.rollout import Engine
@@ -46,6 +49,26 @@ def sync_run(tmp_path_factory):
     config = tiny(steps=6, dynamic_sampling_rounds=2)
     config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, at_end=True))
     return run(config, tmp_path_factory.mktemp("sync"))
+
+
+_ctrl_c_sent = []
+
+
+def ctrl_c_in_the_first_rollout(prompt, completion, answer):
+    """first_byte_even, sending this process a SIGINT (a user's Ctrl-C) at its first call."""
+    if not _ctrl_c_sent:
+        _ctrl_c_sent.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+    return first_byte_even(prompt, completion, answer)
+
+
+def test_a_ctrl_c_during_a_rollout_says_at_once_that_the_run_stops_after_the_step(tmp_path, capfd):
+    # before: nothing was printed until the rollout had finished and the run stopped
+    _ctrl_c_sent.clear()
+    trainer, rows = run(grpo_config(steps=6, n_kv_heads=1, reward="test_rl_loop:ctrl_c_in_the_first_rollout"),
+                        tmp_path)
+    assert [line for line in capfd.readouterr().err.splitlines() if line.startswith("interrupt")] == [FIRST_CTRL_C]
+    assert [r["step"] for r in train_rows(rows)] == [1] and trainer.stop_reason == "received SIGINT"
 
 
 def test_every_update_bumps_the_version_and_rows_carry_it(sync_run):

@@ -25,6 +25,8 @@ TINY = {
     "checkpoint": {"interval": 0, "keep_last": None},
 }
 TIMING = ("tokens_per_s", "mfu")
+FIRST_CTRL_C = ("interrupt: stopping after the current step (a rollout or evaluation under way finishes first), "
+                "then saving a checkpoint; Ctrl-C again to exit now, losing the work since the last checkpoint")
 
 
 def write_config(tmp_path, **top):
@@ -71,16 +73,23 @@ def test_resume_in_a_fresh_process_is_bitwise_identical_to_a_straight_run(tmp_pa
     assert main(["--config", config, "--output-dir", str(tmp_path / "a")]) == 2
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_saves_a_checkpoint_and_exits_zero(tmp_path, sig):
-    config = write_config(tmp_path, steps=100000)
-    proc = train(config, tmp_path)
-    log = tmp_path / "metrics.jsonl"
+def started(config, run_dir):
+    """A run of `config` into `run_dir` that has logged two steps."""
+    proc = train(config, run_dir)
+    log = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (log.exists() and len(log.read_text().splitlines()) >= 2):
         assert proc.poll() is None, proc.communicate()[1]
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_exits_zero(tmp_path, sig):
+    config = write_config(tmp_path, steps=100000)
+    proc = started(config, tmp_path)
+    log = tmp_path / "metrics.jsonl"
     proc.send_signal(sig)
     out = finish(proc, timeout=120)
     assert f"received {sig.name}" in out
@@ -90,3 +99,12 @@ def test_signal_saves_a_checkpoint_and_exits_zero(tmp_path, sig):
     state, meta = checkpoint.load(tmp_path / "checkpoints", verify=True)
     assert meta["policy_version"] == last["policy_version"] == int(state["policy_version"])
     assert meta["data"]["sampler"]["cursor"] == 4 * step
+
+
+def test_the_first_ctrl_c_says_when_the_run_stops_and_that_a_second_exits_now(tmp_path):
+    # before: nothing until the run stopped (after a GRPO rollout: 32 s of silence)
+    proc = started(write_config(tmp_path, steps=100000), tmp_path)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and [line for line in err.splitlines() if line.startswith("interrupt")] == \
+        [FIRST_CTRL_C], err

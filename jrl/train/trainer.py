@@ -756,6 +756,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
+    def _say_stopping(self, signum: int) -> None:
+        """One line on the signal that stops the run: the step under way (a GRPO rollout or an
+        evaluation: tens of seconds) finishes first, and without a word the run looked hung."""
+        then = ", then saving a checkpoint" if self.config.checkpoint.save_on_end else ""
+        line = f"stopping after the current step (a rollout or evaluation under way finishes first){then}"
+        if signum == signal.SIGINT:
+            line = f"interrupt: {line}; Ctrl-C again to exit now, losing the work since the last checkpoint"
+        else:
+            line = f"received {signal.Signals(signum).name}: {line}"
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except RuntimeError:  # the signal came during a write to stderr (a reentrant call): the stop stands
+            pass
+
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
             return {}
@@ -774,7 +788,10 @@ class Trainer:
                 print(f"interrupt: finishing the checkpoint of step {self._saving_step} first "
                       "(Ctrl-C again to exit now; the last published checkpoint stays)", file=sys.stderr, flush=True)
                 return
+            first = self.stop_reason is None
             self.request_stop(f"received {signal.Signals(signum).name}")
+            if first:
+                self._say_stopping(signum)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, handler)
