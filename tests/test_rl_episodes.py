@@ -297,10 +297,12 @@ def test_a_callable_object_tool_is_described_by_its_class():
 
 def test_tool_failures_become_error_results_never_exceptions():
     reg = ToolRegistry([add, fails, sleepy, _lookup_impl], timeout_s=0.2)
-    out = reg.execute([ToolCall("add", {"a": 2, "b": 3}, "c0"), ToolCall("lookup", {"word": "cat"}, "c1"),
-                       ToolCall("nope", {}, "c2"), ToolCall("add", {"a": 2}, "c3"),
-                       ToolCall("add", {"a": "2", "b": 3}, "c4"), ToolCall("add", {"a": 1, "b": 2, "c": 3}, "c5"),
-                       ToolCall("fails", {"x": "k"}, "c6"), ToolCall("sleepy", {}, "c7")])
+    with pytest.warns(UserWarning, match="held by timed-out calls"):  # sleepy's
+        out = reg.execute([ToolCall("add", {"a": 2, "b": 3}, "c0"), ToolCall("lookup", {"word": "cat"}, "c1"),
+                           ToolCall("nope", {}, "c2"), ToolCall("add", {"a": 2}, "c3"),
+                           ToolCall("add", {"a": "2", "b": 3}, "c4"),
+                           ToolCall("add", {"a": 1, "b": 2, "c": 3}, "c5"),
+                           ToolCall("fails", {"x": "k"}, "c6"), ToolCall("sleepy", {}, "c7")])
     assert [r.call_id for r in out] == [f"c{i}" for i in range(8)]
     assert [r.error for r in out] == [False, False] + [True] * 6
     assert out[0].content == "5" and json.loads(out[1].content) == {"word": "cat", "length": 3}
@@ -330,7 +332,8 @@ def test_a_call_still_queued_at_its_timeout_never_runs():
         return n
 
     reg = ToolRegistry([held], timeout_s=1.0, workers=1)  # (a second for the first call's thread to start)
-    out = reg.execute([ToolCall("held", {"n": 1}, "c0"), ToolCall("held", {"n": 2}, "c1")])
+    with pytest.warns(UserWarning, match="held by timed-out calls"):
+        out = reg.execute([ToolCall("held", {"n": 1}, "c0"), ToolCall("held", {"n": 2}, "c1")])
     assert [r.content for r in out] == ["error: held timed out after 1 s",
                                         "error: held did not start within 1 s (every tool worker was busy)"]
     gate.set()
@@ -452,7 +455,8 @@ def test_tool_environment_turns_every_failure_into_a_tool_message():
     env.reset({"prompt": "p", "answer": "5"})
     text = (call("nope") + "<tool_call>{oops</tool_call>" + call("fails", x="k") + call("sleepy")
             + call("add", a="x", b=1))
-    msgs, reward, done, info = env.step({"role": "assistant", "content": text})
+    with pytest.warns(UserWarning, match="held by timed-out calls"):  # sleepy's
+        msgs, reward, done, info = env.step({"role": "assistant", "content": text})
     assert (reward, done, info) == (0.0, False, {"tool_calls": 5, "tool_errors": 5})
     assert [m["tool_call_id"] for m in msgs] == [f"call_{i}" for i in range(5)]
     assert all(m["role"] == "tool" and m["content"].startswith("error: ") for m in msgs)

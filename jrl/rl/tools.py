@@ -19,13 +19,14 @@ the function it wraps, a callable object by its class (hints: its `__call__`'s).
 `ToolRegistry.execute(calls)` runs calls in its thread pool, each with a timeout, and turns
 every failure into a `ToolResult` with `error=True` whose `content` tells the model what
 went wrong: an unknown tool, arguments that do not fit the schema (missing, unexpected or
-of the wrong JSON type), an exception (its type and message; `SystemExit` too) or a timeout. Nothing a tool
-does stops the run. Calls run on `jrl.rl.daemon_workers` threads: a timed-out call keeps its
-thread until it returns, and one that never returns does not keep the process from
-exiting; `workers` bounds how many run at once, and a call still waiting for a worker when
-its timeout passes is dropped (it never runs) and answered so. Timed-out calls that hold
-workers are warned of (naming the tool) when their number first reaches 1, 2, 4, ... and
-all of them: once all are held, every call fails at once, and only `tool_error_rate` would show it.
+of the wrong JSON type), an exception (its type and message; `SystemExit` too) or a
+timeout. Nothing a tool does stops the run. Calls run on `jrl.rl.daemon_workers` threads:
+a timed-out call keeps its thread until it returns, and one that never returns does not
+keep the process from exiting; `workers` bounds how many run at once, and a call still
+waiting for a worker when its timeout passes is dropped (it never runs) and answered so.
+Timed-out calls that hold workers are warned of (naming the tool) when their number first
+reaches 1, 2, 4, ... and all of them: once all are held, every call fails at once, and
+only `tool_error_rate` would show it.
 """
 
 from __future__ import annotations
