@@ -14,6 +14,7 @@ import pytest
 from jrl.config import ConfigError, TrainConfig
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
+from jrl.train.trainer import SkippedUpdateWarning
 from jrl.rl.batch import build_rows, newest_versions, stale_groups, stale_tokens
 import jrl.rl.source as source_module
 from parallel_cases.common import first_byte_even, grpo_config
@@ -150,7 +151,8 @@ def test_versions_continue_monotonically_after_resume(tmp_path):
 
 
 def test_skipped_updates_keep_the_version_and_the_engine_serves_it(tmp_path):
-    trainer, rows = run(tiny(steps=6), tmp_path, callbacks=[PoisonSteps({3, 4}, "advantages")])
+    with pytest.warns(SkippedUpdateWarning, match="^step 3: the loss or a gradient is not finite"):
+        trainer, rows = run(tiny(steps=6), tmp_path, callbacks=[PoisonSteps({3, 4}, "advantages")])
     train = train_rows(rows)
     assert [r["update_applied"] for r in train] == [True, True, False, False, True, True]
     assert [r["policy_version"] for r in train] == [1, 2, 2, 2, 3, 4]
@@ -163,7 +165,8 @@ def test_skipped_updates_keep_the_version_and_the_engine_serves_it(tmp_path):
 def test_a_skipped_update_under_the_progress_bar_leaves_the_run_going(tmp_path):
     config = tiny(steps=3)
     config = dataclasses.replace(config, logging=dataclasses.replace(config.logging, progress=True))
-    _, rows = run(config, tmp_path, callbacks=[PoisonSteps({2}, "advantages")])
+    with pytest.warns(SkippedUpdateWarning, match="^step 2: the loss or a gradient is not finite"):
+        _, rows = run(config, tmp_path, callbacks=[PoisonSteps({2}, "advantages")])
     train = train_rows(rows)
     assert [r["update_applied"] for r in train] == [True, False, True]
     assert [r["loss"] is None for r in train] == [False, True, False]  # a non-finite loss is logged as null
@@ -447,7 +450,8 @@ def test_interruptible_staleness_masks_only_the_old_tokens(tmp_path, monkeypatch
 def test_a_run_with_nothing_to_learn_from_says_so_once(tmp_path, caplog):
     # a random model never adds 1-digit numbers right: every group's rewards are all 0
     config = grpo_config(steps=4, n_kv_heads=1, reward="exact_match")
-    with caplog.at_level("WARNING", logger="jrl.rl.source"):
+    with caplog.at_level("WARNING", logger="jrl.rl.source"), \
+            pytest.warns(SkippedUpdateWarning, match="^step 1: the batch has no loss weight"):
         _, rows = run(config, tmp_path)
     assert [r["groups_kept"] for r in rollout_rows(rows)] == [0, 0]
     (warning,) = [r.getMessage() for r in caplog.records if "nothing to learn from" in r.getMessage()]

@@ -18,6 +18,7 @@ from jrl.rl.examples import letters_in_place, reversed_word
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat, end_of_turn_text
 from jrl.rl.tasks import TaskConfig, make_task
+from jrl.train.trainer import SkippedUpdateWarning
 from jrl.rl.warm_start import StopAtValidationAccuracy, run_warm_start, warm_start_config
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
 from jrl.train.defaults import default_run
@@ -214,7 +215,8 @@ def test_config_warm_start_runs_first_and_resume_skips_it_once_done(tmp_path, ca
              "strategy.options.warm_start.max_steps=4", "strategy.options.warm_start.check_every=2",
              "strategy.options.warm_start.target_accuracy=1.0", "eval.every=0", "checkpoint.interval=1",
              "logging.progress=false", "logging.plot=false"]
-    assert main(["--config", str(CONFIG), *small]) == 0
+    with pytest.warns(SkippedUpdateWarning, match="^step 1: the batch has no loss weight"):  # a group of equal rewards
+        assert main(["--config", str(CONFIG), *small]) == 0
     captured = capsys.readouterr()
     printed = captured.out
     assert "warm start finished at step 4" in printed and (out / "warm_start" / "done").read_text() == "4\n"
@@ -230,7 +232,8 @@ def test_config_warm_start_runs_first_and_resume_skips_it_once_done(tmp_path, ca
     assert (out / "warm_start" / "done").is_file()
 
     # --resume skips the finished warm start and continues GRPO from its last checkpoint
-    assert main(["--config", str(CONFIG), *[a if a != "steps=2" else "steps=3" for a in small], "--resume"]) == 0
+    with pytest.warns(SkippedUpdateWarning, match="^step 3: the batch has no loss weight"):
+        assert main(["--config", str(CONFIG), *[a if a != "steps=2" else "steps=3" for a in small], "--resume"]) == 0
     assert "warm start finished" not in capsys.readouterr().out
     assert (out / "warm_start" / "metrics.jsonl").read_text() == warm_rows
     assert checkpoint.latest_step(out / "checkpoints") == 3
