@@ -395,3 +395,22 @@ def test_the_first_skipped_update_warns_once_naming_its_step(tmp_path):
                      "skipped_updates. A high optimizer.lr (now 0.01) is the usual cause"]
     assert [r["update_applied"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == \
         [True, False, False, True]
+
+
+class StopThenInterrupt(Callback):
+    """Asks the run to stop after step 1 (as early stopping does), then gets one Ctrl-C."""
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        if metrics["step"] == 1:
+            trainer.request_stop("early stopping")
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_first_ctrl_c_after_the_run_asked_itself_to_stop_is_a_first_one(tmp_path, capsys):
+    # before: early stopping's stop reason made the first Ctrl-C count as a second one, which
+    # raised KeyboardInterrupt at once instead of ending the step and saving its checkpoint
+    trainer = Trainer(tiny("steps=3", "eval.every=0"), callbacks=[StopThenInterrupt()], output_dir=tmp_path)
+    assert int(trainer.fit().step) == 1
+    assert trainer.stop_reason == "received SIGINT"  # a signal's stop skips the end-of-run evaluation
+    assert capsys.readouterr().err.startswith("interrupt: stopping after the current step")
+    assert checkpoint.latest_step(tmp_path / "checkpoints") == 1

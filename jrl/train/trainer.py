@@ -776,7 +776,8 @@ class Trainer:
         previous = {}
 
         def handler(signum, frame):
-            if self.stop_reason is not None and signum == signal.SIGINT:
+            # a second signal: a stop the run asked for itself (early stopping) makes no Ctrl-C a second one
+            if self.stopped_by_signal and signum == signal.SIGINT:
                 if self._saving_step is None:
                     raise KeyboardInterrupt
                 # Interrupting Orbax mid-write left the process hung in its executor: the save
@@ -788,9 +789,8 @@ class Trainer:
                 print(f"interrupt: finishing the checkpoint of step {self._saving_step} first "
                       "(Ctrl-C again to exit now; the last published checkpoint stays)", file=sys.stderr, flush=True)
                 return
-            first = self.stop_reason is None
-            self.request_stop(f"received {signal.Signals(signum).name}")
-            if first:
+            if not self.stopped_by_signal:  # it also outranks the run's own reason: no end-of-run evaluation
+                self.stop_reason = f"received {signal.Signals(signum).name}"
                 self._say_stopping(signum)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
