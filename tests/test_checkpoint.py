@@ -591,11 +591,30 @@ def test_a_step_dir_without_manifest_loads_with_verification_unavailable(tmp_pat
     state = train_state()
     step_dir = ckpt.save(tmp_path, 1, state)
     (step_dir / "manifest.json").unlink()
-    with pytest.warns(UserWarning, match="no manifest.json; loading it unverified"):
-        restored, meta = ckpt.load(tmp_path, verify=True, target=state)
+    restored, meta = ckpt.load(tmp_path, target=state)
     assert_bitwise_equal(restored, state)
     assert meta["layout"] == "legacy" and meta["verification"] == "unavailable"
     assert ckpt.verify_checkpoint(tmp_path) is False
+
+
+def test_verifying_a_jrl_step_dir_whose_manifest_is_missing_names_it(tmp_path):
+    # jrl writes the manifest with every checkpoint: without it the directory is likely an
+    # interrupted copy, which resume and init_from refuse; an explicit verify=True loaded it
+    step_dir = ckpt.save(tmp_path, 1, train_state())
+    (step_dir / "manifest.json").unlink()
+    with pytest.raises(ckpt.CheckpointCorruptError) as e:
+        ckpt.load(tmp_path, verify=True)
+    assert (e.value.relpath, e.value.reason) == ("manifest.json", "missing (jrl writes it last; an interrupted copy?)")
+
+
+def test_verifying_a_plain_orbax_payload_warns_that_it_cannot(tmp_path):
+    state = {"params": {"w": jnp.arange(6, dtype=jnp.bfloat16)}, "step": 4}
+    (tmp_path / "step_4").mkdir()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "step_4" / "state", state)
+    with pytest.warns(UserWarning, match="no manifest.json; loading it unverified"):
+        restored, meta = ckpt.load(tmp_path, verify=True)
+    assert meta["layout"] == "legacy" and meta["verification"] == "unavailable"
 
 
 @pytest.mark.parametrize("payload_subdir", ["", "state", "default"])

@@ -13,7 +13,6 @@ leftover cleanup all ignore: the bytes stay for inspection until you delete them
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from jrl.checkpoint.manifest import (
     read_manifest,
     verify_against_manifest,
 )
-from jrl.checkpoint.store import META_NAME, _legacy_payload_dir, read_meta
+from jrl.checkpoint.store import MISSING_MANIFEST, _legacy_payload_dir, read_meta, written_by_jrl
 
 SET_ASIDE_KINDS = ("corrupt", "superseded")
 
@@ -37,14 +36,6 @@ def _check_sizes(directory: Path, manifest: dict) -> None:
     unlisted = sorted(set(list_files(directory)) - set(manifest["files"]))
     if unlisted:
         raise CheckpointCorruptError(directory, unlisted[0], "file is not listed in the manifest")
-
-
-def _written_by_jrl(directory: Path) -> bool:
-    try:
-        meta = json.loads((directory / META_NAME).read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and "encoded_leaves" in meta
 
 
 def step_problem(root: str | os.PathLike, step: int, *, checksums: bool = True) -> str | None:
@@ -61,8 +52,8 @@ def step_problem(root: str | os.PathLike, step: int, *, checksums: bool = True) 
             return None
         if not any(directory.iterdir()):
             return "empty directory"
-        if _written_by_jrl(directory):
-            return f"{MANIFEST_NAME}: missing (jrl writes it last; an interrupted copy?)"
+        if written_by_jrl(directory):
+            return f"{MANIFEST_NAME}: {MISSING_MANIFEST}"
         if _legacy_payload_dir(directory) is None:
             return f"neither {MANIFEST_NAME} nor an Orbax payload"
         return None

@@ -385,6 +385,19 @@ def _legacy_payload_dir(directory: Path) -> Path | None:
     return None
 
 
+MISSING_MANIFEST = "missing (jrl writes it last; an interrupted copy?)"
+
+
+def written_by_jrl(directory: Path) -> bool:
+    """Whether the step directory's meta.json is one jrl wrote (jrl writes a manifest with
+    it: without one, the directory is an interrupted copy, not a legacy checkpoint)."""
+    try:
+        meta = json.loads((directory / META_NAME).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "encoded_leaves" in meta
+
+
 def read_meta(directory: Path) -> dict:
     """A step directory's meta.json as a dict: {} without one (legacy), CheckpointCorruptError
     naming the file when it cannot be read or is not a JSON object."""
@@ -484,6 +497,8 @@ def load(
                 f"{directory} has neither manifest.json nor an Orbax payload (looked for "
                 f"{' or '.join(_ORBAX_MARKERS)} in state/, default/ and the directory itself)"
             )
+        if verify and written_by_jrl(directory):
+            raise CheckpointCorruptError(directory, MANIFEST_NAME, MISSING_MANIFEST)
         meta = read_meta(directory)
         meta.update(layout="legacy", verification="unavailable")
         if verify:
