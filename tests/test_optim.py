@@ -106,19 +106,18 @@ def test_a_non_finite_rate_is_refused_naming_the_field(kwargs, message):
         OptimizerConfig(**kwargs)
 
 
-def test_a_rate_beyond_float32_is_refused_naming_the_field():
+@pytest.mark.parametrize("kwargs, message", [
     # 1e39 is finite as a Python float but inf in float32, where the optimizer applies it:
     # the first update turned every param into inf/NaN and the run went on skipping updates
-    with pytest.raises(ConfigError, match=r"^optimizer.lr: must be at most 3.403e\+38 \(float32's largest: the "
-                                          r"optimizer applies it in float32\), got 1e\+39$"):
-        OptimizerConfig(lr=1e39)
-
-
-def test_an_lr_scale_that_takes_a_rate_beyond_float32_is_refused_naming_the_group():
+    ({"lr": 1e39}, r"optimizer.lr: must be at most 3.403e\+38 \(float32's largest: the optimizer applies it in "
+                   r"float32\), got 1e\+39"),
     # lr 1e38 times 10 is inf in float32: the head's first update made it inf/NaN
-    with pytest.raises(ConfigError, match=r"^optimizer.lr_scale.head: gives the rate 1e\+39, above float32's "
-                                          r"largest \(3.403e\+38\), where the optimizer applies it$"):
-        OptimizerConfig(lr=1e38, lr_scale={"head": 10.0})
+    ({"lr": 1e38, "lr_scale": {"head": 10.0}}, r"optimizer.lr_scale.head: gives the rate 1e\+39, above float32's "
+                                               r"largest \(3.403e\+38\), where the optimizer applies it"),
+])
+def test_a_rate_beyond_float32_is_refused_naming_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        OptimizerConfig(**kwargs)
 
 
 @pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])

@@ -15,6 +15,12 @@ from jrl.rl.rewards import (
 )
 
 
+def user_module(tmp_path, monkeypatch, name: str, source: str) -> None:
+    """Writes `source` as the module `name` on sys.path, as a user's reward file."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
 def test_exact_match_compares_stripped_completion_to_answer():
     assert exact_match("1+2=", " 3 ", "3") == 1.0
     assert exact_match("1+2=", "4", "3") == 0.0
@@ -49,19 +55,16 @@ def test_reward_model_sums_weighted_terms_and_reports_each():
 
 def test_a_reward_term_named_mean_or_std_does_not_shadow_the_totals_statistics(tmp_path, monkeypatch):
     # its mean is logged as reward_<name>: reward_mean / reward_std are the total's
-    (tmp_path / "stat_rewards_mod.py").write_text("def mean(p, c, a):\n    return 1\n\ndef std(p, c, a):\n"
-                                                  "    return np.bool_(True)\n\nimport numpy as np\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "stat_rewards_mod", "def mean(p, c, a):\n    return 1\n\ndef std(p, c, a):\n"
+                                                           "    return np.bool_(True)\n\nimport numpy as np\n")
     model = RewardModel([RewardSpec("stat_rewards_mod:mean"), RewardSpec("stat_rewards_mod:std")])
     total, terms = model(["p"], ["c"], ["a"])
     assert model.names == ["mean_0", "std_1"] and total.tolist() == [2.0]  # a numpy bool counts as 1
 
 
 def test_user_reward_is_imported_from_module_colon_function(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards_mod.py").write_text(
-        "def brevity(prompt, completion, answer, limit=3):\n"
-        "    return 1.0 if len(completion) <= limit else -1.0\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "my_rewards_mod", "def brevity(prompt, completion, answer, limit=3):\n"
+                                                         "    return 1.0 if len(completion) <= limit else -1.0\n")
     specs = reward_specs_from_config([{"fn": "my_rewards_mod:brevity", "weight": 2.0,
                                        "kwargs": {"limit": 2}}])
     total, terms = RewardModel(specs)(["p", "p"], ["ab", "abc"], ["", ""])
@@ -81,8 +84,7 @@ def test_bad_reward_names_give_clear_errors(name, msg):
 
 
 def test_reward_module_that_fails_to_import_names_the_field_module_and_error(tmp_path, monkeypatch):
-    (tmp_path / "broken_rewards_mod.py").write_text("def f(prompt, completion, answer):\n    return 1.0 +\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "broken_rewards_mod", "def f(prompt, completion, answer):\n    return 1.0 +\n")
     with pytest.raises(ConfigError) as e:
         resolve_reward("broken_rewards_mod:f", "rewards[0].fn")
     assert str(e.value) == ("rewards[0].fn: importing module 'broken_rewards_mod' raised "
@@ -113,16 +115,14 @@ def test_config_parsing_rejects_unknown_keys_and_bad_weights():
 
 
 def test_reward_returning_non_number_is_an_error(tmp_path, monkeypatch):
-    (tmp_path / "bad_rewards_mod.py").write_text("def nan(p, c, a):\n    return float('nan')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "bad_rewards_mod", "def nan(p, c, a):\n    return float('nan')\n")
     model = RewardModel([RewardSpec("bad_rewards_mod:nan")])
     with pytest.raises(ValueError, match="must return a finite number"):
         model(["p"], ["c"], ["a"])
 
 
 def test_reward_beyond_float32_is_an_error_not_an_inf(tmp_path, monkeypatch):
-    (tmp_path / "huge_rewards_mod.py").write_text("def huge(p, c, a):\n    return 1e300\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "huge_rewards_mod", "def huge(p, c, a):\n    return 1e300\n")
     model = RewardModel([RewardSpec("huge_rewards_mod:huge")])
     with pytest.raises(ValueError, match=r"within float32's range \(\|v\| <= 3.4e\+38\), got 1e\+300"):
         model(["p"], ["c"], ["a"])
@@ -130,8 +130,7 @@ def test_reward_beyond_float32_is_an_error_not_an_inf(tmp_path, monkeypatch):
 
 def test_an_int_reward_beyond_float64_is_the_float32_range_error(tmp_path, monkeypatch):
     # float() of this int raises OverflowError: it escaped as a traceback naming no reward
-    (tmp_path / "int_rewards_mod.py").write_text("def huge(p, c, a):\n    return 10 ** 400\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "int_rewards_mod", "def huge(p, c, a):\n    return 10 ** 400\n")
     model = RewardModel([RewardSpec("int_rewards_mod:huge")])
     with pytest.raises(RewardError, match=r"reward 'int_rewards_mod:huge': must return a number within float32's "
                                           r"range \(\|v\| <= 3.4e\+38\), got 10{199}\.\.\. \(401 characters\) "
@@ -141,8 +140,7 @@ def test_an_int_reward_beyond_float64_is_the_float32_range_error(tmp_path, monke
 
 def test_a_reward_returning_a_list_names_the_record_and_completion_in_one_short_line(tmp_path, monkeypatch):
     # a reward written for a batch, returning one score per sample, scored one sample at a time
-    (tmp_path / "list_rewards_mod.py").write_text("def batch(p, c, a):\n    return [1.0] * 1000\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "list_rewards_mod", "def batch(p, c, a):\n    return [1.0] * 1000\n")
     model = RewardModel([RewardSpec("list_rewards_mod:batch")])
     with pytest.raises(RewardError) as e:
         model(["p"], ["UTKE"], ["UTKE"], wheres=["data/test.jsonl:1"])
@@ -153,8 +151,7 @@ def test_a_reward_returning_a_list_names_the_record_and_completion_in_one_short_
 
 def test_a_reward_that_calls_sys_exit_names_the_function_and_record(tmp_path, monkeypatch):
     # before: the SystemExit left the trainer with the reward's status and no message
-    (tmp_path / "exit_rewards_mod.py").write_text("import sys\ndef bye(p, c, a):\n    sys.exit(2)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "exit_rewards_mod", "import sys\ndef bye(p, c, a):\n    sys.exit(2)\n")
     model = RewardModel([RewardSpec("exit_rewards_mod:bye")])
     with pytest.raises(RewardError) as e:
         model(["p"], ["c"], ["a"], wheres=["data/train.jsonl:3"])
@@ -162,8 +159,7 @@ def test_a_reward_that_calls_sys_exit_names_the_function_and_record(tmp_path, mo
 
 
 def test_weighted_rewards_that_overflow_float32_are_an_error(tmp_path, monkeypatch):
-    (tmp_path / "big_rewards_mod.py").write_text("def big(p, c, a):\n    return 1e30\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    user_module(tmp_path, monkeypatch, "big_rewards_mod", "def big(p, c, a):\n    return 1e30\n")
     model = RewardModel([RewardSpec("big_rewards_mod:big", 1e20)])
     with pytest.raises(ValueError, match=r"the weighted sum overflows float32 on sample 0 \(terms big=1e\+30\); scale the weights down"):
         model(["p"], ["c"], ["a"])
