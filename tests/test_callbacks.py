@@ -16,7 +16,7 @@ from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback, EarlyStopping, ProgressBar, checked_gradients
 from jrl.train import trainer as trainer_module
 from jrl.train.trainer import Trainer
-from run_control import PoisonSteps, StopAfter
+from run_control import PoisonGradients, StopAfter
 
 TINY = [
     "model.vocab_size=262", "model.hidden_size=16", "model.n_layers=1", "model.n_heads=2",
@@ -386,7 +386,7 @@ def test_a_third_ctrl_c_during_the_save_exits_at_once_with_130(tmp_path, monkeyp
 
 
 def test_the_first_skipped_update_warns_once_naming_its_step(tmp_path):
-    trainer = Trainer(tiny("steps=4", "optimizer.lr=0.01"), callbacks=[PoisonSteps({2, 3}, "loss_mask")], output_dir=tmp_path)
+    trainer = Trainer(tiny("steps=4", "optimizer.lr=0.01"), callbacks=[PoisonGradients({2, 3})], output_dir=tmp_path)
     with pytest.warns(trainer_module.SkippedUpdateWarning) as record:
         trainer.fit()
     skips = [str(w.message) for w in record if w.category is trainer_module.SkippedUpdateWarning]

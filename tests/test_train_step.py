@@ -281,6 +281,20 @@ def test_a_hand_made_batch_with_bad_token_fields_is_refused_naming_the_field(tmp
         assert row["update_applied"] and row["loss"] is not None
 
 
+def test_a_hand_made_batch_with_a_nan_or_negative_loss_mask_is_refused_naming_the_field(tmp_path):
+    # a NaN weight made the loss NaN, a skipped update blamed on optimizer.lr; a negative one
+    # gave a negative weight, an update skipped without a word (its cause was warned of already)
+    with tiny_trainer(tmp_path) as trainer:
+        batch = trainer.train_source.next_batch(trainer.state)
+        for bad in (np.nan, -1.0, np.inf):
+            mask = batch["loss_mask"].astype(np.float32).copy()
+            mask[1, 3] = bad
+            with pytest.raises(ValueError, match=rf"^batch\['loss_mask'\]: weights must be finite and >= 0, got "
+                                                 rf"{bad} at \[1, 3\]$"):
+                trainer.train_step({**batch, "loss_mask": mask})
+        assert int(trainer.state.step) == 0
+
+
 def test_steps_evaluations_and_saves_before_setup_say_to_call_setup(tmp_path):
     # they failed with "'NoneType' object has no attribute ..." (evaluate: "no held-out batches")
     trainer = Trainer(tiny_config(), output_dir=tmp_path)

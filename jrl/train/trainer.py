@@ -211,10 +211,11 @@ def check_token_fields(batch: dict, vocab_size: int) -> None:
     """Checks a batch's token rows on the host, naming the field: `tokens`, `targets`,
     `positions`, `segment_ids` and `loss_mask` (those present) share the tokens' shape
     (`[rows, seq]`, or `[rows, 2, seq]` for preference pairs); the id fields are integers
-    (floats would be truncated in the step); token ids and trained targets lie in
-    [0, vocab_size). Without this a hand-made batch with an id past the vocabulary gave a
-    NaN loss (a skipped update blamed on the learning rate) and a mismatched field a
-    broadcasting error naming no field. A masked target may be anything below vocab_size
+    (floats would be truncated in the step); `loss_mask` weights are finite and >= 0; token
+    ids and trained targets lie in [0, vocab_size). Without this a hand-made batch with an
+    id past the vocabulary or a NaN weight gave a NaN loss (a skipped update blamed on the
+    learning rate), a negative weight a negative loss weight (an update skipped without a
+    word) and a mismatched field a broadcasting error naming no field. A masked target may be anything below vocab_size
     (e.g. -100): the log-prob helpers give 0 there; one at or past vocab_size is refused
     even where masked, as the mark of data made for another vocabulary."""
     if "tokens" not in batch:
@@ -230,6 +231,13 @@ def check_token_fields(batch: dict, vocab_size: int) -> None:
         if k in ID_FIELDS and not np.issubdtype(v.dtype, np.integer):
             raise ValueError(f"batch[{k!r}]: must hold integers, got dtype {v.dtype} (floats are not truncated "
                              f"to ids)")
+    mask = arrays.get("loss_mask")
+    if mask is not None and mask.size:
+        bad = ~(np.isfinite(mask) & (mask >= 0))
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"batch['loss_mask']: weights must be finite and >= 0, got {float(mask[where])} at "
+                             f"[{', '.join(map(str, where))}]")
     tokens = arrays["tokens"]
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"batch['tokens']: token ids must be in [0, {vocab_size}) (model.vocab_size), got min "
