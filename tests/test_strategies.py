@@ -137,6 +137,21 @@ def test_dpo_at_the_reference_is_log_2():
     np.testing.assert_allclose(float(out.total), np.log(2.0), rtol=1e-6)
 
 
+def test_a_dpo_pair_without_trained_tokens_carries_no_weight():
+    # the held-out batches fill a last partial batch with masked copies of their first rows:
+    # each such pair counted as a pair with loss log 2 and accuracy 0 in eval_loss and eval_*
+    one = pair_batch()
+    masked = {k: np.concatenate([v, v]) for k, v in one.items()}
+    masked["loss_mask"][1] = 0
+    context = ctx("dpo", reference=PARAMS)
+    alone, padded = loss_of("dpo", POLICY, one, context), loss_of("dpo", POLICY, masked, context)
+    assert float(padded.weight) == 1.0
+    np.testing.assert_allclose(float(padded.total), float(alone.total), rtol=1e-6)
+    for name, (total, count) in padded.metrics.items():
+        assert float(count) == 1.0, name
+        np.testing.assert_allclose(float(total), float(alone.metrics[name][0]), rtol=1e-5, err_msg=name)
+
+
 def test_token_logprobs_align_with_tokens_and_zero_at_segment_starts():
     batch = packed_batch()
     got = np.asarray(jax.jit(functools.partial(token_logprobs, CFG))(

@@ -317,6 +317,18 @@ def test_evaluate_without_held_out_batches_is_an_error_saying_what_to_set(tmp_pa
             trainer.evaluate()
 
 
+def test_evaluation_counts_every_held_out_row_once_whatever_the_batch_size(tmp_path):
+    # the last held-out batch wrapped around to the first rows, which then counted twice:
+    # eval_loss changed with data.batch_size though the held-out rows were the same
+    held = ["data.pack=false", "data.eval_fraction=0.2", "eval.batches=100"]
+    with tiny_trainer(tmp_path / "one", *held, "data.batch_size=1") as trainer:
+        n_held = len(trainer.eval_batches)  # one row per batch: every row once
+        one_by_one = trainer.evaluate()["eval_loss"]
+    with tiny_trainer(tmp_path / "four", *held, "data.batch_size=4") as trainer:
+        assert n_held % 4 and len(trainer.eval_batches) == -(-n_held // 4)  # the last batch wraps
+        assert trainer.evaluate()["eval_loss"] == pytest.approx(one_by_one, rel=1e-6)
+
+
 def test_a_scalar_batch_field_is_refused_naming_the_field_even_when_it_comes_first(tmp_path):
     # a scalar first field raised "TypeError: len() of unsized object" from the row count
     with tiny_trainer(tmp_path) as trainer:

@@ -244,7 +244,19 @@ class DataSource:
 
 
 def fixed_batches(dataset: RowDataset, batch_size: int, n_batches: int) -> list[dict[str, np.ndarray]]:
-    """The first `n_batches` batches of rows in dataset order (wrapping around a small
-    dataset): the same held-out batches at every evaluation."""
+    """The first `n_batches` batches of rows in dataset order: the same held-out batches at
+    every evaluation. A last batch past the end is filled with rows from the start whose
+    `loss_mask` is 0, so every held-out row counts once (repeated, the first rows weighed
+    twice in eval_loss, which then changed with the batch size)."""
     n = min(n_batches, max(1, -(-len(dataset) // batch_size)))
-    return [dataset.rows(np.arange(i * batch_size, (i + 1) * batch_size) % len(dataset)) for i in range(n)]
+    batches = []
+    for i in range(n):
+        index = np.arange(i * batch_size, (i + 1) * batch_size)
+        batch = dataset.rows(index % len(dataset))
+        repeat = index >= len(dataset)
+        if repeat.any():
+            mask = batch["loss_mask"].copy()
+            mask[repeat] = 0
+            batch["loss_mask"] = mask
+        batches.append(batch)
+    return batches

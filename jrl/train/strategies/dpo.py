@@ -1,4 +1,5 @@
-"""`dpo`: direct preference optimisation (sigmoid loss), one unit per preference pair.
+"""`dpo`: direct preference optimisation (sigmoid loss), one unit per preference pair (a
+row whose `loss_mask` is all 0 is none: no loss, weight or metrics).
 
 A batch row holds a pair: every token field is `[B, 2, S]` with index 0 the chosen and 1
 the rejected sequence, each `prompt + response` with `loss_mask` on the response targets
@@ -61,14 +62,16 @@ def dpo_loss(config: ModelConfig, params, batch: Batch, ctx: LossContext) -> Los
     rewards = beta * (policy - ref)  # implicit rewards [B, 2]
     z = rewards[:, 0] - rewards[:, 1]
     losses = -(1.0 - eps) * jax.nn.log_sigmoid(z) - eps * jax.nn.log_sigmoid(-z)
+    # a pair without trained tokens (a masked filler row of the held-out batches) is no pair
+    pair = jnp.any(batch["loss_mask"].reshape(losses.shape[0], -1) != 0, axis=-1).astype(jnp.float32)
     metrics = {
-        "reward_accuracy": metric((z > 0).astype(jnp.float32)),
-        "reward_margin": metric(z),
-        "chosen_reward": metric(rewards[:, 0]),
-        "rejected_reward": metric(rewards[:, 1]),
-        "chosen_logp": metric(policy[:, 0]),
+        "reward_accuracy": metric((z > 0).astype(jnp.float32), pair),
+        "reward_margin": metric(z, pair),
+        "chosen_reward": metric(rewards[:, 0], pair),
+        "rejected_reward": metric(rewards[:, 1], pair),
+        "chosen_logp": metric(policy[:, 0], pair),
     }
-    return LossOutput(jnp.sum(losses), jnp.asarray(losses.shape[0], jnp.float32), metrics)
+    return LossOutput(jnp.sum(losses * pair), jnp.sum(pair), metrics)
 
 
 register_strategy(Strategy(
