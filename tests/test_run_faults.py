@@ -563,6 +563,22 @@ def test_an_eval_fraction_that_holds_out_no_record_is_named(tmp_path):
         assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides]) == 0
 
 
+def test_evaluations_and_early_stopping_without_held_out_data_are_named(tmp_path):
+    # eval_fraction 0 and no eval_source: every evaluation, and with it early stopping on
+    # eval_loss, was skipped without a word (the warning of a monitor no row has comes at
+    # the first evaluation, which never came)
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "response": "{i + 1}"}}\n' for i in range(4)))
+    overrides = [f"data.source={data}", "data.sections=[{field: prompt}, {field: response, train: true}]",
+                 "data.pack=false", "data.eval_fraction=0", "data.batch_size=2", "steps=1", "eval.every=1",
+                 "eval.early_stopping={patience: 2}"]
+    with pytest.warns(UserWarning, match=r"^data: no held-out data \(data.eval_fraction=0.0 and no "
+                                         r"data.eval_source\), so the run evaluates nothing \(eval.every=1\) and "
+                                         r"early stopping on eval_loss never stops it; give data.eval_source or "
+                                         r"data.eval_fraction > 0$"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+
+
 def test_a_dataset_smaller_than_one_batch_is_named(tmp_path):
     data = tmp_path / "few.jsonl"
     data.write_text("".join(f'{{"prompt": "{i}+1=", "response": "{i + 1}"}}\n' for i in range(3)))

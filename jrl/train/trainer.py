@@ -382,6 +382,14 @@ class Trainer:
             warnings.warn(f"data: data.eval_fraction={data.eval_fraction} holds out none of the records of "
                           f"{source_label(data.source)}, so the run evaluates nothing (eval.every={ev.every}); raise it or give "
                           f"data.eval_source", stacklevel=2)
+        es = ev.early_stopping
+        stops = bool(es.patience) and es.monitor.startswith("eval_")
+        if held is None and (ev.every or stops):
+            # eval_fraction 0 and no eval_source, yet evaluations (or early stopping on them) asked for
+            never = f" and early stopping on {es.monitor} never stops it" if stops else ""
+            warnings.warn(f"data: no held-out data (data.eval_fraction={data.eval_fraction} and no data.eval_source), "
+                          f"so the run evaluates nothing (eval.every={ev.every}){never}; give data.eval_source or "
+                          f"data.eval_fraction > 0", stacklevel=2)
 
     def _clear_run_dir(self) -> None:
         if not self.is_main_process:
