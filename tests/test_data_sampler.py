@@ -43,3 +43,17 @@ def test_state_for_other_data_is_rejected():
     s = EpochSampler(5, seed=0)
     with pytest.raises(ValueError, match="data changed since the checkpoint"):
         s.load_state_dict({"cursor": 3, "n": 6, "seed": 0})
+
+
+def test_a_state_saved_with_the_other_shuffle_setting_is_rejected():
+    # its cursor is a position in the other order: data.shuffle switched on resume went on
+    # without a word, repeating rows of the epoch under way and skipping others
+    shuffled = EpochSampler(5, seed=0)
+    shuffled.take(3)
+    in_order = EpochSampler(5, seed=0, shuffle=False)
+    with pytest.raises(ValueError, match=r"^sampler state is for rows in shuffled order, but this sampler hands "
+                                         r"them out in source order: the data changed since the checkpoint$"):
+        in_order.load_state_dict(shuffled.state_dict())
+    assert in_order.cursor == 0
+    in_order.load_state_dict({"cursor": 3, "n": 5, "seed": 0})  # a state saved before the field existed
+    assert in_order.cursor == 3

@@ -47,11 +47,18 @@ class EpochSampler:
         return self.cursor // self.n
 
     def state_dict(self) -> dict:
-        return {"cursor": int(self.cursor), "n": int(self.n), "seed": int(self.seed)}
+        return {"cursor": int(self.cursor), "n": int(self.n), "seed": int(self.seed), "shuffle": bool(self.shuffle)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores the cursor of a state saved for the same rows, seed and order (a state
+        without `shuffle`, from before it was saved, is taken as this order): a cursor is a
+        position in one order, and in another it repeats rows of the epoch and skips others."""
         if int(state["n"]) != self.n or int(state["seed"]) != self.seed:
             raise ValueError(f"sampler state is for {counted(int(state['n']), 'row')} / seed {state['seed']}, but "
                              f"this dataset has {counted(self.n, 'row')} / seed {self.seed}: the data changed since "
                              f"the checkpoint")
+        if bool(state.get("shuffle", self.shuffle)) != self.shuffle:
+            order = lambda shuffle: "shuffled" if shuffle else "source"
+            raise ValueError(f"sampler state is for rows in {order(state['shuffle'])} order, but this sampler hands "
+                             f"them out in {order(self.shuffle)} order: the data changed since the checkpoint")
         self.cursor = int(state["cursor"])
