@@ -215,9 +215,10 @@ def check_token_fields(batch: dict, vocab_size: int) -> None:
     ids and trained targets lie in [0, vocab_size). Without this a hand-made batch with an
     id past the vocabulary or a NaN weight gave a NaN loss (a skipped update blamed on the
     learning rate), a negative weight a negative loss weight (an update skipped without a
-    word) and a mismatched field a broadcasting error naming no field. A masked target may be anything below vocab_size
-    (e.g. -100): the log-prob helpers give 0 there; one at or past vocab_size is refused
-    even where masked, as the mark of data made for another vocabulary."""
+    word) and a mismatched field a broadcasting error naming no field. A masked target may
+    be anything below vocab_size (e.g. -100): the log-prob helpers give 0 there; one at or
+    past vocab_size is refused even where masked, as the mark of data made for another
+    vocabulary."""
     if "tokens" not in batch:
         return
     arrays = {k: np.asarray(batch[k]) for k in (*ID_FIELDS, "loss_mask") if k in batch}
