@@ -250,6 +250,25 @@ def test_request_that_can_never_fit_is_rejected_with_a_clear_error(params):
         unchunked.add_request(prompts_of([40])[0], max_new_tokens=4)
 
 
+def test_engine_refuses_params_of_another_model_config_when_built(params):
+    """Params of another config (here hidden 32) failed only in the first step's trace,
+    with flax's `ScopeParamShapeError: ... the given initializer is expected to generate
+    shape (64, 256)` about the LM head."""
+    other = init(dataclasses.replace(MODEL, hidden_size=32, head_dim=8), jax.random.key(0))
+    with pytest.raises(ValueError, match=re.escape(
+            "params['embed']['embedding']: shape (256, 32) differs from the model config's (256, 64)")):
+        Engine(MODEL, other, ENGINE)
+
+
+def test_engine_refuses_params_of_another_tree_when_built(params):
+    """A train state handed over for its params failed with `AttributeError: 'int' object
+    has no attribute 'dtype'`."""
+    with pytest.raises(ValueError, match=re.escape(
+            "params: tree structure differs from the model config's params (13 leaves vs 12); missing "
+            "params['embed']['embedding']; unexpected params['params']['embed']['embedding']")):
+        Engine(MODEL, {"params": params, "step": 0}, ENGINE)
+
+
 def test_a_prompt_longer_than_the_context_is_named_as_the_prompt(params):
     """It was reported as `max_new_tokens: prompt (100) + max_new_tokens (1) = 101 exceeds
     max_seq_len (96)`, blaming the argument the user did not get wrong."""

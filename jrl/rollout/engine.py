@@ -74,7 +74,7 @@ from jrl.config import ModelConfig, check
 from jrl.models.fused import fuse_projections
 from jrl.models.lora import base_config, lora_params, merge_lora, with_lora_params
 from jrl.models.quantized import quantize_projections, split_layers
-from jrl.parallel import ParallelConfig
+from jrl.parallel import ParallelConfig, abstract_params
 from jrl.rollout.cache import KVStorage, PagePool, RadixCache, ReqToTokenPool, TaskCacheManager
 from jrl.rollout.config import (EngineConfig, bucket, check_backend, check_exact, check_kv_page_size,
                                 exact_model_config, pow2_at_least)
@@ -173,6 +173,7 @@ class Engine:
         # versions are >= 0: drop_prefix_cache keeps the entries of version -1, i.e. none
         if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version: must be an integer >= 0, got {version!r}")
+        _check_same_structure(_model_structure(model_config), params, "the model config's", dtypes=False)
         _check_finite(params, "Engine: refusing to serve them")
         self.config = config = config or EngineConfig()
         check_exact(config, model_config, jax.default_backend())
@@ -1007,7 +1008,17 @@ def _same_leaves(a: dict, b: dict) -> bool:
     return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
 
 
-def _check_same_structure(old: dict, new: dict) -> None:
+@functools.cache
+def _model_structure(model_config: ModelConfig) -> dict:
+    """The params tree (shapes, dtypes) of `model_config`, traced once per config: what
+    `Engine` checks the params it is given against, so that params of another model fail
+    when it is built, naming the leaf, not as a flax error inside the first step's trace."""
+    return abstract_params(model_config)
+
+
+def _check_same_structure(old: dict, new: dict, against: str = "the served", dtypes: bool = True) -> None:
+    """Raises ValueError naming the first leaf of `new` whose path or shape (and with
+    `dtypes`, dtype) differs from `old`'s (`against` names whose params `old` are)."""
     old_leaves, old_def = jax.tree.flatten_with_path(old)
     new_leaves, new_def = jax.tree.flatten_with_path(new)
     if old_def != new_def:
@@ -1018,9 +1029,13 @@ def _check_same_structure(old: dict, new: dict) -> None:
         extra = [p for p in new_paths if p not in old_set]
         where = "".join([f"; missing params{missing[0]}" if missing else "",
                          f"; unexpected params{extra[0]}" if extra else ""])  # the first of each
-        raise ValueError("params: tree structure differs from the served params "
+        raise ValueError(f"params: tree structure differs from {against} params "
                          f"({len(new_leaves)} leaves vs {len(old_leaves)}){where}")
     for (path, a), (_, b) in zip(old_leaves, new_leaves):
-        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-            raise ValueError(f"params{jax.tree_util.keystr(path)}: {b.dtype}{tuple(b.shape)} differs from the "
-                             f"served {a.dtype}{tuple(a.shape)}")
+        if not dtypes:
+            if tuple(a.shape) != np.shape(b):
+                raise ValueError(f"params{jax.tree_util.keystr(path)}: shape {np.shape(b)} differs from "
+                                 f"{against} {tuple(a.shape)}")
+        elif tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise ValueError(f"params{jax.tree_util.keystr(path)}: {b.dtype}{tuple(b.shape)} differs from "
+                             f"{against} {a.dtype}{tuple(a.shape)}")
