@@ -237,6 +237,21 @@ def test_contiguous_allocation_reserves_one_region_and_matches_forward(params):
     assert engine.pool.allocator.n_free == config.n_pages
 
 
+def test_contiguous_admission_falls_back_to_a_fresh_region_when_its_cached_prefix_splits_the_pool(params):
+    """The matched prefix's pages stay held while the rest of the region is reserved, so
+    a prefix cached mid-pool left no run long enough: a request that fits the pool alone
+    was never admitted (`RuntimeError: engine: no request could be scheduled`)."""
+    config = EngineConfig(page_size=4, n_pages=8, max_batch=1, max_tokens_per_step=32, allocation="contiguous")
+    engine = Engine(MODEL, params, config)
+    engine.generate([[50] * 8], GREEDY, max_new_tokens=4)  # pages 0-2; 0-1 cached
+    engine.generate([list(range(1, 9))], GREEDY, max_new_tokens=4)  # pages 2-4; 2-3 cached
+    prompt = list(range(1, 10))  # shares pages 2-3, needs all 8 pages
+    out = engine.generate([prompt], GREEDY, max_new_tokens=23)[0]
+    fresh = Engine(MODEL, params, config).generate([prompt], GREEDY, max_new_tokens=23)[0]
+    np.testing.assert_array_equal(out.tokens, fresh.tokens)
+    assert out.cached_tokens == 0 and engine.pool.allocator.n_referenced == 0
+
+
 def test_request_that_can_never_fit_is_rejected_with_a_clear_error(params):
     engine = Engine(MODEL, params, dataclasses.replace(ENGINE, n_pages=4))
     with pytest.raises(ValueError, match="can never fit.*n_pages=4"):

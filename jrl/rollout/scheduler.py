@@ -271,7 +271,18 @@ class Scheduler:
             except OutOfPages:
                 cache.free(task)
                 req.task = None
-                return 0
+                if not matched:
+                    return 0
+                # the shared prefix's pages, held, may split the pool where the region needs
+                # a run: reserve the whole region without them (they become evictable)
+                task = req.task = cache.alloc()
+                matched = 0
+                try:
+                    cache.reserve(task, region)
+                except OutOfPages:
+                    cache.free(task)
+                    req.task = None
+                    return 0
         chunk = self._prefill_chunk(req, budget, version, batch)
         if not chunk:
             cache.free(task)
