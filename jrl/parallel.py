@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -87,6 +87,17 @@ def mesh_shape(config: ParallelConfig, n_devices: int) -> dict[str, int]:
     return sizes
 
 
+def repeated_device(devices: Iterable[jax.Device]) -> jax.Device | None:
+    """The first device listed a second time, or None. JAX builds a mesh over a repeated
+    device, but nothing can be placed on it (arrays need distinct devices)."""
+    seen = set()
+    for d in devices:
+        if d in seen:
+            return d
+        seen.add(d)
+    return None
+
+
 def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A `(data, fsdp, tensor)` mesh over `devices` (default: all devices of all processes).
 
@@ -95,6 +106,9 @@ def make_mesh(config: ParallelConfig, devices: Sequence[jax.Device] | None = Non
     step) tolerates the slowest links between hosts.
     """
     devices = list(jax.devices() if devices is None else devices)
+    twice = repeated_device(devices)
+    if twice is not None:
+        raise ConfigError(f"devices: {twice} is listed twice; a mesh needs distinct devices")
     sizes = mesh_shape(config, len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape), devices=devices)

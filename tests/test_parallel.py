@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -122,6 +123,16 @@ def test_config_loads_from_plain_data_like_yaml():
 def test_one_device_mesh_has_every_axis_of_size_one():
     mesh = make_mesh(ParallelConfig(), devices=jax.devices()[:1])
     assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+def test_a_device_listed_twice_is_refused_by_name():
+    """JAX builds a mesh over a repeated device; everything placed on it failed later (the
+    engine with a bare AssertionError, a sharded init with 'the input arrays must be from
+    distinct devices')."""
+    device = jax.devices()[0]
+    with pytest.raises(ConfigError, match=re.escape(f"devices: {device} is listed twice; a mesh needs distinct "
+                                                    "devices")):
+        make_mesh(ParallelConfig(data=1, fsdp=1, tensor=2), devices=[device, device])
 
 
 def test_logical_axis_without_a_rule_is_an_error():

@@ -284,6 +284,15 @@ def test_engine_refuses_params_of_another_tree_when_built(params):
         Engine(MODEL, {"params": params, "step": 0}, ENGINE)
 
 
+def test_engine_refuses_a_mesh_listing_a_device_twice(params):
+    """A bare jax Mesh over one device twice failed in the first placement with an
+    AssertionError and no message."""
+    device = jax.devices()[0]
+    mesh = jax.sharding.Mesh(np.array([device, device]).reshape(1, 1, 2), ("data", "fsdp", "tensor"))
+    with pytest.raises(ValueError, match=re.escape(f"mesh: {device} is listed twice; a mesh needs distinct devices")):
+        Engine(MODEL, params, ENGINE, mesh=mesh)
+
+
 def test_a_prompt_longer_than_the_context_is_named_as_the_prompt(params):
     """It was reported as `max_new_tokens: prompt (100) + max_new_tokens (1) = 101 exceeds
     max_seq_len (96)`, blaming the argument the user did not get wrong."""

@@ -30,7 +30,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.config import ModelConfig
-from jrl.parallel import MESH_AXES, ParallelConfig, make_mesh, param_shardings
+from jrl.parallel import MESH_AXES, ParallelConfig, make_mesh, param_shardings, repeated_device
 from pallas_kernels import quantized
 from pallas_kernels.quantized import QuantizedKV
 
@@ -157,6 +157,9 @@ def engine_sharding(config: ModelConfig, mesh: Mesh | ParallelConfig) -> EngineS
         mesh = make_mesh(mesh, devices)
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh: must be a jax.sharding.Mesh or a jrl.parallel.ParallelConfig, got {type(mesh).__name__}")
+    twice = repeated_device(mesh.devices.flat)
+    if twice is not None:
+        raise ValueError(f"mesh: {twice} is listed twice; a mesh needs distinct devices")
     if tuple(mesh.axis_names) != MESH_AXES:
         raise ValueError(f"mesh: axes must be {MESH_AXES} (jrl.parallel.make_mesh), got {tuple(mesh.axis_names)}")
     spread = {a: mesh.shape[a] for a in ("data", "fsdp") if mesh.shape[a] != 1}
