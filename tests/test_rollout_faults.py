@@ -578,6 +578,22 @@ def test_a_failed_request_whose_release_was_interrupted_is_handed_out_and_its_pa
     allocator.check_invariants()
 
 
+def test_an_update_interrupted_while_draining_loses_no_completion(params, monkeypatch):
+    # Ctrl-C lands in the 3rd step of a "finish" update's drain, after A finished: A's
+    # completion was held by update_weights alone and went with it, so a step loop never
+    # saw A finish. The update is not applied; running on hands out both requests.
+    engine = Engine(MODEL, params, ENGINE)
+    a = engine.add_request([1, 2, 3, 4, 5], GREEDY, 3)
+    b = engine.add_request([6, 7, 8], GREEDY, 12)
+    assert engine.step() == [] and engine.step() == []  # both decoding
+    raise_once(monkeypatch, engine, "_step", 3)
+    with pytest.raises(KeyboardInterrupt):
+        engine.update_weights(init(MODEL, jax.random.key(1)), 1)
+    done = engine.run()
+    assert sorted((c.request_id, len(c.tokens)) for c in done) == [(a, 3), (b, 12)]
+    assert engine.version == 0
+
+
 def test_eos_ids_and_stop_sequences_of_none_mean_none(params):
     # they were refused ("eos_ids: must be a sequence of token ids, got None")
     prompts = prompts_of([5, 8], seed=9)

@@ -739,7 +739,11 @@ class Engine:
         finished = restarted = continued = 0
         earlier = self.flush()  # the step in flight ran under the old weights: recorded so
         if self.config.on_weight_update == "finish":
-            drained = self._drain_started()
+            try:
+                drained = self._drain_started()
+            except BaseException:  # (Ctrl-C): the completions are handed out by the next step
+                self._finished = earlier + self._finished
+                raise
             finished = len(drained)
             earlier += drained
         elif self.config.on_weight_update == "continue":
@@ -829,6 +833,9 @@ class Engine:
             while self.scheduler.running or self._unread \
                     or any(r.outputs for r in self.scheduler.waiting):
                 drained += self._step()
+        except BaseException:  # a drain cut short keeps what it finished for the next step
+            self._finished = drained + self._finished
+            raise
         finally:
             self._admit = "all"
         return drained
