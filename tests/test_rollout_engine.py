@@ -284,6 +284,15 @@ def test_engine_refuses_params_of_another_tree_when_built(params):
         Engine(MODEL, {"params": params, "step": 0}, ENGINE)
 
 
+def test_engine_refuses_params_of_an_integer_dtype_when_built(params):
+    """Integer weights (a cast gone wrong, a quantized checkpoint read raw) were served
+    and sampled garbage tokens without a word."""
+    ints = jax.tree.map(lambda x: x.astype(jnp.int8) if x.ndim == 2 and x.shape == (256, 64) else x, params)
+    with pytest.raises(ValueError, match=re.escape(
+            "params['embed']['embedding']: dtype int8; the engine serves floating-point weights")):
+        Engine(MODEL, ints, ENGINE)
+
+
 def test_engine_refuses_a_mesh_listing_a_device_twice(params):
     """A bare jax Mesh over one device twice failed in the first placement with an
     AssertionError and no message."""

@@ -1025,7 +1025,8 @@ def _model_structure(model_config: ModelConfig) -> dict:
 
 def _check_same_structure(old: dict, new: dict, against: str = "the served", dtypes: bool = True) -> None:
     """Raises ValueError naming the first leaf of `new` whose path or shape (and with
-    `dtypes`, dtype) differs from `old`'s (`against` names whose params `old` are)."""
+    `dtypes`, dtype; without, whether it is floating) differs from `old`'s (`against`
+    names whose params `old` are)."""
     old_leaves, old_def = jax.tree.flatten_with_path(old)
     new_leaves, new_def = jax.tree.flatten_with_path(new)
     if old_def != new_def:
@@ -1039,10 +1040,14 @@ def _check_same_structure(old: dict, new: dict, against: str = "the served", dty
         raise ValueError(f"params: tree structure differs from {against} params "
                          f"({len(new_leaves)} leaves vs {len(old_leaves)}){where}")
     for (path, a), (_, b) in zip(old_leaves, new_leaves):
-        if not dtypes:
+        if not dtypes:  # any floating dtype (the engine casts); integers are no weights
             if tuple(a.shape) != np.shape(b):
                 raise ValueError(f"params{jax.tree_util.keystr(path)}: shape {np.shape(b)} differs from "
                                  f"{against} {tuple(a.shape)}")
+            dtype = np.result_type(b)
+            if jnp.issubdtype(a.dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(f"params{jax.tree_util.keystr(path)}: dtype {dtype}; the engine serves "
+                                 f"floating-point weights")
         elif tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
             raise ValueError(f"params{jax.tree_util.keystr(path)}: {b.dtype}{tuple(b.shape)} differs from "
                              f"{against} {a.dtype}{tuple(a.shape)}")
