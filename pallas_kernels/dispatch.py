@@ -127,7 +127,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     other rows is refused: `staged_prefill.check_stage`). `kv_lens[b]` at most the keys a
     page-table row holds (`shapes.check_lengths_fit`: checked where concrete)."""
     check_request_shapes("paged_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
-    check_lengths_fit("paged_prefill", kv_lens, page_table, page_size)
+    check_lengths_fit("paged_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      layout_problem(k_buf, v_buf, page_size))
     if stage is not None and isinstance(v_buf, QuantizedKV):  # (MLA's latent cache: no copy)
@@ -178,7 +178,7 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
     `kv_lens[b]` at most the keys a page-table row holds (`shapes.check_lengths_fit`:
     checked where concrete, the caller's precondition inside a trace)."""
     check_request_shapes("ragged_decode", q, k_buf, kv_lens, page_table)
-    check_lengths_fit("ragged_decode", kv_lens, page_table, page_size)
+    check_lengths_fit("ragged_decode", kv_lens, page_table, page_size, k_buf.shape[1])
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode",
                      layout_problem(k_buf, v_buf, page_size))
     if which == "reference":
@@ -214,7 +214,7 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
     check_request_shapes("exact_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
-    check_lengths_fit("exact_prefill", kv_lens, page_table, page_size)
+    check_lengths_fit("exact_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
     supported, why = kernel_supports(q, k_buf, v_buf, page_size, None), ""
     group = q.shape[-2] // k_buf.shape[2]
     columns = causal_positions(group) * group  # the narrowest causal tile (exact_mgpu.tile_positions)

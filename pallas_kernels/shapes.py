@@ -43,14 +43,16 @@ def check_request_shapes(op: str, q, k_buf, kv_lens, page_table, cu_q_lens=None)
         raise ValueError(f"{op}: q's {hq} heads must be a multiple of the buffers' {hkv} KV heads")
 
 
-def check_lengths_fit(op: str, kv_lens, page_table, page_size: int) -> None:
+def check_lengths_fit(op: str, kv_lens, page_table, page_size: int, n_slots: int | None = None) -> None:
     """Raises ValueError naming the first request whose `kv_lens[b]` is more keys than its
     page-table row holds (`W * page_size`): the kernels read page ids up to `kv_lens[b] /
     page_size`, past the row (another request's pages, or past the table), and the
-    references silently attend to the row's keys only. Host-side, where `kv_lens` is
-    concrete (a device array is read back: a few bytes, once per eager call); inside a
-    trace (the engine's jitted step) it is the caller's precondition, with no device-side
-    check on the kernels' hot path. Mismatched shapes are left to `check_request_shapes`."""
+    references silently attend to the row's keys only. With `n_slots` (the buffers'), also
+    the first page a request reads that is not a whole page of the buffer (`check_pages_in`).
+    Host-side, where `kv_lens` is concrete (a device array is read back: a few bytes, once
+    per eager call); inside a trace (the engine's jitted step) it is the caller's
+    precondition, with no device-side check on the kernels' hot path. Mismatched shapes are
+    left to `check_request_shapes`."""
     if isinstance(kv_lens, jax.core.Tracer) or len(np.shape(page_table)) != 2 or len(np.shape(kv_lens)) != 1:
         return
     lens, width = np.asarray(kv_lens), np.shape(page_table)[1]
@@ -60,11 +62,27 @@ def check_lengths_fit(op: str, kv_lens, page_table, page_size: int) -> None:
         raise ValueError(f"{op}: request {b} has kv_lens[{b}] = {int(lens[b])} keys, more than its page-table row "
                          f"holds ({width} pages of {page_size} = {width * page_size} keys); the kernels would read "
                          f"page ids past the row")
+    if n_slots is not None and not isinstance(page_table, jax.core.Tracer):
+        check_pages_in(op, lens, np.asarray(page_table), page_size, n_slots)
+
+
+def check_pages_in(op: str, lens: np.ndarray, table: np.ndarray, page_size: int, n_slots: int) -> None:
+    """Raises ValueError naming the first page a request reads (`table[b, :ceil(lens[b] /
+    page_size)]`) that is not one of the buffer's `n_slots // page_size` pages: the
+    reference's gather clamps such an id to another page and the kernels read other slots,
+    both without a word. Columns past a request's last page are never read, never checked."""
+    n_pages = n_slots // page_size
+    read = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // page_size)
+    bad = np.argwhere(read & ((table < 0) | (table >= n_pages)))
+    if bad.size:
+        b, j = (int(i) for i in bad[0])
+        raise ValueError(f"{op}: request {b} reads page {int(table[b, j])} (page_table[{b}, {j}]), outside the "
+                         f"KV buffer's {n_pages} pages ({n_slots} slots in pages of {page_size})")
 
 
 def checks_lengths(op: str):
     """Decorates a jitted kernel entry point with `check_lengths_fit` on its `kv_lens`,
-    `page_table` and `page_size`, run before the jitted call (where it still sees concrete
+    `page_table`, `page_size` and `k_buf`'s slots, run before the jitted call (where it still sees concrete
     arguments; called inside a trace, it checks nothing)."""
 
     def decorate(kernel):
@@ -73,7 +91,7 @@ def checks_lengths(op: str):
         @functools.wraps(kernel)
         def checked(*args, **kwargs):
             bound = signature.bind(*args, **kwargs).arguments
-            check_lengths_fit(op, bound["kv_lens"], bound["page_table"], bound["page_size"])
+            check_lengths_fit(op, bound["kv_lens"], bound["page_table"], bound["page_size"], bound["k_buf"].shape[1])
             return kernel(*args, **kwargs)
 
         return checked

@@ -526,6 +526,7 @@ def test_dispatch_names_query_heads_that_do_not_group_over_the_kv_heads():
 
 
 
+
 def long_request_case():
     """Two requests whose page-table rows hold 2 pages of 16 keys (32), the second claiming
     33 keys: (decode q, prefill q, k, v, cu_q_lens, kv_lens, page table)."""
@@ -558,6 +559,42 @@ def test_kv_lens_past_the_page_table_row_are_refused_naming_the_request(entry):
             f"{op}: request 1 has kv_lens[1] = 33 keys, more than its page-table row holds "
             f"(2 pages of 16 = 32 keys)")):
         calls[entry]()
+
+
+@pytest.mark.parametrize("entry", ["ragged_decode", "paged_prefill", "exact_prefill", "ragged_decode_mgpu",
+                                   "paged_prefill_mgpu", "exact_attention_mgpu"])
+@pytest.mark.parametrize("page", [-1, 7], ids=["negative", "past-the-buffer"])
+def test_page_ids_outside_the_kv_buffer_are_refused_naming_the_request(entry, page):
+    # The buffers hold 7 pages of 16; request 1 reads two pages, the second one not in the
+    # buffer. The reference's gather clamped it to another page and the kernels read some
+    # other slots: both returned finite, wrong outputs without a word.
+    q, qp, kb, vb, cu, _, pt = long_request_case()
+    lens, pt = jnp.asarray([10, 20], jnp.int32), pt.at[1, 1].set(page)
+    op = {"ragged_decode_mgpu": "decode_mgpu", "paged_prefill_mgpu": "prefill_mgpu",
+          "exact_attention_mgpu": "exact_mgpu"}.get(entry, entry)
+    kw = dict(page_size=16, sm_scale=0.125)
+    calls = {
+        "ragged_decode": lambda: dispatch.ragged_decode(q, kb, vb, 0, lens, pt, **kw, impl="reference"),
+        "paged_prefill": lambda: dispatch.paged_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl="reference"),
+        "exact_prefill": lambda: dispatch.exact_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl="reference"),
+        "ragged_decode_mgpu": lambda: ragged_decode_mgpu(q, kb, vb, 0, lens, pt, **kw, interpret=True),
+        "paged_prefill_mgpu": lambda: paged_prefill_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
+        "exact_attention_mgpu": lambda: exact_attention_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
+    }
+    with pytest.raises(ValueError, match=re.escape(
+            f"{op}: request 1 reads page {page} (page_table[1, 1]), outside the KV buffer's 7 pages "
+            f"(112 slots in pages of 16)")):
+        calls[entry]()
+
+
+def test_page_ids_past_the_pages_a_request_reads_are_not_checked():
+    # columns past a request's last page are never read: any filler is taken
+    q, _, kb, vb, _, _, pt = long_request_case()
+    lens = jnp.asarray([10, 16], jnp.int32)
+    out = dispatch.ragged_decode(q, kb, vb, 0, lens, pt.at[:, 1].set(-1), page_size=16, sm_scale=0.125,
+                                 impl="reference")
+    want = dispatch.ragged_decode(q, kb, vb, 0, lens, pt, page_size=16, sm_scale=0.125, impl="reference")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
 def test_kv_lens_that_fill_the_page_table_row_are_taken():
