@@ -26,7 +26,8 @@ def causal_positions(group: int) -> int:
 def check_request_shapes(op: str, q, k_buf, kv_lens, page_table, cu_q_lens=None) -> None:
     """Raises ValueError unless the per-request arguments agree: `kv_lens [R]`, `page_table
     [R, W]` and either `cu_q_lens [R + 1]` (packed prefill) or one query row a request (`q
-    [R, Hq, D]`, decode: `cu_q_lens` None), with `Hq` a multiple of the buffer's KV heads.
+    [R, Hq, D]`, decode: `cu_q_lens` None), with `Hq` a multiple of the buffer's KV heads
+    and `D` the buffer's head width.
     Static shapes only, so it holds inside a trace too; the references would otherwise
     broadcast a single length or page-table row over every request, and the kernels read
     past the end."""
@@ -41,6 +42,8 @@ def check_request_shapes(op: str, q, k_buf, kv_lens, page_table, cu_q_lens=None)
     hq, hkv = q.shape[-2], k_buf.shape[2]
     if hq % hkv:
         raise ValueError(f"{op}: q's {hq} heads must be a multiple of the buffers' {hkv} KV heads")
+    if q.shape[-1] != k_buf.shape[3]:  # (MLA's latent form too: its queries span the key width)
+        raise ValueError(f"{op}: q's head_dim {q.shape[-1]} must be the buffers' {k_buf.shape[3]}")
 
 
 def check_lengths_fit(op: str, kv_lens, page_table, page_size: int, n_slots: int | None = None) -> None:

@@ -526,6 +526,18 @@ def test_dispatch_names_query_heads_that_do_not_group_over_the_kv_heads():
 
 
 
+@pytest.mark.parametrize("op", ["ragged_decode", "paged_prefill"])
+def test_dispatch_names_a_query_width_other_than_the_buffers(op):
+    # q of head_dim 128 against buffers of 64: the reference failed inside an einsum
+    # ("Size of label 'd' for operand 1 (128) does not match previous terms (64)")
+    rng = np.random.default_rng(22)
+    kb, vb, pt = paged_inputs(rng, 1, 16, 1, 64, 16)
+    q = jnp.asarray(rng.standard_normal((1, 2, 128)), jnp.bfloat16)
+    lens = jnp.asarray([9], jnp.int32)
+    args = (lens, pt) if op == "ragged_decode" else (jnp.asarray([0, 1], jnp.int32), lens, pt)
+    with pytest.raises(ValueError, match=re.escape(f"{op}: q's head_dim 128 must be the buffers' 64")):
+        getattr(dispatch, op)(q, kb, vb, 0, *args, page_size=16, sm_scale=0.125, impl="reference")
+
 
 def long_request_case():
     """Two requests whose page-table rows hold 2 pages of 16 keys (32), the second claiming
