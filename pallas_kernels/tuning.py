@@ -16,6 +16,19 @@ from __future__ import annotations
 import dataclasses
 
 
+def check_counts(tuning, required: tuple[str, ...], optional: tuple[str, ...]) -> None:
+    """Raises ValueError unless each of `required` is a positive int and each of `optional`
+    one or None: 0 silently meant the default (the kernels read `x or default`) and a
+    negative count failed deep in the trace (a reshape, a ZeroDivisionError)."""
+    for name in required + optional:
+        v = getattr(tuning, name)
+        if v is None and name in optional:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{type(tuning).__name__}.{name}: must be a positive integer"
+                             f"{' or None' if name in optional else ''}, got {v!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeTuning:
     """`decode_mgpu.ragged_decode_mgpu`. block_kv: keys per K/V tile. num_stages: depth of
@@ -49,6 +62,9 @@ class DecodeTuning:
     fp8_tiles: str | None = None
     fp8_compute: str | None = None
 
+    def __post_init__(self) -> None:
+        check_counts(self, ("block_kv",), ("num_stages", "num_splits", "heads_per_cta", "num_ctas", "ctas_per_sm"))
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefillTuning:
@@ -66,3 +82,6 @@ class PrefillTuning:
     persistent: bool = True
     num_ctas: int | None = None
     fp8_tiles: str = "stage"
+
+    def __post_init__(self) -> None:
+        check_counts(self, (), ("block_kv", "num_stages", "num_ctas"))

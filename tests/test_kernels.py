@@ -322,6 +322,21 @@ def test_keys_as_rows_ring_leaves_room_for_two_ctas_an_sm():
                               keys_as_rows=True) == 2
 
 
+@pytest.mark.parametrize("cls,field,value", [
+    (DecodeTuning, "block_kv", 0),  # ZeroDivisionError deep in the shape checks
+    (DecodeTuning, "num_splits", -1),  # TypeError from a reshape
+    (DecodeTuning, "num_ctas", 0),  # silently the default grid
+    (DecodeTuning, "num_stages", 1.5),
+    (PrefillTuning, "num_stages", -1),  # TypeError from broadcast_in_dim
+    (PrefillTuning, "block_kv", 0),  # silently the default block
+    (PrefillTuning, "num_ctas", True),
+])
+def test_tuning_refuses_counts_that_are_not_positive_integers(cls, field, value):
+    with pytest.raises(ValueError, match=re.escape(
+            f"{cls.__name__}.{field}: must be a positive integer{'' if field == 'block_kv' and cls is DecodeTuning else ' or None'}, "
+            f"got {value!r}")):
+        cls(**{field: value})
+
 def test_query_columns_cover_every_start_of_a_group_in_its_window():
     assert [query_columns(g) for g in (1, 2, 4, 8)] == [8, 8, 8, 8]
     assert [query_columns(g) for g in (3, 6, 9, 12, 16)] == [16, 16, 16, 16, 16]
