@@ -65,6 +65,8 @@ def test_dynamic_ntk_stretches_the_base_for_the_table_length(kind):
 def test_dynamic_leaves_frequencies_alone_within_the_original_length():
     assert_table(config(type="dynamic", factor=2.0, original_max_position_embeddings=TABLE), plain_inv_freq())
     assert_table(config(type="dynamic", factor=2.0), plain_inv_freq())  # original defaults to the table
+    # shorter than the original: theta stays (the formula alone would shrink the base)
+    assert_table(config(type="dynamic", factor=2.0, original_max_position_embeddings=4 * TABLE), plain_inv_freq())
 
 
 def test_llama3_keeps_high_frequencies_divides_low_ones_and_blends_between():
@@ -102,6 +104,12 @@ def test_yarn_ramps_between_extrapolation_and_interpolation_with_default_attenti
     assert 0 <= lo < hi < DIM // 2  # the ramp lies inside the table, so both ends are tested
     assert_table(config(type="yarn", factor=4.0, original_max_position_embeddings=32), inv_freq,
                  attention=0.1 * math.log(4.0) + 1.0)
+
+
+def test_yarn_default_attention_factor_is_one_for_factors_up_to_one():
+    # (0.1 ln(factor) + 1 would dim cos/sin below 1 for a factor under 1)
+    inv_freq, _ = yarn_expected(0.5, 32, 32.0, 1.0)
+    assert_table(config(type="yarn", factor=0.5, original_max_position_embeddings=32), inv_freq, attention=1.0)
 
 
 def test_yarn_explicit_attention_factor_and_betas():
