@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV, value_paging_problem
-from pallas_kernels.shapes import MAX_TILE_COLUMNS, causal_positions, check_lengths_fit, check_request_shapes
+from pallas_kernels.shapes import (MAX_TILE_COLUMNS, causal_positions, check_lengths_fit, check_queries_fit,
+                                   check_request_shapes)
 from pallas_kernels.staged_prefill import check_stage, staged_copy
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
@@ -128,6 +129,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     page-table row holds (`shapes.check_lengths_fit`: checked where concrete)."""
     check_request_shapes("paged_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
     check_lengths_fit("paged_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
+    check_queries_fit("paged_prefill", cu_q_lens, kv_lens)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      layout_problem(k_buf, v_buf, page_size))
     if stage is not None and isinstance(v_buf, QuantizedKV):  # (MLA's latent cache: no copy)
@@ -215,6 +217,7 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
     check_request_shapes("exact_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
     check_lengths_fit("exact_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
+    check_queries_fit("exact_prefill", cu_q_lens, kv_lens)
     supported, why = kernel_supports(q, k_buf, v_buf, page_size, None), ""
     group = q.shape[-2] // k_buf.shape[2]
     columns = causal_positions(group) * group  # the narrowest causal tile (exact_mgpu.tile_positions)

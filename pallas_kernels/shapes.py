@@ -83,6 +83,23 @@ def check_pages_in(op: str, lens: np.ndarray, table: np.ndarray, page_size: int,
                          f"KV buffer's {n_pages} pages ({n_slots} slots in pages of {page_size})")
 
 
+def check_queries_fit(op: str, cu_q_lens, kv_lens) -> None:
+    """Raises ValueError naming the first packed request with more queries than keys
+    (`kv_lens[b]` counts the step's new tokens, so `kv_lens[b] >= q_len`; 0 marks a padded
+    row): the reference zeroed such a request's first rows and the kernels left NaN there.
+    Host-side where both are concrete, the caller's precondition inside a trace."""
+    if any(isinstance(x, jax.core.Tracer) for x in (cu_q_lens, kv_lens)):
+        return
+    lens = np.asarray(kv_lens)
+    q_lens = np.diff(np.asarray(cu_q_lens))
+    bad = np.flatnonzero((lens > 0) & (q_lens > lens))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{op}: request {b} has {int(q_lens[b])} queries (cu_q_lens[{b}:{b + 2}]) but kv_lens[{b}] = "
+                         f"{int(lens[b])} keys; its keys include its queries (kv_lens[b] >= q_len, or 0 for a "
+                         f"padded row)")
+
+
 def checks_lengths(op: str):
     """Decorates a jitted kernel entry point with `check_lengths_fit` on its `kv_lens`,
     `page_table`, `page_size` and `k_buf`'s slots, run before the jitted call (where it still sees concrete

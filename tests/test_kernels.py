@@ -624,6 +624,24 @@ def test_page_ids_past_the_pages_a_request_reads_are_not_checked():
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("op", ["paged_prefill", "exact_prefill"])
+def test_prefill_refuses_a_request_with_more_queries_than_keys(op):
+    # kv_lens counts the step's new tokens, so kv_len >= q_len; with 8 queries over 5 keys
+    # the reference returned zeros for the first rows and the kernel NaN, without a word
+    _, qp, kb, vb, cu, _, pt = long_request_case()
+    lens = jnp.asarray([8, 5], jnp.int32)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{op}: request 1 has 8 queries (cu_q_lens[1:3]) but kv_lens[1] = 5 keys")):
+        getattr(dispatch, op)(qp, kb, vb, 0, cu, lens, pt, page_size=16, sm_scale=0.125, impl="reference")
+
+
+def test_prefill_takes_a_padded_request_of_no_keys_whatever_its_queries():
+    _, qp, kb, vb, cu, _, pt = long_request_case()
+    out = dispatch.paged_prefill(qp, kb, vb, 0, cu, jnp.asarray([8, 0], jnp.int32), pt, page_size=16,
+                                 sm_scale=0.125, impl="reference")
+    np.testing.assert_array_equal(np.asarray(out[8:], np.float32), 0.0)
+
+
 def test_kv_lens_that_fill_the_page_table_row_are_taken():
     q, _, kb, vb, _, _, pt = long_request_case()
     lens = jnp.asarray([10, 32], jnp.int32)
