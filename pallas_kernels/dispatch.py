@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV, value_paging_problem
-from pallas_kernels.shapes import (MAX_TILE_COLUMNS, causal_positions, check_lengths_fit, check_queries_fit,
-                                   check_request_shapes)
+from pallas_kernels.shapes import (MAX_TILE_COLUMNS, causal_positions, check_layer, check_lengths_fit,
+                                   check_queries_fit, check_request_shapes)
 from pallas_kernels.staged_prefill import check_stage, staged_copy
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
@@ -129,6 +129,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     page-table row holds (`shapes.check_lengths_fit`: checked where concrete)."""
     check_request_shapes("paged_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
     check_lengths_fit("paged_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
+    check_layer("paged_prefill", layer, k_buf.shape[0])
     check_queries_fit("paged_prefill", cu_q_lens, kv_lens)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      layout_problem(k_buf, v_buf, page_size))
@@ -181,6 +182,7 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
     checked where concrete, the caller's precondition inside a trace)."""
     check_request_shapes("ragged_decode", q, k_buf, kv_lens, page_table)
     check_lengths_fit("ragged_decode", kv_lens, page_table, page_size, k_buf.shape[1])
+    check_layer("ragged_decode", layer, k_buf.shape[0])
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode",
                      layout_problem(k_buf, v_buf, page_size))
     if which == "reference":
@@ -217,6 +219,7 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
     check_request_shapes("exact_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
     check_lengths_fit("exact_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
+    check_layer("exact_prefill", layer, k_buf.shape[0])
     check_queries_fit("exact_prefill", cu_q_lens, kv_lens)
     supported, why = kernel_supports(q, k_buf, v_buf, page_size, None), ""
     group = q.shape[-2] // k_buf.shape[2]
@@ -300,4 +303,5 @@ def stream_matmul(x, w_t, scale):
 def write_kv(k_buf, v_buf, layer, slots, k, v):
     """Scatters the step's new K/V into their slots (see `reference.write_kv`): the same
     XLA scatter whichever attention implementation runs."""
+    check_layer("write_kv", layer, k_buf.shape[0])
     return reference.write_kv(k_buf, v_buf, layer, slots, k, v)

@@ -83,6 +83,16 @@ def check_pages_in(op: str, lens: np.ndarray, table: np.ndarray, page_size: int,
                          f"KV buffer's {n_pages} pages ({n_slots} slots in pages of {page_size})")
 
 
+def check_layer(op: str, layer, n_layers: int) -> None:
+    """Raises ValueError unless a concrete `layer` is one of the buffers' `n_layers`: jnp
+    reads clamp (or wrap a negative index), scatters drop, so a wrong layer read another
+    layer's keys or lost a write without a word. Inside a trace (the layer scan) nothing."""
+    if isinstance(layer, jax.core.Tracer) or np.ndim(layer):
+        return
+    if not 0 <= int(layer) < n_layers:
+        raise ValueError(f"{op}: layer {int(layer)} is not one of the buffers' {n_layers} layers")
+
+
 def check_queries_fit(op: str, cu_q_lens, kv_lens) -> None:
     """Raises ValueError naming the first packed request with more queries than keys
     (`kv_lens[b]` counts the step's new tokens, so `kv_lens[b] >= q_len`; 0 marks a padded

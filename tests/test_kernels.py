@@ -642,6 +642,23 @@ def test_prefill_takes_a_padded_request_of_no_keys_whatever_its_queries():
     np.testing.assert_array_equal(np.asarray(out[8:], np.float32), 0.0)
 
 
+@pytest.mark.parametrize("op", ["ragged_decode", "paged_prefill", "exact_prefill", "write_kv"])
+@pytest.mark.parametrize("layer", [2, -1])
+def test_a_layer_outside_the_buffers_is_refused(op, layer):
+    # the buffers hold 2 layers: a read of layer 2 was clamped to layer 1 and a write
+    # dropped, without a word
+    q, qp, kb, vb, cu, _, pt = long_request_case()
+    lens, kw = jnp.asarray([8, 10], jnp.int32), dict(page_size=16, sm_scale=0.125, impl="reference")
+    calls = {
+        "ragged_decode": lambda: dispatch.ragged_decode(q, kb, vb, layer, lens, pt, **kw),
+        "paged_prefill": lambda: dispatch.paged_prefill(qp, kb, vb, layer, cu, lens, pt, **kw),
+        "exact_prefill": lambda: dispatch.exact_prefill(qp, kb, vb, layer, cu, lens, pt, **kw),
+        "write_kv": lambda: dispatch.write_kv(kb, vb, layer, jnp.arange(2), kb[0, :2], vb[0, :2]),
+    }
+    with pytest.raises(ValueError, match=re.escape(f"{op}: layer {layer} is not one of the buffers' 2 layers")):
+        calls[op]()
+
+
 def test_kv_lens_that_fill_the_page_table_row_are_taken():
     q, _, kb, vb, _, _, pt = long_request_case()
     lens = jnp.asarray([10, 32], jnp.int32)
