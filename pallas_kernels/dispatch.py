@@ -130,7 +130,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     check_request_shapes("paged_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
     check_lengths_fit("paged_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
     check_layer("paged_prefill", layer, k_buf.shape[0])
-    check_queries_fit("paged_prefill", cu_q_lens, kv_lens)
+    check_queries_fit("paged_prefill", cu_q_lens, kv_lens, q.shape[0])
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      layout_problem(k_buf, v_buf, page_size))
     if stage is not None and isinstance(v_buf, QuantizedKV):  # (MLA's latent cache: no copy)
@@ -220,7 +220,7 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     check_request_shapes("exact_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
     check_lengths_fit("exact_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
     check_layer("exact_prefill", layer, k_buf.shape[0])
-    check_queries_fit("exact_prefill", cu_q_lens, kv_lens)
+    check_queries_fit("exact_prefill", cu_q_lens, kv_lens, q.shape[0])
     supported, why = kernel_supports(q, k_buf, v_buf, page_size, None), ""
     group = q.shape[-2] // k_buf.shape[2]
     columns = causal_positions(group) * group  # the narrowest causal tile (exact_mgpu.tile_positions)

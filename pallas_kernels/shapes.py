@@ -59,6 +59,10 @@ def check_lengths_fit(op: str, kv_lens, page_table, page_size: int, n_slots: int
     if isinstance(kv_lens, jax.core.Tracer) or len(np.shape(page_table)) != 2 or len(np.shape(kv_lens)) != 1:
         return
     lens, width = np.asarray(kv_lens), np.shape(page_table)[1]
+    negative = np.flatnonzero(lens < 0)
+    if negative.size:
+        b = int(negative[0])
+        raise ValueError(f"{op}: request {b} has kv_lens[{b}] = {int(lens[b])} keys; a length is >= 0")
     over = np.flatnonzero(lens > width * page_size)
     if over.size:
         b = int(over[0])
@@ -93,15 +97,21 @@ def check_layer(op: str, layer, n_layers: int) -> None:
         raise ValueError(f"{op}: layer {int(layer)} is not one of the buffers' {n_layers} layers")
 
 
-def check_queries_fit(op: str, cu_q_lens, kv_lens) -> None:
-    """Raises ValueError naming the first packed request with more queries than keys
+def check_queries_fit(op: str, cu_q_lens, kv_lens, n_rows: int) -> None:
+    """Raises ValueError unless `cu_q_lens` starts at 0, never decreases and ends within
+    q's `n_rows` (the reference took a decreasing run as an empty request and rows past q
+    as nothing), naming the first packed request with more queries than keys
     (`kv_lens[b]` counts the step's new tokens, so `kv_lens[b] >= q_len`; 0 marks a padded
     row): the reference zeroed such a request's first rows and the kernels left NaN there.
     Host-side where both are concrete, the caller's precondition inside a trace."""
     if any(isinstance(x, jax.core.Tracer) for x in (cu_q_lens, kv_lens)):
         return
-    lens = np.asarray(kv_lens)
-    q_lens = np.diff(np.asarray(cu_q_lens))
+    lens, cu = np.asarray(kv_lens), np.asarray(cu_q_lens)
+    if cu.size and (cu[0] != 0 or np.any(np.diff(cu) < 0)):
+        raise ValueError(f"{op}: cu_q_lens must start at 0 and never decrease, got {cu.tolist()}")
+    if cu.size and cu[-1] > n_rows:
+        raise ValueError(f"{op}: cu_q_lens[-1] = {int(cu[-1])} query rows, but q has {n_rows}")
+    q_lens = np.diff(cu)
     bad = np.flatnonzero((lens > 0) & (q_lens > lens))
     if bad.size:
         b = int(bad[0])

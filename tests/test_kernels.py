@@ -332,10 +332,11 @@ def test_keys_as_rows_ring_leaves_room_for_two_ctas_an_sm():
     (PrefillTuning, "num_ctas", True),
 ])
 def test_tuning_refuses_counts_that_are_not_positive_integers(cls, field, value):
-    with pytest.raises(ValueError, match=re.escape(
-            f"{cls.__name__}.{field}: must be a positive integer{'' if field == 'block_kv' and cls is DecodeTuning else ' or None'}, "
-            f"got {value!r}")):
+    optional = "" if field == "block_kv" and cls is DecodeTuning else " or None"
+    with pytest.raises(ValueError, match=re.escape(f"{cls.__name__}.{field}: must be a positive integer{optional}, "
+                                                   f"got {value!r}")):
         cls(**{field: value})
+
 
 def test_query_columns_cover_every_start_of_a_group_in_its_window():
     assert [query_columns(g) for g in (1, 2, 4, 8)] == [8, 8, 8, 8]
@@ -708,3 +709,26 @@ def test_prefill_matches_dense_attention_over_shared_out_of_order_pages():
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert rel_err(out, want) < TOL
     np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("op", ["ragged_decode", "paged_prefill"])
+def test_a_negative_kv_len_is_refused_naming_the_request(op):
+    # the reference took it as an empty request without a word
+    q, qp, kb, vb, cu, _, pt = long_request_case()
+    lens = jnp.asarray([8, -3], jnp.int32)
+    args = (q, kb, vb, 0, lens, pt) if op == "ragged_decode" else (qp, kb, vb, 0, cu, lens, pt)
+    with pytest.raises(ValueError, match=re.escape(f"{op}: request 1 has kv_lens[1] = -3 keys; a length is >= 0")):
+        getattr(dispatch, op)(*args, page_size=16, sm_scale=0.125, impl="reference")
+
+
+@pytest.mark.parametrize("cu, message", [
+    ([0, 10, 8], "cu_q_lens must start at 0 and never decrease, got [0, 10, 8]"),
+    ([2, 8, 16], "cu_q_lens must start at 0 and never decrease, got [2, 8, 16]"),
+    ([0, 8, 20], "cu_q_lens[-1] = 20 query rows, but q has 16"),
+])
+def test_prefill_refuses_cumulative_query_lengths_that_do_not_index_q(cu, message):
+    # the reference took a decreasing run as an empty request, rows past q as nothing
+    _, qp, kb, vb, _, _, pt = long_request_case()
+    with pytest.raises(ValueError, match=re.escape(f"paged_prefill: {message}")):
+        dispatch.paged_prefill(qp, kb, vb, 0, jnp.asarray(cu, jnp.int32), jnp.asarray([10, 12], jnp.int32), pt,
+                               page_size=16, sm_scale=0.125, impl="reference")
