@@ -143,6 +143,12 @@ def test_warmup_cosine_reaches_the_floor_at_the_last_update():
     np.testing.assert_allclose(f([9]), [0.1], atol=1e-6)
 
 
+def test_warmup_cosine_whose_warmup_ends_one_update_before_the_last_applies_the_floor_at_the_last():
+    # counts 0..9 with 9 updates of warmup: the one update after it applied the peak, not the floor
+    f = sched(kind="warmup_cosine", warmup_steps=9, min_lr_ratio=0.1)
+    np.testing.assert_allclose(f([8, 9]), [1.0, 0.1], atol=1e-6)
+
+
 def test_wsd_is_flat_then_decays_over_the_last_fraction_reaching_the_floor_at_the_last_update():
     # a run of 10 updates applies counts 0..9: the decay reached the floor only at count 10,
     # so the last update applied 0.25 of the peak instead of the floor

@@ -37,8 +37,11 @@ def make_schedule(config: ScheduleConfig, run_steps: int) -> Schedule:
     def constant(count):
         return _warmup(count, warm)
 
+    span = total - warm - 1  # updates from the first after warmup (the peak) to the last (the floor)
+
     def warmup_cosine(count):
-        progress = (count - warm) / max(total - warm - 1, 1)  # 1 at the last update, total - 1
+        # 1 at the last update, total - 1; a single update after the warmup is that last one
+        progress = (count - warm) / span if span > 0 else jnp.ones_like(count)
         return jnp.where(count < warm, _warmup(count, warm), floor + (1.0 - floor) * _cosine(progress))
 
     decay_start, decay_len = config.wsd_decay(run_steps) if config.kind == "wsd" else (0, 1)
