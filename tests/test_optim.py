@@ -169,6 +169,23 @@ def test_wsd_with_a_warmup_longer_than_a_short_run_loads_and_only_warms_up():
     np.testing.assert_allclose([float(f(c)) for c in range(4)], [0.01, 0.02, 0.03, 0.04], atol=1e-6)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["steps=4", "schedule.kind=wsd", "schedule.warmup_steps=100"],
+     "schedule.warmup_steps=100 is not shorter than the schedule's 4 updates (steps=4): the learning rate only "
+     "warms up and never decays to schedule.min_lr_ratio; fine for a trial run, else lower the warmup"),
+    (["steps=20", "schedule.total_steps=5", "schedule.warmup_steps=5"],
+     "schedule.warmup_steps=5 is not shorter than the schedule's 5 updates (schedule.total_steps=5): the learning "
+     "rate only warms up and never decays to schedule.min_lr_ratio; fine for a trial run, else lower the warmup"),
+])
+def test_a_warmup_as_long_as_the_schedule_is_warned_of_naming_the_fields(overrides, message, tmp_path):
+    # it is not refused (a real config tried with a few steps does this), but it was silent
+    from jrl.train.trainer import Trainer
+    config = load_train_config(None, overrides)
+    with pytest.warns(UserWarning) as record:
+        Trainer(config, output_dir=tmp_path / "run")
+    assert [str(w.message) for w in record] == [message]
+
+
 def test_cosine_restarts_start_each_cycle_at_its_decayed_peak():
     f = sched(kind="cosine_restarts", restart_period=4, restart_decay=0.5, min_lr_ratio=0.1)
     np.testing.assert_allclose(f([0, 4, 8]), [1.0, 0.5, 0.25], atol=1e-6)

@@ -15,6 +15,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from jrl.config import ScheduleConfig
+from jrl.data.wording import counted
 
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]
 
@@ -27,6 +28,20 @@ def _warmup(count, warmup_steps: int):
 
 def _cosine(progress):
     return 0.5 * (1.0 + jnp.cos(math.pi * jnp.clip(progress, 0.0, 1.0)))
+
+
+def warmup_outlasts(config: ScheduleConfig, run_steps: int) -> str | None:
+    """Why a `warmup_cosine` or `wsd` schedule over `run_steps` never decays (its warmup is
+    as long as the schedule or longer), or None. The trainer warns of it instead of refusing
+    it: a real config tried with a few `steps` does this on purpose, but in a real run it was
+    a silent mistake (the rate never reached the floor, nor the peak if longer)."""
+    total = config.total_steps or run_steps
+    if config.kind not in ("warmup_cosine", "wsd") or config.warmup_steps < total:
+        return None
+    length = f"schedule.total_steps={total}" if config.total_steps else f"steps={total}"
+    return (f"schedule.warmup_steps={config.warmup_steps} is not shorter than the schedule's {counted(total, 'update')} "
+            f"({length}): the learning rate only warms up and never decays to schedule.min_lr_ratio; fine for a "
+            f"trial run, else lower the warmup")
 
 
 def make_schedule(config: ScheduleConfig, run_steps: int) -> Schedule:
