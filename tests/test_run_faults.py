@@ -404,6 +404,28 @@ def test_resume_with_changed_training_data_is_a_one_line_error_naming_the_key(ru
                      f"the checkpoint's data settings, or start over (--overwrite)"]
 
 
+def test_resume_with_steps_below_the_checkpoint_is_a_one_line_error_saying_the_run_is_past_them(run_copy, tmp_path,
+                                                                                                capsys):
+    # it exited 0 without a word, as if it had trained to steps=3
+    lines = refused_resume_lines(run_copy, tmp_path, capsys, "steps=3")
+    assert lines == [f"error: --resume: {run_copy / 'checkpoints' / 'step_4'} is at step 4, already past steps=3: "
+                     f"there is nothing to train; raise steps to train on, or go back to an earlier checkpoint with "
+                     f"--resume-from (steps up to 3: 2)"]
+
+
+def test_resume_with_more_steps_warns_that_the_schedule_is_laid_out_again(run_copy, tmp_path):
+    # the default warmup_cosine decays over `steps`: the 4-step run ended at the floor, and the
+    # resumed one jumped back up without a word
+    with pytest.warns(UserWarning) as record:
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=6"]) == 0
+    assert steps_logged(run_copy) == [1, 2, 3, 4, 5, 6]
+    assert [str(w.message) for w in record] == [
+        f"resume: steps changed from 4 to 6 since {run_copy / 'checkpoints' / 'step_4'}; schedule.total_steps is "
+        f"null, so the warmup_cosine schedule is laid out again over 6 updates: the learning-rate multiplier of the "
+        f"next update is 0.186, not the 0.1 of the old schedule (set schedule.total_steps=4 to keep it; past its "
+        f"end the rate stays at schedule.min_lr_ratio)"]
+
+
 def text_run(tmp_path, capsys) -> tuple[Path, list[str]]:
     """A finished 2-step run on text.jsonl (40 records), and the overrides that give it."""
     data = tmp_path / "text.jsonl"
@@ -445,11 +467,12 @@ def test_allow_data_change_resumes_on_the_changed_data_with_a_warning(tmp_path, 
     assert checkpoint.all_steps(run / "checkpoints") == [2, 4] and steps_logged(run) == [1, 2, 3, 4]
     _, meta = checkpoint.load(run / "checkpoints")
     assert meta["data"]["sampler"]["cursor"] == 16  # went on from the checkpoint's position
-    # the new checkpoint is of the new data: a plain --resume goes on without a word
+    # the new checkpoint is of the new data: a plain --resume goes on without a word (the
+    # schedule kept, as a changed `steps` alone warns that it is laid out again)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert main(["--config", write_config(tmp_path), "--output-dir", str(run), "--resume", *overrides,
-                     "steps=5"]) == 0
+                     "steps=5", "schedule.total_steps=4"]) == 0
 
 
 def test_resume_with_weight_decay_switched_off_is_a_one_line_error_saying_so(run_copy, tmp_path, capsys):

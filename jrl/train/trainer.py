@@ -23,6 +23,7 @@ sharded, the optimizer state is sharded like the params, every batch's rows are 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -409,7 +410,9 @@ class Trainer:
         `resume`: continue from the newest checkpoint in the run directory that checks out
         (sizes and, with `checkpoint.verify_on_load`, SHA-256s against its manifest); a bad
         one is skipped with a warning naming it and later moved aside. `resume_from`: from
-        exactly that step (an error if it is missing or bad; newer steps are moved aside).
+        exactly that step (an error if it is missing or bad; newer steps are moved aside). A
+        checkpoint past `config.steps` is a ConfigError; a `steps` changed since it a warning
+        where the schedule is laid out over `steps`.
         Without either, an existing run is an error unless `overwrite`. A checkpoint of
         the built-in data pipeline whose documents differ from the training data's now (by
         content digest; same row count, else the sampler refuses) is a ConfigError naming
@@ -465,6 +468,7 @@ class Trainer:
             target = with_shardings(state, shardings)  # restored straight onto this run's mesh
             del state, params
             state, meta, set_aside = self._restore(target, resume_from)
+            self._check_resumed_steps(state, meta)
         self.state = state  # sources may read the (resumed) state
         self._make_sources()
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
@@ -511,6 +515,34 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
         self.start_step = int(state.step)
         return state
+
+    def _check_resumed_steps(self, state: TrainState, meta: dict) -> None:
+        """Refuses a checkpoint already past `steps` (the run exited 0 without a word, as if it
+        had trained to them), and warns of `steps` changed since it where the schedule decays
+        over them: laid out again, the rate jumps (up when extended). Extending is legitimate,
+        so that is not refused."""
+        c, step = self.config, int(state.step)
+        if step > c.steps:
+            earlier = [s for s in checkpoint.all_steps(self.checkpoint_dir) if s <= c.steps]
+            back = (f", or go back to an earlier checkpoint with --resume-from (steps up to {c.steps}: "
+                    f"{', '.join(map(str, earlier))})" if earlier else "")
+            raise ConfigError(f"--resume: {meta['path']} is at step {step}, already past steps={c.steps}: there is "
+                              f"nothing to train; raise steps to train on{back}")
+        saved = meta.get("config") or {}
+        old_steps, sched = saved.get("steps"), c.schedule
+        if old_steps is None or sched.total_steps is not None or sched.kind not in ("warmup_cosine", "wsd"):
+            return  # a schedule that does not depend on `steps`
+        old_total = (saved.get("schedule") or {}).get("total_steps") or old_steps
+        if old_total == c.steps:
+            return
+        count = int(state.policy_version)  # the next update's
+        was = float(make_schedule(dataclasses.replace(sched, total_steps=old_total), c.steps)(count))
+        now = float(self.schedule(count))
+        warnings.warn(f"resume: steps changed from {old_steps} to {c.steps} since {meta['path']}; "
+                      f"schedule.total_steps is null, so the {sched.kind} schedule is laid out again over {c.steps} "
+                      f"updates: the learning-rate multiplier of the next update is {now:.3g}, not the {was:.3g} of "
+                      f"the old schedule (set schedule.total_steps={old_total} to keep it; past its end the rate "
+                      f"stays at schedule.min_lr_ratio)", stacklevel=3)
 
     def _restore(self, target: TrainState, resume_from: int | None) -> tuple[TrainState, dict, list[tuple[int, str]]]:
         """(state, meta, steps to set aside) of the checkpoint this run resumes from: the
