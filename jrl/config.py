@@ -664,6 +664,12 @@ class OptimizerConfig:
         if self.muon_consistent_rms is not None:  # it multiplies every Muon update: < 0 ascends, 0 stops
             _check(0 < self.muon_consistent_rms < math.inf, "optimizer.muon_consistent_rms",
                    f"must be finite and > 0 (null: width scaling), got {self.muon_consistent_rms}")
+        if self.name != "muon":  # AdamW ignored them without a word (a muon_lr "tuned" nothing)
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                _check(not f.name.startswith("muon_") or value == f.default, f"optimizer.{f.name}",
+                       f"a Muon option, set to {value!r} while optimizer.name is {self.name!r}, which ignores it; "
+                       f"remove it or set optimizer.name: muon")
         for group, scale in self.lr_scale.items():
             _check(group in PARAM_GROUPS, f"optimizer.lr_scale.{group}",
                    f"unknown parameter group; allowed: {', '.join(PARAM_GROUPS)}")

@@ -1,6 +1,7 @@
 """Optimizer groups (AdamW / Muon, decay masks, lr scales, freezing) and schedules."""
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -126,6 +127,16 @@ def test_muon_consistent_rms_that_is_not_a_positive_finite_number_is_refused_nam
     with pytest.raises(ConfigError, match=rf"^optimizer.muon_consistent_rms: must be finite and > 0 \(null: "
                                           rf"width scaling\), got {value}$"):
         OptimizerConfig(name="muon", muon_consistent_rms=value)
+
+
+@pytest.mark.parametrize("field, value", [("muon_lr", 3e-3), ("muon_beta", 0.9), ("muon_ns_steps", 3),
+                                          ("muon_nesterov", False), ("muon_consistent_rms", None)])
+def test_a_muon_option_under_adamw_is_refused_naming_the_field(field, value):
+    # AdamW ignored it without a word: a run "tuned" through muon_lr trained at optimizer.lr
+    with pytest.raises(ConfigError, match="^" + re.escape(
+            f"optimizer.{field}: a Muon option, set to {value!r} while optimizer.name is 'adamw', which ignores it; "
+            f"remove it or set optimizer.name: muon") + "$"):
+        load_train_config(None, [f"optimizer.{field}={'null' if value is None else value}"])
 
 
 def sched(**kw):
