@@ -367,6 +367,28 @@ def test_an_update_whose_served_copy_cannot_be_built_says_so_and_a_later_update_
     assert all((c.versions == 2).all() for c in again)
 
 
+def test_after_a_failed_build_the_served_version_is_acknowledged_only_with_its_own_params(params, monkeypatch):
+    # The failed update had already taken its params as the served version's: handing them
+    # over again under the old version was acknowledged as a no-op while no weights were
+    # served, and the old version's own params were refused as "different params".
+    prompts = prompts_of([7, 12], seed=6)
+    engine = Engine(MODEL, params, ENGINE, version=1)
+    before = engine.generate(prompts, GREEDY, max_new_tokens=4)
+    newer = jax.tree.map(lambda x: x + 0.001, params)
+    build = engine._served
+    monkeypatch.setattr(engine, "_served", lambda p: (_ for _ in ()).throw(MemoryError("out of memory")))
+    with pytest.raises(RuntimeError, match="building the served copy of version 2 failed"):
+        engine.update_weights(newer, version=2)
+    monkeypatch.setattr(engine, "_served", build)
+    with pytest.raises(ValueError, match="version: 1 is already served with different params"):
+        engine.update_weights(newer, version=1)
+    assert engine.params is None
+    assert engine.update_weights(params, version=1).version == 1
+    again = engine.generate(prompts, GREEDY, max_new_tokens=4)
+    assert [c.tokens.tolist() for c in again] == [c.tokens.tolist() for c in before]
+    assert all((c.versions == 1).all() for c in again)
+
+
 # ---------------------------------------------------------------------------- input validation
 
 @pytest.mark.parametrize("field,value", [

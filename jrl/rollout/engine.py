@@ -730,7 +730,9 @@ class Engine:
                 raise ValueError(f"version: {version} is already served with different params (only the "
                                  "served arrays themselves count as the same, not a copy or a fresh load "
                                  "with equal values); publish new weights under a new version")
-            return Ack(version)
+            if self.params is not None:
+                return Ack(version)
+            # a later update failed to build its copy: serve this version's own params again
         _check_finite(params, f"update_weights: refusing version {version}; the engine keeps serving "
                               f"version {self.version}")
         with self._posted_lock:  # a posted version this one supersedes is never applied
@@ -755,7 +757,6 @@ class Engine:
                     req.reset_outputs()
                     restarted += 1
         self._finished = earlier
-        self._source = SourceParams(params)
         received = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
         full = with_lora_params(self._held, params) if adapters_only else params
         self.params = None  # drop the old served copy before building the new one (peak memory)
@@ -765,6 +766,7 @@ class Engine:
             raise RuntimeError(f"update_weights: building the served copy of version {version} failed "
                                f"({type(e).__name__}: {e}); the engine serves no weights until an "
                                f"update_weights succeeds") from e
+        self._source = SourceParams(params)  # only once served: a failed build leaves the served version's
         self.version = version
         if self.radix is not None:
             self.radix.drop_versions_except(version)
