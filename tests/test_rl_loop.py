@@ -457,3 +457,29 @@ def test_a_run_with_nothing_to_learn_from_says_so_once(tmp_path, caplog):
     (warning,) = [r.getMessage() for r in caplog.records if "nothing to learn from" in r.getMessage()]
     assert warning.startswith("rollout 0 has nothing to learn from: in each of its 4 groups every sample got "
                               "the same reward (accuracy 0.0%)")
+
+
+def first_sample_errs_at_once(monkeypatch):
+    """Makes the first sample of every rollout a completion whose logits turned non-finite
+    at its first token (`finish_reason` "error", no token)."""
+    sample = source_module.RolloutSource._sample
+
+    def sample_with_an_error(self, *args, **kwargs):
+        groups = sample(self, *args, **kwargs)
+        empty = np.zeros(0, np.int32)
+        groups[0][0] = dataclasses.replace(groups[0][0], tokens=empty, logprobs=empty.astype(np.float32),
+                                           model_logprobs=empty.astype(np.float32),
+                                           versions=empty.astype(np.int64), finish_reason="error")
+        return groups
+
+    monkeypatch.setattr(source_module.RolloutSource, "_sample", sample_with_an_error)
+
+
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_a_sample_without_tokens_is_neither_a_crash_nor_stale(tmp_path, monkeypatch, off_policy):
+    # its versions are empty: min() of them raised, and its "newest version" -1 marked its group stale
+    first_sample_errs_at_once(monkeypatch)
+    _, rows = run(tiny(steps=6, off_policy=off_policy), tmp_path)
+    rollouts = rollout_rows(rows)
+    assert [r["stale_samples_dropped"] for r in rollouts] == [0, 0, 0]
+    assert [r["rollout_version_lag_max"] for r in rollouts] == ([0, 2, 2] if off_policy else [0, 0, 0])

@@ -89,9 +89,9 @@ def stale_groups(sample_versions: np.ndarray, group_size: int, trainer_version: 
                  max_lag: int) -> np.ndarray:
     """[n_groups] bool: groups holding a sample whose version (the RL loop passes each
     sample's newest token version, see `stale_tokens`) is more than `max_lag` versions
-    before `trainer_version`."""
-    lag = trainer_version - np.asarray(sample_versions).reshape(-1, group_size)
-    return (lag > max_lag).any(axis=1)
+    before `trainer_version`. A sample of version -1 (no trained token) is never stale."""
+    versions = np.asarray(sample_versions).reshape(-1, group_size)
+    return ((trainer_version - versions > max_lag) & (versions >= 0)).any(axis=1)
 
 
 def stale_tokens(token_version: np.ndarray, loss_mask: np.ndarray, trainer_version: int,

@@ -406,9 +406,10 @@ class RolloutSource:
 
         if self.episodes is not None:
             versions, mixed = self.episodes.sample_versions(episodes)
-        else:
-            versions = np.array([int(c.versions.min()) for c in comps], np.int64)
-            mixed = sum(int(c.versions.min() != c.versions.max()) for c in comps)
+        else:  # a sample without tokens (logits non-finite at once): -1, none of its own
+            versions = np.array([int(c.versions.min()) if len(c.versions) else -1 for c in comps], np.int64)
+            mixed = sum(int(len(c.versions) > 0 and c.versions.min() != c.versions.max()) for c in comps)
+        versions = np.where(versions < 0, version, versions)  # nothing sampled: the version asked to sample it
         # reward / accuracy / length statistics of everything sampled, not only the trained groups
         all_rewards = np.concatenate([g.rewards for g in drawn])
         lengths = np.array([len(c.tokens) for g in drawn for c in g.completions] or [0], np.float32)
