@@ -616,6 +616,28 @@ def test_an_update_interrupted_while_draining_loses_no_completion(params, monkey
     assert engine.version == 0
 
 
+@pytest.mark.parametrize("mode,where,nth", [("restart", "abort_running", 1), ("continue", "continue_running", 1),
+                                             ("restart", "_release", 3)])
+def test_an_update_interrupted_after_reading_back_its_step_loses_no_request(params, monkeypatch, mode, where, nth):
+    # Ctrl-C after the update read back the step in flight (in which A finished), while it
+    # restarts or continues the running requests: A's completion was held by update_weights
+    # alone and went with it, and a restart cut short between two requests lost the first.
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+    want = fresh_run(params, prompts, max_new_tokens=[2, 12, 10])
+    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, on_weight_update=mode))
+    ids = [engine.add_request(p, GREEDY, n) for p, n in zip(prompts, [2, 12, 10])]
+    assert engine.step() == [] and engine.step() == []  # A finishes in the step left in flight (1st _release)
+    raise_once(monkeypatch, engine.scheduler, where, nth)
+    with pytest.raises(KeyboardInterrupt):
+        engine.update_weights(init(MODEL, jax.random.key(1)), 1)
+    monkeypatch.undo()
+    done = sorted(engine.run(), key=lambda c: c.request_id)
+    assert [c.request_id for c in done] == ids and engine.version == 0
+    assert [c.tokens.tolist() for c in done] == [c.tokens.tolist() for c in want]
+    assert all((c.versions == 0).all() for c in done)
+    engine.pool.allocator.check_invariants()
+
+
 def test_eos_ids_and_stop_sequences_of_none_mean_none(params):
     # they were refused ("eos_ids: must be a sequence of token ids, got None")
     prompts = prompts_of([5, 8], seed=9)

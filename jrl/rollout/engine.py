@@ -740,22 +740,24 @@ class Engine:
                 self._posted = None
         finished = restarted = continued = 0
         earlier = self.flush()  # the step in flight ran under the old weights: recorded so
-        if self.config.on_weight_update == "finish":
-            try:
+        try:
+            if self.config.on_weight_update == "finish":
                 drained = self._drain_started()
-            except BaseException:  # (Ctrl-C): the completions are handed out by the next step
-                self._finished = earlier + self._finished
-                raise
-            finished = len(drained)
-            earlier += drained
-        elif self.config.on_weight_update == "continue":
-            continued = self.scheduler.continue_running()
-        else:
-            restarted = len(self.scheduler.abort_running())
-            for req in self.scheduler.waiting:
-                if req.outputs:  # preempted under the old weights: restart too
-                    req.reset_outputs()
-                    restarted += 1
+                finished = len(drained)
+                earlier += drained
+            elif self.config.on_weight_update == "continue":
+                continued = self.scheduler.continue_running()
+            else:
+                restarted = len(self.scheduler.abort_running())
+                for req in self.scheduler.waiting:
+                    if req.outputs:  # preempted under the old weights: restart too
+                        req.reset_outputs()
+                        restarted += 1
+        except BaseException:  # (Ctrl-C): not applied; the next step hands out the completions
+            self._finished = earlier + self._finished
+            if self.config.on_weight_update == "restart":  # requests may be released part-way
+                self._step_failed()
+            raise
         self._finished = earlier
         received = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
         full = with_lora_params(self._held, params) if adapters_only else params

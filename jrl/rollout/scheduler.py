@@ -359,10 +359,11 @@ class Scheduler:
 
     def abort_running(self) -> list[Request]:
         """Aborts every running request (their outputs are discarded) and re-queues them
-        at the front in admission order; their pages are not published."""
+        at the front in admission order; their pages are not published. Re-queued first,
+        so one cut short (Ctrl-C) leaves each request waiting, running too at worst (`recover`)."""
         aborted = list(self.running)
+        self.waiting.extendleft(reversed(aborted))
         for req in aborted:
             self._release(req, None)
             req.reset_outputs()
-        self.waiting.extendleft(reversed(aborted))
         return aborted
