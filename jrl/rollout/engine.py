@@ -1048,7 +1048,7 @@ def _check_same_structure(old: dict, new: dict, against: str = "the served", dty
             if tuple(a.shape) != np.shape(b):
                 raise ValueError(f"params{jax.tree_util.keystr(path)}: shape {np.shape(b)} differs from "
                                  f"{against} {tuple(a.shape)}")
-            dtype = np.result_type(b)
+            dtype = b.dtype if hasattr(b, "dtype") else np.asarray(b).dtype
             if jnp.issubdtype(a.dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.floating):
                 raise ValueError(f"params{jax.tree_util.keystr(path)}: dtype {dtype}; the engine serves "
                                  f"floating-point weights")
