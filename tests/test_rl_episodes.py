@@ -1113,6 +1113,27 @@ def test_an_opening_prompt_too_long_stops_a_warm_start_run_before_it_writes_its_
     assert not (tmp_path / "run").exists()
 
 
+def test_jrl_eval_refuses_an_opening_prompt_too_long_before_it_loads_the_model(tmp_path, capsys, monkeypatch):
+    # before: found by that record's greedy episode, after the weights were loaded and the engine built
+    import yaml
+    from jrl.cli import main as jrl
+    from jrl.config import to_dict
+    import jrl.rl.eval_cli as eval_cli
+    run_config, hf_dir = episode_grpo_config(tmp_path)
+    record = lambda content: {"prompt": [{"role": "user", "content": content}], "answer": "0"}
+    (tmp_path / "test.jsonl").write_text(json.dumps(record("9+9?")) + "\n" + json.dumps(record(LONG)) + "\n")
+    config = to_dict(run_config)
+    config["strategy"]["options"]["task"]["heldout"] = str(tmp_path / "test.jsonl")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(eval_cli, "load_initial_params", lambda *a: pytest.fail("the model was loaded"))
+    assert jrl(["eval", "--config", str(tmp_path / "run.yaml"), "--checkpoint", f"hf:{hf_dir}",
+                "--json", str(tmp_path / "eval.json")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "config error: " + opening_prompt_error(load_tokenizer(str(hf_dir)),
+                                                                          f"{tmp_path / 'test.jsonl'}:2")
+    assert captured.out == "" and not (tmp_path / "eval.json").exists()
+
+
 class CountedParity(Parity):
     """Parity that records the prompt of every `reset`."""
 

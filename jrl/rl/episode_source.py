@@ -93,16 +93,21 @@ class EpisodeSampler:
         reset is user code (it may start a sandbox): it runs, on a fresh instance as for an
         episode, on the `OPENING_CHECKS` largest records (JSON size; the first among
         equals) of each split, where an opening built from the record is longest."""
-        pieces = ChatPieces(self.format.tokenizer)
         for problems in (task.heldout, task.validation, getattr(task, "train", [])):
-            if self.env_cls is not None:
-                sizes = [len(json.dumps(p.example, sort_keys=True, default=str)) for p in problems]
-                problems = [problems[i] for i in sorted(range(len(problems)), key=lambda i: -sizes[i])[:OPENING_CHECKS]]
-            for p in problems:
-                env, example = self.environment(p)
-                messages = (env.reset(example) if self.env_cls is None else
-                            run_env_call(env, "reset", example, timeout_s=self.options.env_timeout_s, where=p.where))
-                opening_prompt(pieces, env, messages, self.limits.max_total_tokens, p.where)
+            self.check_openings(problems)
+
+    def check_openings(self, problems: Sequence[Problem]) -> None:
+        """`check_opening_prompts` on one list of problems (a split, or the part of one
+        that `jrl eval` scores, checked before it loads the model)."""
+        pieces = ChatPieces(self.format.tokenizer)
+        if self.env_cls is not None:
+            sizes = [len(json.dumps(p.example, sort_keys=True, default=str)) for p in problems]
+            problems = [problems[i] for i in sorted(range(len(problems)), key=lambda i: -sizes[i])[:OPENING_CHECKS]]
+        for p in problems:
+            env, example = self.environment(p)
+            messages = (env.reset(example) if self.env_cls is None else
+                        run_env_call(env, "reset", example, timeout_s=self.options.env_timeout_s, where=p.where))
+            opening_prompt(pieces, env, messages, self.limits.max_total_tokens, p.where)
 
     def run(self, engine: Any, problems: Sequence[Problem], n_per_problem: int, temperature: float,
             seeds: np.ndarray) -> list[list[Episode]]:

@@ -134,9 +134,11 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
                        stop=options.task.stop)
     limit = prompt_limit(config.data.seq_len, options.max_new_tokens)
     episodes = EpisodeSampler(options, fmt, options.reward_model(), config.data.seq_len) if options.episodes else None
-    if episodes is None:  # episodes' prompts are their environments' (the runner checks their length)
+    if episodes is None:
         prompts = [fmt.encode(p) for p in problems]
         check_prompt_lengths(problems, prompts, limit, f"task split {split}")
+    else:  # an episode's prompt is its environment's opening: checked before the model loads, as jrl train does
+        episodes.check_openings(problems)
 
     mesh = run_mesh(config.parallel)
     params = load_initial_params(config, mesh)
