@@ -180,6 +180,21 @@ def test_a_negative_seed_exits_2_naming_where_it_came_from(trained, capsys, args
     assert capsys.readouterr().err.splitlines()[-1] == f"config error: {message}"
 
 
+def ctrl_c(prompt, completion, answer):
+    """A reward during which the user presses Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_exits_130_on_one_line_writing_nothing(trained, capsys, tmp_path):
+    # before: a traceback through the rewards and Python's own exit status
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), "--json", str(tmp_path / "eval.json"),
+                "strategy.options.rewards=[{fn: test_rl_eval:ctrl_c}]"]) == 130
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", "interrupted; nothing written\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("n, c, k, expected", [
     (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
     (5, 2, 1, 2 / 5),  # pass@1 is the fraction correct

@@ -17,7 +17,7 @@ response length of the samples. `--json F` writes them (with `k`,
 problem to F's `.problems.jsonl` sibling; a table is printed last.
 
 Exit status: 0 on success, 2 for a bad command line, config or checkpoint path, 1 when a
-reward function or an environment fails.
+reward function or an environment fails, 130 on Ctrl-C (before anything is written).
 """
 
 from __future__ import annotations
@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
                                    pass_ks=args.pass_at)
     except (*CONFIG_ERRORS, CheckpointCorruptError, EnvironmentFailure) as e:
         return cli_exit(e, failed=(RewardError, EnvironmentFailure))
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through the engine or a reward
+        print("interrupted; nothing written", file=sys.stderr)
+        return 130
     if args.json:
         rows = write_report(report, results, args.json)
         print(f"wrote {args.json} and {rows}")
