@@ -124,6 +124,15 @@ def test_missing_checkpoint_exits_2_naming_the_path(tmp_path, capsys):
     assert str(missing) in capsys.readouterr().err
 
 
+def test_a_hugging_face_directory_without_the_hf_prefix_exits_2_saying_to_add_it(tmp_path, capsys):
+    # before: "no checkpoints (step_<N> directories) in <dir>", no word of hf:
+    (tmp_path / "config.json").write_text("{}")
+    assert jrl(["eval", "--checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"config error: --checkpoint: no checkpoints (step_<N> directories) in "
+                                       f"{tmp_path}; it holds a config.json: for a Hugging Face model give "
+                                       f"hf:{tmp_path}\n")
+
+
 @pytest.mark.parametrize("where", ["summary", "problems"])
 def test_a_json_path_that_is_a_directory_exits_2_before_evaluating(trained, capsys, tmp_path, where):
     out, _ = trained

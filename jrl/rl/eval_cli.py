@@ -78,8 +78,10 @@ def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
     else:
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         step = latest_step(root)
-        if step is None:
-            raise ConfigError(f"{flag}: no checkpoints (step_<N> directories) in {root}")
+        if step is None:  # a Hugging Face directory given without its hf: prefix is named as one
+            hint = (f"; it holds a config.json: for a Hugging Face model give hf:{spec}"
+                    if (path / "config.json").is_file() else "")
+            raise ConfigError(f"{flag}: no checkpoints (step_<N> directories) in {root}{hint}")
         step_dir = root / f"step_{step}"
     meta = read_meta(step_dir)  # {} without one; CheckpointCorruptError naming it when unreadable
     step = meta.get("step", int(step_dir.name[5:]))
