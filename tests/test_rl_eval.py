@@ -5,6 +5,7 @@ the unbiased pass@k estimator on hand-computed values."""
 import dataclasses
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -151,6 +152,26 @@ def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
     assert jrl(["eval", "--checkpoint", str(out), "--json", str(log / "eval.json")]) == 2
     assert capsys.readouterr().err == (f"config error: --json: cannot write {log / 'eval.json'}: "
                                        f"{log.absolute()} is a file, not a directory\n")
+
+
+def taking_the_problems_path(prompt, completion, answer):
+    """A reward that, while the evaluation runs, puts a directory where its `.problems.jsonl` goes."""
+    os.makedirs(os.environ["JRL_TEST_TAKEN"], exist_ok=True)
+    return 0.0
+
+
+def test_a_report_that_cannot_be_written_at_the_end_leaves_no_file_and_prints_the_table(
+        trained, capsys, tmp_path, monkeypatch):
+    # before: eval.json was written, then a traceback at its .problems.jsonl sibling
+    out, _ = trained
+    taken = tmp_path / "eval.problems.jsonl"
+    monkeypatch.setenv("JRL_TEST_TAKEN", str(taken))
+    assert jrl(["eval", "--checkpoint", str(out), "--max-problems", "2", "--json", str(tmp_path / "eval.json"),
+                "strategy.options.rewards=[{fn: test_rl_eval:taking_the_problems_path}]"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"config error: --json: cannot write {taken}: Is a directory\n"
+    assert captured.out.splitlines()[-1].split()[:3] == ["response", "tokens", "mean"]  # the scores, not lost
+    assert list(tmp_path.iterdir()) == [taken]  # no summary without its rows, nothing staged left
 
 
 def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_path):

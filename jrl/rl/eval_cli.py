@@ -26,7 +26,9 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -184,12 +186,26 @@ def check_json_path(json_path: str | Path) -> None:
 
 
 def write_report(report: dict[str, Any], results: list[ProblemResult], json_path: str | Path) -> Path:
-    """Writes the summary to `json_path` and one row per problem beside it; returns the JSONL path."""
+    """Writes the summary to `json_path` and one row per problem beside it; returns the JSONL
+    path. Each is staged beside itself and renamed into place, the rows first, so a path
+    that cannot be written leaves no summary without its rows, nor a staged file; a
+    ConfigError names it (the evaluation has run: the caller still shows its scores)."""
     json_path = Path(json_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
     rows = problems_path(json_path)
-    rows.write_text("".join(json.dumps(r.row()) + "\n" for r in results))
+    texts = {rows: "".join(json.dumps(r.row()) + "\n" for r in results), json_path: json.dumps(report, indent=1) + "\n"}
+    staged = {path: path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp") for path in texts}
+    path = json_path.parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for path, text in texts.items():
+            staged[path].write_text(text)
+        for path in texts:
+            os.replace(staged[path], path)
+    except OSError as e:
+        raise ConfigError(f"--json: cannot write {path}: {e.strerror or e}") from e
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
     return rows
 
 
@@ -253,7 +269,11 @@ def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
         print("interrupted; nothing written", file=sys.stderr)
         return 130
     if args.json:
-        rows = write_report(report, results, args.json)
+        try:
+            rows = write_report(report, results, args.json)
+        except ConfigError as e:  # its path was taken while the evaluation ran: the scores are still shown
+            print(format_table(report))
+            return cli_exit(e)
         print(f"wrote {args.json} and {rows}")
     print(format_table(report))
     return 0
