@@ -192,17 +192,18 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
     ConfigError names it (the evaluation has run: the caller still shows its scores)."""
     json_path = Path(json_path)
     rows = problems_path(json_path)
-    texts = {rows: "".join(json.dumps(r.row()) + "\n" for r in results), json_path: json.dumps(report, indent=1) + "\n"}
+    texts = {rows: "".join(json.dumps(r.row()) + "\n" for r in results),
+             json_path: json.dumps(report, indent=1) + "\n"}
     staged = {path: path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp") for path in texts}
-    path = json_path.parent
+    target = json_path.parent  # what the error names: the directory, then each file in turn
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        for path, text in texts.items():
-            staged[path].write_text(text)
-        for path in texts:
-            os.replace(staged[path], path)
+        target.mkdir(parents=True, exist_ok=True)
+        for target, text in texts.items():
+            staged[target].write_text(text)
+        for target in texts:
+            os.replace(staged[target], target)
     except OSError as e:
-        raise ConfigError(f"--json: cannot write {path}: {e.strerror or e}") from e
+        raise ConfigError(f"--json: cannot write {target}: {e.strerror or e}") from e
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
