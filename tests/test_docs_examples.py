@@ -3,7 +3,10 @@ line (the reproduce lines of docs/performance.md above all) names a stage that e
 only flags that stage takes, and every `python -m jrl.train` line resolves to a valid run
 config (its overrides name real fields with valid values). A renamed or dropped flag or
 field fails here, not in a reader's terminal. The README's Python example and
-docs/rollout.md's two examples (the quick start; generating from a trained run) run as written."""
+docs/rollout.md's two examples (the quick start; generating from a trained run) run as written.
+The references between the docs resolve: every relative link reaches a file (and its
+anchor a heading), every section a doc points to (`docs/rl.md, "LoRA"`) is a heading of
+that file, and every repository path named in backticks exists."""
 
 from __future__ import annotations
 
@@ -182,3 +185,83 @@ def test_the_pretraining_config_of_the_training_doc_reads_a_corpus_as_written(tm
     config = resolve_config(build_parser().parse_args(["--config", "my_pretrain.yaml"]))
     data, _ = check_data(config)
     assert data.startswith("train ") and "(5 files: [corpus/books/*.txt, corpus/web-*.jsonl])" in data
+
+
+# --- references between the docs: links, anchors, named sections, named files ---------
+
+def headings(path: pathlib.Path) -> list[str]:
+    """The Markdown headings of `path` (code blocks left out: a `# comment` there is none)
+    and its bold paragraph labels (`**Which log-probs anchor the ratio.**`), backticks off."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    found = [line.lstrip("#").strip() for line in text.splitlines() if re.match(r"#{1,6} ", line)]
+    found += [label.rstrip(".:") for label in re.findall(r"^\*\*([^*\n]+)\*\*", text, re.M)]
+    return [h.replace("`", "") for h in found]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but `-` and `_` dropped,
+    spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def doc_file(name: str, doc: pathlib.Path) -> pathlib.Path:
+    """The file a doc's `name` (`rl.md`, `docs/rl.md`, `../bench/x.md`) stands for."""
+    for base in (doc.parent, ROOT, ROOT / "docs"):
+        if (base / name).exists():
+            return base / name
+    return doc.parent / name
+
+
+LINKS = [(path, target) for path in DOCS for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text())
+         if not re.match(r"[a-z]+:", target)]  # a URL: not a file here
+
+
+@pytest.mark.parametrize("doc,target", LINKS, ids=[f"{d.name}:{t}" for d, t in LINKS])
+def test_a_relative_link_reaches_a_file_and_its_anchor_a_heading(doc, target):
+    name, _, anchor = target.partition("#")
+    path = (doc.parent / name) if name else doc
+    assert path.exists(), f"{doc.name}: link to {target}: no file {path.relative_to(ROOT)}"
+    if anchor:
+        anchors = [slug(h) for h in headings(path)]
+        assert anchor in anchors, f"{doc.name}: link to {target}: no such heading in {path.name}"
+
+
+# `docs/rl.md, "LoRA"`, `rollout.md "fp8 weights"`, `(section "Exact log-probs")`: a
+# heading (or its first words) of the file named, or of the doc itself after `section`
+SECTION = re.compile(r"(?:([\w./-]+\.md)`?,?\s*\(?|section\s+)[\"“]([^\"”]{1,120})[\"”]")
+PROSE = {path: re.sub(r"```.*?```", "", path.read_text(), flags=re.S) for path in DOCS}
+SECTIONS = [(path, m.group(1) or "", " ".join(m.group(2).split()))
+            for path, text in PROSE.items() for m in SECTION.finditer(text)
+            if "git show" not in text[m.end():m.end() + 30]]  # a section of an older revision
+
+
+def test_the_docs_name_sections_to_check():
+    assert len(SECTIONS) >= 40, SECTIONS
+    assert any(d.name == "README.md" and s == "Multi-turn environments and tools" for d, _, s in SECTIONS)
+
+
+@pytest.mark.parametrize("doc,name,section", SECTIONS, ids=[f"{d.name}:{n} {s[:40]}" for d, n, s in SECTIONS])
+def test_a_section_the_docs_point_to_is_there(doc, name, section):
+    path = doc_file(name, doc) if name else doc
+    assert path.exists(), f"{doc.name}: {name}, \"{section}\": no file {name}"
+    wanted = section.replace("`", "")
+    assert any(h.startswith(wanted) for h in headings(path)), \
+        f"{doc.name}: {name or 'section'} \"{section}\": no heading of {path.name} starts so"
+
+
+# repository paths in backticks (`docs/rl.md`, `configs/x.yaml`, `jrl/rl/`), placeholders
+# (`<name>`, globs, `X`) and the files a doc names as gone (`... (now `jrl bench ...`)`) aside
+PATH = re.compile(r"`((?:docs|configs|jrl|scripts|tests|bench|pallas_kernels)/[\w./-]*)[`\s]")
+PATHS = sorted({(path, m.group(1)) for path in DOCS for m in PATH.finditer(path.read_text())
+                if "(now" not in path.read_text()[m.end():m.end() + 120] and "/X." not in m.group(1)},
+               key=lambda c: (c[0].name, c[1]))
+
+
+def test_the_docs_name_paths_to_check():
+    names = {p for d, p in PATHS if d.name == "README.md"}
+    assert {"jrl/config.py", "jrl/rl/", "configs/grpo_addition.yaml", "tests/conftest.py"} <= names, names
+
+
+@pytest.mark.parametrize("doc,name", PATHS, ids=[f"{d.name}:{p}" for d, p in PATHS])
+def test_a_path_the_docs_name_exists(doc, name):
+    assert (ROOT / name).exists() or (doc.parent / name).exists(), f"{doc.name}: `{name}` does not exist"
