@@ -610,3 +610,20 @@ def test_a_dataset_smaller_than_one_batch_is_named(tmp_path):
     with pytest.warns(UserWarning, match=rf"data: {data} packs into 3 rows of data.seq_len=\d+, fewer than "
                                          r"data.batch_size=8: every batch repeats rows"):
         assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+
+
+def test_resume_with_more_steps_inside_the_warmup_says_the_next_rate_is_unchanged(tmp_path):
+    # it said "the multiplier of the next update is 0.3, not the 0.3 of the old schedule":
+    # the warmup does not depend on `steps`, only the decay after it moves
+    config, run = write_config(tmp_path, schedule={"kind": "warmup_cosine", "warmup_steps": 10}), tmp_path / "run"
+    with pytest.warns(UserWarning, match="is not shorter than the schedule"):
+        assert main(["--config", config, "--output-dir", str(run), "steps=2"]) == 0
+    with pytest.warns(UserWarning) as record:
+        assert main(["--config", config, "--output-dir", str(run), "--resume", "steps=4"]) == 0
+    assert steps_logged(run) == [1, 2, 3, 4]
+    [message] = [str(w.message) for w in record if str(w.message).startswith("resume: ")]
+    assert message == (
+        f"resume: steps changed from 2 to 4 since {run / 'checkpoints' / 'step_2'}; schedule.total_steps is null, "
+        f"so the warmup_cosine schedule is laid out again over 4 updates: the learning-rate multiplier of the next "
+        f"update stays 0.3, the decay after the warmup moves (set schedule.total_steps=2 to keep it; past its end "
+        f"the rate stays at schedule.min_lr_ratio)")

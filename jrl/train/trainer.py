@@ -538,11 +538,14 @@ class Trainer:
         count = int(state.policy_version)  # the next update's
         was = float(make_schedule(dataclasses.replace(sched, total_steps=old_total), c.steps)(count))
         now = float(self.schedule(count))
+        # inside the warmup (or wsd's flat part) the next rate is the old one: only the decay moves
+        change = (f"stays {now:.3g}, the decay after the warmup moves" if f"{now:.3g}" == f"{was:.3g}"
+                  else f"is {now:.3g}, not the {was:.3g} of the old schedule")
         warnings.warn(f"resume: steps changed from {old_steps} to {c.steps} since {meta['path']}; "
                       f"schedule.total_steps is null, so the {sched.kind} schedule is laid out again over {c.steps} "
-                      f"updates: the learning-rate multiplier of the next update is {now:.3g}, not the {was:.3g} of "
-                      f"the old schedule (set schedule.total_steps={old_total} to keep it; past its end the rate "
-                      f"stays at schedule.min_lr_ratio)", stacklevel=3)
+                      f"updates: the learning-rate multiplier of the next update {change} (set "
+                      f"schedule.total_steps={old_total} to keep it; past its end the rate stays at "
+                      f"schedule.min_lr_ratio)", stacklevel=3)
 
     def _restore(self, target: TrainState, resume_from: int | None) -> tuple[TrainState, dict, list[tuple[int, str]]]:
         """(state, meta, steps to set aside) of the checkpoint this run resumes from: the
