@@ -14,11 +14,17 @@ if [ ! -x .venv/bin/python ]; then
   # SIGPIPE, and under pipefail the whole test fails now and then.)
   elif command -v pyenv >/dev/null 2>&1 && v312="$(pyenv versions --bare | grep '^3\.12' | tail -n 1)" \
       && [ -n "$v312" ]; then
-    PYENV_VERSION="$v312" python3 -m venv .venv
+    # `pyenv exec`, not `python3`: without pyenv's shims on PATH (a shell that never ran
+    # `pyenv init`) `python3` is the system's, and the venv would be of another Python
+    PYENV_VERSION="$v312" pyenv exec python3 -m venv .venv
   else
     echo "bootstrap: Python 3.12 not found (install it, or pyenv install 3.12)" >&2
     exit 1
   fi
+fi
+if ! is_312 .venv/bin/python; then  # e.g. left by an earlier run that picked another Python
+  echo "bootstrap: .venv is not a Python 3.12 environment: remove it (rm -rf .venv) and run again" >&2
+  exit 1
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 if [ -n "$extras" ]; then
