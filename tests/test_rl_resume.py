@@ -10,8 +10,11 @@ import jax
 import numpy as np
 import pytest
 
+from jrl.config import ConfigError
 from jrl.metrics_log import read_metrics
 from jrl.rl import build_learner
+from jrl.rl.options import RLOptions
+from jrl.rl.tasks import make_task, problems_digest
 from jrl.train.trainer import ResumeWarning
 from run_control import StopAfter
 from test_rl_episodes import episode_grpo_config
@@ -174,3 +177,49 @@ def test_a_multi_turn_run_resumes_on_the_rows_it_would_have_trained(tmp_path):
     assert any(np.any(np.diff(np.flatnonzero(m)) > 1) for m in mask)
     rollouts = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "rl_step" in r]
     assert [r["rl_step"] for r in rollouts] == [0] and rollouts[0]["turns_mean"] > 1.0
+
+
+def file_task(tmp_path, steps=4):
+    """tiny() on a task of 20 JSONL records, 4 of them set aside as the held-out split."""
+    train = tmp_path / "train.jsonl"
+    if not train.exists():
+        train.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    return tiny(steps=steps, task={"name": "jsonl", "train": str(train), "n_heldout": 4, "n_validation": 0}), train
+
+
+def test_a_checkpoint_records_the_content_digest_of_each_task_split(tmp_path):
+    config, _ = file_task(tmp_path)
+    run(config, tmp_path / "run", callbacks=[StopAfter(2)])
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_2" / "meta.json").read_text())
+    task = make_task(RLOptions.from_config(config.strategy.options).task)
+    assert meta["data"]["task"] == {split: problems_digest(getattr(task, split))
+                                    for split in ("train", "heldout", "validation")}
+
+
+def test_resume_refuses_a_changed_task_file_naming_the_field(tmp_path):
+    # before: the run went on silently, its held-out split drawn anew from the changed file
+    config, train = file_task(tmp_path)
+    run(config, tmp_path / "run", callbacks=[StopAfter(2)])
+    step_dir = tmp_path / "run" / "checkpoints" / "step_2"
+    saved = json.loads((step_dir / "meta.json").read_text())["data"]["task"]["train"]
+    with train.open("a") as f:
+        f.write(json.dumps({"prompt": "q20", "answer": "20"}) + "\n")
+    now = problems_digest(make_task(RLOptions.from_config(config.strategy.options).task).train)
+    with pytest.raises(ConfigError) as e:
+        run(config, tmp_path / "run", resume=True)
+    assert str(e.value) == (
+        f"--resume: {step_dir} was trained on other data than strategy.options.task.train {train} gives now "
+        f"(the train problems' content digest is {now}, the checkpoint's {saved}); resume on the checkpoint's "
+        f"data, pass --allow-data-change to go on from its position in this data, or start over (--overwrite)")
+
+
+def test_allow_data_change_resumes_a_changed_task_with_a_warning(tmp_path):
+    config, train = file_task(tmp_path)
+    run(config, tmp_path / "run", callbacks=[StopAfter(2)])
+    with train.open("a") as f:
+        f.write(json.dumps({"prompt": "q20", "answer": "20"}) + "\n")
+    learner = build_learner(config, output_dir=tmp_path / "run")
+    with pytest.warns(UserWarning, match=r"^--resume: strategy\.options\.task\.train .* is not the data .*step_2 "
+                                         r"was trained on \(the train problems' content digest is "):
+        state = learner.trainer.fit(resume=True, allow_data_change=True)
+    assert int(state.step) == 4

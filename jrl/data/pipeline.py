@@ -199,11 +199,14 @@ def plan_split(config: DataConfig, split: Split, lengths: np.ndarray,
 
 class DataChangedError(ValueError):
     """A data position saved for other documents than the source's: the training data
-    changed since (other files, or other content), though it packs into as many rows."""
+    changed since (other files, or other content), though it packs into as many rows.
+    `source` names the data by its config field where it is not `data.source` (an RL task's
+    file; `rows` None: no row count to match), `what` the content digested."""
 
-    def __init__(self, saved: str, digest: str, rows: int):
-        super().__init__(f"the documents' content digest is {digest}, the checkpoint's {saved}")
-        self.saved, self.digest, self.rows = saved, digest, rows
+    def __init__(self, saved: str, digest: str, rows: int | None, *, source: str | None = None,
+                 what: str = "documents"):
+        super().__init__(f"the {what}' content digest is {digest}, the checkpoint's {saved}")
+        self.saved, self.digest, self.rows, self.source = saved, digest, rows, source
 
 
 class DataSource:

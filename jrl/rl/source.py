@@ -93,7 +93,8 @@ from jrl.rl.options import RLOptions
 from jrl.rl.placement import Placement
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.replicas import ReplicaPool
-from jrl.rl.tasks import check_task_prompt_lengths, make_task, prompt_limit
+from jrl.data.pipeline import DataChangedError
+from jrl.rl.tasks import SPLITS, check_task_prompt_lengths, make_task, prompt_limit, split_origin, task_digests
 from jrl.rollout import Engine, SamplingParams
 from jrl.rollout.request import Completion
 from jrl.rollout.shared import SharedEngine
@@ -164,6 +165,7 @@ class RolloutSource:
         self.seed = seed
         self.seq_len = seq_len
         self.task = make_task(o.task)
+        self.task_digests = task_digests(self.task)  # recorded in checkpoints: see load_state_dict
         self.rewards = o.reward_model()
         self.tokenizer = tokenizer
         self.format = PromptFormat(tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
@@ -648,10 +650,14 @@ class RolloutSource:
         """What a resumed run needs to continue exactly as this one would: the rollout
         counter and running totals, the rollout batch in progress (its rows, minibatch
         plan and position) and, off-policy, the rollout generated ahead for the next batch
-        (waited for here). Rows are numpy arrays; the trainer stores them beside meta.json."""
+        (waited for here). Rows are numpy arrays; the trainer stores them beside meta.json.
+        `task`: the `task_digests` of a task read from files, which a resume and `jrl eval`
+        compare with the task's now."""
         state: dict[str, Any] = {"rl_step": self.rl_step, "stale_samples_dropped": self.stale_samples_dropped,
                                  "stale_batches_regenerated": self.stale_batches_regenerated,
                                  "pending_metrics": self.pending_metrics}
+        if self.task_digests:
+            state["task"] = dict(self.task_digests)
         if self._next < len(self._batches):
             state["rollout"] = {"rows": dict(self._rows), "batches": self._batches, "next": self._next}
         ahead = self._pending_rollout()
@@ -660,9 +666,17 @@ class RolloutSource:
                                 "group_kept": ahead.group_kept, "metrics": dict(ahead.metrics)}
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, data_changed_ok: bool = False) -> None:
         """Restores `state_dict()`. A checkpoint holding only `rl_step` (older jrl)
-        continues with the next rollout."""
+        continues with the next rollout. One whose task split differs from the task's now
+        (its `task` digests) raises DataChangedError naming the split's config field,
+        before anything is restored, unless `data_changed_ok` (`--allow-data-change`)."""
+        saved = state.get("task") or {}
+        changed = [s for s in SPLITS if s in saved and s in self.task_digests and saved[s] != self.task_digests[s]]
+        if changed and not data_changed_ok:
+            split = changed[0]
+            raise DataChangedError(saved[split], self.task_digests[split], None,
+                                   source=split_origin(self.options.task, split), what=f"{split} problems")
         self.rl_step = int(state["rl_step"])
         self.stale_samples_dropped = int(state.get("stale_samples_dropped", 0))
         self.stale_batches_regenerated = int(state.get("stale_batches_regenerated", 0))

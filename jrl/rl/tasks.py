@@ -15,6 +15,7 @@ when a warm start has learned enough) and training (drawn by `sample_train`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import warnings
@@ -207,6 +208,36 @@ class FileTask:
 
 def _prompt_key(problem: Problem) -> str:
     return json.dumps(problem.prompt, sort_keys=True)
+
+
+SPLITS = ("train", "heldout", "validation")
+
+
+def problems_digest(problems: Sequence[Problem]) -> str:
+    """A fingerprint of `problems` in order: the SHA-256 (20 hex digits, as `content_digest`)
+    of each one's prompt, answer and record, so the same problems give the same digest
+    wherever their file is, and a split drawn anew from a changed file gives another."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(json.dumps([p.prompt, p.answer, p.example], sort_keys=True, default=str).encode() + b"\n")
+    return h.hexdigest()[:20]
+
+
+def task_digests(task: Task) -> dict[str, str]:
+    """`problems_digest` of each split of a task read from files (train: the records left to
+    train on), which a checkpoint records; {} for a generated task, which its config fixes."""
+    if not isinstance(task, FileTask):
+        return {}
+    return {split: problems_digest(getattr(task, split)) for split in SPLITS}
+
+
+def split_origin(config: TaskConfig, split: str) -> str:
+    """Where a split's problems come from, by the config fields that give them: its file, or
+    the records set aside from `train`."""
+    path = getattr(config, split)
+    if split == "train" or path is not None:
+        return f"{TASK}{split} {path}"
+    return f"{TASK}n_{split} ({getattr(config, 'n_' + split)} records of {TASK}train {config.train})"
 
 
 def make_task(config: TaskConfig) -> Task:

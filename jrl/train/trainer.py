@@ -181,13 +181,20 @@ def _data_mismatch_message(error: ValueError, meta: dict, config: TrainConfig) -
             + "; resume with the checkpoint's data settings, or start over (--overwrite)")
 
 
+def _changed_source(error: DataChangedError, config: TrainConfig) -> str:
+    """The config field (and value) that gives the changed data: `data.source`, or the one
+    the source names (an RL task's file)."""
+    return error.source or f"data.source {source_label(config.data.source)}"
+
+
 def _data_changed_message(error: DataChangedError, meta: dict, config: TrainConfig) -> str:
     """One line for a checkpoint trained on other documents than the training data gives
     now, though as many rows (files replaced or edited since): resuming would go on from
     the checkpoint's position in other data."""
-    return (f"--resume: {meta['path']} was trained on other data than data.source {source_label(config.data.source)} "
-            f"gives now ({error}; both {counted(error.rows, 'row')})"
-            + _changed_data_keys(meta, config)
+    rows = f"; both {counted(error.rows, 'row')}" if error.rows is not None else ""
+    return (f"--resume: {meta['path']} was trained on other data than {_changed_source(error, config)} "
+            f"gives now ({error}{rows})"
+            + (_changed_data_keys(meta, config) if error.source is None else "")
             + "; resume on the checkpoint's data, pass --allow-data-change to go on from its position in "
               "this data, or start over (--overwrite)")
 
@@ -477,7 +484,7 @@ class Trainer:
             except DataChangedError as e:  # same row count, other documents: not silently
                 if not allow_data_change:
                     raise ConfigError(_data_changed_message(e, meta, c)) from None
-                warnings.warn(f"--resume: data.source {source_label(c.data.source)} is not the data {meta['path']} "
+                warnings.warn(f"--resume: {_changed_source(e, c)} is not the data {meta['path']} "
                               f"was trained on ({e}); going on from its position in this data "
                               f"(--allow-data-change)", stacklevel=2)
                 self.train_source.load_state_dict(load_source_state(meta), data_changed_ok=True)
