@@ -3,15 +3,20 @@ and per-problem JSONL it writes, agreement with the trainer's own evaluation, er
 the unbiased pass@k estimator on hand-computed values."""
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import shutil
+import warnings
 
 import pytest
 
 from jrl.cli import main as jrl
+from jrl.config import load_train_config
 from jrl.rl.evaluation import pass_at_k
+from jrl.rl.options import RLOptions
+from jrl.rl.tasks import make_task, problems_digest
 from test_rl_loop import run, tiny
 
 N_HELDOUT = 16  # tiny()'s held-out split
@@ -242,3 +247,92 @@ def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
 def test_pass_at_k_refuses_impossible_counts(n, c, k):
     with pytest.raises(ValueError, match="pass_at_k"):
         pass_at_k(n, c, k)
+
+
+def task_warnings(caught):
+    return [str(w.message) for w in caught if "strategy.options.task" in str(w.message)]
+
+
+@pytest.fixture(scope="module")
+def file_trained(tmp_path_factory):
+    """2 GRPO updates on a task of 20 JSONL records (4 held out from them) and a validation
+    file of 3."""
+    out = tmp_path_factory.mktemp("file_run")
+    def write(path, ids):
+        path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in ids))
+        return path
+
+    task = {"name": "jsonl", "train": str(write(out / "train.jsonl", range(20))), "n_heldout": 4,
+            "validation": str(write(out / "val.jsonl", range(30, 33)))}
+    run(tiny(steps=2, task=task), out / "run")
+    return out
+
+
+def eval_file_run(out, *args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert jrl(["eval", "--checkpoint", str(out / "run"), "--samples", "1", *args]) == 0
+    return task_warnings(caught)
+
+
+def add_a_record(text):
+    return text + json.dumps({"prompt": "q20", "answer": "20"}) + "\n"
+
+
+def changed_copy(out, tmp_path, field, name, edit):
+    """A copy of the run's task file `name`, edited, and the key=value override of `field`
+    that gives it."""
+    path = tmp_path / name
+    path.write_text(edit((out / name).read_text()))
+    return path, f"strategy.options.task.{field}={path}"
+
+
+def digests(out, split, *overrides):
+    config = load_train_config(str(out / "run" / "config.yaml"), list(overrides))
+    task = make_task(RLOptions.from_config(config.strategy.options).task)
+    saved = json.loads((out / "run" / "checkpoints" / "step_2" / "meta.json").read_text())["data"]["task"][split]
+    return problems_digest(getattr(task, split)), saved
+
+
+def test_eval_of_the_task_a_checkpoint_was_trained_on_warns_nothing(file_trained):
+    assert eval_file_run(file_trained) == []
+    assert eval_file_run(file_trained, "--split", "validation") == []
+
+
+def test_a_heldout_split_drawn_from_a_changed_train_file_warns_of_contamination(file_trained, tmp_path):
+    # before: scored silently, though one more record draws other held-out problems, some trained on
+    path, override = changed_copy(file_trained, tmp_path, "train", "train.jsonl", add_a_record)
+    now, saved = digests(file_trained, "heldout", override)
+    step_dir = file_trained / "run" / "checkpoints" / "step_2"
+    assert eval_file_run(file_trained, override) == [
+        f"--split heldout: strategy.options.task.n_heldout (4 records of strategy.options.task.train {path}) is not "
+        f"the heldout split {step_dir} was trained with (the heldout problems' content digest is {now}, the "
+        f"checkpoint's {saved}): the file changed since, so some of these problems may be ones the checkpoint "
+        f"trained on; the scores are not held-out accuracy"]
+
+
+def test_a_changed_split_file_warns_naming_the_field_and_the_file(file_trained, tmp_path):
+    path, override = changed_copy(file_trained, tmp_path, "validation", "val.jsonl",
+                                  lambda t: t.replace('"q31"', '"q34"'))
+    now, saved = digests(file_trained, "validation", override)
+    step_dir = file_trained / "run" / "checkpoints" / "step_2"
+    assert eval_file_run(file_trained, "--split", "validation", override) == [
+        f"--split validation: strategy.options.task.validation {path} is not the validation split {step_dir} was "
+        f"trained with (the validation problems' content digest is {now}, the checkpoint's {saved}): the file "
+        f"changed since, so the scores are not comparable with the run's"]
+
+
+def test_a_checkpoint_without_task_digests_evaluates_a_changed_task_without_a_warning(file_trained, tmp_path):
+    out = tmp_path / "old"
+    shutil.copytree(file_trained / "run", out / "run")
+    meta_path = out / "run" / "checkpoints" / "step_2" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["data"]["task"]  # as an older jrl wrote it, its manifest entry to match
+    meta_path.write_text(json.dumps(meta))
+    manifest_path = meta_path.with_name("manifest.json")
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["meta.json"] = {"sha256": hashlib.sha256(meta_path.read_bytes()).hexdigest(),
+                                      "size": meta_path.stat().st_size}
+    manifest_path.write_text(json.dumps(manifest))
+    _, override = changed_copy(file_trained, tmp_path, "train", "train.jsonl", add_a_record)
+    assert eval_file_run(out, override) == []

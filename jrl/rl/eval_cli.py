@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,7 +43,7 @@ from jrl.rl.evaluation import ProblemResult, evaluate_problems, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.rewards import RewardError
-from jrl.rl.tasks import check_prompt_lengths, make_task, prompt_limit
+from jrl.rl.tasks import Task, TaskConfig, check_prompt_lengths, make_task, problems_digest, prompt_limit, split_origin
 from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
 
 SPLITS = ("heldout", "validation")
@@ -57,6 +58,7 @@ class Checkpoint:
     step: int | None = None
     policy_version: int | None = None
     run_dir: Path | None = None  # the jrl run directory holding it, when there is one
+    task_digests: dict | None = None  # its task's split digests, where it records them (a file task, newer jrl)
 
 
 def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
@@ -88,7 +90,24 @@ def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
     meta = read_meta(step_dir)  # {} without one; CheckpointCorruptError naming it when unreadable
     step = meta.get("step", int(step_dir.name[5:]))
     run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
-    return Checkpoint(str(step_dir), step=step, policy_version=meta.get("policy_version"), run_dir=run_dir)
+    digests = (meta.get("data") or {}).get("task")
+    return Checkpoint(str(step_dir), step=step, policy_version=meta.get("policy_version"), run_dir=run_dir,
+                      task_digests=digests if isinstance(digests, dict) else None)
+
+
+def check_task_split(config: TaskConfig, task: Task, split: str, checkpoint: Checkpoint) -> None:
+    """Warns when the task's `split` is not the one the checkpoint recorded (its file changed
+    since training): drawn from a changed train file, its problems may be ones the
+    checkpoint trained on. A checkpoint without the record (older jrl, `hf:`) is not checked."""
+    saved = (checkpoint.task_digests or {}).get(split)
+    now = problems_digest(getattr(task, split))
+    if saved is None or saved == now:
+        return
+    meaning = ("so some of these problems may be ones the checkpoint trained on; the scores are not held-out accuracy"
+               if getattr(config, split) is None else "so the scores are not comparable with the run's")
+    warnings.warn(f"--split {split}: {split_origin(config, split)} is not the {split} split {checkpoint.init_from} "
+                  f"was trained with (the {split} problems' content digest is {now}, the checkpoint's {saved}): "
+                  f"the file changed since, {meaning}", stacklevel=2)
 
 
 def load_config(config_path: str | None, overrides: list[str], checkpoint: Checkpoint) -> tuple[TrainConfig, RLOptions]:
@@ -130,6 +149,7 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
         raise ConfigError(f"--seed: must be an integer >= 0, got {seed!r}")  # the config's seed is checked there
     seed = config.seed if seed is None else seed
     task = make_task(options.task)
+    check_task_split(options.task, task, split, checkpoint)
     problems = list(getattr(task, split))[:max_problems]
     if not problems:
         raise ConfigError(f"--split: the task has no {split} problems (strategy.options.task.n_{split} is 0?)")
