@@ -151,6 +151,8 @@ def trained_run(tmp_path_factory):
     return root
 
 
+# a few steps of a real config under its long warmup
+@pytest.mark.filterwarnings("ignore:schedule.warmup_steps=.* is not shorter than the schedule:UserWarning")
 def test_the_rollout_example_from_a_trained_run_runs_as_written(trained_run, monkeypatch):
     example = python_examples("docs/rollout.md")[1]
     assert "runs/default" in example

@@ -28,6 +28,9 @@ from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.trainer import Trainer
 from run_control import StopAfter
 
+# the runs here are trials of a real config: a few steps under its long warmup
+pytestmark = pytest.mark.filterwarnings("ignore:schedule.warmup_steps=.* is not shorter than the schedule:UserWarning")
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 BF16 = ModelConfig(vocab_size=64, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

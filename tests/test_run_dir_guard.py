@@ -5,6 +5,7 @@ default (which starts over only its own runs/default)."""
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import jrl.checkpoint as ckpt
 from jrl.launch import main
@@ -49,6 +50,8 @@ def test_a_file_as_output_dir_exits_2_naming_it_and_keeps_it(tmp_path, capsys):
     assert path.read_text() == "mine"
 
 
+# a few steps of a real config under its long warmup
+@pytest.mark.filterwarnings("ignore:schedule.warmup_steps=.* is not shorter than the schedule:UserWarning")
 def test_an_output_dir_that_cannot_be_created_is_a_one_line_error_naming_it(tmp_path, capsys):
     path = tmp_path / "notes.txt"  # the run directory's parent is a file, as unwritable as a read-only mount
     path.write_text("mine")

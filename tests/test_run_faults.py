@@ -31,6 +31,9 @@ from jrl.models import init_params
 from jrl.train.run_lock import LOCK_NAME
 from jrl.train.trainer import ResumeWarning
 
+# runs here are extended on resume (steps raised), which re-lays the schedule: tested on its own below
+pytestmark = pytest.mark.filterwarnings("ignore:resume. steps changed from:UserWarning")
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 TINY = {
