@@ -565,13 +565,9 @@ def long_request_case():
     return q, qp, kb, vb, jnp.asarray([0, 8, 16], jnp.int32), jnp.asarray([10, 33], jnp.int32), pt
 
 
-@pytest.mark.parametrize("entry", ["ragged_decode", "paged_prefill", "exact_prefill", "ragged_decode_mgpu",
-                                   "paged_prefill_mgpu", "exact_attention_mgpu"])
-def test_kv_lens_past_the_page_table_row_are_refused_naming_the_request(entry):
-    # The kernels read page ids up to kv_lens / page_size: past the row, another request's
-    # pages or past the table (the interpreter raised an out-of-bounds read from its
-    # callback; the reference silently attended to the first 32 keys only).
-    q, qp, kb, vb, cu, lens, pt = long_request_case()
+def entry_point(entry: str, q, qp, kb, vb, cu, lens, pt):
+    """(the name its errors start with, a call of it) for one of the six attention entry
+    points on `long_request_case`'s arguments (pages of 16, layer 0)."""
     op = {"ragged_decode_mgpu": "decode_mgpu", "paged_prefill_mgpu": "prefill_mgpu",
           "exact_attention_mgpu": "exact_mgpu"}.get(entry, entry)
     kw = dict(page_size=16, sm_scale=0.125)
@@ -583,10 +579,21 @@ def test_kv_lens_past_the_page_table_row_are_refused_naming_the_request(entry):
         "paged_prefill_mgpu": lambda: paged_prefill_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
         "exact_attention_mgpu": lambda: exact_attention_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
     }
+    return op, calls[entry]
+
+
+@pytest.mark.parametrize("entry", ["ragged_decode", "paged_prefill", "exact_prefill", "ragged_decode_mgpu",
+                                   "paged_prefill_mgpu", "exact_attention_mgpu"])
+def test_kv_lens_past_the_page_table_row_are_refused_naming_the_request(entry):
+    # The kernels read page ids up to kv_lens / page_size: past the row, another request's
+    # pages or past the table (the interpreter raised an out-of-bounds read from its
+    # callback; the reference silently attended to the first 32 keys only).
+    q, qp, kb, vb, cu, lens, pt = long_request_case()
+    op, call = entry_point(entry, q, qp, kb, vb, cu, lens, pt)
     with pytest.raises(ValueError, match=re.escape(
             f"{op}: request 1 has kv_lens[1] = 33 keys, more than its page-table row holds "
             f"(2 pages of 16 = 32 keys)")):
-        calls[entry]()
+        call()
 
 
 @pytest.mark.parametrize("entry", ["ragged_decode", "paged_prefill", "exact_prefill", "ragged_decode_mgpu",
@@ -597,22 +604,11 @@ def test_page_ids_outside_the_kv_buffer_are_refused_naming_the_request(entry, pa
     # buffer. The reference's gather clamped it to another page and the kernels read some
     # other slots: both returned finite, wrong outputs without a word.
     q, qp, kb, vb, cu, _, pt = long_request_case()
-    lens, pt = jnp.asarray([10, 20], jnp.int32), pt.at[1, 1].set(page)
-    op = {"ragged_decode_mgpu": "decode_mgpu", "paged_prefill_mgpu": "prefill_mgpu",
-          "exact_attention_mgpu": "exact_mgpu"}.get(entry, entry)
-    kw = dict(page_size=16, sm_scale=0.125)
-    calls = {
-        "ragged_decode": lambda: dispatch.ragged_decode(q, kb, vb, 0, lens, pt, **kw, impl="reference"),
-        "paged_prefill": lambda: dispatch.paged_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl="reference"),
-        "exact_prefill": lambda: dispatch.exact_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl="reference"),
-        "ragged_decode_mgpu": lambda: ragged_decode_mgpu(q, kb, vb, 0, lens, pt, **kw, interpret=True),
-        "paged_prefill_mgpu": lambda: paged_prefill_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
-        "exact_attention_mgpu": lambda: exact_attention_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
-    }
+    op, call = entry_point(entry, q, qp, kb, vb, cu, jnp.asarray([10, 20], jnp.int32), pt.at[1, 1].set(page))
     with pytest.raises(ValueError, match=re.escape(
             f"{op}: request 1 reads page {page} (page_table[1, 1]), outside the KV buffer's 7 pages "
             f"(112 slots in pages of 16)")):
-        calls[entry]()
+        call()
 
 
 def test_page_ids_past_the_pages_a_request_reads_are_not_checked():
