@@ -1223,3 +1223,10 @@ def test_a_request_field_the_server_does_not_read_is_logged_once_by_name(live_in
     assert [m for m in caplog.messages if "temprature" in m] == [
         "request field 'temprature' is not one this server reads; ignored (a misspelt sampling parameter takes "
         "its default)"]
+
+
+def test_help_names_the_address_the_server_listens_on():
+    # the README's base_url (http://127.0.0.1:8000/v1) relies on these defaults, which --help did not show
+    text = " ".join(build_parser().format_help().split())
+    assert "--host HOST interface to listen on (default 127.0.0.1" in text
+    assert "--port PORT (default 8000)" in text

@@ -89,8 +89,9 @@ def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
                           "own dtype with --checkpoint)")
     src.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     net = p.add_argument_group("server")
-    net.add_argument("--host", default="127.0.0.1")
-    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--host", default="127.0.0.1",
+                     help="interface to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every one)")
+    net.add_argument("--port", type=int, default=8000, help="(default 8000)")
     net.add_argument("--max-queue", type=int, default=256,
                      help="requests (choices) waiting beyond the --max-batch running; more get 429 (default 256)")
     net.add_argument("--admin-token", help="enables POST /v1/weights for clients sending Authorization: Bearer <it>")
