@@ -811,6 +811,14 @@ def read_hf_config(path: str) -> dict[str, Any]:
     return data
 
 
+def missing_prefix_hint(path: str | os.PathLike, give: str) -> str:
+    """The clause an error about a missing jrl checkpoint adds when `path` is a Hugging Face
+    directory given without its `hf:` prefix (`give`: how the user names it there), else ''."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return ""
+    return f"; it holds a config.json: for a Hugging Face model {give} hf:{path}"
+
+
 def _holds_jrl_checkpoints(path: str) -> bool:
     """Whether `path` is a jrl run directory, checkpoint root or step_<N> directory (an
     `hf:` prefix given to one said only "config.json not found"). Names only: no jax here."""

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 from jrl.checkpoint import CheckpointCorruptError, latest_step
 from jrl.checkpoint.store import read_meta
 from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
+from jrl.hf import missing_prefix_hint
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.environments import EnvironmentFailure
 from jrl.rl.episode_source import EpisodeSampler
@@ -83,9 +84,8 @@ def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         step = latest_step(root)
         if step is None:  # a Hugging Face directory given without its hf: prefix is named as one
-            hint = (f"; it holds a config.json: for a Hugging Face model give hf:{spec}"
-                    if (path / "config.json").is_file() else "")
-            raise ConfigError(f"{flag}: no checkpoints (step_<N> directories) in {root}{hint}")
+            raise ConfigError(f"{flag}: no checkpoints (step_<N> directories) in {root}"
+                              f"{missing_prefix_hint(spec, 'give')}")
         step_dir = root / f"step_{step}"
     meta = read_meta(step_dir)  # {} without one; CheckpointCorruptError naming it when unreadable
     step = meta.get("step", int(step_dir.name[5:]))

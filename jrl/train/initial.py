@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jrl import checkpoint
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import load_tokenizer
-from jrl.hf import HFFormatError, config_from_hf, load_pretrained, read_hf_config
+from jrl.hf import HFFormatError, config_from_hf, load_pretrained, missing_prefix_hint, read_hf_config
 from jrl.models import init_params
 from jrl.models.lora import lora_params
 from jrl.parallel import init_sharded_params, initialize_distributed, make_mesh, param_shardings, shard_params
@@ -130,9 +130,7 @@ def _step_problem(root: Path, step: int | None) -> str | None:
 def _no_checkpoint(src: str, e: FileNotFoundError) -> ConfigError:
     """The error of an `init_from` that holds no (such) jrl checkpoint; a Hugging Face
     directory written without its `hf:` prefix is named as one."""
-    hint = (f"; it holds a config.json: for a Hugging Face model write init_from: hf:{src}"
-            if os.path.isfile(os.path.join(src, "config.json")) else "")
-    return ConfigError(f"init_from: {src!r}: {e}{hint}")
+    return ConfigError(f"init_from: {src!r}: {e}{missing_prefix_hint(src, 'write init_from:')}")
 
 
 def check_init_from(config: TrainConfig, *, missing_ok: bool = False) -> str | None:
