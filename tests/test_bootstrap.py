@@ -72,3 +72,25 @@ def test_bootstrap_refuses_a_venv_of_another_python_naming_the_fix(checkout):
     result = bootstrap(repo, env)
     assert result.returncode == 1
     assert result.stderr.strip() == "bootstrap: .venv is not a Python 3.12 environment: remove it (rm -rf .venv) and run again"
+
+
+def test_bootstrap_removes_a_half_made_venv_and_names_the_missing_venv_package(checkout):
+    """Debian's Python without its venv package makes `.venv/bin/python` and then fails
+    (no ensurepip): the half-made `.venv` then passed the next run's version check and
+    failed at `pip` with "No module named pip"."""
+    repo, env = checkout
+    bin_dir = pathlib.Path(env["PATH"].split(":")[0])
+    executable(bin_dir / "python3.12", f"""#!/bin/sh
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+  mkdir -p "$3/bin" && ln -s {sys.executable} "$3/bin/python"
+  echo "The virtual environment was not created successfully because ensurepip is not available." >&2
+  exit 1
+fi
+exec {sys.executable} "$@"
+""")
+    result = bootstrap(repo, env)
+    assert result.returncode == 1
+    assert not (repo / ".venv").exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        "bootstrap: python3.12 could not make a venv (on Debian or Ubuntu: "
+        "apt install python3.12-venv), then run again")
