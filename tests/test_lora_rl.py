@@ -151,6 +151,44 @@ def test_adapters_posted_from_another_thread_are_served_at_the_next_step():
     assert ack.bytes_received == sum(x.nbytes for x in jax.tree.leaves(adapters))
 
 
+def interrupted_while_merging(monkeypatch, engine, adapters, version):
+    """`engine.update_weights(adapters, version)` with Ctrl-C while it folds the adapters
+    into their kernels (after the new base + adapters were placed)."""
+    def interrupt(*args):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr("jrl.rollout.engine.merge_lora", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            engine.update_weights(adapters, version)
+
+
+def test_after_an_update_interrupted_while_merging_the_served_versions_adapters_serve_it_again(monkeypatch):
+    # the interrupted build had already taken its adapters as the ones held: those of the
+    # served version were refused as "different params"
+    params = models.init_params(MODEL, jax.random.key(0))
+    params = with_lora_params(params, trained_adapters(params, 1))
+    engine = Engine(MODEL, params, ENGINE)
+    before = engine.generate(PROMPTS, SAMPLING, max_new_tokens=8)
+    interrupted_while_merging(monkeypatch, engine, trained_adapters(params, 2), 1)
+    assert engine.version == 0 and engine.params is None
+    assert engine.update_weights(lora_params(params), version=0).version == 0
+    again = engine.generate(PROMPTS, SAMPLING, max_new_tokens=8)
+    assert [c.tokens.tolist() for c in again] == [c.tokens.tolist() for c in before]
+    assert all(set(c.versions.tolist()) == {0} for c in again)
+
+
+def test_after_an_update_interrupted_while_merging_its_adapters_are_refused_under_the_served_version(monkeypatch):
+    # they were held as the served version's, so handing them over under it was acknowledged
+    # and served them as version 0
+    params = models.init_params(MODEL, jax.random.key(0))
+    engine = Engine(MODEL, params, ENGINE)
+    newer = trained_adapters(params, 2)
+    interrupted_while_merging(monkeypatch, engine, newer, 1)
+    with pytest.raises(ValueError, match="^version: 0 is already served with different params"):
+        engine.update_weights(newer, version=0)
+    assert engine.version == 0 and engine.params is None
+
+
 # ---------------------------------------------------------------- KL reference: the shared base
 class CaptureRefLogp(Callback):
     def __init__(self):

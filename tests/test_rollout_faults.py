@@ -367,6 +367,25 @@ def test_an_update_whose_served_copy_cannot_be_built_says_so_and_a_later_update_
     assert all((c.versions == 2).all() for c in again)
 
 
+def test_an_update_interrupted_while_it_builds_the_served_copy_says_what_to_do_and_propagates(params, monkeypatch):
+    # Ctrl-C while fusing or quantizing: the old copy was released first (peak memory), and
+    # the interrupt said nothing of it
+    engine = Engine(MODEL, params, ENGINE, version=1)
+
+    def interrupt(p):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "_served", interrupt)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        engine.update_weights(jax.tree.map(lambda x: x + 0.001, params), version=2)
+    assert type(raised.value) is KeyboardInterrupt
+    assert raised.value.__notes__ == [
+        "update_weights: interrupted while building the served copy of version 2; version 1's copy "
+        "was released before the build (peak memory), so the engine serves no weights until an "
+        "update_weights succeeds (version 2 again, or version 1's own params)"]
+    assert engine.version == 1 and engine.params is None
+
+
 def test_after_a_failed_build_the_served_version_is_acknowledged_only_with_its_own_params(params, monkeypatch):
     # The failed update had already taken its params as the served version's: handing them
     # over again under the old version was acknowledged as a no-op while no weights were

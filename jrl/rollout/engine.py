@@ -198,8 +198,7 @@ class Engine:
         self._source = SourceParams(params)
         self._source_structure = _structure(params)
         self._adapter_structure = _structure(lora_params(params)) if self._lora else None
-        self._held: dict = {}
-        self.params = self._served(params)
+        self._held, self.params = self._served(params)
         self.version = int(version)
         self.seq_limit = config.seq_len_limit(model_config)
         ps = config.page_size
@@ -717,7 +716,10 @@ class Engine:
         are used by reference; others are re-sharded (copied) onto it first. With
         `tuning.fuse_projections`, the fused copy is rebuilt (one concatenation of the q/k/v and
         gate/up weights; the previous copy is released first); with `weight_dtype`
-        float8_e4m3fn, so is the quantized copy."""
+        float8_e4m3fn, so is the quantized copy. A build that fails (RuntimeError) or is
+        interrupted (the KeyboardInterrupt propagates, with a note) leaves no weights served
+        and the old version's params recorded: that version's own params or a newer version
+        serve again."""
         version = _checked_version(version)
         if version < self.version:
             raise ValueError(f"version: {version} is older than the served version {self.version}; "
@@ -761,15 +763,23 @@ class Engine:
         self._finished = earlier
         received = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
         full = with_lora_params(self._held, params) if adapters_only else params
-        self.params = None  # drop the old served copy before building the new one (peak memory)
+        source = SourceParams(params)
         try:
-            self.params = self._served(full)
+            self.params = None  # drop the old served copy before building the new one (peak memory)
+            held, served = self._served(full)
         except Exception as e:  # e.g. out of memory while fusing or quantizing: the old copy is gone
             raise RuntimeError(f"update_weights: building the served copy of version {version} failed "
                                f"({type(e).__name__}: {e}); the engine serves no weights until an "
                                f"update_weights succeeds") from e
-        self._source = SourceParams(params)  # only once served: a failed build leaves the served version's
-        self.version = version
+        except BaseException as e:  # Ctrl-C: the same, and it reaches the caller as it is
+            e.add_note(f"update_weights: interrupted while building the served copy of version {version}; "
+                       f"version {self.version}'s copy was released before the build (peak memory), so the "
+                       f"engine serves no weights until an update_weights succeeds (version {version} again, "
+                       f"or version {self.version}'s own params)")
+            raise
+        # Only once built, in one statement: a failed or interrupted build leaves the served
+        # version's own params (what `_source` recognises) and held base and adapters.
+        self.params, self._held, self._source, self.version = served, held, source, version
         if self.radix is not None:
             self.radix.drop_versions_except(version)
         return Ack(version, finished_in_flight=finished, restarted=restarted, continued=continued,
@@ -806,25 +816,28 @@ class Engine:
             return 0
         return self.radix.drop_versions_except(-1)  # versions are >= 0: none is kept
 
-    def _served(self, params: dict) -> dict:
-        """The params as the steps read them: placed on the mesh, adapters merged (LoRA,
-        `EngineConfig.lora` "merge"), fused, or as given. Keeps the placed params handed
-        over (`self._held`): the base that adapter-only updates are served over."""
+    def _served(self, params: dict) -> tuple[dict, dict]:
+        """(held, served): the placed params handed over, which the engine keeps as the base
+        that adapter-only updates are served over (LoRA; {} without: not kept), and the
+        params as the steps read them: placed on the mesh, adapters merged (LoRA,
+        `EngineConfig.lora` "merge"), fused, or as given. Neither is stored here, and no
+        buffer is donated: a build that raises leaves the caller's params and `self._held`
+        as they were."""
         held = params if self._holding is None else self._holding.place(params)
         if self._lora and not self._merging and self._holding is None:
             # unmerged on one device: own copies of the (small) adapters, never the caller's
             # buffers, which a train step may donate
             held = with_lora_params(held, jax.tree.map(jnp.copy, lora_params(held)))
-        self._held = held if self._lora else {}  # (weights of a model without LoRA: not kept)
         served = merge_lora(self.model_config, held)[1] if self._merging else held
+        held = held if self._lora else {}  # (weights of a model without LoRA: not kept)
         if self.sharding is not None:
-            return self.sharding.place(served)
+            return held, self.sharding.place(served)
         if self.tuning.fuse_projections:
             served = fuse_projections(self.served_config, served)
         if self.config.weight_dtype != "float8_e4m3fn":
-            return served
+            return held, served
         served = quantize_projections(served)
-        return split_layers(served) if self.tuning.per_layer_weights else served
+        return held, split_layers(served) if self.tuning.per_layer_weights else served
 
     def _drain_started(self) -> list[Completion]:
         """Runs the old weights until no started request is left (running, in flight, or
