@@ -14,7 +14,7 @@ from jrl import models
 from jrl.config import LoraConfig, ModelConfig
 from jrl.models.lora import lora_params, merge_lora, with_lora_params, without_lora
 from jrl.rl import build_learner
-from jrl.rollout import Engine, EngineConfig, SamplingParams
+from jrl.rollout import Ack, Engine, EngineConfig, SamplingParams
 from jrl.train.callbacks import Callback
 from jrl.train.strategies.grpo import policy_stats
 from test_rl_loop import rollout_rows, run, tiny, train_rows
@@ -149,6 +149,39 @@ def test_adapters_posted_from_another_thread_are_served_at_the_next_step():
     ack = engine.apply_posted_weights()
     assert ack.version == engine.version == 1
     assert ack.bytes_received == sum(x.nbytes for x in jax.tree.leaves(adapters))
+
+
+@pytest.mark.parametrize("mode", ["merge", "unmerged"])
+def test_the_served_versions_adapters_handed_again_alone_are_acknowledged_as_a_no_op(mode):
+    # unmerged, the engine's own copies of the adapters were compared: refused as "different params"
+    params = models.init_params(MODEL, jax.random.key(0))
+    params = with_lora_params(params, trained_adapters(params, 1))
+    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, lora=mode))
+    served = engine.params
+    assert engine.update_weights(lora_params(params), version=0) == Ack(0)
+    assert engine.params is served
+
+
+@pytest.mark.parametrize("mode", ["merge", "unmerged"])
+def test_the_served_base_and_adapters_handed_again_whole_are_acknowledged_as_a_no_op(mode):
+    # the version's adapters came alone: the whole params were compared with them, or with the
+    # served tree, and refused as "different params" in both modes
+    params = models.init_params(MODEL, jax.random.key(0))
+    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, lora=mode))
+    adapters = trained_adapters(params, 1)
+    engine.update_weights(adapters, version=1)
+    served = engine.params
+    assert engine.update_weights(with_lora_params(params, adapters), version=1) == Ack(1)
+    assert engine.params is served
+
+
+@pytest.mark.parametrize("mode", ["merge", "unmerged"])
+def test_other_adapters_under_the_served_version_are_refused(mode):
+    params = models.init_params(MODEL, jax.random.key(0))
+    engine = Engine(MODEL, params, dataclasses.replace(ENGINE, lora=mode))
+    with pytest.raises(ValueError, match="^version: 0 is already served with different params"):
+        engine.update_weights(trained_adapters(params, 1), version=0)
+    assert engine.version == 0
 
 
 def interrupted_while_merging(monkeypatch, engine, adapters, version):

@@ -709,7 +709,8 @@ class Engine:
         to the prefix cache again (a newer request never reads KV of an older version).
         For a LoRA model `params` may be the adapters alone (`lora_params`): they are served
         over the base handed over before. Raises ValueError for a version going backwards, a version already served with
-        other params, params whose structure,
+        other params (the arrays handed over for it, whole or, LoRA, the adapters alone, are
+        acknowledged as a no-op), params whose structure,
         shapes or dtypes differ from those handed over before (the separate layout, also
         when the engine serves a fused copy), or params holding NaN or inf (the error names
         the first such leaf); after a refusal the engine still serves the old version. With a mesh, params in the engine's layout
@@ -763,7 +764,7 @@ class Engine:
         self._finished = earlier
         received = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
         full = with_lora_params(self._held, params) if adapters_only else params
-        source = SourceParams(params)
+        source = self._source.updated(params)
         try:
             self.params = None  # drop the old served copy before building the new one (peak memory)
             held, served = self._served(full)

@@ -173,16 +173,24 @@ def engine_sharding(config: ModelConfig, mesh: Mesh | ParallelConfig) -> EngineS
 
 
 class SourceParams:
-    """Weak references to the params a caller handed over, so that handing the same objects
-    again is recognised even when the engine serves re-sharded copies of them."""
+    """Weak references to the arrays a caller handed over, by path, so that handing the same
+    objects again is recognised even when the engine serves copies of them (re-sharded,
+    merged, fused, or its own copies of LoRA adapters)."""
 
-    def __init__(self, params: Any) -> None:
-        self._refs = [_weak(x) for x in jax.tree.leaves(params)]
+    def __init__(self, params: Any, before: dict | None = None) -> None:
+        self._refs = dict(before or {})
+        self._refs.update((path, _weak(x)) for path, x in jax.tree_util.tree_leaves_with_path(params))
+
+    def updated(self, params: Any) -> SourceParams:
+        """These references after an update that handed over `params`: all of the tree, or a
+        part (LoRA adapters alone), the other paths keeping the arrays handed over before."""
+        return SourceParams(params, self._refs)
 
     def same(self, params: Any) -> bool:
-        leaves = jax.tree.leaves(params)
-        return len(leaves) == len(self._refs) and all(r is not None and r() is x
-                                                      for r, x in zip(self._refs, leaves))
+        """Whether every array of `params` (all of the tree, or a part such as the adapters
+        alone) is the one handed over at its path."""
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        return bool(leaves) and all((r := self._refs.get(path)) is not None and r() is x for path, x in leaves)
 
 
 def _weak(x: Any) -> weakref.ref | None:
