@@ -60,8 +60,9 @@ def _inputs(seed=0):
     return logits, window
 
 
-def _check_distribution(params: list[SamplingParams]):
-    logits, window = _inputs()
+def _check_distribution(params: list[SamplingParams], logits=None):
+    inputs, window = _inputs()
+    logits = inputs if logits is None else logits
     s = sampling_arrays(params, [0] * ROWS, [0] * ROWS, ROWS)
     penalties, mode = batch_mode(params)
     got = np.asarray(_dist(logits, window, s, penalties=penalties, mode=mode))
@@ -87,6 +88,27 @@ def test_top_p_keeps_smallest_set_reaching_p():
 
 def test_min_p_keeps_tokens_above_fraction_of_max():
     _check_distribution([SamplingParams(min_p=m) for m in (0.01, 0.1, 0.5, 0.0)])
+
+
+def _close_logits(seed):
+    """Each row a shuffle of 0, 0.001, ..., 0.031: divided by a temperature of 1e36 or more,
+    the gaps below the largest logit fall under float32's normal range and flush to 0."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(V) for _ in range(ROWS)]).astype(np.float32) * np.float32(1e-3)
+
+
+EXTREME_TEMPERATURES = (1e36, 1e37, 1e38, 3.4e38)
+
+
+def test_top_k_after_an_extreme_temperature_keeps_the_k_largest_logits():
+    """temperature=1e37 scaled every logit to a tie and top-k kept the k lowest token ids;
+    temperature is monotonic, so the k largest logits are chosen before it is applied."""
+    _check_distribution([SamplingParams(temperature=t, top_k=3) for t in EXTREME_TEMPERATURES], _close_logits(6))
+
+
+def test_top_p_after_an_extreme_temperature_keeps_the_largest_logits():
+    """As for top-k: top-p ranked the tied scaled logits by token id and kept the lowest."""
+    _check_distribution([SamplingParams(temperature=t, top_p=0.3) for t in EXTREME_TEMPERATURES], _close_logits(7))
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():

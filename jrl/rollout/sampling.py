@@ -13,6 +13,8 @@ For each request row, from the float32 model logits `z`:
 4. top-k (k > 0): keep the k largest logits (ties broken by lower token id).
 5. top-p (p < 1): over the softmax of what top-k kept, sorted descending, keep a token if
    the probability mass strictly before it is < p (the smallest set reaching p).
+   top-k and top-p rank the tokens by their logits before the temperature (the same
+   order, the temperature being monotonic, kept where the scaled logits round to ties).
 6. min-p (m > 0): keep tokens whose probability is >= m times the largest probability.
 7. Draw from the softmax of the kept logits with a Gumbel-max draw keyed by
    `fold_in(key(seed), output index)`, so a request's sample does not depend on the batch
@@ -225,10 +227,13 @@ def penalize(logits: jax.Array, window: jax.Array, s: SamplingArrays) -> jax.Arr
     return jnp.clip(z, -_FLOAT32_MAX, _FLOAT32_MAX)
 
 
-def truncate(z: jax.Array, s: SamplingArrays) -> jax.Array:
-    """top-k, then top-p, then min-p on temperature-scaled logits; dropped tokens -> -inf."""
+def truncate(z: jax.Array, s: SamplingArrays, unscaled: jax.Array | None = None) -> jax.Array:
+    """top-k, then top-p, then min-p on temperature-scaled logits; dropped tokens -> -inf.
+    `unscaled` (default `z`): the logits before the temperature, which rank the tokens for
+    top-k and top-p. Scaling is monotonic, but a large temperature (1e37) flushes the gaps
+    of `z` to ties, and a ranking of `z` then kept the lowest token ids."""
     r, v = z.shape
-    order = jnp.argsort(-z, axis=-1, stable=True)
+    order = jnp.argsort(-(z if unscaled is None else unscaled), axis=-1, stable=True)
     zs = jnp.take_along_axis(z, order, axis=-1)
     rank = jnp.arange(v)[None, :]
     k = s.top_k[:, None]
@@ -247,7 +252,7 @@ def truncate(z: jax.Array, s: SamplingArrays) -> jax.Array:
 def distribution(logits: jax.Array, window: jax.Array, s: SamplingArrays, *, penalties: bool,
                  mode: str) -> jax.Array:
     """Log-probabilities `[R, V]` of the distribution each non-greedy row draws from."""
-    z = penalize(logits, window, s) if penalties else logits
+    unscaled = z = penalize(logits, window, s) if penalties else logits
     temp = s.temperature[:, None]
     # Shifted to a max of exactly 0 before scaling, so every scaled logit is <= 0 however
     # XLA rounds the division: it computes z / t in more than one fusion, and at a tiny
@@ -255,7 +260,7 @@ def distribution(logits: jax.Array, window: jax.Array, s: SamplingArrays, *, pen
     z = z - jnp.max(z, axis=-1, keepdims=True)
     z = z / jnp.where(temp > 0, temp, 1.0)
     if mode == "filter":
-        z = truncate(z, s)
+        z = truncate(z, s, unscaled)
     return jax.nn.log_softmax(z, axis=-1)
 
 
