@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from pallas_kernels import reference
 from pallas_kernels.quantized import QuantizedKV, value_paging_problem
 from pallas_kernels.shapes import (MAX_TILE_COLUMNS, causal_positions, check_layer, check_lengths_fit,
-                                   check_queries_fit, check_request_shapes)
+                                   check_queries_fit, check_query_dtype, check_request_shapes)
 from pallas_kernels.staged_prefill import check_stage, staged_copy
 from pallas_kernels.tuning import DecodeTuning, PrefillTuning
 
@@ -128,6 +128,8 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     other rows is refused: `staged_prefill.check_stage`). `kv_lens[b]` at most the keys a
     page-table row holds (`shapes.check_lengths_fit`: checked where concrete)."""
     check_request_shapes("paged_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
+    if impl != "reference":  # (the reference computes in float32 from any q)
+        check_query_dtype("paged_prefill", q, k_buf, v_buf)
     check_lengths_fit("paged_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
     check_layer("paged_prefill", layer, k_buf.shape[0])
     check_queries_fit("paged_prefill", cu_q_lens, kv_lens, q.shape[0])
@@ -181,6 +183,8 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
     `kv_lens[b]` at most the keys a page-table row holds (`shapes.check_lengths_fit`:
     checked where concrete, the caller's precondition inside a trace)."""
     check_request_shapes("ragged_decode", q, k_buf, kv_lens, page_table)
+    if impl != "reference":  # (the reference computes in float32 from any q)
+        check_query_dtype("ragged_decode", q, k_buf, v_buf)
     check_lengths_fit("ragged_decode", kv_lens, page_table, page_size, k_buf.shape[1])
     check_layer("ragged_decode", layer, k_buf.shape[0])
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode",
@@ -218,6 +222,8 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
     check_request_shapes("exact_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
+    if impl != "reference":  # (the reference computes in float32 from any q)
+        check_query_dtype("exact_prefill", q, k_buf, v_buf)
     check_lengths_fit("exact_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
     check_layer("exact_prefill", layer, k_buf.shape[0])
     check_queries_fit("exact_prefill", cu_q_lens, kv_lens, q.shape[0])

@@ -8,6 +8,7 @@ import inspect
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.quantized import QuantizedKV
@@ -44,6 +45,25 @@ def check_request_shapes(op: str, q, k_buf, kv_lens, page_table, cu_q_lens=None)
         raise ValueError(f"{op}: q's {hq} heads must be a multiple of the buffers' {hkv} KV heads")
     if q.shape[-1] != k_buf.shape[3]:  # (MLA's latent form too: its queries span the key width)
         raise ValueError(f"{op}: q's head_dim {q.shape[-1]} must be the buffers' {k_buf.shape[3]}")
+
+
+def check_query_dtype(op: str, q, k_buf, v_buf) -> None:
+    """Raises ValueError unless `q`'s dtype is one the kernels compute in over these buffers:
+    the buffers' own for bf16/f16 ones, bf16 or f16 for fp8 ones (`QuantizedKV`, computed in
+    q's dtype or f16: `decode_mgpu.compute_dtype`). The kernels cast q to their compute dtype,
+    so another q (float32, or f16 over bf16) was rounded without a word. Other buffers
+    (float32: only the reference reads them, in float32) and MLA's latent cache (`v_buf`
+    None: the reference) take any q. Dtypes are static: it holds inside a trace too."""
+    if v_buf is None:
+        return
+    if isinstance(k_buf, QuantizedKV):
+        if q.dtype not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"{op}: q is {q.dtype} but fp8 K/V buffers take a bfloat16 or float16 q, the dtypes "
+                             f"the kernels compute in (q would be rounded without a word): pass q as bfloat16 or "
+                             f"float16")
+    elif k_buf.dtype in (jnp.bfloat16, jnp.float16) and q.dtype != k_buf.dtype:
+        raise ValueError(f"{op}: q is {q.dtype} but the K/V buffers are {k_buf.dtype}, the dtype the kernels "
+                         f"compute in (q would be rounded to it without a word): pass q as {k_buf.dtype}")
 
 
 def check_lengths_fit(op: str, kv_lens, page_table, page_size: int, n_slots: int | None = None) -> None:
@@ -121,7 +141,8 @@ def check_queries_fit(op: str, cu_q_lens, kv_lens, n_rows: int) -> None:
 
 
 def checks_lengths(op: str):
-    """Decorates a jitted kernel entry point with `check_lengths_fit` on its `kv_lens`,
+    """Decorates a jitted kernel entry point with `check_query_dtype` on its `q`, `k_buf` and
+    `v_buf` (static: also inside a trace) and `check_lengths_fit` on its `kv_lens`,
     `page_table`, `page_size` and `k_buf`'s slots, run before the jitted call (where it still sees concrete
     arguments; called inside a trace, it checks nothing)."""
 
@@ -131,6 +152,7 @@ def checks_lengths(op: str):
         @functools.wraps(kernel)
         def checked(*args, **kwargs):
             bound = signature.bind(*args, **kwargs).arguments
+            check_query_dtype(op, bound["q"], bound["k_buf"], bound["v_buf"])
             check_lengths_fit(op, bound["kv_lens"], bound["page_table"], bound["page_size"], bound["k_buf"].shape[1])
             return kernel(*args, **kwargs)
 

@@ -565,16 +565,17 @@ def long_request_case():
     return q, qp, kb, vb, jnp.asarray([0, 8, 16], jnp.int32), jnp.asarray([10, 33], jnp.int32), pt
 
 
-def entry_point(entry: str, q, qp, kb, vb, cu, lens, pt):
+def entry_point(entry: str, q, qp, kb, vb, cu, lens, pt, impl: str = "reference"):
     """(the name its errors start with, a call of it) for one of the six attention entry
-    points on `long_request_case`'s arguments (pages of 16, layer 0)."""
+    points on `long_request_case`'s arguments (pages of 16, layer 0); `impl`: the
+    dispatch's (the kernels' own entry points run interpreted)."""
     op = {"ragged_decode_mgpu": "decode_mgpu", "paged_prefill_mgpu": "prefill_mgpu",
           "exact_attention_mgpu": "exact_mgpu"}.get(entry, entry)
     kw = dict(page_size=16, sm_scale=0.125)
     calls = {
-        "ragged_decode": lambda: dispatch.ragged_decode(q, kb, vb, 0, lens, pt, **kw, impl="reference"),
-        "paged_prefill": lambda: dispatch.paged_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl="reference"),
-        "exact_prefill": lambda: dispatch.exact_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl="reference"),
+        "ragged_decode": lambda: dispatch.ragged_decode(q, kb, vb, 0, lens, pt, **kw, impl=impl),
+        "paged_prefill": lambda: dispatch.paged_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl=impl),
+        "exact_prefill": lambda: dispatch.exact_prefill(qp, kb, vb, 0, cu, lens, pt, **kw, impl=impl),
         "ragged_decode_mgpu": lambda: ragged_decode_mgpu(q, kb, vb, 0, lens, pt, **kw, interpret=True),
         "paged_prefill_mgpu": lambda: paged_prefill_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
         "exact_attention_mgpu": lambda: exact_attention_mgpu(qp, kb, vb, 0, cu, lens, pt, **kw, interpret=True),
@@ -609,6 +610,44 @@ def test_page_ids_outside_the_kv_buffer_are_refused_naming_the_request(entry, pa
             f"{op}: request 1 reads page {page} (page_table[1, 1]), outside the KV buffer's 7 pages "
             f"(112 slots in pages of 16)")):
         call()
+
+
+@pytest.mark.parametrize("q_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("entry", ["ragged_decode", "paged_prefill", "exact_prefill", "ragged_decode_mgpu",
+                                   "paged_prefill_mgpu", "exact_attention_mgpu"])
+def test_a_query_in_another_dtype_than_bf16_buffers_is_refused_naming_both(entry, q_dtype):
+    # The kernels compute in the buffers' dtype: a float32 or f16 q over bf16 buffers was
+    # rounded to bf16 without a word. impl="auto" refuses it on the CPU too (where the
+    # reference would run), so that the call is not refused on a Hopper GPU only.
+    q, qp, kb, vb, cu, _, pt = long_request_case()
+    op, call = entry_point(entry, q.astype(q_dtype), qp.astype(q_dtype), kb, vb, cu, jnp.asarray([10, 16], jnp.int32),
+                           pt, impl="auto")
+    with pytest.raises(ValueError, match=re.escape(
+            f"{op}: q is {q_dtype} but the K/V buffers are bfloat16, the dtype the kernels compute in (q would "
+            f"be rounded to it without a word): pass q as bfloat16")):
+        call()
+
+
+@pytest.mark.parametrize("entry", ["ragged_decode", "ragged_decode_mgpu"])
+def test_the_query_dtype_is_refused_from_abstract_values_inside_a_trace(entry):
+    q, qp, kb, vb, cu, _, pt = long_request_case()
+    lens = jnp.asarray([10, 16], jnp.int32)
+    kernel = (functools.partial(dispatch.ragged_decode, impl="auto") if entry == "ragged_decode" else
+              functools.partial(ragged_decode_mgpu, interpret=True))
+    traced = jax.jit(lambda q: kernel(q, kb, vb, 0, lens, pt, page_size=16, sm_scale=0.125))
+    with pytest.raises(ValueError, match=re.escape("q is float32 but the K/V buffers are bfloat16")):
+        traced.trace(jax.ShapeDtypeStruct(q.shape, jnp.float32))
+
+
+def test_the_reference_takes_a_float32_query_over_bf16_buffers_and_computes_in_float32():
+    # nothing is rounded there: impl="reference" keeps taking any q
+    q, _, kb, vb, _, _, pt = long_request_case()
+    lens = jnp.asarray([10, 16], jnp.int32)
+    q32 = jnp.asarray(np.random.default_rng(23).standard_normal(q.shape), jnp.float32)
+    out = dispatch.ragged_decode(q32, kb, vb, 0, lens, pt, page_size=16, sm_scale=0.125, impl="reference")
+    want = reference.ragged_decode(q32, f32(kb), f32(vb), 0, lens, pt, page_size=16, sm_scale=0.125)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
 def test_page_ids_past_the_pages_a_request_reads_are_not_checked():
