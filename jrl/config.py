@@ -320,6 +320,10 @@ DEFAULT_EXACT_ROWS = 256
 # The ModelConfig fields only an MoE model (n_experts > 0) reads.
 MOE_ONLY_FIELDS = ("n_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "n_shared_experts",
                    "shared_expert_intermediate_size", "shared_expert_gate", "router_aux_loss_coef")
+# The head widths only one attention reads (qkv_bias and qk_norm, GQA's too, are refused
+# with MLA on their own). A value other than the default under the other one is an error.
+GQA_ONLY_FIELDS = ("n_kv_heads", "head_dim")
+MLA_ONLY_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,6 +443,15 @@ class ModelConfig:
         _check(math.isfinite(self.rope_theta), "rope_theta", f"must be finite (inf turns off the rotation), got {self.rope_theta}")
         _check(self.initializer_range >= 0, "initializer_range",
                f"must be >= 0, got {self.initializer_range}")
+        # a field the attention does not read would be ignored without a word
+        why = {"mla": "MLA's heads are sized by kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
+               "gqa": "only MLA reads it"}[self.attention]
+        for name in GQA_ONLY_FIELDS if self.attention == "mla" else MLA_ONLY_FIELDS:
+            default = ModelConfig.__dataclass_fields__[name].default
+            v = getattr(self, name)
+            _check(v == default, name,
+                   f"set to {v!r}, which has no effect under attention {self.attention!r} ({why}); leave {name} at "
+                   f"its default ({default!r}), or set attention: {'gqa' if self.attention == 'mla' else 'mla'}")
         if self.attention == "mla":
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 v = getattr(self, name)

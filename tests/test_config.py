@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from jrl.config import (ConfigError, LoraConfig, ModelConfig, RopeScaling, cli_exit, from_dict, model_config_from_dict,
-                        to_dict)
+from jrl.config import (ConfigError, LoraConfig, ModelConfig, RopeScaling, cli_exit, from_dict, load_train_config,
+                        model_config_from_dict, to_dict)
 
 
 def test_defaults_are_a_valid_small_gqa_model():
@@ -41,6 +41,28 @@ def test_every_moe_only_field_set_on_a_dense_model_is_named(field, value):
         model_config_from_dict({field: value})
     moe = ModelConfig(**{"n_experts": 4, "n_shared_experts": 1, field: value})  # an MoE model reads it
     assert getattr(moe, field) == value
+
+
+@pytest.mark.parametrize("field, value, default", [("n_kv_heads", 4, 2), ("head_dim", 32, 16)])
+def test_an_mla_model_refuses_a_gqa_field_it_would_ignore(field, value, default):
+    # before: MLA sized its heads by its own fields and dropped these without a word
+    with pytest.raises(ConfigError) as e:
+        load_train_config(None, ["model.attention=mla", f"model.{field}={value}"])
+    assert str(e.value) == (
+        f"model.{field}: set to {value}, which has no effect under attention 'mla' (MLA's heads are sized by "
+        f"kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim); leave {field} at its default "
+        f"({default}), or set attention: gqa")
+
+
+@pytest.mark.parametrize("field, value, default", [("q_lora_rank", 16, 0), ("kv_lora_rank", 64, 32),
+                                                   ("qk_nope_head_dim", 32, 16), ("qk_rope_head_dim", 16, 8),
+                                                   ("v_head_dim", 32, 16)])
+def test_a_gqa_model_refuses_an_mla_field_it_would_ignore(field, value, default):
+    with pytest.raises(ConfigError) as e:
+        load_train_config(None, [f"model.{field}={value}"])
+    assert str(e.value) == (
+        f"model.{field}: set to {value}, which has no effect under attention 'gqa' (only MLA reads it); "
+        f"leave {field} at its default ({default}), or set attention: mla")
 
 
 def test_lora_scale_is_alpha_over_rank():

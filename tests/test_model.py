@@ -18,7 +18,8 @@ from jrl.config import LoraConfig, ModelConfig
 
 BASE = ModelConfig(vocab_size=61, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    intermediate_size=48, max_position_embeddings=32)
-MLA = dataclasses.replace(BASE, attention="mla", kv_lora_rank=16, qk_nope_head_dim=8,
+# head_dim back at its default: MLA sizes its heads by the qk_*/v_* fields (and refuses it)
+MLA = dataclasses.replace(BASE, attention="mla", head_dim=16, kv_lora_rank=16, qk_nope_head_dim=8,
                           qk_rope_head_dim=4, v_head_dim=16)
 
 
