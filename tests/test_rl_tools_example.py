@@ -96,6 +96,8 @@ def test_multi_turn_demonstrations_need_the_chat_template(tmp_path):
         render_demonstrations(WarmStartConfig(source="bundled:lookup:1"), fmt, "prompt", [])
 
 
+# 4 steps of the example's warm start under its 20 warmup updates
+@pytest.mark.filterwarnings("ignore::jrl.train.schedules.LongWarmupWarning")
 def test_the_warm_start_trains_on_tool_turns_and_checks_greedy_episodes(tmp_path):
     config = load_train_config(str(CONFIG), ["strategy.options.warm_start.max_steps=4",
                                              "strategy.options.warm_start.check_every=2",

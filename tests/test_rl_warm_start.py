@@ -25,6 +25,9 @@ from jrl.train.defaults import default_run
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "grpo_jsonl_example.yaml"
 
+# the warm starts here are trials of the example: a few steps under its 20 warmup updates
+pytestmark = pytest.mark.filterwarnings("ignore::jrl.train.schedules.LongWarmupWarning")
+
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -262,6 +265,21 @@ def test_resuming_a_run_killed_during_its_warm_start_says_what_starts_again(tmp_
         f"checkpoint in {out / 'warm_start' / 'checkpoints'}"]
     assert checkpoint.all_steps(out / "warm_start" / "checkpoints") == [1]
     assert checkpoint.all_steps(out / "checkpoints") == [1]
+
+
+def test_a_warm_start_warmup_as_long_as_its_steps_is_warned_of_naming_its_own_fields(tmp_path):
+    # the example's 20 warmup updates in a 1-step trial: named as the run config writes them,
+    # not as the schedule.warmup_steps / steps of the SFT stage jrl derives from it
+    config = load_train_config(str(CONFIG), ["strategy.options.warm_start.source=bundled:reverse:200",
+                                             "strategy.options.task.n_heldout=8", "strategy.options.task.n_validation=8",
+                                             "strategy.options.warm_start.max_steps=1",
+                                             "strategy.options.warm_start.check_every=1000", "logging.progress=false"])
+    with pytest.warns(UserWarning) as record:
+        run_warm_start(config, output_dir=str(tmp_path))
+    assert [str(w.message) for w in record if "warmup" in str(w.message)] == [
+        "strategy.options.warm_start.warmup_steps=20 is not shorter than the run's 1 update "
+        "(strategy.options.warm_start.max_steps=1): the learning rate only warms up and never levels off at its "
+        "peak; fine for a trial run, else lower the warmup"]
 
 
 def test_resuming_a_warm_start_stopped_by_a_signal_says_which_checkpoint_it_continues(tmp_path, capsys):

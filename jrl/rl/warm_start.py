@@ -41,6 +41,7 @@ from jrl.rl.tasks import Task, check_task_prompt_lengths, make_task, prompt_limi
 from jrl.rl.tools import resolve_tool
 from jrl.train.callbacks import Callback
 from jrl.train.initial import load_run_tokenizer
+from jrl.train.schedules import LongWarmupWarning, warmup_outlasts
 from jrl.train.trainer import Trainer, check_fresh_start
 
 
@@ -198,7 +199,17 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
               + (f" ({demos.dropped} left out: held-out or validation prompts)" if demos.dropped else ""),
               flush=True)
     stop = StopAtValidationAccuracy(config, ws.target_accuracy, ws.check_every, problems=task.validation)
-    trainer = Trainer(warm_start_config(config, demos), output_dir=warm_dir, callbacks=[stop])
+    sft = warm_start_config(config, demos)
+    # the trainer's warning would name the SFT stage's schedule.warmup_steps / steps, which
+    # the run config never sets: this one names the warm start's fields
+    field = "strategy.options.warm_start"
+    why = warmup_outlasts(sft.schedule, sft.steps, warmup_field=f"{field}.warmup_steps",
+                          steps_field=f"{field}.max_steps")
+    if why is not None:
+        warnings.warn(why, LongWarmupWarning, stacklevel=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LongWarmupWarning)
+        trainer = Trainer(sft, output_dir=warm_dir, callbacks=[stop])
     latest = checkpoint.latest_step(trainer.checkpoint_dir)
     if resume or overwrite or latest is None:
         done.unlink(missing_ok=True)  # else fit refuses to start over an earlier warm start, which stays marked

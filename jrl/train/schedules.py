@@ -30,18 +30,32 @@ def _cosine(progress):
     return 0.5 * (1.0 + jnp.cos(math.pi * jnp.clip(progress, 0.0, 1.0)))
 
 
-def warmup_outlasts(config: ScheduleConfig, run_steps: int) -> str | None:
-    """Why a `warmup_cosine` or `wsd` schedule over `run_steps` never decays (its warmup is
-    as long as the schedule or longer), or None. The trainer warns of it instead of refusing
-    it: a real config tried with a few `steps` does this on purpose, but in a real run it was
-    a silent mistake (the rate never reached the floor, nor the peak if longer)."""
-    total = config.total_steps or run_steps
-    if config.kind not in ("warmup_cosine", "wsd") or config.warmup_steps < total:
+class LongWarmupWarning(UserWarning):
+    """A warmup as long as the updates it is laid out over, or longer (`warmup_outlasts`)."""
+
+
+# What each kind's rate never gets to when the warmup fills its updates.
+_AFTER_WARMUP = {"constant": "levels off at its peak", "warmup_cosine": "decays to schedule.min_lr_ratio",
+                 "wsd": "decays to schedule.min_lr_ratio", "cosine_restarts": "starts its cosine cycles"}
+# The kinds laid out over `total_steps` (the others never read it: their length is the run's).
+_LAID_OUT = ("warmup_cosine", "wsd")
+
+
+def warmup_outlasts(config: ScheduleConfig, run_steps: int, *, warmup_field: str = "schedule.warmup_steps",
+                    steps_field: str = "steps") -> str | None:
+    """Why a schedule over `run_steps` only warms up (its warmup is as long as the schedule,
+    or the run for a kind without a length, or longer), or None; `warmup_field` /
+    `steps_field` name the settings giving the two. The trainer warns of it instead of
+    refusing it: a real config tried with a few `steps` does this on purpose, but in a real
+    run it was a silent mistake (the rate never reached the floor, nor the peak if longer)."""
+    laid_out = config.kind in _LAID_OUT
+    total = (config.total_steps if laid_out else None) or run_steps
+    if config.warmup_steps < total:
         return None
-    length = f"schedule.total_steps={total}" if config.total_steps else f"steps={total}"
-    return (f"schedule.warmup_steps={config.warmup_steps} is not shorter than the schedule's {counted(total, 'update')} "
-            f"({length}): the learning rate only warms up and never decays to schedule.min_lr_ratio; fine for a "
-            f"trial run, else lower the warmup")
+    length = f"schedule.total_steps={total}" if laid_out and config.total_steps else f"{steps_field}={total}"
+    return (f"{warmup_field}={config.warmup_steps} is not shorter than the {'schedule' if laid_out else 'run'}'s "
+            f"{counted(total, 'update')} ({length}): the learning rate only warms up and never "
+            f"{_AFTER_WARMUP[config.kind]}; fine for a trial run, else lower the warmup")
 
 
 def make_schedule(config: ScheduleConfig, run_steps: int) -> Schedule:

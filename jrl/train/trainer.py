@@ -56,7 +56,7 @@ from jrl.train.initial import load_initial_params, load_run_tokenizer, run_distr
 from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_groups, trainable_mask
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
-from jrl.train.schedules import make_schedule, warmup_outlasts
+from jrl.train.schedules import LongWarmupWarning, make_schedule, warmup_outlasts
 from jrl.train.source_state import load_source_state, pack_source_state
 from jrl.train.state import TrainState, init_sharded_train_state
 from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings, seed_fp8_history, trainable_part
@@ -299,7 +299,7 @@ class Trainer:
         check_data_format(config, self.strategy, train_source is not None)
         self.schedule = make_schedule(config.schedule, config.steps)
         if (why := warmup_outlasts(config.schedule, config.steps)) is not None:
-            warnings.warn(why, stacklevel=2)
+            warnings.warn(why, LongWarmupWarning, stacklevel=2)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.callbacks = self._with_builtin_callbacks(list(callbacks))
         self.state: TrainState | None = None
