@@ -197,19 +197,44 @@ def test_a_checkpoint_records_the_content_digest_of_each_task_split(tmp_path):
 
 
 def test_resume_refuses_a_changed_task_file_naming_the_field(tmp_path):
-    # before: the run went on silently, its held-out split drawn anew from the changed file
+    # before: the run went on silently on the changed file
     config, train = file_task(tmp_path)
     run(config, tmp_path / "run", callbacks=[StopAfter(2)])
     step_dir = tmp_path / "run" / "checkpoints" / "step_2"
-    saved = json.loads((step_dir / "meta.json").read_text())["data"]["task"]["train"]
-    with train.open("a") as f:
-        f.write(json.dumps({"prompt": "q20", "answer": "20"}) + "\n")
-    now = problems_digest(make_task(RLOptions.from_config(config.strategy.options).task).train)
+    saved = json.loads((step_dir / "meta.json").read_text())["data"]["task"]
+    task = make_task(RLOptions.from_config(config.strategy.options).task)
+    # another answer in a record left to train on: the held-out split stays as it was
+    edited = task.train[0].prompt
+    train.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "x" if f"q{i}" == edited else str(i)}) + "\n"
+                             for i in range(20)))
+    task = make_task(RLOptions.from_config(config.strategy.options).task)
+    assert problems_digest(task.heldout) == saved["heldout"]
     with pytest.raises(ConfigError) as e:
         run(config, tmp_path / "run", resume=True)
     assert str(e.value) == (
         f"--resume: {step_dir} was trained on other data than strategy.options.task.train {train} gives now "
-        f"(the train problems' content digest is {now}, the checkpoint's {saved}); resume on the checkpoint's "
+        f"(the train problems' content digest is {problems_digest(task.train)}, the checkpoint's {saved['train']}); "
+        f"resume on the checkpoint's data, pass --allow-data-change to go on from its position in this data, or "
+        f"start over (--overwrite)")
+
+
+def test_resume_refuses_a_changed_task_file_naming_every_split_that_changed(tmp_path):
+    # a record appended to train draws another held-out split from it too: the refusal named train alone
+    config, train = file_task(tmp_path)
+    run(config, tmp_path / "run", callbacks=[StopAfter(2)])
+    step_dir = tmp_path / "run" / "checkpoints" / "step_2"
+    saved = json.loads((step_dir / "meta.json").read_text())["data"]["task"]
+    with train.open("a") as f:
+        f.write(json.dumps({"prompt": "q20", "answer": "20"}) + "\n")
+    task = make_task(RLOptions.from_config(config.strategy.options).task)
+    now = {split: problems_digest(getattr(task, split)) for split in ("train", "heldout")}
+    with pytest.raises(ConfigError) as e:
+        run(config, tmp_path / "run", resume=True)
+    assert str(e.value) == (
+        f"--resume: {step_dir} was trained on other data than strategy.options.task.train {train} and "
+        f"strategy.options.task.n_heldout (4 records of strategy.options.task.train {train}) give now (the train "
+        f"problems' content digest is {now['train']}, the checkpoint's {saved['train']}; the heldout problems' "
+        f"content digest is {now['heldout']}, the checkpoint's {saved['heldout']}); resume on the checkpoint's "
         f"data, pass --allow-data-change to go on from its position in this data, or start over (--overwrite)")
 
 
@@ -219,7 +244,8 @@ def test_allow_data_change_resumes_a_changed_task_with_a_warning(tmp_path):
     with train.open("a") as f:
         f.write(json.dumps({"prompt": "q20", "answer": "20"}) + "\n")
     learner = build_learner(config, output_dir=tmp_path / "run")
-    with pytest.warns(UserWarning, match=r"^--resume: strategy\.options\.task\.train .* is not the data .*step_2 "
-                                         r"was trained on \(the train problems' content digest is "):
+    with pytest.warns(UserWarning, match=r"^--resume: strategy\.options\.task\.train .* and strategy\.options\.task\."
+                                         r"n_heldout .* are not the data .*step_2 was trained on \(the train "
+                                         r"problems' content digest is .*; the heldout problems' content digest is "):
         state = learner.trainer.fit(resume=True, allow_data_change=True)
     assert int(state.step) == 4

@@ -10,7 +10,7 @@ import os
 import warnings
 from array import array
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -201,12 +201,18 @@ class DataChangedError(ValueError):
     """A data position saved for other documents than the source's: the training data
     changed since (other files, or other content), though it packs into as many rows.
     `source` names the data by its config field where it is not `data.source` (an RL task's
-    file; `rows` None: no row count to match), `what` the content digested."""
+    file; `rows` None: no row count to match), `what` the content digested. `also`: other
+    data that changed with it (an RL task's other splits), each with its `source`: one
+    refusal names them all (`source` joins the names, `n_sources` counts them)."""
 
     def __init__(self, saved: str, digest: str, rows: int | None, *, source: str | None = None,
-                 what: str = "documents"):
-        super().__init__(f"the {what}' content digest is {digest}, the checkpoint's {saved}")
-        self.saved, self.digest, self.rows, self.source = saved, digest, rows, source
+                 what: str = "documents", also: Sequence[DataChangedError] = ()):
+        super().__init__("; ".join([f"the {what}' content digest is {digest}, the checkpoint's {saved}",
+                                    *map(str, also)]))
+        self.saved, self.digest, self.rows = saved, digest, rows
+        names = [source, *(e.source for e in also)] if source is not None else []
+        self.source = (f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else source)
+        self.n_sources = max(len(names), 1)
 
 
 class DataSource:

@@ -669,14 +669,16 @@ class RolloutSource:
     def load_state_dict(self, state: dict, *, data_changed_ok: bool = False) -> None:
         """Restores `state_dict()`. A checkpoint holding only `rl_step` (older jrl)
         continues with the next rollout. One whose task split differs from the task's now
-        (its `task` digests) raises DataChangedError naming the split's config field,
-        before anything is restored, unless `data_changed_ok` (`--allow-data-change`)."""
+        (its `task` digests) raises DataChangedError naming the config field of every
+        split that changed, before anything is restored, unless `data_changed_ok`
+        (`--allow-data-change`)."""
         saved = state.get("task") or {}
         changed = [s for s in SPLITS if s in saved and s in self.task_digests and saved[s] != self.task_digests[s]]
         if changed and not data_changed_ok:
-            split = changed[0]
-            raise DataChangedError(saved[split], self.task_digests[split], None,
-                                   source=split_origin(self.options.task, split), what=f"{split} problems")
+            def error(split: str, also=()) -> DataChangedError:
+                return DataChangedError(saved[split], self.task_digests[split], None, what=f"{split} problems",
+                                        source=split_origin(self.options.task, split), also=also)
+            raise error(changed[0], [error(split) for split in changed[1:]])
         self.rl_step = int(state["rl_step"])
         self.stale_samples_dropped = int(state.get("stale_samples_dropped", 0))
         self.stale_batches_regenerated = int(state.get("stale_batches_regenerated", 0))

@@ -46,7 +46,7 @@ from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, TrainConfig, to_dict
 from jrl.data import DataChangedError, DataSource, build_dataset, fixed_batches
 from jrl.data.records import source_label
-from jrl.data.wording import counted
+from jrl.data.wording import agree, counted
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
 from jrl.parallel import BATCH_AXES, param_shardings, with_shardings
@@ -182,8 +182,8 @@ def _data_mismatch_message(error: ValueError, meta: dict, config: TrainConfig) -
 
 
 def _changed_source(error: DataChangedError, config: TrainConfig) -> str:
-    """The config field (and value) that gives the changed data: `data.source`, or the one
-    the source names (an RL task's file)."""
+    """The config field (and value) that gives the changed data: `data.source`, or the ones
+    the source names (an RL task's files and splits)."""
     return error.source or f"data.source {source_label(config.data.source)}"
 
 
@@ -193,7 +193,7 @@ def _data_changed_message(error: DataChangedError, meta: dict, config: TrainConf
     the checkpoint's position in other data."""
     rows = f"; both {counted(error.rows, 'row')}" if error.rows is not None else ""
     return (f"--resume: {meta['path']} was trained on other data than {_changed_source(error, config)} "
-            f"gives now ({error}{rows})"
+            f"{agree(error.n_sources, 'gives', 'give')} now ({error}{rows})"
             + (_changed_data_keys(meta, config) if error.source is None else "")
             + "; resume on the checkpoint's data, pass --allow-data-change to go on from its position in "
               "this data, or start over (--overwrite)")
@@ -484,8 +484,8 @@ class Trainer:
             except DataChangedError as e:  # same row count, other documents: not silently
                 if not allow_data_change:
                     raise ConfigError(_data_changed_message(e, meta, c)) from None
-                warnings.warn(f"--resume: {_changed_source(e, c)} is not the data {meta['path']} "
-                              f"was trained on ({e}); going on from its position in this data "
+                warnings.warn(f"--resume: {_changed_source(e, c)} {agree(e.n_sources, 'is', 'are')} not the data "
+                              f"{meta['path']} was trained on ({e}); going on from its position in this data "
                               f"(--allow-data-change)", stacklevel=2)
                 self.train_source.load_state_dict(load_source_state(meta), data_changed_ok=True)
             except ValueError as e:
