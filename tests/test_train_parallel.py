@@ -69,10 +69,27 @@ def test_bad_engine_tensor_parallel_is_named():
         RLOptions(engine_tensor_parallel=0)
 
 
-def test_engine_tensor_parallel_beyond_the_devices_is_named():
-    with pytest.raises(ConfigError, match=r"strategy.options.engine_tensor_parallel: 2 devices, but this "
-                                          r"process has 1 of the trainer's mesh"):
-        engine_mesh(run_mesh(None), 2)
+def test_engine_tensor_parallel_beyond_the_devices_is_named_with_what_to_set():
+    with pytest.raises(ConfigError) as e:
+        engine_mesh(run_mesh(None), 2)  # this process's one device
+    assert str(e.value) == ("strategy.options.engine_tensor_parallel: 2 devices, but this process has 1 of the "
+                            "trainer's mesh, which the engine serves on, and no more; set "
+                            "strategy.options.engine_tensor_parallel to at most 1")
+
+
+def test_engine_tensor_parallel_past_a_one_device_trainer_says_the_other_devices_are_unused_and_what_to_set():
+    # two devices and no parallel section: the trainer, and so the engine, runs on one. It said
+    # "2 devices, but this process has 1 of the trainer's mesh": not why, nor what to set
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+    result = subprocess.run([sys.executable, "-m", "jrl.train", "--dry-run",
+                             "strategy.options.engine_tensor_parallel=2"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert (result.returncode, result.stderr) == (2, (
+        "config error: strategy.options.engine_tensor_parallel: 2 devices, but the engine serves on the trainer's "
+        "mesh, which holds 1 of this process's 2 devices, leaving 1 device unused (a run without a parallel section "
+        "trains on one device); add a parallel section to spread the trainer and the engine over them (e.g. "
+        "parallel: {fsdp: -1}, every device), or set strategy.options.engine_tensor_parallel to at most 1\n"))
 
 
 def test_a_one_device_run_serves_its_engine_without_a_mesh():

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from jrl.config import ConfigError, ModelConfig, ParallelConfig
+from jrl.data.wording import counted
 from jrl.models.lora import lora_params
 from jrl.parallel import make_mesh
 from jrl.rl.options import RLOptions
@@ -36,7 +37,15 @@ def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sh
     tp = trainer_mesh.shape["tensor"] if tensor_parallel == -1 else tensor_parallel
     local = [d for d in trainer_mesh.devices.flat if d.process_index == jax.process_index()]
     if tp > len(local):
-        raise ConfigError(f"{field}: {tp} devices, but this process has {len(local)} of the trainer's mesh")
+        have, unused = len(local), len(jax.local_devices()) - len(local)
+        if not unused:
+            raise ConfigError(f"{field}: {tp} devices, but this process has {have} of the trainer's mesh, which the "
+                              f"engine serves on, and no more; set {field} to at most {have}")
+        why = " (a run without a parallel section trains on one device)" if have == 1 else ""
+        raise ConfigError(f"{field}: {tp} devices, but the engine serves on the trainer's mesh, which holds {have} of "
+                          f"this process's {have + unused} devices, leaving {counted(unused, 'device')} unused{why}; "
+                          f"add a parallel section to spread the trainer and the engine over them (e.g. parallel: "
+                          f"{{fsdp: -1}}, every device), or set {field} to at most {have}")
     if tp == 1 and trainer_mesh.size == 1:
         return None
     return make_mesh(ParallelConfig(data=1, fsdp=1, tensor=tp), devices=local[:tp])
