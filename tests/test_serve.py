@@ -1230,3 +1230,40 @@ def test_help_names_the_address_the_server_listens_on():
     text = " ".join(build_parser().format_help().split())
     assert "--host HOST interface to listen on (default 127.0.0.1" in text
     assert "--port PORT (default 8000)" in text
+
+
+TOOL_ANSWER = 'Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+ADD_TOOL = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def script_answers(monkeypatch, tokenizer, text: str) -> int:
+    """Every choice's text is `text`, whatever the model samples (each sampled token is
+    swapped for the next of `text`'s tokens): request max_tokens (the returned count) with
+    ignore_eos. Returns how many tokens `text` takes."""
+    import jrl.serve.app as app_module
+    script = tokenizer.encode(text)
+
+    class Scripted(TextStream):
+        def add(self, ids):
+            start = len(self.ids)
+            super().add(script[start:start + len(ids)])
+
+    monkeypatch.setattr(app_module, "TextStream", Scripted)
+    return len(script)
+
+
+def test_a_streamed_answer_with_tool_calls_streams_them_as_tool_calls(live, monkeypatch):
+    n_tokens = script_answers(monkeypatch, live.server.tokenizer, TOOL_ANSWER)
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "2 plus 3?"}], tools=ADD_TOOL, max_tokens=n_tokens,
+              extra_body={"ignore_eos": True})
+    plain = live.client.chat.completions.create(**kw).choices[0]
+    assert plain.finish_reason == "tool_calls" and plain.message.content == "Let me add."
+    content, calls, finish = "", [], None
+    for chunk in live.client.chat.completions.create(**kw, stream=True):
+        (c,) = chunk.choices
+        content += c.delta.content or ""
+        calls += c.delta.tool_calls or []
+        finish = c.finish_reason or finish
+    assert content == "Let me add." and finish == "tool_calls"
+    assert [call.model_dump() for call in calls] == [
+        {"index": 0, "id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]

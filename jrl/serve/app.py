@@ -36,7 +36,7 @@ from jrl.serve.loading import Served
 from jrl.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, WeightsRequest,
                                 error_body, parse_body, _Common)
 from jrl.serve.text import TextStream, decode
-from jrl.serve.tools import parse_tool_calls
+from jrl.serve.tools import ToolCallStream, parse_tool_calls
 from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent, WeightsRefused
 from jrl.tokenizer import ChatTemplateError
 
@@ -516,7 +516,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
         tools = getattr(body, "tools", None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _stream(choices, prompts, meta, chat, want_logprobs, include_usage)
+            stream = _stream(choices, prompts, meta, chat, want_logprobs, include_usage, tools)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -564,17 +564,20 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
             server.worker.abort(c.handle)
 
     async def _stream(choices: list[_Choice], prompts, meta: dict, chat: bool, want_logprobs: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, tools: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {**meta, "object": obj, "system_fingerprint": None}
         if include_usage:
             base["usage"] = None
         out: asyncio.Queue = asyncio.Queue()
 
-        def chunk(c: _Choice, text: str, entries, finish: str | None, first: bool = False) -> dict:
+        def chunk(c: _Choice, text: str, entries, finish: str | None, first: bool = False,
+                  calls: list[dict[str, Any]] | None = None) -> dict:
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
                     {"content": text} if text or not finish else {})
+                if calls:
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
                 choice = {"index": c.index, "delta": delta, "finish_reason": finish,
                           "logprobs": chat_logprobs(server.tokenizer, entries) if want_logprobs and entries else None}
             else:
@@ -585,14 +588,22 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
             return {**base, "choices": [choice]}
 
         async def run(c: _Choice) -> None:
+            # tool calls are read from the whole answer: the text that may hold them waits
+            calls_in = ToolCallStream(tools) if chat and tools else None
             try:
                 async for _ in c.events():
                     done = c.finish_reason is not None
                     text = c.text.emit(final=done)
+                    if calls_in is not None:
+                        text = calls_in.add(text)
                     entries = c.new_logprob_entries(final=done) if want_logprobs else []
                     if text or entries:
                         await out.put(chunk(c, text, entries, None))
-                await out.put(chunk(c, "", [], c.finish_reason or "stop"))
+                finish, text, calls = c.finish_reason or "stop", "", None
+                if calls_in is not None:
+                    text, calls = calls_in.finish()
+                    finish = "tool_calls" if calls else finish
+                await out.put(chunk(c, text, [], finish, calls=calls))
             except ServeError as e:
                 await out.put(e)
 
