@@ -1267,3 +1267,20 @@ def test_a_streamed_answer_with_tool_calls_streams_them_as_tool_calls(live, monk
     assert content == "Let me add." and finish == "tool_calls"
     assert [call.model_dump() for call in calls] == [
         {"index": 0, "id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_tool_choice_none_leaves_a_tool_call_in_the_content(live, monkeypatch, stream):
+    n_tokens = script_answers(monkeypatch, live.server.tokenizer, TOOL_ANSWER)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "2 plus 3?"}], "tools": ADD_TOOL,
+            "tool_choice": "none", "max_tokens": n_tokens, "ignore_eos": True, "stream": stream}
+    if stream:
+        with live.http.stream("POST", "/v1/chat/completions", json=body) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("content") or "" for d in deltas) == TOOL_ANSWER
+        assert not any("tool_calls" in d for d in deltas)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        (c,) = live.http.post("/v1/chat/completions", json=body).json()["choices"]
+        assert c["message"] == {"role": "assistant", "content": TOOL_ANSWER} and c["finish_reason"] == "length"

@@ -513,7 +513,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         meta = {"id": rid, "created": int(time.time()), "model": server.served.name}
         want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
-        tools = getattr(body, "tools", None)
+        tools = body.tools_to_parse() if chat else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = _stream(choices, prompts, meta, chat, want_logprobs, include_usage, tools)

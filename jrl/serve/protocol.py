@@ -205,6 +205,11 @@ class ChatCompletionRequest(_Common):
                 raise ServeError(f"{where}: must be a string or a list of content parts, got {m.content!r}",
                                  param=where)
 
+    def tools_to_parse(self) -> list[dict[str, Any]] | None:
+        """The tools whose calls are read from the answer: none with `tool_choice: "none"`
+        (OpenAI's: the model calls no tool; a call it writes anyway stays in `content`)."""
+        return None if self.tool_choice == "none" else self.tools
+
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
