@@ -1284,3 +1284,11 @@ def test_tool_choice_none_leaves_a_tool_call_in_the_content(live, monkeypatch, s
     else:
         (c,) = live.http.post("/v1/chat/completions", json=body).json()["choices"]
         assert c["message"] == {"role": "assistant", "content": TOOL_ANSWER} and c["finish_reason"] == "length"
+
+
+def test_a_tool_choice_that_is_no_choice_is_a_400_naming_it(live):
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "tools": ADD_TOOL, "tool_choice": "any"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "tool_choice: 'any' is not a tool choice; this server takes 'auto' and "
+                                            "'none' (no forced tool calls)", "type": "invalid_request_error",
+                                 "param": "tool_choice", "code": None}

@@ -161,6 +161,9 @@ class ChatCompletionRequest(_Common):
         if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
             raise ServeError("tool_choice: only 'auto' and 'none' are supported (no forced tool calls)",
                              param="tool_choice")
+        if self.tool_choice not in (None, "auto", "none"):  # a typo would otherwise act as 'auto'
+            raise ServeError(f"tool_choice: {self.tool_choice!r} is not a tool choice; this server takes 'auto' "
+                             "and 'none' (no forced tool calls)", param="tool_choice")
         reserved = sorted(set(self.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
         if reserved:
             # they would clash with the server's own arguments to the template (a TypeError
