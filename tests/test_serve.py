@@ -1292,3 +1292,13 @@ def test_a_tool_choice_that_is_no_choice_is_a_400_naming_it(live):
     assert r.json()["error"] == {"message": "tool_choice: 'any' is not a tool choice; this server takes 'auto' and "
                                             "'none' (no forced tool calls)", "type": "invalid_request_error",
                                  "param": "tool_choice", "code": None}
+
+
+@pytest.mark.parametrize("part,got", [({"type": "text"}, "none"), ({"type": "text", "text": 5}, "5")],
+                         ids=["missing", "a number"])
+def test_a_text_part_without_a_string_text_is_a_400_saying_so(live, part, got):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": f"messages[0].content[1]: a text part needs a string 'text', got {got}",
+                                 "type": "invalid_request_error", "param": "messages[0].content", "code": None}

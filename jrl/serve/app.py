@@ -34,7 +34,7 @@ from jrl.rl.prompts import end_of_turn_ids
 from jrl.rollout import Engine, SamplingParams
 from jrl.serve.loading import Served
 from jrl.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, WeightsRequest,
-                                error_body, parse_body, _Common)
+                                error_body, parse_body, _Common, _short_repr)
 from jrl.serve.text import TextStream, decode
 from jrl.serve.tools import ToolCallStream, parse_tool_calls
 from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent, WeightsRefused
@@ -218,9 +218,13 @@ class Server:
             if isinstance(m.content, list):
                 parts = []
                 for j, part in enumerate(m.content):
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    if part.get("type") != "text":
                         raise ServeError(f"messages[{i}].content[{j}]: only text parts are supported, got type "
                                          f"{part.get('type')!r}", param=f"messages[{i}].content")
+                    if not isinstance(part.get("text"), str):
+                        got = "none" if part.get("text") is None else _short_repr(part["text"])
+                        raise ServeError(f"messages[{i}].content[{j}]: a text part needs a string 'text', got {got}",
+                                         param=f"messages[{i}].content")
                     parts.append(part["text"])
                 msg["content"] = "".join(parts)
             elif m.content is None:
