@@ -1302,3 +1302,12 @@ def test_a_text_part_without_a_string_text_is_a_400_saying_so(live, part, got):
     assert r.status_code == 400, r.text
     assert r.json()["error"] == {"message": f"messages[0].content[1]: a text part needs a string 'text', got {got}",
                                  "type": "invalid_request_error", "param": "messages[0].content", "code": None}
+
+
+@pytest.mark.parametrize("body", [b'{"checkpoint": ', b'{"nope": 1}'], ids=["malformed", "no checkpoint"])
+def test_weights_checks_the_admin_token_before_the_body(live, body):
+    r = live.http.post("/v1/weights", content=body, headers={"Authorization": "Bearer wrong",
+                                                             "Content-Type": "application/json"})
+    assert r.status_code == 401, r.text
+    assert r.json()["error"] == {"message": "invalid admin token (Authorization: Bearer <token>)",
+                                 "type": "authentication_error", "param": None, "code": None}

@@ -635,8 +635,10 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
                 t.cancel()
             _release(choices)
 
-    @app.post("/v1/weights")
-    async def weights(body: WeightsRequest, request: Request):
+    # The body is parsed after the token is checked (as a parameter, FastAPI would validate
+    # it first, answering a client without the token about its body instead of a 401).
+    @app.post("/v1/weights", openapi_extra=_openapi_body(WeightsRequest))
+    async def weights(request: Request):
         if server.admin_token is None:
             raise ServeError("not found (admin endpoints are off: start the server with --admin-token)", status=404)
         auth = request.headers.get("authorization", "")
@@ -644,6 +646,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
         if not hmac.compare_digest(token.encode(), server.admin_token.encode()):
             raise ServeError("invalid admin token (Authorization: Bearer <token>)", status=401,
                              type="authentication_error")
+        body = parse_body(WeightsRequest, await request.body(), request.headers.get("content-type"))
         server.check_running()
         async with server.weights_lock:
             t0 = time.perf_counter()
@@ -662,7 +665,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
 
 # The request bodies the handlers parse themselves (`parse_body`), not FastAPI: documented
 # in /openapi.json by hand, as FastAPI documents a body parameter.
-_PARSED_BODIES = (ChatCompletionRequest, CompletionRequest)
+_PARSED_BODIES = (ChatCompletionRequest, CompletionRequest, WeightsRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
