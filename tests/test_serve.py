@@ -280,27 +280,68 @@ def test_a_plain_answer_gets_its_tokens_once_with_its_completion(live):
     assert len(pieces) > 1 and sum(pieces, []) == plain[0].tokens
 
 
+def _stop_at_first_tokens(engine) -> None:
+    """Run in the engine process (`worker.call`): the process stops itself (SIGSTOP) at the
+    start of the first step after one that read tokens back. That step's loop turn has sent
+    them to the server, and no request has advanced since: none can have finished."""
+    start, step = engine.stats.generated_tokens, engine.step
+
+    def stopping_step():
+        if engine.stats.generated_tokens > start:
+            del engine.step  # the class's own step from now on
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return step()
+
+    engine.step = stopping_step
+
+
+def _unhook_step(engine) -> None:
+    engine.__dict__.pop("step", None)
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
+def wait_stopped(pid: int) -> None:
+    """Returns once the child process `pid` is stopped (SIGSTOP reaches it asynchronously)."""
+    deadline = time.time() + 60
+    while os.waitpid(pid, os.WNOHANG | os.WUNTRACED) == (0, 0):
+        assert time.time() < deadline, "the engine process did not stop"
+        time.sleep(0.01)
+
+
 def test_cancelled_requests_give_their_pages_back(live):
+    # The engine is paused (SIGSTOP) at points where no choice can have finished: a fast
+    # engine ran all 64 x 100 tokens in 0.3 s, and a pause sent from here once came after a
+    # choice had finished, so the probe below was admitted and waited on the paused engine.
     total = settle(live)["engine"]["total_pages"]
     before = health(live)["engine"]["generated_tokens"]
+    worker = live.server.worker
+    engine_pid = worker.pid
     # a stream of 64 choices fills the server (capacity 64): more gets 429, closing it cancels all 64
     body = {"model": NAME, "prompt": "the mat", "max_tokens": 100, "n": 64, "stream": True, "ignore_eos": True}
-    with live.http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        while not next(lines).startswith("data: {"):
-            pass
-        # the engine process paused, so no choice finishes (and frees capacity) while the server is probed
-        engine_pid = live.server.worker.pid
-        os.kill(engine_pid, signal.SIGSTOP)
-        try:
+    worker.call(_stop_at_first_tokens)
+    try:
+        with live.http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            wait_stopped(engine_pid)  # the engine stopped itself right after its first tokens
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
             h = health(live)
             busy = live.http.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1})
-        finally:
-            os.kill(engine_pid, signal.SIGCONT)
-        assert h["outstanding_requests"] == 64 and h["engine"]["available_pages"] < total
-        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
-        assert busy.json()["error"]["type"] == "rate_limit_error"
+            assert h["outstanding_requests"] == 64 and h["engine"]["available_pages"] < total
+            assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+            assert busy.json()["error"]["type"] == "rate_limit_error"
+        # the server saw the client leave and aborted the 64 before the engine could finish them
+        wait_until(lambda: live.server.outstanding == 0, "the stream's requests were not aborted")
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+        worker.call(_unhook_step)  # (already gone once the engine stopped)
     # the official client reads that 429 as a RateLimitError (replayed byte for byte)
     replay = httpx.MockTransport(lambda request: httpx.Response(busy.status_code, headers=busy.headers,
                                                                 content=busy.content))
@@ -311,14 +352,19 @@ def test_cancelled_requests_give_their_pages_back(live):
     h = settle(live)
     assert h["engine"]["available_pages"] == total  # aborted requests' pages are back (or cached)
     assert h["engine"]["generated_tokens"] - before < 64 * 100  # they did not run to the end
-    # a non-streaming client that gives up is cancelled too (the engine paused meanwhile: on an
-    # idle machine it could finish the 6,400 tokens before the server saw the client leave)
+    # a non-streaming client that gives up is cancelled too: sent to the paused engine, admitted,
+    # then the connection closes (the engine could finish the 6,400 tokens before the server saw it)
     before = health(live)["engine"]["generated_tokens"]
     os.kill(engine_pid, signal.SIGSTOP)
     try:
-        with pytest.raises(httpx.ReadTimeout):
-            live.http.post("/v1/completions", json={**body, "stream": False}, timeout=0.2)
-        time.sleep(0.5)  # the server sees the disconnect and sends the aborts
+        wait_stopped(engine_pid)
+        payload = json.dumps({**body, "stream": False}).encode()
+        url = httpx.URL(live.url)
+        with socket.create_connection((url.host, url.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (url.host.encode(), len(payload), payload))
+            wait_until(lambda: live.server.outstanding == 64, "the plain request was not admitted")
+        wait_until(lambda: live.server.outstanding == 0, "the plain request was not aborted")
     finally:
         os.kill(engine_pid, signal.SIGCONT)
     h = settle(live)
