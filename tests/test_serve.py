@@ -433,6 +433,11 @@ BAD = [
      "messages[0].content"),
     ("content not text", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]},
      "messages[0].content"),
+    ("empty content list", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": []}]},
+     "messages[0].content"),
+    ("name not a string", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x", "name": 5}]},
+     "messages[1].name"),
 ]
 
 
@@ -511,6 +516,17 @@ def test_a_message_without_content_is_a_400_naming_it(live, role, content):
     assert r.json()["error"] == {
         "message": f"messages[1].content: missing; a '{role}' message needs content (a string or a list of "
                    f"text parts){unless}", "type": "invalid_request_error", "param": "messages[1].content", "code": None}
+
+
+def test_a_message_name_is_a_string_or_null(live):
+    for name in ("alice", None):
+        messages = [{"role": "user", "content": "hi", "name": name}]
+        r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": messages, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "hi",
+                                                                           "name": ["alice"]}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "messages[0].name: must be a string, got ['alice']"
 
 
 def test_an_assistant_message_with_tool_calls_and_null_content_is_accepted(live):

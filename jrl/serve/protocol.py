@@ -177,11 +177,11 @@ class ChatCompletionRequest(_Common):
                              param="max_completion_tokens")
 
     def check_messages(self) -> None:
-        """Each message's role is one of OpenAI's and its content a string or a list of
-        parts, present unless the role lets it be null: an assistant message carrying
-        `tool_calls` (or the legacy `function_call`), a `function` message (OpenAI's rule).
-        Without this a message with no content reached the template as "" and an unknown
-        role was rendered as written."""
+        """Each message's role is one of OpenAI's, its `name` (if any) a string and its
+        content a string or a non-empty list of parts, present unless the role lets it be
+        null: an assistant message carrying `tool_calls` (or the legacy `function_call`), a
+        `function` message (OpenAI's rule). Without this a message with no content reached
+        the template as "" and an unknown role was rendered as written."""
         expected = ", ".join(repr(r) for r in ROLES)
         for i, m in enumerate(self.messages):
             if m.role is None:
@@ -190,6 +190,10 @@ class ChatCompletionRequest(_Common):
             if m.role not in ROLES:
                 raise ServeError(f"messages[{i}].role: {m.role!r} is not a role; expected one of {expected}",
                                  param=f"messages[{i}].role")
+            name = (m.model_extra or {}).get("name")
+            if name is not None and not isinstance(name, str):  # as OpenAI's; a template would render it as is
+                raise ServeError(f"messages[{i}].name: must be a string, got {_short_repr(name)}",
+                                 param=f"messages[{i}].name")
             where = f"messages[{i}].content"
             if m.content is None:
                 extra = m.model_extra or {}
@@ -200,6 +204,9 @@ class ChatCompletionRequest(_Common):
                 raise ServeError(f"{where}: missing; a {m.role!r} message needs content (a string or a list of text "
                                  f"parts){unless}", param=where)
             if isinstance(m.content, list):
+                if not m.content:  # OpenAI's API: an array of at least one part
+                    raise ServeError(f"{where}: an empty list of content parts; give a string or at least one part",
+                                     param=where)
                 for j, part in enumerate(m.content):
                     if not isinstance(part, dict):
                         raise ServeError(f"{where}[{j}]: must be a content part object ({{\"type\": \"text\", "
