@@ -438,6 +438,11 @@ BAD = [
     ("name not a string", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x", "name": 5}]},
      "messages[1].name"),
+    ("stream_options without stream", "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("stream_options with stream false", "/v1/completions",
+     {**COMP, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 0}, "top_logprobs"),
 ]
 
 

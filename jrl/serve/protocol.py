@@ -118,6 +118,8 @@ class _Common(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.logit_bias:
             raise ServeError("logit_bias: not supported by this server", param="logit_bias")
+        if self.stream_options is not None and not self.stream:  # OpenAI's API refuses it too
+            raise ServeError("stream_options: only allowed with stream: true", param="stream_options")
 
 
 class ChatMessage(BaseModel):
@@ -151,6 +153,8 @@ class ChatCompletionRequest(_Common):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:  # OpenAI's API refuses it too
+            raise ServeError("top_logprobs: only allowed with logprobs: true", param="top_logprobs")
         if self.top_logprobs:
             raise ServeError("top_logprobs: the engine reports only the sampled token's log-probability; "
                              "top alternatives are not available (use top_logprobs 0 or leave it out)",
