@@ -48,20 +48,17 @@ def check_request_shapes(op: str, q, k_buf, kv_lens, page_table, cu_q_lens=None)
 
 
 def check_query_dtype(op: str, q, k_buf, v_buf) -> None:
-    """Raises ValueError unless `q`'s dtype is one the kernels compute in over these buffers:
-    the buffers' own for bf16/f16 ones, bf16 or f16 for fp8 ones (`QuantizedKV`, computed in
-    q's dtype or f16: `decode_mgpu.compute_dtype`). The kernels cast q to their compute dtype,
-    so another q (float32, or f16 over bf16) was rounded without a word. Other buffers
-    (float32: only the reference reads them, in float32) and MLA's latent cache (`v_buf`
-    None: the reference) take any q. Dtypes are static: it holds inside a trace too."""
-    if v_buf is None:
+    """Raises ValueError unless `q`'s dtype is the one the kernels compute in over bf16/f16
+    buffers, the buffers' own: they cast q to it, so another q (float32, or f16 over bf16)
+    was rounded without a word. fp8 buffers (`QuantizedKV`) take any float q, computed in
+    q's dtype where it is bf16/f16, else bf16 or f16 (`decode_mgpu.compute_dtype`): the
+    engine of a float32 model hands them its float32 q, and fp8 keys are coarser than
+    either rounding. Other buffers (float32: only the reference reads them, in float32) and
+    MLA's latent cache (`v_buf` None: the reference) take any q. Dtypes are static: it
+    holds inside a trace too."""
+    if v_buf is None or isinstance(k_buf, QuantizedKV):
         return
-    if isinstance(k_buf, QuantizedKV):
-        if q.dtype not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(f"{op}: q is {q.dtype} but fp8 K/V buffers take a bfloat16 or float16 q, the dtypes "
-                             f"the kernels compute in (q would be rounded without a word): pass q as bfloat16 or "
-                             f"float16")
-    elif k_buf.dtype in (jnp.bfloat16, jnp.float16) and q.dtype != k_buf.dtype:
+    if k_buf.dtype in (jnp.bfloat16, jnp.float16) and q.dtype != k_buf.dtype:
         raise ValueError(f"{op}: q is {q.dtype} but the K/V buffers are {k_buf.dtype}, the dtype the kernels "
                          f"compute in (q would be rounded to it without a word): pass q as {k_buf.dtype}")
 
