@@ -12,7 +12,8 @@ compiles in 5-50 s, a training step in several seconds). The directory, in this 
    `jax.config.update("jax_compilation_cache_dir", ...)` before the first jrl call): used
    as it is, with JAX's own settings; jrl changes nothing;
 2. the `path` argument of an explicit call (made before the first compile);
-3. `$JRL_COMPILATION_CACHE`; `off` (or `0`, `false`, `no`, `none`) turns the cache off;
+3. `$JRL_COMPILATION_CACHE`; `off` (or `0`, `false`, `no`, `none`) turns the cache off,
+   `on` (or `1`, `true`, `yes`) means the default below (`./1` is a directory named 1);
 4. `$XDG_CACHE_HOME/jrl/jax-<jax version>` (default `~/.cache/jrl/jax-<jax version>`).
 
 jrl also sets, where they are still JAX's defaults (not set in code or through their
@@ -56,6 +57,7 @@ import jax
 
 ENV = "JRL_COMPILATION_CACHE"
 OFF = frozenset({"off", "0", "false", "no", "none"})
+ON = frozenset({"on", "1", "true", "yes"})  # the default directory, not one named "1"
 MIN_COMPILE_SECS = 0.1
 MAX_SIZE_BYTES = 16 * 2**30
 
@@ -77,12 +79,13 @@ def _have_filelock() -> bool:
 def default_cache_dir(environ: dict[str, str] | None = None) -> str | None:
     """The directory jrl uses when nothing was configured through JAX and no path is
     given: `$JRL_COMPILATION_CACHE`, None when that says off, else
-    `$XDG_CACHE_HOME/jrl/jax-<version>` (`~/.cache/...` without XDG_CACHE_HOME)."""
+    `$XDG_CACHE_HOME/jrl/jax-<version>` (`~/.cache/...` without XDG_CACHE_HOME, or
+    when it says on)."""
     env = os.environ if environ is None else environ
     value = env.get(ENV, "").strip()
     if value.lower() in OFF:
         return None
-    if value:
+    if value and value.lower() not in ON:
         return str(Path(value).expanduser())
     base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
     return str(Path(base).expanduser() / "jrl" / f"jax-{jax.__version__}")

@@ -141,3 +141,10 @@ def test_processes_filling_one_directory_at_once(tmp_path):
         assert "persistent compilation cache" not in stderr.lower(), stderr[-4000:]
     assert outs[0][0]["tokens"] == outs[1][0]["tokens"]
     assert entries(tmp_path / "home" / ".cache" / "jrl" / f"jax-{jax.__version__}")
+
+
+@pytest.mark.parametrize("value", ["on", "ON", "1", "true", " yes "])
+def test_on_values_mean_the_default_directory(value):
+    # JRL_COMPILATION_CACHE=1 meant "on", not a directory named "1" in the working directory
+    version = f"jax-{jax.__version__}"
+    assert default_cache_dir({"JRL_COMPILATION_CACHE": value, "HOME": "/h"}) == f"/h/.cache/jrl/{version}"
