@@ -16,6 +16,8 @@ compiles in 5-50 s, a training step in several seconds). The directory, in this 
    `on` (or `1`, `true`, `yes`) means the default below (`./1` is a directory named 1);
 4. `$XDG_CACHE_HOME/jrl/jax-<jax version>` (default `~/.cache/jrl/jax-<jax version>`).
 
+A relative directory is made absolute against the working directory of that first call.
+
 jrl also sets, where they are still JAX's defaults (not set in code or through their
 `JAX_...` environment variables): `jax_persistent_cache_min_compile_time_secs` =
 `MIN_COMPILE_SECS` (0.1 s instead of JAX's 1 s; see below) and
@@ -86,9 +88,16 @@ def default_cache_dir(environ: dict[str, str] | None = None) -> str | None:
     if value.lower() in OFF:
         return None
     if value and value.lower() not in ON:
-        return str(Path(value).expanduser())
+        return _absolute(value)
     base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
-    return str(Path(base).expanduser() / "jrl" / f"jax-{jax.__version__}")
+    return _absolute(Path(base).expanduser() / "jrl" / f"jax-{jax.__version__}")
+
+
+def _absolute(path: str | os.PathLike) -> str:
+    """`path` with `~` expanded, made absolute against the working directory now: JAX
+    resolves a relative cache directory at every read and write, so a later os.chdir
+    would move the cache."""
+    return os.path.abspath(Path(path).expanduser())
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
@@ -108,7 +117,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
     if path is not None and str(path).strip().lower() in OFF:
         target = None
     else:
-        target = default_cache_dir() if path is None else str(Path(path).expanduser())
+        target = default_cache_dir() if path is None else _absolute(path)
     if target is None:
         if ours is not None:
             jax.config.update("jax_compilation_cache_dir", None)

@@ -148,3 +148,24 @@ def test_on_values_mean_the_default_directory(value):
     # JRL_COMPILATION_CACHE=1 meant "on", not a directory named "1" in the working directory
     version = f"jax-{jax.__version__}"
     assert default_cache_dir({"JRL_COMPILATION_CACHE": value, "HOME": "/h"}) == f"/h/.cache/jrl/{version}"
+
+
+def test_a_relative_directory_stays_where_it_was_when_the_cwd_changes(tmp_path):
+    # JAX resolves its cache directory at every read and write: a relative one moved with
+    # os.chdir, splitting the cache between directories
+    (tmp_path / "elsewhere").mkdir()
+    script = ("import os, jax\n"
+              "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+              "from jrl.compile_cache import enable_compilation_cache\n"
+              "print(enable_compilation_cache())\n"
+              "jax.jit(lambda x: x + 1)(1)\n"
+              "os.chdir('elsewhere')\n"
+              "jax.jit(lambda x: x * 3)(1)\n")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    environ.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JRL_COMPILATION_CACHE="rel/cache")
+    out = subprocess.run([sys.executable, "-c", script], env=environ, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == [str(tmp_path / "rel" / "cache")]
+    assert sum(n.startswith("jit__lambda-") for n in entries(tmp_path / "rel" / "cache")) == 2
+    assert not (tmp_path / "elsewhere" / "rel").exists()
