@@ -25,7 +25,10 @@ jrl also sets, where they are still JAX's defaults (not set in code or through t
 evicted beyond it. The size limit also makes JAX take a file lock around every read and
 write of the directory: without one (JAX's default, no limit) an entry is written in place
 with `write_bytes`, not atomically, so a process (another pytest-xdist worker, a second
-engine) may read a half-written entry.
+engine) may read a half-written entry. An entry that cannot be read back (cut short by a
+process killed while writing it, or by a full disk) is written anew, with a warning naming
+it, by the next process that compiles its program (JAX would keep it and compile again in
+every process).
 
 Why 0.1 s: measured on the CPU, reading an entry back took 3-5 ms for small programs and
 about 2% of the compile time for the step programs (0.11 s for a 5.3 s compile).
@@ -56,6 +59,13 @@ import warnings
 from pathlib import Path
 
 import jax
+
+try:  # JAX internals, for `_replace_unreadable_entries` (where they moved, it changes nothing)
+    from jax._src import compilation_cache as _jax_cache
+    from jax._src.compilation_cache_interface import CacheInterface as _CacheInterface
+    from jax._src.lru_cache import LRUCache as _LRUCache
+except ImportError:
+    _jax_cache = _CacheInterface = _LRUCache = None
 
 ENV = "JRL_COMPILATION_CACHE"
 OFF = frozenset({"off", "0", "false", "no", "none"})
@@ -145,5 +155,55 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
         jax.config.update("jax_compilation_cache_max_size", MAX_SIZE_BYTES)
     jax.config.update("jax_compilation_cache_dir", target)
     _decided = ("dir", target)
+    _replace_unreadable_entries()
     logger.debug("persistent compilation cache: %s", target)
     return target
+
+
+
+def _replace_unreadable_entries() -> None:
+    """Makes JAX open jrl's directory (at its first compile) through a cache whose `put`
+    replaces an entry that cannot be read back. JAX writes an entry in place and never over
+    an existing one, so an entry cut short (a process killed while writing it, a full disk)
+    made every later process warn "Error reading persistent compilation cache entry" and
+    compile the program again. JAX writes a key only after its read missed or failed, so
+    the check (decompressing the entry on disk) runs on that rare path alone. Uses JAX
+    internals: where they moved, nothing changes."""
+    open_cache = getattr(_jax_cache, "get_file_cache", None)
+    if open_cache is None or _CacheInterface is None:
+        logger.debug("persistent compilation cache: unreadable entries are not replaced (JAX internals moved)")
+        return
+    if getattr(open_cache, "_jrl", False):
+        return
+
+    class ReplacingUnreadable(_CacheInterface):
+        def __init__(self, cache: _LRUCache) -> None:
+            self._cache = cache
+
+        @property
+        def _path(self):
+            return self._cache._path
+
+        def get(self, key: str) -> bytes | None:
+            return self._cache.get(key)
+
+        def put(self, key: str, value: bytes) -> None:
+            entry = Path(self._cache._path) / f"{key}-cache"
+            try:
+                _jax_cache.decompress_executable(entry.read_bytes())
+            except FileNotFoundError:
+                pass
+            except Exception as e:  # whatever the decompressor raises
+                warnings.warn(f"persistent compilation cache: replaced the unreadable entry {entry} "
+                              f"({type(e).__name__}: {e}) with the program compiled again", stacklevel=2)
+                entry.unlink(missing_ok=True)
+            self._cache.put(key, value)
+
+    def get_file_cache(path, *args, **kwargs):
+        opened = open_cache(path, *args, **kwargs)
+        if opened is not None and type(opened[0]) is _LRUCache and _decided == ("dir", str(path)):
+            return ReplacingUnreadable(opened[0]), opened[1]
+        return opened  # JAX's directory, or its VerificationCache (jax_compilation_cache_check_contents)
+
+    get_file_cache._jrl = True
+    _jax_cache.get_file_cache = get_file_cache

@@ -169,3 +169,38 @@ def test_a_relative_directory_stays_where_it_was_when_the_cwd_changes(tmp_path):
     assert out.stdout.split() == [str(tmp_path / "rel" / "cache")]
     assert sum(n.startswith("jit__lambda-") for n in entries(tmp_path / "rel" / "cache")) == 2
     assert not (tmp_path / "elsewhere" / "rel").exists()
+
+
+# A program slow enough to be written (threshold 0) and its result, printed
+SMALL = r"""
+import jax, jax.numpy as jnp
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from jrl.compile_cache import enable_compilation_cache
+enable_compilation_cache()
+print(jax.jit(lambda x: jnp.sin(x) @ x)(jnp.eye(4)).sum())
+"""
+
+
+def run_small(tmp_path: Path, cache: Path) -> tuple[str, str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    environ.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JRL_COMPILATION_CACHE=str(cache))
+    out = subprocess.run([sys.executable, "-c", SMALL], env=environ, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout, out.stderr
+
+
+def test_a_truncated_entry_is_replaced_by_the_next_process_that_compiles_it(tmp_path):
+    # a process killed (or a disk filled) while JAX wrote an entry leaves it cut short; JAX
+    # never writes over an existing entry, so every later process warned and compiled again
+    cache = tmp_path / "cache"
+    first, _ = run_small(tmp_path, cache)
+    [entry] = [cache / n for n in entries(cache) if n.startswith("jit__lambda-")]
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[:len(whole) // 2])
+    second, stderr = run_small(tmp_path, cache)
+    assert second == first
+    assert f"replaced the unreadable entry {entry}" in stderr, stderr[-4000:]
+    assert entry.read_bytes() == whole
+    third, stderr = run_small(tmp_path, cache)
+    assert third == first and "compilation cache" not in stderr, stderr[-4000:]
