@@ -99,15 +99,19 @@ def default_cache_dir(environ: dict[str, str] | None = None) -> str | None:
         return None
     if value and value.lower() not in ON:
         return _absolute(value)
-    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".cache")
-    return _absolute(Path(base).expanduser() / "jrl" / f"jax-{jax.__version__}")
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME") or "~") / ".cache")
+    return _absolute(Path(base) / "jrl" / f"jax-{jax.__version__}")
 
 
 def _absolute(path: str | os.PathLike) -> str:
     """`path` with `~` expanded, made absolute against the working directory now: JAX
     resolves a relative cache directory at every read and write, so a later os.chdir
-    would move the cache."""
-    return os.path.abspath(Path(path).expanduser())
+    would move the cache. ValueError when `~` cannot be expanded."""
+    try:
+        expanded = Path(path).expanduser()
+    except RuntimeError:  # ~user of no such user, or no HOME and no passwd entry
+        raise ValueError(f"cannot expand ~ in {str(path)!r} (no such user, or no home directory)") from None
+    return os.path.abspath(expanded)
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | None:
@@ -127,7 +131,13 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
     if path is not None and str(path).strip().lower() in OFF:
         target = None
     else:
-        target = default_cache_dir() if path is None else _absolute(path)
+        try:
+            target = default_cache_dir() if path is None else _absolute(path)
+        except ValueError as e:
+            warnings.warn(f"persistent compilation cache off: {e} (set {ENV} to a writable directory, or to "
+                          f"'off')", stacklevel=2)
+            _decided = ("off", None)
+            return None
     if target is None:
         if ours is not None:
             jax.config.update("jax_compilation_cache_dir", None)

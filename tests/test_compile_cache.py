@@ -204,3 +204,17 @@ def test_a_truncated_entry_is_replaced_by_the_next_process_that_compiles_it(tmp_
     assert entry.read_bytes() == whole
     third, stderr = run_small(tmp_path, cache)
     assert third == first and "compilation cache" not in stderr, stderr[-4000:]
+
+
+def test_a_directory_of_an_unknown_user_turns_the_cache_off_with_a_warning(tmp_path):
+    # Path.expanduser raised "RuntimeError: Could not determine home directory." out of
+    # Engine(), naming neither the setting nor its value
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    environ.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", JRL_COMPILATION_CACHE="~no-such-user-jrl/cache")
+    out = subprocess.run([sys.executable, "-c", "from jrl.compile_cache import enable_compilation_cache as e; "
+                          "print(e())"], env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == ["None"]
+    assert ("persistent compilation cache off: cannot expand ~ in '~no-such-user-jrl/cache' (no such user, "
+            "or no home directory)") in out.stderr, out.stderr
+    assert not list(tmp_path.iterdir())
