@@ -482,6 +482,23 @@ def test_generate_takes_one_max_new_tokens_per_prompt(params):
         engine.generate(prompts, GREEDY, max_new_tokens=np.array([3, 0, 2]))
 
 
+def test_max_new_tokens_as_a_0d_array_is_one_value_for_every_prompt(params):
+    # np.array(2) raised TypeError 'len() of unsized object'; jnp.int32(3) was refused as
+    # not an integer >= 1 (0-d arrays are accepted as SamplingParams fields)
+    engine = Engine(MODEL, params, ENGINE)
+    prompts = prompts_of([5, 9], seed=16)
+    assert [len(c.tokens) for c in engine.generate(prompts, GREEDY, max_new_tokens=np.array(2))] == [2, 2]
+    assert [len(c.tokens) for c in engine.generate(prompts, GREEDY, max_new_tokens=jnp.int32(3))] == [3, 3]
+    assert [len(c.tokens) for c in generate(params, MODEL, prompts, jax.random.key(0), max_new_tokens=jnp.int32(3))] \
+        == [3, 3]
+
+
+def test_max_new_tokens_as_a_jax_array_is_one_per_prompt(params):
+    engine = Engine(MODEL, params, ENGINE)
+    out = engine.generate(prompts_of([5, 9, 6], seed=16), GREEDY, max_new_tokens=jnp.array([3, 1, 7]))
+    assert [len(c.tokens) for c in out] == [3, 1, 7]
+
+
 def test_generate_leaves_other_queued_requests_to_step(params):
     engine = Engine(MODEL, params, ENGINE)
     queued = engine.add_request(prompts_of([7], seed=14)[0], GREEDY, max_new_tokens=20)

@@ -23,7 +23,7 @@ from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ModelConfig
 from jrl.parallel import ParallelConfig
 from jrl.rollout.config import EngineConfig, device_free_memory, engine_config_for_workload, pow2_at_least
-from jrl.rollout.engine import Engine, check_prompt_list, check_token_ids
+from jrl.rollout.engine import Engine, check_max_new_tokens, check_prompt_list, check_token_ids
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
 
@@ -62,10 +62,7 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     for k, p in enumerate(prompts):
         if check_token_ids(f"prompts[{k}]", p, config.vocab_size).size == 0:
             raise ValueError(f"prompts[{k}]: must hold at least one token id, got an empty sequence")
-    if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
-            or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
-    max_new_tokens = int(max_new_tokens)
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
     sampling = sampling or SamplingParams()
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling: must be a SamplingParams, got {type(sampling).__name__}")

@@ -256,10 +256,7 @@ class Engine:
         prompt = check_token_ids("prompt", prompt, vocab)
         if prompt.size == 0:
             raise ValueError("prompt: must hold at least one token id, got an empty sequence")
-        if isinstance(max_new_tokens, (bool, np.bool_)) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
-        max_new_tokens = int(max_new_tokens)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         total = len(prompt) + max_new_tokens
         if len(prompt) >= self.seq_limit:  # longer than the context: no max_new_tokens fits
             raise ValueError(f"prompt: {len(prompt)} tokens leave no room for a new token within max_seq_len "
@@ -406,10 +403,10 @@ class Engine:
                              f"got {type(sampling).__name__}")
         if len(sampling) != len(prompts):
             raise ValueError(f"sampling: {len(sampling)} entries for {len(prompts)} prompts")
-        if isinstance(max_new_tokens, (Sequence, np.ndarray)):
+        if isinstance(max_new_tokens, Sequence) or np.ndim(max_new_tokens) > 0 and hasattr(max_new_tokens, "dtype"):
             if len(max_new_tokens) != len(prompts):
                 raise ValueError(f"max_new_tokens: {len(max_new_tokens)} entries for {len(prompts)} prompts")
-            news = [int(n) if isinstance(n, np.integer) else n for n in max_new_tokens]
+            news = list(max_new_tokens)  # each checked by _checked_request
         else:
             news = [max_new_tokens] * len(prompts)
         checked = []
@@ -963,6 +960,16 @@ def check_prompt_list(prompts) -> None:
     if flat:
         raise ValueError("prompts: must be a list of prompts, each a sequence of token ids, got one flat sequence "
                          "of ids; for a single prompt pass [prompt]")
+
+
+def check_max_new_tokens(value) -> int:
+    """`value` as an int >= 1: a Python or numpy integer, or a 0-d integer numpy or JAX
+    array (not a bool)."""
+    if hasattr(value, "dtype") and np.ndim(value) == 0 and np.issubdtype(value.dtype, np.integer):
+        value = np.asarray(value).item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"max_new_tokens: must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def check_token_ids(field: str, values, vocab: int) -> np.ndarray:
