@@ -470,6 +470,17 @@ def test_engine_generate_names_one_prompt_given_without_its_list(params):
     assert not engine.has_work
 
 
+def test_generate_names_prompts_given_as_an_iterator(params):
+    # map(tok.encode, texts) raised TypeError "object of type 'map' has no len()"
+    engine = Engine(MODEL, params, ENGINE)
+    message = re.escape("prompts: must be a list of prompts, each a sequence of token ids, got map; pass list(...)")
+    with pytest.raises(ValueError, match=message):
+        engine.generate(map(list, [[1, 2], [3]]), GREEDY, max_new_tokens=2)
+    assert not engine.has_work
+    with pytest.raises(ValueError, match=message):
+        generate(params, MODEL, map(list, [[1, 2], [3]]), jax.random.key(0), max_new_tokens=2)
+
+
 def test_generate_takes_one_max_new_tokens_per_prompt(params):
     engine = Engine(MODEL, params, ENGINE)
     prompts = prompts_of([5, 9, 6], seed=16)

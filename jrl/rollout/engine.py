@@ -951,10 +951,14 @@ def reachable_layouts(config: EngineConfig, seq_limit: int, tuning: Tuning, toke
 
 def check_prompt_list(prompts) -> None:
     """Refuses a `prompts` argument that is not a list of prompts: text (its characters
-    would be checked as prompts) or one prompt's flat token ids (each id would be named as
-    a prompt that is not a sequence)."""
+    would be checked as prompts), an iterator or other collection without order or len()
+    (a generator, map, set) or one prompt's flat token ids (each id would be named as a
+    prompt that is not a sequence)."""
     if isinstance(prompts, (str, bytes)):
         raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got text {prompts!r}")
+    if not isinstance(prompts, (Sequence, np.ndarray, jax.Array)):  # a generator, map, set, dict
+        raise ValueError(f"prompts: must be a list of prompts, each a sequence of token ids, got "
+                         f"{type(prompts).__name__}; pass list(...)")
     flat = (getattr(prompts, "ndim", None) == 1 or isinstance(prompts, Sequence) and len(prompts) > 0
             and isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], (bool, np.bool_)))
     if flat:
