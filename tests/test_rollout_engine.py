@@ -481,6 +481,17 @@ def test_generate_names_prompts_given_as_an_iterator(params):
         generate(params, MODEL, map(list, [[1, 2], [3]]), jax.random.key(0), max_new_tokens=2)
 
 
+def test_generate_errors_in_eos_ids_or_stop_sequences_name_no_prompt(params):
+    # they apply to every prompt: 'prompts[0]: eos_ids: ...' pointed at a prompt that was fine
+    engine = Engine(MODEL, params, ENGINE)
+    with pytest.raises(ValueError, match=r"^eos_ids: token ids must be in \[0, 256\) \(the model's vocab_size\), "
+                                         r"got min 256 max 256$"):
+        engine.generate([[1, 2], [3]], GREEDY, max_new_tokens=2, eos_ids=[256])
+    with pytest.raises(ValueError, match=r"^stop_sequences: every stop sequence must be non-empty$"):
+        generate(params, MODEL, [[1, 2], [3]], jax.random.key(0), max_new_tokens=2, stop_sequences=[[]])
+    assert not engine.has_work
+
+
 def test_generate_takes_one_max_new_tokens_per_prompt(params):
     engine = Engine(MODEL, params, ENGINE)
     prompts = prompts_of([5, 9, 6], seed=16)

@@ -414,6 +414,8 @@ class Engine:
             try:
                 checked.append(self._checked_request(p, s, new, eos_ids, stop_sequences))
             except ValueError as e:  # "prompt: ..." is about prompts[k] itself
+                if str(e).startswith(("eos_ids", "stop_sequences")):  # the same for every prompt
+                    raise
                 raise ValueError(f"prompts[{k}]: {str(e).removeprefix('prompt: ')}") from None
         return [self._queue(c) for c in checked]
 
