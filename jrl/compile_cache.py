@@ -170,7 +170,6 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
     return target
 
 
-
 def _replace_unreadable_entries() -> None:
     """Makes JAX open jrl's directory (at its first compile) through a cache whose `put`
     replaces an entry that cannot be read back. JAX writes an entry in place and never over
