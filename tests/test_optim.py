@@ -197,25 +197,19 @@ def test_a_warmup_as_long_as_the_schedule_is_warned_of_naming_the_fields(overrid
     assert [str(w.message) for w in record] == [message]
 
 
-def test_a_constant_schedules_warmup_as_long_as_the_run_is_warned_of(tmp_path):
-    # before: only warmup_cosine and wsd were warned of; this run's rate never reached optimizer.lr
+@pytest.mark.parametrize("kind, warmup, never", [
+    ("constant", 100, "levels off at its peak"),
+    ("cosine_restarts", 4, "starts its cosine cycles"),
+])
+def test_a_warmup_as_long_as_the_run_is_warned_of_for_kinds_without_a_length(tmp_path, kind, warmup, never):
+    # before: only warmup_cosine and wsd were warned of; such a run's rate only warmed up
     from jrl.train.trainer import Trainer
-    config = load_train_config(None, ["steps=4", "schedule.kind=constant", "schedule.warmup_steps=100"])
+    config = load_train_config(None, ["steps=4", f"schedule.kind={kind}", f"schedule.warmup_steps={warmup}"])
     with pytest.warns(UserWarning) as record:
         Trainer(config, output_dir=tmp_path / "run")
     assert [str(w.message) for w in record] == [
-        "schedule.warmup_steps=100 is not shorter than the run's 4 updates (steps=4): the learning rate only warms "
-        "up and never levels off at its peak; fine for a trial run, else lower the warmup"]
-
-
-def test_a_cosine_restarts_warmup_as_long_as_the_run_is_warned_of(tmp_path):
-    from jrl.train.trainer import Trainer
-    config = load_train_config(None, ["steps=4", "schedule.kind=cosine_restarts", "schedule.warmup_steps=4"])
-    with pytest.warns(UserWarning) as record:
-        Trainer(config, output_dir=tmp_path / "run")
-    assert [str(w.message) for w in record] == [
-        "schedule.warmup_steps=4 is not shorter than the run's 4 updates (steps=4): the learning rate only warms "
-        "up and never starts its cosine cycles; fine for a trial run, else lower the warmup"]
+        f"schedule.warmup_steps={warmup} is not shorter than the run's 4 updates (steps=4): the learning rate only "
+        f"warms up and never {never}; fine for a trial run, else lower the warmup"]
 
 
 def test_cosine_restarts_start_each_cycle_at_its_decayed_peak():

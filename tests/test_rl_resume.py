@@ -211,11 +211,9 @@ def test_resume_refuses_a_changed_task_file_naming_the_field(tmp_path):
     assert problems_digest(task.heldout) == saved["heldout"]
     with pytest.raises(ConfigError) as e:
         run(config, tmp_path / "run", resume=True)
-    assert str(e.value) == (
-        f"--resume: {step_dir} was trained on other data than strategy.options.task.train {train} gives now "
-        f"(the train problems' content digest is {problems_digest(task.train)}, the checkpoint's {saved['train']}); "
-        f"resume on the checkpoint's data, pass --allow-data-change to go on from its position in this data, or "
-        f"start over (--overwrite)")
+    assert str(e.value) == refusal(step_dir, f"strategy.options.task.train {train} gives",
+                                   f"the train problems' content digest is {problems_digest(task.train)}, the "
+                                   f"checkpoint's {saved['train']}")
 
 
 def test_resume_refuses_a_changed_task_file_naming_every_split_that_changed(tmp_path):
@@ -230,12 +228,18 @@ def test_resume_refuses_a_changed_task_file_naming_every_split_that_changed(tmp_
     now = {split: problems_digest(getattr(task, split)) for split in ("train", "heldout")}
     with pytest.raises(ConfigError) as e:
         run(config, tmp_path / "run", resume=True)
-    assert str(e.value) == (
-        f"--resume: {step_dir} was trained on other data than strategy.options.task.train {train} and "
-        f"strategy.options.task.n_heldout (4 records of strategy.options.task.train {train}) give now (the train "
-        f"problems' content digest is {now['train']}, the checkpoint's {saved['train']}; the heldout problems' "
-        f"content digest is {now['heldout']}, the checkpoint's {saved['heldout']}); resume on the checkpoint's "
-        f"data, pass --allow-data-change to go on from its position in this data, or start over (--overwrite)")
+    assert str(e.value) == refusal(
+        step_dir, f"strategy.options.task.train {train} and strategy.options.task.n_heldout (4 records of "
+                  f"strategy.options.task.train {train}) give",
+        f"the train problems' content digest is {now['train']}, the checkpoint's {saved['train']}; the heldout "
+        f"problems' content digest is {now['heldout']}, the checkpoint's {saved['heldout']}")
+
+
+def refusal(step_dir, sources: str, digests: str) -> str:
+    """`--resume`'s refusal of a checkpoint trained on other task splits than `sources` give."""
+    return (f"--resume: {step_dir} was trained on other data than {sources} now ({digests}); resume on the "
+            f"checkpoint's data, pass --allow-data-change to go on from its position in this data, or start over "
+            f"(--overwrite)")
 
 
 def test_allow_data_change_resumes_a_changed_task_with_a_warning(tmp_path):
