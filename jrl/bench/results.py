@@ -2,10 +2,11 @@
 
 Every row has `date` (ISO 8601, UTC), `device`, `command`, `commit` (`$JRL_BENCH_COMMIT`
 when set, for a copied tree whose .git is not the source's; else `git rev-parse HEAD` of
-the checkout, or null), `jax_version`, `stage` and `section` (which part of the stage),
-then the measured fields. `--json PATH` appends each row to PATH as one JSON line when it
-is measured (a crash later keeps the rows before it); `--record` appends to the stage's
-file under bench/results/ instead. The table is printed to stdout last.
+the checkout, `+dirty` where its tracked files differ from it, or null), `jax_version`,
+`stage` and `section` (which part of the stage), then the measured fields. `--json PATH`
+appends each row to PATH as one JSON line when it is measured (a crash later keeps the
+rows before it); `--record` appends to the stage's file under bench/results/ instead.
+The table is printed to stdout last.
 """
 
 from __future__ import annotations
@@ -28,10 +29,21 @@ COMMON_KEYS = ("date", "device", "command", "commit", "jax_version", "stage", "s
 
 
 def git_commit() -> str | None:
+    """`$JRL_BENCH_COMMIT`, else the checkout's HEAD, with `+dirty` where tracked files
+    differ from it (a copied tree whose .git is older than its files says so), or None."""
     if os.environ.get("JRL_BENCH_COMMIT"):
         return os.environ["JRL_BENCH_COMMIT"]
+    head = _git("rev-parse", "HEAD")
+    if not head:
+        return None
+    changed = _git("status", "--porcelain", "--untracked-files=no")
+    return f"{head}+dirty" if changed else head
+
+
+def _git(*args: str) -> str | None:
+    """`git args` in the checkout: its stripped output, or None where it failed."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
