@@ -43,3 +43,17 @@ def test_the_environment_names_the_commit_of_a_copied_tree(tmp_path, monkeypatch
     monkeypatch.setattr(results, "ROOT", str(tmp_path))
     monkeypatch.setenv("JRL_BENCH_COMMIT", "abc123")
     assert results.git_commit() == "abc123"
+
+
+def test_rows_recorded_into_bench_results_do_not_make_the_tree_dirty(tmp_path, monkeypatch):
+    # `--record` appends to the tracked bench/results/*.jsonl: the second row is of the same code
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "decode_step.jsonl").write_text("")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "bench" / "results" / "decode_step.jsonl").write_text("{}\n")
+    monkeypatch.setattr(results, "ROOT", str(tmp_path))
+    monkeypatch.delenv("JRL_BENCH_COMMIT", raising=False)
+    assert results.git_commit() == head

@@ -30,13 +30,14 @@ COMMON_KEYS = ("date", "device", "command", "commit", "jax_version", "stage", "s
 
 def git_commit() -> str | None:
     """`$JRL_BENCH_COMMIT`, else the checkout's HEAD, with `+dirty` where tracked files
-    differ from it (a copied tree whose .git is older than its files says so), or None."""
+    other than bench/results/ (which `--record` appends to) differ from it (a copied tree
+    whose .git is older than its files says so), or None."""
     if os.environ.get("JRL_BENCH_COMMIT"):
         return os.environ["JRL_BENCH_COMMIT"]
     head = _git("rev-parse", "HEAD")
     if not head:
         return None
-    changed = _git("status", "--porcelain", "--untracked-files=no")
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
     return f"{head}+dirty" if changed else head
 
 
