@@ -414,3 +414,20 @@ def test_a_first_ctrl_c_after_the_run_asked_itself_to_stop_is_a_first_one(tmp_pa
     assert trainer.stop_reason == "received SIGINT"  # a signal's stop skips the end-of-run evaluation
     assert capsys.readouterr().err.startswith("interrupt: stopping after the current step")
     assert checkpoint.latest_step(tmp_path / "checkpoints") == 1
+
+
+class FailingOnError(FailAtStep):
+    """FailAtStep whose on_error has a bug of its own."""
+
+    def on_error(self, trainer, state, error):
+        raise ValueError("bug in on_error")
+
+
+def test_an_on_error_that_raises_still_lets_the_run_log_and_save_and_the_first_error_reach_the_user(tmp_path):
+    config = tiny("steps=5", "eval.at_end=false", "checkpoint.interval=2")
+    with pytest.warns(UserWarning, match=r"^FailingOnError.on_error raised ValueError: bug in on_error; the run's "
+                                         r"error \(RuntimeError\) is re-raised"):
+        with pytest.raises(RuntimeError, match="^data went away$"):
+            Trainer(config, callbacks=[FailingOnError(3)], output_dir=tmp_path).fit()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert checkpoint.all_steps(tmp_path / "checkpoints") == [2, 3]

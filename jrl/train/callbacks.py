@@ -18,6 +18,8 @@ Hooks (all optional; each gets the trainer first):
     on_train_end(trainer, state)              normal end, early stop, SIGTERM/SIGINT
     on_error(trainer, state, error)           an exception escaped the loop; state is the
                                               last good state; the error is re-raised after
+                                              (an on_error that raises is a warning: the
+                                              other callbacks' on_error still run)
 
 Callbacks run in this order: eval, early stopping, the user's callbacks (in the order
 given), metrics log, progress bar, checkpointing, plot. So a step's evaluation

@@ -625,6 +625,18 @@ class Trainer:
         for c in self.callbacks:
             getattr(c, hook)(self, *args)
 
+    def _fire_on_error(self, error: BaseException) -> None:
+        """Every callback's on_error, even when one of them raises: a user's on_error with a
+        bug of its own skipped the built-ins after it (the failed step's metrics row and the
+        checkpoint on error were lost) and replaced the run's error. Its failure is a warning;
+        the run's error is the one re-raised."""
+        for c in self.callbacks:
+            try:
+                c.on_error(self, self.state, error)
+            except Exception as failure:  # noqa: BLE001 - any bug in a handler; Ctrl-C still leaves
+                warnings.warn(f"{type(c).__name__}.on_error raised {type(failure).__name__}: {failure}; the run's "
+                              f"error ({type(error).__name__}) is re-raised", stacklevel=3)
+
     def request_stop(self, reason: str) -> None:
         """Ends the run after the current step (on_train_end and the final checkpoint follow)."""
         if self.stop_reason is None:
@@ -877,7 +889,7 @@ class Trainer:
                 self.train_step(self.train_source.next_batch(self.state))
             self.fire("on_train_end", self.state)
         except BaseException as error:
-            self.fire("on_error", self.state, error)
+            self._fire_on_error(error)
             raise
         finally:
             for sig, old in previous.items():
