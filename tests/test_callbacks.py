@@ -319,6 +319,17 @@ def test_a_resumed_run_stops_early_where_the_uninterrupted_run_does(tmp_path):
     assert logged(tmp_path / "cut") == logged(tmp_path / "full")
 
 
+
+def test_fit_again_after_early_stopping_stops_again_at_once(tmp_path):
+    config = tiny("steps=10", "eval.every=1", "eval.early_stopping.patience=2",
+                  "eval.early_stopping.min_delta=100", "checkpoint.interval=1")
+    trainer = Trainer(config, output_dir=tmp_path)
+    assert int(trainer.fit().step) == 3
+    before = logged(tmp_path)
+    assert int(trainer.fit().step) == 3
+    assert trainer.stop_reason.startswith("early stopping: eval_loss did not improve")
+    assert logged(tmp_path) == before
+
 def test_resuming_a_finished_run_logs_nothing(tmp_path):
     config = tiny("steps=2", "eval.every=0", "checkpoint.interval=1")
     Trainer(config, output_dir=tmp_path).fit()
@@ -349,6 +360,17 @@ def test_a_run_ended_by_a_signal_skips_the_final_evaluation_and_resumes_to_the_u
     assert logged(tmp_path / "cut") == logged(tmp_path / "full") == [(1, False), (2, False), (3, False),
                                                                       (4, False), (4, True)]
 
+
+
+def test_fit_again_after_a_ctrl_c_continues_the_run(tmp_path):
+    # before: the first fit's stop reason stayed set, so the second fit returned at once
+    config = tiny("steps=4", "eval.every=0", "checkpoint.interval=0")
+    trainer = Trainer(config, callbacks=[InterruptAt(2)], output_dir=tmp_path)
+    assert int(trainer.fit().step) == 2
+    assert int(trainer.fit().step) == 4
+    assert trainer.stop_reason is None
+    assert logged(tmp_path) == [(1, False), (2, False), (3, False), (4, False), (4, True)]
+    assert checkpoint.all_steps(tmp_path / "checkpoints") == [2, 4]
 
 def interrupting_save(monkeypatch, times: int):
     """Makes checkpoint saves receive `times` more Ctrl-Cs while they write."""

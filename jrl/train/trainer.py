@@ -874,7 +874,10 @@ class Trainer:
             allow_data_change: bool = False) -> TrainState:
         """Trains to `config.steps` (or until stopped); returns the final state.
         `resume` / `overwrite` / `resume_from` / `allow_data_change`: see `setup`. The run directory stays
-        locked until fit returns or raises."""
+        locked until fit returns or raises. `stop_reason` says why the last fit stopped early
+        (None: it trained to `steps`); a later fit starts without one and goes on (early
+        stopping replays the logged rows, so it stops again at once)."""
+        self.stop_reason = None  # a Ctrl-C that ended the last fit: this one continues the run
         previous = self._install_signal_handlers()
         try:
             if self.state is None:
