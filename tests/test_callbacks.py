@@ -301,6 +301,31 @@ def test_an_error_after_the_next_batch_was_drawn_saves_no_checkpoint_that_would_
     assert losses["cut"] == losses["full"] and len(losses["full"]) == 5
 
 
+
+class FailOnceBeforeUpdate(Callback):
+    """Raises KeyboardInterrupt once, as step `step` begins (its batch already drawn)."""
+
+    def __init__(self, step):
+        self.step, self.fired = step, False
+
+    def on_step_begin(self, trainer, state, batch):
+        if int(state.step) == self.step and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+def test_fit_again_after_an_error_before_the_update_trains_on_the_batch_already_drawn(tmp_path):
+    # before: the continued fit drew the next batch, so the batch of the failed step was never trained on
+    config = tiny("steps=4", "eval.at_end=false", "checkpoint.interval=0")
+    Trainer(config, output_dir=tmp_path / "full").fit()
+    trainer = Trainer(config, callbacks=[FailOnceBeforeUpdate(2)], output_dir=tmp_path / "cut")
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    trainer.fit()
+    losses = {run: [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+              for run in ("cut", "full")}
+    assert losses["cut"] == losses["full"] and len(losses["full"]) == 4
+
 def logged(run_dir):
     """(step, is an evaluation row) of every row of a run's metrics log, in order."""
     return [(r["step"], "eval_loss" in r) for r in read_metrics(run_dir / "metrics.jsonl")]

@@ -324,6 +324,9 @@ class Trainer:
         # True from the moment fit asks the train source for a batch until that batch's update
         # is in self.state: meanwhile the source's position is ahead of the state's
         self.source_ahead = False
+        # the batch fit drew while source_ahead: a fit that continues after an error before
+        # its update trains on it (drawing another would skip it)
+        self._drawn_batch: dict | None = None
         # the row of the step whose update is in self.state while its after_optimizer_step
         # hooks run (None otherwise): a hook that raises leaves it to MetricsLogger.on_error
         self.pending_row: dict | None = None
@@ -727,7 +730,7 @@ class Trainer:
         else:
             new_state, metrics = self._fns.update(state, micro, self.reference_params, layout)
         self.state = new_state
-        self.source_ahead = False
+        self.source_ahead, self._drawn_batch = False, None
         metrics = jax.device_get(metrics)
         now = time.perf_counter()
         elapsed = now - self._last_time if self._last_time is not None else None
@@ -888,8 +891,10 @@ class Trainer:
             self.pending_row = None  # a row an earlier fit's error left was logged by its on_error
             self.fire("on_train_begin", self.state)
             while int(self.state.step) < self.config.steps and self.stop_reason is None:
-                self.source_ahead = True
-                self.train_step(self.train_source.next_batch(self.state))
+                if self._drawn_batch is None:
+                    self.source_ahead = True
+                    self._drawn_batch = self.train_source.next_batch(self.state)
+                self.train_step(self._drawn_batch)
             self.fire("on_train_end", self.state)
         except BaseException as error:
             self._fire_on_error(error)
