@@ -478,3 +478,31 @@ def test_an_on_error_that_raises_still_lets_the_run_log_and_save_and_the_first_e
             Trainer(config, callbacks=[FailingOnError(3)], output_dir=tmp_path).fit()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert checkpoint.all_steps(tmp_path / "checkpoints") == [2, 3]
+
+
+class MisspeltHook(Callback):
+    def after_optimiser_step(self, trainer, state, metrics):
+        pass
+
+
+def test_a_misspelt_hook_is_refused_naming_the_hook_it_resembles(tmp_path):
+    # before: it was never called, without a word
+    with pytest.raises(TypeError) as refused:
+        Trainer(tiny("steps=2"), callbacks=[MisspeltHook()], output_dir=tmp_path)
+    assert str(refused.value) == (
+        "callbacks[0]: MisspeltHook.after_optimiser_step is not a hook, so the trainer would never call it (did "
+        "you mean after_optimizer_step?); the hooks are on_train_begin, on_step_begin, before_optimizer_step, "
+        "after_optimizer_step, on_eval, on_checkpoint, on_train_end, on_error (a helper method: give it a name "
+        "that does not start with on_, before_ or after_)")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+class KerasStyleHook(Callback):
+    def on_epoch_end(self, trainer, state, metrics):
+        pass
+
+
+def test_a_hook_of_another_framework_is_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"^callbacks\[0\]: KerasStyleHook.on_epoch_end is not a hook, so the "
+                                        r"trainer would never call it; the hooks are on_train_begin, "):
+        Trainer(tiny("steps=2"), callbacks=[KerasStyleHook()], output_dir=tmp_path)

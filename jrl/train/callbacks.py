@@ -21,6 +21,9 @@ Hooks (all optional; each gets the trainer first):
                                               (an on_error that raises is a warning: the
                                               other callbacks' on_error still run)
 
+A method named like a hook (on_ / before_ / after_) that is none of these is refused
+when the Trainer is built (`check_callback`): a misspelt hook would never be called.
+
 Callbacks run in this order: eval, early stopping, the user's callbacks (in the order
 given), metrics log, progress bar, checkpointing, plot. So a step's evaluation
 (`on_eval`) arrives before its `after_optimizer_step`; user callbacks may add keys to the
@@ -36,6 +39,7 @@ and the plot and shows the progress bar.
 
 from __future__ import annotations
 
+import difflib
 import math
 import sys
 import warnings
@@ -74,6 +78,26 @@ class Callback:
 
     def on_error(self, trainer, state, error: BaseException) -> None:
         pass
+
+
+HOOKS = tuple(name for name in vars(Callback) if not name.startswith("_"))  # in the order they are documented
+HOOK_PREFIXES = ("on_", "before_", "after_")
+
+
+def check_callback(callback: Callback, where: str) -> None:
+    """Raises TypeError, naming `where` (e.g. "callbacks[0]"), for a method of `callback`
+    whose name reads like a hook (on_ / before_ / after_) but is none of HOOKS: a
+    misspelt hook (`after_optimiser_step`) or another framework's (`on_epoch_end`) was
+    never called, without a word."""
+    cls = type(callback)
+    for name in dir(cls):
+        if name in HOOKS or not name.startswith(HOOK_PREFIXES) or not callable(getattr(cls, name, None)):
+            continue
+        close = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise TypeError(f"{where}: {cls.__name__}.{name} is not a hook, so the trainer would never call it{hint}; "
+                        f"the hooks are {', '.join(HOOKS)} (a helper method: give it a name that does not start "
+                        f"with on_, before_ or after_)")
 
 
 def edits_gradients(callback: Callback) -> bool:

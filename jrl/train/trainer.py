@@ -289,6 +289,9 @@ class Trainer:
                  eval_batches: Iterable[dict] | None = None, strategy_options: Any = None,
                  tokenizer: Any = None, mesh: Mesh | None = None):
         self.config = config
+        callbacks = list(callbacks)
+        for i, c in enumerate(callbacks):
+            cb.check_callback(c, f"callbacks[{i}]")
         run_distributed(config.parallel)  # no-op unless multi-process
         enable_compilation_cache()  # once per process (jrl.compile_cache)
         self.run_dir = Path(output_dir or config.run_dir)
@@ -301,7 +304,7 @@ class Trainer:
         if (why := warmup_outlasts(config.schedule, config.steps)) is not None:
             warnings.warn(why, LongWarmupWarning, stacklevel=2)
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
-        self.callbacks = self._with_builtin_callbacks(list(callbacks))
+        self.callbacks = self._with_builtin_callbacks(callbacks)
         self.state: TrainState | None = None
         self.reference_params = None
         self.train_source = train_source
