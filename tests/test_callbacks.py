@@ -506,3 +506,20 @@ def test_a_hook_of_another_framework_is_refused(tmp_path):
     with pytest.raises(TypeError, match=r"^callbacks\[0\]: KerasStyleHook.on_epoch_end is not a hook, so the "
                                         r"trainer would never call it; the hooks are on_train_begin, "):
         Trainer(tiny("steps=2"), callbacks=[KerasStyleHook()], output_dir=tmp_path)
+
+
+class DuckTyped:
+    def after_optimizer_step(self, trainer, state, metrics):
+        pass
+
+
+@pytest.mark.parametrize("given, message", [
+    (Recorder, "callbacks[0]: Recorder is a class; pass an instance, Recorder()"),
+    (DuckTyped(), "callbacks[0]: a DuckTyped is not a jrl.train.callbacks.Callback; subclass Callback (the hooks "
+                  "it leaves out do nothing)"),
+])
+def test_a_callback_that_is_not_a_callback_instance_is_refused_naming_it(tmp_path, given, message):
+    # before: an AttributeError on 'before_optimizer_step' that named no callback
+    with pytest.raises(TypeError) as refused:
+        Trainer(tiny("steps=2"), callbacks=[given], output_dir=tmp_path)
+    assert str(refused.value) == message

@@ -88,7 +88,14 @@ def check_callback(callback: Callback, where: str) -> None:
     """Raises TypeError, naming `where` (e.g. "callbacks[0]"), for a method of `callback`
     whose name reads like a hook (on_ / before_ / after_) but is none of HOOKS: a
     misspelt hook (`after_optimiser_step`) or another framework's (`on_epoch_end`) was
-    never called, without a word."""
+    never called, without a word. So is anything but a Callback instance (a class given
+    for its instance, an object with hook methods of its own), which failed with an
+    AttributeError naming no callback."""
+    if isinstance(callback, type) and issubclass(callback, Callback):
+        raise TypeError(f"{where}: {callback.__name__} is a class; pass an instance, {callback.__name__}()")
+    if not isinstance(callback, Callback):
+        raise TypeError(f"{where}: a {type(callback).__name__} is not a jrl.train.callbacks.Callback; subclass "
+                        f"Callback (the hooks it leaves out do nothing)")
     cls = type(callback)
     for name in dir(cls):
         if name in HOOKS or not name.startswith(HOOK_PREFIXES) or not callable(getattr(cls, name, None)):
