@@ -523,3 +523,28 @@ def test_a_callback_that_is_not_a_callback_instance_is_refused_naming_it(tmp_pat
     with pytest.raises(TypeError) as refused:
         Trainer(tiny("steps=2"), callbacks=[given], output_dir=tmp_path)
     assert str(refused.value) == message
+
+
+def test_fit_again_after_an_update_that_failed_holding_the_donated_state_says_how_to_go_on(tmp_path):
+    # before: RuntimeError "Array has been deleted with shape=float32[262,16]."
+    config = tiny("steps=5", "eval.at_end=false", "checkpoint.interval=2")
+    trainer = Trainer(config, output_dir=tmp_path)
+    trainer.setup()
+    update = trainer._fns.update
+
+    def fails_after_the_fourth_update(*args):
+        out = update(*args)  # the state's buffers are donated to it (those of a state not saved)
+        if int(out[0].step) == 4:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return out
+
+    trainer._fns = trainer._fns._replace(update=fails_after_the_fourth_update)
+    with pytest.warns(UserWarning, match="not saving a checkpoint on error: the state's buffers were donated"):
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            trainer.fit()
+    with pytest.raises(RuntimeError) as refused:
+        trainer.fit()
+    assert str(refused.value) == (
+        "Trainer.fit: the train state is gone: an update that failed (or was interrupted) had taken its buffers "
+        "(they are donated to each update), so this Trainer cannot go on; continue from the last checkpoint, "
+        "step_2, with a new Trainer: Trainer(...).fit(resume=True)")

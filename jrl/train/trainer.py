@@ -624,6 +624,18 @@ class Trainer:
         them it failed with an AttributeError on None (or, for evaluate, blamed the data)."""
         if self.state is None or self._fns is None:
             raise RuntimeError(f"Trainer.{what}: the trainer is not set up; call trainer.setup() (or fit()) first")
+        self._require_live_state(what)
+
+    def _require_live_state(self, what: str) -> None:
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.state)):
+            # an update that failed (out of memory, a second Ctrl-C) after taking the donated state:
+            # going on failed with "Array has been deleted", naming no way out
+            where = (f"the last checkpoint, step_{self.last_saved_step}, with a new Trainer: "
+                     f"Trainer(...).fit(resume=True)" if self.last_saved_step is not None else
+                     "nothing (the run saved no checkpoint): start over, Trainer(...).fit(overwrite=True)")
+            raise RuntimeError(f"Trainer.{what}: the train state is gone: an update that failed (or was interrupted) "
+                               f"had taken its buffers (they are donated to each update), so this Trainer cannot go "
+                               f"on; continue from {where}")
 
     # ------------------------------------------------------------------ steps
 
@@ -883,6 +895,8 @@ class Trainer:
         locked until fit returns or raises. `stop_reason` says why the last fit stopped early
         (None: it trained to `steps`); a later fit starts without one and goes on (early
         stopping replays the logged rows, so it stops again at once)."""
+        if self.state is not None:
+            self._require_live_state("fit")  # not one an earlier fit's failed update consumed
         self.stop_reason = None  # a Ctrl-C that ended the last fit: this one continues the run
         previous = self._install_signal_handlers()
         try:
