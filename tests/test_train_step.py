@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -357,3 +358,17 @@ def test_evaluate_reports_null_not_zero_for_held_out_batches_without_loss_weight
         trainer.eval_batches = [{**batch, "loss_mask": np.zeros_like(batch["loss_mask"])}]
         assert trainer.evaluate() == {"step": 0, "policy_version": 0, "eval_loss": None, "eval_nll": None,
                                       "eval_entropy": None}
+
+
+def test_fit_again_after_setup_failed_on_the_data_sets_up_again(tmp_path):
+    # before: the state set up before the data failed stayed, so the second fit skipped setup
+    # and failed with "Trainer.train_step: the trainer is not set up; call trainer.setup() ..."
+    records = [{"prompt": f"{i}+{i}=", "response": str(2 * i)} for i in range(20)]
+    source = tmp_path / "train.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records[:3] + [{"prompt": "1+1="}] + records[3:]))
+    trainer = Trainer(tiny_config(f"data.source={source}", "steps=2", "data.eval_fraction=0"),
+                      output_dir=tmp_path / "run")
+    with pytest.raises(ValueError, match=r"train.jsonl:4: missing field 'response'"):
+        trainer.fit()
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))  # the user fixes the record
+    assert int(trainer.fit().step) == 2

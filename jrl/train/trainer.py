@@ -622,7 +622,7 @@ class Trainer:
     def _require_setup(self, what: str) -> None:
         """A step, evaluation or save needs the state and programs that setup builds; without
         them it failed with an AttributeError on None (or, for evaluate, blamed the data)."""
-        if self.state is None or self._fns is None:
+        if self.state is None or self._fns is None or self.start_step is None:
             raise RuntimeError(f"Trainer.{what}: the trainer is not set up; call trainer.setup() (or fit()) first")
         self._require_live_state(what)
 
@@ -900,7 +900,7 @@ class Trainer:
         self.stop_reason = None  # a Ctrl-C that ended the last fit: this one continues the run
         previous = self._install_signal_handlers()
         try:
-            if self.state is None:
+            if self.start_step is None:  # not set up, or a setup that failed part way (a bad data record)
                 self.setup(resume=resume, overwrite=overwrite, resume_from=resume_from,
                            allow_data_change=allow_data_change)
             else:
