@@ -91,7 +91,7 @@ def resolve_named(name: Any, field: str, kind: str = "function") -> Any:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
-    except Exception as e:  # the module itself fails: a SyntaxError, an error at its top level
+    except (Exception, SystemExit) as e:  # the module fails: a SyntaxError, an error or sys.exit at its top
         raise ConfigError(f"{field}: importing module {module_name!r} raised "
                           f"{type(e).__name__}: {e}") from e
     obj = getattr(module, attr, None)

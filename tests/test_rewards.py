@@ -91,6 +91,15 @@ def test_reward_module_that_fails_to_import_names_the_field_module_and_error(tmp
                             "SyntaxError: invalid syntax (broken_rewards_mod.py, line 2)")
 
 
+def test_a_reward_module_that_exits_on_import_is_a_config_error_naming_it(tmp_path, monkeypatch):
+    # argparse at a module's top level: its SystemExit ended jrl with a usage line not its own
+    user_module(tmp_path, monkeypatch, "argv_rewards_mod", "import sys\nsys.exit(2)\n"
+                                                           "def f(prompt, completion, answer):\n    return 1.0\n")
+    with pytest.raises(ConfigError) as e:
+        resolve_reward("argv_rewards_mod:f", "rewards[0].fn")
+    assert str(e.value) == "rewards[0].fn: importing module 'argv_rewards_mod' raised SystemExit: 2"
+
+
 def test_a_builtin_pattern_that_is_not_a_regex_is_refused_with_the_config():
     with pytest.raises(ConfigError) as e:
         RewardModel([RewardSpec("exact_match", 1.0, {"pattern": "<a>(["})])
