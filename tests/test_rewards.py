@@ -123,6 +123,15 @@ def test_config_parsing_rejects_unknown_keys_and_bad_weights():
         RewardModel([])
 
 
+@pytest.mark.parametrize("kwargs", ["limit=3", [["limit", 3], "x"], 3])
+def test_reward_kwargs_that_are_not_a_mapping_are_a_config_error_naming_them(kwargs):
+    # dict() of them raised a bare TypeError / ValueError about "dictionary update sequence"
+    with pytest.raises(ConfigError) as e:
+        reward_specs_from_config([{"fn": "exact_match"}, {"fn": "format_check", "kwargs": kwargs}],
+                                 "strategy.options.rewards")
+    assert str(e.value) == f"strategy.options.rewards[1].kwargs: must be a mapping, got {kwargs!r}"
+
+
 def test_reward_returning_non_number_is_an_error(tmp_path, monkeypatch):
     user_module(tmp_path, monkeypatch, "bad_rewards_mod", "def nan(p, c, a):\n    return float('nan')\n")
     model = RewardModel([RewardSpec("bad_rewards_mod:nan")])

@@ -249,6 +249,8 @@ def reward_specs_from_config(data: Any, field: str = "rewards") -> tuple[RewardS
         weight = item.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ConfigError(f"{field}[{i}].weight: must be a number, got {weight!r}")
-        specs.append(RewardSpec(fn=item.get("fn", "exact_match"), weight=float(weight),
-                                kwargs=dict(item.get("kwargs") or {})))
+        kwargs = item.get("kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ConfigError(f"{field}[{i}].kwargs: must be a mapping, got {kwargs!r}")
+        specs.append(RewardSpec(fn=item.get("fn", "exact_match"), weight=float(weight), kwargs=dict(kwargs or {})))
     return tuple(specs)
