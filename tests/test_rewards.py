@@ -132,6 +132,18 @@ def test_reward_kwargs_that_are_not_a_mapping_are_a_config_error_naming_them(kwa
     assert str(e.value) == f"strategy.options.rewards[1].kwargs: must be a mapping, got {kwargs!r}"
 
 
+@pytest.mark.parametrize("source, kind", [("async def f(prompt, completion, answer):\n    return 1.0\n", "an async"),
+                                          ("def f(prompt, completion, answer):\n    yield 1.0\n", "a generator")])
+def test_an_async_or_generator_reward_is_refused_with_the_config(tmp_path, monkeypatch, source, kind):
+    # it passed the signature check and failed at the first sample, got <coroutine object f at 0x...>
+    module = f"{kind.split()[1]}_rewards_mod"  # one module each: an imported one stays in sys.modules
+    user_module(tmp_path, monkeypatch, module, source)
+    with pytest.raises(ConfigError) as e:
+        RewardModel([RewardSpec("exact_match"), RewardSpec(f"{module}:f")])
+    assert str(e.value) == (f"rewards[1].fn: '{module}:f' is {kind} function, whose calls return no "
+                            f"number; a reward must be a plain function returning one")
+
+
 def test_reward_returning_non_number_is_an_error(tmp_path, monkeypatch):
     user_module(tmp_path, monkeypatch, "bad_rewards_mod", "def nan(p, c, a):\n    return float('nan')\n")
     model = RewardModel([RewardSpec("bad_rewards_mod:nan")])

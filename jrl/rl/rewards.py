@@ -179,6 +179,12 @@ class RewardModel:
             if not isinstance(spec.kwargs, dict):
                 raise ConfigError(f"{field}[{i}].kwargs: must be a mapping, got {spec.kwargs!r}")
             fn = resolve_reward(spec.fn, f"{field}[{i}].fn")
+            lazy = next((kind for kind, test in (("an async", inspect.iscoroutinefunction),
+                                                 ("an async generator", inspect.isasyncgenfunction),
+                                                 ("a generator", inspect.isgeneratorfunction)) if test(fn)), None)
+            if lazy is not None:  # its calls return a coroutine or a generator: refused now, not at the first sample
+                raise ConfigError(f"{field}[{i}].fn: {spec.fn!r} is {lazy} function, whose calls return no number; "
+                                  f"a reward must be a plain function returning one")
             if "example" in spec.kwargs:
                 raise ConfigError(f"{field}[{i}].kwargs: 'example' is reserved (the task's record is passed as "
                                   f"`example` to functions that declare it)")
