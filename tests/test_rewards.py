@@ -144,6 +144,17 @@ def test_an_async_or_generator_reward_is_refused_with_the_config(tmp_path, monke
                             f"number; a reward must be a plain function returning one")
 
 
+def test_a_reward_that_changes_its_example_changes_no_other_samples_record(tmp_path, monkeypatch):
+    # the group's samples (and every later rollout) shared the task's record: the second sample saw 2 tests
+    user_module(tmp_path, monkeypatch, "scratch_rewards_mod", "def f(prompt, completion, answer, example):\n"
+                                                              "    example['tests'].append(completion)\n"
+                                                              "    return len(example['tests'])\n")
+    record = {"tests": ["t1"]}
+    total, _ = RewardModel([RewardSpec("scratch_rewards_mod:f")])(["p"] * 3, ["a", "b", "c"], ["", "", ""],
+                                                                  examples=[record] * 3)
+    assert total.tolist() == [2.0, 2.0, 2.0] and record == {"tests": ["t1"]}
+
+
 def test_reward_returning_non_number_is_an_error(tmp_path, monkeypatch):
     user_module(tmp_path, monkeypatch, "bad_rewards_mod", "def nan(p, c, a):\n    return float('nan')\n")
     model = RewardModel([RewardSpec("bad_rewards_mod:nan")])

@@ -7,7 +7,8 @@ A reward function scores one sample:
 `prompt` is the prompt text, `completion` the decoded response (without the stop token),
 `answer` the task's reference answer ("" when the task has none) and `kwargs` the
 options given in the config. A function that declares a parameter named `example` also
-receives the task's whole record (a dict: test cases, units, difficulty, ...):
+receives the task's whole record (a dict: test cases, units, difficulty, ...; a copy of its
+own, which it may change without changing what other samples see):
 
     def passes_tests(prompt, completion, answer, example): ...
 
@@ -26,6 +27,7 @@ and the record.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -214,7 +216,8 @@ class RewardModel:
             with_example = takes_example(fn)
             values = np.empty(n, np.float32)
             for j, (p, c, a) in enumerate(zip(prompts, completions, answers)):
-                extra = {"example": examples[j]} if with_example else {}
+                # its own copy: the record is shared by the group's samples, later rollouts and the logs
+                extra = {"example": copy.deepcopy(examples[j])} if with_example else {}
                 try:
                     v = fn(p, c, a, **spec.kwargs, **extra)
                 except (Exception, SystemExit) as e:  # sys.exit in a reward must not end the run unnamed
