@@ -162,6 +162,17 @@ def test_reward_returning_non_number_is_an_error(tmp_path, monkeypatch):
         model(["p"], ["c"], ["a"])
 
 
+def test_a_complex_reward_is_an_error_not_its_real_part(tmp_path, monkeypatch):
+    # float() of a numpy complex drops the imaginary part with a warning: it scored 1.0
+    user_module(tmp_path, monkeypatch, "complex_rewards_mod", "import numpy as np\n"
+                                                              "def f(p, c, a):\n    return np.complex128(1 + 2j)\n")
+    model = RewardModel([RewardSpec("complex_rewards_mod:f")])
+    with pytest.raises(RewardError) as e:
+        model(["p"], ["c"], ["a"])
+    assert str(e.value) == ("reward 'complex_rewards_mod:f': must return a finite number, got "
+                            "np.complex128(1+2j) (on sample 0, completion 'c')")
+
+
 def test_reward_beyond_float32_is_an_error_not_an_inf(tmp_path, monkeypatch):
     user_module(tmp_path, monkeypatch, "huge_rewards_mod", "def huge(p, c, a):\n    return 1e300\n")
     model = RewardModel([RewardSpec("huge_rewards_mod:huge")])

@@ -47,8 +47,10 @@ RESERVED_TERM_NAMES = ("mean", "std")  # reward_mean / reward_std are the total'
 def reward_requirement(v: Any) -> str | None:
     """What `v` must be to serve as a reward (kept in float32, summed into advantages), when
     it is not; None when it is. Bools count as 0 / 1; a Python int of any size is finite
-    (float() of one beyond float64 overflows) but must fit float32's range like any number."""
-    if not isinstance(v, (int, float, np.number, np.bool_)) or not (isinstance(v, int) or math.isfinite(float(v))):
+    (float() of one beyond float64 overflows) but must fit float32's range like any number;
+    a numpy complex is not a number here (float() of it would drop its imaginary part)."""
+    if (not isinstance(v, (int, float, np.number, np.bool_)) or isinstance(v, np.complexfloating)
+            or not (isinstance(v, int) or math.isfinite(float(v)))):
         return "a finite number"
     if abs(v if isinstance(v, int) else float(v)) > FLOAT32_MAX:
         return f"a number within float32's range (|v| <= {FLOAT32_MAX:.3g})"
