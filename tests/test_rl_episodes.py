@@ -1161,3 +1161,16 @@ def test_an_environments_opening_prompts_are_checked_on_the_largest_records_of_e
     sampler.check_opening_prompts(make_task(options.task))
     assert CountedParity.prompts == ["held out", "the longest prompt of them", "a longer prompt", "10?", "11?",
                                      "12?", "13?", "14?", "15?"]
+
+
+def test_an_environment_gets_its_own_copy_of_the_record(tok):
+    # a reset that used the record's lists as scratch changed them for the group's other episodes
+    from jrl.data.tasks import Problem
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    options = RLOptions.from_config({"env": "test_rl_episodes:Parity"})
+    sampler = EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 96)
+    problem = Problem(prompt="p", answer="0", example={"tests": ["t1"]})
+    _, example = sampler.environment(problem)
+    example["tests"].append("x")
+    assert problem.example == {"tests": ["t1"]}

@@ -12,6 +12,7 @@ answer. An episode *solves* its problem when its reward is >= `success_threshold
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, Sequence
 
@@ -63,8 +64,9 @@ class EpisodeSampler:
         self.parser = get_parser(o.tool_parser, "strategy.options.tool_parser")
 
     def environment(self, problem: Problem) -> tuple[Any, dict]:
-        """A fresh environment for `problem`, and the example its `reset` gets."""
-        example = {**problem.example, "prompt": problem.prompt, "answer": problem.answer}
+        """A fresh environment for `problem`, and the example its `reset` gets: a copy of its
+        own, as a reward's (the record is shared by the group's episodes and later rollouts)."""
+        example = copy.deepcopy({**problem.example, "prompt": problem.prompt, "answer": problem.answer})
         o = self.options
         if self.env_cls is not None:
             kwargs = dict(o.env_kwargs)
