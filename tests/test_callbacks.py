@@ -261,6 +261,35 @@ def test_a_step_whose_callback_raised_is_still_logged_so_resuming_or_continuing_
         assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")] == full
 
 
+class FailInEvalOnce(Callback):
+    """Raises once from on_eval at `step`: before the metrics logger has seen the evaluation."""
+
+    def __init__(self, step):
+        self.step, self.fired = step, False
+
+    def on_eval(self, trainer, state, metrics):
+        if metrics["step"] == self.step and not self.fired:
+            self.fired = True
+            raise RuntimeError("eval hook failed")
+
+
+def test_an_evaluation_whose_callback_raised_is_still_logged_so_resuming_or_continuing_keeps_every_row(tmp_path):
+    # before: the step's eval row was never written, and neither a resumed nor a continued run evaluates it again
+    config = tiny("steps=4", "eval.every=2", "checkpoint.interval=0")
+    without_timing = lambda run: [{k: v for k, v in r.items() if k != "tokens_per_s"}
+                                  for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+    Trainer(config, output_dir=tmp_path / "full").fit()
+    assert logged(tmp_path / "full") == [(1, False), (2, True), (2, False), (3, False), (4, True), (4, False)]
+    for run in ("continued", "resumed"):
+        trainer = Trainer(config, callbacks=[FailInEvalOnce(2)], output_dir=tmp_path / run)
+        with pytest.raises(RuntimeError, match="^eval hook failed$"):
+            trainer.fit()
+        assert checkpoint.all_steps(tmp_path / run / "checkpoints") == [2]  # the save on error
+        assert logged(tmp_path / run) == [(1, False), (2, True), (2, False)]
+        (trainer.fit() if run == "continued" else Trainer(config, output_dir=tmp_path / run).fit(resume=True))
+        assert without_timing(run) == without_timing("full")
+
+
 class LimitFileSizeAfter(Callback):
     """Caps the size of the files this process may write once `step` is trained (a disk
     that fills up mid-run; the programs are compiled and cached by then)."""

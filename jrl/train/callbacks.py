@@ -233,6 +233,7 @@ class MetricsLogger(Callback):
     def __init__(self, log_every: int = 1):
         self.log_every = log_every
         self._logged: dict | None = None  # the last training row appended
+        self._logged_eval: dict | None = None  # the last evaluation row appended
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         step = metrics["step"]
@@ -242,8 +243,13 @@ class MetricsLogger(Callback):
 
     def on_error(self, trainer, state, error) -> None:
         # A callback before this one raised (KeyboardInterrupt included) after the step's
-        # update was in the state: its row is logged now, or the checkpoint on error (and a
-        # fit that continues) would hold a step that metrics.jsonl never has.
+        # update was in the state, or in on_eval after an evaluation: its rows are logged now
+        # (the evaluation first, as it comes when nothing raises), or the checkpoint on error
+        # (and a fit that continues) would hold a step, or an evaluation that is not run
+        # again, that metrics.jsonl never has.
+        evaluation = getattr(trainer, "pending_eval_row", None)
+        if evaluation is not None and evaluation is not self._logged_eval:
+            self.on_eval(trainer, state, evaluation)
         row = getattr(trainer, "pending_row", None)
         if row is not None and row is not self._logged:
             self.after_optimizer_step(trainer, state, row)
@@ -251,6 +257,7 @@ class MetricsLogger(Callback):
     def on_eval(self, trainer, state, metrics) -> None:
         if trainer.is_main_process:
             trainer.metrics_log.append(metrics)
+            self._logged_eval = metrics
 
 
 def _shown(value: float | None) -> str:

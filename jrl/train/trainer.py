@@ -333,6 +333,9 @@ class Trainer:
         # the row of the step whose update is in self.state while its after_optimizer_step
         # hooks run (None otherwise): a hook that raises leaves it to MetricsLogger.on_error
         self.pending_row: dict | None = None
+        # likewise the evaluation row while its on_eval hooks run: a hook that raises leaves it
+        # to MetricsLogger.on_error too (a resumed or continued run does not evaluate that step again)
+        self.pending_eval_row: dict | None = None
         self._run_dir_taken = False
         # the step this session started from (set when setup is complete): the checkpoint
         # callback never saves a state that has not trained past it
@@ -640,8 +643,12 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def fire(self, hook: str, *args) -> None:
+        if hook == "on_eval":  # (state, row): pending until every on_eval has run
+            self.pending_eval_row = args[1]
         for c in self.callbacks:
             getattr(c, hook)(self, *args)
+        if hook == "on_eval":
+            self.pending_eval_row = None
 
     def _fire_on_error(self, error: BaseException) -> None:
         """Every callback's on_error, even when one of them raises: a user's on_error with a
@@ -905,7 +912,8 @@ class Trainer:
                            allow_data_change=allow_data_change)
             else:
                 self._take_run_dir()
-            self.pending_row = None  # a row an earlier fit's error left was logged by its on_error
+            # rows an earlier fit's error left were logged by its on_error
+            self.pending_row = self.pending_eval_row = None
             self.fire("on_train_begin", self.state)
             while int(self.state.step) < self.config.steps and self.stop_reason is None:
                 if self._drawn_batch is None:
