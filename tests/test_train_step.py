@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from jrl import checkpoint
 from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig, load_train_config
 from jrl.models import init_params
 from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_mask
@@ -19,6 +20,7 @@ from jrl.train.state import init_train_state
 from jrl.train.step import GradInfo, make_step_fns, trainable_part
 from jrl.train.strategies import LossOutput, Strategy, get_strategy, metric, strategy_options
 from jrl.train.trainer import SkippedUpdateWarning, Trainer
+from run_control import StopAfter
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                   intermediate_size=32, max_position_embeddings=16)
@@ -372,3 +374,62 @@ def test_fit_again_after_setup_failed_on_the_data_sets_up_again(tmp_path):
         trainer.fit()
     source.write_text("".join(json.dumps(r) + "\n" for r in records))  # the user fixes the record
     assert int(trainer.fit().step) == 2
+
+
+def test_fit_overwrite_on_a_trainer_that_has_trained_is_refused_deleting_nothing(tmp_path):
+    # before: it continued the run (here: returned at once), deleting nothing, without a word
+    trainer = Trainer(tiny_config("steps=2", "eval.every=0", "eval.at_end=false"), output_dir=tmp_path)
+    trainer.fit()
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(overwrite=True)
+    assert str(refused.value) == (
+        "Trainer.fit: overwrite=True on a Trainer that is already set up, its run at step 2: fit continues a set-up "
+        "Trainer's run and deletes nothing; to start over, build a new Trainer: Trainer(...).fit(overwrite=True)")
+    assert checkpoint.all_steps(tmp_path / "checkpoints") == [2]
+
+
+def test_fit_resume_from_another_step_on_a_set_up_trainer_is_refused(tmp_path):
+    # before: it continued from the step the Trainer was at, not from the one asked for
+    trainer = Trainer(tiny_config("steps=2", "eval.every=0", "eval.at_end=false", "checkpoint.interval=1"),
+                      output_dir=tmp_path)
+    trainer.fit()
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(resume_from=1)
+    assert str(refused.value) == (
+        "Trainer.fit: resume_from=1 on a Trainer that is already set up, its run at step 2: fit continues a set-up "
+        "Trainer's run from where it is; to go on from step_1, build a new Trainer: Trainer(...).fit(resume_from=1)")
+    assert int(trainer.state.step) == 2
+
+
+def test_a_refused_fit_releases_the_run_directory_so_the_new_trainer_it_names_can_take_it(tmp_path):
+    config = tiny_config("steps=1", "eval.every=0", "eval.at_end=false")
+    Trainer(config, output_dir=tmp_path).fit()
+    trainer = Trainer(config, output_dir=tmp_path)
+    trainer.setup(resume=True)  # locks the run directory
+    with pytest.raises(ValueError, match=r"^Trainer.fit: overwrite=True on a Trainer that is already set up"):
+        trainer.fit(overwrite=True)
+    assert int(Trainer(config, output_dir=tmp_path).fit(overwrite=True).step) == 1
+
+
+def test_fit_resume_and_overwrite_together_on_a_set_up_trainer_are_refused(tmp_path):
+    # before: a Trainer set up by setup() (or an earlier fit) ignored both
+    trainer = Trainer(tiny_config("steps=1", "eval.every=0", "eval.at_end=false"), output_dir=tmp_path)
+    trainer.setup()
+    with pytest.raises(ValueError, match="^resume and overwrite exclude each other$"):
+        trainer.fit(resume=True, overwrite=True)
+    assert int(trainer.state.step) == 0
+
+
+@pytest.mark.parametrize("given", [dict(resume=True), dict(resume_from=1), dict(resume=True, allow_data_change=True)])
+def test_fit_resuming_a_set_up_trainer_at_the_step_asked_for_continues_its_run(tmp_path, given):
+    trainer = Trainer(tiny_config("steps=2", "eval.every=0", "eval.at_end=false"), callbacks=[StopAfter(1)],
+                      output_dir=tmp_path)
+    assert int(trainer.fit().step) == 1
+    assert int(trainer.fit(**given).step) == 2
+
+
+def test_fit_overwrite_on_a_set_up_trainer_that_has_neither_trained_nor_saved_trains_it(tmp_path):
+    # its run directory is as overwrite leaves it: starting over is continuing it
+    trainer = Trainer(tiny_config("steps=1", "eval.every=0", "eval.at_end=false"), output_dir=tmp_path)
+    trainer.setup(overwrite=True)
+    assert int(trainer.fit(overwrite=True).step) == 1

@@ -868,6 +868,22 @@ class Trainer:
         except RuntimeError:  # the signal came during a write to stderr (a reentrant call): the stop stands
             pass
 
+    def _check_continuing(self, resume: bool, overwrite: bool, resume_from: int | None) -> None:
+        """Refuses setup arguments that a fit of this set-up Trainer, which continues its run,
+        would not honour (see `fit`): they were ignored without a word."""
+        if (resume or resume_from is not None) and overwrite:
+            raise ValueError("resume and overwrite exclude each other")
+        step = int(self.state.step)
+        refused = lambda given, rest: ValueError(
+            f"Trainer.fit: {given} on a Trainer that is already set up, its run at step {step}: fit continues a "
+            f"set-up Trainer's run {rest}")
+        if overwrite and (step != 0 or self.last_saved_step is not None):
+            raise refused("overwrite=True", "and deletes nothing; to start over, build a new Trainer: "
+                                            "Trainer(...).fit(overwrite=True)")
+        if resume_from is not None and resume_from != step:
+            raise refused(f"resume_from={resume_from}", f"from where it is; to go on from step_{resume_from}, build "
+                                                        f"a new Trainer: Trainer(...).fit(resume_from={resume_from})")
+
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
             return {}
@@ -901,9 +917,24 @@ class Trainer:
         `resume` / `overwrite` / `resume_from` / `allow_data_change`: see `setup`. The run directory stays
         locked until fit returns or raises. `stop_reason` says why the last fit stopped early
         (None: it trained to `steps`); a later fit starts without one and goes on (early
-        stopping replays the logged rows, so it stops again at once)."""
+        stopping replays the logged rows, so it stops again at once).
+
+        Those arguments set up the Trainer; one already set up (by `setup` or an earlier fit)
+        continues its run from where it is, so it takes only those that ask for that:
+        `resume=True` (its run is the one in the run directory), `resume_from` of the step it
+        is at, `overwrite=True` while it is at step 0 with no checkpoint (a fresh start: its
+        run directory is as overwrite leaves it), and `allow_data_change` (read only by a
+        setup that resumes). Any other `overwrite` or `resume_from` (or `resume` with
+        `overwrite`) is a ValueError, before anything is deleted or trained: build a new
+        Trainer for it."""
         if self.state is not None:
             self._require_live_state("fit")  # not one an earlier fit's failed update consumed
+        if self.start_step is not None:
+            try:
+                self._check_continuing(resume, overwrite, resume_from)
+            except ValueError:
+                self.release_run_dir()  # as a fit that raises does (held since a setup): a new Trainer takes it
+                raise
         self.stop_reason = None  # a Ctrl-C that ended the last fit: this one continues the run
         previous = self._install_signal_handlers()
         try:
