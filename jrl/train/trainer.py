@@ -874,9 +874,11 @@ class Trainer:
         if (resume or resume_from is not None) and overwrite:
             raise ValueError("resume and overwrite exclude each other")
         step = int(self.state.step)
-        refused = lambda given, rest: ValueError(
-            f"Trainer.fit: {given} on a Trainer that is already set up, its run at step {step}: fit continues a "
-            f"set-up Trainer's run {rest}")
+
+        def refused(given: str, rest: str) -> ValueError:
+            return ValueError(f"Trainer.fit: {given} on a Trainer that is already set up, its run at step {step}: "
+                              f"fit continues a set-up Trainer's run {rest}")
+
         if overwrite and (step != 0 or self.last_saved_step is not None):
             raise refused("overwrite=True", "and deletes nothing; to start over, build a new Trainer: "
                                             "Trainer(...).fit(overwrite=True)")
