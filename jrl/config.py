@@ -947,6 +947,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def check_config_flag(path: str | None) -> None:
+    """Refuses an empty `--config` (`--config "$CFG"` with CFG unset) of a command whose
+    `--config` left out means the embedded default run: not a request for that run."""
+    if path is not None and not path.strip():
+        raise ConfigError("--config: the path is empty; name a YAML config file (e.g. configs/sft_arithmetic.yaml), "
+                          "or leave --config out for the embedded default run")
+
+
 def load_train_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
                       base: dict[str, Any] | None = None) -> TrainConfig:
     """Reads YAML at `path` (or `base` data), applies overrides, fills every key left out

@@ -25,8 +25,8 @@ import jax
 import yaml
 
 from jrl import checkpoint
-from jrl.config import (CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config,
-                        to_dict)
+from jrl.config import (CONFIG_ERRORS, ConfigError, TrainConfig, check_config_flag, cli_exit, cli_warnings,
+                        load_train_config, to_dict)
 from jrl.data.pipeline import check_records
 from jrl.data.records import require_source, source_files
 from jrl.data.store import StoreWriteError
@@ -75,6 +75,7 @@ def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     """The run's config, with its strategy options, data format and tokenizer checked."""
+    check_config_flag(args.config)
     if args.config:
         config = load_train_config(args.config, args.overrides)
     else:

@@ -602,6 +602,15 @@ def test_preprocess_command_names_a_bad_record_on_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {src}:2: not valid JSON (Expecting property name enclosed in double quotes)\n"
 
 
+def test_preprocess_command_refuses_an_empty_config_path(tmp_path, capsys):
+    from jrl.data.__main__ import main
+
+    # read as no --config, it tokenised the embedded default's data instead of the run's
+    assert main(["--config", "", f"data.cache_dir={tmp_path / 'cache'}"]) == 2
+    assert capsys.readouterr().err.startswith("config error: --config: the path is empty; name a YAML config file")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_cache_dir_rebuilds_when_the_chat_messages_field_changes(tmp_path):
     chat = lambda answer: [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]
     src = tmp_path / "chat.jsonl"

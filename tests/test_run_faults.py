@@ -522,6 +522,15 @@ def test_a_key_given_twice_is_named_with_both_lines(tmp_path, capsys):
                                        f"(first on line 3)\n")
 
 
+def test_an_empty_config_path_is_refused_not_read_as_no_config(tmp_path, capsys):
+    # `--config "$CFG"` with CFG unset ran the embedded default run, minutes into runs/default
+    assert main(["--config", "", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("config error: --config: the path is empty; name a YAML config file "
+                            "(e.g. configs/sft_arithmetic.yaml), or leave --config out for the embedded default run\n")
+
+
 def test_a_reward_function_with_a_wrong_signature_fails_at_config_time(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_rewards.py").write_text("def two_args(completion, answer):\n    return 1.0\n\n"
                                             "def strict(prompt, completion, answer, *, scale):\n    return scale\n")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jrl.config import ConfigError, load_train_config
+from jrl.config import ConfigError, check_config_flag, load_train_config
 from jrl.data.pipeline import build_dataset, cache_key
 from jrl.data.store import StoreWriteError
 from jrl.data.text import load_tokenizer
@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
     try:
+        check_config_flag(args.config)
         if args.config:
             config = load_train_config(args.config, args.overrides)
         else:
