@@ -181,6 +181,12 @@ def _coerce(value: Any, annotation: Any, field: str) -> Any:
     return value
 
 
+def key_names(keys: Any) -> list[str]:
+    """Mapping keys as an error names them, sorted: a key YAML reads as another type
+    (`1:`, `null:`, `on:`) as YAML writes it (`1`, `null`, `true`), not a TypeError."""
+    return sorted(k if isinstance(k, str) else yaml.safe_dump(k).splitlines()[0] for k in keys)
+
+
 def from_dict(cls: type[T], data: dict[str, Any], *, prefix: str = "") -> T:
     """Builds dataclass `cls` from `data`, rejecting unknown keys by name."""
     if data is None:
@@ -189,7 +195,7 @@ def from_dict(cls: type[T], data: dict[str, Any], *, prefix: str = "") -> T:
         raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: must be a mapping, got {data!r}")
     hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = key_names(set(data) - set(fields))
     if unknown:
         raise ConfigError(
             f"unknown key(s) {', '.join(prefix + k for k in unknown)}; "

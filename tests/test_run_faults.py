@@ -531,6 +531,15 @@ def test_an_empty_config_path_is_refused_not_read_as_no_config(tmp_path, capsys)
                             "(e.g. configs/sft_arithmetic.yaml), or leave --config out for the embedded default run\n")
 
 
+def test_a_key_that_yaml_reads_as_a_number_is_an_unknown_key_not_a_traceback(tmp_path, capsys):
+    path = tmp_path / "numbered.yaml"  # was TypeError: can only concatenate str (not "int") to str
+    path.write_text("steps: 3\nmodel:\n  hidden_size: 32\n  1: 2\n  null: 4\n")
+    assert main(["--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: unknown key(s) model.1, model.null; allowed: attention, dtype, ")
+    assert len(err.splitlines()) == 1
+
+
 def test_a_reward_function_with_a_wrong_signature_fails_at_config_time(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_rewards.py").write_text("def two_args(completion, answer):\n    return 1.0\n\n"
                                             "def strict(prompt, completion, answer, *, scale):\n    return scale\n")

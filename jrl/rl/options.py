@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from jrl.config import ConfigError, check, from_dict
+from jrl.config import ConfigError, check, from_dict, key_names
 from jrl.rl.advantages import ESTIMATORS
 from jrl.rl.demonstrations import WarmStartConfig
 from jrl.rl.environments import check_constructor, resolve_environment
@@ -269,7 +269,7 @@ class RLOptions:
         """Validated options from the plain `strategy.options` mapping of a grpo run."""
         options = dict(options or {})
         loop_keys = {f.name for f in dataclasses.fields(cls) if f.name not in ("loss", "notes")}
-        unknown = sorted(set(options) - loop_keys - set(LOSS_KEYS))
+        unknown = key_names(set(options) - loop_keys - set(LOSS_KEYS))
         if unknown:
             raise ConfigError(f"unknown key(s) {', '.join(PREFIX + k for k in unknown)}; allowed: "
                               f"{', '.join(sorted(loop_keys | set(LOSS_KEYS)))}")

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jrl.config import ConfigError, resolve_named
+from jrl.config import ConfigError, key_names, resolve_named
 from jrl.rl.math_answer import STRATEGIES, check_order, math_answer
 
 RewardFn = Callable[..., float]
@@ -254,7 +254,7 @@ def reward_specs_from_config(data: Any, field: str = "rewards") -> tuple[RewardS
             item = {"fn": item}
         if not isinstance(item, dict):
             raise ConfigError(f"{field}[{i}]: must be a mapping, got {item!r}")
-        unknown = sorted(set(item) - {"fn", "weight", "kwargs"})
+        unknown = key_names(set(item) - {"fn", "weight", "kwargs"})
         if unknown:
             raise ConfigError(f"{field}[{i}]: unknown key(s) {unknown}; allowed: fn, kwargs, weight")
         weight = item.get("weight", 1.0)
