@@ -898,8 +898,9 @@ class TrainConfig:
 
 def yaml_load(text: str) -> Any:
     """YAML safe-load that also reads `3e-4` / `1E5` as floats (plain YAML 1.1 reads them
-    as strings, a classic source of 'must be a number' errors for learning rates), and
-    refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+    as strings, a classic source of 'must be a number' errors for learning rates) and `010`
+    as ten (YAML 1.1: octal, eight), and refuses a key given twice in one mapping (plain
+    YAML keeps the last one silently)."""
     class _Loader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
             first: dict[str, Any] = {}
@@ -917,7 +918,21 @@ def yaml_load(text: str) -> Any:
         re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
         list("-+0123456789."),
     )
+    _Loader.add_implicit_resolver("tag:yaml.org,2002:int", _LEADING_ZERO, list("-+0"))
+    _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
     return yaml.load(text, Loader=_Loader)
+
+
+# `010`, `-0_64`, `09`: YAML 1.1 reads the first two as octal (8, -52) and the last as a
+# string; a config means the decimal number, as YAML 1.2 reads it.
+_LEADING_ZERO = re.compile(r"^[-+]?0[0-9_]+$")
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    value = loader.construct_scalar(node)
+    if _LEADING_ZERO.match(value):
+        return int(value.replace("_", ""), 10)
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -38,6 +38,14 @@ def test_overrides_create_nested_sections_and_reject_malformed_items():
         apply_overrides({"steps": 3}, ["steps.x=1"])
 
 
+def test_a_number_with_a_leading_zero_is_decimal_not_octal(tmp_path):
+    # YAML 1.1 read `steps: 010` as 8 and `seed: 09` as the string '09'
+    path = tmp_path / "zeros.yaml"
+    path.write_text("steps: 010\nseed: 09\n")
+    config = load_train_config(str(path), ["data.batch_size=0_064"])
+    assert (config.steps, config.seed, config.data.batch_size) == (10, 9, 64)
+
+
 def test_load_train_config_names_a_string_given_as_the_overrides_list():
     # load_train_config(path, "steps=3") read the string's characters: "override 's': expected ..."
     with pytest.raises(ConfigError, match=r"^overrides: must be a list of 'dotted.key=value' strings, got the "
