@@ -134,6 +134,9 @@ def _coerce(value: Any, annotation: Any, field: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        # Python's None, which YAML reads as a string: `output_dir: None` made a directory named None
+        _check(not (value == "None" and type(None) in args), field,
+               "got the string 'None', which YAML does not read as none; write null (or ~) for none")
         errors = []
         for arg in args:
             if arg is type(None):

@@ -72,6 +72,15 @@ def test_bad_config_exits_2_naming_the_field(override, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_python_none_for_a_nullable_field_is_refused_not_read_as_a_path(capsys):
+    # YAML reads None as the string 'None': the run went into a directory named None
+    assert main(["output_dir=None", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("config error: output_dir: got the string 'None', which YAML does not read as "
+                            "none; write null (or ~) for none\n")
+
+
 def test_a_bad_field_inside_a_nullable_section_is_not_offered_null(capsys):
     assert main(["strategy.options.warm_start.target_accuracy=1.1", "--dry-run"]) == 2
     assert capsys.readouterr().err.strip() == \
