@@ -74,8 +74,12 @@ def build_parser(prog: str = "python -m jrl.train") -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
-    """The run's config, with its strategy options, data format and tokenizer checked."""
+    """The run's config, with its strategy options, data format and tokenizer checked (and
+    --config / --output-dir not empty)."""
     check_config_flag(args.config)
+    if args.output_dir is not None and not args.output_dir.strip():  # `--output-dir "$OUT"` with OUT unset
+        raise ConfigError("--output-dir: the path is empty; name the run directory, "
+                          "or leave --output-dir out for runs/<name>")
     if args.config:
         config = load_train_config(args.config, args.overrides)
     else:

@@ -531,6 +531,15 @@ def test_an_empty_config_path_is_refused_not_read_as_no_config(tmp_path, capsys)
                             "(e.g. configs/sft_arithmetic.yaml), or leave --config out for the embedded default run\n")
 
 
+def test_an_empty_output_dir_is_refused_not_read_as_the_default_directory(tmp_path, capsys):
+    # `--output-dir "$OUT"` with OUT unset ran into runs/<name>, another run's directory (--overwrite: deleted it)
+    assert main(["--config", str(CONFIGS / "sft_arithmetic.yaml"), "--output-dir", "", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("config error: --output-dir: the path is empty; name the run directory, "
+                            "or leave --output-dir out for runs/<name>\n")
+
+
 def test_a_key_that_yaml_reads_as_a_number_is_an_unknown_key_not_a_traceback(tmp_path, capsys):
     path = tmp_path / "numbered.yaml"  # was TypeError: can only concatenate str (not "int") to str
     path.write_text("steps: 3\nmodel:\n  hidden_size: 32\n  1: 2\n  null: 4\n")
