@@ -802,7 +802,8 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         _check(self.log_every >= 1, "logging.log_every", f"must be >= 1, got {self.log_every}")
         if self.peak_tflops is not None:
-            _check(self.peak_tflops > 0, "logging.peak_tflops", f"must be > 0, got {self.peak_tflops}")
+            _check(0 < self.peak_tflops < math.inf, "logging.peak_tflops",
+                   f"must be > 0 and finite, got {self.peak_tflops}")
 
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")

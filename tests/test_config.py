@@ -202,3 +202,9 @@ def test_cli_exit_reports_bad_input_as_2_and_failed_runs_as_1_on_one_line(capsys
     assert capsys.readouterr().err == "error: --resume: no checkpoint\n"
     assert cli_exit(RuntimeError("run locked"), failed=(RuntimeError,)) == 1
     assert capsys.readouterr().err == "error: run locked\n"
+
+
+def test_an_infinite_peak_tflops_is_refused():
+    # it passed the > 0 check and made every logged MFU 0
+    with pytest.raises(ConfigError, match=r"^logging\.peak_tflops: must be > 0 and finite, got inf$"):
+        load_train_config(None, ["logging.peak_tflops=.inf"])

@@ -58,6 +58,10 @@ def test_default_is_grpo_and_its_warm_start_shares_model_and_seed():
     ({"aggregation": "dr_grpo", "clip_eps_low": 1.5}, "strategy.options.clip_eps_low"),
     ({"env_timeout_s": 0}, r"strategy.options.env_timeout_s: must be > 0 seconds, got 0"),
     ({"env_timeout_s": float("nan")}, r"strategy.options.env_timeout_s: must be > 0 seconds, got nan"),
+    # a NaN threshold solved nothing (accuracy and pass@k read 0), an infinite eps zeroed every advantage
+    ({"success_threshold": float("nan")}, r"^strategy.options.success_threshold: must be a finite number, got nan$"),
+    ({"success_threshold": float("inf")}, r"^strategy.options.success_threshold: must be a finite number, got inf$"),
+    ({"adv_eps": float("inf")}, r"^strategy.options.adv_eps: must be > 0 and finite, got inf$"),
 ])
 def test_bad_grpo_options_name_the_field(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -15,6 +15,7 @@ truncated importance sampling, unless the user wrote those keys.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 from jrl.config import ConfigError, check, from_dict, key_names
@@ -174,7 +175,9 @@ class RLOptions:
         _check(self.advantage in ESTIMATORS, "advantage",
                f"must be one of {list(ESTIMATORS)}, got {self.advantage!r}")
         _check(isinstance(self.pack_rows, bool), "pack_rows", f"must be true or false, got {self.pack_rows!r}")
-        _check(self.adv_eps > 0.0, "adv_eps", f"must be > 0, got {self.adv_eps}")
+        _check(0.0 < self.adv_eps < math.inf, "adv_eps", f"must be > 0 and finite, got {self.adv_eps}")
+        _check(math.isfinite(self.success_threshold), "success_threshold",
+               f"must be a finite number, got {self.success_threshold}")
         self._check_exact()
         _check(self.old_logp in ("engine", "recomputed"), "old_logp",
                f"must be one of ['engine', 'recomputed'], got {self.old_logp!r}")
