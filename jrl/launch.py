@@ -245,10 +245,20 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
     print(f"# parameters: {total:,} ({n_train:,} trainable)")
 
 
+def check_run_flags(args: argparse.Namespace) -> None:
+    """Refuses flags that make no run: `--allow-data-change` without a resume, a negative
+    `--resume-from` step."""
+    if args.allow_data_change and not (args.resume or args.resume_from is not None):
+        raise ConfigError("--allow-data-change: only with --resume or --resume-from")
+    if args.resume_from is not None and args.resume_from < 0:
+        raise ConfigError(f"--resume-from: a checkpoint step, >= 0; got {args.resume_from}")
+
+
 @cli_warnings()
 def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     try:
+        check_run_flags(args)  # the dry run refuses what the run would
         config = resolve_config(args)
         start_distributed(config)
     except CONFIG_ERRORS as e:
@@ -260,8 +270,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
             return cli_exit(e, failed=(EnvironmentFailure,))
         return 0
     resuming = args.resume or args.resume_from is not None
-    if args.allow_data_change and not resuming:
-        return cli_exit(ConfigError("--allow-data-change: only with --resume or --resume-from"))
     run_dir = Path(args.output_dir or config.run_dir)
     # the embedded default replaces an earlier default run, in its own directory only
     default_dir = Path("runs", default_run()["name"])

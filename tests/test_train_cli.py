@@ -375,3 +375,13 @@ def test_python_dash_m_jrl_runs_the_jrl_command():
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: jrl eval")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--allow-data-change"], "--allow-data-change: only with --resume or --resume-from"),
+    (["--resume-from", "-1"], "--resume-from: a checkpoint step, >= 0; got -1"),
+])
+def test_dry_run_refuses_the_flags_the_run_refuses(flags, message, capsys):
+    # before: --dry-run said 0 for flags the run itself then refused
+    assert main(["model.hidden_size=32", "steps=7", "--dry-run", *flags]) == 2
+    assert message in capsys.readouterr().err
