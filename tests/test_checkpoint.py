@@ -180,7 +180,8 @@ def test_typed_key_arrays_round_trip_with_their_impl(tmp_path, impl):
 def test_plain_orbax_restores_the_payload(tmp_path):
     state = train_state()
     path = ckpt.save(tmp_path, 1, state)
-    # As in docs/checkpoints.md: `import orbax.checkpoint as ocp` and this line.
+    # The short form docs/checkpoints.md names (one device saved, one here; the example
+    # itself runs in tests/test_docs_examples.py).
     raw = ocp.StandardCheckpointer().restore(path / "state")
     assert_bitwise_equal(raw["params"], state.params)
     assert np.array_equal(raw["rng"], jax.random.key_data(state.rng))

@@ -3,7 +3,8 @@ line (the reproduce lines of docs/performance.md above all) names a stage that e
 only flags that stage takes, and every `python -m jrl.train` line resolves to a valid run
 config (its overrides name real fields with valid values). A renamed or dropped flag or
 field fails here, not in a reader's terminal. The README's Python example and
-docs/rollout.md's two examples (the quick start; generating from a trained run) run as written.
+docs/rollout.md's two examples (the quick start; generating from a trained run) run as written,
+and docs/checkpoints.md's plain-Orbax reader does, in a process without jrl.
 The references between the docs resolve: every relative link reaches a file (and its
 anchor a heading), every section a doc points to (`docs/rl.md, "LoRA"`) is a heading of
 that file, and every repository path named in backticks exists."""
@@ -11,14 +12,18 @@ that file, and every repository path named in backticks exists."""
 from __future__ import annotations
 
 import importlib
+import os
 import pathlib
 import re
 import shlex
+import subprocess
+import sys
 
+import jax
 import numpy as np
 import pytest
 
-from jrl import hf
+from jrl import checkpoint, hf
 from jrl.bench import STAGES, UNAVAILABLE
 from jrl.bench.cli import stage_parser
 from jrl.launch import build_parser, main, resolve_config
@@ -170,6 +175,57 @@ def test_the_hf_export_of_a_trained_run_runs_as_written_and_loads_back(trained_r
     assert config.hidden_size == scope["config"].model.hidden_size
     np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"]),
                                   np.asarray(scope["state"]["params"]["embed"]["embedding"]))
+
+
+# The plain-Orbax reader of docs/checkpoints.md, run as a user without jrl would: jrl made
+# unimportable, its variables' leaves written to an npz by their key paths.
+PLAIN_ORBAX_READER = """
+import sys
+sys.modules["jrl"] = None  # `import jrl` raises: the example must do without it
+import jax, numpy as np
+scope = {}
+exec(compile(sys.argv[1], "docs/checkpoints.md", "exec"), scope)
+assert not [m for m in sys.modules if m.startswith("jrl.")]
+leaves = jax.tree_util.tree_leaves_with_path(scope["state"])
+np.savez(sys.argv[2], **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
+print(len(jax.devices()), "device(s)")
+"""
+
+
+def test_the_plain_orbax_example_reads_a_multi_device_runs_checkpoint_on_one_device(tmp_path):
+    """docs/checkpoints.md, "Reading a payload with plain Orbax": the example, run without jrl
+    in a one-device process on the checkpoint of a `python -m jrl.train` run on 4 devices
+    (`parallel: {data: 2, fsdp: 2}`), gives what `jrl.checkpoint.load` gives, bit for bit."""
+    (example,) = [b for b in python_examples("docs/checkpoints.md") if "orbax" in b]
+    assert "jrl" not in example and "runs/x/checkpoints/step_1200/state" in example
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = env.get("XLA_FLAGS", "")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4".strip()
+    tiny = ["model.hidden_size=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8",
+            "model.intermediate_size=32", "data.source=bundled:arithmetic:100", "data.seq_len=32",
+            "data.batch_size=4", "data.micro_batches=1", "schedule.warmup_steps=0", "steps=1", "eval.every=0",
+            "checkpoint.interval=1", "logging.progress=false", "logging.plot=false", "parallel={data: 2, fsdp: 2}"]
+    made = subprocess.run([sys.executable, "-m", "jrl.train", "--config", str(ROOT / "configs" / "sft_arithmetic.yaml"),
+                           "--output-dir", str(tmp_path / "runs" / "x"), *tiny],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    env["XLA_FLAGS"] = flags  # the reader has one device: the four the arrays were saved from are not there
+    read = subprocess.run([sys.executable, "-c", PLAIN_ORBAX_READER, example.replace("step_1200", "step_1"),
+                           str(tmp_path / "plain.npz")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert read.returncode == 0, read.stderr[-3000:]
+    assert read.stdout.split()[0] == "1"
+
+    state, meta = checkpoint.load(tmp_path / "runs" / "x" / "checkpoints", 1, verify=True)
+    assert meta["encoded_leaves"] == [{"path": ["rng"], "as": "rng_key_data", "impl": "threefry2x32"}]
+    state["rng"] = jax.random.key_data(state["rng"])  # the payload holds the key's data
+    ours = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)}
+    with np.load(tmp_path / "plain.npz") as plain:
+        assert sorted(plain.files) == sorted(ours)
+        for name, array in ours.items():
+            assert (plain[name].dtype, plain[name].shape) == (array.dtype, array.shape), name
+            assert plain[name].tobytes() == array.tobytes(), name
+    assert "['params']['embed']['embedding']" in ours and "['opt_state']['inner_states']['hidden']" in " ".join(ours)
 
 
 def test_the_pretraining_config_of_the_training_doc_reads_a_corpus_as_written(tmp_path, monkeypatch):
