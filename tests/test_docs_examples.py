@@ -245,6 +245,29 @@ def test_the_pretraining_config_of_the_training_doc_reads_a_corpus_as_written(tm
     assert data.startswith("train ") and "(5 files: [corpus/books/*.txt, corpus/web-*.jsonl])" in data
 
 
+# --- Markdown code fences --------------------------------------------------------------
+
+def unclosed_fences(text: str) -> list[str]:
+    """Lines that open a code block inside an open one: a closing fence is ``` alone, so
+    "``` Tested on 8 ..." runs the block on over the prose and headings after it."""
+    found, open_at = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.lstrip().startswith("```"):
+            continue
+        if open_at is None:
+            open_at = number
+        elif line.strip() == "```":
+            open_at = None
+        else:
+            found.append(f"line {number}: {line.strip()!r} inside the block opened at line {open_at}")
+    return found + ([f"line {open_at}: the block opened here is never closed"] if open_at else [])
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_every_code_block_closes_with_a_fence_of_its_own(doc):
+    assert unclosed_fences(doc.read_text()) == [], doc.name
+
+
 # --- references between the docs: links, anchors, named sections, named files ---------
 
 def headings(path: pathlib.Path) -> list[str]:
