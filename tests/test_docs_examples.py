@@ -228,6 +228,29 @@ def test_the_plain_orbax_example_reads_a_multi_device_runs_checkpoint_on_one_dev
     assert "['params']['embed']['embedding']" in ours and "['opt_state']['inner_states']['hidden']" in " ".join(ours)
 
 
+def test_the_cross_mesh_load_of_a_runs_checkpoint_fits_an_fp8_run(tmp_path, monkeypatch):
+    """docs/parallel.md, "Checkpoints across meshes": the target built from the run's config
+    fits the checkpoint of a run with fp8 delayed scaling (its state holds `fp8_history`)."""
+    (example,) = [b for b in python_examples("docs/parallel.md") if "load_train_config" in b]
+    tiny = ["model.hidden_size=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8",
+            "model.intermediate_size=32", "data.source=bundled:arithmetic:100", "data.seq_len=32",
+            "data.batch_size=4", "data.micro_batches=1", "schedule.warmup_steps=0", "steps=1", "eval.every=0",
+            "checkpoint.interval=1", "logging.progress=false", "logging.plot=false", "model.dtype=bfloat16",
+            "model.matmul_dtype=float8"]
+    assert main(["--config", str(ROOT / "configs" / "sft_arithmetic.yaml"), "--output-dir",
+                 str(tmp_path / "runs" / "x"), *tiny]) == 0
+    monkeypatch.chdir(tmp_path)
+    from jrl.parallel import ParallelConfig, make_mesh
+    scope = {"mesh": make_mesh(ParallelConfig(data=1, fsdp=1, tensor=1))}  # the doc's "mesh" of one device
+    exec(compile(example, "docs/parallel.md", "exec"), scope)  # noqa: S102 - the doc's own example
+    stored, _ = checkpoint.load(tmp_path / "runs" / "x" / "checkpoints")
+    state = scope["state"]
+    for ours, theirs in ((state.params, stored["params"]), (state.fp8_history, stored["fp8_history"])):
+        assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def test_the_pretraining_config_of_the_training_doc_reads_a_corpus_as_written(tmp_path, monkeypatch):
     from jrl.launch import check_data
 
