@@ -579,3 +579,22 @@ def test_fit_again_after_an_update_that_failed_holding_the_donated_state_says_ho
         "Trainer.fit: the train state is gone: an update that failed (or was interrupted) had taken its buffers "
         "(they are donated to each update), so this Trainer cannot go on; continue from the last checkpoint, "
         "step_2, with a new Trainer: Trainer(...).fit(resume=True)")
+
+
+def test_fit_refusing_a_consumed_state_releases_the_run_directory(tmp_path):
+    # setup locks the run directory; a step taken by hand consumed the state. fit refused to
+    # go on but kept the lock, so the Trainer its message names failed with RunLockedError
+    trainer = Trainer(tiny("steps=5", "eval.at_end=false"), output_dir=tmp_path)
+    trainer.setup()
+    update = trainer._fns.update
+
+    def fails_after_updating(*args):
+        update(*args)  # the state's buffers are donated to it
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    trainer._fns = trainer._fns._replace(update=fails_after_updating)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        trainer.train_step(trainer.train_source.next_batch(trainer.state))
+    with pytest.raises(RuntimeError, match=r"start over, Trainer\(\.\.\.\)\.fit\(overwrite=True\)$"):
+        trainer.fit()
+    Trainer(tiny("steps=1", "eval.at_end=false"), output_dir=tmp_path).fit(overwrite=True)

@@ -929,14 +929,14 @@ class Trainer:
         setup that resumes). Any other `overwrite` or `resume_from` (or `resume` with
         `overwrite`) is a ValueError, before anything is deleted or trained: build a new
         Trainer for it."""
-        if self.state is not None:
-            self._require_live_state("fit")  # not one an earlier fit's failed update consumed
-        if self.start_step is not None:
-            try:
+        try:
+            if self.state is not None:
+                self._require_live_state("fit")  # not one an earlier fit's failed update consumed
+            if self.start_step is not None:
                 self._check_continuing(resume, overwrite, resume_from)
-            except ValueError:
-                self.release_run_dir()  # as a fit that raises does (held since a setup): a new Trainer takes it
-                raise
+        except (RuntimeError, ValueError):
+            self.release_run_dir()  # as a fit that raises does (held since a setup): a new Trainer takes it
+            raise
         self.stop_reason = None  # a Ctrl-C that ended the last fit: this one continues the run
         previous = self._install_signal_handlers()
         try:
