@@ -136,8 +136,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> str | Non
         except ValueError as e:
             warnings.warn(f"persistent compilation cache off: {e} (set {ENV} to a writable directory, or to "
                           f"'off')", stacklevel=2)
-            _decided = ("off", None)
-            return None
+            target = None  # off as "off" is: a directory an earlier call set is taken back
     if target is None:
         if ours is not None:
             jax.config.update("jax_compilation_cache_dir", None)

@@ -218,3 +218,17 @@ def test_a_directory_of_an_unknown_user_turns_the_cache_off_with_a_warning(tmp_p
     assert ("persistent compilation cache off: cannot expand ~ in '~no-such-user-jrl/cache' (no such user, "
             "or no home directory)") in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_an_unexpandable_path_after_a_directory_turns_the_cache_off(tmp_path):
+    # the warning said off, but the first call's directory stayed in JAX's config, where the
+    # next call took it for one configured through JAX: the cache stayed on
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "JRL_COMPILATION_CACHE"}
+    environ.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", HOME=str(tmp_path / "home"))
+    out = subprocess.run([sys.executable, "-c", "import jax; from jrl.compile_cache import enable_compilation_cache "
+                          f"as e; e({str(tmp_path / 'first')!r}); e('~no-such-user-jrl/cache'); "
+                          "print(e(), jax.config.jax_compilation_cache_dir)"],
+                         env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "persistent compilation cache off: cannot expand ~" in out.stderr, out.stderr
+    assert out.stdout.split() == ["None", "None"]
