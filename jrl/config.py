@@ -917,12 +917,7 @@ def yaml_load(text: str) -> Any:
                     first[key_node.value] = key_node.start_mark
             return super().construct_mapping(node, deep=deep)
 
-    _Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-        list("-+0123456789."),
-    )
-    _Loader.add_implicit_resolver("tag:yaml.org,2002:int", _LEADING_ZERO, list("-+0"))
+    _add_number_resolvers(_Loader)
     _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
     return yaml.load(text, Loader=_Loader)
 
@@ -930,6 +925,26 @@ def yaml_load(text: str) -> Any:
 # `010`, `-0_64`, `09`: YAML 1.1 reads the first two as octal (8, -52) and the last as a
 # string; a config means the decimal number, as YAML 1.2 reads it.
 _LEADING_ZERO = re.compile(r"^[-+]?0[0-9_]+$")
+
+
+def _add_number_resolvers(cls: type) -> None:
+    """The plain scalars `yaml_load` reads as numbers where YAML 1.1 does not: `3e-4`, `09`."""
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                              list("-+0123456789."))
+    cls.add_implicit_resolver("tag:yaml.org,2002:int", _LEADING_ZERO, list("-+0"))
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_add_number_resolvers(_Dumper)  # so the strings `yaml_load` would read as numbers are quoted
+
+
+def yaml_dump(data: Any) -> str:
+    """`yaml.safe_dump(data, sort_keys=False)` that `yaml_load` reads back as `data`: it
+    quotes a string such as '0981' or '1e5', which plain YAML 1.1 writes unquoted."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:

@@ -22,11 +22,10 @@ import warnings
 from pathlib import Path
 
 import jax
-import yaml
 
 from jrl import checkpoint
 from jrl.config import (CONFIG_ERRORS, ConfigError, TrainConfig, check_config_flag, cli_exit, cli_warnings,
-                        load_train_config, to_dict)
+                        load_train_config, to_dict, yaml_dump)
 from jrl.data.pipeline import check_records
 from jrl.data.records import require_source, source_files
 from jrl.data.store import StoreWriteError
@@ -234,7 +233,7 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
     options, notes = resolved_options(config)
     resolved = to_dict(config)
     resolved["strategy"]["options"] = options
-    print(yaml.safe_dump(resolved, sort_keys=False), end="")
+    print(yaml_dump(resolved), end="")
     for note in notes + ((init_note,) if init_note else ()):
         print(f"# note: {note}")
     print(f"# output_dir: {output_dir or config.run_dir}")

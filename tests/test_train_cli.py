@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from jrl import cli, hf
-from jrl.config import ConfigError, apply_overrides, load_train_config, parse_override, to_dict
+from jrl.config import ConfigError, apply_overrides, load_train_config, parse_override, to_dict, yaml_dump
 from jrl.metrics_log import MetricsLog
 from jrl.models import init_params
 from jrl.launch import main
@@ -385,3 +385,12 @@ def test_dry_run_refuses_the_flags_the_run_refuses(flags, message, capsys):
     # before: --dry-run said 0 for flags the run itself then refused
     assert main(["model.hidden_size=32", "steps=7", "--dry-run", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_run_config_written_as_yaml_reads_back_with_strings_like_numbers(tmp_path):
+    # config.yaml wrote the name '0981' plain, which the config reader (leading zero: decimal)
+    # took for the number 981: "name: must be a string"
+    config = load_train_config(None, ['name="0981"', 'output_dir="1e5"'])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml_dump(to_dict(config)))
+    assert load_train_config(str(path)) == config

@@ -38,12 +38,11 @@ from typing import Any, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 from jax.sharding import Mesh
 
 from jrl import checkpoint
 from jrl.compile_cache import enable_compilation_cache
-from jrl.config import ConfigError, TrainConfig, to_dict
+from jrl.config import ConfigError, TrainConfig, to_dict, yaml_dump
 from jrl.data import DataChangedError, DataSource, build_dataset, fixed_batches
 from jrl.data.records import source_label
 from jrl.data.wording import agree, counted
@@ -528,7 +527,7 @@ class Trainer:
         # a fresh run's empty fp8 amax histories are seeded from its first batch (delayed scaling)
         self._seed_fp8 = state.fp8_history is not None and not resumed
         if self.is_main_process:
-            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(c), sort_keys=False))
+            (self.run_dir / "config.yaml").write_text(yaml_dump(to_dict(c)))
         self.start_step = int(state.step)
         return state
 
