@@ -35,33 +35,42 @@ class ToolCallStream:
 
     def __init__(self, tools: list[dict[str, Any]] | None) -> None:
         self.tools = tools
-        self.text = ""  # the answer so far
-        self.sent = ""  # the content handed out: a prefix of `text`
+        self._parts: list[str] = []  # the answer so far, joined once it is complete
+        # the text after what went out while no tag has begun: held whitespace and a possible
+        # start of the tag (each piece is looked at once, not the whole answer at every token)
+        self._unsent = ""
+        self._sent = 0  # characters handed out: a prefix of the answer, ending in non-whitespace
+        self._lead = 0  # the whitespace that prefix begins with
         self._holding = False  # a tag has begun: the rest waits for the end
 
     def add(self, text: str) -> str:
         """The content that can go out now, given the answer's next piece of `text`."""
-        self.text += text
+        self._parts.append(text)
         if self._holding:
             return ""
-        tag = self.text.find(_PARSER.open_tag)
+        self._unsent += text
+        tag = self._unsent.find(_PARSER.open_tag)
         if tag >= 0:
             self._holding = True
-            safe = self.text[:tag]
+            safe = self._unsent[:tag]
         else:
-            safe = self.text[:len(self.text) - _tag_start(self.text, _PARSER.open_tag)]
-        safe = safe.rstrip()  # whitespace before a call is not content
-        out = safe[len(self.sent):]
-        self.sent += out
+            safe = self._unsent[:len(self._unsent) - _tag_start(self._unsent, _PARSER.open_tag)]
+        out = safe.rstrip()  # whitespace before a call is not content
+        if out:
+            if not self._sent:
+                self._lead = len(out) - len(out.lstrip())
+            self._sent += len(out)
+            self._unsent = self._unsent[len(out):]
         return out
 
     def finish(self) -> tuple[str, list[dict[str, Any]] | None]:
         """(the content not handed out yet, the calls or None) once the answer is complete."""
-        content, calls = parse_tool_calls(self.text, self.tools)
+        text = "".join(self._parts)
+        content, calls = parse_tool_calls(text, self.tools)
         if calls is None:
-            return self.text[len(self.sent):], None
+            return text[self._sent:], None
         # the prose, stripped, begins with what went out (less its leading whitespace)
-        return (content or "")[len(self.sent.lstrip()):], calls
+        return (content or "")[self._sent - self._lead:], calls
 
 
 def _tag_start(text: str, tag: str) -> int:
