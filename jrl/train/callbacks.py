@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 
 from jrl.metrics_log import read_metrics
 from jrl.plot import plot_run
+from jrl.train.state import donated_away
 
 
 class Callback:
@@ -325,7 +326,7 @@ class CheckpointCallback(Callback):
     def on_error(self, trainer, state, error) -> None:
         if not self.save_on_error or not self._trained(trainer, state):
             return
-        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+        if donated_away(state):
             warnings.warn("not saving a checkpoint on error: the state's buffers were donated to the "
                           "failed update", stacklevel=2)
             return

@@ -58,3 +58,9 @@ def init_sharded_train_state(params: Any, optimizer: optax.GradientTransformatio
     make = lambda p, key, history: init_train_state(p, optimizer, key, fp8_history=history)
     shardings = state_shardings(jax.eval_shape(make, params, rng, fp8_history), params_shardings, mesh)
     return jax.jit(make, out_shardings=shardings, donate_argnums=0)(params, rng, fp8_history), shardings
+
+
+def donated_away(state: Any) -> bool:
+    """Whether an update took `state`'s buffers and failed (they are donated to each
+    update): its arrays are deleted, so nothing can read or save it."""
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state))

@@ -57,7 +57,7 @@ from jrl.train.optim import build_optimizer, learning_rates, param_groups, train
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
 from jrl.train.schedules import LongWarmupWarning, make_schedule, warmup_outlasts
 from jrl.train.source_state import load_source_state, pack_source_state
-from jrl.train.state import TrainState, init_sharded_train_state
+from jrl.train.state import TrainState, donated_away, init_sharded_train_state
 from jrl.train.step import StepShardings, make_step_fns, mesh_step_shardings, seed_fp8_history, trainable_part
 from jrl.train.strategies import get_strategy
 from jrl.train.strategies import strategy_options as parse_strategy_options
@@ -629,7 +629,7 @@ class Trainer:
         self._require_live_state(what)
 
     def _require_live_state(self, what: str) -> None:
-        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.state)):
+        if donated_away(self.state):
             # an update that failed (out of memory, a second Ctrl-C) after taking the donated state:
             # going on failed with "Array has been deleted", naming no way out
             where = (f"the last checkpoint, step_{self.last_saved_step}, with a new Trainer: "
