@@ -406,7 +406,8 @@ class Engine:
         if isinstance(max_new_tokens, Sequence) or np.ndim(max_new_tokens) > 0 and hasattr(max_new_tokens, "dtype"):
             if len(max_new_tokens) != len(prompts):
                 raise ValueError(f"max_new_tokens: {len(max_new_tokens)} entries for {len(prompts)} prompts")
-            news = list(max_new_tokens)  # each checked by _checked_request
+            # one host copy of an array (numpy or JAX), not one transfer a prompt; each checked by _checked_request
+            news = np.asarray(max_new_tokens).tolist() if hasattr(max_new_tokens, "dtype") else list(max_new_tokens)
         else:
             news = [max_new_tokens] * len(prompts)
         checked = []
