@@ -1000,6 +1000,8 @@ def load_train_config(path: str | None = None, overrides: list[str] | tuple[str,
     """Reads YAML at `path` (or `base` data), applies overrides, fills every key left out
     with TrainConfig's default, validates."""
     if path is not None:
+        if not str(path).strip():  # `--config "$CFG"` with CFG unset (jrl eval, jrl serve)
+            raise ConfigError("the config path is empty; name a YAML config file")
         if os.path.isdir(path):
             raise ConfigError(f"{path}: is a directory, not a YAML config file (e.g. configs/sft_arithmetic.yaml)")
         try:

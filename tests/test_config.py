@@ -208,3 +208,9 @@ def test_an_infinite_peak_tflops_is_refused():
     # it passed the > 0 check and made every logged MFU 0
     with pytest.raises(ConfigError, match=r"^logging\.peak_tflops: must be > 0 and finite, got inf$"):
         load_train_config(None, ["logging.peak_tflops=.inf"])
+
+
+def test_an_empty_config_path_is_named_as_empty():
+    # `jrl eval --config "$CFG"` with CFG unset said ": no such config file"
+    with pytest.raises(ConfigError, match=r"^the config path is empty; name a YAML config file$"):
+        load_train_config("")
