@@ -37,7 +37,8 @@ def git_commit() -> str | None:
     head = _git("rev-parse", "HEAD")
     if not head:
         return None
-    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
+    changed = _git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                   ":(exclude)bench/results")
     return f"{head}+dirty" if changed else head
 
 
