@@ -142,3 +142,24 @@ def test_jrl_checkpoint_adapters_with_another_lora_alpha_are_refused(tmp_path):
     checkpoint.save(tmp_path / "ck", 1, {"params": params}, meta={"config": to_dict(config)})
     with pytest.raises(ConfigError, match=r"in model.lora.alpha \(config 16.0, checkpoint 4.0\)"):
         start(tmp_path / "b", *TINY, "model.lora.rank=2", f"init_from={tmp_path / 'ck'}")
+
+
+@pytest.mark.parametrize("lora, named", [
+    ([], r"model.lora.rank \(config 0, checkpoint 2"),
+    (["model.lora.rank=4", "model.lora.alpha=4.0"], r"model.lora.rank \(config 4, checkpoint 2"),
+    (["model.lora.rank=2", "model.lora.alpha=4.0", "model.lora.targets=[q]"],
+     r"model.lora.targets \(config \['q'\], checkpoint \['q', 'v'\]"),
+])
+def test_jrl_checkpoint_adapters_that_the_lora_config_cannot_hold_name_its_fields(tmp_path, lora, named):
+    theirs = ["model.lora.rank=2", "model.lora.alpha=4.0"]
+    params = start(tmp_path / "a", *TINY, *theirs)
+    checkpoint.save(tmp_path / "ck", 1, {"params": params}, meta={"config": to_dict(load_train_config(None, TINY + theirs))})
+    with pytest.raises(ConfigError, match=rf"^init_from: the model config differs from .* in {named}"):
+        start(tmp_path / "b", *TINY, *lora, f"init_from={tmp_path / 'ck'}")
+    # without the run's config (checkpoint.save alone) the parameters say it
+    checkpoint.save(tmp_path / "bare", 1, {"params": params})
+    with pytest.raises(ConfigError, match=r"model.lora"):
+        start(tmp_path / "c", *TINY, *lora, f"init_from={tmp_path / 'bare'}")
+    # a superset of its targets at its rank loads its adapters, the new ones from init
+    more = start(tmp_path / "d", *TINY, *theirs, "model.lora.targets=[q,v,o]", f"init_from={tmp_path / 'ck'}")
+    assert_same(more["layers"]["attn"]["q_proj"], params["layers"]["attn"]["q_proj"])

@@ -44,6 +44,12 @@ def _check_same_architecture(want, got, src: str) -> None:
     diff = [f"model.{k} (config {a[k]!r}, checkpoint {b[k]!r})" for k in a
             if k not in _FREE_MODEL_FIELDS and k in b and a[k] != b[k]]
     la, lb = a["lora"], b.get("lora") or {}
+    if lb.get("rank") and la["rank"] != lb["rank"]:  # its adapters fit only LoRA of their rank
+        diff.append(f"model.lora.rank (config {la['rank']!r}, checkpoint {lb['rank']!r}; or fold its adapters "
+                    f"into the base first with jrl.models.lora.merge_lora)")
+    elif lb.get("rank") and not set(lb.get("targets") or ()) <= set(la["targets"]):
+        diff.append(f"model.lora.targets (config {la['targets']!r}, checkpoint {lb['targets']!r}: "
+                    f"name at least its targets)")
     if la["rank"] and lb.get("rank") and la["alpha"] != lb.get("alpha", la["alpha"]):
         diff.append(f"model.lora.alpha (config {la['alpha']!r}, checkpoint {lb['alpha']!r})")
     if diff:
@@ -57,15 +63,18 @@ def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -
     where = "/".join(path) or "<root>"
     if not isinstance(template, dict):
         if tuple(np.shape(loaded)) != tuple(template.shape):
+            lora = " (a LoRA factor: its rank is model.lora.rank)" if path[-1:] in (("lora_a",), ("lora_b",)) else ""
             raise ConfigError(f"init_from: {where} in {src!r} has shape {tuple(np.shape(loaded))}, the model "
-                              f"config wants {tuple(template.shape)}")
+                              f"config wants {tuple(template.shape)}{lora}")
         return jnp.asarray(loaded, template.dtype)
     if not isinstance(loaded, dict):
         raise ConfigError(f"init_from: {where} in {src!r} is not a parameter group")
     extra = sorted(set(loaded) - set(template))
     if extra:
+        lora = ("; they are LoRA adapters: set model.lora (rank, targets) to hold them"
+                if set(extra) <= {"lora_a", "lora_b"} else "")
         raise ConfigError(f"init_from: {src!r} has parameter(s) the model config lacks: "
-                          f"{', '.join('/'.join(path + (k,)) for k in extra)}")
+                          f"{', '.join('/'.join(path + (k,)) for k in extra)}{lora}")
     out = {}
     for key, value in template.items():
         if key in loaded:
