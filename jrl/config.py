@@ -313,6 +313,12 @@ class LoraConfig:
         _check(0 < self.alpha < math.inf, f"{prefix}.alpha", f"must be finite and > 0, got {self.alpha}")
         if self.rank:
             _check(len(self.targets) > 0, f"{prefix}.targets", "must name at least one projection")
+        else:  # `lora: {alpha: 32, targets: [...]}` without a rank ran a full fine-tune without a word
+            for f in dataclasses.fields(self):
+                value, default = (list(v) if isinstance(v, tuple) else v for v in (getattr(self, f.name), f.default))
+                _check(f.name == "rank" or value == default, f"{prefix}.{f.name}",
+                       f"set to {value!r} but {prefix}.rank is 0 (LoRA off), which ignores it; set {prefix}.rank > 0 "
+                       f"for adapters, or leave {f.name} at its default ({default!r})")
         for i, target in enumerate(self.targets):
             _check_choice(target, LoraTarget, f"{prefix}.targets[{i}]")
         if self.dtype is not None:

@@ -69,6 +69,18 @@ def test_lora_scale_is_alpha_over_rank():
     assert LoraConfig(rank=8, alpha=32.0).scale == 4.0
 
 
+@pytest.mark.parametrize("field, value, default", [("alpha", 32.0, 16.0), ("targets", ["q", "k", "v", "o"], ["q", "v"]),
+                                                     ("dtype", "float32", None)])
+def test_a_lora_field_set_with_rank_0_is_refused_rather_than_training_without_adapters(field, value, default):
+    # `lora: {alpha: 32, targets: [...]}` without a rank ran a full fine-tune without a word
+    with pytest.raises(ConfigError) as error:
+        model_config_from_dict({"lora": {field: value}})
+    assert str(error.value) == (f"model.lora.{field}: set to {value!r} but lora.rank is 0 (LoRA off), which "
+                                f"ignores it; set lora.rank > 0 for adapters, or leave {field} at its default "
+                                f"({default!r})")
+    assert model_config_from_dict({"lora": {"rank": 4, field: value}}).lora.rank == 4
+
+
 def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ModelConfig().hidden_size = 3
