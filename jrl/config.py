@@ -698,9 +698,20 @@ class OptimizerConfig:
                 _check(not f.name.startswith("muon_") or value == f.default, f"optimizer.{f.name}",
                        f"a Muon option, set to {value!r} while optimizer.name is {self.name!r}, which ignores it; "
                        f"remove it or set optimizer.name: muon")
+        # a frozen group gets no update: a multiplier for it, or Muon with `hidden` frozen, did nothing
+        def frozen(group: str) -> str | None:  # why `group` is not trained, or None
+            if self.trainable == "lora" and group != "lora":
+                return "trainable: lora trains only lora"
+            return f"freeze: {list(self.freeze)}" if group in self.freeze else None
+
+        if self.name == "muon" and frozen("hidden"):
+            _check(False, "optimizer.name", f"'muon' runs Muon on the hidden group only, which is not trained "
+                                            f"({frozen('hidden')}): every trained group gets AdamW; use adamw")
         for group, scale in self.lr_scale.items():
             _check(group in PARAM_GROUPS, f"optimizer.lr_scale.{group}",
                    f"unknown parameter group; allowed: {', '.join(PARAM_GROUPS)}")
+            _check(not frozen(group), f"optimizer.lr_scale.{group}",
+                   f"{scale!r} for a group that is not trained ({frozen(group)}), which ignores it; remove it")
             _check(isinstance(scale, (int, float)) and 0 <= scale < math.inf, f"optimizer.lr_scale.{group}",
                    f"must be a finite number >= 0, got {scale!r}")
             base = self.muon_lr if self.name == "muon" and group == "hidden" and self.muon_lr is not None else self.lr

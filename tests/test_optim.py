@@ -88,6 +88,24 @@ def test_trainable_lora_without_adapters_is_a_config_error_saying_what_to_set():
         build_optimizer(OptimizerConfig(trainable="lora"), make_schedule(ScheduleConfig(), 10), params)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    # the frozen groups get no update at all: their multiplier, or Muon's hidden matrices, did nothing
+    ({"trainable": "lora", "lr_scale": {"hidden": 2.0}},
+     r"optimizer.lr_scale.hidden: 2.0 for a group that is not trained \(trainable: lora trains only lora\), "
+     r"which ignores it; remove it"),
+    ({"freeze": ("embed",), "lr_scale": {"embed": 0.1}},
+     r"optimizer.lr_scale.embed: 0.1 for a group that is not trained \(freeze: \['embed'\]\), which ignores it; "
+     r"remove it"),
+    ({"trainable": "lora", "name": "muon"},
+     r"optimizer.name: 'muon' runs Muon on the hidden group only, which is not trained \(trainable: lora trains only "
+     r"lora\): every trained group gets AdamW; use adamw"),
+])
+def test_a_setting_for_a_group_that_is_not_trained_is_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        OptimizerConfig(**kwargs)
+    OptimizerConfig(trainable="lora", lr_scale={"lora": 2.0})
+
+
 def test_unknown_group_in_lr_scale_is_named():
     with pytest.raises(ConfigError, match="optimizer.lr_scale.heads: unknown parameter group"):
         OptimizerConfig(lr_scale={"heads": 2.0})
