@@ -292,3 +292,28 @@ def test_resuming_a_current_scaling_checkpoint_with_delayed_scaling_says_how(tmp
     delayed = load_train_config(CONFIGS / "pretrain_tinytext.yaml", overrides + ["steps=3"])
     with pytest.raises(ConfigError, match=r"has no fp8_history/.*resume with model.fp8_scaling=current"):
         Trainer(delayed, output_dir=tmp_path).fit(resume=True)
+
+
+def test_lora_over_an_fp8_base_trains_only_the_adapters_and_keeps_them_out_of_fp8(tmp_path):
+    # documented (docs/model.md, LoRA): the base product runs in fp8, the adapter's two
+    # small products in dtype; optimizer.trainable: lora leaves the base untouched
+    overrides = ["steps=2", "model.n_layers=1", "model.hidden_size=64", "model.intermediate_size=128",
+                 "model.dtype=bfloat16", "model.matmul_dtype=float8", "model.lora.rank=4",
+                 "model.lora.targets=[q,v,down]", "model.lora.dtype=float32", "optimizer.trainable=lora",
+                 "optimizer.name=adamw", "optimizer.muon_lr=null",
+                 "optimizer.lr=0.01", "data.batch_size=2", "data.seq_len=32", "data.source=bundled:tinytext:100",
+                 "eval.at_end=false"]
+    trainer = Trainer(load_train_config(CONFIGS / "pretrain_tinytext.yaml", overrides), output_dir=tmp_path)
+    start = jax.tree.map(np.asarray, trainer.initial_params())
+    trainer.fit()
+    end = jax.tree.map(np.asarray, trainer.state.params)
+    for path, before in jax.tree_util.tree_leaves_with_path(start):
+        name = jax.tree_util.keystr(path)
+        after = end
+        for k in path:
+            after = after[k.key]
+        if "lora_b" in name:
+            assert after.dtype == np.float32 and np.isfinite(after).all() and np.any(after != before), name
+        elif "lora_a" not in name:
+            np.testing.assert_array_equal(after, before, err_msg=name)
+    assert set(trainer.state.fp8_history["layers"]["attn"]["q_proj"]) == {"x_scale", "grad_scale"}  # the base's fp8
