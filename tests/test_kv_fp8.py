@@ -5,7 +5,6 @@ engine with `kv_dtype="float8_e4m3fn"` against the model-dtype engine."""
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
