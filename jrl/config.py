@@ -922,20 +922,6 @@ def yaml_load(text: str) -> Any:
     as strings, a classic source of 'must be a number' errors for learning rates) and `010`
     as ten (YAML 1.1: octal, eight), and refuses a key given twice in one mapping (plain
     YAML keeps the last one silently)."""
-    class _Loader(yaml.SafeLoader):
-        def construct_mapping(self, node, deep=False):
-            first: dict[str, Any] = {}
-            for key_node, _ in node.value:
-                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                    if key_node.value in first:
-                        raise yaml.constructor.ConstructorError(
-                            None, None, f"duplicate key {key_node.value!r} (first on line "
-                            f"{first[key_node.value].line + 1})", key_node.start_mark)
-                    first[key_node.value] = key_node.start_mark
-            return super().construct_mapping(node, deep=deep)
-
-    _add_number_resolvers(_Loader)
-    _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
     return yaml.load(text, Loader=_Loader)
 
 
@@ -969,6 +955,25 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     if _LEADING_ZERO.match(value):
         return int(value.replace("_", ""), 10)
     return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+class _Loader(yaml.SafeLoader):
+    """`yaml_load`'s reader: numbers as above, a key given twice in one mapping refused."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict[str, Any] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in first:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key_node.value!r} (first on line "
+                        f"{first[key_node.value].line + 1})", key_node.start_mark)
+                first[key_node.value] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+_add_number_resolvers(_Loader)
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
