@@ -244,10 +244,27 @@ class Engine:
         never run or whose fields are out of range (token ids outside [0, vocab_size),
         an empty prompt or stop sequence, max_new_tokens < 1, longer than max_seq_len,
         more pages than the pool); numpy integers are accepted wherever ints are."""
-        return self._queue(self._checked_request(prompt, sampling, max_new_tokens, eos_ids, stop_sequences))
+        eos, stops = self._checked_stops(eos_ids, stop_sequences)
+        return self._queue(self._checked_request(prompt, sampling, max_new_tokens, eos, stops))
 
-    def _checked_request(self, prompt, sampling, max_new_tokens, eos_ids, stop_sequences) -> tuple:
-        """The request's fields, validated and normalised (nothing is queued)."""
+    def _checked_stops(self, eos_ids, stop_sequences) -> tuple[frozenset, tuple]:
+        """(eos ids, stop sequences), validated and normalised: the same for every prompt of
+        a call, so checked once (and their errors name no prompt)."""
+        vocab = self.model_config.vocab_size
+        eos_ids = () if eos_ids is None else eos_ids  # None: none, as Python callers write it
+        stop_sequences = () if stop_sequences is None else stop_sequences
+        eos = frozenset(check_token_ids("eos_ids", eos_ids, vocab).tolist())
+        if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (Sequence, np.ndarray, jax.Array)):
+            raise ValueError(f"stop_sequences: must be a sequence of token-id sequences, got {stop_sequences!r}")
+        stops = tuple(tuple(check_token_ids(f"stop_sequences[{i}]", seq, vocab).tolist())
+                      for i, seq in enumerate(stop_sequences))
+        if any(len(seq) == 0 for seq in stops):
+            raise ValueError("stop_sequences: every stop sequence must be non-empty")
+        return eos, stops
+
+    def _checked_request(self, prompt, sampling, max_new_tokens, eos: frozenset, stops: tuple) -> tuple:
+        """The request's fields, validated and normalised (nothing is queued); `eos` and
+        `stops` as `_checked_stops` gives them."""
         cfg = self.config
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
@@ -271,15 +288,6 @@ class Engine:
         if not cfg.chunked_prefill and len(prompt) > cfg.max_tokens_per_step:
             raise ValueError(f"request can never fit: without chunked_prefill its prompt of {len(prompt)} "
                              f"tokens must fit max_tokens_per_step={cfg.max_tokens_per_step}")
-        eos_ids = () if eos_ids is None else eos_ids  # None: none, as Python callers write it
-        stop_sequences = () if stop_sequences is None else stop_sequences
-        eos = frozenset(check_token_ids("eos_ids", eos_ids, vocab).tolist())
-        if isinstance(stop_sequences, (str, bytes)) or not isinstance(stop_sequences, (Sequence, np.ndarray, jax.Array)):
-            raise ValueError(f"stop_sequences: must be a sequence of token-id sequences, got {stop_sequences!r}")
-        stops = tuple(tuple(check_token_ids(f"stop_sequences[{i}]", seq, vocab).tolist())
-                      for i, seq in enumerate(stop_sequences))
-        if any(len(seq) == 0 for seq in stops):
-            raise ValueError("stop_sequences: every stop sequence must be non-empty")
         return prompt, sampling, max_new_tokens, eos, stops
 
     def _queue(self, checked: tuple) -> int:
@@ -411,12 +419,11 @@ class Engine:
         else:
             news = [max_new_tokens] * len(prompts)
         checked = []
+        eos, stops = self._checked_stops(eos_ids, stop_sequences) if news else (frozenset(), ())
         for k, (p, s, new) in enumerate(zip(prompts, sampling, news)):
             try:
-                checked.append(self._checked_request(p, s, new, eos_ids, stop_sequences))
+                checked.append(self._checked_request(p, s, new, eos, stops))
             except ValueError as e:  # "prompt: ..." is about prompts[k] itself
-                if str(e).startswith(("eos_ids", "stop_sequences")):  # the same for every prompt
-                    raise
                 raise ValueError(f"prompts[{k}]: {str(e).removeprefix('prompt: ')}") from None
         return [self._queue(c) for c in checked]
 
