@@ -278,8 +278,15 @@ class HFTokenizer:
         tokenizer_json = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tokenizer_json):
             raise ValueError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
-        config = os.path.join(path, "tokenizer_config.json")
-        jinja = os.path.join(path, "chat_template.jinja")
+        return cls._from_file_and_siblings(tokenizer_json, **overrides)
+
+    @classmethod
+    def _from_file_and_siblings(cls, tokenizer_json: str, **overrides: Any) -> HFTokenizer:
+        """`tokenizer_json` with the `tokenizer_config.json` and `chat_template.jinja` beside
+        it, if present (what `from_dir` reads; `load_tokenizer` given the file's path)."""
+        folder = os.path.dirname(os.fspath(tokenizer_json))
+        config = os.path.join(folder, "tokenizer_config.json")
+        jinja = os.path.join(folder, "chat_template.jinja")
         if "chat_template" not in overrides and os.path.exists(jinja):
             with open(jinja) as f:
                 overrides["chat_template"] = f.read()
@@ -320,14 +327,14 @@ class HFTokenizer:
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     """`"bytes"` -> ByteTokenizer; a directory -> HFTokenizer.from_dir; a tokenizer.json file ->
-    HFTokenizer.from_file (with a tokenizer_config.json beside it, if any)."""
+    HFTokenizer._from_file_and_siblings (with the tokenizer_config.json and chat_template.jinja
+    beside it, if any, as from_dir reads them)."""
     if spec == "bytes":
         return ByteTokenizer()
     if os.path.isdir(spec):
         return HFTokenizer.from_dir(spec)
     if os.path.isfile(spec):
-        config = os.path.join(os.path.dirname(spec), "tokenizer_config.json")
-        return HFTokenizer.from_file(spec, config if os.path.exists(config) else None)
+        return HFTokenizer._from_file_and_siblings(spec)
     raise ValueError(f"tokenizer: {spec!r} is neither 'bytes' nor an existing tokenizer.json or directory")
 
 

@@ -144,6 +144,18 @@ def test_from_dir_prefers_chat_template_jinja(bpe_dir, tmp_path):
     assert HFTokenizer.from_dir(tmp_path).apply_chat_template(MESSAGES[:2]) == "[Be brief.][Hi]"
 
 
+def test_a_tokenizer_json_path_reads_the_chat_template_jinja_beside_it(bpe_dir, tmp_path):
+    # newer transformers save the template only there: the path of the file must not fall
+    # back to the default template while the directory it sits in renders the model's own
+    (tmp_path / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.jinja").write_text(CHATML)
+    for spec in (tmp_path, tmp_path / "tokenizer.json"):
+        tok = load_tokenizer(str(spec))
+        assert tok.chat_template == CHATML
+        assert tok.apply_chat_template(MESSAGES[1:2]) == "<|im_start|>user\nHi<|im_end|>\n"
+
+
 def test_named_template_list_uses_the_default_entry(bpe_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>",
