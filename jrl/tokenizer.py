@@ -13,8 +13,9 @@ data pipeline appends EOS itself. Special-token strings inside the text (e.g. "<
 "<|im_end|>") are encoded as their single special ids, as Hugging Face tokenizers do.
 
 Chat templates are Jinja, rendered in a sandbox with the same conventions as transformers
-(`trim_blocks`, `lstrip_blocks`, `raise_exception`, a `tojson` that keeps non-ASCII), so the
-`chat_template` of a Hugging Face `tokenizer_config.json` renders as it does there.
+(`trim_blocks`, `lstrip_blocks`, `raise_exception`, a `tojson` that keeps non-ASCII,
+`{% generation %}` blocks), so the `chat_template` of a Hugging Face `tokenizer_config.json`
+renders as it does there.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
 
@@ -92,9 +94,26 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _GenerationBlocks(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (its AssistantTracker, which
+    templates written for assistant-only losses carry): it marks the assistant's text and
+    renders as its body, in a scope of its own as there."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body", []), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
 @functools.lru_cache(maxsize=32)
 def _compile(template: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlocks, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

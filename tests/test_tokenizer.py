@@ -211,6 +211,15 @@ def test_template_context_tojson_keeps_unicode_and_extra_variables():
     assert out == '[{"role": "user", "content": "héllo <b>"}]|False'
 
 
+def test_generation_blocks_render_their_content_as_in_transformers():
+    # transformers' {% generation %} marks the assistant's tokens (TRL's assistant_only_loss
+    # templates carry it); rendering, it is its body
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n"
+                "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<eos>{% endgeneration %}"
+                "{% else %}{{ m['content'] }}<eos>{% endif %}{% endfor %}")
+    assert apply_chat_template(MESSAGES[1:], template) == "<|user|>\nHi<eos><|assistant|>\nHello<eos>"
+
+
 def test_jinja_block_whitespace_follows_transformers_conventions():
     template = "{% for m in messages %}\n  {{ m['content'] }}\n{% endfor %}"
     assert apply_chat_template(MESSAGES[:2], template) == "  Be brief.\n  Hi\n"
