@@ -879,6 +879,17 @@ def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embedding
     return config, params
 
 
+def _leaf_paths(tree: Mapping, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The paths of the arrays in a nested param mapping."""
+    paths = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            paths.extend(_leaf_paths(value, (*prefix, key)))
+        else:
+            paths.append((*prefix, key))
+    return paths
+
+
 def _has_lora(tree: Any) -> bool:
     if isinstance(tree, Mapping):
         return any(k in ("lora_a", "lora_b") or _has_lora(v) for k, v in tree.items())
@@ -921,6 +932,10 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
             raise HFFormatError(f"params: {'/'.join(p)} is missing for this config") from None
         if tuple(np.shape(value)) != shape:
             raise HFFormatError(f"params: {'/'.join(p)} has shape {tuple(np.shape(value))}, config needs {shape}")
+    dropped = sorted(set(_leaf_paths(params)) - set(expected))
+    if dropped:
+        raise HFFormatError(f"params: {', '.join('/'.join(p) for p in dropped)} have no tensor in the {model_type} "
+                            "model of this config (e.g. tie_embeddings, qkv_bias), so the export would drop them")
     host = {p: np.asarray(_get(params, p)) for p in expected}
     host_tree: dict = {}
     for p, v in host.items():

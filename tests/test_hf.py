@@ -516,6 +516,18 @@ def test_save_rejects_params_of_the_wrong_shape(tmp_path):
         hf.save_pretrained(config, params, tmp_path)
 
 
+def test_save_refuses_params_the_config_has_no_tensor_for(tmp_path):
+    # a trained head beside a tied config, or a bias the family lacks, would be dropped
+    config, params = hf.load_pretrained(fixture("qwen2"))  # tied embeddings
+    params["lm_head"] = np.ones((config.hidden_size, config.vocab_size), np.float32)
+    params["layers"]["attn"]["o_proj"]["bias"] = np.zeros((config.n_layers, config.hidden_size), np.float32)
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.save_pretrained(config, params, tmp_path)
+    assert str(e.value) == ("params: layers/attn/o_proj/bias, lm_head have no tensor in the qwen2 model of this "
+                            "config (e.g. tie_embeddings, qkv_bias), so the export would drop them")
+    assert not os.listdir(tmp_path)
+
+
 def export_with_file_size_limit(path, limit: int, *, killed: bool, max_shard_bytes=None):
     """Exports the llama fixture to `path` in a child process whose files may not grow past
     `limit` bytes: a write past it fails with EFBIG (as a full disk fails with ENOSPC), or,
