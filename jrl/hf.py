@@ -525,6 +525,9 @@ def _expert_name(model_type: str, i: int, e: int, proj: str) -> str:
     return f"{_moe_prefix(model_type, i)}.experts.{e}.{name}.weight"
 
 
+_NOT_FLOAT_KINDS = "iub"  # integer, unsigned, bool: quantized or not weights at all (bfloat16 is kind V)
+
+
 class _Reader:
     """Tensors by HF name from one or more safetensors files; remembers what was used."""
 
@@ -548,7 +551,7 @@ class _Reader:
             value = handle.get_tensor(name)
         except Exception as e:  # data cut short after a valid header
             raise HFFormatError(f"{file}: cannot read tensor {name!r} ({e}); is the file complete?") from None
-        if value.dtype.kind in "iub":  # cast to float it would load as a different model
+        if value.dtype.kind in _NOT_FLOAT_KINDS:  # cast to float it would load as a different model
             raise HFFormatError(f"{file}: tensor {name!r} has dtype {value.dtype}; the weights must be floating "
                                 "point (quantized checkpoints are not supported)")
         return value
@@ -937,6 +940,9 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
         raise HFFormatError(f"params: {', '.join('/'.join(p) for p in dropped)} have no tensor in the {model_type} "
                             "model of this config (e.g. tie_embeddings, qkv_bias), so the export would drop them")
     host = {p: np.asarray(_get(params, p)) for p in expected}
+    for p, value in host.items():  # load_pretrained refuses such tensors: the export must load back
+        if value.dtype.kind in _NOT_FLOAT_KINDS:
+            raise HFFormatError(f"params: {'/'.join(p)} has dtype {value.dtype}; the weights must be floating point")
     host_tree: dict = {}
     for p, v in host.items():
         _set(host_tree, p, v)

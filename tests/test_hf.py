@@ -528,6 +528,15 @@ def test_save_refuses_params_the_config_has_no_tensor_for(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_save_refuses_integer_params_it_could_not_load_back(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    params["final_norm"]["scale"] = np.ones(config.hidden_size, np.int32)
+    with pytest.raises(hf.HFFormatError, match=re.escape(
+            "params: final_norm/scale has dtype int32; the weights must be floating point")):
+        hf.save_pretrained(config, params, tmp_path)
+    assert not os.listdir(tmp_path)
+
+
 def export_with_file_size_limit(path, limit: int, *, killed: bool, max_shard_bytes=None):
     """Exports the llama fixture to `path` in a child process whose files may not grow past
     `limit` bytes: a write past it fails with EFBIG (as a full disk fails with ENOSPC), or,
