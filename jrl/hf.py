@@ -171,6 +171,8 @@ def _rope_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> tuple[f
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
             raise HFFormatError(f"{where}: {name} must be a finite number, got {value!r}")
     theta = params.pop("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA.get(model_type, 10000.0)))
+    if theta is None:  # the loop above lets a null through: optional rope fields may be null
+        raise HFFormatError(f"{where}: rope_theta must be a finite number, got None")
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -238,6 +240,13 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, 
     max_window_layers, and newer transformers from layer_types: a window counts if either
     gives it a layer."""
     window, field = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(model_type)), "sliding_window"
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise HFFormatError(f"{where}: sliding_window must be an integer or null, got {window!r}")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and not (isinstance(layer_types, list) and len(layer_types) == n_layers
+                                        and all(isinstance(t, str) for t in layer_types)):
+        raise HFFormatError(f"{where}: layer_types must be a list of {n_layers} strings (one a layer), "
+                            f"got {layer_types!r}")
     if model_type in QWEN_TYPES:
         window = window if hf.get("use_sliding_window", False) else None
         field = "use_sliding_window/sliding_window"
@@ -297,6 +306,12 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
             raise HFFormatError(f"{where}: {key} must be an integer, got {value!r}")
         return value
 
+    def get_float(key: str, default: float) -> float:
+        value = get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise HFFormatError(f"{where}: {key} must be a finite number, got {value!r}")
+        return float(value)
+
     def get_bool(key: str, default: bool) -> bool:
         value = get(key, default)
         if not isinstance(value, bool):  # bool("false") is True: a string must not flip a switch
@@ -351,18 +366,18 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
                            model_type in _NULL_HEAD_DIM_DERIVED, hidden // n_heads),
         intermediate_size=get_int("intermediate_size"),
         max_position_embeddings=max_len,
-        rms_norm_eps=float(get("rms_norm_eps", _DEFAULT_RMS_EPS.get(model_type, 1e-6))),
+        rms_norm_eps=get_float("rms_norm_eps", _DEFAULT_RMS_EPS.get(model_type, 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=get_bool("tie_word_embeddings", False),
         qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe" and get_bool("qkv_bias", True)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        initializer_range=float(get("initializer_range", 0.02)),
+        initializer_range=get_float("initializer_range", 0.02),
         param_dtype=dtype,
         dtype=dtype,
     )
     if model_type in MOE_TYPES:
-        counts = {k: hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
+        counts = {k: get_int(k) for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
         if len(set(counts.values())) != 1:
             raise HFFormatError(f"{where}: need one expert count in num_experts/num_local_experts, got {counts}")
         fields.update(
@@ -371,7 +386,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
             moe_intermediate_size=(get_int("intermediate_size") if model_type == "mixtral"
                                    else get_int("moe_intermediate_size")),
             norm_topk_prob=True if model_type == "mixtral" else get_bool("norm_topk_prob", False),
-            router_aux_loss_coef=float(get("router_aux_loss_coef", 0.001)),
+            router_aux_loss_coef=get_float("router_aux_loss_coef", 0.001),
         )
     if model_type == "qwen2_moe":
         shared = get_int("shared_expert_intermediate_size")

@@ -843,6 +843,30 @@ def test_a_size_field_that_is_not_an_integer_is_named():
         hf.config_from_hf({**fixture_config("llama"), "num_attention_heads": "4"})
 
 
+@pytest.mark.parametrize("family,key,value,message", [
+    ("llama", "rms_norm_eps", "1e-5", "rms_norm_eps must be a finite number, got '1e-5'"),
+    ("llama", "initializer_range", [0.02], "initializer_range must be a finite number, got [0.02]"),
+    ("qwen2_moe", "router_aux_loss_coef", {}, "router_aux_loss_coef must be a finite number, got {}"),
+    ("qwen2_moe", "num_experts", [4], "num_experts must be an integer, got [4]"),
+    ("mistral", "sliding_window", "4096", "sliding_window must be an integer or null, got '4096'"),
+    ("qwen3", "layer_types", "full_attention",
+     "layer_types must be a list of 2 strings (one a layer), got 'full_attention'"),
+    ("qwen3", "layer_types", ["full_attention"],
+     "layer_types must be a list of 2 strings (one a layer), got ['full_attention']"),
+])
+def test_a_config_value_of_the_wrong_type_is_named(family, key, value, message):
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.config_from_hf({**fixture_config(family), key: value})
+    assert str(error.value) == f"config.json: {message}"
+
+
+def test_a_null_rope_theta_is_named():
+    cfg = {k: v for k, v in fixture_config("mistral").items() if k != "rope_parameters"}
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.config_from_hf({**cfg, "rope_theta": None})
+    assert str(error.value) == "config.json: rope_theta must be a finite number, got None"
+
+
 def test_untied_lm_head_differing_from_tied_embedding_is_rejected(tmp_path):
     src = copy_fixture("llama", tmp_path / "tied", lambda c: c.update(tie_word_embeddings=True))
     with pytest.raises(hf.HFFormatError, match="tie_word_embeddings is true but lm_head.weight differs"):
