@@ -875,6 +875,9 @@ def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embedding
                 raise HFFormatError(f"{file}: not a readable safetensors file ({e}); "
                                     f"is it complete?") from None
             for name in handle.keys():
+                if name in handles:  # two values for one tensor: neither may be dropped silently
+                    raise HFFormatError(f"{path}: tensor {name!r} is stored in both "
+                                        f"{os.path.basename(handles[name][1])} and {os.path.basename(file)}")
                 handles[name] = (handle, file)
         for name, file in sorted((weight_map or {}).items()):
             if handles.get(name, (None, None))[1] != file:

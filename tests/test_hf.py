@@ -393,6 +393,21 @@ def test_a_tensor_the_index_puts_in_a_shard_that_does_not_hold_it_is_named(tmp_p
                                 "model-00001-of-00003.safetensors, which does not hold it")
 
 
+def test_a_tensor_stored_in_two_shards_is_named_with_both(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    home = weight_map["model.embed_tokens.weight"]
+    other = next(name for name in sorted(set(weight_map.values())) if name > home)  # read after it
+    tensors = load_file(tmp_path / other)
+    tensors["model.embed_tokens.weight"] = np.zeros((config.vocab_size, config.hidden_size), np.float32)
+    save_file(tensors, tmp_path / other)
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(tmp_path)
+    assert str(error.value) == (f"{tmp_path}: tensor 'model.embed_tokens.weight' is stored in both {home} and "
+                                f"{other}")
+
+
 def test_a_directory_with_both_a_single_file_and_a_shard_index_reads_the_single_file_as_transformers_does(tmp_path):
     config, params = hf.load_pretrained(fixture("llama"))
     hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
