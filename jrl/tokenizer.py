@@ -133,6 +133,9 @@ def apply_chat_template(messages: Sequence[Mapping[str, Any]], template: str | N
             raise ChatTemplateError(f"messages[{i}]: must be a dict, got {type(m).__name__}")
         if not isinstance(m.get("role"), str):
             raise ChatTemplateError(f"messages[{i}]: needs a string 'role', got {m.get('role')!r}")
+    # tools and documents are None unless given, as transformers renders them: templates
+    # test `tools is not none`, which an undefined variable passes
+    context = {"tools": None, "documents": None, **context}
     return _compile(template or DEFAULT_CHAT_TEMPLATE).render(
         messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
         bos_token=bos_token or "", eos_token=eos_token or "", **context)

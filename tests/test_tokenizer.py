@@ -211,6 +211,17 @@ def test_template_context_tojson_keeps_unicode_and_extra_variables():
     assert out == '[{"role": "user", "content": "héllo <b>"}]|False'
 
 
+def test_tools_and_documents_are_none_when_not_given_as_in_transformers():
+    # Mistral-7B-Instruct-v0.3's template tests `tools is not none` without `is defined`:
+    # undefined, it wrote an empty [AVAILABLE_TOOLS] block into every prompt
+    template = ("{% for m in messages %}{% if tools is not none %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
+                "[/AVAILABLE_TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
+                "[INST] {{ m['content'] }}[/INST]{% endfor %}")
+    assert apply_chat_template(MESSAGES[1:2], template) == "[INST] Hi[/INST]"
+    assert apply_chat_template(MESSAGES[1:2], template, tools=[{"name": "f"}]) == (
+        '[AVAILABLE_TOOLS][{"name": "f"}][/AVAILABLE_TOOLS][INST] Hi[/INST]')
+
+
 def test_generation_blocks_render_their_content_as_in_transformers():
     # transformers' {% generation %} marks the assistant's tokens (TRL's assistant_only_loss
     # templates carry it); rendering, it is its body
