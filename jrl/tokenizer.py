@@ -278,11 +278,19 @@ class HFTokenizer:
         """Loads `tokenizer.json`, plus special tokens and chat_template from an optional
         `tokenizer_config.json`; keyword arguments override both."""
         tokenizer_json = os.fspath(tokenizer_json)
-        tok = RawTokenizer.from_file(tokenizer_json)
+        try:
+            tok = RawTokenizer.from_file(tokenizer_json)
+        except Exception as e:  # the tokenizers library's own error names no file
+            raise ValueError(f"{tokenizer_json}: not a readable tokenizer.json ({e})") from None
         cfg: dict[str, Any] = {}
         if tokenizer_config is not None:
-            with open(tokenizer_config) as f:
-                cfg = json.load(f)
+            try:
+                with open(tokenizer_config, "rb") as f:
+                    cfg = json.loads(f.read())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{tokenizer_config}: not a readable JSON file ({e})") from None
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{tokenizer_config}: must hold a JSON object, got {type(cfg).__name__}")
         eos = eos_token or _token_content(cfg.get("eos_token"))
         if not eos:
             raise ValueError(f"eos_token: {tokenizer_json} has no eos_token in a tokenizer_config.json; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
@@ -154,6 +155,19 @@ def test_a_tokenizer_json_path_reads_the_chat_template_jinja_beside_it(bpe_dir, 
         tok = load_tokenizer(str(spec))
         assert tok.chat_template == CHATML
         assert tok.apply_chat_template(MESSAGES[1:2]) == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+@pytest.mark.parametrize("name,text,problem", [
+    ("tokenizer.json", "{", "not a readable tokenizer.json"),
+    ("tokenizer_config.json", "{", "not a readable JSON file"),
+    ("tokenizer_config.json", '["<|im_end|>"]', "must hold a JSON object, got list"),
+])
+def test_an_unreadable_tokenizer_file_is_named(bpe_dir, tmp_path, name, text, problem):
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / file).write_bytes((bpe_dir / file).read_bytes())
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / name))}: {re.escape(problem)}"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_named_template_list_uses_the_default_entry(bpe_dir, tmp_path):
