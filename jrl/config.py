@@ -1027,7 +1027,7 @@ def load_train_config(path: str | None = None, overrides: list[str] | tuple[str,
         if os.path.isdir(path):
             raise ConfigError(f"{path}: is a directory, not a YAML config file (e.g. configs/sft_arithmetic.yaml)")
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 text = f.read()
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such config file") from None

@@ -318,7 +318,7 @@ class HFTokenizer:
         config = os.path.join(folder, "tokenizer_config.json")
         jinja = os.path.join(folder, "chat_template.jinja")
         if "chat_template" not in overrides and os.path.exists(jinja):
-            with open(jinja) as f:
+            with open(jinja, encoding="utf-8") as f:
                 overrides["chat_template"] = f.read()
         return cls.from_file(tokenizer_json, config if os.path.exists(config) else None, **overrides)
 

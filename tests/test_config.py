@@ -4,6 +4,9 @@ errors that name the offending field."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -226,3 +229,16 @@ def test_an_empty_config_path_is_named_as_empty():
     # `jrl eval --config "$CFG"` with CFG unset said ": no such config file"
     with pytest.raises(ConfigError, match=r"^the config path is empty; name a YAML config file$"):
         load_train_config("")
+
+
+def test_a_utf8_config_loads_under_an_ascii_locale(tmp_path):
+    # YAML files are UTF-8; a process under an ASCII locale (a minimal container, cron)
+    # read the file in the locale's encoding and refused a non-ASCII comment or name
+    path = tmp_path / "run.yaml"
+    path.write_bytes("# run for the Zürich team\nname: déjà_vu\n".encode())
+    code = "import sys; from jrl.config import load_train_config; print(ascii(load_train_config(sys.argv[1]).name))"
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ascii("déjà_vu")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
@@ -155,6 +158,21 @@ def test_a_tokenizer_json_path_reads_the_chat_template_jinja_beside_it(bpe_dir, 
         tok = load_tokenizer(str(spec))
         assert tok.chat_template == CHATML
         assert tok.apply_chat_template(MESSAGES[1:2]) == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_chat_template_jinja_is_read_as_utf8_whatever_the_locale(bpe_dir, tmp_path):
+    # the file is UTF-8 as transformers writes it; a process under an ASCII locale (a
+    # minimal container, cron) read it in the locale's encoding and failed to decode it
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((bpe_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_bytes("{% for m in messages %}→{{ m['content'] }}{% endfor %}".encode())
+    code = ("import sys; from jrl.tokenizer import HFTokenizer; "
+            "t = HFTokenizer.from_dir(sys.argv[1]).chat_template; print(t.encode('unicode_escape').decode())")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "{% for m in messages %}\\u2192{{ m['content'] }}{% endfor %}"
 
 
 @pytest.mark.parametrize("name,text,problem", [
