@@ -674,6 +674,31 @@ def test_retention_never_deletes_the_step_just_saved(tmp_path):
     assert ckpt.all_steps(tmp_path) == [3, 11]
 
 
+def test_retention_of_a_symlinked_step_removes_the_link_and_keeps_what_it_points_to(tmp_path):
+    # a run started from another run's checkpoint linked into its own checkpoints directory
+    other = ckpt.save(tmp_path / "other", 1, small_state(7.0))
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "step_1").symlink_to(other)
+    for step in (2, 3, 4):
+        ckpt.save(root, step, small_state(), keep_last=2)
+    assert ckpt.all_steps(root) == [3, 4]
+    assert sorted(p.name for p in root.iterdir()) == [layout.LOCK_NAME, "step_3", "step_4"]
+    restored, _ = ckpt.load(tmp_path / "other", 1, verify=True)
+    assert float(restored["w"][0, 0]) == 7.0
+
+
+def test_republishing_a_symlinked_step_replaces_the_link_and_keeps_what_it_pointed_to(tmp_path):
+    other = ckpt.save(tmp_path / "other", 5, small_state(7.0))
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "step_5").symlink_to(other)
+    ckpt.save(root, 5, small_state(2.0))
+    assert not (root / "step_5").is_symlink() and layout.hidden_leftovers(root) == []
+    assert float(ckpt.load(root, 5, verify=True)[0]["w"][0, 0]) == 2.0
+    assert float(ckpt.load(tmp_path / "other", 5, verify=True)[0]["w"][0, 0]) == 7.0
+
+
 # ---------------------------------------------------------------- metrics log ordering
 
 

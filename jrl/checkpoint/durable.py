@@ -90,8 +90,13 @@ def exchange(a: Path, b: Path) -> bool:
 
 
 def remove_tree(path: Path) -> None:
-    """Removes a directory tree that nobody reads any more (hidden leftovers, retired copies)."""
-    shutil.rmtree(path, ignore_errors=False)
+    """Removes a directory tree that nobody reads any more (hidden leftovers, retired copies,
+    retention's victims). A symlink (a step linked in from another run) is removed as a link:
+    what it points to is not this root's to delete."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=False)
 
 
 REMOVAL_QUIET_S = 0.2  # how long a removed tree must stay gone (`remove_tree_until_gone`)
