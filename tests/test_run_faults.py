@@ -145,6 +145,17 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_validated_its_data(ru
     assert steps_logged(run_copy) == [1, 2]
 
 
+def test_overwrite_of_checkpoints_kept_on_another_disk_empties_them_there_and_keeps_the_link(run_copy, tmp_path):
+    elsewhere = tmp_path / "disk" / "checkpoints"  # runs/x/checkpoints -> a bigger disk
+    elsewhere.parent.mkdir()
+    shutil.move(run_copy / "checkpoints", elsewhere)
+    (run_copy / "checkpoints").symlink_to(elsewhere)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--overwrite", "steps=2"]) == 0
+    assert (run_copy / "checkpoints").is_symlink()
+    assert checkpoint.all_steps(elsewhere) == [2] and checkpoint.verify_checkpoint(elsewhere, 2)
+    assert steps_logged(run_copy) == [1, 2]
+
+
 def test_resume_with_a_corrupt_metrics_line_is_a_one_line_error_that_changes_nothing(run_copy, tmp_path, capsys):
     log = run_copy / "metrics.jsonl"
     lines = log.read_text().splitlines(keepends=True)

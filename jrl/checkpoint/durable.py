@@ -91,9 +91,9 @@ def exchange(a: Path, b: Path) -> bool:
 
 def remove_tree(path: Path) -> None:
     """Removes a directory tree that nobody reads any more (hidden leftovers, retired copies,
-    retention's victims). A symlink (a step linked in from another run) is removed as a link:
-    what it points to is not this root's to delete."""
-    if os.path.islink(path):
+    retention's victims), or a single file. A symlink (a step linked in from another run) is
+    removed as a link: what it points to is not this root's to delete."""
+    if os.path.islink(path) or not os.path.isdir(path):
         os.unlink(path)
     else:
         shutil.rmtree(path, ignore_errors=False)

@@ -413,7 +413,10 @@ class Trainer:
     def _clear_run_dir(self) -> None:
         if not self.is_main_process:
             return
-        if self.checkpoint_dir.exists():
+        if self.checkpoint_dir.is_symlink():  # kept on another disk: emptied there, the link stays
+            for entry in self.checkpoint_dir.iterdir() if self.checkpoint_dir.is_dir() else ():
+                checkpoint.durable.remove_tree(entry)
+        elif self.checkpoint_dir.exists():
             shutil.rmtree(self.checkpoint_dir)
         for name in ("metrics.jsonl", "metrics.png"):
             (self.run_dir / name).unlink(missing_ok=True)
