@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import flax.struct
 import jax
@@ -686,6 +687,32 @@ def test_retention_of_a_symlinked_step_removes_the_link_and_keeps_what_it_points
     assert sorted(p.name for p in root.iterdir()) == [layout.LOCK_NAME, "step_3", "step_4"]
     restored, _ = ckpt.load(tmp_path / "other", 1, verify=True)
     assert float(restored["w"][0, 0]) == 7.0
+
+
+def test_a_step_retention_cannot_remove_yet_fails_no_save(tmp_path, monkeypatch):
+    # On NFS a file that a reader (an evaluation job) still holds open is renamed to .nfsXXXX
+    # when unlinked, so its directory cannot be removed until the reader lets go.
+    real_rmtree = shutil.rmtree
+
+    def rmtree_with_a_file_held_open(path, *args, **kwargs):
+        if os.path.basename(path).startswith(".step_1."):
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", str(path))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree_with_a_file_held_open)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2, 3, 4):  # 3's retention hides step 1, 4's leftover cleanup meets it again
+            assert ckpt.save(tmp_path, step, small_state(), keep_last=2) == tmp_path / f"step_{step}"
+    assert ckpt.all_steps(tmp_path) == [3, 4]
+    (leftover,) = layout.hidden_leftovers(tmp_path)
+    assert leftover.startswith(".step_1.deleting-")
+    why = (f"{tmp_path / leftover}: cannot remove it yet ([Errno {errno.ENOTEMPTY}] Directory not empty: "
+           f"'{tmp_path / leftover}'); it stays hidden, and the next save to {tmp_path} tries again")
+    assert [str(w.message) for w in caught] == [why, why]
+    monkeypatch.undo()  # the reader let go
+    ckpt.save(tmp_path, 5, small_state(), keep_last=2)
+    assert ckpt.all_steps(tmp_path) == [4, 5] and layout.hidden_leftovers(tmp_path) == []
 
 
 def test_republishing_a_symlinked_step_replaces_the_link_and_keeps_what_it_pointed_to(tmp_path):

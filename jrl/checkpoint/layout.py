@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,17 @@ def latest_step(root: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
+def remove_hidden(root: Path, path: Path) -> None:
+    """Removes the hidden directory `path` of `root`, which nobody reads any more. One that
+    cannot go yet (on NFS, a file a reader still holds open) is left, hidden, with a warning:
+    the checkpoints are all in place, and the next writer's `clean_leftovers` tries again."""
+    try:
+        durable.remove_tree(path)
+    except OSError as e:
+        warnings.warn(f"{path}: cannot remove it yet ({e}); it stays hidden, and the next save to {root} "
+                      f"tries again", stacklevel=2)
+
+
 def clean_leftovers(root: Path) -> None:
     """Removes hidden directories left by crashed writers. Call only while holding the lock.
 
@@ -86,7 +98,7 @@ def clean_leftovers(root: Path) -> None:
         if kind == "retired" and not os.path.lexists(visible):
             os.rename(entry, visible)
         else:
-            durable.remove_tree(entry)
+            remove_hidden(root, entry)
         changed = True
     if changed:
         durable.fsync_dir(root)
@@ -113,14 +125,14 @@ def publish(root: Path, staging: Path, step: int, *, use_exchange: bool = True) 
         return final
     if use_exchange and durable.exchange(staging, final):
         durable.fsync_dir(root)
-        durable.remove_tree(staging)  # now holds the replaced checkpoint
+        remove_hidden(root, staging)  # now holds the replaced checkpoint
         return final
     retired = hidden_dir(root, step, "retired")
     os.rename(final, retired)
     durable.fsync_dir(root)
     os.rename(staging, final)
     durable.fsync_dir(root)
-    durable.remove_tree(retired)
+    remove_hidden(root, retired)
     return final
 
 
@@ -129,7 +141,7 @@ def remove_step(root: Path, step: int) -> None:
     doomed = hidden_dir(root, step, "deleting")
     os.rename(step_dir(root, step), doomed)
     durable.fsync_dir(root)
-    durable.remove_tree(doomed)
+    remove_hidden(root, doomed)
 
 
 def check_retention(keep_last: object, keep_every: object) -> None:
