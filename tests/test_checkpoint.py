@@ -266,6 +266,20 @@ def test_meta_that_is_not_json_is_rejected_before_anything_is_written(tmp_path):
     assert not tmp_path.joinpath("step_1").exists()
 
 
+def test_a_meta_value_json_cannot_hold_is_named_by_its_key_path(tmp_path):
+    # e.g. a numpy integer in a train source's state_dict(), which a trainer saves as meta['data']
+    meta = {"config": {"steps": 4}, "data": {"shards": [{"offset": 3}, {"offset": np.int64(5)}]}}
+    with pytest.raises(ValueError) as e:
+        ckpt.save(tmp_path, 1, small_state(), meta=meta)
+    assert str(e.value) == ("meta must be JSON-serializable: meta['data']['shards'][1]['offset']: Object of "
+                            "type int64 is not JSON serializable")
+    with pytest.raises(ValueError) as e:
+        ckpt.save(tmp_path, 1, small_state(), meta={"data": {("a", 1): 0}})
+    assert str(e.value) == ("meta must be JSON-serializable: meta['data']: keys must be str, int, float, bool "
+                            "or None, not tuple")
+    assert not tmp_path.joinpath("step_1").exists()
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -103,7 +103,25 @@ def _build_meta(step: int, state: Any, user_meta: Mapping | None, records: list[
     try:
         return (json.dumps(meta, indent=1) + "\n").encode()
     except (TypeError, ValueError) as e:
-        raise ValueError(f"meta must be JSON-serializable: {e}") from e
+        raise ValueError(f"meta must be JSON-serializable: {_unjsonable_part(meta, 'meta', set())}") from e
+
+
+def _unjsonable_part(value: Any, where: str, inside: set[int]) -> str:
+    """Where json.dumps fails on `value` (which it refuses), as '<key path>: <its error>' of
+    the innermost part it refuses: "meta['data']['cursor']: Object of type int64 is not ..."."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        error = e
+    else:
+        return ""
+    if id(value) not in inside:  # (a circular reference is named where it closes)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+        for key, item in items:
+            found = _unjsonable_part(item, f"{where}[{key!r}]", inside | {id(value)})
+            if found:
+                return found
+    return f"{where}: {error}"
 
 
 def _check_files(files: Mapping[str, bytes] | None) -> dict[str, bytes]:
