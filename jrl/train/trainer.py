@@ -83,12 +83,18 @@ class SkippedUpdateWarning(UserWarning):
 def check_run_dir(run_dir: str | os.PathLike) -> None:
     """Raises ConfigError when `run_dir` is a file, or a checkpoint root or one checkpoint rather
     than a run directory: a run there would add its config.yaml, metrics and lock to checkpoints,
-    which then fail verification. (A mistyped --output-dir for the run's own.)"""
+    which then fail verification. (A mistyped --output-dir for the run's own.) Also when its
+    `checkpoints` is a symlink to nothing (another disk, not mounted): a resume found no
+    checkpoint there and started the run over."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"output directory {run_dir} is a file, not a directory")
     if not run_dir.is_dir():
         return
+    link = run_dir / "checkpoints"
+    if link.is_symlink() and not link.exists():  # --resume would see no checkpoint and start over
+        raise ConfigError(f"output directory {run_dir}: checkpoints is a symlink to {os.readlink(link)}, which does "
+                          f"not exist (a disk that is not mounted?); mount it, or remove the link")
     if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
         what, run = "a checkpoint root (it holds step_<N> directories)", run_dir.parent
     elif checkpoint.store.is_checkpoint_dir(run_dir):
