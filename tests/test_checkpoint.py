@@ -329,6 +329,19 @@ def test_saving_into_a_file_is_refused_and_leaves_it_as_it_was(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_a_root_that_is_a_symlink_to_nothing_is_named_as_one(tmp_path):
+    root, target = tmp_path / "checkpoints", tmp_path / "unmounted" / "checkpoints"  # a disk not mounted
+    root.symlink_to(target)
+    with pytest.raises(FileNotFoundError) as e:
+        ckpt.save(root, 1, small_state())
+    assert str(e.value) == f"{root}: the checkpoint root is a symlink to {target}, which does not exist"
+    with pytest.raises(FileNotFoundError) as e:
+        ckpt.load(root)
+    assert str(e.value) == (f"no checkpoints (step_<N> directories) in {root}: it is a symlink to {target}, "
+                            f"which does not exist")
+    assert not (tmp_path / "unmounted").exists()
+
+
 def test_load_from_an_empty_root_says_there_is_nothing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoints"):
         ckpt.load(tmp_path)

@@ -265,6 +265,8 @@ def _start_save(root, step, state, *, meta, keep_last, keep_every, metrics_log, 
                          f"save into {root.parent}")
     if root.exists() and not root.is_dir():
         raise ValueError(f"{root}: the checkpoint root is a file, not a directory")
+    if dangling := dangling_link(root):  # (a disk not mounted): not a directory to create
+        raise FileNotFoundError(f"{root}: the checkpoint root {dangling}")
     step = layout.check_step(step)
     layout.check_retention(keep_last, keep_every)
     files = _check_files(files)
@@ -431,9 +433,18 @@ def read_meta(directory: Path) -> dict:
     return meta
 
 
+def dangling_link(path: Path) -> str | None:
+    """'is a symlink to <target>, which does not exist' when `path` is such a link, else None."""
+    if path.is_symlink() and not path.exists():
+        return f"is a symlink to {os.readlink(path)}, which does not exist"
+    return None
+
+
 def _root_hint(root: Path) -> str:
-    """Why a root holds no steps, when it is a mistyped one: missing, one checkpoint, or the
-    run directory above the checkpoints."""
+    """Why a root holds no steps, when it is a mistyped one: missing (or a symlink to nothing),
+    one checkpoint, or the run directory above the checkpoints."""
+    if dangling := dangling_link(root):
+        return f": it {dangling}"
     if not root.exists():
         return ": no such directory"
     if is_checkpoint_dir(root):

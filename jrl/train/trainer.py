@@ -91,10 +91,10 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
         raise ConfigError(f"output directory {run_dir} is a file, not a directory")
     if not run_dir.is_dir():
         return
-    link = run_dir / "checkpoints"
-    if link.is_symlink() and not link.exists():  # --resume would see no checkpoint and start over
-        raise ConfigError(f"output directory {run_dir}: checkpoints is a symlink to {os.readlink(link)}, which does "
-                          f"not exist (a disk that is not mounted?); mount it, or remove the link")
+    dangling = checkpoint.store.dangling_link(run_dir / "checkpoints")
+    if dangling:  # --resume would see no checkpoint and start over
+        raise ConfigError(f"output directory {run_dir}: checkpoints {dangling} (a disk that is not mounted?); "
+                          f"mount it, or remove the link")
     if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
         what, run = "a checkpoint root (it holds step_<N> directories)", run_dir.parent
     elif checkpoint.store.is_checkpoint_dir(run_dir):
