@@ -66,23 +66,25 @@ def test_an_output_dir_that_cannot_be_created_is_a_one_line_error_naming_it(tmp_
 
 @pytest.mark.filterwarnings("ignore:schedule.warmup_steps=.* is not shorter than the schedule:UserWarning")
 @pytest.mark.filterwarnings("ignore:resume. .* holds no checkpoint yet:UserWarning")
-def test_a_checkpoints_link_whose_target_is_missing_exits_2_before_a_resume_starts_over(tmp_path, capsys):
-    # The checkpoints were kept on another disk, which is not mounted now. --resume saw no
-    # checkpoint, started the run over from step 0 (deleting its metrics.jsonl), and failed
-    # at its first save on the lock file inside the link.
+@pytest.mark.parametrize("linked", ["run", "run/checkpoints"])
+def test_a_link_to_a_missing_directory_exits_2_before_a_resume_starts_over(tmp_path, capsys, linked):
+    # The run (or its checkpoints) was kept on another disk, which is not mounted now. --resume
+    # saw no checkpoint, started the run over from step 0 (deleting its metrics.jsonl), and
+    # failed at its first save on the lock file inside the link, or at once with "File exists".
     run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1, "policy_version": 1, "loss": 2.5}\n')
-    target = tmp_path / "unmounted" / "checkpoints"
-    (run / "checkpoints").symlink_to(target)
-    before = snapshot(run)
+    if linked == "run/checkpoints":
+        run.mkdir()
+        (run / "metrics.jsonl").write_text('{"step": 1, "policy_version": 1, "loss": 2.5}\n')
+    link, target = tmp_path / linked, tmp_path / "unmounted" / linked
+    link.symlink_to(target)
+    before = snapshot(tmp_path)
     tiny = ["model.hidden_size=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8",
             "model.intermediate_size=32", "data.source=bundled:arithmetic:200", "data.seq_len=32",
             "data.batch_size=4", "data.micro_batches=1", "steps=2", "logging.progress=false"]
     assert main(["--config", CONFIG, "--output-dir", str(run), "--resume", *tiny]) == 2
-    assert capsys.readouterr().err == (f"error: output directory {run}: checkpoints is a symlink to {target}, which "
-                                       f"does not exist (a disk that is not mounted?); mount it, or remove the link\n")
-    assert snapshot(run) == before and (run / "checkpoints").is_symlink()
+    assert capsys.readouterr().err == (f"error: output directory: {link} is a symlink to {target}, which does not "
+                                       f"exist (a disk that is not mounted?); mount it, or remove the link\n")
+    assert snapshot(tmp_path) == before and link.is_symlink() and not (tmp_path / "unmounted").exists()
 
 
 def test_the_embedded_default_refuses_to_start_over_another_runs_directory(tmp_path, capsys):

@@ -83,18 +83,18 @@ class SkippedUpdateWarning(UserWarning):
 def check_run_dir(run_dir: str | os.PathLike) -> None:
     """Raises ConfigError when `run_dir` is a file, or a checkpoint root or one checkpoint rather
     than a run directory: a run there would add its config.yaml, metrics and lock to checkpoints,
-    which then fail verification. (A mistyped --output-dir for the run's own.) Also when its
-    `checkpoints` is a symlink to nothing (another disk, not mounted): a resume found no
+    which then fail verification. (A mistyped --output-dir for the run's own.) Also when it or
+    its `checkpoints` is a symlink to nothing (another disk, not mounted): a resume found no
     checkpoint there and started the run over."""
     run_dir = Path(run_dir)
+    for path in (run_dir, run_dir / "checkpoints"):
+        if dangling := checkpoint.store.dangling_link(path):  # --resume would see no checkpoint and start over
+            raise ConfigError(f"output directory: {path} {dangling} (a disk that is not mounted?); mount it, or "
+                              f"remove the link")
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"output directory {run_dir} is a file, not a directory")
     if not run_dir.is_dir():
         return
-    dangling = checkpoint.store.dangling_link(run_dir / "checkpoints")
-    if dangling:  # --resume would see no checkpoint and start over
-        raise ConfigError(f"output directory {run_dir}: checkpoints {dangling} (a disk that is not mounted?); "
-                          f"mount it, or remove the link")
     if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
         what, run = "a checkpoint root (it holds step_<N> directories)", run_dir.parent
     elif checkpoint.store.is_checkpoint_dir(run_dir):
