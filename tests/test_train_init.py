@@ -57,6 +57,17 @@ def test_jrl_checkpoint_params(tmp_path):
         assert_same(start(tmp_path / "b", *TINY, f"init_from={where}"), params)
 
 
+def test_a_step_name_with_a_leading_zero_is_refused_not_read_as_another_step(tmp_path):
+    # step_07 is no checkpoint's name (they are step_<N>): it loaded step_7, whatever
+    # step_07 held (a copy a user made, another run's step)
+    params = start(tmp_path / "a", *TINY, "seed=3")
+    checkpoint.save(tmp_path / "run" / "checkpoints", 7, {"params": params, "policy_version": 7})
+    where = tmp_path / "run" / "checkpoints" / "step_07"
+    with pytest.raises(ConfigError, match=rf"^init_from: '{where}': step_07 is not a checkpoint directory's name "
+                                          r"\(step_<N>, no leading zeros: step_7\)"):
+        start(tmp_path / "b", *TINY, f"init_from={where}")
+
+
 def test_shape_mismatch_names_the_parameter(tmp_path):
     params = start(tmp_path / "a", *TINY)
     checkpoint.save(tmp_path / "ck", 1, {"params": params})

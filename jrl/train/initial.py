@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jrl import checkpoint
+from jrl.checkpoint.layout import is_step_name
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import load_tokenizer
 from jrl.hf import HFFormatError, config_from_hf, load_pretrained, missing_prefix_hint, read_hf_config
@@ -24,6 +25,9 @@ def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
     """(checkpoint root, step or None for the latest) from a run dir, a root or a step dir."""
     p = Path(path)
     if p.name.startswith("step_") and p.name[5:].isdigit():
+        if not is_step_name(p.name):  # step_07 would read step_7, another directory
+            raise ConfigError(f"init_from: {path!r}: {p.name} is not a checkpoint directory's name (step_<N>, "
+                              f"no leading zeros: step_{int(p.name[5:])})")
         return p.parent, int(p.name[5:])
     if (p / "checkpoints").is_dir():
         return p / "checkpoints", None
