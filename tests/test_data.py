@@ -135,6 +135,17 @@ def test_a_nan_field_is_refused_not_trained_as_text(tmp_path):
         load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
 
 
+def test_a_numeric_field_is_trained_as_the_file_writes_it(tmp_path):
+    # before: Python's str of the parsed number ('1e-07', '0.5', '0', '100.0'), text the file never had
+    src = tmp_path / "sft.jsonl"
+    src.write_text('{"prompt": "a=", "response": 1e-7}\n{"prompt": "b=", "response": 0.50}\n'
+                   '{"prompt": "c=", "response": -0}\n{"prompt": "d=", "response": 12}\n'
+                   '{"prompt": "e=", "response": 1E+2}\n')
+    store = load_documents(DataConfig(source=str(src), eval_fraction=0.0, add_eos=False), TOK, "train")
+    texts = [TOK.decode(store.doc(i)[0]) for i in range(len(store))]
+    assert texts == ["a=1e-7", "b=0.50", "c=-0", "d=12", "e=1E+2"]
+
+
 def test_row_layout_segments_positions_targets_and_mask():
     store = build_store([doc([10, 11, 12], [0, 1, 1]), doc([20, 21], [0, 1])])
     plan = plan_rows(store.lengths, 8, pack=True, overflow="truncate_right")

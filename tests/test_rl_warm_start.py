@@ -58,6 +58,16 @@ def test_chat_prompts_are_rendered_and_closed_by_the_end_of_turn_token(tmp_path)
     assert [r["response"] for r in rows] == ["5<|im_end|>", "2<|im_end|>"]  # never closed twice
 
 
+def test_a_numeric_response_is_demonstrated_as_the_file_writes_it(tmp_path):
+    # before: Python's str of the number ('0.5'), which exact_match scores against the answer '0.50'
+    tok = load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok")))
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "1/2 to 2 places?"}], "answer": 0.50, "response": 0.50}\n')
+    rendered = render_demonstrations(WarmStartConfig(source=str(src), prompt_field="messages"), PromptFormat(tok),
+                                     "prompt", [])
+    assert [r["response"] for r in rendered.rows] == ["0.50<|im_end|>"]
+
+
 def test_heldout_and_validation_prompts_are_left_out(tmp_path):
     config = TaskConfig(name="jsonl", train="bundled:reverse:600", n_heldout=50, n_validation=50)
     task = make_task(config)

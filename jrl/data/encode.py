@@ -26,14 +26,11 @@ from typing import Any
 import numpy as np
 
 from jrl.config import ConfigError, DataConfig, Section
+from jrl.data.records import json_type
 from jrl.data.text import Tokenizer
 from jrl.tokenizer import ChatTemplateError, encode_continuation
 
 Document = tuple[np.ndarray, np.ndarray]
-
-
-def _json_type(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 def _field(record: dict, field: str, where: str, config_key: str) -> Any:
@@ -49,7 +46,7 @@ def _field_text(record: dict, field: str, where: str, config_key: str) -> str:
     and writes, e.g. for a missing value) are refused rather than trained as 'nan'."""
     value = _field(record, field, where, config_key)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{where}: field {field!r} must be a string or number, got {_json_type(value)}")
+        raise ConfigError(f"{where}: field {field!r} must be a string or number, got {json_type(value)}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{where}: field {field!r} must be a string or finite number, got {value}")
     return str(value)
@@ -85,15 +82,15 @@ def _check_messages(messages: Any, prefix: str) -> None:
     assistant turn with `content: null` beside its tool calls)."""
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"{prefix} must be a non-empty list of {{'role': str, 'content': str}} messages, "
-                          f"got {'an empty list' if messages == [] else _json_type(messages)}")
+                          f"got {'an empty list' if messages == [] else json_type(messages)}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ConfigError(f"{prefix}: message {i} must be an object, got {_json_type(message)}")
+            raise ConfigError(f"{prefix}: message {i} must be an object, got {json_type(message)}")
         for key in ("role", "content"):
             if key not in message:
                 raise ConfigError(f"{prefix}: message {i} has no {key!r}")
             if not isinstance(message[key], str):
-                raise ConfigError(f"{prefix}: message {i}: {key!r} must be a string, got {_json_type(message[key])}")
+                raise ConfigError(f"{prefix}: message {i}: {key!r} must be a string, got {json_type(message[key])}")
 
 
 def _turn_header(render, messages: list[dict], i: int) -> str:

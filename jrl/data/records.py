@@ -114,8 +114,9 @@ def iter_located_records(source: str | Sequence[str], seed: int = 0, key: str = 
     `where` being `file:line` (`file` for a raw-text file, `bundled:<name>[index]`). A
     missing file raises a ConfigError naming `key` (the config field that gave the path),
     a bad line one naming file:line. With `data_format` "text" a `.txt` file is one record
-    `{text_field: its text}`. `json_hooks`: `json.loads` keywords (`parse_float`, ...) for
-    JSONL lines (an RL task keeps a numeric answer's text)."""
+    `{text_field: its text}`. A JSONL line's numbers are numbers whose `str` is the file's
+    text (`NUMBERS_AS_WRITTEN`: `0.50`, not `0.5`); `json_hooks`, where given, are the
+    `json.loads` keywords (`parse_float`, ...) in their place."""
     bundled = bundled_source(source)
     if bundled is not None:
         for index, record in enumerate(load_bundled(bundled, seed)):
@@ -125,7 +126,7 @@ def iter_located_records(source: str | Sequence[str], seed: int = 0, key: str = 
         if data_format == "text" and path.endswith(RAW_TEXT_SUFFIX):
             yield path, {text_field: _read_text(path, key)}
         else:
-            yield from _iter_jsonl(path, key, json_hooks or {})
+            yield from _iter_jsonl(path, key, NUMBERS_AS_WRITTEN if json_hooks is None else json_hooks)
 
 
 def _open(source: str, key: str):
@@ -175,7 +176,7 @@ def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[t
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
-                raise ConfigError(f"{source}:{line_no}: expected a JSON object, got {type(record).__name__}")
+                raise ConfigError(f"{source}:{line_no}: expected a JSON object, got {json_type(record)}")
             if _SURROGATE_ESCAPE.search(line):
                 _check_unicode(record, f"{source}:{line_no}")
             yield f"{source}:{line_no}", record
@@ -192,6 +193,57 @@ def _check_unicode(record: dict, where: str) -> None:
         half = f"\\u{ord(e.object[e.start]):04x}"
         raise ConfigError(f"{where}: not valid Unicode text: {half} is half of a UTF-16 surrogate pair "
                           f"without its other half") from None
+
+
+class _FloatAsWritten(float):
+    """A JSON number with a fraction or an exponent: the float it is, whose text (`str`,
+    `repr`) is the file's (`1e-7`, `0.50`), not Python's (`1e-07`, `0.5`), so a record's
+    number is trained as the file writes it."""
+
+    def __new__(cls, text: str):
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+    def __str__(self) -> str:
+        return self.text
+
+    __repr__ = __str__
+
+    def __reduce__(self):
+        return type(self), (self.text,)
+
+
+class _IntAsWritten(int):
+    """A JSON integer, whose text is the file's (`-0`, which Python's int writes `0`)."""
+
+    def __new__(cls, text: str):
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+    def __str__(self) -> str:
+        return self.text
+
+    __repr__ = __str__
+
+    def __reduce__(self):
+        return type(self), (self.text,)
+
+
+# json.loads keywords of a JSONL line: its numbers keep the text the file writes them in
+NUMBERS_AS_WRITTEN = {"parse_float": _FloatAsWritten, "parse_int": _IntAsWritten}
+
+
+def json_type(value: Any) -> str:
+    """The type of a value read from JSON as messages name it: null, bool, int, float, str,
+    list, dict."""
+    if value is None:
+        return "null"
+    for kind in (bool, int, float):  # bool before int, of which it is a subclass
+        if isinstance(value, kind):
+            return kind.__name__
+    return type(value).__name__
 
 
 def _mix(x: int) -> int:
