@@ -528,7 +528,8 @@ def test_a_reused_cache_refuses_a_pair_whose_responses_a_new_overflow_keeps_equa
                    + json.dumps({"prompt": "1+1=", "chosen": "y" * 20 + "a", "rejected": "y" * 20 + "bc"}) + "\n")
     cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), seq_len=16,
                      overflow="drop", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
-    assert len(build_dataset(cfg, TOK, "train")) == 1
+    with pytest.warns(UserWarning, match="data.overflow='drop' leaves it out"):
+        assert len(build_dataset(cfg, TOK, "train")) == 1
     assert refusal_with_and_without_the_cache(dataclasses.replace(cfg, overflow="truncate_right")) == (
         f"{src}:2: fields 'chosen' and 'rejected' (data.chosen_field / data.rejected_field) differ only in tokens "
         f"that data.overflow='truncate_right' at data.seq_len=16 cuts away, so the pair carries no preference; "
@@ -568,7 +569,25 @@ def test_a_long_prompt_pair_is_kept_by_truncate_left_and_left_out_by_drop(tmp_pa
     _, cfg = long_prompt_pairs(tmp_path, overflow)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "data.source: .* longer than data.seq_len")  # truncate_left says so
+        warnings.filterwarnings("ignore", "data.source: .* leaves it out")  # drop says so
         assert len(build_dataset(cfg, TOK, "train")) == pairs
+
+
+def test_a_pair_that_drop_leaves_out_gets_the_warning_about_records_that_train_nothing(tmp_path):
+    # before: the pair was left out of the rows silently, where a sections record so dropped is warned about
+    src, cfg = long_prompt_pairs(tmp_path, "drop")
+    assert warning_messages(build_dataset, cfg, TOK, "train") == [
+        f"data.source: 1 of the 2 training records of '{src}' trains nothing, the first at {src}:2: its 42 tokens "
+        f"are more than data.seq_len=16 and data.overflow='drop' leaves it out"]
+
+
+def test_a_reused_cache_warns_of_the_pairs_a_new_seq_len_drops_as_an_uncached_run_does(tmp_path):
+    src, cfg = long_prompt_pairs(tmp_path, "drop")
+    cached = dataclasses.replace(cfg, seq_len=64, cache_dir=str(tmp_path / "cache"))
+    assert warning_messages(build_dataset, cached, TOK, "train") == []
+    reused = warning_messages(build_dataset, dataclasses.replace(cached, seq_len=16), TOK, "train")
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
+    assert reused == warning_messages(build_dataset, cfg, TOK, "train") and len(reused) == 1
 
 
 def test_unknown_bundled_dataset_is_named():

@@ -25,9 +25,10 @@ class Untrained:
     """The records of a split that train nothing: every token of their documents is
     context (a chat record without an assistant turn, a sections record whose trained
     fields are empty), or `data.overflow` cuts away every trained one (a prompt longer
-    than `data.seq_len` under `truncate_right`). Legitimate beside records that do train,
-    but silent: `warn` says how many there are and where the first one is. A preference
-    pair cut so is an error instead (`_check_pair_overflow`). Counted for `seq_len`,
+    than `data.seq_len` under `truncate_right`; a record, or a preference pair, that
+    `drop` leaves out). Legitimate beside records that do train, but silent: `warn` says
+    how many there are and where the first one is. A preference pair whose response is
+    cut away is an error instead (`_check_pair_overflow`). Counted for `seq_len`,
     `overflow` and `pack` (kept with the counts in a cached store's meta.json, whose key
     has none of them: `recount` counts again for others, as `Truncated.recount` does, and
     checks a store's preference pairs again as `_check_pair_overflow` does)."""
@@ -57,24 +58,28 @@ class Untrained:
         if config.format == "preference":
             out.records = len(store) // 2
             _check_stored_pairs(store, config, locate)
-            return out
-        out.records = len(store)
-        untrained = np.flatnonzero(~trained_targets_kept(store, config.seq_len, config.overflow, pack=config.pack))
+            per_record = 2
+            untrained = np.flatnonzero(_pairs_left_out(store.lengths, config))
+        else:
+            out.records = len(store)
+            per_record = 1
+            untrained = np.flatnonzero(~trained_targets_kept(store, config.seq_len, config.overflow, pack=config.pack))
         out.count = len(untrained)
         if len(untrained):
             index = int(untrained[0])
-            ids, train = store.doc(index)
+            docs = [tuple(np.asarray(a) for a in store.doc(per_record * index + j)) for j in range(per_record)]
             out.first, record = locate(index)
-            out.reason = _untrained_reason(record, [(np.asarray(ids), np.asarray(train, bool))], config)
+            out.reason = _untrained_reason(record, [(ids, train.astype(bool)) for ids, train in docs], config)
         return out
 
     def note(self, where: str, record: dict, docs: list[Document], config: DataConfig) -> None:
         self.records += 1
         if config.format == "preference":
-            _check_pair_overflow(docs, config, where)
-            return  # a pair without a scored response is refused by encode_record
-        if any(keeps_a_trained_target(train, config.seq_len, config.overflow, pack=config.pack)
-               for _, train in docs):
+            _check_pair_overflow(docs, config, where)  # a pair without a scored response is refused by encode_record
+            if not _pairs_left_out(np.array([len(ids) for ids, _ in docs]), config)[0]:
+                return
+        elif any(keeps_a_trained_target(train, config.seq_len, config.overflow, pack=config.pack)
+                 for _, train in docs):
             return
         self.count += 1
         if self.first is None:
@@ -193,6 +198,14 @@ def _check_pair_overflow(docs: list[Document], config: DataConfig, where: str) -
                       f"pair carries no preference; raise data.seq_len, or set data.overflow to 'drop'")
 
 
+def _pairs_left_out(lengths: np.ndarray, config: DataConfig) -> np.ndarray:
+    """Which preference pairs (documents of `lengths`: chosen, rejected, chosen, ...) the
+    rows leave out (bool `[pairs]`): `data.overflow: drop` leaves out a pair with a
+    response longer than `data.seq_len` (`plan_pairs`)."""
+    cut = np.asarray(lengths, np.int64).reshape(-1, 2) > config.seq_len
+    return cut.any(axis=1) & (config.overflow == "drop")
+
+
 def _check_stored_pairs(store: TokenStore, config: DataConfig, locate: Callable[[int], tuple[str, dict]]) -> None:
     """`_check_pair_overflow` of every pair of `store` (chosen, rejected: documents 2i and
     2i + 1), for a cached store reused at other settings than those it was checked for
@@ -204,7 +217,7 @@ def _check_stored_pairs(store: TokenStore, config: DataConfig, locate: Callable[
         return
     seq_len, overflow = config.seq_len, config.overflow
     cut = lengths > seq_len
-    checked = ~(cut.any(axis=1) & (overflow == "drop"))  # data.overflow: drop leaves such a pair out
+    checked = ~_pairs_left_out(lengths, config)
     kept = trained_targets_kept(store, seq_len, overflow, first_piece=True).reshape(-1, 2)
     refused = checked & ~kept.all(axis=1)
     # both keep their first piece's tokens: the same tokens although not both whole?
