@@ -333,9 +333,28 @@ def test_chat_data_without_a_trained_role_is_named(tmp_path):
     src = tmp_path / "chat.jsonl"
     src.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
     cfg = DataConfig(source=str(src), format="chat", train_roles=("assistent",), eval_fraction=0.0)
-    with pytest.raises(ConfigError, match=rf"^data.source: '{src}' has nothing to train on: none of its messages "
-                                          r"has a role in data.train_roles=\['assistent'\]$"):
+    with pytest.raises(ConfigError, match=rf"^data.source: '{src}' has nothing to train on: none of its records "
+                                          rf"trains a token, the first at {src}:1: none of its messages has a role in "
+                                          r"data.train_roles=\['assistent'\]$"):
         build_dataset(cfg, TOK, "train")
+
+
+@pytest.mark.parametrize("data_format", ["sections", "chat"])
+def test_training_data_whose_every_trained_token_truncation_cuts_away_is_refused(tmp_path, data_format):
+    # before: the run trained on rows whose loss mask is all zero (a chat dry run blamed train_roles)
+    src = tmp_path / "train.jsonl"
+    record = ({"prompt": "x" * 40, "response": "b"} if data_format == "sections" else
+              {"messages": [{"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "b"}]})
+    src.write_text(json.dumps(record) + "\n")
+    cfg = DataConfig(source=str(src), format=data_format, seq_len=16, eval_fraction=0.0)
+    from jrl.data.pipeline import check_records
+    for fn in (build_dataset, check_records):  # the run, and the dry run's check
+        with pytest.raises(ConfigError) as e:
+            fn(cfg, TOK, "train")
+        assert str(e.value).startswith(f"data.source: '{src}' has nothing to train on: none of its records trains a "
+                                       f"token, the first at {src}:1: its ")
+        assert str(e.value).endswith("tokens are more than data.seq_len=16 and data.overflow='truncate_right' keeps "
+                                     "none of its trained ones")
 
 
 def write_chat_with_untrained_records(src):

@@ -10,7 +10,7 @@ import os
 import warnings
 from array import array
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -67,7 +67,7 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Che
     for ids, _ in iter_documents(config, tokenizer, split, untrained, truncated):
         lengths.append(len(ids))
     lengths = np.frombuffer(lengths, np.int64)
-    plan = plan_split(config, split, lengths, lambda: untrained.count < untrained.records)
+    plan = plan_split(config, split, lengths, untrained)
     untrained.warn(config, split)
     truncated.warn(config, split)
     return CheckedSplit(source_label(source), untrained.records, int(lengths.sum()), len(plan), files)
@@ -162,17 +162,18 @@ def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Row
     if loaded is None:
         return None
     store, untrained, truncated = loaded
-    plan = plan_split(config, split, store.lengths, lambda: bool(store.train.any()))
+    plan = plan_split(config, split, store.lengths, untrained)
     untrained.warn(config, split)
     truncated.warn(config, split)
     return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
 
 
-def plan_split(config: DataConfig, split: Split, lengths: np.ndarray,
-               has_trained_token: Callable[[], bool]) -> RowPlan | PairPlan:
+def plan_split(config: DataConfig, split: Split, lengths: np.ndarray, untrained: Untrained) -> RowPlan | PairPlan:
     """The row plan of `split`'s documents of `lengths`. A training split, or a
     `data.eval_source` file, that yields no rows is an error naming its source, and so
-    is chat training data with no trained token (`has_trained_token`, asked only then)."""
+    is training data none of whose records trains a token in its rows (`untrained`, the
+    split's records that train nothing at the config's seq_len and overflow: a
+    misspelt role, every response cut away), whose loss would be 0/0."""
     if config.format == "preference":
         plan = plan_pairs(lengths, config.seq_len, overflow=config.overflow)
     else:
@@ -190,10 +191,10 @@ def plan_split(config: DataConfig, split: Split, lengths: np.ndarray,
             why = "it has no records"
         rows = "training" if split == "train" else "held-out"
         raise ConfigError(f"{key}: {shown_source(source)} gives no {rows} rows: {why}")
-    if split == "train" and config.format == "chat" and not has_trained_token():
-        source, _, key = split_source(config, split)  # e.g. a misspelt role: the loss would be 0/0
-        raise ConfigError(f"{key}: {shown_source(source)} has nothing to train on: none of its messages has a role in "
-                          f"data.train_roles={list(config.train_roles)}")
+    if split == "train" and untrained.count == untrained.records:
+        source, _, key = split_source(config, split)
+        raise ConfigError(f"{key}: {shown_source(source)} has nothing to train on: none of its records trains a token, "
+                          f"the first at {untrained.first}: {untrained.reason}")
     return plan
 
 
