@@ -83,6 +83,16 @@ def test_without_files_a_seeded_share_of_train_is_set_aside_disjointly(tmp_path)
     assert drawn == train
 
 
+def test_validation_set_aside_from_train_holds_no_held_out_prompt(tmp_path):
+    # before: a train record whose prompt the held-out file has could be set aside as a validation
+    # problem, so the test set decided when the warm start stopped
+    train = write_jsonl(tmp_path / "train.jsonl", rows(20))
+    with pytest.warns(UserWarning, match="left out of training"):
+        t = task(tmp_path, train=train, heldout=write_jsonl(tmp_path / "test.jsonl", rows(10)), n_validation=5)
+    held, val = ({p.prompt for p in s} for s in (t.heldout, t.validation))
+    assert len(val) == 5 and held.isdisjoint(val)
+
+
 def test_every_field_of_the_record_travels_with_the_problem(tmp_path):
     (p,) = read_problems(write_jsonl(tmp_path / "t.jsonl", [{"prompt": "q", "answer": 7, "tests": [1, 2]}]),
                          "prompt", "answer")

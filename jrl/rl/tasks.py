@@ -164,25 +164,31 @@ class FileTask:
         train = read_problems(c.train, c.prompt_field, c.answer_field, seed=c.seed)
         rng = np.random.default_rng([c.seed, 107])
         order = rng.permutation(len(train))
-        taken = 0
+        taken = 0  # records of `order` looked at
+        set_aside: set[int] = set()  # of them, those set aside for a split
 
-        def carve(path: str | None, n: int, field: str) -> list[Problem]:
+        def carve(path: str | None, n: int, field: str, kept_out: set[str]) -> list[Problem]:
+            """The split's problems: its file's, or `n` records of train set aside, passing over
+            those whose prompt is in `kept_out` (an earlier split's: the splits are disjoint)."""
             nonlocal taken
+            split = field.removeprefix("n_")
             if path is not None:
-                return read_problems(path, c.prompt_field, c.answer_field, seed=c.seed,
-                                     key=f"{TASK}{field.removeprefix('n_')}")
-            if taken + n >= len(train):
+                return read_problems(path, c.prompt_field, c.answer_field, seed=c.seed, key=f"{TASK}{split}")
+            picked: list[int] = []
+            while len(picked) < n and taken < len(train):
+                i = int(order[taken])
+                taken += 1
+                if _prompt_key(train[i]) not in kept_out:  # one passed over is left out of training below
+                    picked.append(i)
+            if len(picked) < n or len(set_aside) + n >= len(train):
                 raise ConfigError(f"{TASK}{field}: cannot set aside {n} of the {len(train)} records of {c.train} "
-                                  f"and keep some to train on; give a {TASK}{field.removeprefix('n_')} file "
-                                  f"or a smaller {TASK}{field}")
-            picked = sorted(int(i) for i in order[taken:taken + n])
-            taken += n
-            return [train[i] for i in picked]
+                                  f"and keep some to train on; give a {TASK}{split} file or a smaller {TASK}{field}")
+            set_aside.update(picked)
+            return [train[i] for i in sorted(picked)]
 
-        self.heldout = carve(c.heldout, c.n_heldout, "n_heldout")
-        self.validation = carve(c.validation, c.n_validation, "n_validation")
-        held_out = {int(i) for i in order[:taken]}
-        self.train = [p for i, p in enumerate(train) if i not in held_out]
+        self.heldout = carve(c.heldout, c.n_heldout, "n_heldout", set())
+        self.validation = carve(c.validation, c.n_validation, "n_validation", {_prompt_key(p) for p in self.heldout})
+        self.train = [p for i, p in enumerate(train) if i not in set_aside]
         # the splits are disjoint: a training record with a held-out or validation prompt (files
         # that overlap, a record given twice) is never trained on, as the warm start leaves it out
         kept_out = {_prompt_key(p) for p in self.heldout + self.validation}
