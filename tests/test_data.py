@@ -296,6 +296,24 @@ def test_a_directory_given_as_data_file_is_named_as_a_directory(tmp_path):
                             f"pattern such as '{tmp_path}/*.jsonl'")
 
 
+def test_a_pipe_given_as_data_file_is_named_as_not_a_regular_file(tmp_path):
+    # before: 'no such file' for a path that exists (a named pipe, or <(zcat x.jsonl.gz)), which a run reads more than once
+    fifo = tmp_path / "train.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=str(fifo), eval_fraction=0.0), TOK, "train")
+    assert str(e.value) == (f"data.source: '{fifo}' is not a regular file (a pipe or a device, which a run cannot "
+                            f"read more than once); give a file")
+
+
+def test_a_link_to_a_missing_file_is_named_as_such(tmp_path):
+    link = tmp_path / "train.jsonl"
+    link.symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=str(link), eval_fraction=0.0), TOK, "train")
+    assert str(e.value) == f"data.source: '{link}' is a link to {str(tmp_path / 'gone.jsonl')!r}, which does not exist"
+
+
 @pytest.mark.parametrize("text,overflow,why", [
     ("\n", "truncate_right", "it has no records"),
     ('{"prompt": "a long prompt", "response": "b"}\n', "drop", "its document is longer than data.seq_len=8"),

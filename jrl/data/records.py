@@ -29,14 +29,20 @@ RAW_TEXT_SUFFIX = ".txt"  # with data.format: text, such a file is one raw-text 
 
 def require_source(source: str, key: str) -> None:
     """Raises a ConfigError naming `key` (the config field that gave it) unless `source`
-    is a bundled dataset or an existing file; for a relative path it names the working
-    directory it was read from (not the config file's)."""
+    is a bundled dataset or an existing regular file (not a directory, a pipe, a device or
+    a link to nothing); for a relative path it names the working directory it was read
+    from (not the config file's)."""
     if not is_bundled(source) and Path(source).is_file() and not os.access(source, os.R_OK):
         raise ConfigError(f"{key}: cannot read {source!r}: Permission denied")
     if not is_bundled(source) and not Path(source).is_file():
         if Path(source).is_dir():
             raise ConfigError(f"{key}: {source!r} is a directory; give a file, a list of files or a "
                               f"glob pattern such as {os.path.join(source, '*.jsonl')!r}")
+        if os.path.exists(source):  # a run reads its data more than once (cache key, dry run, records named again)
+            raise ConfigError(f"{key}: {source!r} is not a regular file (a pipe or a device, which a run cannot "
+                              f"read more than once); give a file")
+        if os.path.islink(source):
+            raise ConfigError(f"{key}: {source!r} is a link to {os.readlink(source)!r}, which does not exist")
         # a config is often run from another directory than its own: say where a relative path was looked for
         raise ConfigError(f"{key}: no such file {source!r}{_relative_note(source)}")
 
