@@ -244,6 +244,19 @@ def test_message_prompts_render_with_the_chat_template_and_generation_prompt(cha
     assert chat_tok.decode(fmt.encode(p).tolist()) == fmt.render(p)
 
 
+def test_a_prompt_role_the_chat_template_rejects_is_named_by_its_file_line(tmp_path):
+    # before: the template's bare error ('unknown role developer'), naming no record; a traceback in a run
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user", "content": "2+3?"}], "answer": "5"},
+                                              {"prompt": [{"role": "developer", "content": "2+4?"}], "answer": "6"}])
+    fmt = PromptFormat(ByteTokenizer())
+    good, bad = read_problems(path, "prompt", "answer")
+    assert fmt.encode(good).size
+    with pytest.raises(ConfigError) as e:
+        fmt.encode(bad)
+    assert str(e.value) == (f"{path}:2: the chat template cannot render the prompt: default chat template: unknown "
+                            f"role developer; allowed: system, user, assistant, tool")
+
+
 def test_chat_template_true_wraps_a_text_prompt_as_a_user_turn(chat_tok):
     (p,) = read_problems("bundled:arithmetic:1", "prompt", "answer")
     text = PromptFormat(chat_tok, chat_template=True).render(p)

@@ -18,6 +18,7 @@ import numpy as np
 from jrl.config import ConfigError
 from jrl.data.tasks import Problem
 from jrl.rollout.request import Completion
+from jrl.tokenizer import ChatTemplateError
 
 _MARK = "\x00jrl-end-of-turn-probe\x00"
 
@@ -105,8 +106,11 @@ class PromptFormat:
         if self.system_prompt is not None:
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         messages += [dict(m) for m in turns]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  **({"tools": list(tools)} if tools else {}))
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      **({"tools": list(tools)} if tools else {}))
+        except ChatTemplateError as e:  # e.g. a role the template does not know: name the record
+            raise ConfigError(f"{problem.where}: the chat template cannot render the prompt: {e}") from None
 
     def encode(self, problem: Problem) -> np.ndarray:
         """int32 prompt ids (no special tokens beyond those the template writes)."""
