@@ -263,6 +263,19 @@ def test_a_line_that_is_not_utf8_is_named_by_its_file_line(tmp_path):
         load_documents(DataConfig(source=str(src), sections=SECTIONS, eval_fraction=0.0), TOK, "train")
 
 
+@pytest.mark.parametrize("suffix, kind", [(".gz", "gzip"), (".bz2", "bzip2"), (".xz", "xz")])
+def test_a_compressed_data_file_is_named_as_compressed(tmp_path, suffix, kind):
+    # before: 'not valid UTF-8 (invalid start byte at byte 1)' or 'not valid JSON' at line 1
+    import bz2, gzip, lzma
+    src = tmp_path / f"train.jsonl{suffix}"
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[suffix]
+    with opener(src, "wt") as f:
+        f.write('{"prompt": "a", "response": "b"}\n' * 20)
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
+    assert str(e.value) == f"{src}: a {kind}-compressed file; data files are read uncompressed: decompress it first"
+
+
 def test_a_string_with_half_a_surrogate_pair_is_named_by_its_file_line(tmp_path):
     src = tmp_path / "cut.jsonl"
     src.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "cut \\ud83d"}\n')

@@ -149,6 +149,20 @@ def _check_unchanged(source: str, key: str, before: os.stat_result, after: os.st
                           f"then {after.st_size:,}); start the run once whatever writes it has finished")
 
 
+# the opening bytes of compressed files, which a run reads as they are (JSONL or raw text)
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd",
+               b"PK\x03\x04": "zip"}
+
+
+def _refuse_compressed(source: str, head: bytes) -> None:
+    """Raises a ConfigError naming `source` if `head`, its opening bytes, are a compressed
+    file's (asked once its first line fails to read: not UTF-8, not JSON)."""
+    for magic, kind in _COMPRESSED.items():
+        if head.startswith(magic):
+            raise ConfigError(f"{source}: a {kind}-compressed file; data files are read uncompressed: "
+                              f"decompress it first")
+
+
 def _read_text(source: str, key: str) -> str:
     """The text of a raw-text file (UTF-8, an opening byte order mark dropped), as it is:
     line ends and a final newline included."""
@@ -159,6 +173,7 @@ def _read_text(source: str, key: str) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        _refuse_compressed(source, raw)
         line = raw.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"{source}: not valid UTF-8 ({e.reason} at byte {e.start}, line {line})") from None
     return text.removeprefix("\ufeff")
@@ -172,6 +187,8 @@ def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[t
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
+                if line_no == 1:
+                    _refuse_compressed(source, raw)
                 raise ConfigError(f"{source}:{line_no}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if line_no == 1:  # a byte order mark, as some Windows editors write, may open the file
                 line = line.removeprefix("\ufeff")
@@ -180,6 +197,8 @@ def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[t
             try:
                 record = json.loads(line, **json_hooks)
             except json.JSONDecodeError as e:
+                if line_no == 1:  # e.g. bzip2's, whose opening bytes are ASCII
+                    _refuse_compressed(source, raw)
                 raise ConfigError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{source}:{line_no}: expected a JSON object, got {json_type(record)}")
