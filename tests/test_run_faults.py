@@ -627,6 +627,25 @@ def test_an_eval_fraction_that_holds_out_no_record_is_named(tmp_path):
         assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides]) == 0
 
 
+def test_held_out_records_that_give_no_rows_are_named_as_such(tmp_path):
+    # before: 'data.eval_fraction=0.2 holds out none of the records ...; raise it', while it held out
+    # records whose rows data.overflow: drop left out
+    from jrl.data.records import is_heldout
+    data = tmp_path / "data.jsonl"
+    held = [i for i in range(20) if is_heldout(i, 0, 0.2)]
+    data.write_text("".join(json.dumps({"prompt": "x" * 100 if i in held else f"{i}+1=", "response": "1"}) + "\n"
+                            for i in range(20)))
+    overrides = [f"data.source={data}", "data.sections=[{field: prompt}, {field: response, train: true}]",
+                 "data.eval_fraction=0.2", "data.seq_len=32", "data.overflow=drop", "data.batch_size=2", "steps=1",
+                 "eval.every=1"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides]) == 0
+    messages = [str(w.message) for w in caught if str(w.message).startswith("data: ")]
+    assert messages == [f"data: the {len(held)} held-out records of {data} (data.eval_fraction=0.2) give no rows at "
+                        f"data.seq_len=32 with data.overflow='drop', so the run evaluates nothing (eval.every=1)"]
+
+
 def test_evaluations_and_early_stopping_without_held_out_data_are_named(tmp_path):
     # eval_fraction 0 and no eval_source: every evaluation, and with it early stopping on
     # eval_loss, was skipped without a word (the warning of a monitor no row has comes at

@@ -404,9 +404,16 @@ class Trainer:
         if held is not None and not self.eval_batches and (ev.every or ev.at_end):
             # a small file: the pseudo-random hold-out took none of its records, and the run
             # would skip every evaluation (and early stopping on eval_*) without a word
-            warnings.warn(f"data: data.eval_fraction={data.eval_fraction} holds out none of the records of "
-                          f"{source_label(data.source)}, so the run evaluates nothing (eval.every={ev.every}); raise it or give "
-                          f"data.eval_source", stacklevel=2)
+            records = len(held.store) // (2 if data.format == "preference" else 1)
+            if records:  # records held out, whose documents give no rows (too long for overflow: drop, ...)
+                warnings.warn(f"data: the {counted(records, 'held-out record')} of {source_label(data.source)} "
+                              f"(data.eval_fraction={data.eval_fraction}) {agree(records, 'gives', 'give')} no rows at "
+                              f"data.seq_len={data.seq_len} with data.overflow={data.overflow!r}, so the run "
+                              f"evaluates nothing (eval.every={ev.every})", stacklevel=2)
+            else:
+                warnings.warn(f"data: data.eval_fraction={data.eval_fraction} holds out none of the records of "
+                              f"{source_label(data.source)}, so the run evaluates nothing (eval.every={ev.every}); raise "
+                              f"it or give data.eval_source", stacklevel=2)
         es = ev.early_stopping
         stops = bool(es.patience) and es.monitor.startswith("eval_")
         if held is None and (ev.every or stops):
