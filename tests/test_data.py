@@ -25,6 +25,7 @@ from jrl.data import (
 from jrl.data.bundled import load_bundled
 from jrl.data.records import iter_located_records
 from jrl.data.packing import assemble_pairs, plan_pairs
+from jrl.data import pipeline
 from jrl.data.pipeline import cache_key
 from jrl.data.store import CorruptStoreError, StoreWriteError
 from jrl.models import apply, init_params
@@ -708,6 +709,17 @@ def test_open_store_refuses_a_truncated_file_naming_it(tmp_path):
         f.truncate(8)
     with pytest.raises(CorruptStoreError, match=r"tokens\.bin: 8 bytes, expected 20 \(meta.json: 2 documents, 5 tokens\)"):
         open_store(tmp_path / "s")
+
+
+def test_a_store_tokenised_by_an_older_reading_of_records_is_not_reused(tmp_path, monkeypatch):
+    # how records become documents changes between versions (numbers as the file writes
+    # them, templates' tools): a store from before must be built again, not read back
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"text": "x 0.50"}) + "\n")
+    cfg = DataConfig(source=str(src), format="text", eval_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    key = cache_key(cfg, TOK, "train")
+    monkeypatch.setattr(pipeline, "RECORD_ENCODING_VERSION", pipeline.RECORD_ENCODING_VERSION - 1)
+    assert cache_key(cfg, TOK, "train") != key
 
 
 def test_cache_dir_rebuilds_a_truncated_store(tmp_path):

@@ -73,9 +73,15 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Che
     return CheckedSplit(source_label(source), untrained.records, int(lengths.sum()), len(plan), files)
 
 
+# How records become documents, for `cache_key`: raised when that changes, so a cached store
+# tokenised the old way is built again. 2: numbers as the file writes them (0.50, not 0.5),
+# chat templates given tools=None.
+RECORD_ENCODING_VERSION = 2
+
+
 def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
-    """Hash of everything that determines the tokenised documents of `split`, every file of
-    its source included (a file added to a pattern's matches, or any file changed, gives
+    """Hash of everything that determines the tokenised documents of `split` (jrl's own way of
+    encoding records by `RECORD_ENCODING_VERSION`), every file of its source included (a file added to a pattern's matches, or any file changed, gives
     a new key). A source that names no readable file raises its ConfigError."""
     chosen = split_source(config, split)
     stat = None
@@ -90,7 +96,7 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
               if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
                        "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
                        "add_eos", "seed")}
-    blob = json.dumps({"split": split, "data": fields, "files": stat,
+    blob = json.dumps({"split": split, "data": fields, "files": stat, "encoding": RECORD_ENCODING_VERSION,
                        "tokenizer": [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.bos_id,
                                       getattr(tokenizer, "marks_text_start", False),
                                       getattr(tokenizer, "digest", None), getattr(tokenizer, "chat_template", None)]},
