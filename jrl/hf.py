@@ -944,6 +944,11 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
         if unread:
             raise HFFormatError(f"extra_config: key(s) {unread} may change the model; only keys that never "
                                 "affect the forward pass (token ids, generation defaults, bookkeeping) can be added")
+        for key, value in extra_config.items():  # before anything is staged: not a failed disk write
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as e:
+                raise HFFormatError(f"extra_config: {key!r} is not a JSON value ({e})") from None
         hf.update(extra_config)
     expected = _expected_shapes(config)
     for p, shape in expected.items():

@@ -500,6 +500,15 @@ def test_a_dynamic_rope_loaded_with_a_shorter_context_saves_its_pretraining_leng
     assert (saved["max_position_embeddings"], saved["rope_scaling"]) == (256, {"rope_type": "dynamic", "factor": 2.0})
 
 
+def test_save_names_an_extra_config_value_json_cannot_hold_and_writes_nothing(tmp_path):
+    config, params = hf.load_pretrained(fixture("mistral"))
+    with pytest.raises(hf.HFFormatError, match=re.escape("extra_config: 'eos_token_id' is not a JSON value "
+                                                          "(Object of type int64 is not JSON serializable)")):
+        hf.save_pretrained(config, params, tmp_path / "out", model_type="mistral",
+                           extra_config={"eos_token_id": np.int64(2)})
+    assert not (tmp_path / "out").exists()
+
+
 def test_save_rejects_extra_config_keys_that_could_change_the_model(tmp_path):
     config, params = hf.load_pretrained(fixture("mistral"))  # default rope: no rope_scaling written
     with pytest.raises(hf.HFFormatError, match=re.escape("extra_config: key(s) ['rope_parameters'] may change the model")):
