@@ -20,6 +20,7 @@ import types
 import typing
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
@@ -914,7 +915,14 @@ class TrainConfig:
 
     @property
     def run_dir(self) -> str:
-        return self.output_dir or f"runs/{self.name}"
+        """`output_dir`, else `runs/<name>`; a leading `~` is the home directory (a YAML value
+        or `--output-dir=~/x` reaches jrl unexpanded: it made a directory named `~`)."""
+        return os.path.expanduser(self.output_dir or f"runs/{self.name}")
+
+    def resolve_run_dir(self, output_dir: str | os.PathLike | None = None) -> Path:
+        """The run directory: `output_dir` (an `--output-dir` or Trainer argument, `~` expanded)
+        where given, else `run_dir`."""
+        return Path(os.path.expanduser(os.fspath(output_dir))) if output_dir else Path(self.run_dir)
 
 
 def yaml_load(text: str) -> Any:

@@ -236,7 +236,7 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
     print(yaml_dump(resolved), end="")
     for note in notes + ((init_note,) if init_note else ()):
         print(f"# note: {note}")
-    print(f"# output_dir: {output_dir or config.run_dir}")
+    print(f"# output_dir: {config.resolve_run_dir(output_dir)}")
     print(f"# data: {data}")
     print(f"# devices: {devices}")
     if demonstrations is not None:
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
             return cli_exit(e, failed=(EnvironmentFailure,))
         return 0
     resuming = args.resume or args.resume_from is not None
-    run_dir = Path(args.output_dir or config.run_dir)
+    run_dir = config.resolve_run_dir(args.output_dir)
     # the embedded default replaces an earlier default run, in its own directory only
     default_dir = Path("runs", default_run()["name"])
     overwrite = args.overwrite or (not args.config and not resuming

@@ -81,6 +81,17 @@ def test_python_none_for_a_nullable_field_is_refused_not_read_as_a_path(capsys):
                             "none; write null (or ~) for none\n")
 
 
+@pytest.mark.parametrize("args", [["output_dir=~/runs/mine"], ["--output-dir=~/runs/mine"]])
+def test_a_run_directory_under_tilde_is_in_the_home_directory(args, tmp_path, monkeypatch, capsys):
+    # neither a YAML value nor --output-dir=~/x reaches jrl expanded: the run went into a
+    # directory named ~ under the working directory
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main([*args, "--dry-run"]) == 0
+    assert f"# output_dir: {tmp_path / 'home' / 'runs' / 'mine'}\n" in capsys.readouterr().out
+    assert not (tmp_path / "~").exists()
+
+
 def test_a_bad_field_inside_a_nullable_section_is_not_offered_null(capsys):
     assert main(["strategy.options.warm_start.target_accuracy=1.1", "--dry-run"]) == 2
     assert capsys.readouterr().err.strip() == \

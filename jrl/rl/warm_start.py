@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from pathlib import Path
 
 from jrl import checkpoint
 from jrl.config import (CheckpointConfig, ConfigError, DataConfig, ScheduleConfig, Section, StrategyConfig,
@@ -184,7 +183,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
     goes on from the checkpoint's position in the new demonstrations)."""
     options = RLOptions.from_config(config.strategy.options)
     ws = _warm_start_of(options)
-    warm_dir = Path(output_dir or config.run_dir) / "warm_start"
+    warm_dir = config.resolve_run_dir(output_dir) / "warm_start"
     done = warm_dir / "done"  # written when the warm start ended (not by a signal)
     if resume and done.is_file():
         return dataclasses.replace(config, init_from=str(warm_dir / "checkpoints"))

@@ -299,7 +299,7 @@ class Trainer:
             cb.check_callback(c, f"callbacks[{i}]")
         run_distributed(config.parallel)  # no-op unless multi-process
         enable_compilation_cache()  # once per process (jrl.compile_cache)
-        self.run_dir = Path(output_dir or config.run_dir)
+        self.run_dir = config.resolve_run_dir(output_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.strategy = get_strategy(config.strategy.name)
         self.options = (strategy_options if strategy_options is not None
