@@ -273,30 +273,30 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, tokenizer_json: str, tokenizer_config: str | None = None, *,
-                  chat_template: str | None = None, eos_token: str | None = None,
-                  pad_token: str | None = None, bos_token: str | None = None) -> HFTokenizer:
+                  special_tokens_map: str | None = None, chat_template: str | None = None,
+                  eos_token: str | None = None, pad_token: str | None = None,
+                  bos_token: str | None = None) -> HFTokenizer:
         """Loads `tokenizer.json`, plus special tokens and chat_template from an optional
-        `tokenizer_config.json`; keyword arguments override both."""
+        `tokenizer_config.json`, and the special tokens it does not name from an optional
+        `special_tokens_map.json` (where older model directories keep them); keyword
+        arguments override all of them."""
         tokenizer_json = os.fspath(tokenizer_json)
         try:
             tok = RawTokenizer.from_file(tokenizer_json)
         except Exception as e:  # the tokenizers library's own error names no file
             raise ValueError(f"{tokenizer_json}: not a readable tokenizer.json ({e})") from None
-        cfg: dict[str, Any] = {}
-        if tokenizer_config is not None:
-            try:
-                with open(tokenizer_config, "rb") as f:
-                    cfg = json.loads(f.read())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{tokenizer_config}: not a readable JSON file ({e})") from None
-            if not isinstance(cfg, dict):
-                raise ValueError(f"{tokenizer_config}: must hold a JSON object, got {type(cfg).__name__}")
-        eos = eos_token or _token_content(cfg.get("eos_token"))
+        cfg = _read_json_object(tokenizer_config)
+        named = _read_json_object(special_tokens_map)
+
+        def special(given: str | None, key: str) -> str | None:
+            return given or _token_content(cfg.get(key)) or _token_content(named.get(key))
+
+        eos = special(eos_token, "eos_token")
         if not eos:
-            raise ValueError(f"eos_token: {tokenizer_json} has no eos_token in a tokenizer_config.json; "
-                             "pass eos_token=...")
-        return cls(tok, eos_token=eos, pad_token=pad_token or _token_content(cfg.get("pad_token")),
-                   bos_token=bos_token or _token_content(cfg.get("bos_token")),
+            raise ValueError(f"eos_token: {tokenizer_json} has no eos_token in a tokenizer_config.json or "
+                             "special_tokens_map.json; pass eos_token=...")
+        return cls(tok, eos_token=eos, pad_token=special(pad_token, "pad_token"),
+                   bos_token=special(bos_token, "bos_token"),
                    chat_template=chat_template or _pick_template(cfg.get("chat_template"),
                                                                  str(tokenizer_config)))
 
@@ -312,15 +312,16 @@ class HFTokenizer:
 
     @classmethod
     def _from_file_and_siblings(cls, tokenizer_json: str, **overrides: Any) -> HFTokenizer:
-        """`tokenizer_json` with the `tokenizer_config.json` and `chat_template.jinja` beside
-        it, if present (what `from_dir` reads; `load_tokenizer` given the file's path)."""
+        """`tokenizer_json` with the `tokenizer_config.json`, `special_tokens_map.json` and
+        `chat_template.jinja` beside it, if present (what `from_dir` reads; `load_tokenizer` given the file's path)."""
         folder = os.path.dirname(os.fspath(tokenizer_json))
-        config = os.path.join(folder, "tokenizer_config.json")
+        config, named = (os.path.join(folder, name) for name in ("tokenizer_config.json", "special_tokens_map.json"))
         jinja = os.path.join(folder, "chat_template.jinja")
         if "chat_template" not in overrides and os.path.exists(jinja):
             with open(jinja, encoding="utf-8") as f:
                 overrides["chat_template"] = f.read()
-        return cls.from_file(tokenizer_json, config if os.path.exists(config) else None, **overrides)
+        return cls.from_file(tokenizer_json, config if os.path.exists(config) else None,
+                             special_tokens_map=named if os.path.exists(named) else None, **overrides)
 
     @functools.cached_property
     def digest(self) -> str:
@@ -353,6 +354,21 @@ class HFTokenizer:
         return apply_chat_template(messages, template or self.chat_template,
                                    add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token, eos_token=self.eos_token, **context)
+
+
+def _read_json_object(path: str | None) -> dict[str, Any]:
+    """The JSON object in the file at `path` ({} for None); a ValueError naming the file
+    when it cannot be read or holds something else."""
+    if path is None:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:

@@ -160,6 +160,29 @@ def test_a_tokenizer_json_path_reads_the_chat_template_jinja_beside_it(bpe_dir, 
         assert tok.apply_chat_template(MESSAGES[1:2]) == "<|im_start|>user\nHi<|im_end|>\n"
 
 
+def test_special_tokens_only_in_special_tokens_map_json_are_read(bpe_dir, tmp_path):
+    # older model directories name their special tokens only there: the eos was "missing"
+    # and the template's {{ bos_token }} rendered empty
+    (tmp_path / "tokenizer.json").write_bytes((bpe_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>", "special": True},
+        "pad_token": "<|endoftext|>"}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+    assert tok.apply_chat_template(MESSAGES[1:2], add_generation_prompt=False) == "<|im_start|>Hi<|im_end|>"
+
+
+def test_tokenizer_config_json_names_special_tokens_before_special_tokens_map_json(bpe_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # eos <|im_end|>, pad <|endoftext|>
+        (tmp_path / name).write_bytes((bpe_dir / name).read_bytes())
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                                   "bos_token": "<|im_start|>"}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+
+
 def test_chat_template_jinja_is_read_as_utf8_whatever_the_locale(bpe_dir, tmp_path):
     # the file is UTF-8 as transformers writes it; a process under an ASCII locale (a
     # minimal container, cron) read it in the locale's encoding and failed to decode it
