@@ -627,6 +627,30 @@ def test_an_eval_fraction_that_holds_out_no_record_is_named(tmp_path):
         assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides]) == 0
 
 
+@pytest.mark.parametrize("case", ["file", "bundled"])
+def test_an_eval_source_that_reads_training_records_is_named(case, tmp_path):
+    # evaluations on records the run trains on measure memorization, not held-out loss; a
+    # bundled set's first N records are the training set's first N (same generator, seed)
+    if case == "file":
+        data = tmp_path / "data.jsonl"
+        data.write_text("".join(f'{{"prompt": "{i}+1=", "response": "{i + 1}"}}\n' for i in range(8)))
+        other = tmp_path / "other.jsonl"
+        other.write_text('{"prompt": "9+1=", "response": "10"}\n')
+        overrides = [f"data.source={data}", f"data.eval_source=[{other}, {tmp_path / '.' / 'data.jsonl'}]",
+                     "data.sections=[{field: prompt}, {field: response, train: true}]", "data.pack=false"]
+        shared = str(data)
+    else:
+        overrides = ["data.source=bundled:arithmetic:64", "data.eval_source=bundled:arithmetic:16"]
+        shared = "bundled:arithmetic"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(tmp_path / "run"), *overrides,
+                     "data.batch_size=2", "steps=1", "eval.every=1"]) == 0
+    messages = [str(w.message) for w in caught if "data.eval_source" in str(w.message)]
+    assert messages == [f"data: data.eval_source reads records that data.source trains on ({shared}): its "
+                        f"evaluations measure training records, not held-out ones"]
+
+
 def test_held_out_records_that_give_no_rows_are_named_as_such(tmp_path):
     # before: 'data.eval_fraction=0.2 holds out none of the records ...; raise it', while it held out
     # records whose rows data.overflow: drop left out

@@ -3,10 +3,11 @@ held-out rule that divides one source into training and held-out records."""
 
 from __future__ import annotations
 
+import os
 from typing import Iterator, Literal
 
 from jrl.config import DataConfig
-from jrl.data.records import is_heldout, iter_located_records, source_label
+from jrl.data.records import bundled_source, is_heldout, iter_located_records, source_files, source_label
 
 Split = Literal["train", "eval"]
 
@@ -47,3 +48,23 @@ def iter_split_records(config: DataConfig, split: Split) -> Iterator[tuple[str, 
         if filtered and is_heldout(index, config.seed, config.eval_fraction) != (split == "eval"):
             continue
         yield where, record
+
+
+def eval_reads_training_records(config: DataConfig) -> list[str]:
+    """What `data.eval_source` shares with `data.source`: the files both read (as the
+    eval source names them), or the bundled dataset both draw from (`bundled:<name>[:n]`
+    gives the first n records of one generator and seed, so a smaller eval set is a part
+    of the training set); [] when they share nothing or there is no eval_source."""
+    if config.eval_source is None:
+        return []
+    train, held = bundled_source(config.source), bundled_source(config.eval_source)
+    if train is not None or held is not None:
+        return [_bundled_name(held)] if train and held and _bundled_name(train) == _bundled_name(held) else []
+    trained = {os.path.realpath(f) for f in source_files(config.source, "data.source", config.format)}
+    return [f for f in source_files(config.eval_source, "data.eval_source", config.format)
+            if os.path.realpath(f) in trained]
+
+
+def _bundled_name(source: str) -> str:
+    """`bundled:<name>` of `bundled:<name>[:<records>]`."""
+    return ":".join(source.split(":")[:2])

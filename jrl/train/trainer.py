@@ -45,6 +45,7 @@ from jrl.compile_cache import enable_compilation_cache
 from jrl.config import ConfigError, TrainConfig, to_dict, yaml_dump
 from jrl.data import DataChangedError, DataSource, build_dataset, fixed_batches
 from jrl.data.records import source_label
+from jrl.data.splits import eval_reads_training_records
 from jrl.data.wording import agree, counted
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
@@ -414,6 +415,9 @@ class Trainer:
                 warnings.warn(f"data: data.eval_fraction={data.eval_fraction} holds out none of the records of "
                               f"{source_label(data.source)}, so the run evaluates nothing (eval.every={ev.every}); raise "
                               f"it or give data.eval_source", stacklevel=2)
+        if shared := eval_reads_training_records(data):
+            warnings.warn(f"data: data.eval_source reads records that data.source trains on ({', '.join(shared)}): its "
+                          "evaluations measure training records, not held-out ones", stacklevel=2)
         es = ev.early_stopping
         stops = bool(es.patience) and es.monitor.startswith("eval_")
         if held is None and (ev.every or stops):
