@@ -44,6 +44,7 @@ from safetensors.numpy import save_file
 
 from jrl import leftovers
 from jrl.config import ConfigError, ModelConfig, RopeScaling
+from jrl.json_files import read_json_object
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 
@@ -787,12 +788,7 @@ def _weight_files(path: str) -> tuple[list[str], dict[str, str] | None]:
     if os.path.exists(single):
         return [single], None
     if os.path.exists(index):
-        try:
-            with open(index, "rb") as f:
-                data = json.loads(f.read())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HFFormatError(f"{index}: not a readable JSON file ({e})") from None
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        weight_map = read_json_object(index, HFFormatError).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise HFFormatError(f"{index}: weight_map: must be a JSON object mapping tensor names to shard files")
         weight_map = {tensor: os.path.join(path, name) for tensor, name in weight_map.items()}
@@ -819,14 +815,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
                 "(init_from, --checkpoint) or export one with jrl.hf.save_pretrained (docs/hf.md)"
                 if _holds_jrl_checkpoints(path) else "")
         raise HFFormatError(f"{path}: config.json not found{hint}")
-    try:
-        with open(config_path, "rb") as f:
-            data = json.loads(f.read())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFFormatError(f"{config_path}: not a readable JSON file ({e})") from None
-    if not isinstance(data, dict):
-        raise HFFormatError(f"{config_path}: must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(config_path, HFFormatError)
 
 
 def missing_prefix_hint(path: str | os.PathLike, give: str) -> str:

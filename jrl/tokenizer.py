@@ -34,6 +34,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RawTokenizer
 
+from jrl.json_files import read_json_object
+
 # A role marker per turn, each turn closed by the EOS token; generation prompts end with the
 # assistant marker, so a model trained on this format stops by emitting EOS. Each message
 # renders on its own (nothing depends on later messages), so a multi-turn episode can be
@@ -285,8 +287,8 @@ class HFTokenizer:
             tok = RawTokenizer.from_file(tokenizer_json)
         except Exception as e:  # the tokenizers library's own error names no file
             raise ValueError(f"{tokenizer_json}: not a readable tokenizer.json ({e})") from None
-        cfg = _read_json_object(tokenizer_config)
-        named = _read_json_object(special_tokens_map)
+        cfg = {} if tokenizer_config is None else read_json_object(tokenizer_config)
+        named = {} if special_tokens_map is None else read_json_object(special_tokens_map)
 
         def special(given: str | None, key: str) -> str | None:
             return given or _token_content(cfg.get(key)) or _token_content(named.get(key))
@@ -354,21 +356,6 @@ class HFTokenizer:
         return apply_chat_template(messages, template or self.chat_template,
                                    add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token, eos_token=self.eos_token, **context)
-
-
-def _read_json_object(path: str | None) -> dict[str, Any]:
-    """The JSON object in the file at `path` ({} for None); a ValueError naming the file
-    when it cannot be read or holds something else."""
-    if path is None:
-        return {}
-    try:
-        with open(path, "rb") as f:
-            value = json.loads(f.read())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: must hold a JSON object, got {type(value).__name__}")
-    return value
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:

@@ -220,10 +220,9 @@ def _check_unicode(record: dict, where: str) -> None:
                           f"without its other half") from None
 
 
-class _FloatAsWritten(float):
-    """A JSON number with a fraction or an exponent: the float it is, whose text (`str`,
-    `repr`) is the file's (`1e-7`, `0.50`), not Python's (`1e-07`, `0.5`), so a record's
-    number is trained as the file writes it."""
+class _AsWritten:
+    """A JSON number whose text (`str`, `repr`) is the file's, so a record's number is
+    trained as the file writes it; otherwise the number it is (the float or int base)."""
 
     def __new__(cls, text: str):
         number = super().__new__(cls, text)
@@ -239,21 +238,12 @@ class _FloatAsWritten(float):
         return type(self), (self.text,)
 
 
-class _IntAsWritten(int):
-    """A JSON integer, whose text is the file's (`-0`, which Python's int writes `0`)."""
+class _FloatAsWritten(_AsWritten, float):
+    """A number with a fraction or an exponent: `1e-7`, `0.50` (Python writes `1e-07`, `0.5`)."""
 
-    def __new__(cls, text: str):
-        number = super().__new__(cls, text)
-        number.text = text
-        return number
 
-    def __str__(self) -> str:
-        return self.text
-
-    __repr__ = __str__
-
-    def __reduce__(self):
-        return type(self), (self.text,)
+class _IntAsWritten(_AsWritten, int):
+    """An integer: `-0` (Python's int writes `0`)."""
 
 
 # json.loads keywords of a JSONL line: its numbers keep the text the file writes them in
