@@ -264,7 +264,7 @@ def test_a_line_that_is_not_utf8_is_named_by_its_file_line(tmp_path):
         load_documents(DataConfig(source=str(src), sections=SECTIONS, eval_fraction=0.0), TOK, "train")
 
 
-@pytest.mark.parametrize("suffix, kind", [(".gz", "gzip"), (".bz2", "bzip2"), (".xz", "xz")])
+@pytest.mark.parametrize("suffix, kind", [(".gz", "a gzip"), (".bz2", "a bzip2"), (".xz", "an xz")])
 def test_a_compressed_data_file_is_named_as_compressed(tmp_path, suffix, kind):
     # before: 'not valid UTF-8 (invalid start byte at byte 1)' or 'not valid JSON' at line 1
     import bz2, gzip, lzma
@@ -274,7 +274,28 @@ def test_a_compressed_data_file_is_named_as_compressed(tmp_path, suffix, kind):
         f.write('{"prompt": "a", "response": "b"}\n' * 20)
     with pytest.raises(ConfigError) as e:
         load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
-    assert str(e.value) == f"{src}: a {kind}-compressed file; data files are read uncompressed: decompress it first"
+    assert str(e.value) == f"{src}: {kind}-compressed file; data files are read uncompressed: decompress it first"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be"])
+def test_a_utf16_data_file_is_named_as_utf16(tmp_path, encoding):
+    # before: 'not valid UTF-8 (invalid start byte at byte 0)' (Windows editors save UTF-16)
+    src = tmp_path / "train.jsonl"
+    src.write_bytes(("\ufeff" if encoding == "utf-16-be" else "").encode(encoding)
+                    + '{"prompt": "a", "response": "b"}\n'.encode(encoding))
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
+    assert str(e.value) == f"{src}: UTF-16 text (it opens with UTF-16's byte order mark); data files are UTF-8: save it as UTF-8"
+
+
+def test_a_data_file_whose_lines_end_in_cr_only_is_named_as_such(tmp_path):
+    # before: 'line 1: not valid JSON (Extra data)' for a file of good records (classic Mac line ends)
+    src = tmp_path / "train.jsonl"
+    src.write_bytes(b'{"prompt": "a", "response": "b"}\r{"prompt": "c", "response": "d"}\r')
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=str(src), eval_fraction=0.0), TOK, "train")
+    assert str(e.value) == (f"{src}:1: not valid JSON (Extra data); its lines end in a carriage return alone (CR): "
+                            "JSONL lines end in LF or CRLF")
 
 
 def test_a_string_with_half_a_surrogate_pair_is_named_by_its_file_line(tmp_path):

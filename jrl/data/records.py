@@ -149,18 +149,23 @@ def _check_unchanged(source: str, key: str, before: os.stat_result, after: os.st
                           f"then {after.st_size:,}); start the run once whatever writes it has finished")
 
 
-# the opening bytes of compressed files, which a run reads as they are (JSONL or raw text)
-_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd",
-               b"PK\x03\x04": "zip"}
+# the opening bytes of files a run cannot read as UTF-8 text (JSONL or raw text), and what to do
+_FOREIGN = {b"\x1f\x8b": "a gzip-compressed file", b"BZh": "a bzip2-compressed file",
+            b"\xfd7zXZ\x00": "an xz-compressed file", b"\x28\xb5\x2f\xfd": "a zstd-compressed file",
+            b"PK\x03\x04": "a zip-compressed file"}
+_UNCOMPRESS = "data files are read uncompressed: decompress it first"
+_UTF16 = (b"\xff\xfe", b"\xfe\xff")  # UTF-16's byte order marks, little and big endian
 
 
-def _refuse_compressed(source: str, head: bytes) -> None:
+def _refuse_foreign(source: str, head: bytes) -> None:
     """Raises a ConfigError naming `source` if `head`, its opening bytes, are a compressed
-    file's (asked once its first line fails to read: not UTF-8, not JSON)."""
-    for magic, kind in _COMPRESSED.items():
+    file's or UTF-16 text's (asked once its first line fails to read: not UTF-8, not JSON)."""
+    for magic, kind in _FOREIGN.items():
         if head.startswith(magic):
-            raise ConfigError(f"{source}: a {kind}-compressed file; data files are read uncompressed: "
-                              f"decompress it first")
+            raise ConfigError(f"{source}: {kind}; {_UNCOMPRESS}")
+    if head.startswith(_UTF16):
+        raise ConfigError(f"{source}: UTF-16 text (it opens with UTF-16's byte order mark); data files are UTF-8: "
+                          "save it as UTF-8")
 
 
 def _read_text(source: str, key: str) -> str:
@@ -173,7 +178,7 @@ def _read_text(source: str, key: str) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        _refuse_compressed(source, raw)
+        _refuse_foreign(source, raw)
         line = raw.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"{source}: not valid UTF-8 ({e.reason} at byte {e.start}, line {line})") from None
     return text.removeprefix("\ufeff")
@@ -188,7 +193,7 @@ def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[t
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 if line_no == 1:
-                    _refuse_compressed(source, raw)
+                    _refuse_foreign(source, raw)
                 raise ConfigError(f"{source}:{line_no}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if line_no == 1:  # a byte order mark, as some Windows editors write, may open the file
                 line = line.removeprefix("\ufeff")
@@ -197,9 +202,12 @@ def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[t
             try:
                 record = json.loads(line, **json_hooks)
             except json.JSONDecodeError as e:
+                why = ""
                 if line_no == 1:  # e.g. bzip2's, whose opening bytes are ASCII
-                    _refuse_compressed(source, raw)
-                raise ConfigError(f"{source}:{line_no}: not valid JSON ({e.msg})") from None
+                    _refuse_foreign(source, raw)
+                    if "\r" in line.rstrip("\r\n"):  # one "line": the whole file, its records CR-separated
+                        why = "; its lines end in a carriage return alone (CR): JSONL lines end in LF or CRLF"
+                raise ConfigError(f"{source}:{line_no}: not valid JSON ({e.msg}){why}") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{source}:{line_no}: expected a JSON object, got {json_type(record)}")
             if _SURROGATE_ESCAPE.search(line):
