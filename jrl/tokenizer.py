@@ -86,8 +86,10 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
-            ensure_ascii: bool = False) -> str:
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter, its arguments in its order: non-ASCII kept by default,
+    and no HTML escaping (Jinja's own filter escapes `<`, `>`, `&`, `'`)."""
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
                       ensure_ascii=ensure_ascii)
 

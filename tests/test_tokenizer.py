@@ -260,6 +260,14 @@ def test_messages_must_have_roles():
         apply_chat_template("hello")
 
 
+def test_tojson_takes_its_positional_arguments_in_transformers_order():
+    # transformers' filter is tojson(x, ensure_ascii, indent, separators, sort_keys): a
+    # template's tojson(true) escapes non-ASCII there, and indented by 1 here
+    template = "{{ messages[0] | tojson(true) }}|{{ messages[0] | tojson(false, 1) }}"
+    assert apply_chat_template([{"role": "user", "content": "é"}], template) == \
+        '{"role": "user", "content": "\\u00e9"}|{\n "role": "user",\n "content": "é"\n}'
+
+
 def test_template_context_tojson_keeps_unicode_and_extra_variables():
     template = "{{ messages | tojson }}|{{ enable_thinking }}"
     out = apply_chat_template([{"role": "user", "content": "héllo <b>"}], template, enable_thinking=False)
