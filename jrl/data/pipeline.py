@@ -75,7 +75,7 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Che
 
 # How records become documents, for `cache_key`: raised when that changes, so a cached store
 # tokenised the old way is built again. 2: numbers as the file writes them (0.50, not 0.5),
-# chat templates given tools=None.
+# chat templates given tools=None, tojson's arguments in transformers' order.
 RECORD_ENCODING_VERSION = 2
 
 
