@@ -59,3 +59,15 @@ def test_advantage_option_is_validated_and_names_the_field():
     with pytest.raises(ConfigError, match="strategy.options.scale_adv_by_std: applies to advantage: grpo only"):
         RLOptions.from_config({"advantage": "rloo", "scale_adv_by_std": True})
     assert RLOptions.from_config({"advantage": "rloo", "scale_adv_by_std": False}).advantage == "rloo"
+
+
+def test_rewards_anywhere_in_float32s_range_give_the_advantages_of_their_group():
+    # rewards are accepted up to float32's max (jrl.rl.rewards); squaring or summing them in
+    # float32 overflows, which turned these groups' advantages into 0 (1e20) or NaN (3e38)
+    adv, signal = group_advantages(np.array([1e20, 0.0, 0.0, 0.0, 3e38, 3e38, 0.0, 0.0], np.float32), 4)
+    np.testing.assert_allclose(adv, [1.7320508, -0.5773503, -0.5773503, -0.5773503, 1.0, 1.0, -1.0, -1.0],
+                               rtol=1e-6)
+    assert signal.tolist() == [True, True]
+    # rloo: 3e38 - (3e38 + 0 + 0) / 3 = 2e38; 0 - (3e38 + 3e38 + 0) / 3 = -2e38
+    adv, _ = rloo_advantages(np.array([3e38, 3e38, 0.0, 0.0], np.float32), 4)
+    np.testing.assert_allclose(adv, [2e38, 2e38, -2e38, -2e38], rtol=1e-6)

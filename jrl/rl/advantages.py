@@ -21,7 +21,10 @@ class GroupAdvantages(NamedTuple):
 
 
 def _grouped(rewards: np.ndarray, group_size: int) -> np.ndarray:
-    rewards = np.asarray(rewards, np.float32)
+    """The rewards as [groups, group_size] float64: rewards may be anywhere in float32's range
+    (jrl.rl.rewards), and their sums and squares in float32 would overflow from about 1.8e19
+    (a group's std inf, its advantages 0 or NaN). Advantages are rounded to float32 once."""
+    rewards = np.asarray(rewards, np.float32).astype(np.float64)
     if rewards.ndim != 1:
         raise ValueError(f"rewards: must be 1-D, got shape {rewards.shape}")
     if group_size < 1 or rewards.shape[0] % group_size:
@@ -37,7 +40,7 @@ def group_advantages(rewards: np.ndarray, group_size: int, *, scale_by_std: bool
     grouped = _grouped(rewards, group_size)
     centred = grouped - grouped.mean(axis=1, keepdims=True)
     std = np.sqrt(np.mean(centred**2, axis=1, keepdims=True))
-    adv = centred / (std + np.float32(eps)) if scale_by_std else centred
+    adv = centred / (std + eps) if scale_by_std else centred
     has_signal = grouped.max(axis=1) > grouped.min(axis=1)
     return GroupAdvantages(adv.reshape(-1).astype(np.float32), has_signal)
 
@@ -49,7 +52,7 @@ def rloo_advantages(rewards: np.ndarray, group_size: int) -> GroupAdvantages:
     grouped = _grouped(rewards, group_size)
     if group_size < 2:
         raise ValueError(f"group_size: must be >= 2 for a leave-one-out baseline, got {group_size}")
-    others_mean = (grouped.sum(axis=1, keepdims=True) - grouped) / np.float32(group_size - 1)
+    others_mean = (grouped.sum(axis=1, keepdims=True) - grouped) / (group_size - 1)
     adv = grouped - others_mean
     has_signal = grouped.max(axis=1) > grouped.min(axis=1)
     return GroupAdvantages(adv.reshape(-1).astype(np.float32), has_signal)
