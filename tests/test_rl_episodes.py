@@ -1174,3 +1174,25 @@ def test_an_environment_gets_its_own_copy_of_the_record(tok):
     _, example = sampler.environment(problem)
     example["tests"].append("x")
     assert problem.example == {"tests": ["t1"]}
+
+
+def test_turns_reach_the_environment_cut_before_the_first_stop_string(engine, tok, im_end):
+    """`task.stop` strings: a turn's text is cut before the first one, as a single-turn
+    completion's is for the rewards, also where the string does not tokenize inside the
+    turn as it does alone (BPE: 't' inside 'cat' or ' the'), so the engine did not stop on it."""
+    from jrl.data.tasks import Problem
+    from jrl.rl.prompts import PromptFormat
+    from jrl.rl.options import RLOptions
+    options = RLOptions.from_config({"env": "test_rl_episodes:Scripted", "max_new_tokens": 12, "max_turns": 2,
+                                     "task": {"stop": ["t"]}})
+    fmt = PromptFormat(tok, stop=["t"])
+    sampler = EpisodeSampler(options, fmt, options.reward_model(), 512)
+    engine.drop_prefix_cache()
+    groups = sampler.run(engine, [Problem(prompt="the cat sat on the mat", answer="", where="p0")], 8, 1.0,
+                         np.arange(8, dtype=np.uint64))
+    turns = [(m["content"], c) for ep in groups[0]
+             for m, c in zip([m for m in ep.messages if m["role"] == "assistant"], ep.completions)]
+    # the engine ran on past a 't' in some turn (it stops only on the token sequence of 't' alone)
+    assert any("t" in tok.decode(c.tokens) and c.finish_reason != "stop" for _, c in turns)
+    for content, c in turns:
+        assert content == fmt.completion_text(c) and "t" not in content

@@ -7,7 +7,8 @@ my_pkg.envs:Calculator`, constructed with `env_kwargs`):
     step(assistant_message: dict) -> (new_messages, reward, done, info)
 
 Messages are chat dicts (`{"role": ..., "content": ...}`). `step` gets the model's turn as
-`{"role": "assistant", "content": text}` (the decoded turn without its stop token) and
+`{"role": "assistant", "content": text}` (the decoded turn without its stop token, cut
+before the first of the task's stop strings) and
 answers with the messages that follow it (tool results, a user's reply, ...), a reward
 (summed over the episode), whether the episode is over, and an info dict (keys the runner
 reads: `tool_calls`, `tool_errors`, `truncated`; any others are kept). Either method may be
@@ -62,6 +63,7 @@ import numpy as np
 
 from jrl.config import ConfigError, resolve_named
 from jrl.rl.daemon_workers import DaemonWorkers
+from jrl.rl.prompts import response_text
 from jrl.rl.rewards import reward_requirement
 from jrl.rl.tool_calls import HermesParser, ToolCallParser
 from jrl.rl.tools import ToolRegistry
@@ -381,16 +383,19 @@ def opening_prompt(pieces: ChatPieces, env: Any, messages: Any, max_total_tokens
 class EpisodeRunner:
     """Runs episodes through `engine` (see the module docstring). `eos_ids` /
     `stop_sequences`: where a turn ends (the template's end-of-turn token among them);
+    `stop`: the task's stop strings, before the first of which a turn's text is cut for the
+    environment (`jrl.rl.prompts.response_text`, as a single-turn completion's for the rewards);
     `workers`: threads running environment calls; `timeout_s`: how long one may run."""
 
     def __init__(self, engine: Any, tokenizer: Any, limits: EpisodeLimits, *, eos_ids: Sequence[int],
-                 stop_sequences: Sequence[Sequence[int]] = (), workers: int = 16, timeout_s: float = 300.0,
-                 template_kwargs: dict | None = None) -> None:
+                 stop_sequences: Sequence[Sequence[int]] = (), stop: Sequence[str] = (), workers: int = 16,
+                 timeout_s: float = 300.0, template_kwargs: dict | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
         self.eos_ids = [int(t) for t in eos_ids]
         self.stop_sequences = [list(s) for s in stop_sequences]
+        self.stop = tuple(stop)
         self.pieces = ChatPieces(tokenizer, template_kwargs)
         self.workers = workers
         self.timeout_s = float(timeout_s)
@@ -562,15 +567,8 @@ class EpisodeRunner:
         ep.completions.append(c)
         ep.turns += 1
         ep._append(c.tokens, "sampled", c.logprobs, c.versions, c.model_logprobs)
-        ids = [int(t) for t in c.tokens]
-        if c.finish_reason == "eos":
-            ids = ids[:-1]
-        elif c.finish_reason == "stop":
-            for seq in self.stop_sequences:
-                if ids[-len(seq):] == seq:
-                    ids = ids[:-len(seq)]
-                    break
-        message = {"role": "assistant", "content": self.tokenizer.decode(ids)}
+        message = {"role": "assistant",
+                   "content": response_text(self.tokenizer, c, self.stop_sequences, self.stop)}
         ep.messages.append(message)
         if c.finish_reason == "error":
             return self._end(ep, "engine_error")

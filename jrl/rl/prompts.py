@@ -54,6 +54,26 @@ def end_of_turn_text(tokenizer: Any) -> str:
     return text
 
 
+def response_text(tokenizer: Any, completion: Completion, stop_sequences: Sequence[Sequence[int]],
+                  stop: Sequence[str]) -> str:
+    """The text of a sampled response (a completion, or one turn of an episode): decoded
+    without its stop token (finish reason `eos`) or the stop sequence it ended with
+    (`stop`), and cut before the first of the `stop` strings it contains, since a stop
+    string stops the engine only where it tokenizes as it does alone."""
+    ids = [int(t) for t in completion.tokens]
+    if completion.finish_reason == "eos":
+        ids = ids[:-1]
+    elif completion.finish_reason == "stop":
+        for seq in stop_sequences:
+            seq = list(seq)
+            if ids[-len(seq):] == seq:
+                ids = ids[:-len(seq)]
+                break
+    text = tokenizer.decode(ids)
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
 class PromptFormat:
     """Renders and encodes problems for one tokenizer, and decodes completions for rewards.
 
@@ -118,18 +138,8 @@ class PromptFormat:
 
     def completion_text(self, completion: Completion) -> str:
         """The decoded response without its stop token or stop string, cut before the
-        first stop string it contains."""
-        ids = [int(t) for t in completion.tokens]
-        if completion.finish_reason == "eos":
-            ids = ids[:-1]
-        elif completion.finish_reason == "stop":
-            for seq in self.stop_sequences:
-                if ids[-len(seq):] == seq:
-                    ids = ids[:-len(seq)]
-                    break
-        text = self.tokenizer.decode(ids)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        return text[:min(cuts)] if cuts else text
+        first stop string it contains (`response_text`)."""
+        return response_text(self.tokenizer, completion, self.stop_sequences, self.stop)
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The engine's stop arguments."""
