@@ -267,6 +267,22 @@ def test_an_optional_argument_takes_null():
     assert [(r.error, r.content) for r in out] == [(False, kinds("a", [1]))]
 
 
+def pick(mode: Literal["a", "b"] | None = None) -> str:
+    """Picks a mode, or none."""
+    return str(mode)
+
+
+def test_an_optional_literal_argument_takes_null():
+    # `X | None` is X or null (docs/rl.md), a Literal's enum included: its null was refused
+    assert Tool.from_function(pick).parameters["properties"] == {"mode": {"enum": ["a", "b", None]}}
+    out = ToolRegistry([pick]).execute(get_parser("hermes").parse(
+        '<tool_call>{"name": "pick", "arguments": {"mode": null}}</tool_call>'
+        '<tool_call>{"name": "pick", "arguments": {"mode": "c"}}</tool_call>').calls)
+    assert [(r.error, r.content) for r in out] == [
+        (False, "None"), (True, "error: bad arguments for pick: argument 'mode' must be one of ['a', 'b', None], "
+                                "got 'c'")]
+
+
 def test_a_pythonic_argument_json_cannot_hold_is_a_bad_arguments_error():
     calls = get_parser("pythonic").parse("[add(a={1, 2}, b=1)]").calls  # a set: a Python literal, not JSON
     out = ToolRegistry([add]).execute(calls)

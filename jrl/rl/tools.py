@@ -74,6 +74,8 @@ def _json_type(annotation: Any) -> tuple[dict, bool]:
         optional = len(rest) < len(args)
         if optional and "type" in schema:  # `x: float | None` takes null too (the function is given None)
             schema = {**schema, "type": [schema["type"], "null"]}
+        if optional and "enum" in schema and None not in schema["enum"]:  # `Literal["a", "b"] | None` too
+            schema = {**schema, "enum": [*schema["enum"], None]}
         return schema, optional
     if origin is Literal:
         return {"enum": list(args)}, False
