@@ -283,6 +283,21 @@ def test_an_optional_literal_argument_takes_null():
                                 "got 'c'")]
 
 
+def total(xs: list[int], modes: list[Literal["a", "b"]] | None = None) -> int:
+    """Adds integers."""
+    return len(xs)
+
+
+def test_the_items_of_a_list_argument_are_checked_against_the_schema():
+    # `list[int]` is {"type": "array", "items": {"type": "integer"}}: ["1", 2] does not fit it
+    # (the function would have run on a string), nor does an item outside a Literal's enum
+    calls = [ToolCall("total", {"xs": [1, 2]}, "c0"), ToolCall("total", {"xs": ["1", 2]}, "c1"),
+             ToolCall("total", {"xs": [], "modes": ["a", "c"]}, "c2")]
+    assert [r.content for r in ToolRegistry([total]).execute(calls)] == [
+        "2", 'error: bad arguments for total: argument \'xs\' item 0 must be of type integer, got "1"',
+        "error: bad arguments for total: argument 'modes' item 1 must be one of ['a', 'b'], got 'c'"]
+
+
 def test_a_pythonic_argument_json_cannot_hold_is_a_bad_arguments_error():
     calls = get_parser("pythonic").parse("[add(a={1, 2}, b=1)]").calls  # a set: a Python literal, not JSON
     out = ToolRegistry([add]).execute(calls)

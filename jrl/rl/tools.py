@@ -16,17 +16,18 @@ templates render through `tools=`, is derived from the function:
 `parameters` schema given explicitly is used as is). A `functools.partial` is described by
 the function it wraps, a callable object by its class (hints: its `__call__`'s).
 
-`ToolRegistry.execute(calls)` runs calls in its thread pool, each with a timeout, and turns
-every failure into a `ToolResult` with `error=True` whose `content` tells the model what
-went wrong: an unknown tool, arguments that do not fit the schema (missing, unexpected or
-of the wrong JSON type), an exception (its type and message; `SystemExit` too) or a
-timeout. Nothing a tool does stops the run. Calls run on `jrl.rl.daemon_workers` threads:
-a timed-out call keeps its thread until it returns, and one that never returns does not
-keep the process from exiting; `workers` bounds how many run at once, and a call still
-waiting for a worker when its timeout passes is dropped (it never runs) and answered so.
-Timed-out calls that hold workers are warned of (naming the tool) when their number first
-reaches 1, 2, 4, ... and all of them: once all are held, every call fails at once, and
-only `tool_error_rate` would show it.
+`ToolRegistry.execute(calls)` runs calls in its thread pool, each with a timeout, and
+turns every failure into a `ToolResult` with `error=True` whose `content` tells the model
+what went wrong: an unknown tool, arguments that do not fit the schema (missing,
+unexpected, or of the wrong JSON type or enum value, a list's items included), an
+exception (its type and message; `SystemExit` too) or a timeout. Nothing a tool does stops
+the run. Calls run on `jrl.rl.daemon_workers` threads: a timed-out call keeps its thread
+until it returns, and one that never returns does not keep the process from exiting;
+`workers` bounds how many run at once, and a call still waiting for a worker when its
+timeout passes is dropped (it never runs) and answered so. Timed-out calls that hold
+workers are warned of (naming the tool) when their number first reaches 1, 2, 4, ... and
+all of them: once all are held, every call fails at once, and only `tool_error_rate` would
+show it.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ class Tool:
                                                  "parameters": self.parameters}}
 
     def check_arguments(self, arguments: dict[str, Any]) -> str | None:
-        """Why `arguments` do not fit the schema (missing, unexpected, wrong JSON type), or None."""
+        """Why `arguments` do not fit the schema (missing, unexpected, wrong JSON type or
+        enum value, an array's items included), or None."""
         props = self.parameters.get("properties", {})
         missing = [k for k in self.parameters.get("required", []) if k not in arguments]
         if missing:
@@ -173,13 +175,28 @@ class Tool:
         if extra and self.parameters.get("additionalProperties", False) is False:
             return f"unexpected argument(s) {extra}; {self.name} takes {sorted(props)}"
         for k, v in arguments.items():
-            want = props.get(k, {}).get("type")
-            if want and not _is_json_type(v, want):
-                return f"argument {k!r} must be of type {want}, got {json.dumps(v, default=repr)[:80]}"
-            enum = props.get(k, {}).get("enum")
-            if enum is not None and v not in enum:
-                return f"argument {k!r} must be one of {enum}, got {v!r}"
+            problem = _misfit(v, props.get(k, {}), f"argument {k!r}")
+            if problem is not None:
+                return problem
         return None
+
+
+def _misfit(v: Any, schema: dict[str, Any], what: str) -> str | None:
+    """Why the value `v` (named `what` in the message) does not fit `schema` (its JSON type,
+    its enum, and the items of an array, each against `items`), or None."""
+    want = schema.get("type")
+    if want and not _is_json_type(v, want):
+        return f"{what} must be of type {want}, got {json.dumps(v, default=repr)[:80]}"
+    enum = schema.get("enum")
+    if enum is not None and v not in enum:
+        return f"{what} must be one of {enum}, got {v!r}"
+    items = schema.get("items")
+    if isinstance(v, list) and isinstance(items, dict):
+        for i, item in enumerate(v):
+            problem = _misfit(item, items, f"{what} item {i}")
+            if problem is not None:
+                return problem
+    return None
 
 
 def _is_json_type(v: Any, want: str | list[str]) -> bool:
