@@ -1227,3 +1227,31 @@ def test_turns_reach_the_environment_cut_before_the_first_stop_string(engine, to
     assert any("t" in tok.decode(c.tokens) and c.finish_reason != "stop" for _, c in turns)
     for content, c in turns:
         assert content == fmt.completion_text(c) and "t" not in content
+
+
+class OpensWithTheRecordsMessages(Scripted):
+    """Opens with the record's prompt when it is a message list (docs/rl.md: reset gets the
+    prompt as the record gives it, a string or a message list), else one user turn."""
+
+    def reset(self, example):
+        prompt = example["prompt"]
+        return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def test_an_environment_gets_a_message_list_prompt_as_the_list_the_record_gives(engine, tok, im_end, tmp_path):
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    from jrl.rl.tasks import read_problems
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "what is 2 plus 3?"}]
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": messages, "answer": "5"}) + "\n")
+    (problem,) = read_problems(str(tmp_path / "t.jsonl"), "prompt", "answer")
+    options = RLOptions.from_config({"env": "test_rl_episodes:OpensWithTheRecordsMessages", "max_new_tokens": 4,
+                                     "max_turns": 1})
+    sampler = EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 512)
+    env, example = sampler.environment(problem)
+    assert example["prompt"] == messages and isinstance(example["prompt"], list)
+    (group,) = sampler.run(engine, [problem], 2, 1.0, np.arange(2, dtype=np.uint64))
+    for ep in group:
+        assert ep.messages[:2] == messages
+        assert tok.decode(ep.tokens[:ep.prompt_len]) == ("<|im_start|>system\nadd<|im_end|>\n<|im_start|>user\n"
+                                                         "what is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n")

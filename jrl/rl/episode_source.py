@@ -65,8 +65,11 @@ class EpisodeSampler:
 
     def environment(self, problem: Problem) -> tuple[Any, dict]:
         """A fresh environment for `problem`, and the example its `reset` gets: a copy of its
-        own, as a reward's (the record is shared by the group's episodes and later rollouts)."""
-        example = copy.deepcopy({**problem.example, "prompt": problem.prompt, "answer": problem.answer})
+        own, as a reward's (the record is shared by the group's episodes and later rollouts).
+        Its `prompt` is the record's form: a string, or a message list (a Problem holds one
+        as a tuple)."""
+        prompt = list(problem.prompt) if isinstance(problem.prompt, tuple) else problem.prompt
+        example = copy.deepcopy({**problem.example, "prompt": prompt, "answer": problem.answer})
         o = self.options
         if self.env_cls is not None:
             kwargs = dict(o.env_kwargs)
