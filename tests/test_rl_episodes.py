@@ -937,6 +937,19 @@ def test_episode_options_are_validated():
     assert options.episodes and options.tools == ()
 
 
+def test_a_tool_timeout_the_environment_timeout_would_cut_short_is_refused():
+    # a tool environment's step waits up to tool_timeout_s for its calls, and a step still running
+    # at env_timeout_s stops the run: a slow tool would stop it instead of being answered with an error
+    from jrl.rl.options import RLOptions
+    with pytest.raises(ConfigError, match=r"strategy.options.tool_timeout_s: must be below strategy.options."
+                                          r"env_timeout_s \(300 s\), got 600"):
+        RLOptions.from_config({"tools": ["test_rl_episodes:add"], "tool_timeout_s": 600})
+    with pytest.raises(ConfigError, match="strategy.options.tool_timeout_s: must be below"):
+        RLOptions.from_config({"tools": ["test_rl_episodes:add"], "tool_timeout_s": 5, "env_timeout_s": 5})
+    assert RLOptions.from_config({"tools": ["test_rl_episodes:add"], "tool_timeout_s": 600,
+                                  "env_timeout_s": 900}).tool_timeout_s == 600
+
+
 def test_env_kwargs_the_environment_does_not_take_are_refused_with_the_options():
     # before: refused only when the first episode built its environment, after any warm start
     from jrl.rl.options import RLOptions

@@ -243,6 +243,12 @@ class RLOptions:
             v = getattr(self, name)
             _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, name,
                    f"must be > 0 seconds, got {v!r}")
+        # a tool environment's step waits up to tool_timeout_s for its calls; were the environment
+        # timeout not longer, a slow tool would stop the run instead of being answered with an error
+        _check(not self.tools or self.tool_timeout_s < self.env_timeout_s, "tool_timeout_s",
+               f"must be below {PREFIX}env_timeout_s ({self.env_timeout_s:g} s), got {self.tool_timeout_s:g}: a "
+               f"step that runs tools waits up to tool_timeout_s for them, and an environment call running "
+               f"env_timeout_s stops the run; raise env_timeout_s or lower tool_timeout_s")
         _check(isinstance(self.env_kwargs, dict), "env_kwargs", f"must be a mapping, got {self.env_kwargs!r}")
         _check(not self.env_kwargs or self.env is not None, "env_kwargs", "needs an env")
         if self.env is not None:
