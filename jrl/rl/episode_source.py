@@ -119,8 +119,8 @@ class EpisodeSampler:
         """`n_per_problem` episodes of each problem (seeds: one per episode), grouped."""
         made = [self.environment(p) for p in problems for _ in range(n_per_problem)]
         runner = EpisodeRunner(engine, self.format.tokenizer, self.limits, eos_ids=self.format.eos_ids,
-                               stop_sequences=self.format.stop_sequences, stop=self.format.stop, workers=self.options.env_workers,
-                               timeout_s=self.options.env_timeout_s)
+                               stop_sequences=self.format.stop_sequences, stop=self.format.stop,
+                               workers=self.options.env_workers, timeout_s=self.options.env_timeout_s)
         episodes = runner.run([e for e, _ in made], [x for _, x in made],
                               [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds],
                               [p.where for p in problems for _ in range(n_per_problem)])
