@@ -266,3 +266,20 @@ def test_a_restart_decay_outside_zero_to_one_is_refused_naming_the_field(value):
     # 10 cycles; inf: an infinite rate that made the params NaN after the first cycle)
     with pytest.raises(ConfigError, match=rf"^schedule.restart_decay: must be in \(0, 1\], got {value}$"):
         ScheduleConfig(kind="cosine_restarts", restart_decay=value)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"mu_dtype": "bfloat16"}, {"name": "muon"}])
+def test_the_optimizer_state_of_bfloat16_params_has_the_dtypes_an_update_leaves_it_with(kwargs):
+    # the step hands the optimizer float32 gradients, so Adam's and Muon's moments come out
+    # of every update in float32 (the first moment in mu_dtype when given): a state that
+    # started in the params' bfloat16 changed dtype at the first update, so a resumed run,
+    # restoring into the initial state's dtypes, cast its moments to bfloat16
+    params = jax.tree.map(lambda p: p.astype(jax.numpy.bfloat16), PARAMS)
+    tx = build_optimizer(OptimizerConfig(**kwargs), CONST, params)
+    state = tx.init(params)
+    _, after = jax.jit(tx.update)(GRADS, state, params)
+    dtypes = lambda tree: [(jax.tree_util.keystr(p), x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+    assert dtypes(state) == dtypes(after)
+    mu = "bfloat16" if kwargs.get("mu_dtype") else "float32"
+    embed = state.inner_states["embed"].inner_state[0]
+    assert embed.mu["embed"]["embedding"].dtype == mu and embed.nu["embed"]["embedding"].dtype == "float32"

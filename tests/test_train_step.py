@@ -433,3 +433,17 @@ def test_fit_overwrite_on_a_set_up_trainer_that_has_neither_trained_nor_saved_tr
     trainer = Trainer(tiny_config("steps=1", "eval.every=0", "eval.at_end=false"), output_dir=tmp_path)
     trainer.setup(overwrite=True)
     assert int(trainer.fit(overwrite=True).step) == 1
+
+
+def test_a_resumed_run_of_bfloat16_params_trains_on_as_the_uninterrupted_run(tmp_path):
+    # the checkpoint holds float32 moments (what the updates make of them); restored into an
+    # initial state whose moments were bfloat16, they were cast and the losses drifted apart
+    overrides = ("model.param_dtype=bfloat16", "schedule.warmup_steps=2", "schedule.total_steps=4", "eval.every=0",
+                 "eval.at_end=false", "checkpoint.interval=0")
+    Trainer(tiny_config("steps=4", *overrides), output_dir=tmp_path / "straight").fit()
+    Trainer(tiny_config("steps=2", *overrides), output_dir=tmp_path / "resumed").fit()
+    Trainer(tiny_config("steps=4", *overrides), output_dir=tmp_path / "resumed").fit(resume=True)
+    rows = lambda run: [(r["step"], r["loss"], r["grad_norm"])
+                        for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())]
+    assert len(rows("straight")) == 4
+    assert rows("resumed") == rows("straight")

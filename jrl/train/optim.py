@@ -92,6 +92,20 @@ def _scale_by_shape(consistent_rms: float | None) -> optax.GradientTransformatio
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
+def _float32_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` with its state initialised from float32 params: the step hands every update float32
+    gradients, so the moments come out of each update in float32 (a first moment in
+    `mu_dtype` when set); a state begun in the params' own bfloat16 changed dtype at the
+    first update (recompiling the step) and a resume, restoring into the initial state's
+    dtypes, cast the saved moments back to bfloat16."""
+
+    def init(params):
+        return tx.init(jax.tree.map(
+            lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p, params))
+
+    return optax.GradientTransformation(init, tx.update)
+
+
 def _peak_lr(config: OptimizerConfig, group: str) -> float:
     """A trainable group's learning rate before the schedule: `lr` (`muon_lr` for Muon's
     `hidden` group) times `lr_scale[group]`."""
@@ -127,7 +141,7 @@ def build_optimizer(config: OptimizerConfig, schedule: Schedule, params: Any) ->
             parts.append(optax.add_decayed_weights(decay))
         # last in the chain: `learning_rates` finds its count there
         parts.append(optax.scale_by_learning_rate(lambda count, peak=_peak_lr(config, group): peak * schedule(count)))
-        transforms[group] = optax.chain(*parts)
+        transforms[group] = _float32_state(optax.chain(*parts))
     return optax.partition(transforms, labels)
 
 
