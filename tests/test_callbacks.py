@@ -376,6 +376,27 @@ def test_a_resumed_run_stops_early_where_the_uninterrupted_run_does(tmp_path):
 
 
 
+class AddsScore(Callback):
+    """Adds a training metric of its own to every row; it never improves on the first."""
+
+    def after_optimizer_step(self, trainer, state, metrics):
+        metrics["my_score"] = 1.0
+
+
+def test_early_stopping_monitors_a_training_metric_a_callback_adds_to_the_row(tmp_path):
+    # the row as metrics.jsonl has it, which a resumed run replays: early stopping used to run
+    # before the user's callbacks, so the live run never saw the key (and warned that no row
+    # had it) while a resumed run, replaying the log, did
+    config = tiny("steps=10", "eval.every=2", "eval.early_stopping.monitor=my_score", "eval.early_stopping.mode=max",
+                  "eval.early_stopping.patience=2", "checkpoint.interval=0")
+    trainer = Trainer(config, callbacks=[AddsScore()], output_dir=tmp_path)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert int(trainer.fit().step) == 3  # best at step 1, then two checks without improvement
+    assert trainer.stop_reason == "early stopping: my_score did not improve on 1 for 2 checks"
+    assert not [w for w in record if "early_stopping.monitor" in str(w.message)]
+
+
 def test_fit_again_after_early_stopping_stops_again_at_once(tmp_path):
     config = tiny("steps=10", "eval.every=1", "eval.early_stopping.patience=2",
                   "eval.early_stopping.min_delta=100", "checkpoint.interval=1")

@@ -24,11 +24,11 @@ Hooks (all optional; each gets the trainer first):
 A method named like a hook (on_ / before_ / after_) that is none of these is refused
 when the Trainer is built (`check_callback`): a misspelt hook would never be called.
 
-Callbacks run in this order: eval, early stopping, the user's callbacks (in the order
-given), metrics log, progress bar, checkpointing, plot. So a step's evaluation
+Callbacks run in this order: eval, the user's callbacks (in the order given), early
+stopping, metrics log, progress bar, checkpointing, plot. So a step's evaluation
 (`on_eval`) arrives before its `after_optimizer_step`; user callbacks may add keys to the
-`metrics` dict in `after_optimizer_step` and they are logged; a step's checkpoint
-(`on_checkpoint`) comes last. If any callback overrides
+`metrics` dict in `after_optimizer_step` and they are logged, and early stopping can
+monitor them; a step's checkpoint (`on_checkpoint`) comes last. If any callback overrides
 `before_optimizer_step`, the step runs as two jitted halves with the hook in between;
 otherwise it is a single jitted update.
 

@@ -350,15 +350,18 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def _with_builtin_callbacks(self, user: list[cb.Callback]) -> list[cb.Callback]:
-        """eval, early stopping, the user's callbacks, metrics log, progress bar,
+        """eval, the user's callbacks, early stopping, metrics log, progress bar,
         checkpointing, plot: user callbacks see a step's metrics before they are logged
-        (and may add keys to them) and run before the step's checkpoint is taken."""
+        (and may add keys to them) and run before the step's checkpoint is taken; early
+        stopping checks the rows as they are logged, with those keys, as a resumed run
+        replays them."""
         c = self.config
         before: list[cb.Callback] = [cb.EvalCallback(c.eval.every, c.eval.at_end)]
+        after: list[cb.Callback] = []
         es = c.eval.early_stopping
         if es.patience:
-            before.append(cb.EarlyStopping(es.monitor, es.patience, es.mode, es.min_delta))
-        after: list[cb.Callback] = [cb.MetricsLogger(c.logging.log_every)]
+            after.append(cb.EarlyStopping(es.monitor, es.patience, es.mode, es.min_delta))
+        after.append(cb.MetricsLogger(c.logging.log_every))
         if c.logging.progress:
             after.append(cb.ProgressBar())
         ck = c.checkpoint
