@@ -641,6 +641,7 @@ class StrategyConfig:
 
 
 _FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+_FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny, the smallest normal number
 
 
 def _check_finite_non_negative(value: float, field: str) -> None:
@@ -684,6 +685,11 @@ class OptimizerConfig:
         _check(0 <= self.b2 < 1, "optimizer.b2", f"must be in [0, 1), got {self.b2}")
         # an infinite eps made every Adam step 0: the run "trained" with only weight decay
         _check(0 < self.eps < math.inf, "optimizer.eps", f"must be finite and > 0, got {self.eps}")
+        # below it the eps is 0 in float32 (XLA flushes subnormals): a parameter without gradient
+        # got 0 / 0 and the first update made the params NaN
+        _check(self.eps >= _FLOAT32_TINY, "optimizer.eps",
+               f"must be at least {_FLOAT32_TINY:.4g} (float32's smallest normal number: the optimizer adds it in "
+               f"float32, where a smaller one is 0), got {self.eps}")
         _check_finite_non_negative(self.weight_decay, "optimizer.weight_decay")
         _check(self.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0, got {self.clip_norm}")
         _check(0 <= self.muon_beta < 1, "optimizer.muon_beta", f"must be in [0, 1), got {self.muon_beta}")

@@ -139,6 +139,18 @@ def test_a_rate_beyond_float32_is_refused_naming_the_field(kwargs, message):
         OptimizerConfig(**kwargs)
 
 
+@pytest.mark.parametrize("eps", [1e-40, 1e-50])
+def test_an_eps_float32_holds_as_zero_is_refused_naming_the_field(eps):
+    # below float32's smallest normal number the eps Adam adds is 0 (1e-40 is flushed to it):
+    # a parameter without gradient (an embedding row no token of the batch uses) got 0 / 0,
+    # the params turned NaN at the first update and every later update was skipped
+    with pytest.raises(ConfigError, match=rf"^optimizer.eps: must be at least 1.175e-38 \(float32's smallest normal "
+                                          rf"number: the optimizer adds it in float32, where a smaller one is 0\), "
+                                          rf"got {eps}$"):
+        OptimizerConfig(eps=eps)
+    assert OptimizerConfig(eps=1.2e-38).eps == 1.2e-38
+
+
 @pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
 def test_muon_consistent_rms_that_is_not_a_positive_finite_number_is_refused_naming_the_field(value):
     # a negative one turned Muon's updates into gradient ascent, NaN made the params NaN
