@@ -652,6 +652,15 @@ def _check_finite_non_negative(value: float, field: str) -> None:
                                          f"applies it in float32), got {value}")
 
 
+def _check_decay_rate(value: float, field: str) -> None:
+    """A moment's decay rate (beta): in [0, 1), in float32 too, where the optimizer computes its
+    bias correction `1 - beta**t` (from 1 - 2**-25 up, a value rounds to 1 there and the
+    correction is 0: the first update divided by it and made the params NaN)."""
+    _check(0 <= value < 1, field, f"must be in [0, 1), got {value}")
+    _check(value < 1 - 2.0 ** -25, field, f"must be below 1 in float32 too (the optimizer computes in float32, "
+                                          f"where it is 1), got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW everywhere, or Muon for the hidden matrices and AdamW for the rest.
@@ -681,8 +690,8 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _check_finite_non_negative(self.lr, "optimizer.lr")
-        _check(0 <= self.b1 < 1, "optimizer.b1", f"must be in [0, 1), got {self.b1}")
-        _check(0 <= self.b2 < 1, "optimizer.b2", f"must be in [0, 1), got {self.b2}")
+        _check_decay_rate(self.b1, "optimizer.b1")
+        _check_decay_rate(self.b2, "optimizer.b2")
         # an infinite eps made every Adam step 0: the run "trained" with only weight decay
         _check(0 < self.eps < math.inf, "optimizer.eps", f"must be finite and > 0, got {self.eps}")
         # below it the eps is 0 in float32 (XLA flushes subnormals): a parameter without gradient
@@ -692,7 +701,7 @@ class OptimizerConfig:
                f"float32, where a smaller one is 0), got {self.eps}")
         _check_finite_non_negative(self.weight_decay, "optimizer.weight_decay")
         _check(self.clip_norm >= 0, "optimizer.clip_norm", f"must be >= 0, got {self.clip_norm}")
-        _check(0 <= self.muon_beta < 1, "optimizer.muon_beta", f"must be in [0, 1), got {self.muon_beta}")
+        _check_decay_rate(self.muon_beta, "optimizer.muon_beta")
         _check(self.muon_ns_steps >= 1, "optimizer.muon_ns_steps", f"must be >= 1, got {self.muon_ns_steps}")
         if self.muon_lr is not None:
             _check_finite_non_negative(self.muon_lr, "optimizer.muon_lr")

@@ -151,6 +151,17 @@ def test_an_eps_float32_holds_as_zero_is_refused_naming_the_field(eps):
     assert OptimizerConfig(eps=1.2e-38).eps == 1.2e-38
 
 
+@pytest.mark.parametrize("field", ["b1", "b2", "muon_beta"])
+def test_a_decay_rate_float32_rounds_to_one_is_refused_naming_the_field(field):
+    # 0.99999999 is 1 in float32, where the optimizer computes its bias correction 1 - beta**t:
+    # the first update divided by 0 and turned the params NaN, and every later update was skipped
+    kwargs = {"name": "muon"} if field == "muon_beta" else {}
+    with pytest.raises(ConfigError, match=rf"^optimizer.{field}: must be below 1 in float32 too \(the optimizer "
+                                          rf"computes in float32, where it is 1\), got 0.99999999$"):
+        OptimizerConfig(**kwargs, **{field: 0.99999999})
+    assert getattr(OptimizerConfig(**kwargs, **{field: 0.9999999}), field) == 0.9999999
+
+
 @pytest.mark.parametrize("value", [-1.0, 0.0, float("nan"), float("inf")])
 def test_muon_consistent_rms_that_is_not_a_positive_finite_number_is_refused_naming_the_field(value):
     # a negative one turned Muon's updates into gradient ascent, NaN made the params NaN
