@@ -106,6 +106,18 @@ def test_a_setting_for_a_group_that_is_not_trained_is_refused(kwargs, message):
     OptimizerConfig(trainable="lora", lr_scale={"lora": 2.0})
 
 
+@pytest.mark.parametrize("kwargs, field", [({"freeze": ("head",)}, "optimizer.freeze"),
+                                           ({"lr_scale": {"head": 0.1}}, "optimizer.lr_scale.head")])
+def test_a_group_the_model_does_not_have_is_refused_naming_the_groups_it_has(kwargs, field):
+    # with tied embeddings the head is the embedding: `freeze: [head]` froze nothing and the
+    # head (embed) trained on
+    params = init_params(ModelConfig(tie_embeddings=True), jax.random.key(0))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: 'head' names no parameter of this model \(its "
+                                          r"groups: \['embed', 'hidden', 'norm'\]; with model.tie_embeddings the "
+                                          r"head is the embedding, group 'embed'\)$"):
+        build_optimizer(OptimizerConfig(**kwargs), make_schedule(ScheduleConfig(), 10), params)
+
+
 def test_unknown_group_in_lr_scale_is_named():
     with pytest.raises(ConfigError, match="optimizer.lr_scale.heads: unknown parameter group"):
         OptimizerConfig(lr_scale={"heads": 2.0})

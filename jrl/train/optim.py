@@ -56,8 +56,14 @@ def trainable_groups(config: OptimizerConfig, present: set[str]) -> set[str]:
 
 def require_trainable(config: OptimizerConfig, present: set[str]) -> set[str]:
     """`trainable_groups`, or a ConfigError when none is left (the command line says it on
-    one line); the optimizer and the dry run both call it, so a dry run refuses what the run
-    would."""
+    one line) or when `freeze` / `lr_scale` names a group the model does not have; the
+    optimizer and the dry run both call it, so a dry run refuses what the run would."""
+    named = [("optimizer.freeze", g) for g in config.freeze] + [(f"optimizer.lr_scale.{g}", g) for g in config.lr_scale]
+    for field, group in named:  # else it freezes or scales nothing, without a word
+        if group not in present:
+            hint = "; with model.tie_embeddings the head is the embedding, group 'embed'" if group == "head" else ""
+            raise ConfigError(f"{field}: {group!r} names no parameter of this model (its groups: "
+                              f"{sorted(present)}{hint})")
     trainable = trainable_groups(config, present)
     if not trainable:
         lora_off = config.trainable == "lora" and "lora" not in present
