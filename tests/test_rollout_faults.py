@@ -418,6 +418,9 @@ def test_after_a_failed_build_the_served_version_is_acknowledged_only_with_its_o
     ("presence_penalty", np.float32("inf")), ("top_k", 5.0), ("top_k", True), ("top_k", -1), ("top_k", 2**40),
     ("seed", -1), ("seed", 2**32), ("seed", 1.5), ("temperature", True), ("top_k", jnp.float32(5)),
     ("temperature", jnp.array(True)), ("temperature", jnp.array([0.5])), ("temperature", jnp.float32(jnp.nan)),
+    # ints past float's range: float() raised OverflowError, naming no field
+    pytest.param("temperature", 10**400, id="temperature-int-1e400"),
+    pytest.param("frequency_penalty", -10**400, id="frequency_penalty-int-minus-1e400"),
 ])
 def test_sampling_params_refuse_non_finite_and_out_of_range_values(field, value):
     with pytest.raises(ValueError, match=f"sampling.{field}: must"):

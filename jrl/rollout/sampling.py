@@ -107,7 +107,10 @@ def _real(field: str, value) -> float:
     value = _scalar(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{field}: must be a real number, got {value!r} ({type(value).__name__})")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int past float's range (10**400)
+        x = float("inf")
     if not -_FLOAT32_MAX <= x <= _FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{field}: must be finite (within float32 range), got {value!r}")
     return x
