@@ -70,6 +70,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
 
+    def token_bytes(self, token_id: int, *, skip_special_tokens: bool = False) -> bytes: ...
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = False, template: str | None = None,
                             **context: Any) -> str: ...
@@ -223,6 +225,14 @@ class ByteTokenizer:
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int, *, skip_special_tokens: bool = False) -> bytes:
+        """The bytes `token_id` adds to a decoded text: its byte (a piece of a multi-byte
+        character alone, which `decode` would show as U+FFFD), or a special token's text."""
+        i = int(token_id)
+        if 0 <= i < 256:
+            return bytes([i])
+        return self.decode([i], skip_special_tokens=skip_special_tokens).encode("utf-8")
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = False, template: str | None = None,
                             **context: Any) -> str:
@@ -252,6 +262,18 @@ def _pick_template(value: Any, where: str) -> str | None:
     raise ValueError(f"{where}: chat_template must be a string or a list of named templates")
 
 
+def _byte_of_char() -> dict[str, int]:
+    """The inverse of GPT-2's bytes-to-unicode table: byte-level BPE vocabularies write
+    each byte as one printable character (printable ASCII and Latin-1 as themselves, the
+    other bytes as U+0100 onwards, in byte order)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(moved)}}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
 _GIL_FREE_CHARS = 4096  # texts at least this long are encoded with the GIL released (HFTokenizer.encode)
 
 
@@ -351,6 +373,33 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int, *, skip_special_tokens: bool = False) -> bytes:
+        """The bytes `token_id` adds to a decoded text. A vocabulary piece of a byte-level BPE
+        (GPT-2, Qwen, Llama 3: each byte written as one character of GPT-2's table) or a
+        byte-fallback piece (`<0xE2>`, SentencePiece) gives its raw bytes, which may be part
+        of a multi-byte character (`decode` of it alone is U+FFFD); any other token (added
+        and special tokens included) the UTF-8 of its decoded text."""
+        i = int(token_id)
+        piece = self._tok.id_to_token(i)
+        if piece is not None and i not in self._added_ids:
+            if "ByteLevel" in self._decoder_kinds and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            match = _BYTE_PIECE.fullmatch(piece) if "ByteFallback" in self._decoder_kinds else None
+            if match:
+                return bytes([int(match[1], 16)])
+        return self.decode([i], skip_special_tokens=skip_special_tokens).encode("utf-8")
+
+    @functools.cached_property
+    def _decoder_kinds(self) -> frozenset[str]:
+        """The types of the tokenizer's decoder (a Sequence's members too)."""
+        decoder = {} if self._tok.decoder is None else json.loads(self._tok.decoder.__getstate__())
+        return frozenset([decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or ()])
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        """Ids of added tokens, whose text is written as is (not byte-level encoded)."""
+        return frozenset(self._tok.get_added_tokens_decoder())
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = False, template: str | None = None,

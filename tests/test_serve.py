@@ -41,6 +41,7 @@ from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from jrl.rollout.tuning import resolve_tuning
 from jrl.serve.cli import ServerThread, build, build_parser, main
 from jrl.serve.loading import KV_MEMORY_FRACTION, engine_config, load_served
+from jrl.serve.app import chat_logprobs
 from jrl.serve.text import TextStream
 from jrl.serve.worker import DoneEvent, TokenEvent
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
@@ -1124,6 +1125,19 @@ def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():
     s = TextStream(tok, skip_ids=[tok.eos_id])
     s.add(tok.encode("ab") + [tok.eos_id] + tok.encode("cd"))
     assert s.emit(final=True) == "ab" and s.stopped and not s.cut
+
+
+@pytest.mark.parametrize("kind", ["bytes", "byte-level BPE"])
+def test_chat_logprob_bytes_of_tokens_splitting_a_character_join_to_it(kind, tmp_path):
+    """`bytes` was the UTF-8 of each token decoded alone: U+FFFD's three bytes for every
+    token holding part of a multi-byte character, so a client could not rebuild "é" from
+    its tokens. As in OpenAI's API they are the token's own bytes."""
+    tok = ByteTokenizer() if kind == "bytes" else load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok")))
+    text = "é€ cat 😀"
+    ids = tok.encode(text)
+    content = chat_logprobs(tok, [(i, -1.0, 0) for i in ids])["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode("utf-8")
+    assert content[0]["bytes"] == [0xC3]  # the first byte of "é" alone
 
 
 def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live_in_thread, monkeypatch):

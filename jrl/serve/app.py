@@ -35,7 +35,7 @@ from jrl.rollout import Engine, SamplingParams
 from jrl.serve.loading import Served
 from jrl.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, WeightsRequest,
                                 error_body, parse_body, _Common, _short_repr)
-from jrl.serve.text import TextStream, decode
+from jrl.serve.text import TextStream, decode, token_bytes
 from jrl.serve.tools import ToolCallStream, parse_tool_calls
 from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent, WeightsRefused
 from jrl.tokenizer import ChatTemplateError
@@ -351,7 +351,7 @@ def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, int]]) -> dict
     content = []
     for tok, lp, _ in entries:
         s = _token_str(tokenizer, tok)
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []})
+        content.append({"token": s, "logprob": lp, "bytes": list(token_bytes(tokenizer, tok)), "top_logprobs": []})
     return {"content": content}
 
 

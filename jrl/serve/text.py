@@ -113,3 +113,12 @@ def decode(tokenizer: Any, ids: Sequence[int]) -> str:
     padded embedding rows) decode to nothing."""
     vocab = tokenizer.vocab_size
     return tokenizer.decode([i for i in ids if i < vocab], skip_special_tokens=True)
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The bytes `token` adds to the text (OpenAI's logprobs `bytes`): a token holding part
+    of a multi-byte character has just its part, so a client joins them to rebuild it;
+    special tokens skipped (none), as ids past the tokenizer's vocabulary."""
+    if token >= tokenizer.vocab_size:
+        return b""
+    return tokenizer.token_bytes(token, skip_special_tokens=True)
