@@ -163,6 +163,19 @@ def test_per_token_cos_sin_equal_the_table_rows_at_each_position(scaling):
     np.testing.assert_allclose(sin, table_sin[positions], atol=1e-5)
 
 
+@pytest.mark.parametrize("scaling", SCALINGS, ids=SCALING_IDS)
+@pytest.mark.parametrize("table_len", [8, 2 * TABLE])
+def test_a_table_of_any_length_holds_the_models_rows(scaling, table_len):
+    # the length only sets how many rows: the frequencies are the model's, sized for
+    # max_position_embeddings (dynamic stretches its base for that length, not the table's)
+    cfg = config(**scaling)
+    cos, sin = rope_table(cfg, table_len=table_len)
+    want_cos, want_sin = rope_cos_sin(cfg, jnp.arange(table_len))
+    assert cos.shape == (table_len, DIM // 2)
+    np.testing.assert_allclose(cos, want_cos, atol=1e-5)
+    np.testing.assert_allclose(sin, want_sin, atol=1e-5)
+
+
 def test_positions_past_the_configured_length_are_rotated_not_clamped():
     cos, sin = rope_cos_sin(config(), jnp.array([[TABLE - 1, 1000, 5000]]))
     angles = np.array([TABLE - 1, 1000, 5000])[:, None] * plain_inv_freq()

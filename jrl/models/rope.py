@@ -67,9 +67,13 @@ def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling, table_len:
 
 
 def rope_table(config: ModelConfig, table_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin tables, each `[table_len, rope_dim / 2]` float32."""
+    """cos and sin tables, each `[table_len, rope_dim / 2]` float32: row p is what the model
+    rotates position p by (`rope_cos_sin`, here from float64 angles). `table_len` (default
+    max_position_embeddings) only sets the number of rows; the frequencies are always the
+    model's, sized for max_position_embeddings (dynamic/NTK)."""
     table_len = table_len or config.max_position_embeddings
-    inv_freq, attn = inverse_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling, table_len)
+    inv_freq, attn = inverse_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling,
+                                         config.max_position_embeddings)
     angles = np.arange(table_len, dtype=np.float64)[:, None] * inv_freq[None, :]
     return (np.cos(angles) * attn).astype(np.float32), (np.sin(angles) * attn).astype(np.float32)
 
