@@ -301,6 +301,40 @@ def test_a_nan_request_does_not_change_the_tokens_of_a_later_request(params):
     engine.pool.allocator.check_invariants()
 
 
+@pytest.mark.parametrize("leave", ["abort", "preempt"])
+def test_pages_of_a_request_that_left_before_its_non_finite_step_was_read_back_leave_the_prefix_cache(params, leave):
+    # A's KV turns NaN; the step that reads it is dispatched, and A leaves (aborted, or
+    # preempted for pages) before that step is read back: A's sample is dropped unread, and
+    # its pages, published to the prefix cache, stayed there. C, with A's prompt, then
+    # attended to A's NaN prefix and finished with "error".
+    (pa,) = prompts_of([24], seed=3)
+    (clean,) = fresh_run(params, [pa], max_new_tokens=10)
+    engine = Engine(MODEL, params, ENGINE)
+    a = engine.add_request(pa, GREEDY, 10)
+    req = run_until_decoding(engine, a, 2)
+    pages = list(req.task.pages)
+    fill_nan(engine, pages)
+    assert engine.step() == [] and len(engine._unread) == 1  # A's NaN sample, not read back yet
+    if leave == "abort":
+        assert engine.abort(a)
+    else:
+        engine.scheduler.preempt(req, engine.version)  # what page pressure does to the youngest request
+    engine.flush()
+    assert not engine.radix.match(pa, engine.version, len(pa))  # dropped from the prefix cache
+    allocator = engine.pool.allocator
+    assert allocator.n_referenced == 0 and sorted(allocator.pending_scrub) == sorted(pages)
+    done = engine.generate([pa], GREEDY, max_new_tokens=10)
+    assert_same_completions(done, [clean])
+    if leave == "abort":
+        assert done[0].cached_tokens == 0
+    else:  # A, re-queued first, ran again from its prompt and the tokens it had: clean ones
+        (again,) = engine.run()
+        assert again.request_id == a and again.n_preemptions == 1 and again.finish_reason == "length"
+        np.testing.assert_array_equal(again.tokens, clean.tokens)  # (its outputs re-prefilled: logprobs to rounding)
+    assert not allocator.pending_scrub and not allocator.dirty.any()
+    allocator.check_invariants()
+
+
 @pytest.mark.parametrize("model", [MODEL, MLA_MODEL], ids=["gqa", "mla"])
 def test_freed_pages_of_a_failed_request_are_zeroed_before_reuse(model):
     engine = Engine(model, init(model, jax.random.key(2)), ENGINE)

@@ -634,8 +634,10 @@ class Engine:
             # the log-softmax normaliser); a NaN sampling input makes the other one NaN.
             finite = np.isfinite(values[1:3]).all(axis=0).tolist()
             for req, epoch, token, lp, model_lp, ok in zip(reqs, epochs, tokens, logp, model_logp, finite):
-                if req.epoch != epoch:
-                    continue  # preempted, aborted or finished since dispatch
+                if req.epoch != epoch:  # preempted, aborted or finished since dispatch: dropped
+                    if not ok:  # and the KV it attended to may be non-finite
+                        self._discard_released(req, epoch)
+                    continue
                 req.n_inflight -= 1
                 if req.n_inflight == 0:
                     req.device_row = -1
@@ -660,6 +662,15 @@ class Engine:
         self.scheduler.fail(req)
         self.stats.failed_requests += 1
         self._finished.append(req.completion())
+
+    def _discard_released(self, req: Request, epoch: int) -> None:
+        """A sample of `req` dispatched in `epoch` is non-finite, read back after `req`
+        released its pages (preempted, aborted, or finished with a row still in flight):
+        those pages may hold NaN, and they were published to the prefix cache. They leave
+        it and are zeroed before reuse, as a failed request's are (`_fail`)."""
+        if req.released is not None and req.released[0] == epoch:
+            pages, req.released = req.released[1], None
+            self.cache.discard_released(pages)
 
     def _scrub_freed_pages(self) -> None:
         """Zeroes the freed dirty pages (`Allocator.pending_scrub`) in the KV buffers, in

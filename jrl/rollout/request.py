@@ -54,6 +54,10 @@ class Request:
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
     n_preemptions: int = 0
+    # (epoch, pages) of the task it last released while samples of it were still unread:
+    # should one of those samples turn out non-finite, those pages' KV may be too
+    # (`Engine._record` drops them from the prefix cache)
+    released: tuple[int, list[int]] | None = None
     _tokens: np.ndarray = dataclasses.field(init=False, repr=False)  # prompt + outputs, preallocated
     _n_synced: int = dataclasses.field(default=0, init=False, repr=False)  # outputs copied into _tokens
 

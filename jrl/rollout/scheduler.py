@@ -296,6 +296,8 @@ class Scheduler:
     # ------------------------------------------------------------------ feedback
     def _release(self, req: Request, version: int | None, discard: bool = False) -> None:
         if req.task is not None:
+            if req.n_inflight and not discard:  # judged when those samples are read back
+                req.released = (req.epoch, list(req.task.pages))
             if discard:
                 self.cache.discard(req.task)
             else:

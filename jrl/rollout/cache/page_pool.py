@@ -186,6 +186,15 @@ class Allocator:
             raise ValueError("allocator: marking a free page dirty")
         self.dirty[idx] = True
 
+    def mark_suspect(self, pages: Iterable[int]) -> None:
+        """Pages whose KV may be non-finite, learned after their owner released them: those
+        held or cached are marked dirty (zeroed once free), free ones queued for zeroing."""
+        idx = np.fromiter(pages, np.int64)
+        free = self.is_free[idx]
+        self.dirty[idx[~free]] = True
+        queued = set(self.pending_scrub)
+        self.pending_scrub.extend(p for p in idx[free].tolist() if p not in queued)
+
     def take_scrub(self) -> list[int]:
         """The freed dirty pages to zero now (the queue is emptied)."""
         pages, self.pending_scrub = self.pending_scrub, []

@@ -127,6 +127,15 @@ class TaskCacheManager:
         self.req_to_token.free_row(task.row)
         task.row = -1
 
+    def discard_released(self, pages: Sequence[int]) -> None:
+        """`discard` for the pages of a task released already (its request finished, was
+        aborted or preempted with a step in flight whose sample then turned out
+        non-finite): they leave the prefix cache with everything below them and are zeroed
+        before anyone gets them again (now if free; once freed if held or cached)."""
+        self.pool.allocator.mark_suspect(pages)
+        if self.radix is not None:
+            self.radix.drop_pages(pages)
+
     def reset(self, scrub: Sequence[int] = ()) -> None:
         """Frees every row and page and empties the prefix cache, rebuilt from nothing
         rather than unwound: for after an update of tasks, pages or prefix cache was cut
