@@ -115,6 +115,18 @@ def test_contiguous_allocation_on_a_fragmented_pool_raises():
         pool.allocate(2)
 
 
+def test_a_contiguous_pool_keeps_its_free_set_bounded_however_many_regions_it_serves():
+    # Every released page was pushed on the free heap, and a contiguous pool never pops it
+    # (runs are found on `is_free`): a server grew it by a region's pages per request.
+    pool = PagePool(n_pages=8, page_size=4, strategy="contiguous")
+    a = pool.allocator
+    for _ in range(1000):
+        a.release(pool.allocate(3))
+    assert len(a._free_heap) <= 2 * a.n_pages
+    assert pool.allocate(3) == [0, 1, 2] and a.n_free == 5
+    a.check_invariants()
+
+
 def test_req_to_token_maps_positions_to_slots_through_pages():
     r2t = ReqToTokenPool(max_rows=2, max_pages_per_row=4, page_size=4)
     row = r2t.alloc_row()

@@ -215,6 +215,10 @@ class Allocator:
         self.is_free[p] = True
         self._n_free += 1
         heapq.heappush(self._free_heap, p)
+        if len(self._free_heap) > 2 * self.n_pages:
+            # stale entries of pages `allocate_contiguous` took (it finds runs on `is_free`
+            # and never pops the heap): rebuilt, so a contiguous pool's heap stays bounded
+            self._free_heap = np.flatnonzero(self.is_free).tolist()
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self) -> None:
