@@ -85,6 +85,18 @@ def test_update_rejects_params_of_another_shape(weights):
     assert engine.version == 0
 
 
+def test_update_refuses_a_leaf_that_is_no_array_naming_it(weights):
+    # A Python number where the served params hold an array raised AttributeError ('float'
+    # object has no attribute 'shape') instead of the ValueError naming the leaf.
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE)
+    bad = {**new, "final_norm": {"scale": 1.0}}
+    with pytest.raises(ValueError, match=re.escape("params['final_norm']['scale']: float64() differs from "
+                                                   "the served float32(64,)")):
+        engine.update_weights(bad, 1)
+    assert engine.version == 0 and engine.params is old
+
+
 def test_update_with_another_tree_names_the_first_leaf_missing_and_unexpected(weights):
     # The trainer's whole state handed over instead of its params: as many leaves, other paths.
     old, new = weights

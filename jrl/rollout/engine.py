@@ -1090,14 +1090,15 @@ def _check_same_structure(old: dict, new: dict, against: str = "the served", dty
         raise ValueError(f"params: tree structure differs from {against} params "
                          f"({len(new_leaves)} leaves vs {len(old_leaves)}){where}")
     for (path, a), (_, b) in zip(old_leaves, new_leaves):
+        # a leaf that is no array (a Python number) has the shape and dtype numpy gives it
+        shape, dtype = np.shape(b), b.dtype if hasattr(b, "dtype") else np.asarray(b).dtype
         if not dtypes:  # any floating dtype (the engine casts); integers are no weights
-            if tuple(a.shape) != np.shape(b):
-                raise ValueError(f"params{jax.tree_util.keystr(path)}: shape {np.shape(b)} differs from "
+            if tuple(a.shape) != shape:
+                raise ValueError(f"params{jax.tree_util.keystr(path)}: shape {shape} differs from "
                                  f"{against} {tuple(a.shape)}")
-            dtype = b.dtype if hasattr(b, "dtype") else np.asarray(b).dtype
             if jnp.issubdtype(a.dtype, jnp.floating) and not jnp.issubdtype(dtype, jnp.floating):
                 raise ValueError(f"params{jax.tree_util.keystr(path)}: dtype {dtype}; the engine serves "
                                  f"floating-point weights")
-        elif tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-            raise ValueError(f"params{jax.tree_util.keystr(path)}: {b.dtype}{tuple(b.shape)} differs from "
+        elif tuple(a.shape) != shape or a.dtype != dtype:
+            raise ValueError(f"params{jax.tree_util.keystr(path)}: {dtype}{shape} differs from "
                              f"{against} {a.dtype}{tuple(a.shape)}")
