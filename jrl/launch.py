@@ -282,29 +282,34 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
             check_fresh_start(run_dir / "checkpoints")
         resume = args.resume
         warm_start = has_warm_start(config, embedded_default=not args.config)
+        locked, lock = False, None  # the warm start's hold on the run directory, until GRPO's trainer has it
         if warm_start:  # SFT warm start, then GRPO
             # every prompt fits before the lock creates the run directory (the GRPO stage's check,
             # which a warm start would otherwise reach only after training, or not at all on --resume)
             options = RLOptions.from_config(config.strategy.options)
             check_task_prompts(config, make_task(options.task), task_format(config, options))
-            # the run directory is locked through the warm start too: a second run into it must
-            # not render demonstrations into, nor --overwrite, the warm start of a live run
-            lock = acquire_for_run(run_dir)
-            try:
+            # the run directory is locked through the warm start and on into GRPO: a second run into
+            # it must not render demonstrations into, nor --overwrite, the warm start of a live run
+            lock, locked = acquire_for_run(run_dir), True
+        try:
+            if warm_start:
                 config = run_warm_start(config, output_dir=args.output_dir, resume=resuming, overwrite=overwrite,
                                         allow_data_change=args.allow_data_change)
-            finally:
-                if lock is not None:
-                    lock.release()  # the trainer below takes it again
-            if config is None:
-                return 0
-        trainer = make_trainer(config, output_dir=args.output_dir)
-        if warm_start and resume and checkpoint.latest_step(trainer.checkpoint_dir) is None:
-            # stopped during (or right after) the warm start: GRPO starts from the warm start's checkpoint,
-            # not a fresh run as the trainer's own warning would have it
-            warnings.warn(f"resume: GRPO has no checkpoint in {trainer.checkpoint_dir} yet; it starts at step 0 "
-                          f"from the warm start's checkpoint in {config.init_from}", stacklevel=2)
-            resume = False
+                if config is None:
+                    return 0
+            trainer = make_trainer(config, output_dir=args.output_dir)
+            if warm_start and resume and checkpoint.latest_step(trainer.checkpoint_dir) is None:
+                # stopped during (or right after) the warm start: GRPO starts from the warm start's checkpoint,
+                # not a fresh run as the trainer's own warning would have it
+                warnings.warn(f"resume: GRPO has no checkpoint in {trainer.checkpoint_dir} yet; it starts at step "
+                              f"0 from the warm start's checkpoint in {config.init_from}", stacklevel=2)
+                resume = False
+            if locked:
+                trainer.adopt_run_dir(lock)  # held on: released when fit returns or raises
+                locked = False
+        finally:
+            if locked and lock is not None:
+                lock.release()
         state = trainer.fit(resume=resume, overwrite=overwrite, resume_from=args.resume_from,
                             allow_data_change=args.allow_data_change)
     except (ConfigError, FileExistsError, HFFormatError, *RUN_FAILURES) as e:

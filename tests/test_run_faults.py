@@ -329,6 +329,44 @@ def test_a_run_with_a_warm_start_into_a_locked_directory_writes_nothing(tmp_path
         holder.wait()
 
 
+def test_a_second_run_between_the_warm_start_and_grpo_is_refused_and_the_warm_start_stays(tmp_path, monkeypatch,
+                                                                                           capsys):
+    # the warm start's lock was released before GRPO's trainer was built and taken again by it:
+    # a run started in between (an accidental second `python -m jrl.train`, whose default run
+    # overwrites) took the directory and deleted the live run's warm start
+    import jrl.launch
+    run = tmp_path / "run"
+    args = ["--config", str(CONFIGS / "grpo_jsonl_example.yaml"), f"--output-dir={run}", "steps=1",
+            "data.batch_size=8", "strategy.options.prompts_per_step=4", "strategy.options.group_size=2",
+            "strategy.options.task.n_heldout=8", "strategy.options.task.n_validation=8",
+            "strategy.options.warm_start.source=bundled:reverse:200", "strategy.options.warm_start.max_steps=2",
+            "strategy.options.warm_start.check_every=2", "strategy.options.warm_start.target_accuracy=1.0",
+            "eval.every=0", "eval.at_end=false", "checkpoint.interval=1", "logging.progress=false",
+            "logging.plot=false"]
+    second = {}
+    real = jrl.launch.make_trainer
+
+    def make_trainer(config, **kwargs):  # the warm start is done; GRPO's trainer is not built yet
+        if second:  # the second run got this far itself
+            return real(config, **kwargs)
+        second["started"] = True
+        warm = snapshot(run / "warm_start")
+        capsys.readouterr()
+        second["code"] = main([*args, "--overwrite"])
+        second["err"] = capsys.readouterr().err
+        second["kept"] = snapshot(run / "warm_start") == warm
+        return real(config, **kwargs)
+
+    monkeypatch.setattr(jrl.launch, "make_trainer", make_trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a group of equal rewards skips the update
+        assert main(args) == 0
+    assert second["code"] == 1 and f"{run} is in use by another run (pid {os.getpid()} on host " in second["err"]
+    assert second["kept"]
+    assert (run / LOCK_NAME).read_bytes() == b""  # released when the run ended
+    assert checkpoint.latest_step(run / "checkpoints") == 1
+
+
 def test_a_lock_still_held_when_python_exits_is_dropped_without_an_error(tmp_path):
     # a script that took the run directory and never released it (or ended with an error)
     # printed "Exception ignored in: RunLock.__del__ ... TypeError" as the interpreter exited

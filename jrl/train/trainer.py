@@ -638,6 +638,18 @@ class Trainer:
             self._run_lock = acquire_for_run(self.run_dir)
             self._run_dir_taken = True
 
+    def adopt_run_dir(self, lock: RunLock | None) -> None:
+        """Makes the run directory's lock, taken by `acquire_for_run(self.run_dir)` before this
+        Trainer was built (`python -m jrl.train` takes it for an RL warm start), this Trainer's,
+        as if its setup had taken it: the directory stays locked from one stage to the next,
+        and the lock is released when fit returns or raises (or by `release_run_dir`). `lock`:
+        what acquire_for_run returned (None on processes other than 0)."""
+        if lock is not None and lock.run_dir.absolute() != self.run_dir.absolute():
+            raise ValueError(f"adopt_run_dir: the lock is {lock.run_dir}'s, not this run's {self.run_dir}")
+        if self._run_dir_taken:
+            raise RuntimeError(f"adopt_run_dir: this Trainer holds {self.run_dir} already")
+        self._run_lock, self._run_dir_taken = lock, True
+
     def release_run_dir(self) -> None:
         """Releases the run directory's lock (fit does this when it returns or raises)."""
         if self._run_lock is not None:
