@@ -425,6 +425,40 @@ def test_a_second_ctrl_c_exits_130_on_one_line_and_the_save_it_interrupted_is_pu
     assert checkpoint.all_steps(run / "checkpoints") == [2] and steps_logged(run) == [1, 2]
 
 
+@pytest.mark.parametrize("at_end", [False, True])
+def test_a_ctrl_c_during_an_evaluation_resumes_to_the_rows_of_the_uninterrupted_run(tmp_path, monkeypatch, at_end):
+    # the checkpoint on error held the step whose evaluation the Ctrl-C cut short, and the
+    # resumed run, past that step, never evaluated it: its row was missing for good (the
+    # end-of-run evaluation is run again on resume: that step's checkpoint is kept)
+    from jrl.train.trainer import Trainer
+    config = write_config(tmp_path, eval={"every": 0 if at_end else 2, "at_end": at_end},
+                          checkpoint={"interval": 3, "keep_last": None})
+    assert main(["--config", config, "--output-dir", str(tmp_path / "straight")]) == 0
+    real, cut = Trainer.evaluate, 4 if at_end else 2
+
+    def evaluate(self, state=None):  # the user presses Ctrl-C twice while the step is evaluated
+        if int((state or self.state).step) == cut:
+            raise KeyboardInterrupt
+        return real(self, state)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    run = tmp_path / "run"
+    if at_end:
+        assert main(["--config", config, "--output-dir", str(run)]) == 130
+        assert checkpoint.all_steps(run / "checkpoints") == [3, 4]
+    else:
+        with pytest.warns(UserWarning, match="not saving a checkpoint on error: the error cut short the evaluation "
+                                             "of step 2"):
+            assert main(["--config", config, "--output-dir", str(run)]) == 130
+        assert checkpoint.all_steps(run / "checkpoints") == []
+    monkeypatch.setattr(Trainer, "evaluate", real)
+    assert main(["--config", config, "--output-dir", str(run), "--resume"]) == 0
+    rows = lambda d: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")}
+                      for r in read_metrics(d / "metrics.jsonl")]
+    assert rows(run) == rows(tmp_path / "straight")
+    assert [r["step"] for r in rows(run) if "eval_loss" in r] == ([4] if at_end else [2, 4])
+
+
 def refused_resume_lines(run_copy, tmp_path, capsys, override: str) -> list[str]:
     """The stderr lines of `--resume` with `override` on a finished run's copy, which must
     exit 2 and leave every file of the run as it was."""

@@ -31,7 +31,10 @@ class RLCallback(Callback):
         if self._last_eval_step == int(state.step):
             return
         self._last_eval_step = int(state.step)
+        if label == "eval":  # every eval.every steps, which a run resumed past it would not redo:
+            trainer.evaluating_step = int(state.step)  # left set if it raises (no checkpoint on error)
         row = self.source.evaluate(state)
+        trainer.evaluating_step = None
         if self.first_eval is None:
             self.first_eval = row
         self.last_eval = row

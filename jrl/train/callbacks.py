@@ -160,16 +160,20 @@ class EvalCallback(Callback):
         if evaluated and evaluated[-1] == int(state.step):
             self._last = int(state.step)
 
-    def _run(self, trainer, state) -> None:
+    def _run(self, trainer, state, scheduled: bool = False) -> None:
         step = int(state.step)
         if self._last == step or not trainer.has_eval_data:
             return
         self._last = step
-        trainer.fire("on_eval", state, trainer.evaluate(state))
+        if scheduled:  # a run resumed past this step would not evaluate it: left set if it raises
+            trainer.evaluating_step = step
+        metrics = trainer.evaluate(state)
+        trainer.evaluating_step = None
+        trainer.fire("on_eval", state, metrics)
 
     def after_optimizer_step(self, trainer, state, metrics) -> None:
         if self.every and int(state.step) % self.every == 0:
-            self._run(trainer, state)
+            self._run(trainer, state, scheduled=True)
 
     def on_train_end(self, trainer, state) -> None:
         # stopped by a signal: the uninterrupted run evaluates no such step, and the final
@@ -301,8 +305,10 @@ class ProgressBar(Callback):
 
 class CheckpointCallback(Callback):
     """Saves every `interval` steps, at the end (incl. early stop and signals) and, if the
-    state is still intact and the train source has not moved past it (a batch drawn but
-    not trained on would be skipped on resume), when an error escapes the loop. Never
+    state is still intact, the train source has not moved past it (a batch drawn but not
+    trained on would be skipped on resume) and the error did not cut short the state's
+    step's evaluation due every `eval.every` steps (which a resumed run would never run),
+    when an error escapes the loop. Never
     saves a state that has not trained past the step the run started from
     (`trainer.start_step`): a run that fails during setup or its first step leaves the
     directory as it found it."""
@@ -337,8 +343,14 @@ class CheckpointCallback(Callback):
             return
         if getattr(trainer, "failed_save_step", None) == int(state.step):
             return  # the error is this step's save: trying it again would only hide why it failed
-        if trainer.last_saved_step != int(state.step):
-            trainer.save_checkpoint(state)
+        if trainer.last_saved_step == int(state.step):
+            return
+        if getattr(trainer, "evaluating_step", None) == int(state.step):
+            warnings.warn(f"not saving a checkpoint on error: the error cut short the evaluation of step "
+                          f"{int(state.step)}; a run resumed from a checkpoint of that step would never evaluate "
+                          f"it (--resume continues from the last published checkpoint)", stacklevel=2)
+            return
+        trainer.save_checkpoint(state)
 
 
 class PlotCallback(Callback):

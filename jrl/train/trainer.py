@@ -342,6 +342,9 @@ class Trainer:
         # likewise the evaluation row while its on_eval hooks run: a hook that raises leaves it
         # to MetricsLogger.on_error too (a resumed or continued run does not evaluate that step again)
         self.pending_eval_row: dict | None = None
+        # the step whose evaluation due every eval.every steps is under way; left set when the
+        # evaluation raises (a second Ctrl-C, out of memory): that step is not checkpointed on error
+        self.evaluating_step: int | None = None
         self._run_dir_taken = False
         # the step this session started from (set when setup is complete): the checkpoint
         # callback never saves a state that has not trained past it
@@ -980,7 +983,7 @@ class Trainer:
             else:
                 self._take_run_dir()
             # rows an earlier fit's error left were logged by its on_error
-            self.pending_row = self.pending_eval_row = None
+            self.pending_row = self.pending_eval_row = self.evaluating_step = None
             self.fire("on_train_begin", self.state)
             while int(self.state.step) < self.config.steps and self.stop_reason is None:
                 if self._drawn_batch is None:
