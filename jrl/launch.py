@@ -317,6 +317,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     except KeyboardInterrupt:  # a second Ctrl-C: one line, not a traceback through whatever ran
         print("interrupted; --resume continues from the last published checkpoint", file=sys.stderr)
         return 130
+    if trainer.start_step is None:  # a signal during setup: it stopped before writing anything
+        print(f"stopped before training ({trainer.stop_reason}); nothing written to {trainer.run_dir}")
+        return 0
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"finished at step {int(state.step)}, policy version {int(state.policy_version)}{reason}; "
           f"run directory: {trainer.run_dir}")

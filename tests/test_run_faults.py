@@ -145,6 +145,27 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_has_validated_its_data(ru
     assert steps_logged(run_copy) == [1, 2]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_an_overwrite_sets_up_stops_it_before_it_deletes_the_old_run(run_copy, tmp_path, monkeypatch,
+                                                                                   capsys, sig):
+    # the signal only asked to stop "after the current step": setup went on to delete the old
+    # checkpoints and metrics, then the run stopped at step 0 with nothing to save
+    from jrl.train.trainer import Trainer
+    real = Trainer._make_sources
+
+    def make_sources(self):  # the user presses Ctrl-C (or the job is preempted) while the data loads
+        os.kill(os.getpid(), sig)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "_make_sources", make_sources)
+    before = snapshot(run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--overwrite", "seed=3"]) == 0
+    assert snapshot(run_copy) == before
+    assert (run_copy / LOCK_NAME).read_bytes() == b""
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        f"stopped before training (received {sig.name}); nothing written to {run_copy}"
+
+
 def test_overwrite_of_checkpoints_kept_on_another_disk_empties_them_there_and_keeps_the_link(run_copy, tmp_path):
     elsewhere = tmp_path / "disk" / "checkpoints"  # runs/x/checkpoints -> a bigger disk
     elsewhere.parent.mkdir()

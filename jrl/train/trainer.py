@@ -346,6 +346,7 @@ class Trainer:
         # evaluation raises (a second Ctrl-C, out of memory): that step is not checkpointed on error
         self.evaluating_step: int | None = None
         self._run_dir_taken = False
+        self._fitting = False  # inside fit: a signal there stops a setup before it writes
         # the step this session started from (set when setup is complete): the checkpoint
         # callback never saves a state that has not trained past it
         self.start_step: int | None = None
@@ -536,6 +537,8 @@ class Trainer:
                                   trainable=self._trainable)
         if self._peak_flops():
             model_flops_per_token(c.model, 0.0, self._frozen_groups)  # counted here (cached), not in a timed step
+        if self._fitting and self.stopped_by_signal:  # SIGTERM / SIGINT while fit sets up: stop before it writes
+            return state  # (the Trainer stays unset: a later fit sets it up again)
         # Everything is checked: from here on the run writes.
         self._take_run_dir()
         if checkpoint.all_steps(self.checkpoint_dir) != seen:  # another run wrote while this one set up
@@ -956,7 +959,9 @@ class Trainer:
         `resume` / `overwrite` / `resume_from` / `allow_data_change`: see `setup`. The run directory stays
         locked until fit returns or raises. `stop_reason` says why the last fit stopped early
         (None: it trained to `steps`); a later fit starts without one and goes on (early
-        stopping replays the logged rows, so it stops again at once).
+        stopping replays the logged rows, so it stops again at once). A signal during setup stops
+        it before the run writes anything: fit returns the state it built and the Trainer
+        stays unset (a later fit sets it up again).
 
         Those arguments set up the Trainer; one already set up (by `setup` or an earlier fit)
         continues its run from where it is, so it takes only those that ask for that:
@@ -976,10 +981,13 @@ class Trainer:
             raise
         self.stop_reason = None  # a Ctrl-C that ended the last fit: this one continues the run
         previous = self._install_signal_handlers()
+        self._fitting = True
         try:
             if self.start_step is None:  # not set up, or a setup that failed part way (a bad data record)
                 self.setup(resume=resume, overwrite=overwrite, resume_from=resume_from,
                            allow_data_change=allow_data_change)
+                if self.start_step is None:  # a signal stopped it before it wrote anything
+                    return self.state
             else:
                 self._take_run_dir()
             # rows an earlier fit's error left were logged by its on_error
@@ -995,6 +1003,7 @@ class Trainer:
             self._fire_on_error(error)
             raise
         finally:
+            self._fitting = False
             for sig, old in previous.items():
                 signal.signal(sig, old)
             self.metrics_log.close()
