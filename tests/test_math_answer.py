@@ -1,6 +1,8 @@
 """The math_answer reward: final-answer extraction and numeric / symbolic equivalence."""
 
 import math
+import os
+import signal
 import threading
 
 import pytest
@@ -186,3 +188,19 @@ def test_checker_that_cannot_start_says_why(monkeypatch):
     with pytest.raises(RuntimeError, match="math-verify"):
         checker.equivalent("x", "y", 1e-6, 5.0)
     checker.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_runs_process_group_leaves_the_checker_running(sig):
+    # Ctrl-C (or a scheduler's SIGTERM) signals the run's whole process group, the checker
+    # too: it died while the run finished its step (a rollout under way finishes first), and
+    # the comparison sent to it then scored 0 however equivalent the answers
+    checker = ma._SymbolicChecker()
+    try:
+        assert checker.equivalent("2x+2", "2(x+1)", 1e-6, 60.0)
+        worker = checker._proc
+        os.kill(worker.pid, sig)
+        assert checker.equivalent(r"\sqrt{8}", r"2\sqrt{2}", 1e-6, 60.0)
+        assert checker._proc is worker and worker.poll() is None
+    finally:
+        checker.close()

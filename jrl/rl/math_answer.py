@@ -186,6 +186,12 @@ def _close(a: Fraction, b: Fraction, rel_tol: float) -> bool:
 # Runs as `python -c`, so that starting it imports nothing of jrl (nor jax). Protocol: one
 # JSON line [predicted, reference, rel_tol] in, one line "1" or "0" out; "ready" first.
 _WORKER_SOURCE = r'''
+import signal
+# Ctrl-C (and a scheduler's SIGTERM) reach the run's whole process group: the run finishes
+# its step first, and scores the rollout under way here; the run ends this worker (close,
+# or the end of its stdin when the run dies)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 import json, os, sys
 proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
 os.dup2(2, 1)  # stray prints must not reach the protocol pipe
