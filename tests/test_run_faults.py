@@ -473,7 +473,11 @@ def test_a_ctrl_c_during_an_evaluation_resumes_to_the_rows_of_the_uninterrupted_
             assert main(["--config", config, "--output-dir", str(run)]) == 130
         assert checkpoint.all_steps(run / "checkpoints") == []
     monkeypatch.setattr(Trainer, "evaluate", real)
-    assert main(["--config", config, "--output-dir", str(run), "--resume"]) == 0
+    if at_end:
+        assert main(["--config", config, "--output-dir", str(run), "--resume"]) == 0
+    else:  # nothing was checkpointed: the resume starts over, and says so
+        with pytest.warns(UserWarning, match="holds no checkpoint yet; starting a fresh run"):
+            assert main(["--config", config, "--output-dir", str(run), "--resume"]) == 0
     rows = lambda d: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")}
                       for r in read_metrics(d / "metrics.jsonl")]
     assert rows(run) == rows(tmp_path / "straight")
