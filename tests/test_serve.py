@@ -41,7 +41,7 @@ from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from jrl.rollout.tuning import resolve_tuning
 from jrl.serve.cli import ServerThread, build, build_parser, main
 from jrl.serve.loading import KV_MEMORY_FRACTION, engine_config, load_served
-from jrl.serve.app import chat_logprobs
+from jrl.serve.app import chat_logprobs, completion_logprobs
 from jrl.serve.text import TextStream
 from jrl.serve.worker import DoneEvent, TokenEvent
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
@@ -1138,6 +1138,18 @@ def test_chat_logprob_bytes_of_tokens_splitting_a_character_join_to_it(kind, tmp
     content = chat_logprobs(tok, [(i, -1.0, 0) for i in ids])["content"]
     assert b"".join(bytes(e["bytes"]) for e in content) == text.encode("utf-8")
     assert content[0]["bytes"] == [0xC3]  # the first byte of "é" alone
+
+
+@pytest.mark.parametrize("kind", ["bytes", "byte-level BPE"])
+def test_a_token_holding_part_of_a_character_is_written_by_its_bytes_as_openai_does(kind, tmp_path):
+    """Such a token's string was U+FFFD, the same for every piece of every character. OpenAI
+    writes it as `bytes:` and its bytes escaped (`bytes:\\xc3`), in both endpoints."""
+    tok = ByteTokenizer() if kind == "bytes" else load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok")))
+    ids = tok.encode("é a")
+    entries = [(i, -1.0, 0) for i in ids]
+    want = ["bytes:\\xc3", "bytes:\\xa9"] + [tok.decode([i]) for i in ids[2:]]
+    assert [e["token"] for e in chat_logprobs(tok, entries)["content"]] == want
+    assert completion_logprobs(tok, entries)["tokens"] == want
 
 
 def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live_in_thread, monkeypatch):

@@ -35,7 +35,7 @@ from jrl.rollout import Engine, SamplingParams
 from jrl.serve.loading import Served
 from jrl.serve.protocol import (ChatCompletionRequest, CompletionRequest, ServeError, WeightsRequest,
                                 error_body, parse_body, _Common, _short_repr)
-from jrl.serve.text import TextStream, decode, token_bytes
+from jrl.serve.text import TextStream, token_bytes, token_str
 from jrl.serve.tools import ToolCallStream, parse_tool_calls
 from jrl.serve.worker import DoneEvent, EngineWorker, ErrorEvent, Handle, TokenEvent, WeightsRefused
 from jrl.tokenizer import ChatTemplateError
@@ -343,20 +343,16 @@ class _Choice:
         return {"policy_version": self.version}
 
 
-def _token_str(tokenizer: Any, token: int) -> str:
-    return decode(tokenizer, [token])
-
-
 def chat_logprobs(tokenizer: Any, entries: list[tuple[int, float, int]]) -> dict[str, Any]:
     content = []
     for tok, lp, _ in entries:
-        s = _token_str(tokenizer, tok)
-        content.append({"token": s, "logprob": lp, "bytes": list(token_bytes(tokenizer, tok)), "top_logprobs": []})
+        content.append({"token": token_str(tokenizer, tok), "logprob": lp, "bytes": list(token_bytes(tokenizer, tok)),
+                        "top_logprobs": []})
     return {"content": content}
 
 
 def completion_logprobs(tokenizer: Any, entries: list[tuple[int, float, int]]) -> dict[str, Any]:
-    return {"tokens": [_token_str(tokenizer, t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+    return {"tokens": [token_str(tokenizer, t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": None, "text_offset": [o for _, _, o in entries]}
 
 

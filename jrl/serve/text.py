@@ -122,3 +122,15 @@ def token_bytes(tokenizer: Any, token: int) -> bytes:
     if token >= tokenizer.vocab_size:
         return b""
     return tokenizer.token_bytes(token, skip_special_tokens=True)
+
+
+def token_str(tokenizer: Any, token: int) -> str:
+    """`token` as logprobs show it (chat `token`, completions `tokens`): its text, or, for a
+    token holding part of a multi-byte character (alone it decodes to U+FFFD), `bytes:` and
+    its bytes escaped, as OpenAI writes it (`bytes:\\xe2\\x80`)."""
+    raw = token_bytes(tokenizer, token)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return decode(tokenizer, [token])
