@@ -1329,12 +1329,12 @@ TOOL_ANSWER = 'Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 2, "b"
 ADD_TOOL = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
 
-def script_answers(monkeypatch, tokenizer, text: str) -> int:
-    """Every choice's text is `text`, whatever the model samples (each sampled token is
-    swapped for the next of `text`'s tokens): request max_tokens (the returned count) with
-    ignore_eos. Returns how many tokens `text` takes."""
+def script_answers(monkeypatch, tokenizer, text: str | list[int]) -> int:
+    """Every choice's text is `text` (a string, or token ids), whatever the model samples
+    (each sampled token is swapped for the next of `text`'s tokens): request max_tokens (the
+    returned count) with ignore_eos. Returns how many tokens `text` takes."""
     import jrl.serve.app as app_module
-    script = tokenizer.encode(text)
+    script = tokenizer.encode(text) if isinstance(text, str) else list(text)
 
     class Scripted(TextStream):
         def add(self, ids):
@@ -1404,3 +1404,23 @@ def test_weights_checks_the_admin_token_before_the_body(live, body):
     assert r.status_code == 401, r.text
     assert r.json()["error"] == {"message": "invalid admin token (Authorization: Bearer <token>)",
                                  "type": "authentication_error", "param": None, "code": None}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_stop_string_in_the_final_flush_of_an_incomplete_character_finishes_with_stop(live, monkeypatch, stream):
+    """The answer ends at max_tokens inside a character ("ok" and the first byte of "é"): only
+    the final flush writes its U+FFFD, where the stop string is found. The text was cut
+    there but finish_reason stayed "length"."""
+    tok = live.server.tokenizer
+    n_tokens = script_answers(monkeypatch, tok, tok.encode("ok") + tok.encode("é")[:1])
+    body = {"model": NAME, "prompt": "hi", "max_tokens": n_tokens, "ignore_eos": True, "stop": ["\ufffd"],
+            "stream": stream}
+    if stream:
+        with live.http.stream("POST", "/v1/completions", json=body) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+        assert (text, finish) == ("ok", ["stop"])
+    else:
+        (c,) = live.http.post("/v1/completions", json=body).json()["choices"]
+        assert (c["text"], c["finish_reason"]) == ("ok", "stop")

@@ -323,8 +323,8 @@ class _Choice:
                 self.cached = comp.cached_tokens
                 if len(comp.versions):
                     self.version = int(comp.versions[-1])
-                self.finish_reason = _FINISH[comp.finish_reason]
-                self.text.finish()
+                self.text.finish()  # may find a stop string in the last, incomplete character
+                self.finish_reason = "stop" if self.text.cut else _FINISH[comp.finish_reason]
                 yield
                 return
             elif isinstance(event, ErrorEvent):
