@@ -27,6 +27,9 @@ import numpy as np
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, normalizers
+from tokenizers import models as tok_models
 
 from chat_fixtures import write_chat_tokenizer
 from jrl import checkpoint
@@ -42,7 +45,7 @@ from jrl.rollout.tuning import resolve_tuning
 from jrl.serve.cli import ServerThread, build, build_parser, main
 from jrl.serve.loading import KV_MEMORY_FRACTION, engine_config, load_served
 from jrl.serve.app import chat_logprobs, completion_logprobs
-from jrl.serve.text import TextStream
+from jrl.serve.text import TextStream, decode
 from jrl.serve.worker import DoneEvent, TokenEvent
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -1125,6 +1128,41 @@ def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():
     s = TextStream(tok, skip_ids=[tok.eos_id])
     s.add(tok.encode("ab") + [tok.eos_id] + tok.encode("cd"))
     assert s.emit(final=True) == "ab" and s.stopped and not s.cut
+
+
+def write_byte_fallback_tokenizer(path: Path) -> Path:
+    """A SentencePiece-style (Llama 2) tokenizer: `▁` pieces, byte pieces `<0xNN>` for what
+    the vocabulary lacks, and Llama's decoder, which decodes a run of byte pieces together
+    (each byte of an invalid run becomes U+FFFD)."""
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    for piece in ["▁", "a", "▁a", "▁the", "cat"]:
+        vocab[piece] = len(vocab)
+    raw = RawTokenizer(tok_models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    raw.add_special_tokens(["</s>"])
+    path.mkdir(parents=True, exist_ok=True)
+    raw.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return path
+
+
+def test_a_token_that_changes_the_decode_of_the_tokens_before_it_is_not_sent_twice(tmp_path):
+    """A byte piece after "é"'s two makes the decoder turn the whole run of bytes into
+    U+FFFDs: decode(window + new) no longer starts with decode(window), and the stream
+    appended all of it, sending the window's text again ("the cat écat ..."). Only what
+    follows the text the two decodes share is added."""
+    tok = load_tokenizer(str(write_byte_fallback_tokenizer(tmp_path / "tok")))
+    ids = tok.encode("the cat é") + [2 + 0xA9] + tok.encode("a")  # a stray continuation byte, then " a"
+    s = TextStream(tok)
+    shown = []
+    for i in ids:
+        s.add([i])
+        shown.append(s.emit())
+    shown.append(s.emit(final=True))
+    assert "".join(shown) == s.text == "the cat é\ufffd\ufffd\ufffd a"
+    assert decode(tok, ids) == "the cat \ufffd\ufffd\ufffd a"  # the decoder's own text of all the tokens
 
 
 @pytest.mark.parametrize("kind", ["bytes", "byte-level BPE"])

@@ -13,11 +13,14 @@
 Decoding is incremental: each new token decodes a window of a few tokens before it
 (`decode(window + new)` minus `decode(window)`), so long completions cost O(tokens), and
 tokenizers whose output depends on the neighbouring token (byte-level BPE, SentencePiece
-spaces) still join correctly.
+spaces) still join correctly. Where a new token changes the window's own text (a byte piece
+that makes Llama's decoder turn a run of bytes into U+FFFDs), the text already there stays
+and only what follows the part both decodes share is added: nothing is sent twice.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +62,11 @@ class TextStream:
         window = self.ids[max(0, start - _CONTEXT):start]
         before = self._decode(window) if window else ""
         full = self._decode(window + self.ids[start:])
-        new = full[len(before):] if full.startswith(before) else full
+        if full.startswith(before):
+            new = full[len(before):]
+        else:  # the new tokens changed the window's text (Llama's byte pieces decode as a run):
+            # what is sent stays, and what follows the text both decodes share is added
+            new = full[len(os.path.commonprefix([before, full])):]
         if new.endswith("\ufffd") and not final:
             return  # the last token ends inside a character: wait for the next one
         self.text += new  # the pending tokens' offsets (set on add) are where `new` starts
