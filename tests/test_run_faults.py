@@ -808,3 +808,49 @@ def test_resume_with_more_steps_inside_the_warmup_says_the_next_rate_is_unchange
         f"so the warmup_cosine schedule is laid out again over 4 updates: the learning-rate multiplier of the next "
         f"update stays 0.3, the decay after the warmup moves (set schedule.total_steps=2 to keep it; past its end "
         f"the rate stays at schedule.min_lr_ratio)")
+
+
+# A child `python -m jrl.train` that is SIGKILLed halfway through writing the first file
+# whose name contains argv[1] (a kill at that exact point, whichever way the file is opened).
+KILL_WHILE_WRITING = """
+import builtins, io, os, signal, sys
+
+real_open, target = io.open, sys.argv[1]
+
+class Dying:
+    def __init__(self, f):
+        self.f = f
+    def write(self, data):
+        self.f.write(data[: len(data) // 2])
+        self.f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.f.close()
+
+def dying_open(file, mode="r", *args, **kwargs):
+    f = real_open(file, mode, *args, **kwargs)
+    named = isinstance(file, (str, os.PathLike)) and target in os.path.basename(os.fspath(file))
+    return Dying(f) if named and any(c in mode for c in "wxa") else f
+
+builtins.open = io.open = dying_open
+from jrl.launch import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def kill_while_writing(name: str, argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", KILL_WHILE_WRITING, name, *argv], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_kill_while_config_yaml_is_written_leaves_the_old_one_whole(tmp_path):
+    run, config = tmp_path / "run", write_config(tmp_path)
+    assert main(["--config", config, "--output-dir", str(run)]) == 0
+    before = (run / "config.yaml").read_text()
+    killed = kill_while_writing("config.yaml", ["--config", config, "--output-dir", str(run), "--resume", "steps=6"])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (run / "config.yaml").read_text() == before  # was cut to half of the new one, then read by eval / serve

@@ -13,6 +13,7 @@ import fcntl
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 _AT_FDCWD = -100
@@ -41,6 +42,21 @@ def write_file_durably(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_file(path: Path, data: bytes, kind: str = "staging") -> None:
+    """Replaces (or creates) the file `path` with `data` atomically and durably: written to a
+    hidden sibling `.<name>.<kind>-<id>`, fsynced, renamed over `path`, and the directory
+    fsynced. A crash leaves either the old file or the new one, never a torn one."""
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.{kind}-{uuid.uuid4().hex}")
+    try:
+        write_file_durably(staging, data)
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def make_dirs_durably(path: Path) -> None:

@@ -556,7 +556,8 @@ class Trainer:
         # a fresh run's empty fp8 amax histories are seeded from its first batch (delayed scaling)
         self._seed_fp8 = state.fp8_history is not None and not resumed
         if self.is_main_process:
-            (self.run_dir / "config.yaml").write_text(yaml_dump(to_dict(c)))
+            # staged and renamed: a kill mid-write leaves the old config.yaml whole, never a torn one
+            checkpoint.durable.replace_file(self.run_dir / "config.yaml", yaml_dump(to_dict(c)).encode("utf-8"))
         self.start_step = int(state.step)
         return state
 
