@@ -1,5 +1,5 @@
-"""Hidden working directories named after the process that writes them, and the removal
-of those a killed process left behind.
+"""Hidden working directories (and files) named after the process that writes them, and the
+removal of those a killed process left behind.
 
 A writer that stages its output in a hidden directory (a token store being built, a
 Hugging Face export being written) names it with its host and pid (`owned_name`). The next
@@ -53,8 +53,8 @@ def last_change(path: Path) -> float:
 
 
 def remove_stale(parent: str | os.PathLike, leftover: re.Pattern, now: float | None = None) -> list[Path]:
-    """Removes the directories in `parent` whose names match `leftover` and whose writer is
-    gone, and returns them. `leftover` may capture `host` and `pid` (`OWNER`); a name
+    """Removes the directories and files in `parent` whose names match `leftover` and whose
+    writer is gone, and returns them. `leftover` may capture `host` and `pid` (`OWNER`); a name
     without them is judged by its age alone."""
     now = time.time() if now is None else now
     host = socket.gethostname()
@@ -65,7 +65,8 @@ def remove_stale(parent: str | os.PathLike, leftover: re.Pattern, now: float | N
         return removed
     for entry in entries:
         m = leftover.match(entry.name)
-        if m is None or not entry.is_dir(follow_symlinks=False):
+        is_dir = entry.is_dir(follow_symlinks=False)
+        if m is None or not (is_dir or entry.is_file(follow_symlinks=False)):
             continue
         owner = m.groupdict()
         if owner.get("host") == host and owner.get("pid") is not None:
@@ -73,7 +74,13 @@ def remove_stale(parent: str | os.PathLike, leftover: re.Pattern, now: float | N
         else:
             stale = now - last_change(Path(entry.path)) > STALE_AFTER_S
         if stale:
-            shutil.rmtree(entry.path, ignore_errors=True)
+            if is_dir:
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
             if not os.path.lexists(entry.path):
                 removed.append(Path(entry.path))
     return removed

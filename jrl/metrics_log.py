@@ -135,7 +135,8 @@ class MetricsLog:
         """Drops rows with `step` > `step` (and a torn last line); returns how many rows went.
 
         The file is rewritten beside itself, fsynced and renamed over the old one, so a
-        crash during truncation leaves either the old or the new log.
+        crash during truncation leaves either the old or the new log (and a hidden staged
+        file, which the next truncation removes once its writer is gone).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")

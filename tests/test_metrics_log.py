@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jrl import leftovers
 from jrl.metrics_log import MetricsLog, read_metrics
 
 
@@ -131,3 +132,13 @@ def test_flush_and_sync_keeps_the_log_usable(tmp_path):
         log.flush_and_sync()
         log.append({"step": 2})
     assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
+
+
+def test_truncation_keeps_the_staged_file_of_a_live_writer(tmp_path):
+    # a killed writer's staged file goes (tests/test_run_faults.py); one of a process still alive stays
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.append({"step": 1})
+    live = tmp_path / leftovers.owned_name(".metrics.jsonl.truncate-")  # this process's
+    live.write_text("")
+    log.truncate_after(0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "metrics.jsonl"]

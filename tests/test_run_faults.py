@@ -854,3 +854,15 @@ def test_a_kill_while_config_yaml_is_written_leaves_the_old_one_whole(tmp_path):
     killed = kill_while_writing("config.yaml", ["--config", config, "--output-dir", str(run), "--resume", "steps=6"])
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert (run / "config.yaml").read_text() == before  # was cut to half of the new one, then read by eval / serve
+
+
+def test_the_next_run_removes_the_file_a_killed_metrics_truncation_left(tmp_path):
+    run, config = tmp_path / "run", write_config(tmp_path)
+    assert main(["--config", config, "--output-dir", str(run)]) == 0
+    killed = kill_while_writing(".metrics.jsonl.truncate-",
+                                ["--config", config, "--output-dir", str(run), "--resume", "steps=6"])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert len([p for p in run.iterdir() if p.name.startswith(".metrics.jsonl.truncate-")]) == 1
+    with pytest.warns(UserWarning, match="taking over the stale lock of a run that ended without releasing it"):
+        assert main(["--config", config, "--output-dir", str(run), "--resume", "steps=6"]) == 0
+    assert [p.name for p in run.iterdir() if p.name.startswith(".metrics.jsonl.")] == []  # stayed there for good

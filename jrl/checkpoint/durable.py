@@ -11,10 +11,12 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
 import shutil
 import time
-import uuid
 from pathlib import Path
+
+from jrl import leftovers
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 1 << 1
@@ -46,10 +48,13 @@ def write_file_durably(path: Path, data: bytes) -> None:
 
 def replace_file(path: Path, data: bytes, kind: str = "staging") -> None:
     """Replaces (or creates) the file `path` with `data` atomically and durably: written to a
-    hidden sibling `.<name>.<kind>-<id>`, fsynced, renamed over `path`, and the directory
-    fsynced. A crash leaves either the old file or the new one, never a torn one."""
+    hidden sibling `.<name>.<kind>-<host>-<pid>-<id>`, fsynced, renamed over `path`, and the
+    directory fsynced. A crash leaves either the old file or the new one, never a torn one;
+    a kill leaves at most the hidden sibling, which the next replace of `path` removes
+    (`remove_stale_staged`)."""
     path = Path(path)
-    staging = path.with_name(f".{path.name}.{kind}-{uuid.uuid4().hex}")
+    remove_stale_staged(path)
+    staging = path.with_name(leftovers.owned_name(f".{path.name}.{kind}-"))
     try:
         write_file_durably(staging, data)
         os.replace(staging, path)
@@ -57,6 +62,15 @@ def replace_file(path: Path, data: bytes, kind: str = "staging") -> None:
         staging.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def remove_stale_staged(path: Path) -> list[Path]:
+    """Removes the hidden siblings `replace_file` staged `path` in and a killed process left
+    (`jrl.leftovers.remove_stale`: a live writer's stays); an older jrl's, named without host
+    and pid, once a day old. Returns them."""
+    path = Path(path)
+    staged = re.compile(rf"^\.{re.escape(path.name)}\.[a-z]+-(?:{leftovers.OWNER}|[0-9a-f]{{32}})$")
+    return leftovers.remove_stale(path.parent, staged)
 
 
 def make_dirs_durably(path: Path) -> None:

@@ -444,6 +444,7 @@ class Trainer:
             shutil.rmtree(self.checkpoint_dir)
         for name in ("metrics.jsonl", "metrics.png"):
             (self.run_dir / name).unlink(missing_ok=True)
+        checkpoint.durable.remove_stale_staged(self.run_dir / "metrics.jsonl")  # a killed truncation's
 
     def setup(self, resume: bool = False, overwrite: bool = False, resume_from: int | None = None,
               allow_data_change: bool = False) -> TrainState:
