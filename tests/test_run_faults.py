@@ -866,3 +866,39 @@ def test_the_next_run_removes_the_file_a_killed_metrics_truncation_left(tmp_path
     with pytest.warns(UserWarning, match="taking over the stale lock of a run that ended without releasing it"):
         assert main(["--config", config, "--output-dir", str(run), "--resume", "steps=6"]) == 0
     assert [p.name for p in run.iterdir() if p.name.startswith(".metrics.jsonl.")] == []  # stayed there for good
+
+
+# A child `python -m jrl.train` SIGKILLed as shutil.rmtree is about to remove its (argv[1] + 1)th file.
+KILL_WHILE_REMOVING = """
+import os, shutil, signal, sys  # shutil before the patch: it picks its fd-based rmtree at import
+
+after, removed = int(sys.argv[1]), [0]
+real_unlink = os.unlink
+
+def unlink(path, *args, dir_fd=None, **kwargs):
+    if dir_fd is not None:  # rmtree's
+        if removed[0] == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        removed[0] += 1
+    return real_unlink(path, *args, dir_fd=dir_fd, **kwargs)
+
+os.unlink = unlink
+from jrl.launch import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_kill_while_overwrite_deletes_the_old_checkpoints_leaves_no_half_deleted_step(tmp_path):
+    run, config = tmp_path / "run", write_config(tmp_path)
+    root = run / "checkpoints"
+    assert main(["--config", config, "--output-dir", str(run)]) == 0
+    # killed once a step's manifest.json and meta.json are gone: its payload, missing only those,
+    # read as a bare (legacy) Orbax checkpoint, which --resume then took up without its data position
+    killed = subprocess.run([sys.executable, "-c", KILL_WHILE_REMOVING, "2", "--config", config, "--output-dir",
+                             str(run), "--overwrite", "seed=1"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert checkpoint.all_steps(root)  # deleted step by step: the kill came before the last one went
+    for step in checkpoint.all_steps(root):
+        assert sorted(p.name for p in (root / f"step_{step}").iterdir()) == ["manifest.json", "meta.json", "state"]
+        assert checkpoint.verify_checkpoint(root, step) is True

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -437,11 +436,17 @@ class Trainer:
     def _clear_run_dir(self) -> None:
         if not self.is_main_process:
             return
-        if self.checkpoint_dir.is_symlink():  # kept on another disk: emptied there, the link stays
-            for entry in self.checkpoint_dir.iterdir() if self.checkpoint_dir.is_dir() else ():
+        root = self.checkpoint_dir
+        if root.is_dir():
+            # step by step, each hidden by an atomic rename before it is removed (as retention
+            # does): a kill leaves whole checkpoints and hidden leftovers, never a visible
+            # step_<N> with files missing, which --resume could take for a bare Orbax checkpoint
+            for step in checkpoint.all_steps(root):
+                checkpoint.layout.remove_step(root, step)
+            for entry in root.iterdir():  # the lock file, hidden leftovers
                 checkpoint.durable.remove_tree(entry)
-        elif self.checkpoint_dir.exists():
-            shutil.rmtree(self.checkpoint_dir)
+            if not root.is_symlink():  # kept on another disk: emptied there, the link stays
+                root.rmdir()
         for name in ("metrics.jsonl", "metrics.png"):
             (self.run_dir / name).unlink(missing_ok=True)
         checkpoint.durable.remove_stale_staged(self.run_dir / "metrics.jsonl")  # a killed truncation's
