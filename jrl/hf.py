@@ -911,7 +911,8 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     """Writes `config.json` + `model.safetensors` (or shards + index when the tensors exceed
     `max_shard_bytes`) that transformers loads as `model_type` (inferred when None).
 
-    LoRA adapters are rejected: merge them first with `jrl.models.lora.merge_lora`.
+    LoRA adapters are rejected: merge them first with `jrl.models.lora.merge_lora`; so is a
+    `path` holding a PEFT adapter's `adapter_config.json` (FileExistsError, nothing written).
     `extra_config` adds keys that never affect the forward pass, such as `eos_token_id`.
     The files are staged inside `path` and replace an earlier export there only once
     complete (a failed write raises OSError naming the file and leaves `path` as it was).
@@ -921,6 +922,7 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     if _has_lora(params):
         raise HFFormatError("params contain LoRA adapters (lora_a/lora_b); merge them first with "
                             "jrl.models.lora.merge_lora(config, params)")
+    _check_no_adapter(path)
     hf = config_to_hf(config, model_type)
     model_type = hf["model_type"]
     if extra_config:
@@ -975,6 +977,18 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return model_type
+
+
+def _check_no_adapter(path: str) -> None:
+    """Raises FileExistsError when `path` holds a PEFT adapter (`adapter_config.json`):
+    transformers with peft installed loads that adapter over the base model it names
+    instead of the weights exported beside it. Not jrl's file (jrl exports no adapters),
+    so it is not deleted."""
+    adapter = os.path.join(path, "adapter_config.json")
+    if os.path.lexists(adapter):
+        raise FileExistsError(f"{adapter}: a PEFT adapter's config; transformers with peft installed would load "
+                              "that adapter over the base model it names instead of this export. Remove it (and "
+                              "its adapter_model.* weights) or export into another directory; nothing was written")
 
 
 _STAGING_PREFIX = ".jrl-export-staging-"

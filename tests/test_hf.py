@@ -333,6 +333,20 @@ def test_saving_over_a_sharded_export_replaces_its_weight_files(tmp_path):
     assert hf.params_equal(hf.load_pretrained(tmp_path)[1], retrained)
 
 
+
+def test_save_refuses_a_directory_holding_a_peft_adapter_and_writes_nothing(tmp_path):
+    # transformers with peft installed would load the adapter (over the base it names), not the export
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "base"}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"adapter")
+    config, params = hf.load_pretrained(fixture("llama"))
+    with pytest.raises(FileExistsError) as e:
+        hf.save_pretrained(config, params, tmp_path)
+    assert str(e.value) == (f"{tmp_path}/adapter_config.json: a PEFT adapter's config; transformers with peft "
+                            "installed would load that adapter over the base model it names instead of this export. "
+                            "Remove it (and its adapter_model.* weights) or export into another directory; nothing "
+                            "was written")
+    assert sorted(os.listdir(tmp_path)) == ["adapter_config.json", "adapter_model.safetensors"]
+
 @pytest.mark.parametrize("max_shard_bytes", [None, 20_000])
 def test_exported_weight_files_are_as_readable_as_config_json(tmp_path, max_shard_bytes):
     # safetensors writes through a 0600 temporary file: another user (a server, a shared
