@@ -85,6 +85,40 @@ def test_page_shortage_in_decode_preempts_the_youngest_request():
     assert b.outputs == [1]  # kept: re-prefilled with its prompt on re-admission
 
 
+
+def decode_then_preempt(s, req, n_tokens):
+    """Admits `req`, reads back `n_tokens` of it, then preempts it (its pages published)."""
+    s.add(req)
+    s.schedule(0)
+    for _ in range(n_tokens - 1):
+        read_back(req)
+        s.schedule(0)
+    read_back(req)
+    s.preempt(req, 0)
+
+
+def test_a_re_admission_hitting_its_own_pages_counts_no_prompt_token_as_cached():
+    # re-admitted with 8 prompt + 5 output tokens, it finds its own 3 published pages
+    # (12 tokens): every prompt token was computed at its first admission
+    s = make(n_pages=16, page_size=4, budget=16)
+    a = request(0, range(8), max_new=8)
+    decode_then_preempt(s, a, 5)
+    s.schedule(0)
+    assert (a.task.kv_len, a.cached_tokens) == (13, 0)
+
+
+def test_a_prompt_token_recomputed_at_a_re_admission_is_not_counted_as_cached():
+    s = make(n_pages=16, page_size=4, budget=16)
+    s.add(request(0, range(8), max_new=1))
+    s.schedule(0)
+    s.finish(s.running[0], 0)  # publishes the 2 pages of its prompt
+    a = request(1, [*range(8), 50, 51], max_new=8)
+    decode_then_preempt(s, a, 1)
+    assert a.cached_tokens == 8
+    s.cache.radix.drop_versions_except(-1)  # the prefix cache is emptied: nothing hit again
+    s.schedule(0)
+    assert a.cached_tokens == 0
+
 def test_stalled_partial_prefills_free_the_youngest():
     s = make(n_pages=4, page_size=4, budget=8)
     a, b = request(0, range(12)), request(1, range(20, 32))

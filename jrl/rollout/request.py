@@ -29,7 +29,7 @@ class Completion:
     model_logprobs: np.ndarray  # float32 [n]
     versions: np.ndarray  # int64 [n]
     finish_reason: FinishReason
-    cached_tokens: int  # prompt tokens served from the prefix cache (all admissions)
+    cached_tokens: int  # prompt tokens served from the prefix cache, computed at no admission
     n_preemptions: int
 
 
@@ -52,7 +52,7 @@ class Request:
     n_inflight: int = 0  # samples dispatched but not yet read back (2 while step n-1 is unread)
     device_row: int = -1  # row of the last dispatched step whose sample is the next input
     finish_reason: FinishReason | None = None
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # set at the first admission (epoch 0), the fewest of each later one
     n_preemptions: int = 0
     # (epoch, pages) of the task it last released while samples of it were still unread:
     # should one of those samples turn out non-finite, those pages' KV may be too

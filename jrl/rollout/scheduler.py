@@ -118,7 +118,7 @@ class ScheduledBatch:
 @dataclasses.dataclass
 class SchedulerStats:
     prefill_tokens: int = 0  # prompt/prefix tokens computed (not served from cache)
-    cached_tokens: int = 0  # tokens served from the prefix cache at admission
+    cached_tokens: int = 0  # tokens served from the prefix cache at admission (outputs re-admitted too)
     preemptions: int = 0
 
 
@@ -288,7 +288,10 @@ class Scheduler:
             cache.free(task)
             req.task = None
             return 0
-        req.cached_tokens += matched
+        # prompt tokens no admission computed: a re-admission's hit may cover the request's
+        # outputs and its own pages, which count as computed (at most the prompt, as OpenAI's)
+        prompt_hit = min(matched, len(req.prompt))
+        req.cached_tokens = prompt_hit if req.epoch == 0 else min(req.cached_tokens, prompt_hit)
         self.stats.cached_tokens += matched
         self.running.append(req)
         return chunk
