@@ -275,6 +275,26 @@ def test_posted_weights_are_served_at_the_next_step(weights):
     assert engine.apply_posted_weights() is None and engine.params is new
 
 
+
+def test_post_weights_refuses_params_of_another_shape_in_the_posting_thread(weights):
+    # they were refused only when the driving thread applied them: the poster heard nothing
+    old, _ = weights
+    engine = Engine(MODEL, old, ENGINE)
+    other = {**old, "embed": {"embedding": jnp.zeros((128, 64), jnp.float32)}}
+    with pytest.raises(ValueError) as e:
+        engine.post_weights(other, 1)
+    assert str(e.value) == "params['embed']['embedding']: float32(128, 64) differs from the served float32(256, 64)"
+    assert engine.apply_posted_weights() is None and engine.version == 0 and engine.params is old
+
+
+def test_a_refused_post_leaves_the_earlier_post_to_be_served(weights):
+    old, new = weights
+    engine = Engine(MODEL, old, ENGINE)
+    engine.post_weights(new, 1)
+    with pytest.raises(ValueError, match="params: tree structure differs"):
+        engine.post_weights({"params": new}, 2)
+    assert engine.apply_posted_weights().version == 1 and engine.params is new
+
 def test_engine_config_names_the_continue_mode_in_errors():
     with pytest.raises(Exception, match="engine.on_weight_update: must be 'finish', 'restart' or 'continue'"):
         EngineConfig(on_weight_update="drain")

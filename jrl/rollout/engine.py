@@ -743,8 +743,7 @@ class Engine:
         if version < self.version:
             raise ValueError(f"version: {version} is older than the served version {self.version}; "
                              "policy versions never go backwards")
-        adapters_only = self._lora and jax.tree.structure(params) == jax.tree.structure(self._adapter_structure)
-        _check_same_structure(self._adapter_structure if adapters_only else self._source_structure, params)
+        adapters_only = self._checked_update(params)
         if version == self.version:
             served = lora_params(self._held) if adapters_only else self.params
             if not (self._source.same(params) or _same_leaves(served, params)):
@@ -808,13 +807,23 @@ class Engine:
         """Hands `params` over as `version` from any thread: the thread that drives the
         engine serves them (`update_weights`, with its checks and its `on_weight_update`)
         at the start of its next `step`, or when it calls `apply_posted_weights`. A later
-        post replaces one not yet applied. A `version` that is not an integer raises
-        ValueError here, in the posting thread. With on_weight_update="continue" this is how
+        post replaces one not yet applied. A `version` that is not an integer, or params whose
+        structure, shapes or dtypes `update_weights` would refuse, raise ValueError here, in
+        the posting thread (an earlier post stays). With on_weight_update="continue" this is how
         a trainer swaps weights under a generation running in another thread without
         waiting for its longest request."""
         version = _checked_version(version)  # refused here, in the caller's thread
+        self._checked_update(params)  # so is a tree the update would refuse (an earlier post stays)
         with self._posted_lock:
             self._posted = (params, version)
+
+    def _checked_update(self, params: dict) -> bool:
+        """Whether `params` are the adapters alone (LoRA); raises ValueError naming the first
+        leaf whose path, shape or dtype differs from the params handed over before. Reads
+        only what the engine fixed when built: safe from any thread."""
+        adapters_only = self._lora and jax.tree.structure(params) == jax.tree.structure(self._adapter_structure)
+        _check_same_structure(self._adapter_structure if adapters_only else self._source_structure, params)
+        return adapters_only
 
     @_one_driver  # from another thread: refused before the post is taken (it stays for the driver)
     def apply_posted_weights(self) -> Ack | None:
