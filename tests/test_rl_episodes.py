@@ -189,6 +189,13 @@ def test_hermes_parser_splits_prose_calls_and_errors():
     assert (plain.content, plain.calls, plain.errors, plain.has_calls) == ("the answer is 5", [], [], False)
 
 
+def test_a_call_with_null_arguments_takes_its_parameters():
+    # before: `"arguments": null` won over `parameters`, and the call ran with no arguments
+    parsed = HermesParser().parse('<tool_call>{"name": "add", "arguments": null, "parameters": {"a": 1, "b": 2}}'
+                                  '</tool_call>')
+    assert (parsed.calls, parsed.errors) == ([ToolCall("add", {"a": 1, "b": 2}, "call_0")], [])
+
+
 @pytest.mark.parametrize("text, message", [
     ("<tool_call>{not json}</tool_call>", "invalid JSON"),
     ('<tool_call>["add"]</tool_call>', "expected a JSON object"),

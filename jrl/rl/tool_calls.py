@@ -86,7 +86,8 @@ def _reason(e: BaseException) -> str:
 
 def read_call(body: str, call_id: str) -> ToolCall | ToolCallError:
     """A call from its JSON text `{"name": str, "arguments": {...}}` (`arguments` may
-    also be a JSON string holding an object, or absent for no arguments)."""
+    also be a JSON string holding an object; where it is null or absent, `parameters`,
+    which some models write instead, is read the same way; neither: no arguments)."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
@@ -98,7 +99,9 @@ def read_call(body: str, call_id: str) -> ToolCall | ToolCallError:
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ToolCallError(body, "malformed tool call: needs a string 'name'", call_id)
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = obj.get("arguments")
+    if args is None:  # null as absent: a model that writes `parameters` may still emit `"arguments": null`
+        args = obj.get("parameters")
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
