@@ -930,6 +930,39 @@ def test_tool_environment_through_the_sampler(engine, tok, im_end):
     assert set(metrics) >= {"turns_mean", "tool_calls_mean", "tool_error_rate", "truncated_frac", "env_s"}
 
 
+_ran: list[str] = []
+
+
+def ping() -> str:
+    """Records that it ran."""
+    _ran.append("ping")
+    return "pong"
+
+
+class AlwaysPings:
+    """A parser that reads every turn as one call of `ping`."""
+
+    def parse(self, text):
+        return ParsedMessage("", [ToolCall("ping", {}, "call_0")], [])
+
+
+def test_the_calls_of_the_last_allowed_turn_do_not_run(engine, tok, im_end):
+    """The model would never see their answers: the episode ends at that turn, truncated."""
+    from jrl.data.tasks import Problem
+    from jrl.rl.episode_source import EpisodeSampler
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    options = RLOptions.from_config({"tools": ["test_rl_episodes:ping"], "tool_parser": "test_rl_episodes:AlwaysPings",
+                                     "max_new_tokens": 40, "max_turns": 2, "rewards": [{"fn": "exact_match"}]})
+    sampler = EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 512)
+    _ran.clear()
+    (eps,) = sampler.run(engine, [Problem(prompt="ping twice", answer="pong", where="p0")], 3, 1.0,
+                         np.arange(3, dtype=np.uint64))
+    assert [(ep.turns, ep.tool_calls, ep.truncation, ep.reward) for ep in eps] == [(2, 1, "max_turns", 0.0)] * 3
+    assert _ran == ["ping"] * 3  # the first turns' calls only (before: the second turns' too)
+    assert [[m["role"] for m in ep.messages] for ep in eps] == [["user", "assistant", "tool", "assistant"]] * 3
+
+
 def test_episode_options_are_validated():
     from jrl.rl.options import RLOptions
     with pytest.raises(ConfigError, match="strategy.options.env: module 'test_rl_episodes' has no class 'Nope'"):

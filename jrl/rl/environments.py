@@ -18,7 +18,9 @@ renders into every prompt (`tools=`). A single-turn task is an environment whose
 
 `ToolEnvironment` is the built-in one: the example's prompt, tools from a `ToolRegistry`,
 each assistant turn's calls (parsed by a `ToolCallParser`) executed and answered with `tool`
-messages; a turn without calls is the final answer, scored by the task's reward.
+messages; a turn without calls is the final answer, scored by the task's reward. Calls on
+the last allowed turn are not run (nothing would read their answers): the episode ends
+there, truncated.
 
 **Token exactness.** `EpisodeRunner` drives the engine itself. An episode's sequence is the
 first prompt's ids, then per turn the ids the engine sampled (kept as sampled, never
@@ -148,23 +150,27 @@ class ToolEnvironment:
     `score(example, final_text) -> (total, {term: value})` (the task's rewards; the terms
     go into the final step's info as `reward_terms`). Malformed calls, unknown
     tools, exceptions and timeouts are `tool` messages saying what went wrong. More than
-    `max_tool_calls` calls in the episode end it, truncated, with reward 0."""
+    `max_tool_calls` calls in the episode end it, truncated, with reward 0, as do calls on
+    its `max_turns`-th turn (None: no limit), which are not run: no turn would read their
+    answers."""
 
     def __init__(self, tools: ToolRegistry, score: Callable[[dict, str], tuple[float, dict[str, float]]], *,
-                 parser: ToolCallParser | None = None, max_tool_calls: int = 8,
+                 parser: ToolCallParser | None = None, max_tool_calls: int = 8, max_turns: int | None = None,
                  system_prompt: str | None = None, prompt_key: str = "prompt") -> None:
         self.registry = tools
         self.score = score
         self.parser = parser or HermesParser()
         self.max_tool_calls = max_tool_calls
+        self.max_turns = max_turns
         self.system_prompt = system_prompt
         self.prompt_key = prompt_key
         self.tools = tools.schemas
         self.example: dict = {}
         self.calls_made = 0
+        self.turns = 0
 
     def reset(self, example: dict) -> list[Message]:
-        self.example, self.calls_made = example, 0
+        self.example, self.calls_made, self.turns = example, 0, 0
         prompt = example[self.prompt_key]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         if self.system_prompt is not None:
@@ -173,9 +179,12 @@ class ToolEnvironment:
 
     def step(self, assistant_message: Message) -> tuple[list[Message], float, bool, dict]:
         parsed = self.parser.parse(assistant_message["content"])
+        self.turns += 1
         if not parsed.has_calls:
             total, terms = self.score(self.example, parsed.content)
             return [], float(total), True, {"final": True, "reward_terms": dict(terms)}
+        if self.max_turns is not None and self.turns >= self.max_turns:
+            return [], 0.0, True, {"truncated": "max_turns", "tool_calls": 0}
         n = len(parsed.calls) + len(parsed.errors)
         if self.calls_made + n > self.max_tool_calls:
             return [], 0.0, True, {"truncated": "max_tool_calls", "tool_calls": 0}

@@ -87,7 +87,7 @@ class EpisodeSampler:
             return float(total[0]), {name: float(v[0]) for name, v in terms.items()}
 
         return ToolEnvironment(self.registry, score, parser=self.parser, max_tool_calls=o.max_tool_calls,
-                               system_prompt=o.task.system_prompt), example
+                               max_turns=o.max_turns, system_prompt=o.task.system_prompt), example
 
     def check_opening_prompts(self, task: Any) -> None:
         """Raises ConfigError (naming the environment, the record and the lengths) for an
