@@ -628,6 +628,39 @@ def test_later_turns_prefill_only_their_new_tokens(three_turns):
     assert checked
 
 
+# CHATML_TOOLS whose `tool` turns also name how many tools there are (a template may use
+# `tools` anywhere, not only in the opening system turn)
+TOOL_AWARE = CHATML_TOOLS.replace(
+    "message['role'] + '\n'", "message['role'] + ((' of ' ~ tools|length) if tools and message['role'] == 'tool' "
+                                "else '') + '\n'")
+
+
+class ToolsAtReset(Scripted):
+    """Scripted, listing one tool from its reset (as an environment that picks its tools
+    per record does)."""
+
+    def reset(self, example):
+        self.tools = [resolve_tool("test_rl_episodes:add").schema]
+        return super().reset(example)
+
+
+class ToolsWhenBuilt(Scripted):
+    def __init__(self) -> None:
+        super().__init__(turns=3)
+        self.tools = [resolve_tool("test_rl_episodes:add").schema]
+
+
+def test_tools_an_environment_sets_in_reset_render_into_every_turn(engine, im_end, tmp_path):
+    # before: the runner read the tools when the episode was set up, before reset: the
+    # opening prompt (rendered after reset) had them, later turns were rendered without
+    aware = load_tokenizer(str(write_chat_tokenizer(tmp_path, template=TOOL_AWARE)))
+    assert aware.encode("<|im_end|>")[0] == im_end
+    _, at_reset = run(engine, aware, im_end, [ToolsAtReset() for _ in range(4)], seed=11)
+    _, when_built = run(engine, aware, im_end, [ToolsWhenBuilt() for _ in range(4)], seed=11)
+    assert [ep.tokens for ep in at_reset] == [ep.tokens for ep in when_built]
+    assert any("<|im_start|>tool of 1\n" in aware.decode(ep.tokens) for ep in when_built)
+
+
 def test_async_environments_and_other_roles(engine, tok, im_end):
     _, eps = run(engine, tok, im_end, [AsyncScripted(turns=2, role="user") for _ in range(4)], seed=3)
     for ep in eps:

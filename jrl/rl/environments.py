@@ -13,7 +13,8 @@ answers with the messages that follow it (tool results, a user's reply, ...), a 
 (summed over the episode), whether the episode is over, and an info dict (keys the runner
 reads: `tool_calls`, `tool_errors`, `truncated`; any others are kept). Either method may be
 `async def`. An environment may list `tools` (JSON schemas), which the chat template
-renders into every prompt (`tools=`). A single-turn task is an environment whose first
+renders into every prompt (`tools=`); they are read once `reset` has returned (which may
+set them) and kept for the episode. A single-turn task is an environment whose first
 `step` returns `done=True` with the task's reward.
 
 `ToolEnvironment` is the built-in one: the example's prompt, tools from a `ToolRegistry`,
@@ -333,7 +334,7 @@ class _Live:
     episode: Episode
     env: Any
     sampling: SamplingParams
-    tools: list | None = None
+    tools: list | None = None  # episode_tools, read once reset has returned
     where: str = ""
     cut: str | None = None  # the last turn hit a token limit: the episode ends after its step
 
@@ -362,6 +363,13 @@ def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
             fail(f"info[{key!r}] must be a count (an integer >= 0), got {count!r}")
 
 
+def episode_tools(env: Any) -> list | None:
+    """The JSON schemas `env` lists for the chat template's `tools=` (None: none), read once
+    its `reset` has returned (it may set them there): every turn of the episode renders with
+    these, so that later turns continue the opening prompt as the template would render it."""
+    return getattr(env, "tools", None) or None
+
+
 def opening_prompt(pieces: ChatPieces, env: Any, messages: Any, max_total_tokens: int, where: str) -> list[int]:
     """The ids of the opening conversation `messages` that `env.reset` returned for the
     record `where`: checked to be message dicts the template renders (else
@@ -376,7 +384,7 @@ def opening_prompt(pieces: ChatPieces, env: Any, messages: Any, max_total_tokens
         raise EnvironmentFailure(f"environment {name}.reset: must return a list of message dicts, got {messages!r} "
                                  f"(on {where})")
     try:
-        ids = pieces.prompt([dict(m) for m in messages], getattr(env, "tools", None) or None)
+        ids = pieces.prompt([dict(m) for m in messages], episode_tools(env))
     except ConfigError:
         raise
     except Exception as e:
@@ -423,7 +431,7 @@ class EpisodeRunner:
         if not len(envs) == len(examples) == len(sampling):
             raise ValueError(f"envs/examples/sampling: lengths differ ({len(envs)}, {len(examples)}, {len(sampling)})")
         wheres = list(wheres) if wheres is not None else [f"episode {i}" for i in range(len(envs))]
-        live = [_Live(Episode(example=dict(ex)), env, s, getattr(env, "tools", None) or None, w)
+        live = [_Live(Episode(example=dict(ex)), env, s, where=w)
                 for env, ex, s, w in zip(envs, examples, sampling, wheres)]
         engine = self.engine
         pending: dict[concurrent.futures.Future, tuple[_Live, str, int]] = {}
@@ -534,6 +542,7 @@ class EpisodeRunner:
         ep = lv.episode
         if kind == "reset":
             ids = opening_prompt(self.pieces, lv.env, out, self.limits.max_total_tokens, lv.where)
+            lv.tools = episode_tools(lv.env)  # those the opening was rendered with
             ep.messages = [dict(m) for m in out]
             ep._append(ids, "prompt")
             ep.prompt_len = len(ids)
