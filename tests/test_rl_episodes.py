@@ -33,6 +33,7 @@ from jrl.rl.batch import build_episode_rows, build_rows
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.environments import (ChatPieces, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment,
                                  resolve_environment)
+from jrl.rl.rewards import RewardError
 from jrl.rl.tool_calls import HermesParser, ParsedMessage, ToolCall, ToolCallError, get_parser
 from jrl.rl.tools import Tool, ToolRegistry, resolve_tool, tool
 from jrl.rollout import Engine, SamplingParams, engine_config_for_workload
@@ -771,6 +772,25 @@ def test_a_malformed_step_result_stops_the_run_naming_the_environment_and_episod
     with pytest.raises(EnvironmentFailure) as e:
         run(engine, tok, im_end, [Returning(out)])
     assert str(e.value) == f"environment Returning.step: {message} (on episode 0)"
+    assert not engine.scheduler.has_work
+
+
+class Overflowing(Scripted):
+    """Two steps, each rewarded 3e38: finite in float32, their sum is not."""
+
+    def step(self, message):
+        msgs, _, done, info = Scripted.step(self, message)
+        return msgs, 3e38, done, info
+
+
+def test_an_episode_whose_summed_reward_overflows_float32_stops_the_run_as_a_single_turn_sum_does(
+        engine, tok, im_end):
+    # before: the episode's reward became inf in the rollout's float32 rewards, its group
+    # dropped as without signal (or, beside finite ones, its advantages NaN)
+    with pytest.raises(RewardError) as e:
+        run(engine, tok, im_end, [Overflowing(turns=2)], max_new_tokens=40)
+    assert str(e.value) == ("rewards: the sum of environment Overflowing.step's rewards overflows float32 on episode 0 "
+                            "(6e+38 after 2 steps); scale them down")
     assert not engine.scheduler.has_work
 
 

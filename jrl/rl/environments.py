@@ -67,7 +67,7 @@ import numpy as np
 from jrl.config import ConfigError, resolve_named
 from jrl.rl.daemon_workers import DaemonWorkers
 from jrl.rl.prompts import response_text
-from jrl.rl.rewards import reward_requirement
+from jrl.rl.rewards import float32_sums, reward_requirement
 from jrl.rl.tool_calls import HermesParser, ToolCallParser
 from jrl.rl.tools import ToolRegistry
 from jrl.rollout.request import Completion
@@ -555,6 +555,8 @@ class EpisodeRunner:
         info = dict(info or {})
         ep.info.append(info)
         ep.reward += float(reward)
+        float32_sums([ep.reward], [lv.where], f"sum of environment {type(lv.env).__name__}.step's rewards",
+                     lambda _: f"{ep.reward:.4g} after {len(ep.info)} steps", "scale them down")
         ep.tool_calls += int(info.get("tool_calls", 0))
         ep.tool_errors += int(info.get("tool_errors", 0))
         truncated = info.get("truncated")

@@ -22,7 +22,8 @@ A config lists one or more terms whose weighted sum is the sample's reward:
 Built-ins are looked up by bare name (`exact_match`, `format_check`, `math_answer`);
 anything with a colon is imported. A reward function that raises, or returns anything but a
 finite number within float32's range, stops the run with a `RewardError` naming the function
-and the record.
+and the record; so does a sum of rewards that overflows that range (`float32_sums`: a
+sample's weighted terms, a multi-turn episode's step rewards).
 """
 
 from __future__ import annotations
@@ -55,6 +56,22 @@ def reward_requirement(v: Any) -> str | None:
     if abs(v if isinstance(v, int) else float(v)) > FLOAT32_MAX:
         return f"a number within float32's range (|v| <= {FLOAT32_MAX:.3g})"
     return None
+
+
+def float32_sums(sums: Any, wheres: Sequence[str], what: str, parts: Callable[[int], str],
+                 advice: str) -> np.ndarray:
+    """`sums`, each sample's summed reward (its weighted terms, or an episode's step
+    rewards), as the float32 the rewards are kept in. Rewards each within float32's range
+    may sum past it, and an inf would make its group's advantages NaN (or drop a group of
+    them as without signal): a RewardError naming the first such sample (`where`, `what`
+    was summed, `parts(index)` of it) and `advice`, for single-turn and episode rewards alike."""
+    with np.errstate(over="ignore"):
+        out = np.asarray(sums, np.float64).astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(out))
+    if bad.size:
+        j = int(bad[0])
+        raise RewardError(f"rewards: the {what} overflows float32 on {wheres[j]} ({parts(j)}); {advice}")
+    return out
 
 
 def _short_repr(v: Any, limit: int = 200) -> str:
@@ -233,11 +250,9 @@ class RewardModel:
             terms[name] = values
             with np.errstate(over="ignore"):
                 total += np.float32(spec.weight) * values
-        if not np.isfinite(total).all():
-            j = int(np.flatnonzero(~np.isfinite(total))[0])
-            raise RewardError(f"rewards: the weighted sum overflows float32 on {wheres[j]} "
-                              f"(terms {', '.join(f'{k}={float(t[j]):.4g}' for k, t in terms.items())}); "
-                              f"scale the weights down")
+        total = float32_sums(total, wheres, "weighted sum",
+                             lambda j: f"terms {', '.join(f'{k}={float(t[j]):.4g}' for k, t in terms.items())}",
+                             "scale the weights down")
         return total, terms
 
 
