@@ -426,6 +426,16 @@ def test_generate_function_is_reproducible_per_key(params):
         assert np.abs(x.logprobs - logp).max() <= 1e-5
 
 
+def test_generate_function_samples_a_prompt_alike_whatever_prompts_come_with_it(params):
+    # before: seeds were the key's first n random bits, which under JAX's former threefry
+    # (jax_threefry_partitionable off, as code pinned to old results sets it) all change with n
+    prompts = prompts_of([5, 12, 7], seed=14)
+    with jax.threefry_partitionable(False):
+        alone = generate(params, MODEL, prompts[:1], jax.random.key(1), max_new_tokens=8, engine_config=ENGINE)
+        among = generate(params, MODEL, prompts, jax.random.key(1), max_new_tokens=8, engine_config=ENGINE)
+    assert alone[0].tokens.tolist() == among[0].tokens.tolist()
+
+
 @pytest.mark.parametrize("config", [
     ModelConfig(attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
     ModelConfig(n_experts=4, n_experts_per_tok=2, n_shared_experts=1),

@@ -13,6 +13,7 @@ default) lets a later process read them back instead of compiling.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -44,12 +45,28 @@ def config_for_prompts(model_config: ModelConfig, prompts: Sequence[Sequence[int
                                       model=model_config)
 
 
+def prompt_seeds(key: jax.Array, n: int) -> np.ndarray:
+    """The sampling seeds of `n` prompts: prompt k's is 32 random bits of `fold_in(key, k)`,
+    so it depends on the key and k only (the first n bits of one draw of `n` would depend
+    on n under some PRNG implementations), as the engine keys a request's k-th token by
+    `fold_in(key(seed), k)`."""
+    return np.asarray(_seeds(key, n))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _seeds(key: jax.Array, n: int) -> jax.Array:
+    """`prompt_seeds` as one program."""
+    return jax.vmap(lambda k: jax.random.bits(jax.random.fold_in(key, k), (), jnp.uint32))(
+        jnp.arange(n, dtype=jnp.uint32))
+
+
 def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]], key: jax.Array,
              sampling: SamplingParams | None = None, max_new_tokens: int = 16, eos_ids: Sequence[int] | None = (),
              stop_sequences: Sequence[Sequence[int]] | None = (), engine_config: EngineConfig | None = None,
              version: int = 0, mesh: jax.sharding.Mesh | ParallelConfig | None = None) -> list[Completion]:
     """Generates a completion per prompt (in order). Each prompt's sampling seed is drawn
-    from `key` (replacing `sampling.seed`), so the same key gives the same samples.
+    from `key` and its index (`prompt_seeds`, replacing `sampling.seed`), so the same key
+    gives a prompt the same samples, whatever prompts come with it.
     `mesh`: serve tensor-parallel (see `Engine`)."""
     check_prompt_list(prompts)
     if len(prompts) == 0:  # (not `not prompts`: ambiguous for a 2-D array of prompts)
@@ -66,8 +83,7 @@ def generate(params: dict, config: ModelConfig, prompts: Sequence[Sequence[int]]
     sampling = sampling or SamplingParams()
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling: must be a SamplingParams, got {type(sampling).__name__}")
-    seeds = np.asarray(jax.random.bits(key, (len(prompts),), jnp.uint32))
-    per_prompt = [SamplingParams(**{**sampling.__dict__, "seed": int(s)}) for s in seeds]
+    per_prompt = [SamplingParams(**{**sampling.__dict__, "seed": int(s)}) for s in prompt_seeds(key, len(prompts))]
     engine_config = engine_config or config_for_prompts(config, prompts, max_new_tokens,
                                                         free_memory=device_free_memory())
     engine = Engine(config, params, engine_config, version=version, mesh=mesh)
