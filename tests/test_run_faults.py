@@ -200,6 +200,23 @@ def test_resuming_into_another_param_dtype_says_the_weights_are_cast(run_copy, t
     assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
 
 
+def test_resuming_into_another_mu_dtype_says_the_first_moments_are_cast(run_copy, tmp_path):
+    # the float32 first moments were restored into bfloat16 without a word
+    with pytest.warns(ResumeWarning, match=r"^resume: .*step_4 holds float32 first moments; "
+                                           r"optimizer.mu_dtype is bfloat16, so they are cast to it$"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=5",
+                     "optimizer.mu_dtype=bfloat16"]) == 0
+    assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
+
+
+def test_resuming_with_mu_dtype_float32_for_null_casts_nothing_and_says_nothing(run_copy, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeWarning)
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=5",
+                     "optimizer.mu_dtype=float32"]) == 0
+    assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
+
+
 def test_a_corrupt_latest_step_resumes_from_the_previous_one_and_says_so(run_copy, tmp_path, capsys):
     flip_a_byte_of_the_payload(run_copy / "checkpoints" / "step_4")
     # keep_last=2 and a save at step 3: retention must not count the corrupt step 4 and

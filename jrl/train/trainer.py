@@ -144,6 +144,27 @@ def _decay_switch_hint(meta: dict, config: TrainConfig) -> str:
             f"optimizer.weight_decay={before!r}, or start over (--overwrite)")
 
 
+# (section, key, what the key's dtype gives, the dtype of null): the config keys that set the
+# dtype of train-state leaves; a resume restores each leaf as the config builds it
+_STATE_DTYPE_KEYS = (("model", "param_dtype", "weights and optimizer state", None),
+                     ("optimizer", "mu_dtype", "first moments", "float32"))
+
+
+def _cast_dtypes(meta: dict, config: TrainConfig) -> list[str]:
+    """'float32 first moments; optimizer.mu_dtype is bfloat16, so they are cast to it', one
+    per state dtype key that differs from the checkpoint's (`meta`: its meta.json): the
+    restore casts those leaves to the config's dtype, float32 into bfloat16 for good."""
+    saved, now = meta.get("config") or {}, to_dict(config)
+    lines = []
+    for section, key, what, null in _STATE_DTYPE_KEYS:
+        if key not in (saved.get(section) or {}):  # written before jrl had the key
+            continue
+        before, after = saved[section][key] or null, now[section][key] or null
+        if before != after:
+            lines.append(f"{before} {what}; {section}.{key} is {after}, so they are cast to it")
+    return lines
+
+
 def _flat(section: dict, prefix: str) -> dict:
     """`{"model.lora.rank": 0, ...}`: a config section's leaves by dotted key."""
     out = {}
@@ -622,11 +643,8 @@ class Trainer:
                         raise  # verified bytes: not a corruption, a real error
                     problem = f"restore failed: {type(e).__name__}: {e}".splitlines()[0]
                 else:
-                    saved = ((meta.get("config") or {}).get("model") or {}).get("param_dtype")
-                    if saved is not None and saved != self.config.model.param_dtype:  # loaded as the target's
-                        warnings.warn(f"resume: {root / f'step_{step}'} holds {saved} weights and optimizer state; "
-                                      f"model.param_dtype is {self.config.model.param_dtype}, so they are cast to it",
-                                      ResumeWarning, stacklevel=4)
+                    for line in _cast_dtypes(meta, self.config):  # loaded as the target's dtypes
+                        warnings.warn(f"resume: {root / f'step_{step}'} holds {line}", ResumeWarning, stacklevel=4)
                     later = [s for s in steps if s > step and s not in dict(bad)]
                     for b, why in bad:
                         warnings.warn(f"checkpoint {root / f'step_{b}'} is corrupt ({why}); resuming from "
