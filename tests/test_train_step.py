@@ -152,6 +152,38 @@ def test_global_norm_clipping_limits_the_applied_gradient():
     assert float(optax.tree.norm(step)) == pytest.approx(0.01, rel=1e-4)
 
 
+HUGE = 1e20  # finite, but 1e40 squared overflows float32: the sum of squares was inf
+N_PARAMS = sum(x.size for x in jax.tree.leaves(PARAMS))
+
+
+def huge_update(grad_value, clip_norm=0.01):
+    """(params before, state after, metrics) of an SGD update of gradients all `grad_value`."""
+    sgd = optax.sgd(1.0)
+    fns = make_step_fns(CFG, SEQ, strategy_options(SEQ, {}), sgd, SCHEDULE, 1.0, clip_norm=clip_norm)
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, grad_value, jnp.float32), PARAMS)
+    return fns.apply_grads(init_train_state(fresh_params(), sgd, jax.random.key(0)), grads,
+                           GradInfo(jnp.float32(1.0), jnp.float32(1.0), {}))
+
+
+def test_a_global_norm_past_float32_squares_is_reported_finite():
+    # reported inf and the update skipped as "not finite", though every gradient was finite
+    _, m = huge_update(HUGE)
+    assert float(m["grad_norm"]) == pytest.approx(HUGE * np.sqrt(N_PARAMS), rel=1e-6)
+    assert int(m["update_applied"]) == 1 and int(m["skipped_updates"]) == 0
+
+
+def test_huge_finite_gradients_are_clipped_to_clip_norm():
+    new, _ = huge_update(HUGE)
+    step = jax.tree.map(lambda a, b: a - b, PARAMS, new.params)
+    assert float(optax.tree.norm(step)) == pytest.approx(0.01, rel=1e-4)
+
+
+def test_an_infinite_gradient_still_gives_an_infinite_norm_and_a_skipped_update():
+    _, m = huge_update(np.inf)
+    assert float(m["grad_norm"]) == np.inf
+    assert int(m["update_applied"]) == 0 and int(m["skipped_updates"]) == 1
+
+
 def test_lr_metric_follows_the_schedule_over_applied_updates():
     state = init_train_state(fresh_params(), OPT, jax.random.key(0))
     lrs = []

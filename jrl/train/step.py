@@ -161,6 +161,21 @@ def _finish_metrics(total, weight, metrics) -> tuple[jax.Array, dict]:
     return mean_of(total, weight), reduce_metrics(metrics)
 
 
+def global_norm(tree: Any) -> jax.Array:
+    """The L2 norm of every leaf of `tree` together, as `optax.tree.norm`, but finite for
+    finite leaves whose sum of squares overflows float32 (entries of 1e20): that sum is
+    then recomputed on the leaves divided by their largest magnitude. Only such a step
+    pays for the second pass; an inf or NaN leaf still gives inf or NaN."""
+    squared = optax.tree.norm(tree, squared=True)
+
+    def rescaled(_):
+        scale = optax.tree.norm(tree, ord="inf")  # finite unless a leaf is inf
+        unit = optax.tree.norm(jax.tree.map(lambda g: g / scale, tree))
+        return jnp.where(jnp.isfinite(scale), scale * unit, scale)
+
+    return jax.lax.cond(jnp.isposinf(squared), rescaled, jnp.sqrt, squared)
+
+
 def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
                   optimizer: optax.GradientTransformation, schedule: Schedule, base_lr: float,
                   *, clip_norm: float, chunk_size: int = 0, shardings: StepShardings | None = None,
@@ -197,7 +212,7 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         return grads, GradInfo(loss, weight, reduced, amax)
 
     def apply_grads(frozen: Any, state: TrainState, grads: Any, info: GradInfo):
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = global_norm(grads)
         # applied only with a finite loss and gradient and some loss weight: a batch without
         # weight (every target masked) has no gradient signal, yet applying its zero gradients
         # would decay Adam's moments, move the params by them and advance the policy version
