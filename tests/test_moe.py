@@ -103,6 +103,19 @@ def test_moe_layer_matches_numpy_routing(name):
     np.testing.assert_allclose(stats["router_entropy"], entropy, rtol=1e-5)
 
 
+def test_moe_statistics_leave_out_padding_that_holds_non_finite_values():
+    # eagerly, as XLA may fold the old `stat * mask` products differently when jitted
+    cfg = CASES["top2-renormalised"]
+    x = np.random.default_rng(1).standard_normal((2, 6, 16)).astype(np.float32)
+    mask = np.ones((2, 6), bool)
+    mask[1, 4:] = False
+    params = random_params(cfg, x.shape)
+    clean = MoE(cfg).apply({"params": params}, jnp.asarray(x), mask)[1]
+    x[1, 4], x[1, 5] = np.nan, np.inf
+    dirty = MoE(cfg).apply({"params": params}, jnp.asarray(x), mask)[1]
+    assert {k: np.asarray(v).tolist() for k, v in dirty.items()} == {k: np.asarray(v).tolist() for k, v in clean.items()}
+
+
 def test_shared_expert_gate_scales_the_shared_output_by_a_sigmoid():
     cfg = CASES["top3-of-5-gated-shared"]
     x = np.random.default_rng(2).standard_normal((1, 4, 16)).astype(np.float32)
@@ -126,6 +139,14 @@ def test_load_balancing_loss_by_hand():
     # valid tokens 0, 1: first choices hit experts {0, 1} -> f = [.5, .5, 0, 0]; second {1, 3} -> [0, .5, 0, .5]
     # mean probs P = [.25, .4, .15, .2]; 4 * (.5*.25 + .5*.4 + .5*.4 + .5*.2) = 4 * .625 = 2.5
     assert float(load_balancing_loss(probs, top, mask)) == pytest.approx(2.5, rel=1e-6)
+
+
+def test_load_balancing_loss_leaves_out_non_finite_probabilities_of_padding():
+    # padding was multiplied by its 0 mask: NaN * 0 made the loss NaN
+    probs = jnp.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.5, 0.1, 0.3], [jnp.nan, jnp.inf, 0.1, 0.1]])
+    top = jnp.array([[0, 1], [1, 3], [0, 1]])
+    mask = jnp.array([True, True, False])
+    assert float(load_balancing_loss(probs, top, mask)) == pytest.approx(2.5, rel=1e-6)  # as by hand, above
 
 
 def test_load_balancing_loss_is_k_for_uniform_router_and_e_for_total_collapse():

@@ -15,15 +15,21 @@ from jrl.config import ModelConfig
 from jrl.models.layers import SwiGLU, dtype_of, linear
 
 
+def masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """The sum over the leading (token) axis of `values` where `mask` [N] is True. Selected,
+    not multiplied by the mask: a padding token's NaN or inf (0 * inf is NaN) is left out."""
+    keep = mask.astype(bool).reshape(mask.shape + (1,) * (values.ndim - 1))
+    return jnp.where(keep, values, 0).sum(0)
+
+
 def load_balancing_loss(probs: jax.Array, top_idx: jax.Array, mask: jax.Array) -> jax.Array:
     """E * sum_e f_e * P_e over valid tokens: f_e counts the top-k routing choices that
     went to expert e (per choice rank, summed), P_e is the mean router probability."""
     n_experts = probs.shape[-1]
-    m = mask.astype(jnp.float32)[:, None]
-    denom = jnp.maximum(m.sum(), 1.0)
+    denom = jnp.maximum(mask.astype(jnp.float32).sum(), 1.0)
     chosen = jax.nn.one_hot(top_idx, n_experts, dtype=jnp.float32)  # [N, k, E]
-    frac = (chosen * m[:, :, None]).sum(0) / denom  # [k, E]
-    mean_prob = (probs * m).sum(0) / denom  # [E]
+    frac = masked_sum(chosen, mask) / denom  # [k, E]
+    mean_prob = masked_sum(probs, mask) / denom  # [E]
     return n_experts * jnp.sum(frac * mean_prob[None, :])
 
 
@@ -67,12 +73,11 @@ class MoE(nn.Module):
                 shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(dt) * shared
             out = out + shared.astype(dt)
 
-        mf = mask.astype(jnp.float32)
         entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-20)), axis=-1)
-        stats = {
+        stats = {  # over valid tokens only: padding, whatever its values, leaves them unchanged
             "aux_loss": load_balancing_loss(probs, top_i, mask),
-            "router_entropy": jnp.sum(entropy * mf) / jnp.maximum(mf.sum(), 1.0),
-            "expert_tokens": jnp.sum(jax.nn.one_hot(top_i, e, dtype=jnp.float32) * mf[:, None, None], axis=(0, 1)),
+            "router_entropy": masked_sum(entropy, mask) / jnp.maximum(mask.astype(jnp.float32).sum(), 1.0),
+            "expert_tokens": masked_sum(jax.nn.one_hot(top_i, e, dtype=jnp.float32), mask).sum(0),
         }
         return out.reshape(b, s, d), stats
 
