@@ -23,7 +23,7 @@ from jrl.data import (
     load_tokenizer, open_store, plan_rows, write_store,
 )
 from jrl.data.bundled import load_bundled
-from jrl.data.records import iter_located_records
+from jrl.data.records import is_heldout, iter_located_records
 from jrl.data.packing import assemble_pairs, plan_pairs
 from jrl.data import pipeline
 from jrl.data.pipeline import cache_key
@@ -236,11 +236,26 @@ def test_heldout_split_is_disjoint_and_covers_all_records():
     cfg = DataConfig(source="bundled:arithmetic:400", eval_fraction=0.25, add_eos=False)
     train = load_documents(cfg, TOK, "train")
     held = load_documents(cfg, TOK, "eval")
-    assert len(train) + len(held) == 400
     assert 60 <= len(held) <= 140
     text = lambda store: {TOK.decode(store.doc(i)[0]) for i in range(len(store))}
     records = {r["prompt"] + r["response"] for r in load_bundled(cfg.source)}
-    assert text(train) | text(held) == records
+    assert text(train) | text(held) == records and not text(train) & text(held)
+
+
+def test_a_held_out_record_identical_to_a_training_one_is_left_out_of_the_eval_split(tmp_path):
+    # the split was by record index alone: a record repeated in the file was evaluated on
+    # the copies held out while the model trained on the others
+    records = [{"prompt": f"{i % 10}+1=", "response": str(i % 10 + 1)} for i in range(60)]  # each 6 times
+    records += [{"prompt": f"{i}+2=", "response": str(i + 2)} for i in range(10, 70)]  # each once
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(source=str(src), eval_fraction=0.3, add_eos=False)
+    by_index = [is_heldout(i, cfg.seed, 0.3) for i in range(len(records))]  # the rule, by record index
+    trained = [r for r, out in zip(records, by_index) if not out]
+    want = [r["prompt"] + r["response"] for r, out in zip(records, by_index) if out and r not in trained]
+    assert sum(by_index) > len(want) > 10  # some held-out records have a training copy, others none
+    held = load_documents(cfg, TOK, "eval")
+    assert [TOK.decode(held.doc(i)[0]) for i in range(len(held))] == want
 
 
 def test_jsonl_errors_name_the_line(tmp_path):

@@ -20,7 +20,7 @@ from jrl.data.encode import Document, encode_record
 from jrl.data.packing import PairPlan, RowPlan, assemble_pairs, assemble_rows, plan_pairs, plan_rows
 from jrl.data.records import bundled_source, source_files, source_label
 from jrl.data.sampler import EpochSampler
-from jrl.data.splits import Split, iter_split_records, shown_source, source_records, split_source
+from jrl.data.splits import HELDOUT_RULE, Split, iter_split_records, shown_source, source_records, split_source
 from jrl.data.store import CorruptStoreError, TokenStore, build_store, content_digest, open_store, write_store
 from jrl.data.text import Tokenizer
 from jrl.data.wording import agree
@@ -96,7 +96,9 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
               if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
                        "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
                        "add_eos", "seed")}
-    blob = json.dumps({"split": split, "data": fields, "files": stat, "encoding": RECORD_ENCODING_VERSION,
+    # the held-out rule's version only in a held-out split's key: a training store's key stays
+    heldout = {"heldout_rule": HELDOUT_RULE} if split == "eval" else {}
+    blob = json.dumps({"split": split, "data": fields, "files": stat, "encoding": RECORD_ENCODING_VERSION, **heldout,
                        "tokenizer": [type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id, tokenizer.bos_id,
                                       getattr(tokenizer, "marks_text_start", False),
                                       getattr(tokenizer, "digest", None), getattr(tokenizer, "chat_template", None)]},
