@@ -71,6 +71,27 @@ def test_a_train_file_that_is_all_heldout_is_refused(tmp_path):
         task(tmp_path, train=train, heldout=train, n_validation=0)
 
 
+def test_validation_records_with_a_heldout_prompt_are_left_out(tmp_path):
+    # before: both given as files, they were not checked disjoint: the test set's problems
+    # decided, as validation ones, when the warm start stopped
+    val = write_jsonl(tmp_path / "val.jsonl", rows(4, 101))
+    with pytest.warns(UserWarning) as caught:
+        t = task(tmp_path, train=write_jsonl(tmp_path / "train.jsonl", rows(10)),
+                 heldout=write_jsonl(tmp_path / "test.jsonl", rows(3, 100)), validation=val)
+    assert [p.answer for p in t.validation] == ["103", "104"]
+    assert [str(w.message) for w in caught] == [
+        f"strategy.options.task.validation: 2 records of {val} have the prompt of a held-out problem "
+        f"(first: {val}:1); they are left out of validation"]
+
+
+def test_a_validation_file_that_is_all_heldout_is_refused(tmp_path):
+    held = write_jsonl(tmp_path / "test.jsonl", rows(3, 100))
+    val = write_jsonl(tmp_path / "val.jsonl", rows(1, 102))
+    with pytest.raises(ConfigError, match=rf"^strategy.options.task.validation: every record of {val} has the prompt "
+                                          rf"of a held-out problem \(first: {val}:1\); nothing is left to validate on$"):
+        task(tmp_path, train=write_jsonl(tmp_path / "train.jsonl", rows(10)), heldout=held, validation=val)
+
+
 def test_without_files_a_seeded_share_of_train_is_set_aside_disjointly(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", rows(20))
     a = task(tmp_path, train=path, n_heldout=5, n_validation=3)

@@ -164,9 +164,10 @@ def test_a_task_without_validation_problems_is_refused(tmp_path):
 def test_a_prompt_too_long_for_grpo_is_refused_before_the_warm_start_trains(tmp_path):
     records = lambda *words: [{"prompt": f"{w}>", "answer": w[::-1], "response": w[::-1]} for w in words]
     src = write_jsonl(tmp_path / "t.jsonl", records("abc", "bcd", "abcdefghijklmnop"))
-    other = write_jsonl(tmp_path / "v.jsonl", records("cde"))
+    other = write_jsonl(tmp_path / "h.jsonl", records("cde"))
+    val = write_jsonl(tmp_path / "v.jsonl", records("def"))
     config = load_train_config(str(CONFIG), [f"strategy.options.task.train={src}", f"strategy.options.task.heldout={other}",
-                                             f"strategy.options.task.validation={other}",
+                                             f"strategy.options.task.validation={val}",
                                              f"strategy.options.warm_start.source={src}"])
     with pytest.raises(ConfigError) as e:
         run_warm_start(config, output_dir=str(tmp_path / "run"))
@@ -181,10 +182,11 @@ def test_a_dry_run_warns_of_demonstrations_longer_than_max_new_tokens(tmp_path):
     records = lambda *pairs: [{"prompt": f"{w}>", "answer": r, "response": r, "word": w} for w, r in pairs]
     src = write_jsonl(tmp_path / "t.jsonl", records(("abc", "cba"), ("bcd", "dcbdcb"), ("cdef", "fedc"),
                                                     ("defg", "gfedgf")))
-    other = write_jsonl(tmp_path / "v.jsonl", records(("efg", "gfe")))
+    other = write_jsonl(tmp_path / "h.jsonl", records(("efg", "gfe")))
+    val = write_jsonl(tmp_path / "v.jsonl", records(("fgh", "hgf")))
     with pytest.warns(UserWarning) as caught:
         assert main(["--config", str(CONFIG), "--dry-run", f"strategy.options.task.train={src}",
-                     f"strategy.options.task.heldout={other}", f"strategy.options.task.validation={other}",
+                     f"strategy.options.task.heldout={other}", f"strategy.options.task.validation={val}",
                      f"strategy.options.warm_start.source={src}"]) == 0
     assert [str(w.message) for w in caught] == [
         f"strategy.options.max_new_tokens: 2 of the warm start's 4 demonstrated responses (assistant turns) are "
@@ -343,9 +345,10 @@ def test_a_prompt_too_long_for_grpo_stops_a_warm_start_run_before_it_writes_its_
     # before: refused only once the run directory had been created and locked for the warm start
     records = lambda *words: [{"prompt": f"{w}>", "answer": w[::-1], "response": w[::-1]} for w in words]
     src = write_jsonl(tmp_path / "t.jsonl", records("abc", "bcd", "abcdefghijklmnop"))
-    other = write_jsonl(tmp_path / "v.jsonl", records("cde"))
+    other = write_jsonl(tmp_path / "h.jsonl", records("cde"))
+    val = write_jsonl(tmp_path / "v.jsonl", records("def"))
     assert main(["--config", str(CONFIG), "--output-dir", str(tmp_path / "run"), f"strategy.options.task.train={src}",
-                 f"strategy.options.task.heldout={other}", f"strategy.options.task.validation={other}",
+                 f"strategy.options.task.heldout={other}", f"strategy.options.task.validation={val}",
                  f"strategy.options.warm_start.source={src}"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"error: {src}:3: the prompt is 23 tokens, longer than data.seq_len - strategy.options.max_new_tokens "

@@ -26,6 +26,7 @@ import numpy as np
 from jrl.config import ConfigError, check
 from jrl.data.records import iter_located_records
 from jrl.data.tasks import AdditionConfig, AdditionTask, Problem
+from jrl.data.wording import agree, counted
 
 
 TASK = "strategy.options.task."  # the section's path in a config: errors name fields by it
@@ -168,12 +169,14 @@ class FileTask:
         set_aside: set[int] = set()  # of them, those set aside for a split
 
         def carve(path: str | None, n: int, field: str, kept_out: set[str]) -> list[Problem]:
-            """The split's problems: its file's, or `n` records of train set aside, passing over
-            those whose prompt is in `kept_out` (an earlier split's: the splits are disjoint)."""
+            """The split's problems: its file's, or `n` records of train set aside, without
+            those whose prompt is in `kept_out` (an earlier split's: the splits are disjoint;
+            a file's are left out with a warning, the draw from train passes over them)."""
             nonlocal taken
             split = field.removeprefix("n_")
             if path is not None:
-                return read_problems(path, c.prompt_field, c.answer_field, seed=c.seed, key=f"{TASK}{split}")
+                problems = read_problems(path, c.prompt_field, c.answer_field, seed=c.seed, key=f"{TASK}{split}")
+                return _without_prompts(problems, kept_out, split, path, "a held-out problem")
             picked: list[int] = []
             while len(picked) < n and taken < len(train):
                 i = int(order[taken])
@@ -188,19 +191,11 @@ class FileTask:
 
         self.heldout = carve(c.heldout, c.n_heldout, "n_heldout", set())
         self.validation = carve(c.validation, c.n_validation, "n_validation", {_prompt_key(p) for p in self.heldout})
-        self.train = [p for i, p in enumerate(train) if i not in set_aside]
         # the splits are disjoint: a training record with a held-out or validation prompt (files
         # that overlap, a record given twice) is never trained on, as the warm start leaves it out
-        kept_out = {_prompt_key(p) for p in self.heldout + self.validation}
-        overlap = [p for p in self.train if _prompt_key(p) in kept_out]
-        if overlap:
-            self.train = [p for p in self.train if _prompt_key(p) not in kept_out]
-            if not self.train:
-                raise ConfigError(f"{TASK}train: every record of {c.train} has the prompt of a held-out or "
-                                  f"validation problem (first: {overlap[0].where}); nothing is left to train on")
-            warnings.warn(f"{TASK}train: {len(overlap)} records of {c.train} have the prompt of a held-out or "
-                          f"validation problem (first: {overlap[0].where}); they are left out of training",
-                          stacklevel=2)
+        self.train = _without_prompts([p for i, p in enumerate(train) if i not in set_aside],
+                                      {_prompt_key(p) for p in self.heldout + self.validation}, "train", c.train,
+                                      "a held-out or validation problem")
         if not self.heldout:
             raise ConfigError(f"{TASK}n_heldout: must be >= 1 without a {TASK}heldout file (the run reports held-out "
                               "accuracy)")
@@ -214,6 +209,29 @@ class FileTask:
 
 def _prompt_key(problem: Problem) -> str:
     return json.dumps(problem.prompt, sort_keys=True)
+
+
+# what a split's problems are for: (the noun, what nothing is left to do)
+_SPLIT_USE = {"train": ("training", "train on"), "validation": ("validation", "validate on")}
+
+
+def _without_prompts(problems: list[Problem], kept_out: set[str], split: str, source: str,
+                     kept_by: str) -> list[Problem]:
+    """`problems` (of `split`, read from `source`) less those whose prompt is in `kept_out`,
+    another split's (`kept_by`, as messages name it): the splits are disjoint. A warning
+    counts those left out; a ConfigError says when none is left."""
+    overlap = [p for p in problems if _prompt_key(p) in kept_out]
+    if not overlap:
+        return problems
+    use, purpose = _SPLIT_USE[split]
+    kept = [p for p in problems if _prompt_key(p) not in kept_out]
+    if not kept:
+        raise ConfigError(f"{TASK}{split}: every record of {source} has the prompt of {kept_by} (first: "
+                          f"{overlap[0].where}); nothing is left to {purpose}")
+    warnings.warn(f"{TASK}{split}: {counted(len(overlap), 'record')} of {source} {agree(len(overlap), 'has', 'have')} "
+                  f"the prompt of {kept_by} (first: {overlap[0].where}); {agree(len(overlap), 'it is', 'they are')} "
+                  f"left out of {use}", stacklevel=3)
+    return kept
 
 
 SPLITS = ("train", "heldout", "validation")
