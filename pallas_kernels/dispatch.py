@@ -120,6 +120,22 @@ def decode_tuning(which: str) -> DecodeTuning:
     return DecodeTuning()
 
 
+def check_attention_args(op: str, q, k_buf, v_buf, layer, kv_lens, page_table, page_size: int, impl: Impl,
+                         cu_q_lens=None) -> None:
+    """The argument checks every attention entry point makes before it picks what runs, in
+    this order (so each names the same first problem): the per-request shapes, q's dtype
+    (not for the reference, which computes in float32 from any q), the lengths within the
+    page table, the layer and, for packed queries (`cu_q_lens` not None), the queries
+    within their requests' keys. Raises ValueError naming `op`."""
+    check_request_shapes(op, q, k_buf, kv_lens, page_table, cu_q_lens)
+    if impl != "reference":
+        check_query_dtype(op, q, k_buf, v_buf)
+    check_lengths_fit(op, kv_lens, page_table, page_size, k_buf.shape[1])
+    check_layer(op, layer, k_buf.shape[0])
+    if cu_q_lens is not None:
+        check_queries_fit(op, cu_q_lens, kv_lens, q.shape[0])
+
+
 def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, page_size: int,
                   sm_scale: float, v_head_dim: int | None = None, impl: Impl = "auto", stage=None) -> jax.Array:
     """Packed ragged causal prefill through the page table (see `reference.paged_prefill`).
@@ -127,12 +143,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     rows' `copied_lens`; then `staged_paged_prefill` computes the same attention (a stage of
     other rows is refused: `staged_prefill.check_stage`). `kv_lens[b]` at most the keys a
     page-table row holds (`shapes.check_lengths_fit`: checked where concrete)."""
-    check_request_shapes("paged_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
-    if impl != "reference":  # (the reference computes in float32 from any q)
-        check_query_dtype("paged_prefill", q, k_buf, v_buf)
-    check_lengths_fit("paged_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
-    check_layer("paged_prefill", layer, k_buf.shape[0])
-    check_queries_fit("paged_prefill", cu_q_lens, kv_lens, q.shape[0])
+    check_attention_args("paged_prefill", q, k_buf, v_buf, layer, kv_lens, page_table, page_size, impl, cu_q_lens)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
                      layout_problem(k_buf, v_buf, page_size))
     if stage is not None and isinstance(v_buf, QuantizedKV):  # (MLA's latent cache: no copy)
@@ -182,11 +193,7 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
     """One query per request, split over the KV length (see `reference.ragged_decode`).
     `kv_lens[b]` at most the keys a page-table row holds (`shapes.check_lengths_fit`:
     checked where concrete, the caller's precondition inside a trace)."""
-    check_request_shapes("ragged_decode", q, k_buf, kv_lens, page_table)
-    if impl != "reference":  # (the reference computes in float32 from any q)
-        check_query_dtype("ragged_decode", q, k_buf, v_buf)
-    check_lengths_fit("ragged_decode", kv_lens, page_table, page_size, k_buf.shape[1])
-    check_layer("ragged_decode", layer, k_buf.shape[0])
+    check_attention_args("ragged_decode", q, k_buf, v_buf, layer, kv_lens, page_table, page_size, impl)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode",
                      layout_problem(k_buf, v_buf, page_size))
     if which == "reference":
@@ -221,12 +228,7 @@ def exact_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     `kv_lens[b]` at most the keys a page-table row holds (`shapes.check_lengths_fit`)."""
     if v_buf is None or isinstance(k_buf, QuantizedKV):
         raise ValueError("exact_prefill: needs plain K and V buffers (no fp8 KV, no MLA latent cache)")
-    check_request_shapes("exact_prefill", q, k_buf, kv_lens, page_table, cu_q_lens)
-    if impl != "reference":  # (the reference computes in float32 from any q)
-        check_query_dtype("exact_prefill", q, k_buf, v_buf)
-    check_lengths_fit("exact_prefill", kv_lens, page_table, page_size, k_buf.shape[1])
-    check_layer("exact_prefill", layer, k_buf.shape[0])
-    check_queries_fit("exact_prefill", cu_q_lens, kv_lens, q.shape[0])
+    check_attention_args("exact_prefill", q, k_buf, v_buf, layer, kv_lens, page_table, page_size, impl, cu_q_lens)
     supported, why = kernel_supports(q, k_buf, v_buf, page_size, None), ""
     group = q.shape[-2] // k_buf.shape[2]
     columns = causal_positions(group) * group  # the narrowest causal tile (exact_mgpu.tile_positions)
