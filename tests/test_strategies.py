@@ -224,3 +224,23 @@ def test_a_registered_strategy_is_found_and_sees_extra_batch_fields():
     with pytest.raises(ValueError, match=r"'test_plugin' is already registered \(loss_fn .*loss\); pass "
                                          r"register_strategy\(\.\.\., replace=True\)"):
         register_strategy(Strategy(name="test_plugin", loss_fn=loss, batch_fields=()))
+
+
+MOE_CFG = dataclasses.replace(CFG, n_experts=4, n_experts_per_tok=2, moe_intermediate_size=16,
+                              router_aux_loss_coef=0.5)
+MOE_PARAMS = jax.jit(functools.partial(init_params, MOE_CFG))(jax.random.key(2))
+MOE_REFERENCE = jax.tree.map(lambda x: x + 0.05, MOE_PARAMS)
+
+
+def moe_dpo_loss(coef):
+    config = dataclasses.replace(MOE_CFG, router_aux_loss_coef=coef)
+    return jax.jit(functools.partial(get_strategy("dpo").loss_fn, config))(
+        MOE_PARAMS, pair_batch(), ctx("dpo", reference=MOE_REFERENCE))
+
+
+def test_dpo_on_an_moe_model_adds_the_load_balancing_term_per_pair():
+    plain, balanced = moe_dpo_loss(0.0), moe_dpo_loss(0.5)
+    aux = float(balanced.metrics["moe_aux_loss"][0])
+    assert aux > 0 and float(balanced.metrics["moe_aux_loss"][1]) == 1.0
+    assert float(balanced.weight) == float(plain.weight) == 1.0
+    np.testing.assert_allclose(float(balanced.total) - float(plain.total), 0.5 * aux, rtol=1e-5)

@@ -88,6 +88,17 @@ def metric(values: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array,
     return jnp.sum(values * m), jnp.sum(m)
 
 
+def with_moe_balancing(config: ModelConfig, total: jax.Array, weight: jax.Array, aux: dict,
+                       metrics: Metrics) -> jax.Array:
+    """`total` plus an MoE model's load-balancing term, `router_aux_loss_coef * aux_loss`
+    per unit of `weight` (a dense model's `total` as is), with `aux_loss` logged as
+    `moe_aux_loss` in `metrics`: every strategy's policy pass balances its experts alike."""
+    if not config.is_moe:
+        return total
+    metrics["moe_aux_loss"] = metric(aux["aux_loss"])
+    return total + config.router_aux_loss_coef * aux["aux_loss"] * weight
+
+
 def mean_of(total: jax.Array, count: jax.Array) -> jax.Array:
     """`total / count`, NaN for a count of 0: the mean of nothing is no value (logged as
     null), not 0, which would read as a measured perfect loss or zero metric."""

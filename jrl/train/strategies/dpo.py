@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from jrl.config import ConfigError, ModelConfig
-from jrl.train.logprobs import target_logprobs
+from jrl.train.logprobs import hidden_states, target_stats
 from jrl.train.strategies import register_strategy
-from jrl.train.strategies.base import Batch, LossContext, LossOutput, Strategy, metric
+from jrl.train.strategies.base import Batch, LossContext, LossOutput, Strategy, metric, with_moe_balancing
 from jrl.train.strategies.seq import TOKEN_FIELDS
 
 
@@ -40,22 +40,24 @@ class DPOOptions:
 
 
 def sequence_logps(config: ModelConfig, params, batch: Batch, chunk_size: int = 0,
-                   fp8_scales: dict | None = None) -> jax.Array:
-    """Summed response log-probs `[B, 2]` of the pair rows in `batch`."""
+                   fp8_scales: dict | None = None) -> tuple[jax.Array, dict]:
+    """Summed response log-probs `[B, 2]` of the pair rows in `batch`, and the model's aux
+    dict of that pass (MoE statistics)."""
     b, two, s = batch["tokens"].shape
     flat = {k: batch[k].reshape(b * two, s) for k in TOKEN_FIELDS}
-    logp = target_logprobs(config, params, flat["tokens"], flat["targets"], flat["positions"],
-                           flat["segment_ids"], chunk_size=chunk_size, fp8_scales=fp8_scales)
-    return jnp.sum(logp * flat["loss_mask"].astype(jnp.float32), axis=-1).reshape(b, two)
+    hidden, aux = hidden_states(config, params, flat["tokens"], flat["positions"], flat["segment_ids"],
+                                fp8_scales=fp8_scales)
+    logp = target_stats(config, params, hidden, flat["targets"], chunk_size=chunk_size).logp
+    return jnp.sum(logp * flat["loss_mask"].astype(jnp.float32), axis=-1).reshape(b, two), aux
 
 
 def dpo_loss(config: ModelConfig, params, batch: Batch, ctx: LossContext) -> LossOutput:
     beta, eps = ctx.options.beta, ctx.options.label_smoothing
-    policy = sequence_logps(config, params, batch, ctx.chunk_size, ctx.fp8_scales)
+    policy, aux = sequence_logps(config, params, batch, ctx.chunk_size, ctx.fp8_scales)
     if "ref_logps" in batch:
         ref = jnp.asarray(batch["ref_logps"], jnp.float32)
     elif ctx.reference_params is not None:
-        ref = sequence_logps(config, jax.lax.stop_gradient(ctx.reference_params), batch, ctx.chunk_size)
+        ref, _ = sequence_logps(config, jax.lax.stop_gradient(ctx.reference_params), batch, ctx.chunk_size)
     else:
         raise ValueError("dpo: the batch has no 'ref_logps' and no reference params were given")
     ref = jax.lax.stop_gradient(ref)
@@ -71,7 +73,8 @@ def dpo_loss(config: ModelConfig, params, batch: Batch, ctx: LossContext) -> Los
         "rejected_reward": metric(rewards[:, 1], pair),
         "chosen_logp": metric(policy[:, 0], pair),
     }
-    return LossOutput(jnp.sum(losses * pair), jnp.sum(pair), metrics)
+    weight = jnp.sum(pair)
+    return LossOutput(with_moe_balancing(config, jnp.sum(losses * pair), weight, aux, metrics), weight, metrics)
 
 
 register_strategy(Strategy(

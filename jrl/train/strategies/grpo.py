@@ -40,7 +40,7 @@ from jrl.config import ModelConfig
 from jrl.config import check as config_check
 from jrl.train.logprobs import TargetStats, hidden_states, target_stats
 from jrl.train.strategies import register_strategy
-from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric
+from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric, with_moe_balancing
 
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
@@ -272,9 +272,7 @@ def grpo_loss_fn(config: ModelConfig, params: Any, batch: dict, ctx: LossContext
     metrics["version_lag"] = metric(samples.sums(lag * mask) / jnp.maximum(tokens, 1.0), tokens > 0)
     if opts.kl_coef > 0:
         metrics["kl_ref"] = (parts.metrics["kl_sum"], n)
-    if config.is_moe:
-        total = total + config.router_aux_loss_coef * aux["aux_loss"] * weight
-        metrics["moe_aux_loss"] = metric(aux["aux_loss"])
+    total = with_moe_balancing(config, total, weight, aux, metrics)
     return LossOutput(total, weight, metrics)
 
 

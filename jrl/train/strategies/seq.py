@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jrl.config import ConfigError, ModelConfig
 from jrl.train.logprobs import hidden_states, target_stats
 from jrl.train.strategies import register_strategy
-from jrl.train.strategies.base import Batch, LossContext, LossOutput, Strategy, metric
+from jrl.train.strategies.base import Batch, LossContext, LossOutput, Strategy, metric, with_moe_balancing
 
 TOKEN_FIELDS = ("tokens", "targets", "loss_mask", "positions", "segment_ids")
 
@@ -40,9 +40,7 @@ def token_cross_entropy(config: ModelConfig, params, batch: Batch, ctx: LossCont
     weight = jnp.sum(mask)
     total = jnp.sum(per_token * mask)
     metrics = {"nll": metric(nll, mask), "entropy": metric(stats.entropy, mask)}
-    if config.is_moe:
-        total = total + config.router_aux_loss_coef * aux["aux_loss"] * weight
-        metrics["moe_aux_loss"] = metric(aux["aux_loss"])
+    total = with_moe_balancing(config, total, weight, aux, metrics)
     return LossOutput(total, weight, metrics)
 
 
