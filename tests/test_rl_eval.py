@@ -9,12 +9,13 @@ import math
 import os
 import shutil
 import warnings
+from fractions import Fraction
 
 import pytest
 
 from jrl.cli import main as jrl
 from jrl.config import load_train_config
-from jrl.rl.evaluation import pass_at_k
+from jrl.rl.evaluation import pass_at, pass_at_k
 from jrl.rl.options import RLOptions
 from jrl.rl.tasks import make_task, problems_digest
 from test_rl_loop import run, tiny
@@ -241,6 +242,18 @@ def test_ctrl_c_exits_130_on_one_line_writing_nothing(trained, capsys, tmp_path)
 ])
 def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_is_the_estimator_correctly_rounded():
+    # before: 1 - prod(1 - k / i) in floats, off by an ulp: pass@1 of 4 correct of 8 was 0.4999999999999999
+    assert pass_at_k(8, 4, 1) == 0.5
+    assert all(pass_at_k(n, c, k) == float(1 - Fraction(math.comb(n - c, k), math.comb(n, k)))
+               for n in range(1, 25) for c in range(n + 1) for k in range(1, n + 1))
+
+
+def test_pass_at_averages_the_problems_exactly():
+    # before: np.mean of the per-problem floats: 1, 2 and 3 correct of 10 gave pass@1 0.20000000000000004
+    assert pass_at([[True] * c + [False] * (10 - c) for c in (1, 2, 3)], (1,)) == {"pass@1": 0.2}
 
 
 @pytest.mark.parametrize("n, c, k", [(5, 6, 1), (5, 2, 0), (5, 2, 6), (3, -1, 1)])

@@ -10,6 +10,8 @@ estimator of Chen et al. (2021) from `n` samples of which `c` solve the problem:
 from __future__ import annotations
 
 import dataclasses
+import math
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
@@ -20,22 +22,26 @@ from jrl.rl.rewards import RewardModel
 from jrl.rollout import Engine, SamplingParams
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of `k` of `n` samples (of which `c` are correct) is
-    correct, drawing without replacement."""
+def _pass_at_k(n: int, c: int, k: int) -> Fraction:
+    """`pass_at_k` as an exact fraction."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    # 1 - prod_{i = n-c+1}^{n} (1 - k / i), the numerically stable form of the ratio
-    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+    return 1 - Fraction(math.comb(n - c, k), math.comb(n, k))  # C(n - c, k) is 0 for n - c < k
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of `k` of `n` samples (of which `c` are correct) is
+    correct, drawing without replacement: computed in integers, so the float is the exact
+    value rounded once (pass@1 of 4 correct of 8 is 0.5, not 0.4999999999999999)."""
+    return float(_pass_at_k(n, c, k))
 
 
 def pass_at(correct: Sequence[Sequence[bool]], ks: Sequence[int]) -> dict[str, float]:
     """`{"pass@k": ...}` for each k: the unbiased estimator averaged over problems, from each
-    problem's samples' `correct` flags (every problem with the same number of samples)."""
+    problem's samples' `correct` flags (every problem with the same number of samples); the
+    mean is taken exactly and rounded once, so pass@1 is the fraction of samples correct."""
     counts = [(len(c), int(np.sum(c))) for c in correct]
-    return {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for n, c in counts])) for k in dict.fromkeys(ks)}
+    return {f"pass@{k}": float(sum(_pass_at_k(n, c, k) for n, c in counts) / len(counts)) for k in dict.fromkeys(ks)}
 
 
 @dataclasses.dataclass
