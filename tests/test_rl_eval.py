@@ -206,6 +206,20 @@ def test_a_nan_temperature_exits_2_naming_the_flag(trained, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--temperature", "1e39"], "--temperature: must be at most 3.403e+38 (float32's largest: the engine samples in "
+                                "float32), got 1e+39"),
+    (["strategy.options.temperature=.inf"], "strategy.options.temperature: must be at most 3.403e+38 (float32's "
+                                            "largest: the engine samples in float32), got inf"),
+])
+def test_a_temperature_beyond_float32_exits_2_naming_where_it_came_from(trained, capsys, args, message):
+    # before: "--temperature: must be a finite number" for the config's, and "sampling.temperature: ..." for the
+    # flag's once the model had loaded
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), *args]) == 2
+    assert capsys.readouterr().err == f"config error: {message}\n"
+
+
+@pytest.mark.parametrize("args, message", [
     (["--seed", "-1"], "--seed: must be an integer >= 0, got -1"),
     (["seed=-1"], "seed: must be >= 0 (numpy seeds the run from it), got -1"),
 ])

@@ -43,7 +43,7 @@ from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import ProblemResult, evaluate_problems, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
-from jrl.rl.rewards import RewardError
+from jrl.rl.rewards import FLOAT32_MAX, RewardError
 from jrl.rl.tasks import Task, TaskConfig, check_prompt_lengths, make_task, problems_digest, prompt_limit, split_origin
 from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
 
@@ -145,6 +145,9 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     temperature = options.temperature if temperature is None else float(temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"--temperature: must be a finite number >= 0, got {temperature}")
+    if temperature > FLOAT32_MAX:  # the config's is checked there
+        raise ConfigError(f"--temperature: must be at most {FLOAT32_MAX:.4g} (float32's largest: the engine samples "
+                          f"in float32), got {temperature}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ConfigError(f"--seed: must be an integer >= 0, got {seed!r}")  # the config's seed is checked there
     seed = config.seed if seed is None else seed

@@ -45,6 +45,7 @@ from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric,
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
 RATIOS: tuple[str, ...] = ("token", "sequence")
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)  # the most a temperature can be: the engine samples in float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,8 @@ class GRPOLossConfig:
             config_check(ok, "strategy.options." + field, msg)
 
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        check(self.temperature <= FLOAT32_MAX, "temperature", f"must be at most {FLOAT32_MAX:.4g} (float32's largest: "
+              f"the engine samples in float32), got {self.temperature}")
         check(0.0 <= self.clip_eps_low < 1.0, "clip_eps_low",
               f"must be in [0, 1), got {self.clip_eps_low}")
         check(self.clip_eps_high >= 0.0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
