@@ -152,6 +152,13 @@ def test_a_json_path_that_is_a_directory_exits_2_before_evaluating(trained, caps
     assert captured.out == ""  # refused up front: no table, the evaluation did not run
 
 
+def test_an_empty_json_path_exits_2_before_evaluating(trained, capsys):
+    # before: `--json "$OUT"` with OUT unset scored the checkpoint, wrote nothing and exited 0
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), "--json", ""]) == 2
+    assert capsys.readouterr() == ("", "config error: --json: must be a file path, got ''\n")
+
+
 def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
     out, _ = trained
     log = out / "metrics.jsonl"

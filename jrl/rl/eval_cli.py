@@ -200,6 +200,8 @@ def check_json_path(json_path: str | Path) -> None:
     """ConfigError naming `--json` when the summary or its per-problem sibling could not be
     written there (a directory in the way, or a file where a parent directory should be);
     checked before the evaluation, whose results would otherwise be lost at the end."""
+    if str(json_path) == "":  # `--json "$OUT"` with OUT unset: asked for a file, named none
+        raise ConfigError("--json: must be a file path, got ''")
     for path in (Path(json_path), problems_path(json_path)):
         if path.is_dir():
             raise ConfigError(f"--json: cannot write {path}: it is a directory")
@@ -279,7 +281,7 @@ def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
     try:
-        if args.json:
+        if args.json is not None:
             check_json_path(args.json)
         checkpoint = resolve_checkpoint(args.checkpoint)
         config, options = load_config(args.config, args.overrides, checkpoint)
