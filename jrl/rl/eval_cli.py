@@ -96,18 +96,20 @@ def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
 
 
 def check_task_split(config: TaskConfig, task: Task, split: str, checkpoint: Checkpoint) -> None:
-    """Warns when the task's `split` is not the one the checkpoint recorded (its file changed
-    since training): drawn from a changed train file, its problems may be ones the
-    checkpoint trained on. A checkpoint without the record (older jrl, `hf:`) is not checked."""
+    """Warns when the task's `split` is not the one the checkpoint recorded (its file, or the
+    options that draw it, changed since training): drawn anew from the train file, its
+    problems may be ones the checkpoint trained on. A checkpoint without the record (older
+    jrl, `hf:`) is not checked."""
     saved = (checkpoint.task_digests or {}).get(split)
     now = problems_digest(getattr(task, split))
     if saved is None or saved == now:
         return
-    meaning = ("so some of these problems may be ones the checkpoint trained on; the scores are not held-out accuracy"
-               if getattr(config, split) is None else "so the scores are not comparable with the run's")
+    # the digests cannot tell a changed file from changed options (n_heldout, seed, fields): neither is blamed
+    meaning = ("some of these problems may be ones the checkpoint trained on; the scores are not held-out accuracy"
+               if getattr(config, split) is None else "the scores are not comparable with the run's")
     warnings.warn(f"--split {split}: {split_origin(config, split)} is not the {split} split {checkpoint.init_from} "
                   f"was trained with (the {split} problems' content digest is {now}, the checkpoint's {saved}): "
-                  f"the file changed since, {meaning}", stacklevel=2)
+                  f"{meaning}", stacklevel=2)
 
 
 def load_config(config_path: str | None, overrides: list[str], checkpoint: Checkpoint) -> tuple[TrainConfig, RLOptions]:
