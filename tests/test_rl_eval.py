@@ -15,7 +15,7 @@ import pytest
 
 from jrl.cli import main as jrl
 from jrl.config import load_train_config
-from jrl.rl.evaluation import pass_at, pass_at_k
+from jrl.rl.evaluation import ProblemResult, pass_at, pass_at_k
 from jrl.rl.options import RLOptions
 from jrl.rl.tasks import make_task, problems_digest
 from test_rl_loop import run, tiny
@@ -250,6 +250,24 @@ def test_ctrl_c_exits_130_on_one_line_writing_nothing(trained, capsys, tmp_path)
     captured = capsys.readouterr()
     assert (captured.out, captured.err) == ("", "interrupted; nothing written\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_the_report_is_written_exits_130_leaving_the_old_files(trained, capsys, tmp_path, monkeypatch):
+    # before: a traceback through write_report (a large report takes a while to write), no exit status of its own
+    out, _ = trained
+    (tmp_path / "eval.json").write_text("old summary")
+    (tmp_path / "eval.problems.jsonl").write_text("old rows")
+
+    def ctrl_c(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ProblemResult, "row", ctrl_c)  # called only to write the rows
+    assert jrl(["eval", "--checkpoint", str(out), "--max-problems", "2", "--json", str(tmp_path / "eval.json")]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "interrupted; nothing written\n"
+    assert captured.out.splitlines()[-1].split()[:3] == ["response", "tokens", "mean"]  # the scores, not lost
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"eval.json": "old summary",
+                                                                   "eval.problems.jsonl": "old rows"}
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

@@ -215,8 +215,9 @@ def check_json_path(json_path: str | Path) -> None:
 def write_report(report: dict[str, Any], results: list[ProblemResult], json_path: str | Path) -> Path:
     """Writes the summary to `json_path` and one row per problem beside it; returns the JSONL
     path. Each is staged beside itself and renamed into place, the rows first, so a path
-    that cannot be written leaves no summary without its rows, nor a staged file; a
-    ConfigError names it (the evaluation has run: the caller still shows its scores)."""
+    that cannot be written, or a Ctrl-C while they are staged, leaves no summary without its
+    rows, nor a staged file; a ConfigError names it (the evaluation has run: the caller
+    still shows its scores)."""
     json_path = Path(json_path)
     rows = problems_path(json_path)
     texts = {rows: "".join(json.dumps(r.row()) + "\n" for r in results),
@@ -279,6 +280,13 @@ def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
     return p
 
 
+def interrupted() -> int:
+    """Ctrl-C: one line, not a traceback through the engine, a reward or the report's
+    writing; exit status 130."""
+    print("interrupted; nothing written", file=sys.stderr)
+    return 130
+
+
 @cli_warnings()
 def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
     args = build_parser(prog).parse_intermixed_args(argv)  # overrides on both sides of a flag
@@ -293,15 +301,17 @@ def main(argv: list[str] | None = None, prog: str = "jrl eval") -> int:
                                    pass_ks=args.pass_at)
     except (*CONFIG_ERRORS, CheckpointCorruptError, EnvironmentFailure) as e:
         return cli_exit(e, failed=(RewardError, EnvironmentFailure))
-    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through the engine or a reward
-        print("interrupted; nothing written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:
+        return interrupted()
     if args.json:
         try:
             rows = write_report(report, results, args.json)
         except ConfigError as e:  # its path was taken while the evaluation ran: the scores are still shown
             print(format_table(report))
             return cli_exit(e)
+        except KeyboardInterrupt:  # while the files were staged (a large report takes a while): none replaced
+            print(format_table(report))
+            return interrupted()
         print(f"wrote {args.json} and {rows}")
     print(format_table(report))
     return 0
