@@ -8,6 +8,9 @@ import json
 import math
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import warnings
 from fractions import Fraction
 
@@ -185,6 +188,19 @@ def test_a_report_that_cannot_be_written_at_the_end_leaves_no_file_and_prints_th
     assert captured.err == f"config error: --json: cannot write {taken}: Is a directory\n"
     assert captured.out.splitlines()[-1].split()[:3] == ["response", "tokens", "mean"]  # the scores, not lost
     assert list(tmp_path.iterdir()) == [taken]  # no summary without its rows, nothing staged left
+
+
+def test_a_report_removes_the_staged_files_a_killed_eval_left_beside_it(trained, tmp_path):
+    # before: a kill while the report was written (a large one takes a while) left its hidden staged files for good
+    out, _ = trained
+    writer = subprocess.Popen([sys.executable, "-c", "pass"])
+    writer.wait()  # gone: its pid names a dead writer
+    left = [tmp_path / f".{name}.staging-{socket.gethostname()}-{writer.pid}-{'0' * 32}"
+            for name in ("eval.json", "eval.problems.jsonl")]
+    for path in left:
+        path.write_text("half written")
+    assert jrl(["eval", "--checkpoint", str(out), "--max-problems", "2", "--json", str(tmp_path / "eval.json")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "eval.problems.jsonl"]
 
 
 def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_path):

@@ -28,12 +28,13 @@ import json
 import math
 import os
 import sys
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from jrl import leftovers
 from jrl.checkpoint import CheckpointCorruptError, latest_step
+from jrl.checkpoint.durable import remove_stale_staged
 from jrl.checkpoint.store import read_meta
 from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
 from jrl.hf import missing_prefix_hint
@@ -216,16 +217,20 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
     """Writes the summary to `json_path` and one row per problem beside it; returns the JSONL
     path. Each is staged beside itself and renamed into place, the rows first, so a path
     that cannot be written, or a Ctrl-C while they are staged, leaves no summary without its
-    rows, nor a staged file; a ConfigError names it (the evaluation has run: the caller
-    still shows its scores)."""
+    rows, nor a staged file (a kill leaves them, hidden, for the next report into the same
+    path to remove); a ConfigError names it (the evaluation has run: the caller still shows
+    its scores)."""
     json_path = Path(json_path)
     rows = problems_path(json_path)
     texts = {rows: "".join(json.dumps(r.row()) + "\n" for r in results),
              json_path: json.dumps(report, indent=1) + "\n"}
-    staged = {path: path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp") for path in texts}
+    # named as replace_file names its staged files: the next report removes those a killed eval left
+    staged = {path: path.with_name(leftovers.owned_name(f".{path.name}.staging-")) for path in texts}
     target = json_path.parent  # what the error names: the directory, then each file in turn
     try:
         target.mkdir(parents=True, exist_ok=True)
+        for path in texts:
+            remove_stale_staged(path)
         for target, text in texts.items():
             staged[target].write_text(text)
         for target in texts:
