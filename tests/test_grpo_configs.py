@@ -62,6 +62,10 @@ def test_default_is_grpo_and_its_warm_start_shares_model_and_seed():
     ({"success_threshold": float("nan")}, r"^strategy.options.success_threshold: must be a finite number, got nan$"),
     ({"success_threshold": float("inf")}, r"^strategy.options.success_threshold: must be a finite number, got inf$"),
     ({"adv_eps": float("inf")}, r"^strategy.options.adv_eps: must be > 0 and finite, got inf$"),
+    # the loss's max_response_len, which no config has, was named for a bad max_new_tokens
+    ({"max_new_tokens": 2.5}, r"^strategy.options.max_new_tokens: must be an integer, got 2.5$"),
+    ({"max_new_tokens": -1, "aggregation": "dr_grpo"},
+     r"^strategy.options.max_new_tokens: must be an integer >= 1, got -1$"),
 ])
 def test_bad_grpo_options_name_the_field(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -296,7 +296,9 @@ class RLOptions:
             options["engine"] = {"exact_logprobs": True, **(options.get("engine") or {})}
         options, notes = fp8_rollout_defaults(options)
         loss_part = {k: options.pop(k) for k in LOSS_KEYS if k in options}
-        loss_part["max_response_len"] = options.get("max_new_tokens", cls.max_new_tokens)
+        max_new_tokens = options.get("max_new_tokens", cls.max_new_tokens)
+        # a bad one is refused below by its own name, not as the loss's max_response_len (no config has that)
+        loss_part["max_response_len"] = max_new_tokens if _is_int(max_new_tokens, 1) else cls.max_new_tokens
         loss = from_dict(GRPOLossConfig, loss_part, prefix=PREFIX)
         return from_dict(cls, {**options, "loss": loss, "notes": notes}, prefix=PREFIX)
 
