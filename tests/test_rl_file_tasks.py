@@ -200,6 +200,15 @@ def test_a_non_finite_answer_is_refused(tmp_path, literal):
     assert str(e.value) == f"{path}:2: field 'answer' must be a string or a finite number, got {literal}"
 
 
+def test_a_key_given_twice_in_a_record_is_refused(tmp_path):
+    # before: json.loads kept the last silently, so the problem was scored against '3' though the record also says '2'
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2", "answer": "3"}\n')
+    with pytest.raises(ConfigError) as e:
+        read_problems(str(path), "prompt", "answer")
+    assert str(e.value) == f"{path}:2: key 'answer' is given twice in one object (JSON readers keep the last alone)"
+
+
 def test_empty_file_is_refused(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("\n")

@@ -201,6 +201,9 @@ def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[t
                 continue
             try:
                 record = json.loads(line, **json_hooks)
+            except KeyGivenTwice as e:
+                raise ConfigError(f"{source}:{line_no}: key {e.args[0]!r} is given twice in one object (JSON readers "
+                                  f"keep the last alone)") from None
             except json.JSONDecodeError as e:
                 why = ""
                 if line_no == 1:  # e.g. bzip2's, whose opening bytes are ASCII
@@ -214,6 +217,22 @@ def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[t
                 _check_unicode(record, f"{source}:{line_no}")
             yield f"{source}:{line_no}", record
         _check_unchanged(source, key, before, os.fstat(f.fileno()))
+
+
+class KeyGivenTwice(ValueError):
+    """Raised by `unique_keys` with the key a JSON object names twice."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """A `json.loads` object_pairs_hook refusing an object that names a key twice (which
+    json.loads would resolve silently to its last value); a reader that passes it (an RL
+    task's records, where the answer a problem is scored against must be the record's one)
+    names the file and line."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        raise KeyGivenTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return record
 
 
 def _check_unicode(record: dict, where: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Literal, Protocol, Sequence
 import numpy as np
 
 from jrl.config import ConfigError, check
-from jrl.data.records import iter_located_records
+from jrl.data.records import iter_located_records, unique_keys
 from jrl.data.tasks import AdditionConfig, AdditionTask, Problem
 from jrl.data.wording import agree, counted
 
@@ -114,8 +114,10 @@ class _NumberText(str):
 
 
 # json.loads hooks: every number of a task line is first read as its text, so that a numeric
-# answer keeps it (Python's str of the parsed float would give 1e-07, 0.5, ...)
-_NUMBER_TEXT = {"parse_int": _NumberText, "parse_float": _NumberText, "parse_constant": _NumberText}
+# answer keeps it (Python's str of the parsed float would give 1e-07, 0.5, ...); a key given
+# twice in a record is refused, not resolved silently to its last value
+_NUMBER_TEXT = {"parse_int": _NumberText, "parse_float": _NumberText, "parse_constant": _NumberText,
+                "object_pairs_hook": unique_keys}
 
 
 def _numbers(value: Any) -> Any:
