@@ -532,6 +532,16 @@ def test_a_tool_answer_utf8_cannot_encode_reaches_the_model_with_replacement_cha
     assert tok.decode(ChatPieces(tok).prompt([{"role": "user", "content": "p"}, *msgs])).count("caf\ufffd") == 1
 
 
+def test_tool_environment_does_not_run_the_calls_of_a_turn_a_token_limit_cut():
+    # the episode ends after a cut turn: before, its calls ran all the same, answered into nothing
+    env = ToolEnvironment(ToolRegistry([ping]), score=lambda example, text: (1.0, {}))
+    env.reset({"prompt": "p", "answer": "pong"})
+    _ran.clear()
+    out = env.step({"role": "assistant", "content": call("ping")}, truncated="max_new_tokens")
+    assert out == ([], 0.0, True, {"truncated": "max_new_tokens", "tool_calls": 0})
+    assert _ran == []
+
+
 def test_tool_environment_stops_at_max_tool_calls():
     env = make_tool_env(max_tool_calls=2)
     env.reset({"prompt": "p", "answer": "5"})
@@ -697,6 +707,40 @@ def test_token_limits_truncate(engine, tok, im_end):
     assert any(ep.truncation == "max_total_tokens" for ep in eps)
     with pytest.raises(ConfigError, match="opening prompt is .* tokens"):
         run(engine, tok, im_end, [Scripted()], max_total_tokens=5)
+
+
+class Recording(Scripted):
+    """Scripted, keeping every assistant message its step is given and the `truncated` it
+    is told with it."""
+
+    def __init__(self, turns: int = 3) -> None:
+        super().__init__(turns=turns)
+        self.seen = []
+
+    def step(self, message, truncated=None):
+        self.seen.append((dict(message), truncated))
+        return super().step(message)
+
+
+def test_the_environment_is_told_which_token_limit_cut_a_turn(engine, tok, im_end):
+    # before: a cut turn reached step as any other turn, so an environment could not know that
+    # the episode ends after it (a tool environment ran its calls, whose answers no turn reads)
+    prompt_len = len(ChatPieces(tok).prompt([{"role": "user", "content": "what is 0 plus 3?"}]))
+    envs = [Recording() for _ in range(8)]
+    _, eps = run(engine, tok, im_end, envs, max_new_tokens=3, max_total_tokens=prompt_len + 8, seed=12)
+    cuts = {"length": 0, "eos": 0}
+    for env, ep in zip(envs, eps):
+        assert len(env.seen) == ep.turns
+        for (message, truncated), c in zip(env.seen, ep.completions):
+            cuts[c.finish_reason] += 1
+            assert set(message) == {"role", "content"}  # as the documented contract has it
+            if c.finish_reason == "length":
+                limit = "max_new_tokens" if len(c.tokens) == 3 else "max_total_tokens"
+                assert truncated == limit and ep.truncation == limit and c is ep.completions[-1]
+            else:
+                assert truncated is None
+    assert cuts["length"] and cuts["eos"]
+    assert {ep.truncation for ep in eps} >= {"max_new_tokens", "max_total_tokens"}
 
 
 def test_max_tool_calls_truncates(engine, tok, im_end):

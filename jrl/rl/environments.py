@@ -5,13 +5,17 @@ my_pkg.envs:Calculator`, constructed with `env_kwargs`):
 
     reset(example: dict) -> list[message]              # the opening conversation
     step(assistant_message: dict) -> (new_messages, reward, done, info)
+    step(assistant_message: dict, truncated: str | None = None) -> ...   # or: told of a cut turn
 
 Messages are chat dicts (`{"role": ..., "content": ...}`). `step` gets the model's turn as
 `{"role": "assistant", "content": text}` (the decoded turn without its stop token, cut
 before the first of the task's stop strings) and
 answers with the messages that follow it (tool results, a user's reply, ...), a reward
 (summed over the episode), whether the episode is over, and an info dict (keys the runner
-reads: `tool_calls`, `tool_errors`, `truncated`; any others are kept). Either method may be
+reads: `tool_calls`, `tool_errors`, `truncated`; any others are kept). A `step` with a
+parameter named `truncated` is also given, by keyword, the token limit that cut the turn
+(`"max_new_tokens"` or `"max_total_tokens"`; None for a turn that ended on its own): the
+episode ends after that step whatever it returns. Either method may be
 `async def`. An environment may list `tools` (JSON schemas), which the chat template
 renders into every prompt (`tools=`); they are read once `reset` has returned (which may
 set them) and kept for the episode. A single-turn task is an environment whose first
@@ -20,8 +24,8 @@ set them) and kept for the episode. A single-turn task is an environment whose f
 `ToolEnvironment` is the built-in one: the example's prompt, tools from a `ToolRegistry`,
 each assistant turn's calls (parsed by a `ToolCallParser`) executed and answered with `tool`
 messages; a turn without calls is the final answer, scored by the task's reward. Calls on
-the last allowed turn are not run (nothing would read their answers): the episode ends
-there, truncated.
+the last allowed turn or on a turn a token limit cut are not run (nothing would read their
+answers): the episode ends there, truncated.
 
 **Token exactness.** `EpisodeRunner` drives the engine itself. An episode's sequence is the
 first prompt's ids, then per turn the ids the engine sampled (kept as sampled, never
@@ -50,7 +54,7 @@ does not keep the process from exiting).
 **Limits** (`EpisodeLimits`): `max_turns` assistant turns, `max_total_tokens` in the
 sequence, `max_new_tokens` per turn, `max_tool_calls` per episode. An episode stopped by
 one is `truncated` (`truncation` names which). A turn cut by a token limit still goes to
-the environment (which scores it as it would any turn), and the episode ends after it.
+the environment (with the limit as `truncated`, see above), and the episode ends after it.
 """
 
 from __future__ import annotations
@@ -112,14 +116,25 @@ def check_constructor(cls: type, kwargs: dict[str, Any], field: str, tools: bool
         raise ConfigError(f"{field}: {cls.__name__}{bare} cannot be built as {cls.__name__}({call}): {e}{why}") from None
 
 
-def _call(fn: Callable, *args: Any) -> Any:
+def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """Calls an environment method; an `async def` one is run to completion here."""
-    out = fn(*args)
+    out = fn(*args, **kwargs)
     if inspect.isawaitable(out):
         async def wait():
             return await out
         out = asyncio.run(wait())
     return out
+
+
+def takes_truncated(step: Callable) -> bool:
+    """Whether an environment's `step` has a parameter named `truncated` (which the runner
+    then passes by keyword). By name only: a `**kwargs` wrapper may hand it to a step that
+    has none."""
+    try:
+        p = inspect.signature(step).parameters.get("truncated")
+    except (TypeError, ValueError):
+        return False
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 def run_env_call(env: Any, kind: str, *args: Any, timeout_s: float, where: str) -> Any:
@@ -152,8 +167,8 @@ class ToolEnvironment:
     go into the final step's info as `reward_terms`). Malformed calls, unknown
     tools, exceptions and timeouts are `tool` messages saying what went wrong. More than
     `max_tool_calls` calls in the episode end it, truncated, with reward 0, as do calls on
-    its `max_turns`-th turn (None: no limit), which are not run: no turn would read their
-    answers."""
+    its `max_turns`-th turn (None: no limit) or on a turn a token limit cut (`truncated`),
+    which are not run: no turn would read their answers."""
 
     def __init__(self, tools: ToolRegistry, score: Callable[[dict, str], tuple[float, dict[str, float]]], *,
                  parser: ToolCallParser | None = None, max_tool_calls: int = 8, max_turns: int | None = None,
@@ -178,14 +193,16 @@ class ToolEnvironment:
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         return messages
 
-    def step(self, assistant_message: Message) -> tuple[list[Message], float, bool, dict]:
+    def step(self, assistant_message: Message, truncated: str | None = None) -> tuple[list[Message], float, bool, dict]:
         parsed = self.parser.parse(assistant_message["content"])
         self.turns += 1
         if not parsed.has_calls:
             total, terms = self.score(self.example, parsed.content)
             return [], float(total), True, {"final": True, "reward_terms": dict(terms)}
-        if self.max_turns is not None and self.turns >= self.max_turns:
-            return [], 0.0, True, {"truncated": "max_turns", "tool_calls": 0}
+        # the episode ends after a turn a token limit cut, and after its max_turns-th: no turn would read the answers
+        last = truncated or ("max_turns" if self.max_turns is not None and self.turns >= self.max_turns else None)
+        if last:
+            return [], 0.0, True, {"truncated": last, "tool_calls": 0}
         n = len(parsed.calls) + len(parsed.errors)
         if self.calls_made + n > self.max_tool_calls:
             return [], 0.0, True, {"truncated": "max_tool_calls", "tool_calls": 0}
@@ -439,14 +456,16 @@ class EpisodeRunner:
         others: list[Completion] = []
         workers = DaemonWorkers(self.workers, "jrl-env")
 
-        def timed(fn, *args):
+        def timed(fn, *args, **kwargs):
             t0 = time.perf_counter()
-            out = _call(fn, *args)
+            out = _call(fn, *args, **kwargs)
             return out, time.perf_counter() - t0
 
         def submit(lv: _Live, kind: str, *args) -> None:
             fn = lv.env.reset if kind == "reset" else lv.env.step
-            pending[workers.submit(timed, fn, *args)] = (lv, kind, engine.stats.steps)
+            told = kind == "step" and takes_truncated(fn)  # a step written without it is called as before
+            pending[workers.submit(timed, fn, *args, **({"truncated": lv.cut} if told else {}))] = \
+                (lv, kind, engine.stats.steps)
 
         try:
             for lv in live:
