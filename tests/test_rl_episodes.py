@@ -11,6 +11,7 @@ lengths); the tokenizer is the in-test ChatML BPE with a template that renders t
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
 import json
@@ -359,6 +360,17 @@ def test_a_tool_that_calls_sys_exit_is_an_error_result():
         sys.exit(code)
     out = ToolRegistry([exits]).execute([ToolCall("exits", {"code": 3}, "c0")])
     assert [(r.content, r.error) for r in out] == [("error: exits raised SystemExit: 3", True)]
+
+
+def test_a_tool_that_raises_a_base_exception_is_an_error_result():
+    # before: asyncio.CancelledError (a BaseException, as an inner task's cancellation escapes
+    # asyncio.run) left execute, and the environment's step, and stopped the run unnamed
+    def cancelled() -> str:
+        """Its client's task was cancelled."""
+        raise asyncio.CancelledError("the request was cancelled")
+    out = ToolRegistry([cancelled]).execute([ToolCall("cancelled", {}, "c0")])
+    assert [(r.content, r.error) for r in out] == [("error: cancelled raised CancelledError: the request was "
+                                                    "cancelled", True)]
 
 
 def test_a_call_still_queued_at_its_timeout_never_runs():

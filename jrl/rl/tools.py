@@ -20,7 +20,8 @@ the function it wraps, a callable object by its class (hints: its `__call__`'s).
 turns every failure into a `ToolResult` with `error=True` whose `content` tells the model
 what went wrong: an unknown tool, arguments that do not fit the schema (missing,
 unexpected, or of the wrong JSON type or enum value, a list's items included), an
-exception (its type and message; `SystemExit` too) or a timeout. Nothing a tool does stops
+exception (its type and message; any `BaseException`, `SystemExit` and
+`asyncio.CancelledError` too) or a timeout. Nothing a tool does stops
 the run. Calls run on `jrl.rl.daemon_workers` threads: a timed-out call keeps its thread
 until it returns, and one that never returns does not keep the process from exiting;
 `workers` bounds how many run at once, and a call still waiting for a worker when its
@@ -297,10 +298,8 @@ class ToolRegistry:
             if isinstance(fut, str):
                 results.append(ToolResult(call.id, call.name, fut, error=True))
                 continue
-            try:
-                value = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
-                results.append(ToolResult(call.id, call.name, _render(value), seconds=time.perf_counter() - t0))
-            except concurrent.futures.TimeoutError:
+            concurrent.futures.wait([fut], timeout=max(0.0, deadline - time.perf_counter()))
+            if not fut.done():
                 # a call still queued behind busy workers is dropped: it must not run after this answer
                 message = (f"did not start within {timeout:g} s (every tool worker was busy)" if fut.cancel()
                            else f"timed out after {timeout:g} s")
@@ -308,11 +307,14 @@ class ToolRegistry:
                                           seconds=timeout))
                 if not fut.cancelled():
                     self._hold(fut, call.name, timeout)
-            # the tool raised: the model is told, the run goes on (sys.exit in a tool, an argparse or
-            # click CLI wrapped as one, must not end the training process without a word)
-            except (Exception, SystemExit) as e:
+            # the tool raised: the model is told, the run goes on, whatever it raised (sys.exit in an
+            # argparse or click CLI wrapped as a tool, asyncio.CancelledError out of asyncio.run: any
+            # BaseException). Read off the future: a Ctrl-C on this thread is never taken for the tool's
+            elif (e := fut.exception()) is not None:
                 results.append(ToolResult(call.id, call.name, f"error: {call.name} raised {type(e).__name__}: {e}",
                                           error=True, seconds=time.perf_counter() - t0))
+            else:
+                results.append(ToolResult(call.id, call.name, _render(fut.result()), seconds=time.perf_counter() - t0))
         return results
 
     def _hold(self, fut: concurrent.futures.Future, name: str, timeout: float) -> None:
