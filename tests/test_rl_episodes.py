@@ -782,6 +782,19 @@ def test_an_environment_that_calls_sys_exit_stops_the_run_naming_the_episode(eng
     assert not engine.scheduler.has_work
 
 
+class Cancelled(AsyncScripted):
+    async def step(self, message):
+        raise asyncio.CancelledError("the sandbox request was cancelled")
+
+
+def test_an_environment_that_raises_a_base_exception_stops_the_run_naming_the_episode(engine, tok, im_end):
+    # before: asyncio.CancelledError (a BaseException) left the runner as it was, naming nothing
+    with pytest.raises(EnvironmentFailure, match=r"^environment Cancelled.step raised CancelledError: the sandbox "
+                                                 r"request was cancelled \(on episode 0\)$"):
+        run(engine, tok, im_end, [Cancelled()])
+    assert not engine.scheduler.has_work
+
+
 def test_an_environment_call_running_past_its_timeout_stops_the_run_naming_the_episode(engine, tok, im_end):
     try:
         with pytest.raises(EnvironmentFailure, match=r"^environment Hanging.step did not return within 0.5 s "

@@ -139,7 +139,7 @@ def takes_truncated(step: Callable) -> bool:
 
 def run_env_call(env: Any, kind: str, *args: Any, timeout_s: float, where: str) -> Any:
     """`env.<kind>(*args)` outside an episode (a run's startup check), as the runner calls
-    it: on a daemon thread, for at most `timeout_s`; an exception (sys.exit included) or a
+    it: on a daemon thread, for at most `timeout_s`; anything it raises (sys.exit included) or a
     call still running then is an EnvironmentFailure naming the environment and `where`."""
     workers = DaemonWorkers(1, "jrl-env")
     fut = workers.submit(_call, getattr(env, kind), *args)
@@ -148,13 +148,21 @@ def run_env_call(env: Any, kind: str, *args: Any, timeout_s: float, where: str) 
         if not fut.done():
             raise EnvironmentFailure(f"environment {type(env).__name__}.{kind} did not return within {timeout_s:g} s "
                                      f"(strategy.options.env_timeout_s) (on {where})")
-        try:
-            return fut.result()
-        except (Exception, SystemExit) as e:
-            raise EnvironmentFailure(f"environment {type(env).__name__}.{kind} raised {type(e).__name__}: {e} "
-                                     f"(on {where})") from e
+        return _outcome(fut, env, kind, where)
     finally:
         workers.close()
+
+
+def _outcome(fut: concurrent.futures.Future, env: Any, kind: str, where: str) -> Any:
+    """The result of the finished call `env.<kind>(...)`, or an EnvironmentFailure naming the
+    environment and `where` for whatever it raised: any BaseException (sys.exit in an env
+    must not end the run unnamed, nor asyncio.CancelledError), read off the future, so a
+    Ctrl-C on the caller's thread is never taken for the environment's."""
+    e = fut.exception()
+    if e is not None:
+        raise EnvironmentFailure(f"environment {type(env).__name__}.{kind} raised {type(e).__name__}: {e} "
+                                 f"(on {where})") from e
+    return fut.result()
 
 
 # ----------------------------------------------------------------------------- the tool environment
@@ -475,11 +483,7 @@ class EpisodeRunner:
                     lv, kind, steps_at_start = pending.pop(fut)
                     if engine.stats.steps > steps_at_start:
                         self.env_calls_while_decoding += 1
-                    try:
-                        out, seconds = fut.result()
-                    except (Exception, SystemExit) as e:  # sys.exit in an env must not end the run unnamed
-                        raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} raised "
-                                                 f"{type(e).__name__}: {e} (on {lv.where})") from e
+                    out, seconds = _outcome(fut, lv.env, kind, lv.where)
                     lv.episode.env_s += seconds
                     rid = self._after_env(lv, kind, out)
                     if rid is not None:
