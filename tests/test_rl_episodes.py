@@ -782,6 +782,37 @@ def test_an_environment_that_calls_sys_exit_stops_the_run_naming_the_episode(eng
     assert not engine.scheduler.has_work
 
 
+class InterruptedAt:
+    """The engine, whose `at`-th step raises KeyboardInterrupt (a second Ctrl-C landing while
+    the runner steps it: the trainer's "exit now"); counts the steps asked of it."""
+
+    def __init__(self, engine, at: int) -> None:
+        self.engine, self.at, self.steps = engine, at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.at:
+            raise KeyboardInterrupt
+        return self.engine.step()
+
+
+def test_an_interrupt_aborts_the_turns_in_flight_instead_of_running_them_to_their_end(engine, tok, im_end):
+    # before: the runner stepped the engine on until every turn in flight had finished (up to
+    # max_new_tokens of decoding after a Ctrl-C that said "exit now"), as Engine.generate does not
+    interrupted = InterruptedAt(engine, at=3)
+    r = runner(interrupted, tok, im_end, max_new_tokens=40)
+    with pytest.raises(KeyboardInterrupt):
+        r.run([Scripted(turns=3) for _ in range(4)], [{"prompt": "what is 1 plus 3?"}] * 4,
+              [SamplingParams(temperature=1.0, seed=i) for i in range(4)])
+    assert interrupted.steps == 3
+    assert not engine.scheduler.has_work  # the turns in flight were aborted, not left queued
+    _, eps = run(engine, tok, im_end, [Scripted(turns=1)])  # and the engine serves the next run
+    assert eps[0].done
+
+
 class Cancelled(AsyncScripted):
     async def step(self, message):
         raise asyncio.CancelledError("the sandbox request was cancelled")

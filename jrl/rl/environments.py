@@ -49,7 +49,8 @@ pages, same weight version) serves the earlier turns and only the new tokens are
 other episodes, and it never blocks on an environment while the engine has work. A call
 that has not returned `timeout_s` after it started is an `EnvironmentFailure` (the run
 stops, naming the environment and the record; the hung thread cannot be stopped, but it
-does not keep the process from exiting).
+does not keep the process from exiting). A run that stops (an environment's failure, a
+Ctrl-C) aborts its turns in flight, as `Engine.generate` does its requests.
 
 **Limits** (`EpisodeLimits`): `max_turns` assistant turns, `max_total_tokens` in the
 sequence, `max_new_tokens` per turn, `max_tool_calls` per episode. An episode stopped by
@@ -502,11 +503,11 @@ class EpisodeRunner:
                     concurrent.futures.wait(list(pending), timeout=wait_s,
                                             return_when=concurrent.futures.FIRST_COMPLETED)
         except BaseException:
-            # the run stops: let this call's requests finish so the engine is left as found
-            while by_rid and engine.has_work:
-                for c in engine.step():
-                    if by_rid.pop(c.request_id, None) is None:
-                        others.append(c)
+            # the run stops (an environment failed, a Ctrl-C): this call's turns in flight are aborted,
+            # as Engine.generate's requests are, so the engine is left as found without decoding them to
+            # their end first (up to max_new_tokens of steps after a Ctrl-C that asked to exit now)
+            for rid in by_rid:
+                engine.abort(rid)
             raise
         finally:
             workers.close()  # calls queued behind a hung one never start
