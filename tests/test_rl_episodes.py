@@ -692,6 +692,43 @@ def test_async_environments_and_other_roles(engine, tok, im_end):
             assert ep.messages[2] == {"role": "user", "content": "1"}
 
 
+class AsyncSandbox:
+    """An async environment holding a sandbox process from its reset to its last step (as one
+    holding an HTTP client session would): `cat`, which echoes each turn back; done after
+    `turns` turns, rewarded 1 per turn echoed intact."""
+
+    def __init__(self, turns: int = 2) -> None:
+        self.turns, self.n = turns, 0
+
+    async def reset(self, example):
+        self.proc = await asyncio.create_subprocess_exec("cat", stdin=asyncio.subprocess.PIPE,
+                                                         stdout=asyncio.subprocess.PIPE)
+        return [{"role": "user", "content": example["prompt"]}]
+
+    async def step(self, message):
+        self.proc.stdin.write((json.dumps(message["content"]) + "\n").encode())
+        await self.proc.stdin.drain()
+        echoed = json.loads(await self.proc.stdout.readline())
+        self.n += 1
+        done = self.n >= self.turns
+        if done:
+            self.proc.stdin.close()
+            await self.proc.wait()
+        return [] if done else [{"role": "tool", "content": "ok"}], float(echoed == message["content"]), done, {}
+
+
+def test_an_async_environment_keeps_one_event_loop_for_its_episode(engine, tok, im_end):
+    # before: each call ran in an event loop of its own (asyncio.run), so the process reset
+    # started was bound to a closed loop when step used it, and the run stopped
+    envs = [AsyncSandbox() for _ in range(2)]
+    _, eps = run(engine, tok, im_end, envs, seed=13)
+    finished = [(env, ep) for env, ep in zip(envs, eps) if not ep.truncated]
+    assert finished
+    for env, ep in finished:
+        assert (ep.reward, ep.turns, env.proc.returncode) == (2.0, 2, 0)
+
+
+# ----------------------------------------------------------------------------- limits
 # ----------------------------------------------------------------------------- limits
 
 

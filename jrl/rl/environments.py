@@ -15,8 +15,10 @@ answers with the messages that follow it (tool results, a user's reply, ...), a 
 reads: `tool_calls`, `tool_errors`, `truncated`; any others are kept). A `step` with a
 parameter named `truncated` is also given, by keyword, the token limit that cut the turn
 (`"max_new_tokens"` or `"max_total_tokens"`; None for a turn that ended on its own): the
-episode ends after that step whatever it returns. Either method may be
-`async def`. An environment may list `tools` (JSON schemas), which the chat template
+episode ends after that step whatever it returns. Either method may be `async def`: an
+episode's async calls share one event loop, closed once the episodes' run is over (what
+`reset` starts, a subprocess or a client session, is bound to it). An environment may
+list `tools` (JSON schemas), which the chat template
 renders into every prompt (`tools=`); they are read once `reset` has returned (which may
 set them) and kept for the episode. A single-turn task is an environment whose first
 `step` returns `done=True` with the task's reward.
@@ -64,6 +66,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import inspect
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -117,13 +120,15 @@ def check_constructor(cls: type, kwargs: dict[str, Any], field: str, tools: bool
         raise ConfigError(f"{field}: {cls.__name__}{bare} cannot be built as {cls.__name__}({call}): {e}{why}") from None
 
 
-def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """Calls an environment method; an `async def` one is run to completion here."""
+def _call(fn: Callable, *args: Any, loop: Callable[[], asyncio.Runner] | None = None, **kwargs: Any) -> Any:
+    """Calls an environment method; an `async def` one is run to completion here, in the event
+    loop of `loop()` (an episode's, kept across its calls: what reset starts, a sandbox process
+    or a client session, is bound to it), or in one of its own (None)."""
     out = fn(*args, **kwargs)
     if inspect.isawaitable(out):
         async def wait():
             return await out
-        out = asyncio.run(wait())
+        out = asyncio.run(wait()) if loop is None else loop().run(wait())
     return out
 
 
@@ -363,6 +368,13 @@ class _Live:
     tools: list | None = None  # episode_tools, read once reset has returned
     where: str = ""
     cut: str | None = None  # the last turn hit a token limit: the episode ends after its step
+    aio: asyncio.Runner | None = None  # the event loop of the environment's async calls, from the first
+
+    def event_loop(self) -> asyncio.Runner:
+        """The episode's event loop (made at its environment's first async call; one call runs at a time)."""
+        if self.aio is None:
+            self.aio = asyncio.Runner()
+        return self.aio
 
 
 def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
@@ -465,15 +477,15 @@ class EpisodeRunner:
         others: list[Completion] = []
         workers = DaemonWorkers(self.workers, "jrl-env")
 
-        def timed(fn, *args, **kwargs):
+        def timed(lv: _Live, fn, *args, **kwargs):
             t0 = time.perf_counter()
-            out = _call(fn, *args, **kwargs)
+            out = _call(fn, *args, loop=lv.event_loop, **kwargs)
             return out, time.perf_counter() - t0
 
         def submit(lv: _Live, kind: str, *args) -> None:
             fn = lv.env.reset if kind == "reset" else lv.env.step
             told = kind == "step" and takes_truncated(fn)  # a step written without it is called as before
-            pending[workers.submit(timed, fn, *args, **({"truncated": lv.cut} if told else {}))] = \
+            pending[workers.submit(timed, lv, fn, *args, **({"truncated": lv.cut} if told else {}))] = \
                 (lv, kind, engine.stats.steps)
 
         try:
@@ -511,6 +523,10 @@ class EpisodeRunner:
             raise
         finally:
             workers.close()  # calls queued behind a hung one never start
+            calling = {id(lv) for lv, _, _ in pending.values()}
+            for lv in live:  # the episodes' event loops (one a hung call still runs stays with its thread),
+                if lv.aio is not None and id(lv) not in calling:  # closed aside: an env's task may ignore cancel
+                    threading.Thread(target=lv.aio.close, name="jrl-env-loop", daemon=True).start()
             if others:  # requests someone else queued: theirs to collect from step()/flush()
                 engine._finished = others + engine._finished
         return [lv.episode for lv in live]
