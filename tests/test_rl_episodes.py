@@ -1450,6 +1450,32 @@ def test_an_environment_gets_its_own_copy_of_the_record(tok):
     assert problem.example == {"tests": ["t1"]}
 
 
+class Noting(Scripted):
+    """Keeps the `notes` list it is built with as its scratch, writing each record's prompt."""
+
+    def __init__(self, notes: list) -> None:
+        super().__init__()
+        self.notes = notes
+
+    def reset(self, example):
+        self.notes.append(example["prompt"])
+        return super().reset(example)
+
+
+def test_an_environment_gets_its_own_copy_of_env_kwargs(tok):
+    # before: every episode's environment was built with the same list, so one's scratch was the
+    # group's and every later rollout's (as the record's was, before it was copied)
+    from jrl.data.tasks import Problem
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    options = RLOptions.from_config({"env": "test_rl_episodes:Noting", "env_kwargs": {"notes": ["start"]}})
+    sampler = EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 96)
+    problem = Problem(prompt="p", answer="0")
+    (a, example), (b, _) = sampler.environment(problem), sampler.environment(problem)
+    a.reset(example)
+    assert (a.notes, b.notes, options.env_kwargs) == (["start", "p"], ["start"], {"notes": ["start"]})
+
+
 def test_turns_reach_the_environment_cut_before_the_first_stop_string(engine, tok, im_end):
     """`task.stop` strings: a turn's text is cut before the first one, as a single-turn
     completion's is for the rewards, also where the string does not tokenize inside the

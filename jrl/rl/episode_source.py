@@ -3,7 +3,7 @@
 token-exactly, rewarded per episode, and turned into rows whose loss mask covers only the
 tokens the model sampled.
 
-Each episode's environment is a fresh instance: `env` built with `env_kwargs` (and
+Each episode's environment is a fresh instance: `env` built with a copy of `env_kwargs` (and
 `tools=<ToolRegistry>` when tools are configured too), or, with `tools` alone, a
 `ToolEnvironment` whose final answer is scored by the task's rewards. `reset` gets the
 problem's record with `prompt` and `answer` set to the problem's prompt and reference
@@ -64,15 +64,16 @@ class EpisodeSampler:
         self.parser = get_parser(o.tool_parser, "strategy.options.tool_parser")
 
     def environment(self, problem: Problem) -> tuple[Any, dict]:
-        """A fresh environment for `problem`, and the example its `reset` gets: a copy of its
-        own, as a reward's (the record is shared by the group's episodes and later rollouts).
+        """A fresh environment for `problem`, built with a copy of `env_kwargs` of its own, and
+        the example its `reset` gets: a copy of its own too, as a reward's (the record and the
+        options are shared by the group's episodes and later rollouts).
         Its `prompt` is the record's form: a string, or a message list (a Problem holds one
         as a tuple)."""
         prompt = list(problem.prompt) if isinstance(problem.prompt, tuple) else problem.prompt
         example = copy.deepcopy({**problem.example, "prompt": prompt, "answer": problem.answer})
         o = self.options
         if self.env_cls is not None:
-            kwargs = dict(o.env_kwargs)
+            kwargs = copy.deepcopy(o.env_kwargs)  # its own, as the example: a list kept as scratch is the episode's
             if self.registry is not None:
                 kwargs["tools"] = self.registry
             try:
