@@ -684,6 +684,28 @@ def test_tools_an_environment_sets_in_reset_render_into_every_turn(engine, im_en
     assert any("<|im_start|>tool of 1\n" in aware.decode(ep.tokens) for ep in when_built)
 
 
+class ToolsMistaken(Scripted):
+    """Lists `tools` as something other than a list of schemas."""
+
+    def __init__(self, tools) -> None:
+        super().__init__()
+        self.tools = tools
+
+
+@pytest.mark.parametrize("tools, got", [
+    (ToolRegistry([add]), "a ToolRegistry (its schemas are its .schemas)"),
+    (resolve_tool("test_rl_episodes:add").schema, "a dict"),
+    ("add", "a str"),
+], ids=["registry", "one schema", "a name"])
+def test_tools_that_are_not_a_list_of_schemas_stop_the_run_naming_the_environment(engine, tok, im_end, tools, got):
+    # before: a registry stopped the run as messages the template could not render, and a
+    # single schema or a name rendered into every prompt, one "tool" per key or character
+    with pytest.raises(EnvironmentFailure) as e:
+        run(engine, tok, im_end, [ToolsMistaken(tools)])
+    assert str(e.value) == (f"environment ToolsMistaken.tools: must be a list of tool schemas (JSON schema dicts), "
+                            f"got {got} (on episode 0)")
+
+
 def test_async_environments_and_other_roles(engine, tok, im_end):
     _, eps = run(engine, tok, im_end, [AsyncScripted(turns=2, role="user") for _ in range(4)], seed=3)
     for ep in eps:

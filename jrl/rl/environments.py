@@ -401,11 +401,24 @@ def _check_step(lv: _Live, new: Any, reward: Any, done: Any, info: Any) -> None:
             fail(f"info[{key!r}] must be a count (an integer >= 0), got {count!r}")
 
 
-def episode_tools(env: Any) -> list | None:
+def episode_tools(env: Any, where: str) -> list | None:
     """The JSON schemas `env` lists for the chat template's `tools=` (None: none), read once
     its `reset` has returned (it may set them there): every turn of the episode renders with
-    these, so that later turns continue the opening prompt as the template would render it."""
-    return getattr(env, "tools", None) or None
+    these, so that later turns continue the opening prompt as the template would render it.
+    Anything but a list of dicts is an EnvironmentFailure naming the environment and the
+    record `where`: a template iterates `tools` (a single schema would render one "tool" per
+    key, a name one per character; a registry does not iterate)."""
+    tools = getattr(env, "tools", None)
+    if tools is None:
+        return None
+    if not (isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools)):
+        got = (f"a {type(tools).__name__}" if not isinstance(tools, (list, tuple)) else
+               f"a {type(tools).__name__} holding a {next(type(t).__name__ for t in tools if not isinstance(t, dict))}")
+        if isinstance(tools, ToolRegistry):
+            got += " (its schemas are its .schemas)"
+        raise EnvironmentFailure(f"environment {type(env).__name__}.tools: must be a list of tool schemas (JSON "
+                                 f"schema dicts), got {got} (on {where})")
+    return list(tools) or None
 
 
 def opening_prompt(pieces: ChatPieces, env: Any, messages: Any, max_total_tokens: int, where: str) -> list[int]:
@@ -421,8 +434,9 @@ def opening_prompt(pieces: ChatPieces, env: Any, messages: Any, max_total_tokens
     if not all(isinstance(m, dict) for m in messages):
         raise EnvironmentFailure(f"environment {name}.reset: must return a list of message dicts, got {messages!r} "
                                  f"(on {where})")
+    tools = episode_tools(env, where)
     try:
-        ids = pieces.prompt([dict(m) for m in messages], episode_tools(env))
+        ids = pieces.prompt([dict(m) for m in messages], tools)
     except ConfigError:
         raise
     except Exception as e:
@@ -582,7 +596,7 @@ class EpisodeRunner:
         ep = lv.episode
         if kind == "reset":
             ids = opening_prompt(self.pieces, lv.env, out, self.limits.max_total_tokens, lv.where)
-            lv.tools = episode_tools(lv.env)  # those the opening was rendered with
+            lv.tools = episode_tools(lv.env, lv.where)  # those the opening was rendered with
             ep.messages = [dict(m) for m in out]
             ep._append(ids, "prompt")
             ep.prompt_len = len(ids)
