@@ -373,6 +373,27 @@ def test_a_tool_that_raises_a_base_exception_is_an_error_result():
                                                     "cancelled", True)]
 
 
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text")
+
+    __repr__ = __str__
+
+
+@pytest.mark.parametrize("value, why", [
+    (10 ** 5000, "int (ValueError: Exceeds the limit (4300 digits) for integer string conversion; use "
+                 "sys.set_int_max_str_digits() to increase the limit)"),
+    (Unprintable(), "Unprintable (RuntimeError: no text)"),
+], ids=["an int of 5000 digits", "an object whose str raises"])
+def test_a_tool_value_that_cannot_be_written_as_text_is_an_error_result(value, why):
+    # before: rendering it raised out of execute, and the environment's step stopped the run
+    def returns() -> str:
+        """Returns the value."""
+        return value
+    (r,) = ToolRegistry([returns]).execute([ToolCall("returns", {}, "c0")])
+    assert (r.content, r.error) == (f"error: returns returned a value that cannot be written as text: {why}", True)
+
+
 def test_a_call_still_queued_at_its_timeout_never_runs():
     started, gate = [], threading.Event()
 

@@ -21,7 +21,8 @@ turns every failure into a `ToolResult` with `error=True` whose `content` tells 
 what went wrong: an unknown tool, arguments that do not fit the schema (missing,
 unexpected, or of the wrong JSON type or enum value, a list's items included), an
 exception (its type and message; any `BaseException`, `SystemExit` and
-`asyncio.CancelledError` too) or a timeout. Nothing a tool does stops
+`asyncio.CancelledError` too), a value that cannot be written as text (an int past Python's
+4300 digits, an object whose `__str__` raises) or a timeout. Nothing a tool does stops
 the run. Calls run on `jrl.rl.daemon_workers` threads: a timed-out call keeps its thread
 until it returns, and one that never returns does not keep the process from exiting;
 `workers` bounds how many run at once, and a call still waiting for a worker when its
@@ -314,8 +315,19 @@ class ToolRegistry:
                 results.append(ToolResult(call.id, call.name, f"error: {call.name} raised {type(e).__name__}: {e}",
                                           error=True, seconds=time.perf_counter() - t0))
             else:
-                results.append(ToolResult(call.id, call.name, _render(fut.result()), seconds=time.perf_counter() - t0))
+                results.append(self._answer(call, fut.result(), time.perf_counter() - t0))
         return results
+
+    @staticmethod
+    def _answer(call: ToolCall, value: Any, seconds: float) -> ToolResult:
+        """The result of a call that returned `value`: its text, or an error result when it has
+        none (str() of an int past Python's 4300 digits raises, and so may a __str__)."""
+        try:
+            return ToolResult(call.id, call.name, _render(value), seconds=seconds)
+        except Exception as e:  # noqa: BLE001 - whatever rendering it raised is the tool's
+            return ToolResult(call.id, call.name, f"error: {call.name} returned a value that cannot be written as "
+                                                  f"text: {type(value).__name__} ({type(e).__name__}: {e})",
+                              error=True, seconds=seconds)
 
     def _hold(self, fut: concurrent.futures.Future, name: str, timeout: float) -> None:
         """Counts a timed-out call's worker as held until the call returns, and warns when the
