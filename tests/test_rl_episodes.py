@@ -394,6 +394,17 @@ def test_a_tool_value_that_cannot_be_written_as_text_is_an_error_result(value, w
     assert (r.content, r.error) == (f"error: returns returned a value that cannot be written as text: {why}", True)
 
 
+def run_output() -> bytes:
+    """A command's output, as subprocess.check_output returns it (bytes; not all UTF-8)."""
+    return b"line 1\ncaf\xe9\n"
+
+
+def test_bytes_a_tool_returns_are_its_text():
+    # before: the model read their Python repr, "b'line 1\\ncaf\\xe9\\n'", newlines escaped
+    (r,) = ToolRegistry([run_output]).execute([ToolCall("run_output", {}, "c0")])
+    assert (r.content, r.error) == ("line 1\ncaf\ufffd\n", False)
+
+
 def test_a_call_still_queued_at_its_timeout_never_runs():
     started, gate = [], threading.Event()
 

@@ -242,8 +242,12 @@ def resolve_tool(name: str, field: str = "tools") -> Tool:
 
 
 def _render(value: Any) -> str:
+    """A tool's value as the text the model reads: a string as is, bytes (a command's output)
+    as UTF-8 text (bytes it cannot decode as U+FFFD), anything else its JSON, else its str()."""
     if isinstance(value, str):
         return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="replace")
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
