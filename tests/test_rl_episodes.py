@@ -405,6 +405,19 @@ def test_bytes_a_tool_returns_are_its_text():
     assert (r.content, r.error) == ("line 1\ncaf\ufffd\n", False)
 
 
+def stats() -> dict:
+    """Statistics computed with numpy, returned as they come."""
+    xs = np.arange(3)
+    return {"mean": np.float32(xs.mean()), "max": xs.max(), "xs": xs}
+
+
+def test_numpy_values_a_tool_returns_are_written_as_json():
+    # before: json.dumps refused them, and the model read the dict's repr:
+    # "{'mean': np.float32(1.0), 'max': np.int64(2), 'xs': array([0, 1, 2])}"
+    (r,) = ToolRegistry([stats]).execute([ToolCall("stats", {}, "c0")])
+    assert (r.content, r.error) == ('{"mean": 1.0, "max": 2, "xs": [0, 1, 2]}', False)
+
+
 def test_a_call_still_queued_at_its_timeout_never_runs():
     started, gate = [], threading.Event()
 

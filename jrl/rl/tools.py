@@ -243,15 +243,25 @@ def resolve_tool(name: str, field: str = "tools") -> Tool:
 
 def _render(value: Any) -> str:
     """A tool's value as the text the model reads: a string as is, bytes (a command's output)
-    as UTF-8 text (bytes it cannot decode as U+FFFD), anything else its JSON, else its str()."""
+    as UTF-8 text (bytes it cannot decode as U+FFFD), anything else its JSON (arrays and
+    scalars of numpy, JAX, torch, anything with `tolist()`, as the lists and numbers it gives),
+    else its str()."""
     if isinstance(value, str):
         return value
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).decode("utf-8", errors="replace")
     try:
-        return json.dumps(value, ensure_ascii=False)
+        return json.dumps(value, ensure_ascii=False, default=_plain)
     except (TypeError, ValueError):
         return str(value)
+
+
+def _plain(value: Any) -> Any:
+    """json.dumps' `default`: an array or array scalar as the lists and numbers of its `tolist()`."""
+    tolist = getattr(value, "tolist", None)
+    if not callable(tolist):
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+    return tolist()
 
 
 class ToolRegistry:
