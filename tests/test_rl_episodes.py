@@ -808,6 +808,18 @@ def test_max_turns_truncates(engine, tok, im_end):
     assert any(ep.truncation == "max_turns" and ep.turns == 2 for ep in eps)
 
 
+def test_the_answer_to_the_last_allowed_turn_is_not_inserted(engine, tok, im_end):
+    # before: it was encoded and appended, tokens no turn reads, and an answer too long for
+    # max_total_tokens relabelled the episode as cut by max_total_tokens
+    _, eps = run(engine, tok, im_end, [Scripted(turns=99) for _ in range(4)], max_turns=2, max_new_tokens=40, seed=4)
+    ended = [ep for ep in eps if ep.truncation == "max_turns"]
+    assert ended
+    for ep in ended:
+        assert ep.pieces[-1] == ("sampled", ep.pieces[-1][1], len(ep.tokens))
+        assert ep.messages[-2:] == [{"role": "assistant", "content": ep.messages[-2]["content"]},
+                                    {"role": "tool", "content": "2"}]
+
+
 def test_token_limits_truncate(engine, tok, im_end):
     _, eps = run(engine, tok, im_end, [Scripted(turns=3) for _ in range(6)], max_new_tokens=2, seed=5)
     assert any(ep.truncation == "max_new_tokens" for ep in eps)

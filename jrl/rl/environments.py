@@ -562,10 +562,9 @@ class EpisodeRunner:
 
     # the two halves of a turn ------------------------------------------------
     def _request(self, lv: _Live) -> int | None:
-        """Queues the episode's next turn, or ends it when a limit leaves no room."""
+        """Queues the episode's next turn, or ends it when no token is left for one (its
+        `max_turns`-th turn ended it already: `_after_env`)."""
         ep, limits = lv.episode, self.limits
-        if ep.turns >= limits.max_turns:
-            return self._end(ep, "max_turns")
         room = limits.max_total_tokens - len(ep.tokens)
         if room < 1:
             return self._end(ep, "max_total_tokens")
@@ -623,9 +622,9 @@ class EpisodeRunner:
         assistant, last = ep.messages[-1], ep.completions[-1]
         history = ep.messages[:-1]
         new = [dict(m) for m in new or []]
-        if done:
+        if done or ep.turns >= self.limits.max_turns:  # the last allowed turn: no turn reads the answer
             ep.messages += new
-            return self._end(ep, None)
+            return self._end(ep, None if done else "max_turns")
         stop = int(last.tokens[-1]) if last.finish_reason == "eos" else None
         ids = self._render(lv, kind, self.pieces.continuation, history, assistant, new, stop, lv.tools)
         ep.messages += new
