@@ -1135,6 +1135,17 @@ def test_a_weight_update_between_turns_is_recorded_per_token(model, tok, im_end,
 # ----------------------------------------------------------------------------- concurrency
 
 
+def test_one_environment_instance_given_for_two_episodes_is_refused(engine, tok, im_end):
+    # before: both episodes reset and stepped the one instance, at once on two threads, each
+    # turn answered from the other's state
+    env = Scripted()
+    with pytest.raises(ValueError) as e:
+        run(engine, tok, im_end, [Scripted(), env, env])
+    assert str(e.value) == ("envs: episodes 1 and 2 are given the same Scripted instance; an environment is "
+                            "one episode's (make one per episode)")
+    assert env.n == 0 and not engine.scheduler.has_work
+
+
 def test_slow_environments_never_stall_decoding(engine, tok, im_end):
     envs = [Scripted(turns=3, delay=0.02 * (i % 5)) for i in range(16)]
     r, eps = run(engine, tok, im_end, envs, seed=8)

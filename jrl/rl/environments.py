@@ -479,9 +479,16 @@ class EpisodeRunner:
     def run(self, envs: Sequence[Any], examples: Sequence[dict], sampling: Sequence[SamplingParams],
             wheres: Sequence[str] | None = None) -> list[Episode]:
         """Runs one episode per (environment instance, example, sampling params); returns
-        them in order. Raises `EnvironmentFailure` when an environment raises."""
+        them in order. Raises `EnvironmentFailure` when an environment raises, ValueError
+        for an instance given twice (its episodes would run on it at once)."""
         if not len(envs) == len(examples) == len(sampling):
             raise ValueError(f"envs/examples/sampling: lengths differ ({len(envs)}, {len(examples)}, {len(sampling)})")
+        first: dict[int, int] = {}
+        for i, env in enumerate(envs):
+            j = first.setdefault(id(env), i)
+            if j != i:
+                raise ValueError(f"envs: episodes {j} and {i} are given the same {type(env).__name__} instance; an "
+                                 f"environment is one episode's (make one per episode)")
         wheres = list(wheres) if wheres is not None else [f"episode {i}" for i in range(len(envs))]
         live = [_Live(Episode(example=dict(ex)), env, s, where=w)
                 for env, ex, s, w in zip(envs, examples, sampling, wheres)]
