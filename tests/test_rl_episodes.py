@@ -1135,6 +1135,46 @@ def test_a_weight_update_between_turns_is_recorded_per_token(model, tok, im_end,
 # ----------------------------------------------------------------------------- concurrency
 
 
+class Closing(Scripted):
+    """Scripted with a close(), counted (what a sandbox environment stops there)."""
+
+    def __init__(self, turns: int = 3) -> None:
+        super().__init__(turns=turns)
+        self.closed = 0
+
+    def close(self):
+        self.closed += 1
+
+
+def test_every_episodes_environment_is_closed_once_however_it_ended(engine, tok, im_end):
+    # before: nothing told an environment its episode was over: what its reset started for
+    # the episode (a sandbox) lived on after every episode a limit stopped
+    envs = [Closing(turns=2) for _ in range(8)]
+    _, eps = run(engine, tok, im_end, envs, max_new_tokens=4, seed=14)
+    assert {ep.truncated for ep in eps} == {True, False}
+    assert [env.closed for env in envs] == [1] * 8
+
+
+def test_a_run_that_stops_closes_the_environments_no_call_runs_in(engine, tok, im_end):
+    env = Closing(turns=99)
+    interrupted = InterruptedAt(engine, at=2)  # the episode's first turn is decoding
+    with pytest.raises(KeyboardInterrupt):
+        runner(interrupted, tok, im_end, max_new_tokens=40).run([env], [{"prompt": "p"}], [SamplingParams(seed=0)])
+    assert env.closed == 1
+
+
+class ClosingBadly(Scripted):
+    def close(self):
+        raise OSError("the container is gone")
+
+
+def test_a_close_that_raises_stops_the_run_naming_the_episode(engine, tok, im_end):
+    with pytest.raises(EnvironmentFailure, match=r"^environment ClosingBadly.close raised OSError: the container is "
+                                                 r"gone \(on episode 0\)$"):
+        run(engine, tok, im_end, [ClosingBadly(turns=1)])
+    assert not engine.scheduler.has_work
+
+
 def test_one_environment_instance_given_for_two_episodes_is_refused(engine, tok, im_end):
     # before: both episodes reset and stepped the one instance, at once on two threads, each
     # turn answered from the other's state
@@ -1525,6 +1565,31 @@ def test_an_environments_opening_prompts_are_checked_on_the_largest_records_of_e
     sampler.check_opening_prompts(make_task(options.task))
     assert CountedParity.prompts == ["held out", "the longest prompt of them", "a longer prompt", "10?", "11?",
                                      "12?", "13?", "14?", "15?"]
+
+
+class ClosedParity(Parity):
+    """Parity counting the instances closed (the startup check's are discarded after reset)."""
+
+    closed = 0
+
+    def close(self):
+        ClosedParity.closed += 1
+
+
+def test_the_startup_checks_environments_are_closed(tmp_path, tok):
+    # before: each checked reset started (say) a sandbox that nothing ever stopped
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    from jrl.rl.tasks import make_task
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i}?", "answer": "0"}) + "\n"
+                                                  for i in range(3)))
+    (tmp_path / "test.jsonl").write_text(json.dumps({"prompt": "held out", "answer": "0"}) + "\n")
+    options = RLOptions.from_config({"env": "test_rl_episodes:ClosedParity", "task": {
+        "name": "jsonl", "train": str(tmp_path / "train.jsonl"), "heldout": str(tmp_path / "test.jsonl"),
+        "n_validation": 0}})
+    ClosedParity.closed = 0
+    EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 96).check_opening_prompts(make_task(options.task))
+    assert ClosedParity.closed == 4
 
 
 def test_an_environment_gets_its_own_copy_of_the_record(tok):

@@ -6,6 +6,7 @@ my_pkg.envs:Calculator`, constructed with `env_kwargs`):
     reset(example: dict) -> list[message]              # the opening conversation
     step(assistant_message: dict) -> (new_messages, reward, done, info)
     step(assistant_message: dict, truncated: str | None = None) -> ...   # or: told of a cut turn
+    close() -> None                                    # optional: once the episode is over
 
 Messages are chat dicts (`{"role": ..., "content": ...}`). `step` gets the model's turn as
 `{"role": "assistant", "content": text}` (the decoded turn without its stop token, cut
@@ -20,7 +21,9 @@ episode's async calls share one event loop, closed once the episodes' run is ove
 `reset` starts, a subprocess or a client session, is bound to it). An environment may
 list `tools` (JSON schemas), which the chat template
 renders into every prompt (`tools=`); they are read once `reset` has returned (which may
-set them) and kept for the episode. A single-turn task is an environment whose first
+set them) and kept for the episode. An optional `close` is called once the episode is over,
+however it ended (done, a limit, the run stopping; not while another call of it still runs),
+to stop what `reset` started (a sandbox). A single-turn task is an environment whose first
 `step` returns `done=True` with the task's reward.
 
 `ToolEnvironment` is the built-in one: the example's prompt, tools from a `ToolRegistry`,
@@ -143,20 +146,39 @@ def takes_truncated(step: Callable) -> bool:
     return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
-def run_env_call(env: Any, kind: str, *args: Any, timeout_s: float, where: str) -> Any:
+def run_env_call(env: Any, kind: str, *args: Any, timeout_s: float, where: str,
+                 loop: Callable[[], asyncio.Runner] | None = None) -> Any:
     """`env.<kind>(*args)` outside an episode (a run's startup check), as the runner calls
-    it: on a daemon thread, for at most `timeout_s`; anything it raises (sys.exit included) or a
-    call still running then is an EnvironmentFailure naming the environment and `where`."""
+    it: on a daemon thread, for at most `timeout_s`, async in `loop()` (None: a loop of its
+    own); anything it raises (sys.exit included) or a call still running then is an
+    EnvironmentFailure naming the environment and `where`."""
     workers = DaemonWorkers(1, "jrl-env")
-    fut = workers.submit(_call, getattr(env, kind), *args)
+    fut = workers.submit(_call, getattr(env, kind), *args, loop=loop)
     try:
         concurrent.futures.wait([fut], timeout=None if timeout_s == float("inf") else timeout_s)
         if not fut.done():
-            raise EnvironmentFailure(f"environment {type(env).__name__}.{kind} did not return within {timeout_s:g} s "
-                                     f"(strategy.options.env_timeout_s) (on {where})")
+            raise EnvironmentFailure(_late(env, kind, timeout_s, where))
         return _outcome(fut, env, kind, where)
     finally:
         workers.close()
+
+
+def opened_and_closed(env: Any, example: dict, *, timeout_s: float, where: str) -> Any:
+    """The messages of `env.reset(example)` outside an episode (a run's startup check), then
+    `env.close()` if it has one, the instance being done with, as the runner calls them (one
+    event loop for both; see `run_env_call`)."""
+    aio = asyncio.Runner()
+    messages = run_env_call(env, "reset", example, timeout_s=timeout_s, where=where, loop=lambda: aio)
+    if callable(getattr(env, "close", None)):
+        run_env_call(env, "close", timeout_s=timeout_s, where=where, loop=lambda: aio)
+    aio.close()
+    return messages
+
+
+def _late(env: Any, kind: str, timeout_s: float, where: str) -> str:
+    """What a call `env.<kind>(...)` still running `timeout_s` after it started is."""
+    return (f"environment {type(env).__name__}.{kind} did not return within {timeout_s:g} s "
+            f"(strategy.options.env_timeout_s) (on {where})")
 
 
 def _outcome(fut: concurrent.futures.Future, env: Any, kind: str, where: str) -> Any:
@@ -369,6 +391,7 @@ class _Live:
     where: str = ""
     cut: str | None = None  # the last turn hit a token limit: the episode ends after its step
     aio: asyncio.Runner | None = None  # the event loop of the environment's async calls, from the first
+    closed: bool = False  # its environment's close() was called
 
     def event_loop(self) -> asyncio.Runner:
         """The episode's event loop (made at its environment's first async call; one call runs at a time)."""
@@ -503,11 +526,19 @@ class EpisodeRunner:
             out = _call(fn, *args, loop=lv.event_loop, **kwargs)
             return out, time.perf_counter() - t0
 
-        def submit(lv: _Live, kind: str, *args) -> None:
-            fn = lv.env.reset if kind == "reset" else lv.env.step
+        def submit(lv: _Live, kind: str, *args) -> concurrent.futures.Future:
+            fn = getattr(lv.env, kind)
             told = kind == "step" and takes_truncated(fn)  # a step written without it is called as before
-            pending[workers.submit(timed, lv, fn, *args, **({"truncated": lv.cut} if told else {}))] = \
-                (lv, kind, engine.stats.steps)
+            fut = workers.submit(timed, lv, fn, *args, **({"truncated": lv.cut} if told else {}))
+            pending[fut] = (lv, kind, engine.stats.steps)
+            return fut
+
+        def close(lv: _Live) -> concurrent.futures.Future | None:
+            """The environment's close() (if it has one) once its episode is over, once."""
+            if lv.closed or not callable(getattr(lv.env, "close", None)):
+                return None
+            lv.closed = True
+            return submit(lv, "close")
 
         try:
             for lv in live:
@@ -519,9 +550,13 @@ class EpisodeRunner:
                         self.env_calls_while_decoding += 1
                     out, seconds = _outcome(fut, lv.env, kind, lv.where)
                     lv.episode.env_s += seconds
+                    if kind == "close":
+                        continue
                     rid = self._after_env(lv, kind, out)
                     if rid is not None:
                         by_rid[rid] = lv
+                    else:  # the episode is over
+                        close(lv)
                 wait_s = self._check_running(pending)
                 if engine.has_work:
                     for c in engine.step():
@@ -532,25 +567,46 @@ class EpisodeRunner:
                         msg = self._after_turn(lv, c)
                         if msg is not None:
                             submit(lv, "step", msg)
+                        else:
+                            close(lv)
                 elif pending:
                     concurrent.futures.wait(list(pending), timeout=wait_s,
                                             return_when=concurrent.futures.FIRST_COMPLETED)
-        except BaseException:
+        except BaseException as e:
             # the run stops (an environment failed, a Ctrl-C): this call's turns in flight are aborted,
             # as Engine.generate's requests are, so the engine is left as found without decoding them to
             # their end first (up to max_new_tokens of steps after a Ctrl-C that asked to exit now)
             for rid in by_rid:
                 engine.abort(rid)
+            self._close_all(live, pending, close, e)
             raise
         finally:
             workers.close()  # calls queued behind a hung one never start
-            calling = {id(lv) for lv, _, _ in pending.values()}
+            calling = {id(lv) for f, (lv, _, _) in pending.items() if not f.done()}
             for lv in live:  # the episodes' event loops (one a hung call still runs stays with its thread),
                 if lv.aio is not None and id(lv) not in calling:  # closed aside: an env's task may ignore cancel
                     threading.Thread(target=lv.aio.close, name="jrl-env-loop", daemon=True).start()
             if others:  # requests someone else queued: theirs to collect from step()/flush()
                 engine._finished = others + engine._finished
         return [lv.episode for lv in live]
+
+    def _close_all(self, live: list[_Live], pending: dict, close: Callable, error: BaseException) -> None:
+        """As the run stops on `error`: closes the environments no call runs in (a call may
+        hang, and one environment runs one call at a time), waiting up to `timeout_s` for
+        them (the process may be about to exit); a close that fails or does not return is
+        a note on `error`."""
+        calling = {id(lv) for f, (lv, _, _) in pending.items() if not f.done()}
+        closing = {f: lv for lv in live if id(lv) not in calling and (f := close(lv)) is not None}
+        done, _ = concurrent.futures.wait(list(closing), timeout=None if self.timeout_s == float("inf") else
+                                          self.timeout_s)
+        for f, lv in closing.items():
+            if f not in done:
+                error.add_note(_late(lv.env, "close", self.timeout_s, lv.where))
+                continue
+            try:
+                _outcome(f, lv.env, "close", lv.where)
+            except EnvironmentFailure as failure:
+                error.add_note(str(failure))
 
     def _check_running(self, pending: dict) -> float | None:
         """Raises EnvironmentFailure for a call running longer than `timeout_s`; else
@@ -562,8 +618,7 @@ class EpisodeRunner:
                 continue
             left = fut.started + self.timeout_s - now
             if left <= 0:
-                raise EnvironmentFailure(f"environment {type(lv.env).__name__}.{kind} did not return within "
-                                         f"{self.timeout_s:g} s (strategy.options.env_timeout_s) (on {lv.where})")
+                raise EnvironmentFailure(_late(lv.env, kind, self.timeout_s, lv.where))
             wait_s = min(wait_s, left)
         return None if wait_s == float("inf") else wait_s
 

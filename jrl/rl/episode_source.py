@@ -22,7 +22,7 @@ from jrl.config import ConfigError
 from jrl.data.tasks import Problem
 from jrl.rl.batch import build_episode_rows
 from jrl.rl.environments import (ChatPieces, Episode, EnvironmentFailure, EpisodeLimits, EpisodeRunner,
-                                 ToolEnvironment, opening_prompt, resolve_environment, run_env_call)
+                                 ToolEnvironment, opened_and_closed, opening_prompt, resolve_environment)
 from jrl.rl.evaluation import ProblemResult, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
@@ -112,7 +112,7 @@ class EpisodeSampler:
         for p in problems:
             env, example = self.environment(p)
             messages = (env.reset(example) if self.env_cls is None else
-                        run_env_call(env, "reset", example, timeout_s=self.options.env_timeout_s, where=p.where))
+                        opened_and_closed(env, example, timeout_s=self.options.env_timeout_s, where=p.where))
             opening_prompt(pieces, env, messages, self.limits.max_total_tokens, p.where)
 
     def run(self, engine: Any, problems: Sequence[Problem], n_per_problem: int, temperature: float,
