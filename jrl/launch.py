@@ -284,9 +284,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         warm_start = has_warm_start(config, embedded_default=not args.config)
         locked, lock = False, None  # the warm start's hold on the run directory, until GRPO's trainer has it
         if warm_start:  # SFT warm start, then GRPO
-            # every prompt fits before the lock creates the run directory (the GRPO stage's check,
-            # which a warm start would otherwise reach only after training, or not at all on --resume)
+            # every prompt fits, data.batch_size divides the rollout and the run's devices hold its
+            # layout (trainer mesh, engine mesh or placement, rows over data*fsdp) before the lock
+            # creates the run directory: the GRPO stage's checks, which a warm start would otherwise
+            # reach only after training, or not at all on --resume
             options = RLOptions.from_config(config.strategy.options)
+            check_rollout_batch(options, config.data.batch_size)
+            check_devices(config)
             check_task_prompts(config, make_task(options.task), task_format(config, options))
             # the run directory is locked through the warm start and on into GRPO: a second run into
             # it must not render demonstrations into, nor --overwrite, the warm start of a live run

@@ -354,3 +354,18 @@ def test_a_prompt_too_long_for_grpo_stops_a_warm_start_run_before_it_writes_its_
         f"error: {src}:3: the prompt is 23 tokens, longer than data.seq_len - strategy.options.max_new_tokens "
         "= 11 (task split train); raise data.seq_len or shorten the prompt")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,error", [
+    ("strategy.options.prompts_per_step=4",
+     "data.batch_size: must divide the rollout batch (strategy.options.prompts_per_step * group_size = 32), got 256"),
+    ("strategy.options.engine_tensor_parallel=2",
+     "strategy.options.engine_tensor_parallel: 2 devices, but this process has 1 of the trainer's mesh, which the "
+     "engine serves on, and no more; set strategy.options.engine_tensor_parallel to at most 1")])
+def test_a_grpo_setting_the_run_cannot_take_stops_a_warm_start_run_before_it_writes(tmp_path, capsys, override, error):
+    # before: the warm start trained to its end, then the GRPO stage refused the setting (exit 2),
+    # leaving a finished warm start behind a config error ("stop the run before anything starts")
+    assert main(["--config", str(CONFIG), "--output-dir", str(tmp_path / "run"), override,
+                 "strategy.options.warm_start.max_steps=1", "logging.progress=false", "logging.plot=false"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {error}"
+    assert not (tmp_path / "run").exists()
