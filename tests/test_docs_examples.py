@@ -34,6 +34,7 @@ from jrl.bench.cli import stage_parser
 from jrl.launch import build_parser, main, resolve_config
 from jrl.rl.eval_cli import build_parser as eval_parser
 from jrl.serve.cli import build_parser as serve_parser
+from jrl.train.trainer import SkippedUpdateWarning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -463,7 +464,8 @@ def test_the_trainer_python_api_example_runs_as_written(tmp_path, monkeypatch):
     tiny = repr(["steps=2", *TINY_RUN])
     example = (example.replace('["steps=100"]', tiny).replace("callbacks=[...]", "callbacks=[]")
                .replace('"runs/x"', repr(str(tmp_path / "runs" / "x"))))
-    scope = run_example(example, "docs/training.md")
+    with pytest.warns(UserWarning, match="holds no checkpoint yet; starting a fresh run"):  # the doc's resume=True
+        scope = run_example(example, "docs/training.md")
     assert int(scope["state"].step) == 2 and set(scope["metrics"]) >= {"step", "policy_version", "eval_loss"}
 
 
@@ -552,6 +554,17 @@ def merged(base: dict, given: dict) -> dict:
     return out
 
 
+@pytest.fixture
+def own_modules(tmp_path):
+    """Forgets, once the test ends, the modules it imported from its `tmp_path` (an
+    example's `my_rewards`, `my_pkg`, ...): a later test in the process may write and import
+    its own module of the same name."""
+    yield
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
+            del sys.modules[name]
+
+
 YAML_CASES = [c for c in yaml_blocks() if not c[2].startswith("# my_pretrain.yaml")]  # that one: a test above
 
 
@@ -560,7 +573,7 @@ def test_the_docs_give_yaml_sections_to_check():
 
 
 @pytest.mark.parametrize("doc,line,block", YAML_CASES, ids=[f"{d}:{n}" for d, n, _ in YAML_CASES])
-def test_a_documented_yaml_section_resolves_in_its_config(doc, line, block, tmp_path, monkeypatch):
+def test_a_documented_yaml_section_resolves_in_its_config(doc, line, block, tmp_path, monkeypatch, own_modules):
     """Each YAML section of the docs, its placeholders (`...`, a model directory) filled in,
     resolves as `python -m jrl.train` resolves it: a whole config as it is, a section in a
     shipped config of its kind (GRPO options in configs/grpo_addition.yaml, others in
@@ -603,7 +616,7 @@ def test_a_documented_yaml_section_resolves_in_its_config(doc, line, block, tmp_
     resolve_config(build_parser().parse_args(["--config", "c.yaml"]))
 
 
-def test_the_bring_your_own_task_example_trains_and_scores(tmp_path, monkeypatch):
+def test_the_bring_your_own_task_example_trains_and_scores(tmp_path, monkeypatch, own_modules):
     """docs/rl.md, "Bring your own task": the reward module and my_task.yaml as written, on
     files of the doc's records, the model directory replaced by a tiny byte-level model and
     the run shortened; then the doc's `jrl eval` command on its checkpoints."""
@@ -626,8 +639,12 @@ def test_the_bring_your_own_task_example_trains_and_scores(tmp_path, monkeypatch
         (tmp_path / "data" / f"{split}.jsonl").write_text("".join(json.dumps(
             {"messages": [{"role": "user", "content": f"Spell '{w}' backwards."}], "answer": w[::-1],
              "response": w[::-1], "word": w}) + "\n" for w in chosen))
-    assert main(["--config", "my_task.yaml", "steps=1", "strategy.options.prompts_per_step=8",
-                 "strategy.options.warm_start.max_steps=1", "logging.progress=false", "logging.plot=false"]) == 0
+    # the shortened run: 8 demonstrations pack into fewer rows than a batch, and one GRPO step
+    # of an untrained tiny model samples no group with different rewards
+    with pytest.warns(UserWarning, match="fewer than data.batch_size=16: every batch repeats rows"), \
+            pytest.warns(SkippedUpdateWarning, match="step 1: the batch has no loss weight"):
+        assert main(["--config", "my_task.yaml", "steps=1", "strategy.options.prompts_per_step=8",
+                     "strategy.options.warm_start.max_steps=1", "logging.progress=false", "logging.plot=false"]) == 0
     assert checkpoint.all_steps("runs/my_task/checkpoints") == [1]
     command = commands(section, re.compile(r"jrl eval(?=\s)(.*)"))[0]  # the section's own, not the next's
     assert jrl(["eval", *shlex.split(command), "--json", "eval.json"]) == 0
