@@ -217,6 +217,38 @@ def test_resuming_with_mu_dtype_float32_for_null_casts_nothing_and_says_nothing(
     assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
 
 
+LORA = ["model.lora.rank=2", "optimizer.trainable=lora"]
+
+
+@pytest.fixture(scope="module")
+def finished_lora_run(tmp_path_factory):
+    """A finished 4-step LoRA run (alpha 16, float32 adapters) with checkpoints 2 and 4."""
+    base = tmp_path_factory.mktemp("finished_lora")
+    run = base / "run"
+    assert main(["--config", write_config(base), "--output-dir", str(run), *LORA]) == 0
+    return run
+
+
+@pytest.fixture
+def lora_run_copy(finished_lora_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_lora_run, run)
+    return run
+
+
+def test_resuming_lora_adapters_under_another_alpha_is_refused(lora_run_copy, tmp_path, capsys):
+    # the adapters fit (alpha is no shape): they were restored and scaled by 32 / 2 instead of 16 / 2
+    before = snapshot(lora_run_copy)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(lora_run_copy), "--resume", "steps=6",
+                 *LORA, "model.lora.alpha=32"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --resume: {lora_run_copy}/checkpoints/step_4 holds LoRA adapters trained under another alpha: "
+        f"model.lora.alpha (config 32.0, checkpoint 16.0); the adapters compute (alpha / rank) x @ a @ b, so "
+        f"another alpha changes what they compute; resume with model.lora.alpha=16.0, or start over "
+        f"(--overwrite)\n")
+    assert snapshot(lora_run_copy) == before
+
+
 def test_a_corrupt_latest_step_resumes_from_the_previous_one_and_says_so(run_copy, tmp_path, capsys):
     flip_a_byte_of_the_payload(run_copy / "checkpoints" / "step_4")
     # keep_last=2 and a save at step 3: retention must not count the corrupt step 4 and

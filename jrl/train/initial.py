@@ -54,11 +54,23 @@ def _check_same_architecture(want, got, src: str) -> None:
     elif lb.get("rank") and not set(lb.get("targets") or ()) <= set(la["targets"]):
         diff.append(f"model.lora.targets (config {la['targets']!r}, checkpoint {lb['targets']!r}: "
                     f"name at least its targets)")
-    if la["rank"] and lb.get("rank") and la["alpha"] != lb.get("alpha", la["alpha"]):
-        diff.append(f"model.lora.alpha (config {la['alpha']!r}, checkpoint {lb['alpha']!r})")
+    alpha = lora_alpha_change(a, b)
+    if alpha is not None:
+        diff.append(alpha)
     if diff:
         raise ConfigError(f"init_from: the model config differs from {src!r} in {'; '.join(diff)}; "
                           f"set these under model:")
+
+
+def lora_alpha_change(want: dict, saved: dict) -> str | None:
+    """'model.lora.alpha (config 32.0, checkpoint 16.0)' where both model sections (dicts:
+    the run's, and the one a checkpoint's meta.json holds) have adapters and their alpha
+    differs, else None. Trained adapters compute `(alpha / rank) x @ a @ b`: read under
+    another alpha they compute another function."""
+    la, lb = want.get("lora") or {}, saved.get("lora") or {}
+    if la.get("rank") and lb.get("rank") and la["alpha"] != lb.get("alpha", la["alpha"]):
+        return f"model.lora.alpha (config {la['alpha']!r}, checkpoint {lb['alpha']!r})"
+    return None
 
 
 def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -> Any:

@@ -51,7 +51,7 @@ from jrl.models.transformer import init_fp8_history
 from jrl.parallel import BATCH_AXES, param_shardings, with_shardings
 from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, model_flops_per_token
-from jrl.train.initial import load_initial_params, load_run_tokenizer, run_distributed, run_mesh
+from jrl.train.initial import lora_alpha_change, load_initial_params, load_run_tokenizer, run_distributed, run_mesh
 from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_groups, trainable_mask
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
@@ -188,6 +188,20 @@ def _changed_state_keys_hint(meta: dict, config: TrainConfig) -> str:
         changed += [f"{k} (config {after[k]!r}, checkpoint {before[k]!r})" for k in after
                     if k in before and after[k] != before[k] and k != "optimizer.weight_decay"]
     return f"; changed since the checkpoint: {'; '.join(changed)}" if changed else ""
+
+
+def _check_resumed_alpha(meta: dict, config: TrainConfig) -> None:
+    """Refuses a checkpoint whose LoRA adapters were trained under another `model.lora.alpha`
+    (`meta`: its meta.json): the adapters fit (the alpha is no shape), so they were restored
+    and scaled by the new alpha / rank, a jump in the function the run goes on training.
+    `init_from` refuses the same change (jrl.train.initial)."""
+    saved = (meta.get("config") or {}).get("model")
+    change = lora_alpha_change(to_dict(config.model), saved) if isinstance(saved, dict) else None
+    if change is not None:
+        raise ConfigError(f"--resume: {meta['path']} holds LoRA adapters trained under another alpha: {change}; "
+                          f"the adapters compute (alpha / rank) x @ a @ b, so another alpha changes what they "
+                          f"compute; resume with model.lora.alpha={saved['lora']['alpha']!r}, or start over "
+                          f"(--overwrite)")
 
 
 def _changed_data_keys(meta: dict, config: TrainConfig) -> str:
@@ -537,6 +551,7 @@ class Trainer:
             target = with_shardings(state, shardings)  # restored straight onto this run's mesh
             del state, params
             state, meta, set_aside = self._restore(target, resume_from)
+            _check_resumed_alpha(meta, c)
             self._check_resumed_steps(state, meta)
         self.state = state  # sources may read the (resumed) state
         self._make_sources()
