@@ -249,6 +249,16 @@ def test_resuming_lora_adapters_under_another_alpha_is_refused(lora_run_copy, tm
     assert snapshot(lora_run_copy) == before
 
 
+def test_resuming_into_another_lora_dtype_says_the_adapters_are_cast(lora_run_copy, tmp_path):
+    # the float32 adapters were restored into bfloat16 without a word (only param_dtype and
+    # mu_dtype were compared)
+    with pytest.warns(ResumeWarning, match=r"^resume: .*step_4 holds float32 LoRA adapters; "
+                                           r"model.lora.dtype is bfloat16, so they are cast to it$"):
+        assert main(["--config", write_config(tmp_path), "--output-dir", str(lora_run_copy), "--resume", "steps=5",
+                     *LORA, "model.lora.dtype=bfloat16"]) == 0
+    assert steps_logged(lora_run_copy) == [1, 2, 3, 4, 5]
+
+
 def test_a_corrupt_latest_step_resumes_from_the_previous_one_and_says_so(run_copy, tmp_path, capsys):
     flip_a_byte_of_the_payload(run_copy / "checkpoints" / "step_4")
     # keep_last=2 and a save at step 3: retention must not count the corrupt step 4 and

@@ -162,7 +162,20 @@ def _cast_dtypes(meta: dict, config: TrainConfig) -> list[str]:
         before, after = saved[section][key] or null, now[section][key] or null
         if before != after:
             lines.append(f"{before} {what}; {section}.{key} is {after}, so they are cast to it")
+    before, after = _adapter_dtype(saved.get("model") or {}), _adapter_dtype(now["model"])
+    set_now = now["model"]["lora"]["dtype"]
+    if before and after and before != after and (set_now or saved["model"]["lora"].get("dtype")):
+        # (null on both sides: the adapters follow model.param_dtype, whose line says it)
+        key = f"is {set_now}" if set_now else f"is null (model.param_dtype, {after})"
+        lines.append(f"{before} LoRA adapters; model.lora.dtype {key}, so they are cast to it")
     return lines
+
+
+def _adapter_dtype(model: dict) -> str | None:
+    """The dtype of the LoRA factors a model section (a dict) builds: `lora.dtype`, null
+    meaning `param_dtype`; None without adapters (or a section without the keys)."""
+    lora = model.get("lora") or {}
+    return (lora.get("dtype") or model.get("param_dtype")) if lora.get("rank") else None
 
 
 def _flat(section: dict, prefix: str) -> dict:
