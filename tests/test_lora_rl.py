@@ -139,6 +139,18 @@ def test_engine_refuses_adapters_of_another_shape():
     assert engine.version == 0
 
 
+def test_engine_refuses_a_part_of_the_adapters_naming_the_first_one_missing():
+    # compared with the whole params, the error named the embedding as missing
+    params = models.init_params(MODEL, jax.random.key(0))
+    engine = Engine(MODEL, params, ENGINE)
+    attention_only = {"layers": {"attn": lora_params(params)["layers"]["attn"]}}
+    with pytest.raises(ValueError) as e:
+        engine.update_weights(attention_only, version=1)
+    assert str(e.value) == ("params: tree structure differs from the served LoRA params (8 leaves vs 14); "
+                            "missing params['layers']['mlp']['down_proj']['lora_a']")
+    assert engine.version == 0
+
+
 def test_adapters_posted_from_another_thread_are_served_at_the_next_step():
     # interruptible runs post the adapters alone (RolloutSource._post)
     params = models.init_params(MODEL, jax.random.key(0))

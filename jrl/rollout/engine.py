@@ -821,8 +821,14 @@ class Engine:
         """Whether `params` are the adapters alone (LoRA); raises ValueError naming the first
         leaf whose path, shape or dtype differs from the params handed over before. Reads
         only what the engine fixed when built: safe from any thread."""
-        adapters_only = self._lora and jax.tree.structure(params) == jax.tree.structure(self._adapter_structure)
-        _check_same_structure(self._adapter_structure if adapters_only else self._source_structure, params)
+        # a tree of LoRA factors alone is meant as the adapters: checked against them, so a
+        # part of them is refused naming the first adapter missing, not the embedding
+        adapters_only = (self._lora and bool(jax.tree.leaves(params))
+                         and jax.tree.structure(lora_params(params)) == jax.tree.structure(params))
+        if adapters_only:
+            _check_same_structure(self._adapter_structure, params, "the served LoRA")
+        else:
+            _check_same_structure(self._source_structure, params)
         return adapters_only
 
     @_one_driver  # from another thread: refused before the post is taken (it stays for the driver)
