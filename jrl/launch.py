@@ -33,7 +33,7 @@ from jrl.hf import HFFormatError
 from jrl.metrics_log import CorruptMetricsError
 from jrl.models import init_params
 from jrl.rl.environments import EnvironmentFailure
-from jrl.rl.engines import engine_mesh
+from jrl.rl.engines import engine_config_for, engine_mesh
 from jrl.rl.learner import build_learner, run_placement
 from jrl.rl.options import RLOptions, fp8_rollout_defaults
 from jrl.rl.rewards import RewardError
@@ -137,6 +137,13 @@ def resolved_options(config: TrainConfig) -> tuple[dict, tuple[str, ...]]:
     return options, ()
 
 
+def check_rl_engine(config: TrainConfig, options: RLOptions) -> None:
+    """`strategy.options.engine` checked against the run's model as the rollout source
+    builds it (`engine_config_for`: e.g. LoRA adapters served merged under exact_logprobs),
+    for a dry run and before a warm start trains."""
+    engine_config_for(options, config.data.seq_len, options.rollout_size, config.seed, config.model)
+
+
 def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | None]:
     """An RL run's `check_data`: reads the task's files, checks that every prompt leaves
     room for the completion (`check_task_prompts`: an environment's opening prompt runs its
@@ -147,6 +154,7 @@ def check_rl_data(config: TrainConfig, warm_start: bool) -> tuple[str, str | Non
     c = options.task
     task = make_task(c)
     check_rollout_batch(options, config.data.batch_size)
+    check_rl_engine(config, options)
     fmt = task_format(config, options)
     check_task_prompts(config, task, fmt)
     if c.name != "jsonl":
@@ -292,6 +300,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
             check_rollout_batch(options, config.data.batch_size)
             check_devices(config)
             check_task_prompts(config, make_task(options.task), task_format(config, options))
+            check_rl_engine(config, options)
             # the run directory is locked through the warm start and on into GRPO: a second run into
             # it must not render demonstrations into, nor --overwrite, the warm start of a live run
             lock, locked = acquire_for_run(run_dir), True

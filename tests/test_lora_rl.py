@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jrl import models
-from jrl.config import LoraConfig, ModelConfig
+from jrl.config import ConfigError, LoraConfig, ModelConfig
 from jrl.models.lora import lora_params, merge_lora, with_lora_params, without_lora
 from jrl.rl import build_learner
 from jrl.rollout import Ack, Engine, EngineConfig, SamplingParams
@@ -87,6 +87,15 @@ def test_an_off_policy_lora_run_resumes_exactly(tmp_path):
     # after step 3 with rollout 2 pending
     meta, _ = assert_resume_is_exact(lora_tiny(steps=6, off_policy=True), 3, tmp_path)
     assert "pending" in meta["data"]
+
+
+def test_exact_logprobs_with_the_adapters_served_merged_is_refused_before_the_run_writes(tmp_path):
+    # the engine refused it only when the first rollout built it, after setup wrote config.yaml
+    with pytest.raises(ConfigError) as e:
+        build_learner(lora_tiny(exact_logprobs=True), output_dir=tmp_path / "run")
+    assert str(e.value) == ("engine.lora: must be 'unmerged' with exact_logprobs: a merged kernel rounds "
+                            "differently from the trainer's base + adapter product")
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- engine: base + adapters

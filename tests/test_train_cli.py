@@ -291,6 +291,15 @@ def test_a_bad_rl_task_setting_is_named_by_its_path_in_the_config(capsys):
         "config error: strategy.options.task.n_heldout: must be an integer >= 0, got -1")
 
 
+def test_a_dry_run_checks_the_engine_settings_against_the_model(capsys):
+    # they were checked only when the first rollout built the engine
+    assert _rl_dry_run("model.lora.rank=2", "strategy.options.exact_logprobs=true",
+                       "strategy.options.temperature=1.0") == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: engine.lora: must be 'unmerged' with exact_logprobs: a merged kernel rounds differently "
+        "from the trainer's base + adapter product")
+
+
 def test_a_dry_run_prints_the_record_count_of_each_rl_task_split(tmp_path, capsys):
     (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n' * 2)
     assert _rl_dry_run(f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}") == 0

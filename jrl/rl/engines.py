@@ -13,7 +13,7 @@ from jrl.models.lora import lora_params
 from jrl.parallel import make_mesh
 from jrl.rl.options import RLOptions
 from jrl.rollout import Engine, EngineConfig, engine_config_for_workload
-from jrl.rollout.config import device_free_memory
+from jrl.rollout.config import check_exact, device_free_memory
 
 
 def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: int, model: ModelConfig,
@@ -22,10 +22,14 @@ def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: i
     tokens by the rollout engine's one sizing rule, as `generate()` sizes its engine: the
     token budget from `prompt_tokens` (the workload's prompt tokens in all, where known;
     None: n_requests x seq_len) and the device's free memory (None on the CPU: its small
-    cap); overridden by `strategy.options.engine`."""
-    return engine_config_for_workload(seq_len, n_requests, prompt_tokens=prompt_tokens,
-                                      free_memory=device_free_memory(), model=model,
-                                      **{"seed": seed, **options.engine})
+    cap); overridden by `strategy.options.engine`. Settings the engine would refuse for
+    `model` under `exact_logprobs` (LoRA adapters served merged, ...) are a ConfigError here,
+    before the run writes anything, not when the first rollout builds the engine."""
+    config = engine_config_for_workload(seq_len, n_requests, prompt_tokens=prompt_tokens,
+                                        free_memory=device_free_memory(), model=model,
+                                        **{"seed": seed, **options.engine})
+    check_exact(config, model, jax.default_backend())
+    return config
 
 
 def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sharding.Mesh | None:
