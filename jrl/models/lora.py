@@ -63,7 +63,8 @@ def without_lora(params: dict) -> dict:
 
 
 def lora_params(params: dict) -> dict:
-    """Only the adapter factors, in the same nesting (what `save_adapters` writes)."""
+    """Only the adapter factors, in the same nesting (what a LoRA run hands the rollout
+    engine each version, and what `with_lora_params` loads back)."""
 
     def pick(tree):
         if not isinstance(tree, dict):
