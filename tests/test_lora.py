@@ -132,6 +132,14 @@ def test_merged_model_computes_the_adapted_model():
     np.testing.assert_allclose(logits_fn(BASE)(merged, TOKENS), adapted, rtol=1e-4, atol=1e-5)
 
 
+def test_merge_refuses_adapters_a_config_without_lora_would_drop():
+    # folded with that config's scale, 0, the trained adapters vanished: the base model came back
+    with pytest.raises(ValueError) as e:
+        merge_lora(BASE, with_random_b(initial(ALL)))
+    assert str(e.value) == ("merge_lora: layers/attn/k_proj has adapters of rank 4, but config.lora.rank is 0; "
+                            "pass the model config the params were trained with (its lora.alpha / rank scales them)")
+
+
 def test_lora_params_round_trip_through_with_lora_params():
     trained = with_random_b(initial(ALL), seed=3)
     adapters = lora_params(trained)

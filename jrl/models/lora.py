@@ -19,11 +19,12 @@ from jrl.config import LoraConfig, ModelConfig
 LORA_KEYS = ("lora_a", "lora_b")
 
 
-def _walk(tree: dict, fn) -> dict:
+def _walk(tree: dict, fn, path: tuple[str, ...] = ()) -> dict:
+    """`tree` with `fn(node, path)` in place of each node holding adapter factors."""
     if isinstance(tree, dict):
         if "lora_a" in tree and "lora_b" in tree:
-            return fn(tree)
-        return {k: _walk(v, fn) for k, v in tree.items()}
+            return fn(tree, path)
+        return {k: _walk(v, fn, path + (k,)) for k, v in tree.items()}
     return tree
 
 
@@ -37,12 +38,25 @@ def _fold(scale: float, nodes: list) -> list:
 
 def merge_lora(config: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
     """Returns (config without LoRA, params with every adapter folded into its kernel).
-    Leaves other than the adapted kernels are the same objects as in `params`."""
+    Leaves other than the adapted kernels are the same objects as in `params`. Adapters of
+    another rank than `config.lora.rank` (a config without LoRA included) raise ValueError
+    naming the first: folded with that config's alpha / rank they would be scaled wrongly
+    (or dropped, at rank 0)."""
     nodes: list = []
-    _walk(params, lambda node: nodes.append((node["kernel"], node["lora_a"], node["lora_b"])) or node)
+
+    def take(node: dict, path: tuple[str, ...]) -> dict:
+        rank = node["lora_a"].shape[-1]
+        if rank != config.lora.rank:
+            raise ValueError(f"merge_lora: {'/'.join(path)} has adapters of rank {rank}, but config.lora.rank is "
+                             f"{config.lora.rank}; pass the model config the params were trained with (its "
+                             f"lora.alpha / rank scales them)")
+        nodes.append((node["kernel"], node["lora_a"], node["lora_b"]))
+        return node
+
+    _walk(params, take)
     merged = iter(_fold(config.lora.scale, nodes) if nodes else [])
 
-    def fold(node: dict) -> dict:
+    def fold(node: dict, path: tuple[str, ...]) -> dict:
         out = {k: v for k, v in node.items() if k not in LORA_KEYS}
         out["kernel"] = next(merged)
         return out
