@@ -140,6 +140,15 @@ def test_merge_refuses_adapters_a_config_without_lora_would_drop():
                             "pass the model config the params were trained with (its lora.alpha / rank scales them)")
 
 
+def test_params_with_adapters_under_a_config_without_them_are_refused():
+    # flax reads only the params a layer asks for: the base model's logits came back
+    with pytest.raises(ValueError) as e:
+        models.apply(BASE, with_random_b(initial(ALL)), TOKENS)
+    assert str(e.value) == ("params/layers/attn/q_proj holds LoRA factors, but the model config puts no adapter "
+                            "there (model.lora.rank, targets), so they would be ignored; pass the config the params "
+                            "were trained with, or fold them in with jrl.models.lora.merge_lora")
+
+
 def test_lora_params_round_trip_through_with_lora_params():
     trained = with_random_b(initial(ALL), seed=3)
     adapters = lora_params(trained)

@@ -227,6 +227,11 @@ class Linear(nn.Module):
             b = self.param("lora_b", nn.with_logical_partitioning(
                 nn.initializers.zeros, ("lora", self.axes[1])),
                 (self.lora_rank, self.features), lora_dtype)
+        elif self.has_variable("params", "lora_a") or self.has_variable("params", "lora_b"):
+            # flax reads only the params a module asks for: these would be ignored without a word
+            raise ValueError(f"params/{'/'.join(self.scope.path)} holds LoRA factors, but the model config puts no "
+                             f"adapter there (model.lora.rank, targets), so they would be ignored; pass the config "
+                             f"the params were trained with, or fold them in with jrl.models.lora.merge_lora")
 
         def plus(y, term):  # term [..., features] added to y, or to each of its parts
             if isinstance(y, tuple):
