@@ -191,21 +191,15 @@ def test_resume_with_a_corrupt_metrics_line_is_a_one_line_error_that_changes_not
 # ---------------------------------------------------------------- item 3: verified resume, fallback
 
 
-def test_resuming_into_another_param_dtype_says_the_weights_are_cast(run_copy, tmp_path):
-    # the float32 checkpoint was restored into bfloat16 without a word
-    with pytest.warns(ResumeWarning, match=r"^resume: .*step_4 holds float32 weights and optimizer state; "
-                                           r"model.param_dtype is bfloat16, so they are cast to it$"):
+@pytest.mark.parametrize("override, cast", [
+    ("model.param_dtype=bfloat16", "float32 weights and optimizer state; model.param_dtype is bfloat16"),
+    ("optimizer.mu_dtype=bfloat16", "float32 first moments; optimizer.mu_dtype is bfloat16"),
+])
+def test_resuming_into_another_state_dtype_says_what_is_cast(run_copy, tmp_path, override, cast):
+    # the float32 checkpoint's leaves were restored into bfloat16 without a word
+    with pytest.warns(ResumeWarning, match=rf"^resume: .*step_4 holds {cast}, so they are cast to it$"):
         assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=5",
-                     "model.param_dtype=bfloat16"]) == 0
-    assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
-
-
-def test_resuming_into_another_mu_dtype_says_the_first_moments_are_cast(run_copy, tmp_path):
-    # the float32 first moments were restored into bfloat16 without a word
-    with pytest.warns(ResumeWarning, match=r"^resume: .*step_4 holds float32 first moments; "
-                                           r"optimizer.mu_dtype is bfloat16, so they are cast to it$"):
-        assert main(["--config", write_config(tmp_path), "--output-dir", str(run_copy), "--resume", "steps=5",
-                     "optimizer.mu_dtype=bfloat16"]) == 0
+                     override]) == 0
     assert steps_logged(run_copy) == [1, 2, 3, 4, 5]
 
 
