@@ -49,13 +49,14 @@ def prompt_seeds(key: jax.Array, n: int) -> np.ndarray:
     """The sampling seeds of `n` prompts: prompt k's is 32 random bits of `fold_in(key, k)`,
     so it depends on the key and k only (the first n bits of one draw of `n` would depend
     on n under some PRNG implementations), as the engine keys a request's k-th token by
-    `fold_in(key(seed), k)`."""
-    return np.asarray(_seeds(key, n))
+    `fold_in(key(seed), k)`. Drawn for the next power of two of prompts (each index's
+    seed is its own), so calls with other numbers of prompts share a few programs."""
+    return np.asarray(_seeds(key, 1 << max(n - 1, 0).bit_length()))[:n]
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _seeds(key: jax.Array, n: int) -> jax.Array:
-    """`prompt_seeds` as one program."""
+    """The seeds of prompts 0..n-1 as one program."""
     return jax.vmap(lambda k: jax.random.bits(jax.random.fold_in(key, k), (), jnp.uint32))(
         jnp.arange(n, dtype=jnp.uint32))
 
