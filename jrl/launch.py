@@ -283,7 +283,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     overwrite = args.overwrite or (not args.config and not resuming
                                    and run_dir.absolute() == default_dir.absolute())
     try:
-        check_init_from(config)  # its config.json / meta.json: a typo or another model fails before anything is built
+        if not (resuming and checkpoint.latest_step(run_dir / "checkpoints") is not None):
+            # its config.json / meta.json: a typo or another model fails before anything is built (a resume
+            # reads its own checkpoint instead, and init_from as the run's start pinned it, if it needs it)
+            check_init_from(config)
         check_run_dir(run_dir)  # before a warm start writes into it
         if not resuming and not overwrite:
             check_not_in_use(run_dir)  # a live run's checkpoints: "in use", not "resume them"

@@ -11,7 +11,10 @@ import jax
 import numpy as np
 import pytest
 
+from jrl import checkpoint
 from jrl.config import ConfigError, TrainConfig
+from jrl.parallel import init_sharded_params
+from jrl.train.initial import run_mesh
 from jrl.metrics_log import read_metrics
 from jrl.train.callbacks import Callback
 from jrl.train.trainer import SkippedUpdateWarning
@@ -148,6 +151,25 @@ def test_versions_continue_monotonically_after_resume(tmp_path):
     assert [r["rl_step"] for r in rollout_rows(rows)] == [0, 1, 2, 3]
     resumed = rollout_rows(rows)[2]
     assert resumed["behaviour_version"] == resumed["engine_version"] == 4
+
+
+def test_a_resumed_run_keeps_the_kl_reference_it_started_from_when_init_from_moves_on(tmp_path):
+    config = tiny(steps=4, kl_coef=0.1)
+    first, later = (init_sharded_params(config.model, jax.random.key(seed), run_mesh(None)) for seed in (1, 2))
+    source = tmp_path / "source" / "checkpoints"
+    checkpoint.save(source, 1, {"params": first, "policy_version": 1})
+    config = dataclasses.replace(config, init_from=str(source))
+    learner = build_learner(config, output_dir=tmp_path / "run")
+    learner.trainer.setup()
+    learner.trainer.save_checkpoint()
+    learner.trainer.release_run_dir()
+    checkpoint.save(source, 2, {"params": later, "policy_version": 2})  # the source run trained on
+    learner = build_learner(config, output_dir=tmp_path / "run")
+    learner.trainer.setup(resume=True)
+    learner.trainer.release_run_dir()
+    reference = learner.source.reference_params(learner.trainer.state.params)
+    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(first), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_skipped_updates_keep_the_version_and_the_engine_serves_it(tmp_path):

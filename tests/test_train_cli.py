@@ -1,6 +1,7 @@
 """`python -m jrl.train` / `jrl` command line: overrides, validation errors, dry run, plot."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import yaml
 
 from jrl import cli, hf
 from jrl.config import ConfigError, apply_overrides, load_train_config, parse_override, to_dict, yaml_dump
-from jrl.metrics_log import MetricsLog
+from jrl.metrics_log import MetricsLog, read_metrics
 from jrl.models import init_params
 from jrl.launch import main
 from jrl.train.defaults import default_run
@@ -414,3 +415,18 @@ def test_a_run_config_written_as_yaml_reads_back_with_strings_like_numbers(tmp_p
     path = tmp_path / "config.yaml"
     path.write_text(yaml_dump(to_dict(config)))
     assert load_train_config(str(path)) == config
+
+
+def test_resuming_a_run_without_a_reference_needs_no_init_from(tmp_path, capsys):
+    # the launcher checked init_from's meta.json before a resume too, which then failed
+    # on a source run deleted since, though the run reads only its own checkpoint
+    small = ["--config", str(CONFIGS / "sft_arithmetic.yaml"), "model.hidden_size=16", "model.n_layers=1",
+             "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32",
+             "data.source=bundled:arithmetic:50", "data.seq_len=32", "data.batch_size=4", "data.micro_batches=1",
+             "schedule.kind=constant", "schedule.warmup_steps=0", "eval.at_end=false", "logging.progress=false", "logging.plot=false"]
+    assert main([*small, f"--output-dir={tmp_path / 'source'}", "steps=1"]) == 0
+    run = [*small, f"--output-dir={tmp_path / 'run'}", f"init_from={tmp_path / 'source'}"]
+    assert main([*run, "steps=1"]) == 0
+    shutil.rmtree(tmp_path / "source")
+    assert main([*run, "steps=2", "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2]

@@ -1,5 +1,8 @@
 """`init_from`: start a run from a jrl checkpoint or Hugging Face weights (LoRA on top)."""
 
+import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -7,9 +10,10 @@ import numpy as np
 import pytest
 
 from jrl import checkpoint
+from jrl.checkpoint.manifest import build_manifest, manifest_bytes
 from jrl.config import ConfigError, load_train_config, to_dict
 from jrl.hf import load_pretrained
-from jrl.train.trainer import Trainer
+from jrl.train.trainer import ResumeWarning, Trainer
 
 LLAMA = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
 LLAMA_MODEL = ["model.vocab_size=128", "model.hidden_size=32", "model.n_heads=4", "model.n_kv_heads=2",
@@ -174,3 +178,101 @@ def test_jrl_checkpoint_adapters_that_the_lora_config_cannot_hold_name_its_field
     # a superset of its targets at its rank loads its adapters, the new ones from init
     more = start(tmp_path / "d", *TINY, *theirs, "model.lora.targets=[q,v,o]", f"init_from={tmp_path / 'ck'}")
     assert_same(more["layers"]["attn"]["q_proj"], params["layers"]["attn"]["q_proj"])
+
+
+# A resume reads init_from as the run's start read it (`init_source` in its checkpoints'
+# meta.json): the reference policy of DPO (and GRPO's KL penalty) is what the run started
+# from, and a run that needs no reference reads no init_from at all.
+
+RUN = TINY + ["model.vocab_size=262", "data.seq_len=32", "data.batch_size=4", "logging.progress=false",
+              "logging.plot=false"]
+DPO = RUN + ["strategy.name=dpo", "data.source=bundled:arithmetic_pairs:50", "data.format=preference",
+             "data.sections=[{field: prompt}]", "data.chosen_field=chosen", "data.rejected_field=rejected",
+             "data.overflow=truncate_left"]
+
+
+def saved_run(tmp_path, overrides, source):
+    """Sets up a run of `overrides` starting from the checkpoints in `source`, saves its
+    step-0 checkpoint and releases its directory; returns its run directory."""
+    run = tmp_path / "run"
+    trainer = Trainer(load_train_config(None, overrides + [f"init_from={source}"]), output_dir=run)
+    trainer.setup()
+    trainer.save_checkpoint()
+    trainer.release_run_dir()
+    return run
+
+
+def resumed(run, overrides, source):
+    trainer = Trainer(load_train_config(None, overrides + [f"init_from={source}"]), output_dir=run)
+    trainer.setup(resume=True)
+    trainer.release_run_dir()
+    return trainer
+
+
+def test_a_resumed_dpo_run_keeps_the_reference_it_started_from_when_init_from_moves_on(tmp_path):
+    first, later = start(tmp_path / "a", *TINY, "seed=1"), start(tmp_path / "b", *TINY, "seed=2")
+    source = tmp_path / "source" / "checkpoints"
+    checkpoint.save(source, 1, {"params": first, "policy_version": 1})
+    run = saved_run(tmp_path, DPO, source)
+    checkpoint.save(source, 2, {"params": later, "policy_version": 2})  # the source run trained on
+    assert_same(resumed(run, DPO, source).reference_params, first)
+
+
+def test_resuming_dpo_whose_start_checkpoint_is_gone_is_refused_naming_it(tmp_path):
+    source = tmp_path / "source" / "checkpoints"
+    checkpoint.save(source, 1, {"params": start(tmp_path / "a", *TINY), "policy_version": 1})
+    run = saved_run(tmp_path, DPO, source)
+    checkpoint.save(source, 2, {"params": start(tmp_path / "b", *TINY, "seed=2"), "policy_version": 2})
+    shutil.rmtree(source / "step_1")  # e.g. the source run's keep_last
+    with pytest.raises(ConfigError) as error:
+        resumed(run, DPO, source)
+    assert str(error.value) == (
+        f"init_source: the run started from {source / 'step_1'} (init_from: '{source}'), which is gone; its initial "
+        f"weights (the reference policy of DPO and of GRPO's KL penalty) are that checkpoint's: put it back there, "
+        f"or start the run over (--overwrite)")
+
+
+def test_resuming_dpo_whose_start_checkpoint_was_rewritten_is_refused_naming_it(tmp_path):
+    source = tmp_path / "source" / "checkpoints"
+    checkpoint.save(source, 1, {"params": start(tmp_path / "a", *TINY), "policy_version": 1})
+    run = saved_run(tmp_path, DPO, source / "step_1")
+    was = hashlib.sha256((source / "step_1" / "manifest.json").read_bytes()).hexdigest()
+    shutil.rmtree(source / "step_1")  # the source run started over (--overwrite) and saved step 1 again
+    checkpoint.save(source, 1, {"params": start(tmp_path / "b", *TINY, "seed=2"), "policy_version": 1})
+    now = hashlib.sha256((source / "step_1" / "manifest.json").read_bytes()).hexdigest()
+    with pytest.raises(ConfigError) as error:
+        resumed(run, DPO, source / "step_1")
+    assert str(error.value) == (
+        f"init_source: the run started from {source / 'step_1'} (init_from: '{source / 'step_1'}'), which has "
+        f"changed since (its manifest.json's SHA-256 was {was}, now {now}); its initial weights (the reference "
+        f"policy of DPO and of GRPO's KL penalty) are that checkpoint's: put it back there, or start the run over "
+        f"(--overwrite)")
+
+
+def test_a_resumed_run_without_a_reference_does_not_read_init_from(tmp_path):
+    source = tmp_path / "source" / "checkpoints"
+    checkpoint.save(source, 1, {"params": start(tmp_path / "a", *TINY), "policy_version": 1})
+    sft = RUN + ["data.source=bundled:arithmetic:50"]
+    run = saved_run(tmp_path, sft, source)
+    shutil.rmtree(tmp_path / "source")
+    trainer = resumed(run, sft, source)
+    assert int(trainer.state.step) == 0 and trainer.reference_params is None
+
+
+def test_a_checkpoint_that_records_no_init_source_reads_init_from_as_it_is_now_with_a_warning(tmp_path):
+    first, later = start(tmp_path / "a", *TINY, "seed=1"), start(tmp_path / "b", *TINY, "seed=2")
+    source = tmp_path / "source" / "checkpoints"
+    checkpoint.save(source, 1, {"params": first, "policy_version": 1})
+    run = saved_run(tmp_path, DPO, source)
+    step = run / "checkpoints" / "step_0"  # as an earlier jrl wrote it: no init_source in its meta.json
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["init_source"]
+    (step / "meta.json").write_text(json.dumps(meta))
+    (step / "manifest.json").write_bytes(manifest_bytes(build_manifest(step)))
+    checkpoint.save(source, 2, {"params": later, "policy_version": 2})
+    with pytest.warns(ResumeWarning) as caught:
+        trainer = resumed(run, DPO, source)
+    assert [str(w.message) for w in caught] == [
+        f"resume: the checkpoint records no init_source (an older jrl wrote it): the initial weights are read from "
+        f"init_from '{source}' as it is now, which may not be what the run started from"]
+    assert_same(trainer.reference_params, later)

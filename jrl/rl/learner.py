@@ -19,8 +19,7 @@ from jrl.rl.source import RolloutSource
 from jrl.rollout.config import EngineConfig, exact_model_config
 from jrl.train.callbacks import Callback
 from jrl.train.state import TrainState
-from jrl.train.initial import (load_initial_adapters, load_initial_params, load_run_tokenizer, run_distributed,
-                               run_mesh)
+from jrl.train.initial import load_run_tokenizer, run_distributed, run_mesh
 from jrl.train.trainer import Trainer
 
 
@@ -56,8 +55,9 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
     source = RolloutSource(options, model_config=config.model, tokenizer=tokenizer, mesh=mesh,
                            seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed,
                            lm_head_chunk=config.lm_head_chunk,
-                           reference_params=lambda: (load_initial_adapters(config, mesh) if adapters_only
-                                                     else load_initial_params(config, mesh)),
+                           # the params the run started from (pinned at its start: a resume reads the
+                           # same checkpoint, however init_from's run has moved on), called after setup
+                           reference_params=lambda: trainer.start_params(adapters_only),
                            eval_samples=config.eval.samples, placement=placement,
                            adapters_only=adapters_only,
                            logp_rows=config.data.batch_size // config.data.micro_batches,

@@ -3,6 +3,7 @@ init, a jrl checkpoint or a Hugging Face directory, with LoRA factors from the i
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from jax.sharding import Mesh
 
 from jrl import checkpoint
 from jrl.checkpoint.layout import is_step_name
+from jrl.checkpoint.manifest import MANIFEST_NAME
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import load_tokenizer
 from jrl.hf import HFFormatError, config_from_hf, load_pretrained, missing_prefix_hint, read_hf_config
@@ -193,22 +195,77 @@ def check_init_from(config: TrainConfig, *, missing_ok: bool = False) -> str | N
     return None
 
 
-def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
+def _manifest_sha256(step_dir: Path) -> str | None:
+    """SHA-256 of a step directory's manifest.json (which holds every file's SHA-256: the
+    digest of its content, read without hashing the weights), or None without one."""
+    try:
+        return hashlib.sha256((step_dir / MANIFEST_NAME).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def init_source(config: TrainConfig) -> dict | None:
+    """`init_from` pinned as a run starts, for its checkpoints' meta.json (`init_source`):
+    `{"init_from": as written, "path": the exact checkpoint read (the newest step of a run
+    or checkpoint root that names none; `hf:<absolute dir>`), "manifest_sha256": the
+    digest of that step's manifest.json, or None (Hugging Face, no manifest)}`. None
+    without `init_from`, and where `init_from` holds no checkpoint (`load_initial_params`
+    then names the problem)."""
+    src = config.init_from
+    if src is None:
+        return None
+    if src.startswith("hf:"):
+        return {"init_from": src, "path": "hf:" + os.path.abspath(src[3:]), "manifest_sha256": None}
+    root, step = _resolve_checkpoint(src)
+    steps = checkpoint.all_steps(root)
+    step = steps[-1] if step is None and steps else step
+    if step not in steps:
+        return None
+    path = (root / f"step_{step}").absolute()
+    return {"init_from": src, "path": str(path), "manifest_sha256": _manifest_sha256(path)}
+
+
+def _started_from(source: dict, what: str) -> ConfigError:
+    """The error of a pinned `init_source` that is gone or changed (`what`)."""
+    return ConfigError(f"init_source: the run started from {source['path']} (init_from: {source['init_from']!r}), "
+                       f"which {what}; its initial weights (the reference policy of DPO and of GRPO's KL "
+                       f"penalty) are that checkpoint's: put it back there, or start the run over (--overwrite)")
+
+
+def _pinned(source: dict) -> tuple[Path, int]:
+    """(root, step) of a pinned jrl `init_source`, refused naming it when the checkpoint
+    is gone or is not the one the run started from."""
+    path = Path(source["path"])
+    if not path.is_dir():
+        raise _started_from(source, "is gone")
+    digest = source.get("manifest_sha256")
+    if digest is not None and (now := _manifest_sha256(path)) != digest:
+        raise _started_from(source, f"has changed since (its manifest.json's SHA-256 was {digest}, now "
+                                    f"{now or 'missing'})")
+    return path.parent, int(path.name[5:])
+
+
+def load_initial_params(config: TrainConfig, mesh: Mesh, source: dict | None = None) -> Any:
     """Params a run starts from, sharded on `mesh`: `init_from` (a jrl run / checkpoint,
     or `hf:<dir>`) or the seeded init. LoRA factors the source lacks (adapters on a
-    pretrained base) come from the seeded init."""
+    pretrained base) come from the seeded init. `source`: `init_from` as `init_source`
+    pinned it (read in its place): exactly that checkpoint, or a ConfigError naming it
+    when it is gone or changed."""
     mc = config.model
-    src = config.init_from
+    src = config.init_from if source is None else source["init_from"]
     # jitted with sharded outputs: each device computes only its shards
     seeded = lambda: init_sharded_params(mc, jax.random.key(config.seed), mesh)
     if src is None:
         return seeded()
     if src.startswith("hf:"):
-        hf_config, loaded = load_pretrained(src[3:], dtype=mc.param_dtype,
+        where = src[3:] if source is None else source["path"][3:]
+        if source is not None and not os.path.isdir(where):
+            raise _started_from(source, "is gone")
+        hf_config, loaded = load_pretrained(where, dtype=mc.param_dtype,
                                             max_position_embeddings=mc.max_position_embeddings)
         _check_same_architecture(mc, hf_config, src)
     else:
-        root, step = _resolve_checkpoint(src)
+        root, step = _resolve_checkpoint(src) if source is None else _pinned(source)
         problem = _step_problem(root, step)
         if problem is not None:
             raise ConfigError(f"init_from: {src!r}: checkpoint {problem}")
@@ -226,15 +283,15 @@ def load_initial_params(config: TrainConfig, mesh: Mesh) -> Any:
     return shard_params(mc, _overlay(template, loaded, src), mesh)
 
 
-def load_initial_adapters(config: TrainConfig, mesh: Mesh) -> Any:
+def load_initial_adapters(config: TrainConfig, mesh: Mesh, source: dict | None = None) -> Any:
     """The LoRA factors of `load_initial_params(config, mesh)`, sharded alike, without a
     second copy of the base on the devices when they are seeded (no `init_from`, or `hf:`,
     which holds no adapters): the jitted init returns the factors alone, so XLA drops the
     base's init (the factors' random bits do not depend on it). From a jrl checkpoint they
-    are its own, read with the rest of it."""
-    src = config.init_from
+    are its own, read with the rest of it. `source`: as `load_initial_params` takes it."""
+    src = config.init_from if source is None else source["init_from"]
     if src is not None and not src.startswith("hf:"):
-        return lora_params(load_initial_params(config, mesh))
+        return lora_params(load_initial_params(config, mesh, source))
     mc = config.model
     init = jax.jit(lambda key: lora_params(init_params(mc, key)), out_shardings=lora_params(param_shardings(mc, mesh)))
     return init(jax.random.key(config.seed))

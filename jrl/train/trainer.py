@@ -48,10 +48,11 @@ from jrl.data.splits import eval_reads_training_records
 from jrl.data.wording import agree, counted
 from jrl.metrics_log import MetricsLog, finite_or_null
 from jrl.models.transformer import init_fp8_history
-from jrl.parallel import BATCH_AXES, param_shardings, with_shardings
+from jrl.parallel import BATCH_AXES, init_sharded_params, param_shardings, with_shardings
 from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, model_flops_per_token
-from jrl.train.initial import lora_alpha_change, load_initial_params, load_run_tokenizer, run_distributed, run_mesh
+from jrl.train.initial import (init_source, load_initial_adapters, load_initial_params, load_run_tokenizer,
+                               lora_alpha_change, run_distributed, run_mesh)
 from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_groups, trainable_mask
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
@@ -360,6 +361,11 @@ class Trainer:
         self.callbacks = self._with_builtin_callbacks(callbacks)
         self.state: TrainState | None = None
         self.reference_params = None
+        # `init_from` as the run started from it (jrl.train.initial.init_source), recorded in
+        # every checkpoint's meta.json and read back on resume; _pinned: known (set by setup,
+        # False after resuming a checkpoint of a jrl that did not record it)
+        self.init_source: dict | None = None
+        self._pinned = False
         self.train_source = train_source
         self._source_given = train_source is not None
         self.eval_batches: list[dict] = list(eval_batches or [])
@@ -443,6 +449,19 @@ class Trainer:
     def initial_params(self) -> Any:
         """Params the run starts from, sharded on `mesh` (see `load_initial_params`)."""
         return load_initial_params(self.config, self.mesh)
+
+    def start_params(self, adapters_only: bool = False) -> Any:
+        """The params this run started from, sharded on `mesh`: the reference policy of DPO
+        and of GRPO's KL penalty. After setup, `init_from` exactly as the run's start read
+        it (`init_source`, the step it resolved to then, however the run or root it names
+        has moved on since): a ConfigError naming that checkpoint when it is gone or
+        changed. `adapters_only`: their LoRA factors alone (`load_initial_adapters`)."""
+        load = load_initial_adapters if adapters_only else load_initial_params
+        if not self._pinned and self.state is not None and self.config.init_from is not None:
+            warnings.warn(f"resume: the checkpoint records no init_source (an older jrl wrote it): the initial "
+                          f"weights are read from init_from {self.config.init_from!r} as it is now, which may "
+                          f"not be what the run started from", ResumeWarning, stacklevel=2)
+        return load(self.config, self.mesh, self.init_source if self._pinned else None)
 
     def _make_sources(self) -> None:
         data = self.config.data
@@ -538,9 +557,16 @@ class Trainer:
                allow_data_change: bool = False) -> TrainState:
         c = self.config
         self._check_batch_rows()
-        params = self.initial_params()
-        if self.strategy.needs_reference:
-            self.reference_params = jax.tree.map(jnp.copy, params)
+        seen = checkpoint.all_steps(self.checkpoint_dir)
+        existing = seen[-1] if seen else None
+        resumed = resume and (existing is not None or resume_from is not None)
+        if resumed:  # a template the restore overwrites: init_from is not read (it may be gone by now)
+            params = init_sharded_params(c.model, jax.random.key(c.seed), self.mesh)
+        else:  # the step init_from names now, pinned for the run's resumes
+            self.init_source, self._pinned = init_source(c), True
+            params = load_initial_params(c, self.mesh, self.init_source)
+            if self.strategy.needs_reference:
+                self.reference_params = jax.tree.map(jnp.copy, params)
         self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
         self._trainable = trainable_mask(c.optimizer, params)  # frozen leaves get no grads
         present = set(jax.tree.leaves(param_groups(params)))
@@ -550,14 +576,11 @@ class Trainer:
         state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
                                                     p_shardings, self.mesh, init_fp8_history(c.model))
         self._shardings = mesh_step_shardings(self.mesh, shardings,
-                                              p_shardings if self.reference_params is not None else None)
-        seen = checkpoint.all_steps(self.checkpoint_dir)
-        existing = seen[-1] if seen else None
+                                              p_shardings if self.strategy.needs_reference else None)
         if not resume and not overwrite:
             check_fresh_start(self.checkpoint_dir)
         meta: dict = {}
         set_aside: list[tuple[int, str]] = []
-        resumed = resume and (existing is not None or resume_from is not None)
         if resume and not resumed:  # "resume if there is anything": a relaunch loop's first start
             warnings.warn(f"resume: {self.checkpoint_dir} holds no checkpoint yet; starting a fresh run", stacklevel=2)
         if resumed:
@@ -566,7 +589,11 @@ class Trainer:
             state, meta, set_aside = self._restore(target, resume_from)
             _check_resumed_alpha(meta, c)
             self._check_resumed_steps(state, meta)
+            self._pinned = "init_source" in meta
+            self.init_source = meta.get("init_source")
         self.state = state  # sources may read the (resumed) state
+        if resumed and self.strategy.needs_reference:
+            self.reference_params = self.start_params()
         self._make_sources()
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
             try:
@@ -923,6 +950,8 @@ class Trainer:
             self._require_setup("save_checkpoint")
         state = state if state is not None else self.state
         meta = {"config": to_dict(self.config), "run": self.config.name}
+        if self._pinned:
+            meta["init_source"] = self.init_source
         files: dict[str, bytes] = {}
         if hasattr(self.train_source, "state_dict"):
             meta["data"], files = pack_source_state(self.train_source.state_dict())
