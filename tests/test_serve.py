@@ -35,7 +35,7 @@ from chat_fixtures import write_chat_tokenizer
 from jrl import checkpoint
 from jrl.bench.cli import main as bench
 from jrl.bench.serve_client import split_load
-from jrl.config import ConfigError, ModelConfig, from_dict
+from jrl.config import ConfigError, ModelConfig, from_dict, to_dict
 from jrl.hf import params_equal, save_pretrained
 from jrl.models import init_params
 from jrl.serve.tools import parse_tool_calls
@@ -847,6 +847,29 @@ def test_weights_endpoint_is_off_without_a_token(hf_dirs):
     with TestClient(app) as client:
         r = client.post("/v1/weights", json={"checkpoint": f"hf:{hf_dirs[1]}"})
         assert r.status_code == 404
+
+
+@pytest.mark.parametrize("kind", ["jrl", "hf"])
+def test_weights_of_another_architecture_are_refused_naming_what_differs(hf_dirs, tmp_path, kind):
+    # a jrl checkpoint was refused with the trainer's advice ("init_from: ... set these
+    # under model:"), which a server cannot follow
+    other = from_dict(ModelConfig, {**MODEL, "n_layers": 1, "rope_theta": 500000.0})
+    params = jax.jit(init_params, static_argnums=0)(other, jax.random.key(0))
+    if kind == "jrl":
+        spec = str(tmp_path / "run" / "checkpoints")
+        checkpoint.save(spec, 1, {"params": params, "policy_version": 1}, meta={"config": {"model": to_dict(other)}})
+    else:
+        save_pretrained(other, params, str(tmp_path / "hf"), model_type="qwen2")
+        spec = f"hf:{tmp_path / 'hf'}"
+    _, app = build(build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--engine-in-process", "--no-warmup",
+                                              "--admin-token", TOKEN, *ENGINE_FLAGS]))
+    with TestClient(app) as client:
+        r = client.post("/v1/weights", json={"checkpoint": spec}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "checkpoint"
+    assert r.json()["error"]["message"] == (
+        f"checkpoint: {spec} is another architecture than the served model: n_layers (served 2, checkpoint 1); "
+        f"rope_theta (served 10000.0, checkpoint 500000.0); the server serves the architecture it was started "
+        f"with (start another server to serve this one)")
 
 
 def free_port() -> int:

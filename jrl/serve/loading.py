@@ -38,6 +38,7 @@ from jrl.rollout.config import device_free_memory
 from jrl.rl.eval_cli import Checkpoint, resolve_checkpoint
 from jrl.tokenizer import HFTokenizer, load_tokenizer
 from jrl.train.trainer import load_initial_params, load_run_tokenizer, run_mesh
+from jrl.train.initial import architecture_differences, source_model
 
 log = logging.getLogger("jrl.serve")
 
@@ -126,19 +127,27 @@ def load_update(spec: str, served: Served) -> tuple[Any, int | None, str]:
     if ckpt.init_from.startswith("hf:") and served.train_config is None:
         new_mc, params = load_pretrained(ckpt.init_from[3:], dtype=mc.param_dtype,
                                          max_position_embeddings=mc.max_position_embeddings)
-        _check_same_shapes(mc, new_mc, spec)
+        check_servable(mc, new_mc, spec)
         return jax.tree.map(jax.numpy.asarray, params), None, ckpt.init_from
+    saved_model = source_model(ckpt.init_from, mc)  # before the weights are read
+    if saved_model is not None:
+        check_servable(mc, saved_model, spec)
     base = served.train_config or TrainConfig(model=mc, data=dataclasses.replace(
         TrainConfig().data, seq_len=min(TrainConfig().data.seq_len, mc.max_position_embeddings)))
     params = load_initial_params(dataclasses.replace(base, init_from=ckpt.init_from), run_mesh(None))
     return params, ckpt.policy_version, ckpt.init_from
 
 
-def _check_same_shapes(a: ModelConfig, b: ModelConfig, spec: str) -> None:
-    fields = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size")
-    diff = [f"{f} {getattr(b, f)} != {getattr(a, f)}" for f in fields if getattr(a, f, None) != getattr(b, f, None)]
+def check_servable(served: ModelConfig, got: Any, spec: str) -> None:
+    """Refuses weights for `POST /v1/weights` whose model (`got`: a ModelConfig, or a jrl
+    checkpoint's meta.json model section) is not the served architecture, naming what
+    differs (`jrl.train.initial.architecture_differences`, as `init_from` compares them):
+    the engine's programs and KV pool are built for the model the server started with."""
+    diff = architecture_differences(served, got)
     if diff:
-        raise ConfigError(f"checkpoint: {spec} is another architecture than the served model ({', '.join(diff)})")
+        fields = "; ".join(f"{k} (served {mine!r}, checkpoint {theirs!r})" for k, mine, theirs, _ in diff)
+        raise ConfigError(f"checkpoint: {spec} is another architecture than the served model: {fields}; the server "
+                          f"serves the architecture it was started with (start another server to serve this one)")
 
 
 def describe(served: Served) -> dict[str, Any]:

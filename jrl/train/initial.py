@@ -42,26 +42,61 @@ _FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "lora", "initializer_rang
                       "max_position_embeddings", "rope_scaling")
 
 
-def _check_same_architecture(want, got, src: str) -> None:
-    """`got`: a ModelConfig, or the model section a jrl checkpoint's meta.json holds (fields
-    it lacks, from an older jrl, are not compared). Adapters read from the checkpoint are
-    scaled by alpha / rank, so with LoRA on both sides lora.alpha must match too."""
+def architecture_differences(want, got) -> list[tuple[str, Any, Any, str]]:
+    """How the model `got` describes differs from `want` (a ModelConfig) in what its
+    params compute, as (field, want's value, got's value, a note: "" or how to reconcile
+    them, led by its separator). `got`: a ModelConfig, or the model section a jrl
+    checkpoint's meta.json holds (fields it lacks, from an older jrl, are not compared).
+    Numerics, training-only fields and a context extension (`_FREE_MODEL_FIELDS`) may
+    differ; adapters read from a checkpoint are scaled by alpha / rank, so with LoRA on
+    both sides lora.alpha must match too. Shared by `init_from` and the server's weight
+    updates (jrl.serve.loading), which word the advice each their own way."""
     a, b = to_dict(want), (got if isinstance(got, dict) else to_dict(got))
-    diff = [f"model.{k} (config {a[k]!r}, checkpoint {b[k]!r})" for k in a
-            if k not in _FREE_MODEL_FIELDS and k in b and a[k] != b[k]]
+    diff = [(k, a[k], b[k], "") for k in a if k not in _FREE_MODEL_FIELDS and k in b and a[k] != b[k]]
     la, lb = a["lora"], b.get("lora") or {}
     if lb.get("rank") and la["rank"] != lb["rank"]:  # its adapters fit only LoRA of their rank
-        diff.append(f"model.lora.rank (config {la['rank']!r}, checkpoint {lb['rank']!r}; or fold its adapters "
-                    f"into the base first with jrl.models.lora.merge_lora)")
+        diff.append(("lora.rank", la["rank"], lb["rank"],
+                     "; or fold its adapters into the base first with jrl.models.lora.merge_lora"))
     elif lb.get("rank") and not set(lb.get("targets") or ()) <= set(la["targets"]):
-        diff.append(f"model.lora.targets (config {la['targets']!r}, checkpoint {lb['targets']!r}: "
-                    f"name at least its targets)")
-    alpha = lora_alpha_change(a, b)
-    if alpha is not None:
-        diff.append(alpha)
+        diff.append(("lora.targets", la["targets"], lb["targets"], ": name at least its targets"))
+    if lora_alpha_change(a, b) is not None:
+        diff.append(("lora.alpha", la["alpha"], lb["alpha"], ""))
+    return diff
+
+
+def _check_same_architecture(want, got, src: str) -> None:
+    """`architecture_differences` of `init_from`'s model `got` as a ConfigError naming the
+    run's `model:` fields to set."""
+    diff = architecture_differences(want, got)
     if diff:
-        raise ConfigError(f"init_from: the model config differs from {src!r} in {'; '.join(diff)}; "
-                          f"set these under model:")
+        fields = "; ".join(f"model.{k} (config {mine!r}, checkpoint {theirs!r}{note})" for k, mine, theirs, note in diff)
+        raise ConfigError(f"init_from: the model config differs from {src!r} in {fields}; set these under model:")
+
+
+def source_model(src: str, mc) -> Any:
+    """The model `src` (an `init_from`: a jrl run / checkpoint or `hf:<dir>`) describes,
+    read without its weights: a Hugging Face directory's config.json as a ModelConfig (its
+    numerics and context length `mc`'s), a jrl checkpoint's meta.json model section (a
+    dict), or None for a checkpoint that records none (`checkpoint.save` alone). A
+    ConfigError, led by `init_from: `, where it cannot be read."""
+    if src.startswith("hf:"):
+        path = src[3:]
+        try:
+            hf_config, _ = config_from_hf(read_hf_config(path), dtype=mc.param_dtype,
+                                          max_position_embeddings=mc.max_position_embeddings,
+                                          where=os.path.join(path, "config.json"))
+        except HFFormatError as e:
+            raise ConfigError(f"init_from: {e}") from None
+        return hf_config
+    root, step = _resolve_checkpoint(src)
+    try:
+        meta = checkpoint.read_checkpoint_meta(root, step)
+    except checkpoint.CheckpointCorruptError as e:
+        raise ConfigError(f"init_from: {src!r}: {e}") from e
+    except FileNotFoundError as e:
+        raise _no_checkpoint(src, e) from e
+    saved_model = (meta.get("config") or {}).get("model")
+    return saved_model if isinstance(saved_model, dict) else None
 
 
 def lora_alpha_change(want: dict, saved: dict) -> str | None:
@@ -173,24 +208,8 @@ def check_init_from(config: TrainConfig, *, missing_ok: bool = False) -> str | N
     path = src[3:] if src.startswith("hf:") else src
     if missing_ok and not os.path.exists(path):
         return f"init_from: {src!r} does not exist yet; the run needs it"
-    if src.startswith("hf:"):
-        try:
-            hf_config, _ = config_from_hf(read_hf_config(path), dtype=mc.param_dtype,
-                                          max_position_embeddings=mc.max_position_embeddings,
-                                          where=os.path.join(path, "config.json"))
-        except HFFormatError as e:
-            raise ConfigError(f"init_from: {e}") from None
-        _check_same_architecture(mc, hf_config, src)
-        return None
-    root, step = _resolve_checkpoint(src)
-    try:
-        meta = checkpoint.read_checkpoint_meta(root, step)
-    except checkpoint.CheckpointCorruptError as e:
-        raise ConfigError(f"init_from: {src!r}: {e}") from e
-    except FileNotFoundError as e:
-        raise _no_checkpoint(src, e) from e
-    saved_model = (meta.get("config") or {}).get("model")
-    if isinstance(saved_model, dict):
+    saved_model = source_model(src, mc)
+    if saved_model is not None:
         _check_same_architecture(mc, saved_model, src)
     return None
 
