@@ -29,6 +29,7 @@ import gc
 import os
 import resource
 import signal
+import sys
 import tempfile
 
 import pytest
@@ -63,6 +64,18 @@ def release_compiled_programs():
 
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def forget_modules_written_by_tests(tmp_path_factory):
+    """Drops, once a test ends, the modules it imported from pytest's temporary directories
+    (a user's `my_rewards.py`, a tool package): the next test to write a module of the same
+    name must import its own, not find this one in `sys.modules`."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(base):
+            del sys.modules[name]
 
 
 @pytest.fixture

@@ -554,17 +554,6 @@ def merged(base: dict, given: dict) -> dict:
     return out
 
 
-@pytest.fixture
-def own_modules(tmp_path):
-    """Forgets, once the test ends, the modules it imported from its `tmp_path` (an
-    example's `my_rewards`, `my_pkg`, ...): a later test in the process may write and import
-    its own module of the same name."""
-    yield
-    for name, module in list(sys.modules.items()):
-        if str(getattr(module, "__file__", None) or "").startswith(str(tmp_path)):
-            del sys.modules[name]
-
-
 YAML_CASES = [c for c in yaml_blocks() if not c[2].startswith("# my_pretrain.yaml")]  # that one: a test above
 
 
@@ -573,7 +562,7 @@ def test_the_docs_give_yaml_sections_to_check():
 
 
 @pytest.mark.parametrize("doc,line,block", YAML_CASES, ids=[f"{d}:{n}" for d, n, _ in YAML_CASES])
-def test_a_documented_yaml_section_resolves_in_its_config(doc, line, block, tmp_path, monkeypatch, own_modules):
+def test_a_documented_yaml_section_resolves_in_its_config(doc, line, block, tmp_path, monkeypatch):
     """Each YAML section of the docs, its placeholders (`...`, a model directory) filled in,
     resolves as `python -m jrl.train` resolves it: a whole config as it is, a section in a
     shipped config of its kind (GRPO options in configs/grpo_addition.yaml, others in
@@ -616,7 +605,7 @@ def test_a_documented_yaml_section_resolves_in_its_config(doc, line, block, tmp_
     resolve_config(build_parser().parse_args(["--config", "c.yaml"]))
 
 
-def test_the_bring_your_own_task_example_trains_and_scores(tmp_path, monkeypatch, own_modules):
+def test_the_bring_your_own_task_example_trains_and_scores(tmp_path, monkeypatch):
     """docs/rl.md, "Bring your own task": the reward module and my_task.yaml as written, on
     files of the doc's records, the model directory replaced by a tiny byte-level model and
     the run shortened; then the doc's `jrl eval` command on its checkpoints."""
