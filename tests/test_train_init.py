@@ -13,6 +13,7 @@ from jrl import checkpoint
 from jrl.checkpoint.manifest import build_manifest, manifest_bytes
 from jrl.config import ConfigError, load_train_config, to_dict
 from jrl.hf import load_pretrained
+from jrl.models.lora import lora_params
 from jrl.train.trainer import ResumeWarning, Trainer
 
 LLAMA = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
@@ -276,3 +277,31 @@ def test_a_checkpoint_that_records_no_init_source_reads_init_from_as_it_is_now_w
         f"resume: the checkpoint records no init_source (an older jrl wrote it): the initial weights are read from "
         f"init_from '{source}' as it is now, which may not be what the run started from"]
     assert_same(trainer.reference_params, later)
+
+
+def test_a_lora_dpo_run_keeps_only_the_initial_adapters_as_its_reference_on_resume_too(tmp_path):
+    # only the adapters train, so the base never changes: the reference is the live base with
+    # the initial adapters, and the trainer holds those alone (no second copy of the base)
+    lora = DPO + ["model.lora.rank=2", "optimizer.trainable=lora"]
+    trainer = Trainer(load_train_config(None, lora), output_dir=tmp_path / "run")
+    trainer.setup()
+    try:
+        initial = jax.device_get(lora_params(trainer.state.params))
+        reference = trainer.reference_params
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(reference)]
+        assert paths and all(p.endswith(("['lora_a']", "['lora_b']")) for p in paths)
+        assert_same(reference, initial)
+        row = trainer.train_step(trainer.train_source.next_batch(trainer.state))
+        # the policy is the reference at the first step: every z is 0, the loss log 2
+        assert row["update_applied"] and row["loss"] == pytest.approx(np.log(2), abs=1e-6)
+        row = trainer.train_step(trainer.train_source.next_batch(trainer.state))
+        assert row["update_applied"] and row["loss"] != pytest.approx(np.log(2), abs=1e-6)
+        assert_same(trainer.reference_params, initial)  # not donated by the updates
+        trainer.save_checkpoint()
+    finally:
+        trainer.release_run_dir()
+    again = Trainer(load_train_config(None, lora), output_dir=tmp_path / "run")
+    again.setup(resume=True)
+    again.release_run_dir()
+    assert int(again.state.step) == 2
+    assert_same(again.reference_params, initial)

@@ -14,6 +14,7 @@ import pytest
 from jrl import checkpoint
 from jrl.config import ModelConfig, OptimizerConfig, ScheduleConfig, load_train_config
 from jrl.models import init_params
+from jrl.models.lora import lora_params, with_lora_params
 from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_mask
 from jrl.train.schedules import make_schedule
 from jrl.train.state import init_train_state
@@ -256,6 +257,58 @@ def test_frozen_leaves_get_no_gradient_and_the_update_keeps_their_arrays():
     assert new.params["embed"]["embedding"] is embedding and not embedding.is_deleted()
     assert np.abs(np.asarray(new.params["layers"]["mlp"]["up_proj"]["kernel"]) - up).max() > 0
     assert int(new.policy_version) == 1
+
+
+def pair_batch(pairs=4, seq=8, seed=0):
+    """DPO rows `[pairs, 2, seq]` (chosen, rejected): random tokens, the last 5 trained."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 32, (pairs, 2, seq)).astype(np.int32)
+    loss_mask = np.zeros((pairs, 2, seq), np.float32)
+    loss_mask[..., 2:7] = 1
+    return dict(tokens=tokens, targets=np.roll(tokens, -1, -1), loss_mask=loss_mask,
+                positions=np.broadcast_to(np.arange(seq, dtype=np.int32), tokens.shape).copy(),
+                segment_ids=np.ones_like(tokens))
+
+
+def test_a_lora_dpo_reference_of_the_initial_adapters_alone_steps_as_a_whole_copy_bitwise():
+    # adapters-only training never changes the base, so the reference policy is the live base
+    # with the initial adapters: the step puts them in (reference_adapters) and gives the very
+    # losses, gradients and updates the copy of the whole initial params did
+    config = dataclasses.replace(CFG, lora=dataclasses.replace(CFG.lora, rank=2, alpha=4.0))
+    params = jax.jit(functools.partial(init_params, config))(jax.random.key(0))
+    # the policy's adapters moved off the reference's (lora_b starts at zero)
+    policy = with_lora_params(params, jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape),
+                                                   lora_params(params)))
+    opt_config = OptimizerConfig(lr=0.05, weight_decay=0.0, trainable="lora")
+    opt = build_optimizer(opt_config, SCHEDULE, params)
+    mask = trainable_mask(opt_config, params)
+    dpo = get_strategy("dpo")
+    fns = lambda adapters: make_step_fns(config, dpo, strategy_options(dpo, {"beta": 0.5}), opt, SCHEDULE, 0.05,
+                                         clip_norm=1.0, trainable=mask, reference_adapters=adapters)
+    whole, adapters = fns(False), fns(True)
+    reference = {False: jax.tree.map(jnp.copy, params), True: jax.tree.map(jnp.copy, lora_params(params))}
+    assert all("lora_" in jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(reference[True]))
+    states = {a: init_train_state(jax.tree.map(jnp.copy, policy), opt, jax.random.key(0)) for a in (False, True)}
+    batches = [split(pair_batch(seed=i), 2) for i in range(3)]
+
+    def same(a, b):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    (g0, i0), (g1, i1) = (f.compute_grads(states[a], batches[0], reference[a])
+                          for a, f in ((False, whole), (True, adapters)))
+    assert float(i0.loss) != pytest.approx(np.log(2))  # the policy is not the reference
+    same((g0, i0), (g1, i1))
+    same(*(f.evaluate(states[a].params, batches[0], reference[a], jax.random.key(0), jnp.int32(0))
+           for a, f in ((False, whole), (True, adapters))))
+    for batch in batches[1:]:
+        out = [f.update(states[a], batch, reference[a]) for a, f in ((False, whole), (True, adapters))]
+        same(out[0], out[1])
+        states = {False: out[0][0], True: out[1][0]}
+    assert int(states[True].policy_version) == 2
 
 
 def tiny_config(*overrides):

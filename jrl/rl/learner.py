@@ -19,7 +19,7 @@ from jrl.rl.source import RolloutSource
 from jrl.rollout.config import EngineConfig, exact_model_config
 from jrl.train.callbacks import Callback
 from jrl.train.state import TrainState
-from jrl.train.initial import load_run_tokenizer, run_distributed, run_mesh
+from jrl.train.initial import adapters_only, load_run_tokenizer, run_distributed, run_mesh
 from jrl.train.trainer import Trainer
 
 
@@ -51,15 +51,15 @@ def build_learner(config: TrainConfig, *, callbacks: Iterable[Callback] = (),
     tokenizer = load_run_tokenizer(config)
     placement = run_placement(config, options)
     mesh = run_mesh(config.parallel) if placement is None else placement.trainer_mesh
-    adapters_only = config.optimizer.trainable == "lora" and config.model.lora.rank > 0
+    adapters = adapters_only(config)
     source = RolloutSource(options, model_config=config.model, tokenizer=tokenizer, mesh=mesh,
                            seq_len=config.data.seq_len, batch_size=config.data.batch_size, seed=config.seed,
                            lm_head_chunk=config.lm_head_chunk,
                            # the params the run started from (pinned at its start: a resume reads the
                            # same checkpoint, however init_from's run has moved on), called after setup
-                           reference_params=lambda: trainer.start_params(adapters_only),
+                           reference_params=lambda: trainer.start_params(adapters),
                            eval_samples=config.eval.samples, placement=placement,
-                           adapters_only=adapters_only,
+                           adapters_only=adapters,
                            logp_rows=config.data.batch_size // config.data.micro_batches,
                            micro_batches=config.data.micro_batches)
     callback = RLCallback(source)

@@ -302,6 +302,13 @@ def load_initial_params(config: TrainConfig, mesh: Mesh, source: dict | None = N
     return shard_params(mc, _overlay(template, loaded, src), mesh)
 
 
+def adapters_only(config: TrainConfig) -> bool:
+    """True when the run trains the LoRA factors alone (`optimizer.trainable: lora` with
+    `model.lora.rank > 0`): the base never changes, so the reference policy of DPO and of
+    GRPO's KL penalty is the live base with the initial adapters (`load_initial_adapters`)."""
+    return config.optimizer.trainable == "lora" and config.model.lora.rank > 0
+
+
 def load_initial_adapters(config: TrainConfig, mesh: Mesh, source: dict | None = None) -> Any:
     """The LoRA factors of `load_initial_params(config, mesh)`, sharded alike, without a
     second copy of the base on the devices when they are seeded (no `init_from`, or `hf:`,

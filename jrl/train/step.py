@@ -23,6 +23,12 @@ only them, and the frozen leaves are neither donated nor rewritten: an update ha
 the very arrays it was given, so whoever holds them (the rollout engine serving the base)
 keeps valid buffers, and no float32 gradient or update of the base is ever materialised.
 
+`reference_adapters` (LoRA with only the adapters trained, `jrl.train.initial.adapters_only`):
+the `reference_params` the functions take are the initial adapter factors alone
+(`lora_params`), and the loss's `ctx.reference_params` is the params being updated with
+those factors in place of their own (`with_lora_params`). The base never changes in such a
+run, so this is the whole initial params, without a second copy of the base on the devices.
+
 `batch` fields carry a leading micro-batch axis `[M, b, ...]`; the micro-batches are
 scanned, their loss sums, weights, metric sums and gradients added up, and the sums are
 divided by the total weight once (see the strategy protocol in docs/training.md).
@@ -48,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jrl.config import ModelConfig
 from jrl.models.fp8 import delayed_scales, push_amax
+from jrl.models.lora import with_lora_params
 from jrl.parallel import BATCH_AXES
 from jrl.train.logprobs import attention_layout
 from jrl.train.schedules import Schedule
@@ -80,7 +87,7 @@ class StepShardings(NamedTuple):
 
     state: Any  # a TrainState of shardings (its `params` field: the params' shardings)
     batch: Any  # one sharding for every batch field `[M, b, ...]` (rows split over devices)
-    reference: Any  # the reference params' shardings, or None when the step gets none
+    reference: Any  # the reference params' shardings (reference_adapters: the adapters'), or None without
     replicated: Any  # scalars and metrics
 
 
@@ -114,10 +121,15 @@ def join_parts(mask: Any, frozen: Any, trainable: Any) -> Any:
 def _accumulate(model_config: ModelConfig, strategy: Strategy, options: Any, chunk_size: int,
                 params: Any, batch: dict, reference_params: Any, keys: jax.Array,
                 policy_version: jax.Array, with_grads: bool, max_segments: int, mesh: Mesh | None,
-                frozen: Any = None, mask: Any = None, fp8_scales: Any = None):
+                frozen: Any = None, mask: Any = None, fp8_scales: Any = None, reference_adapters: bool = False):
     """Sums (grads of) the loss totals, weights and metrics over the micro-batch axis, and
     takes the maximum of the fp8 amaxes (the gradients of `fp8_scales`; None without).
-    With `mask`, `params` is the trainable part and `frozen` the rest (grads: of `params`)."""
+    With `mask`, `params` is the trainable part and `frozen` the rest (grads: of `params`).
+    `reference_adapters`: `reference_params` are adapter factors, put in place of those of
+    `params` (whose base is the frozen one the run started with)."""
+    if reference_adapters and reference_params is not None:
+        reference_params = with_lora_params(params if mask is None else join_parts(mask, frozen, params),
+                                            reference_params)
 
     def loss_of(p, scales, micro, key):
         ctx = LossContext(rng=key, policy_version=policy_version, reference_params=reference_params,
@@ -179,14 +191,16 @@ def global_norm(tree: Any) -> jax.Array:
 def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
                   optimizer: optax.GradientTransformation, schedule: Schedule, base_lr: float,
                   *, clip_norm: float, chunk_size: int = 0, shardings: StepShardings | None = None,
-                  learning_rates: Callable[[Any], dict] | None = None, trainable: Any = None) -> StepFns:
+                  learning_rates: Callable[[Any], dict] | None = None, trainable: Any = None,
+                  reference_adapters: bool = False) -> StepFns:
     """Jitted update / split update / evaluation for this model, strategy and optimizer
     (placed by `shardings` when given; otherwise wherever their inputs are).
     `learning_rates(opt_state) -> {name: rate}`: the rates an update with that optimizer
     state applies, logged in its metrics (`jrl.train.optim.learning_rates`, which the
     Trainer passes). Without it the step logs `lr = base_lr * schedule(policy_version)`,
     right only for one group at `base_lr` whose optimizer counts every applied update.
-    `trainable`: a mask like the params (`trainable_mask`); None or all True trains every leaf."""
+    `trainable`: a mask like the params (`trainable_mask`); None or all True trains every leaf.
+    `reference_adapters`: the reference params are the initial adapters alone (module docstring)."""
     if trainable is not None and all(jax.tree.leaves(trainable)):
         trainable = None
     mask = trainable
@@ -204,7 +218,7 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         total, weight, metrics, grads, amax = _accumulate(
             model_config, strategy, options, chunk_size, state.params, batch, reference_params,
             _micro_keys(state, n_micro), state.policy_version, with_grads=True, max_segments=max_segments,
-            mesh=mesh, frozen=frozen, mask=mask,
+            mesh=mesh, frozen=frozen, mask=mask, reference_adapters=reference_adapters,
             fp8_scales=None if state.fp8_history is None else delayed_scales(state.fp8_history))
         denom = jnp.maximum(weight, 1e-12)
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -265,7 +279,7 @@ def make_step_fns(model_config: ModelConfig, strategy: Strategy, options: Any,
         total, weight, metrics, _, _ = _accumulate(
             model_config, strategy, options, chunk_size, params, batch, reference_params,
             jax.random.split(rng, n_micro), policy_version, with_grads=False, max_segments=max_segments,
-            mesh=mesh)
+            mesh=mesh, reference_adapters=reference_adapters)
         return total, weight, metrics
 
     # max_segments is static and positional (jit takes no keyword arguments with in_shardings)

@@ -47,12 +47,13 @@ from jrl.data.records import source_label
 from jrl.data.splits import eval_reads_training_records
 from jrl.data.wording import agree, counted
 from jrl.metrics_log import MetricsLog, finite_or_null
+from jrl.models.lora import lora_params
 from jrl.models.transformer import init_fp8_history
 from jrl.parallel import BATCH_AXES, init_sharded_params, param_shardings, with_shardings
 from jrl.train import callbacks as cb
 from jrl.train.flops import attention_span, model_flops_per_token
-from jrl.train.initial import (init_source, load_initial_adapters, load_initial_params, load_run_tokenizer,
-                               lora_alpha_change, run_distributed, run_mesh)
+from jrl.train.initial import (adapters_only, init_source, load_initial_adapters, load_initial_params,
+                               load_run_tokenizer, lora_alpha_change, run_distributed, run_mesh)
 from jrl.train.logprobs import batch_max_segments
 from jrl.train.optim import build_optimizer, learning_rates, param_groups, trainable_groups, trainable_mask
 from jrl.train.run_lock import RunLock, RunLockedError, acquire_for_run
@@ -360,6 +361,9 @@ class Trainer:
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         self.callbacks = self._with_builtin_callbacks(callbacks)
         self.state: TrainState | None = None
+        # the reference policy (strategy.needs_reference): the initial params; with only the
+        # adapters trained (adapters_only) their initial adapters alone, the step putting them
+        # on the live base, which never changes (no second copy of the base on the devices)
         self.reference_params = None
         # `init_from` as the run started from it (jrl.train.initial.init_source), recorded in
         # every checkpoint's meta.json and read back on resume; _pinned: known (set by setup,
@@ -560,13 +564,14 @@ class Trainer:
         seen = checkpoint.all_steps(self.checkpoint_dir)
         existing = seen[-1] if seen else None
         resumed = resume and (existing is not None or resume_from is not None)
+        adapters = adapters_only(c)  # the reference: the initial adapters on the live base
         if resumed:  # a template the restore overwrites: init_from is not read (it may be gone by now)
             params = init_sharded_params(c.model, jax.random.key(c.seed), self.mesh)
         else:  # the step init_from names now, pinned for the run's resumes
             self.init_source, self._pinned = init_source(c), True
             params = load_initial_params(c, self.mesh, self.init_source)
-            if self.strategy.needs_reference:
-                self.reference_params = jax.tree.map(jnp.copy, params)
+            if self.strategy.needs_reference:  # a copy: the trainable leaves are donated by updates
+                self.reference_params = jax.tree.map(jnp.copy, lora_params(params) if adapters else params)
         self.optimizer = build_optimizer(c.optimizer, self.schedule, params)
         self._trainable = trainable_mask(c.optimizer, params)  # frozen leaves get no grads
         present = set(jax.tree.leaves(param_groups(params)))
@@ -575,8 +580,8 @@ class Trainer:
         p_shardings = param_shardings(c.model, self.mesh)
         state, shardings = init_sharded_train_state(params, self.optimizer, jax.random.key(c.seed),
                                                     p_shardings, self.mesh, init_fp8_history(c.model))
-        self._shardings = mesh_step_shardings(self.mesh, shardings,
-                                              p_shardings if self.strategy.needs_reference else None)
+        reference = (lora_params(p_shardings) if adapters else p_shardings) if self.strategy.needs_reference else None
+        self._shardings = mesh_step_shardings(self.mesh, shardings, reference)
         if not resume and not overwrite:
             check_fresh_start(self.checkpoint_dir)
         meta: dict = {}
@@ -593,7 +598,7 @@ class Trainer:
             self.init_source = meta.get("init_source")
         self.state = state  # sources may read the (resumed) state
         if resumed and self.strategy.needs_reference:
-            self.reference_params = self.start_params()
+            self.reference_params = self.start_params(adapters)
         self._make_sources()
         if "data" in meta and hasattr(self.train_source, "load_state_dict"):
             try:
@@ -616,7 +621,8 @@ class Trainer:
         self._fns = make_step_fns(c.model, self.strategy, self.options, self.optimizer, self.schedule,
                                   c.optimizer.lr, clip_norm=c.optimizer.clip_norm, chunk_size=c.lm_head_chunk,
                                   shardings=self._shardings, learning_rates=rates,
-                                  trainable=self._trainable)
+                                  trainable=self._trainable,
+                                  reference_adapters=adapters and self.strategy.needs_reference)
         if self._peak_flops():
             model_flops_per_token(c.model, 0.0, self._frozen_groups)  # counted here (cached), not in a timed step
         if self._fitting and self.stopped_by_signal:  # SIGTERM / SIGINT while fit sets up: stop before it writes

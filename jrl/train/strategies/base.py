@@ -65,7 +65,9 @@ class Strategy:
         source that forgets one fails with the field's name, not inside jit).
     options_cls: frozen dataclass built from `strategy.options` (unknown keys rejected).
     needs_reference: the trainer keeps a frozen copy of the initial params and passes it
-        as `ctx.reference_params` (e.g. DPO without precomputed reference log-probs).
+        as `ctx.reference_params` (e.g. DPO without precomputed reference log-probs); with
+        only LoRA adapters trained it keeps the initial adapters alone, and the step puts
+        them on the live (never changed) base.
     data_formats: the `data.format` values this strategy can train on; empty means the
         strategy brings its own data: its Trainer must be handed a `train_source`
         (e.g. the rollout loop of jrl.rl).
