@@ -200,6 +200,18 @@ def test_a_non_finite_answer_is_refused(tmp_path, literal):
     assert str(e.value) == f"{path}:2: field 'answer' must be a string or a finite number, got {literal}"
 
 
+@pytest.mark.parametrize("blank", ["", "  ", "\n\t"])
+def test_a_blank_answer_is_refused(tmp_path, blank):
+    # before: read as it was; exact_match (which strips both sides) then scored an empty
+    # completion correct, and pass@k counted it
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": blank}])
+    with pytest.raises(ConfigError) as e:
+        read_problems(path, "prompt", "answer")
+    assert str(e.value) == (f"{path}:2: field 'answer' must be a non-empty answer, got {blank!r} (an empty "
+                            "completion would match it; strategy.options.task.answer_field: null when the "
+                            "rewards need no reference answer)")
+
+
 def test_a_key_given_twice_in_a_record_is_refused(tmp_path):
     # before: json.loads kept the last silently, so the problem was scored against '3' though the record also says '2'
     path = tmp_path / "t.jsonl"

@@ -153,6 +153,11 @@ def read_problems(source: str, prompt_field: str, answer_field: str | None, *, s
                 raise ConfigError(f"{where}: field {answer_field!r} must be a string or a finite number, "
                                   f"got {texts[answer_field]}")
             answer = str(texts[answer_field])  # a number as the file writes it (1e-7, not Python's 1e-07)
+            # exact_match strips both sides: a blank answer would score an empty completion correct
+            if not answer.strip():
+                raise ConfigError(f"{where}: field {answer_field!r} must be a non-empty answer, got {value!r} "
+                                  f"(an empty completion would match it; {TASK}answer_field: null when the "
+                                  f"rewards need no reference answer)")
         problems.append(Problem(prompt=prompt, answer=answer, example=dict(record), where=where))
     if not problems:
         raise ConfigError(f"{source}: no records (an empty file?)")
