@@ -865,10 +865,32 @@ def test_the_environment_is_told_which_token_limit_cut_a_turn(engine, tok, im_en
             if c.finish_reason == "length":
                 limit = "max_new_tokens" if len(c.tokens) == 3 else "max_total_tokens"
                 assert truncated == limit and ep.truncation == limit and c is ep.completions[-1]
+            elif len(c.prompt) + len(c.tokens) == prompt_len + 8:  # its stop token filled max_total_tokens
+                assert truncated == "max_total_tokens" == ep.truncation and c is ep.completions[-1]
             else:
                 assert truncated is None
     assert cuts["length"] and cuts["eos"]
     assert {ep.truncation for ep in eps} >= {"max_new_tokens", "max_total_tokens"}
+
+
+def first_turn_filling_max_total_tokens(engine, tok, im_end, make_env):
+    """The max_total_tokens at which the first turn of `make_env()`'s episode (seed 12) ends
+    on its stop token exactly at the limit, and that turn's tokens."""
+    _, (ep,) = run(engine, tok, im_end, [make_env()], seed=12)
+    first = ep.completions[0]
+    assert first.finish_reason == "eos" and len(first.tokens) > 1  # what the test needs of the seed
+    return ep.prompt_len + len(first.tokens), list(first.tokens)
+
+
+def test_a_turn_whose_stop_token_fills_max_total_tokens_ends_the_episode_as_a_cut_turn(engine, tok, im_end):
+    # before: the environment was told nothing (truncated None), as if another turn could follow
+    limit, tokens = first_turn_filling_max_total_tokens(engine, tok, im_end, Recording)
+    env = Recording()
+    _, (ep,) = run(engine, tok, im_end, [env], seed=12, max_total_tokens=limit)
+    assert [(c.finish_reason, list(c.tokens)) for c in ep.completions] == [("eos", tokens)]
+    assert len(ep.tokens) == limit
+    assert env.seen == [({"role": "assistant", "content": ep.messages[1]["content"]}, "max_total_tokens")]
+    assert (ep.done, ep.truncated, ep.truncation, ep.turns) == (True, True, "max_total_tokens", 1)
 
 
 def test_max_tool_calls_truncates(engine, tok, im_end):
@@ -1281,6 +1303,18 @@ def test_the_calls_of_the_last_allowed_turn_do_not_run(engine, tok, im_end):
     assert [(ep.turns, ep.tool_calls, ep.truncation, ep.reward) for ep in eps] == [(2, 1, "max_turns", 0.0)] * 3
     assert _ran == ["ping"] * 3  # the first turns' calls only (before: the second turns' too)
     assert [[m["role"] for m in ep.messages] for ep in eps] == [["user", "assistant", "tool", "assistant"]] * 3
+
+
+def test_the_calls_of_a_turn_whose_stop_token_fills_max_total_tokens_do_not_run(engine, tok, im_end):
+    # before: ToolEnvironment ran them, though no turn had room to read their answers
+    def make_env():
+        return ToolEnvironment(ToolRegistry([ping]), lambda example, text: (1.0, {}), parser=AlwaysPings())
+    limit, _ = first_turn_filling_max_total_tokens(engine, tok, im_end, make_env)
+    _ran.clear()
+    _, (ep,) = run(engine, tok, im_end, [make_env()], seed=12, max_total_tokens=limit)
+    assert _ran == []
+    assert (ep.tool_calls, ep.reward, ep.truncation, [m["role"] for m in ep.messages]) == \
+        (0, 0.0, "max_total_tokens", ["user", "assistant"])
 
 
 def test_episode_options_are_validated():

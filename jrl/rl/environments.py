@@ -15,8 +15,9 @@ answers with the messages that follow it (tool results, a user's reply, ...), a 
 (summed over the episode), whether the episode is over, and an info dict (keys the runner
 reads: `tool_calls`, `tool_errors`, `truncated`; any others are kept). A `step` with a
 parameter named `truncated` is also given, by keyword, the token limit that cut the turn
-(`"max_new_tokens"` or `"max_total_tokens"`; None for a turn that ended on its own): the
-episode ends after that step whatever it returns. Either method may be `async def`: an
+(`"max_new_tokens"` or `"max_total_tokens"`, the latter also for a turn whose stop token is
+the last token `max_total_tokens` allows, which no turn can follow; None for a turn that
+ended on its own with room left): the episode ends after that step whatever it returns. Either method may be `async def`: an
 episode's async calls share one event loop, closed once the episodes' run is over (what
 `reset` starts, a subprocess or a client session, is bound to it). An environment may
 list `tools` (JSON schemas), which the chat template
@@ -29,8 +30,8 @@ to stop what `reset` started (a sandbox). A single-turn task is an environment w
 `ToolEnvironment` is the built-in one: the example's prompt, tools from a `ToolRegistry`,
 each assistant turn's calls (parsed by a `ToolCallParser`) executed and answered with `tool`
 messages; a turn without calls is the final answer, scored by the task's reward. Calls on
-the last allowed turn or on a turn a token limit cut are not run (nothing would read their
-answers): the episode ends there, truncated.
+the last allowed turn or on a turn a token limit cut (or that fills `max_total_tokens`) are
+not run (nothing would read their answers): the episode ends there, truncated.
 
 **Token exactness.** `EpisodeRunner` drives the engine itself. An episode's sequence is the
 first prompt's ids, then per turn the ids the engine sampled (kept as sampled, never
@@ -59,8 +60,9 @@ Ctrl-C) aborts its turns in flight, as `Engine.generate` does its requests.
 
 **Limits** (`EpisodeLimits`): `max_turns` assistant turns, `max_total_tokens` in the
 sequence, `max_new_tokens` per turn, `max_tool_calls` per episode. An episode stopped by
-one is `truncated` (`truncation` names which). A turn cut by a token limit still goes to
-the environment (with the limit as `truncated`, see above), and the episode ends after it.
+one is `truncated` (`truncation` names which). A turn cut by a token limit, or one whose
+stop token is the last token `max_total_tokens` allows, still goes to the environment (with
+the limit as `truncated`, see above), and the episode ends after it.
 """
 
 from __future__ import annotations
@@ -707,6 +709,10 @@ class EpisodeRunner:
         ep.messages.append(message)
         if c.finish_reason == "error":
             return self._end(ep, "engine_error")
-        if c.finish_reason == "length":  # the environment still sees (and scores) the cut turn
-            lv.cut = "max_new_tokens" if len(c.tokens) >= self.limits.max_new_tokens else "max_total_tokens"
+        # a turn a token limit cut, or one whose stop token is the last max_total_tokens allows (no
+        # turn can follow it), ends the episode after its step: the environment still sees (and
+        # scores) the turn, told the limit
+        if c.finish_reason == "length" or len(ep.tokens) >= self.limits.max_total_tokens:
+            cut_short = c.finish_reason == "length" and len(c.tokens) >= self.limits.max_new_tokens
+            lv.cut = "max_new_tokens" if cut_short else "max_total_tokens"
         return message
