@@ -893,6 +893,17 @@ def test_a_turn_whose_stop_token_fills_max_total_tokens_ends_the_episode_as_a_cu
     assert (ep.done, ep.truncated, ep.truncation, ep.turns) == (True, True, "max_total_tokens", 1)
 
 
+def test_a_final_answer_whose_stop_token_fills_max_total_tokens_is_not_truncated(engine, tok, im_end):
+    # the environment takes the turn as the episode's last (done): it ended on its own, within
+    # the limit, so the episode is complete, not cut (before: labelled max_total_tokens)
+    limit, tokens = first_turn_filling_max_total_tokens(engine, tok, im_end, lambda: Recording(turns=1))
+    env = Recording(turns=1)
+    _, (ep,) = run(engine, tok, im_end, [env], seed=12, max_total_tokens=limit)
+    assert [(c.finish_reason, list(c.tokens)) for c in ep.completions] == [("eos", tokens)]
+    assert env.seen[0][1] == "max_total_tokens"  # told no turn can follow
+    assert (ep.done, ep.truncated, ep.truncation, ep.reward) == (True, False, None, 1.0)
+
+
 def test_max_tool_calls_truncates(engine, tok, im_end):
     _, eps = run(engine, tok, im_end, [Scripted(turns=5, calls_per_turn=2) for _ in range(4)], max_tool_calls=3,
                  seed=7)

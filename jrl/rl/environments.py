@@ -62,7 +62,8 @@ Ctrl-C) aborts its turns in flight, as `Engine.generate` does its requests.
 sequence, `max_new_tokens` per turn, `max_tool_calls` per episode. An episode stopped by
 one is `truncated` (`truncation` names which). A turn cut by a token limit, or one whose
 stop token is the last token `max_total_tokens` allows, still goes to the environment (with
-the limit as `truncated`, see above), and the episode ends after it.
+the limit as `truncated`, see above), and the episode ends after it: truncated, except a
+turn that ended on its own which the environment answers `done` (a complete final turn).
 """
 
 from __future__ import annotations
@@ -682,7 +683,10 @@ class EpisodeRunner:
                "max_tool_calls" if ep.tool_calls > self.limits.max_tool_calls else None)
         if cut is not None:  # the episode ends here; the step's messages still close its conversation
             ep.messages += [dict(m) for m in new or []]
-            return self._end(ep, cut)
+            # a turn that ended on its own exactly at max_total_tokens and that the environment
+            # took as the last is a complete episode, not a cut one
+            whole = done and not truncated and ep.completions[-1].finish_reason != "length"
+            return self._end(ep, None if cut == lv.cut and whole else cut)
         assistant, last = ep.messages[-1], ep.completions[-1]
         history = ep.messages[:-1]
         new = [dict(m) for m in new or []]
