@@ -92,6 +92,31 @@ def test_a_validation_file_that_is_all_heldout_is_refused(tmp_path):
         task(tmp_path, train=write_jsonl(tmp_path / "train.jsonl", rows(10)), heldout=held, validation=val)
 
 
+def test_a_prompt_given_twice_in_a_heldout_or_validation_file_is_kept_with_a_warning(tmp_path):
+    # before: silently scored as two problems, so it counted twice in accuracy and pass@k
+    held = write_jsonl(tmp_path / "test.jsonl", rows(3, 100) + rows(1, 100) + rows(1, 102) + rows(1, 100))
+    val = write_jsonl(tmp_path / "val.jsonl", rows(2, 200) + rows(1, 201))
+    with pytest.warns(UserWarning) as caught:
+        t = task(tmp_path, train=write_jsonl(tmp_path / "train.jsonl", rows(10)), heldout=held, validation=val)
+    assert [p.answer for p in t.heldout] == ["100", "101", "102", "100", "102", "100"]
+    assert [p.answer for p in t.validation] == ["200", "201", "201"]
+    assert [str(w.message) for w in caught] == [
+        f"strategy.options.task.heldout: 3 records of {held} repeat the prompt of an earlier one (first: {held}:4, "
+        f"the prompt of {held}:1); they are kept, each scored as a problem of its own (accuracy, pass@k)",
+        f"strategy.options.task.validation: 1 record of {val} repeats the prompt of an earlier one (first: {val}:3, "
+        f"the prompt of {val}:2); it is kept, each scored as a problem of its own (accuracy, pass@k)"]
+
+
+def test_a_prompt_given_twice_in_train_and_set_aside_twice_is_kept_with_a_warning(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", rows(1) + rows(1) + rows(4, 1))
+    with pytest.warns(UserWarning) as caught:
+        t = task(tmp_path, train=train, n_heldout=5, n_validation=0)
+    assert [p.answer for p in t.heldout] == ["0", "0", "1", "3", "4"]  # seeded
+    assert [str(w.message) for w in caught] == [
+        f"strategy.options.task.heldout: 1 record of {train} repeats the prompt of an earlier one (first: {train}:2, "
+        f"the prompt of {train}:1); it is kept, each scored as a problem of its own (accuracy, pass@k)"]
+
+
 def test_without_files_a_seeded_share_of_train_is_set_aside_disjointly(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", rows(20))
     a = task(tmp_path, train=path, n_heldout=5, n_validation=3)

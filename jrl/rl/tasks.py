@@ -183,7 +183,8 @@ class FileTask:
             split = field.removeprefix("n_")
             if path is not None:
                 problems = read_problems(path, c.prompt_field, c.answer_field, seed=c.seed, key=f"{TASK}{split}")
-                return _without_prompts(problems, kept_out, split, path, "a held-out problem")
+                return _warn_repeated_prompts(_without_prompts(problems, kept_out, split, path, "a held-out problem"),
+                                              split, path)
             picked: list[int] = []
             while len(picked) < n and taken < len(train):
                 i = int(order[taken])
@@ -194,7 +195,7 @@ class FileTask:
                 raise ConfigError(f"{TASK}{field}: cannot set aside {n} of the {len(train)} records of {c.train} "
                                   f"and keep some to train on; give a {TASK}{split} file or a smaller {TASK}{field}")
             set_aside.update(picked)
-            return [train[i] for i in sorted(picked)]
+            return _warn_repeated_prompts([train[i] for i in sorted(picked)], split, c.train)
 
         self.heldout = carve(c.heldout, c.n_heldout, "n_heldout", set())
         self.validation = carve(c.validation, c.n_validation, "n_validation", {_prompt_key(p) for p in self.heldout})
@@ -239,6 +240,28 @@ def _without_prompts(problems: list[Problem], kept_out: set[str], split: str, so
                   f"the prompt of {kept_by} (first: {overlap[0].where}); {agree(len(overlap), 'it is', 'they are')} "
                   f"left out of {use}", stacklevel=3)
     return kept
+
+
+def _warn_repeated_prompts(problems: list[Problem], split: str, source: str) -> list[Problem]:
+    """`problems` (of the held-out or validation `split`, read from `source`) as they are, with
+    a warning that counts the records whose prompt an earlier one of the split has: each is
+    scored as a problem of its own, so the prompt counts more than once in accuracy and
+    pass@k. They are kept (a file may repeat a prompt on purpose, to weight it)."""
+    first: dict[str, Problem] = {}
+    repeats: list[tuple[Problem, Problem]] = []  # (the record, the earlier one with its prompt)
+    for p in problems:
+        key = _prompt_key(p)
+        if key in first:
+            repeats.append((p, first[key]))
+        else:
+            first[key] = p
+    if repeats:
+        n = len(repeats)
+        warnings.warn(f"{TASK}{split}: {counted(n, 'record')} of {source} {agree(n, 'repeats', 'repeat')} the prompt "
+                      f"of an earlier one (first: {repeats[0][0].where}, the prompt of {repeats[0][1].where}); "
+                      f"{agree(n, 'it is', 'they are')} kept, each scored as a problem of its own (accuracy, pass@k)",
+                      stacklevel=3)
+    return problems
 
 
 SPLITS = ("train", "heldout", "validation")
