@@ -322,6 +322,11 @@ class LoraConfig:
                        f"for adapters, or leave {f.name} at its default ({default!r})")
         for i, target in enumerate(self.targets):
             _check_choice(target, LoraTarget, f"{prefix}.targets[{i}]")
+            # a projection carries one adapter: a name given twice is a slip (meant another
+            # projection?), and a list compared with a checkpoint's would differ for nothing
+            if target in self.targets[:i]:
+                _check(False, f"{prefix}.targets[{i}]", f"{target!r} is named twice (also at index "
+                       f"{self.targets.index(target)}); name each projection once")
         if self.dtype is not None:
             _check_choice(self.dtype, DType, f"{prefix}.dtype")
 

@@ -120,6 +120,8 @@ def test_from_dict_rejects_unknown_keys_by_full_name(data, field):
     ({"hidden_size": "64"}, "model.hidden_size: must be an integer, got '64'"),
     ({"qk_norm": 1}, "model.qk_norm: must be true or false"),
     ({"lora": {"targets": ["q", "qkv"]}}, r"model.lora.targets\[1\]: must be one of"),
+    ({"lora": {"rank": 2, "targets": ["q", "v", "o", "v"]}},
+     r"model.lora.targets\[3\]: 'v' is named twice \(also at index 1\)"),
     ({"rope_scaling": 2.0}, "model.rope_scaling: must be a mapping"),
     ({"dtype": "float64"}, "model.dtype: must be one of"),
 ])
@@ -167,6 +169,8 @@ INVALID = [
     ({"lora": LoraConfig(rank=4, alpha=0.0)}, "lora.alpha: must be finite and > 0, got 0.0"),
     ({"lora": LoraConfig(rank=4, targets=())}, "lora.targets: must name at least one projection"),
     ({"lora": LoraConfig(rank=4, targets=("q", "proj"))}, r"lora.targets\[1\]: must be one of"),
+    ({"lora": LoraConfig(rank=4, targets=("q", "q", "v"))},
+     r"lora.targets\[1\]: 'q' is named twice \(also at index 0\); name each projection once$"),
     ({"attention": "mla", "kv_lora_rank": 0}, "kv_lora_rank: must be > 0 for MLA"),
     ({"attention": "mla", "v_head_dim": 0}, "v_head_dim: must be > 0 for MLA"),
     ({"attention": "mla", "qk_rope_head_dim": 5}, "qk_rope_head_dim: must be even"),
