@@ -302,7 +302,7 @@ def test_a_dry_run_checks_the_engine_settings_against_the_model(capsys):
 
 
 def test_a_dry_run_prints_the_record_count_of_each_rl_task_split(tmp_path, capsys):
-    (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n' * 2)
+    (tmp_path / "test.jsonl").write_text('{"prompt": "ab>", "answer": "ba"}\n{"prompt": "cd>", "answer": "dc"}\n')
     assert _rl_dry_run(f"strategy.options.task.heldout={tmp_path / 'test.jsonl'}") == 0
     out = capsys.readouterr().out
     assert f", heldout 2 records ({tmp_path / 'test.jsonl'}), validation 200 records (set aside from bundled:reverse)\n" in out
