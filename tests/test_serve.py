@@ -1093,6 +1093,18 @@ def test_a_kv_pool_that_cannot_fit_is_a_startup_error_naming_the_flag(hf_dirs):
         engine_config(served, default, free // 20)  # 5 pages
 
 
+def test_an_n_pages_below_one_request_of_max_seq_len_is_a_startup_error_naming_the_flag(hf_dirs):
+    # 4 pages of 16 hold 64 tokens: a chat request without max_tokens (the rest of the 128-token
+    # context) would be refused for a max_tokens the client never sent, and max_model_len would lie
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    small = build_parser().parse_args(["--max-batch", "4", "--max-seq-len", "128", "--n-pages", "4"])
+    with pytest.raises(ConfigError, match=r"^--n-pages: 4 KV pages of 16 tokens hold 64 tokens; one request of "
+                                          r"--max-seq-len 128 needs 8 pages: raise --n-pages or lower --max-seq-len$"):
+        engine_config(served, small)
+    enough = build_parser().parse_args(["--max-batch", "4", "--max-seq-len", "128", "--n-pages", "8"])
+    assert engine_config(served, enough).n_pages == 8
+
+
 def test_a_jrl_checkpoint_serves_with_its_run_config_tokenizer_and_version(tmp_path):
     run = tmp_path / "myrun"
     model = {**MODEL, "vocab_size": 262}  # the byte tokenizer's vocabulary

@@ -187,7 +187,21 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         overrides["max_tokens_per_step"] = args.max_tokens_per_step
     config = engine_config_for_workload(max_seq_len, args.max_batch,
                                         **{"page_size": args.page_size, "seed": args.seed, **overrides})
+    if "n_pages" in overrides:
+        check_holds_one_request(config, served.model_config)
     return fit_pool(config, served.model_config, free_memory, chosen="n_pages" in overrides)
+
+
+def check_holds_one_request(config: EngineConfig, model: ModelConfig) -> None:
+    """A ConfigError naming --n-pages for a pool that cannot hold one request of
+    max_seq_len: every chat request sent without max_tokens (the rest of the context) would
+    be refused, blaming a max_tokens the client never sent, and /v1/models' max_model_len
+    would promise a context no request can reach."""
+    one = config.max_pages_per_request(model)
+    if config.n_pages < one:
+        raise ConfigError(f"--n-pages: {config.n_pages} KV pages of {config.page_size} tokens hold "
+                          f"{config.n_pages * config.page_size} tokens; one request of --max-seq-len "
+                          f"{config.seq_len_limit(model)} needs {one} pages: raise --n-pages or lower --max-seq-len")
 
 
 def fit_pool(config: EngineConfig, model: ModelConfig, free_memory: int | None, *, chosen: bool) -> EngineConfig:
