@@ -654,6 +654,26 @@ def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_threa
     assert live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1}).status_code == 200
 
 
+def test_a_server_bug_in_a_stream_is_an_error_event_and_the_stream_ends(live_in_thread, monkeypatch):
+    # the choice's task died with the exception and the stream waited for it forever (the
+    # client until its timeout: the openai client's is 10 minutes)
+    def broken(*args, **kwargs):
+        raise RuntimeError("decode exploded")
+
+    monkeypatch.setattr(live_in_thread.server.tokenizer, "decode", broken)
+    with live_in_thread.http.stream("POST", "/v1/completions", json={**COMP, "max_tokens": 3, "stream": True},
+                                    timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200
+    assert [json.loads(line.removeprefix("data: ")) for line in lines[:-1]] == [
+        {"error": {"message": "internal server error: RuntimeError: decode exploded", "type": "server_error",
+                   "param": None, "code": None}}]
+    assert lines[-1] == "data: [DONE]"
+    monkeypatch.undo()
+    assert live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1}).status_code == 200
+    settle(live_in_thread)
+
+
 class BlockingEncode:
     """The server's tokenizer's `encode`, held at a text holding "BLOCK" until `release`
     is set (`entered` says it got there): a large prompt being tokenized, for as long as a

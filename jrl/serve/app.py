@@ -606,6 +606,10 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
                 await out.put(chunk(c, text, [], finish, calls=calls))
             except ServeError as e:
                 await out.put(e)
+            except Exception as e:  # noqa: BLE001 - a bug: the stream must still end (it waited for this choice)
+                log.exception("internal error in a streamed choice")
+                await out.put(ServeError(f"internal server error: {type(e).__name__}: {e}", status=500,
+                                         type="server_error"))
 
         tasks = []
         try:
