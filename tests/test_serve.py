@@ -983,6 +983,13 @@ def test_a_port_in_use_exits_2_naming_the_flag_before_the_model_loads(tmp_path, 
                                        f"already in use); another server there? pick another --port\n")
 
 
+def test_a_port_out_of_range_exits_2_naming_the_flag(tmp_path, capsys):
+    # bind() raises OverflowError, not OSError: it was a traceback and exit status 1
+    assert main(["--model", f"hf:{tmp_path / 'missing'}", "--port", "70000"]) == 2
+    assert capsys.readouterr().err == ("config error: --host / --port: cannot listen on 127.0.0.1:70000 (bind(): port "
+                                       "must be 0-65535.); pick a port in 0-65535\n")
+
+
 def test_a_killed_engine_process_fails_its_requests_with_503_and_health_says_so(hf_dirs):
     for live in serve(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME, "--no-warmup", *ENGINE_FLAGS]):
         pid = live.server.engine.pid

@@ -152,6 +152,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"--host / --port: cannot listen on {host}:{port} ({e.strerror or e}); another server "
                           f"there? pick another --port") from None
+    except OverflowError as e:  # a port outside 0-65535
+        sock.close()
+        raise ConfigError(f"--host / --port: cannot listen on {host}:{port} ({e}); pick a port in 0-65535") from None
     return sock
 
 
