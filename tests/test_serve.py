@@ -1027,6 +1027,20 @@ with ServerThread(server, app) as thread:
     assert out.stdout.splitlines()[-1] == "3 None []"
 
 
+def test_a_max_request_mb_that_admits_no_body_is_a_startup_error_naming_the_flag(hf_dirs):
+    # 0 (or less) started a server that answered every request with a 413
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    with pytest.raises(ConfigError, match=r"^--max-request-mb: must be > 0 MiB, got 0.0$"):
+        engine_config(served, build_parser().parse_args(["--max-request-mb", "0"]))
+
+
+def test_a_negative_shutdown_timeout_is_a_startup_error_naming_the_flag(hf_dirs):
+    # -1 started a server whose shutdown killed the engine process at once ("did not stop within -1 s")
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    with pytest.raises(ConfigError, match=r"^--shutdown-timeout: must be >= 0 seconds, got -1.0$"):
+        engine_config(served, build_parser().parse_args(["--shutdown-timeout", "-1"]))
+
+
 def test_bench_serve_tiny(tmp_path, hf_dirs):
     path = tmp_path / "rows.jsonl"
     assert bench(["serve", "--tiny", "--json", str(path), "--model", f"hf:{hf_dirs[0]}", "--concurrency", "1,4",

@@ -177,6 +177,10 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         raise ConfigError(f"--max-queue: must be >= 0, got {args.max_queue}")
     if not args.timeout_keep_alive > 0:
         raise ConfigError(f"--timeout-keep-alive: must be > 0 seconds, got {args.timeout_keep_alive}")
+    if not args.max_request_mb > 0:  # else every request is a 413
+        raise ConfigError(f"--max-request-mb: must be > 0 MiB, got {args.max_request_mb}")
+    if not args.shutdown_timeout >= 0:
+        raise ConfigError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
     if extra.get("on_weight_update", "finish") != "finish":
         raise ConfigError("--engine: on_weight_update must be 'finish' for serving (tokens already streamed "
                           "are never taken back)")
