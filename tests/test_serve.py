@@ -1115,6 +1115,13 @@ def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):
     assert engine_config(served, args, 10 * free).n_pages == 256  # fits: as sized
 
 
+def test_a_max_seq_len_of_0_is_a_startup_error_not_the_models_default(hf_dirs):
+    # `--max-seq-len 0` was read as "not given": the server quietly served the model's 128
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    with pytest.raises(ConfigError, match=r"^--max-seq-len: must be >= 1, got 0$"):
+        engine_config(served, build_parser().parse_args(["--max-seq-len", "0"]))
+
+
 def test_an_fp8_kv_cache_gets_32_token_pages_unless_the_page_size_is_given(hf_dirs):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
     fp8 = ["--max-batch", "4", "--max-seq-len", "128", "--engine", '{"kv_dtype": "float8_e4m3fn"}']

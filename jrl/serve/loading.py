@@ -167,7 +167,9 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
     if not isinstance(extra, dict):
         raise ConfigError(f"--engine: must be a JSON object of EngineConfig fields, got {args.engine!r}")
     max_pos = served.model_config.max_position_embeddings
-    max_seq_len = args.max_seq_len or min(max_pos, 4096)
+    max_seq_len = args.max_seq_len if args.max_seq_len is not None else min(max_pos, 4096)
+    if max_seq_len < 1:
+        raise ConfigError(f"--max-seq-len: must be >= 1, got {max_seq_len}")
     if max_seq_len > max_pos:
         raise ConfigError(f"--max-seq-len: must be <= the model's max_position_embeddings ({max_pos}), "
                           f"got {max_seq_len}")
