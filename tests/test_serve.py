@@ -860,6 +860,20 @@ def test_weights_admin_updates_the_served_version(live, hf_dirs):
     assert back.status_code == 400 and back.json()["error"]["param"] == "version"  # versions never go back
 
 
+def test_a_weights_version_beyond_int64_is_a_400_naming_version_and_the_server_goes_on(live, hf_dirs):
+    # it was accepted, and every request after it failed in the engine step (its completion
+    # records versions as int64: OverflowError), until the engine loop gave up
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = live.http.post("/v1/weights", json={"checkpoint": f"hf:{hf_dirs[1]}", "version": 2**63}, headers=auth)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "version: must be below 2**63 (completions record versions as int64), "
+                                            "got 9223372036854775808", "type": "invalid_request_error",
+                                 "param": "version", "code": None}
+    ok = live.http.post("/v1/completions", json={**COMP, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["jrl"]["policy_version"] == live.server.engine.version < 2**63
+
+
 def test_weights_endpoint_is_off_without_a_token(hf_dirs):
     _, app = build(build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--engine-in-process", "--no-warmup",
                                               *ENGINE_FLAGS]))

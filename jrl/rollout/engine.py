@@ -1063,10 +1063,14 @@ def _check_finite(params: dict, action: str) -> None:
 
 
 def _checked_version(version) -> int:
-    """`version` as an int: a Python or numpy integer; bools, floats and strings are refused
-    (a float would otherwise be truncated to another version)."""
+    """`version` as an int: a Python or numpy integer below 2**63; bools, floats and strings
+    are refused (a float would otherwise be truncated to another version), and so is a
+    larger one, which every completion's int64 `versions` would fail to hold (each step
+    that finished a request raised)."""
     if not isinstance(version, (int, np.integer)) or isinstance(version, bool):
         raise ValueError(f"version: must be an integer, got {version!r}")
+    if int(version) >= 2**63:
+        raise ValueError(f"version: must be below 2**63 (completions record versions as int64), got {version}")
     return int(version)
 
 
