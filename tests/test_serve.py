@@ -1227,6 +1227,15 @@ def test_text_stream_holds_back_possible_stop_strings_and_whole_characters():
     assert s.emit(final=True) == "ab" and s.stopped and not s.cut
 
 
+def test_a_stop_string_completed_by_the_flush_at_an_end_of_turn_token_cuts_the_text():
+    # an end-of-turn token after an incomplete character flushes it (as U+FFFD); the stop
+    # strings were not looked for in that flush, as they are in the one at max_tokens (finish)
+    tok = ByteTokenizer()
+    s = TextStream(tok, stop=["\ufffd"], skip_ids=[tok.eos_id])
+    s.add(tok.encode("ok") + tok.encode("é")[:1] + [tok.eos_id])
+    assert (s.emit(final=True), s.cut, s.stopped) == ("ok", True, True)
+
+
 def write_byte_fallback_tokenizer(path: Path) -> Path:
     """A SentencePiece-style (Llama 2) tokenizer: `▁` pieces, byte pieces `<0xNN>` for what
     the vocabulary lacks, and Llama's decoder, which decodes a run of byte pieces together

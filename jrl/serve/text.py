@@ -48,8 +48,8 @@ class TextStream:
                 return
             tok = int(tok)
             if tok in self.skip_ids:
+                self._flush_pending()  # before `stopped`: a stop string may end in the flushed text
                 self.stopped = True
-                self._flush_pending()
                 return
             self.ids.append(tok)
             self.offsets.append(len(self.text))
