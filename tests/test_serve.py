@@ -1462,6 +1462,25 @@ def test_a_request_field_the_server_does_not_read_is_logged_once_by_name(live_in
         "its default)"]
 
 
+def test_ignored_request_fields_are_logged_for_the_first_64_names_only(live_in_thread, monkeypatch, caplog):
+    # one 8 MB body of distinct unknown field names wrote a log line for each (20,000 lines
+    # for a 300 KB request), and the set of names seen grew with every such request
+    server = live_in_thread.server
+    monkeypatch.setattr(server, "ignored_seen", set())
+    monkeypatch.setattr(server, "ignored_muted", False)
+    fields = {f"x{i:03d}": 1 for i in range(100)}
+    with caplog.at_level("WARNING", logger="jrl.serve"):
+        for _ in range(2):
+            r = live_in_thread.http.post("/v1/completions", json={**COMP, "max_tokens": 1, **fields})
+            assert r.status_code == 200, r.text
+    assert [m for m in caplog.messages if "is not one this server reads" in m] == [
+        f"request field 'x{i:03d}' is not one this server reads; ignored (a misspelt sampling parameter takes its "
+        "default)" for i in range(64)]
+    assert [m for m in caplog.messages if "64" in m] == [
+        "request fields this server does not read: 64 names logged; further ones are ignored without a log line"]
+    assert len(server.ignored_seen) == 64
+
+
 def test_help_names_the_address_the_server_listens_on():
     # the README's base_url (http://127.0.0.1:8000/v1) relies on these defaults, which --help did not show
     text = " ".join(build_parser().format_help().split())

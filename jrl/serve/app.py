@@ -55,6 +55,10 @@ OFFLOAD_BYTES = 8 * 2**10
 OFFLOAD_TOKENS = 512
 OFFLOAD_THREADS = min(4, os.cpu_count() or 1)
 
+# Distinct ignored request field names logged (each once); then one line says the rest are
+# not: a body of thousands of made-up names wrote a line for each, and kept them all.
+MAX_IGNORED_LOGGED = 64
+
 # A request ready for the engine: its body, its prompts' token ids, max_tokens (one, or one
 # per prompt) and its stop strings.
 Prepared = tuple[Any, list[np.ndarray], "int | list[int]", list[str]]
@@ -80,6 +84,7 @@ class Server:
         self.weights_lock = asyncio.Lock()
         self.created = int(time.time())
         self.ignored_seen: set[str] = set()  # request fields already logged as ignored
+        self.ignored_muted = False  # MAX_IGNORED_LOGGED names logged: no more
         self._ignored_lock = threading.Lock()  # requests are prepared on several threads
         self.handles: weakref.WeakSet[Handle] = weakref.WeakSet()  # engine requests of the requests in flight
         self.offload_bytes, self.offload_tokens = OFFLOAD_BYTES, OFFLOAD_TOKENS
@@ -148,10 +153,16 @@ class Server:
                              param="model", code="model_not_found")
 
     def note_ignored_fields(self, body: _Common) -> None:
-        """Logs each request field this server does not read, once per name."""
+        """Logs each request field this server does not read, once per name, for the first
+        MAX_IGNORED_LOGGED names."""
         for name in body.ignored_fields():
             with self._ignored_lock:
-                if name in self.ignored_seen:
+                if self.ignored_muted or name in self.ignored_seen:
+                    continue
+                if len(self.ignored_seen) >= MAX_IGNORED_LOGGED:
+                    self.ignored_muted = True
+                    log.warning("request fields this server does not read: %d names logged; further ones are "
+                                "ignored without a log line", MAX_IGNORED_LOGGED)
                     continue
                 self.ignored_seen.add(name)
                 log.warning("request field %r is not one this server reads; ignored (a misspelt sampling "
