@@ -639,6 +639,18 @@ def test_a_body_that_is_not_utf8_is_a_400_saying_so(live):
     assert body.index(b"\xe9") == 37
 
 
+@pytest.mark.parametrize("depth", [3_000, 100_000], ids=["small body", "large body, on the pool"])
+def test_a_body_nested_too_deeply_is_a_400_saying_so(live, depth):
+    # json.loads' RecursionError was answered "There was an error parsing the body"
+    body = b'{"model": "%s", "prompt": "hi", "user": %s%s}' % (NAME.encode(), b"[" * depth, b"]" * depth)
+    assert (len(body) > live.server.offload_bytes) == (depth > 3_000)
+    r = live.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"].startswith("the body is nested too deeply to parse (maximum recursion depth exceeded")
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, None)
+
+
 @pytest.mark.parametrize("large", [False, True], ids=["small body", "large body, on the pool"])
 def test_a_server_bug_is_a_500_error_object_and_the_server_goes_on(live_in_thread, monkeypatch, large):
     def broken(*args, **kwargs):

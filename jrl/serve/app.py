@@ -440,6 +440,8 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
             return _error_response(ServeError(
                 f"the body is not valid UTF-8 JSON: byte{'s' if len(bad) > 1 else ''} "
                 f"{' '.join(f'0x{b:02x}' for b in bad)} at offset {cause.start} ({cause.reason})"))
+        if isinstance(cause, RecursionError):  # json.loads of arrays / objects nested thousands deep
+            return _error_response(ServeError(f"the body is nested too deeply to parse ({cause})"))
         return JSONResponse(error_body(str(e.detail), type="invalid_request_error"), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
