@@ -402,6 +402,7 @@ BAD = [
     ("seed negative", "/v1/completions", {**COMP, "seed": -1}, "seed"),
     ("n 0", "/v1/completions", {**COMP, "n": 0}, "n"),
     ("n beyond the capacity", "/v1/completions", {**COMP, "n": 65}, "n"),
+    ("prompts beyond the capacity", "/v1/completions", {**COMP, "prompt": ["hi"] * 65}, "prompt"),
     ("out-of-vocabulary ids", "/v1/completions", {**COMP, "prompt": [1, 2, 320]}, "prompt"),
     ("negative ids", "/v1/completions", {**COMP, "prompt": [[3], [-1]]}, "prompt"),
     ("ids beyond int64", "/v1/completions", {**COMP, "prompt": [3, 2**70]}, "prompt"),

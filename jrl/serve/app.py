@@ -506,8 +506,9 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
     async def _generate(request: Request, body, prompts: list[np.ndarray], limit, stop: list[str], *, chat: bool):
         n = body.n
         if n * len(prompts) > server.capacity:
-            raise ServeError(f"n: {n} choices x {len(prompts)} prompt(s) exceed what the server admits at once "
-                             f"({server.capacity} = max_batch + max_queue)", param="n")
+            field = "n" if n > 1 else "prompt"  # one choice each: the prompts are too many
+            raise ServeError(f"{field}: {n} choices x {len(prompts)} prompt(s) exceed what the server admits at once "
+                             f"({server.capacity} = max_batch + max_queue)", param=field)
         eos_ids = [] if body.ignore_eos else server.eos_ids
         samplings = [server.sampling(body, k) for k in range(n * len(prompts))]  # validated before anything runs
         server.admit(n * len(prompts))
