@@ -1563,6 +1563,14 @@ def test_a_tool_choice_that_is_no_choice_is_a_400_naming_it(live):
                                  "param": "tool_choice", "code": None}
 
 
+def test_a_tool_choice_neither_a_string_nor_an_object_is_named_as_tool_choice(live):
+    # the union's own error named its first member: "tool_choice.str: Input should be a valid string"
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "tool_choice": 5})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "tool_choice: must be 'auto', 'none' or a tool choice object, got 5",
+                                 "type": "invalid_request_error", "param": "tool_choice", "code": None}
+
+
 @pytest.mark.parametrize("part,got", [({"type": "text"}, "none"), ({"type": "text", "text": 5}, "5")],
                          ids=["missing", "a number"])
 def test_a_text_part_without_a_string_text_is_a_400_saying_so(live, part, got):

@@ -151,6 +151,15 @@ class ChatCompletionRequest(_Common):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (e.g. enable_thinking)
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_type(cls, value: Any) -> Any:
+        """One message naming `tool_choice` (the union's own errors name `tool_choice.str`
+        and `tool_choice.dict[str,any]`, and a client saw the first)."""
+        if value is None or isinstance(value, (str, dict)):
+            return value
+        raise PydanticCustomError("tool_choice_type", "must be 'auto', 'none' or a tool choice object")
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:  # OpenAI's API refuses it too
