@@ -1149,6 +1149,13 @@ def test_a_max_seq_len_of_0_is_a_startup_error_not_the_models_default(hf_dirs):
         engine_config(served, build_parser().parse_args(["--max-seq-len", "0"]))
 
 
+def test_max_seq_len_in_the_engine_json_is_a_config_error_naming_its_flag(hf_dirs):
+    # it reached engine_config_for_workload twice: a TypeError traceback and exit status 1
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    with pytest.raises(ConfigError, match=r"^--engine: max_seq_len is set with --max-seq-len \(--max-seq-len 64\)$"):
+        engine_config(served, build_parser().parse_args(["--engine", '{"max_seq_len": 64}']))
+
+
 def test_an_fp8_kv_cache_gets_32_token_pages_unless_the_page_size_is_given(hf_dirs):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
     fp8 = ["--max-batch", "4", "--max-seq-len", "128", "--engine", '{"kv_dtype": "float8_e4m3fn"}']

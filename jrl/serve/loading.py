@@ -183,6 +183,8 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         raise ConfigError(f"--max-request-mb: must be > 0 MiB, got {args.max_request_mb}")
     if not args.shutdown_timeout >= 0:
         raise ConfigError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
+    if "max_seq_len" in extra:  # engine_config_for_workload takes it from the flag
+        raise ConfigError(f"--engine: max_seq_len is set with --max-seq-len (--max-seq-len {extra['max_seq_len']})")
     if extra.get("on_weight_update", "finish") != "finish":
         raise ConfigError("--engine: on_weight_update must be 'finish' for serving (tokens already streamed "
                           "are never taken back)")
