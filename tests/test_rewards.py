@@ -215,3 +215,11 @@ def test_weighted_rewards_that_overflow_float32_are_an_error(tmp_path, monkeypat
     model = RewardModel([RewardSpec("big_rewards_mod:big", 1e20)])
     with pytest.raises(ValueError, match=r"the weighted sum overflows float32 on sample 0 \(terms big=1e\+30\); scale the weights down"):
         model(["p"], ["c"], ["a"])
+
+
+def test_a_weight_beyond_float32_is_refused_with_the_config():
+    # it passed as finite, became inf in float32 and stopped the run at its first reward, after a warm start
+    with pytest.raises(ConfigError) as e:
+        RewardModel([RewardSpec("exact_match"), RewardSpec("format_check", 1e39, {"pattern": "[0-9]+"})])
+    assert str(e.value) == ("rewards[1].weight: must be a number within float32's range (|v| <= 3.4e+38), "
+                            "got 1e+39")

@@ -195,8 +195,10 @@ class RewardModel:
         self.names: list[str] = []
         self._fns: list[RewardFn] = []
         for i, spec in enumerate(self.specs):
-            if not math.isfinite(spec.weight):
-                raise ConfigError(f"{field}[{i}].weight: must be a finite number, got {spec.weight}")
+            # kept in float32 with the rewards: a weight beyond its range is inf there, every sum inf or NaN
+            requirement = reward_requirement(spec.weight)
+            if requirement is not None:
+                raise ConfigError(f"{field}[{i}].weight: must be {requirement}, got {spec.weight}")
             if not isinstance(spec.kwargs, dict):
                 raise ConfigError(f"{field}[{i}].kwargs: must be a mapping, got {spec.kwargs!r}")
             fn = resolve_reward(spec.fn, f"{field}[{i}].fn")
