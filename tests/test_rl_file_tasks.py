@@ -324,6 +324,19 @@ def test_a_prompt_role_the_chat_template_rejects_is_named_by_its_file_line(tmp_p
                             f"role developer; allowed: system, user, assistant, tool")
 
 
+def test_a_chat_template_that_fails_on_a_prompt_is_named_by_its_file_line(tmp_path):
+    # before: jinja's UndefinedError escaped as a traceback naming neither the record nor the template
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['name'] + '\\n' + m['content'] }}"
+                "{% endfor %}")
+    tok = load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok", template=template)))
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user", "content": "2+3?"}], "answer": "5"}])
+    (p,) = read_problems(path, "prompt", "answer")
+    with pytest.raises(ConfigError) as e:
+        PromptFormat(tok).encode(p)
+    assert str(e.value) == (f"{path}:1: the chat template cannot render the prompt: UndefinedError: 'dict object' "
+                            f"has no attribute 'name'")
+
+
 def test_chat_template_true_wraps_a_text_prompt_as_a_user_turn(chat_tok):
     (p,) = read_problems("bundled:arithmetic:1", "prompt", "answer")
     text = PromptFormat(chat_tok, chat_template=True).render(p)

@@ -131,6 +131,9 @@ class PromptFormat:
                                                       **({"tools": list(tools)} if tools else {}))
         except ChatTemplateError as e:  # e.g. a role the template does not know: name the record
             raise ConfigError(f"{problem.where}: the chat template cannot render the prompt: {e}") from None
+        except Exception as e:  # the template's own failure (jinja's UndefinedError, a syntax error, ...)
+            raise ConfigError(f"{problem.where}: the chat template cannot render the prompt: "
+                              f"{type(e).__name__}: {e}") from None
 
     def encode(self, problem: Problem) -> np.ndarray:
         """int32 prompt ids (no special tokens beyond those the template writes)."""
