@@ -114,6 +114,19 @@ def test_an_unknown_math_answer_strategy_is_refused_with_the_config():
                             "'last_number'], got ['boxed', 'last']")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rel_tol": -1}, "rel_tol: must be a number >= 0, got -1"),
+    ({"rel_tol": "tight"}, "rel_tol: must be a number >= 0, got 'tight'"),
+    ({"timeout_s": 0}, "timeout_s: must be a finite number > 0, got 0"),
+    ({"timeout_s": float("inf")}, "timeout_s: must be a finite number > 0, got inf"),
+])
+def test_a_math_answer_tolerance_or_timeout_that_fails_every_call_is_refused_with_the_config(kwargs, message):
+    # it failed at the first completion holding a number, after the warm start had trained (inf: an OverflowError)
+    with pytest.raises(ConfigError) as e:
+        RewardModel([RewardSpec("exact_match"), RewardSpec("math_answer", 1.0, kwargs)])
+    assert str(e.value) == f"rewards[1].kwargs.{message}"
+
+
 def test_config_parsing_rejects_unknown_keys_and_bad_weights():
     with pytest.raises(ConfigError, match=r"rewards\[0\]: unknown key\(s\) \['wieght'\]"):
         reward_specs_from_config([{"fn": "exact_match", "wieght": 1}])

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
+import numbers
 import os
 import re
 import select
@@ -314,14 +316,22 @@ _CHECKER = _SymbolicChecker()
 
 # ---------------------------------------------------------------------------- public API
 
+def check_limits(rel_tol: float, timeout_s: float) -> None:
+    """ValueError naming the argument unless `rel_tol` is a number >= 0 and `timeout_s` a
+    finite number > 0 (the longest wait for the worker: an infinite one overflows select)."""
+    if isinstance(rel_tol, bool) or not isinstance(rel_tol, numbers.Real) or not rel_tol >= 0:
+        raise ValueError(f"rel_tol: must be a number >= 0, got {rel_tol!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s: must be a finite number > 0, got {timeout_s!r}")
+
+
 def answers_equivalent(predicted: str, reference: str, *, rel_tol: float = 1e-6,
                        timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Whether `predicted` and `reference` denote the same answer (see the module doc for
     the normalisation rules). Never raises for odd input: answers that are identical after
     normalisation match; otherwise unparsable, over-long (> MAX_ANSWER_CHARS) or too slow
     (> `timeout_s`) comparisons are not equivalent."""
-    if not (rel_tol >= 0 and timeout_s > 0):
-        raise ValueError(f"rel_tol must be >= 0 and timeout_s > 0, got {rel_tol}, {timeout_s}")
+    check_limits(rel_tol, timeout_s)
     p, r = _normalise(predicted), _normalise(reference)
     if not p or not r:
         return False

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jrl.config import ConfigError, key_names, resolve_named
-from jrl.rl.math_answer import STRATEGIES, check_order, math_answer
+from jrl.rl.math_answer import DEFAULT_TIMEOUT_S, STRATEGIES, check_limits, check_order, math_answer
 
 RewardFn = Callable[..., float]
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are kept in float32
@@ -166,8 +166,9 @@ def check_signature(fn: RewardFn, kwargs: dict[str, Any], field: str) -> None:
 
 def check_builtin_kwargs(fn: RewardFn, kwargs: dict[str, Any], field: str) -> None:
     """Raises ConfigError naming `field` for a built-in's kwarg that would fail on every
-    call (a regex that does not compile, an unknown math_answer strategy), so the config is
-    refused before any work instead of the run failing at its first reward."""
+    call (a regex that does not compile, an unknown math_answer strategy, a math_answer
+    `rel_tol` below 0 or `timeout_s` not a finite number > 0), so the config is refused
+    before any work instead of the run failing at its first reward."""
     if fn in (exact_match, format_check) and kwargs.get("pattern") is not None:
         try:
             re.compile(kwargs["pattern"])
@@ -182,6 +183,11 @@ def check_builtin_kwargs(fn: RewardFn, kwargs: dict[str, Any], field: str) -> No
         except TypeError:
             raise ConfigError(f"{field}.order: must be a list of {list(STRATEGIES)}, "
                               f"got {kwargs['order']!r}") from None
+    if fn is math_answer and ("rel_tol" in kwargs or "timeout_s" in kwargs):
+        try:
+            check_limits(kwargs.get("rel_tol", 0.0), kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
+        except ValueError as e:  # "timeout_s: must be a finite number > 0, got inf"
+            raise ConfigError(f"{field}.{e}") from None
 
 
 class RewardModel:
