@@ -157,6 +157,18 @@ def test_an_async_or_generator_reward_is_refused_with_the_config(tmp_path, monke
                             f"number; a reward must be a plain function returning one")
 
 
+def test_a_callable_instance_with_an_async_call_is_refused_with_the_config(tmp_path, monkeypatch):
+    # a class-based reward (an LLM judge holding an async client) passed and failed at the first
+    # sample, got <coroutine object Judge.__call__ at 0x...>, after the warm start had trained
+    user_module(tmp_path, monkeypatch, "judge_rewards_mod", "class Judge:\n"
+                                                            "    async def __call__(self, prompt, completion, answer):\n"
+                                                            "        return 1.0\n\njudge = Judge()\n")
+    with pytest.raises(ConfigError) as e:
+        RewardModel([RewardSpec("judge_rewards_mod:judge")])
+    assert str(e.value) == ("rewards[0].fn: 'judge_rewards_mod:judge' is an async function, whose calls return no "
+                            "number; a reward must be a plain function returning one")
+
+
 def test_a_reward_that_changes_its_example_changes_no_other_samples_record(tmp_path, monkeypatch):
     # the group's samples (and every later rollout) shared the task's record: the second sample saw 2 tests
     user_module(tmp_path, monkeypatch, "scratch_rewards_mod", "def f(prompt, completion, answer, example):\n"

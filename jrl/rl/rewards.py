@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -123,6 +124,14 @@ def takes_example(fn: RewardFn) -> bool:
         return False
 
 
+def called_code(fn: RewardFn) -> RewardFn:
+    """What a call of `fn` runs: `fn` itself, or for a callable instance (a class-based
+    reward) its class's `__call__`, which tells whether calls return a coroutine."""
+    if inspect.isroutine(fn) or inspect.isclass(fn) or isinstance(fn, functools.partial):
+        return fn
+    return getattr(type(fn), "__call__", fn)
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
     """One weighted reward term of the config."""
@@ -210,7 +219,8 @@ class RewardModel:
             fn = resolve_reward(spec.fn, f"{field}[{i}].fn")
             lazy = next((kind for kind, test in (("an async", inspect.iscoroutinefunction),
                                                  ("an async generator", inspect.isasyncgenfunction),
-                                                 ("a generator", inspect.isgeneratorfunction)) if test(fn)), None)
+                                                 ("a generator", inspect.isgeneratorfunction))
+                         if test(called_code(fn))), None)
             if lazy is not None:  # its calls return a coroutine or a generator: refused now, not at the first sample
                 raise ConfigError(f"{field}[{i}].fn: {spec.fn!r} is {lazy} function, whose calls return no number; "
                                   f"a reward must be a plain function returning one")
