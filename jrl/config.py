@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import importlib
+import inspect
 import math
 import os
 import re
@@ -101,6 +102,14 @@ def resolve_named(name: Any, field: str, kind: str = "function") -> Any:
     if not callable(obj):
         raise ConfigError(f"{field}: {name!r} is not callable")
     return obj
+
+
+def called_code(fn: Any) -> Any:
+    """What a call of `fn` runs: `fn` itself, or for a callable instance (a class-based
+    reward or tool) its class's `__call__`, which tells whether calls return a coroutine."""
+    if inspect.isroutine(fn) or inspect.isclass(fn) or isinstance(fn, functools.partial):
+        return fn
+    return getattr(type(fn), "__call__", fn)
 
 
 def _check_choice(value: Any, choices: Any, field: str) -> None:

@@ -269,6 +269,27 @@ def test_tool_schemas_from_hints_docstrings_and_the_decorator():
         resolve_tool("add")
 
 
+async def async_lookup(key: str) -> str:
+    """Looks a key up (an async tool)."""
+    return "417"
+
+
+def streamed_lookup(key: str):
+    """Looks a key up, yielding its answer (a generator tool)."""
+    yield "417"
+
+
+@pytest.mark.parametrize("name, kind, returned", [("async_lookup", "an async", "a coroutine"),
+                                                  ("streamed_lookup", "a generator", "a generator")])
+def test_an_async_or_generator_tool_is_refused_with_the_config(name, kind, returned):
+    # before: each call answered the model '<coroutine object async_lookup at 0x...>' (or a generator's
+    # repr) as the tool's result, and the run trained on it without a word
+    with pytest.raises(ConfigError) as e:
+        ToolRegistry.from_names(["test_rl_episodes:add", f"test_rl_episodes:{name}"])
+    assert str(e.value) == (f"tools[1]: 'test_rl_episodes:{name}' is {kind} function, whose calls return "
+                            f"{returned}, not the tool's answer; a tool must be a plain function returning it")
+
+
 def test_an_optional_argument_takes_null():
     # `note: str | None` was typed "string" alone, so a model's explicit null was refused
     out = ToolRegistry([kinds]).execute(get_parser("hermes").parse(

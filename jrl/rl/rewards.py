@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import inspect
 import math
 import re
@@ -38,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jrl.config import ConfigError, key_names, resolve_named
+from jrl.config import ConfigError, called_code, key_names, resolve_named
 from jrl.rl.math_answer import DEFAULT_TIMEOUT_S, STRATEGIES, check_limits, check_order, math_answer
 
 RewardFn = Callable[..., float]
@@ -122,14 +121,6 @@ def takes_example(fn: RewardFn) -> bool:
         return "example" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # builtins without a signature
         return False
-
-
-def called_code(fn: RewardFn) -> RewardFn:
-    """What a call of `fn` runs: `fn` itself, or for a callable instance (a class-based
-    reward) its class's `__call__`, which tells whether calls return a coroutine."""
-    if inspect.isroutine(fn) or inspect.isclass(fn) or isinstance(fn, functools.partial):
-        return fn
-    return getattr(type(fn), "__call__", fn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ import typing
 import warnings
 from typing import Any, Callable, Literal, Sequence
 
-from jrl.config import ConfigError, resolve_named
+from jrl.config import ConfigError, called_code, resolve_named
 from jrl.rl.daemon_workers import DaemonWorkers
 from jrl.rl.tool_calls import ToolCall
 
@@ -235,6 +235,12 @@ class ToolResult:
 def resolve_tool(name: str, field: str = "tools") -> Tool:
     """The tool of `module:function` (ConfigError naming `field` when it cannot be found)."""
     fn = resolve_named(name, field)
+    for kind, test, returned in (("an async", inspect.iscoroutinefunction, "a coroutine"),
+                                 ("an async generator", inspect.isasyncgenfunction, "an async generator"),
+                                 ("a generator", inspect.isgeneratorfunction, "a generator")):
+        if test(called_code(fn)):  # its answer would be that object's repr, read by the model as the result
+            raise ConfigError(f"{field}: {name!r} is {kind} function, whose calls return {returned}, not the "
+                              f"tool's answer; a tool must be a plain function returning it")
     try:
         return Tool.from_function(fn)
     except (TypeError, ValueError, NameError) as e:
