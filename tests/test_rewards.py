@@ -187,6 +187,26 @@ def test_reward_returning_non_number_is_an_error(tmp_path, monkeypatch):
         model(["p"], ["c"], ["a"])
 
 
+def test_a_reward_computed_with_array_ops_may_return_a_0d_array(tmp_path, monkeypatch):
+    # a verifier written with numpy / jax.numpy returns a 0-d array: it was refused as
+    # "must return a finite number, got Array(1., dtype=float32)"
+    user_module(tmp_path, monkeypatch, "array_rewards_mod", "import numpy as np\nimport jax.numpy as jnp\n"
+                                                            "def np0(p, c, a):\n    return np.array(0.5)\n"
+                                                            "def jax0(p, c, a):\n    return jnp.mean(jnp.ones(3))\n")
+    total, terms = RewardModel([RewardSpec("array_rewards_mod:np0"), RewardSpec("array_rewards_mod:jax0")])(
+        ["p"], ["c"], ["a"])
+    assert total.tolist() == [1.5] and terms["np0"].tolist() == [0.5] and terms["jax0"].tolist() == [1.0]
+
+
+def test_a_0d_array_holding_no_number_is_still_an_error(tmp_path, monkeypatch):
+    user_module(tmp_path, monkeypatch, "array_nan_rewards_mod", "import numpy as np\n"
+                                                                "def f(p, c, a):\n    return np.array(np.nan)\n")
+    with pytest.raises(RewardError) as e:
+        RewardModel([RewardSpec("array_nan_rewards_mod:f")])(["p"], ["c"], ["a"])
+    assert str(e.value) == ("reward 'array_nan_rewards_mod:f': must return a finite number, got array(nan) "
+                            "(on sample 0, completion 'c')")
+
+
 def test_a_complex_reward_is_an_error_not_its_real_part(tmp_path, monkeypatch):
     # float() of a numpy complex drops the imaginary part with a warning: it scored 1.0
     user_module(tmp_path, monkeypatch, "complex_rewards_mod", "import numpy as np\n"

@@ -49,7 +49,10 @@ def reward_requirement(v: Any) -> str | None:
     """What `v` must be to serve as a reward (kept in float32, summed into advantages), when
     it is not; None when it is. Bools count as 0 / 1; a Python int of any size is finite
     (float() of one beyond float64 overflows) but must fit float32's range like any number;
-    a numpy complex is not a number here (float() of it would drop its imaginary part)."""
+    a numpy complex is not a number here (float() of it would drop its imaginary part). A
+    0-d array (numpy, JAX, torch: a reward computed with array ops) is the number it holds."""
+    if getattr(v, "shape", None) == () and not isinstance(v, np.generic) and callable(getattr(v, "item", None)):
+        v = v.item()
     if (not isinstance(v, (int, float, np.number, np.bool_)) or isinstance(v, np.complexfloating)
             or not (isinstance(v, int) or math.isfinite(float(v)))):
         return "a finite number"
