@@ -92,6 +92,11 @@ def resolve_named(name: Any, field: str, kind: str = "function") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        if "/" in module_name or "\\" in module_name or module_name.endswith(".py"):  # a file given for its module
+            stem = re.split(r"[/\\]", module_name)[-1].removesuffix(".py")
+            raise ConfigError(f"{field}: cannot import module {module_name!r}: that is a file path; name the "
+                              f"module, '{stem}:{attr}', with the directory that holds it on PYTHONPATH (or run "
+                              f"from there)") from e
         raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from e
     except (Exception, SystemExit) as e:  # the module fails: a SyntaxError, an error or sys.exit at its top
         raise ConfigError(f"{field}: importing module {module_name!r} raised "

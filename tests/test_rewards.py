@@ -83,6 +83,16 @@ def test_bad_reward_names_give_clear_errors(name, msg):
         resolve_reward(name, "rewards[0].fn")
 
 
+@pytest.mark.parametrize("name", ["project/my_rewards.py:score", "project/my_rewards:score"])
+def test_a_reward_named_by_its_file_path_says_to_name_the_module(name):
+    # before: "cannot import module 'project/my_rewards.py' (No module named ...)", with no word of the fix
+    with pytest.raises(ConfigError) as e:
+        resolve_reward(name, "rewards[0].fn")
+    module = name.partition(":")[0]
+    assert str(e.value) == (f"rewards[0].fn: cannot import module {module!r}: that is a file path; name the module, "
+                            f"'my_rewards:score', with the directory that holds it on PYTHONPATH (or run from there)")
+
+
 def test_reward_module_that_fails_to_import_names_the_field_module_and_error(tmp_path, monkeypatch):
     user_module(tmp_path, monkeypatch, "broken_rewards_mod", "def f(prompt, completion, answer):\n    return 1.0 +\n")
     with pytest.raises(ConfigError) as e:
