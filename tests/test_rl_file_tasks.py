@@ -260,6 +260,19 @@ def test_bad_json_line_is_named(tmp_path):
         read_problems(str(path), "prompt", "answer")
 
 
+@pytest.mark.parametrize("records, got", [([{"prompt": "a", "answer": "1"}], "Expecting value"),
+                                         ({"prompt": "a", "answer": "1"}, "Expecting property name enclosed in "
+                                                                           "double quotes")])
+def test_a_pretty_printed_json_file_is_named_as_not_jsonl(tmp_path, records, got):
+    # a dataset saved with json.dump(..., indent=2): 'line 1: not valid JSON (Expecting value)' said nothing of why
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(records, indent=2) + "\n")
+    with pytest.raises(ConfigError) as e:
+        read_problems(str(path), "prompt", "answer")
+    assert str(e.value) == (f"{path}:1: not valid JSON ({got}); it is pretty-printed JSON or a JSON array, spread "
+                            f"over several lines: JSONL holds one JSON object a line")
+
+
 def test_malformed_message_list_is_named(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user"}], "answer": "1"}])
     with pytest.raises(ConfigError, match=rf"{path}:1: field 'prompt'\[0\] must be \{{role: str, content: str\}}"):

@@ -210,6 +210,9 @@ def _iter_jsonl(source: str, key: str, json_hooks: dict[str, Any]) -> Iterator[t
                     _refuse_foreign(source, raw)
                     if "\r" in line.rstrip("\r\n"):  # one "line": the whole file, its records CR-separated
                         why = "; its lines end in a carriage return alone (CR): JSONL lines end in LF or CRLF"
+                    elif line.strip() == "{" or line.lstrip().startswith("["):  # json.dump(..., indent=...), an array
+                        why = ("; it is pretty-printed JSON or a JSON array, spread over several lines: JSONL "
+                               "holds one JSON object a line")
                 raise ConfigError(f"{source}:{line_no}: not valid JSON ({e.msg}){why}") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"{source}:{line_no}: expected a JSON object, got {json_type(record)}")
