@@ -195,6 +195,40 @@ def test_a_dry_run_warns_of_demonstrations_longer_than_max_new_tokens(tmp_path):
         f"raise max_new_tokens to at least 7"]
 
 
+def short_rows_run(tmp_path):
+    """The example on files of two demonstrations, a 3-letter word's (10 + 4 tokens) and a
+    4-letter word's (11 + 5), with warm start rows of 14 tokens: the second does not fit."""
+    records = lambda *words: [{"prompt": f"{w}>", "answer": w[::-1], "response": w[::-1], "word": w} for w in words]
+    src = write_jsonl(tmp_path / "t.jsonl", records("abc", "bcde"))
+    overrides = [f"strategy.options.task.train={src}", f"strategy.options.warm_start.source={src}",
+                 f"strategy.options.task.heldout={write_jsonl(tmp_path / 'h.jsonl', records('efg'))}",
+                 f"strategy.options.task.validation={write_jsonl(tmp_path / 'v.jsonl', records('fgh'))}",
+                 "strategy.options.warm_start.seq_len=14"]
+    message = ("strategy.options.warm_start.seq_len: 1 of the warm start's 2 demonstrations is longer than its rows "
+               f"of 14 tokens (prompt, response and stop token; the longest has 16, {src}:2): the SFT stage cuts it "
+               "at the right, so its end, the stop token included, is never trained; raise "
+               "strategy.options.warm_start.seq_len to at least 16")
+    return overrides, message
+
+
+def test_a_dry_run_warns_of_demonstrations_longer_than_the_warm_starts_rows(tmp_path):
+    # before: nothing in a dry run, and the run's SFT stage named data.seq_len and data.overflow,
+    # neither of which sets the warm start's rows
+    overrides, message = short_rows_run(tmp_path)
+    with pytest.warns(UserWarning) as caught:
+        assert main(["--config", str(CONFIG), "--dry-run", *overrides]) == 0
+    assert [str(w.message) for w in caught] == [message]
+
+
+def test_a_warm_start_on_demonstrations_longer_than_its_rows_names_its_own_field(tmp_path):
+    overrides, message = short_rows_run(tmp_path)
+    config = load_train_config(str(CONFIG), [*overrides, "strategy.options.warm_start.max_steps=1",
+                                             "strategy.options.warm_start.check_every=1000", "logging.progress=false"])
+    with pytest.warns(UserWarning) as caught:
+        run_warm_start(config, output_dir=str(tmp_path / "run"))
+    assert [str(w.message) for w in caught if "longer than" in str(w.message)] == [message]
+
+
 def test_multi_turn_demonstrations_are_measured_turn_by_turn(tmp_path):
     from jrl.rl.demonstrations import turns_past_max_new_tokens
     call = '<tool_call>{"name":"lookup","arguments":{"key":"qzk"}}</tool_call>'  # 66 bytes, + <eos>

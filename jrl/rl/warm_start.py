@@ -28,9 +28,11 @@ import warnings
 from jrl import checkpoint
 from jrl.config import (CheckpointConfig, ConfigError, DataConfig, ScheduleConfig, Section, StrategyConfig,
                         TrainConfig)
+from jrl.data.encode import encode_record
 from jrl.data.tasks import Problem
-from jrl.rl.demonstrations import (Demonstrations, RenderedDemonstrations, WarmStartConfig, render_demonstrations,
-                                   turns_past_max_new_tokens, write_demonstrations)
+from jrl.data.wording import agree
+from jrl.rl.demonstrations import (PREFIX, Demonstrations, RenderedDemonstrations, WarmStartConfig,
+                                   render_demonstrations, turns_past_max_new_tokens, write_demonstrations)
 from jrl.rl.engines import engine_config_for, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import evaluate_problems
@@ -170,7 +172,39 @@ def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> Ren
     too_long = turns_past_max_new_tokens(rendered, fmt, options.max_new_tokens)
     if too_long:
         warnings.warn(too_long, stacklevel=2)
+    past_rows = demonstrations_past_rows(rendered, fmt, ws.seq_len or config.data.seq_len,
+                                         f"{PREFIX}seq_len" if ws.seq_len else "data.seq_len")
+    if past_rows:
+        warnings.warn(past_rows, stacklevel=2)
     return rendered
+
+
+# the SFT stage's own warnings of documents its rows cut, which name data.seq_len / data.overflow
+# (fields that do not set the warm start's rows): demonstrations_past_rows names the right one
+_SFT_CUT_WARNINGS = r"data\.source: .* (longer than data\.seq_len=|trains? nothing)"
+
+
+def demonstrations_past_rows(rendered: RenderedDemonstrations, fmt: PromptFormat, seq_len: int,
+                             field: str) -> str | None:
+    """A warning naming `field` when demonstrations (prompt, response and stop token, encoded
+    as the SFT stage encodes them) are longer than the warm start's rows of `seq_len`
+    tokens: the stage cuts them at the right, so the model never learns their ends, the
+    stop token included. None when all fit."""
+    data = DataConfig(source=rendered.source, format="sections", seq_len=seq_len,
+                      sections=(Section(field="prompt"), Section(field="response", train=True)),
+                      add_eos=not rendered.rows[0]["templated"])
+    lengths = [(len(encode_record({"prompt": r["prompt"], "response": r["response"]}, data, fmt.tokenizer)[0][0]),
+                r["where"]) for r in rendered.rows]
+    long = [(n, where) for n, where in lengths if n > seq_len]
+    if not long:
+        return None
+    n, where = max(long, key=lambda x: x[0])
+    k = len(long)
+    return (f"{field}: {k:,} of the warm start's {len(rendered.rows):,} demonstrations {agree(k, 'is', 'are')} "
+            f"longer than its rows of {seq_len} tokens (prompt, response and stop token; the longest has {n}, "
+            f"{where}): the SFT stage cuts {agree(k, 'it', 'them')} at the right, so "
+            f"{agree(k, 'its end', 'their ends')}, the stop token included, {agree(k, 'is', 'are')} never trained; "
+            f"raise {PREFIX}seq_len to at least {n}")
 
 
 def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume: bool = False,
@@ -220,7 +254,9 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
         resume = False  # not the trainer's "starting a fresh run", which reads as if the whole run started over
     elif resume:
         print(f"warm start: resuming from its checkpoint step_{latest} in {trainer.checkpoint_dir}", flush=True)
-    state = trainer.fit(resume=resume, overwrite=overwrite, allow_data_change=allow_data_change)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SFT_CUT_WARNINGS)  # render_warm_start warned, naming its field
+        state = trainer.fit(resume=resume, overwrite=overwrite, allow_data_change=allow_data_change)
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"warm start finished at step {int(state.step)}{reason}; run directory: {trainer.run_dir}",
           flush=True)
