@@ -268,6 +268,21 @@ def test_mma_decode_keeps_a_blocks_small_values_beside_a_large_unlikely_one(tile
     assert rel_err(out, ref) < TOL
 
 
+def test_query_terms_keep_bf16s_precision_under_jit():
+    # "mma_q2"'s queries: hi + lo / 16 times one scale a request within 2^-8 of each |q| (2^-9
+    # of the request's largest below e4m3's normal range); lo must survive jit (XLA on the
+    # GPU removed hi's f32 -> e4m3 -> f32 round trip, leaving lo 0)
+    rng = np.random.default_rng(24)
+    q = jnp.asarray(rng.standard_normal((3, 4, 64)) * np.array([1e-3, 1.0, 300.0])[:, None, None], jnp.bfloat16)
+    hi, lo, scale = jax.jit(decode_mgpu.query_terms)(q)
+    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and scale.shape == (3,)
+    back = (np.asarray(hi, np.float32) + np.asarray(lo, np.float32) / 16) * np.asarray(scale)[:, None, None]
+    want = np.asarray(q, np.float32)
+    amax = np.abs(want).max(axis=(1, 2), keepdims=True)
+    assert (np.abs(back - want) <= np.maximum(np.abs(want) * 2.0 ** -8, amax * 2.0 ** -17)).all()
+    assert np.abs(np.asarray(lo, np.float32)).max() > 0
+
+
 def test_overlapped_decode_rescales_the_products_still_in_flight():
     # "mma_q2" adds block i-1's P·V once block i's softmax has moved the running maximum:
     # scores that rise block by block, by uneven steps (0 to 6 nats; 6 blocks, a partial
