@@ -308,6 +308,14 @@ def test_engine_refuses_a_version_that_is_not_an_integer_at_least_zero(weights, 
         Engine(MODEL, weights[0], ENGINE, version=version)
 
 
+def test_engine_refuses_a_version_that_int64_cannot_hold(weights):
+    """The constructor took 2**63, which update_weights refuses: every completion's int64
+    `versions` then failed to hold it, and each step that finished a request raised."""
+    with pytest.raises(ValueError, match=re.escape("version: must be below 2**63 (completions record versions "
+                                                   f"as int64), got {2**63}")):
+        Engine(MODEL, weights[0], ENGINE, version=2**63)
+
+
 def test_drop_prefix_cache_forgets_version_zero_entries(weights):
     engine = Engine(MODEL, weights[0], ENGINE, version=0)
     engine.generate([list(range(1, 20))], GREEDY, max_new_tokens=2)

@@ -173,6 +173,7 @@ class Engine:
         # versions are >= 0: drop_prefix_cache keeps the entries of version -1, i.e. none
         if isinstance(version, (bool, np.bool_)) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version: must be an integer >= 0, got {version!r}")
+        version = _checked_version(version)  # below 2**63, as update_weights checks
         _check_same_structure(_model_structure(model_config), params, "the model config's", dtypes=False)
         _check_finite(params, "Engine: refusing to serve them")
         self.config = config = config or EngineConfig()
