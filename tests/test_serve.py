@@ -55,8 +55,8 @@ MODEL = {"vocab_size": 320, "hidden_size": 32, "n_layers": 2, "n_heads": 2, "n_k
 # One engine geometry for every server here (the step programs compile once per process).
 # Every step padded to 16 rows and 16 or 128 tokens: a handful of programs to compile.
 ENGINE_FLAGS = ["--max-batch", "16", "--page-size", "16", "--max-seq-len", "128", "--max-queue", "48",
-                "--engine", json.dumps({"batch_buckets": [16], "token_buckets": [16, 128],
-                                        "max_tokens_per_step": 128})]
+                "--max-tokens-per-step", "128", "--engine", json.dumps({"batch_buckets": [16],
+                                                                        "token_buckets": [16, 128]})]
 TOKEN = "s3cret"
 NAME = "tiny-qwen"
 
@@ -1154,6 +1154,18 @@ def test_max_seq_len_in_the_engine_json_is_a_config_error_naming_its_flag(hf_dir
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
     with pytest.raises(ConfigError, match=r"^--engine: max_seq_len is set with --max-seq-len \(--max-seq-len 64\)$"):
         engine_config(served, build_parser().parse_args(["--engine", '{"max_seq_len": 64}']))
+
+
+@pytest.mark.parametrize("field,flag", [("max_batch", "--max-batch"), ("page_size", "--page-size"),
+                                        ("n_pages", "--n-pages"), ("max_tokens_per_step", "--max-tokens-per-step"),
+                                        ("seed", "--seed")])
+def test_a_field_with_a_flag_of_its_own_in_the_engine_json_is_a_config_error_naming_its_flag(hf_dirs, field, flag):
+    # {"max_batch": 64} with --max-batch 4 ran 64 rows over a KV pool (and token budget) sized
+    # for 4; --n-pages and --max-tokens-per-step quietly beat the JSON, which beat the others
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    with pytest.raises(ConfigError, match=rf"^--engine: {field} is set with {flag} \({flag} 64\)$"):
+        engine_config(served, build_parser().parse_args(["--max-batch", "4", "--max-seq-len", "128",
+                                                         "--engine", json.dumps({field: 64})]))
 
 
 def test_an_fp8_kv_cache_gets_32_token_pages_unless_the_page_size_is_given(hf_dirs):

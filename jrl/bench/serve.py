@@ -102,15 +102,15 @@ def run(args, results) -> int:
     prompt_len = args.prompt or (16 if tiny else 128)
     new = args.new or (8 if tiny else 128)
     max_batch = args.max_batch or (16 if tiny else 64)
-    engine_json = args.engine
+    engine_json, max_tokens_per_step = args.engine, args.max_tokens_per_step
     if tiny and engine_json == "{}":  # few step shapes: quick to compile on a CPU
         budget = max(128, max_batch)
-        engine_json = json.dumps({"batch_buckets": [max_batch], "token_buckets": [16, budget],
-                                  "max_tokens_per_step": budget})
+        engine_json = json.dumps({"batch_buckets": [max_batch], "token_buckets": [16, budget]})
+        max_tokens_per_step = budget if max_tokens_per_step is None else max_tokens_per_step
     max_seq_len = args.max_seq_len or -(-(prompt_len + new) // args.page_size) * args.page_size
     serve_argv = ["--max-batch", str(max_batch), "--page-size", str(args.page_size), "--max-queue",
                   str(args.max_queue), "--engine", engine_json, "--max-seq-len", str(max_seq_len)]
-    for flag, value in (("--n-pages", args.n_pages), ("--max-tokens-per-step", args.max_tokens_per_step),
+    for flag, value in (("--n-pages", args.n_pages), ("--max-tokens-per-step", max_tokens_per_step),
                         ("--model", args.model), ("--checkpoint", args.checkpoint), ("--config", args.config)):
         if value is not None:
             serve_argv += [flag, str(value)]

@@ -43,6 +43,12 @@ from jrl.train.initial import architecture_differences, source_model
 log = logging.getLogger("jrl.serve")
 
 
+# EngineConfig fields `jrl serve` sets with flags of their own: refused in --engine, where
+# one quietly won over the other and the sizes derived from the flag stayed (a max_batch of
+# 64 ran over a KV pool and token budget sized for --max-batch 4).
+FLAGGED_FIELDS = {"max_seq_len": "--max-seq-len", "max_batch": "--max-batch", "page_size": "--page-size",
+                  "n_pages": "--n-pages", "max_tokens_per_step": "--max-tokens-per-step", "seed": "--seed"}
+
 # The share of the device's free memory (after the weights) the KV pool may take when
 # --n-pages is not given: the rest holds a step's activations, logits and the programs.
 KV_MEMORY_FRACTION = 0.8
@@ -183,8 +189,9 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         raise ConfigError(f"--max-request-mb: must be > 0 MiB, got {args.max_request_mb}")
     if not args.shutdown_timeout >= 0:
         raise ConfigError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
-    if "max_seq_len" in extra:  # engine_config_for_workload takes it from the flag
-        raise ConfigError(f"--engine: max_seq_len is set with --max-seq-len (--max-seq-len {extra['max_seq_len']})")
+    for field, flag in FLAGGED_FIELDS.items():  # the pool and token budget are sized from the flags
+        if field in extra:
+            raise ConfigError(f"--engine: {field} is set with {flag} ({flag} {extra[field]})")
     if extra.get("on_weight_update", "finish") != "finish":
         raise ConfigError("--engine: on_weight_update must be 'finish' for serving (tokens already streamed "
                           "are never taken back)")
