@@ -1348,6 +1348,42 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live_in_thr
     assert h["engine"]["engine_errors"] == 1 and h["engine"]["available_pages"] == h["engine"]["total_pages"]
 
 
+def _pending_drains(loop: asyncio.AbstractEventLoop) -> list[str]:
+    """The choice readers (`_drain` tasks) not yet done on the server's event loop."""
+    async def pending():
+        return [repr(t) for t in asyncio.all_tasks() if t.get_coro().__name__ == "_drain" and not t.done()]
+    return asyncio.run_coroutine_threadsafe(pending(), loop).result(10)
+
+
+def test_a_choice_the_engine_refuses_ends_the_plain_answer_and_the_other_choices(live_in_thread, monkeypatch):
+    # the other choice's reader waited for ever on a request the answer's end had aborted
+    live = live_in_thread
+    engine = live.server.engine
+    real_add = engine.add_request
+
+    def refusing_add(prompt, *args, **kwargs):
+        if list(prompt) == [7, 7, 7]:
+            raise ValueError("prompt: refused by the test")
+        return real_add(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", refusing_add)
+    worker, handles = live.server.worker, []
+    real_submit = worker.submit
+
+    def submit(*args, **kwargs):
+        handles.append(real_submit(*args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(worker, "submit", submit)
+    r = live.http.post("/v1/completions", json={"model": NAME, "prompt": [[1, 2, 3], [7, 7, 7]], "max_tokens": 64,
+                                                "ignore_eos": True})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == "prompt: refused by the test"
+    assert len(handles) == 2 and _pending_drains(handles[0].loop) == []
+    h = settle(live)
+    assert h["engine"]["available_pages"] == h["engine"]["total_pages"]
+
+
 def test_tool_calls_in_an_answer_come_back_as_openai_tool_calls():
     text = 'Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
     content, calls = parse_tool_calls(text, [{"type": "function", "function": {"name": "add"}}])

@@ -534,7 +534,7 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            if await _wait_or_disconnect(request, asyncio.gather(*(_drain(c) for c in choices))) is _GONE:
+            if await _wait_or_disconnect(request, _drain_all(choices)) is _GONE:
                 return _gone()
         finally:
             _release(choices)
@@ -569,6 +569,22 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
     async def _drain(c: _Choice) -> None:
         async for _ in c.events():
             pass
+
+    async def _drain_all(choices: list[_Choice]) -> None:
+        """Drains every choice; the first error ends the others' readers (before it is
+        raised): `_release` then aborts their engine requests, which send no event that
+        would end a reader's wait (gather() left them waiting for ever)."""
+        tasks = [asyncio.ensure_future(_drain(c)) for c in choices]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:
+                t.cancel()
+            # every task's end awaited and its error retrieved (none is logged as unread)
+            ends = await asyncio.gather(*tasks, return_exceptions=True)
+        error = next((e for e in ends if isinstance(e, Exception)), None)
+        if error is not None:
+            raise error
 
     def _release(choices: list[_Choice]) -> None:
         """Aborts the choices' engine requests that are still running (a no-op for the
