@@ -1348,6 +1348,23 @@ def test_an_engine_failure_fails_its_requests_and_the_server_goes_on(live_in_thr
     assert h["engine"]["engine_errors"] == 1 and h["engine"]["available_pages"] == h["engine"]["total_pages"]
 
 
+def test_a_prompt_over_the_step_budget_without_chunked_prefill_is_a_400_naming_prompt(hf_dirs):
+    # the HTTP side let it through: the engine refused it (param null) while the request's
+    # other prompt ran on, its reader left waiting for ever
+    engine = json.dumps({"batch_buckets": [16], "token_buckets": [16, 32], "chunked_prefill": False})
+    for live in serve(["--model", f"hf:{hf_dirs[0]}", "--served-model-name", NAME, "--engine-in-process",
+                       "--no-warmup", "--max-batch", "16", "--page-size", "16", "--max-seq-len", "128",
+                       "--max-tokens-per-step", "32", "--engine", engine]):
+        r = live.http.post("/v1/completions", json={"model": NAME, "prompt": [[1, 2, 3], list(range(1, 41))],
+                                                    "max_tokens": 8})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": "prompt: the prompt has 40 tokens; without chunked_prefill a prompt "
+                                                "is prefilled in one step of at most max_tokens_per_step (32) tokens",
+                                     "type": "invalid_request_error", "param": "prompt", "code": None}
+        h = settle(live)
+        assert h["engine"]["steps"] == 0 and h["engine"]["available_pages"] == h["engine"]["total_pages"]
+
+
 def _pending_drains(loop: asyncio.AbstractEventLoop) -> list[str]:
     """The choice readers (`_drain` tasks) not yet done on the server's event loop."""
     async def pending():

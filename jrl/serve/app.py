@@ -186,6 +186,11 @@ class Server:
         if prompt_len >= seq_limit:
             raise ServeError(f"{prompt_field}: the prompt has {prompt_len} tokens, the context is {seq_limit} "
                              f"(max_seq_len): no room for a completion", param=prompt_field)
+        config = self.engine.config
+        if not config.chunked_prefill and prompt_len > config.max_tokens_per_step:  # the engine would refuse it
+            raise ServeError(f"{prompt_field}: the prompt has {prompt_len} tokens; without chunked_prefill a prompt "
+                             f"is prefilled in one step of at most max_tokens_per_step ({config.max_tokens_per_step}) "
+                             f"tokens", param=prompt_field)
         if limit is None:
             limit = seq_limit - prompt_len
         elif prompt_len + limit > seq_limit:
