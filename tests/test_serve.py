@@ -1054,18 +1054,18 @@ with ServerThread(server, app) as thread:
     assert out.stdout.splitlines()[-1] == "3 None []"
 
 
-def test_a_max_request_mb_that_admits_no_body_is_a_startup_error_naming_the_flag(hf_dirs):
+@pytest.mark.parametrize("argv,message", [
     # 0 (or less) started a server that answered every request with a 413
-    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
-    with pytest.raises(ConfigError, match=r"^--max-request-mb: must be > 0 MiB, got 0.0$"):
-        engine_config(served, build_parser().parse_args(["--max-request-mb", "0"]))
-
-
-def test_a_negative_shutdown_timeout_is_a_startup_error_naming_the_flag(hf_dirs):
+    (["--max-request-mb", "0"], r"--max-request-mb: must be > 0 MiB, got 0.0"),
     # -1 started a server whose shutdown killed the engine process at once ("did not stop within -1 s")
+    (["--shutdown-timeout", "-1"], r"--shutdown-timeout: must be >= 0 seconds, got -1.0"),
+    # `--max-seq-len 0` was read as "not given": the server quietly served the model's 128
+    (["--max-seq-len", "0"], r"--max-seq-len: must be >= 1, got 0"),
+], ids=["max-request-mb", "shutdown-timeout", "max-seq-len"])
+def test_a_flag_value_the_server_cannot_run_with_is_a_startup_error_naming_the_flag(hf_dirs, argv, message):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
-    with pytest.raises(ConfigError, match=r"^--shutdown-timeout: must be >= 0 seconds, got -1.0$"):
-        engine_config(served, build_parser().parse_args(["--shutdown-timeout", "-1"]))
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        engine_config(served, build_parser().parse_args(argv))
 
 
 def test_bench_serve_tiny(tmp_path, hf_dirs):
@@ -1142,26 +1142,14 @@ def test_the_default_kv_pool_shrinks_to_the_free_device_memory(hf_dirs, caplog):
     assert engine_config(served, args, 10 * free).n_pages == 256  # fits: as sized
 
 
-def test_a_max_seq_len_of_0_is_a_startup_error_not_the_models_default(hf_dirs):
-    # `--max-seq-len 0` was read as "not given": the server quietly served the model's 128
-    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
-    with pytest.raises(ConfigError, match=r"^--max-seq-len: must be >= 1, got 0$"):
-        engine_config(served, build_parser().parse_args(["--max-seq-len", "0"]))
-
-
-def test_max_seq_len_in_the_engine_json_is_a_config_error_naming_its_flag(hf_dirs):
-    # it reached engine_config_for_workload twice: a TypeError traceback and exit status 1
-    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
-    with pytest.raises(ConfigError, match=r"^--engine: max_seq_len is set with --max-seq-len \(--max-seq-len 64\)$"):
-        engine_config(served, build_parser().parse_args(["--engine", '{"max_seq_len": 64}']))
-
-
-@pytest.mark.parametrize("field,flag", [("max_batch", "--max-batch"), ("page_size", "--page-size"),
+@pytest.mark.parametrize("field,flag", [("max_seq_len", "--max-seq-len"), ("max_batch", "--max-batch"),
+                                        ("page_size", "--page-size"),
                                         ("n_pages", "--n-pages"), ("max_tokens_per_step", "--max-tokens-per-step"),
                                         ("seed", "--seed")])
 def test_a_field_with_a_flag_of_its_own_in_the_engine_json_is_a_config_error_naming_its_flag(hf_dirs, field, flag):
     # {"max_batch": 64} with --max-batch 4 ran 64 rows over a KV pool (and token budget) sized
-    # for 4; --n-pages and --max-tokens-per-step quietly beat the JSON, which beat the others
+    # for 4; --n-pages and --max-tokens-per-step quietly beat the JSON, which beat the others;
+    # max_seq_len reached engine_config_for_workload twice (a TypeError traceback, exit status 1)
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
     with pytest.raises(ConfigError, match=rf"^--engine: {field} is set with {flag} \({flag} 64\)$"):
         engine_config(served, build_parser().parse_args(["--max-batch", "4", "--max-seq-len", "128",
