@@ -630,7 +630,8 @@ def test_the_bring_your_own_task_example_trains_and_scores(tmp_path, monkeypatch
              "response": w[::-1], "word": w}) + "\n" for w in chosen))
     # the shortened run: 8 demonstrations pack into fewer rows than a batch, and one GRPO step
     # of an untrained tiny model samples no group with different rewards
-    with pytest.warns(UserWarning, match="fewer than data.batch_size=16: every batch repeats rows"), \
+    with pytest.warns(UserWarning, match="fewer than strategy.options.warm_start.batch_size=16: every batch repeats "
+                                         "rows"), \
             pytest.warns(SkippedUpdateWarning, match="step 1: the batch has no loss weight"):
         assert main(["--config", "my_task.yaml", "steps=1", "strategy.options.prompts_per_step=8",
                      "strategy.options.warm_start.max_steps=1", "logging.progress=false", "logging.plot=false"]) == 0

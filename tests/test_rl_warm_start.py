@@ -229,6 +229,19 @@ def test_a_warm_start_on_demonstrations_longer_than_its_rows_names_its_own_field
     assert [str(w.message) for w in caught if "longer than" in str(w.message)] == [message]
 
 
+def test_demonstrations_packing_into_fewer_rows_than_its_batch_name_the_warm_starts_fields(tmp_path):
+    # before: the SFT stage's trainer named data.batch_size, which the run config sets for GRPO alone
+    overrides, _ = short_rows_run(tmp_path)  # less its warm_start.seq_len=14: the example's 64
+    config = load_train_config(str(CONFIG), [*overrides[:-1], "strategy.options.warm_start.max_steps=1",
+                                             "strategy.options.warm_start.check_every=1000", "logging.progress=false"])
+    with pytest.warns(UserWarning) as caught:
+        run_warm_start(config, output_dir=str(tmp_path / "run"))
+    assert [str(w.message) for w in caught if "batch" in str(w.message)] == [
+        "strategy.options.warm_start.batch_size: the warm start's 2 demonstrations pack into 1 row of "
+        "strategy.options.warm_start.seq_len=64 tokens, fewer than strategy.options.warm_start.batch_size=16: "
+        "every batch repeats rows"]
+
+
 def test_multi_turn_demonstrations_are_measured_turn_by_turn(tmp_path):
     from jrl.rl.demonstrations import turns_past_max_new_tokens
     call = '<tool_call>{"name":"lookup","arguments":{"key":"qzk"}}</tool_call>'  # 66 bytes, + <eos>

@@ -25,12 +25,15 @@ import dataclasses
 import sys
 import warnings
 
+import numpy as np
+
 from jrl import checkpoint
 from jrl.config import (CheckpointConfig, ConfigError, DataConfig, ScheduleConfig, Section, StrategyConfig,
                         TrainConfig)
 from jrl.data.encode import encode_record
+from jrl.data.packing import plan_rows
 from jrl.data.tasks import Problem
-from jrl.data.wording import agree
+from jrl.data.wording import agree, counted
 from jrl.rl.demonstrations import (PREFIX, Demonstrations, RenderedDemonstrations, WarmStartConfig,
                                    render_demonstrations, turns_past_max_new_tokens, write_demonstrations)
 from jrl.rl.engines import engine_config_for, serve_weights
@@ -172,8 +175,7 @@ def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> Ren
     too_long = turns_past_max_new_tokens(rendered, fmt, options.max_new_tokens)
     if too_long:
         warnings.warn(too_long, stacklevel=2)
-    past_rows = demonstrations_past_rows(rendered, fmt, ws.seq_len or config.data.seq_len,
-                                         f"{PREFIX}seq_len" if ws.seq_len else "data.seq_len")
+    past_rows = demonstrations_past_rows(rendered, fmt, *_rows_of(config, ws))
     if past_rows:
         warnings.warn(past_rows, stacklevel=2)
     return rendered
@@ -182,6 +184,37 @@ def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> Ren
 # the SFT stage's own warnings of documents its rows cut, which name data.seq_len / data.overflow
 # (fields that do not set the warm start's rows): demonstrations_past_rows names the right one
 _SFT_CUT_WARNINGS = r"data\.source: .* (longer than data\.seq_len=|trains? nothing)"
+# and of rows fewer than its batch, which names data.batch_size (the GRPO stage's): demonstrations_short_of_batch
+_SFT_FEW_ROWS_WARNING = r"data: .* packs into .* fewer than data\.batch_size="
+
+
+def _rows_of(config: TrainConfig, ws: WarmStartConfig) -> tuple[int, str]:
+    """The warm start's row length and the field that sets it."""
+    return ws.seq_len or config.data.seq_len, f"{PREFIX}seq_len" if ws.seq_len else "data.seq_len"
+
+
+def _demonstration_lengths(rendered: RenderedDemonstrations, fmt: PromptFormat, seq_len: int) -> list[int]:
+    """Each demonstration's tokens (prompt, response and stop token), encoded as the SFT stage encodes them."""
+    data = DataConfig(source=rendered.source, format="sections", seq_len=seq_len,
+                      sections=(Section(field="prompt"), Section(field="response", train=True)),
+                      add_eos=not rendered.rows[0]["templated"])
+    return [len(encode_record({"prompt": r["prompt"], "response": r["response"]}, data, fmt.tokenizer)[0][0])
+            for r in rendered.rows]
+
+
+def demonstrations_short_of_batch(rendered: RenderedDemonstrations, fmt: PromptFormat, data: DataConfig,
+                                  seq_field: str) -> str | None:
+    """A warning naming the warm start's batch_size when its demonstrations pack into fewer
+    rows than a batch of the SFT stage's `data` (whose seq_len `seq_field` sets): every
+    batch repeats rows. None when they fill a batch."""
+    k = len(rendered.rows)
+    rows = len(plan_rows(np.asarray(_demonstration_lengths(rendered, fmt, data.seq_len)), data.seq_len,
+                         pack=data.pack, overflow=data.overflow))
+    if rows >= data.batch_size:
+        return None
+    return (f"{PREFIX}batch_size: the warm start's {counted(k, 'demonstration')} {agree(k, 'packs', 'pack')} into "
+            f"{counted(rows, 'row')} of {seq_field}={data.seq_len} tokens, fewer than "
+            f"{PREFIX}batch_size={data.batch_size}: every batch repeats rows")
 
 
 def demonstrations_past_rows(rendered: RenderedDemonstrations, fmt: PromptFormat, seq_len: int,
@@ -190,11 +223,7 @@ def demonstrations_past_rows(rendered: RenderedDemonstrations, fmt: PromptFormat
     as the SFT stage encodes them) are longer than the warm start's rows of `seq_len`
     tokens: the stage cuts them at the right, so the model never learns their ends, the
     stop token included. None when all fit."""
-    data = DataConfig(source=rendered.source, format="sections", seq_len=seq_len,
-                      sections=(Section(field="prompt"), Section(field="response", train=True)),
-                      add_eos=not rendered.rows[0]["templated"])
-    lengths = [(len(encode_record({"prompt": r["prompt"], "response": r["response"]}, data, fmt.tokenizer)[0][0]),
-                r["where"]) for r in rendered.rows]
+    lengths = zip(_demonstration_lengths(rendered, fmt, seq_len), (r["where"] for r in rendered.rows))
     long = [(n, where) for n, where in lengths if n > seq_len]
     if not long:
         return None
@@ -226,7 +255,8 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
     task = make_task(options.task)
     fmt = task_format(config, options)
     check_task_prompts(config, task, fmt)  # the GRPO stage's check, made before the warm start trains
-    demos = write_demonstrations(render_warm_start(config, task, fmt), warm_dir)
+    rendered = render_warm_start(config, task, fmt)
+    demos = write_demonstrations(rendered, warm_dir)
     if demos.source != ws.source:
         print(f"warm start: {demos.count} demonstrations of {ws.source} rendered into {demos.source}"
               + (f" ({demos.dropped} left out: held-out or validation prompts)" if demos.dropped else ""),
@@ -240,6 +270,9 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
                           steps_field=f"{field}.max_steps")
     if why is not None:
         warnings.warn(why, LongWarmupWarning, stacklevel=2)
+    few_rows = demonstrations_short_of_batch(rendered, fmt, sft.data, _rows_of(config, ws)[1])
+    if few_rows:
+        warnings.warn(few_rows, stacklevel=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LongWarmupWarning)
         trainer = Trainer(sft, output_dir=warm_dir, callbacks=[stop])
@@ -256,6 +289,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
         print(f"warm start: resuming from its checkpoint step_{latest} in {trainer.checkpoint_dir}", flush=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SFT_CUT_WARNINGS)  # render_warm_start warned, naming its field
+        warnings.filterwarnings("ignore", message=_SFT_FEW_ROWS_WARNING)  # warned above, naming its fields
         state = trainer.fit(resume=resume, overwrite=overwrite, allow_data_change=allow_data_change)
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"warm start finished at step {int(state.step)}{reason}; run directory: {trainer.run_dir}",
