@@ -88,6 +88,14 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def template_failure(e: Exception) -> str:
+    """What a chat template's failure to render says: a ChatTemplateError's own words (the
+    template's raise_exception, the messages' checks), else the error's type and text (the
+    template's own failure: jinja's UndefinedError for a message field the template reads
+    that the messages lack, a template that does not compile, ...)."""
+    return str(e) if isinstance(e, ChatTemplateError) else f"{type(e).__name__}: {e}"
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
             sort_keys: bool = False) -> str:
     """transformers' `tojson` filter, its arguments in its order: non-ASCII kept by default,
@@ -424,5 +432,5 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE", "ByteTokenizer", "ChatTemplateError", "HFTokenizer", "Tokenizer",
-    "apply_chat_template", "load_tokenizer",
+    "apply_chat_template", "load_tokenizer", "template_failure",
 ]

@@ -124,6 +124,21 @@ def test_chat_role_the_template_rejects_is_named_by_its_file_line(tmp_path):
         load_documents(DataConfig(source=str(src), format="chat", eval_fraction=0.0), TOK, "train")
 
 
+def test_chat_data_a_chat_template_fails_on_is_named_by_its_file_line(tmp_path):
+    # before: jinja's UndefinedError (a message field the template reads that the records lack)
+    # escaped as a traceback naming neither the record nor the field
+    from chat_fixtures import write_chat_tokenizer
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['name'] + '\\n' + m['content'] }}"
+                "{% endfor %}")
+    tok = load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok", template=template)))
+    src = tmp_path / "chat.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n')
+    with pytest.raises(ConfigError) as e:
+        load_documents(DataConfig(source=str(src), format="chat", eval_fraction=0.0), tok, "train")
+    assert str(e.value) == (f"{src}:1: field 'messages' (data.messages_field): UndefinedError: 'dict object' has "
+                            f"no attribute 'name'")
+
+
 def test_missing_field_error_names_field_and_config_key():
     with pytest.raises(ValueError, match=r"missing field 'response' \(data.sections\[1\].field\)"):
         encode_record({"prompt": "x"}, DataConfig(), TOK, where="rec 3")

@@ -28,7 +28,7 @@ import numpy as np
 from jrl.config import ConfigError, DataConfig, Section
 from jrl.data.records import json_type
 from jrl.data.text import Tokenizer
-from jrl.tokenizer import ChatTemplateError, encode_continuation
+from jrl.tokenizer import encode_continuation, template_failure
 
 Document = tuple[np.ndarray, np.ndarray]
 
@@ -114,8 +114,8 @@ def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: 
     def render(msgs, **kwargs):
         try:
             return tokenizer.apply_chat_template(msgs, **kwargs)
-        except ChatTemplateError as e:  # e.g. a role the template does not know
-            raise ConfigError(f"{where}: field {field!r} (data.messages_field): {e}") from None
+        except Exception as e:  # e.g. a role the template does not know, a field it reads that a message lacks
+            raise ConfigError(f"{where}: field {field!r} (data.messages_field): {template_failure(e)}") from None
 
     pieces: list[tuple[str, bool]] = []
     done = ""

@@ -18,7 +18,7 @@ import numpy as np
 from jrl.config import ConfigError
 from jrl.data.tasks import Problem
 from jrl.rollout.request import Completion
-from jrl.tokenizer import ChatTemplateError
+from jrl.tokenizer import template_failure
 
 _MARK = "\x00jrl-end-of-turn-probe\x00"
 
@@ -129,11 +129,9 @@ class PromptFormat:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       **({"tools": list(tools)} if tools else {}))
-        except ChatTemplateError as e:  # e.g. a role the template does not know: name the record
-            raise ConfigError(f"{problem.where}: the chat template cannot render the prompt: {e}") from None
-        except Exception as e:  # the template's own failure (jinja's UndefinedError, a syntax error, ...)
+        except Exception as e:  # e.g. a role the template does not know, jinja's UndefinedError: name the record
             raise ConfigError(f"{problem.where}: the chat template cannot render the prompt: "
-                              f"{type(e).__name__}: {e}") from None
+                              f"{template_failure(e)}") from None
 
     def encode(self, problem: Problem) -> np.ndarray:
         """int32 prompt ids (no special tokens beyond those the template writes)."""
