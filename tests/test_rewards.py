@@ -1,5 +1,7 @@
 """Reward functions: built-ins, `module:function` loading, weighted sums, errors."""
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 
@@ -263,6 +265,21 @@ def test_a_reward_that_calls_sys_exit_names_the_function_and_record(tmp_path, mo
     with pytest.raises(RewardError) as e:
         model(["p"], ["c"], ["a"], wheres=["data/train.jsonl:3"])
     assert str(e.value) == "reward 'exit_rewards_mod:bye' raised SystemExit: 2 (on data/train.jsonl:3, completion 'c')"
+
+
+def test_a_reward_setting_a_sigalrm_timeout_off_the_main_thread_says_why_it_cannot(tmp_path, monkeypatch):
+    # off_policy / tools run rewards on worker threads, where Python refuses signal handlers:
+    # before, only "signal only works in main thread", not why a reward was off it or what to do
+    user_module(tmp_path, monkeypatch, "alarm_rewards_mod",
+                "import signal\ndef timed(p, c, a):\n    signal.signal(signal.SIGALRM, signal.SIG_DFL)\n    return 1.0\n")
+    model = RewardModel([RewardSpec("alarm_rewards_mod:timed")])
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jrl-rollout") as pool:
+        error = pool.submit(model, ["p"], ["c"], ["a"], wheres=["data/train.jsonl:3"]).exception()
+    assert isinstance(error, RewardError) and str(error) == (
+        "reward 'alarm_rewards_mod:timed' raised ValueError: signal only works in main thread of the main "
+        "interpreter (on data/train.jsonl:3, completion 'c'); it ran on the thread 'jrl-rollout_0', as rewards "
+        "do with strategy.options.off_policy or tools, where no signal handler can be set (a SIGALRM timeout): "
+        "bound it without signals, e.g. in a subprocess with a timeout as math_answer's timeout_s does")
 
 
 def test_weighted_rewards_that_overflow_float32_are_an_error(tmp_path, monkeypatch):

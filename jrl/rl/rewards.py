@@ -33,6 +33,7 @@ import dataclasses
 import inspect
 import math
 import re
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -116,6 +117,17 @@ BUILTINS: dict[str, RewardFn] = {"exact_match": exact_match, "format_check": for
 
 class RewardError(ValueError):
     """A reward function raised or returned a non-finite value; names the function and row."""
+
+
+def _off_main_thread(e: BaseException) -> str:
+    """Why a reward that set a signal handler (a SIGALRM timeout) failed: Python refuses
+    one off the main thread, where off-policy rollouts and tools' episodes score samples."""
+    thread = threading.current_thread()
+    if not (isinstance(e, ValueError) and "main thread" in str(e)) or thread is threading.main_thread():
+        return ""
+    return (f"; it ran on the thread {thread.name!r}, as rewards do with strategy.options.off_policy or tools, "
+            f"where no signal handler can be set (a SIGALRM timeout): bound it without signals, e.g. in a "
+            f"subprocess with a timeout as math_answer's timeout_s does")
 
 
 def takes_example(fn: RewardFn) -> bool:
@@ -253,7 +265,7 @@ class RewardModel:
                     v = fn(p, c, a, **spec.kwargs, **extra)
                 except (Exception, SystemExit) as e:  # sys.exit in a reward must not end the run unnamed
                     raise RewardError(f"reward {spec.fn!r} raised {type(e).__name__}: {e} (on {wheres[j]}, "
-                                      f"completion {c[:200]!r})") from e
+                                      f"completion {c[:200]!r}){_off_main_thread(e)}") from e
                 requirement = reward_requirement(v)
                 if requirement is not None:
                     raise RewardError(f"reward {spec.fn!r}: must return {requirement}, got {_short_repr(v)} "
