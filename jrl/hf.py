@@ -851,23 +851,28 @@ def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embedding
     path = os.fspath(path)
     dtype = dtype_name(dtype)
     target = _numpy_dtype(dtype)
-    config, model_type = config_from_hf(read_hf_config(path), dtype=dtype,
-                                        max_position_embeddings=max_position_embeddings,
-                                        ignore_fields=ignore_fields, where=os.path.join(path, "config.json"))
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
-        files, weight_map = _weight_files(path)
-        for file in files:
-            try:
-                handle = stack.enter_context(safe_open(file, framework="numpy"))
-            except Exception as e:  # safetensors' own error type (truncated header, bad JSON)
-                raise HFFormatError(f"{file}: not a readable safetensors file ({e}); "
-                                    f"is it complete?") from None
-            for name in handle.keys():
-                if name in handles:  # two values for one tensor: neither may be dropped silently
-                    raise HFFormatError(f"{path}: tensor {name!r} is stored in both "
-                                        f"{os.path.basename(handles[name][1])} and {os.path.basename(file)}")
-                handles[name] = (handle, file)
+        # config.json and every weight file are opened under a shared lock on the directory: an
+        # export swaps its files in under the exclusive one (`_commit_export`), so this load reads
+        # one export whole, never the old export's config or first shards with the new one's rest.
+        # The open files stay readable once the lock is dropped, also if an export replaces them.
+        with _shared_lock(path):
+            config, model_type = config_from_hf(read_hf_config(path), dtype=dtype,
+                                                max_position_embeddings=max_position_embeddings,
+                                                ignore_fields=ignore_fields, where=os.path.join(path, "config.json"))
+            files, weight_map = _weight_files(path)
+            for file in files:
+                try:
+                    handle = stack.enter_context(safe_open(file, framework="numpy"))
+                except Exception as e:  # safetensors' own error type (truncated header, bad JSON)
+                    raise HFFormatError(f"{file}: not a readable safetensors file ({e}); "
+                                        f"is it complete?") from None
+                for name in handle.keys():
+                    if name in handles:  # two values for one tensor: neither may be dropped silently
+                        raise HFFormatError(f"{path}: tensor {name!r} is stored in both "
+                                            f"{os.path.basename(handles[name][1])} and {os.path.basename(file)}")
+                    handles[name] = (handle, file)
         for name, file in sorted((weight_map or {}).items()):
             if handles.get(name, (None, None))[1] != file:
                 raise HFFormatError(f"{os.path.join(path, 'model.safetensors.index.json')}: weight_map puts "
@@ -887,6 +892,24 @@ def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embedding
         _set(params, p, np.ascontiguousarray(value.astype(target, copy=False)))
         _set(raw, p, None)  # release the stored-dtype copy before converting the next tensor
     return config, params
+
+
+@contextlib.contextmanager
+def _shared_lock(path: str) -> Any:
+    """A shared flock on the directory `path` for the block (what `_commit_export` takes
+    exclusively). Best effort: none where `path` is no directory (read_hf_config names that)
+    or the file system has no flock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # drops the flock
 
 
 def _leaf_paths(tree: Mapping, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -952,7 +952,11 @@ sys.stdin.readline()
         export.start()
         export.join(timeout=2.0)
         assert export.is_alive()  # written, waiting to move its files in
-        assert hf.params_equal(hf.load_pretrained(tmp_path)[1], qwen_params)
+        # the earlier export is still in place (a load would wait for the lock, as for an export's move)
+        with open(tmp_path / "config.json") as f:
+            assert json.load(f)["model_type"] == "qwen2"
+        assert load_file(tmp_path / "model.safetensors").keys() == hf._tensors_from_params(
+            qwen_params, qwen_config, "qwen2").keys()
         holder.stdin.write("\n")
         holder.stdin.flush()
         export.join(timeout=60)
@@ -961,3 +965,29 @@ sys.stdin.readline()
         holder.kill()
         holder.wait()
     assert hf.params_equal(hf.load_pretrained(tmp_path)[1], llama_params)
+
+
+def test_a_load_while_an_export_moves_its_files_in_reads_one_export_whole(tmp_path, monkeypatch):
+    # the export swaps its shards in under a lock on the directory; a load opening the
+    # shards one by one meanwhile must not read some of the old export and some of the new
+    config, old = hf.load_pretrained(fixture("llama"))
+    new = jax.tree.map(lambda x: x + 1, old)
+    hf.save_pretrained(config, old, tmp_path, max_shard_bytes=20_000)
+    real_open, exports = hf.safe_open, []
+
+    def open_then_export(file, **kw):
+        handle = real_open(file, **kw)
+        if not exports:  # the first shard is open: another process exports into the directory now
+            exports.append(threading.Thread(target=hf.save_pretrained, args=(config, new, tmp_path),
+                                            kwargs={"max_shard_bytes": 20_000}))
+            exports[0].start()
+            exports[0].join(timeout=2.0)
+        return handle
+
+    monkeypatch.setattr(hf, "safe_open", open_then_export)
+    _, loaded = hf.load_pretrained(tmp_path)
+    exports[0].join(timeout=60)
+    assert not exports[0].is_alive()
+    assert hf.params_equal(loaded, old)
+    monkeypatch.setattr(hf, "safe_open", real_open)
+    assert hf.params_equal(hf.load_pretrained(tmp_path)[1], new)
