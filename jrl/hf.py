@@ -117,6 +117,12 @@ _HARMLESS_KEYS = {
     "suppress_tokens", "begin_suppress_tokens",
 }
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# What an error about the config tells the caller to do, by the setting it names (formatted
+# with the window `n`); a jrl run (`init_from: hf:`) passes its own, naming its YAML settings.
+LOAD_PRETRAINED_REMEDIES = {
+    "max_position_embeddings": "pass max_position_embeddings<={n} to load_pretrained",
+    "ignore_fields": "pass ignore_fields=[...] to load_pretrained to drop them on purpose",
+}
 
 
 class HFFormatError(ValueError):
@@ -235,7 +241,7 @@ def _rope_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> tuple[f
 
 
 def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, n_layers: int,
-                          first_sliding: int, where: str) -> None:
+                          first_sliding: int, where: str, cap: str) -> None:
     """Refuses a window shorter than the context on any layer (jrl attends to the whole
     context). Layers from `first_sliding` on use the window; qwen2/qwen3 take it from
     max_window_layers, and newer transformers from layer_types: a window counts if either
@@ -258,8 +264,7 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, 
     if window and window < max_len:
         raise HFFormatError(
             f"{where}: {field}: sliding-window attention with window {window} < max length {max_len} "
-            f"is not supported; pass max_position_embeddings<={window} to load_pretrained to cap the "
-            "context at the window")
+            f"is not supported; {cap.format(n=window)} to cap the context at the window")
     types = set(hf.get("layer_types") or ["full_attention"])
     if types - {"full_attention", "sliding_attention"}:
         raise HFFormatError(f"{where}: layer_types {sorted(types)} are not supported")
@@ -270,12 +275,14 @@ def _check_sliding_window(hf: Mapping[str, Any], model_type: str, max_len: int, 
 
 def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
                    max_position_embeddings: int | None = None, ignore_fields: Iterable[str] = (),
-                   where: str = "config.json") -> tuple[ModelConfig, str]:
+                   where: str = "config.json",
+                   remedies: Mapping[str, str] = LOAD_PRETRAINED_REMEDIES) -> tuple[ModelConfig, str]:
     """(jrl ModelConfig, model_type) for a Hugging Face `config.json` dict.
 
     `max_position_embeddings` overrides the context length (the RoPE table size);
     `ignore_fields` names config keys the caller accepts to drop although jrl does not model them.
-    `dtype`: a name or a dtype object (`jnp.bfloat16`).
+    `dtype`: a name or a dtype object (`jnp.bfloat16`). `remedies`: what the errors tell the
+    caller to set instead of these two arguments (as `LOAD_PRETRAINED_REMEDIES`).
     """
     dtype = dtype_name(dtype)
     model_type = hf.get("model_type")
@@ -291,8 +298,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
         raise HFFormatError(f"{where}: quantization_config: quantized checkpoints are not supported")
     unknown = sorted(set(hf) - _COMMON_KEYS - _FAMILY_KEYS[model_type] - _HARMLESS_KEYS - ignored)
     if unknown:
-        raise HFFormatError(f"{where}: field(s) {unknown} are not supported for {model_type}; pass "
-                            "ignore_fields=[...] to load_pretrained to drop them on purpose")
+        raise HFFormatError(f"{where}: field(s) {unknown} are not supported for {model_type}; "
+                            f"{remedies['ignore_fields']}")
 
     def get(key: str, default: Any = ...) -> Any:
         if key in hf and hf[key] is not None:
@@ -354,7 +361,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
     n_layers = get_int("num_hidden_layers")
     max_len = get_int("max_position_embeddings") if max_position_embeddings is None else max_position_embeddings
     first_sliding = get_int("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS) if model_type in ("qwen2", "qwen3") else 0
-    _check_sliding_window(hf, model_type, max_len, n_layers, first_sliding, where)
+    _check_sliding_window(hf, model_type, max_len, n_layers, first_sliding, where,
+                          remedies["max_position_embeddings"])
     theta, scaling = _rope_from_hf(hf, model_type, where)
     fields: dict[str, Any] = dict(
         vocab_size=get_int("vocab_size"),

@@ -14,6 +14,7 @@ from jrl.checkpoint.manifest import build_manifest, manifest_bytes
 from jrl.config import ConfigError, load_train_config, to_dict
 from jrl.hf import load_pretrained
 from jrl.models.lora import lora_params
+from jrl.train.initial import check_init_from
 from jrl.train.trainer import ResumeWarning, Trainer
 
 LLAMA = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
@@ -305,3 +306,37 @@ def test_a_lora_dpo_run_keeps_only_the_initial_adapters_as_its_reference_on_resu
     again.release_run_dir()
     assert int(again.state.step) == 2
     assert_same(again.reference_params, initial)
+
+
+MISTRAL_MODEL = ["model.vocab_size=128", "model.hidden_size=32", "model.n_heads=4", "model.n_kv_heads=2",
+                 "model.head_dim=16", "model.intermediate_size=64", "model.max_position_embeddings=256"]
+
+
+def hf_copy(tmp_path, family, **changes):
+    """A copy of a fixture's Hugging Face directory with `changes` in its config.json."""
+    where = tmp_path / family
+    shutil.copytree(LLAMA.parent / family, where)
+    config = json.loads((where / "config.json").read_text())
+    config.update(changes)
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def test_a_hugging_face_window_shorter_than_the_context_names_the_run_setting_that_caps_it(tmp_path):
+    where = hf_copy(tmp_path, "mistral", sliding_window=128)
+    with pytest.raises(ConfigError) as error:
+        check_init_from(load_train_config(None, [f"init_from=hf:{where}", *MISTRAL_MODEL]))
+    assert str(error.value) == (
+        f"init_from: {where}/config.json: sliding_window: sliding-window attention with window 128 < max length "
+        "256 is not supported; set model.max_position_embeddings (and data.seq_len) to at most 128 to cap the "
+        "context at the window")
+
+
+def test_a_hugging_face_config_field_jrl_does_not_model_names_how_a_run_can_drop_it(tmp_path):
+    where = hf_copy(tmp_path, "llama", logit_softcapping=30.0)
+    with pytest.raises(ConfigError) as error:
+        check_init_from(load_train_config(None, [f"init_from=hf:{where}", *LLAMA_MODEL]))
+    assert str(error.value) == (
+        f"init_from: {where}/config.json: field(s) ['logit_softcapping'] are not supported for llama; a run "
+        "cannot drop them: to drop them on purpose, convert the model with jrl.hf.load_pretrained(..., "
+        "ignore_fields=[...]) and jrl.hf.save_pretrained, and start from that copy")

@@ -73,6 +73,16 @@ def _check_same_architecture(want, got, src: str) -> None:
         raise ConfigError(f"init_from: the model config differs from {src!r} in {fields}; set these under model:")
 
 
+# What an `init_from: hf:` config error tells the user to do: a run's settings, not
+# load_pretrained's arguments (jrl.hf.LOAD_PRETRAINED_REMEDIES).
+_RUN_REMEDIES = {
+    "max_position_embeddings": "set model.max_position_embeddings (and data.seq_len) to at most {n}",
+    "ignore_fields": ("a run cannot drop them: to drop them on purpose, convert the model with "
+                      "jrl.hf.load_pretrained(..., ignore_fields=[...]) and jrl.hf.save_pretrained, and start from "
+                      "that copy"),
+}
+
+
 def source_model(src: str, mc) -> Any:
     """The model `src` (an `init_from`: a jrl run / checkpoint or `hf:<dir>`) describes,
     read without its weights: a Hugging Face directory's config.json as a ModelConfig (its
@@ -84,7 +94,7 @@ def source_model(src: str, mc) -> Any:
         try:
             hf_config, _ = config_from_hf(read_hf_config(path), dtype=mc.param_dtype,
                                           max_position_embeddings=mc.max_position_embeddings,
-                                          where=os.path.join(path, "config.json"))
+                                          where=os.path.join(path, "config.json"), remedies=_RUN_REMEDIES)
         except HFFormatError as e:
             raise ConfigError(f"init_from: {e}") from None
         return hf_config
