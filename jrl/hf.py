@@ -897,9 +897,25 @@ def load_pretrained(path: str, dtype: Any = "float32", *, max_position_embedding
         if tuple(value.shape) != shape:
             raise HFFormatError(f"{path}: {'/'.join(p)}: checkpoint shape {tuple(value.shape)} does not "
                                 f"match the config's {shape}")
-        _set(params, p, np.ascontiguousarray(value.astype(target, copy=False)))
+        _set(params, p, _converted(value, target, f"{path}: {'/'.join(p)}"))
         _set(raw, p, None)  # release the stored-dtype copy before converting the next tensor
     return config, params
+
+
+def _converted(value: np.ndarray, target: np.dtype, where: str) -> np.ndarray:
+    """`value` in `target`; HFFormatError naming `where` when a finite weight would become
+    inf, which a cast to float16 (largest 65504) does silently."""
+    if target != np.float16 or value.dtype == target:
+        return np.ascontiguousarray(value.astype(target, copy=False))
+    with np.errstate(over="ignore"):
+        out = np.ascontiguousarray(value.astype(target))
+    over = np.isinf(out) & np.isfinite(value)
+    if over.any():
+        largest = float(np.abs(value[over].astype(np.float64)).max())
+        raise HFFormatError(f"{where}: {int(over.sum())} value(s) beyond float16's range (largest magnitude "
+                            f"{largest} > {float(np.finfo(np.float16).max)}) would load as inf; load as "
+                            "bfloat16 or float32")
+    return out
 
 
 @contextlib.contextmanager

@@ -911,6 +911,18 @@ def test_untied_lm_head_differing_from_tied_embedding_is_rejected(tmp_path):
         hf.load_pretrained(src)
 
 
+def test_a_weight_beyond_float16s_range_is_named_not_loaded_as_inf(tmp_path):
+    src = copy_fixture("llama", tmp_path / "big")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = 70000.0  # float16's largest is 65504
+    save_file(tensors, os.path.join(src, "model.safetensors"))
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(src, dtype="float16")
+    assert str(error.value) == (f"{src}: layers/mlp/down_proj/kernel: 1 value(s) beyond float16's range (largest "
+                                "magnitude 70000.0 > 65504.0) would load as inf; load as bfloat16 or float32")
+    assert hf.load_pretrained(src, dtype="bfloat16")[1]["layers"]["mlp"]["down_proj"]["kernel"][1, 5, 3] == 70144.0
+
+
 def test_bad_dtype_is_named():
     with pytest.raises(hf.HFFormatError, match="dtype: must be one of"):
         hf.load_pretrained(fixture("llama"), dtype="int8")
