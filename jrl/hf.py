@@ -549,7 +549,11 @@ def _expert_name(model_type: str, i: int, e: int, proj: str) -> str:
     return f"{_moe_prefix(model_type, i)}.experts.{e}.{name}.weight"
 
 
-_NOT_FLOAT_KINDS = "iub"  # integer, unsigned, bool: quantized or not weights at all (bfloat16 is kind V)
+# The weight dtypes jrl reads and writes (safetensors F16, BF16, F32, F64). Others (integers,
+# bool, complex, float8: quantized or not weights at all) would load, cast, as another model.
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_FLOAT_HEADER_DTYPES = ("F16", "BF16", "F32", "F64")
+_NOT_FLOAT = "; the weights must be floating point"
 
 
 class _Reader:
@@ -573,11 +577,15 @@ class _Reader:
         handle, file = self._handles[name]
         try:
             value = handle.get_tensor(name)
-        except Exception as e:  # data cut short after a valid header
+        except Exception as e:  # data cut short after a valid header, or a dtype numpy lacks (float8)
+            stored = handle.get_slice(name).get_dtype()  # the header's name
+            if stored not in _FLOAT_HEADER_DTYPES:
+                raise HFFormatError(f"{file}: tensor {name!r} has dtype {stored}{_NOT_FLOAT} "
+                                    "(quantized checkpoints are not supported)") from None
             raise HFFormatError(f"{file}: cannot read tensor {name!r} ({e}); is the file complete?") from None
-        if value.dtype.kind in _NOT_FLOAT_KINDS:  # cast to float it would load as a different model
-            raise HFFormatError(f"{file}: tensor {name!r} has dtype {value.dtype}; the weights must be floating "
-                                "point (quantized checkpoints are not supported)")
+        if value.dtype.name not in _FLOAT_DTYPES:  # cast to float it would load as a different model
+            raise HFFormatError(f"{file}: tensor {name!r} has dtype {value.dtype}{_NOT_FLOAT} "
+                                "(quantized checkpoints are not supported)")
         return value
 
 
@@ -1002,8 +1010,9 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
                             "model of this config (e.g. tie_embeddings, qkv_bias), so the export would drop them")
     host = {p: np.asarray(_get(params, p)) for p in expected}
     for p, value in host.items():  # load_pretrained refuses such tensors: the export must load back
-        if value.dtype.kind in _NOT_FLOAT_KINDS:
-            raise HFFormatError(f"params: {'/'.join(p)} has dtype {value.dtype}; the weights must be floating point")
+        if value.dtype.name not in _FLOAT_DTYPES:
+            raise HFFormatError(f"params: {'/'.join(p)} has dtype {value.dtype}{_NOT_FLOAT} "
+                                f"({', '.join(_FLOAT_DTYPES)})")
     host_tree: dict = {}
     for p, v in host.items():
         _set(host_tree, p, v)

@@ -20,6 +20,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -575,6 +576,16 @@ def test_save_refuses_integer_params_it_could_not_load_back(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+def test_save_refuses_complex_params_it_could_not_load_back(tmp_path):
+    config, params = hf.load_pretrained(fixture("llama"))
+    params["final_norm"]["scale"] = np.ones(config.hidden_size, np.complex64)
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.save_pretrained(config, params, tmp_path)
+    assert str(error.value) == ("params: final_norm/scale has dtype complex64; the weights must be floating point "
+                                "(float16, bfloat16, float32, float64)")
+    assert not os.listdir(tmp_path)
+
+
 def export_with_file_size_limit(path, limit: int, *, killed: bool, max_shard_bytes=None):
     """Exports the llama fixture to `path` in a child process whose files may not grow past
     `limit` bytes: a write past it fails with EFBIG (as a full disk fails with ENOSPC), or,
@@ -849,6 +860,30 @@ def test_an_integer_weight_is_named_not_cast(tmp_path):
         hf.load_pretrained(src)
     assert str(error.value) == (f"{file}: tensor 'model.norm.weight' has dtype int8; the weights must be floating "
                                 "point (quantized checkpoints are not supported)")
+
+
+def test_a_complex_weight_is_named_not_cast_to_its_real_part(tmp_path):
+    src = copy_fixture("llama", tmp_path / "complex")
+    file = os.path.join(src, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = np.full(32, 1 + 2j, np.complex64)
+    save_file(tensors, file)
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(src)
+    assert str(error.value) == (f"{file}: tensor 'model.norm.weight' has dtype complex64; the weights must be "
+                                "floating point (quantized checkpoints are not supported)")
+
+
+def test_a_float8_weight_is_named_by_its_dtype_not_as_a_cut_short_file(tmp_path):
+    src = copy_fixture("llama", tmp_path / "fp8")
+    file = os.path.join(src, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(ml_dtypes.float8_e4m3fn)
+    save_file(tensors, file)
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(src)
+    assert str(error.value) == (f"{file}: tensor 'model.norm.weight' has dtype F8_E4M3; the weights must be "
+                                "floating point (quantized checkpoints are not supported)")
 
 
 def test_shape_mismatch_between_config_and_weights_is_named(tmp_path):
