@@ -820,11 +820,17 @@ def _weight_files(path: str) -> tuple[list[str], dict[str, str] | None]:
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
-    """The `config.json` dict of the Hugging Face directory `path`."""
+    """The `config.json` dict of the Hugging Face directory `path`; HFFormatError where it
+    holds a PEFT adapter (`adapter_config.json`), which jrl cannot read."""
     if os.path.isfile(path):  # e.g. .../config.json itself: say what to pass, not "config.json not found"
         raise HFFormatError(f"{path}: is a file; pass the directory that holds config.json")
     if not os.path.isdir(path):  # a typo in the path: not "config.json not found", which sends one looking inside
         raise HFFormatError(f"{path}: no such directory")
+    adapter = os.path.join(path, "adapter_config.json")
+    if os.path.lexists(adapter):  # what transformers loads there is that adapter over its base, not config.json's model
+        raise HFFormatError(f"{adapter}: a PEFT adapter's config; transformers with peft installed loads that adapter "
+                            "over the base model it names, and jrl reads no adapters. Merge it into its base with "
+                            "peft (merge_and_unload, then save_pretrained) and load that")
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         hint = ("; it holds jrl checkpoints, not a Hugging Face model: read them without the hf: prefix "

@@ -348,6 +348,20 @@ def test_save_refuses_a_directory_holding_a_peft_adapter_and_writes_nothing(tmp_
                             "was written")
     assert sorted(os.listdir(tmp_path)) == ["adapter_config.json", "adapter_model.safetensors"]
 
+
+def test_a_model_directory_holding_a_peft_adapter_is_refused_not_read_without_it(tmp_path):
+    # transformers with peft installed loads the adapter over the base model it names; reading
+    # config.json and model.safetensors alone would give another model
+    src = copy_fixture("llama", tmp_path / "with_adapter")
+    with open(os.path.join(src, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "base_model_name_or_path": "base", "r": 8}, f)
+    with pytest.raises(hf.HFFormatError) as e:
+        hf.load_pretrained(src)
+    assert str(e.value) == (f"{src}/adapter_config.json: a PEFT adapter's config; transformers with peft installed "
+                            "loads that adapter over the base model it names, and jrl reads no adapters. Merge it "
+                            "into its base with peft (merge_and_unload, then save_pretrained) and load that")
+
+
 @pytest.mark.parametrize("max_shard_bytes", [None, 20_000])
 def test_exported_weight_files_are_as_readable_as_config_json(tmp_path, max_shard_bytes):
     # safetensors writes through a 0600 temporary file: another user (a server, a shared
