@@ -815,6 +815,9 @@ def _weight_files(path: str) -> tuple[list[str], dict[str, str] | None]:
                 raise HFFormatError(f"{index}: weight_map puts {len(listed)} tensor(s) (e.g. {listed[0]!r}) in "
                                     f"{os.path.basename(file)}, which does not exist; is the download complete?")
         return files, weight_map
+    for file in (single, index):  # e.g. a Hugging Face cache snapshot whose blob was never written
+        if os.path.islink(file):
+            raise HFFormatError(f"{file}: a broken symbolic link (to {os.readlink(file)}); is the download complete?")
     raise HFFormatError(f"{path}: no model.safetensors or model.safetensors.index.json "
                         "(only safetensors checkpoints are supported)")
 

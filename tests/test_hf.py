@@ -376,6 +376,18 @@ def test_exported_weight_files_are_as_readable_as_config_json(tmp_path, max_shar
     assert set(modes.values()) == {0o644}, modes
 
 
+def test_a_weight_file_that_is_a_broken_link_is_named_as_one(tmp_path):
+    # the Hugging Face cache links snapshots/<rev>/model.safetensors to a blob that an
+    # interrupted download never wrote
+    src = copy_fixture("llama", tmp_path / "snapshot")
+    os.remove(os.path.join(src, "model.safetensors"))
+    os.symlink("../blobs/0123abcd", os.path.join(src, "model.safetensors"))
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(src)
+    assert str(error.value) == (f"{src}/model.safetensors: a broken symbolic link (to ../blobs/0123abcd); "
+                                "is the download complete?")
+
+
 def test_an_unreadable_shard_index_is_named(tmp_path):
     config, params = hf.load_pretrained(fixture("llama"))
     hf.save_pretrained(config, params, tmp_path, max_shard_bytes=40_000)
