@@ -983,6 +983,9 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     Returns the model_type written.
     """
     path = os.fspath(path)
+    if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
+                                        or max_shard_bytes <= 0):  # before anything is written
+        raise HFFormatError(f"max_shard_bytes: must be a positive integer (bytes) or None, got {max_shard_bytes!r}")
     if _has_lora(params):
         raise HFFormatError("params contain LoRA adapters (lora_a/lora_b); merge them first with "
                             "jrl.models.lora.merge_lora(config, params)")
@@ -1148,8 +1151,6 @@ def _remove_weight_files(path: str) -> None:
 def _shard(tensors: dict[str, np.ndarray], max_bytes: int | None) -> list[dict[str, np.ndarray]]:
     if max_bytes is None:
         return [tensors]
-    if max_bytes <= 0:
-        raise HFFormatError(f"max_shard_bytes: must be > 0, got {max_bytes}")
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):

@@ -602,6 +602,16 @@ def test_save_refuses_integer_params_it_could_not_load_back(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("size", ["5GB", True, 0, 2.5e9])
+def test_a_shard_size_that_is_not_a_positive_integer_is_named_before_anything_is_written(tmp_path, size):
+    # transformers' max_shard_size takes "5GB"; max_shard_bytes is a number of bytes
+    config, params = hf.load_pretrained(fixture("llama"))
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.save_pretrained(config, params, tmp_path / "out", max_shard_bytes=size)
+    assert str(error.value) == f"max_shard_bytes: must be a positive integer (bytes) or None, got {size!r}"
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_save_refuses_complex_params_it_could_not_load_back(tmp_path):
     config, params = hf.load_pretrained(fixture("llama"))
     params["final_norm"]["scale"] = np.ones(config.hidden_size, np.complex64)
