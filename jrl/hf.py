@@ -293,6 +293,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
         raise HFFormatError(f"{where}: model_type {model_type!r} is not supported; "
                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     _numpy_dtype(dtype)
+    if isinstance(ignore_fields, str):  # set() of it would ignore its letters, not the field
+        raise HFFormatError(f"ignore_fields: must be a list of config field names, got the string "
+                            f"{ignore_fields!r} (write [{ignore_fields!r}])")
     ignored = set(ignore_fields)
     if "quantization_config" in hf and "quantization_config" not in ignored:
         raise HFFormatError(f"{where}: quantization_config: quantized checkpoints are not supported")

@@ -817,6 +817,14 @@ def test_unknown_field_is_named_and_can_be_ignored_on_purpose():
     assert hf.config_from_hf(cfg, ignore_fields=["logit_softcapping"])[1] == "llama"
 
 
+def test_ignore_fields_given_as_one_string_is_named_not_read_as_its_letters():
+    cfg = {**fixture_config("llama"), "logit_softcapping": 30.0}
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.config_from_hf(cfg, ignore_fields="logit_softcapping")
+    assert str(error.value) == ("ignore_fields: must be a list of config field names, got the string "
+                                "'logit_softcapping' (write ['logit_softcapping'])")
+
+
 @pytest.mark.parametrize("kind", ["linear", "dynamic", "llama3"])
 def test_a_rope_type_without_its_factor_is_named(kind):
     cfg = {**fixture_config("llama"), "rope_parameters": {"rope_type": kind, "rope_theta": 10000.0}}
