@@ -712,6 +712,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         m_0 = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
         one = plgpu.layout_cast(jnp.full((rows,), 1.0, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
 
+        def add_product(acc, alpha, product, scale):
+            """`acc` rescaled by the block's `alpha`, plus its P·V `product` scaled back (`scale`:
+            its P^T bound over 448), both per query."""
+            return (acc * lax.broadcast_in_dim(alpha, acc_shape, [q_axis])
+                    + product * lax.broadcast_in_dim(scale, acc_shape, [q_axis]))
+
         def scoped(s_ref, pv_ref):
             scores = Products(s_ref, interpret)
             values = Products(pv_ref, interpret)
@@ -747,8 +753,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 def _release():
                     v_done(i - 1)
 
-                acc = (acc * lax.broadcast_in_dim(alpha_last, acc_shape, [q_axis])
-                       + last * lax.broadcast_in_dim(scale_last, acc_shape, [q_axis]))
+                acc = add_product(acc, alpha_last, last, scale_last)
                 top = store_e4m3_probabilities(p_tile, pv, s_max, m_new, v_top)
                 pv_pending = values.start(zip(*e4m3_value_operands(v_op, p_tile)))
                 return acc, m_new, l_i, alpha, top / FP8_MAX, s_pending, pv_pending
@@ -763,9 +768,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 k_done(n_steps - 1)
                 v_done(n_steps - 1)
 
-            acc = (acc * lax.broadcast_in_dim(alpha_last, acc_shape, [q_axis])
-                   + last * lax.broadcast_in_dim(scale_last, acc_shape, [q_axis]))
-            return acc, m_i, l_i.sum(axis=key_axis)
+            return add_product(acc, alpha_last, last, scale_last), m_i, l_i.sum(axis=key_axis)
 
         return pl.run_scoped(scoped, plgpu.ACC(wide, jnp.float32), plgpu.ACC((d, 2 * rows), jnp.float32))
 
