@@ -71,6 +71,28 @@ def test_preference_pair_with_the_same_response_twice_is_named_by_its_file_line(
         load_documents(cfg, TOK, "train")
 
 
+def test_preference_pair_whose_responses_tokenize_the_same_is_refused_naming_its_file_line(tmp_path):
+    # "Yes" and "yes" differ as text, but a lowercasing tokenizer gives both the same ids: two equal rows,
+    # counted in DPO's average (and as a wrong preference in reward_accuracy) with nothing to learn
+    from tokenizers import Tokenizer as RawTokenizer, models, normalizers
+    vocab = {"<unk>": 0, "</s>": 1, **{c: 2 + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz0123456789+=?")}}
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    raw.normalizer = normalizers.Lowercase()
+    raw.add_special_tokens(["</s>"])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = load_tokenizer(str(tmp_path))
+    src = tmp_path / "pairs.jsonl"
+    src.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+                   '{"prompt": "ok?", "chosen": "Yes", "rejected": "yes"}\n')
+    cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), eval_fraction=0.0)
+    with pytest.raises(ConfigError) as e:
+        load_documents(cfg, tok, "train")
+    assert str(e.value) == (f"{src}:2: fields 'chosen' and 'rejected' (data.chosen_field / data.rejected_field) hold "
+                            f"'Yes' and 'yes', which the tokenizer encodes to the same tokens; a preference pair "
+                            f"needs two different responses")
+
+
 def test_preference_empty_response_without_eos_is_refused_naming_the_field():
     cfg = DataConfig(format="preference", sections=(Section(field="prompt"),), add_eos=False)
     with pytest.raises(ConfigError, match=r"^rec 5: field 'rejected' \(data.rejected_field\) is empty, so there is "

@@ -154,10 +154,10 @@ def encode_record(record: dict[str, Any], config: DataConfig, tokenizer: Tokeniz
 
 def _preference_documents(record: dict, config: DataConfig, tokenizer: Tokenizer,
                           prompt: list[tuple[str, bool]], where: str) -> list[Document]:
-    """prompt + chosen and prompt + rejected. A pair whose two responses are the same, or
-    one with a response that leaves nothing to score, is refused: DPO would count it in
-    the loss's average (and as a wrong preference in `reward_accuracy`) while it carries
-    no preference to learn."""
+    """prompt + chosen and prompt + rejected. A pair whose two responses are the same (as
+    text, or as the tokens the tokenizer gives them), or one with a response that leaves
+    nothing to score, is refused: DPO would count it in the loss's average (and as a wrong
+    preference in `reward_accuracy`) while it carries no preference to learn."""
     keys = ("data.chosen_field", "data.rejected_field")
     fields = (config.chosen_field, config.rejected_field)
     chosen, rejected = (_field_text(record, f, where, k) for f, k in zip(fields, keys))
@@ -165,6 +165,10 @@ def _preference_documents(record: dict, config: DataConfig, tokenizer: Tokenizer
         raise ConfigError(f"{where}: fields {fields[0]!r} and {fields[1]!r} ({' / '.join(keys)}) hold the same "
                           f"response {chosen!r}; a preference pair needs two different ones")
     docs = [_document(prompt + [(text, True)], tokenizer, config.add_eos) for text in (chosen, rejected)]
+    if np.array_equal(docs[0][0], docs[1][0]):  # e.g. a tokenizer that lowercases, or maps both to <unk>
+        raise ConfigError(f"{where}: fields {fields[0]!r} and {fields[1]!r} ({' / '.join(keys)}) hold {chosen!r} and "
+                          f"{rejected!r}, which the tokenizer encodes to the same tokens; a preference pair needs two "
+                          f"different responses")
     for (_, train), field, key in zip(docs, fields, keys):
         if not train.any():
             raise ConfigError(f"{where}: field {field!r} ({key}) is empty, so there is nothing to score "

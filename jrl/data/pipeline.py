@@ -75,8 +75,10 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Che
 
 # How records become documents, for `cache_key`: raised when that changes, so a cached store
 # tokenised the old way is built again. 2: numbers as the file writes them (0.50, not 0.5),
-# chat templates given tools=None, tojson's arguments in transformers' order.
-RECORD_ENCODING_VERSION = 2
+# chat templates given tools=None, tojson's arguments in transformers' order. 3: a preference
+# pair whose responses the tokenizer encodes to the same tokens is refused (a store written
+# before may hold one).
+RECORD_ENCODING_VERSION = 3
 
 
 def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
