@@ -93,6 +93,18 @@ def test_preference_pair_whose_responses_tokenize_the_same_is_refused_naming_its
                             f"needs two different responses")
 
 
+def test_preference_response_given_as_chat_messages_is_refused_naming_file_line_and_config_key(tmp_path):
+    # a file mixing text responses with chat-style ones (as in conversational preference datasets)
+    src = tmp_path / "pairs.jsonl"
+    src.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n'
+                   '{"prompt": "2+2=", "chosen": "4", "rejected": [{"role": "assistant", "content": "5"}]}\n')
+    cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), eval_fraction=0.0)
+    with pytest.raises(ConfigError) as e:
+        load_documents(cfg, TOK, "train")
+    assert str(e.value) == (f"{src}:2: field 'rejected' (data.rejected_field) is a list; data.format 'preference' takes "
+                            f"each response as one text (a string or number), not chat messages")
+
+
 def test_preference_empty_response_without_eos_is_refused_naming_the_field():
     cfg = DataConfig(format="preference", sections=(Section(field="prompt"),), add_eos=False)
     with pytest.raises(ConfigError, match=r"^rec 5: field 'rejected' \(data.rejected_field\) is empty, so there is "

@@ -160,6 +160,10 @@ def _preference_documents(record: dict, config: DataConfig, tokenizer: Tokenizer
     preference in `reward_accuracy`) while it carries no preference to learn."""
     keys = ("data.chosen_field", "data.rejected_field")
     fields = (config.chosen_field, config.rejected_field)
+    for field, key in zip(fields, keys):
+        if isinstance(record.get(field), list):  # e.g. a conversational dataset's [{role, content}, ...]
+            raise ConfigError(f"{where}: field {field!r} ({key}) is a list; data.format 'preference' takes each "
+                              f"response as one text (a string or number), not chat messages")
     chosen, rejected = (_field_text(record, f, where, k) for f, k in zip(fields, keys))
     if chosen == rejected:
         raise ConfigError(f"{where}: fields {fields[0]!r} and {fields[1]!r} ({' / '.join(keys)}) hold the same "
