@@ -163,6 +163,13 @@ def check_task_prompts(config: TrainConfig, task: Task, fmt: PromptFormat) -> No
 def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> RenderedDemonstrations:
     """The warm start's demonstrations of `config` (its `task`, rendered by `fmt`), read and
     checked as the warm start trains on them; writes nothing (a dry run's check)."""
+    return _render_and_measure(config, task, fmt)[0]
+
+
+def _render_and_measure(config: TrainConfig, task: Task, fmt: PromptFormat) -> tuple[RenderedDemonstrations,
+                                                                                    list[int]]:
+    """`render_warm_start`'s demonstrations and each one's tokens (`_demonstration_lengths`,
+    tokenized once for every check of their rows)."""
     options = RLOptions.from_config(config.strategy.options)
     ws = _warm_start_of(options)
     if not task.validation:
@@ -175,10 +182,11 @@ def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> Ren
     too_long = turns_past_max_new_tokens(rendered, fmt, options.max_new_tokens)
     if too_long:
         warnings.warn(too_long, stacklevel=2)
-    past_rows = demonstrations_past_rows(rendered, fmt, *_rows_of(config, ws))
+    lengths = _demonstration_lengths(rendered, fmt)
+    past_rows = demonstrations_past_rows(rendered, lengths, *_rows_of(config, ws))
     if past_rows:
-        warnings.warn(past_rows, stacklevel=2)
-    return rendered
+        warnings.warn(past_rows, stacklevel=3)
+    return rendered, lengths
 
 
 # the SFT stage's own warnings of documents its rows cut, which name data.seq_len / data.overflow
@@ -193,22 +201,22 @@ def _rows_of(config: TrainConfig, ws: WarmStartConfig) -> tuple[int, str]:
     return ws.seq_len or config.data.seq_len, f"{PREFIX}seq_len" if ws.seq_len else "data.seq_len"
 
 
-def _demonstration_lengths(rendered: RenderedDemonstrations, fmt: PromptFormat, seq_len: int) -> list[int]:
-    """Each demonstration's tokens (prompt, response and stop token), encoded as the SFT stage encodes them."""
-    data = DataConfig(source=rendered.source, format="sections", seq_len=seq_len,
+def _demonstration_lengths(rendered: RenderedDemonstrations, fmt: PromptFormat) -> list[int]:
+    """Each demonstration's tokens (prompt, response and stop token), encoded as the SFT stage
+    encodes them (whole: the rows' length cuts nothing here)."""
+    data = DataConfig(source=rendered.source, format="sections",
                       sections=(Section(field="prompt"), Section(field="response", train=True)),
                       add_eos=not rendered.rows[0]["templated"])
     return [len(encode_record({"prompt": r["prompt"], "response": r["response"]}, data, fmt.tokenizer)[0][0])
             for r in rendered.rows]
 
 
-def demonstrations_short_of_batch(rendered: RenderedDemonstrations, fmt: PromptFormat, data: DataConfig,
-                                  seq_field: str) -> str | None:
+def demonstrations_short_of_batch(lengths: list[int], data: DataConfig, seq_field: str) -> str | None:
     """A warning naming the warm start's batch_size when its demonstrations pack into fewer
     rows than a batch of the SFT stage's `data` (whose seq_len `seq_field` sets): every
     batch repeats rows. None when they fill a batch."""
-    k = len(rendered.rows)
-    rows = len(plan_rows(np.asarray(_demonstration_lengths(rendered, fmt, data.seq_len)), data.seq_len,
+    k = len(lengths)
+    rows = len(plan_rows(np.asarray(lengths), data.seq_len,
                          pack=data.pack, overflow=data.overflow))
     if rows >= data.batch_size:
         return None
@@ -217,14 +225,13 @@ def demonstrations_short_of_batch(rendered: RenderedDemonstrations, fmt: PromptF
             f"{PREFIX}batch_size={data.batch_size}: every batch repeats rows")
 
 
-def demonstrations_past_rows(rendered: RenderedDemonstrations, fmt: PromptFormat, seq_len: int,
+def demonstrations_past_rows(rendered: RenderedDemonstrations, lengths: list[int], seq_len: int,
                              field: str) -> str | None:
     """A warning naming `field` when demonstrations (prompt, response and stop token, encoded
     as the SFT stage encodes them) are longer than the warm start's rows of `seq_len`
     tokens: the stage cuts them at the right, so the model never learns their ends, the
-    stop token included. None when all fit."""
-    lengths = zip(_demonstration_lengths(rendered, fmt, seq_len), (r["where"] for r in rendered.rows))
-    long = [(n, where) for n, where in lengths if n > seq_len]
+    stop token included. None when all fit. `lengths`: `_demonstration_lengths`."""
+    long = [(n, r["where"]) for n, r in zip(lengths, rendered.rows) if n > seq_len]
     if not long:
         return None
     n, where = max(long, key=lambda x: x[0])
@@ -255,7 +262,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
     task = make_task(options.task)
     fmt = task_format(config, options)
     check_task_prompts(config, task, fmt)  # the GRPO stage's check, made before the warm start trains
-    rendered = render_warm_start(config, task, fmt)
+    rendered, lengths = _render_and_measure(config, task, fmt)
     demos = write_demonstrations(rendered, warm_dir)
     if demos.source != ws.source:
         print(f"warm start: {demos.count} demonstrations of {ws.source} rendered into {demos.source}"
@@ -270,7 +277,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
                           steps_field=f"{field}.max_steps")
     if why is not None:
         warnings.warn(why, LongWarmupWarning, stacklevel=2)
-    few_rows = demonstrations_short_of_batch(rendered, fmt, sft.data, _rows_of(config, ws)[1])
+    few_rows = demonstrations_short_of_batch(lengths, sft.data, _rows_of(config, ws)[1])
     if few_rows:
         warnings.warn(few_rows, stacklevel=2)
     with warnings.catch_warnings():
