@@ -31,7 +31,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, normalizers
 from tokenizers import models as tok_models
 
-from chat_fixtures import write_chat_tokenizer
+from chat_fixtures import CHATML, write_chat_tokenizer
 from jrl import checkpoint
 from jrl.bench.cli import main as bench
 from jrl.bench.serve_client import split_load
@@ -425,6 +425,8 @@ BAD = [
      "max_completion_tokens"),
     ("stop not strings", "/v1/completions", {**COMP, "stop": [1]}, "stop"),
     ("stream a string", "/v1/completions", {**COMP, "stream": "true"}, "stream"),
+    ("add_special_tokens a string", "/v1/completions", {**COMP, "add_special_tokens": "false"},
+     "add_special_tokens"),
     ("logprobs a number", "/v1/chat/completions", {**CHAT, "logprobs": 1}, "logprobs"),
     ("logit_bias", "/v1/completions", {**COMP, "logit_bias": {"5": 10}}, "logit_bias"),
     ("image content", "/v1/chat/completions",
@@ -482,7 +484,7 @@ NULLABLE = ("n", "max_tokens", "temperature", "top_p", "frequency_penalty", "pre
 @pytest.mark.parametrize("path,body,extra", [
     ("/v1/chat/completions", CHAT, ("top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                                     "response_format", "chat_template_kwargs")),
-    ("/v1/completions", COMP, ("echo", "best_of", "suffix"))], ids=["chat", "completions"])
+    ("/v1/completions", COMP, ("echo", "best_of", "suffix", "add_special_tokens"))], ids=["chat", "completions"])
 def test_optional_fields_sent_as_null_take_their_defaults(live, path, body, extra):
     # OpenAI's optional parameters are nullable: clients that build the body from a struct send null for unset
     nulls = {k: None for k in (*NULLABLE, *extra)}
@@ -560,6 +562,107 @@ def test_more_than_four_stop_strings_is_a_400_naming_stop(live):
                                  "param": "stop", "code": None}
     ok = live.http.post("/v1/completions", json={**COMP, "stop": ["a", "b", "c", "d"], "max_tokens": 1})
     assert ok.status_code == 200, ok.text
+
+
+BOS = "<s>"
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory):
+    """A server (the engine on a thread, Starlette's test client) over a model whose tokenizer
+    prepends BOS when asked for its special tokens (Llama's post-processor) and whose chat
+    template writes `bos_token` itself (Llama's, Mistral's)."""
+    d = write_chat_tokenizer(tmp_path_factory.mktemp("bos") / "tiny", template="{{ bos_token }}" + CHATML, bos=BOS)
+    config = from_dict(ModelConfig, MODEL)
+    save_pretrained(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)), str(d),
+                    model_type="qwen2")
+    server, app = build(build_parser().parse_args(["--model", f"hf:{d}", "--served-model-name", NAME,
+                                                   "--engine-in-process", "--no-warmup", *ENGINE_FLAGS]))
+    with TestClient(app) as client:
+        yield server, client
+
+
+@pytest.fixture
+def engine_prompts(bos_server, monkeypatch) -> list[list[int]]:
+    """The prompt ids each engine request of the bos_server is given, in order."""
+    worker, prompts = bos_server[0].worker, []
+    real_submit = worker.submit
+
+    def submit(prompt, *args, **kwargs):
+        prompts.append([int(t) for t in prompt])
+        return real_submit(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "submit", submit)
+    return prompts
+
+
+def complete(bos_server, **fields) -> httpx.Response:
+    return bos_server[1].post("/v1/completions", json={**COMP, "max_tokens": 1, **fields})
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos(bos_server, engine_prompts):
+    # as vLLM (and transformers) encode a completions prompt: with the tokenizer's special tokens
+    tok = bos_server[0].tokenizer
+    r = complete(bos_server, prompt="the cat")
+    assert r.status_code == 200, r.text
+    assert engine_prompts == [[tok.bos_id, *tok.encode("the cat")]]
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("the cat")) + 1
+
+
+def test_each_text_prompt_of_a_list_gets_the_bos(bos_server, engine_prompts):
+    tok = bos_server[0].tokenizer
+    r = complete(bos_server, prompt=["the cat", "the mat"])
+    assert r.status_code == 200, r.text
+    assert engine_prompts == [[tok.bos_id, *tok.encode("the cat")], [tok.bos_id, *tok.encode("the mat")]]
+
+
+def test_add_special_tokens_false_leaves_the_text_prompt_as_the_tokenizer_encodes_it(bos_server, engine_prompts):
+    tok = bos_server[0].tokenizer
+    r = complete(bos_server, prompt="the cat", add_special_tokens=False)
+    assert r.status_code == 200, r.text
+    assert engine_prompts == [tok.encode("the cat")]
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("the cat"))
+
+
+@pytest.mark.parametrize("add_special_tokens", [None, True, False])
+def test_token_id_prompts_reach_the_engine_as_given(bos_server, engine_prompts, add_special_tokens):
+    extra = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+    r = complete(bos_server, prompt=[[5, 6, 7], [8]], **extra)
+    assert r.status_code == 200, r.text
+    assert engine_prompts == [[5, 6, 7], [8]] and r.json()["usage"]["prompt_tokens"] == 4
+
+
+def test_the_bos_counts_in_the_prompt_length_that_max_tokens_must_fit_beside(bos_server):
+    tok = bos_server[0].tokenizer
+    text = "the cat sat on the mat " * 17  # about 120 tokens: a few left for max_tokens
+    n = len(tok.encode(text))
+    r = complete(bos_server, prompt=text, max_tokens=128 - n)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": f"max_tokens: prompt ({n + 1} tokens) + max_tokens ({128 - n}) = 129 "
+                                            f"exceeds the context of 128 tokens (max_seq_len)",
+                                 "type": "invalid_request_error", "param": "max_tokens", "code": None}
+    without = complete(bos_server, prompt=text, max_tokens=128 - n, add_special_tokens=False, ignore_eos=True)
+    assert without.status_code == 200, without.text
+
+
+def test_an_empty_text_prompt_is_the_bos_alone(bos_server, engine_prompts):
+    # what vLLM samples from too: the start of a text
+    r = complete(bos_server, prompt="")
+    assert r.status_code == 200, r.text
+    assert engine_prompts == [[bos_server[0].tokenizer.bos_id]] and r.json()["usage"]["prompt_tokens"] == 1
+
+
+def test_a_chat_prompt_has_the_templates_bos_once(bos_server, engine_prompts):
+    # the template writes BOS; the rendered text is encoded without adding another
+    server, client = bos_server
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={**CHAT, "messages": messages, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    tok = server.tokenizer
+    (prompt,) = engine_prompts
+    assert prompt == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    assert prompt[0] == tok.bos_id and prompt.count(tok.bos_id) == 1
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt)
 
 
 def test_models_retrieve_gives_the_served_model(live):

@@ -281,7 +281,9 @@ class Server:
             where = "prompt" if len(raw) == 1 else f"prompt[{k}]"
             if isinstance(x, str):
                 _check_text(x, where, "prompt")
-            ids = list(self.tokenizer.encode(x) if isinstance(x, str) else x)
+                ids = list(self.tokenizer.encode(x, add_special_tokens=body.add_special_tokens))
+            else:
+                ids = list(x)
             if not ids:
                 raise ServeError(f"{where}: must hold at least one token", param="prompt")
             # checked as Python ints: an id beyond int64 would not even convert

@@ -243,6 +243,9 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's: a text prompt is encoded with the tokenizer's special tokens (its BOS), as
+    # transformers encodes a text; false: the text's own tokens only. Token ids are sent as given.
+    add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")
     @classmethod
