@@ -445,6 +445,13 @@ BAD = [
     ("name not a string", "/v1/chat/completions",
      {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "x", "name": 5}]},
      "messages[1].name"),
+    ("tool message without tool_call_id", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]},
+                           {"role": "tool", "content": "5"}]}, "messages[2].tool_call_id"),
+    ("tool message answering no call", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c", "content": "5"}]},
+     "messages[1].tool_call_id"),
     ("stream_options without stream", "/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}},
      "stream_options"),
     ("stream_options with stream false", "/v1/completions",
@@ -518,16 +525,24 @@ def test_a_message_with_an_unknown_role_is_a_400_naming_its_role(live):
                                   "type": "invalid_request_error", "param": "messages[1].role", "code": None}}
 
 
+CALL = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+ASKED = [{"role": "user", "content": "what is 2 plus 3?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+
+
 @pytest.mark.parametrize("role", ["system", "developer", "user", "tool", "assistant"])
 @pytest.mark.parametrize("content", ["missing", None])
 def test_a_message_without_content_is_a_400_naming_it(live, role, content):
     message = {"role": role} if content == "missing" else {"role": role, "content": None}
-    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "hi"}, message]})
+    # a tool message otherwise valid: it answers the tool call before it
+    before, message = (ASKED, {**message, "tool_call_id": "call_0"}) if role == "tool" else (CHAT["messages"], message)
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": [*before, message]})
     assert r.status_code == 400, r.text
     unless = " unless it has tool_calls" if role == "assistant" else ""
+    i = len(before)
     assert r.json()["error"] == {
-        "message": f"messages[1].content: missing; a '{role}' message needs content (a string or a list of "
-                   f"text parts){unless}", "type": "invalid_request_error", "param": "messages[1].content", "code": None}
+        "message": f"messages[{i}].content: missing; a '{role}' message needs content (a string or a list of "
+                   f"text parts){unless}", "type": "invalid_request_error", "param": f"messages[{i}].content",
+        "code": None}
 
 
 def test_a_message_name_is_a_string_or_null(live):
@@ -553,6 +568,53 @@ def test_an_assistant_message_with_tool_calls_and_null_content_is_accepted(live)
     rendered = tok.apply_chat_template([messages[0], {**messages[1], "content": ""}, messages[2]],
                                        add_generation_prompt=True, tools=tools)
     assert r.usage.prompt_tokens == len(tok.encode(rendered)) and r.usage.completion_tokens == 2
+
+
+def tool_call_id_error(live, messages: list[dict], message: str) -> None:
+    """The 400 of the last message's `tool_call_id`, its message `message`."""
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code == 400, r.text
+    where = f"messages[{len(messages) - 1}].tool_call_id"
+    assert r.json()["error"] == {"message": f"{where}: {message}", "type": "invalid_request_error", "param": where,
+                                 "code": None}
+
+
+@pytest.mark.parametrize("answer", [{"content": "5"}, {"content": "5", "tool_call_id": None}], ids=["missing", "null"])
+def test_a_tool_message_without_tool_call_id_is_a_400_naming_it(live, answer):
+    # as OpenAI's API: a tool message says which call it answers
+    tool_call_id_error(live, [*ASKED, {"role": "tool", **answer}],
+                       "missing; a 'tool' message needs the id of the tool call it answers (one of the tool_calls of "
+                       "the assistant message before it)")
+
+
+def test_a_tool_call_id_that_is_not_a_string_is_a_400_naming_it(live):
+    tool_call_id_error(live, [*ASKED, {"role": "tool", "tool_call_id": 0, "content": "5"}], "must be a string, got 0")
+
+
+@pytest.mark.parametrize("before", [
+    ASKED[:1],
+    [ASKED[0], {"role": "assistant", "content": "Let me add."}],
+    [*ASKED, {"role": "tool", "tool_call_id": "call_0", "content": "5"}, {"role": "user", "content": "and 4 + 4?"}],
+], ids=["after a user message", "after an assistant message without tool_calls", "after a later user message"])
+def test_a_tool_message_after_no_tool_call_is_a_400_naming_its_tool_call_id(live, before):
+    # as OpenAI's API: a tool message answers a call of the assistant message right before it
+    tool_call_id_error(live, [*before, {"role": "tool", "tool_call_id": "call_0", "content": "5"}],
+                       "'call_0' answers no tool call: a 'tool' message must follow an assistant message with "
+                       "tool_calls (or the other tool messages answering it)")
+
+
+def test_a_tool_message_answering_an_id_of_no_call_is_a_400_naming_its_tool_call_id(live):
+    tool_call_id_error(live, [*ASKED, {"role": "tool", "tool_call_id": "call_7", "content": "5"}],
+                       "'call_7' answers no tool call of messages[1] (its tool_calls' ids: 'call_0')")
+
+
+def test_tool_messages_answering_each_call_of_the_assistant_message_before_them_are_accepted(live):
+    second = {**CALL, "id": "call_1", "function": {"name": "add", "arguments": '{"a": 4, "b": 4}'}}
+    messages = [ASKED[0], {"role": "assistant", "content": None, "tool_calls": [CALL, second]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "8"},
+                {"role": "tool", "tool_call_id": "call_0", "content": "5"}]
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": messages, "max_tokens": 1})
+    assert r.status_code == 200, r.text
 
 
 def test_more_than_four_stop_strings_is_a_400_naming_stop(live):
@@ -1699,6 +1761,18 @@ def test_a_streamed_answer_with_tool_calls_streams_them_as_tool_calls(live, monk
     assert content == "Let me add." and finish == "tool_calls"
     assert [call.model_dump() for call in calls] == [
         {"index": 0, "id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]
+
+
+def test_an_answers_tool_calls_sent_back_with_their_answers_continue_the_conversation(live, monkeypatch):
+    # as docs/serve.md shows: the assistant message with its tool_calls as they came, a tool message per call
+    n_tokens = script_answers(monkeypatch, live.server.tokenizer, TOOL_ANSWER)
+    messages = [{"role": "user", "content": "2 plus 3?"}]
+    kw = dict(model=NAME, tools=ADD_TOOL, max_tokens=n_tokens, extra_body={"ignore_eos": True})
+    calls = live.client.chat.completions.create(messages=messages, **kw).choices[0].message.tool_calls
+    messages += [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+                 *({"role": "tool", "tool_call_id": c.id, "content": "5"} for c in calls)]
+    again = live.client.chat.completions.create(messages=messages, **kw)
+    assert again.choices[0].finish_reason == "tool_calls"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])

@@ -193,9 +193,12 @@ class ChatCompletionRequest(_Common):
         """Each message's role is one of OpenAI's, its `name` (if any) a string and its
         content a string or a non-empty list of parts, present unless the role lets it be
         null: an assistant message carrying `tool_calls` (or the legacy `function_call`), a
-        `function` message (OpenAI's rule). Without this a message with no content reached
-        the template as "" and an unknown role was rendered as written."""
+        `function` message (OpenAI's rule); a `tool` message answers a call of the assistant
+        message before it (`_check_tool_answer`). Without this a message with no content
+        reached the template as "", an unknown role was rendered as written, and a tool's
+        answer to no call reached the model."""
         expected = ", ".join(repr(r) for r in ROLES)
+        asked: tuple[int, list[Any]] | None = None  # the assistant message tool messages may answer, its call ids
         for i, m in enumerate(self.messages):
             if m.role is None:
                 raise ServeError(f"messages[{i}].role: missing; expected one of {expected}",
@@ -203,13 +206,17 @@ class ChatCompletionRequest(_Common):
             if m.role not in ROLES:
                 raise ServeError(f"messages[{i}].role: {m.role!r} is not a role; expected one of {expected}",
                                  param=f"messages[{i}].role")
-            name = (m.model_extra or {}).get("name")
+            extra = m.model_extra or {}
+            name = extra.get("name")
             if name is not None and not isinstance(name, str):  # as OpenAI's; a template would render it as is
                 raise ServeError(f"messages[{i}].name: must be a string, got {_short_repr(name)}",
                                  param=f"messages[{i}].name")
+            if m.role == "tool":
+                _check_tool_answer(i, extra.get("tool_call_id"), asked)
+            else:
+                asked = (i, _call_ids(extra.get("tool_calls"))) if m.role == "assistant" else None
             where = f"messages[{i}].content"
             if m.content is None:
-                extra = m.model_extra or {}
                 calls = extra.get("tool_calls") or extra.get("function_call")
                 if m.role == "function" or (m.role == "assistant" and calls):
                     continue
@@ -271,6 +278,32 @@ class CompletionRequest(_Common):
             raise ServeError("best_of: not supported by this server (leave it out or equal to n)", param="best_of")
         if self.suffix:
             raise ServeError("suffix: not supported by this server (no fill-in-the-middle)", param="suffix")
+
+
+def _call_ids(calls: Any) -> list[Any]:
+    """The ids of an assistant message's `tool_calls`."""
+    return [c.get("id") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+
+
+def _check_tool_answer(i: int, call_id: Any, asked: tuple[int, list[Any]] | None) -> None:
+    """Message i, a `tool` message, answers a tool call as OpenAI's API requires: its
+    `tool_call_id` is a string, the id of a call of the assistant message before it (with
+    only tool messages between). `asked`: that assistant message's index and call ids,
+    None when the message before the tool messages is no assistant message."""
+    where = f"messages[{i}].tool_call_id"
+    if call_id is None:
+        raise ServeError(f"{where}: missing; a 'tool' message needs the id of the tool call it answers (one of the "
+                         f"tool_calls of the assistant message before it)", param=where)
+    if not isinstance(call_id, str):
+        raise ServeError(f"{where}: must be a string, got {_short_repr(call_id)}", param=where)
+    answered = _short_repr(call_id)
+    if asked is None or not asked[1]:
+        raise ServeError(f"{where}: {answered} answers no tool call: a 'tool' message must follow an assistant "
+                         f"message with tool_calls (or the other tool messages answering it)", param=where)
+    if call_id not in asked[1]:
+        ids = ", ".join(_short_repr(x) for x in asked[1])
+        raise ServeError(f"{where}: {answered} answers no tool call of messages[{asked[0]}] (its tool_calls' "
+                         f"ids: {ids})", param=where)
 
 
 def _is_token_id(x: Any) -> bool:
