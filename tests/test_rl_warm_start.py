@@ -187,7 +187,8 @@ def test_a_dry_run_warns_of_demonstrations_longer_than_max_new_tokens(tmp_path):
     with pytest.warns(UserWarning) as caught:
         assert main(["--config", str(CONFIG), "--dry-run", f"strategy.options.task.train={src}",
                      f"strategy.options.task.heldout={other}", f"strategy.options.task.validation={val}",
-                     f"strategy.options.warm_start.source={src}"]) == 0
+                     f"strategy.options.warm_start.source={src}",
+                     "strategy.options.warm_start.batch_size=1"]) == 0  # 4 demonstrations fill a batch
     assert [str(w.message) for w in caught] == [
         f"strategy.options.max_new_tokens: 2 of the warm start's 4 demonstrated responses (assistant turns) are "
         f"longer than max_new_tokens (5 tokens a turn, the stop token included; the longest has 7, {src}:2): "
@@ -216,7 +217,8 @@ def test_a_dry_run_warns_of_demonstrations_longer_than_the_warm_starts_rows(tmp_
     # neither of which sets the warm start's rows
     overrides, message = short_rows_run(tmp_path)
     with pytest.warns(UserWarning) as caught:
-        assert main(["--config", str(CONFIG), "--dry-run", *overrides]) == 0
+        assert main(["--config", str(CONFIG), "--dry-run", *overrides,
+                     "strategy.options.warm_start.batch_size=1"]) == 0  # 2 demonstrations fill a batch
     assert [str(w.message) for w in caught] == [message]
 
 
@@ -229,17 +231,28 @@ def test_a_warm_start_on_demonstrations_longer_than_its_rows_names_its_own_field
     assert [str(w.message) for w in caught if "longer than" in str(w.message)] == [message]
 
 
+# short_rows_run less its warm_start.seq_len=14 (the example's 64): 2 demonstrations, 1 row, a batch of 16
+FEW_ROWS = ("strategy.options.warm_start.batch_size: the warm start's 2 demonstrations pack into 1 row of "
+            "strategy.options.warm_start.seq_len=64 tokens, fewer than strategy.options.warm_start.batch_size=16: "
+            "every batch repeats rows")
+
+
 def test_demonstrations_packing_into_fewer_rows_than_its_batch_name_the_warm_starts_fields(tmp_path):
     # before: the SFT stage's trainer named data.batch_size, which the run config sets for GRPO alone
-    overrides, _ = short_rows_run(tmp_path)  # less its warm_start.seq_len=14: the example's 64
+    overrides, _ = short_rows_run(tmp_path)
     config = load_train_config(str(CONFIG), [*overrides[:-1], "strategy.options.warm_start.max_steps=1",
                                              "strategy.options.warm_start.check_every=1000", "logging.progress=false"])
     with pytest.warns(UserWarning) as caught:
         run_warm_start(config, output_dir=str(tmp_path / "run"))
-    assert [str(w.message) for w in caught if "batch" in str(w.message)] == [
-        "strategy.options.warm_start.batch_size: the warm start's 2 demonstrations pack into 1 row of "
-        "strategy.options.warm_start.seq_len=64 tokens, fewer than strategy.options.warm_start.batch_size=16: "
-        "every batch repeats rows"]
+    assert [str(w.message) for w in caught if "batch" in str(w.message)] == [FEW_ROWS]
+
+
+def test_a_dry_run_warns_of_demonstrations_packing_into_fewer_rows_than_its_batch(tmp_path):
+    # before: only the run said so, after its run directory was written
+    overrides, _ = short_rows_run(tmp_path)
+    with pytest.warns(UserWarning) as caught:
+        assert main(["--config", str(CONFIG), "--dry-run", *overrides[:-1]]) == 0
+    assert [str(w.message) for w in caught] == [FEW_ROWS]
 
 
 def test_multi_turn_demonstrations_are_measured_turn_by_turn(tmp_path):

@@ -162,14 +162,9 @@ def check_task_prompts(config: TrainConfig, task: Task, fmt: PromptFormat) -> No
 
 def render_warm_start(config: TrainConfig, task: Task, fmt: PromptFormat) -> RenderedDemonstrations:
     """The warm start's demonstrations of `config` (its `task`, rendered by `fmt`), read and
-    checked as the warm start trains on them; writes nothing (a dry run's check)."""
-    return _render_and_measure(config, task, fmt)[0]
-
-
-def _render_and_measure(config: TrainConfig, task: Task, fmt: PromptFormat) -> tuple[RenderedDemonstrations,
-                                                                                    list[int]]:
-    """`render_warm_start`'s demonstrations and each one's tokens (`_demonstration_lengths`,
-    tokenized once for every check of their rows)."""
+    checked as the warm start trains on them, with the run's warnings (turns past
+    max_new_tokens, demonstrations past its rows, fewer rows than its batch); writes nothing
+    (a dry run's check)."""
     options = RLOptions.from_config(config.strategy.options)
     ws = _warm_start_of(options)
     if not task.validation:
@@ -182,11 +177,15 @@ def _render_and_measure(config: TrainConfig, task: Task, fmt: PromptFormat) -> t
     too_long = turns_past_max_new_tokens(rendered, fmt, options.max_new_tokens)
     if too_long:
         warnings.warn(too_long, stacklevel=2)
-    lengths = _demonstration_lengths(rendered, fmt)
+    lengths = _demonstration_lengths(rendered, fmt)  # tokenized once for both checks of their rows
     past_rows = demonstrations_past_rows(rendered, lengths, *_rows_of(config, ws))
     if past_rows:
-        warnings.warn(past_rows, stacklevel=3)
-    return rendered, lengths
+        warnings.warn(past_rows, stacklevel=2)
+    # the SFT stage's rows and batch as warm_start_config sets them (whichever file it reads)
+    few_rows = demonstrations_short_of_batch(lengths, warm_start_config(config).data, _rows_of(config, ws)[1])
+    if few_rows:
+        warnings.warn(few_rows, stacklevel=2)
+    return rendered
 
 
 # the SFT stage's own warnings of documents its rows cut, which name data.seq_len / data.overflow
@@ -262,7 +261,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
     task = make_task(options.task)
     fmt = task_format(config, options)
     check_task_prompts(config, task, fmt)  # the GRPO stage's check, made before the warm start trains
-    rendered, lengths = _render_and_measure(config, task, fmt)
+    rendered = render_warm_start(config, task, fmt)
     demos = write_demonstrations(rendered, warm_dir)
     if demos.source != ws.source:
         print(f"warm start: {demos.count} demonstrations of {ws.source} rendered into {demos.source}"
@@ -277,9 +276,6 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
                           steps_field=f"{field}.max_steps")
     if why is not None:
         warnings.warn(why, LongWarmupWarning, stacklevel=2)
-    few_rows = demonstrations_short_of_batch(lengths, sft.data, _rows_of(config, ws)[1])
-    if few_rows:
-        warnings.warn(few_rows, stacklevel=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LongWarmupWarning)
         trainer = Trainer(sft, output_dir=warm_dir, callbacks=[stop])
@@ -296,7 +292,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
         print(f"warm start: resuming from its checkpoint step_{latest} in {trainer.checkpoint_dir}", flush=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SFT_CUT_WARNINGS)  # render_warm_start warned, naming its field
-        warnings.filterwarnings("ignore", message=_SFT_FEW_ROWS_WARNING)  # warned above, naming its fields
+        warnings.filterwarnings("ignore", message=_SFT_FEW_ROWS_WARNING)  # render_warm_start warned, naming its fields
         state = trainer.fit(resume=resume, overwrite=overwrite, allow_data_change=allow_data_change)
     reason = f" ({trainer.stop_reason})" if trainer.stop_reason else ""
     print(f"warm start finished at step {int(state.step)}{reason}; run directory: {trainer.run_dir}",
