@@ -726,6 +726,56 @@ def test_a_reused_cache_warns_of_the_pairs_a_new_seq_len_drops_as_an_uncached_ru
     assert reused == warning_messages(build_dataset, cfg, TOK, "train") and len(reused) == 1
 
 
+def repeated_pairs(tmp_path, cache_dir=None):
+    """A preference file whose records 3 and 5 repeat record 1's pair (record 2 shares its
+    prompt and chosen response, not its rejected one; record 4 is another pair) and the
+    warning about them."""
+    src = tmp_path / "pairs.jsonl"
+    pairs = [("1+1=", "2", "3"), ("1+1=", "2", "4"), ("1+1=", "2", "3"), ("2+2=", "4", "5"), ("1+1=", "2", "3")]
+    src.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in pairs))
+    cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), seq_len=16,
+                     eval_fraction=0.0, cache_dir=cache_dir)
+    return cfg, (f"data.source: 2 of the 5 training records of '{src}' repeat an earlier record's preference pair "
+                 f"(the same prompt, chosen and rejected response, as tokens), the first at {src}:3, a repeat of "
+                 f"{src}:1: each repeat counts its pair once more in DPO's loss; remove the repeats unless the pair "
+                 f"is meant to weigh more")
+
+
+def test_preference_records_repeating_an_earlier_pair_are_warned_of_naming_both_file_lines(tmp_path):
+    # before: silent, each repeat weighing its pair once more
+    cfg, message = repeated_pairs(tmp_path)
+    assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
+
+
+def test_a_reused_cache_warns_of_repeated_pairs_as_an_uncached_run_does(tmp_path):
+    cfg, message = repeated_pairs(tmp_path, cache_dir=str(tmp_path / "cache"))
+    assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
+    assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
+
+
+def test_a_cached_store_written_before_repeats_were_counted_warns_of_them(tmp_path):
+    cfg, message = repeated_pairs(tmp_path, cache_dir=str(tmp_path / "cache"))
+    warning_messages(build_dataset, cfg, TOK, "train")
+    (store,) = (tmp_path / "cache").iterdir()
+    meta = json.loads((store / "meta.json").read_text())
+    del meta["repeated"]  # as an earlier jrl wrote it
+    (store / "meta.json").write_text(json.dumps(meta))
+    assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
+
+
+def test_a_dry_run_check_warns_of_repeated_pairs(tmp_path):
+    cfg, message = repeated_pairs(tmp_path)
+    assert warning_messages(pipeline.check_records, cfg, TOK, "train") == [message]
+
+
+def test_repeats_a_bundled_dataset_draws_are_not_warned_of():
+    # bundled:arithmetic_pairs draws 6 of its 1,000 pairs twice: jrl's generator, no file to fix
+    cfg = DataConfig(source="bundled:arithmetic_pairs", format="preference", sections=(Section(field="prompt"),),
+                     seq_len=16, eval_fraction=0.0)
+    assert warning_messages(build_dataset, cfg, TOK, "train") == []
+
+
 def test_unknown_bundled_dataset_is_named():
     with pytest.raises(ValueError, match="unknown bundled dataset 'bundled:nope'"):
         load_bundled("bundled:nope")

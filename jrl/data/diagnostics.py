@@ -1,11 +1,13 @@
 """What a split's records lose on their way into rows, said once at load: records that
 train nothing, documents `data.overflow` truncates, preference pairs it leaves without a
-preference (an error). Counted while documents are encoded, kept in a cached store's
-meta.json and counted again where a run's settings differ from the store's."""
+preference (an error), and preference pairs that repeat an earlier one. Counted while
+documents are encoded, kept in a cached store's meta.json and counted again where a run's
+settings differ from the store's."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import warnings
 from typing import Callable
@@ -15,6 +17,7 @@ import numpy as np
 from jrl.config import ConfigError, DataConfig
 from jrl.data.encode import Document
 from jrl.data.packing import doc_pieces, keeps_a_trained_target, trained_targets_kept
+from jrl.data.records import bundled_source
 from jrl.data.splits import Split, iter_split_records, shown_source, split_source
 from jrl.data.store import TokenStore
 from jrl.data.wording import agree, counted
@@ -162,6 +165,64 @@ class Truncated:
                       f"and data.overflow={self.overflow!r} drops {self.dropped:,} of the "
                       f"{counted(self.tokens, 'token')} ({share}), the first at {self.first} "
                       f"({counted(self.first_tokens, 'token')}); {advice}", stacklevel=3)
+
+
+@dataclasses.dataclass
+class Repeated:
+    """The preference pairs of a split that repeat an earlier pair of it token for token
+    (the same prompt, chosen and rejected response): each counts the pair once more in
+    DPO's loss and reward_accuracy, and is most often a record written twice while the
+    data was prepared. A pair may be repeated on purpose, to weigh more, so it is a
+    warning, as records that train nothing are (`Untrained`), not an error: `warn` says
+    how many there are, where the first is and which record it repeats. Not said of a
+    bundled dataset's draws (jrl's generator, no file to fix). Independent of seq_len and
+    overflow: kept as counted in a cached store's meta.json (`count_in` counts a store
+    written before it was kept)."""
+
+    pairs: bool = False  # whether the records are preference pairs (nothing is counted otherwise)
+    records: int = 0  # records read
+    count: int = 0  # of them, those that repeat an earlier one
+    first: int = -1  # the first repeat's index among the split's records
+    earlier: int = -1  # the index of the record it repeats
+
+    def __post_init__(self) -> None:
+        self._seen: dict[bytes, int] = {}  # each pair's digest: the index of its first record
+
+    @classmethod
+    def of(cls, config: DataConfig) -> "Repeated":
+        return cls(pairs=config.format == "preference")
+
+    def note(self, docs: list[Document]) -> None:
+        if not self.pairs:
+            return
+        digest = hashlib.blake2b(digest_size=16)
+        for ids, _ in docs:  # chosen, rejected (each with the prompt): their lengths keep the seam
+            ids = np.asarray(ids, np.int32)
+            digest.update(np.int64(len(ids)).tobytes() + ids.tobytes())
+        index, self.records = self.records, self.records + 1
+        earlier = self._seen.setdefault(digest.digest(), index)
+        if earlier != index:
+            self.count += 1
+            if self.first < 0:
+                self.first, self.earlier = index, earlier
+
+    def count_in(self, store: TokenStore) -> "Repeated":
+        """These counts (none yet) of the pairs of `store` (documents 2i and 2i + 1)."""
+        for pair in range(len(store) // 2 if self.pairs else 0):
+            self.note([store.doc(2 * pair), store.doc(2 * pair + 1)])
+        return self
+
+    def warn(self, config: DataConfig, split: Split) -> None:
+        source, _, key = split_source(config, split)
+        if not self.count or bundled_source(source) is not None:
+            return
+        rows = "training" if split == "train" else "held-out"
+        first, earlier = (locate_record(config, split, i)[0] for i in (self.first, self.earlier))
+        warnings.warn(f"{key}: {self.count:,} of the {counted(self.records, f'{rows} record')} of {shown_source(source)} "
+                      f"{agree(self.count, 'repeats', 'repeat')} an earlier record's preference pair (the same "
+                      f"prompt, chosen and rejected response, as tokens), the first at {first}, a repeat of "
+                      f"{earlier}: each repeat counts its pair once more in DPO's loss; remove the repeats unless "
+                      f"the pair is meant to weigh more", stacklevel=3)
 
 
 def locate_record(config: DataConfig, split: Split, index: int) -> tuple[str, dict]:

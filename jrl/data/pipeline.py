@@ -15,7 +15,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from jrl.config import ConfigError, DataConfig, to_dict
-from jrl.data.diagnostics import Truncated, Untrained, locate_document, locate_record
+from jrl.data.diagnostics import Repeated, Truncated, Untrained, locate_document, locate_record
 from jrl.data.encode import Document, encode_record
 from jrl.data.packing import PairPlan, RowPlan, assemble_pairs, assemble_rows, plan_pairs, plan_rows
 from jrl.data.records import bundled_source, source_files, source_label
@@ -27,15 +27,19 @@ from jrl.data.wording import agree
 
 
 def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split,
-                   untrained: Untrained | None = None, truncated: Truncated | None = None) -> Iterator[Document]:
-    """The documents of `split`, in source order; `untrained` and `truncated` (when given)
-    note the records that train nothing and the documents `data.overflow` cuts."""
+                   untrained: Untrained | None = None, truncated: Truncated | None = None,
+                   repeated: Repeated | None = None) -> Iterator[Document]:
+    """The documents of `split`, in source order; `untrained`, `truncated` and `repeated`
+    (when given) note the records that train nothing, the documents `data.overflow` cuts
+    and the preference pairs that repeat an earlier one."""
     for where, record in iter_split_records(config, split):
         docs = encode_record(record, config, tokenizer, where=where)
         if untrained is not None:
             untrained.note(where, record, docs, config)
         if truncated is not None:
             truncated.note(where, docs)
+        if repeated is not None:
+            repeated.note(docs)
         yield from docs
 
 
@@ -63,13 +67,14 @@ def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Che
     if bundled_source(source) is not None:
         return CheckedSplit(bundled_source(source), None)
     files = len(source_files(source, key, config.format))
-    lengths, untrained, truncated = array("q"), Untrained.of(config), Truncated.of(config)
-    for ids, _ in iter_documents(config, tokenizer, split, untrained, truncated):
+    lengths = array("q")
+    untrained, truncated, repeated = Untrained.of(config), Truncated.of(config), Repeated.of(config)
+    for ids, _ in iter_documents(config, tokenizer, split, untrained, truncated, repeated):
         lengths.append(len(ids))
     lengths = np.frombuffer(lengths, np.int64)
     plan = plan_split(config, split, lengths, untrained)
-    untrained.warn(config, split)
-    truncated.warn(config, split)
+    for diagnostic in (untrained, truncated, repeated):
+        diagnostic.warn(config, split)
     return CheckedSplit(source_label(source), untrained.records, int(lengths.sum()), len(plan), files)
 
 
@@ -115,16 +120,18 @@ def load_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> To
 
 
 def _load_documents(config: DataConfig, tokenizer: Tokenizer,
-                    split: Split) -> tuple[TokenStore, Untrained, Truncated] | None:
-    """`load_documents`, with the split's records that train nothing and its documents
-    that `data.overflow` cuts (kept in a cached store's meta.json, so a run that reuses
-    the cache hears of them too; counted again from the store where the run's seq_len,
-    overflow or pack differ from those they were counted for)."""
+                    split: Split) -> tuple[TokenStore, Untrained, Truncated, Repeated] | None:
+    """`load_documents`, with the split's records that train nothing, its documents
+    that `data.overflow` cuts and its preference pairs that repeat an earlier one (kept in
+    a cached store's meta.json, so a run that reuses the cache hears of them too; counted
+    again from the store where the run's seq_len, overflow or pack differ from those they
+    were counted for, or where the store was written before they were kept)."""
     if split_source(config, split) is None:
         return None
-    untrained, truncated = Untrained.of(config), Truncated.of(config)
+    untrained, truncated, repeated = Untrained.of(config), Truncated.of(config), Repeated.of(config)
     if config.cache_dir is None:
-        return build_store(iter_documents(config, tokenizer, split, untrained, truncated)), untrained, truncated
+        store = build_store(iter_documents(config, tokenizer, split, untrained, truncated, repeated))
+        return store, untrained, truncated, repeated
     directory = Path(config.cache_dir) / f"{split}-{cache_key(config, tokenizer, split)}"
     if (directory / "meta.json").is_file():
         try:
@@ -136,13 +143,14 @@ def _load_documents(config: DataConfig, tokenizer: Tokenizer,
                 config, store, lambda index: locate_record(config, split, index))
             truncated = Truncated(**meta.get("truncated", {})).recount(
                 config, store.lengths, lambda index: locate_document(config, split, index))
-            return store, untrained, truncated
+            repeated = Repeated(**meta["repeated"]) if "repeated" in meta else repeated.count_in(store)
+            return store, untrained, truncated, repeated
         except CorruptStoreError as e:  # e.g. a file cut short: a cache, so tokenise again
             warnings.warn(f"data.cache_dir: damaged token store, rebuilding it: {e}", stacklevel=2)
-    write_store(directory, iter_documents(config, tokenizer, split, untrained, truncated),
+    write_store(directory, iter_documents(config, tokenizer, split, untrained, truncated, repeated),
                 lambda: {"split": split, "data": to_dict(config), "untrained": dataclasses.asdict(untrained),
-                         "truncated": dataclasses.asdict(truncated)})
-    return open_store(directory), untrained, truncated
+                         "truncated": dataclasses.asdict(truncated), "repeated": dataclasses.asdict(repeated)})
+    return open_store(directory), untrained, truncated, repeated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,14 +175,15 @@ def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Row
     """The rows of `split`, or None where the split is empty by config (no held-out data).
     A training split, or a `data.eval_source` file, that yields no rows is an error naming
     its source; records that train nothing get one warning (`Untrained`), and so do
-    documents that `data.overflow` truncates (`Truncated`)."""
+    documents that `data.overflow` truncates (`Truncated`) and preference pairs that
+    repeat an earlier one (`Repeated`)."""
     loaded = _load_documents(config, tokenizer, split)
     if loaded is None:
         return None
-    store, untrained, truncated = loaded
+    store, untrained, truncated, repeated = loaded
     plan = plan_split(config, split, store.lengths, untrained)
-    untrained.warn(config, split)
-    truncated.warn(config, split)
+    for diagnostic in (untrained, truncated, repeated):
+        diagnostic.warn(config, split)
     return RowDataset(store, plan, config.seq_len, tokenizer.pad_id)
 
 
