@@ -825,6 +825,15 @@ def _weight_files(path: str) -> tuple[list[str], dict[str, str] | None]:
                         "(only safetensors checkpoints are supported)")
 
 
+def weight_file_names(path: str) -> list[str]:
+    """The files of the Hugging Face directory `path` that `load_pretrained` reads the
+    weights from (relative to it): `model.safetensors`, or the shards and their index.
+    HFFormatError where it holds none."""
+    files, weight_map = _weight_files(path)
+    index = ["model.safetensors.index.json"] if weight_map is not None else []
+    return [os.path.relpath(file, path) for file in files] + index
+
+
 def read_hf_config(path: str) -> dict[str, Any]:
     """The `config.json` dict of the Hugging Face directory `path`; HFFormatError where it
     holds a PEFT adapter (`adapter_config.json`), which jrl cannot read."""
@@ -1178,5 +1187,5 @@ def params_equal(a: Mapping, b: Mapping) -> bool:
 
 __all__ = [
     "ARCHITECTURES", "HFFormatError", "SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf",
-    "infer_model_type", "load_pretrained", "params_equal", "read_hf_config", "save_pretrained",
+    "infer_model_type", "load_pretrained", "params_equal", "read_hf_config", "save_pretrained", "weight_file_names",
 ]

@@ -11,8 +11,9 @@ import pytest
 
 from jrl import checkpoint
 from jrl.checkpoint.manifest import build_manifest, manifest_bytes
-from jrl.config import ConfigError, load_train_config, to_dict
-from jrl.hf import load_pretrained
+from jrl.config import ConfigError, load_train_config, to_dict, yaml_dump
+from jrl.hf import load_pretrained, save_pretrained
+from jrl.launch import main
 from jrl.models.lora import lora_params
 from jrl.train.initial import check_init_from
 from jrl.train.trainer import ResumeWarning, Trainer
@@ -277,6 +278,59 @@ def test_a_checkpoint_that_records_no_init_source_reads_init_from_as_it_is_now_w
     assert [str(w.message) for w in caught] == [
         f"resume: the checkpoint records no init_source (an older jrl wrote it): the initial weights are read from "
         f"init_from '{source}' as it is now, which may not be what the run started from"]
+    assert_same(trainer.reference_params, later)
+
+
+def export(tmp_path, seed):
+    """The seeded weights of DPO's model, exported as a Hugging Face directory to
+    tmp_path/hf (over an earlier export there, as a conversion script run again does)."""
+    params = start(tmp_path / f"init_{seed}", *TINY, f"seed={seed}")
+    save_pretrained(load_train_config(None, DPO).model, jax.device_get(params), str(tmp_path / "hf"))
+    return params, hashlib.sha256((tmp_path / "hf" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_resuming_dpo_after_its_hf_init_from_was_exported_again_with_other_weights_is_refused_naming_it(tmp_path,
+                                                                                                       capsys):
+    # before: the resumed run read the new weights as its reference policy, silently
+    hf = tmp_path / "hf"
+    export(tmp_path, seed=1)
+    config = tmp_path / "dpo.yaml"
+    config.write_text(yaml_dump(to_dict(load_train_config(None, DPO + [f"init_from=hf:{hf}", "steps=1"]))))
+    run = ["--config", str(config), "--output-dir", str(tmp_path / "run")]
+    assert main(run) == 0
+    was = hashlib.sha256((hf / "model.safetensors").read_bytes()).hexdigest()
+    _, now = export(tmp_path, seed=2)
+    capsys.readouterr()
+    assert main([*run, "--resume"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: init_source: the run started from hf:{hf} (init_from: 'hf:{hf}'), which has changed since "
+        f"(model.safetensors: its SHA-256 was {was[:16]}..., now {now[:16]}...); its initial weights (the reference "
+        f"policy of DPO and of GRPO's KL penalty) are the ones that directory held then: put them back there, or "
+        f"start the run over (--overwrite)\n")
+
+
+def test_a_dpo_run_resumes_after_its_hf_init_from_was_exported_again_with_the_same_weights(tmp_path):
+    first, _ = export(tmp_path, seed=1)
+    run = saved_run(tmp_path, DPO, f"hf:{tmp_path / 'hf'}")
+    export(tmp_path, seed=1)  # new files (another inode and mtime), the same content
+    assert_same(resumed(run, DPO, f"hf:{tmp_path / 'hf'}").reference_params, first)
+
+
+def test_a_checkpoint_whose_init_source_records_no_hf_digest_resumes_reading_the_directory_as_it_is_now(tmp_path):
+    export(tmp_path, seed=1)
+    source = f"hf:{tmp_path / 'hf'}"
+    run = saved_run(tmp_path, DPO, source)
+    step = run / "checkpoints" / "step_0"  # as an earlier jrl wrote it: no digest of the directory's weights
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["init_source"]["weights"]
+    (step / "meta.json").write_text(json.dumps(meta))
+    (step / "manifest.json").write_bytes(manifest_bytes(build_manifest(step)))
+    later, _ = export(tmp_path, seed=2)
+    with pytest.warns(ResumeWarning) as caught:
+        trainer = resumed(run, DPO, source)
+    assert [str(w.message) for w in caught] == [
+        f"resume: the checkpoint's init_source records no digest of the weights of {source} (an older jrl wrote it): "
+        f"they are read as they are now, which may not be what the run started from"]
     assert_same(trainer.reference_params, later)
 
 

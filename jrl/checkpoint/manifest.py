@@ -62,12 +62,16 @@ def _hash_many(directory: Path, relpaths: list[str], sync: bool) -> list[tuple[s
         return list(pool.map(lambda rel: _hash_file(directory / rel, sync), relpaths))
 
 
+def file_digests(directory: Path, relpaths: list[str], *, sync: bool = False) -> dict[str, dict]:
+    """`{relpath: {"sha256": hex, "size": bytes}}` of files under `directory` (a manifest's
+    entries), hashed in parallel; `sync` fsyncs each one too."""
+    results = _hash_many(directory, relpaths, sync)
+    return {rel: {"sha256": sha, "size": size} for rel, (sha, size) in zip(relpaths, results)}
+
+
 def build_manifest(directory: Path) -> dict:
     """Hashes and fsyncs every file under `directory`; returns the manifest dict."""
-    relpaths = list_files(directory)
-    results = _hash_many(directory, relpaths, sync=True)
-    files = {rel: {"sha256": sha, "size": size} for rel, (sha, size) in zip(relpaths, results)}
-    return {"format": MANIFEST_FORMAT, "files": files}
+    return {"format": MANIFEST_FORMAT, "files": file_digests(directory, list_files(directory), sync=True)}
 
 
 def manifest_bytes(manifest: dict) -> bytes:

@@ -15,10 +15,11 @@ from jax.sharding import Mesh
 
 from jrl import checkpoint
 from jrl.checkpoint.layout import is_step_name
-from jrl.checkpoint.manifest import MANIFEST_NAME
+from jrl.checkpoint.manifest import MANIFEST_NAME, file_digests
 from jrl.config import ConfigError, ParallelConfig, TrainConfig, to_dict
 from jrl.data import load_tokenizer
-from jrl.hf import HFFormatError, config_from_hf, load_pretrained, missing_prefix_hint, read_hf_config
+from jrl.hf import (HFFormatError, config_from_hf, load_pretrained, missing_prefix_hint, read_hf_config,
+                    weight_file_names)
 from jrl.models import init_params
 from jrl.models.lora import lora_params
 from jrl.parallel import init_sharded_params, initialize_distributed, make_mesh, param_shardings, shard_params
@@ -233,18 +234,59 @@ def _manifest_sha256(step_dir: Path) -> str | None:
         return None
 
 
+def _stat(path: str) -> list[int]:
+    """What changes when a file is written, renamed over or touched: its size, mtime, ctime
+    (which no user call can set back) and inode."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _weights_digest(directory: str) -> dict[str, dict]:
+    """The weight files `load_pretrained` reads of the Hugging Face `directory`, each with
+    its SHA-256 and size (a manifest's entries) and its `_stat` (taken first: a file
+    written while it is hashed has another stat, and is hashed again when checked)."""
+    names = weight_file_names(directory)
+    stats = {name: _stat(os.path.join(directory, name)) for name in names}
+    return {name: {**entry, "stat": stats[name]} for name, entry in file_digests(Path(directory), names).items()}
+
+
+def _weights_changed(directory: str, recorded: dict[str, dict]) -> str | None:
+    """How the weight files of the Hugging Face `directory` differ from `recorded`
+    (`_weights_digest`): files new, gone or of other content, or None where they hold the
+    same bytes (exported again with the same weights). A file whose `_stat` is the
+    recorded one is not read."""
+    try:
+        now = set(weight_file_names(directory))
+    except HFFormatError:  # no weight file left
+        now = set()
+    kept = sorted(now & set(recorded))
+    reread = [n for n in kept if _stat(os.path.join(directory, n)) != recorded[n]["stat"]]
+    digests = file_digests(Path(directory), reread)
+    changes = {**{n: "new" for n in now - set(recorded)}, **{n: "gone" for n in set(recorded) - now},
+               **{n: f"its SHA-256 was {recorded[n]['sha256'][:16]}..., now {d['sha256'][:16]}..."
+                  for n, d in digests.items() if d["sha256"] != recorded[n]["sha256"]}}
+    return "; ".join(f"{name}: {what}" for name, what in sorted(changes.items())) or None
+
+
 def init_source(config: TrainConfig) -> dict | None:
     """`init_from` pinned as a run starts, for its checkpoints' meta.json (`init_source`):
     `{"init_from": as written, "path": the exact checkpoint read (the newest step of a run
     or checkpoint root that names none; `hf:<absolute dir>`), "manifest_sha256": the
-    digest of that step's manifest.json, or None (Hugging Face, no manifest)}`. None
-    without `init_from`, and where `init_from` holds no checkpoint (`load_initial_params`
-    then names the problem)."""
+    digest of that step's manifest.json, or None (Hugging Face, no manifest)}`, and for
+    `hf:` "weights", the digest of its weight files (`_weights_digest`; None where they
+    cannot be read: `load_initial_params` then names the problem). None without
+    `init_from`, and where `init_from` holds no checkpoint (`load_initial_params` then
+    names the problem)."""
     src = config.init_from
     if src is None:
         return None
     if src.startswith("hf:"):
-        return {"init_from": src, "path": "hf:" + os.path.abspath(src[3:]), "manifest_sha256": None}
+        directory = os.path.abspath(src[3:])
+        try:
+            weights = _weights_digest(directory)
+        except (HFFormatError, OSError):
+            weights = None
+        return {"init_from": src, "path": "hf:" + directory, "manifest_sha256": None, "weights": weights}
     root, step = _resolve_checkpoint(src)
     steps = checkpoint.all_steps(root)
     step = steps[-1] if step is None and steps else step
@@ -256,9 +298,11 @@ def init_source(config: TrainConfig) -> dict | None:
 
 def _started_from(source: dict, what: str) -> ConfigError:
     """The error of a pinned `init_source` that is gone or changed (`what`)."""
+    held = ("are the ones that directory held then: put them back there" if source["path"].startswith("hf:")
+            else "are that checkpoint's: put it back there")
     return ConfigError(f"init_source: the run started from {source['path']} (init_from: {source['init_from']!r}), "
                        f"which {what}; its initial weights (the reference policy of DPO and of GRPO's KL "
-                       f"penalty) are that checkpoint's: put it back there, or start the run over (--overwrite)")
+                       f"penalty) {held}, or start the run over (--overwrite)")
 
 
 def _pinned(source: dict) -> tuple[Path, int]:
@@ -290,6 +334,10 @@ def load_initial_params(config: TrainConfig, mesh: Mesh, source: dict | None = N
         where = src[3:] if source is None else source["path"][3:]
         if source is not None and not os.path.isdir(where):
             raise _started_from(source, "is gone")
+        # a record without the digest (None: unreadable then; absent: an older jrl's) is not checked
+        changed = source and source.get("weights") and _weights_changed(where, source["weights"])
+        if changed:
+            raise _started_from(source, f"has changed since ({changed})")
         hf_config, loaded = load_pretrained(where, dtype=mc.param_dtype,
                                             max_position_embeddings=mc.max_position_embeddings)
         _check_same_architecture(mc, hf_config, src)

@@ -465,6 +465,12 @@ class Trainer:
             warnings.warn(f"resume: the checkpoint records no init_source (an older jrl wrote it): the initial "
                           f"weights are read from init_from {self.config.init_from!r} as it is now, which may "
                           f"not be what the run started from", ResumeWarning, stacklevel=2)
+        source = self.init_source if self._pinned else None
+        if (source is not None and source["path"].startswith("hf:") and "weights" not in source
+                and not adapters_only):  # adapters alone: the directory is not read
+            warnings.warn(f"resume: the checkpoint's init_source records no digest of the weights of "
+                          f"{source['path']} (an older jrl wrote it): they are read as they are now, which may not "
+                          f"be what the run started from", ResumeWarning, stacklevel=2)
         return load(self.config, self.mesh, self.init_source if self._pinned else None)
 
     def _make_sources(self) -> None:
