@@ -218,8 +218,8 @@ class Repeated:
             return
         rows = "training" if split == "train" else "held-out"
         first, earlier = (locate_record(config, split, i)[0] for i in (self.first, self.earlier))
-        warnings.warn(f"{key}: {self.count:,} of the {counted(self.records, f'{rows} record')} of {shown_source(source)} "
-                      f"{agree(self.count, 'repeats', 'repeat')} an earlier record's preference pair (the same "
+        warnings.warn(f"{key}: {self.count:,} of the {counted(self.records, f'{rows} record')} of "
+                      f"{shown_source(source)} {agree(self.count, 'repeats', 'repeat')} an earlier record's preference pair (the same "
                       f"prompt, chosen and rejected response, as tokens), the first at {first}, a repeat of "
                       f"{earlier}: each repeat counts its pair once more in DPO's loss; remove the repeats unless "
                       f"the pair is meant to weigh more", stacklevel=3)
