@@ -45,10 +45,6 @@ fp8 tile to the tensor cores in one of these ways (`DecodeTuning.fp8_tiles`):
 * "mma_q8": "mma" with S^T = K Q^T on fp8 tensor cores too: the queries are quantized to
   e4m3 with one scale a request (`quantize_queries`; e4m3 is floating point, so heads of
   different magnitude keep their relative precision), and K is used as loaded.
-* "mma_q2": "mma_q8" with q as two e4m3 terms, hi + lo / 16 (`query_terms`: 7 mantissa
-  bits, as bf16's), a `[2 x columns, d]` q tile. Every wgmma operand then sits in shared
-  memory, so the tensor cores run beside the softmax (`attend_overlapped`): a block's
-  softmax runs while the next block's QK^T and the last block's P·V are in flight.
 """
 
 from __future__ import annotations
@@ -75,9 +71,8 @@ TOP_FLOOR = FP8_MAX * float(jnp.finfo(jnp.float32).tiny)
 LO_SCALE = 16.0
 
 
-FP8_TILES = ("stage", "fold", "fold_k_regs", "mma", "mma_q8", "mma_q2")  # DecodeTuning.fp8_tiles
-SLOT_MINOR_TILES = ("mma", "mma_q8", "mma_q2")  # the paths that read slot-minor values (and only they do)
-E4M3_QUERY_TILES = ("mma_q8", "mma_q2")  # the paths whose QK^T takes e4m3 queries
+FP8_TILES = ("stage", "fold", "fold_k_regs", "mma", "mma_q8")  # DecodeTuning.fp8_tiles
+SLOT_MINOR_TILES = ("mma", "mma_q8")  # the paths that read slot-minor values (and only they do)
 # fp8 caches of models whose decode puts keys on the tile rows store their values
 # slot-minor in whole pages, for "mma" (`dispatch.fp8_values_slot_minor`): 3.00 ms against
 # 3.90 for "fold_k_regs" on slot-major values, the decode step at batch 256 on the H200
@@ -91,7 +86,7 @@ def default_fp8_tiles(keys_as_rows: bool) -> str:
     else "stage" (the only path checked on the GPU with queries as rows)."""
     return "fold_k_regs" if keys_as_rows else "stage"
 FP8_COMPUTE = ("bfloat16", "float16")  # DecodeTuning.fp8_compute
-STAGING_TILES = {"stage": 1, "fold": 2, "fold_k_regs": 1, "mma": 0, "mma_q8": 0, "mma_q2": 0}  # per compute warpgroup
+STAGING_TILES = {"stage": 1, "fold": 2, "fold_k_regs": 1, "mma": 0, "mma_q8": 0}  # per compute warpgroup
 
 
 def wgmma_product(a, b, shape, interpret: bool):
@@ -127,46 +122,6 @@ def wgmma_accumulate(acc, a, b, interpret: bool):
         plgpu.wgmma(acc_ref, a, b)
 
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
-
-
-class Products:
-    """Products issued to the tensor cores and read later (`attend_overlapped`), each one
-    `sum(a_j @ b_j)` of shared-memory operands into the accumulator `ref` of the shape the
-    product has. On the GPU a product runs while the caller does other work, and `result`
-    waits for it (`wait_n`: how many later wgmma groups may stay in flight); the token a
-    product gives is then empty. GPU interpret mode (jax 0.11.2) stores to no accumulator, so
-    there a product is computed when it is issued (float32 `jnp.dot`) and its token is the
-    value, which the caller carries until it reads it."""
-
-    def __init__(self, ref, interpret: bool):
-        self.ref, self.interpret = ref, interpret
-        self.shape = ref.shape
-
-    def zeros(self, shape=None):
-        return plgpu.layout_cast(jnp.zeros(shape or self.shape, jnp.float32), plgpu.Layout.WGMMA)
-
-    def start(self, pairs):
-        """Issues `sum(a_j @ b_j)` over `pairs` (none: a zero product) -> its token."""
-        if self.interpret:
-            total = self.zeros()
-            for a, b in pairs:
-                total = total + jnp.dot(a[...].astype(jnp.float32), b[...].astype(jnp.float32),
-                                        preferred_element_type=jnp.float32)
-            return total
-        self.ref[...] = self.zeros()
-        for a, b in pairs:
-            plgpu.wgmma(self.ref, a, b)
-        return ()
-
-    def wait(self, wait_n: int):
-        if not self.interpret:
-            plgpu.wgmma_wait(wait_n)
-
-    def result(self, token, wait_n: int):
-        """The product behind `token`, once at most `wait_n` later wgmma groups are in flight."""
-        if self.interpret:
-            return token
-        return plgpu.wgmma_accumulator_load(self.ref, wait_n=wait_n)
 
 
 def _cdiv(a, b):
@@ -274,25 +229,6 @@ def quantize_queries(q):
     heads and channels."""
     data, q_scale = quantize(q.reshape(q.shape[0], -1))
     return data.reshape(q.shape), q_scale
-
-
-def query_terms(q):
-    """`q [B, Hq, D]` -> (hi, lo: e4m3 `[B, Hq, D]`, float32 `[B]`) with q ~= (hi + lo /
-    LO_SCALE) * scale: `quantize_queries`'s hi and scale, and lo its rounding error times
-    LO_SCALE, rounded again (hi's error is at most 2^-4 of it, so lo stays within e4m3's
-    range): 7 mantissa bits, as bf16's. hi is read back through an optimization barrier:
-    XLA on the GPU (excess precision allowed, its default) removes the round trip
-    f32 -> e4m3 -> f32, which left lo 0 (measured: the one-term error, 2.5%)."""
-    hi, q_scale = quantize_queries(q)
-    scaled = q.astype(jnp.float32) / q_scale[:, None, None]
-    lo = ((scaled - lax.optimization_barrier(hi).astype(jnp.float32)) * LO_SCALE).astype(hi.dtype)
-    return hi, lo, q_scale
-
-
-def two_terms(x, rows: int):
-    """A product with a two-term operand as columns `[hi | lo]` (`[..., 2 x rows]`) back to
-    one: hi's columns plus lo's over LO_SCALE."""
-    return x[:, :rows] + x[:, rows:] * (1.0 / LO_SCALE)
 
 
 def fp8_to(x, dtype):
@@ -500,14 +436,13 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     # would flush the averages of tiny values (|v| below ~6e-8) to zero
     out_dtype = q.dtype if quant and q.dtype in (jnp.bfloat16, jnp.float16) else dtype
     mma = quant and tiles in SLOT_MINOR_TILES
-    q8 = quant and tiles in E4M3_QUERY_TILES
-    q2 = quant and tiles == "mma_q2"  # q as two e4m3 terms, the wgmmas beside the softmax
+    q8 = quant and tiles == "mma_q8"
     if mma != v_minor:
-        raise ValueError(f"decode_mgpu: fp8_tiles 'mma'/'mma_q8'/'mma_q2' read slot-minor fp8 values, and "
+        raise ValueError(f"decode_mgpu: fp8_tiles 'mma'/'mma_q8' read slot-minor fp8 values, and "
                          f"only they do; got fp8_tiles={tiles!r} with slot-"
                          f"{'minor' if v_minor else 'major'} values")
     if q8 and not keys_as_rows:
-        raise ValueError(f"decode_mgpu: tuning.fp8_tiles={tiles!r} needs keys as rows")
+        raise ValueError("decode_mgpu: tuning.fp8_tiles='mma_q8' needs keys as rows")
     fold = quant and tiles != "stage"
     k_regs = quant and tiles in ("fold_k_regs", "mma")
     n_staging = STAGING_TILES[tiles] if quant else 0
@@ -542,17 +477,14 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     # Past the last row the GPU's TMA zero-fills the tile; the interpreter raises instead,
     # so there q gets real padding rows (on the GPU only up to a multiple of 8).
     q_scales = []
-    if q2:
-        *q_terms, q_scale = query_terms(q)
-        q_scales = [q_scale]
-    elif q8:
+    if q8:
         q_e4m3, q_scale = quantize_queries(q)
-        q_terms, q_scales = [q_e4m3], [q_scale]
+        q_rows, q_scales = q_e4m3.reshape(b * hq, d), [q_scale]
     else:
-        q_terms = [queries_in(q, dtype)]
+        q_rows = queries_in(q, dtype).reshape(b * hq, d)
     pad = rows + -(b * hq) % 8 if interpret else -(b * hq) % 8
-    q_terms = [jnp.pad(t.reshape(b * hq, d), ((0, pad), (0, 0))) for t in q_terms]
-    q_rows = q_terms[0]
+    if pad:
+        q_rows = jnp.pad(q_rows, ((0, pad), (0, 0)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
     def item(lens_ref, w):
@@ -586,7 +518,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         `k_done` / `v_done` release its ring slot. With `first_limit` (causal query
         tiles) column c also masks the keys `>= first_limit + c // causal_group`; a block
         past a column's end leaves it as it was, bitwise (probabilities 0, rescale 1).
-        `score_scale`: what the scores are multiplied by (with e4m3 queries it carries the
+        `score_scale`: what the scores are multiplied by (with "mma_q8" it carries the
         request's query scale)."""
         m_i = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32),
                                 plgpu.Layout.WGMMA.reduce(key_axis))
@@ -603,16 +535,50 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
             s = wgmma_product(a, b, score_shape, interpret)
             k_done(i)
             n_valid = n_keys - i * block_kv  # keys of this block the item owns
-            pos, s_max, m_new, alpha, p = block_softmax(s, k_scale, score_scale, i, n_valid, m_i,
-                                                        first_limit)
+            pos = plgpu.broadcasted_iota(jnp.int32, score_shape, key_axis, layout=plgpu.Layout.WGMMA)
+            if k_scale is not None:  # a stale key's scale is selected away with its score
+                s = s * lax.broadcast_in_dim(k_scale * score_scale, score_shape, [key_axis])
+            else:
+                s = s * score_scale
+            s = jnp.where(pos < n_valid, s, -jnp.inf)
+            if first_limit is not None:  # key < first_limit + col // G  <=>  (key - first_limit + 1) * G <= col
+                col = plgpu.broadcasted_iota(jnp.int32, score_shape, q_axis, layout=plgpu.Layout.WGMMA)
+                s = jnp.where((pos + (i * block_kv + 1 - first_limit)) * causal_group <= col, s, -jnp.inf)
+            s_max = s.max(axis=key_axis)
+            m_new = jnp.maximum(m_i, s_max)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, score_shape, [q_axis]))
             acc = acc * lax.broadcast_in_dim(alpha, acc_shape, [q_axis])
             v_op, v_scale, v_top = v_tile(i, n_valid)  # masked keys: not even 0 * stale NaN in PV
-            pv = value_weights(p, pos, n_valid, v_scale)
+            pv = p  # the probabilities PV takes: times V's scales when they are folded
+            if v_scale is not None:  # 0 * a stale key's (maybe NaN) scale must stay 0
+                pv = jnp.where(pos < n_valid, p * lax.broadcast_in_dim(v_scale, score_shape, [key_axis]),
+                               jnp.zeros_like(p))
             if mma:  # fp8 P^T, each query's bound on its P * v_scale at 448; V^T is the page
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
-                top = store_e4m3_probabilities(p_tile, pv, s_max, m_new, v_top)
-                pv_t = wgmma_product(*e4m3_value_operands(v_op, p_tile), (d, 2 * rows), interpret)
-                acc = acc + two_terms(pv_t, rows) * lax.broadcast_in_dim(top / FP8_MAX, acc_shape, [q_axis])
+                # A query's largest P of the block times the block's largest v_scale bounds its
+                # entries, from maxima at hand: no second cross-warp maximum. top at least
+                # TOP_FLOOR: below it 448 / top overflows (a block far below the running max,
+                # or tiny values: 448 / 1e-37 is inf, and P^T turned NaN) or top / 448 is
+                # subnormal (flushed to 0 on the GPU); P^T's entries then stay below 448.
+                top = jnp.exp2(s_max - m_new) * v_top
+                top = jnp.where(top > 0, jnp.maximum(top, TOP_FLOOR), 1.0)
+                p8 = pv * lax.broadcast_in_dim(FP8_MAX / top, score_shape, [q_axis])
+                # P^T as two e4m3 terms, hi + lo / LO_SCALE (7 mantissa bits, as bf16's): the
+                # tile's first `rows` rows hold hi, the next lo, so one wgmma of twice the
+                # columns multiplies both
+                p16 = plgpu.layout_cast(p8.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
+                hi = p16.astype(p_tile.dtype)
+                lo = ((p16 - fp8_to(hi, jnp.float16)) * LO_SCALE).astype(p_tile.dtype)
+                p_tile.at[pl.ds(0, rows)].transpose((1, 0))[...] = hi
+                p_tile.at[pl.ds(rows, rows)].transpose((1, 0))[...] = lo
+                plgpu.commit_smem()
+                pages = range(v_op.shape[0])  # V^T as its pages' tiles [copies, d, sub]
+                pv_t = wgmma_product(tuple(v_op.at[j] for j in pages),
+                                     tuple(p_tile.at[:, pl.ds(j * sub, sub)].transpose((1, 0))
+                                           for j in pages), (d, 2 * rows), interpret)
+                pv_t = pv_t[:, :rows] + pv_t[:, rows:] * (1.0 / LO_SCALE)
+                acc = acc + pv_t * lax.broadcast_in_dim(top / FP8_MAX, acc_shape, [q_axis])
             elif keys_as_rows:
                 l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
                 # The last block's PV has completed (its accumulator was read), so P^T's
@@ -632,150 +598,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, (acc, m_i, l_i))
         return acc, m_i, l_i.sum(axis=key_axis) if keys_as_rows else l_i
 
-    def block_softmax(s, k_scale, score_scale, i, n_valid, m_i, first_limit=None):
-        """Block i's scores `s` (the raw QK^T product) -> (key positions, each query's block
-        maximum, its new running maximum, the factor that rescales what came before, the
-        probabilities): scaled (times K's per-key scales when folded out of the tiles), the
-        keys `>= n_valid` masked (and with `first_limit` the causal ones, `attend`), in the
-        log2 domain."""
-        pos = plgpu.broadcasted_iota(jnp.int32, score_shape, key_axis, layout=plgpu.Layout.WGMMA)
-        if k_scale is not None:  # a stale key's scale is selected away with its score
-            s = s * lax.broadcast_in_dim(k_scale * score_scale, score_shape, [key_axis])
-        else:
-            s = s * score_scale
-        s = jnp.where(pos < n_valid, s, -jnp.inf)
-        if first_limit is not None:  # key < first_limit + col // G  <=>  (key - first_limit + 1) * G <= col
-            col = plgpu.broadcasted_iota(jnp.int32, score_shape, q_axis, layout=plgpu.Layout.WGMMA)
-            s = jnp.where((pos + (i * block_kv + 1 - first_limit)) * causal_group <= col, s, -jnp.inf)
-        s_max = s.max(axis=key_axis)
-        m_new = jnp.maximum(m_i, s_max)
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, score_shape, [q_axis]))
-        return pos, s_max, m_new, alpha, p
-
-    def value_weights(p, pos, n_valid, v_scale):
-        """The probabilities P·V takes: `p` itself, or times V's per-key scales when they are
-        folded out of the tiles (0 for the keys `>= n_valid`: 0 * a stale key's scale,
-        maybe NaN, must stay 0)."""
-        if v_scale is None:
-            return p
-        return jnp.where(pos < n_valid, p * lax.broadcast_in_dim(v_scale, score_shape, [key_axis]),
-                         jnp.zeros_like(p))
-
-    def store_e4m3_probabilities(p_tile, pv, s_max, m_new, v_top):
-        """The "mma" paths' P^T: `pv` rescaled per query so that its bound is 448, stored in
-        `p_tile` as two e4m3 terms (hi in the first `rows` rows, lo in the next) and fenced
-        for the tensor cores -> each query's bound (`top`), which scales the product back."""
-        # A query's largest P of the block times the block's largest v_scale bounds its
-        # entries, from maxima at hand: no second cross-warp maximum. top at least
-        # TOP_FLOOR: below it 448 / top overflows (a block far below the running max,
-        # or tiny values: 448 / 1e-37 is inf, and P^T turned NaN) or top / 448 is
-        # subnormal (flushed to 0 on the GPU); P^T's entries then stay below 448.
-        top = jnp.exp2(s_max - m_new) * v_top
-        top = jnp.where(top > 0, jnp.maximum(top, TOP_FLOOR), 1.0)
-        p8 = pv * lax.broadcast_in_dim(FP8_MAX / top, score_shape, [q_axis])
-        # P^T as two e4m3 terms, hi + lo / LO_SCALE (7 mantissa bits, as bf16's): the
-        # tile's first `rows` rows hold hi, the next lo, so one wgmma of twice the
-        # columns multiplies both
-        p16 = plgpu.layout_cast(p8.astype(jnp.float16), plgpu.Layout.WGMMA_TRANSPOSED)
-        hi = p16.astype(p_tile.dtype)
-        lo = ((p16 - fp8_to(hi, jnp.float16)) * LO_SCALE).astype(p_tile.dtype)
-        p_tile.at[pl.ds(0, rows)].transpose((1, 0))[...] = hi
-        p_tile.at[pl.ds(rows, rows)].transpose((1, 0))[...] = lo
-        plgpu.commit_smem()
-        return top
-
-    def e4m3_value_operands(v_op, p_tile):
-        """(A, B) of the "mma" paths' `[d, 2 x rows]` product V^T P^T: a slot-minor V tile's
-        pages `[copies, d, sub]` against the matching key columns of the stored P^T."""
-        pages = range(v_op.shape[0])
-        return (tuple(v_op.at[j] for j in pages),
-                tuple(p_tile.at[:, pl.ds(j * sub, sub)].transpose((1, 0)) for j in pages))
-
-    def attend_overlapped(q_tile, k_wait, k_slot, k_scales, v_tile, k_done, v_done, n_keys, n_steps,
-                          p_tile, score_scale):
-        """`attend` for "mma_q2" (keys as rows; q's two e4m3 terms in `q_tile [2 x rows,
-        d]`), with the tensor cores beside the softmax: while block i's softmax runs, block
-        i+1's QK^T and block i-1's P·V are in flight (every operand is in shared memory, so
-        nothing holds the wgmmas back). Block i-1's product is added to the output once
-        block i's probabilities are ready, just before block i's P^T replaces its own, and
-        V's ring slot of block i-1 is released then. No wgmma sits under a branch (ptxas
-        would wait on it there): the last block issues a QK^T of its own K slot, held until
-        the end, that nobody reads, and an item without keys one of a slot nobody waits
-        for. `k_wait(i)` waits for block i's K tile, `k_slot(i)` is it, `k_scales(i)` its
-        per-key scales; the rest as `attend`'s.
-
-        A product in flight is an accumulator ref on the GPU; the interpreter (which
-        stores to no accumulator) computes it when issued and carries it (`Products`)."""
-        wide = (block_kv, 2 * rows)  # S^T against hi and lo
-        q_t = q_tile.transpose((1, 0))
-        m_0 = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-        one = plgpu.layout_cast(jnp.full((rows,), 1.0, jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-
-        def add_product(acc, alpha, product, scale):
-            """`acc` rescaled by the block's `alpha`, plus its P·V `product` scaled back (`scale`:
-            its P^T bound over 448), both per query."""
-            return (acc * lax.broadcast_in_dim(alpha, acc_shape, [q_axis])
-                    + product * lax.broadcast_in_dim(scale, acc_shape, [q_axis]))
-
-        def scoped(s_ref, pv_ref):
-            scores = Products(s_ref, interpret)
-            values = Products(pv_ref, interpret)
-            issue_scores = lambda i: scores.start(((k_slot(i), q_t),))
-
-            @pl.when(n_steps > 0)
-            def _first():
-                k_wait(0)
-
-            s_pending = issue_scores(0)
-            scores.wait(0)
-
-            def step(i, carry):
-                acc, m_i, l_i, alpha_last, scale_last, s_pending, pv_pending = carry
-                # in flight: block i's QK^T, then block i-1's P·V
-                s = two_terms(scores.result(s_pending, wait_n=1), rows)
-                k_scale = k_scales(i)
-
-                @pl.when(i + 1 < n_steps)
-                def _next():
-                    k_done(i)
-                    k_wait(i + 1)
-
-                s_pending = issue_scores(jnp.minimum(i + 1, n_steps - 1))
-                n_valid = n_keys - i * block_kv
-                pos, s_max, m_new, alpha, p = block_softmax(s, k_scale, score_scale, i, n_valid, m_i)
-                v_op, v_scale, v_top = v_tile(i, n_valid)
-                pv = value_weights(p, pos, n_valid, v_scale)
-                l_i = l_i * lax.broadcast_in_dim(alpha, score_shape, [q_axis]) + p
-                last = two_terms(values.result(pv_pending, wait_n=0), rows)
-
-                @pl.when(i > 0)
-                def _release():
-                    v_done(i - 1)
-
-                acc = add_product(acc, alpha_last, last, scale_last)
-                top = store_e4m3_probabilities(p_tile, pv, s_max, m_new, v_top)
-                pv_pending = values.start(zip(*e4m3_value_operands(v_op, p_tile)))
-                return acc, m_new, l_i, alpha, top / FP8_MAX, s_pending, pv_pending
-
-            carry = (values.zeros(acc_shape), m_0, values.zeros(score_shape), one, 0.0 * one, s_pending,
-                     values.start(()))
-            acc, m_i, l_i, alpha_last, scale_last, _, pv_pending = lax.fori_loop(0, n_steps, step, carry)
-            last = two_terms(values.result(pv_pending, wait_n=0), rows)  # and the unread QK^T
-
-            @pl.when(n_steps > 0)
-            def _release():
-                k_done(n_steps - 1)
-                v_done(n_steps - 1)
-
-            return add_product(acc, alpha_last, last, scale_last), m_i, l_i.sum(axis=key_axis)
-
-        return pl.run_scoped(scoped, plgpu.ACC(wide, jnp.float32), plgpu.ACC((d, 2 * rows), jnp.float32))
-
     def body(layer_ref, lens_ref, pt_ref, *rest):
         lim_ref, *rest = rest if causal else (None, *rest)
-        qs_ref, q_ref, *rest = rest if q8 else (None, *rest)
-        q_lo_ref, k_ref, v_ref, *rest = rest if q2 else (None, *rest)
+        qs_ref, q_ref, k_ref, v_ref, *rest = rest if q8 else (None, *rest)
         ks_ref, vs_ref, *rest = rest if quant else (None, None, *rest)
         o_ref, *rest = rest
         lse_ref = rest[0] if splits > 1 else None
@@ -806,9 +631,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                 # 8 below row0 and the group's G queries sit at tile rows shift..shift+G-1.
                 shift = lax.rem(row0, jnp.int32(8))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's output read
-                for term, q_src in enumerate((q_ref, q_lo_ref) if q2 else (q_ref,)):
-                    plgpu.copy_gmem_to_smem(q_src.at[pl.ds(row0 - shift, rows)],
-                                            q_tile.at[pl.ds(term * rows, rows)], q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 - shift, rows)], q_tile, q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
 
                 def ring(i):
@@ -856,18 +679,13 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                     zero_rows_from(v_stage, n_valid)
                     return v_stage, key_scales(vs_smem.at[ring(i)], key_axis), None
 
-                k_done = lambda i: plgpu.barrier_arrive(k_free.at[ring(i)])
-                v_done = lambda i: plgpu.barrier_arrive(v_free.at[ring(i)])
-                score_scale = scale * qs_ref[req] if q8 else scale
-                if q2:
-                    acc, m_i, l_i = attend_overlapped(
-                        q_tile, lambda i: plgpu.barrier_wait(k_bar.at[ring(i)]), lambda i: k_smem.at[ring(i)],
-                        lambda i: key_scales(ks_smem.at[ring(i)], key_axis), v_tile,
-                        k_done, v_done, end - start, n_steps, p_smem.at[wg], score_scale)
-                else:
-                    acc, m_i, l_i = attend(q_tile, k_tile, v_tile, k_done, v_done, end - start, n_steps,
-                                           p_smem.at[wg] if keys_as_rows else None,
-                                           lim_ref[req] if causal else None, score_scale)
+                acc, m_i, l_i = attend(q_tile, k_tile, v_tile,
+                                       lambda i: plgpu.barrier_arrive(k_free.at[ring(i)]),
+                                       lambda i: plgpu.barrier_arrive(v_free.at[ring(i)]),
+                                       end - start, n_steps,
+                                       p_smem.at[wg] if keys_as_rows else None,
+                                       lim_ref[req] if causal else None,
+                                       scale * qs_ref[req] if q8 else scale)
                 empty = l_i == 0.0
                 l_safe = jnp.where(empty, 1.0, l_i)
                 out = (acc / lax.broadcast_in_dim(l_safe, acc_shape, [q_axis])).astype(out_dtype)
@@ -945,8 +763,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
     scratch = [
         # The q tiles and the output staging alias: an item's last QK^T has read q before
         # its output is written, and the next q load waits until that output is stored.
-        plgpu.RefUnion(plgpu.SMEM((hpc, len(q_terms) * rows, d), q_rows.dtype,
-                                  transforms=smem_tiling(d, q_rows.dtype)),
+        plgpu.RefUnion(plgpu.SMEM((hpc, rows, d), q_rows.dtype, transforms=smem_tiling(d, q_rows.dtype)),
                        plgpu.SMEM((hpc, rows, d), out_dtype)),
         plgpu.SMEM((rings, block_kv, d), kv_dtype, transforms=kv_tiled),
         (plgpu.SMEM((rings, copies, d, sub), kv_dtype, transforms=minor_tiled) if v_minor else
@@ -957,7 +774,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
         *([plgpu.SMEM((rings, block_kv), jnp.float32), plgpu.SMEM((rings, block_kv), jnp.float32)]
           if quant else []),
         *([plgpu.SMEM((hpc * n_staging, block_kv, d), dtype, transforms=tiled)] if n_staging else []),
-        plgpu.Barrier(num_arrivals=len(q_terms), num_barriers=hpc),
+        plgpu.Barrier(num_barriers=hpc),
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=rings),
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=rings),
         plgpu.Barrier(num_arrivals=1, num_barriers=rings),
@@ -978,7 +795,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                                              lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(layer_arr, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-      *([jnp.asarray(first_limits, jnp.int32)] if causal else []), *q_scales, *q_terms, k_data, v_data,
+      *([jnp.asarray(first_limits, jnp.int32)] if causal else []), *q_scales, q_rows, k_data, v_data,
       *scales)
 
     o_part = outs[0].reshape(splits, b, hq, d)

@@ -46,9 +46,7 @@ class DecodeTuning:
     on the scores, V's on the probabilities) and casts K and V into a staging tile each;
     "fold_k_regs" is "fold" with K cast in registers as the first matmul operand (keys as
     rows only); "mma" is "fold_k_regs" with P·V on fp8 tensor cores, for slot-minor values
-    only (`QuantizedKV.slot_minor`); "mma_q8" also quantizes q for an fp8 QK^T;
-    "mma_q2" takes q as two e4m3 terms (bf16's precision) and runs the wgmmas beside the
-    softmax.
+    only (`QuantizedKV.slot_minor`); "mma_q8" also quantizes q for an fp8 QK^T.
     fp8_compute: the dtype fp8 tiles are cast to (None: "float16" on the "mma" paths, else
     q's if bf16/f16, else bf16; "float16" makes the cast one instruction a pair, exact, with
     q saturated into f16's range)."""

@@ -138,8 +138,6 @@ DECODE_FP8_CASES = {
     "mma": (True, 1, "mma", None, True),
     "mma-splits": (True, 3, "mma", "float16", True),
     "mma_q8": (True, 2, "mma_q8", None, True),
-    "mma_q2": (True, 2, "mma_q2", None, True),
-    "mma_q2-one-split": (True, 1, "mma_q2", None, True),
     "default-tiles-slot-minor": (None, 1, None, None, True),  # slot-minor values: "mma"
 }
 
@@ -181,12 +179,8 @@ def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits
     np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)  # kv_len 0 -> zeros
 
 
-MMA_TILES = ["mma", "mma_q2"]  # P·V on fp8 tensor cores: QK^T in f16, or overlapped in e4m3
-
-
-@pytest.mark.parametrize("tiles", MMA_TILES)
 @pytest.mark.parametrize("case", ["tiny-values", "far-below-the-max"])
-def test_mma_decode_keeps_blocks_of_tiny_probabilities_times_scales_finite(case, tiles):
+def test_mma_decode_keeps_blocks_of_tiny_probabilities_times_scales_finite(case):
     # "mma" scales a block's P * v_scale by 448 / its largest entry; below ~1.3e-36 that
     # factor overflowed float32 and P^T turned NaN: values of magnitude 1e-34 (v_scale
     # ~ 1e-36), or a block whose scores lie 80 nats below an earlier key's (p ~ 1e-35
@@ -201,7 +195,7 @@ def test_mma_decode_keeps_blocks_of_tiny_probabilities_times_scales_finite(case,
     kq, vq = quantized.from_array(kb), quantized.from_array(vb, 32)
     lens = jnp.asarray([96], jnp.int32)
     out = ragged_decode_mgpu(q, kq, vq, jnp.int32(1), lens, pt, page_size=32, sm_scale=0.125, interpret=True,
-                             tuning=DecodeTuning(fp8_tiles=tiles))
+                             tuning=DecodeTuning(fp8_tiles="mma"))
     ref = reference.ragged_decode(q.astype(jnp.float32), kq, vq, jnp.int32(1), lens, pt, page_size=32,
                                   sm_scale=0.125)
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -230,8 +224,7 @@ def test_mma_decode_computes_in_f16_and_saturates_a_query_beyond_its_range():
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("tiles", MMA_TILES)
-def test_mma_decode_walks_several_items_per_cta(tiles):
+def test_mma_decode_walks_several_items_per_cta():
     # 4 requests x 2 KV heads x 2 splits on 3 CTAs: each CTA's K/V ring, P^T staging and
     # output staging carry from one item into the next
     rng = np.random.default_rng(20)
@@ -241,15 +234,14 @@ def test_mma_decode_walks_several_items_per_cta(tiles):
     lens = jnp.asarray(lens, jnp.int32)
     out = ragged_decode_mgpu(q, poison_unowned(kq, lens, pt, 32), poison_unowned(vq, lens, pt, 32),
                              jnp.int32(1), lens, pt, page_size=32, sm_scale=0.125, interpret=True,
-                             tuning=DecodeTuning(fp8_tiles=tiles, num_splits=2, num_ctas=3))
+                             tuning=DecodeTuning(fp8_tiles="mma", num_splits=2, num_ctas=3))
     ref = reference.ragged_decode(q.astype(jnp.float32), kq, vq, jnp.int32(1), lens, pt, page_size=32,
                                   sm_scale=0.125)
     assert rel_err(out, ref) < TOL
     np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)  # kv_len 0 -> zeros
 
 
-@pytest.mark.parametrize("tiles", MMA_TILES)
-def test_mma_decode_keeps_a_blocks_small_values_beside_a_large_unlikely_one(tiles):
+def test_mma_decode_keeps_a_blocks_small_values_beside_a_large_unlikely_one():
     # "mma" scales a query's P * v_scale by a bound from the block's largest V scale: a
     # key whose values are 1000x the others' (and whose score is low) sets it, and the
     # other keys' entries of P^T, ~448 / 1000, must keep their relative precision
@@ -262,32 +254,16 @@ def test_mma_decode_keeps_a_blocks_small_values_beside_a_large_unlikely_one(tile
     q = jnp.asarray(np.abs(rng.standard_normal((2, 4, 64))), jnp.bfloat16)  # the outlier scores ~ -6
     lens = jnp.asarray([96, 70], jnp.int32)
     out = ragged_decode_mgpu(q, kq, vq, jnp.int32(1), lens, pt, page_size=32, sm_scale=0.125, interpret=True,
-                             tuning=DecodeTuning(fp8_tiles=tiles))
+                             tuning=DecodeTuning(fp8_tiles="mma"))
     ref = reference.ragged_decode(q.astype(jnp.float32), kq, vq, jnp.int32(1), lens, pt, page_size=32,
                                   sm_scale=0.125)
     assert rel_err(out, ref) < TOL
 
 
-def test_query_terms_keep_bf16s_precision_under_jit():
-    # "mma_q2"'s queries: hi + lo / 16 times one scale a request within 2^-8 of each |q| (2^-9
-    # of the request's largest below e4m3's normal range); lo must survive jit (XLA on the
-    # GPU removed hi's f32 -> e4m3 -> f32 round trip, leaving lo 0)
-    rng = np.random.default_rng(24)
-    q = jnp.asarray(rng.standard_normal((3, 4, 64)) * np.array([1e-3, 1.0, 300.0])[:, None, None], jnp.bfloat16)
-    hi, lo, scale = jax.jit(decode_mgpu.query_terms)(q)
-    assert hi.dtype == lo.dtype == jnp.float8_e4m3fn and scale.shape == (3,)
-    back = (np.asarray(hi, np.float32) + np.asarray(lo, np.float32) / 16) * np.asarray(scale)[:, None, None]
-    want = np.asarray(q, np.float32)
-    amax = np.abs(want).max(axis=(1, 2), keepdims=True)
-    assert (np.abs(back - want) <= np.maximum(np.abs(want) * 2.0 ** -8, amax * 2.0 ** -17)).all()
-    assert np.abs(np.asarray(lo, np.float32)).max() > 0
-
-
-def test_overlapped_decode_rescales_the_products_still_in_flight():
-    # "mma_q2" adds block i-1's P·V once block i's softmax has moved the running maximum:
-    # scores that rise block by block, by uneven steps (0 to 6 nats; 6 blocks, a partial
-    # last one), make every block's own rescale matter, and the second request's single
-    # block runs the loop once (no product in flight beside it)
+def test_mma_decode_rescales_the_running_sums_as_the_maximum_rises_block_by_block():
+    # each block's P is scaled from its own score maximum: scores that rise block by block,
+    # by uneven steps (0 to ~5 nats; 6 blocks, a partial last one), make every block's
+    # rescale of the sums before it matter; the second request's single block has none
     rng = np.random.default_rng(23)
     lens = np.array([350, 20])
     (kb, vb), _, pt = fp8_inputs(rng, len(lens), int(lens.max()), 1, 64, 32)
@@ -301,7 +277,7 @@ def test_overlapped_decode_rescales_the_products_still_in_flight():
     kq, vq = quantized.from_array(kb), quantized.from_array(vb, 32)
     lens = jnp.asarray(lens, jnp.int32)
     out = ragged_decode_mgpu(q, kq, vq, jnp.int32(1), lens, pt, page_size=32, sm_scale=0.125, interpret=True,
-                             tuning=DecodeTuning(fp8_tiles="mma_q2", num_splits=1))
+                             tuning=DecodeTuning(fp8_tiles="mma", num_splits=1))
     ref = reference.ragged_decode(q.astype(jnp.float32), kq, vq, jnp.int32(1), lens, pt, page_size=32,
                                   sm_scale=0.125)
     assert rel_err(out, ref) < TOL
@@ -540,8 +516,8 @@ def test_fp8_tiles_default_to_k_in_registers_only_where_keys_are_rows():
     (DecodeTuning(fp8_tiles="scaled"), False, "tuning.fp8_tiles must be None or one of stage/fold/fold_k_regs/mma"),
     (DecodeTuning(fp8_compute="float32"), False, "tuning.fp8_compute must be None or one of"),
     (DecodeTuning(fp8_tiles="fold_k_regs", keys_as_rows=False), False, "fold_k_regs' needs keys as rows"),
-    (DecodeTuning(fp8_tiles="mma"), False, "'mma'/'mma_q8'/'mma_q2' read slot-minor fp8 values.*slot-major values"),
-    (DecodeTuning(fp8_tiles="fold_k_regs"), True, "'mma'/'mma_q8'/'mma_q2' read slot-minor fp8 values.*slot-minor values"),
+    (DecodeTuning(fp8_tiles="mma"), False, "'mma'/'mma_q8' read slot-minor fp8 values.*slot-major values"),
+    (DecodeTuning(fp8_tiles="fold_k_regs"), True, "'mma'/'mma_q8' read slot-minor fp8 values.*slot-minor values"),
     (DecodeTuning(fp8_tiles="mma", keys_as_rows=False), True, "'mma' needs keys as rows"),
 ])
 def test_decode_kernel_names_a_bad_fp8_option(tuning, v_slot_minor, match):

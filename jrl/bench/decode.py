@@ -40,7 +40,7 @@ stages2 (decode kernel with 2 K/V ring slots a warpgroup); queries_as_rows (quer
 tensor-core tile rows); keys_as_rows_1cta (keys as rows, one CTA an SM). With a `kv_dtype`
 in `--engine` the KV is quantized for every variant but bf16_kv (the same batch in bf16: the
 baseline of the fp8 speedup), and fp8_stage, fp8_fold, fp8_fold_k_regs, fp8_fold_f16,
-fp8_fold_k_regs_f16, fp8_mma, fp8_mma_f16, fp8_mma_bf16, fp8_mma_q8, fp8_mma_q2 pick the decode kernel's
+fp8_fold_k_regs_f16, fp8_mma, fp8_mma_f16, fp8_mma_bf16, fp8_mma_q8 pick the decode kernel's
 fp8 tile path (`DecodeTuning.fp8_tiles`; f16 / bf16: `fp8_compute`, the mma ones' default
 f16; the mma ones store the values
 slot-minor, the others slot-major; base is the engine's default); fp8_mma_b128 and
@@ -504,7 +504,6 @@ VARIANTS = {
     "fp8_mma_f16": lambda: decode_tuning(fp8_tiles="mma", fp8_compute="float16"),
     "fp8_mma_bf16": lambda: decode_tuning(fp8_tiles="mma", fp8_compute="bfloat16"),
     "fp8_mma_q8": lambda: decode_tuning(fp8_tiles="mma_q8"),
-    "fp8_mma_q2": lambda: decode_tuning(fp8_tiles="mma_q2"),
     "fp8_mma_b128": lambda: decode_tuning(fp8_tiles="mma", block_kv=128),
     "fp8_mma_q8_b128": lambda: decode_tuning(fp8_tiles="mma_q8", block_kv=128),
     "fp8_mma_3cta": lambda: decode_tuning(fp8_tiles="mma", ctas_per_sm=3),
