@@ -608,6 +608,7 @@ class DataConfig:
     rejected_field: str = "rejected"
     tokenizer: str = "bytes"  # "bytes" or a path to a Hugging Face tokenizer.json
     add_eos: bool = True  # append EOS, trained like the last section (chat templates place their own)
+    add_bos: bool = False  # open every document with the tokenizer's BOS, untrained (chat templates place their own)
     seq_len: int = 128
     pack: bool = True  # several documents per row (segment ids keep them apart)
     overflow: Literal["truncate_right", "truncate_left", "split", "drop"] = "truncate_right"

@@ -137,6 +137,125 @@ def test_chat_trains_the_content_of_a_trained_role_other_than_assistant():
     assert TOK.decode(ids[train]) == "call<eos>42<eos>it is 42<eos>"
 
 
+# ----------------------------------------------------------------------------- data.add_bos
+# ids of the byte tokenizer: <pad> 256, <bos> 257, <eos> 258; 'a' 97, 'b' 98, 'c' 99
+
+
+def test_add_bos_opens_a_text_document_with_the_bos_untrained():
+    # Hugging Face base models were pretrained with BOS at every document's start; the BOS
+    # is context (never a target), the first text token is now predicted from it
+    cfg = DataConfig(format="text", add_bos=True)
+    [(ids, train)] = encode_record({"text": "ab"}, cfg, TOK)
+    assert ids.tolist() == [257, 97, 98, 258]
+    assert train.tolist() == [False, True, True, True]
+
+
+def test_add_bos_is_off_by_default():
+    [(ids, _)] = encode_record({"text": "ab"}, DataConfig(format="text"), TOK)
+    assert ids.tolist() == [97, 98, 258]
+
+
+def test_add_bos_opens_a_sections_document_before_its_first_piece():
+    cfg = DataConfig(sections=SECTIONS, add_bos=True)
+    [(ids, train)] = encode_record({"prompt": "1", "response": "2"}, cfg, TOK)
+    assert ids.tolist() == [257, 81, 58, 49, 65, 58, 50, 258]  # <bos> Q : 1 A : 2 <eos>
+    assert train.tolist() == [False] * 6 + [True, True]
+
+
+def test_add_bos_opens_both_documents_of_a_preference_pair_once():
+    cfg = DataConfig(format="preference", sections=(Section(field="prompt"),), add_bos=True, add_eos=False)
+    (c, ct), (r, rt) = encode_record({"prompt": "p", "chosen": "1", "rejected": "22"}, cfg, TOK)
+    assert c.tolist() == [257, 112, 49] and r.tolist() == [257, 112, 50, 50]
+    assert ct.tolist() == [False, False, True] and rt.tolist() == [False, False, True, True]
+
+
+def test_add_bos_leaves_a_chat_document_with_the_templates_single_bos():
+    # the chat template writes the BOS itself (as add_eos, add_bos does not apply to chat)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    [(ids, _)] = encode_record({"messages": messages}, DataConfig(format="chat", add_bos=True), TOK)
+    [(plain, _)] = encode_record({"messages": messages}, DataConfig(format="chat"), TOK)
+    assert ids.tolist() == plain.tolist() == [257, 260, 10, 97, 258, 261, 10, 98, 258]
+
+
+def test_add_bos_comes_before_the_start_of_text_mark_of_a_sentencepiece_tokenizer():
+    # Llama-2's tokenizer(text) gives <s> then the text as a text of its own ('▁' before it),
+    # not as a continuation: what the server's default encoding of a text prompt gives
+    from tokenizers import Tokenizer as RawTokenizer, models, normalizers
+    from jrl.tokenizer import HFTokenizer
+    pieces = ["<unk>", "<s>", "</s>", "<0x0A>", "▁", "2", "+", "=", "4", "▁4", "▁2"]
+    raw = RawTokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [("▁", "4"), ("▁", "2")],
+                                  unk_token="<unk>", byte_fallback=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok = HFTokenizer(raw, eos_token="</s>", bos_token="<s>")
+    cfg = DataConfig(sections=(Section(field="prompt"), Section(field="response", train=True)), add_bos=True)
+    [(ids, train)] = encode_record({"prompt": "2+2=", "response": " 4"}, cfg, tok)
+    assert ids.tolist() == [1, 10, 6, 5, 7, 9, 2]  # <s> ▁2 + 2 = ▁4 </s>
+    assert train.tolist() == [False] * 5 + [True, True]
+
+
+def test_add_bos_is_what_a_hugging_face_tokenizer_prepends_with_its_special_tokens(tmp_path):
+    from chat_fixtures import write_chat_tokenizer
+    tok = load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok", bos="<s>")))
+    cfg = DataConfig(format="text", add_bos=True, add_eos=False)
+    [(ids, _)] = encode_record({"text": "the cat sat"}, cfg, tok)
+    assert ids[0] == tok.bos_id == 3 and ids.tolist() == tok.encode("the cat sat", add_special_tokens=True)
+
+
+def test_add_bos_with_a_tokenizer_without_bos_is_a_config_error(tmp_path):
+    from chat_fixtures import write_chat_tokenizer
+    tok_dir = write_chat_tokenizer(tmp_path / "tok")  # Qwen-like: no bos_token
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"text": "the cat"}\n')
+    cfg = DataConfig(source=str(src), format="text", eval_fraction=0.0, add_bos=True, tokenizer=str(tok_dir))
+    with pytest.raises(ConfigError) as e:
+        load_documents(cfg, load_tokenizer(str(tok_dir)), "train")
+    assert str(e.value) == (f"data.add_bos: the tokenizer {str(tok_dir)!r} (data.tokenizer) has no BOS token "
+                            f"(no bos_token in its tokenizer_config.json); set data.add_bos: false")
+
+
+def test_add_bos_with_a_chat_format_needs_no_bos_token(tmp_path):
+    # chat ignores add_bos: a tokenizer without BOS (ChatML's) is not refused for it
+    from chat_fixtures import write_chat_tokenizer
+    tok = load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok")))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "5"}]
+    [(ids, _)] = encode_record({"messages": messages}, DataConfig(format="chat", add_bos=True), tok)
+    assert tok.decode(ids) == tok.apply_chat_template(messages)
+
+
+def test_packed_rows_keep_each_documents_bos_and_eos_in_its_own_segment(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"text": "ab"}\n{"text": "c"}\n')
+    cfg = DataConfig(source=str(src), format="text", eval_fraction=0.0, add_bos=True, seq_len=10, shuffle=False)
+    dataset = build_dataset(cfg, TOK, "train")
+    assert len(dataset) == 1
+    row = {k: v[0].tolist() for k, v in dataset.rows(np.array([0])).items()}
+    assert row["tokens"] == [257, 97, 98, 258, 257, 99, 258, 256, 256, 256]
+    assert row["segment_ids"] == [1, 1, 1, 1, 2, 2, 2, 0, 0, 0]
+    assert row["positions"] == [0, 1, 2, 3, 0, 1, 2, 0, 0, 0]
+    # each document's text is predicted from its own BOS; no EOS predicts the next BOS
+    assert row["targets"] == [97, 98, 258, 256, 99, 258, 256, 256, 256, 256]
+    assert row["loss_mask"] == [1, 1, 1, 0, 1, 1, 0, 0, 0, 0]
+
+
+def test_add_bos_is_in_the_cache_key():
+    cfg = DataConfig(source="bundled:tinytext:20", format="text")
+    assert cache_key(dataclasses.replace(cfg, add_bos=True), TOK, "train") != cache_key(cfg, TOK, "train")
+
+
+def test_a_cache_written_before_add_bos_existed_is_still_read():
+    # the default (false) leaves the key as it was, so existing token stores are reused
+    for format, train, held_out in [("text", "f2e68f399ea11ecdf6ae", "fb9bb155a8cbecdcd69e"),
+                                    ("sections", "37c3d8185a855486c2de", "8b291a8bc3b2915e6ca6")]:
+        cfg = DataConfig(source="bundled:tinytext:20", format=format)
+        assert (cache_key(cfg, TOK, "train"), cache_key(cfg, TOK, "eval")) == (train, held_out)
+
+
+def test_add_bos_does_not_change_a_chat_cache_key():
+    # chat documents are the same with it (the template places the BOS): their store is reused
+    cfg = DataConfig(source="bundled:tinytext:20", format="chat")
+    assert cache_key(dataclasses.replace(cfg, add_bos=True), TOK, "train") == cache_key(cfg, TOK, "train")
+
+
 def test_chat_rejects_malformed_messages():
     with pytest.raises(ValueError, match=r"field 'messages' \(data.messages_field\) must be a non-empty list"):
         encode_record({"messages": []}, DataConfig(format="chat"), TOK)

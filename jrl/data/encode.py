@@ -14,7 +14,14 @@ training target (predicted from the tokens before it). Formats:
   + `chosen_field` and prompt + `rejected_field`, responses trained (two different
   responses, each with something to score).
 
-With `add_eos` an EOS token ends every document, trained like the last piece.
+With `add_eos` an EOS token ends every document, trained like the last piece. With
+`add_bos` the tokenizer's BOS token opens every document of the `text`, `sections` and
+`preference` formats (as a Hugging Face tokenizer's `tokenizer(text)` and jrl serve's
+default encoding of a text prompt put it), untrained: it is never a target (nothing comes
+before it), and a trained flag on it would count a record whose trained pieces are empty
+as one that trains something. The text after it is encoded as the start of a text, as
+those encodings do (with a SentencePiece tokenizer's '▁' mark). `chat` ignores it, as it
+ignores `add_eos`: the template places BOS itself, so it is never doubled.
 """
 
 from __future__ import annotations
@@ -60,14 +67,25 @@ def _pieces(record: dict, sections: tuple[Section, ...], where: str) -> list[tup
     return out
 
 
-def _document(pieces: list[tuple[str, bool]], tokenizer: Tokenizer, add_eos: bool) -> Document:
+def check_bos(config: DataConfig, tokenizer: Tokenizer) -> None:
+    """Raises a ConfigError naming data.add_bos when it is set for a format it applies to
+    and the tokenizer has no BOS token (Qwen's, GPT-NeoX's: their tokenizer_config.json
+    names no bos_token)."""
+    if config.add_bos and config.format != "chat" and tokenizer.bos_id is None:
+        raise ConfigError(f"data.add_bos: the tokenizer {config.tokenizer!r} (data.tokenizer) has no BOS token "
+                          f"(no bos_token in its tokenizer_config.json); set data.add_bos: false")
+
+
+def _document(pieces: list[tuple[str, bool]], tokenizer: Tokenizer, add_eos: bool,
+              add_bos: bool = False) -> Document:
     """The ids of the pieces one after the other (each encoded on its own, so that the mask
     is exact; each after the first as a continuation, so no start-of-text mark is added at
-    a seam) and which of them are trained."""
-    ids: list[int] = []
-    train: list[bool] = []
+    a seam) and which of them are trained; with `add_bos` after an untrained BOS."""
+    ids: list[int] = [tokenizer.bos_id] if add_bos else []
+    train: list[bool] = [False] if add_bos else []
+    start = len(ids)  # the text opens at the first piece with tokens, the BOS before it or not
     for text, trained in pieces:
-        piece = encode_continuation(tokenizer, text) if ids else tokenizer.encode(text)
+        piece = encode_continuation(tokenizer, text) if len(ids) > start else tokenizer.encode(text)
         ids.extend(piece)
         train.extend([trained] * len(piece))
     if add_eos:
@@ -141,14 +159,15 @@ def _chat_pieces(record: dict, config: DataConfig, tokenizer: Tokenizer, where: 
 def encode_record(record: dict[str, Any], config: DataConfig, tokenizer: Tokenizer,
                   where: str = "record") -> list[Document]:
     """The documents of one record (one, or two for `preference`: chosen then rejected)."""
-    if config.format == "text":
-        return [_document([(_field_text(record, config.text_field, where, "data.text_field"), True)],
-                          tokenizer, config.add_eos)]
     if config.format == "chat":
         return [_document(_chat_pieces(record, config, tokenizer, where), tokenizer, add_eos=False)]
+    check_bos(config, tokenizer)
+    if config.format == "text":
+        return [_document([(_field_text(record, config.text_field, where, "data.text_field"), True)],
+                          tokenizer, config.add_eos, config.add_bos)]
     prompt = _pieces(record, config.sections, where)
     if config.format == "sections":
-        return [_document(prompt, tokenizer, config.add_eos)]
+        return [_document(prompt, tokenizer, config.add_eos, config.add_bos)]
     return _preference_documents(record, config, tokenizer, prompt, where)
 
 
@@ -168,7 +187,8 @@ def _preference_documents(record: dict, config: DataConfig, tokenizer: Tokenizer
     if chosen == rejected:
         raise ConfigError(f"{where}: fields {fields[0]!r} and {fields[1]!r} ({' / '.join(keys)}) hold the same "
                           f"response {chosen!r}; a preference pair needs two different ones")
-    docs = [_document(prompt + [(text, True)], tokenizer, config.add_eos) for text in (chosen, rejected)]
+    docs = [_document(prompt + [(text, True)], tokenizer, config.add_eos, config.add_bos)
+            for text in (chosen, rejected)]
     if np.array_equal(docs[0][0], docs[1][0]):  # e.g. a tokenizer that lowercases, or maps both to <unk>
         raise ConfigError(f"{where}: fields {fields[0]!r} and {fields[1]!r} ({' / '.join(keys)}) hold {chosen!r} and "
                           f"{rejected!r}, which the tokenizer encodes to the same tokens; a preference pair needs two "

@@ -103,6 +103,8 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
               if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
                        "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
                        "add_eos", "seed")}
+    if config.add_bos and config.format != "chat":  # in the key only where it changes the documents: with
+        fields["add_bos"] = True                     # it false (the default) a store written before it existed is read
     # the held-out rule's version only in a held-out split's key: a training store's key stays
     heldout = {"heldout_rule": HELDOUT_RULE} if split == "eval" else {}
     blob = json.dumps({"split": split, "data": fields, "files": stat, "encoding": RECORD_ENCODING_VERSION, **heldout,
