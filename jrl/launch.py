@@ -24,8 +24,9 @@ from pathlib import Path
 import jax
 
 from jrl import checkpoint
-from jrl.config import (CONFIG_ERRORS, ConfigError, TrainConfig, check_config_flag, cli_exit, cli_warnings,
+from jrl.config import (CONFIG_ERRORS, ConfigError, TrainConfig, check, check_config_flag, cli_exit, cli_warnings,
                         load_train_config, to_dict, yaml_dump)
+from jrl.data.encode import check_bos
 from jrl.data.pipeline import check_records
 from jrl.data.records import require_source, source_files
 from jrl.data.store import StoreWriteError
@@ -98,7 +99,12 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
             source_files(path, key, config.data.format)
         else:
             require_source(path, key)
-    load_run_tokenizer(config)  # the data pipeline and RL sources tokenise with it
+    tokenizer = load_run_tokenizer(config)  # the data pipeline and RL sources tokenise with it
+    if strategy.name in RL_STRATEGIES:  # its prompts are the task's: data.add_bos would reach none of them
+        check(not config.data.add_bos, "data.add_bos",
+              f"a {strategy.name} run's prompts are its task's; set strategy.options.task.add_bos instead")
+    else:
+        check_bos(config.data, tokenizer)  # now, not at the first record read (a dry run reads no bundled set)
     return config
 
 

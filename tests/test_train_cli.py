@@ -67,6 +67,8 @@ def test_load_train_config_names_a_string_given_as_the_overrides_list():
     ("data.tokenizer=/no/such/tokenizer.json", "data.tokenizer: tokenizer: '/no/such/tokenizer.json' is neither"),
     ("seed=-3", "seed: must be >= 0 (numpy seeds the run from it), got -3"),
     ("data.seed=-1", "data.seed: must be >= 0 (numpy seeds the shuffle from it), got -1"),
+    ("data.add_bos=true", "data.add_bos: a grpo run's prompts are its task's; set strategy.options.task.add_bos "
+                          "instead"),
 ])
 def test_bad_config_exits_2_naming_the_field(override, message, capsys):
     assert main([override, "--dry-run"]) == 2
@@ -106,6 +108,17 @@ def test_dry_run_prints_resolved_config_and_parameter_count(capsys):
     assert yaml.safe_load(out) == to_dict(config)
     n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init_params(config.model, jax.random.key(0)))))
     assert f"# parameters: {n:,} ({n:,} trainable)" in out
+
+
+def test_dry_run_refuses_add_bos_with_a_tokenizer_without_bos_before_reading_a_bundled_set(tmp_path, capsys):
+    # a dry run reads no bundled set: the records would have found it only once the run started
+    from chat_fixtures import write_chat_tokenizer
+    tok = write_chat_tokenizer(tmp_path / "tok")  # Qwen-like: no bos_token
+    assert main(["--config", str(CONFIGS / "sft_arithmetic.yaml"), "--dry-run", "data.add_bos=true",
+                 f"data.tokenizer={tok}", "model.vocab_size=512"]) == 2
+    assert capsys.readouterr().err == (f"config error: data.add_bos: the tokenizer {str(tok)!r} (data.tokenizer) has "
+                                       f"no BOS token (no bos_token in its tokenizer_config.json); set data.add_bos: "
+                                       f"false\n")
 
 
 def test_dry_run_refuses_a_config_that_trains_nothing(capsys):
