@@ -389,6 +389,49 @@ def test_stop_tokens_are_eos_and_the_templates_end_of_turn(chat_tok):
     assert end_of_turn_ids(ByteTokenizer()) == [ByteTokenizer().eos_id]  # its turns end with <eos>
 
 
+# ids of the byte tokenizer: <bos> 257; '1' 49, '+' 43, '=' 61
+
+
+def test_task_add_bos_opens_a_text_prompt_with_the_bos(tmp_path):
+    # a model trained with data.add_bos: true is prompted as it was trained
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    (p,) = read_problems(path, "prompt", "answer")
+    assert PromptFormat(ByteTokenizer(), add_bos=True).encode(p).tolist() == [257, 49, 43, 49, 61]
+
+
+def test_task_add_bos_leaves_the_prompt_text_the_rewards_see(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    (p,) = read_problems(path, "prompt", "answer")
+    assert PromptFormat(ByteTokenizer(), add_bos=True).render(p) == "1+1="
+
+
+def test_task_add_bos_leaves_a_chat_prompt_with_the_templates_single_bos(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": [{"role": "user", "content": "1"}], "answer": "2"}])
+    (p,) = read_problems(path, "prompt", "answer")
+    ids = PromptFormat(ByteTokenizer(), add_bos=True).encode(p).tolist()
+    assert ids == PromptFormat(ByteTokenizer()).encode(p).tolist() == [257, 260, 10, 49, 258, 261, 10]
+
+
+def test_task_add_bos_with_a_tokenizer_without_bos_is_a_config_error(chat_tok):
+    with pytest.raises(ConfigError) as e:
+        PromptFormat(chat_tok, add_bos=True)
+    assert str(e.value) == ("strategy.options.task.add_bos: the tokenizer (data.tokenizer) has no BOS token (no "
+                            "bos_token in its tokenizer_config.json); set strategy.options.task.add_bos: false")
+
+
+def test_task_add_bos_needs_no_bos_token_where_every_prompt_is_rendered_with_the_template(chat_tok, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+    (p,) = read_problems(path, "prompt", "answer")
+    fmt = PromptFormat(chat_tok, chat_template=True, add_bos=True)
+    assert fmt.encode(p).tolist() == chat_tok.encode("<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_task_prompt_format_takes_the_tasks_add_bos():
+    fmt = PromptFormat.for_task(ByteTokenizer(), TaskConfig(add_bos=True, stop=("x",), chat_template=False))
+    assert (fmt.add_bos, fmt.stop, fmt.chat_template) == (True, ("x",), False)
+    assert PromptFormat.for_task(ByteTokenizer(), TaskConfig()).add_bos is False
+
+
 def test_completion_text_excludes_the_stop_token(chat_tok):
     fmt = PromptFormat(chat_tok)
     ids = chat_tok.encode("the cat") + chat_tok.encode("<|im_end|>")

@@ -11,6 +11,7 @@ import yaml
 from chat_fixtures import write_chat_tokenizer
 from jrl import checkpoint
 from jrl.config import ConfigError, load_train_config
+from jrl.data import encode_record
 from jrl.data.bundled import load_bundled
 from jrl.launch import has_warm_start, main
 from jrl.rl.demonstrations import WarmStartConfig, render_demonstrations, write_demonstrations
@@ -66,6 +67,31 @@ def test_a_numeric_response_is_demonstrated_as_the_file_writes_it(tmp_path):
     rendered = render_demonstrations(WarmStartConfig(source=str(src), prompt_field="messages"), PromptFormat(tok),
                                      "prompt", [])
     assert [r["response"] for r in rendered.rows] == ["0.50<|im_end|>"]
+
+
+def _warm_start_rows(tmp_path, *overrides):
+    """The SFT stage's document of one demonstration under CONFIG with `overrides`."""
+    src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab>", "response": "ba"}])
+    config = load_train_config(str(CONFIG), [f"strategy.options.warm_start.source={src}", *overrides])
+    options = RLOptions.from_config(config.strategy.options)
+    rendered = render_demonstrations(options.warm_start, PromptFormat.for_task(ByteTokenizer(), options.task),
+                                     "prompt", [])
+    data = warm_start_config(config, write_demonstrations(rendered, tmp_path / "out")).data
+    record = {"prompt": rendered.rows[0]["prompt"], "response": rendered.rows[0]["response"]}
+    [(ids, _)] = encode_record(record, data, ByteTokenizer())
+    return data, ids.tolist()
+
+
+def test_a_plain_text_warm_start_opens_its_prompts_with_the_tasks_bos(tmp_path):
+    # the SFT stage trains on the prompts the GRPO stage samples from: <bos> a b > | b a <eos>
+    data, ids = _warm_start_rows(tmp_path, "strategy.options.task.chat_template=false",
+                                 "strategy.options.task.add_bos=true")
+    assert data.add_bos and ids == [257, 97, 98, 62, 98, 97, 258]
+
+
+def test_a_templated_warm_start_keeps_the_templates_single_bos_under_task_add_bos(tmp_path):
+    data, ids = _warm_start_rows(tmp_path, "strategy.options.task.add_bos=true")
+    assert not data.add_bos and ids == [257, 260, 10, 97, 98, 62, 258, 261, 10, 98, 97, 258]
 
 
 def test_heldout_and_validation_prompts_are_left_out(tmp_path):

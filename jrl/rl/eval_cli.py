@@ -160,8 +160,7 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
     if not problems:
         raise ConfigError(f"--split: the task has no {split} problems (strategy.options.task.n_{split} is 0?)")
     tokenizer = load_run_tokenizer(config)
-    fmt = PromptFormat(tokenizer, chat_template=options.task.chat_template, system_prompt=options.task.system_prompt,
-                       stop=options.task.stop)
+    fmt = PromptFormat.for_task(tokenizer, options.task)
     limit = prompt_limit(config.data.seq_len, options.max_new_tokens)
     episodes = EpisodeSampler(options, fmt, options.reward_model(), config.data.seq_len) if options.episodes else None
     if episodes is None:

@@ -81,16 +81,31 @@ class PromptFormat:
     the generation prompt) and encodes text prompts as they are; True renders both (a text
     prompt becomes one user turn); False renders neither (message lists are refused).
     system_prompt: a system turn put first (needs the template).
+    add_bos: a text prompt that the template does not render is encoded after the
+    tokenizer's BOS token, as `data.add_bos` encodes training text (and jrl serve a text
+    prompt by default); a rendered prompt has the BOS its template writes, never a second.
     """
 
     def __init__(self, tokenizer: Any, *, chat_template: str | bool = "auto", system_prompt: str | None = None,
-                 stop: Sequence[str] = ()) -> None:
+                 stop: Sequence[str] = (), add_bos: bool = False) -> None:
+        if add_bos and chat_template is not True and getattr(tokenizer, "bos_id", None) is None:
+            raise ConfigError("strategy.options.task.add_bos: the tokenizer (data.tokenizer) has no BOS token (no "
+                              "bos_token in its tokenizer_config.json); set strategy.options.task.add_bos: false")
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.add_bos = add_bos
         self.stop = tuple(stop)
         self.eos_ids = end_of_turn_ids(tokenizer)
         self.stop_sequences = [list(tokenizer.encode(s)) for s in self.stop]
+
+    @classmethod
+    def for_task(cls, tokenizer: Any, task: Any) -> PromptFormat:
+        """The format of an RL task's prompts (`strategy.options.task`, a `TaskConfig`): its
+        chat template choice, system prompt, stops and BOS, wherever they are encoded
+        (rollouts, evaluations, the warm start's demonstrations, `jrl eval`)."""
+        return cls(tokenizer, chat_template=task.chat_template, system_prompt=task.system_prompt, stop=task.stop,
+                   add_bos=task.add_bos)
 
     def _uses_template(self, prompt: Any) -> bool:
         if self.chat_template == "auto":
@@ -134,8 +149,10 @@ class PromptFormat:
                               f"{template_failure(e)}") from None
 
     def encode(self, problem: Problem) -> np.ndarray:
-        """int32 prompt ids (no special tokens beyond those the template writes)."""
-        return np.asarray(self.tokenizer.encode(self.render(problem)), np.int32)
+        """int32 prompt ids: the special tokens the template writes, or for a text prompt the
+        BOS when `add_bos`, and no other."""
+        bos = [self.tokenizer.bos_id] if self.add_bos and not self.uses_template(problem) else []
+        return np.asarray(bos + list(self.tokenizer.encode(self.render(problem))), np.int32)
 
     def completion_text(self, completion: Completion) -> str:
         """The decoded response without its stop token or stop string, cut before the

@@ -168,8 +168,7 @@ class RolloutSource:
         self.task_digests = task_digests(self.task)  # recorded in checkpoints: see load_state_dict
         self.rewards = o.reward_model()
         self.tokenizer = tokenizer
-        self.format = PromptFormat(tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
-                                   stop=o.task.stop)
+        self.format = PromptFormat.for_task(tokenizer, o.task)
         # multi-turn episodes (jrl.rl.episode_source) when an env or tools are configured
         self.episodes = EpisodeSampler(o, self.format, self.rewards, seq_len) if o.episodes else None
         self.eval_problems = self.task.heldout[:o.eval_problems or None]

@@ -57,6 +57,7 @@ class TaskConfig:
     answer_field: str | None = "answer"  # null: the rewards need no reference answer
     # prompt format and stops (any task)
     chat_template: Literal["auto", True, False] = "auto"
+    add_bos: bool = False  # text prompts (not rendered by the template) open with the tokenizer's BOS
     system_prompt: str | None = None
     stop: tuple[str, ...] = ()
 

@@ -90,8 +90,7 @@ class StopAtValidationAccuracy(Callback):
         problems = self.problems
         if not problems:
             return
-        fmt = PromptFormat(trainer.tokenizer, chat_template=o.task.chat_template, system_prompt=o.task.system_prompt,
-                           stop=o.task.stop)
+        fmt = PromptFormat.for_task(trainer.tokenizer, o.task)
         prompts = None if o.episodes else [fmt.encode(p) for p in problems]
         config = engine_config_for(o, self.seq_len, len(problems), trainer.config.seed, trainer.config.model,
                                    None if prompts is None else sum(len(p) for p in prompts))
@@ -124,11 +123,13 @@ def warm_start_config(config: TrainConfig, demonstrations: Demonstrations | None
     ws = _warm_start_of(options)
     demos = demonstrations or Demonstrations(ws.source, ws.prompt_field or options.task.prompt_field,
                                              ws.response_field, add_eos=True, count=0, dropped=0)
+    # plain-text prompts (those whose responses get an EOS: a template closes its own turns) open
+    # with the BOS the task's prompts get (task.add_bos); a rendered prompt holds its template's
     data = DataConfig(source=demos.source, format="sections",
                       sections=(Section(field=demos.prompt_field), Section(field=demos.response_field, train=True)),
                       seq_len=ws.seq_len or config.data.seq_len, batch_size=ws.batch_size, eval_fraction=0.0,
-                      add_eos=demos.add_eos, tokenizer=config.data.tokenizer, seed=config.data.seed,
-                      cache_dir=config.data.cache_dir)
+                      add_eos=demos.add_eos, add_bos=options.task.add_bos and demos.add_eos,
+                      tokenizer=config.data.tokenizer, seed=config.data.seed, cache_dir=config.data.cache_dir)
     optimizer = dataclasses.replace(
         config.optimizer, lr=config.optimizer.lr if ws.lr is None else ws.lr,
         clip_norm=config.optimizer.clip_norm if ws.clip_norm is None else ws.clip_norm)
@@ -142,9 +143,8 @@ def warm_start_config(config: TrainConfig, demonstrations: Demonstrations | None
 
 def task_format(config: TrainConfig, options: RLOptions) -> PromptFormat:
     """How the run renders and encodes its task's prompts (its tokenizer, the task's chat
-    template, system prompt and stops)."""
-    return PromptFormat(load_run_tokenizer(config), chat_template=options.task.chat_template,
-                        system_prompt=options.task.system_prompt, stop=options.task.stop)
+    template, system prompt, stops and BOS)."""
+    return PromptFormat.for_task(load_run_tokenizer(config), options.task)
 
 
 def check_task_prompts(config: TrainConfig, task: Task, fmt: PromptFormat) -> None:
@@ -203,9 +203,10 @@ def _rows_of(config: TrainConfig, ws: WarmStartConfig) -> tuple[int, str]:
 def _demonstration_lengths(rendered: RenderedDemonstrations, fmt: PromptFormat) -> list[int]:
     """Each demonstration's tokens (prompt, response and stop token), encoded as the SFT stage
     encodes them (whole: the rows' length cuts nothing here)."""
+    templated = rendered.rows[0]["templated"]
     data = DataConfig(source=rendered.source, format="sections",
                       sections=(Section(field="prompt"), Section(field="response", train=True)),
-                      add_eos=not rendered.rows[0]["templated"])
+                      add_eos=not templated, add_bos=fmt.add_bos and not templated)
     return [len(encode_record({"prompt": r["prompt"], "response": r["response"]}, data, fmt.tokenizer)[0][0])
             for r in rendered.rows]
 
