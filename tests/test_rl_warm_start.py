@@ -20,7 +20,8 @@ from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat, end_of_turn_text
 from jrl.rl.tasks import TaskConfig, make_task
 from jrl.train.trainer import SkippedUpdateWarning
-from jrl.rl.warm_start import StopAtValidationAccuracy, run_warm_start, warm_start_config
+from jrl.rl.warm_start import (StopAtValidationAccuracy, check_task_prompts, run_warm_start, task_format,
+                               warm_start_config)
 from jrl.tokenizer import ByteTokenizer, load_tokenizer
 from jrl.train.defaults import default_run
 
@@ -455,3 +456,23 @@ def test_a_grpo_setting_the_run_cannot_take_stops_a_warm_start_run_before_it_wri
                  "strategy.options.warm_start.max_steps=1", "logging.progress=false", "logging.plot=false"]) == 2
     assert capsys.readouterr().err.strip() == f"error: {error}"
     assert not (tmp_path / "run").exists()
+
+
+def test_a_task_prompts_bos_counts_in_the_room_it_leaves_for_a_response(tmp_path):
+    # the run's own prompt format (task_format: rollouts, validation, the dry run's check) takes task.add_bos:
+    # an 11-byte prompt fills data.seq_len 16 - max_new_tokens 5 alone, and is one token too long after the BOS
+    src = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "abcdefghijk", "answer": "x"},
+                                             {"prompt": "bcdefghijkl", "answer": "y"}])
+    overrides = [f"strategy.options.task.train={src}", "strategy.options.task.n_heldout=1",
+                 "strategy.options.task.n_validation=0", "strategy.options.task.chat_template=false"]
+    config = load_train_config(str(CONFIG), overrides)
+    options = RLOptions.from_config(config.strategy.options)
+    task = make_task(options.task)
+    check_task_prompts(config, task, task_format(config, options))
+    config = load_train_config(str(CONFIG), [*overrides, "strategy.options.task.add_bos=true"])
+    options = RLOptions.from_config(config.strategy.options)
+    with pytest.raises(ConfigError) as e:
+        check_task_prompts(config, task, task_format(config, options))
+    assert str(e.value) == (f"{task.heldout[0].where}: the prompt is 12 tokens, longer than data.seq_len - "
+                            f"strategy.options.max_new_tokens = 11 (task split heldout); raise data.seq_len or "
+                            f"shorten the prompt")
