@@ -262,16 +262,22 @@ def test_a_resumed_run_without_a_reference_does_not_read_init_from(tmp_path):
     assert int(trainer.state.step) == 0 and trainer.reference_params is None
 
 
+def rewrite_meta(run, edit):
+    """`edit` applied to the meta.json of the run's step_0 (its manifest made to match), as
+    an earlier jrl would have written it."""
+    step = run / "checkpoints" / "step_0"
+    meta = json.loads((step / "meta.json").read_text())
+    edit(meta)
+    (step / "meta.json").write_text(json.dumps(meta))
+    (step / "manifest.json").write_bytes(manifest_bytes(build_manifest(step)))
+
+
 def test_a_checkpoint_that_records_no_init_source_reads_init_from_as_it_is_now_with_a_warning(tmp_path):
     first, later = start(tmp_path / "a", *TINY, "seed=1"), start(tmp_path / "b", *TINY, "seed=2")
     source = tmp_path / "source" / "checkpoints"
     checkpoint.save(source, 1, {"params": first, "policy_version": 1})
     run = saved_run(tmp_path, DPO, source)
-    step = run / "checkpoints" / "step_0"  # as an earlier jrl wrote it: no init_source in its meta.json
-    meta = json.loads((step / "meta.json").read_text())
-    del meta["init_source"]
-    (step / "meta.json").write_text(json.dumps(meta))
-    (step / "manifest.json").write_bytes(manifest_bytes(build_manifest(step)))
+    rewrite_meta(run, lambda meta: meta.pop("init_source"))  # as an earlier jrl wrote it: no init_source
     checkpoint.save(source, 2, {"params": later, "policy_version": 2})
     with pytest.warns(ResumeWarning) as caught:
         trainer = resumed(run, DPO, source)
@@ -320,11 +326,7 @@ def test_a_checkpoint_whose_init_source_records_no_hf_digest_resumes_reading_the
     export(tmp_path, seed=1)
     source = f"hf:{tmp_path / 'hf'}"
     run = saved_run(tmp_path, DPO, source)
-    step = run / "checkpoints" / "step_0"  # as an earlier jrl wrote it: no digest of the directory's weights
-    meta = json.loads((step / "meta.json").read_text())
-    del meta["init_source"]["weights"]
-    (step / "meta.json").write_text(json.dumps(meta))
-    (step / "manifest.json").write_bytes(manifest_bytes(build_manifest(step)))
+    rewrite_meta(run, lambda meta: meta["init_source"].pop("weights"))  # as an earlier jrl wrote it: no digest
     later, _ = export(tmp_path, seed=2)
     with pytest.warns(ResumeWarning) as caught:
         trainer = resumed(run, DPO, source)
