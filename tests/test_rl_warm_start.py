@@ -54,7 +54,7 @@ def test_chat_prompts_are_rendered_and_closed_by_the_end_of_turn_token(tmp_path)
     demos = write_demonstrations(render_demonstrations(WarmStartConfig(source=src, prompt_field="messages"), fmt,
                                                        "prompt", []), tmp_path / "out")
     assert demos.add_eos is False and demos.source == str(tmp_path / "out" / "demonstrations.jsonl")
-    rows = [json.loads(line) for line in open(demos.source)]
+    rows = [json.loads(line) for line in Path(demos.source).read_text().splitlines()]
     assert rows[0]["prompt"] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+3?<|im_end|>\n"
                                  "<|im_start|>assistant\n")
     assert [r["response"] for r in rows] == ["5<|im_end|>", "2<|im_end|>"]  # never closed twice
@@ -102,7 +102,7 @@ def test_heldout_and_validation_prompts_are_left_out(tmp_path):
                                                        PromptFormat(ByteTokenizer()), "prompt",
                                                        task.heldout + task.validation), tmp_path)
     assert (demos.count, demos.dropped) == (500, 100)
-    kept = {json.loads(line)["prompt"] for line in open(demos.source)}
+    kept = {json.loads(line)["prompt"] for line in Path(demos.source).read_text().splitlines()}
     assert kept.isdisjoint(p.prompt for p in task.heldout + task.validation)
 
 
