@@ -190,9 +190,6 @@ def check_data(config: TrainConfig, warm_start: bool = False) -> tuple[str, str 
         checked = check_records(config.data, tokenizer, split)
         if checked is None:
             continue
-        if checked.records is None:  # bundled: generated, not read
-            parts.append(f"{split} {checked.source}")
-            continue
         files = "" if checked.files == 1 else f"{checked.files:,} files: "
         part = (f"{split} {counted(checked.records, 'record')} ({files}{checked.source}): {counted(checked.tokens, 'token')} in "
                 f"{counted(checked.rows, 'row')} of {config.data.seq_len}")

@@ -277,6 +277,17 @@ def test_a_dry_run_says_how_many_steps_an_epoch_of_the_training_rows_takes(tmp_p
             f"2.5 steps of data.batch_size=4 (steps=5: 2.00 epochs)\n" in capsys.readouterr().out)
 
 
+def test_a_dry_run_counts_the_records_tokens_and_rows_of_a_bundled_source(capsys):
+    """The README's `--dry-run` of a shipped config (its data bundled) gives the counts a
+    file's gives; it printed only the source's name."""
+    assert main(["--config", str(CONFIGS / "sft_arithmetic.yaml"), "data.source=bundled:arithmetic:400",
+                 "data.eval_fraction=0.25", "steps=10", "--dry-run"]) == 0
+    # 2 of the 90 held-out records repeat a training record: left out of the evaluations
+    assert ("# data: train 310 records (bundled:arithmetic:400): 2,775 tokens in 12 rows of 256, an epoch every "
+            "0.4 steps of data.batch_size=32 (steps=10: 26.67 epochs); "
+            "eval 88 records (bundled:arithmetic:400): 796 tokens in 4 rows of 256\n" in capsys.readouterr().out)
+
+
 def test_a_dry_run_names_data_whose_documents_all_overflow_into_no_rows(tmp_path, capsys):
     config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n', '{"prompt": "2+2=", "response": "4"}\n')
     assert main(["--config", config, "data.seq_len=4", "data.overflow=drop", "--dry-run"]) == 2

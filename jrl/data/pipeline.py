@@ -45,27 +45,25 @@ def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split,
 
 class CheckedSplit(NamedTuple):
     """What a dry run's check read of a split: its source (as written; a list in YAML's
-    flow form), records, document tokens, the rows they plan into and the files read
-    (records, tokens, rows and files None for a bundled source, not read)."""
+    flow form), records, document tokens, the rows they plan into and the files read (1
+    for a bundled source, generated as the run generates it)."""
 
     source: str
-    records: int | None
-    tokens: int | None = None
-    rows: int | None = None
-    files: int | None = None
+    records: int
+    tokens: int
+    rows: int
+    files: int
 
 
 def check_records(config: DataConfig, tokenizer: Tokenizer, split: Split) -> CheckedSplit | None:
     """The `CheckedSplit` of `split` after encoding every record and planning its rows as
     the run will, keeping only document lengths: a dry run's check, so a bad record
     (file:line, field) or data that gives no rows fails with the run's error before the
-    run starts. None where the split is empty by config; a bundled source is not read."""
+    run starts. None where the split is empty by config."""
     chosen = split_source(config, split)
     if chosen is None:
         return None
     source, _, key = chosen
-    if bundled_source(source) is not None:
-        return CheckedSplit(bundled_source(source), None)
     files = len(source_files(source, key, config.format))
     lengths = array("q")
     untrained, truncated, repeated = Untrained.of(config), Truncated.of(config), Repeated.of(config)
