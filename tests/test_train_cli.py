@@ -321,8 +321,21 @@ def test_a_dry_run_checks_the_engine_settings_against_the_model(capsys):
     assert _rl_dry_run("model.lora.rank=2", "strategy.options.exact_logprobs=true",
                        "strategy.options.temperature=1.0") == 2
     assert capsys.readouterr().err.strip() == (
-        "config error: engine.lora: must be 'unmerged' with exact_logprobs: a merged kernel rounds differently "
-        "from the trainer's base + adapter product")
+        "config error: strategy.options.engine.lora: must be 'unmerged' with exact_logprobs: a merged kernel rounds "
+        "differently from the trainer's base + adapter product")
+
+
+def test_an_unknown_engine_key_is_named_by_its_path_in_the_config(capsys):
+    # it was named `engine.page_sise`, a key the config does not have
+    assert _rl_dry_run("strategy.options.engine.page_sise=4") == 2
+    assert capsys.readouterr().err.strip().startswith(
+        "config error: unknown key(s) strategy.options.engine.page_sise; allowed: allocation, attention_impl, ")
+
+
+def test_a_bad_engine_value_is_named_by_its_path_in_the_config(capsys):
+    assert _rl_dry_run("strategy.options.engine.page_size=0") == 2
+    assert capsys.readouterr().err.strip() == (
+        "config error: strategy.options.engine.page_size: must be a positive integer, got 0")
 
 
 def test_a_dry_run_prints_the_record_count_of_each_rl_task_split(tmp_path, capsys):

@@ -3,6 +3,7 @@ handing it each new version of the weights (acknowledged)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -24,12 +25,20 @@ def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: i
     None: n_requests x seq_len) and the device's free memory (None on the CPU: its small
     cap); overridden by `strategy.options.engine`. Settings the engine would refuse for
     `model` under `exact_logprobs` (LoRA adapters served merged, ...) are a ConfigError here,
-    before the run writes anything, not when the first rollout builds the engine."""
-    config = engine_config_for_workload(seq_len, n_requests, prompt_tokens=prompt_tokens,
-                                        free_memory=device_free_memory(), model=model,
-                                        **{"seed": seed, **options.engine})
-    check_exact(config, model, jax.default_backend())
+    before the run writes anything, not when the first rollout builds the engine. Their
+    errors name the fields as the run's config holds them, `strategy.options.engine.<field>`."""
+    try:
+        config = engine_config_for_workload(seq_len, n_requests, prompt_tokens=prompt_tokens,
+                                            free_memory=device_free_memory(), model=model,
+                                            **{"seed": seed, **options.engine})
+        check_exact(config, model, jax.default_backend())
+    except ConfigError as e:
+        raise ConfigError(ENGINE_FIELD.sub(r"\1strategy.options.engine.", str(e))) from None
     return config
+
+
+# `engine.<field>` in an EngineConfig error, not already within a longer dotted name
+ENGINE_FIELD = re.compile(r"(^|[\s(\[,;'\"`])engine\.(?=\w)")
 
 
 def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sharding.Mesh | None:
