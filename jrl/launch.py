@@ -48,7 +48,7 @@ from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.run_lock import RunDirWriteError, RunLockedError, acquire_for_run, check_not_in_use
 from jrl.train.initial import check_init_from, load_run_tokenizer, run_distributed, run_mesh
 from jrl.train.trainer import (ResumeError, Trainer, check_batch_rows, check_data_format, check_fresh_start,
-                               check_run_dir)
+                               check_run_dir, warn_of_data_layout)
 
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
@@ -185,9 +185,9 @@ def check_data(config: TrainConfig, warm_start: bool = False) -> tuple[str, str 
     if config.strategy.name in RL_STRATEGIES:
         return check_rl_data(config, warm_start)
     tokenizer = load_run_tokenizer(config)
-    parts = []
+    parts, splits = [], {}
     for split in ("train", "eval"):
-        checked = check_records(config.data, tokenizer, split)
+        checked = splits[split] = check_records(config.data, tokenizer, split)
         if checked is None:
             continue
         files = "" if checked.files == 1 else f"{checked.files:,} files: "
@@ -198,6 +198,8 @@ def check_data(config: TrainConfig, warm_start: bool = False) -> tuple[str, str 
             part += (f", an epoch every {per_epoch:,.1f} steps of data.batch_size={config.data.batch_size} "
                      f"(steps={config.steps}: {config.steps / per_epoch:,.2f} epochs)")
         parts.append(part)
+    held = splits["eval"]
+    warn_of_data_layout(config, splits["train"].rows, None if held is None else (held.records, held.rows))
     return "; ".join(parts), None
 
 

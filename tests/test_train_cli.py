@@ -288,6 +288,26 @@ def test_a_dry_run_counts_the_records_tokens_and_rows_of_a_bundled_source(capsys
             "eval 88 records (bundled:arithmetic:400): 796 tokens in 4 rows of 256\n" in capsys.readouterr().out)
 
 
+def test_a_dry_run_warns_of_an_eval_fraction_that_holds_out_no_record_as_the_run_does(tmp_path):
+    # the dry run printed "eval 0 records ...: 0 tokens in 0 rows" and no word of what the run warns
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "response": "{i + 1}"}}\n' for i in range(3)))
+    (tmp_path / "run.yaml").write_text(f"data: {{source: {tmp_path / 'train.jsonl'}, eval_fraction: 0.01, pack: false, "
+                                       f"batch_size: 2}}\neval: {{every: 1}}\n")
+    with pytest.warns(UserWarning, match=rf"^data: data.eval_fraction=0.01 holds out none of the records of "
+                                         rf"{tmp_path / 'train.jsonl'}, so the run evaluates nothing \(eval.every=1\); "
+                                         r"raise it or give data.eval_source$"):
+        assert main(["--config", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
+
+
+def test_a_dry_run_warns_of_training_rows_fewer_than_a_batch_as_the_run_does(tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"prompt": "{i}+1=", "response": "{i + 1}"}}\n' for i in range(3)))
+    (tmp_path / "run.yaml").write_text(f"data: {{source: {tmp_path / 'train.jsonl'}, eval_fraction: 0.0, pack: false, "
+                                       f"batch_size: 8}}\neval: {{at_end: false}}\n")
+    with pytest.warns(UserWarning, match=rf"^data: {tmp_path / 'train.jsonl'} packs into 3 rows of data.seq_len=128, "
+                                         r"fewer than data.batch_size=8: every batch repeats rows$"):
+        assert main(["--config", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
+
+
 def test_a_dry_run_names_data_whose_documents_all_overflow_into_no_rows(tmp_path, capsys):
     config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n', '{"prompt": "2+2=", "response": "4"}\n')
     assert main(["--config", config, "data.seq_len=4", "data.overflow=drop", "--dry-run"]) == 2

@@ -332,6 +332,41 @@ def check_batch_rows(batch_size: int, micro_batches: int, mesh: Mesh, axes: str 
     return blocks
 
 
+def warn_of_data_layout(config: TrainConfig, train_rows: int, held_out: tuple[int, int] | None) -> None:
+    """The run's warnings about how its data lays out, which a dry run gives too: training
+    rows fewer than a batch, held-out data that gives the evaluations nothing, evaluations of
+    records the run trains on, and evaluations asked for without held-out data.
+    `held_out`: the held-out split's (records, rows); None where the config holds none out."""
+    data, ev = config.data, config.eval
+    if train_rows < data.batch_size:
+        warnings.warn(f"data: {source_label(data.source)} packs into {counted(train_rows, 'row')} of data.seq_len={data.seq_len}, fewer "
+                      f"than data.batch_size={data.batch_size}: every batch repeats rows", stacklevel=3)
+    if held_out is not None and not held_out[1] and (ev.every or ev.at_end):
+        # a small file: the pseudo-random hold-out took none of its records, and the run
+        # would skip every evaluation (and early stopping on eval_*) without a word
+        records = held_out[0]
+        if records:  # records held out, whose documents give no rows (too long for overflow: drop, ...)
+            warnings.warn(f"data: the {counted(records, 'held-out record')} of {source_label(data.source)} "
+                          f"(data.eval_fraction={data.eval_fraction}) {agree(records, 'gives', 'give')} no rows at "
+                          f"data.seq_len={data.seq_len} with data.overflow={data.overflow!r}, so the run "
+                          f"evaluates nothing (eval.every={ev.every})", stacklevel=3)
+        else:
+            warnings.warn(f"data: data.eval_fraction={data.eval_fraction} holds out none of the records of "
+                          f"{source_label(data.source)}, so the run evaluates nothing (eval.every={ev.every}); raise "
+                          f"it or give data.eval_source", stacklevel=3)
+    if shared := eval_reads_training_records(data):
+        warnings.warn(f"data: data.eval_source reads records that data.source trains on ({', '.join(shared)}): its "
+                      "evaluations measure training records, not held-out ones", stacklevel=3)
+    es = ev.early_stopping
+    stops = bool(es.patience) and es.monitor.startswith("eval_")
+    if held_out is None and (ev.every or stops):
+        # eval_fraction 0 and no eval_source, yet evaluations (or early stopping on them) asked for
+        never = f" and early stopping on {es.monitor} never stops it" if stops else ""
+        warnings.warn(f"data: no held-out data (data.eval_fraction={data.eval_fraction} and no data.eval_source), "
+                      f"so the run evaluates nothing (eval.every={ev.every}){never}; give data.eval_source or "
+                      f"data.eval_fraction > 0", stacklevel=3)
+
+
 class Trainer:
     """Trains `config`. `train_source`: the batches (default: the built-in data pipeline);
     `eval_batches`: held-out batches for `evaluate` with a given source (default: none);
@@ -478,37 +513,11 @@ class Trainer:
         if self._source_given:
             return
         train = build_dataset(data, self.tokenizer, "train")
-        if len(train) < data.batch_size:
-            warnings.warn(f"data: {source_label(data.source)} packs into {counted(len(train), 'row')} of data.seq_len={data.seq_len}, fewer "
-                          f"than data.batch_size={data.batch_size}: every batch repeats rows", stacklevel=2)
         self.train_source = DataSource(train, data.batch_size, seed=data.seed, shuffle=data.shuffle)
         held = build_dataset(data, self.tokenizer, "eval")
         self.eval_batches = fixed_batches(held, data.batch_size, self.config.eval.batches) if held and len(held) else []
-        ev = self.config.eval
-        if held is not None and not self.eval_batches and (ev.every or ev.at_end):
-            # a small file: the pseudo-random hold-out took none of its records, and the run
-            # would skip every evaluation (and early stopping on eval_*) without a word
-            records = len(held.store) // (2 if data.format == "preference" else 1)
-            if records:  # records held out, whose documents give no rows (too long for overflow: drop, ...)
-                warnings.warn(f"data: the {counted(records, 'held-out record')} of {source_label(data.source)} "
-                              f"(data.eval_fraction={data.eval_fraction}) {agree(records, 'gives', 'give')} no rows at "
-                              f"data.seq_len={data.seq_len} with data.overflow={data.overflow!r}, so the run "
-                              f"evaluates nothing (eval.every={ev.every})", stacklevel=2)
-            else:
-                warnings.warn(f"data: data.eval_fraction={data.eval_fraction} holds out none of the records of "
-                              f"{source_label(data.source)}, so the run evaluates nothing (eval.every={ev.every}); raise "
-                              f"it or give data.eval_source", stacklevel=2)
-        if shared := eval_reads_training_records(data):
-            warnings.warn(f"data: data.eval_source reads records that data.source trains on ({', '.join(shared)}): its "
-                          "evaluations measure training records, not held-out ones", stacklevel=2)
-        es = ev.early_stopping
-        stops = bool(es.patience) and es.monitor.startswith("eval_")
-        if held is None and (ev.every or stops):
-            # eval_fraction 0 and no eval_source, yet evaluations (or early stopping on them) asked for
-            never = f" and early stopping on {es.monitor} never stops it" if stops else ""
-            warnings.warn(f"data: no held-out data (data.eval_fraction={data.eval_fraction} and no data.eval_source), "
-                          f"so the run evaluates nothing (eval.every={ev.every}){never}; give data.eval_source or "
-                          f"data.eval_fraction > 0", stacklevel=2)
+        held_out = None if held is None else (len(held.store) // (2 if data.format == "preference" else 1), len(held))
+        warn_of_data_layout(self.config, len(train), held_out)
 
     def _clear_run_dir(self) -> None:
         if not self.is_main_process:
