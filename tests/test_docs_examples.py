@@ -149,6 +149,15 @@ def test_a_documented_serve_or_eval_command_parses(doc, name, args, capsys):
         pytest.fail(f"{doc}: `jrl {name} {args}`: {capsys.readouterr().err.strip().splitlines()[-1]} ({e})")
 
 
+def test_the_serve_flag_table_lists_every_flag_jrl_serve_takes():
+    """docs/serve.md's table of flags against `jrl serve`'s parser, both ways (it lacked
+    `--log-level`)."""
+    table = (ROOT / "docs" / "serve.md").read_text().split("## Start it", 1)[1].split("**Start-up.**", 1)[0]
+    documented = {flag for row in re.findall(r"^\| ([^|]+)\|", table, re.M) for flag in re.findall(r"--[a-z-]+", row)}
+    taken = {flag for flag in serve_parser()._option_string_actions if flag.startswith("--") and flag != "--help"}
+    assert sorted(taken - documented) == [] and sorted(documented - taken) == []
+
+
 def test_the_readme_python_example_runs_as_written():
     (example,) = python_examples("README.md")
     scope = run_example(example, "README.md")
