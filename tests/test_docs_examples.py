@@ -286,8 +286,15 @@ def test_the_pretraining_config_of_the_training_doc_reads_a_corpus_as_written(tm
         (tmp_path / "corpus" / f"web-{shard}.jsonl").write_text('{"text": "a short web page"}\n' * 100)
     monkeypatch.chdir(tmp_path)
     config = resolve_config(build_parser().parse_args(["--config", "my_pretrain.yaml"]))
-    data, _ = check_data(config)
+    # this small corpus (202 records) fills fewer rows than a batch and holds out none at 1%: said as the run says it
+    with pytest.warns(UserWarning) as caught:
+        data, _ = check_data(config)
     assert data.startswith("train ") and "(5 files: [corpus/books/*.txt, corpus/web-*.jsonl])" in data
+    sources = "[corpus/books/*.txt, corpus/web-*.jsonl]"
+    assert [str(w.message) for w in caught] == [
+        f"data: {sources} packs into 22 rows of data.seq_len=512, fewer than data.batch_size=32: every batch repeats rows",
+        f"data: data.eval_fraction=0.01 holds out none of the records of {sources}, so the run evaluates nothing "
+        f"(eval.every=0); raise it or give data.eval_source"]
 
 
 # --- the other Python examples, run with the names they leave to the reader filled in ---
