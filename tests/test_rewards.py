@@ -140,12 +140,20 @@ def test_a_math_answer_tolerance_or_timeout_that_fails_every_call_is_refused_wit
 
 
 def test_config_parsing_rejects_unknown_keys_and_bad_weights():
-    with pytest.raises(ConfigError, match=r"rewards\[0\]: unknown key\(s\) \['wieght'\]"):
+    with pytest.raises(ConfigError, match=r"rewards\[0\]\.wieght"):
         reward_specs_from_config([{"fn": "exact_match", "wieght": 1}])
     with pytest.raises(ConfigError, match=r"rewards\[1\].weight"):
         reward_specs_from_config(["exact_match", {"fn": "exact_match", "weight": "big"}])
     with pytest.raises(ConfigError, match="rewards: must list at least one"):
         RewardModel([])
+
+
+def test_an_unknown_reward_key_is_named_by_its_full_path_as_other_unknown_keys_are():
+    # it was "strategy.options.rewards[0]: unknown key(s) ['fun']; ...", a Python list
+    with pytest.raises(ConfigError) as error:
+        reward_specs_from_config([{"fn": "exact_match"}, {"fun": "exact_match", "wieght": 1}], "strategy.options.rewards")
+    assert str(error.value) == ("unknown key(s) strategy.options.rewards[1].fun, strategy.options.rewards[1].wieght; "
+                                "allowed: fn, kwargs, weight")
 
 
 @pytest.mark.parametrize("kwargs", ["limit=3", [["limit", 3], "x"], 3])

@@ -295,7 +295,8 @@ def reward_specs_from_config(data: Any, field: str = "rewards") -> tuple[RewardS
             raise ConfigError(f"{field}[{i}]: must be a mapping, got {item!r}")
         unknown = key_names(set(item) - {"fn", "weight", "kwargs"})
         if unknown:
-            raise ConfigError(f"{field}[{i}]: unknown key(s) {unknown}; allowed: fn, kwargs, weight")
+            raise ConfigError(f"unknown key(s) {', '.join(f'{field}[{i}].{k}' for k in unknown)}; allowed: fn, kwargs, "
+                              f"weight")
         weight = item.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ConfigError(f"{field}[{i}].weight: must be a number, got {weight!r}")
