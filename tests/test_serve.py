@@ -1321,6 +1321,19 @@ def test_a_field_with_a_flag_of_its_own_in_the_engine_json_is_a_config_error_nam
                                                          "--engine", json.dumps({field: 64})]))
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--engine", '{"kv_dtyp": "float8_e4m3fn"}'], "unknown key(s) --engine kv_dtyp; allowed: "),
+    (["--engine", '{"kv_dtype": "int3"}'], "--engine kv_dtype: must be null"),
+    (["--page-size", "0"], "--page-size: must be a positive integer, got 0"),
+])
+def test_an_engine_setting_error_names_the_flag_or_the_engine_json_field_it_came_from(hf_dirs, flags, message):
+    # they named engine.<field>, a key the server's command line has nowhere
+    served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
+    with pytest.raises(ConfigError) as caught:
+        engine_config(served, build_parser().parse_args(["--max-batch", "4", "--max-seq-len", "128", *flags]))
+    assert str(caught.value).startswith(message) and "engine." not in str(caught.value)
+
+
 def test_an_fp8_kv_cache_gets_32_token_pages_unless_the_page_size_is_given(hf_dirs):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
     fp8 = ["--max-batch", "4", "--max-seq-len", "128", "--engine", '{"kv_dtype": "float8_e4m3fn"}']

@@ -3,7 +3,6 @@ handing it each new version of the weights (acknowledged)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax
@@ -14,7 +13,7 @@ from jrl.models.lora import lora_params
 from jrl.parallel import make_mesh
 from jrl.rl.options import RLOptions
 from jrl.rollout import Engine, EngineConfig, engine_config_for_workload
-from jrl.rollout.config import check_exact, device_free_memory
+from jrl.rollout.config import check_exact, device_free_memory, renamed_engine_fields
 
 
 def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: int, model: ModelConfig,
@@ -33,12 +32,8 @@ def engine_config_for(options: RLOptions, seq_len: int, n_requests: int, seed: i
                                             **{"seed": seed, **options.engine})
         check_exact(config, model, jax.default_backend())
     except ConfigError as e:
-        raise ConfigError(ENGINE_FIELD.sub(r"\1strategy.options.engine.", str(e))) from None
+        raise renamed_engine_fields(e, lambda field: f"strategy.options.engine.{field}") from None
     return config
-
-
-# `engine.<field>` in an EngineConfig error, not already within a longer dotted name
-ENGINE_FIELD = re.compile(r"(^|[\s(\[,;'\"`])engine\.(?=\w)")
 
 
 def engine_mesh(trainer_mesh: jax.sharding.Mesh, tensor_parallel: int) -> jax.sharding.Mesh | None:

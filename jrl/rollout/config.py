@@ -7,11 +7,12 @@ to the buckets resolved here, so a long generation compiles a handful of program
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import re
+from typing import Any, Callable, Literal
 
 import jax
 
-from jrl.config import DEFAULT_EXACT_ROWS, INTERPRET_IN_MODEL, AttentionImpl, ModelConfig, check, from_dict
+from jrl.config import DEFAULT_EXACT_ROWS, INTERPRET_IN_MODEL, AttentionImpl, ConfigError, ModelConfig, check, from_dict
 from pallas_kernels.dispatch import IMPLS, kernel_reads_pages
 from pallas_kernels.quantized import KV_DTYPES
 
@@ -347,3 +348,14 @@ def engine_config_for_workload(max_seq_len: int, n_requests: int, *, page_size: 
                "n_pages": pow2_at_least(max_batch * pages_per_request + 8),
                "max_tokens_per_step": budget, "max_seq_len": max_seq_len, "seed": seed}
     return from_dict(EngineConfig, {**derived, **overrides}, prefix="engine.")
+
+
+# `engine.<field>` in an EngineConfig error, not within a longer dotted name
+_ENGINE_FIELD = re.compile(r"(^|[\s(\[,;'\"`])engine\.(\w+)")
+
+
+def renamed_engine_fields(error: ConfigError, name: Callable[[str], str]) -> ConfigError:
+    """`error` (an EngineConfig's, naming its fields `engine.<field>`) with each field named
+    `name(field)`: as the caller's user set it (a run's `strategy.options.engine.<field>`,
+    a server's flag)."""
+    return ConfigError(_ENGINE_FIELD.sub(lambda m: m.group(1) + name(m.group(2)), str(error)))

@@ -34,7 +34,7 @@ from jrl.config import ConfigError, ModelConfig, TrainConfig, load_train_config
 from jrl.hf import load_pretrained
 from jrl.rollout import Engine, EngineConfig, SamplingParams, engine_config_for_workload
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
-from jrl.rollout.config import device_free_memory
+from jrl.rollout.config import device_free_memory, renamed_engine_fields
 from jrl.rl.eval_cli import Checkpoint, resolve_checkpoint
 from jrl.tokenizer import HFTokenizer, load_tokenizer
 from jrl.train.trainer import load_initial_params, load_run_tokenizer, run_mesh
@@ -200,8 +200,11 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         overrides["n_pages"] = args.n_pages
     if args.max_tokens_per_step is not None:
         overrides["max_tokens_per_step"] = args.max_tokens_per_step
-    config = engine_config_for_workload(max_seq_len, args.max_batch,
-                                        **{"page_size": args.page_size, "seed": args.seed, **overrides})
+    try:
+        config = engine_config_for_workload(max_seq_len, args.max_batch,
+                                            **{"page_size": args.page_size, "seed": args.seed, **overrides})
+    except ConfigError as e:  # named as set: by its flag, else in --engine
+        raise renamed_engine_fields(e, lambda field: FLAGGED_FIELDS.get(field, f"--engine {field}")) from None
     if "n_pages" in overrides:
         check_holds_one_request(config, served.model_config)
     return fit_pool(config, served.model_config, free_memory, chosen="n_pages" in overrides)
