@@ -74,7 +74,7 @@ def mesh_shape(config: ParallelConfig, n_devices: int) -> dict[str, int]:
     if fixed > n_devices:  # not a divisibility or "use the rest" problem: the devices are not there
         at_least = "at least " if -1 in sizes.values() else ""
         raise ConfigError(f"data*fsdp*tensor: {shown} needs {at_least}{fixed} devices but only "
-                          f"{n_devices} are available")
+                          f"{n_devices} {'is' if n_devices == 1 else 'are'} available")
     if -1 in sizes.values():
         rest = next(name for name, v in sizes.items() if v == -1)
         if n_devices % fixed:

@@ -53,7 +53,7 @@ def test_bad_parallel_size_is_named():
 
 def test_mesh_sizes_the_devices_cannot_hold_name_their_parallel_key():
     with pytest.raises(ConfigError, match=r"^parallel.data\*fsdp\*tensor: data=2\*fsdp=-1\*tensor=1 needs at "
-                                          r"least 2 devices but only 1 are available$"):
+                                          r"least 2 devices but only 1 is available$"):
         run_mesh(ParallelConfig(data=2))
 
 
@@ -126,7 +126,7 @@ def test_a_dry_run_lays_the_run_out_on_this_machines_devices(capsys):
     # a mesh or placement the devices cannot hold passed the dry run and failed the run itself
     assert main(["--dry-run", "parallel.data=2"]) == 2
     assert capsys.readouterr().err.strip() == ("config error: parallel.data*fsdp*tensor: data=2*fsdp=-1*tensor=1 "
-                                               "needs at least 2 devices but only 1 are available")
+                                               "needs at least 2 devices but only 1 is available")
     assert main(["--dry-run", "strategy.options.placement={mode: split}"]) == 2
     assert capsys.readouterr().err.strip().startswith(
         "config error: strategy.options.placement.engines: 1 replica(s) x tensor_parallel 1 per process use all 1 "
