@@ -170,6 +170,34 @@ def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
                                        f"{log.absolute()} is a file, not a directory\n")
 
 
+def eval_without_root_powers(out, report):
+    """`jrl eval --checkpoint out --json report` in a process that file permissions bind (root's
+    capabilities to pass them dropped)."""
+    prefix = []
+    if os.geteuid() == 0:  # root writes anywhere: drop the capabilities that let it
+        if shutil.which("setpriv") is None:
+            pytest.skip("root ignores a directory's permissions, and without setpriv (util-linux) it cannot give "
+                        "that up: no permission error to provoke")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    return subprocess.run([*prefix, sys.executable, "-m", "jrl.cli", "eval", "--checkpoint", str(out),
+                           "--json", str(report)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+@pytest.mark.parametrize("under", ["", "new/"])
+def test_a_json_path_in_a_directory_without_write_permission_exits_2_before_evaluating(trained, tmp_path, under):
+    # before: the checkpoint was scored, then "cannot write .../eval.problems.jsonl: Permission denied" at the end
+    out, _ = trained
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    report = locked / under / "eval.json"
+    done = eval_without_root_powers(out, report)
+    assert (done.returncode, done.stdout) == (2, "")  # refused up front: no table, the evaluation did not run
+    assert done.stderr == f"config error: --json: cannot write {report}: {locked} is not writable\n"
+    assert list(locked.iterdir()) == []
+
+
 def taking_the_problems_path(prompt, completion, answer):
     """A reward that, while the evaluation runs, puts a directory where its `.problems.jsonl` goes."""
     os.makedirs(os.environ["JRL_TEST_TAKEN"], exist_ok=True)

@@ -200,7 +200,8 @@ def problems_path(json_path: str | Path) -> Path:
 
 def check_json_path(json_path: str | Path) -> None:
     """ConfigError naming `--json` when the summary or its per-problem sibling could not be
-    written there (a directory in the way, or a file where a parent directory should be);
+    written there (a directory in the way, a file where a parent directory should be, or a
+    directory it would go in, or be made in, that this process may not write);
     checked before the evaluation, whose results would otherwise be lost at the end."""
     if str(json_path) == "":  # `--json "$OUT"` with OUT unset: asked for a file, named none
         raise ConfigError("--json: must be a file path, got ''")
@@ -210,6 +211,8 @@ def check_json_path(json_path: str | Path) -> None:
         parent = next(p for p in path.absolute().parents if p.exists())
         if not parent.is_dir():
             raise ConfigError(f"--json: cannot write {path}: {parent} is a file, not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):  # the staged files go there, or the missing directories
+            raise ConfigError(f"--json: cannot write {path}: {parent} is not writable")
 
 
 def write_report(report: dict[str, Any], results: list[ProblemResult], json_path: str | Path) -> Path:
