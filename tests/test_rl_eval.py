@@ -198,6 +198,18 @@ def test_a_json_path_in_a_directory_without_write_permission_exits_2_before_eval
     assert list(locked.iterdir()) == []
 
 
+def test_a_json_path_in_a_directory_without_search_permission_exits_2_naming_the_path(trained, tmp_path):
+    # before: a PermissionError traceback from looking whether the path was a directory, exit status 1
+    out, _ = trained
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o600)
+    report = locked / "eval.json"
+    done = eval_without_root_powers(out, report)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"config error: --json: cannot write {report}: Permission denied\n"
+
+
 def taking_the_problems_path(prompt, completion, answer):
     """A reward that, while the evaluation runs, puts a directory where its `.problems.jsonl` goes."""
     os.makedirs(os.environ["JRL_TEST_TAKEN"], exist_ok=True)

@@ -206,9 +206,12 @@ def check_json_path(json_path: str | Path) -> None:
     if str(json_path) == "":  # `--json "$OUT"` with OUT unset: asked for a file, named none
         raise ConfigError("--json: must be a file path, got ''")
     for path in (Path(json_path), problems_path(json_path)):
-        if path.is_dir():
-            raise ConfigError(f"--json: cannot write {path}: it is a directory")
-        parent = next(p for p in path.absolute().parents if p.exists())
+        try:  # looking is refused where a directory above may not be searched
+            if path.is_dir():
+                raise ConfigError(f"--json: cannot write {path}: it is a directory")
+            parent = next(p for p in path.absolute().parents if p.exists())
+        except OSError as e:
+            raise ConfigError(f"--json: cannot write {path}: {e.strerror or e}") from e
         if not parent.is_dir():
             raise ConfigError(f"--json: cannot write {path}: {parent} is a file, not a directory")
         if not os.access(parent, os.W_OK | os.X_OK):  # the staged files go there, or the missing directories
