@@ -134,6 +134,26 @@ def test_missing_checkpoint_exits_2_naming_the_path(tmp_path, capsys):
     assert str(missing) in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["run", "hf:run", "checkpoints"])
+def test_a_checkpoint_path_that_may_not_be_read_exits_2_naming_the_flag_and_the_path(tmp_path, where):
+    # before: a PermissionError traceback, exit status 1
+    if where == "checkpoints":  # the run directory's checkpoints/ may not be listed
+        run_dir = tmp_path / "run"
+        locked = run_dir / "checkpoints"
+        locked.mkdir(parents=True)
+        locked.chmod(0o000)
+        spec, named = str(run_dir), locked
+    else:  # the directory above it may not be searched
+        locked = tmp_path / "locked"
+        (locked / "run").mkdir(parents=True)
+        locked.chmod(0o600)
+        spec, named = where.replace("run", str(locked / "run")), locked / "run"
+    done = eval_without_root_powers("--checkpoint", spec)
+    locked.chmod(0o755)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"config error: --checkpoint: cannot read {named}: Permission denied\n"
+
+
 def test_a_hugging_face_directory_without_the_hf_prefix_exits_2_saying_to_add_it(tmp_path, capsys):
     # before: "no checkpoints (step_<N> directories) in <dir>", no word of hf:
     (tmp_path / "config.json").write_text("{}")
@@ -170,18 +190,17 @@ def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
                                        f"{log.absolute()} is a file, not a directory\n")
 
 
-def eval_without_root_powers(out, report):
-    """`jrl eval --checkpoint out --json report` in a process that file permissions bind (root's
-    capabilities to pass them dropped)."""
+def eval_without_root_powers(*args):
+    """`jrl eval *args` in a process that file permissions bind (root's capabilities to pass
+    them dropped)."""
     prefix = []
-    if os.geteuid() == 0:  # root writes anywhere: drop the capabilities that let it
+    if os.geteuid() == 0:  # root reads and writes anywhere: drop the capabilities that let it
         if shutil.which("setpriv") is None:
             pytest.skip("root ignores a directory's permissions, and without setpriv (util-linux) it cannot give "
                         "that up: no permission error to provoke")
         prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
-    return subprocess.run([*prefix, sys.executable, "-m", "jrl.cli", "eval", "--checkpoint", str(out),
-                           "--json", str(report)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    return subprocess.run([*prefix, sys.executable, "-m", "jrl.cli", "eval", *map(str, args)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
 @pytest.mark.parametrize("under", ["", "new/"])
@@ -192,7 +211,7 @@ def test_a_json_path_in_a_directory_without_write_permission_exits_2_before_eval
     locked.mkdir()
     locked.chmod(0o555)
     report = locked / under / "eval.json"
-    done = eval_without_root_powers(out, report)
+    done = eval_without_root_powers("--checkpoint", out, "--json", report)
     assert (done.returncode, done.stdout) == (2, "")  # refused up front: no table, the evaluation did not run
     assert done.stderr == f"config error: --json: cannot write {report}: {locked} is not writable\n"
     assert list(locked.iterdir()) == []
@@ -205,7 +224,7 @@ def test_a_json_path_in_a_directory_without_search_permission_exits_2_naming_the
     locked.mkdir()
     locked.chmod(0o600)
     report = locked / "eval.json"
-    done = eval_without_root_powers(out, report)
+    done = eval_without_root_powers("--checkpoint", out, "--json", report)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == f"config error: --json: cannot write {report}: Permission denied\n"
 

@@ -65,7 +65,14 @@ class Checkpoint:
 
 def resolve_checkpoint(spec: str, flag: str = "--checkpoint") -> Checkpoint:
     """The checkpoint named by `flag`; ConfigError naming the flag and the path when it is
-    missing."""
+    missing or may not be read."""
+    try:
+        return _resolve_checkpoint(spec, flag)
+    except OSError as e:  # a directory on the way that may not be searched or listed
+        raise ConfigError(f"{flag}: cannot read {e.filename or spec}: {e.strerror or e}") from e
+
+
+def _resolve_checkpoint(spec: str, flag: str) -> Checkpoint:
     if spec.startswith("hf:"):
         path = Path(spec[3:])
         if path.is_file():
