@@ -125,6 +125,14 @@ def test_a_pass_at_k_beyond_the_samples_exits_2_naming_the_flag(trained, capsys,
                                        f"problem (4: --samples, else the config's eval.samples), got {bad}\n")
 
 
+def test_a_step_named_from_inside_the_checkpoints_directory_reads_the_runs_config(trained, capsys, monkeypatch):
+    # before: "config error: --config: needed (the checkpoint is not inside a run directory with a config.yaml)"
+    out, _ = trained
+    monkeypatch.chdir(out / "checkpoints")
+    assert jrl(["eval", "--checkpoint", "step_2", "--samples", "1", "--max-problems", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "checkpoint step_2 (step 2, policy version 2)"
+
+
 def test_missing_checkpoint_exits_2_naming_the_path(tmp_path, capsys):
     missing = tmp_path / "nope" / "checkpoints"
     assert jrl(["eval", "--checkpoint", str(missing)]) == 2

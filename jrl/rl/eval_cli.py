@@ -97,7 +97,8 @@ def _resolve_checkpoint(spec: str, flag: str) -> Checkpoint:
         step_dir = root / f"step_{step}"
     meta = read_meta(step_dir)  # {} without one; CheckpointCorruptError naming it when unreadable
     step = meta.get("step", int(step_dir.name[5:]))
-    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else None
+    where = Path(os.path.abspath(step_dir))  # `step_2` given from inside checkpoints/ is in a run too
+    run_dir = where.parent.parent if where.parent.name == "checkpoints" else None
     digests = (meta.get("data") or {}).get("task")
     return Checkpoint(str(step_dir), step=step, policy_version=meta.get("policy_version"), run_dir=run_dir,
                       task_digests=digests if isinstance(digests, dict) else None)
