@@ -190,6 +190,15 @@ def test_an_empty_json_path_exits_2_before_evaluating(trained, capsys):
     assert capsys.readouterr() == ("", "config error: --json: must be a file path, got ''\n")
 
 
+def test_a_json_path_ending_in_a_slash_exits_2_before_evaluating(trained, capsys, tmp_path):
+    # before: `--json results/` with no results/ yet wrote the summary to a file named results
+    out, _ = trained
+    report = f"{tmp_path / 'results'}/"
+    assert jrl(["eval", "--checkpoint", str(out), "--json", report]) == 2
+    assert capsys.readouterr() == ("", f"config error: --json: must be a file path, got {report!r} (a directory)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
     out, _ = trained
     log = out / "metrics.jsonl"

@@ -213,6 +213,8 @@ def check_json_path(json_path: str | Path) -> None:
     checked before the evaluation, whose results would otherwise be lost at the end."""
     if str(json_path) == "":  # `--json "$OUT"` with OUT unset: asked for a file, named none
         raise ConfigError("--json: must be a file path, got ''")
+    if str(json_path).endswith(("/", os.sep)):  # `--json results/`: not a file named results
+        raise ConfigError(f"--json: must be a file path, got {str(json_path)!r} (a directory)")
     for path in (Path(json_path), problems_path(json_path)):
         try:  # looking is refused where a directory above may not be searched
             if path.is_dir():
