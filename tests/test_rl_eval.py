@@ -133,6 +133,15 @@ def test_a_step_named_from_inside_the_checkpoints_directory_reads_the_runs_confi
     assert capsys.readouterr().out.splitlines()[0] == "checkpoint step_2 (step 2, policy version 2)"
 
 
+def test_the_step_directory_one_is_in_named_as_dot_is_scored(trained, capsys, monkeypatch):
+    # before: "config error: --checkpoint: no checkpoints (step_<N> directories) in ."
+    out, _ = trained
+    monkeypatch.chdir(out / "checkpoints" / "step_2")
+    assert jrl(["eval", "--checkpoint", ".", "--samples", "1", "--max-problems", "2"]) == 0
+    step_dir = os.path.abspath(".")  # as the process sees it (a symlinked tmp_path is not resolved)
+    assert capsys.readouterr().out.splitlines()[0] == f"checkpoint {step_dir} (step 2, policy version 2)"
+
+
 def test_missing_checkpoint_exits_2_naming_the_path(tmp_path, capsys):
     missing = tmp_path / "nope" / "checkpoints"
     assert jrl(["eval", "--checkpoint", str(missing)]) == 2

@@ -86,8 +86,9 @@ def _resolve_checkpoint(spec: str, flag: str) -> Checkpoint:
     if not path.exists():
         raise ConfigError(f"{flag}: {path} does not exist (give a run directory, its checkpoints/ "
                           f"directory, a step_<N> directory or hf:<dir>)")
-    if path.name.startswith("step_") and path.name[5:].isdigit():
-        step_dir = path
+    named = Path(os.path.abspath(path))  # `.` (or `..`) names the step directory it stands for too
+    if named.name.startswith("step_") and named.name[5:].isdigit():
+        step_dir = path if path.name == named.name else named
     else:
         root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         step = latest_step(root)
