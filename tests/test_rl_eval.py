@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 from fractions import Fraction
 
@@ -18,6 +19,7 @@ import pytest
 
 from jrl.cli import main as jrl
 from jrl.config import load_train_config
+from jrl.rl.eval_cli import problems_path, write_report
 from jrl.rl.evaluation import ProblemResult, pass_at, pass_at_k
 from jrl.rl.options import RLOptions
 from jrl.rl.tasks import make_task, problems_digest
@@ -286,6 +288,27 @@ def test_a_report_removes_the_staged_files_a_killed_eval_left_beside_it(trained,
         path.write_text("half written")
     assert jrl(["eval", "--checkpoint", str(out), "--max-problems", "2", "--json", str(tmp_path / "eval.json")]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json", "eval.problems.jsonl"]
+
+
+def test_two_reports_written_into_the_same_path_at_once_leave_one_reports_pair(tmp_path, monkeypatch):
+    # before: an eval finishing while another's files were renamed into place left one's summary with the other's rows
+    path = tmp_path / "eval.json"
+    def result(k):
+        return ProblemResult("p", "1", True, "1", [True] * k, [1.0] * k, [1] * k, ["1"] * k)
+    replace, other = os.replace, []
+
+    def replace_then_let_the_other_write(src, dst):
+        replace(src, dst)
+        if not other and os.path.basename(dst) == "eval.problems.jsonl":  # this one's rows in place, not its summary
+            other.append(threading.Thread(target=write_report, args=({"k": 2}, [result(2)], path)))
+            other[0].start()
+            other[0].join(timeout=1)  # the other's report, written now unless it must wait for this one's
+
+    monkeypatch.setattr(os, "replace", replace_then_let_the_other_write)
+    write_report({"k": 1}, [result(1)], path)
+    other[0].join()
+    assert json.loads(path.read_text()) == {"k": 2}
+    assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True, True]]
 
 
 def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_path):

@@ -23,14 +23,16 @@ reward function or an environment fails, 130 on Ctrl-C (before anything is writt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from jrl import leftovers
 from jrl.checkpoint import CheckpointCorruptError, latest_step
@@ -229,13 +231,31 @@ def check_json_path(json_path: str | Path) -> None:
             raise ConfigError(f"--json: cannot write {path}: {parent} is not writable")
 
 
+@contextlib.contextmanager
+def renaming_into(directory: Path) -> Iterator[None]:
+    """Holds an exclusive flock on `directory` while a report's two files are renamed into
+    it: another eval writing the same path renames its pair before or after, never between
+    (which left one's summary beside the other's rows). A filesystem without flock on
+    directories (NFS) leaves the renames unlocked."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # dropped by the close, or by the kernel when this process dies
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
 def write_report(report: dict[str, Any], results: list[ProblemResult], json_path: str | Path) -> Path:
     """Writes the summary to `json_path` and one row per problem beside it; returns the JSONL
     path. Each is staged beside itself and renamed into place, the rows first, so a path
     that cannot be written, or a Ctrl-C while they are staged, leaves no summary without its
     rows, nor a staged file (a kill leaves them, hidden, for the next report into the same
-    path to remove); a ConfigError names it (the evaluation has run: the caller still shows
-    its scores)."""
+    path to remove), and two reports written into the same path at once leave one's pair
+    (`renaming_into`); a ConfigError names it (the evaluation has run: the caller still
+    shows its scores)."""
     json_path = Path(json_path)
     rows = problems_path(json_path)
     texts = {rows: "".join(json.dumps(r.row()) + "\n" for r in results),
@@ -249,8 +269,9 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
             remove_stale_staged(path)
         for target, text in texts.items():
             staged[target].write_text(text)
-        for target in texts:
-            os.replace(staged[target], target)
+        with renaming_into(json_path.parent):
+            for target in texts:
+                os.replace(staged[target], target)
     except OSError as e:
         raise ConfigError(f"--json: cannot write {target}: {e.strerror or e}") from e
     finally:
