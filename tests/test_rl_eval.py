@@ -311,6 +311,27 @@ def test_two_reports_written_into_the_same_path_at_once_leave_one_reports_pair(t
     assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True, True]]
 
 
+def test_a_report_is_on_disk_before_it_is_renamed_into_place_and_its_renames_after(tmp_path, monkeypatch):
+    # before: written and renamed without an fsync: a crash (power loss) soon after could leave an empty eval.json
+    path = tmp_path / "eval.json"
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def logged_fsync(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        events.append(("fsync", name.split("-")[0] if ".staging-" in name else name))
+        fsync(fd)
+
+    def logged_replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged_replace)
+    write_report({"k": 1}, [ProblemResult("p", "1", True, "1", [True], [1.0], [1], ["1"])], path)
+    assert events == [("fsync", ".eval.problems.jsonl.staging"), ("fsync", ".eval.json.staging"),
+                      ("replace", "eval.problems.jsonl"), ("replace", "eval.json"), ("fsync", tmp_path.name)]
+
+
 def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_path):
     # json.loads' own message escaped: "config error: Expecting property name enclosed in double quotes: ..."
     out, _ = trained

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 
 from jrl import leftovers
 from jrl.checkpoint import CheckpointCorruptError, latest_step
-from jrl.checkpoint.durable import remove_stale_staged
+from jrl.checkpoint.durable import fsync_dir, remove_stale_staged, write_file_durably
 from jrl.checkpoint.store import read_meta
 from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
 from jrl.hf import missing_prefix_hint
@@ -250,7 +250,8 @@ def renaming_into(directory: Path) -> Iterator[None]:
 
 def write_report(report: dict[str, Any], results: list[ProblemResult], json_path: str | Path) -> Path:
     """Writes the summary to `json_path` and one row per problem beside it; returns the JSONL
-    path. Each is staged beside itself and renamed into place, the rows first, so a path
+    path. Each is staged beside itself, fsynced and renamed into place, the rows first (a
+    crash leaves the old file or the new one, never an empty or torn one), so a path
     that cannot be written, or a Ctrl-C while they are staged, leaves no summary without its
     rows, nor a staged file (a kill leaves them, hidden, for the next report into the same
     path to remove), and two reports written into the same path at once leave one's pair
@@ -267,11 +268,12 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
         target.mkdir(parents=True, exist_ok=True)
         for path in texts:
             remove_stale_staged(path)
-        for target, text in texts.items():
-            staged[target].write_text(text)
+        for target, text in texts.items():  # on disk before renamed into place: a crash leaves old or new
+            write_file_durably(staged[target], text.encode())
         with renaming_into(json_path.parent):
             for target in texts:
                 os.replace(staged[target], target)
+        fsync_dir(json_path.parent)  # the renames too
     except OSError as e:
         raise ConfigError(f"--json: cannot write {target}: {e.strerror or e}") from e
     finally:
