@@ -311,9 +311,9 @@ def test_two_reports_written_into_the_same_path_at_once_leave_one_reports_pair(t
     assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True, True]]
 
 
-def test_a_report_is_on_disk_before_it_is_renamed_into_place_and_its_renames_after(tmp_path, monkeypatch):
-    # before: written and renamed without an fsync: a crash (power loss) soon after could leave an empty eval.json
-    path = tmp_path / "eval.json"
+def logging_fsyncs_and_renames(monkeypatch):
+    """[("fsync", name), ("replace", name), ...] as they happen (a staged file named without
+    its owner suffix)."""
     events, fsync, replace = [], os.fsync, os.replace
 
     def logged_fsync(fd):
@@ -327,9 +327,27 @@ def test_a_report_is_on_disk_before_it_is_renamed_into_place_and_its_renames_aft
 
     monkeypatch.setattr(os, "fsync", logged_fsync)
     monkeypatch.setattr(os, "replace", logged_replace)
-    write_report({"k": 1}, [ProblemResult("p", "1", True, "1", [True], [1.0], [1], ["1"])], path)
+    return events
+
+
+ONE_RESULT = [ProblemResult("p", "1", True, "1", [True], [1.0], [1], ["1"])]
+
+
+def test_a_report_is_on_disk_before_it_is_renamed_into_place_and_its_renames_after(tmp_path, monkeypatch):
+    # before: written and renamed without an fsync: a crash (power loss) soon after could leave an empty eval.json
+    events = logging_fsyncs_and_renames(monkeypatch)
+    write_report({"k": 1}, ONE_RESULT, tmp_path / "eval.json")
     assert events == [("fsync", ".eval.problems.jsonl.staging"), ("fsync", ".eval.json.staging"),
                       ("replace", "eval.problems.jsonl"), ("replace", "eval.json"), ("fsync", tmp_path.name)]
+
+
+def test_a_directory_a_report_makes_is_on_disk_before_the_report(tmp_path, monkeypatch):
+    # before: made without an fsync of the directory that gained it: a crash could lose it, the report with it
+    events = logging_fsyncs_and_renames(monkeypatch)
+    write_report({"k": 1}, ONE_RESULT, tmp_path / "new" / "eval.json")
+    assert events == [("fsync", tmp_path.name), ("fsync", ".eval.problems.jsonl.staging"),
+                      ("fsync", ".eval.json.staging"), ("replace", "eval.problems.jsonl"), ("replace", "eval.json"),
+                      ("fsync", "new")]
 
 
 def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_path):

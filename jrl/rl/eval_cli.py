@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 
 from jrl import leftovers
 from jrl.checkpoint import CheckpointCorruptError, latest_step
-from jrl.checkpoint.durable import fsync_dir, remove_stale_staged, write_file_durably
+from jrl.checkpoint.durable import fsync_dir, make_dirs_durably, remove_stale_staged, write_file_durably
 from jrl.checkpoint.store import read_meta
 from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
 from jrl.hf import missing_prefix_hint
@@ -265,7 +265,7 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
     staged = {path: path.with_name(leftovers.owned_name(f".{path.name}.staging-")) for path in texts}
     target = json_path.parent  # what the error names: the directory, then each file in turn
     try:
-        target.mkdir(parents=True, exist_ok=True)
+        make_dirs_durably(target)
         for path in texts:
             remove_stale_staged(path)
         for target, text in texts.items():  # on disk before renamed into place: a crash leaves old or new
