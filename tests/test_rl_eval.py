@@ -350,6 +350,27 @@ def test_a_directory_a_report_makes_is_on_disk_before_the_report(tmp_path, monke
                       ("fsync", "new")]
 
 
+def test_a_ctrl_c_once_the_rows_are_in_place_still_puts_their_summary_beside_them(tmp_path, monkeypatch):
+    # before: the new rows stayed beside the old summary, and the eval said "interrupted; nothing written"
+    path = tmp_path / "eval.json"
+    path.write_text("old summary")
+    problems_path(path).write_text("old rows")
+    replace = os.replace
+
+    def replace_then_ctrl_c(src, dst):
+        replace(src, dst)
+        if os.path.basename(dst) == "eval.problems.jsonl":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
+    try:
+        write_report({"k": 1}, ONE_RESULT, path)
+    except KeyboardInterrupt:  # (not let through: pytest would stop the session)
+        pytest.fail("the Ctrl-C came through after the rows' rename, before the summary's")
+    assert json.loads(path.read_text()) == {"k": 1}
+    assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True]]
+
+
 def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_path):
     # json.loads' own message escaped: "config error: Expecting property name enclosed in double quotes: ..."
     out, _ = trained

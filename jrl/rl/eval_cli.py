@@ -254,9 +254,9 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
     crash leaves the old file or the new one, never an empty or torn one), so a path
     that cannot be written, or a Ctrl-C while they are staged, leaves no summary without its
     rows, nor a staged file (a kill leaves them, hidden, for the next report into the same
-    path to remove), and two reports written into the same path at once leave one's pair
-    (`renaming_into`); a ConfigError names it (the evaluation has run: the caller still
-    shows its scores)."""
+    path to remove; a Ctrl-C once the rows are in place is too late to stop the summary),
+    and two reports written into the same path at once leave one's pair (`renaming_into`);
+    a ConfigError names it (the evaluation has run: the caller still shows its scores)."""
     json_path = Path(json_path)
     rows = problems_path(json_path)
     texts = {rows: "".join(json.dumps(r.row()) + "\n" for r in results),
@@ -271,8 +271,14 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
         for target, text in texts.items():  # on disk before renamed into place: a crash leaves old or new
             write_file_durably(staged[target], text.encode())
         with renaming_into(json_path.parent):
-            for target in texts:
-                os.replace(staged[target], target)
+            try:
+                for target in texts:
+                    os.replace(staged[target], target)
+            except KeyboardInterrupt:
+                if staged[rows].exists():  # before the rows' rename: the old pair stays
+                    raise
+                if staged[json_path].exists():  # the rows are in: too late to stop, their summary follows
+                    os.replace(staged[json_path], json_path)
         fsync_dir(json_path.parent)  # the renames too
     except OSError as e:
         raise ConfigError(f"--json: cannot write {target}: {e.strerror or e}") from e
