@@ -19,6 +19,7 @@ import pytest
 
 from jrl.cli import main as jrl
 from jrl.config import load_train_config
+from jrl.rl import eval_cli
 from jrl.rl.eval_cli import problems_path, write_report
 from jrl.rl.evaluation import ProblemResult, pass_at, pass_at_k
 from jrl.rl.options import RLOptions
@@ -367,6 +368,22 @@ def test_a_ctrl_c_once_the_rows_are_in_place_still_puts_their_summary_beside_the
         write_report({"k": 1}, ONE_RESULT, path)
     except KeyboardInterrupt:  # (not let through: pytest would stop the session)
         pytest.fail("the Ctrl-C came through after the rows' rename, before the summary's")
+    assert json.loads(path.read_text()) == {"k": 1}
+    assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True]]
+
+
+def test_a_ctrl_c_once_both_files_are_in_place_is_too_late_to_stop_the_report(tmp_path, monkeypatch):
+    # before: a Ctrl-C while the renames were fsynced came through: "interrupted; nothing written", both written
+    path = tmp_path / "eval.json"
+
+    def ctrl_c(directory):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_cli, "fsync_dir", ctrl_c)
+    try:
+        write_report({"k": 1}, ONE_RESULT, path)
+    except KeyboardInterrupt:  # (not let through: pytest would stop the session)
+        pytest.fail("the Ctrl-C came through with both files in place")
     assert json.loads(path.read_text()) == {"k": 1}
     assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True]]
 

@@ -254,7 +254,7 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
     crash leaves the old file or the new one, never an empty or torn one), so a path
     that cannot be written, or a Ctrl-C while they are staged, leaves no summary without its
     rows, nor a staged file (a kill leaves them, hidden, for the next report into the same
-    path to remove; a Ctrl-C once the rows are in place is too late to stop the summary),
+    path to remove; a Ctrl-C once the rows are in place is too late to stop the report),
     and two reports written into the same path at once leave one's pair (`renaming_into`);
     a ConfigError names it (the evaluation has run: the caller still shows its scores)."""
     json_path = Path(json_path)
@@ -274,17 +274,18 @@ def write_report(report: dict[str, Any], results: list[ProblemResult], json_path
             try:
                 for target in texts:
                     os.replace(staged[target], target)
+                fsync_dir(json_path.parent)  # the renames too
             except KeyboardInterrupt:
                 if staged[rows].exists():  # before the rows' rename: the old pair stays
                     raise
                 if staged[json_path].exists():  # the rows are in: too late to stop, their summary follows
                     os.replace(staged[json_path], json_path)
-        fsync_dir(json_path.parent)  # the renames too
-    except OSError as e:
-        raise ConfigError(f"--json: cannot write {target}: {e.strerror or e}") from e
-    finally:
+    except BaseException as e:  # not after the renames: a Ctrl-C there would say nothing was written
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise ConfigError(f"--json: cannot write {target}: {e.strerror or e}") from e
+        raise
     return rows
 
 
