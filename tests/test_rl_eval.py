@@ -141,7 +141,7 @@ def test_the_step_directory_one_is_in_named_as_dot_is_scored(trained, capsys, mo
     out, _ = trained
     monkeypatch.chdir(out / "checkpoints" / "step_2")
     assert jrl(["eval", "--checkpoint", ".", "--samples", "1", "--max-problems", "2"]) == 0
-    step_dir = os.path.abspath(".")  # as the process sees it (a symlinked tmp_path is not resolved)
+    step_dir = os.path.abspath(".")  # the working directory's own path (a symlinked tmp_path resolved)
     assert capsys.readouterr().out.splitlines()[0] == f"checkpoint {step_dir} (step 2, policy version 2)"
 
 
@@ -294,6 +294,7 @@ def test_a_report_removes_the_staged_files_a_killed_eval_left_beside_it(trained,
 def test_two_reports_written_into_the_same_path_at_once_leave_one_reports_pair(tmp_path, monkeypatch):
     # before: an eval finishing while another's files were renamed into place left one's summary with the other's rows
     path = tmp_path / "eval.json"
+
     def result(k):
         return ProblemResult("p", "1", True, "1", [True] * k, [1.0] * k, [1] * k, ["1"] * k)
     replace, other = os.replace, []
