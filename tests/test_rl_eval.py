@@ -352,6 +352,17 @@ def test_a_directory_a_report_makes_is_on_disk_before_the_report(tmp_path, monke
                       ("fsync", "new")]
 
 
+def assert_report_written_despite_ctrl_c(path, when: str) -> None:
+    """write_report of a one-problem report to `path`, whose Ctrl-C (raised `when`) must not
+    come through, leaves the new summary and its rows there."""
+    try:
+        write_report({"k": 1}, ONE_RESULT, path)
+    except KeyboardInterrupt:  # (not let through: pytest would stop the session)
+        pytest.fail(f"the Ctrl-C came through {when}")
+    assert json.loads(path.read_text()) == {"k": 1}
+    assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True]]
+
+
 def test_a_ctrl_c_once_the_rows_are_in_place_still_puts_their_summary_beside_them(tmp_path, monkeypatch):
     # before: the new rows stayed beside the old summary, and the eval said "interrupted; nothing written"
     path = tmp_path / "eval.json"
@@ -365,12 +376,7 @@ def test_a_ctrl_c_once_the_rows_are_in_place_still_puts_their_summary_beside_the
             raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
-    try:
-        write_report({"k": 1}, ONE_RESULT, path)
-    except KeyboardInterrupt:  # (not let through: pytest would stop the session)
-        pytest.fail("the Ctrl-C came through after the rows' rename, before the summary's")
-    assert json.loads(path.read_text()) == {"k": 1}
-    assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True]]
+    assert_report_written_despite_ctrl_c(path, "after the rows' rename, before the summary's")
 
 
 def test_a_ctrl_c_once_both_files_are_in_place_is_too_late_to_stop_the_report(tmp_path, monkeypatch):
@@ -381,12 +387,7 @@ def test_a_ctrl_c_once_both_files_are_in_place_is_too_late_to_stop_the_report(tm
         raise KeyboardInterrupt
 
     monkeypatch.setattr(eval_cli, "fsync_dir", ctrl_c)
-    try:
-        write_report({"k": 1}, ONE_RESULT, path)
-    except KeyboardInterrupt:  # (not let through: pytest would stop the session)
-        pytest.fail("the Ctrl-C came through with both files in place")
-    assert json.loads(path.read_text()) == {"k": 1}
-    assert [json.loads(line)["correct"] for line in problems_path(path).read_text().splitlines()] == [[True]]
+    assert_report_written_despite_ctrl_c(path, "with both files in place")
 
 
 def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_path):
