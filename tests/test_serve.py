@@ -42,6 +42,7 @@ from jrl.serve.tools import parse_tool_calls
 from jrl.rollout import Engine, SamplingParams, TuningOverrides
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from jrl.rollout.tuning import resolve_tuning
+from jrl.serve import cli
 from jrl.serve.cli import ServerThread, build, build_parser, main
 from jrl.serve.loading import KV_MEMORY_FRACTION, engine_config, load_served
 from jrl.serve.app import chat_logprobs, completion_logprobs
@@ -725,6 +726,132 @@ def test_a_chat_prompt_has_the_templates_bos_once(bos_server, engine_prompts):
     assert prompt == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     assert prompt[0] == tok.bos_id and prompt.count(tok.bos_id) == 1
     assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+
+
+# ------------------------------------------------------------------ the default of add_special_tokens
+# A jrl checkpoint is prompted as its run encoded plain text (data.add_bos, a grpo run's
+# strategy.options.task.add_bos); a Hugging Face model as vLLM prompts it (with the BOS).
+BYTES_MODEL = {**MODEL, "vocab_size": 262}  # the byte tokenizer's vocabulary
+
+
+def write_run(root: Path, config: dict) -> Path:
+    """A run directory (config.yaml over the byte tokenizer, one checkpoint) whose config
+    is `config` over the model and tokenizer; returns its checkpoints/ directory."""
+    (root / "checkpoints").mkdir(parents=True)
+    data = {"tokenizer": "bytes", "seq_len": 64, **config.get("data", {})}
+    (root / "config.yaml").write_text(json.dumps({"name": root.name, "model": BYTES_MODEL, **config, "data": data}))
+    model = from_dict(ModelConfig, BYTES_MODEL)
+    checkpoint.save(root / "checkpoints", 1, {"params": jax.jit(init_params, static_argnums=0)(model, jax.random.key(0))},
+                    meta={"policy_version": 1})
+    return root / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory) -> Path:
+    """A text run trained with jrl's default data.add_bos (false)."""
+    return write_run(tmp_path_factory.mktemp("textrun") / "textrun", {"data": {"format": "text"}})
+
+
+@pytest.fixture(scope="module")
+def ckpt_server(text_run):
+    """A server (the engine on a thread, Starlette's test client) over `text_run`."""
+    server, app = build(build_parser().parse_args(["--checkpoint", str(text_run), "--served-model-name", NAME,
+                                                   "--engine-in-process", "--no-warmup", *ENGINE_FLAGS]))
+    with TestClient(app) as client:
+        yield server, client
+
+
+@pytest.fixture
+def ckpt_prompts(ckpt_server, monkeypatch) -> list[list[int]]:
+    """The prompt ids each engine request of the ckpt_server is given, in order."""
+    worker, prompts = ckpt_server[0].worker, []
+    real_submit = worker.submit
+
+    def submit(prompt, *args, **kwargs):
+        prompts.append([int(t) for t in prompt])
+        return real_submit(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "submit", submit)
+    return prompts
+
+
+def test_a_text_prompt_to_a_run_trained_without_bos_gets_none(ckpt_server, ckpt_prompts):
+    tok = ckpt_server[0].tokenizer
+    r = complete(ckpt_server, prompt="the cat")
+    assert r.status_code == 200, r.text
+    assert ckpt_prompts == [tok.encode("the cat")]
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("the cat"))
+
+
+def test_a_request_sending_add_special_tokens_true_gets_the_bos_from_such_a_run(ckpt_server, ckpt_prompts):
+    tok = ckpt_server[0].tokenizer
+    r = complete(ckpt_server, prompt="the cat", add_special_tokens=True)
+    assert r.status_code == 200, r.text
+    assert ckpt_prompts == [[tok.bos_id, *tok.encode("the cat")]]
+
+
+def test_add_special_tokens_sent_as_null_takes_the_servers_default(ckpt_server, ckpt_prompts):
+    r = complete(ckpt_server, prompt="the cat", add_special_tokens=None)
+    assert r.status_code == 200, r.text
+    assert ckpt_prompts == [ckpt_server[0].tokenizer.encode("the cat")]
+
+
+def test_models_shows_the_default_of_add_special_tokens_for_a_run(ckpt_server):
+    (m,) = ckpt_server[1].get("/v1/models").json()["data"]
+    assert m["jrl"]["add_special_tokens"] is False
+
+
+def test_models_shows_the_default_of_add_special_tokens_for_a_hf_model(bos_server):
+    (m,) = bos_server[1].get("/v1/models").json()["data"]
+    assert m["jrl"]["add_special_tokens"] is True
+
+
+@pytest.mark.parametrize("config,default,why", [
+    ({"data": {"format": "text"}}, False, "the run's data.add_bos"),
+    ({"data": {"format": "text", "add_bos": True}}, True, "the run's data.add_bos"),
+    ({"data": {"format": "sections", "add_bos": True}}, True, "the run's data.add_bos"),
+    ({"data": {"format": "preference", "sections": [{"field": "prompt"}]}}, False, "the run's data.add_bos"),
+    ({"strategy": {"name": "grpo", "options": {"task": {"name": "addition"}}}}, False,
+     "the run's strategy.options.task.add_bos"),
+    ({"strategy": {"name": "grpo", "options": {"task": {"add_bos": True}}}}, True,
+     "the run's strategy.options.task.add_bos"),
+    ({"strategy": {"name": "grpo", "options": {}}}, False, "the run's strategy.options.task.add_bos"),
+    ({"data": {"format": "chat"}}, True, "vLLM's, for a chat run (its template places the BOS)"),
+    ({"data": {"format": "chat", "add_bos": False}}, True, "vLLM's, for a chat run (its template places the BOS)"),
+], ids=["text", "text-add_bos", "sections-add_bos", "preference", "grpo", "grpo-add_bos", "grpo-no-task", "chat",
+        "chat-add_bos-false"])
+def test_a_checkpoints_default_of_add_special_tokens_follows_its_run(tmp_path, config, default, why):
+    served = load_served(checkpoint=str(write_run(tmp_path / "run", config)))
+    assert (served.add_special_tokens, served.add_special_tokens_from) == (default, why)
+
+
+def test_a_hf_models_default_of_add_special_tokens_is_vllms(hf_dirs):
+    served = load_served(model=f"hf:{hf_dirs[0]}")
+    assert (served.add_special_tokens, served.add_special_tokens_from) == (True, "vLLM's, for a Hugging Face model")
+
+
+def test_a_grpo_task_add_bos_that_is_not_a_boolean_is_a_config_error_naming_it(tmp_path):
+    run = write_run(tmp_path / "run", {"strategy": {"name": "grpo", "options": {"task": {"add_bos": "yes"}}}})
+    with pytest.raises(ConfigError) as e:
+        load_served(checkpoint=str(run))
+    assert str(e.value) == "strategy.options.task.add_bos: must be true or false, got 'yes'"
+
+
+@pytest.mark.parametrize("flag,default", [("--add-special-tokens", True), ("--no-add-special-tokens", False)])
+def test_the_flag_sets_the_servers_default_of_add_special_tokens(text_run, flag, default):
+    server, _ = build(build_parser().parse_args(["--checkpoint", str(text_run), flag, "--engine-in-process",
+                                                 "--no-warmup", *ENGINE_FLAGS]))
+    assert (server.served.add_special_tokens, server.served.add_special_tokens_from) == (default, flag)
+
+
+def test_start_up_prints_the_default_of_add_special_tokens_and_where_it_came_from(text_run, monkeypatch, capsys):
+    monkeypatch.setattr(cli._Uvicorn, "run", lambda self, sockets=None: None)  # start up, then stop at once
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)  # leave pytest's handlers in place
+    assert main(["--checkpoint", str(text_run), "--port", "0", "--engine-in-process", "--no-warmup",
+                 *ENGINE_FLAGS]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert ("jrl serve: /v1/completions encodes a text prompt without the tokenizer's special tokens (its BOS) "
+            "unless a request sends add_special_tokens: true (default false: the run's data.add_bos)") in lines
 
 
 def test_models_retrieve_gives_the_served_model(live):

@@ -276,12 +276,14 @@ class Server:
         if not raw:
             raise ServeError("prompt: must not be empty", param="prompt")
         vocab = self.served.model_config.vocab_size
+        add_special_tokens = (body.add_special_tokens if body.add_special_tokens is not None
+                              else self.served.add_special_tokens)  # the served model's default
         prompts = []
         for k, x in enumerate(raw):
             where = "prompt" if len(raw) == 1 else f"prompt[{k}]"
             if isinstance(x, str):
                 _check_text(x, where, "prompt")
-                ids = list(self.tokenizer.encode(x, add_special_tokens=body.add_special_tokens))
+                ids = list(self.tokenizer.encode(x, add_special_tokens=add_special_tokens))
             else:
                 ids = list(x)
             if not ids:
@@ -462,9 +464,11 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def model_object() -> dict[str, Any]:
-        return {"id": server.served.name, "object": "model", "created": server.created, "owned_by": "jrl",
-                "max_model_len": server.engine.seq_limit, "jrl": {"policy_version": server.engine.version,
-                                                                  "source": server.served.source}}
+        served = server.served
+        return {"id": served.name, "object": "model", "created": server.created, "owned_by": "jrl",
+                "max_model_len": server.engine.seq_limit,
+                "jrl": {"policy_version": server.engine.version, "source": served.source,
+                        "add_special_tokens": served.add_special_tokens}}  # /v1/completions' default
 
     @app.get("/v1/models")
     async def models():

@@ -32,7 +32,8 @@ from jrl.checkpoint import CheckpointCorruptError
 from jrl.config import CONFIG_ERRORS, ConfigError, cli_exit, cli_warnings
 from jrl.serve.app import MAX_REQUEST_MB, Server, create_app
 from jrl.serve.engine_process import EngineProcess
-from jrl.serve.loading import KV_MEMORY_FRACTION, Served, load_engine
+from jrl.serve.loading import (KV_MEMORY_FRACTION, Served, add_special_tokens_line, load_engine,
+                               with_add_special_tokens)
 from jrl.serve.worker import SWITCH_INTERVAL_S, gil_handoff
 
 log = logging.getLogger("jrl.serve")
@@ -88,6 +89,10 @@ def build_parser(prog: str = "jrl serve") -> argparse.ArgumentParser:
                      help="weights and compute dtype (default: float32 on CPU, bfloat16 on GPU; a run config's "
                           "own dtype with --checkpoint)")
     src.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    src.add_argument("--add-special-tokens", action=argparse.BooleanOptionalAction, default=None,
+                     help="the default of /v1/completions' add_special_tokens: whether a text prompt opens with the "
+                          "tokenizer's BOS unless a request says (default: as a jrl checkpoint's run encoded plain "
+                          "text, its data.add_bos or a grpo run's strategy.options.task.add_bos; else true, as vLLM)")
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1",
                      help="interface to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every one)")
@@ -136,6 +141,7 @@ def build(args: argparse.Namespace, load: Callable[[], Served] | None = None):
     else:
         engine = EngineProcess(args, load)
         served, warm = engine.served, engine.warmup
+    served = with_add_special_tokens(served, args.add_special_tokens)
     server = Server(served, engine, max_queue=args.max_queue, admin_token=args.admin_token, warmup=warm)
     return server, create_app(server, shutdown_timeout=args.shutdown_timeout, max_request_mb=args.max_request_mb)
 
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None, prog: str = "jrl serve") -> int:
         signal.signal(sig, lambda *_: None)
     print(f"jrl serve: {server.served.name} (policy version {server.engine.version}) on "
           f"http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)  # --port 0: the port picked
+    print(add_special_tokens_line(server.served), flush=True)
     with gil_handoff():
         uv.run(sockets=[sock])
     print("jrl serve: stopped", flush=True)

@@ -8,6 +8,9 @@ Hugging Face directory or a jrl checkpoint (the same resolution `jrl eval` uses)
   the step's recorded policy version.
 * `--model hf:<dir> --config run.yaml`: the run's model config and tokenizer over HF weights.
 
+With a run config, /v1/completions encodes a text prompt by default as the run encoded plain
+text (`text_prompt_bos`: with the tokenizer's BOS or without); without one, as vLLM does.
+
 And the engine that serves it (`load_engine`): its settings from the command line
 (`engine_config`), its KV pool fitted to the device's free memory (`fit_pool`), its step
 programs compiled before the server listens (`warmup`). Runs where the engine runs: in the
@@ -32,10 +35,12 @@ import numpy as np
 
 from jrl.config import ConfigError, ModelConfig, TrainConfig, load_train_config
 from jrl.hf import load_pretrained
+from jrl.launch import RL_STRATEGIES
 from jrl.rollout import Engine, EngineConfig, SamplingParams, engine_config_for_workload
 from jrl.rollout.cache.kv_storage import kv_bytes_per_token
 from jrl.rollout.config import device_free_memory, renamed_engine_fields
 from jrl.rl.eval_cli import Checkpoint, resolve_checkpoint
+from jrl.rl.tasks import TaskConfig
 from jrl.tokenizer import HFTokenizer, load_tokenizer
 from jrl.train.trainer import load_initial_params, load_run_tokenizer, run_mesh
 from jrl.train.initial import architecture_differences, source_model
@@ -52,6 +57,10 @@ FLAGGED_FIELDS = {"max_seq_len": "--max-seq-len", "max_batch": "--max-batch", "p
 # The share of the device's free memory (after the weights) the KV pool may take when
 # --n-pages is not given: the rest holds a step's activations, logits and the programs.
 KV_MEMORY_FRACTION = 0.8
+HF_DEFAULT = "vLLM's, for a Hugging Face model"
+CHAT_DEFAULT = "vLLM's, for a chat run (its template places the BOS)"
+
+
 @dataclasses.dataclass
 class Served:
     """A model ready to serve."""
@@ -63,6 +72,10 @@ class Served:
     version: int
     source: str  # where the weights came from
     train_config: TrainConfig | None = None  # the run's config, when there is one
+    # The default of /v1/completions' add_special_tokens (a request's own wins) and where it
+    # came from (`text_prompt_bos`, or the --add-special-tokens flag).
+    add_special_tokens: bool = True
+    add_special_tokens_from: str = HF_DEFAULT
 
 
 def default_dtype() -> str:
@@ -103,8 +116,47 @@ def load_served(model: str | None = None, checkpoint: str | None = None, config:
     default_name = Path(ckpt.init_from[3:] if ckpt.init_from.startswith("hf:") else ckpt.init_from).resolve()
     if default_name.name.startswith("step_") and default_name.parent.name == "checkpoints":
         default_name = default_name.parent.parent
+    add_special_tokens, why = text_prompt_bos(train_config)
     return Served(name or default_name.name, train_config.model, params, tok, ckpt.policy_version or 0, spec,
-                  train_config)
+                  train_config, add_special_tokens, why)
+
+
+def text_prompt_bos(config: TrainConfig) -> tuple[bool, str]:
+    """Whether a text prompt of /v1/completions opens with the tokenizer's special tokens (its
+    BOS) by default when serving a model of the run `config`, and why: as the run encoded
+    plain text, so that its model is prompted as it was trained. A grpo run's prompts are
+    its task's (`strategy.options.task.add_bos`); a `text`, `sections` or `preference` run's
+    documents follow `data.add_bos`. A `chat` run encoded no plain text (its template places
+    the BOS, and `data.add_bos` reaches none of its documents), so it says nothing about
+    one: the default stays vLLM's (true), how the base model it was tuned from is served."""
+    if config.strategy.name in RL_STRATEGIES:
+        task = config.strategy.options.get("task") or {}
+        add_bos = task.get("add_bos", TaskConfig.add_bos) if isinstance(task, dict) else TaskConfig.add_bos
+        if not isinstance(add_bos, bool):
+            raise ConfigError(f"strategy.options.task.add_bos: must be true or false, got {add_bos!r}")
+        return add_bos, "the run's strategy.options.task.add_bos"
+    if config.data.format == "chat":
+        return True, CHAT_DEFAULT
+    return config.data.add_bos, "the run's data.add_bos"
+
+
+def with_add_special_tokens(served: Served, flag: bool | None) -> Served:
+    """`served` with the default of add_special_tokens that `--add-special-tokens` /
+    `--no-add-special-tokens` sets (None: neither given, the served model's own)."""
+    if flag is None:
+        return served
+    return dataclasses.replace(served, add_special_tokens=flag,
+                               add_special_tokens_from="--add-special-tokens" if flag else "--no-add-special-tokens")
+
+
+def add_special_tokens_line(served: Served) -> str:
+    """The start-up line saying how /v1/completions encodes a text prompt by default."""
+    if served.add_special_tokens:
+        how = "with the tokenizer's special tokens (its BOS) unless a request sends add_special_tokens: false"
+    else:
+        how = "without the tokenizer's special tokens (its BOS) unless a request sends add_special_tokens: true"
+    return (f"jrl serve: /v1/completions encodes a text prompt {how} (default "
+            f"{str(served.add_special_tokens).lower()}: {served.add_special_tokens_from})")
 
 
 def run_config(config: str | None, ckpt: Checkpoint, overrides=()) -> TrainConfig:
@@ -159,7 +211,8 @@ def check_servable(served: ModelConfig, got: Any, spec: str) -> None:
 def describe(served: Served) -> dict[str, Any]:
     return {"name": served.name, "source": served.source, "vocab_size": served.model_config.vocab_size,
             "max_position_embeddings": served.model_config.max_position_embeddings,
-            "params": int(sum(np.size(x) for x in jax.tree.leaves(served.params)))}
+            "params": int(sum(np.size(x) for x in jax.tree.leaves(served.params))),
+            "add_special_tokens": served.add_special_tokens}
 
 
 def engine_config(served: Served, args: argparse.Namespace, free_memory: int | None = None) -> EngineConfig:

@@ -250,9 +250,11 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    # vLLM's: a text prompt is encoded with the tokenizer's special tokens (its BOS), as
-    # transformers encodes a text; false: the text's own tokens only. Token ids are sent as given.
-    add_special_tokens: bool = True
+    # vLLM's: true encodes a text prompt with the tokenizer's special tokens (its BOS), as
+    # transformers encodes a text; false: the text's own tokens only. Token ids are sent as
+    # given. Absent (or null): the server's default (`Served.add_special_tokens`: true, as
+    # vLLM, unless a jrl run encoded its plain text without the BOS).
+    add_special_tokens: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
