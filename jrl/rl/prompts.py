@@ -83,7 +83,8 @@ class PromptFormat:
     system_prompt: a system turn put first (needs the template).
     add_bos: a text prompt that the template does not render is encoded after the
     tokenizer's BOS token, as `data.add_bos` encodes training text (and jrl serve a text
-    prompt by default); a rendered prompt has the BOS its template writes, never a second.
+    prompt to the run's checkpoints by default); a rendered prompt has the BOS its template
+    writes, never a second.
     """
 
     def __init__(self, tokenizer: Any, *, chat_template: str | bool = "auto", system_prompt: str | None = None,
