@@ -17,9 +17,9 @@ training target (predicted from the tokens before it). Formats:
 With `add_eos` an EOS token ends every document, trained like the last piece. With
 `add_bos` the tokenizer's BOS token opens every document of the `text`, `sections` and
 `preference` formats (as a Hugging Face tokenizer's `tokenizer(text)` puts it, and jrl
-serve by default to a text prompt for the run's checkpoints), untrained: it is never a target (nothing comes
-before it), and a trained flag on it would count a record whose trained pieces are empty
-as one that trains something. The text after it is encoded as the start of a text, as
+serve by default to a text prompt for the run's checkpoints), untrained: it is never a
+target (nothing comes before it), and a trained flag on it would count a record whose
+trained pieces are empty as one that trains something. The text after it is encoded as the start of a text, as
 those encodings do (with a SentencePiece tokenizer's '▁' mark). `chat` ignores it, as it
 ignores `add_eos`: the template places BOS itself, so it is never doubled.
 """
