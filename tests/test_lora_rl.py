@@ -93,8 +93,8 @@ def test_exact_logprobs_with_the_adapters_served_merged_is_refused_before_the_ru
     # the engine refused it only when the first rollout built it, after setup wrote config.yaml
     with pytest.raises(ConfigError) as e:
         build_learner(lora_tiny(exact_logprobs=True), output_dir=tmp_path / "run")
-    assert str(e.value) == ("engine.lora: must be 'unmerged' with exact_logprobs: a merged kernel rounds "
-                            "differently from the trainer's base + adapter product")
+    assert str(e.value) == ("strategy.options.engine.lora: must be 'unmerged' with exact_logprobs: a merged kernel "
+                            "rounds differently from the trainer's base + adapter product")
     assert not (tmp_path / "run").exists()
 
 
