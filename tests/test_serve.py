@@ -639,16 +639,21 @@ def bos_server(tmp_path_factory):
     config = from_dict(ModelConfig, MODEL)
     save_pretrained(config, jax.jit(init_params, static_argnums=0)(config, jax.random.key(0)), str(d),
                     model_type="qwen2")
-    server, app = build(build_parser().parse_args(["--model", f"hf:{d}", "--served-model-name", NAME,
-                                                   "--engine-in-process", "--no-warmup", *ENGINE_FLAGS]))
+    yield from threaded_server(["--model", f"hf:{d}"])
+
+
+def threaded_server(source: list[str]):
+    """(server, Starlette test client) over `source` (its --model / --checkpoint flags), the
+    engine on a thread; a fixture yields from it."""
+    server, app = build(build_parser().parse_args([*source, "--served-model-name", NAME, "--engine-in-process",
+                                                   "--no-warmup", *ENGINE_FLAGS]))
     with TestClient(app) as client:
         yield server, client
 
 
-@pytest.fixture
-def engine_prompts(bos_server, monkeypatch) -> list[list[int]]:
-    """The prompt ids each engine request of the bos_server is given, in order."""
-    worker, prompts = bos_server[0].worker, []
+def recorded_prompts(server, monkeypatch) -> list[list[int]]:
+    """The prompt ids each engine request of `server` is given from now on, in order."""
+    worker, prompts = server.worker, []
     real_submit = worker.submit
 
     def submit(prompt, *args, **kwargs):
@@ -657,6 +662,12 @@ def engine_prompts(bos_server, monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(worker, "submit", submit)
     return prompts
+
+
+@pytest.fixture
+def engine_prompts(bos_server, monkeypatch) -> list[list[int]]:
+    """The prompt ids each engine request of the bos_server is given, in order."""
+    return recorded_prompts(bos_server[0], monkeypatch)
 
 
 def complete(bos_server, **fields) -> httpx.Response:
@@ -755,24 +766,13 @@ def text_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ckpt_server(text_run):
     """A server (the engine on a thread, Starlette's test client) over `text_run`."""
-    server, app = build(build_parser().parse_args(["--checkpoint", str(text_run), "--served-model-name", NAME,
-                                                   "--engine-in-process", "--no-warmup", *ENGINE_FLAGS]))
-    with TestClient(app) as client:
-        yield server, client
+    yield from threaded_server(["--checkpoint", str(text_run)])
 
 
 @pytest.fixture
 def ckpt_prompts(ckpt_server, monkeypatch) -> list[list[int]]:
     """The prompt ids each engine request of the ckpt_server is given, in order."""
-    worker, prompts = ckpt_server[0].worker, []
-    real_submit = worker.submit
-
-    def submit(prompt, *args, **kwargs):
-        prompts.append([int(t) for t in prompt])
-        return real_submit(prompt, *args, **kwargs)
-
-    monkeypatch.setattr(worker, "submit", submit)
-    return prompts
+    return recorded_prompts(ckpt_server[0], monkeypatch)
 
 
 def test_a_text_prompt_to_a_run_trained_without_bos_gets_none(ckpt_server, ckpt_prompts):
@@ -847,6 +847,8 @@ def test_the_flag_sets_the_servers_default_of_add_special_tokens(text_run, flag,
 def test_start_up_prints_the_default_of_add_special_tokens_and_where_it_came_from(text_run, monkeypatch, capsys):
     monkeypatch.setattr(cli._Uvicorn, "run", lambda self, sockets=None: None)  # start up, then stop at once
     monkeypatch.setattr(cli.signal, "signal", lambda *args: None)  # leave pytest's handlers in place
+    # and its logging: uvicorn's dictConfig closes every handler there is, pytest's capture ones too
+    monkeypatch.setattr(cli.uvicorn.Config, "configure_logging", lambda self: None)
     assert main(["--checkpoint", str(text_run), "--port", "0", "--engine-in-process", "--no-warmup",
                  *ENGINE_FLAGS]) == 0
     lines = capsys.readouterr().out.splitlines()
