@@ -29,6 +29,7 @@ from jrl.data import pipeline
 from jrl.data.pipeline import cache_key
 from jrl.data.store import CorruptStoreError, StoreWriteError
 from jrl.models import apply, init_params
+from unprivileged import unprivileged_prefix
 
 TOK = load_tokenizer("bytes")
 SECTIONS = (Section(text="Q:"), Section(field="prompt"), Section(text="A:"), Section(field="response", train=True))
@@ -1214,12 +1215,7 @@ def test_a_data_file_without_read_permission_is_named_by_its_config_field(tmp_pa
     src = tmp_path / "train.jsonl"
     src.write_text('{"text": "hello"}\n')
     src.chmod(0)
-    prefix = []
-    if os.geteuid() == 0:  # root reads any file: drop the capabilities that let it
-        if shutil.which("setpriv") is None:
-            pytest.skip("root reads a mode-000 file, and without setpriv (util-linux) it cannot give that up: "
-                        "no permission error to provoke")
-        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    prefix = unprivileged_prefix("reads a mode-000 file")
     (tmp_path / "c.yaml").write_text(f"data: {{source: {src}, format: text, eval_fraction: 0}}\nstrategy: {{name: seq}}\n")
     done = subprocess.run([*prefix, sys.executable, "-m", "jrl.train", "--config", str(tmp_path / "c.yaml"), "--dry-run"],
                           capture_output=True, text=True, cwd=tmp_path,

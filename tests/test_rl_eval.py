@@ -25,6 +25,7 @@ from jrl.rl.evaluation import ProblemResult, pass_at, pass_at_k
 from jrl.rl.options import RLOptions
 from jrl.rl.tasks import make_task, problems_digest
 from test_rl_loop import run, tiny
+from unprivileged import unprivileged_prefix
 
 N_HELDOUT = 16  # tiny()'s held-out split
 REPORT_KEYS = {"checkpoint", "step", "policy_version", "split", "n", "k", "temperature", "max_new_tokens", "seed",
@@ -222,13 +223,7 @@ def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
 def eval_without_root_powers(*args):
     """`jrl eval *args` in a process that file permissions bind (root's capabilities to pass
     them dropped)."""
-    prefix = []
-    if os.geteuid() == 0:  # root reads and writes anywhere: drop the capabilities that let it
-        if shutil.which("setpriv") is None:
-            pytest.skip("root ignores a directory's permissions, and without setpriv (util-linux) it cannot give "
-                        "that up: no permission error to provoke")
-        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
-    return subprocess.run([*prefix, sys.executable, "-m", "jrl.cli", "eval", *map(str, args)], capture_output=True,
+    return subprocess.run([*unprivileged_prefix("ignores a directory's permissions"), sys.executable, "-m", "jrl.cli", "eval", *map(str, args)], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
 
 
