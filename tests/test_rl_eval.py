@@ -220,6 +220,46 @@ def test_a_json_path_under_a_file_exits_2_naming_the_file(trained, capsys):
                                        f"{log.absolute()} is a file, not a directory\n")
 
 
+def a_copy(source, path):
+    """Copies the file `source` to `path`; returns its bytes."""
+    shutil.copyfile(source, path)
+    return path.read_bytes()
+
+
+def a_report_copied_into(directory, evaluated):
+    """A copy of the report `evaluated` (its summary and its rows) in `directory`: its summary's
+    path, and each file's bytes by name."""
+    return directory / evaluated.name, {p.name: a_copy(p, directory / p.name)
+                                        for p in (evaluated, problems_path(evaluated))}
+
+
+NOT_A_REPORT = "it is not a file jrl eval wrote (a report's summary or its rows); give another path, or remove it first"
+
+
+@pytest.mark.parametrize("source, taken", [("config.yaml", "config.yaml"),
+                                           ("checkpoints/step_2/meta.json", "meta.json"),
+                                           ("metrics.jsonl", "eval.problems.jsonl")])
+def test_a_json_path_holding_a_file_jrl_eval_did_not_write_exits_2_before_evaluating_leaving_it_untouched(
+        trained, capsys, tmp_path, source, taken):
+    # before: the run's config.yaml, a checkpoint's meta.json or the rows' path holding the run's metrics was
+    # overwritten by the report
+    out, _ = trained
+    held = tmp_path / taken
+    content = a_copy(out / source, held)
+    report = held if taken != "eval.problems.jsonl" else tmp_path / "eval.json"
+    assert jrl(["eval", "--checkpoint", str(out), "--json", str(report)]) == 2
+    assert capsys.readouterr() == ("", f"config error: --json: will not overwrite {held}: {NOT_A_REPORT}\n")
+    assert [(p.name, p.read_bytes()) for p in tmp_path.iterdir()] == [(taken, content)]
+
+
+def test_a_report_jrl_eval_wrote_is_written_over_by_the_next_eval_into_its_path(trained, evaluated, tmp_path):
+    out, _ = trained
+    report, _ = a_report_copied_into(tmp_path, evaluated)
+    assert jrl(["eval", "--checkpoint", str(out), "--max-problems", "2", "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["n"] == 2
+    assert len(problems_path(report).read_text().splitlines()) == 2
+
+
 def eval_without_root_powers(*args):
     """`jrl eval *args` in a process that file permissions bind (root's capabilities to pass
     them dropped)."""
@@ -239,6 +279,18 @@ def test_a_json_path_in_a_directory_without_write_permission_exits_2_before_eval
     assert (done.returncode, done.stdout) == (2, "")  # refused up front: no table, the evaluation did not run
     assert done.stderr == f"config error: --json: cannot write {report}: {locked} is not writable\n"
     assert list(locked.iterdir()) == []
+
+
+def test_a_json_path_holding_a_file_that_may_not_be_read_exits_2_leaving_it_untouched(trained, evaluated, tmp_path):
+    out, _ = trained
+    report, old = a_report_copied_into(tmp_path, evaluated)
+    report.chmod(0o000)  # whether jrl eval wrote it cannot be told
+    done = eval_without_root_powers("--checkpoint", out, "--json", report)
+    report.chmod(0o644)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"config error: --json: will not overwrite {report}: cannot read it to tell whether jrl "
+                           f"eval wrote it (Permission denied)\n")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old
 
 
 def test_a_json_path_in_a_directory_without_search_permission_exits_2_naming_the_path(trained, tmp_path):
@@ -450,22 +502,21 @@ def test_ctrl_c_exits_130_on_one_line_writing_nothing(trained, capsys, tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_while_the_report_is_written_exits_130_leaving_the_old_files(trained, capsys, tmp_path, monkeypatch):
+def test_ctrl_c_while_the_report_is_written_exits_130_leaving_the_old_files(
+        trained, evaluated, capsys, tmp_path, monkeypatch):
     # before: a traceback through write_report (a large report takes a while to write), no exit status of its own
     out, _ = trained
-    (tmp_path / "eval.json").write_text("old summary")
-    (tmp_path / "eval.problems.jsonl").write_text("old rows")
+    report, old = a_report_copied_into(tmp_path, evaluated)
 
     def ctrl_c(self):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ProblemResult, "row", ctrl_c)  # called only to write the rows
-    assert jrl(["eval", "--checkpoint", str(out), "--max-problems", "2", "--json", str(tmp_path / "eval.json")]) == 130
+    assert jrl(["eval", "--checkpoint", str(out), "--max-problems", "2", "--json", str(report)]) == 130
     captured = capsys.readouterr()
     assert captured.err == "interrupted; nothing written\n"
     assert captured.out.splitlines()[-1].split()[:3] == ["response", "tokens", "mean"]  # the scores, not lost
-    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"eval.json": "old summary",
-                                                                   "eval.problems.jsonl": "old rows"}
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == old
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

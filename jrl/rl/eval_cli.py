@@ -14,7 +14,8 @@ accuracy, pass@1 (the mean over K samples a problem), pass@K (the unbiased estim
 `--pass-at 2,4` also pass@2 and pass@4 from the same K samples), the mean reward and
 response length of the samples. `--json F` writes them (with `k`,
 `split`, `checkpoint`, `step`, `policy_version`, `temperature`, ...) to F and one row per
-problem to F's `.problems.jsonl` sibling; a table is printed last.
+problem to F's `.problems.jsonl` sibling, replacing either only where it is a report jrl eval
+wrote; a table is printed last.
 
 Exit status: 0 on success, 2 for a bad command line, config or checkpoint path, 1 when a
 reward function or an environment fails, 130 on Ctrl-C (before anything is written).
@@ -212,8 +213,9 @@ def problems_path(json_path: str | Path) -> Path:
 def check_json_path(json_path: str | Path) -> None:
     """ConfigError naming `--json` when the summary or its per-problem sibling could not be
     written there (a directory in the way, a file where a parent directory should be, or a
-    directory it would go in, or be made in, that this process may not write);
-    checked before the evaluation, whose results would otherwise be lost at the end."""
+    directory it would go in, or be made in, that this process may not write), or would
+    replace a file that is not a report's (`check_only_reports_replaced`); checked before
+    the evaluation, whose results would otherwise be lost at the end."""
     if str(json_path) == "":  # `--json "$OUT"` with OUT unset: asked for a file, named none
         raise ConfigError("--json: must be a file path, got ''")
     if str(json_path).endswith(("/", os.sep)):  # `--json results/`: not a file named results
@@ -229,6 +231,44 @@ def check_json_path(json_path: str | Path) -> None:
             raise ConfigError(f"--json: cannot write {path}: {parent} is a file, not a directory")
         if not os.access(parent, os.W_OK | os.X_OK):  # the staged files go there, or the missing directories
             raise ConfigError(f"--json: cannot write {path}: {parent} is not writable")
+    check_only_reports_replaced(json_path)
+
+
+# The fields of every summary `--json` writes (its pass@k besides) and of every row of its
+# `.problems.jsonl`: what tells a report jrl eval wrote from a file it must not replace.
+REPORT_FIELDS = frozenset({"checkpoint", "step", "policy_version", "split", "n", "k", "temperature", "max_new_tokens",
+                           "seed", "greedy_accuracy", "pass@1", "reward_mean", "response_tokens_mean"})
+ROW_FIELDS = frozenset(field.name for field in dataclasses.fields(ProblemResult))
+OPENING_READ = 1 << 26  # bytes read of a file in a report's way: more than a report's summary or first row
+
+
+def opens_with_record(path: Path, fields: frozenset[str]) -> bool:
+    """Whether the regular file `path` opens with a JSON object holding `fields`, as a
+    report's summary (`REPORT_FIELDS`) and its rows (`ROW_FIELDS`) do."""
+    if not path.is_file():  # a FIFO or a device (/dev/stdout) is no report, and reading it may block
+        return False
+    with open(path, "rb") as f:
+        opening = f.read(OPENING_READ).decode(errors="replace")
+    try:
+        record, _ = json.JSONDecoder().raw_decode(opening)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and fields <= record.keys()
+
+
+def check_only_reports_replaced(json_path: str | Path) -> None:
+    """ConfigError naming `--json` and the file when the summary or its rows would replace a
+    file jrl eval did not write (a run's config.yaml, a checkpoint's file, a data set): a
+    report jrl eval wrote is replaced, as evaluating again into the same path does."""
+    for path, fields in ((Path(json_path), REPORT_FIELDS), (problems_path(json_path), ROW_FIELDS)):
+        try:
+            if not os.path.lexists(path) or opens_with_record(path, fields):
+                continue
+        except OSError as e:
+            raise ConfigError(f"--json: will not overwrite {path}: cannot read it to tell whether jrl eval wrote it "
+                              f"({e.strerror or e})") from e
+        raise ConfigError(f"--json: will not overwrite {path}: it is not a file jrl eval wrote (a report's summary "
+                          f"or its rows); give another path, or remove it first")
 
 
 @contextlib.contextmanager
@@ -326,7 +366,8 @@ def build_parser(prog: str = "jrl eval") -> argparse.ArgumentParser:
     p.add_argument("--split", default="heldout", choices=SPLITS, help="task split (default: heldout)")
     p.add_argument("--max-problems", type=int, help="score only the split's first N problems")
     p.add_argument("--seed", type=int, help="sampling seed (default: the config's seed)")
-    p.add_argument("--json", help="write the summary here and one row per problem to <name>.problems.jsonl")
+    p.add_argument("--json", help="write the summary here and one row per problem to <name>.problems.jsonl "
+                   "(replacing only a report jrl eval wrote)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for jrl train")
     return p
 
