@@ -1595,7 +1595,7 @@ def test_jrl_eval_refuses_an_opening_prompt_too_long_before_it_loads_the_model(t
     config = to_dict(run_config)
     config["strategy"]["options"]["task"]["heldout"] = str(tmp_path / "test.jsonl")
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    monkeypatch.setattr(eval_cli, "load_initial_params", lambda *a: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(eval_cli, "load_initial_params", lambda *a, **kw: pytest.fail("the model was loaded"))
     assert jrl(["eval", "--config", str(tmp_path / "run.yaml"), "--checkpoint", f"hf:{hf_dir}",
                 "--json", str(tmp_path / "eval.json")]) == 2
     captured = capsys.readouterr()

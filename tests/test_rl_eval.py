@@ -447,6 +447,26 @@ def test_an_unreadable_meta_json_exits_2_naming_the_file(trained, capsys, tmp_pa
     assert capsys.readouterr().err.startswith(f"error: checkpoint {step_dir} is corrupt: meta.json: unreadable (")
 
 
+def test_a_corrupt_checkpoint_exits_2_naming_the_flag_that_gave_it(trained, capsys, tmp_path):
+    # before: "config error: init_from: ...", a config key this command line never set
+    out, _ = trained
+    step_dir = tmp_path / "checkpoints" / "step_2"
+    shutil.copytree(out / "checkpoints" / "step_2", step_dir)
+    (step_dir / "manifest.json").unlink()
+    assert jrl(["eval", "--config", str(out / "config.yaml"), "--checkpoint", str(step_dir)]) == 2
+    assert capsys.readouterr().err == (f"config error: --checkpoint: {str(step_dir)!r}: checkpoint {step_dir} is "
+                                       f"corrupt: manifest.json: missing (jrl writes it last; an interrupted copy?)\n")
+
+
+def test_a_checkpoint_of_another_model_exits_2_naming_the_flag_that_gave_it(trained, capsys):
+    # before: "config error: init_from: ...", a config key this command line never set
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), "model.rope_theta=500000.0"]) == 2
+    assert capsys.readouterr().err == (f"config error: --checkpoint: the model config differs from "
+                                       f"{str(out / 'checkpoints' / 'step_2')!r} in model.rope_theta (config 500000.0, "
+                                       f"checkpoint 10000.0); set these under model:\n")
+
+
 def test_config_errors_exit_2(trained, capsys):
     out, _ = trained
     # tiny() sets no validation problems aside

@@ -1213,6 +1213,17 @@ def test_weights_of_another_architecture_are_refused_naming_what_differs(hf_dirs
         f"with (start another server to serve this one)")
 
 
+def test_weights_from_a_corrupt_checkpoint_are_refused_naming_the_field_that_gave_them(hf_dirs, tmp_path):
+    # before: "checkpoint: init_from: ...", a config key the request never set
+    step_dir = a_corrupt_checkpoint(tmp_path / "run")
+    _, app = build(build_parser().parse_args(["--model", f"hf:{hf_dirs[0]}", "--engine-in-process", "--no-warmup",
+                                              "--admin-token", TOKEN, *ENGINE_FLAGS]))
+    with TestClient(app) as client:
+        r = client.post("/v1/weights", json={"checkpoint": str(step_dir)}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "checkpoint")
+    assert r.json()["error"]["message"] == corrupt_error("checkpoint", step_dir)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1291,6 +1302,28 @@ def test_a_start_up_error_in_the_engine_process_exits_2_naming_the_flag(hf_dirs,
     assert main(["--model", f"hf:{hf_dirs[0]}", "--max-seq-len", "4096", "--no-warmup"]) == 2
     assert capsys.readouterr().err == ("config error: --max-seq-len: must be <= the model's "
                                        "max_position_embeddings (128), got 4096\n")
+
+
+def a_corrupt_checkpoint(root: Path) -> Path:
+    """The step directory of a run (`write_run`) in `root`, its manifest.json gone (an
+    interrupted copy)."""
+    step_dir = write_run(root, {}) / "step_1"
+    (step_dir / "manifest.json").unlink()
+    return step_dir
+
+
+def corrupt_error(named_by: str, step_dir: Path) -> str:
+    """The error of loading `a_corrupt_checkpoint` given by `named_by`."""
+    return (f"{named_by}: {str(step_dir)!r}: checkpoint {step_dir} is corrupt: manifest.json: missing (jrl writes it "
+            f"last; an interrupted copy?)")
+
+
+def test_a_corrupt_checkpoint_exits_2_naming_the_flag_that_gave_it(tmp_path, capsys):
+    # before: "config error: init_from: ...", a config key jrl serve has not
+    step_dir = a_corrupt_checkpoint(tmp_path / "run")
+    assert main(["--checkpoint", str(step_dir), "--port", "0", "--engine-in-process", "--no-warmup",
+                 *ENGINE_FLAGS]) == 2
+    assert capsys.readouterr().err == f"config error: {corrupt_error('--checkpoint', step_dir)}\n"
 
 
 def test_a_port_in_use_exits_2_naming_the_flag_before_the_model_loads(tmp_path, capsys):

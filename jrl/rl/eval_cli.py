@@ -56,10 +56,12 @@ SPLITS = ("heldout", "validation")
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """Where the weights come from: `init_from` as the trainer reads it, plus what is
-    known about them (a jrl step directory records its step and policy version)."""
+    """Where the weights come from: `init_from` as the trainer reads it, the name it was
+    given by (the flag, which leads the errors of its loading), plus what is known about
+    them (a jrl step directory records its step and policy version)."""
 
     init_from: str
+    named_by: str
     step: int | None = None
     policy_version: int | None = None
     run_dir: Path | None = None  # the jrl run directory holding it, when there is one
@@ -84,7 +86,7 @@ def _resolve_checkpoint(spec: str, flag: str) -> Checkpoint:
             raise ConfigError(f"{flag}: {path} does not exist (hf:<dir> names a Hugging Face checkpoint directory)")
         if not (path / "config.json").is_file():
             raise ConfigError(f"{flag}: {path} has no config.json (not a Hugging Face checkpoint)")
-        return Checkpoint(spec)
+        return Checkpoint(spec, flag)
     path = Path(spec)
     if not path.exists():
         raise ConfigError(f"{flag}: {path} does not exist (give a run directory, its checkpoints/ "
@@ -104,7 +106,7 @@ def _resolve_checkpoint(spec: str, flag: str) -> Checkpoint:
     where = Path(os.path.abspath(step_dir))  # `step_2` given from inside checkpoints/ is in a run too
     run_dir = where.parent.parent if where.parent.name == "checkpoints" else None
     digests = (meta.get("data") or {}).get("task")
-    return Checkpoint(str(step_dir), step=step, policy_version=meta.get("policy_version"), run_dir=run_dir,
+    return Checkpoint(str(step_dir), flag, step=step, policy_version=meta.get("policy_version"), run_dir=run_dir,
                       task_digests=digests if isinstance(digests, dict) else None)
 
 
@@ -182,7 +184,7 @@ def run_eval(config: TrainConfig, options: RLOptions, checkpoint: Checkpoint, *,
         episodes.check_openings(problems)
 
     mesh = run_mesh(config.parallel)
-    params = load_initial_params(config, mesh)
+    params = load_initial_params(config, mesh, named_by=checkpoint.named_by)
     prompt_tokens = None if episodes is not None else sum(len(p) for p in prompts) * samples
     engine_config = engine_config_for(options, config.data.seq_len, len(problems) * samples, seed, config.model,
                                       prompt_tokens)

@@ -112,7 +112,7 @@ def load_served(model: str | None = None, checkpoint: str | None = None, config:
             train_config.model, param_dtype=dtype, dtype=dtype))
     tok = load_tokenizer(tokenizer) if tokenizer else load_run_tokenizer(train_config)
     _check_vocab(tok, train_config.model)
-    params = load_initial_params(train_config, run_mesh(None))
+    params = load_initial_params(train_config, run_mesh(None), named_by=ckpt.named_by)
     default_name = Path(ckpt.init_from[3:] if ckpt.init_from.startswith("hf:") else ckpt.init_from).resolve()
     if default_name.name.startswith("step_") and default_name.parent.name == "checkpoints":
         default_name = default_name.parent.parent
@@ -187,12 +187,13 @@ def load_update(spec: str, served: Served) -> tuple[Any, int | None, str]:
                                          max_position_embeddings=mc.max_position_embeddings)
         check_servable(mc, new_mc, spec)
         return jax.tree.map(jax.numpy.asarray, params), None, ckpt.init_from
-    saved_model = source_model(ckpt.init_from, mc)  # before the weights are read
+    saved_model = source_model(ckpt.init_from, mc, ckpt.named_by)  # before the weights are read
     if saved_model is not None:
         check_servable(mc, saved_model, spec)
     base = served.train_config or TrainConfig(model=mc, data=dataclasses.replace(
         TrainConfig().data, seq_len=min(TrainConfig().data.seq_len, mc.max_position_embeddings)))
-    params = load_initial_params(dataclasses.replace(base, init_from=ckpt.init_from), run_mesh(None))
+    params = load_initial_params(dataclasses.replace(base, init_from=ckpt.init_from), run_mesh(None),
+                                 named_by=ckpt.named_by)
     return params, ckpt.policy_version, ckpt.init_from
 
 

@@ -24,12 +24,18 @@ from jrl.models import init_params
 from jrl.models.lora import lora_params
 from jrl.parallel import init_sharded_params, initialize_distributed, make_mesh, param_shardings, shard_params
 
-def _resolve_checkpoint(path: str) -> tuple[Path, int | None]:
+
+# Each function here that reads a checkpoint takes `named_by`: the name it was given by, a
+# config key (`init_from`, the default), a flag (`jrl eval --checkpoint`) or a request's
+# field (`checkpoint` of the server's weight updates), which leads its errors.
+
+
+def _resolve_checkpoint(path: str, named_by: str = "init_from") -> tuple[Path, int | None]:
     """(checkpoint root, step or None for the latest) from a run dir, a root or a step dir."""
     p = Path(path)
     if p.name.startswith("step_") and p.name[5:].isdigit():
         if not is_step_name(p.name):  # step_07 would read step_7, another directory
-            raise ConfigError(f"init_from: {path!r}: {p.name} is not a checkpoint directory's name (step_<N>, "
+            raise ConfigError(f"{named_by}: {path!r}: {p.name} is not a checkpoint directory's name (step_<N>, "
                               f"no leading zeros: step_{int(p.name[5:])})")
         return p.parent, int(p.name[5:])
     if (p / "checkpoints").is_dir():
@@ -65,13 +71,13 @@ def architecture_differences(want, got) -> list[tuple[str, Any, Any, str]]:
     return diff
 
 
-def _check_same_architecture(want, got, src: str) -> None:
+def _check_same_architecture(want, got, src: str, named_by: str) -> None:
     """`architecture_differences` of `init_from`'s model `got` as a ConfigError naming the
     run's `model:` fields to set."""
     diff = architecture_differences(want, got)
     if diff:
         fields = "; ".join(f"model.{k} (config {mine!r}, checkpoint {theirs!r}{note})" for k, mine, theirs, note in diff)
-        raise ConfigError(f"init_from: the model config differs from {src!r} in {fields}; set these under model:")
+        raise ConfigError(f"{named_by}: the model config differs from {src!r} in {fields}; set these under model:")
 
 
 # What an `init_from: hf:` config error tells the user to do: a run's settings, not
@@ -84,12 +90,12 @@ _RUN_REMEDIES = {
 }
 
 
-def source_model(src: str, mc) -> Any:
+def source_model(src: str, mc, named_by: str = "init_from") -> Any:
     """The model `src` (an `init_from`: a jrl run / checkpoint or `hf:<dir>`) describes,
     read without its weights: a Hugging Face directory's config.json as a ModelConfig (its
     numerics and context length `mc`'s), a jrl checkpoint's meta.json model section (a
     dict), or None for a checkpoint that records none (`checkpoint.save` alone). A
-    ConfigError, led by `init_from: `, where it cannot be read."""
+    ConfigError, led by `named_by`, where it cannot be read."""
     if src.startswith("hf:"):
         path = src[3:]
         try:
@@ -97,15 +103,15 @@ def source_model(src: str, mc) -> Any:
                                           max_position_embeddings=mc.max_position_embeddings,
                                           where=os.path.join(path, "config.json"), remedies=_RUN_REMEDIES)
         except HFFormatError as e:
-            raise ConfigError(f"init_from: {e}") from None
+            raise ConfigError(f"{named_by}: {e}") from None
         return hf_config
-    root, step = _resolve_checkpoint(src)
+    root, step = _resolve_checkpoint(src, named_by)
     try:
         meta = checkpoint.read_checkpoint_meta(root, step)
     except checkpoint.CheckpointCorruptError as e:
-        raise ConfigError(f"init_from: {src!r}: {e}") from e
+        raise ConfigError(f"{named_by}: {src!r}: {e}") from e
     except FileNotFoundError as e:
-        raise _no_checkpoint(src, e) from e
+        raise _no_checkpoint(src, e, named_by) from e
     saved_model = (meta.get("config") or {}).get("model")
     return saved_model if isinstance(saved_model, dict) else None
 
@@ -121,32 +127,32 @@ def lora_alpha_change(want: dict, saved: dict) -> str | None:
     return None
 
 
-def _overlay(template: Any, loaded: Any, src: str, path: tuple[str, ...] = ()) -> Any:
+def _overlay(template: Any, loaded: Any, src: str, named_by: str, path: tuple[str, ...] = ()) -> Any:
     """`loaded` params in the structure / dtypes of `template`; template leaves that
     `loaded` lacks are kept only if they are LoRA factors (template values, i.e. init)."""
     where = "/".join(path) or "<root>"
     if not isinstance(template, dict):
         if tuple(np.shape(loaded)) != tuple(template.shape):
             lora = " (a LoRA factor: its rank is model.lora.rank)" if path[-1:] in (("lora_a",), ("lora_b",)) else ""
-            raise ConfigError(f"init_from: {where} in {src!r} has shape {tuple(np.shape(loaded))}, the model "
+            raise ConfigError(f"{named_by}: {where} in {src!r} has shape {tuple(np.shape(loaded))}, the model "
                               f"config wants {tuple(template.shape)}{lora}")
         return jnp.asarray(loaded, template.dtype)
     if not isinstance(loaded, dict):
-        raise ConfigError(f"init_from: {where} in {src!r} is not a parameter group")
+        raise ConfigError(f"{named_by}: {where} in {src!r} is not a parameter group")
     extra = sorted(set(loaded) - set(template))
     if extra:
         lora = ("; they are LoRA adapters: set model.lora (rank, targets) to hold them"
                 if set(extra) <= {"lora_a", "lora_b"} else "")
-        raise ConfigError(f"init_from: {src!r} has parameter(s) the model config lacks: "
+        raise ConfigError(f"{named_by}: {src!r} has parameter(s) the model config lacks: "
                           f"{', '.join('/'.join(path + (k,)) for k in extra)}{lora}")
     out = {}
     for key, value in template.items():
         if key in loaded:
-            out[key] = _overlay(value, loaded[key], src, path + (key,))
+            out[key] = _overlay(value, loaded[key], src, named_by, path + (key,))
         elif key in ("lora_a", "lora_b"):
             out[key] = value
         else:
-            raise ConfigError(f"init_from: {src!r} lacks parameter {'/'.join(path + (key,))}")
+            raise ConfigError(f"{named_by}: {src!r} lacks parameter {'/'.join(path + (key,))}")
     return out
 
 
@@ -200,10 +206,12 @@ def _step_problem(root: Path, step: int | None) -> str | None:
     return None if problem is None else f"{(root / f'step_{step}').absolute()} is corrupt: {problem}"
 
 
-def _no_checkpoint(src: str, e: FileNotFoundError) -> ConfigError:
+def _no_checkpoint(src: str, e: FileNotFoundError, named_by: str) -> ConfigError:
     """The error of an `init_from` that holds no (such) jrl checkpoint; a Hugging Face
-    directory written without its `hf:` prefix is named as one."""
-    return ConfigError(f"init_from: {src!r}: {e}{missing_prefix_hint(src, 'write init_from:')}")
+    directory written without its `hf:` prefix is named as one, as a flag (`give
+    --checkpoint hf:...`) or a key (`write init_from: hf:...`) is given it."""
+    how = f"give {named_by}" if named_by.startswith("--") else f"write {named_by}:"
+    return ConfigError(f"{named_by}: {src!r}: {e}{missing_prefix_hint(src, how)}")
 
 
 def check_init_from(config: TrainConfig, *, missing_ok: bool = False) -> str | None:
@@ -221,7 +229,7 @@ def check_init_from(config: TrainConfig, *, missing_ok: bool = False) -> str | N
         return f"init_from: {src!r} does not exist yet; the run needs it"
     saved_model = source_model(src, mc)
     if saved_model is not None:
-        _check_same_architecture(mc, saved_model, src)
+        _check_same_architecture(mc, saved_model, src, "init_from")
     return None
 
 
@@ -318,12 +326,13 @@ def _pinned(source: dict) -> tuple[Path, int]:
     return path.parent, int(path.name[5:])
 
 
-def load_initial_params(config: TrainConfig, mesh: Mesh, source: dict | None = None) -> Any:
+def load_initial_params(config: TrainConfig, mesh: Mesh, source: dict | None = None,
+                        named_by: str = "init_from") -> Any:
     """Params a run starts from, sharded on `mesh`: `init_from` (a jrl run / checkpoint,
     or `hf:<dir>`) or the seeded init. LoRA factors the source lacks (adapters on a
     pretrained base) come from the seeded init. `source`: `init_from` as `init_source`
     pinned it (read in its place): exactly that checkpoint, or a ConfigError naming it
-    when it is gone or changed."""
+    when it is gone or changed. Errors about the checkpoint are led by `named_by`."""
     mc = config.model
     src = config.init_from if source is None else source["init_from"]
     # jitted with sharded outputs: each device computes only its shards
@@ -340,24 +349,24 @@ def load_initial_params(config: TrainConfig, mesh: Mesh, source: dict | None = N
             raise _started_from(source, f"has changed since ({changed})")
         hf_config, loaded = load_pretrained(where, dtype=mc.param_dtype,
                                             max_position_embeddings=mc.max_position_embeddings)
-        _check_same_architecture(mc, hf_config, src)
+        _check_same_architecture(mc, hf_config, src, named_by)
     else:
-        root, step = _resolve_checkpoint(src) if source is None else _pinned(source)
+        root, step = _resolve_checkpoint(src, named_by) if source is None else _pinned(source)
         problem = _step_problem(root, step)
         if problem is not None:
-            raise ConfigError(f"init_from: {src!r}: checkpoint {problem}")
+            raise ConfigError(f"{named_by}: {src!r}: checkpoint {problem}")
         try:
             state, meta = checkpoint.load(root, step, verify=config.checkpoint.verify_on_load)
         except checkpoint.CheckpointCorruptError as e:
-            raise ConfigError(f"init_from: {src!r}: {e}") from e
+            raise ConfigError(f"{named_by}: {src!r}: {e}") from e
         except FileNotFoundError as e:  # no such run, no checkpoint in it, or no such step
-            raise _no_checkpoint(src, e) from e
+            raise _no_checkpoint(src, e, named_by) from e
         loaded = state["params"] if isinstance(state, dict) else state.params
         saved_model = (meta.get("config") or {}).get("model")
         if isinstance(saved_model, dict):  # written by a jrl run (checkpoint.save alone writes no config)
-            _check_same_architecture(mc, saved_model, src)
+            _check_same_architecture(mc, saved_model, src, named_by)
     template = seeded() if mc.lora.rank else jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
-    return shard_params(mc, _overlay(template, loaded, src), mesh)
+    return shard_params(mc, _overlay(template, loaded, src, named_by), mesh)
 
 
 def adapters_only(config: TrainConfig) -> bool:
