@@ -846,46 +846,105 @@ def test_a_reused_cache_warns_of_the_pairs_a_new_seq_len_drops_as_an_uncached_ru
     assert reused == warning_messages(build_dataset, cfg, TOK, "train") and len(reused) == 1
 
 
-def repeated_pairs(tmp_path, cache_dir=None):
-    """A preference file whose records 3 and 5 repeat record 1's pair (record 2 shares its
-    prompt and chosen response, not its rejected one; record 4 is another pair) and the
-    warning about them."""
-    src = tmp_path / "pairs.jsonl"
-    pairs = [("1+1=", "2", "3"), ("1+1=", "2", "4"), ("1+1=", "2", "3"), ("2+2=", "4", "5"), ("1+1=", "2", "3")]
-    src.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in pairs))
-    cfg = DataConfig(source=str(src), format="preference", sections=(Section(field="prompt"),), seq_len=16,
-                     eval_fraction=0.0, cache_dir=cache_dir)
-    return cfg, (f"data.source: 2 of the 5 training records of '{src}' repeat an earlier record's preference pair "
-                 f"(the same prompt, chosen and rejected response, as tokens), the first at {src}:3, a repeat of "
-                 f"{src}:1: each repeat counts its pair once more in DPO's loss; remove the repeats unless the pair "
-                 f"is meant to weigh more")
+REPEATED = {  # records 3 and 5 repeat record 1; record 2 shares its prompt, not its response; record 4 is another
+    "preference": [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in
+                   [("1+1=", "2", "3"), ("1+1=", "2", "4"), ("1+1=", "2", "3"), ("2+2=", "4", "5"), ("1+1=", "2", "3")]],
+    "sections": [{"prompt": p, "response": r} for p, r in
+                 [("1+1", "2"), ("1+1", "3"), ("1+1", "2"), ("2+2", "4"), ("1+1", "2")]],
+    "chat": [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": r}]} for p, r in
+             [("1+1", "2"), ("1+1", "3"), ("1+1", "2"), ("2+2", "4"), ("1+1", "2")]],
+}
+REPEATED_WHAT = {
+    "preference": ("an earlier record's preference pair (the same prompt, chosen and rejected response, as tokens)",
+                   "each repeat counts its pair once more in DPO's loss; remove the repeats unless the pair is meant "
+                   "to weigh more"),
+    "sections": ("an earlier record (the same fields of data.sections, as tokens)",
+                 "each repeat counts once more in the loss; remove the repeats unless the record is meant to weigh "
+                 "more"),
+    "chat": ("an earlier record (the same chat messages, as tokens)",
+             "each repeat counts once more in the loss; remove the repeats unless the record is meant to weigh more"),
+}
 
 
-def test_preference_records_repeating_an_earlier_pair_are_warned_of_naming_both_file_lines(tmp_path):
-    # before: silent, each repeat weighing its pair once more
-    cfg, message = repeated_pairs(tmp_path)
+def repeated_records(tmp_path, data_format="preference", cache_dir=None, records=None):
+    """A file of `data_format` whose records are `records` (else `REPEATED`'s, whose
+    records 3 and 5 repeat record 1) and the warning about the `REPEATED` ones."""
+    src = tmp_path / "records.jsonl"
+    src.write_text("".join(json.dumps(record) + "\n" for record in records or REPEATED[data_format]))
+    sections = {"preference": (Section(field="prompt"),), "sections": SECTIONS, "chat": ()}[data_format]
+    cfg = DataConfig(source=str(src), format=data_format, sections=sections, seq_len=16, eval_fraction=0.0,
+                     cache_dir=cache_dir)
+    what, advice = REPEATED_WHAT[data_format]
+    return cfg, (f"data.source: 2 of the 5 training records of '{src}' repeat {what}, the first at {src}:3, a repeat "
+                 f"of {src}:1: {advice}")
+
+
+REPEATING_FORMATS = pytest.mark.parametrize("data_format", ["preference", "sections", "chat"])
+
+
+@REPEATING_FORMATS
+def test_records_repeating_an_earlier_one_are_warned_of_naming_both_file_lines(tmp_path, data_format):
+    # before: silent, each repeat weighing its record once more (SFT records were not counted at all)
+    cfg, message = repeated_records(tmp_path, data_format)
     assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
 
 
-def test_a_reused_cache_warns_of_repeated_pairs_as_an_uncached_run_does(tmp_path):
-    cfg, message = repeated_pairs(tmp_path, cache_dir=str(tmp_path / "cache"))
+@REPEATING_FORMATS
+def test_records_without_a_repeat_are_not_warned_of(tmp_path, data_format):
+    records = REPEATED[data_format][:2] + REPEATED[data_format][3:4]  # the same prompt, another response
+    cfg, _ = repeated_records(tmp_path, data_format, records=records)
+    assert warning_messages(build_dataset, cfg, TOK, "train") == []
+
+
+def test_repeats_of_a_record_that_trains_nothing_are_warned_of_only_as_training_nothing(tmp_path):
+    # it weighs nothing in the loss, however often it is repeated
+    src = tmp_path / "chat.jsonl"
+    write_chat_with_untrained_records(src)  # lines 3 and 4 are the same record, without an assistant turn
+    cfg = DataConfig(source=str(src), format="chat", eval_fraction=0.0)
+    assert warning_messages(build_dataset, cfg, TOK, "train") == [
+        f"data.source: 2 of the 3 training records of '{src}' train nothing, the first at {src}:3: none of its "
+        f"messages has a role in data.train_roles=['assistant']"]
+
+
+@REPEATING_FORMATS
+def test_a_reused_cache_warns_of_repeated_records_as_an_uncached_run_does(tmp_path, data_format):
+    cfg, message = repeated_records(tmp_path, data_format, cache_dir=str(tmp_path / "cache"))
     assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
     assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
     assert len(list((tmp_path / "cache").iterdir())) == 1  # the same store
 
 
-def test_a_cached_store_written_before_repeats_were_counted_warns_of_them(tmp_path):
-    cfg, message = repeated_pairs(tmp_path, cache_dir=str(tmp_path / "cache"))
+@pytest.mark.parametrize("data_format, kept", [
+    ("preference", None),  # written before repeats were counted
+    ("sections", None),
+    ("sections", {"pairs": False, "records": 0, "count": 0, "first": -1, "earlier": -1}),  # preference pairs only
+    ("chat", {"pairs": False, "records": 0, "count": 0, "first": -1, "earlier": -1}),
+])
+def test_a_cached_store_written_before_repeats_were_counted_warns_of_them(tmp_path, data_format, kept):
+    cfg, message = repeated_records(tmp_path, data_format, cache_dir=str(tmp_path / "cache"))
     warning_messages(build_dataset, cfg, TOK, "train")
     (store,) = (tmp_path / "cache").iterdir()
     meta = json.loads((store / "meta.json").read_text())
     del meta["repeated"]  # as an earlier jrl wrote it
+    if kept is not None:
+        meta["repeated"] = kept
     (store / "meta.json").write_text(json.dumps(meta))
     assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
 
 
-def test_a_dry_run_check_warns_of_repeated_pairs(tmp_path):
-    cfg, message = repeated_pairs(tmp_path)
+def test_a_cached_store_keeps_the_repeated_pairs_an_earlier_jrl_counted(tmp_path):
+    cfg, message = repeated_records(tmp_path, "preference", cache_dir=str(tmp_path / "cache"))
+    warning_messages(build_dataset, cfg, TOK, "train")
+    (store,) = (tmp_path / "cache").iterdir()
+    meta = json.loads((store / "meta.json").read_text())
+    meta["repeated"] = {"pairs": True, "records": 5, "count": 2, "first": 2, "earlier": 0}  # as it wrote them
+    (store / "meta.json").write_text(json.dumps(meta))
+    assert warning_messages(build_dataset, cfg, TOK, "train") == [message]
+
+
+@REPEATING_FORMATS
+def test_a_dry_run_check_warns_of_repeated_records(tmp_path, data_format):
+    cfg, message = repeated_records(tmp_path, data_format)
     assert warning_messages(pipeline.check_records, cfg, TOK, "train") == [message]
 
 

@@ -260,8 +260,8 @@ def test_a_dry_run_names_a_bad_record_by_file_and_line(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("ignore:data.*every batch repeats rows")  # 1 row, a batch of 16: the run says so too
 def test_a_dry_run_prints_the_record_count_of_each_source(tmp_path, capsys):
-    config = _data_config(tmp_path, '{"prompt": "1+1=", "response": "2"}\n' * 3,
-                          '{"prompt": "2+2=", "response": "4"}\n')
+    train = "".join(f'{{"prompt": "{p}=", "response": "{eval(p)}"}}\n' for p in ("1+1", "1+2", "2+1"))
+    config = _data_config(tmp_path, train, '{"prompt": "2+2=", "response": "4"}\n')
     assert main(["--config", config, "--dry-run"]) == 0
     assert (f"# data: train 3 records ({tmp_path / 'train.jsonl'}): 18 tokens in 1 row of 128, an epoch every "
             f"0.1 steps of data.batch_size=16 (steps=300: 4,800.00 epochs); "

@@ -1,8 +1,8 @@
 """What a split's records lose on their way into rows, said once at load: records that
 train nothing, documents `data.overflow` truncates, preference pairs it leaves without a
-preference (an error), and preference pairs that repeat an earlier one. Counted while
-documents are encoded, kept in a cached store's meta.json and counted again where a run's
-settings differ from the store's."""
+preference (an error), and SFT records and preference pairs that repeat an earlier one.
+Counted while documents are encoded, kept in a cached store's meta.json and counted again
+where a run's settings differ from the store's."""
 
 from __future__ import annotations
 
@@ -167,49 +167,78 @@ class Truncated:
                       f"({counted(self.first_tokens, 'token')}); {advice}", stacklevel=3)
 
 
+# What a repeated record is the same in, and what it weighs once more in, by data.format
+# (plain text is not counted: a corpus's repeated documents are a matter of deduplication)
+_REPEAT_WORDING = {
+    "preference": ("an earlier record's preference pair (the same prompt, chosen and rejected response, as tokens)",
+                   "each repeat counts its pair once more in DPO's loss; remove the repeats unless the pair is "
+                   "meant to weigh more"),
+    "sections": ("an earlier record (the same fields of data.sections, as tokens)",
+                 "each repeat counts once more in the loss; remove the repeats unless the record is meant to "
+                 "weigh more"),
+    "chat": ("an earlier record (the same chat messages, as tokens)",
+             "each repeat counts once more in the loss; remove the repeats unless the record is meant to weigh more"),
+}
+
+
 @dataclasses.dataclass
 class Repeated:
-    """The preference pairs of a split that repeat an earlier pair of it token for token
-    (the same prompt, chosen and rejected response): each counts the pair once more in
-    DPO's loss and reward_accuracy, and is most often a record written twice while the
-    data was prepared. A pair may be repeated on purpose, to weigh more, so it is a
-    warning, as records that train nothing are (`Untrained`), not an error: `warn` says
-    how many there are, where the first is and which record it repeats. Not said of a
-    bundled dataset's draws (jrl's generator, no file to fix). Independent of seq_len and
-    overflow: kept as counted in a cached store's meta.json (`count_in` counts a store
-    written before it was kept)."""
+    """The records of a split that repeat an earlier record of it token for token (an SFT
+    record's prompt and response or chat messages, a preference pair's prompt, chosen and
+    rejected response, the trained tokens the same): each counts once more in the loss
+    (and a pair in DPO's reward_accuracy), and is most often a record written twice while
+    the data was prepared. A record may be repeated on purpose, to weigh more, so it is a
+    warning, as records that train nothing are (`Untrained`, which alone speaks of those:
+    their repeats weigh nothing), not an error: `warn` says how many there are, where the
+    first is and which record it repeats. Not said of a bundled dataset's draws (jrl's
+    generator, no file to fix). Independent of seq_len and overflow: kept as counted in a
+    cached store's meta.json (`kept` counts a store written before they were kept)."""
 
-    pairs: bool = False  # whether the records are preference pairs (nothing is counted otherwise)
+    counted: bool = False  # whether records of the split's format are counted (not plain text)
     records: int = 0  # records read
     count: int = 0  # of them, those that repeat an earlier one
     first: int = -1  # the first repeat's index among the split's records
     earlier: int = -1  # the index of the record it repeats
 
     def __post_init__(self) -> None:
-        self._seen: dict[bytes, int] = {}  # each pair's digest: the index of its first record
+        self._seen: dict[bytes, int] = {}  # each record's digest: the index of its first record
 
     @classmethod
     def of(cls, config: DataConfig) -> "Repeated":
-        return cls(pairs=config.format == "preference")
+        return cls(counted=config.format in _REPEAT_WORDING)
+
+    @classmethod
+    def kept(cls, meta: dict, config: DataConfig, store: TokenStore) -> "Repeated":
+        """The counts a cached store's `meta` keeps for `config`'s format, else those of the
+        store's documents (a jrl before 'repeated' was kept, or before it counted SFT records,
+        wrote none for them; it named `counted` 'pairs')."""
+        kept = dict(meta.get("repeated", {}))
+        if "pairs" in kept:
+            kept["counted"] = kept.pop("pairs")
+        fresh = cls.of(config)
+        if "counted" not in kept or kept["counted"] != fresh.counted:
+            return fresh.count_in(store, config)
+        return cls(**kept)
 
     def note(self, docs: list[Document]) -> None:
-        if not self.pairs:
+        """Counts the record of `docs` (its documents: one, or chosen and rejected)."""
+        if not self.counted:
             return
-        digest = hashlib.blake2b(digest_size=16)
-        for ids, _ in docs:  # chosen, rejected (each with the prompt): their lengths keep the seam
-            ids = np.asarray(ids, np.int32)
-            digest.update(np.int64(len(ids)).tobytes() + ids.tobytes())
         index, self.records = self.records, self.records + 1
-        earlier = self._seen.setdefault(digest.digest(), index)
+        if not any(np.asarray(train).any() for _, train in docs):
+            return  # it weighs nothing in the loss, however often repeated
+        earlier = self._seen.setdefault(_record_digest(docs), index)
         if earlier != index:
             self.count += 1
             if self.first < 0:
                 self.first, self.earlier = index, earlier
 
-    def count_in(self, store: TokenStore) -> "Repeated":
-        """These counts (none yet) of the pairs of `store` (documents 2i and 2i + 1)."""
-        for pair in range(len(store) // 2 if self.pairs else 0):
-            self.note([store.doc(2 * pair), store.doc(2 * pair + 1)])
+    def count_in(self, store: TokenStore, config: DataConfig) -> "Repeated":
+        """These counts (none yet) of the records of `store` (a pair's chosen and rejected
+        are documents 2i and 2i + 1)."""
+        per_record = 2 if config.format == "preference" else 1
+        for record in range(len(store) // per_record if self.counted else 0):
+            self.note([store.doc(per_record * record + j) for j in range(per_record)])
         return self
 
     def warn(self, config: DataConfig, split: Split) -> None:
@@ -218,11 +247,20 @@ class Repeated:
             return
         rows = "training" if split == "train" else "held-out"
         first, earlier = (locate_record(config, split, i)[0] for i in (self.first, self.earlier))
+        what, advice = _REPEAT_WORDING[config.format]
         warnings.warn(f"{key}: {self.count:,} of the {counted(self.records, f'{rows} record')} of "
-                      f"{shown_source(source)} {agree(self.count, 'repeats', 'repeat')} an earlier record's preference pair (the same "
-                      f"prompt, chosen and rejected response, as tokens), the first at {first}, a repeat of "
-                      f"{earlier}: each repeat counts its pair once more in DPO's loss; remove the repeats unless "
-                      f"the pair is meant to weigh more", stacklevel=3)
+                      f"{shown_source(source)} {agree(self.count, 'repeats', 'repeat')} {what}, the first at {first}, "
+                      f"a repeat of {earlier}: {advice}", stacklevel=3)
+
+
+def _record_digest(docs: list[Document]) -> bytes:
+    """A digest of a record's documents, their tokens and trained flags (each document's
+    length first, so the seam between them counts)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for ids, train in docs:
+        ids = np.asarray(ids, np.int32)
+        digest.update(np.int64(len(ids)).tobytes() + ids.tobytes() + np.asarray(train, bool).tobytes())
+    return digest.digest()
 
 
 def locate_record(config: DataConfig, split: Split, index: int) -> tuple[str, dict]:

@@ -31,7 +31,7 @@ def iter_documents(config: DataConfig, tokenizer: Tokenizer, split: Split,
                    repeated: Repeated | None = None) -> Iterator[Document]:
     """The documents of `split`, in source order; `untrained`, `truncated` and `repeated`
     (when given) note the records that train nothing, the documents `data.overflow` cuts
-    and the preference pairs that repeat an earlier one."""
+    and the records that repeat an earlier one."""
     for where, record in iter_split_records(config, split):
         docs = encode_record(record, config, tokenizer, where=where)
         if untrained is not None:
@@ -122,7 +122,7 @@ def load_documents(config: DataConfig, tokenizer: Tokenizer, split: Split) -> To
 def _load_documents(config: DataConfig, tokenizer: Tokenizer,
                     split: Split) -> tuple[TokenStore, Untrained, Truncated, Repeated] | None:
     """`load_documents`, with the split's records that train nothing, its documents
-    that `data.overflow` cuts and its preference pairs that repeat an earlier one (kept in
+    that `data.overflow` cuts and its records that repeat an earlier one (kept in
     a cached store's meta.json, so a run that reuses the cache hears of them too; counted
     again from the store where the run's seq_len, overflow or pack differ from those they
     were counted for, or where the store was written before they were kept)."""
@@ -143,7 +143,7 @@ def _load_documents(config: DataConfig, tokenizer: Tokenizer,
                 config, store, lambda index: locate_record(config, split, index))
             truncated = Truncated(**meta.get("truncated", {})).recount(
                 config, store.lengths, lambda index: locate_document(config, split, index))
-            repeated = Repeated(**meta["repeated"]) if "repeated" in meta else repeated.count_in(store)
+            repeated = Repeated.kept(meta, config, store)
             return store, untrained, truncated, repeated
         except CorruptStoreError as e:  # e.g. a file cut short: a cache, so tokenise again
             warnings.warn(f"data.cache_dir: damaged token store, rebuilding it: {e}", stacklevel=2)
@@ -175,8 +175,8 @@ def build_dataset(config: DataConfig, tokenizer: Tokenizer, split: Split) -> Row
     """The rows of `split`, or None where the split is empty by config (no held-out data).
     A training split, or a `data.eval_source` file, that yields no rows is an error naming
     its source; records that train nothing get one warning (`Untrained`), and so do
-    documents that `data.overflow` truncates (`Truncated`) and preference pairs that
-    repeat an earlier one (`Repeated`)."""
+    documents that `data.overflow` truncates (`Truncated`) and records that repeat an
+    earlier one (`Repeated`)."""
     loaded = _load_documents(config, tokenizer, split)
     if loaded is None:
         return None
