@@ -1,5 +1,6 @@
 """Data pipeline: sections -> masks, packing layout, overflow, stores, splits, errors."""
 
+import collections
 import dataclasses
 import functools
 import json
@@ -22,7 +23,7 @@ from jrl.data import (
     DataSource, assemble_rows, build_dataset, build_store, doc_pieces, encode_record, load_documents,
     load_tokenizer, open_store, plan_rows, write_store,
 )
-from jrl.data.bundled import load_bundled
+from jrl.data.bundled import DEFAULT_SIZES, load_bundled
 from jrl.data.records import is_heldout, iter_located_records
 from jrl.data.packing import assemble_pairs, plan_pairs
 from jrl.data import pipeline
@@ -949,15 +950,46 @@ def test_a_dry_run_check_warns_of_repeated_records(tmp_path, data_format):
 
 
 def test_repeats_a_bundled_dataset_draws_are_not_warned_of():
-    # bundled:arithmetic_pairs draws 6 of its 1,000 pairs twice: jrl's generator, no file to fix
-    cfg = DataConfig(source="bundled:arithmetic_pairs", format="preference", sections=(Section(field="prompt"),),
-                     seq_len=16, eval_fraction=0.0)
+    # more records than its 15,050 problems: 50 come twice, as asked for (jrl's generator, no file to fix)
+    cfg = DataConfig(source="bundled:arithmetic:15100", sections=SECTIONS, seq_len=16, eval_fraction=0.0)
     assert warning_messages(build_dataset, cfg, TOK, "train") == []
+    counts = collections.Counter(r["prompt"] for r in load_bundled("bundled:arithmetic:15100"))
+    assert sorted(collections.Counter(counts.values()).items()) == [(1, 15_000), (2, 50)]
 
 
 def test_unknown_bundled_dataset_is_named():
     with pytest.raises(ValueError, match="unknown bundled dataset 'bundled:nope'"):
         load_bundled("bundled:nope")
+
+
+@pytest.mark.parametrize("name", sorted(set(DEFAULT_SIZES) - {"addition"}))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_bundled_dataset_repeats_a_record_at_its_default_size(name, seed):
+    # before: bundled:arithmetic_pairs repeated 6 of its 1,000 pairs and arithmetic 148 of
+    # its 2,000 records (seed 0), each repeat weighing once more
+    records = [json.dumps(r, sort_keys=True) for r in load_bundled(f"bundled:{name}", seed)]
+    assert len(records) == DEFAULT_SIZES[name]
+    assert len(set(records)) == len(records)
+
+
+def test_a_bundled_dataset_larger_than_its_problems_repeats_each_as_few_times_as_it_can():
+    # before: some drawn many times, others never (bundled:arithmetic:30100 drew 12,580 of its 15,050 problems)
+    prompts = collections.Counter(r["prompt"] for r in load_bundled("bundled:arithmetic:30100"))
+    assert len(prompts) == 15_050 and set(prompts.values()) == {2}
+
+
+def test_a_smaller_bundled_dataset_is_the_first_records_of_a_larger_one():
+    # an eval_source drawn from the source's bundled set holds its first (training) records
+    for name, few, many in [("arithmetic", 100, 20_000), ("arithmetic_pairs", 50, 5_000)]:
+        assert load_bundled(f"bundled:{name}:{few}", 3) == load_bundled(f"bundled:{name}:{many}", 3)[:few]
+
+
+def test_bundled_arithmetic_pairs_choose_the_right_answer_over_a_near_wrong_one():
+    records = load_bundled("bundled:arithmetic_pairs")
+    assert records == load_bundled("bundled:arithmetic_pairs")
+    for r in records:
+        right, wrong = int(r["chosen"]), int(r["rejected"])
+        assert eval(r["prompt"][:-1]) == right and wrong >= 0 and abs(wrong - right) in (1, 2, 10)
 
 
 def test_bundled_arithmetic_is_correct_and_deterministic():

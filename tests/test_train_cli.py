@@ -283,10 +283,10 @@ def test_a_dry_run_counts_the_records_tokens_and_rows_of_a_bundled_source(capsys
     file's gives; it printed only the source's name."""
     assert main(["--config", str(CONFIGS / "sft_arithmetic.yaml"), "data.source=bundled:arithmetic:400",
                  "data.eval_fraction=0.25", "data.batch_size=8", "steps=10", "--dry-run"]) == 0
-    # 2 of the 90 held-out records repeat a training record: left out of the evaluations
-    assert ("# data: train 310 records (bundled:arithmetic:400): 2,775 tokens in 12 rows of 256, an epoch every "
+    # the 400 records are 400 different problems: no held-out record repeats a training one
+    assert ("# data: train 310 records (bundled:arithmetic:400): 2,784 tokens in 12 rows of 256, an epoch every "
             "1.5 steps of data.batch_size=8 (steps=10: 6.67 epochs); "
-            "eval 88 records (bundled:arithmetic:400): 796 tokens in 4 rows of 256\n" in capsys.readouterr().out)
+            "eval 90 records (bundled:arithmetic:400): 794 tokens in 4 rows of 256\n" in capsys.readouterr().out)
 
 
 def test_a_dry_run_warns_of_an_eval_fraction_that_holds_out_no_record_as_the_run_does(tmp_path):

@@ -21,46 +21,72 @@
   (`jrl.rl.examples:lookup`) reads the same table. A model cannot know a held-out
   key's code; it can look it up.
 
-Every generator is a pure function of `(n, seed)`.
+Every generator is a pure function of `(n, seed)`. All but `tinytext` (pretraining text,
+whose documents are not compared) and `addition` draw no record twice until they have
+drawn every one they can give (`jrl.data.draws.in_passes`): a repeat would count once
+more in the loss.
+`arithmetic` (15,050 problems) and `arithmetic_pairs` go on to another pass where asked
+for more; `reverse` and `lookup` refuse more.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
 import numpy as np
 
+from jrl.data.draws import in_passes
 from jrl.data.tasks import make_task, sft_records
 
 DEFAULT_SIZES = {"arithmetic": 2000, "arithmetic_pairs": 1000, "tinytext": 2000, "addition": 4000,
                  "reverse": 4000, "lookup": 4000}
 
 
-def _problem(rng: np.random.Generator) -> tuple[str, int]:
-    a, b = (int(x) for x in rng.integers(0, 100, size=2))
-    if rng.random() < 0.5:
-        return f"{a}+{b}=", a + b
-    a, b = max(a, b), min(a, b)
-    return f"{a}-{b}=", a - b
+_OFFSETS = np.array([-10, -2, -1, 1, 2, 10])  # a rejected answer's distance from the right one
+
+
+@functools.cache
+def _problems() -> tuple[list[tuple[str, int]], np.ndarray]:
+    """Every `arithmetic` problem, `(prompt, answer)`, and its weight: half the draws a sum
+    of two numbers below 100, half a difference (the larger first, never negative)."""
+    a, b = (x.tolist() for x in np.divmod(np.arange(100 * 100), 100))
+    sums = [(f"{x}+{y}=", x + y) for x, y in zip(a, b)]
+    larger_first = [(x, y) for x, y in zip(a, b) if x >= y]
+    differences = [(f"{x}-{y}=", x - y) for x, y in larger_first]
+    weights = [1.0] * len(sums) + [2.0 if x > y else 1.0 for x, y in larger_first]  # x - y: drawn as (x, y) or (y, x)
+    return sums + differences, np.array(weights)
 
 
 def arithmetic(n: int, seed: int = 0) -> list[dict]:
+    """`n` problems, none twice until every one of the 15,050 has come."""
+    problems, weights = _problems()
     rng = np.random.default_rng([seed, 11])
-    out = []
-    for _ in range(n):
-        prompt, answer = _problem(rng)
-        out.append({"prompt": prompt, "response": str(answer), "answer": answer})
-    return out
+    return [{"prompt": problems[i][0], "response": str(problems[i][1]), "answer": problems[i][1]}
+            for i in in_passes(len(problems), n, rng, weights)]
+
+
+@functools.cache
+def _pairs() -> tuple[np.ndarray, np.ndarray]:
+    """Every `arithmetic_pairs` pair, `[problem index, wrong answer]`, and its weight: its
+    problem's, times the offsets that give its wrong answer (one of `_OFFSETS`, added, or
+    subtracted where adding would make it negative)."""
+    problems, weights = _problems()
+    answers = np.array([answer for _, answer in problems])[:, None]
+    wrong = np.where(answers + _OFFSETS >= 0, answers + _OFFSETS, answers - _OFFSETS)
+    index = np.repeat(np.arange(len(problems)), len(_OFFSETS))
+    pairs, offsets = np.unique(np.stack([index, wrong.ravel()], axis=1), axis=0, return_counts=True)
+    return pairs, weights[pairs[:, 0]] * offsets
 
 
 def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
+    """`n` preference pairs, none twice until every one has come."""
+    (problems, _), (pairs, weights) = _problems(), _pairs()
     rng = np.random.default_rng([seed, 12])
     out = []
-    for _ in range(n):
-        prompt, answer = _problem(rng)
-        offset = int(rng.choice([-10, -2, -1, 1, 2, 10]))
-        wrong = answer + offset if answer + offset >= 0 else answer - offset
+    for i in in_passes(len(pairs), n, rng, weights):
+        (prompt, answer), wrong = problems[pairs[i, 0]], int(pairs[i, 1])
         out.append({"prompt": prompt, "chosen": str(answer), "rejected": str(wrong)})
     return out
 
