@@ -105,7 +105,7 @@ from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
 from jrl.rollout.config import FP8_KV_PAGE_SIZE, EngineConfig
-from jrl.rollout.cache.kv_storage import values_slot_minor
+from jrl.rollout.cache.kv_storage import kv_layouts
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import GREEDY
 from jrl.rollout.tuning import TuningOverrides
@@ -525,10 +525,10 @@ def run_ab(args, results, cfg, params, bandwidth: float) -> int:
     def kv_dtype_of(variant):  # the --engine KV storage, except for the bf16 baseline
         return None if variant == "bf16_kv" else args.engine.get("kv_dtype")
 
-    def values_slot_minor_of(variant):  # the fp8 tile paths name theirs, the rest the engine's
+    def kv_layouts_of(variant):  # the fp8 tile paths name the values' layout, the rest take the engine's
         if variant.startswith("fp8_"):
-            return variant.startswith("fp8_mma")
-        return values_slot_minor(cfg, kv_dtype_of(variant))
+            return ("pages", "pages_minor") if variant.startswith("fp8_mma") else ("slots", "slots")
+        return kv_layouts(cfg, kv_dtype_of(variant))
 
     for batch in csv_ints(args.batches or "256"):
         built = {}
@@ -538,7 +538,7 @@ def run_ab(args, results, cfg, params, bandwidth: float) -> int:
                 layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, args.page_size, seed=batch,
                                                                    aligned=unroll, pages=order,
                                                                    kv_dtype=kv_dtype_of(variant),
-                                                                   v_slot_minor=values_slot_minor_of(variant))
+                                                                   kv_layouts=kv_layouts_of(variant))
                 if variant == "dev_metadata":
                     ints, floats = jax.device_put(ints), jax.device_put(floats)
                 if fused and fused_params is None:
