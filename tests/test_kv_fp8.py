@@ -203,13 +203,12 @@ def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits
 @pytest.mark.parametrize("fp8_tiles", ["mma", "fold_k_regs", "stage"])
 def test_decode_kernel_output_does_not_depend_on_the_keys_layout(fp8_tiles):
     # the same keys slot-major or in whole pages: one TMA copy of other addresses, the same tile
-    rng = np.random.default_rng(23)
     lens = np.array([33, 0, 96])
+    q = jnp.asarray(np.random.default_rng(24).standard_normal((len(lens), 4, 64)), jnp.bfloat16)
     outs = []
     for k_layout in ("slots", "pages"):
         _, (kq, vq), pt = fp8_inputs(np.random.default_rng(23), len(lens), int(lens.max()), 2, 64, 32,
                                      v_slot_minor=fp8_tiles == "mma", k_layout=k_layout)
-        q = jnp.asarray(rng.standard_normal((len(lens), 4, 64)), jnp.bfloat16) if not outs else q
         outs.append(ragged_decode_mgpu(q, poison_unowned(kq, jnp.asarray(lens), pt, 32), vq, jnp.int32(1),
                                        jnp.asarray(lens, jnp.int32), pt, page_size=32, sm_scale=0.125,
                                        interpret=True, tuning=DecodeTuning(fp8_tiles=fp8_tiles, num_splits=2)))
