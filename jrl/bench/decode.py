@@ -43,7 +43,7 @@ baseline of the fp8 speedup), and fp8_stage, fp8_fold, fp8_fold_k_regs, fp8_fold
 fp8_fold_k_regs_f16, fp8_mma, fp8_mma_f16, fp8_mma_bf16, fp8_mma_q8 pick the decode kernel's
 fp8 tile path (`DecodeTuning.fp8_tiles`; f16 / bf16: `fp8_compute`, the mma ones' default
 f16; the mma ones store the values
-slot-minor, the others slot-major; base is the engine's default); fp8_mma_b128 and
+slot-minor and the keys in whole pages, the others both slot-major; base is the engine's default); fp8_mma_b128 and
 fp8_mma_q8_b128 take 128-key blocks, fp8_mma_3cta three CTAs an SM. XLA flags apply to the whole
 process: run again under another XLA_FLAGS to compare flags.
 
