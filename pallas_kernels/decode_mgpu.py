@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.quantized import FP8_MAX, QuantizedKV, paging_problem, quantize
+from pallas_kernels.quantized import FP8_MAX, QuantizedKV, quantize, value_paging_problem
 from pallas_kernels.shapes import check_paged_shapes, checks_lengths
 from pallas_kernels.tuning import DecodeTuning
 
@@ -204,20 +204,17 @@ def stage_minor_pages(src, dst, scale=None, n_valid=None):
     plgpu.commit_smem()
 
 
-def page_copy(buf_ref, smem_slot, lyr, head, row, j: int, sub: int, layout: str):
+def page_copy(buf_ref, smem_slot, lyr, head, row, j: int, sub: int, slot_minor: bool):
     """(source, destination) of the TMA copy of a page's `sub` keys from `row` on, of KV
-    head `head` in layer `lyr`, into the j-th page of a ring slot `smem_slot`, for data laid
-    out as `layout` (`QuantizedKV.layout`; plain buffers "slots"): rows `[sub, d]` of a
-    slot-major buffer (`Hkv * D` elements apart) or of a page stored whole (one contiguous
-    block, data `[L, n_pages, Hkv, page, D]`), or the D runs of `sub` contiguous keys of a
-    slot-minor page (data `[L, n_pages, Hkv, D, page]`), kept as its own `[d, sub]` page."""
-    if layout == "slots":
-        return buf_ref.at[lyr, pl.ds(row, sub), head], smem_slot.at[pl.ds(j * sub, sub)]
-    page = buf_ref.shape[-1 if layout == "pages_minor" else -2]
-    at_page = (lyr, lax.div(row, page), head)
-    if layout == "pages_minor":
-        return buf_ref.at[(*at_page, slice(None), pl.ds(lax.rem(row, page), sub))], smem_slot.at[j]
-    return buf_ref.at[(*at_page, pl.ds(lax.rem(row, page), sub))], smem_slot.at[pl.ds(j * sub, sub)]
+    head `head` in layer `lyr`, into the j-th page of a ring slot `smem_slot`: rows `[sub,
+    d]` of a slot-major buffer, or the D runs of `sub` contiguous keys of a slot-minor one
+    (`QuantizedKV.slot_minor`, data `[L, n_pages, Hkv, D, page]`), kept as its own `[d,
+    sub]` page."""
+    if slot_minor:
+        page = buf_ref.shape[-1]
+        return (buf_ref.at[lyr, lax.div(row, page), head, :, pl.ds(lax.rem(row, page), sub)],
+                smem_slot.at[j])
+    return buf_ref.at[lyr, pl.ds(row, sub), head], smem_slot.at[pl.ds(j * sub, sub)]
 
 
 def minor_tiling(sub: int, dtype) -> tuple:
@@ -427,10 +424,12 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                          f"{'/'.join(FP8_COMPUTE)}, got {t.fp8_compute!r}")
     if keys_as_rows is None:
         keys_as_rows = default_keys_as_rows(g, heads_per_cta)
-    if problem := paging_problem(k_buf, v_buf, page_size):
-        raise ValueError(f"decode_mgpu: {problem}")
+    if quant and k_buf.slot_minor:
+        raise ValueError("decode_mgpu: fp8 keys must be stored slot-major (only values may be "
+                         "slot-minor, for fp8_tiles='mma')")
     v_minor = quant and v_buf.slot_minor
-    k_layout, v_layout = (k_buf.layout, v_buf.layout) if quant else ("slots", "slots")
+    if problem := value_paging_problem(v_buf, page_size):
+        raise ValueError(f"decode_mgpu: {problem}")
     tiles = t.fp8_tiles or ("mma" if v_minor else default_fp8_tiles(keys_as_rows))
     dtype = compute_dtype(q.dtype, kv_dtype, quant, t.fp8_compute, tiles if quant else None)
     # fp8 outputs leave in q's dtype when that is bf16/f16: an f16 compute dtype's range
@@ -722,9 +721,9 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
                         t0 = start + i * block_kv + j * sub
                         page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)), last_page)]
                         rows_.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
-                    for buf_ref, smem, s_ref, s_smem, bar, free, layout in (
-                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free, k_layout),
-                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free, v_layout)):
+                    for buf_ref, smem, s_ref, s_smem, bar, free, minor in (
+                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free, False),
+                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free, v_minor)):
                         for w in range(hpc):
                             ring = w * stages + slot
                             head = group * hpc + w
@@ -735,7 +734,7 @@ def ragged_decode_mgpu(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size
 
                             for j, row in enumerate(rows_):
                                 plgpu.copy_gmem_to_smem(*page_copy(buf_ref, smem.at[ring], lyr, head, row, j,
-                                                                   sub, layout), bar.at[ring])
+                                                                   sub, minor), bar.at[ring])
                                 if quant:  # the page's scales: a contiguous run of this head's
                                     plgpu.copy_gmem_to_smem(
                                         s_ref.at[lyr, head, pl.ds(row, sub)],

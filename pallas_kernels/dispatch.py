@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import reference
-from pallas_kernels.quantized import QuantizedKV, paging_problem
+from pallas_kernels.quantized import QuantizedKV, value_paging_problem
 from pallas_kernels.shapes import (MAX_TILE_COLUMNS, causal_positions, check_layer, check_lengths_fit,
                                    check_queries_fit, check_query_dtype, check_request_shapes)
 from pallas_kernels.staged_prefill import check_stage, staged_copy
@@ -52,17 +52,26 @@ def kernel_supports(q, k_buf, v_buf, page_size: int, v_head_dim: int | None) -> 
     """Shapes and dtypes the Mosaic GPU kernels handle: bf16/f16 buffers, or fp8 ones
     (`QuantizedKV`, K and V both) with pages of a multiple of 32 tokens (a page's float32
     scales are one TMA copy, which moves a multiple of 128 bytes) and a layout they read
-    (`quantized.paging_problem`)."""
+    (`layout_problem`)."""
     hq, d = q.shape[-2], q.shape[-1]
     _, n_slots, hkv, dk = k_buf.shape
     quantized = isinstance(k_buf, QuantizedKV)
     dtype_ok = (isinstance(v_buf, QuantizedKV) and page_size % 32 == 0
-                and not paging_problem(k_buf, v_buf, page_size) if quantized
+                and not layout_problem(k_buf, v_buf, page_size) if quantized
                 else k_buf.dtype in (jnp.bfloat16, jnp.float16))
     return (v_buf is not None and v_buf.shape == k_buf.shape and (v_head_dim in (None, d))
             and d == dk and d in (64, 128) and hq % hkv == 0 and hq // hkv <= 57
             and dtype_ok and v_buf.dtype == k_buf.dtype
             and kernel_reads_pages(page_size) and n_slots % PAGE_MULTIPLE == 0)
+
+
+def layout_problem(k_buf, v_buf, page_size: int) -> str:
+    """Why the kernels cannot read fp8 buffers laid out so ('' when they can): keys stored
+    slot-minor (both kernels read keys as rows of a slot-major page), or values slot-minor
+    in pages other than the page table's (`quantized.value_paging_problem`)."""
+    if isinstance(k_buf, QuantizedKV) and k_buf.slot_minor:
+        return "fp8 keys are stored slot-minor, the kernels read them slot-major (only values may be slot-minor)"
+    return value_paging_problem(v_buf, page_size)
 
 
 def _resolve(impl: Impl, supported: bool, op: str, why: str = "") -> str:
@@ -136,7 +145,7 @@ def paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *, pag
     page-table row holds (`shapes.check_lengths_fit`: checked where concrete)."""
     check_attention_args("paged_prefill", q, k_buf, v_buf, layer, kv_lens, page_table, page_size, impl, cu_q_lens)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "paged_prefill",
-                     paging_problem(k_buf, v_buf, page_size))
+                     layout_problem(k_buf, v_buf, page_size))
     if stage is not None and isinstance(v_buf, QuantizedKV):  # (MLA's latent cache: no copy)
         return staged_paged_prefill(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, stage,
                                     page_size=page_size, sm_scale=sm_scale, which=which)
@@ -186,7 +195,7 @@ def ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table, *, page_size: int
     checked where concrete, the caller's precondition inside a trace)."""
     check_attention_args("ragged_decode", q, k_buf, v_buf, layer, kv_lens, page_table, page_size, impl)
     which = _resolve(impl, kernel_supports(q, k_buf, v_buf, page_size, v_head_dim), "ragged_decode",
-                     paging_problem(k_buf, v_buf, page_size))
+                     layout_problem(k_buf, v_buf, page_size))
     if which == "reference":
         return reference.ragged_decode(q, k_buf, v_buf, layer, kv_lens, page_table,
                                        page_size=page_size, sm_scale=sm_scale,

@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.decode_mgpu import (cast_tile, compute_dtype, dequantize_tile, key_scales, minor_tiling,
                                         num_sms, page_copy, smem_tiling, split_buffers, stage_minor_pages,
                                         wgmma_accumulate, zero_rows_from)
-from pallas_kernels.quantized import paging_problem
+from pallas_kernels.quantized import value_paging_problem
 from pallas_kernels.shapes import check_paged_shapes, checks_lengths
 from pallas_kernels.tuning import PrefillTuning
 
@@ -110,10 +110,11 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
         raise ValueError(f"prefill_mgpu: tuning.fp8_tiles must be one of {'/'.join(PREFILL_FP8_TILES)}, "
                          f"got {t.fp8_tiles!r}")
     fold = quant and t.fp8_tiles == "fold"
-    if problem := paging_problem(k_buf, v_buf, page_size):
-        raise ValueError(f"prefill_mgpu: {problem}")
+    if quant and k_buf.slot_minor:
+        raise ValueError("prefill_mgpu: fp8 keys must be stored slot-major (only values may be slot-minor)")
     v_minor = quant and v_buf.slot_minor  # staged back to keys as rows (`stage_minor_pages`)
-    k_layout, v_layout = (k_buf.layout, v_buf.layout) if quant else ("slots", "slots")
+    if problem := value_paging_problem(v_buf, page_size):
+        raise ValueError(f"prefill_mgpu: {problem}")
     dtype = compute_dtype(q.dtype, kv_dtype, quant)
     sub = min(page_size, block_kv)
     copies = block_kv // sub
@@ -336,15 +337,15 @@ def paged_prefill_mgpu(q, k_buf, v_buf, layer, cu_q_lens, kv_lens, page_table, *
                         page = pt_ref[req, jnp.minimum(lax.div(t0, jnp.int32(page_size)),
                                                        last_page)]
                         rows.append(page * page_size + lax.rem(t0, jnp.int32(page_size)))
-                    for buf_ref, smem, s_ref, s_smem, bar, free, layout in (
-                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free, k_layout),
-                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free, v_layout)):
+                    for buf_ref, smem, s_ref, s_smem, bar, free, minor in (
+                            (k_ref, k_smem, ks_ref, ks_smem, k_bar, k_free, False),
+                            (v_ref, v_smem, vs_ref, vs_smem, v_bar, v_free, v_minor)):
                         @pl.when(gstep + i >= stages)
                         def _wait_free():
                             plgpu.barrier_wait(free.at[slot])
 
                         for j, row in enumerate(rows):
-                            plgpu.copy_gmem_to_smem(*page_copy(buf_ref, smem.at[slot], lyr, kvh, row, j, sub, layout),
+                            plgpu.copy_gmem_to_smem(*page_copy(buf_ref, smem.at[slot], lyr, kvh, row, j, sub, minor),
                                                     bar.at[slot])
                             if quant:  # the page's scales: a contiguous run of this head's
                                 plgpu.copy_gmem_to_smem(s_ref.at[lyr, kvh, pl.ds(row, sub)],

@@ -10,11 +10,9 @@ contiguous run (one small TMA copy beside the page's fp8 rows in the kernels; a
 `[.., n_slots, Hkv]` layout would put them `Hkv` floats apart, which a TMA cannot gather).
 They cost 4 / D of the fp8 bytes (3% at D = 128).
 
-A buffer may keep its data in whole pages (`layout`): "pages" (keys) `[n_layers, n_pages,
-Hkv, page_size, D]`, a page of one head one contiguous block of its rows, or "pages_minor"
-(values, slot-minor) `[n_layers, n_pages, Hkv, D, page_size]`, so that a page of one head
-is D runs of its contiguous keys, and those runs are one contiguous block (`D * page_size`
-bytes). Slot-major data ("slots") puts a page's rows of one head `Hkv * D` bytes apart. The tensor cores take fp8 operands
+A buffer may keep its data slot-minor (`slot_minor`, values only): `[n_layers, n_pages,
+Hkv, D, page_size]`, so that a page of one head is D runs of its contiguous keys, and those
+runs are one contiguous block (`D * page_size` bytes). The tensor cores take fp8 operands
 only with the contracted axis contiguous, and P·V contracts over keys: the decode kernel's
 fp8 path "mma" multiplies such pages as they are loaded (`decode_mgpu`). Whole pages in
 one block, not `[n_layers, Hkv, D, n_slots]`: there a page's D runs lie `n_slots` bytes
@@ -46,43 +44,31 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_DTYPES = ("float8_e4m3fn",)  # the quantized storage dtypes (EngineConfig.kv_dtype)
 
 
-LAYOUTS = ("slots", "pages", "pages_minor")  # QuantizedKV.layout
-
-
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["data", "scale"],
-                   meta_fields=["layout"])
+                   meta_fields=["slot_minor"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedKV:
-    """An fp8 KV buffer: `data` float8_e4m3fn `[L, S, Hkv, D]` ("slots"), `[L, S / page,
-    Hkv, page, D]` ("pages") or `[L, S / page, Hkv, D, page]` ("pages_minor"), `scale
-    [L, Hkv, S]` float32. A pytree (jit, donation and `out_shardings` see both arrays;
-    the layout is static); `shape` is the logical `[L, S, Hkv, D]` and `dtype` the
-    data's, so shape checks written for plain buffers hold unchanged."""
+    """An fp8 KV buffer: `data [L, S, Hkv, D]` (`slot_minor`: `[L, S / page, Hkv, D,
+    page]`) float8_e4m3fn, `scale [L, Hkv, S]` float32. A pytree (jit, donation and
+    `out_shardings` see both arrays; the layout is static); `shape` is the logical
+    `[L, S, Hkv, D]` and `dtype` the data's, so shape checks written for plain buffers
+    hold unchanged."""
 
     data: jax.Array
     scale: jax.Array
-    layout: str = "slots"
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"fp8 KV: layout must be one of {'/'.join(LAYOUTS)}, got {self.layout!r}")
-
-    @property
-    def slot_minor(self) -> bool:
-        """Whether the data is slot-minor ("pages_minor": a page of one head `[D, page]`)."""
-        return self.layout == "pages_minor"
+    slot_minor: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
-        if self.layout == "slots":
-            return self.data.shape
-        n_layers, n_pages, hkv = self.data.shape[:3]
-        return n_layers, n_pages * self.page_size, hkv, self.data.shape[-1 if self.layout == "pages" else -2]
+        if self.slot_minor:
+            n_layers, n_pages, hkv, d, page_size = self.data.shape
+            return n_layers, n_pages * page_size, hkv, d
+        return self.data.shape
 
     @property
     def page_size(self) -> int | None:
-        """Tokens a page of paged data holds (None: slot-major data)."""
-        return {"slots": None, "pages": self.data.shape[-2], "pages_minor": self.data.shape[-1]}[self.layout]
+        """Tokens a page of slot-minor data holds (None: slot-major data)."""
+        return self.data.shape[-1] if self.slot_minor else None
 
     @property
     def dtype(self):
@@ -95,50 +81,31 @@ class QuantizedKV:
     @property
     def sharding(self):
         """The pair's shardings as a `QuantizedKV` (usable as a jit `out_shardings` leaf)."""
-        return QuantizedKV(self.data.sharding, self.scale.sharding, self.layout)
+        return QuantizedKV(self.data.sharding, self.scale.sharding, self.slot_minor)
 
 
-def layout_of(page_size: int | None, layout: str | None = None) -> str:
-    """The layout data paged by `page_size` (None: not paged) takes: `layout` when given,
-    else "pages_minor" for a page size (the values' layout, the first to be paged) and
-    "slots" without."""
+def data_shape(shape: tuple[int, ...], page_size: int | None = None) -> tuple[int, ...]:
+    """The data's shape for a buffer of logical shape `[L, S, Hkv, D]`: slot-minor in pages
+    of `page_size` tokens, or slot-major (None)."""
+    if page_size is None:
+        return tuple(shape)
     if isinstance(page_size, bool):  # the former `slot_minor` flag, passed positionally
         raise TypeError(f"fp8 KV: page_size must be a number of tokens or None, got {page_size} (slot-minor "
                         "data is now paged: pass the page table's page size)")
-    if layout is None:
-        return "slots" if page_size is None else "pages_minor"
-    if layout not in LAYOUTS or (layout == "slots") != (page_size is None):
-        raise ValueError(f"fp8 KV: layout {layout!r} with page_size {page_size}: 'slots' takes no page size, "
-                         f"'pages' and 'pages_minor' one")
-    return layout
-
-
-def data_shape(shape: tuple[int, ...], page_size: int | None = None, layout: str | None = None) -> tuple[int, ...]:
-    """The data's shape for a buffer of logical shape `[L, S, Hkv, D]`: in pages of
-    `page_size` tokens laid out as `layout` says (`layout_of`), or slot-major (None)."""
-    layout = layout_of(page_size, layout)
-    if layout == "slots":
-        return tuple(shape)
     n_layers, n_slots, hkv, d = shape
     if page_size <= 0 or n_slots % page_size:
-        raise ValueError(f"fp8 KV: paged data needs a page size dividing the {n_slots} slots, "
+        raise ValueError(f"fp8 KV: slot-minor data needs a page size dividing the {n_slots} slots, "
                          f"got {page_size}")
-    page = (page_size, d) if layout == "pages" else (d, page_size)
-    return n_layers, n_slots // page_size, hkv, *page
+    return n_layers, n_slots // page_size, hkv, d, page_size
 
 
-def paging_problem(k_buf, v_buf, page_size: int) -> str:
-    """Why the kernels cannot read fp8 buffers laid out so through a page table of
-    `page_size` tokens ('' when they can): keys stored slot-minor (both kernels read keys
-    as the rows of a tile), or paged data in pages other than the table's (the kernels copy
-    one stored page a table page, so the two sizes must be equal)."""
-    if isinstance(k_buf, QuantizedKV) and k_buf.slot_minor:
-        return "fp8 keys are stored slot-minor, the kernels read them as rows (only values may be slot-minor)"
-    for name, buf in (("keys", k_buf), ("values", v_buf)):
-        if isinstance(buf, QuantizedKV) and buf.page_size not in (None, page_size):
-            minor = "slot-minor " if buf.slot_minor else ""
-            return (f"{minor}fp8 {name} are stored in pages of {buf.page_size} tokens, the page "
-                    f"table's pages hold {page_size} (the kernels need the two equal)")
+def value_paging_problem(v_buf, page_size: int) -> str:
+    """Why values stored slot-minor cannot be read through a page table of `page_size`
+    tokens ('' when they can, or are not slot-minor): the kernels copy one stored page a
+    table page, so the two sizes must be equal."""
+    if isinstance(v_buf, QuantizedKV) and v_buf.page_size not in (None, page_size):
+        return (f"slot-minor fp8 values are stored in pages of {v_buf.page_size} tokens, the page "
+                f"table's pages hold {page_size} (the kernels need the two equal)")
     return ""
 
 
@@ -148,34 +115,33 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
     return n_layers, hkv, n_slots
 
 
-def specs(spec: jax.sharding.PartitionSpec, layout: str = "slots") -> QuantizedKV:
+def specs(spec: jax.sharding.PartitionSpec, slot_minor: bool = False) -> QuantizedKV:
     """The data's and the scales' partition specs (a `QuantizedKV` of them) for a buffer
     whose logical `[L, S, Hkv, D]` layout is partitioned by `spec` (a split over kv heads
-    stays one in both) and whose data is laid out as `layout`."""
+    stays one in both)."""
     layers, slots, heads, chans = tuple(spec) + (None,) * (4 - len(spec))
-    data = {"slots": (layers, slots, heads, chans), "pages": (layers, slots, heads, None, chans),
-            "pages_minor": (layers, slots, heads, chans, None)}[layout]
+    data = (layers, slots, heads, chans, None) if slot_minor else (layers, slots, heads, chans)
     P = jax.sharding.PartitionSpec
-    return QuantizedKV(P(*data), P(layers, heads, slots), layout)
+    return QuantizedKV(P(*data), P(layers, heads, slots), slot_minor)
 
 
-def shardings(sharding: jax.sharding.NamedSharding, layout: str = "slots") -> QuantizedKV:
+def shardings(sharding: jax.sharding.NamedSharding, slot_minor: bool = False) -> QuantizedKV:
     """A `QuantizedKV` of the data's and the scales' shardings (a jit `out_shardings` leaf)
     for a buffer whose logical layout `sharding` partitions."""
-    spec = specs(sharding.spec, layout)
+    spec = specs(sharding.spec, slot_minor)
     return QuantizedKV(jax.sharding.NamedSharding(sharding.mesh, spec.data),
-                       jax.sharding.NamedSharding(sharding.mesh, spec.scale), layout)
+                       jax.sharding.NamedSharding(sharding.mesh, spec.scale), slot_minor)
 
 
 def zeros(shape: tuple[int, ...], sharding: jax.sharding.NamedSharding | None = None,
-          page_size: int | None = None, layout: str | None = None) -> QuantizedKV:
+          page_size: int | None = None) -> QuantizedKV:
     """An empty fp8 buffer of logical shape `[L, S, Hkv, D]` (scales 1), laid out by
-    `sharding` (of the logical buffer; None: the default device); `page_size`: its data in
-    pages of that many tokens, as `layout` says (`layout_of`; None: slot-major)."""
-    layout = layout_of(page_size, layout)
-    parts = shardings(sharding, layout) if sharding is not None else QuantizedKV(None, None)
-    return QuantizedKV(jnp.zeros(data_shape(shape, page_size, layout), FP8, device=parts.data),
-                       jnp.ones(scale_shape(shape), jnp.float32, device=parts.scale), layout)
+    `sharding` (of the logical buffer; None: the default device); `page_size`: its data
+    slot-minor in pages of that many tokens (None: slot-major)."""
+    slot_minor = page_size is not None
+    parts = shardings(sharding, slot_minor) if sharding is not None else QuantizedKV(None, None)
+    return QuantizedKV(jnp.zeros(data_shape(shape, page_size), FP8, device=parts.data),
+                       jnp.ones(scale_shape(shape), jnp.float32, device=parts.scale), slot_minor)
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -189,29 +155,21 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x / scale[..., None]).astype(FP8), scale
 
 
-# The data's axes as stored, from `[L, pages, page, Hkv, D]` (slot-major data split in pages)
-PAGED_AXES = {"pages": (0, 1, 3, 2, 4), "pages_minor": (0, 1, 3, 4, 2)}
-
-
-def from_array(buf: jax.Array, page_size: int | None = None, layout: str | None = None) -> QuantizedKV:
+def from_array(buf: jax.Array, page_size: int | None = None) -> QuantizedKV:
     """A whole `[L, S, Hkv, D]` buffer quantized (tests and benchmarks build fp8 caches so);
-    `page_size`: its data in pages of that many tokens, as `layout` says (`layout_of`;
-    None: slot-major)."""
-    layout = layout_of(page_size, layout)
+    `page_size`: its data slot-minor in pages of that many tokens (None: slot-major)."""
     data, scale = quantize(buf)
-    if layout != "slots":
-        n_layers, n_slots = buf.shape[:2]
-        split = data.reshape(n_layers, n_slots // page_size, page_size, *buf.shape[2:])
-        data = jnp.transpose(split, PAGED_AXES[layout])
-    return QuantizedKV(data, jnp.moveaxis(scale, 2, 1), layout)
+    if page_size is not None:
+        data = jnp.transpose(data.reshape(data_shape(buf.shape, page_size)[:2] + (page_size,) + buf.shape[2:]),
+                             (0, 1, 3, 4, 2))
+    return QuantizedKV(data, jnp.moveaxis(scale, 2, 1), page_size is not None)
 
 
 def slot_major_data(buf: QuantizedKV) -> jax.Array:
-    """The buffer's fp8 data as `[L, S, Hkv, D]` whichever its layout (a copy if paged)."""
-    if buf.layout == "slots":
+    """The buffer's fp8 data as `[L, S, Hkv, D]` whichever its layout (a copy if slot-minor)."""
+    if not buf.slot_minor:
         return buf.data
-    back = tuple(PAGED_AXES[buf.layout].index(axis) for axis in range(5))
-    return jnp.transpose(buf.data, back).reshape(buf.shape)
+    return jnp.transpose(buf.data, (0, 1, 4, 2, 3)).reshape(buf.shape)
 
 
 def dequantize(data: jax.Array, scale: jax.Array) -> jax.Array:
@@ -222,10 +180,8 @@ def dequantize(data: jax.Array, scale: jax.Array) -> jax.Array:
 def gather(buf: QuantizedKV, layer: jax.Array, slots: jax.Array) -> jax.Array:
     """float32 `buf[layer, slots]`: `[*slots.shape, Hkv, D]` dequantized."""
     scale = jnp.moveaxis(buf.scale[layer][:, slots], 0, -1)  # [*slots.shape, Hkv]
-    if buf.layout == "pages_minor":  # [n_pages, Hkv, D, page] -> [*slots.shape, Hkv, D]
+    if buf.slot_minor:  # [n_pages, Hkv, D, page] -> [*slots.shape, Hkv, D]
         data = buf.data[layer][slots // buf.page_size, :, :, slots % buf.page_size]
-    elif buf.layout == "pages":  # [n_pages, Hkv, page, D] -> [*slots.shape, Hkv, D]
-        data = buf.data[layer][slots // buf.page_size, :, slots % buf.page_size]
     else:
         data = buf.data[layer, slots]
     return dequantize(data, scale)
@@ -239,9 +195,8 @@ def dequantize_pages(buf: QuantizedKV, layer: jax.Array, pages: jax.Array, page_
     82 µs a layer for 512 pages of 8 heads (docs/performance.md, fp8 prefill)."""
     n_layers, n_slots, hkv, d = buf.shape
     n_pages = n_slots // page_size
-    if buf.layout != "slots":  # [N, Hkv, D, page] or [N, Hkv, page, D] blocks
-        blocks = lax.optimization_barrier(buf.data[layer, pages])
-        data = jnp.transpose(blocks, (0, 3, 1, 2) if buf.layout == "pages_minor" else (0, 2, 1, 3))
+    if buf.slot_minor:  # [N, Hkv, D, page] blocks
+        data = jnp.transpose(lax.optimization_barrier(buf.data[layer, pages]), (0, 3, 1, 2))
     else:
         data = buf.data.reshape(n_layers, n_pages, page_size, hkv, d)[layer, pages]
     scale = buf.scale.reshape(n_layers, hkv, n_pages, page_size)[layer, :, pages]  # [N, Hkv, page]
@@ -259,9 +214,9 @@ def write(k_buf: QuantizedKV, v_buf: QuantizedKV | None, layer: jax.Array, slots
     if v_buf is None:
         (data,) = scatter_rows((k_buf.data,), layer, slots, (k_data,), slot_axis=_slot_axis(k_buf))
         (scale,) = scatter_rows((k_buf.scale,), layer, slots, (k_scale,), slot_axis=2)
-        return QuantizedKV(data, scale, k_buf.layout), None
+        return QuantizedKV(data, scale, k_buf.slot_minor), None
     v_data, v_scale = quantize(v)
-    if k_buf.layout == v_buf.layout:
+    if k_buf.slot_minor == v_buf.slot_minor:
         k_new, v_new = scatter_rows((k_buf.data, v_buf.data), layer, slots, (k_data, v_data),
                                     slot_axis=_slot_axis(k_buf))
     else:
@@ -269,13 +224,13 @@ def write(k_buf: QuantizedKV, v_buf: QuantizedKV | None, layer: jax.Array, slots
         (v_new,) = scatter_rows((v_buf.data,), layer, slots, (v_data,), slot_axis=_slot_axis(v_buf))
     ks_new, vs_new = scatter_rows((k_buf.scale, v_buf.scale), layer, slots, (k_scale, v_scale),
                                   slot_axis=2)
-    return QuantizedKV(k_new, ks_new, k_buf.layout), QuantizedKV(v_new, vs_new, v_buf.layout)
+    return QuantizedKV(k_new, ks_new, k_buf.slot_minor), QuantizedKV(v_new, vs_new, v_buf.slot_minor)
 
 
 def _slot_axis(buf: QuantizedKV) -> int | tuple[int, int]:
-    """The data's slot dimension, or its (page, offset in the page) dimensions for paged
-    data (the rows `[Hkv, D]` are the rest after the layer)."""
-    return {"slots": 1, "pages": (1, 3), "pages_minor": (1, 4)}[buf.layout]
+    """The data's slot dimension, or its (page, offset in the page) dimensions for
+    slot-minor data (the rows `[Hkv, D]` are the rest after the layer)."""
+    return (1, 4) if buf.slot_minor else 1
 
 
 def clear_slots(buf, slots: jax.Array):
@@ -285,12 +240,9 @@ def clear_slots(buf, slots: jax.Array):
     n_slots = buf.shape[1]
     slots = jnp.where(slots < 0, n_slots, slots)  # an index below 0 would wrap around
     if isinstance(buf, QuantizedKV):
-        page, offset = slots // (buf.page_size or 1), slots % (buf.page_size or 1)
-        if buf.layout == "pages_minor":  # slots past the end are past the last page: dropped too
-            data = buf.data.at[:, page, :, :, offset].set(0, mode="drop")
-        elif buf.layout == "pages":
-            data = buf.data.at[:, page, :, offset].set(0, mode="drop")
+        if buf.slot_minor:  # slots past the end are past the last page: dropped too
+            data = buf.data.at[:, slots // buf.page_size, :, :, slots % buf.page_size].set(0, mode="drop")
         else:
             data = buf.data.at[:, slots].set(0, mode="drop")
-        return QuantizedKV(data, buf.scale.at[:, :, slots].set(1.0, mode="drop"), buf.layout)
+        return QuantizedKV(data, buf.scale.at[:, :, slots].set(1.0, mode="drop"), buf.slot_minor)
     return buf.at[:, slots].set(0, mode="drop")

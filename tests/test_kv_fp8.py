@@ -14,7 +14,7 @@ import pytest
 from jrl.config import ConfigError, ModelConfig
 from jrl.models import init_params
 from jrl.rollout import GREEDY, Engine, EngineConfig, TuningOverrides
-from jrl.rollout.cache.kv_storage import KVStorage, kv_bytes_per_token, kv_layouts
+from jrl.rollout.cache.kv_storage import KVStorage, kv_bytes_per_token, values_slot_minor
 from jrl.rollout.executor import StepFunction
 from jrl.rollout.tuning import resolve_tuning
 from pallas_kernels import decode_mgpu, dispatch, quantized, reference
@@ -32,14 +32,11 @@ Q8_TOL = 2e-2  # the same with "mma_q8": q rounded to e4m3, 3 mantissa bits ("mm
 FP8_TOL = 5e-2  # fp8 buffers vs the float32 originals: e4m3 keeps 3 mantissa bits
 
 
-def fp8_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2, v_slot_minor=False, k_layout=None):
-    """float32 K/V buffers, their fp8 form, and shuffled page tables (spare pages unowned).
-    The fp8 data is laid out as the engine lays it out (`kv_layouts`): the values slot-minor
-    and the keys in whole pages if asked, else both slot-major; `k_layout` names the keys'."""
+def fp8_inputs(rng, n_req, max_ctx, hkv, d, ps, n_layers=2, v_slot_minor=False):
+    """float32 K/V buffers, their fp8 form (the values slot-minor if asked), and shuffled
+    page tables (spare pages unowned)."""
     kb, vb, pt = paged_inputs(rng, n_req, max_ctx, hkv, d, ps, jnp.float32, n_layers)
-    k_layout = k_layout or ("pages" if v_slot_minor else "slots")
-    kq = quantized.from_array(kb, None if k_layout == "slots" else ps, k_layout)
-    return (kb, vb), (kq, quantized.from_array(vb, ps if v_slot_minor else None)), pt
+    return (kb, vb), (quantized.from_array(kb), quantized.from_array(vb, ps if v_slot_minor else None)), pt
 
 
 def test_write_kv_quantizes_rows_and_reads_them_back_within_e4m3_rounding():
@@ -87,14 +84,13 @@ def test_write_kv_scatters_the_fp8_rows_and_the_scales_once_each(v_slot_minor, s
     assert text.count("\"stablehlo.scatter\"(") == scatters
 
 
-@pytest.mark.parametrize("layout", quantized.LAYOUTS)
-def test_clear_slots_zeroes_rows_and_resets_their_scales(layout):
-    page_size = None if layout == "slots" else 8  # paged: 2 pages of 8
-    shape = quantized.data_shape((2, 16, 1, 8), page_size, layout)
-    buf = QuantizedKV(jnp.full(shape, jnp.nan, jnp.float8_e4m3fn), jnp.full((2, 1, 16), jnp.nan), layout)
+@pytest.mark.parametrize("slot_minor", [False, True])
+def test_clear_slots_zeroes_rows_and_resets_their_scales(slot_minor):
+    shape = quantized.data_shape((2, 16, 1, 8), 8 if slot_minor else None)  # slot-minor: 2 pages of 8
+    buf = QuantizedKV(jnp.full(shape, jnp.nan, jnp.float8_e4m3fn), jnp.full((2, 1, 16), jnp.nan), slot_minor)
     out = quantized.clear_slots(buf, jnp.asarray([2, 3, 16, -1]))  # 16: past the end, -1: dropped
     data = np.asarray(quantized.slot_major_data(out), np.float32)  # [L, S, Hkv, D]
-    assert out.layout == layout and not data[:, 2:4].any()
+    assert out.slot_minor == slot_minor and not data[:, 2:4].any()
     np.testing.assert_array_equal(np.asarray(out.scale[:, :, 2:4]), 1.0)
     assert np.isnan(data[:, 4]).all() and np.isnan(data[:, 15]).all()  # -1 did not wrap to the last slot
 
@@ -112,36 +108,22 @@ def test_page_size_refuses_the_former_slot_minor_flag():
         quantized.zeros(buf.shape, page_size=48)
 
 
-@pytest.mark.parametrize("layout,axes", [("pages_minor", (0, 1, 3, 4, 2)), ("pages", (0, 1, 3, 2, 4))])
-def test_paged_data_holds_what_slot_major_data_holds(layout, axes):
-    """The same writes into either layout read back the same (as keys and as values); paged
-    data is the slot-major data split in pages, each page of a head one block: its slots
-    last ("pages_minor") or its rows ("pages")."""
+def test_slot_minor_values_hold_what_slot_major_values_hold():
+    """The same writes into both layouts read back the same; the slot-minor data is the
+    slot-major data with each page's slots moved last: a page of a head is one block."""
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((3, 2, 16)), jnp.float32)
     slots = jnp.asarray([9, -1, 40], jnp.int32)
-    major_k, major = dispatch.write_kv(quantized.zeros((2, 64, 2, 16)), quantized.zeros((2, 64, 2, 16)),
-                                       jnp.int32(1), slots, x, x)
-    paged_k, paged = dispatch.write_kv(*(quantized.zeros((2, 64, 2, 16), page_size=16, layout=layout)
-                                         for _ in range(2)), jnp.int32(1), slots, x, x)
+    k = quantized.zeros((2, 64, 2, 16))
+    _, major = dispatch.write_kv(k, quantized.zeros((2, 64, 2, 16)), jnp.int32(1), slots, v, v)
+    _, minor = dispatch.write_kv(k, quantized.zeros((2, 64, 2, 16), page_size=16), jnp.int32(1), slots, v, v)
+    assert minor.slot_minor and minor.data.shape == (2, 4, 2, 16, 16) and minor.shape == major.shape
+    np.testing.assert_array_equal(np.asarray(minor.data, np.float32),
+                                  np.asarray(major.data, np.float32).reshape(2, 4, 16, 2, 16).transpose(0, 1, 3, 4, 2))
+    np.testing.assert_array_equal(np.asarray(minor.scale), np.asarray(major.scale))
     read = jnp.asarray([[9, 40], [0, 63]])
-    for buf, major_buf in ((paged, major), (paged_k, major_k)):
-        assert buf.layout == layout and buf.page_size == 16 and buf.shape == major_buf.shape
-        assert buf.data.shape == tuple(np.array((2, 4, 16, 2, 16))[list(axes)])
-        np.testing.assert_array_equal(np.asarray(buf.data, np.float32),
-                                      np.asarray(major_buf.data, np.float32).reshape(2, 4, 16, 2, 16).transpose(axes))
-        np.testing.assert_array_equal(np.asarray(quantized.slot_major_data(buf), np.float32),
-                                      np.asarray(major_buf.data, np.float32))
-        np.testing.assert_array_equal(np.asarray(buf.scale), np.asarray(major_buf.scale))
-        np.testing.assert_array_equal(np.asarray(quantized.gather(buf, jnp.int32(1), read)),
-                                      np.asarray(quantized.gather(major_buf, jnp.int32(1), read)))
-
-
-def test_layout_names_a_page_size_it_cannot_take():
-    with pytest.raises(ValueError, match="layout 'pages' with page_size None"):
-        quantized.zeros((2, 64, 2, 16), layout="pages")
-    with pytest.raises(ValueError, match="layout must be one of slots/pages/pages_minor, got 'rows'"):
-        QuantizedKV(jnp.zeros((1, 8, 1, 4), jnp.float8_e4m3fn), jnp.ones((1, 1, 8)), "rows")
+    np.testing.assert_array_equal(np.asarray(quantized.gather(minor, jnp.int32(1), read)),
+                                  np.asarray(quantized.gather(major, jnp.int32(1), read)))
 
 
 # (keys_as_rows, splits, fp8_tiles, fp8_compute, values slot-minor): every way an fp8 tile
@@ -168,13 +150,10 @@ def poison_unowned(buf: QuantizedKV, lens, pt, ps) -> QuantizedKV:
     for b, n in enumerate(np.asarray(lens)):
         keys = np.arange(int(n))
         owned[np.asarray(pt)[b, keys // ps] * ps + keys % ps] = True
-    if buf.layout == "slots":
-        data_owned = owned[None, :, None, None]
-    else:
-        by_page = owned.reshape(-1, buf.page_size)
-        data_owned = by_page[None, :, None, None, :] if buf.slot_minor else by_page[None, :, None, :, None]
+    data_owned = (owned.reshape(-1, buf.page_size)[None, :, None, None, :] if buf.slot_minor
+                  else owned[None, :, None, None])
     return QuantizedKV(jnp.where(data_owned, buf.data, jnp.nan).astype(buf.data.dtype),
-                       jnp.where(owned[None, None, :], buf.scale, jnp.nan), buf.layout)
+                       jnp.where(owned[None, None, :], buf.scale, jnp.nan), buf.slot_minor)
 
 
 @pytest.mark.parametrize("keys_as_rows,splits,fp8_tiles,fp8_compute,v_slot_minor", DECODE_FP8_CASES.values(),
@@ -198,23 +177,6 @@ def test_decode_kernel_reads_fp8_buffers_like_the_reference(keys_as_rows, splits
     assert rel_err(out, ref) < (Q8_TOL if fp8_tiles == "mma_q8" else TOL)
     assert rel_err(ref, exact) < FP8_TOL
     np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)  # kv_len 0 -> zeros
-
-
-@pytest.mark.parametrize("fp8_tiles", ["mma", "fold_k_regs", "stage"])
-def test_decode_kernel_output_does_not_depend_on_the_keys_layout(fp8_tiles):
-    # the same keys slot-major or in whole pages: one TMA copy of other addresses, the same tile
-    lens = np.array([33, 0, 96])
-    q = jnp.asarray(np.random.default_rng(24).standard_normal((len(lens), 4, 64)), jnp.bfloat16)
-    outs = []
-    for k_layout in ("slots", "pages"):
-        _, (kq, vq), pt = fp8_inputs(np.random.default_rng(23), len(lens), int(lens.max()), 2, 64, 32,
-                                     v_slot_minor=fp8_tiles == "mma", k_layout=k_layout)
-        outs.append(ragged_decode_mgpu(q, poison_unowned(kq, jnp.asarray(lens), pt, 32), vq, jnp.int32(1),
-                                       jnp.asarray(lens, jnp.int32), pt, page_size=32, sm_scale=0.125,
-                                       interpret=True, tuning=DecodeTuning(fp8_tiles=fp8_tiles, num_splits=2)))
-    assert kq.layout == "pages"
-    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
-    assert np.isfinite(np.asarray(outs[1], np.float32)).all()
 
 
 @pytest.mark.parametrize("case", ["tiny-values", "far-below-the-max"])
@@ -654,14 +616,13 @@ def test_engine_config_names_an_unknown_kv_dtype():
         EngineConfig(kv_dtype="int8")
 
 
-def test_fp8_cache_stores_whole_pages_where_decode_puts_keys_on_the_tile_rows():
+def test_fp8_cache_stores_values_slot_minor_where_decode_puts_keys_on_the_tile_rows():
     gqa = KVStorage(ModelConfig(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16), 64, "float8_e4m3fn")
-    assert (gqa.k.layout, gqa.v.layout) == ("pages", "pages_minor")
-    assert gqa.k.data.shape == (2, 2, 2, 32, 16) and gqa.v.data.shape == (2, 2, 2, 16, 32)  # pages of 32
-    assert gqa.v.shape == gqa.k.shape == (2, 64, 2, 16)
+    assert not gqa.k.slot_minor and gqa.v.slot_minor
+    assert gqa.v.data.shape == (2, 2, 2, 16, 32) and gqa.v.shape == gqa.k.shape == (2, 64, 2, 16)  # pages of 32
     wide = KVStorage(ModelConfig(n_layers=2, n_heads=32, n_kv_heads=1, head_dim=16), 64, "float8_e4m3fn")
-    assert (wide.k.layout, wide.v.layout) == ("slots", "slots")  # 32 queries a kv head: queries are the tile rows
-    assert kv_layouts(ModelConfig(n_heads=4, n_kv_heads=2), None) == ("slots", "slots")  # bf16 cache
+    assert not wide.v.slot_minor  # 32 queries a kv head: queries are the tile rows
+    assert not values_slot_minor(ModelConfig(n_heads=4, n_kv_heads=2), None)  # bf16 cache
 
 
 def test_kv_bytes_per_token_counts_fp8_bytes_and_scales():

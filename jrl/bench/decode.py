@@ -43,7 +43,7 @@ baseline of the fp8 speedup), and fp8_stage, fp8_fold, fp8_fold_k_regs, fp8_fold
 fp8_fold_k_regs_f16, fp8_mma, fp8_mma_f16, fp8_mma_bf16, fp8_mma_q8 pick the decode kernel's
 fp8 tile path (`DecodeTuning.fp8_tiles`; f16 / bf16: `fp8_compute`, the mma ones' default
 f16; the mma ones store the values
-slot-minor and the keys in whole pages, the others both slot-major; base is the engine's default); fp8_mma_b128 and
+slot-minor, the others slot-major; base is the engine's default); fp8_mma_b128 and
 fp8_mma_q8_b128 take 128-key blocks, fp8_mma_3cta three CTAs an SM. XLA flags apply to the whole
 process: run again under another XLA_FLAGS to compare flags.
 
@@ -105,7 +105,7 @@ from jrl.models.fused import fuse_projections
 from jrl.models.transformer import count_params
 from jrl.rollout import executor, sampling
 from jrl.rollout.config import FP8_KV_PAGE_SIZE, EngineConfig
-from jrl.rollout.cache.kv_storage import kv_layouts
+from jrl.rollout.cache.kv_storage import values_slot_minor
 from jrl.rollout.engine import Engine
 from jrl.rollout.sampling import GREEDY
 from jrl.rollout.tuning import TuningOverrides
@@ -525,10 +525,10 @@ def run_ab(args, results, cfg, params, bandwidth: float) -> int:
     def kv_dtype_of(variant):  # the --engine KV storage, except for the bf16 baseline
         return None if variant == "bf16_kv" else args.engine.get("kv_dtype")
 
-    def kv_layouts_of(variant):  # the fp8 tile paths name the values' layout, the rest take the engine's
+    def values_slot_minor_of(variant):  # the fp8 tile paths name theirs, the rest the engine's
         if variant.startswith("fp8_"):
-            return ("pages", "pages_minor") if variant.startswith("fp8_mma") else ("slots", "slots")
-        return kv_layouts(cfg, kv_dtype_of(variant))
+            return variant.startswith("fp8_mma")
+        return values_slot_minor(cfg, kv_dtype_of(variant))
 
     for batch in csv_ints(args.batches or "256"):
         built = {}
@@ -538,7 +538,7 @@ def run_ab(args, results, cfg, params, bandwidth: float) -> int:
                 layout, ints, floats, k, v, prev = synthetic_batch(cfg, batch, context, args.page_size, seed=batch,
                                                                    aligned=unroll, pages=order,
                                                                    kv_dtype=kv_dtype_of(variant),
-                                                                   kv_layouts=kv_layouts_of(variant))
+                                                                   v_slot_minor=values_slot_minor_of(variant))
                 if variant == "dev_metadata":
                     ints, floats = jax.device_put(ints), jax.device_put(floats)
                 if fused and fused_params is None:

@@ -30,7 +30,7 @@ def default_decode_program(cfg, page_size: int, max_rows: int, cached: bool = Tr
 
 def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, aligned: bool = False,
                     steps: int = 1, pages: str = "per_request", prompt: int = 512, kv_dtype: str | None = None,
-                    kv_layouts: tuple[str, str] = ("slots", "slots")):
+                    v_slot_minor: bool = False):
     """A decode batch as the engine builds it: `batch` requests at `context` tokens, random
     KV, greedy (the same inputs for every variant at one batch size); `steps` > 1: a
     multi-step call whose step j computes position `context - 1 + j`. `pages`:
@@ -38,8 +38,7 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, al
     lowest-id-first allocator gives a batch that prefilled `prompt` tokens together and then
     decoded (each prompt consecutive, the decode pages interleaved); "random" a random
     permutation. `kv_dtype`: the KV buffers' storage (None: bf16; "float8_e4m3fn": the
-    random KV quantized, its keys' and values' data laid out as `kv_layouts` says,
-    `QuantizedKV.layout`).
+    random KV quantized; `v_slot_minor`: the values' data slot-minor, `QuantizedKV.slot_minor`).
     Returns (layout, ints, floats, k, v, prev_tokens)."""
     if pages not in PAGE_ORDERS:
         raise ValueError(f"pages: must be one of {PAGE_ORDERS}, got {pages!r}")
@@ -78,8 +77,8 @@ def synthetic_batch(cfg, batch: int, context: int, page_size: int, seed: int, al
     k = jax.random.normal(kk, shape, jnp.bfloat16)
     v = jax.random.normal(kv, shape, jnp.bfloat16)
     if kv_dtype is not None:
-        quantize = jax.jit(quantized.from_array, static_argnums=(1, 2))
-        k, v = (quantize(x, None if layout == "slots" else page_size, layout) for x, layout in zip((k, v), kv_layouts))
+        k = jax.jit(quantized.from_array)(k)
+        v = jax.jit(quantized.from_array, static_argnums=1)(v, page_size if v_slot_minor else None)
     return layout, ints, floats, k, v, jnp.zeros(batch, jnp.int32)
 
 

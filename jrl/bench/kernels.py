@@ -103,7 +103,7 @@ def add_arguments(p) -> None:
     p.add_argument("--check-prefill-tuning", type=json.loads, default={},
                    help='PrefillTuning fields added to every prefill kind of --check, e.g. \'{"fp8_tiles": "fold"}\'')
     p.add_argument("--decode-variants", type=json.loads, default=[],
-                   help='extra decode kernel settings (DecodeTuning fields, or "key_layout": the fp8 keys\' QuantizedKV.layout), e.g. \'[{"num_splits": 2}]\'')
+                   help='extra decode kernel settings (DecodeTuning fields), e.g. \'[{"num_splits": 2}]\'')
     p.add_argument("--decode-shapes", type=json.loads, default=None,
                    help="decode cases as [[Hq, Hkv, D, page_size, batch, ctx], ...]")
     p.add_argument("--decode-pages", choices=("random", "sequential"), default="random",
@@ -152,28 +152,12 @@ def variant_name(base: str, var: dict) -> str:
 
 # ----------------------------------------------------------------------------- check
 
-def kv_layouts_for(tuning: dict, hq: int, hkv: int) -> tuple[str, str]:
-    """The layouts (`QuantizedKV.layout`) fp8 keys and values reach the decode kernel in
-    under `tuning` (DecodeTuning fields, and the bench's own "key_layout"): values
-    slot-minor and keys in whole pages for the "mma" tile paths, and by default where the
-    engine stores them so (`kv_storage.kv_layouts`), else both slot-major; "key_layout"
-    names the keys' instead (to compare layouts)."""
+def values_slot_minor_for(tuning: dict, hq: int, hkv: int) -> bool:
+    """Whether fp8 values reach the decode kernel slot-minor under `tuning` (DecodeTuning
+    fields): for the "mma" tile paths, and by default where the engine stores them so."""
     if tuning.get("fp8_tiles") is not None:
-        minor = tuning["fp8_tiles"] in SLOT_MINOR_TILES
-    else:
-        minor = tuning.get("keys_as_rows") is not False and dispatch.fp8_values_slot_minor(hq, hkv)
-    return tuning.get("key_layout") or ("pages" if minor else "slots"), "pages_minor" if minor else "slots"
-
-
-def fp8_buffers(kb, vb, layouts: tuple[str, str], page_size: int) -> tuple:
-    """`kb`, `vb` quantized (`quantized.from_array`), their data laid out as `layouts` says."""
-    return tuple(quantized.from_array(x, None if layout == "slots" else page_size, layout)
-                 for x, layout in zip((kb, vb), layouts))
-
-
-def decode_tuning(variant: dict) -> DecodeTuning:
-    """A decode variant's DecodeTuning: its fields but the bench's "key_layout"."""
-    return DecodeTuning(**{k: v for k, v in variant.items() if k != "key_layout"})
+        return tuning["fp8_tiles"] in SLOT_MINOR_TILES
+    return tuning.get("keys_as_rows") is not False and dispatch.fp8_values_slot_minor(hq, hkv)
 
 
 def check(args, results) -> None:
@@ -182,15 +166,17 @@ def check(args, results) -> None:
     fp8 = args.kv_dtype is not None
     cases = [(8, 2, 64, 32 if fp8 else 16)] if args.tiny else CHECK_CASES
 
-    def buffers(k1, layouts):  # bf16, or fp8 with their float32 view for the reference
+    def buffers(k1, v_slot_minor=False):  # bf16, or fp8 with their float32 view for the reference
         kb, vb = paged_cache(k1, 2, n_pages, ps, hkv, d)
         if fp8:
-            kb, vb = fp8_buffers(kb, vb, layouts, ps)
+            kb, vb = quantized.from_array(kb), quantized.from_array(vb, ps if v_slot_minor else None)
             return kb, vb, kb, vb
         return kb, vb, kb.astype(jnp.float32), vb.astype(jnp.float32)
 
-    def layouts(kind, hq, hkv, extra):  # prefill reads every layout: the engine's
-        return kv_layouts_for({**DECODE_CHECKS.get(kind, {}), **extra}, hq, hkv)
+    def values_slot_minor(kind, hq, hkv, extra):  # prefill reads both layouts: the engine's
+        if kind in DECODE_CHECKS:
+            return values_slot_minor_for({**DECODE_CHECKS[kind], **extra}, hq, hkv)
+        return dispatch.fp8_values_slot_minor(hq, hkv)
 
     b_dec, ctx_dec = (4, 40) if args.tiny else (13, 1000)
     q_lens = np.array([1, 9, 20, 0]) if args.tiny else np.array([1, 77, 300, 129, 64, 0])
@@ -210,13 +196,12 @@ def check(args, results) -> None:
                     lens[0], lens[1], lens[2] = 1, ctx_dec, 0  # length 1, the longest, a padded row
                     pages = -(-ctx_dec // ps)
                     n_pages = b_dec * pages + 5
-                    kb, vb, kr, vr = buffers(k1, layouts(kind, hq, hkv, extra))
+                    kb, vb, kr, vr = buffers(k1, fp8 and values_slot_minor(kind, hq, hkv, extra))
                     pt = random_page_table(k2, b_dec, pages, b_dec * pages + 5)
                     q = jax.random.normal(k3, (b_dec, hq, d), jnp.bfloat16)
                     lens = jnp.asarray(lens, jnp.int32)
                     out = ragged_decode_mgpu(q, kb, vb, jnp.int32(1), lens, pt, page_size=ps, sm_scale=d ** -0.5,
-                                             tuning=decode_tuning({**DECODE_CHECKS[kind], **extra}),
-                                             interpret=args.interpret)
+                                             tuning=DecodeTuning(**DECODE_CHECKS[kind], **extra), interpret=args.interpret)
                     ref = reference.ragged_decode(q.astype(jnp.float32), kr, vr, jnp.int32(1), lens, pt,
                                                   page_size=ps, sm_scale=d ** -0.5)
                 else:
@@ -225,7 +210,7 @@ def check(args, results) -> None:
                     t_rows = int(q_lens.sum()) + 24  # padded bucket rows at the end
                     pages = -(-max_ctx // ps)
                     n_pages = b * pages + 5
-                    kb, vb, kr, vr = buffers(k1, layouts(kind, hq, hkv, {}))
+                    kb, vb, kr, vr = buffers(k1, fp8 and values_slot_minor(kind, hq, hkv, extra))
                     pt = random_page_table(k2, b, pages, b * pages + 5)
                     q = jax.random.normal(k3, (t_rows, hq, d), jnp.bfloat16)
                     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
@@ -240,8 +225,8 @@ def check(args, results) -> None:
                 # "mma_q8" rounds the queries to e4m3 (3 mantissa bits; "mma"'s two-term P keeps 7)
                 q8 = fp8 and kind in DECODE_CHECKS and args.check_decode_tuning.get("fp8_tiles") == "mma_q8"
                 tol = 3e-2 if q8 else 1e-2
-                results.row("check", **case, kv_layouts=[getattr(x, "layout", "bf16") for x in (kb, vb)],
-                            rel_err=err, nans=nans, ok=err < tol and nans == 0)
+                results.row("check", **case, v_slot_minor=bool(getattr(vb, "slot_minor", False)), rel_err=err,
+                            nans=nans, ok=err < tol and nans == 0)
             except Exception as e:  # keep going: one failure must not hide the others
                 results.row("check", **case, error=_error(e), ok=False)
 
@@ -281,11 +266,11 @@ def decode(args, results) -> None:
                 row["jrl_bf16_us"] = bf16_s * 1e6
             except Exception as e:  # noqa: BLE001
                 row["jrl_bf16_error"] = _error(e)
-        by_layouts = {}  # K/V as each variant's tile path takes them
+        v_layouts = {False: vb}  # the values as each variant's tile path takes them
         if fp8:
-            by_layouts = {lay: fp8_buffers(kb, vb, lay, ps)
-                          for lay in {("slots", "slots"), *(kv_layouts_for(var, hq, hkv) for var in variants)}}
-            kb, vb = by_layouts["slots", "slots"]
+            v_layouts = {minor: quantized.from_array(vb, ps if minor else None)
+                         for minor in {False, *(values_slot_minor_for(var, hq, hkv) for var in variants)}}
+            kb, vb = quantized.from_array(kb), v_layouts[False]
         ref_out = None
         try:
             f = jax.jit(functools.partial(reference.ragged_decode, page_size=ps, sm_scale=scale))
@@ -297,12 +282,12 @@ def decode(args, results) -> None:
             name = "jrl" if i == 0 else variant_name("jrl", var)
             try:
                 f = jax.jit(functools.partial(ragged_decode_mgpu, page_size=ps, sm_scale=scale,
-                                              tuning=decode_tuning(var), interpret=args.interpret))
-                k_var, v_var = by_layouts[kv_layouts_for(var, hq, hkv)] if fp8 else (kb, vb)
-                out = f(q, k_var, v_var, jnp.int32(0), lens, pt)
+                                              tuning=DecodeTuning(**var), interpret=args.interpret))
+                v_var = v_layouts[fp8 and values_slot_minor_for(var, hq, hkv)]
+                out = f(q, kb, v_var, jnp.int32(0), lens, pt)
                 if ref_out is not None:
                     row[name + "_rel_err"] = rel_err(out, ref_out)
-                t = _time(f, q, k_var, v_var, jnp.int32(0), lens, pt)
+                t = _time(f, q, kb, v_var, jnp.int32(0), lens, pt)
                 row[name + "_tb_per_s"] = kv_bytes / t / 1e12
                 row[name + "_us"] = t * 1e6
                 if bf16_s is not None:

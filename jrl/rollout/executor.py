@@ -35,7 +35,7 @@ from jrl.models import forward, lm_logits
 from jrl.models.exact import target_logprob
 from jrl.models.quantized import join_layers
 from jrl.rollout.backend import PagedAttention
-from jrl.rollout.cache.kv_storage import kv_layouts
+from jrl.rollout.cache.kv_storage import values_slot_minor
 from jrl.rollout.sampling import FLOAT_COLUMNS, SamplingArrays, sample
 from jrl.rollout.sharding import HeadSplit
 from pallas_kernels.staged_prefill import copied_lens, stage_layout, staged_pages
@@ -290,8 +290,9 @@ def step_function(config: ModelConfig, page_size: int, max_rows: int, impl: str,
 
     out_shardings = None
     if heads is not None:  # donated buffers keep their sharding from step to step
-        k_buf, v_buf = (heads.buffer_shardings(kv_dtype, layout) for layout in kv_layouts(config, kv_dtype))
-        out_shardings = (heads.replicated, heads.replicated, k_buf, None if absorb else v_buf)
+        v_buf = heads.buffer_shardings(kv_dtype, values_slot_minor(config, kv_dtype))
+        out_shardings = (heads.replicated, heads.replicated, heads.buffer_shardings(kv_dtype),
+                         None if absorb else v_buf)
     # KV buffers and the previous tokens are donated: the sampled tokens come back in the
     # previous tokens' buffer, so (like the KV) they keep one device address from call to
     # call (XLA updates a program's CUDA graphs when its buffers move).

@@ -55,10 +55,10 @@ class HeadSplit:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def buffer_shardings(self, kv_dtype: str | None, layout: str = "slots"):
+    def buffer_shardings(self, kv_dtype: str | None, slot_minor: bool = False):
         """`buffer_sharding`, or for fp8 buffers (`kv_dtype` set) a `QuantizedKV` of the
-        data's and the scales' shardings (`layout`: the data's, `QuantizedKV.layout`)."""
-        return self.buffer_sharding if kv_dtype is None else quantized.shardings(self.buffer_sharding, layout)
+        data's and the scales' shardings (`slot_minor`: the data's layout)."""
+        return self.buffer_sharding if kv_dtype is None else quantized.shardings(self.buffer_sharding, slot_minor)
 
 
 def head_split(config: ModelConfig, mesh: Mesh) -> HeadSplit:
@@ -89,7 +89,7 @@ def shard_attention(split: HeadSplit, attend: Callable, q: jax.Array, k: jax.Arr
 
     def spec_of(buf):  # MLA has no separate values: None matches None
         if isinstance(buf, QuantizedKV):  # fp8 data and scales, each in its own layout
-            return quantized.specs(buf_spec, buf.layout)
+            return quantized.specs(buf_spec, buf.slot_minor)
         return None if buf is None else buf_spec
 
     in_specs = (q_spec, kv_spec, None if v is None else kv_spec, spec_of(k_buf), spec_of(v_buf), rep)

@@ -8,8 +8,8 @@ Given a `sharding` (tensor parallelism: split over kv heads, or replicated) the 
 created already laid out, each device allocating only its part. With `dtype`
 "float8_e4m3fn" each buffer is a `pallas_kernels.quantized.QuantizedKV` (fp8 data and a
 float32 scale per token and head), which the KV write and the attention kernels read;
-where the decode kernel multiplies the values on fp8 tensor cores their data is slot-minor
-and the keys' stored in whole pages (`kv_layouts`).
+the values' data is then slot-minor where the decode kernel takes them so
+(`values_slot_minor`).
 """
 
 from __future__ import annotations
@@ -47,23 +47,19 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str | None = None) -> int:
     return total
 
 
-def kv_layouts(config: ModelConfig, kv_dtype: str | None) -> tuple[str, str]:
-    """The layouts (`QuantizedKV.layout`) of the keys' and the values' data: where the decode
-    kernel multiplies fp8 values on fp8 tensor cores (`dispatch.fp8_values_slot_minor`),
-    values slot-minor and keys in whole pages ("pages": a page of one head one contiguous
-    block, as the values' pages are), else both slot-major."""
+def values_slot_minor(config: ModelConfig, kv_dtype: str | None) -> bool:
+    """Whether fp8 values are stored slot-minor (`QuantizedKV.slot_minor`): where the decode
+    kernel multiplies them on fp8 tensor cores (`dispatch.fp8_values_slot_minor`)."""
     if kv_dtype not in KV_DTYPES or config.attention == "mla":
-        return "slots", "slots"
-    if fp8_values_slot_minor(config.n_heads, config.n_kv_heads):
-        return "pages", "pages_minor"
-    return "slots", "slots"
+        return False
+    return fp8_values_slot_minor(config.n_heads, config.n_kv_heads)
 
 
 class KVStorage:
     def __init__(self, config: ModelConfig, n_slots: int, dtype: str | None = None,
                  sharding: NamedSharding | None = None, page_size: int = 32) -> None:
-        """`page_size`: the engine's tokens a page, the blocks paged fp8 data is stored in
-        (`quantized.QuantizedKV`, `kv_layouts`)."""
+        """`page_size`: the engine's tokens a page, the blocks slot-minor fp8 values are
+        stored in (`quantized.QuantizedKV`)."""
         self._layout = (config, n_slots, dtype, sharding, page_size)
         self.dtype = jnp.dtype(dtype) if dtype in KV_DTYPES else dtype_of(dtype or config.dtype)
         self.k: jax.Array | QuantizedKV
@@ -79,13 +75,9 @@ class KVStorage:
         config, n_slots, dtype, sharding, page_size = self._layout
         k_shape, v_shape = kv_shapes(config, n_slots)
         if dtype in KV_DTYPES:
-            k_layout, v_layout = kv_layouts(config, dtype)
-
-            def paged(layout):
-                return None if layout == "slots" else page_size
-
-            self.k = quantized.zeros(k_shape, sharding, paged(k_layout), k_layout)
-            self.v = None if v_shape is None else quantized.zeros(v_shape, sharding, paged(v_layout), v_layout)
+            self.k = quantized.zeros(k_shape, sharding)
+            self.v = None if v_shape is None else quantized.zeros(
+                v_shape, sharding, page_size=page_size if values_slot_minor(config, dtype) else None)
             return
         self.k = jnp.zeros(k_shape, self.dtype, device=sharding)
         self.v = None if v_shape is None else jnp.zeros(v_shape, self.dtype, device=sharding)
