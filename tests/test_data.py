@@ -23,6 +23,7 @@ from jrl.data import (
     DataSource, assemble_rows, build_dataset, build_store, doc_pieces, encode_record, load_documents,
     load_tokenizer, open_store, plan_rows, write_store,
 )
+from jrl.data import bundled
 from jrl.data.bundled import DEFAULT_SIZES, load_bundled
 from jrl.data.records import is_heldout, iter_located_records
 from jrl.data.packing import assemble_pairs, plan_pairs
@@ -250,6 +251,17 @@ def test_a_cache_written_before_add_bos_existed_is_still_read():
                                     ("sections", "37c3d8185a855486c2de", "8b291a8bc3b2915e6ca6")]:
         cfg = DataConfig(source="bundled:tinytext:20", format=format)
         assert (cache_key(cfg, TOK, "train"), cache_key(cfg, TOK, "eval")) == (train, held_out)
+
+
+def test_a_bundled_generators_version_is_in_the_cache_key(monkeypatch):
+    # a store cached from a generator's earlier records must not be served once it draws
+    # other ones (arithmetic's records changed when it stopped repeating them)
+    cfg = DataConfig(source="bundled:arithmetic:50", sections=SECTIONS)
+    before = cache_key(cfg, TOK, "train")
+    monkeypatch.setitem(bundled.GENERATOR_VERSIONS, "arithmetic", bundled.GENERATOR_VERSIONS["arithmetic"] + 1)
+    assert cache_key(cfg, TOK, "train") != before
+    other = DataConfig(source="bundled:tinytext:20", format="text")  # its generator unchanged
+    assert cache_key(other, TOK, "train") == "f2e68f399ea11ecdf6ae"
 
 
 def test_add_bos_does_not_change_a_chat_cache_key():

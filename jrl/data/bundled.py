@@ -169,6 +169,17 @@ def lookup(n: int, seed: int = 0) -> list[dict]:
 
 GENERATORS = {"arithmetic": arithmetic, "arithmetic_pairs": arithmetic_pairs, "tinytext": tinytext,
               "addition": addition, "reverse": reverse, "lookup": lookup}
+# Raised when a generator's records change (arithmetic's and arithmetic_pairs' when they stopped
+# drawing repeats): the version is in a token store's cache key (`pipeline.cache_key`), so no
+# store of the earlier records is served. A generator at version 1 leaves its key as it was.
+GENERATOR_VERSIONS = {"arithmetic": 2, "arithmetic_pairs": 2, "tinytext": 1, "addition": 1, "reverse": 1,
+                      "lookup": 1}
+
+
+def generator_version(source: str) -> int:
+    """The version of the generator `bundled:<name>[:<n>]` names (1 for a name it lacks)."""
+    parts = source.split(":")
+    return GENERATOR_VERSIONS.get(parts[1] if len(parts) > 1 else "", 1)
 
 
 def is_bundled(source: str) -> bool:

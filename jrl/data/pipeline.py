@@ -15,6 +15,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from jrl.config import ConfigError, DataConfig, to_dict
+from jrl.data.bundled import generator_version
 from jrl.data.diagnostics import Repeated, Truncated, Untrained, locate_document, locate_record
 from jrl.data.encode import Document, encode_record
 from jrl.data.packing import PairPlan, RowPlan, assemble_pairs, assemble_rows, plan_pairs, plan_rows
@@ -101,6 +102,10 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
               if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
                        "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
                        "add_eos", "seed")}
+    if chosen is not None and bundled_source(chosen[0]) is not None:  # the generator's records as of now
+        version = generator_version(bundled_source(chosen[0]))
+        if version > 1:  # in the key only once raised: stores of unchanged generators are reused
+            fields["bundled_version"] = version
     if config.add_bos and config.format != "chat":  # in the key only where it changes the documents: with
         fields["add_bos"] = True                     # it false (the default) a store written before it existed is read
     # the held-out rule's version only in a held-out split's key: a training store's key stays
