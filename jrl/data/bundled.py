@@ -176,10 +176,15 @@ GENERATOR_VERSIONS = {"arithmetic": 2, "arithmetic_pairs": 2, "tinytext": 1, "ad
                       "lookup": 1}
 
 
+def _generator_name(source: str) -> str:
+    """`<name>` of `bundled:<name>[:<n>]` ('' where it names none)."""
+    parts = source.split(":")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def generator_version(source: str) -> int:
     """The version of the generator `bundled:<name>[:<n>]` names (1 for a name it lacks)."""
-    parts = source.split(":")
-    return GENERATOR_VERSIONS.get(parts[1] if len(parts) > 1 else "", 1)
+    return GENERATOR_VERSIONS.get(_generator_name(source), 1)
 
 
 def is_bundled(source: str) -> bool:
@@ -189,7 +194,7 @@ def is_bundled(source: str) -> bool:
 def load_bundled(source: str, seed: int = 0) -> list[dict]:
     """Records of `bundled:<name>[:<n>]`."""
     parts = source.split(":")
-    name = parts[1] if len(parts) > 1 else ""
+    name = _generator_name(source)
     if name not in GENERATORS or len(parts) > 3:
         raise ValueError(f"data.source: unknown bundled dataset {source!r}; available: "
                          + ", ".join(f"bundled:{k}" for k in GENERATORS))

@@ -90,8 +90,9 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
     encoding records by `RECORD_ENCODING_VERSION`), every file of its source included (a file added to a pattern's matches, or any file changed, gives
     a new key). A source that names no readable file raises its ConfigError."""
     chosen = split_source(config, split)
+    bundled = None if chosen is None else bundled_source(chosen[0])
     stat = None
-    if chosen is not None and bundled_source(chosen[0]) is None:
+    if chosen is not None and bundled is None:
         stat = []
         for path in source_files(chosen[0], chosen[2], config.format):
             st = os.stat(path)
@@ -102,8 +103,8 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
               if k in ("source", "eval_source", "eval_fraction", "format", "text_field", "sections",
                        "messages_field", "train_roles", "chosen_field", "rejected_field", "tokenizer",
                        "add_eos", "seed")}
-    if chosen is not None and bundled_source(chosen[0]) is not None:  # the generator's records as of now
-        version = generator_version(bundled_source(chosen[0]))
+    if bundled is not None:  # the generator's records as of now
+        version = generator_version(bundled)
         if version > 1:  # in the key only once raised: stores of unchanged generators are reused
             fields["bundled_version"] = version
     if config.add_bos and config.format != "chat":  # in the key only where it changes the documents: with
