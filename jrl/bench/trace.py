@@ -35,8 +35,9 @@ def start_session(python_tracer: bool = True):
 
 def trace_summary(xspace: bytes, n_steps: int) -> dict:
     """Kernels per step, GPU busy time per step (union of kernel intervals), the span from
-    first to last kernel, the longest idle gaps, top kernels, time by kernel class and top
-    host events, from a serialized XSpace of `n_steps` steps."""
+    first to last kernel, the longest idle gaps, top kernels, time by kernel class, the last
+    step's kernels (`kernel_summary`) and top host events, from a serialized XSpace of
+    `n_steps` steps."""
     data = ProfileData.from_serialized_xspace(xspace)
     out = {"n_steps": n_steps, "gpu_lines": {}, "top_kernels": [], "top_host": []}
     kernels, host = [], collections.defaultdict(lambda: [0, 0])
@@ -55,37 +56,51 @@ def trace_summary(xspace: bytes, n_steps: int) -> dict:
                     h = host[e.name[:90]]
                     h[0] += 1
                     h[1] += e.duration_ns
-    if kernels:
-        kernels.sort()
-        busy, cur_s, cur_e, gaps = 0, kernels[0][0], kernels[0][1], []
-        before = kernels[0][2]
-        for s, e, name in kernels[1:]:
-            if s > cur_e:
-                busy += cur_e - cur_s
-                gaps.append((s - cur_e, cur_e - kernels[0][0], before, name))
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-            if e >= cur_e:
-                before = name
-        busy += cur_e - cur_s
-        out["idle_gaps"] = [{"us": g / 1e3, "at_us": at / 1e3, "after": a[:60], "before": b[:60]}
-                            for g, at, a, b in sorted(gaps, reverse=True)[:40]]
-        out["idle_us_over_20us"] = sum(g for g, *_ in gaps if g > 20_000) / 1e3
-        span = max(e for _, e, _ in kernels) - kernels[0][0]
-        out.update(kernels_per_step=len(kernels) / n_steps, gpu_busy_us_per_step=busy / 1e3 / n_steps,
-                   gpu_span_us_per_step=span / 1e3 / n_steps)
-        by = collections.defaultdict(lambda: [0, 0])
-        classes = collections.Counter()
-        for s, e, name in kernels:
-            by[name[:90]][0] += 1
-            by[name[:90]][1] += e - s
-            classes[kernel_class(name)] += e - s
-        out["top_kernels"] = [{"name": k, "per_step": c / n_steps, "us_per_step": d / 1e3 / n_steps}
-                              for k, (c, d) in sorted(by.items(), key=lambda kv: -kv[1][1])[:60]]
-        out["by_class_us_per_step"] = {k: d / 1e3 / n_steps for k, d in classes.most_common()}
+    out.update(kernel_summary(kernels, n_steps))
     out["top_host"] = [{"name": k, "per_step": c / n_steps, "us_per_step": d / 1e3 / n_steps}
                        for k, (c, d) in sorted(host.items(), key=lambda kv: -kv[1][1])[:30]]
+    return out
+
+
+def kernel_summary(kernels: list[tuple[int, int, str]], n_steps: int) -> dict:
+    """The GPU side of `trace_summary` from `(start_ns, end_ns, name)` kernel intervals of
+    `n_steps` steps (any order): kernels per step, busy time (the union of the intervals),
+    span, the longest idle gaps, top kernels, time by class and `step_kernels`, the last
+    step's share of kernels in launch order with their µs (which fusions a step runs, and
+    what each costs). Empty for no kernels."""
+    if not kernels:
+        return {}
+    out = {}
+    kernels = sorted(kernels)
+    busy, cur_s, cur_e, gaps = 0, kernels[0][0], kernels[0][1], []
+    before = kernels[0][2]
+    for s, e, name in kernels[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((s - cur_e, cur_e - kernels[0][0], before, name))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+        if e >= cur_e:
+            before = name
+    busy += cur_e - cur_s
+    out["idle_gaps"] = [{"us": g / 1e3, "at_us": at / 1e3, "after": a[:60], "before": b[:60]}
+                        for g, at, a, b in sorted(gaps, reverse=True)[:40]]
+    out["idle_us_over_20us"] = sum(g for g, *_ in gaps if g > 20_000) / 1e3
+    span = max(e for _, e, _ in kernels) - kernels[0][0]
+    out.update(kernels_per_step=len(kernels) / n_steps, gpu_busy_us_per_step=busy / 1e3 / n_steps,
+               gpu_span_us_per_step=span / 1e3 / n_steps)
+    by = collections.defaultdict(lambda: [0, 0])
+    classes = collections.Counter()
+    for s, e, name in kernels:
+        by[name[:90]][0] += 1
+        by[name[:90]][1] += e - s
+        classes[kernel_class(name)] += e - s
+    out["top_kernels"] = [{"name": k, "per_step": c / n_steps, "us_per_step": d / 1e3 / n_steps}
+                          for k, (c, d) in sorted(by.items(), key=lambda kv: -kv[1][1])[:60]]
+    out["by_class_us_per_step"] = {k: d / 1e3 / n_steps for k, d in classes.most_common()}
+    out["step_kernels"] = [{"name": name[:90], "us": (e - s) / 1e3}
+                           for s, e, name in kernels[-max(1, len(kernels) // n_steps):]]
     return out
 
 
