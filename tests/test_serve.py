@@ -1383,12 +1383,16 @@ with ServerThread(server, app) as thread:
 
 @pytest.mark.parametrize("argv,message", [
     # 0 (or less) started a server that answered every request with a 413
-    (["--max-request-mb", "0"], r"--max-request-mb: must be > 0 MiB, got 0.0"),
+    (["--max-request-mb", "0"], r"--max-request-mb: must be a finite number > 0 MiB, got 0.0"),
     # -1 started a server whose shutdown killed the engine process at once ("did not stop within -1 s")
-    (["--shutdown-timeout", "-1"], r"--shutdown-timeout: must be >= 0 seconds, got -1.0"),
+    (["--shutdown-timeout", "-1"], r"--shutdown-timeout: must be a finite number >= 0 seconds, got -1.0"),
     # `--max-seq-len 0` was read as "not given": the server quietly served the model's 128
     (["--max-seq-len", "0"], r"--max-seq-len: must be >= 1, got 0"),
-], ids=["max-request-mb", "shutdown-timeout", "max-seq-len"])
+    # inf passed the check, then the app's body limit failed to build: an OverflowError traceback, exit 1
+    (["--max-request-mb", "inf"], r"--max-request-mb: must be a finite number > 0 MiB, got inf"),
+    # inf started a server whose shutdown failed with an OverflowError ("timestamp out of range")
+    (["--shutdown-timeout", "inf"], r"--shutdown-timeout: must be a finite number >= 0 seconds, got inf"),
+], ids=["max-request-mb", "shutdown-timeout", "max-seq-len", "max-request-mb-inf", "shutdown-timeout-inf"])
 def test_a_flag_value_the_server_cannot_run_with_is_a_startup_error_naming_the_flag(hf_dirs, argv, message):
     served = load_served(f"hf:{hf_dirs[0]}", None, None, dtype="float32")
     with pytest.raises(ConfigError, match=f"^{message}$"):

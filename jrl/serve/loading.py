@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -239,10 +240,12 @@ def engine_config(served: Served, args: argparse.Namespace, free_memory: int | N
         raise ConfigError(f"--max-queue: must be >= 0, got {args.max_queue}")
     if not args.timeout_keep_alive > 0:
         raise ConfigError(f"--timeout-keep-alive: must be > 0 seconds, got {args.timeout_keep_alive}")
-    if not args.max_request_mb > 0:  # else every request is a 413
-        raise ConfigError(f"--max-request-mb: must be > 0 MiB, got {args.max_request_mb}")
-    if not args.shutdown_timeout >= 0:
-        raise ConfigError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
+    # 0 or less: every request a 413; inf: no body limit could be built (an OverflowError)
+    if not 0 < args.max_request_mb < math.inf:
+        raise ConfigError(f"--max-request-mb: must be a finite number > 0 MiB, got {args.max_request_mb}")
+    # inf: the shutdown's timers and joins fail with an OverflowError
+    if not 0 <= args.shutdown_timeout < math.inf:
+        raise ConfigError(f"--shutdown-timeout: must be a finite number >= 0 seconds, got {args.shutdown_timeout}")
     for field, flag in FLAGGED_FIELDS.items():  # the pool and token budget are sized from the flags
         if field in extra:
             raise ConfigError(f"--engine: {field} is set with {flag} ({flag} {extra[field]})")
