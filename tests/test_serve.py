@@ -934,6 +934,17 @@ def test_a_body_that_is_not_utf8_is_a_400_saying_so(live):
     assert body.index(b"\xe9") == 37
 
 
+def test_malformed_json_is_a_400_saying_what_is_wrong_and_where(live):
+    # the message was "the body is not valid JSON (JSON decode error)": nothing on what or where
+    body = b'{"model": "%s", "prompt": "hi",}' % NAME.encode()  # a trailing comma
+    r = live.http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": "the body is not valid JSON: Expecting property name enclosed in double "
+                                             "quotes at line 1 column 39 (char 38)", "type": "invalid_request_error",
+                                  "param": None, "code": None}}
+    assert body.index(b"}") == 38
+
+
 @pytest.mark.parametrize("depth", [3_000, 100_000], ids=["small body", "large body, on the pool"])
 def test_a_body_nested_too_deeply_is_a_400_saying_so(live, depth):
     # json.loads' RecursionError was answered "There was an error parsing the body"

@@ -425,8 +425,10 @@ def create_app(server: Server, *, shutdown_timeout: float = 30.0, max_request_mb
     async def _validation_error(request: Request, e: RequestValidationError):
         errors = e.errors()
         first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return _error_response(ServeError(f"the body is not valid JSON ({first.get('msg', '')})"))
+        if first.get("type") == "json_invalid":  # what json.loads found wrong, and where (`parse_body`)
+            ctx = first.get("ctx", {})
+            what = f": {ctx['error']} at {ctx['position']}" if "position" in ctx else f" ({first.get('msg', '')})"
+            return _error_response(ServeError(f"the body is not valid JSON{what}"))
         loc = [x for x in first.get("loc", ()) if x != "body"]
         param = ""
         for x in loc:

@@ -381,7 +381,9 @@ def parse_body(model: type[M], raw: bytes, content_type: str | None) -> M:
                     body = json.loads(raw)
     except json.JSONDecodeError as e:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": e.msg}}], body=e.doc) from e
+                                       "input": {}, "ctx": {"error": e.msg, "position": f"line {e.lineno} column "
+                                                                                        f"{e.colno} (char {e.pos})"}}],
+                                     body=e.doc) from e
     except Exception as e:  # e.g. a UnicodeDecodeError: the handler names the bytes
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
     if not raw:
