@@ -571,6 +571,37 @@ def test_an_assistant_message_with_tool_calls_and_null_content_is_accepted(live)
     assert r.usage.prompt_tokens == len(tok.encode(rendered)) and r.usage.completion_tokens == 2
 
 
+# How Qwen2.5's and Llama 3.1's chat templates write an assistant message's tool calls: the
+# arguments through `tojson`, as transformers' tool-use templates expect them, a dict.
+TOOL_CALL_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + (m.content or '') }}"
+    "{% for c in m.tool_calls or [] %}{% set c = c.function %}"
+    "{{ '<tool_call>{\"name\": \"' + c.name + '\", \"arguments\": ' }}{{ c.arguments | tojson }}{{ '}</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endfor %}{{ '<|im_start|>assistant\n' }}")
+
+
+def rendered_chat(live, monkeypatch, messages: list[dict]) -> str:
+    """The prompt `messages` are rendered to (with TOOL_CALL_TEMPLATE), as the engine gets it."""
+    monkeypatch.setattr(live.server.tokenizer, "chat_template", TOOL_CALL_TEMPLATE)
+    _, prompts, _, _ = live.server.prepare_chat(json.dumps({**CHAT, "messages": messages}).encode(),
+                                                "application/json")
+    return live.server.tokenizer.decode(prompts[0].tolist())
+
+
+def test_a_tool_calls_arguments_sent_back_as_a_json_string_reach_the_template_as_an_object(live, monkeypatch):
+    # OpenAI's `arguments` is a JSON string (as the server answers it); templates write them with
+    # `tojson`, which made the model read '"arguments": "{\"a\": 2, \"b\": 3}"', not the call it wrote
+    text = rendered_chat(live, monkeypatch, [*ASKED, {"role": "tool", "tool_call_id": "call_0", "content": "5"}])
+    assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>' in text
+
+
+def test_tool_call_arguments_that_are_no_json_object_reach_the_template_as_sent(live, monkeypatch):
+    call = {**CALL, "function": {"name": "add", "arguments": "a=2, b=3"}}
+    text = rendered_chat(live, monkeypatch, [ASKED[0], {**ASKED[1], "tool_calls": [call]},
+                                             {"role": "tool", "tool_call_id": "call_0", "content": "5"}])
+    assert '<tool_call>{"name": "add", "arguments": "a=2, b=3"}</tool_call>' in text
+
+
 def tool_call_id_error(live, messages: list[dict], message: str) -> None:
     """The 400 of the last message's `tool_call_id`, its message `message`."""
     r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": messages})

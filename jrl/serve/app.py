@@ -245,6 +245,8 @@ class Server:
                 msg["content"] = "".join(parts)
             elif m.content is None:
                 msg["content"] = ""
+            if m.role == "assistant" and isinstance(msg.get("tool_calls"), list):
+                msg["tool_calls"] = [_arguments_as_object(call) for call in msg["tool_calls"]]
             messages.append(msg)
         for i, msg in enumerate(messages):
             if isinstance(msg.get("content"), str):
@@ -294,6 +296,23 @@ class Server:
                 raise ServeError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             prompts.append(np.asarray(ids, np.int32))
         return prompts
+
+
+def _arguments_as_object(call: Any) -> Any:
+    """An assistant message's tool call as chat templates take it: OpenAI's `arguments`, a JSON
+    string (as this server answers it), as the object it holds (an empty string: no arguments),
+    as vLLM passes it. Tool-use templates (Qwen2.5's, Llama 3.1's) write the arguments with
+    `tojson`, which wrote the string JSON-encoded (`"arguments": "{\\"a\\": 1}"`), not the call
+    the model wrote. Arguments that are not a JSON object's text reach the template as sent."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):  # not JSON, or JSON Python will not read (nested too deeply)
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 def _check_text(text: str, where: str, param: str) -> None:
