@@ -507,6 +507,23 @@ def test_optional_fields_sent_as_null_take_their_defaults(live, path, body, extr
     assert got["choices"][0][key] == plain["choices"][0][key]
 
 
+def test_a_prompt_of_several_that_fills_the_context_is_named_by_its_index(live):
+    # the message said "the prompt has 128 tokens" for one of a list (which one?)
+    r = live.http.post("/v1/completions", json={**COMP, "prompt": [[3] * 4, [3] * 128, [3] * 2]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "prompt: prompt[1] has 128 tokens, the context is 128 (max_seq_len): no "
+                                            "room for a completion", "type": "invalid_request_error", "param": "prompt",
+                                 "code": None}
+
+
+def test_max_tokens_past_the_context_of_one_prompt_of_several_names_that_prompt(live):
+    r = live.http.post("/v1/completions", json={**COMP, "prompt": [[3] * 2, [3] * 120], "max_tokens": 10})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "max_tokens: prompt[1] (120 tokens) + max_tokens (10) = 130 exceeds the "
+                                            "context of 128 tokens (max_seq_len)", "type": "invalid_request_error",
+                                 "param": "max_tokens", "code": None}
+
+
 def test_a_lone_surrogate_is_named_with_its_place(live):
     r = live.http.post("/v1/completions", content=b'{"model": "%s", "prompt": ["ok", "a\\ud800b"]}' % NAME.encode(),
                        headers={"Content-Type": "application/json"})
@@ -1732,7 +1749,7 @@ def test_a_prompt_over_the_step_budget_without_chunked_prefill_is_a_400_naming_p
         r = live.http.post("/v1/completions", json={"model": NAME, "prompt": [[1, 2, 3], list(range(1, 41))],
                                                     "max_tokens": 8})
         assert r.status_code == 400, r.text
-        assert r.json()["error"] == {"message": "prompt: the prompt has 40 tokens; without chunked_prefill a prompt "
+        assert r.json()["error"] == {"message": "prompt: prompt[1] has 40 tokens; without chunked_prefill a prompt "
                                                 "is prefilled in one step of at most max_tokens_per_step (32) tokens",
                                      "type": "invalid_request_error", "param": "prompt", "code": None}
         h = settle(live)

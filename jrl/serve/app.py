@@ -143,7 +143,8 @@ class Server:
         body, stop = self._checked_body(CompletionRequest, raw, content_type)
         prompts = self.completion_prompts(body)
         limit = body.max_tokens if body.max_tokens is not None else 16
-        limits = [self.max_new_tokens(len(p), limit, "max_tokens", "prompt") for p in prompts]
+        limits = [self.max_new_tokens(len(p), limit, "max_tokens", "prompt", "prompt" if len(prompts) == 1 else
+                                      f"prompt[{k}]") for k, p in enumerate(prompts)]
         return body, prompts, limits[0] if len(set(limits)) == 1 else limits, stop
 
     # ------------------------------------------------------------------ requests -> engine requests
@@ -180,25 +181,28 @@ class Server:
             field = message.split(":", 1)[0].removeprefix("sampling.")
             raise ServeError(message.removeprefix("sampling."), param=field) from None
 
-    def max_new_tokens(self, prompt_len: int, limit: int | None, field: str, prompt_field: str) -> int:
-        """The request's max_new_tokens: `limit`, or what is left of the context."""
+    def max_new_tokens(self, prompt_len: int, limit: int | None, field: str, prompt_field: str,
+                       which: str = "prompt") -> int:
+        """The request's max_new_tokens: `limit`, or what is left of the context. `which`: the
+        prompt the errors name, `prompt[k]` of several (one of a hundred was not found)."""
         seq_limit = self.engine.seq_limit
+        the = "the prompt" if which == "prompt" else which
         if prompt_len >= seq_limit:
-            raise ServeError(f"{prompt_field}: the prompt has {prompt_len} tokens, the context is {seq_limit} "
+            raise ServeError(f"{prompt_field}: {the} has {prompt_len} tokens, the context is {seq_limit} "
                              f"(max_seq_len): no room for a completion", param=prompt_field)
         config = self.engine.config
         if not config.chunked_prefill and prompt_len > config.max_tokens_per_step:  # the engine would refuse it
-            raise ServeError(f"{prompt_field}: the prompt has {prompt_len} tokens; without chunked_prefill a prompt "
+            raise ServeError(f"{prompt_field}: {the} has {prompt_len} tokens; without chunked_prefill a prompt "
                              f"is prefilled in one step of at most max_tokens_per_step ({config.max_tokens_per_step}) "
                              f"tokens", param=prompt_field)
         if limit is None:
             limit = seq_limit - prompt_len
         elif prompt_len + limit > seq_limit:
-            raise ServeError(f"{field}: prompt ({prompt_len} tokens) + {field} ({limit}) = {prompt_len + limit} "
+            raise ServeError(f"{field}: {which} ({prompt_len} tokens) + {field} ({limit}) = {prompt_len + limit} "
                              f"exceeds the context of {seq_limit} tokens (max_seq_len)", param=field)
         pages = self.engine.config.pages_for(prompt_len + limit)
         if pages > self.engine.config.n_pages:
-            raise ServeError(f"{field}: prompt + {field} = {prompt_len + limit} tokens need {pages} KV pages, the "
+            raise ServeError(f"{field}: {which} + {field} = {prompt_len + limit} tokens need {pages} KV pages, the "
                              f"pool has {self.engine.config.n_pages}", param=field)
         return limit
 
