@@ -1625,6 +1625,15 @@ def test_a_hf_directory_without_a_tokenizer_asks_for_one(tmp_path):
     assert served.tokenizer.vocab_size == 262
 
 
+def test_overrides_without_a_run_config_to_override_are_a_config_error(hf_dirs):
+    # `jrl serve --model hf:<dir> data.tokenizer=...` started a server that had dropped them
+    with pytest.raises(ConfigError) as e:
+        load_served(model=f"hf:{hf_dirs[0]}", overrides=["data.tokenizer=bytes", "model.dtype=bfloat16"])
+    assert str(e.value) == ("key=value overrides: data.tokenizer=bytes, model.dtype=bfloat16 override a run config "
+                            "(--checkpoint, or --config with --model), and --model without --config reads none; "
+                            "give --config, or the flags --tokenizer / --dtype")
+
+
 def test_model_naming_config_json_asks_for_its_directory(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError) as e:

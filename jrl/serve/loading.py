@@ -96,6 +96,10 @@ def load_served(model: str | None = None, checkpoint: str | None = None, config:
                           "jrl checkpoints go to --checkpoint")
     ckpt = resolve_checkpoint(spec, "--model" if model is not None else "--checkpoint")
     if model is not None and config is None:
+        if overrides:  # nothing to apply them to: they were dropped without a word
+            raise ConfigError(f"key=value overrides: {', '.join(overrides)} override a run config (--checkpoint, or "
+                              f"--config with --model), and --model without --config reads none; give --config, or "
+                              f"the flags --tokenizer / --dtype")
         hf_dir = model[3:]
         if not tokenizer and not os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
             # e.g. a jrl export (jrl.hf.save_pretrained writes weights and config.json only);
