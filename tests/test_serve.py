@@ -612,6 +612,14 @@ def test_a_tool_calls_arguments_sent_back_as_a_json_string_reach_the_template_as
     assert '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>' in text
 
 
+def test_a_messages_text_parts_reach_the_template_joined_by_newlines(live, monkeypatch):
+    # joined with nothing between them, "Summarize:" and "the cat sat" reached the model as
+    # "Summarize:the cat sat" (vLLM, SGLang and TensorRT-LLM join them with a newline)
+    parts = [{"type": "text", "text": "Summarize:"}, {"type": "text", "text": "the cat sat"}]
+    text = rendered_chat(live, monkeypatch, [{"role": "user", "content": parts}])
+    assert text == "<|im_start|>user\nSummarize:\nthe cat sat<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_tool_call_arguments_that_are_no_json_object_reach_the_template_as_sent(live, monkeypatch):
     call = {**CALL, "function": {"name": "add", "arguments": "a=2, b=3"}}
     text = rendered_chat(live, monkeypatch, [ASKED[0], {**ASKED[1], "tool_calls": [call]},

@@ -246,7 +246,7 @@ class Server:
                         raise ServeError(f"messages[{i}].content[{j}]: a text part needs a string 'text', got {got}",
                                          param=f"messages[{i}].content")
                     parts.append(part["text"])
-                msg["content"] = "".join(parts)
+                msg["content"] = "\n".join(parts)  # as vLLM, SGLang and TensorRT-LLM join them
             elif m.content is None:
                 msg["content"] = ""
             if m.role == "assistant" and isinstance(msg.get("tool_calls"), list):
