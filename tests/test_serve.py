@@ -627,6 +627,20 @@ def test_tool_call_arguments_that_are_no_json_object_reach_the_template_as_sent(
     assert '<tool_call>{"name": "add", "arguments": "a=2, b=3"}</tool_call>' in text
 
 
+@pytest.mark.parametrize("calls,where,got", [("call_0", "tool_calls", "'call_0'"),
+                                              ({"id": "call_0"}, "tool_calls", "{'id': 'call_0'}"),
+                                              ([CALL, "call_1"], "tool_calls[1]", "'call_1'")],
+                         ids=["a string", "an object", "an entry not an object"])
+def test_tool_calls_that_are_not_a_list_of_objects_are_a_400_naming_them(live, calls, where, got):
+    # they were taken as calls: their message's missing content let through, the template given a string
+    messages = [ASKED[0], {"role": "assistant", "content": None, "tool_calls": calls}]
+    r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert r.status_code == 400, r.text
+    what = "a tool call object" if "[" in where else "a list of tool call objects"
+    assert r.json()["error"] == {"message": f"messages[1].{where}: must be {what}, got {got}",
+                                 "type": "invalid_request_error", "param": "messages[1].tool_calls", "code": None}
+
+
 def tool_call_id_error(live, messages: list[dict], message: str) -> None:
     """The 400 of the last message's `tool_call_id`, its message `message`."""
     r = live.http.post("/v1/chat/completions", json={**CHAT, "messages": messages})

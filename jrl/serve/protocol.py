@@ -211,6 +211,8 @@ class ChatCompletionRequest(_Common):
             if name is not None and not isinstance(name, str):  # as OpenAI's; a template would render it as is
                 raise ServeError(f"messages[{i}].name: must be a string, got {_short_repr(name)}",
                                  param=f"messages[{i}].name")
+            if m.role == "assistant":
+                _check_tool_calls(i, extra.get("tool_calls"))
             if m.role == "tool":
                 _check_tool_answer(i, extra.get("tool_call_id"), asked)
             else:
@@ -285,6 +287,20 @@ class CompletionRequest(_Common):
 def _call_ids(calls: Any) -> list[Any]:
     """The ids of an assistant message's `tool_calls`."""
     return [c.get("id") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+
+
+def _check_tool_calls(i: int, calls: Any) -> None:
+    """Message i's `tool_calls` (an assistant message's), if any: a list of objects, as
+    OpenAI's API takes them. A string or an object was taken for calls (the message's missing
+    content let through, the chat template given it to iterate)."""
+    if calls is None:
+        return
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ServeError(f"{where}: must be a list of tool call objects, got {_short_repr(calls)}", param=where)
+    for j, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise ServeError(f"{where}[{j}]: must be a tool call object, got {_short_repr(call)}", param=where)
 
 
 def _check_tool_answer(i: int, call_id: Any, asked: tuple[int, list[Any]] | None) -> None:
