@@ -259,13 +259,16 @@ def _token_content(value: Any) -> str | None:
     return value
 
 
-def _pick_template(value: Any, where: str) -> str | None:
+def _pick_template(value: Any, where: str) -> tuple[str | None, dict[str, str]]:
+    """(the template, the named templates beside it) of a tokenizer_config.json
+    `chat_template`: a string, or a list of named templates whose `default` entry is the
+    template (transformers renders its `tool_use` entry for a call with tools)."""
     if value is None or isinstance(value, str):
-        return value
+        return value, {}
     if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
         if "default" in named:
-            return named["default"]
+            return named["default"], named
         raise ValueError(f"{where}: chat_template has no 'default' entry (has {sorted(map(str, named))})")
     raise ValueError(f"{where}: chat_template must be a string or a list of named templates")
 
@@ -289,7 +292,8 @@ class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` (tokenizer.json) with its special tokens and chat template."""
 
     def __init__(self, tokenizer: Any, *, eos_token: str, pad_token: str | None = None,
-                 bos_token: str | None = None, chat_template: str | None = None):
+                 bos_token: str | None = None, chat_template: str | None = None,
+                 tool_use_template: str | None = None):
         self._tok = tokenizer
         self.eos_token, self.bos_token = eos_token, bos_token
         self.pad_token = pad_token or eos_token  # common practice when a vocab has no pad token
@@ -297,6 +301,9 @@ class HFTokenizer:
         self.pad_id = self._id(self.pad_token, "pad_token")
         self.bos_id = self._id(bos_token, "bos_token") if bos_token else None
         self.chat_template = chat_template
+        # what a call with tools renders in place of chat_template (a named list's `tool_use`
+        # entry, as transformers picks it), or None
+        self.tool_use_template = tool_use_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def _id(self, token: str, field: str) -> int:
@@ -308,12 +315,13 @@ class HFTokenizer:
     @classmethod
     def from_file(cls, tokenizer_json: str, tokenizer_config: str | None = None, *,
                   special_tokens_map: str | None = None, chat_template: str | None = None,
-                  eos_token: str | None = None, pad_token: str | None = None,
-                  bos_token: str | None = None) -> HFTokenizer:
+                  tool_use_template: str | None = None, eos_token: str | None = None,
+                  pad_token: str | None = None, bos_token: str | None = None) -> HFTokenizer:
         """Loads `tokenizer.json`, plus special tokens and chat_template from an optional
         `tokenizer_config.json`, and the special tokens it does not name from an optional
         `special_tokens_map.json` (where older model directories keep them); keyword
-        arguments override all of them."""
+        arguments override all of them (`chat_template` the file's named templates too).
+        `tool_use_template` (or a named template list's `tool_use` entry) renders calls with tools."""
         tokenizer_json = os.fspath(tokenizer_json)
         try:
             tok = RawTokenizer.from_file(tokenizer_json)
@@ -329,15 +337,18 @@ class HFTokenizer:
         if not eos:
             raise ValueError(f"eos_token: {tokenizer_json} has no eos_token in a tokenizer_config.json or "
                              "special_tokens_map.json; pass eos_token=...")
+        # a template given here replaces the file's, named ones included (as chat_template.jinja does)
+        template, templates = (chat_template, {}) if chat_template else _pick_template(cfg.get("chat_template"),
+                                                                                       str(tokenizer_config))
         return cls(tok, eos_token=eos, pad_token=special(pad_token, "pad_token"),
-                   bos_token=special(bos_token, "bos_token"),
-                   chat_template=chat_template or _pick_template(cfg.get("chat_template"),
-                                                                 str(tokenizer_config)))
+                   bos_token=special(bos_token, "bos_token"), chat_template=template,
+                   tool_use_template=tool_use_template or templates.get("tool_use"))
 
     @classmethod
     def from_dir(cls, path: str, **overrides: Any) -> HFTokenizer:
         """A Hugging Face model directory: tokenizer.json, tokenizer_config.json if present, and
-        chat_template.jinja (newer transformers keep the template there) if present."""
+        chat_template.jinja and additional_chat_templates/tool_use.jinja (newer transformers
+        keep the templates there) if present."""
         path = os.fspath(path)
         tokenizer_json = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tokenizer_json):
@@ -346,14 +357,19 @@ class HFTokenizer:
 
     @classmethod
     def _from_file_and_siblings(cls, tokenizer_json: str, **overrides: Any) -> HFTokenizer:
-        """`tokenizer_json` with the `tokenizer_config.json`, `special_tokens_map.json` and
-        `chat_template.jinja` beside it, if present (what `from_dir` reads; `load_tokenizer` given the file's path)."""
+        """`tokenizer_json` with the `tokenizer_config.json`, `special_tokens_map.json`,
+        `chat_template.jinja` and `additional_chat_templates/tool_use.jinja` beside it, if
+        present (what `from_dir` reads; `load_tokenizer` given the file's path). Newer
+        transformers save a named template list's `default` entry as chat_template.jinja and
+        the others into additional_chat_templates/."""
         folder = os.path.dirname(os.fspath(tokenizer_json))
         config, named = (os.path.join(folder, name) for name in ("tokenizer_config.json", "special_tokens_map.json"))
-        jinja = os.path.join(folder, "chat_template.jinja")
-        if "chat_template" not in overrides and os.path.exists(jinja):
-            with open(jinja, encoding="utf-8") as f:
-                overrides["chat_template"] = f.read()
+        for key, file in (("chat_template", "chat_template.jinja"),
+                          ("tool_use_template", os.path.join("additional_chat_templates", "tool_use.jinja"))):
+            jinja = os.path.join(folder, file)
+            if key not in overrides and os.path.exists(jinja):
+                with open(jinja, encoding="utf-8") as f:
+                    overrides[key] = f.read()
         return cls.from_file(tokenizer_json, config if os.path.exists(config) else None,
                              special_tokens_map=named if os.path.exists(named) else None, **overrides)
 
@@ -412,6 +428,10 @@ class HFTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = False, template: str | None = None,
                             **context: Any) -> str:
+        """Renders `messages` with `template`, else the tokenizer's: its `tool_use_template`
+        when `tools` are given and it has one (as transformers chooses), else `chat_template`."""
+        if template is None and context.get("tools") is not None:
+            template = self.tool_use_template
         return apply_chat_template(messages, template or self.chat_template,
                                    add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token, eos_token=self.eos_token, **context)

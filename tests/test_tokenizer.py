@@ -219,6 +219,35 @@ def test_named_template_list_uses_the_default_entry(bpe_dir, tmp_path):
     assert tok.chat_template == "plain"
 
 
+def test_named_template_list_renders_its_tool_use_entry_when_tools_are_given(bpe_dir, tmp_path):
+    # transformers picks "tool_use" for a call with tools (Hermes, Command-R): rendering the
+    # default one instead left the tool schemas out of the prompt without a word
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>",
+        "chat_template": [{"name": "default", "template": "plain:{{ messages[0]['content'] }}"},
+                          {"name": "tool_use", "template": "{{ tools | length }} tool(s):{{ messages[0]['content'] }}"}]}))
+    tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    assert tok.apply_chat_template(MESSAGES[1:2], tools=tools) == "1 tool(s):Hi"
+    assert tok.apply_chat_template(MESSAGES[1:2]) == "plain:Hi"
+    assert tok.apply_chat_template(MESSAGES[1:2], tools=None) == "plain:Hi"
+    assert tok.apply_chat_template(MESSAGES[1:2], tools=tools, template="own") == "own"
+
+
+def test_a_directory_renders_additional_chat_templates_tool_use_jinja_when_tools_are_given(bpe_dir, tmp_path):
+    # where newer transformers save a named list: default in chat_template.jinja, the others beside it
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((bpe_dir / name).read_bytes())
+    (tmp_path / "chat_template.jinja").write_text("plain:{{ messages[0]['content'] }}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(
+        "{{ tools | length }} tool(s):{{ messages[0]['content'] }}")
+    for spec in (tmp_path, tmp_path / "tokenizer.json"):
+        tok = load_tokenizer(str(spec))
+        assert tok.apply_chat_template(MESSAGES[1:2], tools=[{"type": "function"}]) == "1 tool(s):Hi"
+        assert tok.apply_chat_template(MESSAGES[1:2]) == "plain:Hi"
+
+
 def test_hf_tokenizer_without_template_uses_the_default(bpe_dir):
     tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", eos_token="<|im_end|>")
     assert tok.apply_chat_template(MESSAGES[1:2]) == "<|user|>\nHi<|im_end|>"
