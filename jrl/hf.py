@@ -293,6 +293,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
         raise HFFormatError(f"{where}: model_type {model_type!r} is not supported; "
                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     _numpy_dtype(dtype)
+    if max_position_embeddings is not None and (isinstance(max_position_embeddings, bool) or not isinstance(
+            max_position_embeddings, int) or max_position_embeddings <= 0):  # the argument's, not config.json's
+        raise HFFormatError(f"max_position_embeddings: must be a positive integer, got {max_position_embeddings!r}")
     if isinstance(ignore_fields, str):  # set() of it would ignore its letters, not the field
         raise HFFormatError(f"ignore_fields: must be a list of config field names, got the string "
                             f"{ignore_fields!r} (write [{ignore_fields!r}])")

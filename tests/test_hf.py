@@ -741,6 +741,16 @@ def test_a_zero_context_override_is_refused_not_ignored():
         hf.config_from_hf(fixture_config("llama"), max_position_embeddings=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("value", [0, -1, "64", 64.0, True])
+def test_a_bad_context_override_is_named_as_the_argument_not_as_config_json(family, value):
+    # it was reported as config.json's value (which is fine), and a string raised a bare
+    # TypeError where a sliding window is compared with it
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(fixture(family), max_position_embeddings=value)
+    assert str(error.value) == f"max_position_embeddings: must be a positive integer, got {value!r}"
+
+
 def test_zero_attention_heads_are_refused_by_name():
     with pytest.raises(hf.HFFormatError, match="num_attention_heads must be a positive integer, got 0"):
         hf.config_from_hf({**fixture_config("llama"), "num_attention_heads": 0})
