@@ -395,6 +395,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
         counts = {k: get_int(k) for k in ("num_experts", "num_local_experts") if hf.get(k) is not None}
         if len(set(counts.values())) != 1:
             raise HFFormatError(f"{where}: need one expert count in num_experts/num_local_experts, got {counts}")
+        for key, count in counts.items():  # 0 would build a dense jrl model, which the MoE weights do not fit
+            if count <= 0:
+                raise HFFormatError(f"{where}: {key}: must be a positive integer, got {count}")
         fields.update(
             n_experts=next(iter(counts.values())),
             n_experts_per_tok=get_int("num_experts_per_tok"),
@@ -409,8 +412,22 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
         fields.update(shared_expert_intermediate_size=shared, shared_expert_gate=True)
     try:
         return ModelConfig(**fields), model_type
-    except ConfigError as e:
-        raise HFFormatError(f"{where}: gives an invalid jrl ModelConfig: {e}") from e
+    except ConfigError as e:  # says it in config.json's words: its keys, not the ModelConfig fields they set
+        names = _hf_keys(hf, model_type)
+        message = re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: names[m[1]], str(e))
+        raise HFFormatError(f"{where}: {message}") from e
+
+
+def _hf_keys(hf: Mapping[str, Any], model_type: str) -> dict[str, str]:
+    """The config.json key of each ModelConfig field `config_from_hf` sets under another name."""
+    names = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+             "rope_scaling": "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"}
+    if model_type in MOE_TYPES:
+        names["n_experts"] = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+        names["n_experts_per_tok"] = "num_experts_per_tok"
+    if model_type == "mixtral":
+        names["moe_intermediate_size"] = "intermediate_size"
+    return names
 
 
 def infer_model_type(config: ModelConfig) -> str:

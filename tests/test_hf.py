@@ -970,6 +970,24 @@ def test_a_config_value_of_the_wrong_type_is_named(family, key, value, message):
     assert str(error.value) == f"config.json: {message}"
 
 
+@pytest.mark.parametrize("family,edit,message", [
+    ("llama", {"num_key_value_heads": 3}, "num_key_value_heads: must divide num_attention_heads (4), got 3"),
+    ("llama", {"num_hidden_layers": 0}, "num_hidden_layers: must be a positive integer, got 0"),
+    ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok: must be in [1, num_local_experts=4], got 5"),
+    ("qwen2_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok: must be in [1, num_experts=4], got 0"),
+    ("mixtral", {"intermediate_size": 0}, "intermediate_size: must be a positive integer, got 0"),
+    ("qwen2_moe", {"num_experts": 0}, "num_experts: must be a positive integer, got 0"),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": -1.0}},
+     "rope_parameters.factor: must be > 0, got -1.0"),
+])
+def test_an_invalid_value_is_named_by_its_config_json_key_not_by_the_jrl_field(family, edit, message):
+    # the message named jrl's fields (n_kv_heads, n_layers, n_experts, rope_scaling), which
+    # the config.json it blamed does not have
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.config_from_hf({**fixture_config(family), **edit})
+    assert str(error.value) == f"config.json: {message}"
+
+
 def test_a_null_rope_theta_is_named():
     cfg = {k: v for k, v in fixture_config("mistral").items() if k != "rope_parameters"}
     with pytest.raises(hf.HFFormatError) as error:
