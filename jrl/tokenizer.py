@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as RawTokenizer
 
 from jrl.json_files import read_json_object
@@ -283,6 +284,18 @@ def _byte_of_char() -> dict[str, int]:
     return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(moved)}}
 
 
+def _register_special_tokens(tokenizer: Any, tokens: Sequence[str | None]) -> None:
+    """Makes the vocabulary tokens among `tokens` that `tokenizer` (loaded here, not the
+    caller's) does not list as added special tokens, as transformers does with the special
+    tokens tokenizer_config.json names: their text then encodes as their single id wherever
+    it stands (a chat template's `</s>` after a word) and `skip_special_tokens` drops them.
+    A token outside the vocabulary is left for the caller to refuse by name."""
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    missing = [t for t in dict.fromkeys(tokens) if t and t not in added and tokenizer.token_to_id(t) is not None]
+    if missing:
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+
+
 _BYTE_OF_CHAR = _byte_of_char()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
 _GIL_FREE_CHARS = 4096  # texts at least this long are encoded with the GIL released (HFTokenizer.encode)
@@ -337,11 +350,12 @@ class HFTokenizer:
         if not eos:
             raise ValueError(f"eos_token: {tokenizer_json} has no eos_token in a tokenizer_config.json or "
                              "special_tokens_map.json; pass eos_token=...")
+        specials = [special(pad_token, "pad_token"), special(bos_token, "bos_token")]
+        _register_special_tokens(tok, [eos, *specials])
         # a template given here replaces the file's, named ones included (as chat_template.jinja does)
         template, templates = (chat_template, {}) if chat_template else _pick_template(cfg.get("chat_template"),
                                                                                        str(tokenizer_config))
-        return cls(tok, eos_token=eos, pad_token=special(pad_token, "pad_token"),
-                   bos_token=special(bos_token, "bos_token"), chat_template=template,
+        return cls(tok, eos_token=eos, pad_token=specials[0], bos_token=specials[1], chat_template=template,
                    tool_use_template=tool_use_template or templates.get("tool_use"))
 
     @classmethod

@@ -141,6 +141,20 @@ def test_a_long_text_encodes_to_the_same_ids_with_the_gil_released(bpe_dir):
     assert tok.encode(text).count(tok.eos_id) == 1
 
 
+def test_a_special_token_the_tokenizer_json_does_not_list_as_added_encodes_as_its_single_id(tmp_path):
+    # transformers registers the special tokens tokenizer_config.json names; read here
+    # without that, "there</s>" (as a chat template renders a turn's end) was one unknown
+    # token and the EOS never reached the training data
+    raw = RawTokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hi": 2, "there": 3}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.encode("hi there</s>") == [2, 3, 1]
+    assert tok.decode([2, 3, 1], skip_special_tokens=True) == "hi there"
+    assert tok.vocab_size == 4
+
+
 def test_from_dir_prefers_chat_template_jinja(bpe_dir, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((bpe_dir / name).read_bytes())
