@@ -378,6 +378,20 @@ def hf_copy(tmp_path, family, **changes):
     return where
 
 
+MIXTRAL_MODEL = ["model.vocab_size=128", "model.hidden_size=32", "model.n_heads=4", "model.n_kv_heads=2",
+                 "model.head_dim=8", "model.max_position_embeddings=256", "model.rms_norm_eps=1e-5",
+                 "model.rope_theta=1000000.0", "model.n_experts=4", "model.n_experts_per_tok=2",
+                 "model.moe_intermediate_size=32"]
+
+
+def test_an_moe_run_starts_from_a_hugging_face_moe_whatever_its_unused_dense_intermediate_size(tmp_path):
+    # mixtral's config.json has one width, the experts' (intermediate_size); the run's dense
+    # intermediate_size (128 by default), which no MoE param has, was refused as a difference
+    config = load_train_config(None, [f"init_from=hf:{hf_copy(tmp_path, 'mixtral')}", *MIXTRAL_MODEL])
+    assert config.model.intermediate_size == 128
+    assert check_init_from(config) is None
+
+
 def test_a_hugging_face_window_shorter_than_the_context_names_the_run_setting_that_caps_it(tmp_path):
     where = hf_copy(tmp_path, "mistral", sliding_window=128)
     with pytest.raises(ConfigError) as error:

@@ -55,11 +55,14 @@ def architecture_differences(want, got) -> list[tuple[str, Any, Any, str]]:
     them, led by its separator). `got`: a ModelConfig, or the model section a jrl
     checkpoint's meta.json holds (fields it lacks, from an older jrl, are not compared).
     Numerics, training-only fields and a context extension (`_FREE_MODEL_FIELDS`) may
-    differ; adapters read from a checkpoint are scaled by alpha / rank, so with LoRA on
+    differ, and so may an MoE model's unused dense intermediate_size; adapters read from a checkpoint are scaled by alpha / rank, so with LoRA on
     both sides lora.alpha must match too. Shared by `init_from` and the server's weight
     updates (jrl.serve.loading), which word the advice each their own way."""
     a, b = to_dict(want), (got if isinstance(got, dict) else to_dict(got))
-    diff = [(k, a[k], b[k], "") for k in a if k not in _FREE_MODEL_FIELDS and k in b and a[k] != b[k]]
+    # an MoE model has no dense MLP: its intermediate_size sizes no param (and a mixtral
+    # config.json's is the experts' width, moe_intermediate_size)
+    free = _FREE_MODEL_FIELDS + (("intermediate_size",) if a.get("n_experts") and b.get("n_experts") else ())
+    diff = [(k, a[k], b[k], "") for k in a if k not in free and k in b and a[k] != b[k]]
     la, lb = a["lora"], b.get("lora") or {}
     if lb.get("rank") and la["rank"] != lb["rank"]:  # its adapters fit only LoRA of their rank
         diff.append(("lora.rank", la["rank"], lb["rank"],
