@@ -45,6 +45,17 @@ def test_hugging_face_architecture_mismatch_names_the_fields(tmp_path):
         start(tmp_path, f"init_from=hf:{LLAMA}", *LLAMA_MODEL, "model.rope_theta=500000.0")
 
 
+@pytest.mark.parametrize("numerics", [
+    ["model.dtype=bfloat16", "model.matmul_dtype=float8"],
+    ["model.dtype=bfloat16", "model.matmul_dtype=float8", "model.fp8_scaling=current"],
+    ["model.exact_rows=64", "model.exact_gemm=tiles", "model.exact_attention_impl=reference"],
+], ids=["fp8-delayed", "fp8-current", "exact"])
+def test_a_run_with_other_matmul_numerics_starts_from_hugging_face_weights(numerics):
+    # fp8 products and exact numerics are compute settings, not a weight format (docs/training.md):
+    # a config.json, which has neither, was refused as another architecture
+    assert check_init_from(load_train_config(None, [f"init_from=hf:{LLAMA}", *LLAMA_MODEL, *numerics])) is None
+
+
 def test_lora_adapters_start_from_init_on_a_pretrained_base(tmp_path):
     _, base = load_pretrained(str(LLAMA))
     params = start(tmp_path, f"init_from=hf:{LLAMA}", *LLAMA_MODEL, "model.lora.rank=2")
