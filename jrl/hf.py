@@ -1026,6 +1026,9 @@ def save_pretrained(config: ModelConfig, params: Mapping, path: str, *, model_ty
     if _has_lora(params):
         raise HFFormatError("params contain LoRA adapters (lora_a/lora_b); merge them first with "
                             "jrl.models.lora.merge_lora(config, params)")
+    if config.lora.rank:  # params merged with merge_lora beside the config it was given
+        raise HFFormatError(f"config: lora.rank={config.lora.rank}, but the params hold no adapters (merged ones?): "
+                            "pass the config merge_lora returns with them (jrl.models.lora.base_config(config))")
     _check_no_adapter(path)
     hf = config_to_hf(config, model_type)
     model_type = hf["model_type"]

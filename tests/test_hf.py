@@ -568,6 +568,17 @@ def test_save_rejects_unmerged_lora_params(tmp_path):
         hf.save_pretrained(config, params, tmp_path)  # adapters in params, config without LoRA
 
 
+def test_merged_params_saved_with_the_lora_config_ask_for_the_config_merge_lora_returns(tmp_path):
+    # the params were merged; "merge the adapters first" sent the user to do it again
+    _, config = ROUND_TRIP_CONFIGS["llama_untied_llama3"]
+    lora_config = dataclasses.replace(config, lora=LoraConfig(rank=2, targets=("q",)))
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.save_pretrained(lora_config, random_params(config, 0), tmp_path)
+    assert str(error.value) == ("config: lora.rank=2, but the params hold no adapters (merged ones?): pass the "
+                                "config merge_lora returns with them (jrl.models.lora.base_config(config))")
+    assert not os.listdir(tmp_path)
+
+
 def test_save_rejects_a_model_type_that_cannot_express_the_config(tmp_path):
     config, params = hf.load_pretrained(fixture("qwen3"))
     with pytest.raises(hf.HFFormatError, match="model_type 'llama' cannot express this config: qk_norm=True"):
