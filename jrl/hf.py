@@ -80,7 +80,7 @@ _COMMON_KEYS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "initializer_range",
-    "attention_dropout", "layer_types",
+    "attention_dropout", "layer_types", "rope_interleaved",
 }
 # transformers spells the expert count num_experts or num_local_experts (an alias of the
 # other, depending on family and version); both are read.
@@ -115,6 +115,7 @@ _HARMLESS_KEYS = {
     "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
     "suppress_tokens", "begin_suppress_tokens",
+    "is_llama_config", "transformers.js_config",  # nanotron's marker (SmolLM2); transformers.js's settings
 }
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # What an error about the config tells the caller to do, by the setting it names (formatted
@@ -353,6 +354,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
     require("attention_bias", not get("attention_bias", False),
             "it adds an o_proj bias, which jrl does not have")
     require("mlp_bias", not get("mlp_bias", False), "jrl MLPs have no bias")
+    require("rope_interleaved", not get("rope_interleaved", False),
+            "jrl, like transformers (which ignores the key), rotates the two halves of each head; weights "
+            "trained with interleaved RoPE compute another model there")
     require("attention_dropout", not get("attention_dropout", 0.0), "jrl has no dropout")
     require("router_jitter_noise", not get("router_jitter_noise", 0.0), "jrl has no router jitter")
     require("decoder_sparse_step", get("decoder_sparse_step", 1) == 1,

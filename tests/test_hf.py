@@ -818,6 +818,20 @@ def test_qwen_max_window_layers_that_is_not_an_integer_is_named():
         hf.config_from_hf(cfg)
 
 
+def test_a_smollm2_style_config_loads_as_the_same_model():
+    # SmolLM2 (nanotron's llama export) carries is_llama_config, rope_interleaved: false and
+    # transformers.js_config, which transformers ignores; all three were refused as unsupported,
+    # and a run (init_from: hf:) cannot pass ignore_fields
+    extra = {"is_llama_config": True, "rope_interleaved": False,
+             "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}}}
+    assert hf.config_from_hf({**fixture_config("llama"), **extra}) == hf.config_from_hf(fixture_config("llama"))
+
+
+def test_interleaved_rope_is_refused_by_name():
+    with pytest.raises(hf.HFFormatError, match=re.escape("config.json: rope_interleaved=True is not supported")):
+        hf.config_from_hf({**fixture_config("llama"), "rope_interleaved": True})
+
+
 @pytest.mark.parametrize("key,value,family", [
     ("decoder_sparse_step", 2, "qwen2_moe"),
     ("mlp_only_layers", [0], "qwen3_moe"),
