@@ -80,7 +80,7 @@ _COMMON_KEYS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "initializer_range",
-    "attention_dropout", "layer_types", "rope_interleaved",
+    "attention_dropout", "layer_types", "rope_interleaved", "use_mrope",
 }
 # transformers spells the expert count num_experts or num_local_experts (an alias of the
 # other, depending on family and version); both are read.
@@ -357,6 +357,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32",
     require("rope_interleaved", not get("rope_interleaved", False),
             "jrl, like transformers (which ignores the key), rotates the two halves of each head; weights "
             "trained with interleaved RoPE compute another model there")
+    require("use_mrope", not get("use_mrope", False),
+            "multimodal RoPE (Qwen2-VL's 3-D positions) is not modelled; false, as Qwen2.5 and its distillations "
+            "write it, is the plain RoPE transformers computes")
     require("attention_dropout", not get("attention_dropout", 0.0), "jrl has no dropout")
     require("router_jitter_noise", not get("router_jitter_noise", 0.0), "jrl has no router jitter")
     require("decoder_sparse_step", get("decoder_sparse_step", 1) == 1,

@@ -827,6 +827,15 @@ def test_a_smollm2_style_config_loads_as_the_same_model():
     assert hf.config_from_hf({**fixture_config("llama"), **extra}) == hf.config_from_hf(fixture_config("llama"))
 
 
+def test_a_qwen2_config_with_use_mrope_false_loads_as_the_same_model():
+    # Qwen2.5 base and DeepSeek-R1-Distill-Qwen configs carry "use_mrope": false, which
+    # transformers ignores; it was refused as an unsupported field
+    assert (hf.config_from_hf({**fixture_config("qwen2"), "use_mrope": False})
+            == hf.config_from_hf(fixture_config("qwen2")))
+    with pytest.raises(hf.HFFormatError, match=re.escape("config.json: use_mrope=True is not supported")):
+        hf.config_from_hf({**fixture_config("qwen2"), "use_mrope": True})
+
+
 def test_interleaved_rope_is_refused_by_name():
     with pytest.raises(hf.HFFormatError, match=re.escape("config.json: rope_interleaved=True is not supported")):
         hf.config_from_hf({**fixture_config("llama"), "rope_interleaved": True})
