@@ -116,6 +116,7 @@ _HARMLESS_KEYS = {
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
     "suppress_tokens", "begin_suppress_tokens",
     "is_llama_config", "transformers.js_config",  # nanotron's marker (SmolLM2); transformers.js's settings
+    "unsloth_version", "unsloth_fixed",  # what Unsloth writes into every config it saves
 }
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # What an error about the config tells the caller to do, by the setting it names (formatted

@@ -827,6 +827,13 @@ def test_a_smollm2_style_config_loads_as_the_same_model():
     assert hf.config_from_hf({**fixture_config("llama"), **extra}) == hf.config_from_hf(fixture_config("llama"))
 
 
+def test_an_unsloth_saved_config_loads_as_the_same_model():
+    # Unsloth writes its version (and unsloth_fixed on its hub copies) into every config.json it
+    # saves: a model merged and saved with it was refused as having unsupported fields
+    extra = {"unsloth_version": "2025.3.19", "unsloth_fixed": True}
+    assert hf.config_from_hf({**fixture_config("qwen2"), **extra}) == hf.config_from_hf(fixture_config("qwen2"))
+
+
 def test_a_qwen2_config_with_use_mrope_false_loads_as_the_same_model():
     # Qwen2.5 base and DeepSeek-R1-Distill-Qwen configs carry "use_mrope": false, which
     # transformers ignores; it was refused as an unsupported field
