@@ -403,6 +403,19 @@ def test_an_moe_run_starts_from_a_hugging_face_moe_whatever_its_unused_dense_int
     assert check_init_from(config) is None
 
 
+def test_a_run_giving_its_shared_expert_as_n_shared_experts_starts_from_the_same_width_in_hugging_face(tmp_path):
+    # config.json holds the width (shared_expert_intermediate_size 32); the run's 2 experts of
+    # moe_intermediate_size 16 are the same params (docs/model.md), and were refused as different
+    model = [*MIXTRAL_MODEL, "model.rope_theta=10000.0", "model.moe_intermediate_size=16", "model.qkv_bias=true",
+             "model.norm_topk_prob=false", "model.n_shared_experts=2", "model.shared_expert_gate=true"]
+    config = load_train_config(None, [f"init_from=hf:{hf_copy(tmp_path, 'qwen2_moe')}", *model])
+    assert check_init_from(config) is None
+    with pytest.raises(ConfigError, match=r"model.n_shared_experts \(config 1, checkpoint 0\); "
+                                          r"model.shared_expert_intermediate_size \(config 0, checkpoint 32\)"):
+        check_init_from(load_train_config(None, [f"init_from=hf:{tmp_path / 'qwen2_moe'}", *model,
+                                                 "model.n_shared_experts=1"]))
+
+
 def test_a_hugging_face_window_shorter_than_the_context_names_the_run_setting_that_caps_it(tmp_path):
     where = hf_copy(tmp_path, "mistral", sliding_window=128)
     with pytest.raises(ConfigError) as error:

@@ -51,19 +51,31 @@ _FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "lora", "initializer_rang
                       "exact_attention_impl", "exact_gemm")
 
 
+def _shared_expert_width(model: dict) -> int:
+    """The shared expert's width a model section gives (`ModelConfig.shared_intermediate`):
+    shared_expert_intermediate_size, else n_shared_experts experts of moe_intermediate_size."""
+    return (model.get("shared_expert_intermediate_size")
+            or (model.get("n_shared_experts") or 0) * (model.get("moe_intermediate_size") or 0))
+
+
 def architecture_differences(want, got) -> list[tuple[str, Any, Any, str]]:
     """How the model `got` describes differs from `want` (a ModelConfig) in what its
     params compute, as (field, want's value, got's value, a note: "" or how to reconcile
     them, led by its separator). `got`: a ModelConfig, or the model section a jrl
     checkpoint's meta.json holds (fields it lacks, from an older jrl, are not compared).
     Numerics, training-only fields and a context extension (`_FREE_MODEL_FIELDS`) may
-    differ, and so may an MoE model's unused dense intermediate_size; adapters read from a checkpoint are scaled by alpha / rank, so with LoRA on
+    differ, and so may an MoE model's unused dense intermediate_size and the spelling of its
+    shared expert's width (n_shared_experts or shared_expert_intermediate_size); adapters read from a checkpoint are scaled by alpha / rank, so with LoRA on
     both sides lora.alpha must match too. Shared by `init_from` and the server's weight
     updates (jrl.serve.loading), which word the advice each their own way."""
     a, b = to_dict(want), (got if isinstance(got, dict) else to_dict(got))
-    # an MoE model has no dense MLP: its intermediate_size sizes no param (and a mixtral
-    # config.json's is the experts' width, moe_intermediate_size)
-    free = _FREE_MODEL_FIELDS + (("intermediate_size",) if a.get("n_experts") and b.get("n_experts") else ())
+    free = _FREE_MODEL_FIELDS
+    if a.get("n_experts") and b.get("n_experts"):
+        # an MoE model has no dense MLP: its intermediate_size sizes no param (and a mixtral
+        # config.json's is the experts' width, moe_intermediate_size)
+        free += ("intermediate_size",)
+        if _shared_expert_width(a) == _shared_expert_width(b):  # two spellings of one width (docs/model.md)
+            free += ("n_shared_experts", "shared_expert_intermediate_size")
     diff = [(k, a[k], b[k], "") for k in a if k not in free and k in b and a[k] != b[k]]
     la, lb = a["lora"], b.get("lora") or {}
     if lb.get("rank") and la["rank"] != lb["rank"]:  # its adapters fit only LoRA of their rank
