@@ -49,7 +49,8 @@ def test_hugging_face_architecture_mismatch_names_the_fields(tmp_path):
     ["model.dtype=bfloat16", "model.matmul_dtype=float8"],
     ["model.dtype=bfloat16", "model.matmul_dtype=float8", "model.fp8_scaling=current"],
     ["model.exact_rows=64", "model.exact_gemm=tiles", "model.exact_attention_impl=reference"],
-], ids=["fp8-delayed", "fp8-current", "exact"])
+    ["model.scan_layers=false"],  # the same stacked params, the layer loop unrolled (docs/model.md)
+], ids=["fp8-delayed", "fp8-current", "exact", "unrolled-layers"])
 def test_a_run_with_other_matmul_numerics_starts_from_hugging_face_weights(numerics):
     # fp8 products and exact numerics are compute settings, not a weight format (docs/training.md):
     # a config.json, which has neither, was refused as another architecture

@@ -44,9 +44,10 @@ def _resolve_checkpoint(path: str, named_by: str = "init_from") -> tuple[Path, i
 
 
 # Fields that may differ between init_from's model and the run's: numerics (the fp8 products
-# and exact numerics included: compute settings, not a weight format), training-only, and the
-# context extension of a pretrained model (max_position_embeddings, rope_scaling).
-_FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "lora", "initializer_range", "router_aux_loss_coef",
+# and exact numerics included: compute settings, not a weight format), training-only (remat,
+# scan_layers: the same stacked params either way), and the context extension of a
+# pretrained model (max_position_embeddings, rope_scaling).
+_FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "scan_layers", "lora", "initializer_range", "router_aux_loss_coef",
                       "max_position_embeddings", "rope_scaling", "matmul_dtype", "fp8_scaling", "exact_rows",
                       "exact_attention_impl", "exact_gemm")
 
