@@ -47,9 +47,9 @@ def _resolve_checkpoint(path: str, named_by: str = "init_from") -> tuple[Path, i
 # and exact numerics included: compute settings, not a weight format), training-only (remat,
 # scan_layers: the same stacked params either way), and the context extension of a
 # pretrained model (max_position_embeddings, rope_scaling).
-_FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "scan_layers", "lora", "initializer_range", "router_aux_loss_coef",
-                      "max_position_embeddings", "rope_scaling", "matmul_dtype", "fp8_scaling", "exact_rows",
-                      "exact_attention_impl", "exact_gemm")
+_FREE_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "scan_layers", "lora", "initializer_range",
+                      "router_aux_loss_coef", "max_position_embeddings", "rope_scaling", "matmul_dtype",
+                      "fp8_scaling", "exact_rows", "exact_attention_impl", "exact_gemm")
 
 
 def _shared_expert_width(model: dict) -> int:
@@ -66,8 +66,9 @@ def architecture_differences(want, got) -> list[tuple[str, Any, Any, str]]:
     checkpoint's meta.json holds (fields it lacks, from an older jrl, are not compared).
     Numerics, training-only fields and a context extension (`_FREE_MODEL_FIELDS`) may
     differ, and so may an MoE model's unused dense intermediate_size and the spelling of its
-    shared expert's width (n_shared_experts or shared_expert_intermediate_size); adapters read from a checkpoint are scaled by alpha / rank, so with LoRA on
-    both sides lora.alpha must match too. Shared by `init_from` and the server's weight
+    shared expert's width (n_shared_experts or shared_expert_intermediate_size); adapters
+    read from a checkpoint are scaled by alpha / rank, so with LoRA on both sides lora.alpha
+    must match too. Shared by `init_from` and the server's weight
     updates (jrl.serve.loading), which word the advice each their own way."""
     a, b = to_dict(want), (got if isinstance(got, dict) else to_dict(got))
     free = _FREE_MODEL_FIELDS
