@@ -238,8 +238,9 @@ def test_named_template_list_renders_its_tool_use_entry_when_tools_are_given(bpe
     # default one instead left the tool schemas out of the prompt without a word
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>",
-        "chat_template": [{"name": "default", "template": "plain:{{ messages[0]['content'] }}"},
-                          {"name": "tool_use", "template": "{{ tools | length }} tool(s):{{ messages[0]['content'] }}"}]}))
+        "chat_template": [
+            {"name": "default", "template": "plain:{{ messages[0]['content'] }}"},
+            {"name": "tool_use", "template": "{{ tools | length }} tool(s):{{ messages[0]['content'] }}"}]}))
     tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", tmp_path / "tokenizer_config.json")
     tools = [{"type": "function", "function": {"name": "add"}}]
     assert tok.apply_chat_template(MESSAGES[1:2], tools=tools) == "1 tool(s):Hi"
