@@ -340,6 +340,10 @@ class HFTokenizer:
             tok = RawTokenizer.from_file(tokenizer_json)
         except Exception as e:  # the tokenizers library's own error names no file
             raise ValueError(f"{tokenizer_json}: not a readable tokenizer.json ({e})") from None
+        # a tokenizer saved after a call with truncation or padding keeps them in the file;
+        # transformers turns them off for a call that asks for neither, as every call here is
+        tok.no_truncation()
+        tok.no_padding()
         cfg = {} if tokenizer_config is None else read_json_object(tokenizer_config)
         named = {} if special_tokens_map is None else read_json_object(special_tokens_map)
 

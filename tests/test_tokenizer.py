@@ -155,6 +155,23 @@ def test_a_special_token_the_tokenizer_json_does_not_list_as_added_encodes_as_it
     assert tok.vocab_size == 4
 
 
+def test_truncation_and_padding_saved_in_tokenizer_json_do_not_cut_or_pad_what_is_encoded(tmp_path):
+    # a tokenizer saved after a call with truncation=True keeps it in tokenizer.json; the
+    # tokenizers library then cut every text to max_length (and padded it), which transformers
+    # switches off for a call that asks for neither
+    raw = RawTokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "hi": 2, "there": 3, "<pad>": 4}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.enable_truncation(max_length=3)
+    raw.enable_padding(length=6, pad_id=4, pad_token="<pad>")
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.encode("hi there hi there") == [2, 3, 2, 3]
+    assert tok.encode("hi") == [2]
+    long = "hi there " * _GIL_FREE_CHARS  # the GIL-free path too
+    assert tok.encode(long) == [2, 3] * _GIL_FREE_CHARS
+
+
 def test_from_dir_prefers_chat_template_jinja(bpe_dir, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((bpe_dir / name).read_bytes())
