@@ -603,7 +603,11 @@ class _Reader:
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._handles:
-            raise HFFormatError(f"{self.where}: tensor {name!r} is missing")
+            # the same tensor under another prefix: a state_dict of a wrapper (module., _orig_mod.)
+            # or of a base model without the causal LM's "model."
+            other = next((n for n in sorted(self._handles) if n.endswith("." + name) or name.endswith("." + n)), None)
+            hint = f"; the checkpoint has {other!r} (its tensor names carry another prefix)" if other else ""
+            raise HFFormatError(f"{self.where}: tensor {name!r} is missing{hint}")
         self.used.add(name)
         handle, file = self._handles[name]
         try:

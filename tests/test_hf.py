@@ -935,6 +935,21 @@ def test_missing_tensor_is_named(tmp_path):
         hf.load_pretrained(src)
 
 
+@pytest.mark.parametrize("rename,stored", [
+    (lambda n: "module." + n, "module.model.embed_tokens.weight"),  # a state_dict saved from a DDP wrapper
+    (lambda n: n.removeprefix("model."), "embed_tokens.weight"),   # a base model without its LM head's prefix
+])
+def test_tensor_names_under_another_prefix_are_named_with_the_stored_name(tmp_path, rename, stored):
+    # only "tensor 'model.embed_tokens.weight' is missing" was said, of a file that holds it
+    src = copy_fixture("llama", tmp_path / "prefixed")
+    file = os.path.join(src, "model.safetensors")
+    save_file({rename(k): v for k, v in load_file(file).items()}, file)
+    with pytest.raises(hf.HFFormatError) as error:
+        hf.load_pretrained(src)
+    assert str(error.value) == (f"{src}: tensor 'model.embed_tokens.weight' is missing; the checkpoint has "
+                                f"{stored!r} (its tensor names carry another prefix)")
+
+
 def test_a_tied_checkpoint_read_as_untied_says_to_set_tie_word_embeddings(tmp_path):
     # qwen2's head is tied; a config.json without the key means untied (transformers' default)
     src = copy_fixture("qwen2", tmp_path / "untied", lambda c: c.pop("tie_word_embeddings"))
