@@ -740,9 +740,10 @@ def _params_from_reader(reader: _Reader, config: ModelConfig, model_type: str) -
                 raise HFFormatError(f"{reader.where}: tie_word_embeddings is true but lm_head.weight "
                                     "differs from model.embed_tokens.weight")
     else:
-        if not reader.has("lm_head.weight") and reader.has("score.weight"):
-            raise HFFormatError(f"{reader.where}: tensor 'lm_head.weight' is missing; it has 'score.weight' "
-                                f"{tuple(reader.get('score.weight').shape)} instead, the head of a sequence-"
+        score = next((n for n in sorted(reader.names()) if n == "score.weight" or n.startswith("score.")), None)
+        if not reader.has("lm_head.weight") and score:  # *ForSequenceClassification, or an MLP head (PRMs)
+            raise HFFormatError(f"{reader.where}: tensor 'lm_head.weight' is missing; it has {score!r} "
+                                f"{tuple(reader.get(score).shape)} instead, the head of a sequence-"
                                 "classification model (e.g. a reward model): jrl loads language models "
                                 "(...ForCausalLM) only")
         if not reader.has("lm_head.weight"):

@@ -960,18 +960,23 @@ def test_a_tied_checkpoint_read_as_untied_says_to_set_tie_word_embeddings(tmp_pa
                                 "set tie_word_embeddings to true")
 
 
-def test_a_sequence_classification_checkpoint_is_named_as_one_not_told_to_tie_its_head(tmp_path):
-    # a reward model (LlamaForSequenceClassification) keeps a `score` head: the advice to set
-    # tie_word_embeddings would have loaded its embedding as the output head
+@pytest.mark.parametrize("head", [
+    {"score.weight": (1, 32)},  # LlamaForSequenceClassification
+    {"score.0.weight": (32, 32), "score.0.bias": (32,), "score.2.weight": (2, 32)},  # Qwen2.5-Math-PRM's MLP head
+])
+def test_a_sequence_classification_checkpoint_is_named_as_one_not_told_to_tie_its_head(tmp_path, head):
+    # a reward model keeps a `score` head: the advice to set tie_word_embeddings would have
+    # loaded its embedding as the output head
     src = copy_fixture("llama", tmp_path / "reward", lambda c: c.update(architectures=["LlamaForSequenceClassification"]))
     file = os.path.join(src, "model.safetensors")
     tensors = load_file(file)
     del tensors["lm_head.weight"]
-    tensors["score.weight"] = np.ones((1, 32), np.float32)
+    tensors.update({name: np.ones(shape, np.float32) for name, shape in head.items()})
     save_file(tensors, file)
     with pytest.raises(hf.HFFormatError) as error:
         hf.load_pretrained(src)
-    assert str(error.value) == (f"{src}: tensor 'lm_head.weight' is missing; it has 'score.weight' (1, 32) instead, "
+    first = sorted(head)[0]
+    assert str(error.value) == (f"{src}: tensor 'lm_head.weight' is missing; it has {first!r} {head[first]} instead, "
                                 "the head of a sequence-classification model (e.g. a reward model): jrl loads "
                                 "language models (...ForCausalLM) only")
 
