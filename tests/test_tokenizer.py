@@ -280,6 +280,17 @@ def test_a_directory_renders_additional_chat_templates_tool_use_jinja_when_tools
         assert tok.apply_chat_template(MESSAGES[1:2]) == "plain:Hi"
 
 
+def test_a_tool_use_template_is_in_the_data_cache_key(bpe_dir):
+    # chat records with tools render it: a token store cached under the default template
+    # (or another tool_use one) must not be served for it
+    from jrl.data.pipeline import cache_key
+    cfg = DataConfig(source="bundled:tinytext:20", format="chat")
+    keys = [cache_key(cfg, HFTokenizer.from_file(bpe_dir / "tokenizer.json", eos_token="<|im_end|>",
+                                                 chat_template="plain", tool_use_template=tool_use), "train")
+            for tool_use in (None, "tools:a", "tools:b")]
+    assert len(set(keys)) == 3
+
+
 def test_hf_tokenizer_without_template_uses_the_default(bpe_dir):
     tok = HFTokenizer.from_file(bpe_dir / "tokenizer.json", eos_token="<|im_end|>")
     assert tok.apply_chat_template(MESSAGES[1:2]) == "<|user|>\nHi<|im_end|>"

@@ -109,6 +109,10 @@ def cache_key(config: DataConfig, tokenizer: Tokenizer, split: Split) -> str:
             fields["bundled_version"] = version
     if config.add_bos and config.format != "chat":  # in the key only where it changes the documents: with
         fields["add_bos"] = True                     # it false (the default) a store written before it existed is read
+    # the template a record with tools renders, where the tokenizer has one of its own (in the
+    # key only then, so a store written before tokenizers had one is read)
+    if (tool_use := getattr(tokenizer, "tool_use_template", None)) is not None:
+        fields["tool_use_template"] = tool_use
     # the held-out rule's version only in a held-out split's key: a training store's key stays
     heldout = {"heldout_rule": HELDOUT_RULE} if split == "eval" else {}
     blob = json.dumps({"split": split, "data": fields, "files": stat, "encoding": RECORD_ENCODING_VERSION, **heldout,
