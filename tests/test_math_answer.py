@@ -36,6 +36,13 @@ CASES = [
     ("last_number_fraction", "She ate 3/4", "0.75", 1.0),
     ("last_number_latex_frac", r"She ate $\frac{3}{4}$ of it", "0.75", 1.0),
     ("last_number_minus_is_operator", "10 - 3", "3", 1.0),
+    # scientific notation is one number, not its exponent's digits (a completion "1e-7" scored 0
+    # against the reference "1e-7": the last number read was "7")
+    ("last_number_scientific_negative_exponent", "1e-7", "1e-7", 1.0),
+    ("last_number_scientific", "The answer is 1.5E+2", "150", 1.0),
+    ("last_number_scientific_small", "it is 2.5e-3.", "0.0025", 1.0),
+    ("last_number_scientific_not_its_exponent", "The answer is 1e3", "3", 0.0),
+    ("last_number_e_of_a_word_is_no_exponent", "5eggs", "5", 1.0),
     # fractions
     ("decimal_vs_fraction", r"\boxed{0.75}", "3/4", 1.0),
     ("frac_vs_decimal", r"\boxed{\frac{3}{4}}", "0.75", 1.0),
