@@ -1,6 +1,7 @@
 """Reward functions: built-ins, `module:function` loading, weighted sums, errors."""
 
 import concurrent.futures
+import re
 
 import numpy as np
 import pytest
@@ -216,6 +217,36 @@ def test_a_reward_computed_with_array_ops_may_return_a_0d_array(tmp_path, monkey
     total, terms = RewardModel([RewardSpec("array_rewards_mod:np0"), RewardSpec("array_rewards_mod:jax0")])(
         ["p"], ["c"], ["a"])
     assert total.tolist() == [1.5] and terms["np0"].tolist() == [0.5] and terms["jax0"].tolist() == [1.0]
+
+
+def test_a_reward_may_return_a_fraction_a_decimal_or_a_sympy_number(tmp_path, monkeypatch):
+    # a partial-credit score kept exact, or a verifier written with sympy: each was refused as
+    # "must return a finite number, got 1" (a sympy Integer) or "got Fraction(1, 4)"
+    user_module(tmp_path, monkeypatch, "exact_rewards_mod", "from fractions import Fraction\n"
+                                                            "from decimal import Decimal\nimport sympy\n"
+                                                            "def frac(p, c, a):\n    return Fraction(1, 4)\n"
+                                                            "def dec(p, c, a):\n    return Decimal('0.5')\n"
+                                                            "def sym(p, c, a):\n    return sympy.Integer(1)\n")
+    total, terms = RewardModel([RewardSpec("exact_rewards_mod:frac"), RewardSpec("exact_rewards_mod:dec"),
+                                RewardSpec("exact_rewards_mod:sym")])(["p"], ["c"], ["a"])
+    assert total.tolist() == [1.75]
+    assert (terms["frac"].tolist(), terms["dec"].tolist(), terms["sym"].tolist()) == ([0.25], [0.5], [1.0])
+
+
+@pytest.mark.parametrize("case, value, requirement", [
+    (0, "Decimal('NaN')", "a finite number"),
+    (1, "Decimal('-Infinity')", "a finite number"),
+    (2, "sympy.nan", "a finite number"),
+    (3, "Decimal('1e400')", "a number within float32's range (|v| <= 3.4e+38)"),
+    (4, "Fraction(10 ** 400, 3)", "a number within float32's range (|v| <= 3.4e+38)"),
+])
+def test_a_fraction_decimal_or_sympy_reward_out_of_range_is_an_error(tmp_path, monkeypatch, case, value,
+                                                                       requirement):
+    module = f"exact_bad_rewards_mod{case}"  # one module a case: an imported module is not read again
+    user_module(tmp_path, monkeypatch, module, "from fractions import Fraction\nfrom decimal import Decimal\n"
+                                               f"import sympy\ndef f(p, c, a):\n    return {value}\n")
+    with pytest.raises(RewardError, match=rf"^reward '{module}:f': must return {re.escape(requirement)}, got "):
+        RewardModel([RewardSpec(f"{module}:f")])(["p"], ["c"], ["a"])
 
 
 def test_a_0d_array_holding_no_number_is_still_an_error(tmp_path, monkeypatch):

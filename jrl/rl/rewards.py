@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import decimal
 import inspect
 import math
+import numbers
 import re
 import threading
 from typing import Any, Callable, Sequence
@@ -48,16 +50,23 @@ RESERVED_TERM_NAMES = ("mean", "std")  # reward_mean / reward_std are the total'
 
 def reward_requirement(v: Any) -> str | None:
     """What `v` must be to serve as a reward (kept in float32, summed into advantages), when
-    it is not; None when it is. Bools count as 0 / 1; a Python int of any size is finite
-    (float() of one beyond float64 overflows) but must fit float32's range like any number;
-    a numpy complex is not a number here (float() of it would drop its imaginary part). A
-    0-d array (numpy, JAX, torch: a reward computed with array ops) is the number it holds."""
+    it is not; None when it is. A real number of any kind: Python's, numpy's, a `Fraction`, a
+    `Decimal`, sympy's (anything `numbers.Real`); bools count as 0 / 1. A rational (an int, a
+    Fraction) of any size is finite (float() of one beyond float64 overflows) but must fit
+    float32's range like any number; a numpy complex is not a number here (float() of it
+    would drop its imaginary part). A 0-d array (numpy, JAX, torch: a reward computed with
+    array ops) is the number it holds."""
     if getattr(v, "shape", None) == () and not isinstance(v, np.generic) and callable(getattr(v, "item", None)):
         v = v.item()
-    if (not isinstance(v, (int, float, np.number, np.bool_)) or isinstance(v, np.complexfloating)
-            or not (isinstance(v, int) or math.isfinite(float(v)))):
+    if isinstance(v, decimal.Decimal):  # not a numbers.Real, but a number (float() of 1e400 is inf)
+        finite = v.is_finite()
+    elif isinstance(v, (numbers.Real, np.bool_)) and not isinstance(v, np.complexfloating):
+        finite = isinstance(v, numbers.Rational) or math.isfinite(float(v))
+    else:
         return "a finite number"
-    if abs(v if isinstance(v, int) else float(v)) > FLOAT32_MAX:
+    if not finite:
+        return "a finite number"
+    if abs(v if isinstance(v, (numbers.Rational, decimal.Decimal)) else float(v)) > FLOAT32_MAX:
         return f"a number within float32's range (|v| <= {FLOAT32_MAX:.3g})"
     return None
 
