@@ -120,6 +120,19 @@ def test_pass_at_adds_each_k_estimated_from_the_same_samples_in_order(trained, c
     assert [line.split()[0] for line in lines[-6:]] == ["greedy", "pass@1", "pass@2", "pass@4", "reward", "response"]
 
 
+def test_reward_mean_is_the_exact_mean_of_the_rows_rewards(trained, tmp_path):
+    # 15 samples: the mean of the float32 rewards was taken in float32, so 4 of 15 rewarded 1 read
+    # 0.2666666805744171 (float32's nearest) beside pass@1's 0.26666666666666666
+    out, _ = trained
+    assert jrl(["eval", "--checkpoint", str(out), "--samples", "3", "--max-problems", "5",
+                "--json", str(tmp_path / "e.json")]) == 0
+    report = json.loads((tmp_path / "e.json").read_text())
+    rewards = [x for line in (tmp_path / "e.problems.jsonl").read_text().splitlines()
+               for x in json.loads(line)["rewards"]]
+    assert len(rewards) == 15 and 0 < sum(rewards) < 15 and set(rewards) == {0.0, 1.0}  # k / 15: not a float32
+    assert report["reward_mean"] == sum(rewards) / 15 == report["pass@1"]
+
+
 @pytest.mark.parametrize("samples, ks, bad", [(["--samples", "4"], "5", "5"), (["--samples", "4"], "0,2", "0"),
                                               (["eval.samples=4"], "5", "5")])
 def test_a_pass_at_k_beyond_the_samples_exits_2_naming_the_flag(trained, capsys, samples, ks, bad):

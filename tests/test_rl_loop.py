@@ -134,6 +134,17 @@ def test_rollout_accuracy_is_the_verifiers_solve_rate_not_exact_match(sync_run):
     assert any(r["accuracy"] > 0 for r in rollouts)
 
 
+def test_rollout_reward_mean_and_accuracy_are_exact_shares_of_the_samples(tmp_path):
+    # both were means taken in float32: k of 15 samples rewarded 1 read float32's nearest value
+    # to k / 15 (0.3333333432674408 for 5), not k / 15
+    config = tiny(steps=1, prompts_per_step=5, group_size=3)
+    _, rows = run(dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=5)), tmp_path)
+    (r,) = rollout_rows(rows)
+    k = round(r["accuracy"] * 15)
+    assert 0 < k < 15  # k / 15 is no float32
+    assert r["accuracy"] == r["reward_mean"] == k / 15
+
+
 def test_held_out_accuracy_is_evaluated_at_start_and_end(sync_run):
     _, rows = sync_run
     evals = [(r["step"], r["policy_version"]) for r in rows if "eval_accuracy" in r]

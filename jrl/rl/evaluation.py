@@ -44,6 +44,12 @@ def pass_at(correct: Sequence[Sequence[bool]], ks: Sequence[int]) -> dict[str, f
     return {f"pass@{k}": float(sum(_pass_at_k(n, c, k) for n, c in counts) / len(counts)) for k in dict.fromkeys(ks)}
 
 
+def exact_mean(values: np.ndarray) -> float:
+    """The mean of float32 `values` (rewards, solved flags), taken in float64: k of n rewarded 1
+    is k / n (as pass@1 is), not float32's nearest value to it (0.2666666805744171 for 4 of 15)."""
+    return float(np.mean(values, dtype=np.float64))
+
+
 @dataclasses.dataclass
 class ProblemResult:
     """One problem's outcome: the greedy completion and `samples` sampled ones."""
@@ -97,7 +103,7 @@ def evaluate_problems(engine: Engine, fmt: PromptFormat, problems: Sequence[Prob
     comps = _generate(engine, fmt, prompts, 0.0, np.zeros(n, np.uint64), max_new_tokens)
     greedy_texts, total, greedy_ok = score(comps, 1)
     if samples == 0:
-        summary = {"n": float(n), "greedy_accuracy": float(greedy_ok.mean()), "reward_mean": float(total.mean()),
+        summary = {"n": float(n), "greedy_accuracy": float(greedy_ok.mean()), "reward_mean": exact_mean(total),
                    "response_tokens_mean": float(np.mean([len(c.tokens) for c in comps]))}
         return summary, [ProblemResult(p.where, p.answer, bool(greedy_ok[i]), greedy_texts[i], [], [], [], [])
                          for i, p in enumerate(problems)]
@@ -112,7 +118,7 @@ def evaluate_problems(engine: Engine, fmt: PromptFormat, problems: Sequence[Prob
             correct=[bool(x) for x in ok[sl]], rewards=[float(x) for x in total[sl]],
             response_tokens=[len(c.tokens) for c in comps[sl]], completions=texts[sl]))
     summary = {"n": float(n), **pass_at([r.correct for r in results], (1, samples)),
-               "reward_mean": float(total.mean()),
+               "reward_mean": exact_mean(total),
                "response_tokens_mean": float(np.mean([t for r in results for t in r.response_tokens])),
                "greedy_accuracy": float(greedy_ok.mean())}
     return summary, results

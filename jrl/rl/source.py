@@ -88,7 +88,7 @@ from jrl.rl.batch import (Rollout, build_rows, newest_versions, pack_rows, plan_
                           stale_tokens, unpack_tokens)
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.episode_source import EpisodeSampler
-from jrl.rl.evaluation import evaluate_problems, solved
+from jrl.rl.evaluation import evaluate_problems, exact_mean, solved
 from jrl.rl.options import RLOptions
 from jrl.rl.placement import Placement
 from jrl.rl.prompts import PromptFormat
@@ -415,9 +415,9 @@ class RolloutSource:
         all_rewards = np.concatenate([g.rewards for g in drawn])
         lengths = np.array([len(c.tokens) for g in drawn for c in g.completions] or [0], np.float32)
         metrics = {
-            "reward_mean": float(all_rewards.mean()),
-            "reward_std": float(all_rewards.std()),
-            "accuracy": float(np.concatenate([g.correct for g in drawn]).mean()),
+            "reward_mean": exact_mean(all_rewards),
+            "reward_std": float(np.std(all_rewards, dtype=np.float64)),
+            "accuracy": exact_mean(np.concatenate([g.correct for g in drawn])),
             "response_len_mean": float(lengths.mean()),
             "response_len_max": float(lengths.max()),
             "truncated_frac": float(np.mean([c.finish_reason == "length" for g in drawn for c in g.completions] or [0.0])),
@@ -445,7 +445,7 @@ class RolloutSource:
             metrics.update(self.episodes.metrics([ep for g in drawn for ep in g.episodes]))
         if len(self.rewards.names) > 1 and (self.episodes is None or self.episodes.env_cls is None):
             for name in self.rewards.names:
-                metrics[f"reward_{name}"] = float(np.concatenate([g.terms[name] for g in drawn]).mean())
+                metrics[f"reward_{name}"] = exact_mean(np.concatenate([g.terms[name] for g in drawn]))
         if self.replicas is not None:
             metrics.update(self.replicas.metrics())
         return Rollout(rows, versions, group_kept, metrics)
