@@ -1064,6 +1064,25 @@ def test_an_episode_whose_summed_reward_overflows_float32_stops_the_run_as_a_sin
     assert not engine.scheduler.has_work
 
 
+class PartialCredit(Scripted):
+    """Three steps rewarded 0.7, 0.2 and 0.1: one point in all."""
+
+    def step(self, message):
+        msgs, _, done, info = Scripted.step(self, message)
+        return msgs, (0.7, 0.2, 0.1)[self.n - 1], done, info
+
+
+def test_an_episodes_reward_is_the_exact_sum_of_its_step_rewards_and_solves_at_that_sum(engine, tok, im_end):
+    # added one after another they made 0.9999999999999999: the episode did not solve its
+    # problem at success_threshold 1 (accuracy, pass@k), while its float32 reward in the rows read 1.0
+    from jrl.rl.options import RLOptions
+    from jrl.rl.prompts import PromptFormat
+    _, (ep,) = run(engine, tok, im_end, [PartialCredit(turns=3)], max_new_tokens=40)
+    assert (ep.turns, ep.done, ep.truncated, ep.reward) == (3, True, False, 1.0)
+    options = RLOptions.from_config({"env": "test_rl_episodes:PartialCredit"})
+    assert EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 512).correct([ep]).tolist() == [1.0]
+
+
 def test_an_environment_that_truncates_keeps_the_messages_of_its_last_step(engine, tok, im_end):
     # they were dropped from Episode.messages when the step ended the episode as truncated
     last = {"role": "user", "content": "time is up"}

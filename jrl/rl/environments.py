@@ -72,6 +72,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import inspect
+import math
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -343,7 +344,8 @@ class Episode:
     prompt_len: int = 0
     pieces: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # (sampled|inserted, start, end)
     completions: list[Completion] = dataclasses.field(default_factory=list)  # one per turn
-    reward: float = 0.0
+    reward: float = 0.0  # the exact (correctly rounded) sum of step_rewards
+    step_rewards: list[float] = dataclasses.field(default_factory=list)  # one a step, in order
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -672,7 +674,8 @@ class EpisodeRunner:
         _check_step(lv, new, reward, done, info)
         info = dict(info or {})
         ep.info.append(info)
-        ep.reward += float(reward)
+        ep.step_rewards.append(float(reward))
+        ep.reward = math.fsum(ep.step_rewards)  # 0.7 + 0.2 + 0.1 is 1, not 0.9999999999999999 (not solved at 1)
         float32_sums([ep.reward], [lv.where], f"sum of environment {type(lv.env).__name__}.step's rewards",
                      lambda _: f"{ep.reward:.4g} after {len(ep.info)} steps", "scale them down")
         ep.tool_calls += int(info.get("tool_calls", 0))
