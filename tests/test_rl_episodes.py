@@ -597,6 +597,44 @@ def test_tool_environment_answers_each_call_of_a_parser_whose_ids_repeat():
     assert info == {"tool_calls": 3, "tool_errors": 1}
 
 
+class RaisingParser:
+    def parse(self, text):
+        raise KeyError("name")
+
+
+class TupleParser:
+    """Returns (content, calls), not a ParsedMessage."""
+
+    def parse(self, text):
+        return "prose", []
+
+
+class DictCallsParser:
+    def parse(self, text):
+        return ParsedMessage("", [{"name": "add", "arguments": {"a": 1, "b": 2}}], [])
+
+
+@pytest.mark.parametrize("parser, message", [
+    (RaisingParser(), "test_rl_episodes:RaisingParser.parse raised KeyError: 'name' (a parser must not raise on "
+                      "model output: a call it cannot read is one of its ParsedMessage's errors)"),
+    (TupleParser(), "test_rl_episodes:TupleParser.parse must return a jrl.rl.tool_calls.ParsedMessage (its calls "
+                    "ToolCalls, its errors ToolCallErrors), got ('prose', [])"),
+    (DictCallsParser(), "test_rl_episodes:DictCallsParser.parse must return a jrl.rl.tool_calls.ParsedMessage (its "
+                        "calls ToolCalls, its errors ToolCallErrors), got ParsedMessage(content='', calls=[{'name': "
+                        "'add', 'arguments': {'a': 1, 'b': 2}}], errors=[])"),
+])
+def test_a_tool_call_parser_that_fails_stops_the_run_naming_it_and_its_option(engine, tok, im_end, parser, message):
+    # before: 'environment ToolEnvironment.step raised AttributeError: 'tuple' object has no attribute
+    # 'has_calls'', naming neither the user's parser nor strategy.options.tool_parser
+    env = ToolEnvironment(ToolRegistry([add]), score=lambda example, text: (0.0, {}), parser=parser)
+    with pytest.raises(EnvironmentFailure) as e:
+        EpisodeRunner(engine, tok, EpisodeLimits(max_new_tokens=4, max_total_tokens=400),
+                      eos_ids=[tok.eos_id, im_end]).run([env], [{"prompt": "x"}],
+                                                        [SamplingParams(temperature=1.0, seed=0)], ["data.jsonl:3"])
+    assert str(e.value) == ("environment ToolEnvironment.step raised ToolParserError: strategy.options.tool_parser: "
+                            f"{message} (on data.jsonl:3)")
+
+
 def listing() -> str:
     """A file name that is not UTF-8, as os.listdir returns it (a lone surrogate)."""
     return os.fsdecode(b"caf\xe9")

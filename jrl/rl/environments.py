@@ -83,7 +83,7 @@ from jrl.config import ConfigError, resolve_named
 from jrl.rl.daemon_workers import DaemonWorkers
 from jrl.rl.prompts import response_text
 from jrl.rl.rewards import float32_sums, reward_requirement
-from jrl.rl.tool_calls import HermesParser, ToolCallParser
+from jrl.rl.tool_calls import HermesParser, ToolCallParser, parse_turn
 from jrl.rl.tools import ToolRegistry
 from jrl.rollout.request import Completion
 from jrl.rollout.sampling import SamplingParams
@@ -234,7 +234,7 @@ class ToolEnvironment:
         return messages
 
     def step(self, assistant_message: Message, truncated: str | None = None) -> tuple[list[Message], float, bool, dict]:
-        parsed = self.parser.parse(assistant_message["content"])
+        parsed = parse_turn(self.parser, assistant_message["content"])
         self.turns += 1
         if not parsed.has_calls:
             total, terms = self.score(self.example, parsed.content)

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jrl.config import ConfigError, called_code, key_names, resolve_named
+from jrl.data.wording import short_repr
 from jrl.rl.math_answer import DEFAULT_TIMEOUT_S, STRATEGIES, check_limits, check_order, math_answer
 
 RewardFn = Callable[..., float]
@@ -85,13 +86,6 @@ def float32_sums(sums: Any, wheres: Sequence[str], what: str, parts: Callable[[i
         j = int(bad[0])
         raise RewardError(f"rewards: the {what} overflows float32 on {wheres[j]} ({parts(j)}); {advice}")
     return out
-
-
-def _short_repr(v: Any, limit: int = 200) -> str:
-    """`repr(v)`, cut to `limit` characters (a reward that returns a long list or a huge int
-    must not turn its error into pages of digits)."""
-    r = repr(v)
-    return r if len(r) <= limit else f"{r[:limit]}... ({len(r):,} characters)"
 
 
 def extract_answer(completion: str, pattern: str | None = None) -> str | None:
@@ -277,7 +271,7 @@ class RewardModel:
                                       f"completion {c[:200]!r}){_off_main_thread(e)}") from e
                 requirement = reward_requirement(v)
                 if requirement is not None:
-                    raise RewardError(f"reward {spec.fn!r}: must return {requirement}, got {_short_repr(v)} "
+                    raise RewardError(f"reward {spec.fn!r}: must return {requirement}, got {short_repr(v)} "
                                       f"(on {wheres[j]}, completion {c[:200]!r})")
                 values[j] = float(v)
             terms[name] = values

@@ -20,7 +20,8 @@ Built-in formats (`PARSERS`): `hermes`, the Hermes / Qwen 2.5+ format
 number of blocks); `pythonic`, the Llama 3.2 / 4 format, where the whole turn is a Python
 list of calls with keyword arguments, `[lookup(key="qzk"), add(a=1, b=2)]` (short: what a
 byte-level model writes fastest). Any class with the `ToolCallParser` methods can be named
-`module:Class` instead (constructed without arguments).
+`module:Class` instead (constructed without arguments); `parse_turn` holds it to the contract,
+a `ToolParserError` naming it when it raises or returns anything but a `ParsedMessage`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import re
 from typing import Any, Protocol, runtime_checkable
 
 from jrl.config import ConfigError, resolve_named
+from jrl.data.wording import short_repr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +190,30 @@ class PythonicParser:
                 continue
             calls.append(ToolCall(node.func.id, arguments, call_id))
         return ParsedMessage("", calls, errors)
+
+
+class ToolParserError(RuntimeError):
+    """A tool-call parser broke its contract on a turn: it raised, or returned something other
+    than a ParsedMessage of ToolCalls and ToolCallErrors. Names the parser and its option."""
+
+
+def parse_turn(parser: ToolCallParser, text: str, field: str = "strategy.options.tool_parser") -> ParsedMessage:
+    """`parser.parse(text)`, checked: a ToolParserError naming the parser (`module:Class`, as a
+    config names it) and `field` when it raises or returns anything but a ParsedMessage whose
+    calls are ToolCalls and errors ToolCallErrors (a user's parser; the built-ins never do),
+    instead of an AttributeError deep in the tool environment that names neither."""
+    name = f"{type(parser).__module__}:{type(parser).__qualname__}"
+    try:
+        parsed = parser.parse(text)
+    except Exception as e:
+        raise ToolParserError(f"{field}: {name}.parse raised {type(e).__name__}: {e} (a parser must not raise on "
+                              f"model output: a call it cannot read is one of its ParsedMessage's errors)") from e
+    if not (isinstance(parsed, ParsedMessage) and isinstance(parsed.content, str)
+            and all(isinstance(c, ToolCall) for c in parsed.calls)
+            and all(isinstance(e, ToolCallError) for e in parsed.errors)):
+        raise ToolParserError(f"{field}: {name}.parse must return a jrl.rl.tool_calls.ParsedMessage (its calls "
+                              f"ToolCalls, its errors ToolCallErrors), got {short_repr(parsed)}")
+    return parsed
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser, "pythonic": PythonicParser}
