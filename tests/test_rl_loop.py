@@ -145,6 +145,20 @@ def test_rollout_reward_mean_and_accuracy_are_exact_shares_of_the_samples(tmp_pa
     assert r["accuracy"] == r["reward_mean"] == k / 15
 
 
+def test_rollout_response_len_mean_is_the_exact_mean_of_the_lengths(tmp_path):
+    # a mean taken in float32: 15 responses of 29 tokens in all read 1.9333332777023315, not 29 / 15
+    # (jrl eval's response_tokens_mean is exact); every printable ASCII character stops a response here,
+    # so lengths vary between 1 and max_new_tokens
+    stops = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    config = tiny(steps=1, prompts_per_step=5, group_size=3,
+                  task={"n_digits": 1, "n_heldout": 16, "n_validation": 0, "stop": stops})
+    _, rows = run(dataclasses.replace(config, data=dataclasses.replace(config.data, batch_size=5)), tmp_path)
+    (r,) = rollout_rows(rows)
+    total = round(r["response_len_mean"] * 15)
+    assert total % 15 != 0  # total / 15 is no float32
+    assert r["response_len_mean"] == total / 15
+
+
 def test_held_out_accuracy_is_evaluated_at_start_and_end(sync_run):
     _, rows = sync_run
     evals = [(r["step"], r["policy_version"]) for r in rows if "eval_accuracy" in r]

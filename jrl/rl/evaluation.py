@@ -45,8 +45,9 @@ def pass_at(correct: Sequence[Sequence[bool]], ks: Sequence[int]) -> dict[str, f
 
 
 def exact_mean(values: np.ndarray) -> float:
-    """The mean of float32 `values` (rewards, solved flags), taken in float64: k of n rewarded 1
-    is k / n (as pass@1 is), not float32's nearest value to it (0.2666666805744171 for 4 of 15)."""
+    """The mean of float32 `values` (rewards, solved flags, lengths), taken in float64: k of n
+    rewarded 1 is k / n (as pass@1 is), not float32's nearest value to it (0.2666666805744171
+    for 4 of 15)."""
     return float(np.mean(values, dtype=np.float64))
 
 

@@ -418,7 +418,7 @@ class RolloutSource:
             "reward_mean": exact_mean(all_rewards),
             "reward_std": float(np.std(all_rewards, dtype=np.float64)),
             "accuracy": exact_mean(np.concatenate([g.correct for g in drawn])),
-            "response_len_mean": float(lengths.mean()),
+            "response_len_mean": exact_mean(lengths),
             "response_len_max": float(lengths.max()),
             "truncated_frac": float(np.mean([c.finish_reason == "length" for g in drawn for c in g.completions] or [0.0])),
             "groups_drawn": float(len(drawn)),
