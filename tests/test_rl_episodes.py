@@ -32,8 +32,8 @@ from chat_fixtures import CHATML_TOOLS, write_chat_tokenizer
 from jrl.config import ConfigError, ModelConfig, from_dict
 from jrl.rl.batch import build_episode_rows, build_rows
 from jrl.rl.episode_source import EpisodeSampler
-from jrl.rl.environments import (ChatPieces, EnvironmentFailure, EpisodeLimits, EpisodeRunner, ToolEnvironment,
-                                 resolve_environment)
+from jrl.rl.environments import (ChatPieces, EnvironmentFailure, Episode, EpisodeLimits, EpisodeRunner,
+                                 ToolEnvironment, resolve_environment)
 from jrl.rl.rewards import RewardError
 from jrl.rl.tool_calls import HermesParser, ParsedMessage, ToolCall, ToolCallError, get_parser
 from jrl.rl.tools import Tool, ToolRegistry, resolve_tool, tool
@@ -1119,6 +1119,14 @@ def test_an_episodes_reward_is_the_exact_sum_of_its_step_rewards_and_solves_at_t
     assert (ep.turns, ep.done, ep.truncated, ep.reward) == (3, True, False, 1.0)
     options = RLOptions.from_config({"env": "test_rl_episodes:PartialCredit"})
     assert EpisodeSampler(options, PromptFormat(tok), options.reward_model(), 512).correct([ep]).tolist() == [1.0]
+
+
+def test_episode_metrics_are_exact_means():
+    # response_len_mean was a float32 mean: episodes of 1, 1 and 2 sampled tokens read 1.3333333730697632
+    episodes = [Episode(example={}, tokens=[0] * (n + 2), mask=[0, 0] + [1] * n, turns=1) for n in (1, 1, 2)]
+    metrics = EpisodeSampler.metrics(episodes)
+    assert (metrics["response_len_mean"], metrics["response_len_max"]) == (4 / 3, 2.0)
+    assert (metrics["episode_len_mean"], metrics["turns_mean"]) == (10 / 3, 1.0)
 
 
 def test_an_environment_that_truncates_keeps_the_messages_of_its_last_step(engine, tok, im_end):

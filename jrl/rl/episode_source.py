@@ -23,7 +23,7 @@ from jrl.data.tasks import Problem
 from jrl.rl.batch import build_episode_rows
 from jrl.rl.environments import (ChatPieces, Episode, EnvironmentFailure, EpisodeLimits, EpisodeRunner,
                                  ToolEnvironment, opened_and_closed, opening_prompt, resolve_environment)
-from jrl.rl.evaluation import ProblemResult, pass_at
+from jrl.rl.evaluation import ProblemResult, exact_mean, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
 from jrl.rl.rewards import RewardModel
@@ -153,7 +153,7 @@ class EpisodeSampler:
         calls = sum(ep.tool_calls for ep in episodes)
         sampled = np.array([ep.n_sampled for ep in episodes], np.float32)
         return {
-            "response_len_mean": float(sampled.mean()),
+            "response_len_mean": exact_mean(sampled),
             "response_len_max": float(sampled.max()),
             "episode_len_mean": float(np.mean([len(ep.tokens) for ep in episodes])),
             "truncated_frac": float(np.mean([ep.truncated for ep in episodes])),
