@@ -60,6 +60,21 @@ def test_chat_prompts_are_rendered_and_closed_by_the_end_of_turn_token(tmp_path)
     assert [r["response"] for r in rows] == ["5<|im_end|>", "2<|im_end|>"]  # never closed twice
 
 
+def test_a_multi_turn_demonstrations_assistant_turns_are_closed_once(tmp_path):
+    # as a single-turn response is: a turn written with its end-of-turn token was trained with
+    # two (2<|im_end|><|im_end|>), and the later turns' prompts rendered it so too, which no
+    # episode's sequence ever holds
+    tok = load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok")))
+    src = write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "1+1?"}], "response": [
+        {"role": "assistant", "content": "2<|im_end|>"}, {"role": "user", "content": "and 2+2?"},
+        {"role": "assistant", "content": "4"}]}])
+    rendered = render_demonstrations(WarmStartConfig(source=src, prompt_field="messages"), PromptFormat(tok),
+                                     "prompt", [])
+    assert [r["response"] for r in rendered.rows] == ["2<|im_end|>", "4<|im_end|>"]
+    assert rendered.rows[1]["prompt"] == ("<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"
+                                          "<|im_start|>user\nand 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_a_numeric_response_is_demonstrated_as_the_file_writes_it(tmp_path):
     # before: Python's str of the number ('0.5'), which exact_match scores against the answer '0.50'
     tok = load_tokenizer(str(write_chat_tokenizer(tmp_path / "tok")))

@@ -178,6 +178,10 @@ def render_demonstrations(config: WarmStartConfig, fmt: PromptFormat, task_promp
                 response += end_of_turn
             rows.append({"prompt": rendered, "response": response, "templated": templated, "where": where})
             continue
+        # an assistant turn written with its end-of-turn text is closed once, as a single-turn response is,
+        # in its own row and in the later turns' prompts alike
+        turns = [{**m, "content": m["content"].removesuffix(end_of_turn)} if m["role"] == "assistant" else m
+                 for m in turns]
         for k, turn in enumerate(turns):
             if turn["role"] == "assistant":
                 rows.append({"prompt": fmt.render(problem, turns=turns[:k], tools=tools),
