@@ -43,6 +43,13 @@ CASES = [
     ("last_number_scientific_small", "it is 2.5e-3.", "0.0025", 1.0),
     ("last_number_scientific_not_its_exponent", "The answer is 1e3", "3", 0.0),
     ("last_number_e_of_a_word_is_no_exponent", "5eggs", "5", 1.0),
+    # an exponent (a unit's power) is no answer: "48 cm^2" answered 2
+    ("last_number_not_a_units_power", "The area is 48 cm^2.", "48", 1.0),
+    ("last_number_not_a_braced_power", "The area is 48 cm^{2}", "48", 1.0),
+    ("last_number_not_a_power_of_a_quotient", "It accelerates at 5 m/s^2", "5", 1.0),
+    ("last_number_after_a_power_is_taken", "so 2^10 = 1024", "1024", 1.0),
+    ("last_number_not_a_negative_power", "It accelerates at 5 m s^-2", "5", 1.0),
+    ("last_number_not_a_braced_negative_power", "It accelerates at 5 m s^{-2}", "5", 1.0),
     # fractions
     ("decimal_vs_fraction", r"\boxed{0.75}", "3/4", 1.0),
     ("frac_vs_decimal", r"\boxed{\frac{3}{4}}", "0.75", 1.0),

@@ -59,10 +59,12 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASH = re.compile(r"####[ \t]*([^\n]*)")
 _NUM = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"
 _EXPONENT = r"(?:[eE][-+]?\d+)?"  # scientific notation: 1e-7 is one number, not a 1 and a 7
-# A number not glued to a word or a decimal point before it: \frac{a}{b}, a/b or a plain
+# A number not glued to a word or a decimal point before it, nor an exponent (`cm^2`,
+# `cm^{2}`, `s^-2`, `s^{-2}`: a unit's power is no answer): \frac{a}{b}, a/b or a plain
 # number (in scientific notation too), with an optional sign directly in front.
+_NOT_AFTER = r"(?<![\w.^])(?<!\^\{)(?<!\^[-+\u2212])(?<!\^\{[-+\u2212])"
 _LAST_NUMBER = re.compile(
-    rf"(?<![\w.])[-+\u2212]?(?:\\[dt]?frac\{{(?:{_NUM})\}}\{{(?:{_NUM})\}}"
+    rf"{_NOT_AFTER}[-+\u2212]?(?:\\[dt]?frac\{{(?:{_NUM})\}}\{{(?:{_NUM})\}}"
     rf"|(?:{_NUM}){_EXPONENT}(?:/\d+(?:\.\d+)?)?)")
 
 
@@ -124,8 +126,9 @@ def extract_final_answer(completion: str,
     Strategies: "boxed" (content of the last `\\boxed{...}` whose braces close, nested
     braces allowed), "hash" (text after the last `####` up to the end of its line) and
     "last_number" (the last number: sign, decimals, thousands separators, an exponent
-    (`1e-7`), `a/b` and `\\frac{a}{b}`). Returns the answer as written, or None when no
-    strategy finds one. Raises ValueError for an empty order or an unknown strategy.
+    (`1e-7`), `a/b` and `\\frac{a}{b}`; not a power, the `2` of `cm^2`). Returns the answer
+    as written, or None when no strategy finds one. Raises ValueError for an empty order or an
+    unknown strategy.
     """
     for strategy in check_order(order):
         found = _EXTRACTORS[strategy](completion)
