@@ -3,6 +3,7 @@
 errors that name the file, the line and the field."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -303,6 +304,19 @@ def test_missing_task_file_is_named_by_its_field(tmp_path):
         task(tmp_path, train=missing)
     with pytest.raises(ConfigError, match=f"^strategy.options.task.heldout: no such file '{missing}'$"):
         task(tmp_path, train=str(good), heldout=missing)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"train": "bundled:revers"}, "strategy.options.task.train: unknown bundled dataset 'bundled:revers'; available: "),
+    ({"train": "bundled:reverse:0"}, "strategy.options.task.train: record count in 'bundled:reverse:0' must be a "
+                                     "positive integer"),
+    ({"train": "bundled:reverse:600", "heldout": "bundled:lookup:99999"},
+     "strategy.options.task.heldout: bundled:lookup has 17576 distinct problems, asked for 99999"),
+])
+def test_a_bad_bundled_task_source_is_named_by_its_field(tmp_path, fields, message):
+    # each was named data.source, a field of SFT runs that an RL config never sets
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        task(tmp_path, **fields)
 
 
 # ----------------------------------------------------------------------------- prompts

@@ -37,6 +37,7 @@ import json
 
 import numpy as np
 
+from jrl.config import ConfigError
 from jrl.data.draws import in_passes
 from jrl.data.tasks import make_task, sft_records
 
@@ -119,10 +120,15 @@ def addition(n: int, seed: int = 0) -> list[dict]:
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
+class TooFewProblems(ValueError):
+    """More records asked of a generator than it has distinct problems (`load_bundled` names
+    the config field that asked)."""
+
+
 def _distinct(space: int, n: int, rng: np.random.Generator, name: str) -> list[int]:
     """`n` distinct indices of a problem space of `space` problems, in seeded order."""
     if n > space:
-        raise ValueError(f"data.source: bundled:{name} has {space} distinct problems, asked for {n}")
+        raise TooFewProblems(f"bundled:{name} has {space} distinct problems, asked for {n}")
     return [int(i) for i in rng.permutation(space)[:n]]
 
 
@@ -191,16 +197,21 @@ def is_bundled(source: str) -> bool:
     return source.startswith("bundled:")
 
 
-def load_bundled(source: str, seed: int = 0) -> list[dict]:
-    """Records of `bundled:<name>[:<n>]`."""
+def load_bundled(source: str, seed: int = 0, key: str = "data.source") -> list[dict]:
+    """Records of `bundled:<name>[:<n>]`; a ConfigError naming `key` (the config field that
+    gave `source`: `data.source`, `strategy.options.task.train`, ...) for a name or a count
+    that gives none."""
     parts = source.split(":")
     name = _generator_name(source)
     if name not in GENERATORS or len(parts) > 3:
-        raise ValueError(f"data.source: unknown bundled dataset {source!r}; available: "
-                         + ", ".join(f"bundled:{k}" for k in GENERATORS))
+        raise ConfigError(f"{key}: unknown bundled dataset {source!r}; available: "
+                          + ", ".join(f"bundled:{k}" for k in GENERATORS))
     n = DEFAULT_SIZES[name]
     if len(parts) == 3:
         if not parts[2].isdigit() or int(parts[2]) < 1:
-            raise ValueError(f"data.source: record count in {source!r} must be a positive integer")
+            raise ConfigError(f"{key}: record count in {source!r} must be a positive integer")
         n = int(parts[2])
-    return GENERATORS[name](n, seed)
+    try:
+        return GENERATORS[name](n, seed)
+    except TooFewProblems as e:
+        raise ConfigError(f"{key}: {e}") from None

@@ -125,7 +125,7 @@ def iter_located_records(source: str | Sequence[str], seed: int = 0, key: str = 
     `json.loads` keywords (`parse_float`, ...) in their place."""
     bundled = bundled_source(source)
     if bundled is not None:
-        for index, record in enumerate(load_bundled(bundled, seed)):
+        for index, record in enumerate(load_bundled(bundled, seed, key)):
             yield f"{bundled}[{index}]", record
         return
     for path in source_files(source, key, data_format):
