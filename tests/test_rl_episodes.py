@@ -1129,6 +1129,32 @@ def test_episode_metrics_are_exact_means():
     assert (metrics["episode_len_mean"], metrics["turns_mean"]) == (10 / 3, 1.0)
 
 
+class TupleOpening(Scripted):
+    """An opening conversation returned as a tuple, as a step's messages may be."""
+
+    def reset(self, example):
+        return tuple(Scripted.reset(self, example))
+
+
+def test_reset_may_return_its_messages_as_a_tuple_as_step_may(engine, tok, im_end):
+    # it was refused ('must return a non-empty list of messages, got ({...},)'), while a step's
+    # messages may be a tuple
+    _, (ep,) = run(engine, tok, im_end, [TupleOpening(turns=1)], max_new_tokens=40)
+    assert ep.messages[0] == {"role": "user", "content": "what is 0 plus 3?"} and ep.done and ep.reward == 1.0
+
+
+@pytest.mark.parametrize("opening, got", [((), "()"), ("hi", "'hi'")])
+def test_reset_must_return_a_non_empty_sequence_of_messages(engine, tok, im_end, opening, got):
+    class Opening(Scripted):
+        def reset(self, example):
+            return opening
+
+    with pytest.raises(EnvironmentFailure) as e:
+        run(engine, tok, im_end, [Opening()])
+    assert str(e.value) == (f"environment Opening.reset: must return a non-empty list of messages, got {got} "
+                            "(on episode 0)")
+
+
 def test_an_environment_that_truncates_keeps_the_messages_of_its_last_step(engine, tok, im_end):
     # they were dropped from Episode.messages when the step ended the episode as truncated
     last = {"role": "user", "content": "time is up"}

@@ -456,7 +456,7 @@ def opening_prompt(pieces: ChatPieces, env: Any, messages: Any, max_total_tokens
     ConfigError naming the environment, the record and both lengths). Shared by the runner
     and the startup check (`EpisodeSampler.check_opening_prompts`), so both say the same."""
     name = type(env).__name__
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, (list, tuple)) or not messages:  # a tuple, as a step's messages may be
         raise EnvironmentFailure(f"environment {name}.reset: must return a non-empty list of messages, "
                                  f"got {messages!r} (on {where})")
     if not all(isinstance(m, dict) for m in messages):
