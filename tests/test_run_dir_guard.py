@@ -95,3 +95,30 @@ def test_the_embedded_default_refuses_to_start_over_another_runs_directory(tmp_p
         f"error: {root} already holds checkpoints (latest step 2): resume them (--resume) or start over "
         "(--overwrite deletes them)\n")
     assert snapshot(tmp_path) == before  # no warm_start/ either: refused before it ran
+
+
+TINY = ["model.hidden_size=16", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8",
+        "model.intermediate_size=32", "data.source=bundled:arithmetic:200", "data.seq_len=32",
+        "data.batch_size=4", "data.micro_batches=1", "steps=2", "logging.progress=false"]
+
+
+@pytest.mark.parametrize("name, kind", [("checkpoints", "a file"), ("metrics.jsonl", "a directory"),
+                                        ("config.yaml", "a directory"), ("metrics.png", "a directory")])
+def test_a_run_directory_entry_of_the_wrong_kind_exits_2_before_training(tmp_path, capsys, name, kind):
+    # A file named checkpoints let the run train, then fail its first save (exit 1, the steps
+    # lost); a directory named metrics.jsonl, config.yaml or metrics.png ended the run in a
+    # traceback (IsADirectoryError) from where it wrote or removed it.
+    run = tmp_path / "run"
+    run.mkdir()
+    entry = run / name
+    if kind == "a file":
+        entry.write_text("mine")
+    else:
+        entry.mkdir()
+        (entry / "mine.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    assert main(["--config", CONFIG, "--output-dir", str(run), *TINY]) == 2
+    want = "a directory" if kind == "a file" else "a file"
+    assert capsys.readouterr().err == (f"error: output directory: {entry} is {kind}, where the run keeps {want}; "
+                                       f"move it out of the run directory, or choose another --output-dir\n")
+    assert snapshot(tmp_path) == before and not (run / "checkpoints").is_dir()

@@ -82,12 +82,18 @@ class SkippedUpdateWarning(UserWarning):
     weight (once per Trainer and cause, at the first)."""
 
 
+# What a run writes into its directory, and whether it is a directory.
+RUN_DIR_ENTRIES = {"checkpoints": True, "config.yaml": False, "metrics.jsonl": False, "metrics.png": False}
+
+
 def check_run_dir(run_dir: str | os.PathLike) -> None:
     """Raises ConfigError when `run_dir` is a file, or a checkpoint root or one checkpoint rather
     than a run directory: a run there would add its config.yaml, metrics and lock to checkpoints,
     which then fail verification. (A mistyped --output-dir for the run's own.) Also when it or
     its `checkpoints` is a symlink to nothing (another disk, not mounted): a resume found no
-    checkpoint there and started the run over."""
+    checkpoint there and started the run over. And when an entry the run writes is of the other
+    kind (`RUN_DIR_ENTRIES`: a file named `checkpoints`, a directory named `metrics.jsonl`): the
+    run failed only where it wrote it, a checkpoint after training."""
     run_dir = Path(run_dir)
     for path in (run_dir, run_dir / "checkpoints"):
         if dangling := checkpoint.store.dangling_link(path):  # --resume would see no checkpoint and start over
@@ -97,6 +103,12 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
         raise ConfigError(f"output directory {run_dir} is a file, not a directory")
     if not run_dir.is_dir():
         return
+    for name, is_dir in RUN_DIR_ENTRIES.items():  # else the run trained, then failed where it wrote one
+        entry = run_dir / name
+        if entry.exists() and entry.is_dir() != is_dir:
+            kind, want = ("a file", "a directory") if is_dir else ("a directory", "a file")
+            raise ConfigError(f"output directory: {entry} is {kind}, where the run keeps {want}; move it out "
+                              f"of the run directory, or choose another --output-dir")
     if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
         what, run = "a checkpoint root (it holds step_<N> directories)", run_dir.parent
     elif checkpoint.store.is_checkpoint_dir(run_dir):
