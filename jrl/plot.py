@@ -49,10 +49,11 @@ def image_path(out: str | Path) -> Path:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Renders `run_dir/metrics.jsonl` to `out` (default `run_dir/metrics.png`)."""
+    """Renders `run_dir/metrics.jsonl` to `out` (default `run_dir/metrics.png`); a run that has
+    logged no step yet (its config.yaml, no metrics.jsonl) gets a plot saying so."""
     run_dir = Path(run_dir)
     log = run_dir / "metrics.jsonl"
-    if not log.is_file():
+    if not log.is_file() and not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{log} not found: is {run_dir} a run directory?")
     rows = read_metrics(log)
     panels = [(title, [(k, *_series(rows, k)) for k in keys]) for title, keys in PANELS]

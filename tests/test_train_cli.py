@@ -203,6 +203,17 @@ def test_jrl_plot_without_metrics_exits_2(tmp_path, capsys):
     assert "metrics.jsonl not found" in capsys.readouterr().err
 
 
+def test_jrl_plot_of_a_run_that_has_logged_no_step_yet_draws_no_metrics_yet(tmp_path, capsys):
+    # a run writes config.yaml when it starts and metrics.jsonl at its first step, after the step
+    # compiled: in between `jrl plot` said "is <run> a run directory?" of the run it was given
+    (tmp_path / "config.yaml").write_text(yaml_dump(to_dict(load_train_config(None, ["steps=3"]))))
+    assert cli.main(["plot", str(tmp_path)]) == 0
+    png = tmp_path / "metrics.png"
+    assert capsys.readouterr().out.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_jrl_plot_names_a_corrupt_metrics_line_and_exits_2(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{broken\n{"step": 2, "loss": 0.5}\n')
     assert cli.main(["plot", str(tmp_path)]) == 2
