@@ -228,11 +228,12 @@ def check_devices(config: TrainConfig) -> str:
     return line
 
 
-def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -> None:
+def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None, notes: tuple[str, ...] = ()) -> None:
     """Prints the run's config as it will run (options that depend on others resolved),
     what its data (and its warm start's demonstrations) hold and its parameter count. Reads
     the data first: a bad record raises before anything is printed. `warm_start`: whether
-    the run starts with one (default: `has_warm_start` of a config file's run)."""
+    the run starts with one (default: `has_warm_start` of a config file's run); `notes`:
+    more `# note:` lines (what the run will find in its output directory)."""
     if warm_start is None:
         warm_start = has_warm_start(config, embedded_default=False)
     data, demonstrations = check_data(config, warm_start)
@@ -243,11 +244,11 @@ def dry_run(config, output_dir: str | None, *, warm_start: bool | None = None) -
     trainable = require_trainable(config.optimizer, set(jax.tree.leaves(groups)))
     total = sum(x.size for x in jax.tree.leaves(abstract))
     n_train = sum(x.size for x, g in zip(jax.tree.leaves(abstract), jax.tree.leaves(groups)) if g in trainable)
-    options, notes = resolved_options(config)
+    options, option_notes = resolved_options(config)
     resolved = to_dict(config)
     resolved["strategy"]["options"] = options
     print(yaml_dump(resolved), end="")
-    for note in notes + ((init_note,) if init_note else ()):
+    for note in option_notes + ((init_note,) if init_note else ()) + notes:
         print(f"# note: {note}")
     print(f"# output_dir: {config.resolve_run_dir(output_dir)}")
     print(f"# data: {data}")
@@ -275,18 +276,29 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         start_distributed(config)
     except CONFIG_ERRORS as e:
         return cli_exit(e)
-    if args.dry_run:
-        try:
-            dry_run(config, args.output_dir, warm_start=has_warm_start(config, embedded_default=not args.config))
-        except (*CONFIG_ERRORS, EnvironmentFailure) as e:  # an env's reset runs to check its opening prompt
-            return cli_exit(e, failed=(EnvironmentFailure,))
-        return 0
     resuming = args.resume or args.resume_from is not None
     run_dir = config.resolve_run_dir(args.output_dir)
     # the embedded default replaces an earlier default run, in its own directory only
     default_dir = Path("runs", default_run()["name"])
     overwrite = args.overwrite or (not args.config and not resuming
                                    and run_dir.absolute() == default_dir.absolute())
+    if args.dry_run:
+        try:  # an output directory the run would refuse whatever its flags (read only), in the run's words
+            check_run_dir(run_dir)
+        except ConfigError as e:
+            return cli_exit(e, config_errors=())
+        notes = ()
+        try:  # a note: the dry run of a config whose run is under way (or done) is no mistake
+            if not resuming and not overwrite:
+                check_fresh_start(run_dir / "checkpoints")
+        except FileExistsError as e:
+            notes = (str(e),)
+        try:
+            dry_run(config, args.output_dir, warm_start=has_warm_start(config, embedded_default=not args.config),
+                    notes=notes)
+        except (*CONFIG_ERRORS, EnvironmentFailure) as e:  # an env's reset runs to check its opening prompt
+            return cli_exit(e, failed=(EnvironmentFailure,))
+        return 0
     try:
         if not (resuming and checkpoint.latest_step(run_dir / "checkpoints") is not None):
             # its config.json / meta.json: a typo or another model fails before anything is built (a resume

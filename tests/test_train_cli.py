@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jrl import cli, hf
+from jrl import checkpoint as ckpt, cli, hf
 from jrl.config import ConfigError, apply_overrides, load_train_config, parse_override, to_dict, yaml_dump
 from jrl.metrics_log import MetricsLog, read_metrics
 from jrl.models import init_params
@@ -475,6 +475,34 @@ def test_dry_run_refuses_the_flags_the_run_refuses(flags, message, capsys):
     # before: --dry-run said 0 for flags the run itself then refused
     assert main(["model.hidden_size=32", "steps=7", "--dry-run", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_dry_run_refuses_an_output_dir_the_run_refuses(tmp_path, capsys):
+    # the dry run printed "# output_dir: notes.txt" and exit 0; the run then stopped at once
+    path = tmp_path / "notes.txt"
+    path.write_text("mine")
+    small = ["--config", str(CONFIGS / "sft_arithmetic.yaml"), "data.source=bundled:arithmetic:200",
+             "data.batch_size=4", "data.micro_batches=1", "--dry-run"]
+    assert main([*small, "--output-dir", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"error: output directory {path} is a file, not a directory\n")
+    assert path.read_text() == "mine"
+
+
+def test_a_dry_run_into_a_run_with_checkpoints_notes_that_the_run_needs_resume_or_overwrite(tmp_path, capsys):
+    # the run refuses to start over them; the dry run said nothing of it
+    run = tmp_path / "run"
+    ckpt.save(run / "checkpoints", 2, {"w": np.zeros(2, np.float32)})
+    small = ["--config", str(CONFIGS / "sft_arithmetic.yaml"), "data.source=bundled:arithmetic:200",
+             "data.batch_size=4", "data.micro_batches=1", "--dry-run", "--output-dir", str(run)]
+    note = (f"# note: {run / 'checkpoints'} already holds checkpoints (latest step 2): resume them (--resume) or "
+            f"start over (--overwrite deletes them)\n")
+    assert main(small) == 0
+    assert note in capsys.readouterr().out
+    for flag in ("--resume", "--overwrite"):
+        assert main([*small, flag]) == 0
+        assert "# note:" not in capsys.readouterr().out
+    assert ckpt.all_steps(run / "checkpoints") == [2]
 
 
 def test_a_run_config_written_as_yaml_reads_back_with_strings_like_numbers(tmp_path):
