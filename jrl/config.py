@@ -569,6 +569,13 @@ class Section:
                f"give exactly one of 'field' or 'text', got field={self.field!r} text={self.text!r}")
 
 
+def _check_path(path: str | None, field: str, unset: str) -> None:
+    """A path setting that may be null (`unset` says what null does) but not empty or blank:
+    `key=$VAR` with VAR unset gives the empty string, which read as null or as the working
+    directory."""
+    _check(path is None or path.strip() != "", field, f"the path is empty; write null (or leave it out) {unset}")
+
+
 def _check_source(source: Any, field: str) -> None:
     """A data file setting: a non-empty path or pattern, or a non-empty list of them."""
     if isinstance(source, str):
@@ -624,6 +631,7 @@ class DataConfig:
             _check_source(self.eval_source, "data.eval_source")
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction",
                f"must be in [0, 1), got {self.eval_fraction}")
+        _check_path(self.cache_dir, "data.cache_dir", "to keep no token store")
         _check(self.seq_len >= 2, "data.seq_len", f"must be >= 2, got {self.seq_len}")
         _check(self.batch_size >= 1, "data.batch_size", f"must be >= 1, got {self.batch_size}")
         _check(self.seed >= 0, "data.seed", f"must be >= 0 (numpy seeds the shuffle from it), got {self.seed}")
@@ -942,6 +950,8 @@ class TrainConfig:
         _check(isinstance(self.name, str) and self.name != "" and "/" not in self.name, "name",
                f"must be a non-empty string without '/', got {self.name!r}")
         _check(self.seed >= 0, "seed", f"must be >= 0 (numpy seeds the run from it), got {self.seed}")
+        _check_path(self.output_dir, "output_dir", "for runs/<name>")
+        _check_path(self.init_from, "init_from", "to start from the seeded init")
         _check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         _check(self.lm_head_chunk >= 0, "lm_head_chunk", f"must be >= 0, got {self.lm_head_chunk}")
         _check(self.data.seq_len <= self.model.max_position_embeddings, "data.seq_len",

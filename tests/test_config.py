@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -233,6 +234,20 @@ def test_an_empty_config_path_is_named_as_empty():
     # `jrl eval --config "$CFG"` with CFG unset said ": no such config file"
     with pytest.raises(ConfigError, match=r"^the config path is empty; name a YAML config file$"):
         load_train_config("")
+
+
+@pytest.mark.parametrize("key, message", [
+    ("output_dir", "output_dir: the path is empty; write null (or leave it out) for runs/<name>"),
+    ("init_from", "init_from: the path is empty; write null (or leave it out) to start from the seeded init"),
+    ("data.cache_dir", "data.cache_dir: the path is empty; write null (or leave it out) to keep no token store"),
+])
+@pytest.mark.parametrize("value", ["", "' '"])
+def test_an_empty_path_in_a_config_is_refused_naming_the_key(key, message, value):
+    # `output_dir=$OUT` with OUT unset ran into runs/<name> (an empty --output-dir is refused), a blank
+    # one made a directory named ' ', and an empty data.cache_dir wrote the token stores into the
+    # working directory
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        load_train_config(None, [f"{key}={value}"])
 
 
 def test_a_utf8_config_loads_under_an_ascii_locale(tmp_path):
