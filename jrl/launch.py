@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         notes = ()
         try:  # a note: the dry run of a config whose run is under way (or done) is no mistake
             if not resuming and not overwrite:
-                check_fresh_start(run_dir / "checkpoints")
+                check_fresh_start(run_dir)
         except FileExistsError as e:
             notes = (str(e),)
         try:
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
         check_run_dir(run_dir)  # before a warm start writes into it
         if not resuming and not overwrite:
             check_not_in_use(run_dir)  # a live run's checkpoints: "in use", not "resume them"
-            check_fresh_start(run_dir / "checkpoints")
+            check_fresh_start(run_dir)
         resume = args.resume
         warm_start = has_warm_start(config, embedded_default=not args.config)
         locked, lock = False, None  # the warm start's hold on the run directory, until GRPO's trainer has it
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
                 # not a fresh run as the trainer's own warning would have it
                 warnings.warn(f"resume: GRPO has no checkpoint in {trainer.checkpoint_dir} yet; it starts at step "
                               f"0 from the warm start's checkpoint in {config.init_from}", stacklevel=2)
-                resume = False
+                # a fresh start, as a --resume without a checkpoint is: the rows a killed GRPO logged go
+                resume, overwrite = False, True
             if locked:
                 trainer.adopt_run_dir(lock)  # held on: released when fit returns or raises
                 locked = False

@@ -381,6 +381,29 @@ def test_resuming_a_run_killed_during_its_warm_start_says_what_starts_again(tmp_
     assert checkpoint.all_steps(out / "checkpoints") == [1]
 
 
+def test_resuming_a_run_whose_grpo_was_killed_before_its_first_save_starts_grpo_again(tmp_path):
+    # the warm start done, GRPO killed after logging its step 1 and before saving it: --resume starts
+    # GRPO at step 0 (it has no checkpoint), its log of the killed attempt replaced, not refused as
+    # the metrics of an earlier run a fresh start would delete
+    out = tmp_path / "run"
+    args = ["--config", str(CONFIG), f"--output-dir={out}", "steps=1", "data.batch_size=8",
+            "strategy.options.prompts_per_step=4", "strategy.options.group_size=2",
+            "strategy.options.task.n_heldout=8", "strategy.options.task.n_validation=8",
+            "strategy.options.warm_start.source=bundled:reverse:200", "strategy.options.warm_start.max_steps=1",
+            "strategy.options.warm_start.check_every=1000", "eval.every=0", "eval.at_end=false",
+            "logging.progress=false", "logging.plot=false"]
+    config = load_train_config(str(CONFIG), args[3:])
+    with pytest.warns(UserWarning, match="warmup_steps=20 is not shorter"):
+        run_warm_start(config, output_dir=str(out))
+    (out / "metrics.jsonl").write_text('{"step": 1, "policy_version": 1, "loss": 9.0}\n')
+    with pytest.warns(UserWarning) as caught:
+        assert main([*args, "--resume"]) == 0
+    assert f"resume: GRPO has no checkpoint in {out / 'checkpoints'} yet" in "\n".join(str(w.message) for w in caught)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["loss"] != 9.0
+    assert checkpoint.all_steps(out / "checkpoints") == [1]
+
+
 def test_a_warm_start_warmup_as_long_as_its_steps_is_warned_of_naming_its_own_fields(tmp_path):
     # the example's 20 warmup updates in a 1-step trial: named as the run config writes them,
     # not as the schedule.warmup_steps / steps of the SFT stage jrl derives from it

@@ -122,3 +122,22 @@ def test_a_run_directory_entry_of_the_wrong_kind_exits_2_before_training(tmp_pat
     assert capsys.readouterr().err == (f"error: output directory: {entry} is {kind}, where the run keeps {want}; "
                                        f"move it out of the run directory, or choose another --output-dir\n")
     assert snapshot(tmp_path) == before and not (run / "checkpoints").is_dir()
+
+
+def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_that_saved_no_checkpoint(tmp_path, capsys):
+    # a run that saves no checkpoint (checkpoint.interval=0, save_on_end=false; or one killed before
+    # its first save) leaves only its metrics.jsonl: the next run into the directory deleted it without
+    # --overwrite, which a directory with checkpoints requires
+    run = tmp_path / "run"
+    no_saves = ["checkpoint.interval=0", "checkpoint.save_on_end=false", "schedule.warmup_steps=0"]
+    assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, *no_saves]) == 0
+    capsys.readouterr()
+    log = (run / "metrics.jsonl").read_bytes()
+    assert log and not (run / "checkpoints").exists()
+    assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, "schedule.warmup_steps=0"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run / 'metrics.jsonl'} holds the metrics of an earlier run, which saved no checkpoint: start "
+        f"over (--overwrite deletes them) or choose another --output-dir\n")
+    assert (run / "metrics.jsonl").read_bytes() == log and not (run / "checkpoints").exists()
+    assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, "schedule.warmup_steps=0", "--overwrite"]) == 0
+    assert (run / "metrics.jsonl").read_bytes() != log and (run / "checkpoints" / "step_2").is_dir()

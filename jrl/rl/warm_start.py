@@ -258,7 +258,7 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
     if resume and done.is_file():
         return dataclasses.replace(config, init_from=str(warm_dir / "checkpoints"))
     if not resume and not overwrite:
-        check_fresh_start(warm_dir / "checkpoints")  # before demonstrations are rendered over its own
+        check_fresh_start(warm_dir)  # before demonstrations are rendered over its own
     task = make_task(options.task)
     fmt = task_format(config, options)
     check_task_prompts(config, task, fmt)  # the GRPO stage's check, made before the warm start trains
@@ -288,7 +288,9 @@ def run_warm_start(config: TrainConfig, *, output_dir: str | None = None, resume
                       f"when it ends or a signal stops it); it starts again at step 0 from "
                       f"{f'init_from {config.init_from}' if config.init_from else 'the seeded initial weights'}, "
                       f"then GRPO follows", stacklevel=2)
-        resume = False  # not the trainer's "starting a fresh run", which reads as if the whole run started over
+        # not the trainer's "starting a fresh run", which reads as if the whole run started over; a fresh
+        # start as that is, though: the rows the killed warm start logged go
+        resume, overwrite = False, True
     elif resume:
         print(f"warm start: resuming from its checkpoint step_{latest} in {trainer.checkpoint_dir}", flush=True)
     with warnings.catch_warnings():

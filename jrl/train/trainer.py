@@ -120,14 +120,20 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
                       "checkpoints in <run_dir>/checkpoints: give the run directory as --output-dir")
 
 
-def check_fresh_start(checkpoint_dir: str | os.PathLike) -> None:
+def check_fresh_start(run_dir: str | os.PathLike) -> None:
     """Raises FileExistsError when a run that neither resumes nor overwrites would start over
-    the checkpoints already in `checkpoint_dir`."""
+    the checkpoints already in `run_dir/checkpoints`, or the metrics log of an earlier run
+    that saved none (`checkpoint.interval: 0` without `save_on_end`, or killed before its
+    first save): a fresh start deletes both."""
+    checkpoint_dir, log = Path(run_dir) / "checkpoints", Path(run_dir) / "metrics.jsonl"
     existing = checkpoint.latest_step(checkpoint_dir)
     if existing is not None:
         raise FileExistsError(
             f"{checkpoint_dir} already holds checkpoints (latest step {existing}): resume them "
             f"(--resume) or start over (--overwrite deletes them)")
+    if log.is_file() and log.stat().st_size > 0:
+        raise FileExistsError(f"{log} holds the metrics of an earlier run, which saved no checkpoint: start over "
+                              f"(--overwrite deletes them) or choose another --output-dir")
 
 
 def _mismatch_message(e: checkpoint.TargetMismatchError, step: int) -> str:
@@ -610,7 +616,7 @@ class Trainer:
         reference = (lora_params(p_shardings) if adapters else p_shardings) if self.strategy.needs_reference else None
         self._shardings = mesh_step_shardings(self.mesh, shardings, reference)
         if not resume and not overwrite:
-            check_fresh_start(self.checkpoint_dir)
+            check_fresh_start(self.run_dir)
         meta: dict = {}
         set_aside: list[tuple[int, str]] = []
         if resume and not resumed:  # "resume if there is anything": a relaunch loop's first start
