@@ -1037,6 +1037,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     path = key.strip().split(".")
     if not all(p.isidentifier() for p in path):
+        item_of = re.match(r"^([\w.]*?\w)(?:\.\d+|\[\d+\])(?:[.\[]|$)", key.strip())  # `sections.1.train`, `sections[1]`
+        if item_of:
+            raise ConfigError(f"override {item!r}: {key!r} sets one item of a list, which an override cannot; "
+                              f"give the whole list: {item_of.group(1)}=[...]")
         raise ConfigError(f"override {item!r}: {key!r} is not a dotted key")
     try:
         value = yaml_load(raw) if raw.strip() else ""

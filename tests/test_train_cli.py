@@ -147,6 +147,16 @@ def test_config_file_gives_the_run_name_and_takes_overrides(tmp_path, capsys):
     assert (config.name, config.steps, config.optimizer.lr, config.run_dir) == ("my_run", 9, 1e-3, "runs/my_run")
 
 
+@pytest.mark.parametrize("item", ["data.sections.1.train=false", "data.sections[1].train=false"])
+def test_an_override_of_one_list_item_says_that_a_list_is_given_whole(item):
+    # it said "'data.sections.1.train' is not a dotted key" of a dotted key
+    key = item.partition("=")[0]
+    with pytest.raises(ConfigError) as e:
+        parse_override(item)
+    assert str(e.value) == (f"override {item!r}: {key!r} sets one item of a list, which an override cannot; give "
+                            f"the whole list: data.sections=[...]")
+
+
 @pytest.mark.parametrize("name", ["sft_arithmetic", "pretrain_tinytext", "dpo_arithmetic", "pretrain_1b_gpu"])
 def test_shipped_configs_validate(name):
     config = load_train_config(str(CONFIGS / f"{name}.yaml"))
