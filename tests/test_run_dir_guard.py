@@ -141,3 +141,21 @@ def test_a_fresh_run_keeps_the_metrics_of_an_earlier_run_that_saved_no_checkpoin
     assert (run / "metrics.jsonl").read_bytes() == log and not (run / "checkpoints").exists()
     assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, "schedule.warmup_steps=0", "--overwrite"]) == 0
     assert (run / "metrics.jsonl").read_bytes() != log and (run / "checkpoints" / "step_2").is_dir()
+
+
+@pytest.mark.parametrize("init_from", ["run", "run/checkpoints", "run/checkpoints/step_2"])
+def test_overwrite_refuses_an_init_from_among_the_checkpoints_it_would_delete(tmp_path, capsys, init_from):
+    # "start over from my last weights": --overwrite deleted the step it had read the weights
+    # from and saved its own steps under the same names, so a DPO run (whose reference is
+    # those weights, read again on resume) could never resume: "put it back there"
+    run = tmp_path / "run"
+    assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, "schedule.warmup_steps=0"]) == 0
+    capsys.readouterr()
+    before = snapshot(tmp_path)
+    assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, "schedule.warmup_steps=0", "--overwrite",
+                 f"init_from={tmp_path / init_from}"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: init_from: {str(tmp_path / init_from)!r} reads {run / 'checkpoints' / 'step_2'}, a checkpoint of "
+        f"the run directory that --overwrite empties before it trains; copy it out of {run} and give the copy as "
+        f"init_from, or choose another --output-dir\n")
+    assert snapshot(tmp_path) == before
