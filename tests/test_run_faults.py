@@ -622,6 +622,23 @@ def test_resume_on_other_data_of_the_same_row_count_is_a_one_line_error_naming_t
                     f"from its position in this data, or start over (--overwrite)")
 
 
+def test_resume_on_data_files_that_give_other_rows_names_the_source_not_a_setting(tmp_path, capsys):
+    # records added to the files (or a file to a pattern): it said "resume with the checkpoint's
+    # data settings", which were unchanged, and named no source
+    run, overrides = text_run(tmp_path, capsys)
+    data = tmp_path / "text.jsonl"
+    data.write_text(data.read_text() + "".join(json.dumps({"text": f"record {i} more"}) + "\n" for i in range(40, 60)))
+    before = snapshot(run)
+    assert main(["--config", write_config(tmp_path), "--output-dir", str(run), "--resume", *overrides,
+                 "steps=4"]) == 2
+    assert snapshot(run) == before
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: --resume: {run / 'checkpoints' / 'step_2'} does not fit this config's training data: "
+                    f"sampler state is for 40 rows / seed 0, but this dataset has 50 rows / seed 0: the data changed "
+                    f"since the checkpoint; no data setting changed since it, the records of data.source {data} did "
+                    f"(files edited, added or removed); resume on the checkpoint's data, or start over (--overwrite)")
+
+
 def test_allow_data_change_resumes_on_the_changed_data_with_a_warning(tmp_path, capsys):
     run, overrides = text_run(tmp_path, capsys)
     with pytest.warns(UserWarning, match=re.escape(f"--resume: data.source {tmp_path / 'text.jsonl'} is not the data "

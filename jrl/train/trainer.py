@@ -248,10 +248,15 @@ def _changed_data_keys(meta: dict, config: TrainConfig) -> str:
 
 def _data_mismatch_message(error: ValueError, meta: dict, config: TrainConfig) -> str:
     """One line for a checkpoint whose data position does not fit this config's training
-    data (the sampler's `error`), naming the `data` keys that differ from the checkpoint's."""
-    return (f"--resume: {meta['path']} does not fit this config's training data: {error}"
-            + _changed_data_keys(meta, config)
-            + "; resume with the checkpoint's data settings, or start over (--overwrite)")
+    data (the sampler's `error`), naming the `data` keys that differ from the checkpoint's,
+    or, where none does, the source whose records changed."""
+    changed = _changed_data_keys(meta, config)
+    if changed:
+        return (f"--resume: {meta['path']} does not fit this config's training data: {error}{changed}; resume "
+                f"with the checkpoint's data settings, or start over (--overwrite)")
+    return (f"--resume: {meta['path']} does not fit this config's training data: {error}; no data setting changed "
+            f"since it, the records of data.source {source_label(config.data.source)} did (files edited, added or "
+            f"removed); resume on the checkpoint's data, or start over (--overwrite)")
 
 
 def _changed_source(error: DataChangedError, config: TrainConfig) -> str:
