@@ -46,9 +46,9 @@ from jrl.train.defaults import default_run
 from jrl.train.optim import param_groups, require_trainable
 from jrl.train.strategies import get_strategy, strategy_options
 from jrl.train.run_lock import RunDirWriteError, RunLockedError, acquire_for_run, check_not_in_use
-from jrl.train.initial import check_init_from, load_run_tokenizer, run_distributed, run_mesh
+from jrl.train.initial import check_init_from, init_source, load_run_tokenizer, run_distributed, run_mesh
 from jrl.train.trainer import (ResumeError, Trainer, check_batch_rows, check_data_format, check_fresh_start,
-                               check_run_dir, warn_of_data_layout)
+                               check_overwrite_keeps_init_from, check_run_dir, warn_of_data_layout)
 
 RL_STRATEGIES = ("grpo",)
 # Errors of a run that started from a valid config (exit status 1).
@@ -283,8 +283,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m jrl.train") -> in
     overwrite = args.overwrite or (not args.config and not resuming
                                    and run_dir.absolute() == default_dir.absolute())
     if args.dry_run:
-        try:  # an output directory the run would refuse whatever its flags (read only), in the run's words
+        try:  # an output directory the run would refuse (read only), in the run's words
             check_run_dir(run_dir)
+            if overwrite and not resuming and config.init_from and not config.init_from.startswith("hf:"):
+                check_overwrite_keeps_init_from(config, init_source(config), run_dir)
         except ConfigError as e:
             return cli_exit(e, config_errors=())
         notes = ()

@@ -152,10 +152,12 @@ def test_overwrite_refuses_an_init_from_among_the_checkpoints_it_would_delete(tm
     assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, "schedule.warmup_steps=0"]) == 0
     capsys.readouterr()
     before = snapshot(tmp_path)
-    assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, "schedule.warmup_steps=0", "--overwrite",
-                 f"init_from={tmp_path / init_from}"]) == 2
-    assert capsys.readouterr().err == (
-        f"error: init_from: {str(tmp_path / init_from)!r} reads {run / 'checkpoints' / 'step_2'}, a checkpoint of "
-        f"the run directory that --overwrite empties before it trains; copy it out of {run} and give the copy as "
-        f"init_from, or choose another --output-dir\n")
+    error = (f"error: init_from: {str(tmp_path / init_from)!r} reads {run / 'checkpoints' / 'step_2'}, a checkpoint "
+             f"of the run directory that --overwrite empties before it trains; copy it out of {run} and give the copy "
+             f"as init_from, or choose another --output-dir\n")
+    for dry_run in ([], ["--dry-run"]):  # the dry run refuses it as the run does
+        assert main(["--config", CONFIG, "--output-dir", str(run), *TINY, "schedule.warmup_steps=0", "--overwrite",
+                     f"init_from={tmp_path / init_from}", *dry_run]) == 2
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err) == ("", error)
     assert snapshot(tmp_path) == before

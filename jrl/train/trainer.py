@@ -120,6 +120,20 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
                       "checkpoints in <run_dir>/checkpoints: give the run directory as --output-dir")
 
 
+def check_overwrite_keeps_init_from(config: TrainConfig, source: dict | None, run_dir: str | os.PathLike) -> None:
+    """Refuses an `init_from` step (`source`: its `init_source`) among the checkpoints an
+    overwrite of `run_dir` deletes (the run's own directory, for a restart from its last
+    weights): the run would delete the step it read, save its own under the same name, and
+    never resume where its initial weights are read again (the reference of dpo, and of
+    grpo's KL)."""
+    path = (source or {}).get("path", "hf:")
+    if path.startswith("hf:") or not Path(path).resolve().is_relative_to((Path(run_dir) / "checkpoints").resolve()):
+        return
+    raise ConfigError(f"init_from: {config.init_from!r} reads {path}, a checkpoint of the run directory that "
+                      f"--overwrite empties before it trains; copy it out of {run_dir} and give the copy as "
+                      f"init_from, or choose another --output-dir")
+
+
 def check_fresh_start(run_dir: str | os.PathLike) -> None:
     """Raises FileExistsError when a run that neither resumes nor overwrites would start over
     the checkpoints already in `run_dir/checkpoints`, or the metrics log of an earlier run
@@ -608,7 +622,7 @@ class Trainer:
         else:  # the step init_from names now, pinned for the run's resumes
             self.init_source, self._pinned = init_source(c), True
             if overwrite:
-                self._check_init_from_outlives_overwrite()
+                check_overwrite_keeps_init_from(c, self.init_source, self.run_dir)
             params = load_initial_params(c, self.mesh, self.init_source)
             if self.strategy.needs_reference:  # a copy: the trainable leaves are donated by updates
                 self.reference_params = jax.tree.map(jnp.copy, lora_params(params) if adapters else params)
@@ -688,18 +702,6 @@ class Trainer:
             checkpoint.durable.replace_file(self.run_dir / "config.yaml", yaml_dump(to_dict(c)).encode("utf-8"))
         self.start_step = int(state.step)
         return state
-
-    def _check_init_from_outlives_overwrite(self) -> None:
-        """Refuses an `init_from` step among the checkpoints `overwrite` deletes (the run's own
-        directory, for a restart from its last weights): the run would delete the step it read,
-        save its own under the same name, and never resume where its initial weights are read
-        again (the reference of dpo, and of grpo's KL)."""
-        path = (self.init_source or {}).get("path", "hf:")
-        if path.startswith("hf:") or not Path(path).resolve().is_relative_to(self.checkpoint_dir.resolve()):
-            return
-        raise ConfigError(f"init_from: {self.config.init_from!r} reads {path}, a checkpoint of the run directory that "
-                          f"--overwrite empties before it trains; copy it out of {self.run_dir} and give the copy as "
-                          f"init_from, or choose another --output-dir")
 
     def _check_resumed_steps(self, state: TrainState, meta: dict) -> None:
         """Refuses a checkpoint already past `steps` (the run exited 0 without a word, as if it
