@@ -161,3 +161,21 @@ def test_overwrite_refuses_an_init_from_among_the_checkpoints_it_would_delete(tm
         captured = capsys.readouterr()
         assert (captured.out, captured.err) == ("", error)
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("inside", ["checkpoints/step_2/try", "checkpoints/step_2/state/x", "checkpoints/try",
+                                    "checkpoints/step_9"])
+def test_an_output_dir_inside_a_runs_checkpoints_exits_2_and_writes_nothing(tmp_path, capsys, inside):
+    # a new directory inside step_2 took the run's files, which made step_2 fail verification:
+    # the next --resume of the run fell back to step_1 and moved step_2 aside as corrupt
+    root = a_run_with_checkpoints(tmp_path / "run")
+    before = snapshot(tmp_path)
+    out = tmp_path / "run" / inside
+    assert main(["--config", CONFIG, "--output-dir", str(out), *TINY]) == 2
+    within = root / "step_2" if inside.startswith("checkpoints/step_2") else root
+    what = "a checkpoint (a step_<N> directory)" if within.name == "step_2" else "a checkpoint root"
+    assert capsys.readouterr().err == (
+        f"error: output directory {out} is inside {what}, {within}: the run would write its files into the "
+        f"checkpoints of {tmp_path / 'run'}; give a directory outside them as --output-dir\n")
+    assert snapshot(tmp_path) == before and not out.exists()
+    assert ckpt.verify_checkpoint(root, 2) is True

@@ -93,7 +93,8 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
     its `checkpoints` is a symlink to nothing (another disk, not mounted): a resume found no
     checkpoint there and started the run over. And when an entry the run writes is of the other
     kind (`RUN_DIR_ENTRIES`: a file named `checkpoints`, a directory named `metrics.jsonl`): the
-    run failed only where it wrote it, a checkpoint after training."""
+    run failed only where it wrote it, a checkpoint after training. And when it lies inside a
+    checkpoint or a checkpoint root: its files made that checkpoint fail verification."""
     run_dir = Path(run_dir)
     for path in (run_dir, run_dir / "checkpoints"):
         if dangling := checkpoint.store.dangling_link(path):  # --resume would see no checkpoint and start over
@@ -101,6 +102,25 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
                               f"remove the link")
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"output directory {run_dir} is a file, not a directory")
+    if run_dir.is_dir():
+        what = None
+        if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
+            what, run = "a checkpoint root (it holds step_<N> directories)", run_dir.parent
+        elif checkpoint.store.is_checkpoint_dir(run_dir):
+            what, run = "a checkpoint (a step_<N> directory)", run_dir.parent.parent
+        if what is not None:
+            hint = f" (its run directory is {run})" if (run / "checkpoints").is_dir() else ""
+            raise ConfigError(f"output directory {run_dir} is {what}, not a run directory{hint}; a run keeps its "
+                              "checkpoints in <run_dir>/checkpoints: give the run directory as --output-dir")
+    for above in run_dir.absolute().parents:  # a new directory in a checkpoint made it fail verification
+        if checkpoint.store.is_checkpoint_dir(above):
+            what, root = "a checkpoint (a step_<N> directory)", above.parent
+        elif (above / checkpoint.layout.LOCK_NAME).exists():
+            what, root = "a checkpoint root", above
+        else:
+            continue
+        raise ConfigError(f"output directory {run_dir} is inside {what}, {above}: the run would write its files into "
+                          f"the checkpoints of {root.parent}; give a directory outside them as --output-dir")
     if not run_dir.is_dir():
         return
     for name, is_dir in RUN_DIR_ENTRIES.items():  # else the run trained, then failed where it wrote one
@@ -109,15 +129,6 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
             kind, want = ("a file", "a directory") if is_dir else ("a directory", "a file")
             raise ConfigError(f"output directory: {entry} is {kind}, where the run keeps {want}; move it out "
                               f"of the run directory, or choose another --output-dir")
-    if checkpoint.all_steps(run_dir) or (run_dir / checkpoint.layout.LOCK_NAME).exists():
-        what, run = "a checkpoint root (it holds step_<N> directories)", run_dir.parent
-    elif checkpoint.store.is_checkpoint_dir(run_dir):
-        what, run = "a checkpoint (a step_<N> directory)", run_dir.parent.parent
-    else:
-        return
-    hint = f" (its run directory is {run})" if (run / "checkpoints").is_dir() else ""
-    raise ConfigError(f"output directory {run_dir} is {what}, not a run directory{hint}; a run keeps its "
-                      "checkpoints in <run_dir>/checkpoints: give the run directory as --output-dir")
 
 
 def check_overwrite_keeps_init_from(config: TrainConfig, source: dict | None, run_dir: str | os.PathLike) -> None:
