@@ -50,8 +50,11 @@ def image_path(out: str | Path) -> Path:
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Renders `run_dir/metrics.jsonl` to `out` (default `run_dir/metrics.png`); a run that has
-    logged no step yet (its config.yaml, no metrics.jsonl) gets a plot saying so."""
+    logged no step yet (its config.yaml, no metrics.jsonl) gets a plot saying so. The run's
+    `metrics.jsonl` itself stands for its run."""
     run_dir = Path(run_dir)
+    if run_dir.name == "metrics.jsonl" and run_dir.is_file():
+        run_dir = run_dir.parent
     log = run_dir / "metrics.jsonl"
     if not log.is_file() and not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{log} not found: is {run_dir} a run directory?")
@@ -84,7 +87,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jrl plot", description="Plot a run's metrics.jsonl to a PNG.")
-    parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
+    parser.add_argument("run_dir", help="run directory holding metrics.jsonl (or that metrics.jsonl)")
     parser.add_argument("--out", help="output image (default RUN_DIR/metrics.png; a name without a suffix gets .png, "
                         "another suffix picks the format: .svg, .pdf, ...)")
     args = parser.parse_args(argv)

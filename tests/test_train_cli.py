@@ -224,6 +224,15 @@ def test_jrl_plot_of_a_run_that_has_logged_no_step_yet_draws_no_metrics_yet(tmp_
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_jrl_plot_of_a_runs_metrics_log_plots_its_run(tmp_path, capsys):
+    # it said "<run>/metrics.jsonl/metrics.jsonl not found: is <run>/metrics.jsonl a run directory?"
+    _one_row_run(tmp_path)
+    assert cli.main(["plot", str(tmp_path / "metrics.jsonl")]) == 0
+    png = tmp_path / "metrics.png"
+    assert capsys.readouterr().out.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_jrl_plot_names_a_corrupt_metrics_line_and_exits_2(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{broken\n{"step": 2, "loss": 0.5}\n')
     assert cli.main(["plot", str(tmp_path)]) == 2
