@@ -1186,6 +1186,20 @@ def test_a_cache_write_that_fills_the_disk_names_the_store_and_keeps_nothing(tmp
     assert load_documents(cfg, TOK, "train").lengths.tolist() == [50_001]  # room again: built whole
 
 
+def test_a_cache_dir_that_is_a_file_is_named_as_a_file(tmp_path):
+    # it said "cannot write the token store notes.txt/train-<key>: File exists (notes.txt)"
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"text": "hello"}) + "\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    cfg = DataConfig(source=str(src), format="text", eval_fraction=0.0, cache_dir=str(tmp_path / "notes.txt"))
+    key = cache_key(cfg, TOK, "train")
+    with pytest.raises(StoreWriteError) as e:
+        load_documents(cfg, TOK, "train")
+    assert str(e.value) == (f"data.cache_dir: cannot write the token store {tmp_path}/notes.txt/train-{key}: "
+                            f"{tmp_path}/notes.txt is a file, not a directory")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 WRITER = """
 import sys, time
 import numpy as np

@@ -126,6 +126,9 @@ def write_store(directory: str | os.PathLike, docs: Iterable[Document],
         remove_stale_leftovers(directory.parent)
         staging.mkdir()
     except OSError as e:
+        if isinstance(e, FileExistsError) and not directory.parent.is_dir():  # a file where the cache_dir goes
+            raise StoreWriteError(f"data.cache_dir: cannot write the token store {directory}: {directory.parent} "
+                                  f"is a file, not a directory") from None
         raise StoreWriteError(f"data.cache_dir: cannot write the token store {directory}: "
                               f"{e.strerror or e} ({e.filename or staging})") from None
     try:
