@@ -533,6 +533,23 @@ def test_a_run_config_written_as_yaml_reads_back_with_strings_like_numbers(tmp_p
     assert load_train_config(str(path)) == config
 
 
+def test_a_run_given_output_dir_records_it_so_its_config_yaml_resumes_it(tmp_path, monkeypatch):
+    # config.yaml said output_dir: null, so `--config <run>/config.yaml --resume` looked for
+    # checkpoints in runs/<name> and started a fresh run there
+    monkeypatch.chdir(tmp_path)
+    small = ["--config", str(CONFIGS / "sft_arithmetic.yaml"), "model.hidden_size=16", "model.n_layers=1",
+             "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=8", "model.intermediate_size=32",
+             "data.source=bundled:arithmetic:50", "data.seq_len=32", "data.batch_size=4", "data.micro_batches=1",
+             "schedule.kind=constant", "schedule.warmup_steps=0", "eval.at_end=false", "logging.progress=false",
+             "logging.plot=false"]
+    run = tmp_path / "elsewhere" / "try2"
+    assert main([*small, "--output-dir", str(run), "steps=1"]) == 0
+    assert load_train_config(str(run / "config.yaml")).output_dir == str(run)
+    assert main(["--config", str(run / "config.yaml"), "steps=2", "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_resuming_a_run_without_a_reference_needs_no_init_from(tmp_path, capsys):
     # the launcher checked init_from's meta.json before a resume too, which then failed
     # on a source run deleted since, though the run reads only its own checkpoint

@@ -709,8 +709,11 @@ class Trainer:
         # a fresh run's empty fp8 amax histories are seeded from its first batch (delayed scaling)
         self._seed_fp8 = state.fp8_history is not None and not resumed
         if self.is_main_process:
+            # the run directory an --output-dir (or Trainer argument) chose, recorded so that the
+            # file resumes this run (`--config <run>/config.yaml --resume`), not runs/<name>
+            written = c if Path(c.run_dir) == self.run_dir else dataclasses.replace(c, output_dir=str(self.run_dir))
             # staged and renamed: a kill mid-write leaves the old config.yaml whole, never a torn one
-            checkpoint.durable.replace_file(self.run_dir / "config.yaml", yaml_dump(to_dict(c)).encode("utf-8"))
+            checkpoint.durable.replace_file(self.run_dir / "config.yaml", yaml_dump(to_dict(written)).encode("utf-8"))
         self.start_step = int(state.step)
         return state
 
