@@ -302,6 +302,11 @@ class LimitFileSizeAfter(Callback):
             self.limit(8 << 10)
 
 
+# After the failed write Orbax closes its event loop while TensorStore's writes of the other
+# arrays still finish; their completion callbacks, posting to that loop, are reported as
+# unraisable "Event loop is closed" errors in some runs (outside jrl: the library's own
+# cleanup of a save that failed, which this test causes on purpose).
+@pytest.mark.filterwarnings("ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning")
 def test_a_checkpoint_that_cannot_be_written_is_one_error_naming_it_and_is_not_tried_again(tmp_path,
                                                                                           file_size_limit):
     config = tiny("steps=4", "eval.at_end=false", "checkpoint.interval=2")
