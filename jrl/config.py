@@ -474,6 +474,8 @@ class ModelConfig:
                    f"must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")
             _check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        _check(math.isfinite(self.rms_norm_eps), "rms_norm_eps",
+               f"must be finite (inf zeroes every normed activation), got {self.rms_norm_eps}")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
         _check(math.isfinite(self.rope_theta), "rope_theta", f"must be finite (inf turns off the rotation), got {self.rope_theta}")
         _check(self.initializer_range >= 0, "initializer_range",

@@ -148,6 +148,7 @@ INVALID = [
     ({"n_layers": -1}, "n_layers: must be a positive integer"),
     ({"head_dim": 7}, "head_dim: must be even for RoPE, got 7"),
     ({"rms_norm_eps": 0.0}, "rms_norm_eps: must be > 0"),
+    ({"rms_norm_eps": float("inf")}, r"rms_norm_eps: must be finite \(inf zeroes every normed activation\), got inf$"),
     ({"rope_theta": -1.0}, "rope_theta: must be > 0"),
     ({"initializer_range": -0.1}, "initializer_range: must be >= 0"),
     ({"attention": "mqa"}, "attention: must be one of"),
