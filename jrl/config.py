@@ -480,6 +480,8 @@ class ModelConfig:
         _check(math.isfinite(self.rope_theta), "rope_theta", f"must be finite (inf turns off the rotation), got {self.rope_theta}")
         _check(self.initializer_range >= 0, "initializer_range",
                f"must be >= 0, got {self.initializer_range}")
+        _check(math.isfinite(self.initializer_range), "initializer_range",
+               f"must be finite (inf makes the initial params NaN), got {self.initializer_range}")
         # a field the attention does not read would be ignored without a word
         why = {"mla": "MLA's heads are sized by kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
                "gqa": "only MLA reads it"}[self.attention]

@@ -151,6 +151,7 @@ INVALID = [
     ({"rms_norm_eps": float("inf")}, r"rms_norm_eps: must be finite \(inf zeroes every normed activation\), got inf$"),
     ({"rope_theta": -1.0}, "rope_theta: must be > 0"),
     ({"initializer_range": -0.1}, "initializer_range: must be >= 0"),
+    ({"initializer_range": float("inf")}, r"initializer_range: must be finite \(inf makes the initial params NaN\), got inf$"),
     ({"attention": "mqa"}, "attention: must be one of"),
     ({"param_dtype": "int8"}, "param_dtype: must be one of"),
     ({"dtype": "float64"}, "dtype: must be one of"),
