@@ -515,6 +515,8 @@ class ModelConfig:
                    "needs a shared expert (n_shared_experts or shared_expert_intermediate_size > 0)")
             _check(self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
                    f"must be >= 0, got {self.router_aux_loss_coef}")
+            _check(math.isfinite(self.router_aux_loss_coef), "router_aux_loss_coef",
+                   f"must be finite (inf makes every MoE loss inf), got {self.router_aux_loss_coef}")
             if not self.shared_intermediate:  # else an adapter target would silently adapt nothing
                 for i, target in enumerate(self.lora.targets if self.lora.rank else ()):
                     _check(target not in ("gate", "up", "down"), f"lora.targets[{i}]",

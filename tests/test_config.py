@@ -189,6 +189,8 @@ INVALID = [
     ({"n_experts": 4, "shared_expert_intermediate_size": -8}, "shared_expert_intermediate_size: must be >= 0"),
     ({"n_experts": 4, "shared_expert_gate": True}, "shared_expert_gate: needs a shared expert"),
     ({"n_experts": 4, "router_aux_loss_coef": -0.01}, "router_aux_loss_coef: must be >= 0"),
+    ({"n_experts": 4, "router_aux_loss_coef": float("inf")},
+     r"router_aux_loss_coef: must be finite \(inf makes every MoE loss inf\), got inf$"),
     ({"n_experts": 4, "lora": LoraConfig(rank=2, targets=("q", "down"))},
      r"lora.targets\[1\]: 'down' has no projection in an MoE model without a shared expert"),
 ]
