@@ -194,6 +194,13 @@ def test_an_infinite_dpo_beta_is_refused_naming_the_field():
         strategy_options(get_strategy("dpo"), {"beta": float("inf")})
 
 
+def test_a_dpo_beta_beyond_float32_is_refused_naming_the_field():
+    # 1e39 passed the check and became inf in the float32 loss: NaN at the reference, every update skipped
+    with pytest.raises(ConfigError, match=r"^strategy.options.beta: must be at most 3.403e\+38 \(float32's largest: "
+                                          r"the loss applies it in float32\), got 1e\+39$"):
+        strategy_options(get_strategy("dpo"), {"beta": 1e39})
+
+
 def test_unknown_strategy_and_bad_options_name_the_field():
     with pytest.raises(ConfigError, match="strategy.name: unknown strategy 'nope'.*dpo, .*seq, sft"):
         get_strategy("nope")
