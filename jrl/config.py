@@ -326,6 +326,8 @@ class LoraConfig:
         _check(self.rank >= 0, f"{prefix}.rank", f"must be >= 0, got {self.rank}")
         # 0 would silently freeze the adapters (no gradient reaches them), NaN/inf poison the output
         _check(0 < self.alpha < math.inf, f"{prefix}.alpha", f"must be finite and > 0, got {self.alpha}")
+        _check(self.scale <= _FLOAT32_MAX, f"{prefix}.alpha", f"alpha / rank ({self.scale:.4g}) must be at most "
+               f"{_FLOAT32_MAX:.4g} (float32's largest: the adapters are scaled in float32), got alpha {self.alpha}")
         if self.rank:
             _check(len(self.targets) > 0, f"{prefix}.targets", "must name at least one projection")
         else:  # `lora: {alpha: 32, targets: [...]}` without a rank ran a full fine-tune without a word

@@ -170,6 +170,8 @@ INVALID = [
      "rope_scaling.beta_fast: must be greater than beta_slow > 0, got beta_fast=1.0, beta_slow=32.0"),
     ({"lora": LoraConfig(rank=-1)}, "lora.rank: must be >= 0"),
     ({"lora": LoraConfig(rank=4, alpha=0.0)}, "lora.alpha: must be finite and > 0, got 0.0"),
+    ({"lora": LoraConfig(rank=2, alpha=1e39)}, r"lora.alpha: alpha / rank \(5e\+38\) must be at most 3.403e\+38 "
+     r"\(float32's largest: the adapters are scaled in float32\), got alpha 1e\+39$"),
     ({"lora": LoraConfig(rank=4, targets=())}, "lora.targets: must name at least one projection"),
     ({"lora": LoraConfig(rank=4, targets=("q", "proj"))}, r"lora.targets\[1\]: must be one of"),
     ({"lora": LoraConfig(rank=4, targets=("q", "q", "v"))},
