@@ -476,14 +476,16 @@ class ModelConfig:
                    f"must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")
             _check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
-        _check(math.isfinite(self.rms_norm_eps), "rms_norm_eps",
-               f"must be finite (inf zeroes every normed activation), got {self.rms_norm_eps}")
+        _check(self.rms_norm_eps <= _FLOAT32_MAX, "rms_norm_eps",
+               f"must be finite in float32 (at most {_FLOAT32_MAX:.4g}; inf zeroes every normed activation), "
+               f"got {self.rms_norm_eps}")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
         _check(math.isfinite(self.rope_theta), "rope_theta", f"must be finite (inf turns off the rotation), got {self.rope_theta}")
         _check(self.initializer_range >= 0, "initializer_range",
                f"must be >= 0, got {self.initializer_range}")
-        _check(math.isfinite(self.initializer_range), "initializer_range",
-               f"must be finite (inf makes the initial params NaN), got {self.initializer_range}")
+        _check(self.initializer_range <= _FLOAT32_MAX, "initializer_range",
+               f"must be finite in float32 (at most {_FLOAT32_MAX:.4g}; inf makes the initial params NaN), "
+               f"got {self.initializer_range}")
         # a field the attention does not read would be ignored without a word
         why = {"mla": "MLA's heads are sized by kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
                "gqa": "only MLA reads it"}[self.attention]
@@ -517,8 +519,9 @@ class ModelConfig:
                    "needs a shared expert (n_shared_experts or shared_expert_intermediate_size > 0)")
             _check(self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
                    f"must be >= 0, got {self.router_aux_loss_coef}")
-            _check(math.isfinite(self.router_aux_loss_coef), "router_aux_loss_coef",
-                   f"must be finite (inf makes every MoE loss inf), got {self.router_aux_loss_coef}")
+            _check(self.router_aux_loss_coef <= _FLOAT32_MAX, "router_aux_loss_coef",
+                   f"must be finite in float32 (at most {_FLOAT32_MAX:.4g}; inf makes every MoE loss inf), "
+                   f"got {self.router_aux_loss_coef}")
             if not self.shared_intermediate:  # else an adapter target would silently adapt nothing
                 for i, target in enumerate(self.lora.targets if self.lora.rank else ()):
                     _check(target not in ("gate", "up", "down"), f"lora.targets[{i}]",
