@@ -26,6 +26,8 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max: values kept or computed in float32
+
 T = TypeVar("T")
 
 
@@ -326,8 +328,8 @@ class LoraConfig:
         _check(self.rank >= 0, f"{prefix}.rank", f"must be >= 0, got {self.rank}")
         # 0 would silently freeze the adapters (no gradient reaches them), NaN/inf poison the output
         _check(0 < self.alpha < math.inf, f"{prefix}.alpha", f"must be finite and > 0, got {self.alpha}")
-        _check(self.scale <= _FLOAT32_MAX, f"{prefix}.alpha", f"alpha / rank ({self.scale:.4g}) must be at most "
-               f"{_FLOAT32_MAX:.4g} (float32's largest: the adapters are scaled in float32), got alpha {self.alpha}")
+        _check(self.scale <= FLOAT32_MAX, f"{prefix}.alpha", f"alpha / rank ({self.scale:.4g}) must be at most "
+               f"{FLOAT32_MAX:.4g} (float32's largest: the adapters are scaled in float32), got alpha {self.alpha}")
         if self.rank:
             _check(len(self.targets) > 0, f"{prefix}.targets", "must name at least one projection")
         else:  # `lora: {alpha: 32, targets: [...]}` without a rank ran a full fine-tune without a word
@@ -476,15 +478,15 @@ class ModelConfig:
                    f"must divide n_heads ({self.n_heads}), got {self.n_kv_heads}")
             _check(self.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {self.head_dim}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
-        _check(self.rms_norm_eps <= _FLOAT32_MAX, "rms_norm_eps",
-               f"must be finite in float32 (at most {_FLOAT32_MAX:.4g}; inf zeroes every normed activation), "
+        _check(self.rms_norm_eps <= FLOAT32_MAX, "rms_norm_eps",
+               f"must be finite in float32 (at most {FLOAT32_MAX:.4g}; inf zeroes every normed activation), "
                f"got {self.rms_norm_eps}")
         _check(self.rope_theta > 0, "rope_theta", "must be > 0")
         _check(math.isfinite(self.rope_theta), "rope_theta", f"must be finite (inf turns off the rotation), got {self.rope_theta}")
         _check(self.initializer_range >= 0, "initializer_range",
                f"must be >= 0, got {self.initializer_range}")
-        _check(self.initializer_range <= _FLOAT32_MAX, "initializer_range",
-               f"must be finite in float32 (at most {_FLOAT32_MAX:.4g}; inf makes the initial params NaN), "
+        _check(self.initializer_range <= FLOAT32_MAX, "initializer_range",
+               f"must be finite in float32 (at most {FLOAT32_MAX:.4g}; inf makes the initial params NaN), "
                f"got {self.initializer_range}")
         # a field the attention does not read would be ignored without a word
         why = {"mla": "MLA's heads are sized by kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
@@ -519,8 +521,8 @@ class ModelConfig:
                    "needs a shared expert (n_shared_experts or shared_expert_intermediate_size > 0)")
             _check(self.router_aux_loss_coef >= 0, "router_aux_loss_coef",
                    f"must be >= 0, got {self.router_aux_loss_coef}")
-            _check(self.router_aux_loss_coef <= _FLOAT32_MAX, "router_aux_loss_coef",
-                   f"must be finite in float32 (at most {_FLOAT32_MAX:.4g}; inf makes every MoE loss inf), "
+            _check(self.router_aux_loss_coef <= FLOAT32_MAX, "router_aux_loss_coef",
+                   f"must be finite in float32 (at most {FLOAT32_MAX:.4g}; inf makes every MoE loss inf), "
                    f"got {self.router_aux_loss_coef}")
             if not self.shared_intermediate:  # else an adapter target would silently adapt nothing
                 for i, target in enumerate(self.lora.targets if self.lora.rank else ()):
@@ -679,7 +681,6 @@ class StrategyConfig:
                f"must be an identifier, got {self.name!r}")
 
 
-_FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 _FLOAT32_TINY = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny, the smallest normal number
 
 
@@ -687,7 +688,7 @@ def _check_finite_non_negative(value: float, field: str) -> None:
     """A rate: >= 0 and finite (an infinite one turns the params into NaN), in float32 too,
     where the optimizer applies it (1e39 passed and became inf there)."""
     _check(0 <= value < math.inf, field, f"must be finite and >= 0, got {value}")
-    _check(value <= _FLOAT32_MAX, field, f"must be at most {_FLOAT32_MAX:.4g} (float32's largest: the optimizer "
+    _check(value <= FLOAT32_MAX, field, f"must be at most {FLOAT32_MAX:.4g} (float32's largest: the optimizer "
                                          f"applies it in float32), got {value}")
 
 
@@ -770,8 +771,8 @@ class OptimizerConfig:
             _check(isinstance(scale, (int, float)) and 0 <= scale < math.inf, f"optimizer.lr_scale.{group}",
                    f"must be a finite number >= 0, got {scale!r}")
             base = self.muon_lr if self.name == "muon" and group == "hidden" and self.muon_lr is not None else self.lr
-            _check(base * scale <= _FLOAT32_MAX, f"optimizer.lr_scale.{group}",  # as jrl.train.optim._peak_lr
-                   f"gives the rate {base * scale:.4g}, above float32's largest ({_FLOAT32_MAX:.4g}), where the "
+            _check(base * scale <= FLOAT32_MAX, f"optimizer.lr_scale.{group}",  # as jrl.train.optim._peak_lr
+                   f"gives the rate {base * scale:.4g}, above float32's largest ({FLOAT32_MAX:.4g}), where the "
                    f"optimizer applies it")
 
 

@@ -39,7 +39,7 @@ from jrl import leftovers
 from jrl.checkpoint import CheckpointCorruptError, latest_step
 from jrl.checkpoint.durable import fsync_dir, make_dirs_durably, remove_stale_staged, write_file_durably
 from jrl.checkpoint.store import read_meta
-from jrl.config import CONFIG_ERRORS, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
+from jrl.config import CONFIG_ERRORS, FLOAT32_MAX, ConfigError, TrainConfig, cli_exit, cli_warnings, load_train_config
 from jrl.hf import missing_prefix_hint
 from jrl.rl.engines import engine_config_for, engine_mesh, serve_weights
 from jrl.rl.environments import EnvironmentFailure
@@ -47,7 +47,7 @@ from jrl.rl.episode_source import EpisodeSampler
 from jrl.rl.evaluation import ProblemResult, evaluate_problems, pass_at
 from jrl.rl.options import RLOptions
 from jrl.rl.prompts import PromptFormat
-from jrl.rl.rewards import FLOAT32_MAX, RewardError
+from jrl.rl.rewards import RewardError
 from jrl.rl.tasks import Task, TaskConfig, check_prompt_lengths, make_task, problems_digest, prompt_limit, split_origin
 from jrl.train.initial import load_initial_params, load_run_tokenizer, run_mesh
 

@@ -40,12 +40,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jrl.config import ConfigError, called_code, key_names, resolve_named
+from jrl.config import FLOAT32_MAX, ConfigError, called_code, key_names, resolve_named
 from jrl.data.wording import short_repr
 from jrl.rl.math_answer import DEFAULT_TIMEOUT_S, STRATEGIES, check_limits, check_order, math_answer
 
 RewardFn = Callable[..., float]
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are kept in float32
 RESERVED_TERM_NAMES = ("mean", "std")  # reward_mean / reward_std are the total's
 
 

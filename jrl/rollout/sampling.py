@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrl.config import FLOAT32_MAX
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -52,7 +54,7 @@ class SamplingParams:
             value = getattr(self, name)
             if type(value) is not float:
                 object.__setattr__(self, name, _real(f"sampling.{name}", value))
-            elif not -_FLOAT32_MAX <= value <= _FLOAT32_MAX:  # NaN fails both comparisons
+            elif not -FLOAT32_MAX <= value <= FLOAT32_MAX:  # NaN fails both comparisons
                 _real(f"sampling.{name}", value)  # raises
         for name in ("top_k", "seed"):
             value = getattr(self, name)
@@ -88,7 +90,6 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
 
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
@@ -111,7 +112,7 @@ def _real(field: str, value) -> float:
         x = float(value)
     except OverflowError:  # an int past float's range (10**400)
         x = float("inf")
-    if not -_FLOAT32_MAX <= x <= _FLOAT32_MAX:  # NaN fails both comparisons
+    if not -FLOAT32_MAX <= x <= FLOAT32_MAX:  # NaN fails both comparisons
         raise ValueError(f"{field}: must be finite (within float32 range), got {value!r}")
     return x
 
@@ -227,7 +228,7 @@ def penalize(logits: jax.Array, window: jax.Array, s: SamplingArrays) -> jax.Arr
     z = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     z = z - s.frequency_penalty[:, None] * counts
     z = z - s.presence_penalty[:, None] * seen.astype(jnp.float32)
-    return jnp.clip(z, -_FLOAT32_MAX, _FLOAT32_MAX)
+    return jnp.clip(z, -FLOAT32_MAX, FLOAT32_MAX)
 
 
 def truncate(z: jax.Array, s: SamplingArrays, unscaled: jax.Array | None = None) -> jax.Array:

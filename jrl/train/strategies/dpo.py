@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jrl.config import _FLOAT32_MAX, ConfigError, ModelConfig
+from jrl.config import FLOAT32_MAX, ConfigError, ModelConfig
 from jrl.train.logprobs import hidden_states, target_stats
 from jrl.train.strategies import register_strategy
 from jrl.train.strategies.base import Batch, LossContext, LossOutput, Strategy, metric, with_moe_balancing
@@ -35,8 +35,8 @@ class DPOOptions:
     def __post_init__(self) -> None:
         if not 0 < self.beta < math.inf:  # inf * (policy - ref) is NaN at the reference: every update skipped
             raise ConfigError(f"strategy.options.beta: must be > 0 and finite, got {self.beta}")
-        if self.beta > _FLOAT32_MAX:  # inf in the float32 loss: NaN at the reference as above
-            raise ConfigError(f"strategy.options.beta: must be at most {_FLOAT32_MAX:.4g} (float32's largest: the loss "
+        if self.beta > FLOAT32_MAX:  # inf in the float32 loss: NaN at the reference as above
+            raise ConfigError(f"strategy.options.beta: must be at most {FLOAT32_MAX:.4g} (float32's largest: the loss "
                               f"applies it in float32), got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"strategy.options.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}")

@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jrl.config import ModelConfig
+from jrl.config import FLOAT32_MAX, ModelConfig
 from jrl.config import check as config_check
 from jrl.train.logprobs import TargetStats, hidden_states, target_stats
 from jrl.train.strategies import register_strategy
@@ -45,7 +45,6 @@ from jrl.train.strategies.base import LossContext, LossOutput, Strategy, metric,
 Aggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean", "dr_grpo")
 RATIOS: tuple[str, ...] = ("token", "sequence")
-FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)  # the most a temperature can be: the engine samples in float32
 
 
 @dataclasses.dataclass(frozen=True)
