@@ -623,6 +623,21 @@ def test_a_step_dir_without_manifest_loads_with_verification_unavailable(tmp_pat
     restored, meta = ckpt.load(tmp_path, target=state)
     assert_bitwise_equal(restored, state)
     assert meta["layout"] == "legacy" and meta["verification"] == "unavailable"
+
+
+def test_verify_checkpoint_of_a_jrl_step_dir_whose_manifest_is_missing_names_it(tmp_path):
+    # as load(verify=True) and resume do: it said False ("legacy, cannot be verified")
+    step_dir = ckpt.save(tmp_path, 1, train_state())
+    (step_dir / "manifest.json").unlink()
+    with pytest.raises(ckpt.CheckpointCorruptError) as e:
+        ckpt.verify_checkpoint(tmp_path, 1)
+    assert (e.value.relpath, e.value.reason) == ("manifest.json", "missing (jrl writes it last; an interrupted copy?)")
+
+
+def test_verify_checkpoint_of_a_plain_orbax_payload_is_false(tmp_path):
+    (tmp_path / "step_4").mkdir()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "step_4" / "state", {"w": jnp.arange(6, dtype=jnp.float32)})
     assert ckpt.verify_checkpoint(tmp_path) is False
 
 

@@ -482,10 +482,14 @@ def verify_checkpoint(root: str | os.PathLike, step: int | None = None) -> bool:
     """Checks a checkpoint (latest by default) against its manifest without restoring it.
 
     Returns True when it verifies, False for a legacy directory without a manifest;
-    raises CheckpointCorruptError naming the first corrupt or missing file.
+    raises CheckpointCorruptError naming the first corrupt or missing file, or the missing
+    manifest of a directory whose meta.json jrl wrote (an interrupted copy), as
+    `load(verify=True)` does.
     """
     directory = _resolve(root, step)
     if not (directory / MANIFEST_NAME).exists():
+        if written_by_jrl(directory):
+            raise CheckpointCorruptError(directory, MANIFEST_NAME, MISSING_MANIFEST)
         return False
     verify_against_manifest(directory, read_manifest(directory))
     return True
