@@ -688,6 +688,13 @@ def test_a_step_dir_without_any_payload_is_reported(tmp_path):
         ckpt.load(tmp_path)
 
 
+def test_verify_checkpoint_of_a_step_dir_without_any_payload_is_reported(tmp_path):
+    # it returned False, the answer for a legacy payload that loads unverified
+    (tmp_path / "step_1").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"step_1 has neither manifest.json nor an Orbax payload"):
+        ckpt.verify_checkpoint(tmp_path, 1)
+
+
 # ---------------------------------------------------------------- retention
 
 

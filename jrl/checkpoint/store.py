@@ -405,6 +405,18 @@ def _legacy_payload_dir(directory: Path) -> Path | None:
     return None
 
 
+def _legacy_payload_dir_or_raise(directory: Path) -> Path:
+    """The Orbax payload of a step directory without manifest.json; FileNotFoundError naming
+    the directory when it holds none (an empty or foreign directory, not a checkpoint)."""
+    payload_dir = _legacy_payload_dir(directory)
+    if payload_dir is None:
+        raise FileNotFoundError(
+            f"{directory} has neither manifest.json nor an Orbax payload (looked for "
+            f"{' or '.join(_ORBAX_MARKERS)} in state/, default/ and the directory itself)"
+        )
+    return payload_dir
+
+
 MISSING_MANIFEST = "missing (jrl writes it last; an interrupted copy?)"
 
 
@@ -481,7 +493,8 @@ def read_checkpoint_meta(root: str | os.PathLike, step: int | None = None) -> di
 def verify_checkpoint(root: str | os.PathLike, step: int | None = None) -> bool:
     """Checks a checkpoint (latest by default) against its manifest without restoring it.
 
-    Returns True when it verifies, False for a legacy directory without a manifest;
+    Returns True when it verifies, False for a legacy directory without a manifest (an
+    Orbax payload; FileNotFoundError, as from `load`, for a directory without one);
     raises CheckpointCorruptError naming the first corrupt or missing file, or the missing
     manifest of a directory whose meta.json jrl wrote (an interrupted copy), as
     `load(verify=True)` does.
@@ -490,6 +503,7 @@ def verify_checkpoint(root: str | os.PathLike, step: int | None = None) -> bool:
     if not (directory / MANIFEST_NAME).exists():
         if written_by_jrl(directory):
             raise CheckpointCorruptError(directory, MANIFEST_NAME, MISSING_MANIFEST)
+        _legacy_payload_dir_or_raise(directory)
         return False
     verify_against_manifest(directory, read_manifest(directory))
     return True
@@ -524,12 +538,7 @@ def load(
         payload_dir = directory / payload.PAYLOAD_DIR
         meta.update(layout="jrl", verification="passed" if verify else "skipped")
     else:
-        payload_dir = _legacy_payload_dir(directory)
-        if payload_dir is None:
-            raise FileNotFoundError(
-                f"{directory} has neither manifest.json nor an Orbax payload (looked for "
-                f"{' or '.join(_ORBAX_MARKERS)} in state/, default/ and the directory itself)"
-            )
+        payload_dir = _legacy_payload_dir_or_raise(directory)
         if verify and written_by_jrl(directory):
             raise CheckpointCorruptError(directory, MANIFEST_NAME, MISSING_MANIFEST)
         meta = read_meta(directory)
