@@ -32,6 +32,7 @@ from jrl.checkpoint import layout
 from jrl.config import ModelConfig
 from jrl.metrics_log import MetricsLog, read_metrics
 from jrl.models import init_params
+from unprivileged import unprivileged_prefix
 
 
 @flax.struct.dataclass
@@ -600,6 +601,38 @@ def test_an_unknown_manifest_format_is_refused_by_number(tmp_path):
     (step_dir / "manifest.json").write_text('{"format": 2, "files": {}}')
     with pytest.raises(ValueError, match="manifest format 2 is not supported"):
         ckpt.load(tmp_path)
+
+
+CHECK_UNPRIVILEGED = """
+import sys
+import jrl.checkpoint as ckpt
+try:
+    getattr(ckpt, sys.argv[1])(sys.argv[2], 1)
+except ckpt.CheckpointCorruptError as e:
+    print(f"{e.relpath}: {e.reason}")
+"""
+
+
+def check_without_root_powers(what, root, call):
+    """`ckpt.<call>(root, 1)` in a process that file permissions bind; prints the
+    CheckpointCorruptError's relpath and reason."""
+    done = subprocess.run([*unprivileged_prefix(what), sys.executable, "-c", CHECK_UNPRIVILEGED, call, str(root)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_verify_names_files_behind_a_directory_that_may_not_be_searched_unreadable_not_missing(tmp_path):
+    # before: "state/_CHECKPOINT_METADATA: missing", which made a permission problem look like lost files
+    ckpt.save(tmp_path, 1, {"w": np.arange(4, dtype=np.float32)})
+    (tmp_path / "step_1" / "state").chmod(0o600)
+    try:
+        out = check_without_root_powers("searches a mode-600 directory", tmp_path, "verify_checkpoint")
+    finally:
+        (tmp_path / "step_1" / "state").chmod(0o755)
+    state_dir = tmp_path / "step_1" / "state"
+    assert out == f"state/_CHECKPOINT_METADATA: unreadable ([Errno 13] Permission denied: '{state_dir}/_CHECKPOINT_METADATA')\n"
 
 
 def test_without_verify_a_flipped_array_byte_loads_silently_with_wrong_values(tmp_path):

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -115,13 +116,26 @@ def read_manifest(directory: Path) -> dict:
     return data
 
 
+def _presence_problem(path: Path, listed_size: int) -> str | None:
+    """What is wrong with a listed file that one `stat` can tell: missing, not reachable
+    (a directory on its path that may not be searched: "unreadable (...)"), or its size."""
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except OSError as e:
+        return f"unreadable ({e})"
+    if not stat.S_ISREG(st.st_mode):
+        return "missing"
+    if st.st_size != listed_size:
+        return f"size {st.st_size} bytes, manifest says {listed_size}"
+    return None
+
+
 def _file_problem(directory: Path, rel: str, entry: dict) -> str | None:
     path = directory / rel
-    if not path.is_file():
-        return "missing"
-    actual = path.stat().st_size
-    if actual != entry["size"]:
-        return f"size {actual} bytes, manifest says {entry['size']}"
+    if problem := _presence_problem(path, entry["size"]):
+        return problem
     try:
         sha, _ = _hash_file(path, sync=False)
     except OSError as e:
@@ -135,12 +149,8 @@ def check_listed_sizes(directory: Path, manifest: dict) -> None:
     """Raises CheckpointCorruptError naming the first (sorted) listed file that is missing or
     whose size differs from the manifest's: one `stat` per file, nothing read or hashed."""
     for rel in sorted(manifest["files"]):
-        path = directory / rel
-        if not path.is_file():
-            raise CheckpointCorruptError(directory, rel, "missing")
-        size, listed = path.stat().st_size, manifest["files"][rel]["size"]
-        if size != listed:
-            raise CheckpointCorruptError(directory, rel, f"size {size} bytes, manifest says {listed}")
+        if problem := _presence_problem(directory / rel, manifest["files"][rel]["size"]):
+            raise CheckpointCorruptError(directory, rel, problem)
 
 
 def verify_against_manifest(directory: Path, manifest: dict) -> None:
