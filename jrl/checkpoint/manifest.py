@@ -146,8 +146,9 @@ def _file_problem(directory: Path, rel: str, entry: dict) -> str | None:
 
 
 def check_listed_sizes(directory: Path, manifest: dict) -> None:
-    """Raises CheckpointCorruptError naming the first (sorted) listed file that is missing or
-    whose size differs from the manifest's: one `stat` per file, nothing read or hashed."""
+    """Raises CheckpointCorruptError naming the first (sorted) listed file that is missing,
+    out of reach (`_presence_problem`) or whose size differs from the manifest's: one `stat`
+    per file, nothing read or hashed."""
     for rel in sorted(manifest["files"]):
         if problem := _presence_problem(directory / rel, manifest["files"][rel]["size"]):
             raise CheckpointCorruptError(directory, rel, problem)
